@@ -1,0 +1,57 @@
+"""Command-line entry point: `ffnquant <command>`; each command lives in `ffnquant/commands/<name>.py`.
+
+This is the one place that prints for the commands; library functions return data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from . import __version__
+from .errors import FFNQuantError
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+# Each module defines NAME, HELP, add_arguments(parser) and run(args) -> int.
+COMMANDS: tuple[str, ...] = (
+    "variants",
+    "export",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2 (argparse's own code too)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ffnquant", description="Quantize and deploy transformer FFN layers.")
+    parser.add_argument("--version", action="version", version=f"ffnquant {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in COMMANDS:
+        module = importlib.import_module(f"ffnquant.commands.{name}")
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except FFNQuantError as exc:
+        print(f"ffnquant {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ffnquant {args.command}: interrupted; no partial files were left", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""CLI subcommands, one module each (see ffnquant.cli.COMMANDS)."""

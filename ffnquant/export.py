@@ -1,0 +1,236 @@
+"""ONNX export of FFN modules, with metadata and a parity check against torch on onnxruntime's CPU provider."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .atomic import atomic_path, ensure_writable_dir
+from .errors import FFNQuantError
+from .model import FFN, build
+from .spec import FFNSpec
+
+__all__ = [
+    "DEFAULT_OPSET",
+    "PARITY_SHAPES",
+    "FP32_TOLERANCE",
+    "fp16_tolerance",
+    "ParityCheck",
+    "ExportResult",
+    "export_onnx",
+    "check_parity",
+    "export_spec",
+    "onnx_path_for",
+]
+
+# Opset 20 is the first with a fused `Gelu` op; below it GELU becomes a Pow/Tanh chain.
+DEFAULT_OPSET = 20
+# (batch, seq) pairs the parity check runs: a single decode token, odd sizes, a prefill block.
+PARITY_SHAPES: tuple[tuple[int, int], ...] = ((1, 1), (2, 7), (4, 64))
+FP32_TOLERANCE = 1e-4
+
+
+def fp16_tolerance(ref_absmax: float) -> float:
+    """fp16 parity bound: 1e-2 of the output's absmax (at least 1e-2).
+
+    fp16 keeps 11 significant bits (unit roundoff 2^-11 ~ 4.9e-4); weights, inputs and
+    intermediates are each rounded and the d_ff-long sums add a few more roundings, so
+    ~20 units of roundoff relative to the output's scale is the stated budget.
+    """
+    return 1e-2 * max(1.0, float(ref_absmax))
+
+
+@dataclass(frozen=True)
+class ParityCheck:
+    """ONNX-vs-torch agreement of one exported model on random inputs of several shapes."""
+
+    dtype: str
+    shapes: tuple[tuple[int, int], ...]
+    max_abs_error: float
+    ref_absmax: float
+    tolerance: float
+    provider: str
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_error <= self.tolerance
+
+    def to_dict(self) -> dict:
+        return {
+            "dtype": self.dtype,
+            "shapes": [list(s) for s in self.shapes],
+            "max_abs_error": self.max_abs_error,
+            "ref_absmax": self.ref_absmax,
+            "tolerance": self.tolerance,
+            "provider": self.provider,
+            "passed": self.passed,
+        }
+
+
+@dataclass
+class ExportResult:
+    spec: FFNSpec
+    paths: dict[str, Path] = field(default_factory=dict)
+    parity: dict[str, ParityCheck] = field(default_factory=dict)
+    exporter: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "spec": self.spec.to_dict(),
+            "paths": {k: str(v) for k, v in self.paths.items()},
+            "parity": {k: v.to_dict() for k, v in self.parity.items()},
+            "exporter": self.exporter,
+        }
+
+
+def onnx_path_for(spec: FFNSpec, out_dir: str | os.PathLike, dtype: str) -> Path:
+    """Where the export of `spec` at `dtype` ('fp32'/'fp16') goes: `<out_dir>/<spec.key>.<dtype>.onnx`."""
+    return Path(out_dir) / f"{spec.key}.{dtype}.onnx"
+
+
+def _export_proto(model: torch.nn.Module, example: torch.Tensor, opset: int):
+    """Export to an in-memory ModelProto; dynamo exporter where available, TorchScript otherwise."""
+    import onnx
+
+    quiet = contextlib.ExitStack()
+    # The exporter logs a warning per missing torchvision op and prints progress lines;
+    # neither says anything about this model.
+    onnx_logger = logging.getLogger("torch.onnx")
+    quiet.callback(onnx_logger.setLevel, onnx_logger.level)
+    onnx_logger.setLevel(logging.ERROR)
+    quiet.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("ignore")
+    quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
+    with quiet, torch.no_grad():
+        try:
+            batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+            program = torch.onnx.export(
+                model,
+                (example,),
+                dynamo=True,
+                opset_version=opset,
+                dynamic_shapes={"x": {0: batch, 1: seq}},
+                input_names=["input"],
+                output_names=["output"],
+                verbose=False,
+            )
+            return program.model_proto, "torch.onnx dynamo"
+        except TypeError:
+            # torch < 2.5 has no dynamo= keyword: fall back to the TorchScript exporter.
+            buf = io.BytesIO()
+            torch.onnx.export(
+                model,
+                (example,),
+                buf,
+                opset_version=opset,
+                input_names=["input"],
+                output_names=["output"],
+                dynamic_axes={"input": {0: "batch", 1: "seq"}, "output": {0: "batch", 1: "seq"}},
+            )
+            return onnx.load_from_string(buf.getvalue()), "torch.onnx torchscript"
+
+
+def export_onnx(
+    model: FFN,
+    path: str | os.PathLike,
+    dtype: str = "fp32",
+    opset: int = DEFAULT_OPSET,
+    extra_metadata: dict[str, str] | None = None,
+) -> tuple[Path, str]:
+    """Export `model` to `path` as fp32 or fp16 ONNX with dynamic (batch, seq) axes; returns (path, exporter)."""
+    import onnx
+
+    from . import __version__
+
+    if dtype not in ("fp32", "fp16"):
+        raise FFNQuantError(f"unknown export dtype {dtype!r}; valid: fp32, fp16")
+    if opset < 17:
+        raise FFNQuantError(f"opset must be >= 17, got {opset}")
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.float16
+    spec = model.spec
+    work = build(spec).to(torch_dtype)  # a copy, so the caller's module keeps its dtype
+    work.load_state_dict({k: v.to(torch_dtype) for k, v in model.state_dict().items()})
+    example = torch.randn(2, 3, spec.d_model, dtype=torch_dtype)
+    proto, exporter = _export_proto(work.eval(), example, opset)
+    meta = {
+        "ffnquant_version": __version__,
+        "variant": spec.variant.value,
+        "d_model": str(spec.d_model),
+        "d_ff": str(spec.d_ff),
+        "bias": str(bool(spec.bias)).lower(),
+        "dtype": dtype,
+        "exporter": exporter,
+    }
+    meta.update(extra_metadata or {})
+    del proto.metadata_props[:]
+    onnx.helper.set_model_props(proto, meta)
+    onnx.checker.check_model(proto, full_check=True)
+    with atomic_path(path) as tmp:
+        onnx.save_model(proto, str(tmp))
+    return Path(path), exporter
+
+
+def check_parity(
+    model: FFN,
+    onnx_path: str | os.PathLike,
+    dtype: str = "fp32",
+    shapes: Sequence[tuple[int, int]] = PARITY_SHAPES,
+    seed: int = 1234,
+) -> ParityCheck:
+    """Run the ONNX file on onnxruntime's CPU provider and compare with fp32 torch on random inputs."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    provider = session.get_providers()[0]
+    np_dtype = np.float32 if dtype == "fp32" else np.float16
+    gen = torch.Generator().manual_seed(seed)
+    worst, ref_max = 0.0, 0.0
+    with torch.no_grad():
+        for batch, seq in shapes:
+            x = torch.randn(batch, seq, model.spec.d_model, generator=gen)
+            if dtype == "fp16":
+                x = x.half().float()  # both sides see the same fp16-representable input
+            ref = model.float()(x).numpy()
+            got = session.run(None, {"input": x.numpy().astype(np_dtype)})[0].astype(np.float32)
+            if got.shape != ref.shape:
+                raise FFNQuantError(f"{onnx_path}: output shape {got.shape} != torch {ref.shape}")
+            worst = max(worst, float(np.max(np.abs(got - ref))))
+            ref_max = max(ref_max, float(np.max(np.abs(ref))))
+    tol = FP32_TOLERANCE if dtype == "fp32" else fp16_tolerance(ref_max)
+    return ParityCheck(dtype, tuple(tuple(s) for s in shapes), worst, ref_max, tol, provider)
+
+
+def export_spec(
+    spec: FFNSpec,
+    out_dir: str | os.PathLike = "export",
+    dtypes: Sequence[str] = ("fp32", "fp16"),
+    seed: int = 0,
+    opset: int = DEFAULT_OPSET,
+    model: FFN | None = None,
+) -> ExportResult:
+    """Build (or take) the FFN for `spec`, export it at each dtype and check parity; raise if parity fails."""
+    ensure_writable_dir(out_dir)
+    model = model if model is not None else build(spec, seed=seed)
+    result = ExportResult(spec)
+    for dtype in dtypes:
+        path, exporter = export_onnx(model, onnx_path_for(spec, out_dir, dtype), dtype=dtype, opset=opset)
+        result.paths[dtype] = path
+        result.exporter = exporter
+        check = check_parity(model, path, dtype=dtype)
+        result.parity[dtype] = check
+        if not check.passed:
+            raise FFNQuantError(
+                f"{path}: {dtype} parity failed, max abs error {check.max_abs_error:.3g} > {check.tolerance:.3g}"
+            )
+    return result

@@ -1,0 +1,159 @@
+"""FFN modules: one class for the whole family, variant chosen by registry key.
+
+Every tensor site (DESIGN.md) passes through a named `SiteTap` (an identity module),
+so observers and fake-quantizers attach with ordinary forward hooks and the float math
+is unchanged. Two further identity slots, `input_transform` and `hidden_transform`, are
+where outlier remedies put an explicit per-channel scale or a rotation; they are
+identities in a plain FFN and vanish from the exported graph.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .atomic import atomic_path
+from .errors import FFNQuantError
+from .spec import Activation, FFNSpec
+
+__all__ = ["ACTIVATIONS", "SiteTap", "FFN", "build", "save_weights", "load_weights"]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
+    Activation.RELU: F.relu,
+    Activation.GELU: F.gelu,
+    Activation.GELU_TANH: _gelu_tanh,
+    Activation.SILU: F.silu,
+    Activation.SIGMOID: torch.sigmoid,
+    Activation.IDENTITY: _identity,
+}
+
+
+class SiteTap(nn.Identity):
+    """An identity marking a named tensor site; hooks on it observe or replace the tensor."""
+
+    def __init__(self, site: str) -> None:
+        super().__init__()
+        self.site = site
+
+    def extra_repr(self) -> str:
+        return self.site
+
+
+class FFN(nn.Module):
+    """Position-wise FFN: dense `down(act(up(x)))` or gated `down(act(gate(x)) * up(x))`."""
+
+    def __init__(self, spec: FFNSpec, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.spec = spec
+        d, f, bias = spec.d_model, spec.d_ff, bool(spec.bias)
+        self.w_up = nn.Linear(d, f, bias=bias, dtype=dtype)
+        self.w_gate = nn.Linear(d, f, bias=bias, dtype=dtype) if spec.gated else None
+        self.w_down = nn.Linear(f, d, bias=bias, dtype=dtype)
+        self.activation = ACTIVATIONS[spec.activation]
+        self.input_transform: nn.Module = nn.Identity()
+        self.hidden_transform: nn.Module = nn.Identity()
+        self.taps = nn.ModuleDict({s: SiteTap(s) for s in spec.sites})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., d_model)
+        x = self.taps["input"](self.input_transform(x))  # (..., d)
+        up = self.taps["up"](self.w_up(x))  # (..., f)
+        if self.w_gate is not None:
+            gate_pre = self.taps["gate_pre"](self.w_gate(x))  # (..., f)
+            act = self.taps["act"](self.activation(gate_pre))  # (..., f)
+            hidden = act * up  # (..., f)
+        else:
+            act = self.taps["act"](self.activation(up))  # (..., f)
+            hidden = act
+        hidden = self.taps["hidden"](self.hidden_transform(hidden))  # (..., f)
+        return self.taps["output"](self.w_down(hidden))  # (..., d)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weight matrices by site name (w_up, [w_gate,] w_down), [out, in] layout."""
+        return {name: getattr(self, name).weight for name in self.spec.weight_names}
+
+    def extra_repr(self) -> str:
+        return f"variant={self.spec.variant.value}, d_model={self.spec.d_model}, d_ff={self.spec.d_ff}"
+
+
+def build(spec: FFNSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> FFN:
+    """Build an FFN with deterministic weights: N(0, 1/fan_in) weights, U(+-1/sqrt(fan_in)) biases."""
+    model = FFN(spec, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for name in spec.weight_names:
+            lin: nn.Linear = getattr(model, name)
+            fan_in = lin.in_features
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / math.sqrt(fan_in))
+            if lin.bias is not None:
+                bound = 1.0 / math.sqrt(fan_in)
+                lin.bias.copy_((torch.rand(lin.bias.shape, generator=gen) * 2 - 1) * bound)
+    return model.to(dtype).eval()
+
+
+def _state_for_file(model: FFN) -> dict[str, torch.Tensor]:
+    state = {}
+    for name in model.spec.weight_names:
+        lin: nn.Linear = getattr(model, name)
+        state[f"{name}.weight"] = lin.weight.detach().contiguous().cpu()
+        if lin.bias is not None:
+            state[f"{name}.bias"] = lin.bias.detach().contiguous().cpu()
+    return state
+
+
+def save_weights(model: FFN, path: str | os.PathLike) -> Path:
+    """Save weights (and the spec as metadata) to a safetensors file, atomically."""
+    from safetensors.torch import save_file
+    import json
+
+    meta = {"ffnquant_spec": json.dumps(model.spec.to_dict(), sort_keys=True)}
+    with atomic_path(path) as tmp:
+        save_file(_state_for_file(model), str(tmp), metadata=meta)
+    return Path(path)
+
+
+def load_weights(path: str | os.PathLike, spec: FFNSpec | None = None) -> FFN:
+    """Load an FFN from a safetensors file written by `save_weights` (spec from its metadata unless given)."""
+    from safetensors import safe_open
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FFNQuantError(f"weights file {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as exc:  # safetensors raises several types for corrupt files
+        raise FFNQuantError(f"cannot read safetensors file {str(path)!r}: {exc}") from exc
+    if spec is None:
+        if "ffnquant_spec" not in meta:
+            raise FFNQuantError(f"{str(path)!r} has no ffnquant_spec metadata; pass the spec explicitly")
+        spec = FFNSpec.from_dict(json.loads(meta["ffnquant_spec"]))
+    model = FFN(spec)
+    expected = _state_for_file(model)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise FFNQuantError(f"{str(path)!r} does not match {spec.key}: missing {missing}, unexpected {extra}")
+    for key, ref in expected.items():
+        if tuple(tensors[key].shape) != tuple(ref.shape):
+            raise FFNQuantError(
+                f"{str(path)!r}: tensor {key} has shape {tuple(tensors[key].shape)}, expected {tuple(ref.shape)}"
+            )
+    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    return model.eval()
