@@ -42,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and argparse's own errors: return the code
+        return int(exc.code or 0)
     try:
         return int(args._run(args) or 0)
     except FFNQuantError as exc:

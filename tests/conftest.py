@@ -1,0 +1,32 @@
+"""Shared fixtures and the numpy reference of the seed formulas."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+# numpy versions of the seed texts' formulas, independent of torch.
+_erf = np.vectorize(math.erf)
+
+
+def np_activation(name: str, z: np.ndarray) -> np.ndarray:
+    if name == "relu":
+        return np.maximum(z, 0.0)
+    if name == "gelu":
+        return 0.5 * z * (1.0 + _erf(z / math.sqrt(2.0)))
+    if name == "gelu_tanh":
+        return 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
+    if name == "silu":
+        return z / (1.0 + np.exp(-z))
+    if name == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-z))
+    if name == "identity":
+        return z
+    raise KeyError(name)
+
+
+@pytest.fixture
+def numpy_reference():
+    return np_activation

@@ -1,0 +1,58 @@
+import subprocess
+import sys
+
+import pytest
+
+from ffnquant.cli import COMMANDS, main
+
+
+def test_variants_prints_the_family(capsys):
+    assert main(["variants", "--d-model", "512"]) == 0
+    out = capsys.readouterr().out
+    for name in ["relu", "gelu_tanh", "swiglu", "bilinear"]:
+        assert name in out
+    assert "2,099,712" in out  # the 2017 ReLU FFN at d=512
+
+
+def test_export_command_writes_and_reports_parity(tmp_path, capsys):
+    assert main(["export", "--variants", "swiglu", "--d-model", "32", "--out", str(tmp_path), "--dtypes", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "pass" in out and "CPUExecutionProvider" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["swiglu_d32_ff128.fp32.onnx"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        pytest.param(["export", "--variants", "relu,swigl"], "unknown variant 'swigl'; valid:", id="variant"),
+        pytest.param(["export", "--dtypes", "fp8"], "unknown dtype(s) ['fp8']; valid: fp32, fp16", id="dtype"),
+        pytest.param(["export", "--opset", "11"], "--opset must be >= 17", id="opset"),
+        pytest.param(["export", "--d-ff", "10", "--ffn-dim-multiplier", "1.3"], "exclusive", id="width"),
+        pytest.param(["variants", "--d-model", "-3"], "expected a positive integer", id="d-model"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(argv, message, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    assert main(argv + (["--out", str(out_dir)] if argv[0] == "export" else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1
+    assert not out_dir.exists()
+
+
+def test_unwritable_output_folder(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["export", "--variants", "relu", "--d-model", "16", "--out", str(blocker / "sub")]) == 2
+    assert "cannot create output folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_subcommand_has_help(command, capsys):
+    assert main([command, "--help"]) == 0
+    assert command in capsys.readouterr().out
+
+
+def test_python_dash_m_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "ffnquant", "--version"], capture_output=True, text=True, check=True)
+    assert proc.stdout.startswith("ffnquant ")

@@ -1,0 +1,64 @@
+import onnx
+import pytest
+
+from ffnquant.errors import FFNQuantError
+from ffnquant.export import FP32_TOLERANCE, check_parity, export_onnx, export_spec, fp16_tolerance, onnx_path_for
+from ffnquant.model import build
+from ffnquant.spec import FFNSpec, Variant
+
+
+@pytest.mark.parametrize("variant", list(Variant), ids=str)
+def test_export_round_trip_on_onnxruntime(variant, tmp_path):
+    spec = FFNSpec(variant, 32, d_ff=64)
+    result = export_spec(spec, tmp_path, dtypes=("fp32", "fp16"), seed=1)
+    for dtype, path in result.paths.items():
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model, full_check=True)
+        assert model.ir_version <= 10, "this onnxruntime rejects IR versions above 10 from the exporter"
+        props = {p.key: p.value for p in model.metadata_props}
+        assert props["variant"] == variant.value
+        assert props["d_model"] == "32" and props["d_ff"] == "64" and props["dtype"] == dtype
+        assert props["bias"] == str(spec.bias).lower()
+        assert "ffnquant_version" in props
+        dims = [d.dim_param or d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+        assert dims == ["batch", "seq", 32], "batch and sequence axes are dynamic"
+        check = result.parity[dtype]
+        assert check.provider == "CPUExecutionProvider"
+        assert check.passed
+    assert result.parity["fp32"].max_abs_error <= FP32_TOLERANCE
+
+
+def test_gelu_exports_as_one_fused_op_at_opset_20(tmp_path):
+    path, _ = export_onnx(build(FFNSpec("gelu", 16)), tmp_path / "g.onnx")
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "Gelu" in ops and "Tanh" not in ops and "Erf" not in ops
+
+
+def test_parity_check_detects_a_wrong_model(tmp_path):
+    spec = FFNSpec("swiglu", 16)
+    path, _ = export_onnx(build(spec, seed=0), tmp_path / "a.onnx")
+    other = build(spec, seed=1)
+    assert not check_parity(other, path).passed
+
+
+def test_fp16_tolerance_scales_with_output():
+    assert fp16_tolerance(0.1) == pytest.approx(1e-2)
+    assert fp16_tolerance(10.0) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        pytest.param({"dtype": "int3"}, "unknown export dtype 'int3'; valid: fp32, fp16", id="dtype"),
+        pytest.param({"opset": 13}, "opset must be >= 17", id="opset"),
+    ],
+)
+def test_export_rejects_bad_arguments_and_writes_nothing(kwargs, message, tmp_path):
+    with pytest.raises(FFNQuantError, match=message):
+        export_onnx(build(FFNSpec("relu", 16)), tmp_path / "x.onnx", **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_file_names_say_variant_sizes_and_dtype(tmp_path):
+    assert onnx_path_for(FFNSpec("swiglu", 512), tmp_path, "fp16").name == "swiglu_d512_ff1408.fp16.onnx"
+    assert onnx_path_for(FFNSpec("relu", 512, bias=False), tmp_path, "fp32").name == "relu_d512_ff2048_nobias.fp32.onnx"
