@@ -143,10 +143,24 @@ class FFNSpec:
     bias: bool | None = None
     multiple_of: int | None = None
     ffn_dim_multiplier: float | None = None
+    # A nonlinearity other than the variant's own, for checkpoints whose FFN is a known
+    # variant with a different activation (Gemma and gated T5: GeGLU with the tanh GELU).
+    # None, or the variant's own activation, means the variant's default (normalised to None
+    # so that equal layers compare equal and existing keys and JSON stay unchanged).
+    activation_override: Activation | None = None
 
     def __post_init__(self) -> None:
         variant = parse_variant(self.variant)
         object.__setattr__(self, "variant", variant)
+        override = self.activation_override
+        if override is not None:
+            try:
+                override = Activation(getattr(override, "value", override))
+            except ValueError:
+                raise unknown_choice("activation", override, list(Activation)) from None
+            if override == VARIANT_ACTIVATION[variant]:
+                override = None
+        object.__setattr__(self, "activation_override", override)
         if isinstance(self.d_model, bool) or not isinstance(self.d_model, int) or self.d_model <= 0:
             raise FFNQuantError(f"d_model must be a positive integer, got {self.d_model!r}")
         multiple_of = self.multiple_of
@@ -181,7 +195,8 @@ class FFNSpec:
 
     @property
     def activation(self) -> Activation:
-        return VARIANT_ACTIVATION[self.variant]
+        """The nonlinearity (the gate's, for gated variants): the override if set, else the variant's."""
+        return self.activation_override or VARIANT_ACTIVATION[self.variant]
 
     @property
     def n_matrices(self) -> int:
@@ -233,6 +248,10 @@ class FFNSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["variant"] = self.variant.value
+        if self.activation_override is None:
+            del d["activation_override"]  # specs without an override serialise as before
+        else:
+            d["activation_override"] = self.activation_override.value
         return d
 
     @classmethod
@@ -245,7 +264,9 @@ class FFNSpec:
 
     @property
     def key(self) -> str:
-        """A short name for files: variant_d{d}_ff{ff}[_nobias|_bias]."""
+        """A short name for files: variant_d{d}_ff{ff}[_nobias|_bias][_act-{activation}]."""
         default_bias = self.variant in _BIAS_BY_DEFAULT
         suffix = "" if self.bias == default_bias else ("_bias" if self.bias else "_nobias")
+        if self.activation_override is not None:
+            suffix += f"_act-{self.activation_override.value}"
         return f"{self.variant.value}_d{self.d_model}_ff{self.d_ff}{suffix}"
