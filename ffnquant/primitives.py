@@ -1,0 +1,287 @@
+"""Quantization math as pure functions on torch tensors: qparams, (de)quantize, packing, formats.
+
+Conventions (shared by the torch reference and the ONNX artifacts, so they agree):
+- affine: q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax); x' = (q - zp) * scale;
+  the range always contains 0, so zero is exact (padding, ReLU zeros).
+- symmetric: zero point at the middle of the grid (0 for signed, 128 for uint8) and
+  scale = absmax / (qmax - zp): int8 uses [-127, 127] in practice, -128 only by clamping.
+- group-wise int4 follows onnxruntime's MatMulNBits quantizer (MLAS): groups of `group_size`
+  consecutive input features; symmetric maps the group's signed extreme to -8 (all 16 levels
+  used, scale may be negative); asymmetric spans [min(lo, 0), max(hi, 0)] over 0..15.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import FFNQuantError
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "int_range",
+    "choose_qparams",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+    "weight_qparams",
+    "fake_quantize_weight",
+    "pack_int4",
+    "unpack_int4",
+    "int4_group_rtn",
+    "int4_group_dequantize",
+    "hqq_int4",
+    "gptq_int4",
+    "fp8_e4m3_fake",
+    "fp8_weight_fake",
+    "fake_quantize_per_token",
+    "fp8_per_token_fake",
+    "bnb_4bit_fake",
+]
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def int_range(bits: int, signed: bool) -> tuple[int, int]:
+    """(qmin, qmax) of a `bits`-bit integer grid."""
+    if bits < 2 or bits > 16:
+        raise FFNQuantError(f"bits must be in 2..16, got {bits}")
+    if signed:
+        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return 0, (1 << bits) - 1
+
+
+def choose_qparams(
+    lo: torch.Tensor | float, hi: torch.Tensor | float, qmin: int, qmax: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (positive, float32) and integer zero point (int32) mapping [lo, hi] (widened to hold 0) onto [qmin, qmax]."""
+    lo = torch.as_tensor(lo, dtype=torch.float32)
+    hi = torch.as_tensor(hi, dtype=torch.float32)
+    lo = torch.minimum(lo, torch.zeros_like(lo))
+    hi = torch.maximum(hi, torch.zeros_like(hi))
+    if symmetric:
+        zp = (qmin + qmax + 1) // 2
+        absmax = torch.maximum(-lo, hi)
+        scale = absmax / float(qmax - zp)
+        zero_point = torch.full_like(scale, zp, dtype=torch.int32)
+    else:
+        scale = (hi - lo) / float(qmax - qmin)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero_point = torch.clamp(torch.round(qmin - lo / safe), qmin, qmax).to(torch.int32)
+    # an all-zero range: any positive scale represents it exactly
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, zero_point
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """Integer codes (int32) of x; torch.round is round-half-to-even like onnx QuantizeLinear."""
+    return torch.clamp(torch.round(x / scale) + zero_point, qmin, qmax).to(torch.int32)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """Float values (float32) of integer codes."""
+    return (q.to(torch.float32) - zero_point.to(torch.float32)) * scale
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """dequantize(quantize(x)) in x's dtype."""
+    return dequantize(quantize(x.float(), scale, zero_point, qmin, qmax), scale, zero_point).to(x.dtype)
+
+
+def weight_qparams(
+    w: torch.Tensor, granularity: str, qmin: int, qmax: int, symmetric: bool, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min/max qparams of a [out, in] weight: shape [] (per_tensor), [out, 1] (per_channel) or [out, in/g, 1] (per_group)."""
+    w = w.detach().float()
+    g = str(getattr(granularity, "value", granularity))
+    if g == "per_tensor":
+        lo, hi = w.min(), w.max()
+    elif g == "per_channel":
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    elif g == "per_group":
+        wg = _groups(w, group_size)
+        lo, hi = wg.amin(dim=2, keepdim=True), wg.amax(dim=2, keepdim=True)
+    else:
+        raise FFNQuantError(f"unknown granularity {granularity!r}; valid: per_tensor, per_channel, per_group")
+    return choose_qparams(lo, hi, qmin, qmax, symmetric)
+
+
+def _groups(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    out_f, in_f = w.shape
+    if not group_size or in_f % group_size:
+        raise FFNQuantError(f"group size {group_size} does not divide the input dimension {in_f}")
+    return w.reshape(out_f, in_f // group_size, group_size)
+
+
+def fake_quantize_weight(
+    w: torch.Tensor, granularity: str, bits: int, symmetric: bool, group_size: int | None = None
+) -> torch.Tensor:
+    """Round-to-nearest fake quantization of a [out, in] weight on a signed `bits` grid (asymmetric: unsigned)."""
+    qmin, qmax = int_range(bits, signed=symmetric)
+    scale, zp = weight_qparams(w, granularity, qmin, qmax, symmetric, group_size)
+    g = str(getattr(granularity, "value", granularity))
+    wf = w.detach().float()
+    if g == "per_group":
+        return fake_quantize(_groups(wf, group_size), scale, zp, qmin, qmax).reshape(w.shape)
+    return fake_quantize(wf, scale, zp, qmin, qmax)
+
+
+# --- int4 ------------------------------------------------------------------------------
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes (signed -8..7 or unsigned 0..15) two per byte along the last axis, first in the low nibble."""
+    if q.shape[-1] % 2:
+        raise FFNQuantError(f"pack_int4 needs an even last dimension, got {q.shape[-1]}")
+    nib = (q.to(torch.int32) & 0xF).to(torch.uint8)
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Inverse of pack_int4: int32 codes, sign-extended when `signed`."""
+    p = packed.to(torch.int32)
+    out = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    if signed:
+        out = torch.where(out >= 8, out - 16, out)
+    return out
+
+
+def int4_group_rtn(
+    w: torch.Tensor, group_size: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MatMulNBits-style group-wise int4 RTN of a [out, in] weight: codes 0..15 [out, in], scale and zp [out, in/g, 1].
+
+    Symmetric: the group's signed extreme m maps to code 0 (value -8): scale = m / -8, zp = 8.
+    Asymmetric: [min(lo, 0), max(hi, 0)] over 0..15 with a rounded zero point.
+    """
+    wg = _groups(w.detach().float(), group_size)
+    if symmetric:
+        idx = wg.abs().argmax(dim=2, keepdim=True)
+        extreme = torch.gather(wg, 2, idx)
+        scale = extreme / -8.0
+        scale = torch.where(scale != 0, scale, torch.ones_like(scale))
+        zp = torch.full_like(scale, 8, dtype=torch.int32)
+    else:
+        scale, zp = choose_qparams(wg.amin(dim=2, keepdim=True), wg.amax(dim=2, keepdim=True), 0, 15, False)
+    q = torch.clamp(torch.round(wg / scale) + zp, 0, 15).to(torch.int32)
+    return q.reshape(w.shape), scale, zp
+
+
+def int4_group_dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """Float [out, in] weight from int4_group_rtn's codes and [out, in/g, 1] scale / zero point (int or float)."""
+    out_f, in_f = q.shape
+    groups = scale.shape[1]
+    qg = q.reshape(out_f, groups, in_f // groups).to(torch.float32)
+    return ((qg - zero_point.to(torch.float32)) * scale).reshape(out_f, in_f)
+
+
+def hqq_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """HQQ (half-quadratic zero-point fit) int4 fake quantization of a [out, in] weight, groups along `in`.
+
+    Uses onnxruntime's copy of the official HQQ routine, the same one its MatMulNBits
+    quantizer runs, so the torch reference and the ONNX artifact use one algorithm.
+    """
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+
+    quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=group_size, bits=4))
+    q, scale, zero = quantizer.quantize_internal(w.detach().float(), bits=4, group_size=group_size)
+    return int4_group_dequantize(q, scale.unsqueeze(-1), zero.unsqueeze(-1))
+
+
+def gptq_int4(
+    w: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, percdamp: float = 0.01, block: int = 128
+) -> torch.Tensor:
+    """GPTQ (Frantar et al. 2022) fake quantization of a [out, in] weight on the int4 group grid of `int4_group_rtn`.
+
+    `hessian` is X^T X over calibration inputs ([in, in]). Columns are quantized in order;
+    each one's rounding error is spread over the not yet quantized columns through the
+    inverse Hessian's Cholesky factor. Group qparams are fixed when a group's first column
+    is reached (from the error-updated weights), as in the reference implementation.
+    """
+    W = w.detach().float().clone()
+    out_f, in_f = W.shape
+    if in_f % group_size:
+        raise FFNQuantError(f"group size {group_size} does not divide the input dimension {in_f}")
+    H = hessian.detach().double().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    damp = percdamp * torch.mean(torch.diag(H))
+    H += damp * torch.eye(in_f, dtype=H.dtype)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    Q = torch.zeros_like(W)
+    scale = zp = None
+    for i1 in range(0, in_f, block):
+        i2 = min(i1 + block, in_f)
+        W1 = W[:, i1:i2].clone()
+        Err = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:
+                grp = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group_size]
+                _, scale, zp = int4_group_rtn(grp, group_size, symmetric)
+                scale, zp = scale[:, 0], zp[:, 0]  # [out, 1]
+            wcol = W1[:, i : i + 1]
+            q = torch.clamp(torch.round(wcol / scale) + zp, 0, 15)
+            qcol = (q - zp) * scale
+            Q[:, col : col + 1] = qcol
+            err = (wcol - qcol) / Hinv1[i, i]
+            W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
+            Err[:, i : i + 1] = err
+        W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
+    return Q
+
+
+# --- fp8 -------------------------------------------------------------------------------
+
+
+def fp8_e4m3_fake(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """Round x / scale to float8_e4m3fn (saturating at +-448) and back, times scale."""
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = torch.clamp(x.float() / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return (y.to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)
+
+
+def fp8_weight_fake(w: torch.Tensor, granularity: str) -> torch.Tensor:
+    """fp8 e4m3 fake quantization of a [out, in] weight with a per-tensor or per-channel absmax/448 scale."""
+    g = str(getattr(granularity, "value", granularity))
+    wf = w.detach().float()
+    if g == "per_tensor":
+        amax = wf.abs().max()
+    elif g == "per_channel":
+        amax = wf.abs().amax(dim=1, keepdim=True)
+    else:
+        raise FFNQuantError(f"fp8 weights take per_tensor or per_channel scales, not {granularity!r}")
+    return fp8_e4m3_fake(wf, amax / FP8_E4M3_MAX)
+
+
+# --- dynamic per-token activations ------------------------------------------------------
+
+
+def fake_quantize_per_token(x: torch.Tensor, bits: int, signed: bool, symmetric: bool) -> torch.Tensor:
+    """Dynamic quantization with one range per token (the last axis is the feature axis)."""
+    qmin, qmax = int_range(bits, signed)
+    xf = x.float()
+    scale, zp = choose_qparams(xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True), qmin, qmax, symmetric)
+    return fake_quantize(xf, scale, zp, qmin, qmax).to(x.dtype)
+
+
+def fp8_per_token_fake(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic fp8 e4m3 with one absmax/448 scale per token."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    return fp8_e4m3_fake(x, amax / FP8_E4M3_MAX)
+
+
+# --- bitsandbytes 4-bit -----------------------------------------------------------------
+
+
+def bnb_4bit_fake(w: torch.Tensor, quant_type: str, blocksize: int) -> torch.Tensor:
+    """NF4 / FP4 round trip through bitsandbytes itself (block-wise absmax over the flattened weight)."""
+    try:
+        import bitsandbytes.functional as bnbf
+    except Exception as exc:  # bitsandbytes missing or failing to load its native library
+        raise FFNQuantError(f"{quant_type} needs bitsandbytes, which is unavailable: {exc}") from exc
+    wf = w.detach().float().contiguous()
+    packed, state = bnbf.quantize_4bit(wf, blocksize=blocksize, quant_type=quant_type)
+    return bnbf.dequantize_4bit(packed, state).to(torch.float32).reshape(w.shape)
