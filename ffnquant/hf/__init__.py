@@ -1,0 +1,35 @@
+"""Real models: FFN layers from local Hugging Face checkpoints, captured calibration, end-to-end accuracy.
+
+Reading checkpoints needs only safetensors; running a model (capture, end-to-end
+evaluation) needs the optional `transformers` package (`pip install ffnquant[hf]`).
+"""
+
+from .arch import ARCHITECTURES, HF_ACTIVATIONS, Arch, Install, ModelKind, get_arch, hf_activation
+from .checkpoint import (
+    HFLayer,
+    LayerInfo,
+    ModelInfo,
+    inspect_model,
+    iter_ffn_layers,
+    load_ffn_layers,
+    parse_layers,
+    read_config,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "HF_ACTIVATIONS",
+    "Arch",
+    "Install",
+    "ModelKind",
+    "get_arch",
+    "hf_activation",
+    "HFLayer",
+    "LayerInfo",
+    "ModelInfo",
+    "inspect_model",
+    "iter_ffn_layers",
+    "load_ffn_layers",
+    "parse_layers",
+    "read_config",
+]

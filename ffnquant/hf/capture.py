@@ -1,0 +1,424 @@
+"""Run a local Hugging Face model and capture each FFN's input; put replacement FFNs into it.
+
+Needs the optional `transformers` package (`pip install ffnquant[hf]`); everything is
+local (`local_files_only=True`). Capture uses forward pre-hooks on the model's own MLP
+modules and hands each FFN's input to a callback one batch at a time, so nothing holds
+more than one batch of activations. Without transformers, `iter_captured_files` reads
+activations captured elsewhere (.npy / .safetensors, [tokens, d_model] per layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..atomic import atomic_path, ensure_writable_dir
+from ..errors import FFNQuantError
+from .arch import Install, ModelKind
+from .checkpoint import LayerInfo, ModelInfo, inspect_model
+
+__all__ = [
+    "TEXT_SPLITS",
+    "transformers_available",
+    "require_transformers",
+    "default_text_path",
+    "read_text",
+    "load_hf_model",
+    "load_tokenizer",
+    "token_batches",
+    "text_batches",
+    "ffn_input_hooks",
+    "shift_right",
+    "iter_captured",
+    "install_ffns",
+    "save_captured",
+    "captured_file",
+    "iter_captured_files",
+]
+
+# The shipped public-domain sample texts (ffnquant/data/TEXTS.md): different books for
+# calibration and evaluation, so ranges are never fitted on the evaluation text.
+TEXT_SPLITS = {"calibration": "calibration.txt", "evaluation": "evaluation.txt"}
+
+
+def transformers_available() -> tuple[bool, str]:
+    """(True, version) if transformers imports, else (False, the reason)."""
+    try:
+        import transformers
+    except Exception as exc:  # ImportError, or a broken install raising something else
+        return False, f"transformers is not importable ({type(exc).__name__}: {exc}); install ffnquant[hf]"
+    return True, transformers.__version__
+
+
+def require_transformers():
+    """The transformers module, or a one-line error saying how to get it."""
+    ok, why = transformers_available()
+    if not ok:
+        raise FFNQuantError(f"running a Hugging Face model needs transformers: {why}; "
+                            "without it, pass captured activations from files")
+    import transformers
+
+    return transformers
+
+
+def default_text_path(split: str) -> Path:
+    """Path of the shipped sample text for 'calibration' or 'evaluation'."""
+    if split not in TEXT_SPLITS:
+        from ..errors import unknown_choice
+
+        raise unknown_choice("text split", split, list(TEXT_SPLITS))
+    return Path(str(resources.files("ffnquant") / "data" / TEXT_SPLITS[split]))
+
+
+def read_text(path: str | os.PathLike | None, split: str) -> str:
+    """The text of `path`, or the shipped sample for `split` when path is None."""
+    p = default_text_path(split) if path is None else Path(path)
+    if not p.is_file():
+        raise FFNQuantError(f"text file {str(p)!r} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FFNQuantError(f"cannot read text file {str(p)!r} as UTF-8: {exc}") from exc
+    if not text.strip():
+        raise FFNQuantError(f"text file {str(p)!r} is empty")
+    return text
+
+
+def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = False) -> nn.Module:
+    """The transformers model of a folder in fp32 eval mode, local files only (LM head for causal/seq2seq)."""
+    transformers = require_transformers()
+    if not isinstance(info, ModelInfo):
+        info = inspect_model(info, allow_pickle=allow_pickle)
+    auto = {
+        ModelKind.CAUSAL_LM: transformers.AutoModelForCausalLM,
+        ModelKind.ENCODER: transformers.AutoModel,
+        ModelKind.SEQ2SEQ: transformers.AutoModelForSeq2SeqLM,
+    }[info.kind]
+    kwargs: dict[str, Any] = {"local_files_only": True, "use_safetensors": info.weights_format == "safetensors"}
+    try:
+        try:
+            model = auto.from_pretrained(str(info.path), dtype=torch.float32, **kwargs)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            model = auto.from_pretrained(str(info.path), torch_dtype=torch.float32, **kwargs)
+    except FFNQuantError:
+        raise
+    except Exception as exc:
+        raise FFNQuantError(f"transformers cannot load {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
+    return model.eval()
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The folder's own tokenizer (local files only)."""
+    transformers = require_transformers()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise FFNQuantError(
+            f"{str(path)!r} has no usable tokenizer ({type(exc).__name__}: {exc}); "
+            "save the model's tokenizer into the folder or pass token ids"
+        ) from exc
+
+
+def token_batches(
+    ids: Sequence[int] | torch.Tensor, seq_len: int = 128, batch_size: int = 4, max_tokens: int | None = None
+) -> list[torch.Tensor]:
+    """Split a token id stream into [batch, seq_len] batches (a shorter last sequence in its own batch)."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if ids.numel() < 2:
+        raise FFNQuantError(f"the text gives {ids.numel()} token(s); at least 2 are needed")
+    if seq_len < 2 or batch_size < 1:
+        raise FFNQuantError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}")
+    n_full = ids.numel() // seq_len
+    full = ids[: n_full * seq_len].reshape(n_full, seq_len)
+    batches = [full[i : i + batch_size] for i in range(0, n_full, batch_size)]
+    rest = ids[n_full * seq_len :]
+    if rest.numel() >= 2:
+        batches.append(rest.reshape(1, -1))
+    return batches
+
+
+def text_batches(tokenizer, text: str, seq_len: int = 128, batch_size: int = 4, max_tokens: int | None = None):
+    """Tokenize `text` (no special tokens: the chunks are arbitrary windows) into batches."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return token_batches(ids, seq_len, batch_size, max_tokens)
+
+
+# --- locating the FFNs in a loaded transformers model ------------------------------------
+
+
+def _module_for(model: nn.Module, info: ModelInfo, layer: LayerInfo, names: Sequence[str]) -> tuple[str, nn.Module]:
+    pattern = re.compile(info.arch.module_pattern.format(layer=layer.block, stack=re.escape(layer.stack)))
+    hits = [n for n in names if pattern.fullmatch(n)]
+    if len(hits) != 1:
+        raise FFNQuantError(
+            f"cannot find the FFN module of {info.arch.name} layer {layer.index} ({layer.name}) in the loaded "
+            f"transformers model: {len(hits)} modules match {pattern.pattern!r}"
+        )
+    return hits[0], model.get_submodule(hits[0])
+
+
+def _resolve_attr(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    parent = root
+    *path, last = dotted.split(".")
+    for part in path:
+        parent = getattr(parent, part)
+    return parent, last
+
+
+def _fused_experts(module: nn.Module, expert: int) -> bool:
+    """True when the experts module holds all experts' weights as 3-D tensors (transformers >= 5)."""
+    return not (isinstance(module, nn.ModuleList) or hasattr(module, str(expert)))
+
+
+def _first_input(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor:
+    if args:
+        return args[0]
+    for key in ("hidden_states", "x", "input"):
+        if key in kwargs:
+            return kwargs[key]
+    return next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+
+
+@contextlib.contextmanager
+def ffn_input_hooks(
+    model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], sink: Callable[[LayerInfo, torch.Tensor], None]
+) -> Iterator[None]:
+    """While active, every forward pass calls `sink(layer, x)` with each selected FFN's input [tokens, d_model].
+
+    Mixture-of-experts: each expert sees only the tokens the router sends it, as in the model.
+    """
+    names = [n for n, _ in model.named_modules()]
+    handles = []
+
+    def plain_hook(layer: LayerInfo):
+        def hook(module, args, kwargs):
+            x = _first_input(args, kwargs)
+            sink(layer, x.detach().reshape(-1, x.shape[-1]).float())
+
+        return hook
+
+    def experts_hook(group: list[LayerInfo]):
+        def hook(module, args, kwargs):
+            hidden, top_k_index = args[0], args[1]
+            hidden = hidden.detach().reshape(-1, hidden.shape[-1]).float()
+            for layer in group:
+                routed = (top_k_index == layer.expert).any(dim=-1)
+                sink(layer, hidden[routed])
+
+        return hook
+
+    try:
+        fused_groups: dict[str, tuple[nn.Module, list[LayerInfo]]] = {}
+        for layer in layers:
+            _, module = _module_for(model, info, layer, names)
+            if info.arch.install is Install.SPLIT:
+                parent, attr = _resolve_attr(module, info.arch.split_attrs[0])
+                target = getattr(parent, attr)
+            elif info.arch.install is Install.EXPERTS:
+                if _fused_experts(module, layer.expert):
+                    key = str(id(module))
+                    fused_groups.setdefault(key, (module, []))[1].append(layer)
+                    continue
+                target = module[layer.expert] if isinstance(module, nn.ModuleList) else getattr(module, str(layer.expert))
+            else:
+                target = module
+            handles.append(target.register_forward_pre_hook(plain_hook(layer), with_kwargs=True))
+        for module, group in fused_groups.values():
+            handles.append(module.register_forward_pre_hook(experts_hook(group), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def shift_right(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Decoder inputs for teacher forcing: the start token, then the ids without the last one."""
+    config = model.config
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(config, "pad_token_id", None) or 0  # T5 starts decoding from its pad id (0)
+    out = torch.full_like(ids, int(start))
+    out[:, 1:] = ids[:, :-1]
+    return out
+
+
+def _model_inputs(info: ModelInfo, model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    if info.kind is ModelKind.SEQ2SEQ:
+        # teacher forcing on the same window, so the decoder's FFNs run too
+        return {"input_ids": ids, "decoder_input_ids": shift_right(model, ids)}
+    return {"input_ids": ids}
+
+
+def iter_captured(
+    model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], batches: Sequence[torch.Tensor]
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Run the model batch by batch; yield {layer label: captured input [tokens, d_model]} per batch.
+
+    Only one batch's captures are alive at a time; experts the router skipped in a batch are absent.
+    """
+    for ids in batches:
+        captured: dict[str, list[torch.Tensor]] = {}
+
+        def sink(layer: LayerInfo, x: torch.Tensor) -> None:
+            if x.shape[0]:
+                captured.setdefault(layer.label, []).append(x)
+
+        with ffn_input_hooks(model, info, layers, sink), torch.no_grad():
+            model(**_model_inputs(info, model, ids))
+        yield {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in captured.items()}
+
+
+# --- putting replacement FFNs into the model ---------------------------------------------
+
+
+def _experts_forward(module: nn.Module, replacements: Mapping[int, Callable[[torch.Tensor], torch.Tensor]]):
+    """A forward for a fused experts module (MixtralExperts' math) with some experts replaced."""
+    act = module.act_fn
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in range(module.num_experts):
+            top_k_pos_mask = top_k_index == expert  # [tokens, k]; an expert appears at most once per token
+            token_idx, top_k_pos = torch.where(top_k_pos_mask)
+            if token_idx.numel() == 0:
+                continue
+            x = hidden_states[token_idx]
+            if expert in replacements:
+                y = replacements[expert](x)
+            else:
+                gate, up = nn.functional.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)
+                y = nn.functional.linear(act(gate) * up, module.down_proj[expert])
+            y = y * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    return forward
+
+
+@contextlib.contextmanager
+def install_ffns(
+    model: nn.Module, info: ModelInfo, replacements: Mapping[LayerInfo, Callable[[torch.Tensor], torch.Tensor]]
+) -> Iterator[None]:
+    """While active, each given FFN of `model` computes with its replacement (e.g. a quantized FFN).
+
+    The original modules and forwards are restored afterwards, also on error.
+    """
+    names = [n for n, _ in model.named_modules()]
+    undo: list[Callable[[], None]] = []
+    try:
+        fused: dict[int, tuple[nn.Module, dict[int, Callable]]] = {}
+        for layer, replacement in replacements.items():
+            _, module = _module_for(model, info, layer, names)
+            if info.arch.install is Install.SPLIT:
+                first, act, second = info.arch.split_attrs
+                for dotted, new in ((first, replacement), (act, nn.Identity()), (second, nn.Identity())):
+                    parent, attr = _resolve_attr(module, dotted)
+                    old = getattr(parent, attr)
+                    setattr(parent, attr, new if isinstance(new, nn.Module) else _Callable(new))
+                    undo.append(lambda p=parent, a=attr, o=old: setattr(p, a, o))
+                continue
+            if info.arch.install is Install.EXPERTS:
+                if _fused_experts(module, layer.expert):
+                    fused.setdefault(id(module), (module, {}))[1][layer.expert] = replacement
+                    continue
+                module = module[layer.expert] if isinstance(module, nn.ModuleList) else getattr(module, str(layer.expert))
+            module.forward = replacement  # an instance attribute shadows the class's forward
+            undo.append(lambda m=module: delattr(m, "forward"))
+        for module, reps in fused.values():
+            module.forward = _experts_forward(module, reps)
+            undo.append(lambda m=module: delattr(m, "forward"))
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+class _Callable(nn.Module):
+    """Wraps a plain callable so it can sit where a module attribute is expected."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+# --- captured activations in files ------------------------------------------------------
+
+
+def captured_file(folder: str | os.PathLike, label: str) -> Path:
+    """Where `save_captured` puts a layer's inputs: <folder>/<label>.npy."""
+    return Path(folder) / f"{label}.npy"
+
+
+def save_captured(folder: str | os.PathLike, captured: Iterator[Mapping[str, torch.Tensor]], d_model: int) -> dict[str, Path]:
+    """Stream captured batches into one .npy [tokens, d_model] float32 file per layer.
+
+    Rows are appended to a raw temporary file per layer and the .npy header is written
+    once the row count is known, so memory stays at one batch.
+    """
+    folder = ensure_writable_dir(folder)
+    raw: dict[str, tuple[Any, Path, int]] = {}
+    try:
+        for batch in captured:
+            for label, x in batch.items():
+                if label not in raw:
+                    tmp = folder / f".{label}.rows.tmp"
+                    raw[label] = (open(tmp, "wb"), tmp, 0)
+                fh, tmp, n = raw[label]
+                fh.write(x.detach().to(torch.float32).contiguous().numpy().tobytes())
+                raw[label] = (fh, tmp, n + x.shape[0])
+        out: dict[str, Path] = {}
+        for label, (fh, tmp, n) in raw.items():
+            fh.close()
+            target = captured_file(folder, label)
+            with atomic_path(target) as dest, open(dest, "wb") as o, open(tmp, "rb") as src:
+                header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)), "fortran_order": False,
+                          "shape": (n, d_model)}
+                np.lib.format.write_array_header_1_0(o, header)
+                while chunk := src.read(1 << 22):
+                    o.write(chunk)
+            out[label] = target
+        return out
+    finally:
+        for fh, tmp, _ in raw.values():
+            fh.close()
+            if tmp.exists():
+                tmp.unlink()
+
+
+def iter_captured_files(
+    source: str | os.PathLike, labels: Sequence[str], d_model: int, chunk_tokens: int = 4096
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(label, chunk [<= chunk_tokens, d_model]) for each layer, one layer's file at a time.
+
+    `source` is a folder with <label>.npy or <label>.safetensors per layer (labels as
+    `LayerInfo.label`: L0, L1, L3.e2, ...), or one .safetensors file with a tensor per label.
+    """
+    from ..data import load_tokens  # validated loading: dtype, rank, d_model, NaN/Inf
+
+    src = Path(source)
+    if not src.exists():
+        raise FFNQuantError(f"captured activations {str(src)!r} do not exist")
+    for label in labels:
+        if src.is_dir():
+            candidates = [src / f"{label}.npy", src / f"{label}.safetensors"]
+            path = next((p for p in candidates if p.is_file()), None)
+            if path is None:
+                raise FFNQuantError(f"{str(src)!r} has no captured activations for layer {label} (expected {label}.npy or {label}.safetensors)")
+            x = load_tokens(path, d_model=d_model)
+        else:
+            x = load_tokens(src, d_model=d_model, name=label)
+        for start in range(0, x.shape[0], chunk_tokens):
+            yield label, x[start : start + chunk_tokens]

@@ -1,0 +1,467 @@
+"""Read a local Hugging Face model folder's FFN layers into ffnquant `FFN` modules.
+
+Only config.json and the FFN tensors are read; tensors are opened lazily with
+`safetensors.safe_open`, so a large model costs the memory of the layers asked for.
+Pickled checkpoints (.bin/.pt/.pth) are refused unless the caller opts in, and then read
+with `torch.load(weights_only=True)`, which unpickles tensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ..errors import FFNQuantError
+from ..model import FFN
+from ..spec import FFNSpec
+from .arch import Arch, ModelKind, ffn_variant, get_arch, hf_activation
+
+__all__ = [
+    "LayerInfo",
+    "ModelInfo",
+    "HFLayer",
+    "read_config",
+    "parse_layers",
+    "inspect_model",
+    "iter_ffn_layers",
+    "load_ffn_layers",
+]
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """Where one FFN lives: global layer index, stack/block, expert, tensor name prefix, tensors by role."""
+
+    index: int
+    stack: str
+    block: int
+    expert: int | None
+    name: str
+    tensors: Mapping[str, str] = field(compare=False)  # role -> checkpoint tensor name ("role.kind")
+    fused_expert_tensors: bool = False
+
+    @property
+    def label(self) -> str:
+        """Short human name: 'L3', 'L3.e1', 'encoder L0'."""
+        base = f"L{self.index}" + (f".e{self.expert}" if self.expert is not None else "")
+        return base
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "stack": self.stack, "block": self.block, "expert": self.expert,
+                "name": self.name, "label": self.label}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `inspect_model` finds: architecture, variant, sizes and the FFN layers (no weights read)."""
+
+    path: Path
+    model_type: str
+    arch: Arch
+    hf_activation: str
+    spec: FFNSpec
+    n_layers: int  # transformer blocks with an FFN (all stacks)
+    n_experts: int | None
+    layers: tuple[LayerInfo, ...]
+    weight_files: tuple[str, ...]
+    weights_format: str  # "safetensors" or "pickle"
+    config: Mapping[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def kind(self) -> ModelKind:
+        return self.arch.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "model_type": self.model_type,
+            "kind": self.kind.value,
+            "variant": self.spec.variant.value,
+            "activation": self.spec.activation.value,
+            "hf_activation": self.hf_activation,
+            "spec": self.spec.to_dict(),
+            "n_layers": self.n_layers,
+            "n_experts": self.n_experts,
+            "n_ffns": len(self.layers),
+            "ffn_params_total": self.spec.n_params * len(self.layers),
+            "weight_files": list(self.weight_files),
+            "weights_format": self.weights_format,
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+
+@dataclass
+class HFLayer:
+    """One loaded FFN of a checkpoint: index, expert (or None), module name prefix, FFN, spec, activation."""
+
+    index: int
+    expert: int | None
+    name: str
+    ffn: FFN
+    spec: FFNSpec
+    activation: str  # the transformers activation name from config.json
+    info: LayerInfo
+
+    @property
+    def label(self) -> str:
+        return self.info.label
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a model folder, with a one-line error if absent or unreadable."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FFNQuantError(f"model folder {str(folder)!r} does not exist or is not a folder")
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise FFNQuantError(f"{str(cfg)!r} is missing: a Hugging Face model folder needs config.json")
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FFNQuantError(f"{str(cfg)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise FFNQuantError(f"{str(cfg)!r} must hold a JSON object")
+    return data
+
+
+def parse_layers(selection: str | int | list[int] | None, n_layers: int) -> list[int]:
+    """Layer indices from 'all', '0-3', '0,5,7' (ranges and lists mix: '0-2,7'), an int or a list."""
+    if selection is None or (isinstance(selection, str) and selection.strip().lower() in ("", "all")):
+        return list(range(n_layers))
+    if isinstance(selection, int) and not isinstance(selection, bool):
+        items: list[int] = [selection]
+    elif isinstance(selection, (list, tuple)):
+        items = [int(i) for i in selection]
+    else:
+        items = []
+        for part in str(selection).split(","):
+            part = part.strip()
+            m = re.fullmatch(r"(\d+)\s*-\s*(\d+)|(\d+)", part)
+            if not m:
+                raise FFNQuantError(f"layer selection {selection!r}: {part!r} is not N, A-B or 'all'")
+            if m.group(3) is not None:
+                items.append(int(m.group(3)))
+            else:
+                lo, hi = int(m.group(1)), int(m.group(2))
+                if hi < lo:
+                    raise FFNQuantError(f"layer selection {selection!r}: range {part!r} is empty")
+                items.extend(range(lo, hi + 1))
+    bad = sorted({i for i in items if not 0 <= i < n_layers})
+    if bad:
+        raise FFNQuantError(f"layer selection {selection!r}: layer(s) {bad} out of range; the model has layers 0-{n_layers - 1}")
+    return sorted(set(items))
+
+
+# --- tensor access ------------------------------------------------------------------
+
+
+class _Weights:
+    """Tensor name -> file index over safetensors (single or sharded) or opted-in pickles; lazy reads."""
+
+    def __init__(self, folder: Path, allow_pickle: bool) -> None:
+        self.folder = folder
+        self.format = "safetensors"
+        self.file_of: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._pickles: dict[Path, Mapping[str, torch.Tensor]] = {}
+        index = folder / "model.safetensors.index.json"
+        single = folder / "model.safetensors"
+        if index.is_file():
+            self._from_index(index)
+        elif single.is_file():
+            self._scan_safetensors([single])
+        elif sorted(folder.glob("*.safetensors")):
+            self._scan_safetensors(sorted(folder.glob("*.safetensors")))
+        else:
+            pickles = sorted(p for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES and p.is_file())
+            if not pickles:
+                raise FFNQuantError(
+                    f"{str(folder)!r} has no weights: expected model.safetensors or model.safetensors.index.json"
+                )
+            if not allow_pickle:
+                raise FFNQuantError(
+                    f"{str(pickles[0])!r} is a pickled PyTorch checkpoint and unpickling can run arbitrary code; "
+                    "ffnquant reads safetensors only: convert it to safetensors, or, if you trust the file, pass "
+                    "allow_pickle=True (CLI --allow-pickle) to read it with torch.load(weights_only=True)"
+                )
+            self.format = "pickle"
+            self._scan_pickles(pickles)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(sorted({p.name for p in self.file_of.values()}))
+
+    def _from_index(self, index: Path) -> None:
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+            weight_map = data["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise FFNQuantError(f"{str(index)!r} is not a valid safetensors index: {exc}") from exc
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (self.folder / shard).is_file():
+                raise FFNQuantError(f"{str(index)!r} names shard {shard!r}, which is missing from {str(self.folder)!r}")
+        self._scan_safetensors([self.folder / s for s in shards])
+        for name, shard in weight_map.items():
+            if name not in self.file_of:
+                raise FFNQuantError(f"{str(index)!r} maps tensor {name!r} to {shard!r}, which does not hold it")
+
+    def _scan_safetensors(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt") as fh:
+                    for name in fh.keys():
+                        self.file_of[name] = path
+                        self._shapes[name] = tuple(fh.get_slice(name).get_shape())
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise FFNQuantError(f"cannot read safetensors file {str(path)!r}: {exc}") from exc
+
+    def _scan_pickles(self, files: list[Path]) -> None:
+        for path in files:
+            try:
+                # weights_only: tensors and plain containers only, no arbitrary objects; mmap keeps it lazy
+                state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:
+                raise FFNQuantError(f"cannot read {str(path)!r} with torch.load(weights_only=True): {exc}") from exc
+            if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+                state = state["state_dict"]
+            if not isinstance(state, dict):
+                raise FFNQuantError(f"{str(path)!r} does not hold a state dict of tensors")
+            self._pickles[path] = state
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    self.file_of[name] = path
+                    self._shapes[name] = tuple(value.shape)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.file_of[name]
+        if self.format == "pickle":
+            return self._pickles[path][name]
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                return fh.get_tensor(name)
+        except Exception as exc:
+            raise FFNQuantError(f"cannot read tensor {name!r} from {str(path)!r}: {exc}") from exc
+
+
+# --- layout discovery -----------------------------------------------------------------
+
+
+@dataclass
+class _Found:
+    prefix: str
+    tensors: dict[str, str]
+    fused: bool = False
+
+
+def _group_tensors(arch: Arch, names: list[str]) -> dict[tuple[str, int, int | None], _Found]:
+    pattern = re.compile(arch.tensor_pattern)
+    fused = re.compile(arch.fused_experts_pattern) if arch.fused_experts_pattern else None
+    groups: dict[tuple[str, int, int | None], _Found] = {}
+    for name in names:
+        m = pattern.fullmatch(name)
+        is_fused = False
+        if m is None and fused is not None:
+            m = fused.fullmatch(name)
+            is_fused = m is not None
+        if m is None:
+            continue
+        gd = m.groupdict()
+        expert = int(gd["expert"]) if gd.get("expert") is not None else None
+        key = (gd.get("stack") or "", int(gd["layer"]), expert)
+        role = gd["role"] + ("" if is_fused else "." + gd["kind"])
+        found = groups.setdefault(key, _Found(gd["prefix"], {}, is_fused))
+        if found.prefix != gd["prefix"]:
+            raise FFNQuantError(
+                f"ambiguous checkpoint: FFN tensors for the same layer under {found.prefix!r} and {gd['prefix']!r}"
+            )
+        found.tensors[role] = name
+    return groups
+
+
+def _expected_shape(arch: Arch, weight: str, kind: str, d: int, f: int) -> tuple[int, ...]:
+    n_out = {"w_up": f, "w_gate": f, "w_down": d, "w_gate+w_up": 2 * f}[weight]
+    n_in = d if weight != "w_down" else f
+    if kind == "bias":
+        return (n_out,)
+    return (n_in, n_out) if arch.transposed else (n_out, n_in)
+
+
+def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelInfo:
+    """Detect architecture, variant, sizes and every FFN layer of a model folder; reads no tensor data."""
+    folder = Path(path)
+    config = read_config(folder)
+    cfg_file = str(folder / "config.json")
+    arch = get_arch(config.get("model_type"), cfg_file)
+    d, f = arch.d_model(config, cfg_file), arch.d_ff(config, cfg_file)
+    act_name, gated = arch.activation(config, cfg_file)
+    activation = hf_activation(act_name, cfg_file)
+    variant, override = ffn_variant(activation, gated, cfg_file)
+    per_stack = arch.n_layers(config, cfg_file)
+    n_experts = arch.n_experts(config, cfg_file)
+    weights = _Weights(folder, allow_pickle)
+    groups = _group_tensors(arch, sorted(weights.file_of))
+    where = weights.files[0] if len(weights.files) == 1 else "model.safetensors.index.json"
+    where = str(folder / where)
+
+    if any(g.fused for g in groups.values()):
+        groups = _expand_fused(groups, n_experts or 0, where)
+
+    stacks = [s for s, _ in arch.stacks]
+    for key in groups:
+        stack, block, expert = key
+        if block >= per_stack[stack]:
+            any_tensor = next(iter(groups[key].tensors.values()))
+            raise FFNQuantError(
+                f"{where}: tensor {any_tensor!r} is for layer {block}, but config.json says "
+                f"{per_stack[stack]} {stack + ' ' if stack else ''}layers"
+            )
+        if expert is not None and (n_experts is None or expert >= n_experts):
+            raise FFNQuantError(f"{where}: tensor {next(iter(groups[key].tensors.values()))!r} is for expert {expert}, "
+                                f"but config.json says {n_experts} experts")
+    needed = arch.needed_roles(gated)
+    bias = any(role.endswith(".bias") for g in groups.values() for role in g.tensors)
+    spec = FFNSpec(variant, d_model=d, d_ff=f, bias=bias, activation_override=override)
+
+    layers: list[LayerInfo] = []
+    index = 0
+    template = next(iter(groups.values())).prefix if groups else None
+    for stack in stacks:
+        for block in range(per_stack[stack]):
+            experts: list[int | None] = list(range(n_experts)) if n_experts else [None]
+            for expert in experts:
+                found = groups.get((stack, block, expert))
+                if found is None:
+                    hint = f" (e.g. under {template!r} for another layer)" if template else ""
+                    what = f"layer {block}" + (f" expert {expert}" if expert is not None else "")
+                    where_stack = f"{stack} " if stack else ""
+                    raise FFNQuantError(
+                        f"{where}: no {arch.name} FFN tensors for {where_stack}{what}{hint}; "
+                        f"expected {', '.join(needed)} (gated={gated} from config.json)"
+                    )
+                tensors = dict(found.tensors)
+                needed = ("gate_up_proj", "down_proj") if found.fused else arch.needed_roles(gated)
+                for role in needed:
+                    if f"{role}.weight" not in tensors and role not in tensors:
+                        raise FFNQuantError(
+                            f"{where}: tensor {found.prefix + '.' + role + '.weight'!r} is missing "
+                            f"({arch.name} {'gated' if gated else 'dense'} FFN needs {', '.join(needed)})"
+                        )
+                extra = sorted(r.rsplit(".", 1)[0] for r in tensors if r.rsplit(".", 1)[0] not in needed and r not in needed)
+                if extra:
+                    raise FFNQuantError(
+                        f"{where}: tensor {found.prefix + '.' + extra[0]!r} does not fit a "
+                        f"{'gated' if gated else 'dense'} FFN (config.json activation {act_name!r}); expected {', '.join(needed)}"
+                    )
+                if not found.fused:
+                    for role, name in tensors.items():
+                        base, kind = role.rsplit(".", 1)
+                        want = _expected_shape(arch, arch.roles[base], kind, d, f)
+                        got = weights.shape(name)
+                        if got != want:
+                            raise FFNQuantError(
+                                f"{str(weights.file_of[name])!r}: tensor {name!r} has shape {list(got)}, but config.json "
+                                f"(d_model={d}, d_ff={f}) implies {list(want)}"
+                            )
+                layers.append(LayerInfo(index, stack, block, expert, found.prefix, tensors, found.fused))
+            index += 1
+    if not layers:
+        raise FFNQuantError(f"{where}: no {arch.name} FFN tensors found")
+    return ModelInfo(
+        path=folder,
+        model_type=str(config.get("model_type")),
+        arch=arch,
+        hf_activation=act_name,
+        spec=spec,
+        n_layers=index,
+        n_experts=n_experts,
+        layers=tuple(layers),
+        weight_files=weights.files,
+        weights_format=weights.format,
+        config=config,
+    )
+
+
+def _expand_fused(groups: dict, n_experts: int, where: str) -> dict:
+    """Fused 3-D expert tensors (one entry per layer) become one group per expert, roles kept."""
+    out: dict = {}
+    for (stack, block, expert), found in groups.items():
+        if not found.fused:
+            out[(stack, block, expert)] = found
+            continue
+        for e in range(n_experts):
+            out[(stack, block, e)] = _Found(found.prefix, dict(found.tensors), True)
+    return out
+
+
+def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer:
+    arch, spec = info.arch, info.spec
+    d, f = spec.d_model, spec.d_ff
+    state: dict[str, torch.Tensor] = {}
+    for role, name in layer.tensors.items():
+        tensor = weights.get(name)
+        if layer.fused_expert_tensors:
+            base, kind = role, "weight"
+            want = (info.n_experts, 2 * f, d) if base == "gate_up_proj" else (info.n_experts, d, f)
+            if tuple(tensor.shape) != want:
+                raise FFNQuantError(
+                    f"{str(weights.file_of[name])!r}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
+                    f"(experts={info.n_experts}, d_model={d}, d_ff={f}) implies {list(want)}"
+                )
+            tensor = tensor[layer.expert]
+            target = "w_gate+w_up" if base == "gate_up_proj" else "w_down"
+        else:
+            base, kind = role.rsplit(".", 1)
+            target = arch.roles[base]
+        tensor = tensor.detach().to(torch.float32)
+        if arch.transposed and kind == "weight":
+            tensor = tensor.t()
+        if not torch.isfinite(tensor).all():
+            raise FFNQuantError(f"{str(weights.file_of[name])!r}: tensor {name!r} holds NaN or infinite values")
+        if target == "w_gate+w_up":
+            gate, up = tensor.chunk(2, dim=0)  # gate first, as Phi3MLP / MixtralExperts chunk it
+            state[f"w_gate.{kind}"], state[f"w_up.{kind}"] = gate, up
+        else:
+            state[f"{target}.{kind}"] = tensor
+    ffn = FFN(spec)
+    if spec.bias:  # a checkpoint may bias only some projections; the missing ones are zero
+        for wname in spec.weight_names:
+            state.setdefault(f"{wname}.bias", torch.zeros_like(getattr(ffn, wname).bias))
+    ffn.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True)
+    return HFLayer(layer.index, layer.expert, layer.name, ffn.eval(), spec, info.hf_activation, layer)
+
+
+def iter_ffn_layers(
+    path: str | os.PathLike | ModelInfo, layers: str | int | list[int] | None = "all", allow_pickle: bool = False
+) -> Iterator[HFLayer]:
+    """Yield the selected FFN layers one at a time (one layer's weights in memory at once)."""
+    info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
+    wanted = set(parse_layers(layers, info.n_layers))
+    weights = _Weights(info.path, allow_pickle or info.weights_format == "pickle")
+    for layer in info.layers:
+        if layer.index in wanted:
+            yield _load_layer(info, weights, layer)
+
+
+def load_ffn_layers(
+    path: str | os.PathLike | ModelInfo, layers: str | int | list[int] | None = "all", allow_pickle: bool = False
+) -> list[HFLayer]:
+    """Every selected FFN layer (all experts of a selected MoE layer) as ffnquant FFN modules."""
+    return list(iter_ffn_layers(path, layers, allow_pickle=allow_pickle))
