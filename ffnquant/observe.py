@@ -1,0 +1,768 @@
+"""Streaming observers for FFN tensor sites and weights: bounded memory, mergeable, float64 moments.
+
+`StreamingHistogram` keeps a fixed number of bins over a symmetric range [-R, R) where R is
+always a power of two: the smallest one strictly above every |value| seen. When data fall
+outside, R doubles and adjacent bin pairs fold into one, which is exact because the bin grids
+nest. Hence the histogram depends only on the multiset of values, never on batching or order:
+merging two histograms equals the histogram of the concatenated data, bin for bin.
+
+`TensorObserver` accumulates, per tensor site, exact min/max, per-channel min/max, exact-zero
+counts, ever-non-zero channels and the first four central moments (Pebay's pairwise update
+formulas in float64, so streaming and merging agree with a one-shot computation), plus the
+histogram from which |x| percentiles are read. State size depends on channels and bins only.
+
+`kurtosis` is Pearson's (non-excess) kurtosis m4/m2^2: 3 for a Gaussian; `excess_kurtosis`
+subtracts the 3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .errors import FFNQuantError, unknown_choice
+from .model import FFN
+from .spec import FFNSpec, SITES
+
+__all__ = [
+    "DEFAULT_BINS",
+    "PERCENTILES",
+    "OUTLIER_KS",
+    "StreamingHistogram",
+    "TensorObserver",
+    "weight_stats",
+    "RangeTable",
+    "profile",
+    "profile_spec",
+]
+
+DEFAULT_BINS = 2048
+PERCENTILES = (99.0, 99.9, 99.99)
+# Thresholds k for "channel absmax > k * median channel absmax" in summaries.
+OUTLIER_KS = (3.0, 6.0, 20.0)
+_STATE_VERSION = 1
+# Smallest histogram range 2**_MIN_EXP; the rule "R = max(2**_MIN_EXP, smallest power of two
+# above absmax)" depends only on the data's absmax, which is what makes merging exact.
+_MIN_EXP = -64
+
+
+def _as_tensor(x: torch.Tensor | np.ndarray) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    if not isinstance(x, torch.Tensor):
+        raise FFNQuantError(f"expected a tensor or numpy array, got {type(x).__name__}")
+    x = x.detach()
+    if x.dtype != torch.float32:
+        if not (x.is_floating_point() or x.dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)):
+            raise FFNQuantError(f"cannot observe a tensor of dtype {x.dtype}")
+        # float64 input loses nothing that matters for ranges; fp16/bf16 widen exactly.
+        x = x.to(torch.float32)
+    return x
+
+
+def _non_finite_error(x: torch.Tensor, what: str) -> FFNQuantError:
+    n_nan = int(torch.isnan(x).sum())
+    n_inf = int(torch.isinf(x).sum())
+    return FFNQuantError(f"{what} has {n_nan} NaN and {n_inf} Inf values among {x.numel()}")
+
+
+# =====================================================================================
+# Histogram
+# =====================================================================================
+
+
+class StreamingHistogram:
+    """Fixed-size, mergeable histogram of signed values over [-R, R), R a power of two.
+
+    `n_bins` must be a multiple of 4 (so doubling R maps bin pairs onto the middle half).
+    An empty histogram has no range yet (`edges` is then all zeros).
+    """
+
+    __slots__ = ("n_bins", "counts", "_exp")
+
+    def __init__(self, n_bins: int = DEFAULT_BINS) -> None:
+        if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 8 or n_bins % 4:
+            raise FFNQuantError(f"histogram bins must be an integer multiple of 4, at least 8; got {n_bins!r}")
+        self.n_bins = n_bins
+        self.counts = np.zeros(n_bins, dtype=np.int64)
+        self._exp: int | None = None  # R = 2**_exp; None until a value has been seen
+
+    # --- geometry ----------------------------------------------------------------------
+    @property
+    def range_max(self) -> float:
+        """R: the histogram covers [-R, R); 0.0 while empty."""
+        return 0.0 if self._exp is None else math.ldexp(1.0, self._exp)
+
+    @property
+    def bin_width(self) -> float:
+        return 2.0 * self.range_max / self.n_bins
+
+    @property
+    def edges(self) -> np.ndarray:
+        """[n_bins + 1] bin edges, float64 (exact: R and the width are powers of two)."""
+        r = self.range_max
+        return np.linspace(-r, r, self.n_bins + 1)
+
+    @property
+    def centers(self) -> np.ndarray:
+        e = self.edges
+        return 0.5 * (e[:-1] + e[1:])
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    @staticmethod
+    def exponent_for(absmax: float) -> int:
+        """The smallest e with 2**e > absmax (so every value lies strictly inside [-2**e, 2**e))."""
+        # absmax = m * 2**e with 0.5 <= m < 1, hence 2**(e-1) <= absmax < 2**e. The floor at
+        # _MIN_EXP (zeros alone, or tiny values) keeps the float32 bin scaling finite.
+        _, e = math.frexp(absmax)
+        return max(e, _MIN_EXP)
+
+    # --- updating ----------------------------------------------------------------------
+    def _widen(self, exp: int) -> None:
+        """Double R (exp - self._exp) times, folding counts exactly."""
+        if self._exp is None:
+            self._exp = exp
+            return
+        k = exp - self._exp
+        if k <= 0:
+            return
+        half = self.n_bins // 2
+        i = np.arange(self.n_bins) - half
+        # Folding k times maps bin i to half + floor((i - half) / 2**k) (composition of floors).
+        target = half + np.floor_divide(i, 2 ** min(k, 62))
+        folded = np.zeros_like(self.counts)
+        np.add.at(folded, target, self.counts)
+        self.counts = folded
+        self._exp = exp
+
+    def update(self, x: torch.Tensor | np.ndarray, absmax: float | None = None) -> "StreamingHistogram":
+        """Add the values of `x` (any shape); `absmax` may be passed when already known."""
+        x = _as_tensor(x).reshape(-1)
+        if x.numel() == 0:
+            return self
+        if absmax is None:
+            lo, hi = torch.aminmax(x)
+            absmax = max(-float(lo), float(hi))
+        if not math.isfinite(absmax):
+            raise _non_finite_error(x, "histogram input")
+        self._widen(self.exponent_for(absmax))
+        half = self.n_bins // 2
+        # Scaling by a power of two and flooring are exact, so bin assignment never rounds
+        # across an edge; the integer offset is added after the floor for the same reason.
+        inv_width = math.ldexp(1.0, -self._exp) * half
+        idx = (x * inv_width).floor_().to(torch.int32).add_(half)
+        self.counts += torch.bincount(idx, minlength=self.n_bins).numpy()
+        return self
+
+    def merge(self, other: "StreamingHistogram") -> "StreamingHistogram":
+        """A new histogram of both inputs' data (equal to the histogram of their concatenation)."""
+        if not isinstance(other, StreamingHistogram) or other.n_bins != self.n_bins:
+            raise FFNQuantError(
+                f"can only merge histograms with the same number of bins ({self.n_bins} vs "
+                f"{getattr(other, 'n_bins', type(other).__name__)})"
+            )
+        out = self.copy()
+        if other._exp is None:
+            return out
+        mine = out
+        theirs = other.copy()
+        target = max(e for e in (mine._exp, theirs._exp) if e is not None)
+        mine._widen(target)
+        theirs._widen(target)
+        mine.counts = mine.counts + theirs.counts
+        return mine
+
+    def copy(self) -> "StreamingHistogram":
+        out = StreamingHistogram(self.n_bins)
+        out.counts = self.counts.copy()
+        out._exp = self._exp
+        return out
+
+    # --- reading -----------------------------------------------------------------------
+    def abs_counts(self) -> np.ndarray:
+        """[n_bins/2] counts of |x| over [k w, (k+1) w), k = 0.. (negative bins mirrored)."""
+        half = self.n_bins // 2
+        return self.counts[half:] + self.counts[:half][::-1]
+
+    def abs_quantile(self, q: float) -> float:
+        """The q-quantile (0..1) of |x|, linearly interpolated inside its bin; within one bin width."""
+        if not 0.0 <= q <= 1.0:
+            raise FFNQuantError(f"quantile must be in [0, 1], got {q}")
+        total = self.total
+        if total == 0:
+            return float("nan")
+        counts = self.abs_counts()
+        cum = np.cumsum(counts)
+        target = q * total
+        k = int(np.searchsorted(cum, target, side="left"))
+        k = min(k, len(counts) - 1)
+        before = cum[k - 1] if k > 0 else 0
+        inside = counts[k]
+        frac = 0.0 if inside == 0 else (target - before) / inside
+        return float((k + min(max(frac, 0.0), 1.0)) * self.bin_width)
+
+    def nbytes(self) -> int:
+        """Size of the state (the counts array)."""
+        return int(self.counts.nbytes)
+
+    # --- serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able state; counts are stored sparsely as {bin index: count} pairs."""
+        nz = np.flatnonzero(self.counts)
+        return {
+            "n_bins": self.n_bins,
+            "range_exp": self._exp,
+            "range_max": self.range_max,
+            "nonzero_bins": nz.tolist(),
+            "nonzero_counts": self.counts[nz].tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StreamingHistogram":
+        try:
+            out = cls(int(data["n_bins"]))
+            exp = data["range_exp"]
+            out._exp = None if exp is None else int(exp)
+            idx = np.asarray(data["nonzero_bins"], dtype=np.int64)
+            vals = np.asarray(data["nonzero_counts"], dtype=np.int64)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FFNQuantError(f"malformed histogram state: {exc}") from exc
+        if idx.shape != vals.shape or (idx.size and (idx.min() < 0 or idx.max() >= out.n_bins)) or (vals < 0).any():
+            raise FFNQuantError("malformed histogram state: bin indices or counts out of range")
+        if out._exp is None and vals.sum():
+            raise FFNQuantError("malformed histogram state: counts without a range")
+        out.counts[idx] = vals
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, StreamingHistogram)
+            and self.n_bins == other.n_bins
+            and self._exp == other._exp
+            and np.array_equal(self.counts, other.counts)
+        )
+
+    def __repr__(self) -> str:
+        return f"StreamingHistogram(n_bins={self.n_bins}, range=+-{self.range_max:g}, total={self.total})"
+
+
+# =====================================================================================
+# Per-tensor observer
+# =====================================================================================
+
+
+def _combine_moments(a: tuple[int, float, float, float, float], b: tuple[int, float, float, float, float]):
+    """Pebay (2008) pairwise update of (n, mean, M2, M3, M4), M_k = sum of (x - mean)^k."""
+    na, ma, m2a, m3a, m4a = a
+    nb, mb, m2b, m3b, m4b = b
+    if na == 0:
+        return b
+    if nb == 0:
+        return a
+    n = na + nb
+    delta = mb - ma
+    d_n = delta / n
+    mean = ma + nb * d_n
+    m2 = m2a + m2b + delta * d_n * na * nb
+    m3 = m3a + m3b + delta * d_n * d_n * na * nb * (na - nb) + 3.0 * d_n * (na * m2b - nb * m2a)
+    m4 = (
+        m4a
+        + m4b
+        + delta * d_n * d_n * d_n * na * nb * (na * na - na * nb + nb * nb)
+        + 6.0 * d_n * d_n * (na * na * m2b + nb * nb * m2a)
+        + 4.0 * d_n * (na * m3b - nb * m3a)
+    )
+    return n, mean, m2, m3, m4
+
+
+def _batch_moments(x: torch.Tensor) -> tuple[int, float, float, float, float]:
+    """(n, mean, M2, M3, M4) of a float32 [rows, channels] tensor.
+
+    Powers are taken about a float32 centre near the mean (so no cancellation), summed per
+    row in float32 (short sums, fast) and across rows in float64, then shifted exactly to
+    the mean. float64 sums over the whole batch cost ~5x more on CPU for no visible gain.
+    """
+    n = x.numel()
+    centre = (x.sum(dim=-1).to(torch.float64).sum() / n).to(torch.float32)
+    d = x - centre
+    d2 = d * d
+    sums = torch.stack(
+        [
+            d.sum(dim=-1).to(torch.float64).sum(),
+            d2.sum(dim=-1).to(torch.float64).sum(),
+            (d2 * d).sum(dim=-1).to(torch.float64).sum(),
+            d2.mul_(d2).sum(dim=-1).to(torch.float64).sum(),
+            centre.to(torch.float64),
+        ]
+    ).tolist()  # one sync for all scalars
+    s1, s2, s3, s4, c = sums
+    m = s1 / n
+    m2 = s2 - s1 * m
+    m3 = s3 - 3.0 * m * s2 + 2.0 * n * m**3
+    m4 = s4 - 4.0 * m * s3 + 6.0 * m * m * s2 - 3.0 * n * m**4
+    return n, c + m, max(m2, 0.0), m3, max(m4, 0.0)
+
+
+class TensorObserver:
+    """Streaming statistics of one tensor site; `update(x)` takes x of shape (..., channels)."""
+
+    def __init__(self, bins: int = DEFAULT_BINS, name: str = "") -> None:
+        self.name = name
+        self.histogram = StreamingHistogram(bins)
+        self.channels: int | None = None
+        self.n_rows = 0
+        self._moments: tuple[int, float, float, float, float] = (0, 0.0, 0.0, 0.0, 0.0)
+        self.zero_count = 0
+        self._cmin: torch.Tensor | None = None  # [channels] float32
+        self._cmax: torch.Tensor | None = None
+        self._nonzero: torch.Tensor | None = None  # [channels] bool: ever non-zero
+
+    # --- accumulating ------------------------------------------------------------------
+    @classmethod
+    def of_batch(cls, x: torch.Tensor | np.ndarray, bins: int = DEFAULT_BINS, name: str = "") -> "TensorObserver":
+        """An observer of one batch (..., channels); raises on NaN/Inf, naming the site."""
+        out = cls(bins, name)
+        x = _as_tensor(x)
+        if x.ndim == 0:
+            x = x.reshape(1, 1)
+        channels = x.shape[-1]
+        x2 = x.reshape(-1, channels)
+        if x2.numel() == 0:
+            return out
+        # amax/amin over rows are several times faster than aminmax(dim=0) on CPU.
+        cmax, cmin = x2.amax(dim=0), x2.amin(dim=0)
+        lo, hi = float(cmin.min()), float(cmax.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise _non_finite_error(x2, f"site {name or '?'}")
+        out.histogram.update(x2, absmax=max(-lo, hi))
+        n, mean, m2, m3, m4 = _batch_moments(x2)
+        out._moments = (n, mean, m2, m3, m4)
+        out.zero_count = n - int(torch.count_nonzero(x2))
+        out.channels = channels
+        out.n_rows = x2.shape[0]
+        out._cmin, out._cmax = cmin, cmax
+        # A channel was non-zero in this batch iff its min or max is.
+        out._nonzero = (cmin != 0) | (cmax != 0)
+        return out
+
+    def update(self, x: torch.Tensor | np.ndarray) -> "TensorObserver":
+        """Fold a batch (..., channels) into the statistics; raises on NaN/Inf or a channel mismatch
+        (and then changes nothing)."""
+        return self.absorb(TensorObserver.of_batch(x, self.histogram.n_bins, self.name))
+
+    def absorb(self, other: "TensorObserver") -> "TensorObserver":
+        """Fold another observer's data into this one, in place (see `merge` for the pure form)."""
+        if not isinstance(other, TensorObserver):
+            raise FFNQuantError(f"cannot merge a TensorObserver with {type(other).__name__}")
+        if self.channels is not None and other.channels is not None and self.channels != other.channels:
+            raise FFNQuantError(f"site {self.name or '?'}: got {other.channels} channels, expected {self.channels}")
+        if other.channels is None:
+            return self
+        self.histogram = self.histogram.merge(other.histogram)
+        if self.channels is None:
+            self.channels = other.channels
+            self._cmin, self._cmax, self._nonzero = other._cmin.clone(), other._cmax.clone(), other._nonzero.clone()
+        else:
+            torch.minimum(self._cmin, other._cmin, out=self._cmin)
+            torch.maximum(self._cmax, other._cmax, out=self._cmax)
+            self._nonzero |= other._nonzero
+        self.n_rows += other.n_rows
+        self.zero_count += other.zero_count
+        self._moments = _combine_moments(self._moments, other._moments)
+        return self
+
+    def copy(self) -> "TensorObserver":
+        return TensorObserver(self.histogram.n_bins, self.name).absorb(self)
+
+    def merge(self, other: "TensorObserver") -> "TensorObserver":
+        """A new observer holding both observers' data (as if one had seen all of it)."""
+        return self.copy().absorb(other)
+
+    # --- statistics --------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        """Number of elements seen."""
+        return self._moments[0]
+
+    @property
+    def min(self) -> float:
+        return float(self._cmin.min()) if self._cmin is not None else float("nan")
+
+    @property
+    def max(self) -> float:
+        return float(self._cmax.max()) if self._cmax is not None else float("nan")
+
+    @property
+    def absmax(self) -> float:
+        return max(-self.min, self.max) if self._cmin is not None else float("nan")
+
+    @property
+    def mean(self) -> float:
+        return self._moments[1] if self.n else float("nan")
+
+    @property
+    def variance(self) -> float:
+        """Population variance (divides by n)."""
+        return self._moments[2] / self.n if self.n else float("nan")
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.variance) if self.n else float("nan")
+
+    @property
+    def skewness(self) -> float:
+        n, _, m2, m3, _ = self._moments
+        return math.sqrt(n) * m3 / m2**1.5 if n and m2 > 0 else float("nan")
+
+    @property
+    def kurtosis(self) -> float:
+        """Pearson's kurtosis n*M4/M2^2 (3 for a Gaussian); nan for constant data."""
+        n, _, m2, _, m4 = self._moments
+        return n * m4 / (m2 * m2) if n and m2 > 0 else float("nan")
+
+    @property
+    def excess_kurtosis(self) -> float:
+        return self.kurtosis - 3.0
+
+    @property
+    def crest_factor(self) -> float:
+        """absmax / std: how many standard deviations the largest value lies out."""
+        std = self.std
+        return self.absmax / std if self.n and std > 0 else float("nan")
+
+    @property
+    def zero_fraction(self) -> float:
+        """Fraction of elements exactly equal to zero."""
+        return self.zero_count / self.n if self.n else float("nan")
+
+    def abs_percentile(self, p: float) -> float:
+        """The p-th percentile (0..100) of |x|, from the histogram (within one bin width), capped at absmax."""
+        if not 0.0 <= p <= 100.0:
+            raise FFNQuantError(f"percentile must be in [0, 100], got {p}")
+        return min(self.histogram.abs_quantile(p / 100.0), self.absmax)
+
+    @property
+    def percentiles(self) -> dict[str, float]:
+        """|x| percentiles 99, 99.9, 99.99 keyed '99', '99.9', '99.99'."""
+        return {f"{p:g}": self.abs_percentile(p) for p in PERCENTILES}
+
+    @property
+    def channel_min(self) -> np.ndarray:
+        return self._channel(self._cmin)
+
+    @property
+    def channel_max(self) -> np.ndarray:
+        return self._channel(self._cmax)
+
+    @property
+    def channel_absmax(self) -> np.ndarray:
+        """[channels] float64: max |x| per channel (last dimension)."""
+        if self._cmin is None:
+            return np.zeros(0)
+        return self._channel(torch.maximum(-self._cmin, self._cmax))
+
+    @property
+    def channel_ever_nonzero(self) -> np.ndarray:
+        """[channels] bool: whether the channel was ever non-zero."""
+        return self._nonzero.numpy().copy() if self._nonzero is not None else np.zeros(0, dtype=bool)
+
+    @property
+    def dead_units(self) -> int:
+        """Channels that were exactly zero for every token seen (e.g. ReLU units never active)."""
+        return int((~self._nonzero).sum()) if self._nonzero is not None else 0
+
+    def outlier_channels(self, k: float = 6.0) -> int:
+        """Number of channels whose absmax exceeds k times the median channel absmax."""
+        ca = self.channel_absmax
+        if ca.size == 0:
+            return 0
+        return int((ca > k * float(np.median(ca))).sum())
+
+    @staticmethod
+    def _channel(t: torch.Tensor | None) -> np.ndarray:
+        return t.to(torch.float64).numpy().copy() if t is not None else np.zeros(0)
+
+    def nbytes(self) -> int:
+        """Size of the accumulated state in bytes (independent of how many tokens were seen)."""
+        size = self.histogram.nbytes()
+        for t in (self._cmin, self._cmax, self._nonzero):
+            if t is not None:
+                size += t.numel() * t.element_size()
+        return size
+
+    def summary(self) -> dict[str, Any]:
+        """The scalar statistics as a JSON-able dict (None where undefined, e.g. empty or constant)."""
+        ca = self.channel_absmax
+
+        def num(v: float) -> float | None:
+            return float(v) if v == v and math.isfinite(v) else None
+
+        return {
+            "n": self.n,
+            "n_tokens": self.n_rows,
+            "channels": self.channels,
+            "min": num(self.min),
+            "max": num(self.max),
+            "absmax": num(self.absmax),
+            "mean": num(self.mean),
+            "std": num(self.std),
+            "skewness": num(self.skewness),
+            "kurtosis": num(self.kurtosis),
+            "excess_kurtosis": num(self.excess_kurtosis),
+            "crest_factor": num(self.crest_factor),
+            "abs_percentiles": {k: num(v) for k, v in self.percentiles.items()} if self.n else {},
+            "zero_fraction": num(self.zero_fraction),
+            "zero_count": self.zero_count,
+            "dead_units": self.dead_units,
+            "channel_absmax_median": num(float(np.median(ca))) if ca.size else None,
+            "channel_absmax_max": num(float(ca.max())) if ca.size else None,
+            "outlier_channels": {f"{k:g}": self.outlier_channels(k) for k in OUTLIER_KS},
+            "histogram_range": self.histogram.range_max,
+            "histogram_bins": self.histogram.n_bins,
+        }
+
+    # --- serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Full mergeable state (moments, channel arrays, histogram), JSON-able."""
+        n, mean, m2, m3, m4 = self._moments
+        return {
+            "name": self.name,
+            "channels": self.channels,
+            "n_rows": self.n_rows,
+            "zero_count": self.zero_count,
+            "moments": {"n": n, "mean": mean, "m2": m2, "m3": m3, "m4": m4},
+            "channel_min": self.channel_min.tolist(),
+            "channel_max": self.channel_max.tolist(),
+            "channel_ever_nonzero": [int(b) for b in self.channel_ever_nonzero],
+            "histogram": self.histogram.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TensorObserver":
+        try:
+            hist = StreamingHistogram.from_dict(data["histogram"])
+            out = cls(hist.n_bins, str(data.get("name", "")))
+            out.histogram = hist
+            mo = data["moments"]
+            out._moments = (int(mo["n"]), float(mo["mean"]), float(mo["m2"]), float(mo["m3"]), float(mo["m4"]))
+            out.n_rows = int(data["n_rows"])
+            out.zero_count = int(data["zero_count"])
+            channels = data["channels"]
+            if channels is not None:
+                out.channels = int(channels)
+                out._cmin = torch.tensor(data["channel_min"], dtype=torch.float32)
+                out._cmax = torch.tensor(data["channel_max"], dtype=torch.float32)
+                out._nonzero = torch.tensor([bool(b) for b in data["channel_ever_nonzero"]], dtype=torch.bool)
+                if not (len(out._cmin) == len(out._cmax) == len(out._nonzero) == out.channels):
+                    raise ValueError("channel arrays do not match the channel count")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FFNQuantError(f"malformed observer state: {exc}") from exc
+        return out
+
+    def __repr__(self) -> str:
+        return f"TensorObserver({self.name!r}, n={self.n}, absmax={self.absmax:.4g}, crest={self.crest_factor:.3g})"
+
+
+# =====================================================================================
+# Weights, tables, profiling
+# =====================================================================================
+
+
+def weight_stats(weight: torch.Tensor, bins: int = DEFAULT_BINS) -> dict[str, Any]:
+    """Statistics of a weight matrix [out, in]: the observer summary over all elements plus
+    `channel_absmax` per output channel ([out]) and `in_channel_absmax` per input channel ([in])."""
+    w = _as_tensor(weight)
+    if w.ndim != 2:
+        raise FFNQuantError(f"weight must be a matrix [out, in], got shape {tuple(w.shape)}")
+    obs = TensorObserver(bins, "weight").update(w.t())  # channels = output rows
+    stats = obs.summary()
+    stats["shape"] = list(w.shape)
+    stats["channel_absmax"] = obs.channel_absmax.tolist()
+    stats["in_channel_absmax"] = w.abs().amax(dim=0).to(torch.float64).tolist()
+    return stats
+
+
+@dataclass
+class RangeTable:
+    """Per-site observers (and weight statistics) of one FFN over a calibration set."""
+
+    spec: FFNSpec | None
+    sites: dict[str, TensorObserver] = field(default_factory=dict)
+    weights: dict[str, dict[str, Any]] = field(default_factory=dict)
+    n_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, site: str) -> TensorObserver:
+        try:
+            return self.sites[site]
+        except KeyError:
+            raise unknown_choice("site", site, list(self.sites)) from None
+
+    def __contains__(self, site: object) -> bool:
+        return site in self.sites
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sites)
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def keys(self):
+        return self.sites.keys()
+
+    def items(self):
+        return self.sites.items()
+
+    @property
+    def variant(self) -> str | None:
+        return self.spec.variant.value if self.spec is not None else None
+
+    def merge(self, other: "RangeTable") -> "RangeTable":
+        """A new table over both tables' tokens; same spec and sites required, weights taken from self."""
+        if not isinstance(other, RangeTable):
+            raise FFNQuantError(f"cannot merge a RangeTable with {type(other).__name__}")
+        if self.spec != other.spec:
+            a = self.spec.key if self.spec else None
+            b = other.spec.key if other.spec else None
+            raise FFNQuantError(f"cannot merge range tables of different FFNs ({a} vs {b})")
+        if set(self.sites) != set(other.sites):
+            raise FFNQuantError(f"cannot merge range tables over different sites ({sorted(self.sites)} vs {sorted(other.sites)})")
+        return RangeTable(
+            self.spec,
+            {s: self.sites[s].merge(other.sites[s]) for s in self.sites},
+            dict(self.weights or other.weights),
+            self.n_tokens + other.n_tokens,
+            dict(self.meta),
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Scalars only: per-site summaries and weight statistics without the per-channel arrays."""
+        return {
+            "spec": self.spec.to_dict() if self.spec is not None else None,
+            "n_tokens": self.n_tokens,
+            "meta": self.meta,
+            "sites": {s: o.summary() for s, o in self.sites.items()},
+            "weights": {
+                w: {k: v for k, v in st.items() if k not in ("channel_absmax", "in_channel_absmax")}
+                for w, st in self.weights.items()
+            },
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Full state (mergeable, reloadable with `from_dict`), JSON-able."""
+        return {
+            "state_version": _STATE_VERSION,
+            "spec": self.spec.to_dict() if self.spec is not None else None,
+            "n_tokens": self.n_tokens,
+            "meta": self.meta,
+            "sites": {s: o.to_dict() for s, o in self.sites.items()},
+            "weights": self.weights,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RangeTable":
+        if data.get("state_version") != _STATE_VERSION:
+            raise FFNQuantError(f"range table state version {data.get('state_version')!r} is not {_STATE_VERSION}")
+        try:
+            spec = FFNSpec.from_dict(data["spec"]) if data.get("spec") is not None else None
+            sites = {str(s): TensorObserver.from_dict(o) for s, o in data["sites"].items()}
+            return cls(spec, sites, dict(data.get("weights", {})), int(data["n_tokens"]), dict(data.get("meta", {})))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise FFNQuantError(f"malformed range table: {exc}") from exc
+
+
+def _resolve_sites(model: FFN, sites: Sequence[str] | None) -> list[str]:
+    available = list(model.taps.keys())
+    if sites is None:
+        return available
+    out = []
+    for s in sites:
+        if s not in available:
+            raise unknown_choice(f"site for {model.spec.variant.value}", s, available)
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def profile(
+    model: FFN,
+    batches: Iterable[torch.Tensor],
+    sites: Sequence[str] | None = None,
+    bins: int = DEFAULT_BINS,
+    weights: bool = True,
+) -> RangeTable:
+    """Observe `sites` (default: all of the model's) over `batches` (..., d_model) via forward hooks
+    on `model.taps`; hooks are removed afterwards, also on error. Nothing stores activations."""
+    names = _resolve_sites(model, sites)
+    observers = {s: TensorObserver(bins, s) for s in names}
+    d_model = model.spec.d_model
+    handles = []
+
+    # Sites that receive the very same tensor object in one forward pass (a dense FFN's `act`
+    # and `hidden`) share one batch computation: the cache holds the pass's tensors only.
+    seen: list[tuple[torch.Tensor, TensorObserver]] = []
+
+    def make_hook(obs: TensorObserver):
+        def hook(module, inputs, output):  # returns None: the tensor passes through unchanged
+            batch = next((b for t, b in seen if t is output), None)
+            if batch is None:
+                batch = TensorObserver.of_batch(output, bins, obs.name)
+                seen.append((output, batch))
+            obs.absorb(batch)
+
+        return hook
+
+    n_tokens = 0
+    try:
+        for s in names:
+            handles.append(model.taps[s].register_forward_hook(make_hook(observers[s])))
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                if not isinstance(batch, torch.Tensor):
+                    batch = _as_tensor(batch)
+                if batch.ndim < 1 or batch.shape[-1] != d_model:
+                    raise FFNQuantError(f"batch {i} has shape {tuple(batch.shape)}; expected (..., {d_model})")
+                param = next(model.parameters())
+                model(batch.to(device=param.device, dtype=param.dtype))
+                seen.clear()
+                n_tokens += batch.numel() // d_model
+    finally:
+        seen.clear()
+        for h in handles:
+            h.remove()
+    weight_table = {}
+    if weights:
+        weight_table = {name: weight_stats(w, bins) for name, w in model.weights().items()}
+    return RangeTable(model.spec, observers, weight_table, n_tokens)
+
+
+def profile_spec(
+    spec: FFNSpec,
+    source,
+    n_tokens: int,
+    seed: int = 0,
+    batch_size: int = 1024,
+    sites: Sequence[str] | None = None,
+    bins: int = DEFAULT_BINS,
+    model: FFN | None = None,
+) -> RangeTable:
+    """Build the FFN for `spec` (weights from `seed`, unless `model` is given) and profile it over
+    `n_tokens` tokens streamed from `source` (a `TokenSource`) in batches of `batch_size`."""
+    from .data import TokenSource
+    from .model import build
+
+    if not isinstance(source, TokenSource):
+        raise FFNQuantError(f"source must be a TokenSource, got {type(source).__name__}")
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens <= 0:
+        raise FFNQuantError(f"number of tokens must be a positive integer, got {n_tokens!r}")
+    model = model if model is not None else build(spec, seed=seed)
+    table = profile(model, source.batches(n_tokens, spec.d_model, batch_size), sites=sites, bins=bins)
+    table.meta = {"source": source.to_dict(), "source_label": source.label, "weight_seed": seed, "batch_size": batch_size}
+    return table
