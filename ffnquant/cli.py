@@ -19,6 +19,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 COMMANDS: tuple[str, ...] = (
     "variants",
     "export",
+    "run",
 )
 
 
@@ -46,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and argparse's own errors: return the code
         return int(exc.code or 0)
+    # The exact command line, for reports that state how they were made.
+    args._argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args._run(args) or 0)
     except FFNQuantError as exc:

@@ -1,0 +1,107 @@
+"""`ffnquant run`: the main job, end to end, with a progress bar; prints the recommendations and report paths."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from ..errors import FFNQuantError
+from ..render import text_table
+from .common import add_spec_arguments, positive_int
+
+NAME = "run"
+HELP = "profile, quantize, export and benchmark every FFN variant, and write the accuracy/latency report"
+
+# Options that map one to one onto RunConfig fields (dest -> field); None means "not given".
+_FIELDS = {
+    "variants": "variants", "d_model": "d_model", "d_ff": "d_ff", "multiple_of": "multiple_of",
+    "ffn_dim_multiplier": "ffn_dim_multiplier", "bias": "bias", "seed": "seed", "source": "source",
+    "outlier_channels": "n_outlier_channels", "outlier_scale": "outlier_scale", "calib_tokens": "calib_tokens",
+    "eval_tokens": "eval_tokens", "batch_size": "batch_size", "bins": "bins", "schemes": "schemes",
+    "baseline": "baseline", "target_db": "target_db", "sensitivity": "sensitivity", "runtimes": "runtimes",
+    "tokens": "tokens", "budget_s": "budget_s", "out": "out_reports", "export": "out_export",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_spec_arguments(parser)
+    # Defaults come from RunConfig (or --config / --tiny): an option left out must not override them.
+    parser.set_defaults(variants=None, d_model=None, seed=None)
+    parser.add_argument("--config", metavar="FILE.toml", help="read the run configuration from a TOML file "
+                        "(options given on the command line override it); every run writes its own as run.toml")
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (d_model 64, 3 variants, few tokens)")
+    parser.add_argument("--source", help="data: gaussian, llm_like (default), file:PATH or PATH.npy/.safetensors [tokens, d_model]")
+    parser.add_argument("--outlier-channels", type=int, help="llm_like: number of outlier input channels (default 4)")
+    parser.add_argument("--outlier-scale", type=float, help="llm_like: their magnitude (default 50)")
+    parser.add_argument("--calib-tokens", type=positive_int, help="calibration tokens (default 4096)")
+    parser.add_argument("--eval-tokens", type=positive_int, help="held-out evaluation tokens (default 2048)")
+    parser.add_argument("--batch-size", type=positive_int, help="profiling batch size (default 1024)")
+    parser.add_argument("--bins", type=positive_int, help="histogram bins per site (default 2048)")
+    parser.add_argument("--schemes", help="comma-separated SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate] "
+                        "(default fp32,fp16,w8a16,w8a8@auto,w8a8@auto+smooth,w8a8-dynamic,w4a16-g128,nf4)")
+    parser.add_argument("--baseline", help="the float scheme speedups are measured against (default fp32)")
+    parser.add_argument("--target-db", type=float, help="accuracy target: SQNR in dB a recommendation must meet (default 30)")
+    parser.add_argument("--no-sensitivity", dest="sensitivity", action="store_false", default=None,
+                        help="skip the per-site sensitivity of the worst cases")
+    parser.add_argument("--runtimes", help="comma-separated runtimes, or 'available' (default: every runtime available here)")
+    parser.add_argument("--tokens", help="token counts M to time, comma-separated (default 1,16,512)")
+    parser.add_argument("--budget-s", type=float, help="time budget per latency case in seconds (default 0.04)")
+    parser.add_argument("--out", help="report folder (default reports/)")
+    parser.add_argument("--export", help="artifact folder (default export/)")
+
+
+def config_from_args(args: argparse.Namespace):
+    """The RunConfig the arguments describe: --config file or --tiny preset or defaults, then the options given."""
+    from ..run import RunConfig, load_config
+
+    if args.config and args.tiny:
+        raise FFNQuantError("--config and --tiny are exclusive")
+    base = load_config(args.config) if args.config else (RunConfig.tiny() if args.tiny else RunConfig())
+    changes = {}
+    for dest, field in _FIELDS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            changes[field] = value
+    if changes.get("variants") == "all":
+        changes["variants"] = ()
+    return base.with_(**changes) if changes else base
+
+
+def _progress_bar():
+    """A rich progress bar on stderr, and the callback `run` reports to."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("[bold]ffnquant run[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.description}"), console=Console(stderr=True), transient=False)
+    task = bar.add_task("starting", total=None)
+
+    def callback(message: str, done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total, description=message)
+
+    return bar, callback
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..run import run as run_job
+
+    config = config_from_args(args)  # every bad option fails here, before anything is written
+    argv = getattr(args, "_argv", None) or ["run"]
+    command = "ffnquant " + " ".join(shlex.quote(a) for a in argv)
+    bar, callback = _progress_bar()
+    with bar:
+        result = run_job(config, progress=callback, command=command)
+    recs = [r for r in result.recommendations if r["tokens"] == result.primary_tokens]
+    if recs:
+        print(f"Recommendations at M={result.primary_tokens} tokens (SQNR target {config.target_db:g} dB):")
+        print(text_table(["variant", "runtime", "choice", "why"],
+                         [(r["variant"], r["runtime"], r["label"] or "-", r["reason"]) for r in recs]))
+    for m in result.document["missing"]:
+        print(f"not in this report: {m['part']}: {m['reason']}", file=sys.stderr)
+    for f in result.document["findings"]:
+        print(f"- {f['text']}")
+    print(f"wall time {result.document['timing']['wall_s']:.1f} s")
+    for kind in ("json", "md", "html", "config"):
+        print(f"{kind}: {result.paths[kind]}")
+    return 0

@@ -1,0 +1,804 @@
+"""The main job: profile, quantize, export, benchmark and report every FFN variant in one run.
+
+`RunConfig` is frozen and validated and round-trips through a dict and TOML, so a run can be
+repeated exactly (`ffnquant run --config reports/run.toml`). `run(config)` returns a
+`RunResult` holding the report document and the paths written; it measures and writes but
+never prints (the CLI renders the progress and the summary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from .errors import FFNQuantError, unknown_choice
+from .spec import FFNSpec, Variant, parse_variants
+
+__all__ = [
+    "CONFIG_VERSION",
+    "DEFAULT_SCHEMES",
+    "DEFAULT_TOKENS",
+    "Recipe",
+    "parse_recipe",
+    "RunConfig",
+    "RunResult",
+    "load_config",
+    "run",
+]
+
+CONFIG_VERSION = 1
+# The issue's default set: float baselines, int8 weight-only, static int8 with the best calibrator
+# per site (with and without smoothing), dynamic int8, 4-bit group-wise and bitsandbytes' NF4.
+DEFAULT_SCHEMES: tuple[str, ...] = (
+    "fp32", "fp16", "w8a16", "w8a8@auto", "w8a8@auto+smooth", "w8a8-dynamic", "w4a16-g128", "nf4",
+)
+# Decode (1, 16) and one prefill block (512): enough to see both regimes within the 5-minute budget.
+DEFAULT_TOKENS: tuple[int, ...] = (1, 16, 512)
+DEFAULT_SMOOTH_ALPHA = 0.5
+
+
+# --- recipes: a scheme preset plus calibrator and remedies ---------------------------------
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one row of the report is: `scheme` preset, optional calibrator override, remedies.
+
+    Text form: `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]`, e.g. `w8a8@auto+smooth=0.5`.
+    """
+
+    scheme: str
+    calibrator: str | None = None
+    smooth: float | None = None
+    rotate: bool = False
+
+    @property
+    def name(self) -> str:
+        out = self.scheme + (f"@{self.calibrator}" if self.calibrator else "")
+        if self.smooth is not None:
+            out += "+smooth" + ("" if self.smooth == DEFAULT_SMOOTH_ALPHA else f"={self.smooth:g}")
+        if self.rotate:
+            out += "+rotate"
+        return out
+
+    @property
+    def label(self) -> str:
+        """Human label, e.g. 'w8a8 (auto) + smooth 0.5'."""
+        out = self.scheme + (f" ({self.calibrator})" if self.calibrator else "")
+        if self.smooth is not None:
+            out += f" + smooth {self.smooth:g}"
+        if self.rotate:
+            out += " + rotate"
+        return out
+
+
+def parse_recipe(text: str) -> Recipe:
+    """Parse `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]`; scheme and calibrator names are checked
+    against their registries when those modules are installed."""
+    raw = str(text).strip()
+    if not raw:
+        raise FFNQuantError("empty scheme name")
+    head, *mods = raw.split("+")
+    scheme, _, calibrator = head.partition("@")
+    scheme, calibrator = scheme.strip().lower(), calibrator.strip().lower() or None
+    smooth: float | None = None
+    rotate = False
+    for mod in mods:
+        key, _, value = mod.strip().lower().partition("=")
+        if key == "smooth":
+            try:
+                smooth = float(value) if value else DEFAULT_SMOOTH_ALPHA
+            except ValueError:
+                raise FFNQuantError(f"scheme {raw!r}: smooth strength must be a number, got {value!r}") from None
+            if not (0.0 <= smooth <= 1.0):
+                raise FFNQuantError(f"scheme {raw!r}: smooth strength must be in [0, 1], got {smooth:g}")
+        elif key == "rotate" and not value:
+            rotate = True
+        else:
+            raise unknown_choice(f"remedy in {raw!r}", mod, ["smooth", "smooth=ALPHA", "rotate"])
+    try:
+        from .schemes import get_scheme
+    except ImportError:  # quantization not installed: the run reports it as missing
+        return Recipe(scheme, calibrator, smooth, rotate)
+    sch = get_scheme(scheme)
+    if calibrator is not None:
+        from .calibrate import parse_calibrator
+
+        parse_calibrator(calibrator)
+        if not sch.static_activations:
+            raise FFNQuantError(f"scheme {raw!r}: {scheme} has no static activation ranges to calibrate")
+    if (smooth is not None or rotate) and sch.weight_dtype.is_float:
+        raise FFNQuantError(f"scheme {raw!r}: remedies apply to quantized schemes, not {scheme}")
+    return Recipe(scheme, calibrator, smooth, rotate)
+
+
+# --- the configuration ---------------------------------------------------------------------
+
+def _tuple_of_str(value: Any, what: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [v for v in value.split(",")]
+    if not isinstance(value, (list, tuple)):
+        raise FFNQuantError(f"{what} must be a list or a comma-separated string, got {value!r}")
+    out = tuple(str(v).strip() for v in value if str(v).strip())
+    return out
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise FFNQuantError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise FFNQuantError(f"{what} must be a positive number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that decides a run's numbers (and where it writes). Frozen and validated.
+
+    `runtimes=("available",)` means every runtime that is really available on the machine;
+    naming a runtime that is not available is an error. `source` is "gaussian", "llm_like",
+    "file:PATH" or a .npy/.safetensors path (see `ffnquant.data.parse_source`).
+    """
+
+    variants: tuple[str, ...] = tuple(v.value for v in Variant)
+    d_model: int = 512
+    d_ff: int | None = None
+    multiple_of: int | None = None
+    ffn_dim_multiplier: float | None = None
+    bias: bool | None = None
+    seed: int = 0
+    source: str = "llm_like"
+    n_outlier_channels: int = 4
+    outlier_scale: float = 50.0
+    calib_tokens: int = 4096
+    eval_tokens: int = 2048
+    batch_size: int = 1024
+    bins: int = 2048
+    schemes: tuple[str, ...] = DEFAULT_SCHEMES
+    baseline: str = "fp32"
+    target_db: float = 30.0
+    sensitivity: bool = True
+    runtimes: tuple[str, ...] = ("available",)
+    tokens: tuple[int, ...] = DEFAULT_TOKENS
+    budget_s: float = 0.04
+    out_reports: str = "reports"
+    out_export: str = "export"
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if self.version != CONFIG_VERSION:
+            raise FFNQuantError(f"run config version {self.version!r} is not supported (expected {CONFIG_VERSION})")
+        set_("variants", tuple(v.value for v in parse_variants(list(_tuple_of_str(self.variants, "variants")) or None)))
+        schemes = tuple(parse_recipe(s).name for s in _tuple_of_str(self.schemes, "schemes"))
+        if not schemes:
+            raise FFNQuantError("schemes must name at least one scheme")
+        if len(set(schemes)) != len(schemes):
+            raise FFNQuantError(f"schemes lists a scheme twice: {', '.join(schemes)}")
+        set_("schemes", schemes)
+        runtimes = tuple(r.lower() for r in _tuple_of_str(self.runtimes, "runtimes")) or ("available",)
+        if "available" in runtimes and len(runtimes) > 1:
+            raise FFNQuantError("runtimes: give 'available' alone or a list of runtime names")
+        set_("runtimes", runtimes)
+        tokens = self.tokens
+        if isinstance(tokens, str):
+            try:
+                tokens = [int(t) for t in tokens.split(",") if t.strip()]
+            except ValueError:
+                raise FFNQuantError(f"tokens must be comma-separated positive integers, got {self.tokens!r}") from None
+        if not isinstance(tokens, (list, tuple)) or not tokens:
+            raise FFNQuantError(f"tokens must list at least one token count, got {self.tokens!r}")
+        set_("tokens", tuple(sorted({_positive_int(t, "tokens") for t in tokens})))
+        for name in ("d_model", "calib_tokens", "eval_tokens", "batch_size", "bins", "n_outlier_channels"):
+            if name == "n_outlier_channels" and self.n_outlier_channels == 0:
+                continue
+            _positive_int(getattr(self, name), name)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise FFNQuantError(f"seed must be a non-negative integer, got {self.seed!r}")
+        set_("outlier_scale", _positive_float(self.outlier_scale, "outlier_scale"))
+        set_("budget_s", _positive_float(self.budget_s, "budget_s"))
+        if isinstance(self.target_db, bool) or not isinstance(self.target_db, (int, float)) or not math.isfinite(self.target_db):
+            raise FFNQuantError(f"target_db must be a number of dB, got {self.target_db!r}")
+        set_("target_db", float(self.target_db))
+        if not isinstance(self.sensitivity, bool):
+            raise FFNQuantError(f"sensitivity must be true or false, got {self.sensitivity!r}")
+        base = parse_recipe(self.baseline).name
+        if base not in schemes:
+            raise FFNQuantError(f"baseline {base!r} must be one of the schemes ({', '.join(schemes)})")
+        set_("baseline", base)
+        for name in ("out_reports", "out_export", "source"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise FFNQuantError(f"{name} must be a non-empty string, got {value!r}")
+        if self.d_ff is not None and self.ffn_dim_multiplier is not None:
+            raise FFNQuantError("d_ff and ffn_dim_multiplier are exclusive: give the width or the rule's multiplier")
+        self.specs()  # validates the sizes now, not halfway through a run
+        self.token_source()
+
+    # --- derived -------------------------------------------------------------------
+    @property
+    def recipes(self) -> tuple[Recipe, ...]:
+        return tuple(parse_recipe(s) for s in self.schemes)
+
+    def specs(self) -> list[FFNSpec]:
+        return [
+            FFNSpec(v, d_model=self.d_model, d_ff=self.d_ff, bias=self.bias, multiple_of=self.multiple_of,
+                    ffn_dim_multiplier=self.ffn_dim_multiplier)
+            for v in self.variants
+        ]
+
+    def token_source(self):
+        """The `ffnquant.data.TokenSource` the config names (validated; files are read later)."""
+        from .data import parse_source
+
+        return parse_source(self.source, seed=self.seed, n_outlier_channels=self.n_outlier_channels,
+                            outlier_scale=self.outlier_scale)
+
+    # --- presets and serialisation ---------------------------------------------------
+    @classmethod
+    def tiny(cls, **changes: Any) -> "RunConfig":
+        """A seconds-long configuration for tests and smoke runs: d_model 64, 3 variants, few tokens."""
+        base = dict(variants=("relu", "gelu", "swiglu"), d_model=64, calib_tokens=512, eval_tokens=256, batch_size=256,
+                    bins=512, schemes=("fp32", "w8a16", "w8a8@auto", "w8a8@auto+smooth", "w8a8-dynamic", "w4a16-g32"),
+                    tokens=(1, 64), budget_s=0.005)
+        base.update(changes)
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise FFNQuantError(f"unknown run config key(s) {', '.join(extra)}; valid: {', '.join(sorted(known))}")
+        return cls(**dict(data))
+
+    def to_toml(self) -> str:
+        """TOML text that `load_config` reads back to an equal config (None fields are left out:
+        TOML has no null, and absent means the default None)."""
+        import tomli_w  # the well-kept TOML writer; tomllib only reads
+
+        data = {k: v for k, v in self.to_dict().items() if v is not None}
+        return "# ffnquant run configuration; repeat the run with: ffnquant run --config THIS_FILE\n" + tomli_w.dumps(data)
+
+    def with_(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def load_config(path: str | os.PathLike) -> RunConfig:
+    """Read a RunConfig from a TOML file; unreadable or invalid files raise FFNQuantError naming the file."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FFNQuantError(f"config file {str(p)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FFNQuantError(f"cannot read config file {str(p)!r}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise FFNQuantError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    try:
+        return RunConfig.from_dict(data)
+    except FFNQuantError as exc:
+        raise FFNQuantError(f"config file {str(p)!r}: {exc}") from None
+    except TypeError as exc:
+        raise FFNQuantError(f"config file {str(p)!r}: {exc}") from None
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+# (message, done, total): called after each unit of work; the CLI draws a progress bar from it.
+Progress = Callable[[str, int, int], None]
+
+# A standard transformer block's attention has 4 d x d projections (q, k, v, o) with biases when the
+# FFN has them: the seeds' "FFN is about two thirds of a block's parameters" is measured against this.
+_ATTN_MATRICES = 4
+
+
+@dataclass
+class RunResult:
+    """The report document of a run and the files written."""
+
+    config: RunConfig
+    document: dict[str, Any]
+    paths: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def recommendations(self) -> list[dict[str, Any]]:
+        return self.document["timing"]["recommendations"]
+
+    @property
+    def primary_tokens(self) -> int | None:
+        return self.document["timing"]["latency"].get("primary_tokens")
+
+
+class _Stages:
+    """Wall time per named stage (for the report's timing section)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+
+def _compact_histogram(hist: Any, max_bins: int = 256) -> dict[str, list] | None:
+    """The observer's histogram folded to at most `max_bins` bins, with empty tails trimmed (for plots)."""
+    import numpy as np
+
+    counts = np.asarray(hist.counts, dtype=np.int64)
+    edges = np.asarray(hist.edges, dtype=np.float64)
+    if counts.sum() == 0:
+        return None
+    nz = np.nonzero(counts)[0]
+    lo, hi = int(nz[0]), int(nz[-1]) + 1
+    counts, edges = counts[lo:hi], edges[lo : hi + 1]
+    factor = max(1, math.ceil(len(counts) / max_bins))
+    pad = (-len(counts)) % factor
+    if pad:
+        counts = np.concatenate([counts, np.zeros(pad, dtype=np.int64)])
+        step = edges[-1] - edges[-2]
+        edges = np.concatenate([edges, edges[-1] + step * np.arange(1, pad + 1)])
+    folded = counts.reshape(-1, factor).sum(axis=1)
+    return {"edges": [float(e) for e in edges[::factor]], "counts": [int(c) for c in folded]}
+
+
+def _json_num(x: Any) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _select_runtimes(config: RunConfig) -> list[tuple[str, Any, Any]]:
+    """[(name, Availability, Runtime)] to measure on. Explicitly named unavailable runtimes are an error."""
+    from .runtimes import get_runtime, runtime_names
+
+    names = runtime_names() if config.runtimes == ("available",) else config.runtimes
+    out = []
+    for name in names:
+        rt = get_runtime(name)  # unknown names raise, listing the valid ones
+        avail = rt.availability()
+        if not avail.available and config.runtimes != ("available",):
+            raise FFNQuantError(f"runtime {name!r} is not available here: {avail.reason}")
+        out.append((name, avail, rt))
+    return out
+
+
+def _claims_static(specs: Sequence[FFNSpec]) -> list[dict[str, Any]]:
+    """The seeds' claims that follow from the sizes alone: the FFN's share of a block's parameters."""
+    out = []
+    for spec in specs:
+        if spec.variant.value not in ("relu", "swiglu"):
+            continue
+        attn = _ATTN_MATRICES * spec.d_model * spec.d_model + (_ATTN_MATRICES * spec.d_model if spec.bias else 0)
+        share = spec.n_params / (spec.n_params + attn)
+        out.append({
+            "claim": f"the FFN is about two thirds of a transformer block's parameters ({spec.variant.value})",
+            "status": "confirmed" if abs(share - 2 / 3) <= 0.05 else "contradicted",
+            "figure": f"{spec.n_params:,} FFN vs {attn:,} attention parameters at d={spec.d_model}, d_ff={spec.d_ff}: "
+                      f"{100 * share:.1f}%",
+            "source": "ffnquant.run (sizes)",
+        })
+    return out
+
+
+def _claim_activation_time(model: Any, tokens: Any) -> dict[str, Any]:
+    """Time the nonlinearity alone against the whole FFN forward (torch, CPU), median of a few repeats."""
+    import statistics
+
+    import torch
+
+    def median_time(fn: Callable[[], Any], repeats: int = 7) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    with torch.no_grad():
+        pre = (model.w_gate if model.w_gate is not None else model.w_up)(tokens)
+        t_act = median_time(lambda: model.activation(pre))
+        t_ffn = median_time(lambda: model(tokens))
+    share = t_act / t_ffn
+    v = model.spec.variant.value
+    return {
+        "claim": f"the activation is at most about 1% of the FFN's wall-clock time ({v})",
+        "status": "confirmed" if share <= 0.015 else "contradicted",
+        "figure": f"{1e6 * t_act:.0f} us of {1e6 * t_ffn:.0f} us at M={tokens.shape[0]} in torch on CPU: {100 * share:.1f}%",
+        "source": "ffnquant.run (torch timing)",
+    }
+
+
+def _range_section(tables: Mapping[str, Any], specs: Sequence[FFNSpec], missing: list[dict]) -> tuple[dict, list[dict]]:
+    """The report's `ranges` object and the range issue's claims (when its report module is installed)."""
+    variants = {}
+    for v, table in tables.items():
+        summ = table.summary()
+        variants[v] = {
+            "sites": summ["sites"],
+            "weights": summ["weights"],
+            "hidden_histogram": _compact_histogram(table["hidden"].histogram) if "hidden" in table else None,
+            "n_tokens": table.n_tokens,
+        }
+    section: dict[str, Any] = {"status": "ok", "reason": None, "variants": variants, "findings": [], "markdown": None}
+    claims: list[dict] = []
+    try:
+        from . import rangereport
+    except ImportError as exc:
+        section["status"] = "partial"
+        section["reason"] = f"range findings need ffnquant.rangereport ({exc})"
+        missing.append({"part": "range findings and claims", "reason": section["reason"]})
+        return section, claims
+    section["findings"] = [f["text"] if isinstance(f, dict) else str(f) for f in rangereport.findings(tables)]
+    for c in rangereport.claims(tables):
+        claims.append({"claim": str(c["claim"]), "status": str(c["status"]), "figure": str(c.get("figure", "")),
+                       "source": "ffnquant.rangereport"})
+    if hasattr(rangereport, "range_markdown"):
+        section["markdown"] = rangereport.range_markdown(tables)
+    return section, claims
+
+
+def _weight_bytes(spec: FFNSpec, scheme: Any) -> int:
+    """Stored bytes of the weight matrices in the scheme's format, with their scales (and zero points),
+    plus fp32 biases: the nominal size a deployment carries (artifact files add graph overhead)."""
+    wd = scheme.weight_dtype
+    n_w = spec.n_weight_params
+    bias = 4 * spec.n_bias_params
+    if wd.is_float:
+        return n_w * wd.bits // 8 + bias
+    out_channels = sum(shape[0] for shape in spec.weight_shapes.values())
+    gran = scheme.weight_granularity.value
+    if gran == "per_group":
+        n_scales = n_w // scheme.group_size
+        scale_bytes = 2 * n_scales if wd.value in ("int4",) else 4 * n_scales  # fp16 scales (MatMulNBits); bnb absmax fp32
+        zp_bytes = 0 if scheme.weight_symmetric else math.ceil(n_scales / 2)
+    elif gran == "per_channel":
+        scale_bytes, zp_bytes = 4 * out_channels, 0 if scheme.weight_symmetric else out_channels
+    else:
+        scale_bytes, zp_bytes = 4 * spec.n_matrices, 0
+    return math.ceil(n_w * wd.bits / 8) + scale_bytes + zp_bytes + bias
+
+
+def _sensitivity(model: Any, table: Any, scheme: Any, calibrator: str | None, ref: Any, eval_tokens: Any,
+                 remedies: Sequence[Any]) -> dict[str, float | None]:
+    """SQNR with only one weight or one activation site quantized, everything else in float."""
+    from .accuracy import evaluate
+    from .quantize import ACT_SITES, quantize_model
+
+    out: dict[str, float | None] = {}
+    parts = [("weight", w) for w in model.spec.weight_names] if scheme.quantizes_weights else []
+    parts += [("site", s) for s in ACT_SITES] if scheme.quantizes_activations else []
+    for kind, name in parts:
+        q = quantize_model(model, scheme, table, calibrator=calibrator, remedies=remedies,
+                           weights=[name] if kind == "weight" else [], sites=[name] if kind == "site" else [])
+        out[name] = _json_num(evaluate(ref, q, eval_tokens).sqnr_db)
+    return out
+
+
+def _quantize_variant(
+    spec: FFNSpec, model: Any, table: Any, recipes: Sequence[Recipe], config: RunConfig, calib_source: Any,
+    eval_tokens: Any, fp32_onnx: Path | None, tick: Callable[[str], None],
+) -> tuple[list[dict], list[dict], dict[str, Path]]:
+    """Accuracy rows (torch reference, plus ORT where an artifact is built), artifacts and their paths by recipe."""
+    from .accuracy import evaluate
+    from .observe import profile
+    from .quantize import quantize_model
+    from .schemes import get_scheme
+
+    try:
+        from . import onnxquant
+    except ImportError:
+        onnxquant = None
+    rows: list[dict] = []
+    artifacts: list[dict] = []
+    paths: dict[str, Path] = {}
+    work: dict[str, tuple] = {}  # recipe name -> (model, table, scheme, calibrator, remedies) for sensitivity
+    for recipe in recipes:
+        scheme = get_scheme(recipe.scheme)
+        row: dict[str, Any] = {"variant": spec.variant.value, "scheme": recipe.name, "label": recipe.label,
+                               "status": "ok", "reason": None, "sqnr_db": None, "cosine": None, "rel_l2": None,
+                               "max_abs_error": None, "size_bytes": _weight_bytes(spec, scheme), "onnx_sqnr_db": None,
+                               "site_ranges": {}, "sensitivity": None}
+        try:
+            qmodel_base, qtable, remedies = model, table, []
+            if recipe.smooth is not None:
+                from .remedies import smooth
+
+                qmodel_base, record = smooth(model, table, alpha=recipe.smooth)
+                remedies.append(record)
+            if recipe.rotate:
+                from .remedies import rotate
+
+                qmodel_base, record = rotate(qmodel_base)
+                remedies.append(record)
+            if remedies:
+                # The remedied model has new ranges: calibrate on ITS activations.
+                qtable = profile(qmodel_base, calib_source.batches(config.calib_tokens, spec.d_model, config.batch_size),
+                                 bins=config.bins)
+            if recipe.scheme == config.baseline:
+                row.update(sqnr_db=None, cosine=1.0, rel_l2=0.0, max_abs_error=0.0)
+            else:
+                q = quantize_model(qmodel_base, scheme, qtable, calibrator=recipe.calibrator, remedies=remedies)
+                acc = evaluate(model, q, eval_tokens)
+                row.update(sqnr_db=_json_num(acc.sqnr_db), cosine=_json_num(acc.cosine), rel_l2=_json_num(acc.rel_l2),
+                           max_abs_error=_json_num(acc.max_abs_error))
+                row["site_ranges"] = {s: {"lo": r.lo, "hi": r.hi, "calibrator": r.calibrator}
+                                      for s, r in q.ranges.items()}
+                work[recipe.name] = (qmodel_base, qtable, scheme, recipe.calibrator, remedies)
+            if remedies:
+                row["remedies"] = [r.to_dict() for r in remedies]
+        except FFNQuantError as exc:
+            # A remedy that is not exact for this variant (smooth on GELU/Swish) is refused by design.
+            row.update(status="not applicable", reason=str(exc))
+        except Exception as exc:  # one broken combination must not sink the run; the report shows it
+            row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+        tick(f"{spec.variant.value} {recipe.name}")
+    # Per-site sensitivity of the worst cases: the two least accurate quantized recipes of this variant.
+    if config.sensitivity:
+        ranked = sorted((r for r in rows if r["status"] == "ok" and r["sqnr_db"] is not None and r["scheme"] in work),
+                        key=lambda r: r["sqnr_db"])[:2]
+        for r in ranked:
+            qm, qt, scheme, cal, rem = work[r["scheme"]]
+            try:
+                r["sensitivity"] = _sensitivity(qm, qt, scheme, cal, model, eval_tokens, rem)
+            except Exception as exc:  # recorded, not fatal
+                r["sensitivity"] = None
+                r["reason"] = f"sensitivity failed: {type(exc).__name__}: {exc}"
+    return rows, artifacts, paths
+
+
+def run(config: RunConfig, progress: Progress | None = None, command: str | None = None) -> RunResult:
+    """Profile, quantize, export, benchmark and report every variant of `config`; returns the document.
+
+    Everything is validated before anything is written (bad schemes, sizes, data or an explicitly
+    requested runtime that is unavailable raise FFNQuantError). A runtime that fails midway is
+    recorded in the report and the rest of the run completes.
+    """
+    import torch
+
+    from . import __version__
+    from .atomic import ensure_writable_dir, write_text
+    from .data import calibration_and_eval
+    from .envinfo import environment
+    from .export import export_spec
+    from .model import build
+
+    t_start = time.perf_counter()
+    stages = _Stages()
+    missing: list[dict[str, str]] = []
+    command = command or "ffnquant.run.run(RunConfig(...))"
+
+    # --- validate everything first --------------------------------------------------------
+    specs = config.specs()
+    recipes = config.recipes
+    try:
+        from .schemes import check_scheme_fits, get_scheme
+    except ImportError as exc:
+        get_scheme = None
+        missing.append({"part": "quantization", "reason": f"ffnquant.schemes is not installed ({exc})"})
+    if get_scheme is not None:
+        for spec in specs:
+            for recipe in recipes:
+                check_scheme_fits(get_scheme(recipe.scheme), spec)
+    try:
+        runtimes = _select_runtimes(config)
+    except ImportError as exc:
+        runtimes = []
+        missing.append({"part": "latency", "reason": f"ffnquant.runtimes is not installed ({exc})"})
+    source = config.token_source()
+    calib_source, eval_tokens = calibration_and_eval(source, config.calib_tokens, config.eval_tokens, config.d_model)
+    calib_source.available(config.d_model)  # reads and validates a token file now, before writing anything
+    out_reports = ensure_writable_dir(config.out_reports)
+    out_export = ensure_writable_dir(config.out_export)
+
+    n_units = len(specs) * (1 + len(recipes))
+    done = 0
+
+    def tick(message: str, units: int = 1) -> None:
+        nonlocal done
+        done += units
+        if progress is not None:
+            progress(message, done, n_units)
+
+    torch.manual_seed(config.seed)  # nothing below should draw from the global generator; belt and braces
+    tables: dict[str, Any] = {}
+    acc_rows: list[dict] = []
+    artifacts: list[dict] = []
+    models: dict[str, Any] = {}
+    onnx_paths: dict[tuple[str, str], Path] = {}
+    timed_claims: list[dict] = []
+    from .observe import profile
+
+    for spec in specs:
+        v = spec.variant.value
+        t0 = time.perf_counter()
+        model = build(spec, seed=config.seed)
+        models[v] = model
+        tables[v] = profile(model, calib_source.batches(config.calib_tokens, spec.d_model, config.batch_size), bins=config.bins)
+        stages.add("profile", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dtypes = [d for d in ("fp32", "fp16") if d in {r.scheme for r in recipes} or d == "fp32"]
+        exported = export_spec(spec, out_export, dtypes=dtypes, seed=config.seed, model=model)
+        for dtype, path in exported.paths.items():
+            onnx_paths[(v, dtype)] = path
+            artifacts.append({"variant": v, "scheme": dtype, "path": _rel(path), "size_bytes": path.stat().st_size,
+                              "format": f"onnx {dtype}"})
+        stages.add("export", time.perf_counter() - t0)
+        tick(f"{v}: profiled and exported")
+        if get_scheme is not None:
+            t0 = time.perf_counter()
+            rows, arts, paths = _quantize_variant(spec, model, tables[v], recipes, config, calib_source, eval_tokens,
+                                                  onnx_paths.get((v, "fp32")), lambda m: tick(m))
+            acc_rows += rows
+            artifacts += arts
+            for name, p in paths.items():
+                onnx_paths[(v, name)] = p
+            stages.add("quantize", time.perf_counter() - t0)
+        else:
+            tick(f"{v}: quantization skipped", len(recipes))
+        if v in ("relu", "swiglu"):
+            timed_claims.append(_claim_activation_time(model, eval_tokens[: max(config.tokens)]))
+
+    ranges, range_claims = _range_section(tables, specs, missing)
+    claims = range_claims + _claims_static(specs)
+
+    # --- latency ------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    latency = _measure_latency(config, specs, recipes, models, onnx_paths, runtimes, missing, progress)
+    stages.add("latency", time.perf_counter() - t0)
+
+    # --- recommendations and findings ------------------------------------------------------------
+    from .recommend import Point, crest_cost_finding, pareto_front, recommend_all
+
+    acc_index = {(r["variant"], r["scheme"]): r for r in acc_rows}
+    points = []
+    for c in latency["cases"]:
+        if c.get("error") is not None or not c.get("median_s"):
+            continue
+        row = acc_index.get((c["variant"], c["scheme"]))
+        if c["scheme"] == config.baseline:
+            sqnr = None
+        elif row is not None and row["status"] == "ok" and row["sqnr_db"] is not None:
+            sqnr = row["sqnr_db"]
+        else:
+            continue
+        points.append(Point(c["variant"], c["scheme"], c["runtime"], c["tokens"], c["median_s"], sqnr,
+                            row["label"] if row else c["scheme"]))
+    recs = [r.to_dict() for r in recommend_all(points, config.target_db, config.baseline)]
+    pareto = []
+    groups: dict[tuple, list] = {}
+    for p in points:
+        groups.setdefault((p.variant, p.runtime, p.tokens), []).append(p)
+    for (v, rt, t), pts in sorted(groups.items()):
+        pareto.append({"variant": v, "runtime": rt, "tokens": t, "schemes": [p.scheme for p in pareto_front(pts)]})
+
+    findings = []
+    crest = {v: ranges["variants"][v]["sites"].get("hidden", {}).get("crest_factor") for v in ranges["variants"]}
+    crest = {v: c for v, c in crest.items() if c is not None}
+    for recipe in recipes:
+        if recipe.scheme not in ("w8a8", "w8a8-s8") or recipe.smooth is not None or recipe.rotate:
+            continue
+        sq = {r["variant"]: r["sqnr_db"] for r in acc_rows if r["scheme"] == recipe.name and r["sqnr_db"] is not None}
+        f = crest_cost_finding(crest, sq, scheme=recipe.label)
+        if f is not None:
+            findings.append(f)
+        break
+    findings += _remedy_findings(acc_rows, recipes)
+
+    doc: dict[str, Any] = {
+        "schema": "ffnquant-report",
+        "schema_version": 1,
+        "ffnquant_version": __version__,
+        "command": command,
+        "config": config.to_dict(),
+        "environment": environment(),
+        "specs": [dict(s.to_dict(), key=s.key, n_params=s.n_params, flops_per_token=s.flops_per_token) for s in specs],
+        "data": {
+            "source": source.label,
+            "calib_tokens": config.calib_tokens,
+            "eval_tokens": config.eval_tokens,
+            "separation": "held-out tokens never used for calibration: "
+                          + ("rows after the calibration rows of the file" if source.kind.value == "file"
+                             else "an independent random stream of the same source"),
+        },
+        "ranges": ranges,
+        "claims": claims,
+        "accuracy": {"status": "ok" if acc_rows else "missing",
+                     "reason": None if acc_rows else "quantization modules are not installed", "rows": acc_rows,
+                     "baseline": None},
+        "artifacts": artifacts,
+        "findings": findings,
+        "missing": missing,
+        "timing": {
+            "wall_s": 0.0,
+            "stages": {},
+            "latency": latency,
+            "recommendations": recs,
+            "pareto": pareto,
+            "claims": timed_claims,
+        },
+    }
+    from .report import write_report
+
+    doc["timing"]["stages"] = {k: round(v, 3) for k, v in stages.seconds.items()}
+    doc["timing"]["wall_s"] = round(time.perf_counter() - t_start, 3)
+    paths = write_report(doc, out_reports)
+    paths["config"] = write_text(out_reports / "run.toml", config.to_toml())
+    return RunResult(config, doc, paths)
+
+
+def _rel(path: Path) -> str:
+    """A path relative to the working folder where possible (reports stay equal across checkouts)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _remedy_findings(rows: Sequence[dict], recipes: Sequence[Recipe]) -> list[dict]:
+    """What smoothing bought per variant, from the accuracy rows (only where it applied)."""
+    out = []
+    for recipe in recipes:
+        if recipe.smooth is None:
+            continue
+        plain = Recipe(recipe.scheme, recipe.calibrator).name
+        gains = []
+        refused = []
+        for r in rows:
+            if r["scheme"] != recipe.name:
+                continue
+            if r["status"] == "not applicable":
+                refused.append(r["variant"])
+                continue
+            base = next((b for b in rows if b["variant"] == r["variant"] and b["scheme"] == plain), None)
+            if base and base["sqnr_db"] is not None and r["sqnr_db"] is not None:
+                gains.append((r["variant"], r["sqnr_db"] - base["sqnr_db"]))
+        if gains:
+            text = f"{recipe.label} vs {plain}: " + ", ".join(f"{v} {g:+.1f} dB" for v, g in gains)
+            if refused:
+                text += f"; not applied to {', '.join(refused)} (the fold is not exact for their nonlinearity)"
+            out.append({"text": text, "gains_db": dict(gains), "refused": refused})
+    return out
+
+
+def _measure_latency(
+    config: RunConfig, specs: Sequence[FFNSpec], recipes: Sequence[Recipe], models: Mapping[str, Any],
+    onnx_paths: Mapping[tuple[str, str], Path], runtimes: Sequence[tuple[str, Any, Any]], missing: list[dict],
+    progress: Progress | None,
+) -> dict[str, Any]:
+    """Latency of every (variant, recipe, runtime, tokens) the runtimes support, via `ffnquant.bench`."""
+    section: dict[str, Any] = {
+        "status": "ok", "reason": None, "primary_tokens": max(config.tokens),
+        "runtimes": [{"name": n, "available": bool(a.available), "reason": a.reason, "device": a.device, "error": None}
+                     for n, a, _ in runtimes],
+        "cases": [],
+    }
+    try:
+        from . import bench
+    except ImportError as exc:
+        section.update(status="missing", reason=f"the latency harness ffnquant.bench is not installed ({exc})")
+        missing.append({"part": "latency and recommendations", "reason": section["reason"]})
+        return section
+    return _run_bench(bench, config, specs, recipes, models, onnx_paths, runtimes, section, missing, progress)
