@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import os
@@ -157,7 +158,11 @@ def export_onnx(
         raise FFNQuantError(f"opset must be >= 17, got {opset}")
     torch_dtype = torch.float32 if dtype == "fp32" else torch.float16
     spec = model.spec
-    work = build(spec).to(torch_dtype)  # a copy, so the caller's module keeps its dtype
+    work = build(spec)  # a copy, so the caller's module keeps its dtype
+    # remedies (ffnquant.remedies) put a channel scale / rotation in these slots: carry them over
+    work.input_transform = copy.deepcopy(model.input_transform)
+    work.hidden_transform = copy.deepcopy(model.hidden_transform)
+    work = work.to(torch_dtype)
     work.load_state_dict({k: v.to(torch_dtype) for k, v in model.state_dict().items()})
     example = torch.randn(2, 3, spec.d_model, dtype=torch_dtype)
     proto, exporter = _export_proto(work.eval(), example, opset)
