@@ -330,9 +330,21 @@ class TokenSource:
             self._check_request(n_tokens, d_model, rows.shape[0])
             return (rows[i : min(i + batch_size, n_tokens)] for i in range(0, n_tokens, batch_size))
         self._check_request(n_tokens, d_model, self.max_rows)
-        return (
-            self._synthetic(i, min(batch_size, n_tokens - i), d_model) for i in range(0, n_tokens, batch_size)
-        )
+        return self._synthetic_batches(n_tokens, d_model, batch_size)
+
+    def _synthetic_batches(self, n_tokens: int, d_model: int, batch_size: int) -> Iterator[torch.Tensor]:
+        # Generate whole chunks once and cut batches from them, so small batches do not
+        # regenerate a chunk each; at most one chunk plus one batch is held.
+        pending: list[torch.Tensor] = []
+        held = 0
+        for start in range(0, n_tokens, CHUNK_ROWS):
+            pending.append(self._synthetic(start, min(CHUNK_ROWS, n_tokens - start), d_model))
+            held += pending[-1].shape[0]
+            while held >= batch_size or (held and start + CHUNK_ROWS >= n_tokens):
+                block = torch.cat(pending) if len(pending) > 1 else pending[0]
+                take = min(batch_size, held)
+                yield block[:take]
+                pending, held = ([block[take:]] if take < held else []), held - take
 
 
 def calibration_and_eval(

@@ -121,6 +121,8 @@ class StreamingHistogram:
         """The smallest e with 2**e > absmax (so every value lies strictly inside [-2**e, 2**e))."""
         # absmax = m * 2**e with 0.5 <= m < 1, hence 2**(e-1) <= absmax < 2**e. The floor at
         # _MIN_EXP (zeros alone, or tiny values) keeps the float32 bin scaling finite.
+        if absmax == 0.0:
+            return _MIN_EXP
         _, e = math.frexp(absmax)
         return max(e, _MIN_EXP)
 
