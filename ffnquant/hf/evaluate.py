@@ -1,0 +1,329 @@
+"""Calibrate a real model's FFNs on captured inputs and measure what quantizing them costs end to end.
+
+Calibration streams each captured batch through the layer's ffnquant FFN with observers on
+every site (issue 3's `observe.profile`, merged batch by batch), so memory is one batch.
+Evaluation puts the quantized FFNs (issue 4's `quantize_model`, torch reference numerics)
+back into the transformers model and measures what its user notices: perplexity on the
+evaluation text for causal LMs, SQNR and cosine of the final hidden states for every kind
+(the only end-to-end measure for encoders and encoder-decoders), next to each layer's own
+output SQNR on the same captured inputs, and, per layer, the end-to-end cost of quantizing
+that layer alone (which layers hurt most).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import FFNQuantError
+from .arch import ModelKind
+from .capture import ffn_input_hooks, install_ffns, iter_captured, load_hf_model, load_tokenizer, read_text, shift_right, text_batches
+from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers
+
+__all__ = ["EvalSettings", "ErrorStats", "calibrate_layers", "quantize_layers", "evaluate_model"]
+
+SQNR_CAP_DB = 200.0  # as ffnquant.accuracy: identical outputs read as 200 dB, not +inf
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Token budget and batching of a model evaluation. Frozen and validated."""
+
+    seq_len: int = 128
+    batch_size: int = 4
+    max_calib_tokens: int = 4096
+    max_eval_tokens: int = 4096
+    bins: int = 2048
+    ablation: bool = True  # per-layer end-to-end cost: one extra model run per layer, scheme and batch
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "max_calib_tokens", "max_eval_tokens", "bins"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise FFNQuantError(f"{name} must be a positive integer, got {value!r}")
+        if self.seq_len < 2:
+            raise FFNQuantError(f"seq_len must be at least 2, got {self.seq_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ErrorStats:
+    """Streaming SQNR and cosine of `got` against `ref` over the concatenation of all updates."""
+
+    def __init__(self) -> None:
+        self.signal = 0.0
+        self.noise = 0.0
+        self.dot = 0.0
+        self.got_sq = 0.0
+        self.n_tokens = 0
+
+    def update(self, ref: torch.Tensor, got: torch.Tensor) -> "ErrorStats":
+        r, g = ref.detach().double(), got.detach().double()
+        self.signal += float((r * r).sum())
+        self.noise += float(((r - g) ** 2).sum())
+        self.dot += float((r * g).sum())
+        self.got_sq += float((g * g).sum())
+        self.n_tokens += r.numel() // max(1, r.shape[-1])
+        return self
+
+    @property
+    def sqnr_db(self) -> float | None:
+        if self.n_tokens == 0:
+            return None
+        if self.noise == 0.0:
+            return SQNR_CAP_DB
+        if self.signal == 0.0:
+            return -SQNR_CAP_DB
+        return min(SQNR_CAP_DB, 10.0 * math.log10(self.signal / self.noise))
+
+    @property
+    def cosine(self) -> float | None:
+        if self.n_tokens == 0:
+            return None
+        den = math.sqrt(self.signal * self.got_sq)
+        return self.dot / den if den > 0 else (1.0 if self.noise == 0 else 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sqnr_db": self.sqnr_db, "cosine": self.cosine, "n_tokens": self.n_tokens}
+
+
+class _NLL:
+    """Streaming negative log-likelihood of next-token prediction."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+
+    def update(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        logits = logits[:, :-1].reshape(-1, logits.shape[-1]).double()
+        self.total += float(F.cross_entropy(logits, ids[:, 1:].reshape(-1), reduction="sum"))
+        self.count += ids[:, 1:].numel()
+
+    @property
+    def perplexity(self) -> float | None:
+        return math.exp(self.total / self.count) if self.count else None
+
+
+def calibrate_layers(
+    layers: Sequence[HFLayer], captured: Iterable[Mapping[str, torch.Tensor]], bins: int = 2048, hessians: bool = False
+) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """RangeTables (every site) per layer label from captured input batches; optionally GPTQ Hessians.
+
+    An expert the router never chose gets the merged table of its layer's other experts
+    (same spec), marked in `meta["borrowed_from_layer"]`.
+    """
+    from ..observe import profile
+    from ..quantize import input_hessians
+
+    by_label = {layer.label: layer for layer in layers}
+    tables: dict[str, Any] = {}
+    hess: dict[str, dict[str, torch.Tensor]] = {}
+    for batch in captured:
+        for label, x in batch.items():
+            if label not in by_label or x.shape[0] == 0:
+                continue
+            ffn = by_label[label].ffn
+            table = profile(ffn, [x], bins=bins, weights=label not in tables)
+            tables[label] = tables[label].merge(table) if label in tables else table
+            if hessians:
+                h = input_hessians(ffn, [x])
+                hess[label] = {k: hess[label][k] + v for k, v in h.items()} if label in hess else h
+    for layer in layers:
+        if layer.label in tables:
+            continue
+        siblings = [tables[o.label] for o in layers if o.index == layer.index and o.label in tables]
+        if not siblings:
+            raise FFNQuantError(f"layer {layer.label} ({layer.name}) received no calibration tokens")
+        merged = siblings[0]
+        for t in siblings[1:]:
+            merged = merged.merge(t)
+        from ..observe import weight_stats
+
+        merged.weights = {n: weight_stats(w, bins) for n, w in layer.ffn.weights().items()}
+        merged.meta = dict(merged.meta, borrowed_from_layer=layer.index)
+        tables[layer.label] = merged
+        if hessians:
+            sib = [hess[o.label] for o in layers if o.index == layer.index and o.label in hess]
+            hess[layer.label] = {k: sum(h[k] for h in sib) for k in sib[0]}
+    return tables, hess
+
+
+def quantize_layers(
+    layers: Sequence[HFLayer],
+    scheme: Any,
+    tables: Mapping[str, Any],
+    calibrator: str | None = None,
+    hessians: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
+    """A QuantizedFFN (torch reference numerics) per layer label."""
+    from ..quantize import quantize_model
+
+    return {
+        layer.label: quantize_model(
+            layer.ffn, scheme, tables[layer.label], calibrator=calibrator,
+            hessians=(hessians or {}).get(layer.label),
+        )
+        for layer in layers
+    }
+
+
+def _final_hidden(info: ModelInfo, out: Any) -> torch.Tensor:
+    if info.kind is ModelKind.ENCODER:
+        return out.last_hidden_state
+    if info.kind is ModelKind.SEQ2SEQ:
+        return out.decoder_hidden_states[-1]
+    return out.hidden_states[-1]
+
+
+def _run(model, info: ModelInfo, ids: torch.Tensor):
+    inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+    if info.kind is ModelKind.SEQ2SEQ:
+        inputs["decoder_input_ids"] = shift_right(model, ids)
+    with torch.no_grad():
+        return model(**inputs, output_hidden_states=True)
+
+
+def _worst(rows: list[dict[str, Any]], key: str, reverse: bool, n: int = 3) -> list[str]:
+    valid = [r for r in rows if r.get(key) is not None]
+    return [r["label"] for r in sorted(valid, key=lambda r: r[key], reverse=reverse)[:n]]
+
+
+def evaluate_model(
+    path: str | os.PathLike | ModelInfo,
+    schemes: Sequence[Any],
+    layers: str | int | list[int] | None = "all",
+    calib_text: str | os.PathLike | None = None,
+    eval_text: str | os.PathLike | None = None,
+    settings: EvalSettings = EvalSettings(),
+    calibrator: str | None = None,
+    allow_pickle: bool = False,
+) -> dict[str, Any]:
+    """Quantize the selected FFN layers of a local HF model under each scheme and measure the damage.
+
+    Calibration text and evaluation text default to the two shipped public-domain samples
+    (different books). Returns a JSON-able dict: model, settings, float baseline, and per
+    scheme the end-to-end numbers, the per-layer SQNR/cosine, the per-layer ablation
+    (that layer alone quantized) and the layers that hurt most; a scheme that does not fit
+    the model (e.g. a group size not dividing d_model) is listed under `skipped` with why.
+    """
+    from ..schemes import Method, check_scheme_fits, get_scheme
+
+    t0 = time.perf_counter()
+    info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
+    hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
+    resolved = [get_scheme(s) for s in schemes]
+    if not resolved:
+        raise FFNQuantError("no schemes to evaluate")
+    model = load_hf_model(info, allow_pickle=allow_pickle)
+    tokenizer = load_tokenizer(info.path)
+    layer_infos = [layer.info for layer in hf_layers]
+    calib = text_batches(tokenizer, read_text(calib_text, "calibration"), settings.seq_len, settings.batch_size,
+                         settings.max_calib_tokens)
+    evals = text_batches(tokenizer, read_text(eval_text, "evaluation"), settings.seq_len, settings.batch_size,
+                         settings.max_eval_tokens)
+    need_hessians = any(s.method is Method.GPTQ for s in resolved)
+    tables, hessians = calibrate_layers(hf_layers, iter_captured(model, info, layer_infos, calib), settings.bins,
+                                        hessians=need_hessians)
+
+    # float baseline
+    base_nll = _NLL()
+    for ids in evals:
+        out = _run(model, info, ids)
+        if info.kind is ModelKind.CAUSAL_LM:
+            base_nll.update(out.logits, ids)
+    baseline = {"perplexity": base_nll.perplexity, "n_tokens": sum(int(b.numel()) for b in evals)}
+
+    indices = sorted({layer.index for layer in hf_layers})
+    results, skipped = [], []
+    for scheme in resolved:
+        try:
+            check_scheme_fits(scheme, info.spec)
+        except FFNQuantError as exc:
+            skipped.append({"scheme": scheme.name, "reason": str(exc)})
+            continue
+        qffns = quantize_layers(hf_layers, scheme, tables, calibrator, hessians if scheme.method is Method.GPTQ else None)
+        by_label = {layer.label: layer for layer in hf_layers}
+        per_layer = {label: ErrorStats() for label in by_label}
+        hidden_all = ErrorStats()
+        nll_all = _NLL()
+        ablate_hidden = {i: ErrorStats() for i in indices}
+        ablate_nll = {i: _NLL() for i in indices}
+        for ids in evals:
+            captured: dict[str, list[torch.Tensor]] = {}
+            with ffn_input_hooks(model, info, layer_infos, lambda l, x: captured.setdefault(l.label, []).append(x)):
+                ref = _run(model, info, ids)  # the float run, capturing each FFN's input on the way
+            ref_hidden = _final_hidden(info, ref)
+            with torch.no_grad():
+                for label, xs in captured.items():
+                    for x in xs:
+                        if x.shape[0]:
+                            per_layer[label].update(by_label[label].ffn(x), qffns[label](x))
+            del captured
+            with install_ffns(model, info, {by_label[k].info: q for k, q in qffns.items()}):
+                out = _run(model, info, ids)
+            hidden_all.update(ref_hidden, _final_hidden(info, out))
+            if info.kind is ModelKind.CAUSAL_LM:
+                nll_all.update(out.logits, ids)
+            if settings.ablation and len(indices) > 1:
+                for i in indices:
+                    only = {by_label[k].info: q for k, q in qffns.items() if by_label[k].index == i}
+                    with install_ffns(model, info, only):
+                        out_i = _run(model, info, ids)
+                    ablate_hidden[i].update(ref_hidden, _final_hidden(info, out_i))
+                    if info.kind is ModelKind.CAUSAL_LM:
+                        ablate_nll[i].update(out_i.logits, ids)
+        rows = []
+        for layer in hf_layers:
+            st = per_layer[layer.label]
+            row = {"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
+                   "sqnr_db": st.sqnr_db, "cosine": st.cosine, "n_eval_tokens": st.n_tokens,
+                   "calib_tokens": tables[layer.label].n_tokens,
+                   "calib_borrowed": "borrowed_from_layer" in tables[layer.label].meta}
+            rows.append(row)
+        ablation = []
+        if settings.ablation and len(indices) > 1:
+            for i in indices:
+                a = {"index": i, "label": f"L{i}", "hidden_sqnr_db": ablate_hidden[i].sqnr_db,
+                     "hidden_cosine": ablate_hidden[i].cosine}
+                if info.kind is ModelKind.CAUSAL_LM:
+                    ppl = ablate_nll[i].perplexity
+                    a["perplexity"] = ppl
+                    a["perplexity_delta"] = ppl - baseline["perplexity"]
+                ablation.append(a)
+        e2e: dict[str, Any] = {"hidden_sqnr_db": hidden_all.sqnr_db, "hidden_cosine": hidden_all.cosine}
+        if info.kind is ModelKind.CAUSAL_LM:
+            ppl = nll_all.perplexity
+            e2e.update(perplexity=ppl, perplexity_delta=ppl - baseline["perplexity"],
+                       perplexity_ratio=ppl / baseline["perplexity"])
+        if ablation and info.kind is ModelKind.CAUSAL_LM:
+            worst_e2e = _worst(ablation, "perplexity_delta", reverse=True)
+        else:
+            worst_e2e = _worst(ablation, "hidden_sqnr_db", reverse=False)
+        results.append({
+            "scheme": scheme.name,
+            "scheme_spec": scheme.to_dict(),
+            "end_to_end": e2e,
+            "layers": rows,
+            "ablation": ablation,
+            "worst_layers_sqnr": _worst(rows, "sqnr_db", reverse=False),
+            "worst_layers_end_to_end": worst_e2e,
+        })
+    return {
+        "model": info.to_dict(),
+        "settings": settings.to_dict(),
+        "calibrator": calibrator,
+        "calibration_text": str(calib_text) if calib_text is not None else "ffnquant/data/calibration.txt",
+        "evaluation_text": str(eval_text) if eval_text is not None else "ffnquant/data/evaluation.txt",
+        "calibration_tokens": sum(int(b.numel()) for b in calib),
+        "baseline": baseline,
+        "schemes": results,
+        "skipped": skipped,
+        "seconds": time.perf_counter() - t0,
+    }

@@ -1,0 +1,385 @@
+"""ffnquant.hf: tiny random Hugging Face models built locally (no downloads), saved as safetensors folders."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ffnquant.errors import FFNQuantError
+from ffnquant.hf import inspect_model, load_ffn_layers, parse_layers
+from ffnquant.hf.arch import HF_ACTIVATIONS, ffn_variant, hf_activation
+from ffnquant.spec import Activation, FFNSpec, Variant
+
+D, F_, VOCAB = 32, 64, 96
+
+
+# --- no transformers needed ---------------------------------------------------------------
+
+
+def test_activation_override_roundtrip_and_key():
+    spec = FFNSpec("geglu", d_model=D, d_ff=F_, activation_override="gelu_tanh")
+    assert spec.activation is Activation.GELU_TANH and spec.key.endswith("_act-gelu_tanh")
+    assert FFNSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    # the variant's own activation is no override: same spec, same key and JSON as before
+    plain = FFNSpec("geglu", d_model=D, d_ff=F_, activation_override="gelu")
+    assert plain == FFNSpec("geglu", d_model=D, d_ff=F_) and "activation_override" not in plain.to_dict()
+    with pytest.raises(FFNQuantError, match="unknown activation 'tanhh'"):
+        FFNSpec("geglu", activation_override="tanhh")
+
+
+def test_activation_override_changes_ffn_math():
+    from ffnquant.model import build
+
+    spec = FFNSpec("geglu", d_model=D, d_ff=F_, activation_override="gelu_tanh")
+    model = build(spec, seed=1)
+    x = torch.randn(5, D)
+    gate, up = model.w_gate(x), model.w_up(x)
+    expect = model.w_down(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+    torch.testing.assert_close(model(x), expect, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(HF_ACTIVATIONS), ids=str)
+def test_hf_activation_names_match_transformers(name):
+    acts = pytest.importorskip("transformers.activations", reason="transformers not installed")
+    from ffnquant.model import ACTIVATIONS
+
+    x = torch.linspace(-6, 6, 2001, dtype=torch.float64)
+    ours = ACTIVATIONS[hf_activation(name, "test")](x)
+    torch.testing.assert_close(acts.ACT2FN[name](x), ours, rtol=0, atol=1e-9)
+
+
+def test_unrepresentable_activation_is_named():
+    with pytest.raises(FFNQuantError, match="'quick_gelu' cannot be represented"):
+        hf_activation("quick_gelu", "config.json")
+    with pytest.raises(FFNQuantError, match="dense FFN with activation 'sigmoid'"):
+        ffn_variant(Activation.SIGMOID, gated=False, where="config.json")
+    assert ffn_variant(Activation.GELU_TANH, gated=True, where="x")[0] is Variant.GEGLU
+
+
+@pytest.mark.parametrize(
+    "text,n,expect",
+    [("all", 4, [0, 1, 2, 3]), ("0-2", 4, [0, 1, 2]), ("3,1", 4, [1, 3]), ("0-1,3", 4, [0, 1, 3]), (None, 2, [0, 1])],
+    ids=str,
+)
+def test_parse_layers(text, n, expect):
+    assert parse_layers(text, n) == expect
+
+
+@pytest.mark.parametrize("text,msg", [("5", "out of range"), ("2-1", "is empty"), ("a", "is not N, A-B")], ids=str)
+def test_parse_layers_errors(text, msg):
+    with pytest.raises(FFNQuantError, match=msg):
+        parse_layers(text, 4)
+
+
+def _write_llama_like(folder: Path, d: int = D, f: int = F_, layers: int = 2, model_type: str = "llama") -> dict:
+    """A checkpoint written by hand (safetensors only): enough for the loader, no transformers needed."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for i in range(layers):
+        p = f"model.layers.{i}.mlp"
+        state[f"{p}.gate_proj.weight"] = torch.randn(f, d, generator=gen)
+        state[f"{p}.up_proj.weight"] = torch.randn(f, d, generator=gen)
+        state[f"{p}.down_proj.weight"] = torch.randn(d, f, generator=gen)
+        state[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(d)
+    save_file(state, str(folder / "model.safetensors"))
+    config = {"model_type": model_type, "hidden_size": d, "intermediate_size": f, "num_hidden_layers": layers,
+              "hidden_act": "silu"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return state
+
+
+def test_loader_without_transformers(tmp_path):
+    state = _write_llama_like(tmp_path / "m")
+    info = inspect_model(tmp_path / "m")
+    assert info.spec == FFNSpec("swiglu", d_model=D, d_ff=F_, bias=False)
+    assert [l.name for l in info.layers] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    (layer,) = load_ffn_layers(tmp_path / "m", layers="1")
+    assert layer.index == 1 and layer.expert is None and layer.activation == "silu"
+    torch.testing.assert_close(layer.ffn.w_gate.weight, state["model.layers.1.mlp.gate_proj.weight"])
+    torch.testing.assert_close(layer.ffn.w_down.weight, state["model.layers.1.mlp.down_proj.weight"])
+
+
+def test_sharded_index(tmp_path):
+    from safetensors.torch import save_file
+
+    state = _write_llama_like(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    names = sorted(state)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / "m" / shard))
+        weight_map.update({k: shard for k in keys})
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    layers = load_ffn_layers(tmp_path / "m")
+    assert len(layers) == 2
+    torch.testing.assert_close(layers[1].ffn.w_up.weight, state["model.layers.1.mlp.up_proj.weight"])
+    (tmp_path / "m" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FFNQuantError, match="names shard 'model-00002-of-00002.safetensors', which is missing"):
+        inspect_model(tmp_path / "m")
+
+
+def _bad_folder_cases():
+    def missing_config(p):
+        (p / "config.json").unlink()
+
+    def unsupported(p):
+        cfg = json.loads((p / "config.json").read_text())
+        (p / "config.json").write_text(json.dumps(dict(cfg, model_type="mamba")))
+
+    def corrupt(p):
+        data = (p / "model.safetensors").read_bytes()
+        (p / "model.safetensors").write_bytes(data[: len(data) // 3])
+
+    def garbage(p):
+        (p / "model.safetensors").write_bytes(b"\x00\x01not a safetensors file")
+
+    def shape(p):
+        cfg = json.loads((p / "config.json").read_text())
+        (p / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=F_ * 2)))
+
+    def missing_layer(p):
+        cfg = json.loads((p / "config.json").read_text())
+        (p / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))
+
+    def pickle_only(p):
+        (p / "model.safetensors").unlink()
+        torch.save({"x": torch.zeros(1)}, p / "pytorch_model.bin")
+
+    def no_weights(p):
+        (p / "model.safetensors").unlink()
+
+    def bad_act(p):
+        cfg = json.loads((p / "config.json").read_text())
+        (p / "config.json").write_text(json.dumps(dict(cfg, hidden_act="quick_gelu")))
+
+    return [
+        pytest.param(missing_config, r"config\.json' is missing", id="missing-config"),
+        pytest.param(unsupported, r"unsupported architecture: unknown model_type 'mamba'; valid: bert, gemma", id="unsupported"),
+        pytest.param(corrupt, r"cannot read safetensors file '.*model\.safetensors'", id="truncated"),
+        pytest.param(garbage, r"cannot read safetensors file '.*model\.safetensors'", id="garbage"),
+        pytest.param(shape, r"tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \[\d+, \d+\], but config\.json", id="shape"),
+        pytest.param(missing_layer, r"no llama FFN tensors for layer 2", id="missing-layer"),
+        pytest.param(pickle_only, r"pytorch_model\.bin' is a pickled PyTorch checkpoint.*allow_pickle=True", id="pickle-refused"),
+        pytest.param(no_weights, r"has no weights: expected model\.safetensors", id="no-weights"),
+        pytest.param(bad_act, r"activation 'quick_gelu' cannot be represented", id="bad-activation"),
+    ]
+
+
+@pytest.mark.parametrize("break_it,message", _bad_folder_cases())
+def test_bad_folders_give_one_line_errors(tmp_path, break_it, message):
+    _write_llama_like(tmp_path / "m")
+    break_it(tmp_path / "m")
+    with pytest.raises(FFNQuantError, match=message) as exc:
+        load_ffn_layers(tmp_path / "m")
+    assert "\n" not in str(exc.value)
+
+
+def test_pickle_opt_in_uses_weights_only(tmp_path):
+    state = _write_llama_like(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    torch.save(state, tmp_path / "m" / "pytorch_model.bin")
+    layers = load_ffn_layers(tmp_path / "m", allow_pickle=True)
+    torch.testing.assert_close(layers[0].ffn.w_up.weight, state["model.layers.0.mlp.up_proj.weight"])
+    assert inspect_model(tmp_path / "m", allow_pickle=True).weights_format == "pickle"
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FFNQuantError, match="does not exist or is not a folder"):
+        inspect_model(tmp_path / "nope")
+
+
+# --- tiny transformers models -------------------------------------------------------------------
+
+
+def _configs(T):
+    common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    t5 = dict(vocab_size=VOCAB, d_model=D, d_ff=F_, num_layers=2, num_heads=4, d_kv=8, decoder_start_token_id=0,
+              pad_token_id=0, eos_token_id=1)
+    return {
+        "llama": (T.LlamaConfig(**common), "swiglu", "silu"),
+        "mistral": (T.MistralConfig(**common), "swiglu", "silu"),
+        "qwen2": (T.Qwen2Config(**common), "swiglu", "silu"),
+        "gemma": (T.GemmaConfig(**common, head_dim=8), "geglu", "gelu_tanh"),
+        "phi3": (T.Phi3Config(**common), "swiglu", "silu"),
+        "mixtral": (T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2), "swiglu", "silu"),
+        "t5": (T.T5Config(**t5), "relu", "relu"),
+        "t5-gated-gelu": (T.T5Config(**t5, feed_forward_proj="gated-gelu"), "geglu", "gelu_tanh"),
+        "gpt2": (T.GPT2Config(vocab_size=VOCAB, n_embd=D, n_layer=2, n_head=4, n_positions=64, n_inner=F_,
+                              bos_token_id=1, eos_token_id=2), "gelu_tanh", "gelu_tanh"),
+        "bert": (T.BertConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=64), "gelu", "gelu"),
+        "opt": (T.OPTConfig(vocab_size=VOCAB, hidden_size=D, ffn_dim=F_, num_hidden_layers=2, num_attention_heads=4,
+                            max_position_embeddings=64, word_embed_proj_dim=D, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0), "relu", "relu"),
+    }
+
+
+ARCH_IDS = ["llama", "mistral", "qwen2", "gemma", "phi3", "mixtral", "t5", "t5-gated-gelu", "gpt2", "bert", "opt"]
+
+
+def _tokenizer(T):
+    """A word-level tokenizer trained locally on the shipped sample texts (no downloads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from ffnquant.hf.capture import default_text_path
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    tok.train([str(default_text_path("calibration")), str(default_text_path("evaluation"))], trainer)
+    return T.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                     bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """Every listed architecture, 2 layers, hidden 32, saved with save_pretrained(safe_serialization=True)."""
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
+    T.logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("hf")
+    tokenizer = _tokenizer(T)
+    out = {}
+    for name, (config, variant, act) in _configs(T).items():
+        torch.manual_seed(0)
+        if config.model_type == "t5":
+            model = T.T5ForConditionalGeneration(config)
+        elif config.model_type == "bert":
+            model = T.BertModel(config)
+        else:
+            model = T.AutoModelForCausalLM.from_config(config)
+        folder = root / name
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        out[name] = (folder, variant, act)
+    return out
+
+
+def _reference_mlp_outputs(name, model, info, x):
+    """Each FFN's output computed by the transformers model's own modules."""
+    from ffnquant.hf.capture import _module_for, _resolve_attr
+
+    names = [n for n, _ in model.named_modules()]
+    outs = {}
+    for layer in info.layers:
+        _, module = _module_for(model, info, layer, names)
+        if info.arch.split_attrs[0]:
+            first = _resolve_attr(module, info.arch.split_attrs[0])
+            act = _resolve_attr(module, info.arch.split_attrs[1])
+            second = _resolve_attr(module, info.arch.split_attrs[2])
+            h = getattr(*act)(getattr(*first)(x))
+            outs[layer.label] = getattr(*second)(h)
+        elif info.arch.name == "mixtral":
+            e = layer.expert
+            gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
+            outs[layer.label] = torch.nn.functional.linear(module.act_fn(gate) * up, module.down_proj[e])
+        else:
+            outs[layer.label] = module(x)
+    return outs
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", ARCH_IDS, ids=str)
+def test_detects_and_reproduces_the_models_mlp(tiny_models, name):
+    from ffnquant.hf.capture import load_hf_model
+
+    folder, variant, act = tiny_models[name]
+    info = inspect_model(folder)
+    assert info.spec.variant.value == variant and info.spec.activation.value == act
+    assert (info.spec.d_model, info.spec.d_ff) == (D, F_)
+    n_stacks = 2 if name.startswith("t5") else 1
+    assert info.n_layers == 2 * n_stacks
+    assert len(info.layers) == info.n_layers * (4 if name == "mixtral" else 1)
+    layers = load_ffn_layers(folder)
+    model = load_hf_model(info)
+    x = torch.randn(7, D)
+    with torch.no_grad():
+        ref = _reference_mlp_outputs(name, model, info, x)
+        for layer in layers:
+            torch.testing.assert_close(layer.ffn(x), ref[layer.label], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", ARCH_IDS, ids=str)
+def test_installed_float_ffns_leave_the_model_unchanged(tiny_models, name):
+    from ffnquant.hf.capture import install_ffns, load_hf_model
+    from ffnquant.hf.evaluate import _run
+
+    folder, _, _ = tiny_models[name]
+    info = inspect_model(folder)
+    layers = load_ffn_layers(info)
+    model = load_hf_model(info)
+    ids = torch.randint(3, VOCAB, (2, 12))
+    ref = _run(model, info, ids)
+    with install_ffns(model, info, {layer.info: layer.ffn for layer in layers}):
+        got = _run(model, info, ids)
+    again = _run(model, info, ids)  # restored afterwards
+    key = "last_hidden_state" if name == "bert" else "logits"
+    torch.testing.assert_close(getattr(got, key), getattr(ref, key), rtol=1e-5, atol=1e-5)
+    assert torch.equal(getattr(again, key), getattr(ref, key))
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", ["llama", "mixtral", "bert", "t5-gated-gelu"], ids=str)
+def test_capture_feeds_observers_like_a_direct_computation(tiny_models, name):
+    from ffnquant.hf.capture import iter_captured, load_hf_model, load_tokenizer, read_text, text_batches
+    from ffnquant.hf.evaluate import calibrate_layers
+    from ffnquant.observe import TensorObserver
+
+    folder, _, _ = tiny_models[name]
+    info = inspect_model(folder)
+    layers = load_ffn_layers(info)
+    model = load_hf_model(info)
+    batches = text_batches(load_tokenizer(folder), read_text(None, "calibration"), seq_len=16, batch_size=2, max_tokens=96)
+    captured = list(iter_captured(model, info, [l.info for l in layers], batches))
+    # direct computation: the same inputs through hooks on the model's own MLP modules
+    direct: dict[str, list[torch.Tensor]] = {}
+    from ffnquant.hf.capture import _module_for
+
+    names = [n for n, _ in model.named_modules()]
+    if name != "mixtral":
+        handles = []
+        for layer in info.layers:
+            _, module = _module_for(model, info, layer, names)
+            target = module.intermediate.dense if name == "bert" else module
+            handles.append(target.register_forward_pre_hook(
+                lambda m, a, lab=layer.label: direct.setdefault(lab, []).append(a[0].reshape(-1, D).clone())))
+        with torch.no_grad():
+            from ffnquant.hf.evaluate import _run
+
+            for ids in batches:
+                _run(model, info, ids)
+        for h in handles:
+            h.remove()
+        for label, xs in direct.items():
+            torch.testing.assert_close(torch.cat([c[label] for c in captured]), torch.cat(xs))
+    else:  # the router sends every token to exactly top_k = 2 experts of each layer
+        for c, ids in zip(captured, batches):
+            for i in range(2):
+                assert sum(x.shape[0] for k, x in c.items() if k.startswith(f"L{i}.")) == 2 * ids.numel()
+    tables, _ = calibrate_layers(layers, captured, bins=256)
+    for layer in layers:
+        xs = [c[layer.label] for c in captured if layer.label in c]
+        if not xs:
+            continue
+        x = torch.cat(xs)
+        obs = TensorObserver(256).update(x)
+        got = tables[layer.label]["input"]
+        assert got.n == obs.n == x.numel()
+        assert got.max == pytest.approx(float(x.max()), rel=1e-6) and got.min == pytest.approx(float(x.min()), rel=1e-6)
+        # float32 batch sums against one float64 sum: agreement to 1e-6 of the spread
+        assert got.mean == pytest.approx(float(x.double().mean()), abs=1e-6 * float(x.double().std()))
+        with torch.no_grad():
+            out = layer.ffn(x)
+        assert tables[layer.label]["output"].absmax == pytest.approx(float(out.abs().max()), rel=1e-5)
