@@ -1,0 +1,723 @@
+"""The latency harness: variants x runtimes x formats x token counts, measured and returned as data.
+
+Each case is warmed up, then timed call by call until a time budget (or a repeat cap) is
+spent; `latency_stats` turns the samples into median/p10/p90/p99/mean/std. Derived
+figures per case: tokens/s, bytes moved and FLOPs per call, achieved GB/s and TFLOP/s,
+and the fraction of the device's roofline where its peaks are known. Every case slower
+than its runtime's float baseline (fp32 on CPU, fp16 on GPU) is flagged. A runtime that
+fails mid-sweep is recorded with its error and the sweep goes on. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from .errors import FFNQuantError
+from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_runtime, tensor_nbytes
+from .spec import FFNSpec
+
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "DEFAULT_TOKENS",
+    "LatencyStats",
+    "latency_stats",
+    "Timer",
+    "WallTimer",
+    "CudaEventTimer",
+    "default_timer",
+    "DevicePeaks",
+    "DEVICE_PEAKS",
+    "device_peaks",
+    "measure_copy_bandwidth",
+    "roofline",
+    "BenchConfig",
+    "CaseResult",
+    "BenchResult",
+    "measure",
+    "run_benchmark",
+    "latency_markdown",
+]
+
+SCHEMA = "ffnquant.latency"
+SCHEMA_VERSION = 1
+DEFAULT_TOKENS = (1, 16, 512, 2048)  # decode (1, 16) and prefill (512, 2048) tokens per call
+
+
+# --- statistics ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LatencyStats:
+    """Per-call latency in seconds over `n` timed calls."""
+
+    n: int
+    median_s: float
+    p10_s: float
+    p90_s: float
+    p99_s: float
+    mean_s: float
+    std_s: float
+    min_s: float
+    max_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def latency_stats(samples: Sequence[float]) -> LatencyStats:
+    """Statistics of per-call times: percentiles by linear interpolation (numpy's default), sample std."""
+    arr = np.asarray(samples, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise FFNQuantError("latency statistics need at least one sample")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise FFNQuantError("latency samples must be finite and non-negative")
+    p10, p50, p90, p99 = np.percentile(arr, [10, 50, 90, 99])
+    std = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
+    return LatencyStats(
+        n=int(arr.size),
+        median_s=float(p50),
+        p10_s=float(p10),
+        p90_s=float(p90),
+        p99_s=float(p99),
+        mean_s=float(arr.mean()),
+        std_s=std,
+        min_s=float(arr.min()),
+        max_s=float(arr.max()),
+    )
+
+
+# --- timers -------------------------------------------------------------------------------
+class Timer(Protocol):
+    """Times one call: `start()` before it, `stop()` after it returns the seconds it took."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> float: ...
+
+
+class WallTimer:
+    """perf_counter around the call, after synchronising the device (so queued work is counted)."""
+
+    def __init__(self, synchronize: Callable[[], None] = lambda: None) -> None:
+        self._sync = synchronize
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        self._sync()
+        return time.perf_counter() - self._t0
+
+
+class CudaEventTimer:
+    """CUDA events on torch's current stream: device time of the work queued between start and stop."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._begin = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self._begin.record()
+
+    def stop(self) -> float:
+        self._end.record()
+        self._end.synchronize()
+        return self._begin.elapsed_time(self._end) / 1e3
+
+
+def default_timer(runtime: Runtime, loaded: Loaded) -> Timer:
+    """CUDA events for torch-based CUDA runtimes, else wall time with synchronisation."""
+    if getattr(runtime, "timing", "wall") == "cuda-events":
+        return CudaEventTimer()
+    return WallTimer(lambda: runtime.synchronize(loaded))
+
+
+TimerFactory = Callable[[Runtime, Loaded], Timer]
+
+
+# --- device peaks and the roofline ----------------------------------------------------------
+@dataclass(frozen=True)
+class DevicePeaks:
+    """Spec-sheet peaks of one device: memory bandwidth (bytes/s) and dense ops/s per compute type."""
+
+    name: str
+    match: str  # case-insensitive substring of the device name
+    memory_bytes_per_s: float
+    ops_per_s: Mapping[str, float]
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "memory_bytes_per_s": self.memory_bytes_per_s,
+            "ops_per_s": dict(self.ops_per_s),
+            "source": self.source,
+        }
+
+
+# Dense (no sparsity) peaks from NVIDIA's data sheets; fp32 is the non-tensor-core rate,
+# since torch leaves TF32 off for fp32 matmuls by default. Order matters: the first match wins.
+DEVICE_PEAKS: tuple[DevicePeaks, ...] = (
+    DevicePeaks("H200", "h200", 4.8e12, {"fp32": 67e12, "fp16": 989e12, "fp8": 1979e12, "int8": 1979e12},
+                "NVIDIA H200 SXM data sheet (HBM3e 4.8 TB/s)"),
+    DevicePeaks("H100 PCIe", "h100 pcie", 2.0e12, {"fp32": 51e12, "fp16": 756e12, "fp8": 1513e12, "int8": 1513e12},
+                "NVIDIA H100 PCIe data sheet"),
+    DevicePeaks("H100 SXM", "h100", 3.35e12, {"fp32": 67e12, "fp16": 989e12, "fp8": 1979e12, "int8": 1979e12},
+                "NVIDIA H100 SXM data sheet"),
+    DevicePeaks("A100 80GB", "a100", 2.039e12, {"fp32": 19.5e12, "fp16": 312e12, "int8": 624e12},
+                "NVIDIA A100 SXM 80GB data sheet"),
+)
+
+
+def device_peaks(device_name: str | None) -> DevicePeaks | None:
+    """The peaks entry whose `match` occurs in `device_name` (None: unknown device, e.g. a CPU)."""
+    if not device_name:
+        return None
+    lowered = device_name.lower()
+    return next((p for p in DEVICE_PEAKS if p.match in lowered), None)
+
+
+def measure_copy_bandwidth(device: str = "cpu", nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best-of-`repeats` device copy bandwidth in bytes/s (read + write counted, as STREAM's copy does)."""
+    import torch
+
+    n = max(1, nbytes // 4)
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first copy faults the pages in
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best
+
+
+def roofline(
+    bytes_moved: float,
+    flops: float,
+    seconds: float,
+    compute: str,
+    peaks: DevicePeaks | None,
+    copy_bandwidth: float | None = None,
+) -> tuple[float | None, str | None]:
+    """(fraction of the attainable time, what bounds it) for one call; (None, None) if nothing is known.
+
+    Attainable time is max(bytes / bandwidth, flops / peak ops) (Williams et al.'s roofline);
+    the fraction is attainable / measured, so 1.0 means running at the device's limit.
+    Spec-sheet bandwidth is used where the device is in the table, else a measured copy bandwidth.
+    """
+    bandwidth = peaks.memory_bytes_per_s if peaks is not None else copy_bandwidth
+    peak_ops = peaks.ops_per_s.get(compute) if peaks is not None else None
+    t_mem = bytes_moved / bandwidth if bandwidth else None
+    t_ops = flops / peak_ops if peak_ops else None
+    if seconds <= 0 or (t_mem is None and t_ops is None):
+        return None, None
+    if t_ops is None:
+        return t_mem / seconds, "memory (compute peak unknown)"
+    if t_mem is None:
+        return t_ops / seconds, "compute (bandwidth unknown)"
+    return max(t_mem, t_ops) / seconds, ("memory" if t_mem >= t_ops else "compute")
+
+
+# --- configuration and results -----------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchConfig:
+    """How to measure: token counts per call, time budget per case, warm-up and repeat bounds."""
+
+    tokens: tuple[int, ...] = DEFAULT_TOKENS
+    budget_s: float = 0.5
+    warmup: int = 3
+    min_repeats: int = 5
+    max_repeats: int = 100_000
+    seed: int = 0
+    accuracy_tokens: int = 64  # tokens of the once-per-model output check against fp32 torch
+    measure_bandwidth: bool = False
+
+    def __post_init__(self) -> None:
+        tokens = tuple(int(t) for t in self.tokens)
+        if not tokens or any(t <= 0 for t in tokens):
+            raise FFNQuantError(f"token counts must be positive integers, got {self.tokens!r}")
+        object.__setattr__(self, "tokens", tuple(dict.fromkeys(tokens)))
+        if not (isinstance(self.budget_s, (int, float)) and math.isfinite(self.budget_s) and self.budget_s > 0):
+            raise FFNQuantError(f"budget_s must be a positive number of seconds, got {self.budget_s!r}")
+        for name in ("warmup", "min_repeats", "max_repeats", "accuracy_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "warmup" else 1):
+                raise FFNQuantError(f"{name} must be a {'non-negative' if name == 'warmup' else 'positive'} integer, got {value!r}")
+        if self.min_repeats > self.max_repeats:
+            raise FFNQuantError(f"min_repeats {self.min_repeats} exceeds max_repeats {self.max_repeats}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tokens"] = list(self.tokens)
+        return d
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+@dataclass
+class CaseResult:
+    """One (variant, runtime, scheme, tokens) measurement, or the error that prevented it."""
+
+    variant: str
+    spec_key: str
+    runtime: str
+    scheme: str
+    tokens: int
+    device: str
+    stats: LatencyStats | None = None
+    error: str | None = None
+    label: str = ""
+    providers: tuple[str, ...] = ()
+    weight_bytes: int | None = None
+    file_bytes: int | None = None
+    bytes_per_call: int | None = None
+    flops_per_call: int | None = None
+    compute: str | None = None
+    roofline_fraction: float | None = None
+    roofline_bound: str | None = None
+    peak_memory_bytes: int | None = None
+    sqnr_db: float | None = None
+    max_abs_error: float | None = None
+    baseline: str | None = None
+    speedup: float | None = None  # baseline median / this median
+    slower_than_baseline: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.stats is not None
+
+    @property
+    def median_s(self) -> float | None:
+        return self.stats.median_s if self.stats else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.stats.median_s if self.stats and self.stats.median_s > 0 else None
+
+    @property
+    def achieved_gb_per_s(self) -> float | None:
+        if not self.stats or not self.bytes_per_call or self.stats.median_s <= 0:
+            return None
+        return self.bytes_per_call / self.stats.median_s / 1e9
+
+    @property
+    def achieved_tflop_per_s(self) -> float | None:
+        if not self.stats or not self.flops_per_call or self.stats.median_s <= 0:
+            return None
+        return self.flops_per_call / self.stats.median_s / 1e12
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat record: the stats fields (`median_s`, `p10_s`, ...) at the top level, None where absent."""
+        stats = self.stats.to_dict() if self.stats else {f.name: None for f in dataclasses.fields(LatencyStats)}
+        return {
+            "variant": self.variant,
+            "spec_key": self.spec_key,
+            "runtime": self.runtime,
+            "scheme": self.scheme,
+            "tokens": self.tokens,
+            "device": self.device,
+            **stats,
+            "tokens_per_s": self.tokens_per_s,
+            "bytes_per_call": self.bytes_per_call,
+            "flops_per_call": self.flops_per_call,
+            "achieved_gb_per_s": self.achieved_gb_per_s,
+            "achieved_tflop_per_s": self.achieved_tflop_per_s,
+            "compute": self.compute,
+            "roofline_fraction": _finite(self.roofline_fraction),
+            "roofline_bound": self.roofline_bound,
+            "weight_bytes": self.weight_bytes,
+            "file_bytes": self.file_bytes,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "sqnr_db": _finite(self.sqnr_db),
+            "max_abs_error": _finite(self.max_abs_error),
+            "baseline": self.baseline,
+            "speedup": _finite(self.speedup),
+            "slower_than_baseline": self.slower_than_baseline,
+            "label": self.label,
+            "providers": list(self.providers),
+            "error": self.error,
+        }
+
+
+@dataclass
+class BenchResult:
+    """Everything one sweep measured, with the environment it ran in."""
+
+    config: BenchConfig
+    specs: list[FFNSpec]
+    runtimes: list[dict[str, Any]]
+    cases: list[CaseResult]
+    environment: dict[str, Any]
+    device_peaks: dict[str, Any] = field(default_factory=dict)
+    copy_bandwidth: dict[str, float] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    wall_s: float = 0.0
+    command: str | None = None
+
+    def case(self, variant: str, runtime: str, scheme: str, tokens: int) -> CaseResult:
+        """The case with these keys (KeyError if it was not run)."""
+        for c in self.cases:
+            if (c.variant, c.runtime, c.scheme, c.tokens) == (variant, runtime, scheme, tokens):
+                return c
+        raise KeyError((variant, runtime, scheme, tokens))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "command": self.command,
+            "config": self.config.to_dict(),
+            "environment": self.environment,
+            "specs": [s.to_dict() for s in self.specs],
+            "formats": {name: FORMATS[name].to_dict() for name in sorted({c.scheme for c in self.cases})},
+            "runtimes": self.runtimes,
+            "device_peaks": self.device_peaks,
+            "copy_bandwidth_bytes_per_s": self.copy_bandwidth,
+            "skipped": self.skipped,
+            "cases": [c.to_dict() for c in self.cases],
+            "wall_s": self.wall_s,
+        }
+
+
+# --- measuring ----------------------------------------------------------------------------------
+def measure(runtime: Runtime, loaded: Loaded, x: np.ndarray, config: BenchConfig, timer: Timer) -> LatencyStats:
+    """Warm up, then time single calls until `config.budget_s` of timed calls (at least `min_repeats`)."""
+    prepared = runtime.prepare(loaded, x)
+    for _ in range(config.warmup):
+        runtime.run(loaded, prepared)
+    runtime.synchronize(loaded)
+    samples: list[float] = []
+    total = 0.0
+    wall0 = time.perf_counter()
+    # The wall cap keeps a case bounded when the timer counts less than the loop costs
+    # (CUDA events exclude launch gaps); the repeat floor keeps percentiles meaningful.
+    wall_cap = 3 * config.budget_s + 1.0
+    while True:
+        timer.start()
+        runtime.run(loaded, prepared)
+        dt = timer.stop()
+        samples.append(dt)
+        total += dt
+        n = len(samples)
+        if n >= config.max_repeats:
+            break
+        if n >= config.min_repeats and (total >= config.budget_s or time.perf_counter() - wall0 >= wall_cap):
+            break
+    return latency_stats(samples)
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+
+
+def _device_name(runtime: Runtime, environment: Mapping[str, Any]) -> str:
+    if runtime.device == "cuda":
+        gpu = environment.get("gpu") or {}
+        return str(gpu.get("name") or "cuda")
+    return str(environment.get("cpu") or "cpu")
+
+
+def _output_check(runtime: Runtime, loaded: Loaded, x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(SQNR in dB, max |error|) of the runtime's output against fp32 torch on the same input."""
+    got = runtime(loaded, x).reshape(ref.shape).astype(np.float64)
+    err = got - ref
+    noise = float(np.sum(err**2))
+    signal = float(np.sum(ref**2))
+    sqnr = math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    return sqnr, float(np.max(np.abs(err)))
+
+
+def run_benchmark(
+    specs: Sequence[FFNSpec],
+    runtimes: Sequence[str | Runtime],
+    schemes: Sequence[str] | None = None,
+    config: BenchConfig = BenchConfig(),
+    *,
+    models: Mapping[str, Any] | None = None,
+    onnx_paths: Mapping[tuple[str, str], str | Path] | None = None,
+    workdir: str | Path | None = None,
+    timer_factory: TimerFactory = default_timer,
+    progress: Callable[[int, int, str], None] | None = None,
+    environment: Mapping[str, Any] | None = None,
+) -> BenchResult:
+    """Measure every spec x available runtime x scheme (that runtime supports) x token count.
+
+    `schemes=None` runs every format each runtime supports; each runtime's float baseline
+    is added when missing so that slowdowns can be flagged. Unavailable runtimes are
+    recorded with their reason and skipped; a failure while loading or running records an
+    error on its cases and the sweep continues. `models` maps spec.key to float FFNs
+    (default: built from `config.seed`); `onnx_paths` maps (spec.key, scheme) to prebuilt
+    ONNX files for the onnxruntime adapters; others are built under `workdir` (a temporary
+    folder by default). `progress(done, total, label)` is called after each case.
+    """
+    from .envinfo import environment as current_environment
+    from .model import build
+
+    t_start = time.perf_counter()
+    env = dict(environment) if environment is not None else current_environment()
+    # Other processes on the machine distort CPU timings; the load average says how much.
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    adapters = [get_runtime(r) if isinstance(r, str) else r for r in runtimes]
+    requested = None if schemes is None else [FORMATS[s].name if s in FORMATS else s for s in schemes]
+    if requested is not None:
+        for s in requested:
+            if s not in FORMATS:
+                from .runtimes.base import get_format
+
+                get_format(s)  # raises the unknown-scheme error listing valid names
+
+    runtime_rows: list[dict[str, Any]] = []
+    plan: list[tuple[Runtime, list[str]]] = []
+    skipped: list[dict[str, str]] = []
+    for rt in adapters:
+        avail = rt.availability()
+        runtime_rows.append({"name": rt.name, "device": avail.device, "available": avail.available,
+                             "reason": avail.reason, "error": None, "ran_with": []})
+        if not avail.available:
+            continue
+        formats = rt.formats
+        wanted = list(formats) if requested is None else [s for s in requested if s in formats]
+        for s in requested or []:
+            if s not in formats:
+                skipped.append({"runtime": rt.name, "scheme": s, "reason": f"{rt.name} does not support {s}"})
+        if rt.baseline in formats and rt.baseline not in wanted:
+            wanted.insert(0, rt.baseline)
+        plan.append((rt, wanted))
+
+    total = len(specs) * sum(len(w) for _, w in plan) * len(config.tokens)
+    done = 0
+    cases: list[CaseResult] = []
+    peaks_used: dict[str, Any] = {}
+    copy_bw: dict[str, float] = {}
+    tmp_ctx = tempfile.TemporaryDirectory(prefix="ffnquant_bench_") if workdir is None else None
+    work = Path(tmp_ctx.name if tmp_ctx else workdir)
+    try:
+        for spec in specs:
+            model = (models or {}).get(spec.key)
+            model = model if model is not None else build(spec, seed=config.seed)
+            rng = np.random.default_rng(config.seed)
+            inputs = {m: rng.standard_normal((1, m, spec.d_model)).astype(np.float32) for m in config.tokens}
+            check_tokens = min(config.accuracy_tokens, max(config.tokens))
+            x_check = rng.standard_normal((1, check_tokens, spec.d_model)).astype(np.float32)
+            import torch
+
+            with torch.inference_mode():
+                ref = model.float()(torch.from_numpy(x_check)).double().numpy()
+            for rt, wanted in plan:
+                device_name = _device_name(rt, env)
+                peaks = device_peaks(device_name) if rt.device == "cuda" else None
+                if peaks is not None:
+                    peaks_used[rt.device] = {"device": device_name, **peaks.to_dict()}
+                if config.measure_bandwidth and rt.device not in copy_bw:
+                    copy_bw[rt.device] = measure_copy_bandwidth(rt.device)
+                for scheme in wanted:
+                    def record(m: int, **kw: Any) -> CaseResult:
+                        c = CaseResult(spec.variant.value, spec.key, rt.name, scheme, m, device_name, **kw)
+                        cases.append(c)
+                        return c
+
+                    onnx_path = (onnx_paths or {}).get((spec.key, scheme))
+                    case = ModelCase(spec, scheme, seed=config.seed, max_tokens=max(config.tokens), model=model,
+                                     onnx_path=onnx_path, workdir=work)
+                    if requested is None:
+                        try:
+                            rt.check(case)
+                        except FFNQuantError as exc:  # 'every format': sizes a kernel cannot take are skipped
+                            skipped.append({"runtime": rt.name, "scheme": scheme, "variant": spec.variant.value,
+                                            "reason": str(exc)})
+                            total -= len(config.tokens)
+                            continue
+                    loaded = None
+                    try:
+                        rt.reset_peak_memory()
+                        loaded = rt.load(case)
+                        sqnr, max_err = _output_check(rt, loaded, x_check, ref)
+                    except Exception as exc:  # a failing runtime is a result, not the end of the sweep
+                        for m in config.tokens:
+                            record(m, error=_error_text(exc))
+                            done += 1
+                            if progress:
+                                progress(done, total, f"{spec.variant.value} {rt.name} {scheme} M={m}: error")
+                        if loaded is not None:
+                            rt.release(loaded)
+                        continue
+                    row = next(r for r in runtime_rows if r["name"] == rt.name)
+                    if loaded.label not in row["ran_with"]:
+                        row["ran_with"].append(loaded.label)
+                    compute = FORMATS[scheme].compute.value
+                    for m in config.tokens:
+                        act_bytes = tensor_nbytes(loaded.input_dtype, m * spec.d_model) + tensor_nbytes(
+                            loaded.output_dtype, m * spec.d_model)
+                        base_kw = dict(label=loaded.label, providers=loaded.providers, weight_bytes=loaded.weight_bytes,
+                                       file_bytes=loaded.file_bytes, bytes_per_call=loaded.weight_bytes + act_bytes,
+                                       flops_per_call=m * spec.flops_per_token, compute=compute, sqnr_db=sqnr,
+                                       max_abs_error=max_err)
+                        try:
+                            stats = measure(rt, loaded, inputs[m], config, timer_factory(rt, loaded))
+                        except Exception as exc:
+                            record(m, error=_error_text(exc), **base_kw)
+                        else:
+                            frac, bound = roofline(base_kw["bytes_per_call"], base_kw["flops_per_call"],
+                                                   stats.median_s, compute, peaks, copy_bw.get(rt.device))
+                            record(m, stats=stats, roofline_fraction=frac, roofline_bound=bound,
+                                   peak_memory_bytes=rt.peak_memory_bytes(), **base_kw)
+                        done += 1
+                        if progress:
+                            progress(done, total, f"{spec.variant.value} {rt.name} {scheme} M={m}")
+                    rt.release(loaded)
+    finally:
+        if tmp_ctx is not None:
+            tmp_ctx.cleanup()
+
+    _flag_slowdowns(cases, {rt.name: rt.baseline for rt, _ in plan})
+    for row in runtime_rows:
+        errors = [c.error for c in cases if c.runtime == row["name"] and c.error]
+        if errors:
+            row["error"] = f"{len(errors)} case(s) failed; first: {errors[0]}"
+    if load_before is not None:
+        env["load_average"] = {"before": [round(v, 2) for v in load_before],
+                               "after": [round(v, 2) for v in os.getloadavg()]}
+    return BenchResult(
+        config=config,
+        specs=list(specs),
+        runtimes=runtime_rows,
+        cases=cases,
+        environment=env,
+        device_peaks=peaks_used,
+        copy_bandwidth=copy_bw,
+        skipped=skipped,
+        wall_s=time.perf_counter() - t_start,
+    )
+
+
+def _flag_slowdowns(cases: list[CaseResult], baselines: Mapping[str, str]) -> None:
+    """Set speedup (baseline median / median) and slower_than_baseline on every measured case."""
+    index = {(c.spec_key, c.runtime, c.tokens): c for c in cases if c.ok and c.scheme == baselines.get(c.runtime)}
+    for c in cases:
+        base = index.get((c.spec_key, c.runtime, c.tokens))
+        if not c.ok or base is None:
+            continue
+        c.baseline = base.scheme
+        c.speedup = base.stats.median_s / c.stats.median_s if c.stats.median_s > 0 else None
+        c.slower_than_baseline = c.scheme != base.scheme and c.stats.median_s > base.stats.median_s
+
+
+# --- Markdown -----------------------------------------------------------------------------------
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3g} ms"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def latency_markdown(doc: Mapping[str, Any]) -> str:
+    """The Markdown report of a `BenchResult.to_dict()` document (pure: returns the text)."""
+    from .render import markdown_table
+
+    env = doc.get("environment", {})
+    pk = env.get("packages", {})
+    lines = ["# ffnquant latency", ""]
+    if doc.get("command"):
+        lines += [f"Command: `{doc['command']}`", ""]
+    gpu = env.get("gpu")
+    lines += [
+        f"- Machine: {env.get('cpu')} ({env.get('cpu_count')} cores, torch threads {env.get('torch_threads')})"
+        + (f"; GPU {gpu['name']} (sm {gpu['capability']}, CUDA {gpu['cuda']})" if gpu else "; no GPU"),
+        f"- Versions: torch {pk.get('torch')}, onnxruntime {pk.get('onnxruntime-gpu') or pk.get('onnxruntime')}, "
+        f"bitsandbytes {pk.get('bitsandbytes')}, onnx {pk.get('onnx')}, numpy {pk.get('numpy')}",
+        f"- Budget {doc['config']['budget_s']} s per case after {doc['config']['warmup']} warm-up calls "
+        f"(at least {doc['config']['min_repeats']} timed calls); token counts {doc['config']['tokens']}; "
+        f"sweep wall time {doc.get('wall_s', 0):.0f} s",
+    ]
+    if env.get("load_average"):
+        la = env["load_average"]
+        lines.append(f"- Load average (1/5/15 min) before {la['before']}, after {la['after']}: "
+                     "a load above the core count means other processes shared the CPU during the sweep")
+    for dev, bw in (doc.get("copy_bandwidth_bytes_per_s") or {}).items():
+        lines.append(f"- Measured copy bandwidth on {dev}: {bw / 1e9:.3g} GB/s (used for the roofline where no peak is tabled)")
+    for dev, p in (doc.get("device_peaks") or {}).items():
+        lines.append(f"- Roofline peaks for {p['device']}: {p['memory_bytes_per_s'] / 1e12:.3g} TB/s, "
+                     + ", ".join(f"{k} {v / 1e12:.0f} TOPS" for k, v in p["ops_per_s"].items()) + f" ({p['source']})")
+    lines += ["", "## Runtimes", ""]
+    rows = [[r["name"], "yes" if r["available"] else "no", r["reason"], "; ".join(r.get("ran_with") or []) or "-",
+             r.get("error") or "-"] for r in doc["runtimes"]]
+    lines += [markdown_table(["runtime", "available", "reason", "what ran", "errors"], rows), ""]
+    cases = doc["cases"]
+    tokens = doc["config"]["tokens"]
+    lines += ["## Median latency per call", "",
+              "Cells: median (speedup over the runtime's float baseline; **SLOWER** when below 1x), "
+              "then the fraction of the device roofline where known.", ""]
+    for rt in [r["name"] for r in doc["runtimes"]]:
+        rt_cases = [c for c in cases if c["runtime"] == rt]
+        if not rt_cases:
+            continue
+        base = next((c["baseline"] for c in rt_cases if c.get("baseline")), None)
+        lines += [f"### {rt}" + (f" (baseline {base})" if base else ""), ""]
+        rows = []
+        for spec in doc["specs"]:
+            key = FFNSpec.from_dict(spec).key
+            for scheme in dict.fromkeys(c["scheme"] for c in rt_cases if c["spec_key"] == key):
+                cells = []
+                for m in tokens:
+                    c = next((c for c in rt_cases if c["spec_key"] == key and c["scheme"] == scheme and c["tokens"] == m), None)
+                    if c is None:
+                        cells.append("-")
+                    elif c["error"]:
+                        cells.append("error")
+                    else:
+                        cell = _ms(c["median_s"])
+                        if c.get("speedup") is not None and scheme != c.get("baseline"):
+                            cell += f" ({c['speedup']:.2f}x{' **SLOWER**' if c.get('slower_than_baseline') else ''})"
+                        if c.get("roofline_fraction") is not None:
+                            cell += f", {100 * c['roofline_fraction']:.0f}% roof"
+                        cells.append(cell)
+                first = next(c for c in rt_cases if c["spec_key"] == key and c["scheme"] == scheme)
+                sqnr = first.get("sqnr_db")
+                rows.append([spec["variant"], scheme, *cells, _bytes(first.get("weight_bytes")),
+                             "exact" if sqnr is None and first.get("max_abs_error") == 0 else
+                             (f"{sqnr:.1f}" if sqnr is not None else "-")])
+        lines += [markdown_table(["variant", "scheme", *[f"M={m}" for m in tokens], "weights", "SQNR dB"], rows), ""]
+    errors = [c for c in cases if c["error"]]
+    if errors:
+        lines += ["## Errors", ""]
+        seen = set()
+        for c in errors:
+            key = (c["runtime"], c["scheme"], c["error"])
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"- {c['runtime']} {c['scheme']} ({c['variant']}): {c['error']}")
+        lines.append("")
+    if doc.get("skipped"):
+        lines += ["## Not run", ""] + [f"- {s['runtime']} {s['scheme']}"
+                                       + (f" ({s['variant']})" if s.get("variant") else "") + f": {s['reason']}"
+                                       for s in doc["skipped"]] + [""]
+    lines += ["Bytes per call count the stored weights (with scales and biases) plus the input and output "
+              "activations once; FLOPs are the FFN's nominal count (2 per multiply-add). SQNR is the output "
+              f"against fp32 torch on {doc['config']['accuracy_tokens']} random tokens.", ""]
+    return "\n".join(lines)

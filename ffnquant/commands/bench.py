@@ -1,0 +1,135 @@
+"""`ffnquant bench`: latency of FFN variants per runtime, format and token count -> latency.json + latency.md."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from ..errors import FFNQuantError
+from .common import add_spec_arguments, specs_from_args
+
+NAME = "bench"
+HELP = "measure FFN latency per runtime, scheme and token count (decode and prefill); writes latency.json/.md"
+
+
+def _float_positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_spec_arguments(parser, default_variants="relu,swiglu")
+    parser.add_argument("--runtimes", default="available",
+                        help="comma-separated runtimes or 'available' (every runtime that really runs here)")
+    parser.add_argument("--schemes", default="all",
+                        help="comma-separated schemes or 'all' (each runtime's supported formats)")
+    parser.add_argument("--tokens", default="1,16,512,2048", help="tokens per call, comma-separated (default 1,16,512,2048)")
+    parser.add_argument("--budget-s", type=_float_positive, default=0.5, help="timed seconds per case (default 0.5)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up calls per case (default 3)")
+    parser.add_argument("--min-repeats", type=int, default=5, help="timed calls at least, even past the budget (default 5)")
+    parser.add_argument("--measure-bandwidth", action="store_true",
+                        help="measure the device copy bandwidth for the roofline where no peak is tabled (e.g. CPU)")
+    parser.add_argument("--out", default="reports", help="output folder (default reports/)")
+    parser.add_argument("--name", default="latency", help="file stem of the outputs (default latency)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _parse_tokens(text: str) -> tuple[int, ...]:
+    try:
+        tokens = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise FFNQuantError(f"--tokens must be comma-separated positive integers, got {text!r}") from None
+    if not tokens or any(t <= 0 for t in tokens):
+        raise FFNQuantError(f"--tokens must be comma-separated positive integers, got {text!r}")
+    return tokens
+
+
+def plan_from_args(args: argparse.Namespace):
+    """Validate everything before measuring: (specs, runtime adapters, schemes or None, config)."""
+    from ..bench import BenchConfig
+    from ..runtimes import ModelCase, get_runtime, parse_formats, runtime_names
+
+    specs = specs_from_args(args)
+    tokens = _parse_tokens(args.tokens)
+    config = BenchConfig(tokens=tokens, budget_s=args.budget_s, warmup=args.warmup, min_repeats=args.min_repeats,
+                         seed=args.seed, measure_bandwidth=args.measure_bandwidth)
+    names = [n.strip().lower() for n in args.runtimes.split(",") if n.strip()]
+    if names == ["available"]:
+        adapters = [get_runtime(n) for n in runtime_names()]
+        adapters = [rt for rt in adapters if rt.availability().available]
+    else:
+        adapters = [get_runtime(n) for n in dict.fromkeys(names)]  # unknown names raise here
+        for rt in adapters:
+            avail = rt.availability()
+            if not avail.available:
+                raise FFNQuantError(f"runtime {rt.name} is not available: {avail.reason}")
+    if not adapters:
+        raise FFNQuantError("no runtime given")
+    schemes = None if args.schemes.strip().lower() == "all" else parse_formats(args.schemes)
+    for scheme in schemes or []:
+        if not any(scheme in rt.formats for rt in adapters):
+            raise FFNQuantError(
+                f"scheme {scheme!r} is not supported by {', '.join(rt.name for rt in adapters)}; "
+                + "; ".join(f"{rt.name} supports {', '.join(rt.formats)}" for rt in adapters)
+            )
+    # Sizes each kernel cannot take (e.g. 4-bit groups not dividing d_ff) fail here, not mid-sweep.
+    for spec in specs:
+        for rt in adapters:
+            for scheme in schemes or ():  # with 'all', formats a size does not fit are skipped, not errors
+                if scheme in rt.formats:
+                    rt.check(ModelCase(spec, scheme, seed=args.seed, max_tokens=max(tokens)))
+    return specs, adapters, schemes, config
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The equivalent command line, rebuilt from the parsed arguments (for the report header)."""
+    parts = ["ffnquant", "bench", "--variants", args.variants, "--d-model", str(args.d_model)]
+    for flag, value in (("--d-ff", args.d_ff), ("--multiple-of", args.multiple_of),
+                        ("--ffn-dim-multiplier", args.ffn_dim_multiplier)):
+        if value is not None:
+            parts += [flag, str(value)]
+    if args.bias is not None:
+        parts.append("--bias" if args.bias else "--no-bias")
+    parts += ["--seed", str(args.seed), "--runtimes", args.runtimes, "--schemes", args.schemes, "--tokens", args.tokens,
+              "--budget-s", str(args.budget_s), "--warmup", str(args.warmup), "--min-repeats", str(args.min_repeats)]
+    if args.measure_bandwidth:
+        parts.append("--measure-bandwidth")
+    parts += ["--out", args.out, "--name", args.name]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..atomic import ensure_writable_dir, write_json, write_text
+    from ..bench import latency_markdown, run_benchmark
+
+    specs, adapters, schemes, config = plan_from_args(args)
+    out = ensure_writable_dir(args.out)
+    command = _command_line(args)
+    if args.no_progress:
+        result = run_benchmark(specs, adapters, schemes, config)
+    else:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      transient=True) as bar:
+            task = bar.add_task("bench", total=None)
+
+            def progress(done: int, total: int, label: str) -> None:
+                bar.update(task, completed=done, total=total, description=label)
+
+            result = run_benchmark(specs, adapters, schemes, config, progress=progress)
+    result.command = command
+    doc = result.to_dict()
+    json_path = write_json(out / f"{args.name}.json", doc)
+    md_path = write_text(out / f"{args.name}.md", latency_markdown(doc))
+    ok = sum(1 for c in result.cases if c.ok)
+    failed = len(result.cases) - ok
+    slower = sum(1 for c in result.cases if c.slower_than_baseline)
+    print(f"{ok} cases measured, {failed} failed, {slower} slower than their float baseline; "
+          f"wrote {json_path} and {md_path}")
+    return 0

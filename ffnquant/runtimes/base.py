@@ -1,0 +1,331 @@
+"""The runtime protocol: availability with a reason, supported formats, load, prepare, run.
+
+A runtime is an adapter around one backend on one device (onnxruntime's CPU provider,
+torch on CUDA, bitsandbytes on CPU, ...). Adapters import their backend lazily, so this
+package imports on a machine without any optional package, and a runtime that is not
+really there says so in `availability()` instead of quietly running somewhere else.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import FFNQuantError, unknown_choice
+from ..spec import FFNSpec
+
+__all__ = [
+    "Compute",
+    "Format",
+    "FORMATS",
+    "get_format",
+    "parse_formats",
+    "Availability",
+    "ModelCase",
+    "Loaded",
+    "Runtime",
+    "check_input",
+    "tensor_nbytes",
+    "RUNTIMES",
+    "runtime_names",
+    "get_runtime",
+    "available_runtimes",
+]
+
+
+class Compute(str, enum.Enum):
+    """The arithmetic a format's matmuls run in; it picks the device peak in the roofline."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"  # fp16 or bf16 tensor-core math (same peak on NVIDIA)
+    INT8 = "int8"
+    FP8 = "fp8"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Format:
+    """A deployable numeric format: what the weights are stored in and what the matmuls compute in.
+
+    Names match the `ffnquant.schemes` presets where they overlap; `bf16`, `llm-int8` and
+    `llm-int8-t0` exist only as runtime formats (torch's bf16, bitsandbytes' LLM.int8).
+    """
+
+    name: str
+    weight: str  # storage of the weight matrices
+    activation: str  # what the matmul reads for activations
+    compute: Compute
+    description: str
+    group_size: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["compute"] = self.compute.value
+        return d
+
+
+_FORMAT_LIST = (
+    Format("fp32", "fp32", "fp32", Compute.FP32, "float32 weights and activations"),
+    Format("fp16", "fp16", "fp16", Compute.FP16, "float16 weights and activations"),
+    Format("bf16", "bf16", "bf16", Compute.FP16, "bfloat16 weights and activations"),
+    Format("w8a16", "int8", "float", Compute.FP16, "int8 per-channel weights, float activations (weight-only)"),
+    Format("w8a8", "int8", "uint8", Compute.INT8, "static int8 QDQ: int8 weights, calibrated uint8 activations (U8S8)"),
+    Format("w8a8-s8", "int8", "int8", Compute.INT8, "static int8 QDQ: int8 weights, calibrated int8 activations (S8S8)"),
+    Format("w8a8-dynamic", "int8", "int8 dynamic", Compute.INT8, "int8 weights, activations quantized per call"),
+    Format("w4a16-g32", "int4", "float", Compute.FP16, "4-bit weights, group 32, float activations", 32),
+    Format("w4a16-g64", "int4", "float", Compute.FP16, "4-bit weights, group 64, float activations", 64),
+    Format("w4a16-g128", "int4", "float", Compute.FP16, "4-bit weights, group 128, float activations", 128),
+    Format("nf4", "nf4", "float", Compute.FP16, "4-bit NormalFloat weights (QLoRA), blocks of 64", 64),
+    Format("fp4", "fp4", "float", Compute.FP16, "4-bit float weights (bitsandbytes FP4), blocks of 64", 64),
+    Format("fp8-e4m3", "fp8-e4m3", "fp8-e4m3", Compute.FP8, "fp8 e4m3 weights and activations, per-tensor scales"),
+    Format(
+        "llm-int8",
+        "int8",
+        "int8 dynamic + fp16 outliers",
+        Compute.INT8,
+        "bitsandbytes LLM.int8: row-wise dynamic int8, input columns beyond |6.0| in fp16",
+    ),
+    Format(
+        "llm-int8-t0",
+        "int8",
+        "int8 dynamic",
+        Compute.INT8,
+        "bitsandbytes Linear8bitLt with threshold 0: row-wise dynamic int8, no outlier split",
+    ),
+)
+FORMATS: Mapping[str, Format] = {f.name: f for f in _FORMAT_LIST}
+
+
+def get_format(name: str) -> Format:
+    """The format called `name`; an unknown name raises an error listing the valid ones."""
+    key = str(name).strip().lower()
+    if key not in FORMATS:
+        raise unknown_choice("scheme", name, FORMATS)
+    return FORMATS[key]
+
+
+def parse_formats(names: str | list[str] | None) -> list[str]:
+    """Comma-separated or listed format names, validated and de-duplicated in order; None -> all."""
+    if names is None:
+        return list(FORMATS)
+    if isinstance(names, str):
+        names = [n for n in names.split(",") if n.strip()]
+    out: list[str] = []
+    for n in names:
+        fmt_name = get_format(n).name
+        if fmt_name not in out:
+            out.append(fmt_name)
+    if not out:
+        raise FFNQuantError("no schemes given")
+    return out
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a runtime can run here; `reason` says why not (or what it found), `device` where it runs."""
+
+    available: bool
+    reason: str
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """What to load: one FFN (spec and float weights) in one format.
+
+    `model` carries the float weights (built from `seed` when absent); ONNX runtimes read
+    `onnx_path` when given and otherwise build the artifact under `workdir`. `max_tokens`
+    bounds the token counts the loaded model will see (TensorRT's shape profile).
+    """
+
+    spec: FFNSpec
+    scheme: str
+    seed: int = 0
+    max_tokens: int = 2048
+    model: Any = field(default=None, compare=False, repr=False)  # ffnquant.model.FFN
+    onnx_path: Path | None = None
+    workdir: Path | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scheme", get_format(self.scheme).name)
+        if self.onnx_path is not None:
+            object.__setattr__(self, "onnx_path", Path(self.onnx_path))
+        if self.workdir is not None:
+            object.__setattr__(self, "workdir", Path(self.workdir))
+        if self.max_tokens <= 0:
+            raise FFNQuantError(f"max_tokens must be positive, got {self.max_tokens}")
+
+    @property
+    def format(self) -> Format:
+        return FORMATS[self.scheme]
+
+    def float_model(self):
+        """The float32 FFN this case quantizes (the given one, else built from the seed)."""
+        from ..model import build
+
+        return self.model if self.model is not None else build(self.spec, seed=self.seed)
+
+
+@dataclass
+class Loaded:
+    """A model loaded by a runtime, ready to run; `handle` is the runtime's own object.
+
+    `label` says what actually runs (kernel, providers), `weight_bytes` counts the stored
+    weights, scales and biases in this format, `file_bytes` the artifact's size if any.
+    """
+
+    runtime: str
+    case: ModelCase
+    handle: Any
+    device: str
+    label: str
+    weight_bytes: int
+    input_dtype: str
+    output_dtype: str
+    file_bytes: int | None = None
+    providers: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> FFNSpec:
+        return self.case.spec
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
+
+
+def tensor_nbytes(dtype: str, numel: int) -> int:
+    """Bytes of `numel` elements of a dtype named as numpy/torch name it ('float16', 'bfloat16', ...)."""
+    return _DTYPE_BYTES[dtype] * int(numel)
+
+
+def check_input(x: np.ndarray, spec: FFNSpec) -> np.ndarray:
+    """Validate a host input for `spec`: (tokens, d) or (batch, tokens, d), finite float; returns it as float32."""
+    if not isinstance(x, np.ndarray):
+        raise FFNQuantError(f"input must be a numpy array, got {type(x).__name__}")
+    if x.ndim not in (2, 3):
+        raise FFNQuantError(f"input must be (tokens, d_model) or (batch, tokens, d_model), got shape {x.shape}")
+    if x.shape[-1] != spec.d_model:
+        raise FFNQuantError(f"input last dimension {x.shape[-1]} does not match the model's d_model {spec.d_model}")
+    if 0 in x.shape:
+        raise FFNQuantError(f"input has an empty dimension: shape {x.shape}")
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+class Runtime(abc.ABC):
+    """One backend on one device. Subclasses set `name`, `device`, `description`, `baseline`."""
+
+    name: str = ""
+    device: str = "cpu"
+    description: str = ""
+    # The float format every other format on this runtime is compared with.
+    baseline: str = "fp32"
+
+    @abc.abstractmethod
+    def availability(self) -> Availability:
+        """Whether this runtime really runs here, with the reason; cheap, no model needed."""
+
+    @property
+    @abc.abstractmethod
+    def formats(self) -> tuple[str, ...]:
+        """Format names this runtime can load (on this machine's backend version)."""
+
+    def check(self, case: ModelCase) -> None:
+        """Raise FFNQuantError if `case` cannot run here (format, sizes) before any heavy work."""
+        if case.scheme not in self.formats:
+            raise FFNQuantError(
+                f"runtime {self.name!r} does not support scheme {case.scheme!r}; it supports: {', '.join(self.formats)}"
+            )
+
+    @abc.abstractmethod
+    def load(self, case: ModelCase) -> Loaded:
+        """Build or read the model in `case.scheme` and put it on the device."""
+
+    @abc.abstractmethod
+    def prepare(self, loaded: Loaded, x: np.ndarray) -> Any:
+        """Turn a host float32 input into what `run` takes (on the device, in the input dtype)."""
+
+    @abc.abstractmethod
+    def run(self, loaded: Loaded, prepared: Any) -> Any:
+        """One forward call; may return before the device finishes (see `synchronize`)."""
+
+    def synchronize(self, loaded: Loaded) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    @abc.abstractmethod
+    def to_numpy(self, loaded: Loaded, output: Any) -> np.ndarray:
+        """The output of `run` as a host float32 array."""
+
+    def reset_peak_memory(self) -> None:
+        """Start a fresh peak-memory window (no-op where the runtime cannot measure it)."""
+
+    def peak_memory_bytes(self) -> int | None:
+        """Peak device memory since `reset_peak_memory`, or None where it is not measurable."""
+        return None
+
+    def release(self, loaded: Loaded) -> None:
+        """Drop the loaded model's device memory."""
+        loaded.handle = None
+
+    def __call__(self, loaded: Loaded, x: np.ndarray) -> np.ndarray:
+        """Convenience: prepare, run, synchronize and return the output on the host."""
+        out = self.run(loaded, self.prepare(loaded, x))
+        self.synchronize(loaded)
+        return self.to_numpy(loaded, out)
+
+    def describe(self) -> dict[str, Any]:
+        avail = self.availability()
+        return {
+            "name": self.name,
+            "device": self.device,
+            "description": self.description,
+            "baseline": self.baseline,
+            "formats": list(self.formats),
+            "availability": avail.to_dict(),
+        }
+
+
+# The registry: runtime name -> (module, class, keyword arguments). Entries are resolved
+# lazily so that naming a runtime never imports its backend until it is used.
+RUNTIMES: Mapping[str, tuple[str, str, Mapping[str, Any]]] = {
+    "ort-cpu": ("ffnquant.runtimes.ort", "OrtRuntime", {"provider": "cpu"}),
+    "ort-cuda": ("ffnquant.runtimes.ort", "OrtRuntime", {"provider": "cuda"}),
+    "ort-trt": ("ffnquant.runtimes.ort", "OrtRuntime", {"provider": "trt"}),
+    "torch-cpu": ("ffnquant.runtimes.torch_rt", "TorchRuntime", {"device": "cpu"}),
+    "torch-cuda": ("ffnquant.runtimes.torch_rt", "TorchRuntime", {"device": "cuda"}),
+    "bnb-cpu": ("ffnquant.runtimes.bnb", "BnbRuntime", {"device": "cpu"}),
+    "bnb-cuda": ("ffnquant.runtimes.bnb", "BnbRuntime", {"device": "cuda"}),
+}
+
+
+def runtime_names() -> tuple[str, ...]:
+    """Every registered runtime name."""
+    return tuple(RUNTIMES)
+
+
+def get_runtime(name: str) -> Runtime:
+    """A fresh adapter for the runtime called `name`; an unknown name raises an error listing the valid ones."""
+    import importlib
+
+    key = str(name).strip().lower()
+    if key not in RUNTIMES:
+        raise unknown_choice("runtime", name, RUNTIMES)
+    module_name, cls_name, kwargs = RUNTIMES[key]
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(**kwargs)
+
+
+def available_runtimes() -> dict[str, Availability]:
+    """Availability of every registered runtime, by name (probes each backend cheaply)."""
+    return {name: get_runtime(name).availability() for name in RUNTIMES}
