@@ -19,6 +19,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 COMMANDS: tuple[str, ...] = (
     "variants",
     "export",
+    "profile",
     "run",
     "bench",
 )

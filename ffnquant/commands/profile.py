@@ -1,0 +1,90 @@
+"""`ffnquant profile`: activation ranges at every FFN site, per variant, written as the range report."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import FFNQuantError
+from ..observe import DEFAULT_BINS, StreamingHistogram
+from ..render import fmt, text_table
+from ..spec import SITES
+from .common import add_spec_arguments, positive_int, specs_from_args
+
+NAME = "profile"
+HELP = "profile activation ranges at every FFN tensor site and write the range report (JSON, Markdown, plots)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_spec_arguments(parser)
+    parser.add_argument(
+        "--source",
+        default="gaussian",
+        help="calibration tokens: gaussian, llm_like, file:PATH or PATH.npy / PATH.safetensors[::TENSOR] (default gaussian)",
+    )
+    parser.add_argument("--data-seed", type=int, default=0, help="seed of a synthetic token source (default 0)")
+    parser.add_argument("--outlier-channels", type=int, default=4, help="llm_like: number of large input channels (default 4)")
+    parser.add_argument("--outlier-scale", type=float, default=50.0, help="llm_like: their magnitude (default 50)")
+    parser.add_argument("--tokens", type=positive_int, default=8192, help="calibration tokens per variant (default 8192)")
+    parser.add_argument("--batch-size", type=positive_int, default=1024, help="tokens per forward pass (default 1024)")
+    parser.add_argument("--bins", type=positive_int, default=DEFAULT_BINS, help=f"histogram bins, a multiple of 4 (default {DEFAULT_BINS})")
+    parser.add_argument("--out", default="reports", help="output folder (default reports/)")
+
+
+def _cell(table, site: str) -> str:
+    if site not in table:
+        return "-"
+    o = table[site]
+    return f"{fmt(o.crest_factor, 3)}/{fmt(o.kurtosis, 3)}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..data import parse_source
+    from ..rangereport import findings, claims, profile_variants, write_range_report
+
+    # Validate everything before profiling or writing anything.
+    specs = specs_from_args(args)
+    StreamingHistogram(args.bins)
+    if args.outlier_channels < 0 or args.outlier_channels > args.d_model:
+        raise FFNQuantError(f"--outlier-channels must be in [0, d_model={args.d_model}], got {args.outlier_channels}")
+    if args.data_seed < 0:
+        raise FFNQuantError(f"--data-seed must be non-negative, got {args.data_seed}")
+    source = parse_source(args.source, seed=args.data_seed, n_outlier_channels=args.outlier_channels, outlier_scale=args.outlier_scale)
+    available = source.available(args.d_model)  # loads and validates a file source
+    if available is not None and args.tokens > available:
+        raise FFNQuantError(f"{source.label} has {available} tokens; --tokens {args.tokens} asks for more")
+
+    tables = profile_variants(specs, source, args.tokens, seed=args.seed, batch_size=args.batch_size, bins=args.bins)
+    meta = {
+        "command": "ffnquant profile",
+        "source": source.to_dict(),
+        "source_label": source.label,
+        "n_tokens": args.tokens,
+        "seed": args.seed,
+        "d_model": args.d_model,
+        "bins": args.bins,
+        "batch_size": args.batch_size,
+        "variants": list(tables),
+    }
+    paths = write_range_report(tables, args.out, meta)
+
+    print(f"activation ranges: {args.tokens:,} tokens of {source.label}, d_model {args.d_model}")
+    headers = ["variant"] + [f"{s} crest/kurt" for s in SITES] + ["hidden zeros", "dead"]
+    rows = []
+    for v, t in tables.items():
+        hidden = t["hidden"] if "hidden" in t else None
+        rows.append(
+            [v] + [_cell(t, s) for s in SITES]
+            + ([f"{100 * hidden.zero_fraction:.1f}%", hidden.dead_units] if hidden else ["-", "-"])
+        )
+    print(text_table(headers, rows))
+    print()
+    print("findings:")
+    for f in findings(tables):
+        print(f"- {f['text']}")
+    print("claims:")
+    for c in claims(tables):
+        print(f"- [{c['status']}] {c['claim']} ({c['detail']})")
+    print()
+    for key, path in paths.items():
+        print(f"wrote {path}")
+    return 0

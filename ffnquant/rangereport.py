@@ -1,0 +1,487 @@
+"""The range report: profile every variant, state findings in plain words, check the seeds' claims.
+
+Everything here is derived from measured RangeTables; no outcome is hard-coded. The report is
+rendered fully in memory (JSON, Markdown, PNG plots) and validated before any file is written,
+then each file is written atomically.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .atomic import ensure_writable_dir, write_bytes, write_text
+from .errors import FFNQuantError
+from .observe import DEFAULT_BINS, RangeTable, profile_spec
+from .render import fmt, markdown_table
+from .spec import SITES, Activation, FFNSpec
+
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "REPORT_FILES",
+    "OUTLIER_K",
+    "RELU_HALF_ZERO_BAND",
+    "FFN_SHARE_BAND",
+    "ClaimStatus",
+    "profile_variants",
+    "findings",
+    "claims",
+    "range_report_dict",
+    "range_report_markdown",
+    "render_plots",
+    "write_range_report",
+]
+
+SCHEMA = "ffnquant.ranges"
+SCHEMA_VERSION = 1
+REPORT_FILES = {
+    "json": "ranges.json",
+    "markdown": "ranges.md",
+    "hidden_histogram": "ranges_hidden_hist.png",
+    "crest_kurtosis": "ranges_crest_kurtosis.png",
+}
+# "Outlier channel": absmax above this many times the median channel absmax.
+OUTLIER_K = 6.0
+# "About half" of ReLU units zero: accepted band for the zero fraction.
+RELU_HALF_ZERO_BAND = (0.4, 0.6)
+# "About two thirds" of a block's parameters in the FFN: accepted band.
+FFN_SHARE_BAND = (0.6, 0.72)
+_SPARSE_ZERO_FRACTION = 0.01  # a site counts as sparse above 1% exact zeros
+
+
+class ClaimStatus(str, enum.Enum):
+    CONFIRMED = "confirmed"
+    CONTRADICTED = "contradicted"
+    MIXED = "mixed"
+    NOT_MEASURED = "not measured"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# =====================================================================================
+# Measuring
+# =====================================================================================
+
+
+def profile_variants(
+    specs: Sequence[FFNSpec],
+    source,
+    n_tokens: int,
+    seed: int = 0,
+    batch_size: int = 1024,
+    bins: int = DEFAULT_BINS,
+    sites: Sequence[str] | None = None,
+) -> dict[str, RangeTable]:
+    """Profile each spec (weights from `seed`) on the same `n_tokens` tokens of `source`; keyed by variant."""
+    keys = [s.variant.value for s in specs]
+    if not specs:
+        raise FFNQuantError("no variants to profile")
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise FFNQuantError(f"variant(s) {dup} given more than once; the range report has one column per variant")
+    out: dict[str, RangeTable] = {}
+    for spec in specs:
+        wanted = None if sites is None else [s for s in sites if s in spec.sites]
+        out[spec.variant.value] = profile_spec(spec, source, n_tokens, seed=seed, batch_size=batch_size, bins=bins, sites=wanted)
+    return out
+
+
+# =====================================================================================
+# Findings and claims (plain words from numbers)
+# =====================================================================================
+
+
+def _site_stat(tables: Mapping[str, RangeTable], site: str, stat: str) -> dict[str, float]:
+    out = {}
+    for v, t in tables.items():
+        if site in t:
+            value = getattr(t[site], stat)
+            if value == value:  # skip nan (empty/constant)
+                out[v] = float(value)
+    return out
+
+
+def _ranked(values: Mapping[str, float]) -> list[tuple[str, float]]:
+    return sorted(values.items(), key=lambda kv: kv[1], reverse=True)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _uses_relu(table: RangeTable) -> bool:
+    return table.spec is not None and table.spec.activation is Activation.RELU
+
+
+def findings(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
+    """Plain-words statements derived from the measured numbers, each with its figures."""
+    out: list[dict[str, Any]] = []
+    crest = _site_stat(tables, "hidden", "crest_factor")
+    kurt = _site_stat(tables, "hidden", "kurtosis")
+    if crest:
+        rc, rk = _ranked(crest), _ranked(kurt)
+        listing = ", ".join(f"{v} {c:.1f}" for v, c in rc)
+        text = f"Widest `hidden` range (the down projection's input) by crest factor absmax/std: {listing}."
+        if len(rc) > 1:
+            text += (
+                f" {rc[0][0]}'s largest value lies {rc[0][1] / rc[-1][1]:.1f}x as many standard deviations out as "
+                f"{rc[-1][0]}'s."
+            )
+        if rk:
+            text += f" By kurtosis (3 = Gaussian) the heaviest tails are {rk[0][0]}'s ({rk[0][1]:.1f}), the lightest {rk[-1][0]}'s ({rk[-1][1]:.1f})."
+        out.append({"id": "widest_hidden", "text": text, "figures": {"crest_factor": crest, "kurtosis": kurt}})
+
+        gated = {v: c for v, c in crest.items() if tables[v].spec is not None and tables[v].spec.gated}
+        dense = {v: c for v, c in crest.items() if v not in gated}
+        if gated and dense:
+            g = sum(gated.values()) / len(gated)
+            d = sum(dense.values()) / len(dense)
+            relation = "wider" if g > d else "narrower"
+            out.append(
+                {
+                    "id": "gated_vs_dense",
+                    "text": (
+                        f"Gated variants' `hidden` (activation x value product) is {relation} than the dense variants': "
+                        f"mean crest factor {g:.1f} vs {d:.1f} ({g / d:.2f}x)."
+                    ),
+                    "figures": {"gated_mean_crest": g, "dense_mean_crest": d},
+                }
+            )
+
+    zeros = _site_stat(tables, "hidden", "zero_fraction")
+    if zeros:
+        sparse = {v: z for v, z in zeros.items() if z > _SPARSE_ZERO_FRACTION}
+        others = {v: z for v, z in zeros.items() if v not in sparse}
+        if sparse:
+            text = "Sparse `hidden`: " + ", ".join(f"{v} {_pct(z)}" for v, z in _ranked(sparse)) + " of values exactly zero"
+            relu_like = [v for v in sparse if _uses_relu(tables[v])]
+            if relu_like and len(relu_like) == len(sparse):
+                text += " (the ReLU-gated variants)"
+            text += "."
+            if others:
+                top = max(others.values())
+                text += f" The other variants have at most {_pct(top)} exact zeros, so an int8 grid spends no codes on a zero spike there."
+            else:
+                text += " Every profiled variant is sparse."
+        else:
+            text = f"No variant has more than {_pct(_SPARSE_ZERO_FRACTION)} exact zeros in `hidden` (largest {_pct(max(zeros.values()))})."
+        out.append({"id": "relu_sparsity", "text": text, "figures": {"zero_fraction": zeros}})
+
+    dead = {v: t["hidden"].dead_units for v, t in tables.items() if "hidden" in t}
+    if dead:
+        n_tok = max(t.n_tokens for t in tables.values())
+        with_dead = {v: n for v, n in dead.items() if n}
+        if with_dead:
+            text = "Dead `hidden` units (exactly zero for every one of the tokens): " + ", ".join(
+                f"{v} {n} of {tables[v]['hidden'].channels}" for v, n in with_dead.items()
+            ) + "."
+        else:
+            text = f"No dead `hidden` units in any variant over {n_tok:,} tokens: every unit was non-zero at least once."
+        out.append({"id": "dead_units", "text": text, "figures": {"dead_units": dead}})
+
+    outliers: dict[str, dict[str, int]] = {}
+    for site in SITES:
+        counts = {v: t[site].outlier_channels(OUTLIER_K) for v, t in tables.items() if site in t}
+        if counts:
+            outliers[site] = counts
+    parts = []
+    for site, counts in outliers.items():
+        nonzero = {v: c for v, c in counts.items() if c}
+        if not nonzero:
+            continue
+        if len(set(counts.values())) == 1:
+            parts.append(f"`{site}` {next(iter(counts.values()))} in every variant")
+        else:
+            parts.append(f"`{site}` " + ", ".join(f"{v} {c}" for v, c in nonzero.items()))
+    if outliers:
+        text = f"Outlier channels (absmax above {OUTLIER_K:g}x the median channel's): " + (
+            "; ".join(parts) + "." if parts else "none at any site."
+        )
+        if parts and "input" in outliers and any(outliers["input"].values()):
+            text += " Per-tensor int8 ranges at such sites are set by these few channels; per-channel smoothing or rotation targets them."
+        out.append({"id": "outlier_channels", "text": text, "figures": {"outlier_channels": outliers, "k": OUTLIER_K}})
+    return out
+
+
+def _claim(cid: str, claim: str, source: str, status: ClaimStatus, detail: str, figures: dict) -> dict[str, Any]:
+    return {"id": cid, "claim": claim, "source": source, "status": status.value, "detail": detail, "figures": figures}
+
+
+def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
+    """Check the seeds' measurable claims against the tables; each is confirmed, contradicted,
+    mixed or not measured, with the figures that decided it."""
+    out = []
+    lo, hi = RELU_HALF_ZERO_BAND
+    claim = "About half of the ReLU FFN's hidden units are exactly zero at initialisation."
+    src = "ReLU FFN (2017) / DESIGN.md"
+    if "relu" in tables and "hidden" in tables["relu"]:
+        z = tables["relu"]["hidden"].zero_fraction
+        ok = lo <= z <= hi
+        out.append(
+            _claim(
+                "relu_half_zero", claim, src,
+                ClaimStatus.CONFIRMED if ok else ClaimStatus.CONTRADICTED,
+                f"measured {_pct(z)} of relu `hidden` values exactly zero ({'inside' if ok else 'outside'} the {_pct(lo)}-{_pct(hi)} band)",
+                {"zero_fraction": z, "band": [lo, hi]},
+            )
+        )
+    else:
+        out.append(_claim("relu_half_zero", claim, src, ClaimStatus.NOT_MEASURED, "relu was not profiled", {}))
+
+    claim = "SwiGLU's gate*value product has a wider range than ReLU's hidden activation."
+    src = "SwiGLU/GELU/ReLU comparison / DESIGN.md"
+    if all(v in tables and "hidden" in tables[v] for v in ("swiglu", "relu")):
+        s, r = tables["swiglu"]["hidden"], tables["relu"]["hidden"]
+        wider = [s.crest_factor > r.crest_factor, s.kurtosis > r.kurtosis]
+        status = ClaimStatus.CONFIRMED if all(wider) else ClaimStatus.CONTRADICTED if not any(wider) else ClaimStatus.MIXED
+        out.append(
+            _claim(
+                "swiglu_wider_than_relu", claim, src, status,
+                f"crest factor swiglu {s.crest_factor:.1f} vs relu {r.crest_factor:.1f}; "
+                f"kurtosis swiglu {s.kurtosis:.1f} vs relu {r.kurtosis:.1f}",
+                {
+                    "crest_factor": {"swiglu": s.crest_factor, "relu": r.crest_factor},
+                    "kurtosis": {"swiglu": s.kurtosis, "relu": r.kurtosis},
+                },
+            )
+        )
+    else:
+        out.append(_claim("swiglu_wider_than_relu", claim, src, ClaimStatus.NOT_MEASURED, "needs both swiglu and relu", {}))
+
+    claim = "SwiGLU's product has the widest range of the FFN family."
+    src = "DESIGN.md"
+    crest = _site_stat(tables, "hidden", "crest_factor")
+    kurt = _site_stat(tables, "hidden", "kurtosis")
+    if "swiglu" in crest and len(crest) > 1:
+        top_c, top_k = _ranked(crest)[0], _ranked(kurt)[0]
+        widest = [top_c[0] == "swiglu", top_k[0] == "swiglu"]
+        status = ClaimStatus.CONFIRMED if all(widest) else ClaimStatus.CONTRADICTED if not any(widest) else ClaimStatus.MIXED
+        out.append(
+            _claim(
+                "swiglu_widest", claim, src, status,
+                f"widest by crest factor: {top_c[0]} ({top_c[1]:.1f}; swiglu {crest['swiglu']:.1f}); "
+                f"by kurtosis: {top_k[0]} ({top_k[1]:.1f}; swiglu {kurt['swiglu']:.1f}); among {len(crest)} variants",
+                {"crest_factor": crest, "kurtosis": kurt},
+            )
+        )
+    else:
+        out.append(_claim("swiglu_widest", claim, src, ClaimStatus.NOT_MEASURED, "needs swiglu and at least one other variant", {}))
+
+    claim = "The FFN holds about two thirds of a transformer block's parameters."
+    src = "DESIGN.md (attention block 4 d^2)"
+    shares = {}
+    for v, t in tables.items():
+        if t.spec is not None:
+            d = t.spec.d_model
+            attention = 4 * d * d + (4 * d if t.spec.bias else 0)
+            shares[v] = t.spec.n_params / (t.spec.n_params + attention)
+    if shares:
+        lo, hi = FFN_SHARE_BAND
+        inside = [lo <= s <= hi for s in shares.values()]
+        status = ClaimStatus.CONFIRMED if all(inside) else ClaimStatus.CONTRADICTED if not any(inside) else ClaimStatus.MIXED
+        out.append(
+            _claim(
+                "ffn_two_thirds", claim, src, status,
+                "FFN share of block parameters: " + ", ".join(f"{v} {_pct(s)}" for v, s in shares.items())
+                + f" (band {_pct(lo)}-{_pct(hi)}; attention counted as 4 d^2 projections)",
+                {"ffn_share": shares, "band": [lo, hi]},
+            )
+        )
+    return out
+
+
+# =====================================================================================
+# Rendering
+# =====================================================================================
+
+
+def _check_tables(tables: Mapping[str, RangeTable]) -> None:
+    if not tables:
+        raise FFNQuantError("no range tables to report")
+    for v, t in tables.items():
+        if not isinstance(t, RangeTable):
+            raise FFNQuantError(f"range report entry {v!r} is a {type(t).__name__}, not a RangeTable")
+        if t.n_tokens <= 0 or not t.sites:
+            raise FFNQuantError(f"range table for {v!r} holds no observations")
+
+
+def range_report_dict(tables: Mapping[str, RangeTable], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ranges.json content: schema, environment, meta, per-variant summaries, findings, claims,
+    and the full mergeable state of every table (reload with `RangeTable.from_dict`)."""
+    from .envinfo import environment
+
+    _check_tables(tables)
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "environment": environment(),
+        "meta": dict(meta or {}),
+        "variants": {v: t.summary() for v, t in tables.items()},
+        "findings": findings(tables),
+        "claims": claims(tables),
+        "plots": {k: REPORT_FILES[k] for k in ("hidden_histogram", "crest_kurtosis")},
+        "tables": {v: t.to_dict() for v, t in tables.items()},
+    }
+
+
+def _site_rows(tables: Mapping[str, RangeTable], site: str) -> list[list[Any]]:
+    rows = []
+    for v, t in tables.items():
+        if site not in t:
+            continue
+        o = t[site]
+        rows.append(
+            [v, o.absmax, o.std, o.crest_factor, o.kurtosis, o.abs_percentile(99.99), _pct(o.zero_fraction),
+             o.dead_units, o.outlier_channels(OUTLIER_K)]
+        )
+    return rows
+
+
+def range_report_markdown(
+    tables: Mapping[str, RangeTable],
+    meta: Mapping[str, Any] | None = None,
+    plots: Mapping[str, str] | None = None,
+    heading_level: int = 1,
+) -> str:
+    """The Markdown body (embeddable: pass `heading_level=2` to nest it under another report)."""
+    _check_tables(tables)
+    h = "#" * heading_level
+    meta = dict(meta or {})
+    lines = [f"{h} FFN activation ranges", ""]
+    first = next(iter(tables.values()))
+    d_model = first.spec.d_model if first.spec else "?"
+    lines.append(
+        f"{len(tables)} variant(s) at d_model {d_model}, {first.n_tokens:,} tokens from "
+        f"{meta.get('source_label', first.meta.get('source_label', 'the given batches'))}, "
+        f"weight seed {meta.get('seed', first.meta.get('weight_seed', '?'))}, "
+        f"{first[next(iter(first.sites))].histogram.n_bins} histogram bins. "
+        "Crest factor = absmax/std; kurtosis is Pearson's (3 for a Gaussian); percentiles are of |x|; "
+        f"outlier channels have absmax above {OUTLIER_K:g}x the median channel's."
+    )
+    lines += ["", f"{h}# Findings", ""]
+    lines += [f"- {f['text']}" for f in findings(tables)]
+    lines += ["", f"{h}# Seed claims checked", ""]
+    lines.append(
+        markdown_table(["claim", "status", "measured"], [[c["claim"], c["status"], c["detail"]] for c in claims(tables)])
+    )
+    if plots:
+        lines += ["", f"{h}# Plots", ""]
+        titles = {"hidden_histogram": "`hidden` histograms", "crest_kurtosis": "crest factor and kurtosis per site"}
+        lines += [f"![{titles.get(k, k)}]({p})" for k, p in plots.items()]
+    lines += ["", f"{h}# Per-site statistics", ""]
+    headers = ["variant", "absmax", "std", "crest", "kurtosis", "p99.99 |x|", "zeros", "dead units", f"outlier ch. (>{OUTLIER_K:g}x)"]
+    for site in SITES:
+        rows = _site_rows(tables, site)
+        if rows:
+            lines += [f"**`{site}`**", "", markdown_table(headers, rows), ""]
+    lines += [f"{h}# Weights", ""]
+    rows = []
+    for v, t in tables.items():
+        for name, st in t.weights.items():
+            med = st.get("channel_absmax_median")
+            mx = st.get("channel_absmax_max")
+            rows.append([v, name, "x".join(map(str, st["shape"])), st["absmax"], st["std"], st["crest_factor"], st["kurtosis"],
+                         (mx / med) if med else None])
+    if rows:
+        lines.append(markdown_table(["variant", "weight", "shape", "absmax", "std", "crest", "kurtosis", "max/median row absmax"], rows))
+    else:
+        lines.append("No weight statistics were collected.")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_plots(tables: Mapping[str, RangeTable]) -> dict[str, bytes]:
+    """PNG bytes: 'hidden_histogram' (log-scale `hidden` histograms, raw and in units of std) and
+    'crest_kurtosis' (per variant and site)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    _check_tables(tables)
+    out: dict[str, bytes] = {}
+    cmap = plt.get_cmap("tab10")
+    colours = {v: cmap(i % 10) for i, v in enumerate(tables)}
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for v, t in tables.items():
+        if "hidden" not in t or t["hidden"].n == 0:
+            continue
+        o = t["hidden"]
+        hist = o.histogram
+        width = hist.bin_width
+        counts = hist.counts.astype(float)
+        keep = counts > 0
+        density = counts / (counts.sum() * width)
+        centres = hist.centers
+        axes[0].plot(centres[keep], density[keep], lw=1, label=v, color=colours[v])
+        std = o.std or 1.0
+        axes[1].plot(centres[keep] / std, density[keep] * std, lw=1, label=v, color=colours[v])
+    axes[0].set(title="`hidden` histogram", xlabel="value", ylabel="density (log)", yscale="log")
+    axes[1].set(title="`hidden` in units of its std", xlabel="value / std", ylabel="density (log)", yscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    out["hidden_histogram"] = _png(fig)
+
+    sites = [s for s in SITES if any(s in t for t in tables.values())]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(sites) * max(1, len(tables)) / 3), 7.5), sharex=True)
+    n = len(tables)
+    width = 0.8 / n
+    x = np.arange(len(sites))
+    for i, (v, t) in enumerate(tables.items()):
+        crest = [t[s].crest_factor if s in t else np.nan for s in sites]
+        kurt = [t[s].kurtosis if s in t else np.nan for s in sites]
+        axes[0].bar(x + (i - (n - 1) / 2) * width, crest, width, label=v, color=colours[v])
+        axes[1].bar(x + (i - (n - 1) / 2) * width, kurt, width, label=v, color=colours[v])
+    axes[0].set(title="crest factor (absmax / std) per site", ylabel="crest factor")
+    axes[1].set(title="kurtosis per site (3 = Gaussian)", ylabel="kurtosis (log)", yscale="log")
+    axes[1].axhline(3.0, color="grey", lw=0.8, ls="--")
+    axes[1].set_xticks(x, sites)
+    axes[0].legend(fontsize=8, ncol=min(n, 5))
+    for ax in axes:
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    out["crest_kurtosis"] = _png(fig)
+    return out
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_range_report(
+    tables: Mapping[str, RangeTable], out_dir: str | os.PathLike, meta: Mapping[str, Any] | None = None
+) -> dict[str, Path]:
+    """Write ranges.json, ranges.md and the two PNG plots into `out_dir`; returns their paths.
+
+    Everything is rendered and validated in memory first (JSON without NaN, plots drawn), so
+    a failure leaves no file behind; each file is then written atomically.
+    """
+    _check_tables(tables)
+    data = range_report_dict(tables, meta)
+    try:
+        text = json.dumps(data, indent=1, sort_keys=True, allow_nan=False, default=str) + "\n"
+    except ValueError as exc:
+        raise FFNQuantError(f"range report has a non-finite number: {exc}") from exc
+    plots = render_plots(tables)
+    markdown = range_report_markdown(tables, meta, plots={k: REPORT_FILES[k] for k in plots})
+    folder = ensure_writable_dir(out_dir)
+    paths = {}
+    for key, blob in plots.items():
+        paths[key] = write_bytes(folder / REPORT_FILES[key], blob)
+    paths["json"] = write_text(folder / REPORT_FILES["json"], text)
+    paths["markdown"] = write_text(folder / REPORT_FILES["markdown"], markdown)
+    return paths
