@@ -209,6 +209,16 @@ def findings(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
     return out
 
 
+def _leader(values: Mapping[str, float], name: str) -> str:
+    """'swiglu widest (22.1; next geglu 20.6)' or 'geglu widest (21.0; swiglu 19.2)'."""
+    ranked = _ranked(values)
+    top, top_v = ranked[0]
+    if top == name:
+        nxt = f"; next {ranked[1][0]} {ranked[1][1]:.1f}" if len(ranked) > 1 else ""
+        return f"{name} widest ({top_v:.1f}{nxt})"
+    return f"{top} widest ({top_v:.1f}; {name} {values[name]:.1f})"
+
+
 def _claim(cid: str, claim: str, source: str, status: ClaimStatus, detail: str, figures: dict) -> dict[str, Any]:
     return {"id": cid, "claim": claim, "source": source, "status": status.value, "detail": detail, "figures": figures}
 
@@ -265,8 +275,8 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
         out.append(
             _claim(
                 "swiglu_widest", claim, src, status,
-                f"widest by crest factor: {top_c[0]} ({top_c[1]:.1f}; swiglu {crest['swiglu']:.1f}); "
-                f"by kurtosis: {top_k[0]} ({top_k[1]:.1f}; swiglu {kurt['swiglu']:.1f}); among {len(crest)} variants",
+                f"by crest factor: {_leader(crest, 'swiglu')}; by kurtosis: {_leader(kurt, 'swiglu')}; "
+                f"among {len(crest)} variants",
                 {"crest_factor": crest, "kurtosis": kurt},
             )
         )
