@@ -22,6 +22,7 @@ COMMANDS: tuple[str, ...] = (
     "profile",
     "run",
     "bench",
+    "model",
 )
 
 

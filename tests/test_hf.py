@@ -328,6 +328,11 @@ def test_installed_float_ffns_leave_the_model_unchanged(tiny_models, name):
     key = "last_hidden_state" if name == "bert" else "logits"
     torch.testing.assert_close(getattr(got, key), getattr(ref, key), rtol=1e-5, atol=1e-5)
     assert torch.equal(getattr(again, key), getattr(ref, key))
+    # a replacement really computes: zeroing the last layer's FFNs changes the output
+    last = max(layer.index for layer in layers)
+    with install_ffns(model, info, {l.info: (lambda x: torch.zeros_like(x)) for l in layers if l.index == last}):
+        zeroed = _run(model, info, ids)
+    assert not torch.allclose(getattr(zeroed, key), getattr(ref, key), atol=1e-3)
 
 
 @pytest.mark.hf
@@ -383,3 +388,72 @@ def test_capture_feeds_observers_like_a_direct_computation(tiny_models, name):
         with torch.no_grad():
             out = layer.ffn(x)
         assert tables[layer.label]["output"].absmax == pytest.approx(float(out.abs().max()), rel=1e-5)
+
+
+@pytest.mark.hf
+def test_captured_files_roundtrip(tiny_models, tmp_path):
+    from ffnquant.hf.capture import (
+        iter_captured, iter_captured_files, load_hf_model, load_tokenizer, read_text, save_captured, text_batches,
+    )
+
+    folder, _, _ = tiny_models["gpt2"]
+    info = inspect_model(folder)
+    layers = [l.info for l in load_ffn_layers(info)]
+    model = load_hf_model(info)
+    batches = text_batches(load_tokenizer(folder), read_text(None, "calibration"), seq_len=16, batch_size=2, max_tokens=80)
+    captured = list(iter_captured(model, info, layers, batches))
+    files = save_captured(tmp_path / "cap", iter(captured), D)
+    assert sorted(files) == ["L0", "L1"] and not list((tmp_path / "cap").glob(".*"))  # no temp files left
+    for label in files:
+        want = torch.cat([c[label] for c in captured])
+        got = torch.cat([x for lab, x in iter_captured_files(tmp_path / "cap", [label], D, chunk_tokens=7)])
+        assert torch.equal(got, want) and got.shape == (80, D)
+    with pytest.raises(FFNQuantError, match="no captured activations for layer L5"):
+        list(iter_captured_files(tmp_path / "cap", ["L5"], D))
+    with pytest.raises(FFNQuantError, match="last dimension 32, expected d_model 16"):
+        list(iter_captured_files(tmp_path / "cap", ["L0"], 16))
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", ["opt", "bert"], ids=str)
+def test_evaluate_model_end_to_end(tiny_models, name):
+    from ffnquant.hf.evaluate import EvalSettings, evaluate_model
+
+    folder, _, _ = tiny_models[name]
+    settings = EvalSettings(seq_len=16, batch_size=4, max_calib_tokens=128, max_eval_tokens=64)
+    result = evaluate_model(folder, ["fp32", "w8a8", "w4a16-g32", "w4a16-g128"], settings=settings)
+    json.dumps(result, allow_nan=False)  # the report is plain JSON
+    by = {s["scheme"]: s for s in result["schemes"]}
+    assert [s["scheme"] for s in result["skipped"]] == ["w4a16-g128"]  # group 128 does not divide d_model 32
+    # fp32 quantizes nothing: the model is bit-identical to the float one
+    assert by["fp32"]["end_to_end"]["hidden_sqnr_db"] == 200.0
+    assert all(r["sqnr_db"] == 200.0 for r in by["fp32"]["layers"])
+    # 8-bit: ~6 dB per bit, minus the crest factor of the ranges; 4-bit groups much worse
+    w8 = [r["sqnr_db"] for r in by["w8a8"]["layers"]]
+    w4 = [r["sqnr_db"] for r in by["w4a16-g32"]["layers"]]
+    assert min(w8) > 25 and max(w4) < min(w8) - 10
+    assert by["w8a8"]["end_to_end"]["hidden_sqnr_db"] > by["w4a16-g32"]["end_to_end"]["hidden_sqnr_db"]
+    assert len(by["w8a8"]["ablation"]) == 2 and len(by["w8a8"]["worst_layers_sqnr"]) == 2
+    if name == "opt":
+        assert result["baseline"]["perplexity"] > 1
+        assert by["fp32"]["end_to_end"]["perplexity_delta"] == 0.0
+        assert abs(by["w8a8"]["end_to_end"]["perplexity_delta"]) < abs(by["w4a16-g32"]["end_to_end"]["perplexity_delta"]) + 1e-3
+    else:
+        assert result["baseline"]["perplexity"] is None and "perplexity" not in by["w8a8"]["end_to_end"]
+
+
+@pytest.mark.hf
+def test_cli_model_inspect_and_eval(tiny_models, tmp_path, capsys):
+    from ffnquant.cli import main
+
+    folder, _, _ = tiny_models["mixtral"]
+    assert main(["model", "inspect", str(folder), "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "swiglu" in out and "4 experts each" in out and "L1.e3" in out and "L0.e0" not in out
+    assert main(["model", "eval", str(folder), "--schemes", "w8a8-dynamic", "--seq-len", "16", "--max-calib-tokens", "64",
+                 "--max-eval-tokens", "32", "--no-ablation", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "model-mixtral.json").read_text())
+    assert report["model"]["n_ffns"] == 8 and "environment" in report
+    assert "## w8a8-dynamic: per layer" in (tmp_path / "model-mixtral.md").read_text()
+    assert main(["model", "inspect", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -332,15 +332,24 @@ def install_ffns(
                     fused.setdefault(id(module), (module, {}))[1][layer.expert] = replacement
                     continue
                 module = module[layer.expert] if isinstance(module, nn.ModuleList) else getattr(module, str(layer.expert))
-            module.forward = replacement  # an instance attribute shadows the class's forward
+            # A plain function as instance attribute shadows the class's forward; a Module assigned
+            # there would only be registered as a child named "forward" and never called.
+            object.__setattr__(module, "forward", _input_only(replacement))
             undo.append(lambda m=module: delattr(m, "forward"))
         for module, reps in fused.values():
-            module.forward = _experts_forward(module, reps)
+            object.__setattr__(module, "forward", _experts_forward(module, reps))
             undo.append(lambda m=module: delattr(m, "forward"))
         yield
     finally:
         for step in reversed(undo):
             step()
+
+
+def _input_only(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return fn(_first_input(args, kwargs))
+
+    return forward
 
 
 class _Callable(nn.Module):

@@ -1,0 +1,162 @@
+"""`ffnquant model`: a local Hugging Face model's FFN layers (inspect, capture, eval)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+from ..errors import FFNQuantError
+from ..render import fmt, markdown_table, text_table
+from .common import positive_int
+
+NAME = "model"
+HELP = "FFN layers of a local Hugging Face model: inspect, capture inputs, evaluate schemes end to end"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="model_command", metavar="ACTION")
+    sub.required = True
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("path", help="model folder (config.json + model.safetensors or a sharded index)")
+        p.add_argument("--layers", default="all", help="layers: all, a range 0-3, a list 0,5,7 (default all)")
+        p.add_argument("--allow-pickle", action="store_true",
+                       help="read a .bin/.pt checkpoint with torch.load(weights_only=True); only for files you trust")
+
+    p = sub.add_parser("inspect", help="detected architecture, variant, sizes and layers (reads no weights)")
+    common(p)
+    p.set_defaults(_action=_inspect)
+
+    p = sub.add_parser("capture", help="run the model on a text and save each FFN's input as <label>.npy (needs transformers)")
+    common(p)
+    p.add_argument("--text", default=None, help="text file (default: the shipped calibration sample)")
+    p.add_argument("--out", required=True, help="output folder for <label>.npy files")
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=4096)
+    p.set_defaults(_action=_capture)
+
+    p = sub.add_parser("eval", help="quantize the FFNs per scheme; perplexity / hidden-state SQNR and per-layer SQNR (needs transformers)")
+    common(p)
+    p.add_argument("--schemes", default="w8a8,w8a8-dynamic,w4a16-g128", help="comma-separated scheme presets")
+    p.add_argument("--calibrator", default=None, help="override the schemes' calibrator (minmax, percentile, ...)")
+    p.add_argument("--calib-text", default=None, help="calibration text file (default: shipped sample, Austen)")
+    p.add_argument("--eval-text", default=None, help="evaluation text file (default: shipped sample, Melville)")
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--max-calib-tokens", type=positive_int, default=4096)
+    p.add_argument("--max-eval-tokens", type=positive_int, default=4096)
+    p.add_argument("--no-ablation", action="store_true", help="skip the per-layer end-to-end runs (one model run per layer)")
+    p.add_argument("--out", default="reports", help="report folder (default reports/); writes model-<name>.json and .md")
+    p.set_defaults(_action=_eval)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._action(args) or 0)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from ..hf import inspect_model, parse_layers
+
+    info = inspect_model(args.path, allow_pickle=args.allow_pickle)
+    wanted = set(parse_layers(args.layers, info.n_layers))
+    spec = info.spec
+    print(f"model: {info.path}  ({info.model_type}, {info.kind.value}, {info.weights_format}: {', '.join(info.weight_files)})")
+    print(f"FFN: {spec.variant.value} (activation {spec.activation.value} from config {info.hf_activation!r}), "
+          f"d_model {spec.d_model}, d_ff {spec.d_ff}, bias {fmt(spec.bias)}, "
+          f"{fmt(spec.n_params)} parameters per FFN")
+    experts = f", {info.n_experts} experts each" if info.n_experts else ""
+    print(f"layers: {info.n_layers}{experts}; {len(info.layers)} FFNs, {fmt(spec.n_params * len(info.layers))} FFN parameters")
+    rows = [(l.label, l.stack or "-", l.block, "-" if l.expert is None else l.expert, l.name)
+            for l in info.layers if l.index in wanted]
+    print(text_table(["layer", "stack", "block", "expert", "module"], rows))
+    return 0
+
+
+def _capture(args: argparse.Namespace) -> int:
+    from ..hf import inspect_model, load_ffn_layers
+    from ..hf.capture import iter_captured, load_hf_model, load_tokenizer, read_text, save_captured, text_batches
+
+    info = inspect_model(args.path, allow_pickle=args.allow_pickle)
+    layers = [l.info for l in load_ffn_layers(info, args.layers, allow_pickle=args.allow_pickle)]
+    model = load_hf_model(info, allow_pickle=args.allow_pickle)
+    batches = text_batches(load_tokenizer(info.path), read_text(args.text, "calibration"), args.seq_len, 4, args.max_tokens)
+    files = save_captured(args.out, iter_captured(model, info, layers, batches), info.spec.d_model)
+    print(text_table(["layer", "file"], [(label, str(path)) for label, path in files.items()]))
+    return 0
+
+
+def _slug(path: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(path).resolve().name).strip("-") or "model"
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The Markdown view of an `evaluate_model` result."""
+    m = result["model"]
+    lines = [f"# FFN quantization of {m['path']}", "",
+             f"{m['model_type']} ({m['kind']}): {m['variant']} FFN, activation {m['activation']}, "
+             f"d_model {m['spec']['d_model']}, d_ff {m['spec']['d_ff']}, {m['n_layers']} layers, {m['n_ffns']} FFNs.", "",
+             f"Calibration text: {result['calibration_text']} ({result['calibration_tokens']} tokens); "
+             f"evaluation text: {result['evaluation_text']} ({result['baseline']['n_tokens']} tokens).", ""]
+    causal = m["kind"] == "causal_lm"
+    if causal:
+        lines += [f"Float perplexity: {fmt(result['baseline']['perplexity'])}.", ""]
+    head = ["scheme"] + (["perplexity", "Δ ppl"] if causal else []) + ["final hidden SQNR dB", "cosine",
+                                                                        "worst layers (own SQNR)", "worst layers (end to end)"]
+    rows = []
+    for s in result["schemes"]:
+        e = s["end_to_end"]
+        rows.append([s["scheme"]] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
+                    + [e["hidden_sqnr_db"], e["hidden_cosine"], ", ".join(s["worst_layers_sqnr"]),
+                       ", ".join(s["worst_layers_end_to_end"]) or "-"])
+    lines += ["## End to end", "", markdown_table(head, rows), ""]
+    for s in result["schemes"]:
+        ablation = {a["index"]: a for a in s["ablation"]}
+        head = ["layer", "module", "SQNR dB", "cosine", "calib tokens"] + (
+            ["Δ ppl (this layer alone)"] if causal else ["final hidden SQNR dB (this layer alone)"])
+        rows = []
+        for r in s["layers"]:
+            a = ablation.get(r["index"], {})
+            rows.append([r["label"], r["name"], r["sqnr_db"], r["cosine"],
+                         f"{r['calib_tokens']}" + (" (borrowed)" if r["calib_borrowed"] else ""),
+                         a.get("perplexity_delta") if causal else a.get("hidden_sqnr_db")])
+        lines += [f"## {s['scheme']}: per layer", "", markdown_table(head, rows), ""]
+    for s in result["skipped"]:
+        lines.append(f"- skipped {s['scheme']}: {s['reason']}")
+    return "\n".join(lines) + "\n"
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from ..atomic import ensure_writable_dir, write_json, write_text
+    from ..envinfo import environment
+    from ..hf.evaluate import EvalSettings, evaluate_model
+    from ..schemes import get_scheme
+
+    schemes = [get_scheme(s.strip()) for s in args.schemes.split(",") if s.strip()]
+    if not schemes:
+        raise FFNQuantError("--schemes is empty")
+    settings = EvalSettings(seq_len=args.seq_len, batch_size=args.batch_size, max_calib_tokens=args.max_calib_tokens,
+                            max_eval_tokens=args.max_eval_tokens, ablation=not args.no_ablation)
+    out = ensure_writable_dir(args.out)
+    result = evaluate_model(args.path, schemes, layers=args.layers, calib_text=args.calib_text, eval_text=args.eval_text,
+                            settings=settings, calibrator=args.calibrator, allow_pickle=args.allow_pickle)
+    result["environment"] = environment()
+    stem = out / f"model-{_slug(args.path)}"
+    write_json(stem.with_suffix(".json"), result)
+    write_text(stem.with_suffix(".md"), render_markdown(result))
+    causal = result["model"]["kind"] == "causal_lm"
+    rows = []
+    for s in result["schemes"]:
+        e = s["end_to_end"]
+        own = [r["sqnr_db"] for r in s["layers"] if r["sqnr_db"] is not None]
+        rows.append([s["scheme"]] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
+                    + [e["hidden_sqnr_db"], min(own) if own else None, ", ".join(s["worst_layers_end_to_end"] or s["worst_layers_sqnr"])])
+    head = ["scheme"] + (["perplexity", "Δ ppl"] if causal else []) + ["hidden SQNR dB", "min layer SQNR dB", "hurts most"]
+    if causal:
+        print(f"float perplexity {fmt(result['baseline']['perplexity'])} on {result['baseline']['n_tokens']} tokens")
+    print(text_table(head, rows))
+    for s in result["skipped"]:
+        print(f"skipped {s['scheme']}: {s['reason']}")
+    print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
+    return 0
