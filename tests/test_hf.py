@@ -457,3 +457,22 @@ def test_cli_model_inspect_and_eval(tiny_models, tmp_path, capsys):
     assert "## w8a8-dynamic: per layer" in (tmp_path / "model-mixtral.md").read_text()
     assert main(["model", "inspect", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_per_layer_evaluation_from_files_needs_no_transformers(tmp_path):
+    """The no-transformers path: captured inputs in .npy files, per-layer SQNR per scheme."""
+    from ffnquant.hf.evaluate import calibrate_model, evaluate_layers_from_files
+
+    _write_llama_like(tmp_path / "m")
+    gen = np.random.default_rng(0)
+    for split in ("calib", "eval"):
+        (tmp_path / split).mkdir()
+        for label in ("L0", "L1"):
+            np.save(tmp_path / split / f"{label}.npy", gen.standard_normal((300, D)).astype(np.float32))
+    layers, tables = calibrate_model(tmp_path / "m", captured=tmp_path / "calib")
+    assert [l.label for l in layers] == ["L0", "L1"] and tables["L1"].n_tokens == 300
+    result = evaluate_layers_from_files(tmp_path / "m", ["w8a8-dynamic", "w4a16-g32"], tmp_path / "calib", tmp_path / "eval")
+    by = {s["scheme"]: s for s in result["schemes"]}
+    assert all(r["n_eval_tokens"] == 300 for r in by["w8a8-dynamic"]["layers"])
+    assert min(r["sqnr_db"] for r in by["w8a8-dynamic"]["layers"]) > max(r["sqnr_db"] for r in by["w4a16-g32"]["layers"]) + 10
+    assert by["w4a16-g32"]["end_to_end"] is None and "end_to_end_unavailable" in result

@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--max-calib-tokens", type=positive_int, default=4096)
     p.add_argument("--max-eval-tokens", type=positive_int, default=4096)
+    p.add_argument("--calib-captured", default=None, help="captured inputs (folder of <label>.npy) instead of running the model")
+    p.add_argument("--eval-captured", default=None, help="with --calib-captured: per-layer numbers only, no transformers needed")
     p.add_argument("--no-ablation", action="store_true", help="skip the per-layer end-to-end runs (one model run per layer)")
     p.add_argument("--out", default="reports", help="report folder (default reports/); writes model-<name>.json and .md")
     p.set_defaults(_action=_eval)
@@ -94,6 +96,8 @@ def _slug(path: str) -> str:
 def render_markdown(result: dict[str, Any]) -> str:
     """The Markdown view of an `evaluate_model` result."""
     m = result["model"]
+    if "end_to_end_unavailable" in result:
+        return _markdown_layers_only(result)
     lines = [f"# FFN quantization of {m['path']}", "",
              f"{m['model_type']} ({m['kind']}): {m['variant']} FFN, activation {m['activation']}, "
              f"d_model {m['spec']['d_model']}, d_ff {m['spec']['d_ff']}, {m['n_layers']} layers, {m['n_ffns']} FFNs.", "",
@@ -127,6 +131,20 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _markdown_layers_only(result: dict[str, Any]) -> str:
+    m = result["model"]
+    lines = [f"# FFN quantization of {m['path']} (per layer, captured inputs)", "",
+             f"{m['model_type']}: {m['variant']} FFN, d_model {m['spec']['d_model']}, d_ff {m['spec']['d_ff']}. "
+             f"Calibration: {result['calibration_captured']}; evaluation: {result['evaluation_captured']}. "
+             f"{result['end_to_end_unavailable']}.", ""]
+    for s in result["schemes"]:
+        rows = [[r["label"], r["name"], r["sqnr_db"], r["cosine"], r["calib_tokens"]] for r in s["layers"]]
+        lines += [f"## {s['scheme']}", "", markdown_table(["layer", "module", "SQNR dB", "cosine", "calib tokens"], rows), ""]
+    for s in result["skipped"]:
+        lines.append(f"- skipped {s['scheme']}: {s['reason']}")
+    return "\n".join(lines) + "\n"
+
+
 def _eval(args: argparse.Namespace) -> int:
     from ..atomic import ensure_writable_dir, write_json, write_text
     from ..envinfo import environment
@@ -139,6 +157,21 @@ def _eval(args: argparse.Namespace) -> int:
     settings = EvalSettings(seq_len=args.seq_len, batch_size=args.batch_size, max_calib_tokens=args.max_calib_tokens,
                             max_eval_tokens=args.max_eval_tokens, ablation=not args.no_ablation)
     out = ensure_writable_dir(args.out)
+    if (args.calib_captured is None) != (args.eval_captured is None):
+        raise FFNQuantError("--calib-captured and --eval-captured go together")
+    if args.calib_captured is not None:
+        from ..hf.evaluate import evaluate_layers_from_files
+
+        result = evaluate_layers_from_files(args.path, schemes, args.calib_captured, args.eval_captured, layers=args.layers,
+                                            calibrator=args.calibrator, allow_pickle=args.allow_pickle)
+        result["environment"] = environment()
+        stem = out / f"model-{_slug(args.path)}"
+        write_json(stem.with_suffix(".json"), result)
+        write_text(stem.with_suffix(".md"), render_markdown(result))
+        rows = [(s["scheme"], r["label"], r["sqnr_db"], r["cosine"]) for s in result["schemes"] for r in s["layers"]]
+        print(text_table(["scheme", "layer", "SQNR dB", "cosine"], rows))
+        print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')} (per layer only: no model run)")
+        return 0
     result = evaluate_model(args.path, schemes, layers=args.layers, calib_text=args.calib_text, eval_text=args.eval_text,
                             settings=settings, calibrator=args.calibrator, allow_pickle=args.allow_pickle)
     result["environment"] = environment()

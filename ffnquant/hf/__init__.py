@@ -15,6 +15,18 @@ from .checkpoint import (
     parse_layers,
     read_config,
 )
+from .capture import (
+    default_text_path,
+    install_ffns,
+    iter_captured,
+    iter_captured_files,
+    load_hf_model,
+    load_tokenizer,
+    save_captured,
+    text_batches,
+    transformers_available,
+)
+from .evaluate import EvalSettings, calibrate_layers, calibrate_model, evaluate_layers_from_files, evaluate_model
 
 __all__ = [
     "ARCHITECTURES",
@@ -32,4 +44,18 @@ __all__ = [
     "load_ffn_layers",
     "parse_layers",
     "read_config",
+    "default_text_path",
+    "install_ffns",
+    "iter_captured",
+    "iter_captured_files",
+    "load_hf_model",
+    "load_tokenizer",
+    "save_captured",
+    "text_batches",
+    "transformers_available",
+    "EvalSettings",
+    "calibrate_layers",
+    "calibrate_model",
+    "evaluate_layers_from_files",
+    "evaluate_model",
 ]

@@ -23,10 +23,18 @@ import torch.nn.functional as F
 
 from ..errors import FFNQuantError
 from .arch import ModelKind
-from .capture import ffn_input_hooks, install_ffns, iter_captured, load_hf_model, load_tokenizer, read_text, shift_right, text_batches
+from .capture import ffn_input_hooks, install_ffns, iter_captured, iter_captured_files, load_hf_model, load_tokenizer, read_text, shift_right, text_batches
 from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers
 
-__all__ = ["EvalSettings", "ErrorStats", "calibrate_layers", "quantize_layers", "evaluate_model"]
+__all__ = [
+    "EvalSettings",
+    "ErrorStats",
+    "calibrate_layers",
+    "calibrate_model",
+    "quantize_layers",
+    "evaluate_layers_from_files",
+    "evaluate_model",
+]
 
 SQNR_CAP_DB = 200.0  # as ffnquant.accuracy: identical outputs read as 200 dB, not +inf
 
@@ -153,6 +161,86 @@ def calibrate_layers(
             sib = [hess[o.label] for o in layers if o.index == layer.index and o.label in hess]
             hess[layer.label] = {k: sum(h[k] for h in sib) for k in sib[0]}
     return tables, hess
+
+
+def _file_batches(source: str | os.PathLike, layers: Sequence[HFLayer], d_model: int):
+    labels = [layer.label for layer in layers]
+    for label, x in iter_captured_files(source, labels, d_model):
+        yield {label: x}
+
+
+def calibrate_model(
+    path: str | os.PathLike | ModelInfo,
+    layers: str | int | list[int] | None = "all",
+    text: str | os.PathLike | None = None,
+    captured: str | os.PathLike | None = None,
+    settings: EvalSettings = EvalSettings(),
+    allow_pickle: bool = False,
+) -> tuple[list[HFLayer], dict[str, Any]]:
+    """The selected FFN layers of a model folder and a RangeTable per layer (label -> table).
+
+    Inputs come from running the model on `text` (default: the shipped calibration sample;
+    needs transformers) or, when `captured` is given, from files saved by `ffnquant model
+    capture` (<label>.npy / .safetensors per layer, or one .safetensors keyed by label).
+    """
+    info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
+    hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
+    if captured is not None:
+        batches = _file_batches(captured, hf_layers, info.spec.d_model)
+    else:
+        model = load_hf_model(info, allow_pickle=allow_pickle)
+        ids = text_batches(load_tokenizer(info.path), read_text(text, "calibration"), settings.seq_len,
+                           settings.batch_size, settings.max_calib_tokens)
+        batches = iter_captured(model, info, [layer.info for layer in hf_layers], ids)
+    tables, _ = calibrate_layers(hf_layers, batches, settings.bins)
+    return hf_layers, tables
+
+
+def evaluate_layers_from_files(
+    path: str | os.PathLike | ModelInfo,
+    schemes: Sequence[Any],
+    calib_captured: str | os.PathLike,
+    eval_captured: str | os.PathLike,
+    layers: str | int | list[int] | None = "all",
+    calibrator: str | None = None,
+    bins: int = 2048,
+    allow_pickle: bool = False,
+) -> dict[str, Any]:
+    """Per-layer SQNR/cosine per scheme from captured activation files; needs no transformers.
+
+    The end-to-end numbers need the model itself (`evaluate_model`); here they are absent.
+    """
+    from ..schemes import Method, check_scheme_fits, get_scheme
+
+    info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
+    hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
+    resolved = [get_scheme(s) for s in schemes]
+    gptq = any(s.method is Method.GPTQ for s in resolved)
+    tables, hessians = calibrate_layers(hf_layers, _file_batches(calib_captured, hf_layers, info.spec.d_model), bins, gptq)
+    by_label = {layer.label: layer for layer in hf_layers}
+    results, skipped = [], []
+    for scheme in resolved:
+        try:
+            check_scheme_fits(scheme, info.spec)
+        except FFNQuantError as exc:
+            skipped.append({"scheme": scheme.name, "reason": str(exc)})
+            continue
+        qffns = quantize_layers(hf_layers, scheme, tables, calibrator, hessians if scheme.method is Method.GPTQ else None)
+        stats = {label: ErrorStats() for label in by_label}
+        with torch.no_grad():
+            for batch in _file_batches(eval_captured, hf_layers, info.spec.d_model):
+                for label, x in batch.items():
+                    stats[label].update(by_label[label].ffn(x), qffns[label](x))
+        rows = [{"label": l.label, "index": l.index, "expert": l.expert, "name": l.name,
+                 "sqnr_db": stats[l.label].sqnr_db, "cosine": stats[l.label].cosine,
+                 "n_eval_tokens": stats[l.label].n_tokens, "calib_tokens": tables[l.label].n_tokens,
+                 "calib_borrowed": "borrowed_from_layer" in tables[l.label].meta} for l in hf_layers]
+        results.append({"scheme": scheme.name, "scheme_spec": scheme.to_dict(), "end_to_end": None, "layers": rows,
+                        "ablation": [], "worst_layers_sqnr": _worst(rows, "sqnr_db", reverse=False),
+                        "worst_layers_end_to_end": []})
+    return {"model": info.to_dict(), "calibrator": calibrator, "calibration_captured": str(calib_captured),
+            "evaluation_captured": str(eval_captured), "schemes": results, "skipped": skipped,
+            "end_to_end_unavailable": "captured activations only: end-to-end numbers need the model run (evaluate_model)"}
 
 
 def quantize_layers(
