@@ -1,0 +1,375 @@
+"""Runtime adapters: registry, availability reasons, and every adapter that runs here against its scheme's reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from ffnquant.errors import FFNQuantError
+from ffnquant.export import export_onnx, fp16_tolerance
+from ffnquant.model import build
+from ffnquant.runtimes import FORMATS, ModelCase, get_format, get_runtime, parse_formats, runtime_names
+from ffnquant.spec import FFNSpec
+
+D = 64  # tiny: d_ff 256 dense, 256 gated (multiple_of 128)
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    noise = float(np.sum((got.astype(np.float64) - ref) ** 2))
+    return math.inf if noise == 0 else 10 * math.log10(float(np.sum(ref.astype(np.float64) ** 2)) / noise)
+
+
+def with_linears(model, linear_fn):
+    """A copy of `model` whose projections compute `linear_fn(x, weight, bias)` (the scheme's reference math)."""
+
+    class Ref(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.weight = lin.weight.detach().double()
+            self.bias = None if lin.bias is None else lin.bias.detach().double()
+
+        def forward(self, x):
+            return linear_fn(x.double(), self.weight, self.bias)
+
+    ref = copy.deepcopy(model).double()
+    for name in model.spec.weight_names:
+        setattr(ref, name, Ref(getattr(model, name)))
+    return ref
+
+
+def run_ref(ref_model, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return ref_model(torch.from_numpy(x).double()).numpy()
+
+
+def affine(x, w, b):
+    y = x @ w.T
+    return y if b is None else y + b
+
+
+@pytest.fixture(scope="module", params=["relu", "swiglu"])
+def tiny(request):
+    spec = FFNSpec(request.param, d_model=D)
+    model = build(spec, seed=3)
+    x = np.random.default_rng(0).standard_normal((1, 24, D)).astype(np.float32)
+    return spec, model, x
+
+
+# --- registry and formats -------------------------------------------------------------------
+def test_registry_lists_every_runtime():
+    assert set(runtime_names()) == {"ort-cpu", "ort-cuda", "ort-trt", "torch-cpu", "torch-cuda", "bnb-cpu", "bnb-cuda"}
+    for name in runtime_names():
+        assert get_runtime(name).name == name
+
+
+def test_unknown_runtime_lists_valid_names():
+    with pytest.raises(FFNQuantError, match=r"unknown runtime 'tensorflow'; valid: ort-cpu, .*bnb-cuda"):
+        get_runtime("tensorflow")
+
+
+def test_unknown_scheme_lists_valid_names():
+    with pytest.raises(FFNQuantError, match=r"unknown scheme 'int3'; valid: fp32, fp16, bf16"):
+        get_format("int3")
+    assert parse_formats("fp16, w8a8,fp16") == ["fp16", "w8a8"]
+
+
+def test_every_runtime_format_is_registered():
+    for name in runtime_names():
+        assert set(get_runtime(name).formats) <= set(FORMATS), name
+
+
+# --- availability -------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("name", ["ort-cuda", "ort-trt"])
+def test_ort_gpu_providers_unavailable_with_reason(name):
+    avail = get_runtime(name).availability()
+    assert not avail.available
+    assert avail.device == "cuda"
+    # Either the CPU-only package (no provider) or onnxruntime-gpu falling back without CUDA libraries.
+    assert re.search(r"fell back to CPU|has no (CUDA|Tensorrt)ExecutionProvider", avail.reason), avail.reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("name", ["torch-cuda", "bnb-cuda"])
+def test_cuda_runtimes_unavailable_without_device(name):
+    avail = get_runtime(name).availability()
+    assert not avail.available and "no CUDA device" in avail.reason
+
+
+@pytest.mark.parametrize("name", ["ort-cpu", "torch-cpu", "bnb-cpu"])
+def test_cpu_runtimes_available(name):
+    avail = get_runtime(name).availability()
+    assert avail.available and avail.device == "cpu", avail.reason
+
+
+def test_unavailable_runtime_refuses_to_load(tiny):
+    spec, model, _ = tiny
+    rt = get_runtime("ort-cuda")
+    if rt.availability().available:
+        pytest.skip("CUDA provider really available here")
+    with pytest.raises(FFNQuantError, match="unavailable"):
+        rt.load(ModelCase(spec, "fp16", model=model))
+
+
+# --- bad input --------------------------------------------------------------------------------------
+def test_unsupported_scheme_is_an_error(tiny):
+    spec, model, _ = tiny
+    with pytest.raises(FFNQuantError, match=r"runtime 'ort-cpu' does not support scheme 'nf4'; it supports: fp32"):
+        get_runtime("ort-cpu").load(ModelCase(spec, "nf4", model=model))
+    with pytest.raises(FFNQuantError, match="does not support scheme 'w8a8'"):
+        get_runtime("bnb-cpu").check(ModelCase(spec, "w8a8"))
+
+
+def test_group_size_that_does_not_divide_is_an_error():
+    spec = FFNSpec("relu", d_model=D)  # d_model 64 is not a multiple of 128
+    with pytest.raises(FFNQuantError, match="divisible by 128"):
+        get_runtime("torch-cpu").check(ModelCase(spec, "w4a16-g128"))
+
+
+@pytest.mark.parametrize("name", ["torch-cpu", "bnb-cpu"])
+def test_input_shape_mismatch_is_an_error(tiny, name):
+    spec, model, _ = tiny
+    rt = get_runtime(name)
+    loaded = rt.load(ModelCase(spec, "fp32", model=model))
+    with pytest.raises(FFNQuantError, match=f"input last dimension {D + 1} does not match the model's d_model {D}"):
+        rt.prepare(loaded, np.zeros((1, 4, D + 1), np.float32))
+    with pytest.raises(FFNQuantError, match="must be"):
+        rt.prepare(loaded, np.zeros((D,), np.float32))
+
+
+# --- onnxruntime CPU ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def onnx_files(tiny, tmp_path_factory):
+    """fp32/fp16 exports, and int8/4-bit models built with onnxruntime's own quantizers (test fixtures)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    import onnx
+
+    spec, model, _ = tiny
+    folder = tmp_path_factory.mktemp(f"onnx_{spec.variant.value}")
+    paths = {}
+    for dtype in ("fp32", "fp16"):
+        paths[dtype], _ = export_onnx(model, folder / f"{dtype}.onnx", dtype=dtype)
+    paths["w8a8-dynamic"] = folder / "dyn.onnx"
+    quantize_dynamic(str(paths["fp32"]), str(paths["w8a8-dynamic"]), weight_type=QuantType.QInt8, per_channel=True)
+    quant = MatMulNBitsQuantizer(onnx.load(str(paths["fp32"])), block_size=32, is_symmetric=True)
+    quant.process()
+    paths["w4a16-g32"] = folder / "nbits.onnx"
+    quant.model.save_model_to_file(str(paths["w4a16-g32"]))
+    return paths
+
+
+# SQNR floors from the formats' math: uniform b-bit rounding of Gaussian-like data clipped at
+# absmax ~ 4 std gives about 6.02 b + 4.77 - 20 log10(4) dB per tensor (~41 dB at 8 bits,
+# ~17 dB at 4 bits per tensor; 4-bit groups of 32 clip closer, ~19 dB); an FFN compounds
+# three or four such tensors (input, weights, hidden), losing up to ~6 dB. Floors sit below.
+SQNR_FLOOR = {"w8a8-dynamic": 28.0, "w4a16-g32": 12.0}
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "fp16", "w8a8-dynamic", "w4a16-g32"])
+def test_ort_cpu_agrees_with_torch(tiny, onnx_files, scheme):
+    spec, model, x = tiny
+    rt = get_runtime("ort-cpu")
+    loaded = rt.load(ModelCase(spec, scheme, model=model, onnx_path=onnx_files[scheme]))
+    assert loaded.providers[0] == "CPUExecutionProvider"
+    assert loaded.file_bytes > 0 and loaded.weight_bytes > 0
+    got = rt(loaded, x)
+    ref = run_ref(with_linears(model, affine), x)
+    assert got.shape == ref.shape
+    if scheme == "fp32":
+        assert np.max(np.abs(got - ref)) <= 1e-4
+    elif scheme == "fp16":
+        assert np.max(np.abs(got - ref)) <= fp16_tolerance(float(np.max(np.abs(ref))))
+    else:
+        assert sqnr_db(ref, got) >= SQNR_FLOOR[scheme]
+    if scheme == "w4a16-g32":
+        assert "MatMulNBits" in loaded.label  # the 4-bit kernel really ran
+        assert loaded.weight_bytes < spec.n_weight_params  # < 1 byte per weight
+
+
+def test_ort_cpu_builds_float_artifacts_itself(tiny, tmp_path):
+    spec, model, x = tiny
+    rt = get_runtime("ort-cpu")
+    loaded = rt.load(ModelCase(spec, "fp32", model=model, workdir=tmp_path))
+    assert loaded.extra["onnx_path"].startswith(str(tmp_path))
+    assert np.max(np.abs(rt(loaded, x[0]) - run_ref(with_linears(model, affine), x)[0])) <= 1e-4  # 2-D input too
+
+
+# --- torch ------------------------------------------------------------------------------------
+def _int8_rows(t):
+    scale = t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
+    return torch.round(t / scale).clamp(-127, 127), scale
+
+
+def ref_w8a8_dynamic(x, w, b):
+    """Per-token int8 input x per-channel int8 weight, exact integer products, float rescale."""
+    xq, sx = _int8_rows(x.float())
+    wq, sw = _int8_rows(w.float())
+    return affine(xq.double() * sx.double(), wq.double() * sw.double(), b)
+
+
+def ref_w8a16(x, w, b):
+    wq, sw = _int8_rows(w.float())
+    return affine(x, wq.double() * sw.double(), b)
+
+
+def ref_w4_groups(group):
+    def fn(x, w, b):
+        n, k = w.shape
+        wg = w.reshape(n, k // group, group)
+        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        scale = (hi - lo) / 15.0
+        q = torch.round((wg - lo) / scale).clamp(0, 15)
+        deq = ((q - 8) * scale + (lo + 8 * scale)).reshape(n, k)
+        return affine(x, deq, b)
+
+    return fn
+
+
+def ref_fp8(x, w, b):
+    def q(t):
+        s = t.abs().max().float() / 448.0
+        return (t.float() / s).to(torch.float8_e4m3fn).double() * s.double()
+
+    return affine(q(x), q(w), b)
+
+
+def round_to(dtype):
+    return lambda x, w, b: affine(x.to(dtype).double(), w.to(dtype).double(), None if b is None else b.to(dtype).double())
+
+
+# (reference, tolerance on max |error| relative to the output's absmax). fp16/bf16: the
+# output and every intermediate are rounded to the unit roundoff (2^-11, 2^-8), a few times.
+TORCH_CASES = {
+    "fp32": (affine, 1e-5),
+    "fp16": (round_to(torch.float16), 8 * 2**-11),
+    "bf16": (round_to(torch.bfloat16), 8 * 2**-8),
+    "w8a8-dynamic": (ref_w8a8_dynamic, 1e-4),
+    "w8a16": (ref_w8a16, 1e-4),
+    "w4a16-g32": (ref_w4_groups(32), 1e-4),
+    "w4a16-g64": (ref_w4_groups(64), 1e-4),
+    "fp8-e4m3": (ref_fp8, 1e-4),
+}
+
+
+@pytest.mark.parametrize("scheme", list(TORCH_CASES), ids=str)
+def test_torch_cpu_agrees_with_scheme_reference(tiny, scheme):
+    spec, model, x = tiny
+    rt = get_runtime("torch-cpu")
+    if scheme not in rt.formats:
+        pytest.skip(f"torch {torch.__version__} has no CPU kernel for {scheme}")
+    loaded = rt.load(ModelCase(spec, scheme, model=model))
+    got = rt(loaded, x)
+    fn, rel = TORCH_CASES[scheme]
+    ref = run_ref(with_linears(model, fn), x)
+    assert np.max(np.abs(got - ref)) <= rel * max(1.0, float(np.max(np.abs(ref)))), scheme
+
+
+def test_torch_cpu_weight_bytes_shrink_with_bits(tiny):
+    spec, model, _ = tiny
+    rt = get_runtime("torch-cpu")
+    sizes = {s: rt.load(ModelCase(spec, s, model=model)).weight_bytes for s in ("fp32", "fp16", "w8a16", "w4a16-g32")}
+    assert sizes["fp32"] > sizes["fp16"] > sizes["w8a16"] > sizes["w4a16-g32"]
+
+
+# --- bitsandbytes --------------------------------------------------------------------------------
+def ref_llm_int8(threshold):
+    """LLM.int8 from fp16 inputs: input columns with any |x| > threshold in float (against the
+    int8-dequantized weight), the rest row-wise int8 x row-wise int8 weights."""
+
+    def fn(x, w, b):
+        x = x.half().double()
+        wq, sw = _int8_rows(w.float())
+        w_deq = wq.double() * sw.double()
+        x2 = x.reshape(-1, x.shape[-1])
+        outlier = (x2.abs() > threshold).any(dim=0) if threshold > 0 else torch.zeros(x2.shape[-1], dtype=torch.bool)
+        regular = x2.masked_fill(outlier, 0.0)
+        xq, sx = _int8_rows(regular.float())
+        y = (xq.double() * sx.double()) @ w_deq.T
+        y = y + x2[:, outlier] @ w_deq[:, outlier].T
+        y = y.reshape(*x.shape[:-1], -1)
+        return y if b is None else y + b
+
+    return fn
+
+
+@pytest.mark.parametrize("scheme", ["llm-int8", "llm-int8-t0", "nf4", "fp4"], ids=str)
+def test_bnb_cpu_agrees_with_scheme_reference(tiny, scheme):
+    import bitsandbytes.functional as bnbF
+
+    spec, model, x = tiny
+    x = x.copy()
+    x[..., 5] *= 12.0  # an outlier feature: LLM.int8 takes this column out of int8 at threshold 6
+    rt = get_runtime("bnb-cpu")
+    loaded = rt.load(ModelCase(spec, scheme, model=model))
+    if not scheme.startswith("llm-int8"):
+        # Dequantize before the first call: bitsandbytes may repack 4-bit weights for its CPU kernel then.
+        deq = {name: bnbF.dequantize_4bit(getattr(loaded.handle, name).weight.data,
+                                          getattr(loaded.handle, name).weight.quant_state).float()
+               for name in spec.weight_names}
+    got = rt(loaded, x)
+    if scheme.startswith("llm-int8"):
+        own, other = (6.0, 0.0) if scheme == "llm-int8" else (0.0, 6.0)
+        ref = run_ref(with_linears(model, ref_llm_int8(own)), x)
+        alt = run_ref(with_linears(model, ref_llm_int8(other)), x)
+        # bitsandbytes rounds x * (127 / absmax) in fp16 arithmetic and carries fp16 hidden
+        # activations, so some elements land one int8 step away from the float64 emulation
+        # (an rms error near 1% of the signal, ~40 dB). The runtime must agree with its own
+        # threshold's emulation within that and clearly better than with the other threshold's.
+        assert sqnr_db(ref, got) >= 35.0, scheme
+        assert sqnr_db(ref, got) >= sqnr_db(alt, got) + 3.0, scheme
+    else:
+        ref_model = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, w in deq.items():
+                getattr(ref_model, name).weight.copy_(w)
+        ref = run_ref(with_linears(ref_model, affine), x)
+        # Against its own dequantized weights; bitsandbytes' CPU 4-bit path computes in bf16
+        # (unit roundoff 2^-8), a few roundings deep.
+        assert np.max(np.abs(got - ref)) <= 8 * 2**-8 * max(1.0, float(np.max(np.abs(ref)))), scheme
+    assert "bitsandbytes" in loaded.label
+
+
+def test_bnb_outlier_threshold_helps_with_outlier_features(tiny):
+    spec, model, x = tiny
+    x = x.copy()
+    x[..., 5] *= 12.0
+    ref = run_ref(with_linears(model, affine), x)
+    rt = get_runtime("bnb-cpu")
+    with_split = sqnr_db(ref, rt(rt.load(ModelCase(spec, "llm-int8", model=model)), x))
+    without = sqnr_db(ref, rt(rt.load(ModelCase(spec, "llm-int8-t0", model=model)), x))
+    assert with_split > without
+
+
+# --- GPU (skipped here) ------------------------------------------------------------------------------
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("scheme", ["fp16", "bf16", "w8a8-dynamic", "w4a16-g64", "fp8-e4m3"], ids=str)
+def test_torch_cuda_agrees_with_scheme_reference(scheme):
+    spec = FFNSpec("swiglu", d_model=128)
+    model = build(spec, seed=3)
+    x = np.random.default_rng(0).standard_normal((1, 24, 128)).astype(np.float32)
+    rt = get_runtime("torch-cuda")
+    if scheme not in rt.formats:
+        pytest.skip(f"no CUDA kernel for {scheme} on this device")
+    got = rt(rt.load(ModelCase(spec, scheme, model=model)), x)
+    ref = run_ref(with_linears(model, affine), x)
+    floor = {"fp16": 50, "bf16": 35, "w8a8-dynamic": 28, "w4a16-g64": 12, "fp8-e4m3": 18}[scheme]
+    assert sqnr_db(ref, got) >= floor
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("name", ["torch-cuda", "bnb-cuda"])
+def test_cuda_runtime_available_on_gpu(name):
+    assert get_runtime(name).availability().available
+
+
+
