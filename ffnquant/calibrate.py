@@ -6,7 +6,9 @@ calibration memory is bounded by the bin count (onnxruntime #10503, #11020).
 
 Registry (`CALIBRATORS`): `minmax`, `percentile[:P]` (default 99.99), `entropy` (TensorRT's
 KL-divergence search), `mse` (the range minimising the expected quantization error on the
-histogram) and `auto` (per site, whichever of the others has the lowest expected error).
+histogram), `auto` (per site, whichever of the others has the lowest expected error on the
+histogram) and `search` (per site, whichever gives the lowest FFN output error on calibration
+tokens: see `ffnquant.quantize.search_calibrators`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "Grid",
     "Calibrator",
     "CALIBRATORS",
+    "CANDIDATES",
     "calibrator_names",
     "parse_calibrator",
     "histogram_of",
@@ -285,7 +288,7 @@ class Calibrator:
 
 
 def _auto_candidates() -> list[Calibrator]:
-    return [parse_calibrator(n) for n in ("minmax", "percentile:99.9", "percentile:99.99", "percentile:99.999", "entropy", "mse")]
+    return [parse_calibrator(n) for n in CANDIDATES]
 
 
 def _auto(h: Histogram, grid: Grid) -> tuple[float, float]:
@@ -298,7 +301,13 @@ CALIBRATORS: Mapping[str, Callable[[float | None], Callable[[Histogram, Grid], t
     "entropy": lambda p: _entropy,
     "mse": lambda p: _mse,
     "auto": lambda p: _auto,
+    # `search` picks per site the candidate giving the best FFN OUTPUT error on calibration
+    # tokens (ffnquant.quantize.search_calibrators); from a histogram alone it is `auto`.
+    "search": lambda p: _auto,
 }
+
+# The candidates `auto` compares on the histogram and `search` on the FFN output.
+CANDIDATES = ("minmax", "percentile:99.9", "percentile:99.99", "percentile:99.999", "entropy", "mse")
 
 
 def calibrator_names() -> list[str]:
@@ -331,7 +340,7 @@ def calibrate_range(hist: Any, grid: Grid, calibrator: str | Calibrator) -> tupl
     """(lo, hi, calibrator actually used, expected MSE) for one site; `auto` tries each candidate and keeps the best."""
     h = histogram_of(hist)
     cal = parse_calibrator(calibrator)
-    if cal.name != "auto":
+    if cal.name not in ("auto", "search"):
         lo, hi = cal.range(h, grid)
         return lo, hi, cal.name, expected_mse(h, grid, lo, hi)
     best: tuple[float, float, str, float] | None = None

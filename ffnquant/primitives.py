@@ -31,6 +31,7 @@ __all__ = [
     "int4_group_dequantize",
     "hqq_int4",
     "gptq_int4",
+    "gptq_int4_codes",
     "fp8_e4m3_fake",
     "fp8_weight_fake",
     "fake_quantize_per_token",
@@ -83,8 +84,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
-    """dequantize(quantize(x)) in x's dtype."""
-    return dequantize(quantize(x.float(), scale, zero_point, qmin, qmax), scale, zero_point).to(x.dtype)
+    """dequantize(quantize(x)) in x's dtype (computed in float32 throughout: codes are exact integers there)."""
+    zp = zero_point.to(torch.float32)
+    q = torch.clamp(torch.round(x.float() / scale) + zp, qmin, qmax)
+    return ((q - zp) * scale).to(x.dtype)
 
 
 def weight_qparams(
@@ -190,7 +193,14 @@ def hqq_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
 def gptq_int4(
     w: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, percdamp: float = 0.01, block: int = 128
 ) -> torch.Tensor:
-    """GPTQ (Frantar et al. 2022) fake quantization of a [out, in] weight on the int4 group grid of `int4_group_rtn`.
+    """GPTQ fake quantization of a [out, in] weight (see `gptq_int4_codes`)."""
+    return int4_group_dequantize(*gptq_int4_codes(w, hessian, group_size, symmetric, percdamp, block))
+
+
+def gptq_int4_codes(
+    w: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, percdamp: float = 0.01, block: int = 128
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ (Frantar et al. 2022) on the int4 group grid of `int4_group_rtn`: codes 0..15 [out, in], scale and zp [out, in/g, 1].
 
     `hessian` is X^T X over calibration inputs ([in, in]). Columns are quantized in order;
     each one's rounding error is spread over the not yet quantized columns through the
@@ -208,7 +218,9 @@ def gptq_int4(
     damp = percdamp * torch.mean(torch.diag(H))
     H += damp * torch.eye(in_f, dtype=H.dtype)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
-    Q = torch.zeros_like(W)
+    codes = torch.zeros(W.shape, dtype=torch.int32)
+    scales = torch.zeros(out_f, in_f // group_size, 1)
+    zps = torch.zeros(out_f, in_f // group_size, 1, dtype=torch.int32)
     scale = zp = None
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
@@ -221,15 +233,16 @@ def gptq_int4(
                 grp = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group_size]
                 _, scale, zp = int4_group_rtn(grp, group_size, symmetric)
                 scale, zp = scale[:, 0], zp[:, 0]  # [out, 1]
+                scales[:, col // group_size], zps[:, col // group_size] = scale, zp
             wcol = W1[:, i : i + 1]
             q = torch.clamp(torch.round(wcol / scale) + zp, 0, 15)
             qcol = (q - zp) * scale
-            Q[:, col : col + 1] = qcol
+            codes[:, col : col + 1] = q.to(torch.int32)
             err = (wcol - qcol) / Hinv1[i, i]
             W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
             Err[:, i : i + 1] = err
         W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
-    return Q
+    return codes, scales, zps
 
 
 # --- fp8 -------------------------------------------------------------------------------

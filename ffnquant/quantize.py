@@ -12,7 +12,9 @@ input Hessians (`input_hessians`).
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -33,6 +35,12 @@ __all__ = [
     "site_ranges",
     "input_hessians",
     "quantize_model",
+    "search_calibrators",
+    "RESULT_SCHEMA_VERSION",
+    "Prepared",
+    "prepare",
+    "QuantResult",
+    "quantize_spec",
 ]
 
 # The activations that feed a matmul, and which weight reads which.
@@ -66,15 +74,19 @@ def _act_grid(scheme: Scheme) -> Grid:
 
 
 def site_ranges(
-    ranges: Any, scheme: Scheme, calibrator: str | None = None, sites: Sequence[str] = ACT_SITES
+    ranges: Any, scheme: Scheme, calibrator: str | Mapping[str, str] | None = None, sites: Sequence[str] = ACT_SITES
 ) -> dict[str, SiteRange]:
-    """Calibrated static ranges of `sites` from a RangeTable (anything indexable by site giving observers/histograms)."""
+    """Calibrated static ranges of `sites` from a RangeTable (anything indexable by site giving observers/histograms).
+
+    `calibrator`: one name for every site, or {site: name}; None takes the scheme's.
+    """
     if ranges is None:
         raise FFNQuantError(f"scheme {scheme.name!r} has static activations: calibration ranges are required")
     grid = _act_grid(scheme)
-    cal = parse_calibrator(calibrator or scheme.calibrator)
     out: dict[str, SiteRange] = {}
     for site in sites:
+        name = calibrator.get(site) if isinstance(calibrator, Mapping) else calibrator
+        cal = parse_calibrator(name or scheme.calibrator)
         try:
             obs = ranges[site]
         except (KeyError, FFNQuantError):
@@ -176,6 +188,12 @@ class QuantizedFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
+    def remove_hooks(self) -> None:
+        """Detach the activation fake-quantizers (the weights stay quantized)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
     def describe(self) -> dict[str, Any]:
         return {
             "scheme": self.scheme.to_dict(),
@@ -217,7 +235,7 @@ def quantize_model(
     model: FFN,
     scheme: Scheme | str,
     ranges: Any = None,
-    calibrator: str | None = None,
+    calibrator: str | Mapping[str, str] | None = None,
     remedies: Sequence[Any] = (),
     weights: Sequence[str] | None = None,
     sites: Sequence[str] | None = None,
@@ -250,3 +268,369 @@ def quantize_model(
             h = hessians.get(name) if hessians is not None else None
             lin.weight.copy_(quantize_weight(lin.weight, scheme, h))
     return QuantizedFFN(new.eval(), scheme, rng, weights, sites, remedies)
+
+
+def search_calibrators(
+    model: FFN,
+    table: Any,
+    scheme: Scheme | str,
+    tokens: torch.Tensor,
+    candidates: Sequence[str] | None = None,
+    hessians: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, str]:
+    """Per site, the calibrator whose range gives the best FFN output SQNR on calibration `tokens`.
+
+    Every (input, hidden) pair of candidate ranges is tried with the weights quantized too,
+    since the two sites' errors add up at the output; activation MSE on a histogram cannot
+    see that a smoothed channel's error is amplified by its rescaled weight column.
+    """
+    from itertools import product
+
+    from .accuracy import run_batched, sqnr_db
+    from .calibrate import CANDIDATES
+
+    scheme = get_scheme(scheme)
+    if not scheme.static_activations:
+        return {}
+    names = list(candidates or CANDIDATES)
+    per_site: dict[str, dict[tuple[float, float], str]] = {}
+    ranges: dict[tuple[str, str], SiteRange] = {}
+    for site in ACT_SITES:
+        per_site[site] = {}
+        for name in names:
+            r = site_ranges(table, scheme, name, [site])[site]
+            key = (round(r.lo, 12), round(r.hi, 12))
+            if key not in per_site[site]:  # identical ranges: try once, keep the first (simplest) name
+                per_site[site][key] = r.calibrator
+                ranges[(site, r.calibrator)] = r
+    ref = run_batched(model, tokens)
+    weights_only = quantize_model(model, scheme, table, sites=[], hessians=hessians)  # weights quantized once
+    best: tuple[float, dict[str, str]] = (-float("inf"), {})
+    for combo in product(*[list(per_site[s].values()) for s in ACT_SITES]):
+        cache = {s: ranges[(s, c)] for s, c in zip(ACT_SITES, combo)}
+        q = QuantizedFFN(weights_only.model, scheme, cache, weights_only.quantized_weights, ACT_SITES)
+        try:
+            score = sqnr_db(ref, run_batched(q, tokens))
+        finally:
+            q.remove_hooks()
+        if score > best[0]:
+            best = (score, dict(zip(ACT_SITES, combo)))
+    return best[1]
+
+
+# =====================================================================================
+# End to end: calibrate once per (variant, remedies), quantize per scheme, measure
+# =====================================================================================
+
+RESULT_SCHEMA_VERSION = 1
+
+
+@dataclass
+class Prepared:
+    """Everything a scheme needs that does not depend on the scheme: reuse it across schemes.
+
+    `model` is the float model after remedies (what gets quantized), `reference` the original
+    float model (what accuracy is measured against), `table` the RangeTable of `model` over the
+    calibration tokens, `calib` / `eval` disjoint token sets, `remedies` the remedy records.
+    """
+
+    spec: Any
+    reference: FFN
+    model: FFN
+    table: Any
+    calib: torch.Tensor
+    eval: torch.Tensor
+    source_label: str
+    remedies: list = field(default_factory=list)
+    _hessians: dict | None = None
+    _ref_eval: torch.Tensor | None = None
+    _search: dict = field(default_factory=dict)
+    _files: dict = field(default_factory=dict)
+    _scratch: Any = None
+
+    def scratch(self) -> Path:
+        """A temporary folder for ONNX files nobody asked to keep (removed with this object)."""
+        import tempfile
+
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="ffnquant-")
+        return Path(self._scratch.name)
+
+    def onnx_file(self, which: str, folder: Path) -> Path:
+        """The fp32 export of the `reference` or remedied `model`, or the ORT-default baseline, made once per folder."""
+        from .export import export_onnx
+
+        key = (which, str(folder))
+        path = self._files.get(key)
+        if path is not None and path.exists():
+            return path
+        tag = f".{self.remedy_tag}" if self.remedy_tag else ""
+        if which == "reference" or (which == "model" and not tag):
+            path = folder / f"{self.spec.key}.fp32.onnx"
+            export_onnx(self.reference, path)
+        elif which == "model":
+            path = folder / f"{self.spec.key}{tag}.fp32.onnx"
+            export_onnx(self.model, path)
+        elif which == "baseline":
+            from .onnxquant import ort_default_static
+
+            path = folder / f"{self.spec.key}.ort-default-static.onnx"
+            ort_default_static(self.onnx_file("reference", folder), path, self.calib_batches())
+        else:
+            raise FFNQuantError(f"unknown prepared file {which!r}")
+        self._files[key] = path
+        return path
+
+    @property
+    def remedy_tag(self) -> str:
+        """A file-name tag for the remedies: '' or e.g. 'smooth0.5-rotate'."""
+        parts = []
+        for r in self.remedies:
+            parts.append(f"smooth{r.params['alpha']:g}" if r.kind == "smooth" else r.kind)
+        return "-".join(parts)
+
+    def calib_batches(self, batch_size: int = 1024) -> list[torch.Tensor]:
+        return [self.calib[i : i + batch_size] for i in range(0, self.calib.shape[0], batch_size)]
+
+    def hessians(self) -> dict[str, torch.Tensor]:
+        if self._hessians is None:
+            self._hessians = input_hessians(self.model, self.calib_batches())
+        return self._hessians
+
+    def ref_eval(self) -> torch.Tensor:
+        from .accuracy import run_batched
+
+        if self._ref_eval is None:
+            self._ref_eval = run_batched(self.reference, self.eval)
+        return self._ref_eval
+
+
+def _check_tokens(x: torch.Tensor, d_model: int, what: str) -> torch.Tensor:
+    x = torch.as_tensor(x).float()
+    if x.ndim < 2 or x.shape[-1] != d_model:
+        raise FFNQuantError(f"{what} tokens have shape {tuple(x.shape)}; expected (..., {d_model})")
+    x = x.reshape(-1, d_model)
+    if not torch.isfinite(x).all():
+        n_bad = int((~torch.isfinite(x)).sum())
+        raise FFNQuantError(f"{what} tokens contain {n_bad} NaN/Inf values")
+    return x
+
+
+def prepare(
+    spec: Any,
+    source: Any = "llm_like",
+    calib_tokens: int | torch.Tensor = 4096,
+    eval_tokens: int | torch.Tensor = 2048,
+    seed: int = 0,
+    smooth: float | None = None,
+    smooth_sites: Sequence[str] | None = None,
+    rotate: bool = False,
+    model: FFN | None = None,
+) -> Prepared:
+    """Build (or take) the FFN, apply remedies, profile `input`/`hidden` over the calibration tokens.
+
+    `source`: 'gaussian', 'llm_like', a token file path, or a data.TokenSource; or pass the
+    tokens themselves as `calib_tokens` / `eval_tokens` tensors ([n, d]). Remedies that need
+    ranges (smooth) are computed from a profile of the original model.
+    """
+    from .data import TokenSource, calibration_and_eval, parse_source
+    from .model import build
+    from .observe import profile
+    from . import remedies as R
+
+    d = spec.d_model
+    ref = model if model is not None else build(spec, seed=seed)
+    if isinstance(calib_tokens, torch.Tensor) and isinstance(eval_tokens, torch.Tensor):
+        calib = _check_tokens(calib_tokens, d, "calibration")
+        ev = _check_tokens(eval_tokens, d, "evaluation")
+        label = "in-memory tokens"
+    else:
+        if isinstance(calib_tokens, torch.Tensor) or isinstance(eval_tokens, torch.Tensor):
+            raise FFNQuantError("pass both calibration and evaluation tokens as tensors, or neither")
+        src = source if isinstance(source, TokenSource) else parse_source(str(source), seed=seed)
+        cal_src, ev = calibration_and_eval(src, int(calib_tokens), int(eval_tokens), d)
+        calib = _check_tokens(cal_src.tokens(int(calib_tokens), d), d, "calibration")
+        ev = _check_tokens(ev, d, "evaluation")
+        label = src.label
+    if calib.shape[0] == 0:
+        raise FFNQuantError("no calibration tokens: static schemes, smooth and gptq need calibration data")
+    if ev.shape[0] == 0:
+        raise FFNQuantError("no evaluation tokens: accuracy is measured on held-out data")
+    batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
+    work, records = ref, []
+    if smooth is not None:
+        table0 = profile(work, batches, sites=["input", "hidden"], weights=False)
+        sites = tuple(smooth_sites) if smooth_sites else tuple(s for s, ok in R.smooth_exact_for(work).items() if ok)
+        work, rec = R.smooth(work, table0, smooth, sites)
+        if smooth_sites is None and not R.smooth_exact_for(ref)["hidden"]:
+            rec.note = f"hidden not smoothed: {spec.activation.value} is not positively homogeneous (fold would not be exact)"
+        records.append(rec)
+    if rotate:
+        work, rec = R.rotate(work)
+        records.append(rec)
+    table = profile(work, batches, sites=["input", "hidden"], weights=False)
+    return Prepared(spec, ref, work, table, calib, ev, label, records)
+
+
+@dataclass
+class QuantResult:
+    """One (variant, scheme, calibrator, remedies) measurement: ranges, accuracy in torch and ONNX, sizes, sensitivity."""
+
+    spec: Any
+    scheme: Scheme
+    calibrator: str | None
+    source: str
+    n_calib: int
+    n_eval: int
+    remedies: list
+    ranges: dict[str, SiteRange]
+    accuracy: Any  # Accuracy (torch reference)
+    sensitivity: dict[str, float]
+    artifact: dict[str, Any] = field(default_factory=dict)
+    baseline: dict[str, Any] = field(default_factory=dict)
+    fp32: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    qmodel: QuantizedFFN | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": RESULT_SCHEMA_VERSION,
+            "spec": self.spec.to_dict(),
+            "scheme": self.scheme.to_dict(),
+            "calibrator": self.calibrator,
+            "source": self.source,
+            "n_calib_tokens": self.n_calib,
+            "n_eval_tokens": self.n_eval,
+            "remedies": [r.to_dict() for r in self.remedies],
+            "ranges": {s: r.to_dict() for s, r in self.ranges.items()},
+            "accuracy_torch": self.accuracy.to_dict(),
+            "sensitivity_sqnr_db": self.sensitivity,
+            "artifact": self.artifact,
+            "ort_default_baseline": self.baseline,
+            "fp32": self.fp32,
+            "environment": self.environment,
+        }
+
+
+def _sensitivity(prep: Prepared, q: QuantizedFFN, hessians) -> dict[str, float]:
+    """SQNR with only one weight or one activation site quantized (the rest float)."""
+    from .accuracy import run_batched, sqnr_db
+
+    out: dict[str, float] = {}
+    ref = prep.ref_eval()
+    for w in q.quantized_weights:
+        one = quantize_model(prep.model, q.scheme, weights=[w], sites=[], hessians=hessians)
+        out[w] = sqnr_db(ref, run_batched(one, prep.eval))
+    for s in q.quantized_sites:
+        one = quantize_model(prep.model, q.scheme, weights=[], sites=[s], site_range_cache=q.ranges)
+        out[s] = sqnr_db(ref, run_batched(one, prep.eval))
+    return out
+
+
+def quantize_spec(
+    spec: Any,
+    scheme: Scheme | str,
+    calibrator: str | None = None,
+    smooth: float | None = None,
+    smooth_sites: Sequence[str] | None = None,
+    rotate: bool = False,
+    source: Any = "llm_like",
+    calib_tokens: int | torch.Tensor = 4096,
+    eval_tokens: int | torch.Tensor = 2048,
+    seed: int = 0,
+    out_artifacts: str | os.PathLike | None = None,
+    onnx: bool = True,
+    baseline: bool = True,
+    sensitivity: bool = True,
+    latency: bool = False,
+    prepared: Prepared | None = None,
+    model: FFN | None = None,
+) -> QuantResult:
+    """Quantize one FFN under one scheme and measure it (torch reference, ONNX artifact, ORT default baseline).
+
+    Pass `prepared` (from `prepare`) to reuse the model, remedies, RangeTable and tokens
+    across schemes. With `out_artifacts`, the ONNX files are kept there (else in a temporary
+    folder, sizes still reported). `calibrator='search'` picks per site by output SQNR on
+    the calibration tokens (cached per scheme grid in `prepared`).
+    """
+    from .accuracy import accuracy_of, run_batched, sqnr_db
+    from .calibrate import parse_calibrator
+    from .envinfo import environment
+
+    scheme = get_scheme(scheme)
+    check_scheme_fits(scheme, spec)
+    if calibrator is not None:
+        calibrator = parse_calibrator(calibrator).name
+        scheme = scheme.with_(calibrator=calibrator)
+    if prepared is None:
+        prepared = prepare(spec, source, calib_tokens, eval_tokens, seed, smooth, smooth_sites, rotate, model)
+    prep = prepared
+    hessians = prep.hessians() if scheme.method is Method.GPTQ else None
+    cal: Any = scheme.calibrator
+    if scheme.static_activations and scheme.calibrator == "search":
+        key = (scheme.act_dtype.value, scheme.act_symmetric, scheme.weight_dtype.value, scheme.weight_granularity.value)
+        if key not in prep._search:
+            prep._search[key] = search_calibrators(prep.model, prep.table, scheme, prep.calib[:1024], hessians=hessians)
+        cal = prep._search[key]
+    q = quantize_model(prep.model, scheme, prep.table, calibrator=cal, remedies=prep.remedies, hessians=hessians)
+    ref = prep.ref_eval()
+    acc = accuracy_of(ref, run_batched(q, prep.eval), prep.eval.shape[0])
+    sens = _sensitivity(prep, q, hessians) if sensitivity else {}
+    result = QuantResult(
+        spec, scheme, scheme.calibrator if scheme.static_activations else None, prep.source_label,
+        prep.calib.shape[0], prep.eval.shape[0], prep.remedies, q.ranges, acc, sens, environment=environment(), qmodel=q,
+    )
+    if not onnx:
+        return result
+    from . import onnxquant as OQ
+    from .export import export_onnx
+
+    kind, why = OQ.artifact_kind(scheme)
+    tag = f".{prep.remedy_tag}" if prep.remedy_tag else ""
+    keep = out_artifacts is not None
+    folder = Path(out_artifacts) if keep else prep.scratch()
+    d = spec.d_model
+    fp32_ref = prep.onnx_file("reference", folder)
+    fp32_work = prep.onnx_file("model", folder)
+    result.fp32 = {"path": str(fp32_ref) if keep else None, "size_bytes": fp32_ref.stat().st_size}
+    if latency:
+        result.fp32["latency_ms"] = OQ.ort_latency_ms(fp32_ref, d)
+    art: dict[str, Any] = {"kind": kind, "note": why}
+    path = None
+    if kind == "fp32":
+        path = fp32_work
+    elif kind == "fp16":
+        path = folder / f"{spec.key}{tag}.fp16.onnx"
+        export_onnx(prep.model, path, dtype="fp16")
+    elif kind is not None:
+        path = folder / f"{spec.key}{tag}.{scheme.name}.onnx"
+        OQ.write_artifact(fp32_work, path, q, prep.model, hessians)
+    if path is not None:
+        got = OQ.run_onnx(path, prep.eval, dtype="fp16" if kind == "fp16" else "fp32")
+        onnx_acc = accuracy_of(ref, got, prep.eval.shape[0])
+        art.update(
+            path=str(path) if keep else None,
+            size_bytes=path.stat().st_size,
+            accuracy_onnx=onnx_acc.to_dict(),
+            sqnr_gap_db=onnx_acc.sqnr_db - acc.sqnr_db,
+            provider="CPUExecutionProvider",
+        )
+        if kind == "qdq" and not q.quantized_sites:
+            # what a default session does with a weight-only QDQ model (int8 activations on the fly)
+            default = OQ.run_onnx(OQ.ort_session(path, exact_weight_only=False), prep.eval)
+            art["sqnr_db_default_session"] = sqnr_db(ref, default)
+        if latency:
+            art["latency_ms"] = OQ.ort_latency_ms(path, d, dtype="fp16" if kind == "fp16" else "fp32")
+    result.artifact = art
+    if baseline and scheme.act_dtype.is_integer and scheme.static_activations:
+        bpath = prep.onnx_file("baseline", folder)
+        b_acc = accuracy_of(ref, OQ.run_onnx(bpath, prep.eval), prep.eval.shape[0])
+        result.baseline = {
+            "what": "onnxruntime quantize_static defaults (QDQ, MinMax, QUInt8 activations, QInt8 weights) + per_channel=True",
+            "path": str(bpath) if keep else None,
+            "size_bytes": bpath.stat().st_size,
+            "accuracy_onnx": b_acc.to_dict(),
+        }
+        if latency:
+            result.baseline["latency_ms"] = OQ.ort_latency_ms(bpath, d)
+    return result

@@ -1,0 +1,385 @@
+"""Quantized ONNX artifacts from the fp32 export, and onnxruntime's default quantizer as a baseline.
+
+- int8 (`write_qdq`): QuantizeLinear/DequantizeLinear nodes written directly with onnx.helper
+  around the three FFN matmuls, carrying OUR calibrated activation scales (the SiteRanges of
+  the torch reference) and our per-channel int8 weights, so the artifact and the reference
+  compute the same thing. Writing the QDQ nodes ourselves (rather than quantize_static with
+  TensorQuantOverrides) also leaves every other op (the gate's Sigmoid/Mul, a remedy's
+  channel scale or Hadamard rotation) in float, exactly as in the reference.
+- 4-bit (`write_nbits`): onnxruntime's MatMulNBitsQuantizer (RTN `DefaultWeightOnlyQuantConfig`,
+  `HQQWeightOnlyQuantConfig`) on the FFN matmuls; GPTQ writes MatMulNBits nodes from our own
+  GPTQ codes (onnxruntime's GPTQ config uses its own grid); nf4/fp4 through MatMulBnb4Quantizer.
+- baseline (`ort_default_static`): `quantize_static` with its defaults (QDQ, MinMax,
+  U8 activations / S8 weights) plus per_channel=True, on the same fp32 model and tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from . import primitives as P
+from .atomic import atomic_path
+from .errors import FFNQuantError
+from .model import FFN
+from .quantize import WEIGHT_INPUT_SITE, QuantizedFFN
+from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType
+
+__all__ = [
+    "ARTIFACT_KINDS",
+    "artifact_kind",
+    "matmul_weights",
+    "write_qdq",
+    "write_nbits",
+    "write_artifact",
+    "ort_default_static",
+    "ort_session",
+    "run_onnx",
+    "ort_latency_ms",
+]
+
+# The opset of onnxruntime's int4 / bnb4 contrib ops' domain.
+_MS_DOMAIN = "com.microsoft"
+
+
+def artifact_kind(scheme: Scheme) -> tuple[str | None, str]:
+    """('qdq' | 'nbits' | 'bnb4' | 'fp16' | 'fp32' | None, reason) for a scheme's ONNX artifact."""
+    wd = scheme.weight_dtype
+    if wd is WeightDType.FP32:
+        return "fp32", "the fp32 export itself"
+    if wd is WeightDType.FP16:
+        return "fp16", "the fp16 export"
+    if wd is WeightDType.INT8:
+        if scheme.act_mode is ActMode.DYNAMIC:
+            return None, "onnxruntime's DynamicQuantizeLinear is per tensor; the per-token reference has no QDQ equivalent"
+        if scheme.method is not Method.RTN:
+            return None, f"int8 {scheme.method.value} weights have no artifact writer"
+        return "qdq", "QDQ with ffnquant's calibrated scales"
+    if wd is WeightDType.INT4:
+        if scheme.act_dtype is not ActDType.NONE:
+            return None, "MatMulNBits takes float activations"
+        if scheme.weight_granularity is Granularity.PER_TENSOR:
+            return None, "MatMulNBits quantizes in blocks, not per tensor"
+        return "nbits", "MatMulNBits (onnxruntime contrib op)"
+    if wd in (WeightDType.NF4, WeightDType.FP4):
+        return "bnb4", "MatMulBnb4 (onnxruntime contrib op, bitsandbytes' 4-bit formats)"
+    return None, f"{wd.value} has no onnxruntime CPU kernel; measured in torch only"
+
+
+ARTIFACT_KINDS = ("fp32", "fp16", "qdq", "nbits", "bnb4")
+
+
+def _load(path: str | os.PathLike):
+    import onnx
+
+    return onnx.load(str(path))
+
+
+def matmul_weights(proto, model: FFN) -> dict[str, tuple[Any, Any]]:
+    """{weight name: (MatMul node, initializer)} of the FFN's matmuls in an exported graph, matched by value.
+
+    The exporter renames initializers (val_2, ...), so each [in, out] initializer is compared
+    with the model's weights transposed; other matmuls (a remedy's rotation) are left alone.
+    """
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in proto.graph.initializer}
+    found: dict[str, tuple[Any, Any]] = {}
+    targets = {name: w.detach().float().T.numpy() for name, w in model.weights().items()}
+    for node in proto.graph.node:
+        if node.op_type != "MatMul" or node.input[1] not in inits:
+            continue
+        arr = numpy_helper.to_array(inits[node.input[1]])
+        for name, t in targets.items():
+            if name not in found and arr.shape == t.shape and np.allclose(arr, t, rtol=0, atol=1e-6):
+                found[name] = (node, inits[node.input[1]])
+                break
+    missing = sorted(set(targets) - set(found))
+    if missing:
+        raise FFNQuantError(f"could not find the matmul(s) of {missing} in the exported graph")
+    for i, node in enumerate(proto.graph.node):
+        if not node.name:
+            node.name = f"node_{node.op_type}_{i}"
+    return found
+
+
+def _check_and_save(proto, path: str | os.PathLike) -> Path:
+    import onnx
+
+    onnx.checker.check_model(proto, full_check=True)
+    with atomic_path(path) as tmp:
+        onnx.save_model(proto, str(tmp))
+    return Path(path)
+
+
+def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel: QuantizedFFN, source_model: FFN) -> Path:
+    """An int8 QDQ model: our per-channel int8 weights and our calibrated activation scales around each FFN matmul.
+
+    `source_model` is the float model (after remedies) the fp32 file was exported from;
+    `qmodel` its torch reference under an int8 scheme (w8a16: weights only).
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    scheme = qmodel.scheme
+    kind, why = artifact_kind(scheme)
+    if kind != "qdq":
+        raise FFNQuantError(f"scheme {scheme.name!r} has no QDQ artifact: {why}")
+    proto = _load(fp32_path)
+    found = matmul_weights(proto, source_model)
+    graph = proto.graph
+    new_inits = []
+    act_dq: dict[str, str] = {}  # activation tensor -> its dequantized name (w_up and w_gate share `input`)
+    qdq_nodes: dict[str, list] = {}  # matmul node name -> nodes to insert before it
+    symmetric = scheme.weight_symmetric
+    qmin, qmax = P.int_range(8, signed=symmetric)
+    wtype = TensorProto.INT8 if symmetric else TensorProto.UINT8
+    np_wtype = np.int8 if symmetric else np.uint8
+    for name, (node, init) in found.items():
+        pre = []
+        site = WEIGHT_INPUT_SITE[name]
+        a = node.input[0]
+        if site in qmodel.quantized_sites:
+            if a not in act_dq:
+                r = qmodel.ranges[site]
+                atype, np_atype = (TensorProto.UINT8, np.uint8) if scheme.act_dtype is ActDType.UINT8 else (TensorProto.INT8, np.int8)
+                s_name, z_name = f"{site}_scale", f"{site}_zero_point"
+                new_inits.append(numpy_helper.from_array(np.array(r.scale, dtype=np.float32), s_name))
+                new_inits.append(numpy_helper.from_array(np.array(r.zero_point, dtype=np_atype), z_name))
+                q_out, dq_out = f"{site}_quantized", f"{site}_dequantized"
+                pre.append(helper.make_node("QuantizeLinear", [a, s_name, z_name], [q_out], name=f"{site}_QuantizeLinear"))
+                pre.append(helper.make_node("DequantizeLinear", [q_out, s_name, z_name], [dq_out], name=f"{site}_DequantizeLinear"))
+                act_dq[a] = dq_out
+            node.input[0] = act_dq[a]
+        if name in qmodel.quantized_weights:
+            w = torch.from_numpy(numpy_helper.to_array(init).copy()).T  # [out, in]
+            gran = scheme.weight_granularity.value
+            scale, zp = P.weight_qparams(w, gran, qmin, qmax, symmetric, scheme.group_size)
+            if gran == "per_group":
+                raise FFNQuantError("int8 QDQ artifacts take per_tensor or per_channel weights")
+            q = P.quantize(w.float(), scale, zp, qmin, qmax).T.contiguous()  # [in, out]
+            qi, si, zi = f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"
+            new_inits.append(numpy_helper.from_array(q.numpy().astype(np_wtype), qi))
+            if gran == "per_channel":
+                new_inits.append(numpy_helper.from_array(scale.reshape(-1).numpy().astype(np.float32), si))
+                new_inits.append(numpy_helper.from_array(zp.reshape(-1).numpy().astype(np_wtype), zi))
+                attrs = {"axis": 1}  # output channels are the columns of the [in, out] initializer
+            else:
+                new_inits.append(numpy_helper.from_array(np.array(float(scale), dtype=np.float32), si))
+                new_inits.append(numpy_helper.from_array(np.array(int(zp), dtype=np_wtype), zi))
+                attrs = {}
+            pre.append(helper.make_node("DequantizeLinear", [qi, si, zi], [f"{name}_dequantized"], name=f"{name}_DequantizeLinear", **attrs))
+            node.input[1] = f"{name}_dequantized"
+            graph.initializer.remove(init)
+        qdq_nodes[node.name] = pre
+    nodes = list(graph.node)
+    del graph.node[:]
+    for n in nodes:
+        graph.node.extend(qdq_nodes.get(n.name, []))
+        graph.node.append(n)
+    graph.initializer.extend(new_inits)
+    proto.ir_version = min(proto.ir_version, 10)  # this onnxruntime reads IR <= 10 (DESIGN.md)
+    helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, "ffnquant_scheme": scheme.name})
+    return _check_and_save(proto, out_path)
+
+
+def _nbits_node(node, name: str, codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, group: int, symmetric: bool):
+    """A MatMulNBits node and its initializers from int4 codes [N, K] (0..15), scale / zp [N, K/g, 1]."""
+    from onnx import helper, numpy_helper
+
+    n_out, k = codes.shape
+    blocks = k // group
+    packed = P.pack_int4(codes.reshape(n_out, blocks, group)).numpy().astype(np.uint8)  # [N, blocks, g/2]
+    inits = [
+        numpy_helper.from_array(packed, f"{name}_Q4"),
+        numpy_helper.from_array(scale.reshape(-1).numpy().astype(np.float32), f"{name}_scales"),
+    ]
+    inputs = [node.input[0], f"{name}_Q4", f"{name}_scales"]
+    if not symmetric:  # zero points packed two per byte along the blocks of each column (absent = 8)
+        z = zp.reshape(n_out, blocks).to(torch.int32)
+        if blocks % 2:
+            z = torch.cat([z, torch.zeros(n_out, 1, dtype=torch.int32)], 1)
+        inits.append(numpy_helper.from_array(P.pack_int4(z).numpy().astype(np.uint8).reshape(-1), f"{name}_zero_points"))
+        inputs.append(f"{name}_zero_points")
+    new = helper.make_node(
+        "MatMulNBits", inputs, list(node.output), name=f"{node.name}_Q4", domain=_MS_DOMAIN, K=k, N=n_out, bits=4, block_size=group
+    )
+    return new, inits
+
+
+def write_nbits(
+    fp32_path: str | os.PathLike,
+    out_path: str | os.PathLike,
+    scheme: Scheme,
+    source_model: FFN,
+    hessians: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
+    """A 4-bit weight-only model: MatMulNBits (int4: RTN, HQQ, GPTQ) or MatMulBnb4 (nf4, fp4) for the FFN matmuls."""
+    import onnx
+    from onnx import helper
+
+    kind, why = artifact_kind(scheme)
+    if kind not in ("nbits", "bnb4"):
+        raise FFNQuantError(f"scheme {scheme.name!r} has no 4-bit artifact: {why}")
+    proto = _load(fp32_path)
+    found = matmul_weights(proto, source_model)
+    ffn_nodes = {node.name for node, _ in found.values()}
+    exclude = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in ffn_nodes]
+    group = scheme.group_size if scheme.weight_granularity is Granularity.PER_GROUP else None
+    if kind == "bnb4":
+        from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
+
+        qtype = MatMulBnb4Quantizer.NF4 if scheme.weight_dtype is WeightDType.NF4 else MatMulBnb4Quantizer.FP4
+        quant = MatMulBnb4Quantizer(proto, qtype, group, nodes_to_exclude=exclude)
+        quant.process()
+        out = quant.model.model
+    elif scheme.method is Method.GPTQ:
+        if hessians is None:
+            raise FFNQuantError(f"scheme {scheme.name!r} (gptq) needs calibration data for the input Hessians")
+        from onnx import numpy_helper
+
+        graph = proto.graph
+        replaced: dict[str, Any] = {}
+        for name, (node, init) in found.items():
+            w = torch.from_numpy(numpy_helper.to_array(init).copy()).T.float()
+            g = group or w.shape[1]
+            codes, scale, zp = P.gptq_int4_codes(w, hessians[name], g, scheme.weight_symmetric)
+            new, inits = _nbits_node(node, name, codes, scale, zp, g, scheme.weight_symmetric)
+            replaced[node.name] = new
+            graph.initializer.remove(init)
+            graph.initializer.extend(inits)
+        nodes = [replaced.get(n.name, n) for n in graph.node]
+        del graph.node[:]
+        graph.node.extend(nodes)
+        if not any(o.domain == _MS_DOMAIN for o in proto.opset_import):
+            proto.opset_import.append(helper.make_opsetid(_MS_DOMAIN, 1))
+        out = proto
+    else:
+        from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+        if scheme.method is Method.HQQ:
+            config = mnq.HQQWeightOnlyQuantConfig(block_size=group or 0, bits=4)
+        else:
+            config = mnq.DefaultWeightOnlyQuantConfig(block_size=group or 0, is_symmetric=scheme.weight_symmetric)
+        if group is None:
+            raise FFNQuantError("MatMulNBits artifacts need per_group weights")
+        quant = mnq.MatMulNBitsQuantizer(proto, nodes_to_exclude=exclude, algo_config=config)
+        quant.process()
+        out = quant.model.model
+    out.ir_version = min(out.ir_version, 10)
+    helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, "ffnquant_scheme": scheme.name})
+    return _check_and_save(out, out_path)
+
+
+def write_artifact(
+    fp32_path: str | os.PathLike,
+    out_path: str | os.PathLike,
+    qmodel: QuantizedFFN,
+    source_model: FFN,
+    hessians: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
+    """The ONNX artifact of `qmodel`'s scheme (QDQ int8 or 4-bit); FFNQuantError says why a scheme has none."""
+    kind, why = artifact_kind(qmodel.scheme)
+    if kind == "qdq":
+        return write_qdq(fp32_path, out_path, qmodel, source_model)
+    if kind in ("nbits", "bnb4"):
+        return write_nbits(fp32_path, out_path, qmodel.scheme, source_model, hessians)
+    raise FFNQuantError(f"scheme {qmodel.scheme.name!r}: {why}")
+
+
+class _Reader:
+    """onnxruntime CalibrationDataReader over token batches ([1, n, d], as the exported graph takes (batch, seq, d))."""
+
+    def __init__(self, batches: Sequence[torch.Tensor]) -> None:
+        self._batches = [b.reshape(1, -1, b.shape[-1]).numpy().astype(np.float32) for b in batches]
+        self._i = 0
+
+    def get_next(self):
+        if self._i >= len(self._batches):
+            return None
+        self._i += 1
+        return {"input": self._batches[self._i - 1]}
+
+    def rewind(self) -> None:
+        self._i = 0
+
+
+def ort_default_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, calib_batches: Sequence[torch.Tensor]) -> Path:
+    """onnxruntime's quantize_static with its defaults (QDQ, MinMax, QUInt8 activations, QInt8 weights), per_channel=True."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static, CalibrationMethod
+
+    class Reader(_Reader, CalibrationDataReader):
+        pass
+
+    with atomic_path(out_path) as tmp:
+        quantize_static(
+            str(fp32_path),
+            str(tmp),
+            Reader(calib_batches),
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=CalibrationMethod.MinMax,
+        )
+        import onnx
+
+        onnx.checker.check_model(str(tmp), full_check=True)
+    return Path(out_path)
+
+
+def ort_session(path: str | os.PathLike, threads: int | None = None, exact_weight_only: bool = True):
+    """A CPU-provider InferenceSession; raises if onnxruntime silently picked another provider.
+
+    With the default options onnxruntime fuses a weight-only DequantizeLinear -> MatMul into
+    MatMulNBits with accuracy_level 4, which quantizes the ACTIVATIONS to int8 on the fly
+    (measured: w8a16 swiglu 33.0 dB instead of 38.3 dB). `exact_weight_only` sets
+    accuracy_level 0 so a w8a16 artifact computes what it says; QDQ w8a8 and the MatMulNBits
+    artifacts written here are unaffected by this entry.
+    """
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if exact_weight_only:
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    if threads:
+        opts.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    if session.get_providers()[0] != "CPUExecutionProvider":
+        raise FFNQuantError(f"{path}: expected the CPU provider, got {session.get_providers()}")
+    return session
+
+
+def run_onnx(path_or_session: Any, tokens: torch.Tensor, batch_size: int = 4096, dtype: str = "fp32") -> torch.Tensor:
+    """Run an ONNX FFN on [n, d] tokens (as [1, n, d] batches) on the CPU provider; float32 [n, d]."""
+    session = ort_session(path_or_session) if isinstance(path_or_session, (str, os.PathLike)) else path_or_session
+    np_dtype = np.float16 if dtype == "fp16" else np.float32
+    outs = []
+    for i in range(0, tokens.shape[0], batch_size):
+        x = tokens[i : i + batch_size].reshape(1, -1, tokens.shape[-1]).numpy().astype(np_dtype)
+        outs.append(torch.from_numpy(session.run(None, {"input": x})[0].astype(np.float32)).reshape(-1, tokens.shape[-1]))
+    return torch.cat(outs)
+
+
+def ort_latency_ms(
+    path: str | os.PathLike, d_model: int, tokens: int = 256, repeats: int = 30, dtype: str = "fp32", warmup: int = 5,
+    exact_weight_only: bool = True,
+) -> float:
+    """Median wall time (ms) of one session.run on a [1, tokens, d_model] input, CPU provider."""
+    session = ort_session(path, exact_weight_only=exact_weight_only)
+    x = np.random.default_rng(0).standard_normal((1, tokens, d_model)).astype(np.float16 if dtype == "fp16" else np.float32)
+    for _ in range(warmup):
+        session.run(None, {"input": x})
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        session.run(None, {"input": x})
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
