@@ -1,0 +1,283 @@
+"""The latency harness on fake timers and a fake runtime: statistics, loop bounds, roofline, flags, errors, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ffnquant.bench import (
+    BenchConfig,
+    WallTimer,
+    device_peaks,
+    latency_markdown,
+    latency_stats,
+    measure,
+    roofline,
+    run_benchmark,
+)
+from ffnquant.cli import main
+from ffnquant.errors import FFNQuantError
+from ffnquant.runtimes.base import Availability, Loaded, ModelCase, Runtime, check_input
+from ffnquant.spec import FFNSpec
+
+D = 32
+
+
+# --- statistics -------------------------------------------------------------------------------
+def test_latency_stats_hand_derived():
+    # samples 1..10 (shuffled): linear-interpolated percentile p at rank (n-1) p/100 = 9 p/100
+    # p10 -> rank 0.9 -> 1.9; p50 -> rank 4.5 -> 5.5; p90 -> rank 8.1 -> 9.1; p99 -> rank 8.91 -> 9.91
+    s = latency_stats([3, 1, 2, 10, 9, 4, 8, 5, 7, 6])
+    assert (s.n, s.min_s, s.max_s) == (10, 1.0, 10.0)
+    assert s.median_s == pytest.approx(5.5)
+    assert s.p10_s == pytest.approx(1.9)
+    assert s.p90_s == pytest.approx(9.1)
+    assert s.p99_s == pytest.approx(9.91)
+    assert s.mean_s == pytest.approx(5.5)
+    assert s.std_s == pytest.approx(math.sqrt(82.5 / 9))  # sum of squared deviations 82.5, n - 1 = 9
+
+
+def test_latency_stats_single_sample():
+    s = latency_stats([0.25])
+    assert (s.median_s, s.p10_s, s.p99_s, s.std_s) == (0.25, 0.25, 0.25, 0.0)
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, -1.0], [float("nan")]], ids=["empty", "negative", "nan"])
+def test_latency_stats_rejects_bad_samples(bad):
+    with pytest.raises(FFNQuantError):
+        latency_stats(bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(tokens=(0,)), dict(budget_s=0), dict(min_repeats=10, max_repeats=5), dict(warmup=-1)],
+    ids=["zero-tokens", "zero-budget", "min-over-max", "negative-warmup"],
+)
+def test_bench_config_validates(kwargs):
+    with pytest.raises(FFNQuantError):
+        BenchConfig(**kwargs)
+
+
+# --- a fake runtime and a fake timer ---------------------------------------------------------------
+class FakeTimer:
+    """Each stop() returns the next duration (cycling)."""
+
+    def __init__(self, durations):
+        self.durations = list(durations)
+        self.i = 0
+
+    def start(self):
+        pass
+
+    def stop(self):
+        d = self.durations[self.i % len(self.durations)]
+        self.i += 1
+        return d
+
+
+class FakeRuntime(Runtime):
+    """Runs the float FFN in torch; `fail` makes load or run raise, to test error recording."""
+
+    def __init__(self, name="fake-cpu", formats=("fp32", "fp16", "w8a16"), available=True, fail=None):
+        self.name, self._formats, self._available, self.fail = name, tuple(formats), available, fail
+        self.device = "cpu"
+        self.baseline = "fp32"
+        self.calls = 0
+
+    def availability(self):
+        return Availability(self._available, "fake" if self._available else "fake runtime switched off", "cpu")
+
+    @property
+    def formats(self):
+        return self._formats
+
+    def load(self, case: ModelCase) -> Loaded:
+        self.check(case)
+        if self.fail == "load":
+            raise RuntimeError("driver exploded\nsecond line")
+        return Loaded(self.name, case, case.float_model(), "cpu", f"fake {case.scheme}", 1000, "float32", "float32")
+
+    def prepare(self, loaded, x):
+        return torch.from_numpy(check_input(x, loaded.spec))
+
+    def run(self, loaded, prepared):
+        self.calls += 1
+        if self.fail == "run" and prepared.shape[-2] > 2:
+            raise RuntimeError("out of memory")
+        with torch.no_grad():
+            return loaded.handle(prepared)
+
+    def to_numpy(self, loaded, output):
+        return output.numpy()
+
+
+@pytest.fixture
+def spec():
+    return FFNSpec("relu", d_model=D)
+
+
+def test_measure_stops_at_budget_but_not_before_min_repeats(spec):
+    rt = FakeRuntime()
+    loaded = rt.load(ModelCase(spec, "fp32"))
+    x = np.zeros((1, 2, D), np.float32)
+    cfg = BenchConfig(budget_s=0.35, warmup=2, min_repeats=5)
+    stats = measure(rt, loaded, x, cfg, FakeTimer([0.125]))  # 1/8: exact in binary, so sums are exact
+    assert stats.n == 5  # the budget is reached at 3 calls, the floor asks for 5
+    assert rt.calls == 2 + 5  # warm-up calls are run but not timed
+    stats = measure(rt, loaded, x, BenchConfig(budget_s=1.0, warmup=0, min_repeats=1), FakeTimer([0.125]))
+    assert stats.n == 8
+    stats = measure(rt, loaded, x, BenchConfig(budget_s=100.0, warmup=0, min_repeats=1, max_repeats=7),
+                    FakeTimer([0.125]))
+    assert stats.n == 7
+    stats = measure(rt, loaded, x, BenchConfig(budget_s=1.0, warmup=0, min_repeats=1), FakeTimer([0.25, 0.5]))
+    assert (stats.n, stats.median_s, stats.mean_s) == (3, 0.25, pytest.approx(1 / 3))  # 0.25 + 0.5 + 0.25
+
+
+def test_wall_timer_synchronises_around_the_call():
+    events = []
+    timer = WallTimer(lambda: events.append("sync"))
+    timer.start()
+    assert timer.stop() >= 0.0 and events == ["sync", "sync"]
+
+
+# --- roofline ---------------------------------------------------------------------------------
+def test_device_peaks_by_name():
+    assert device_peaks("NVIDIA H200").name == "H200"
+    assert device_peaks("NVIDIA H100 PCIe").name == "H100 PCIe"
+    assert device_peaks("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert device_peaks("AMD EPYC 7B13") is None
+    assert device_peaks(None) is None
+
+
+def test_roofline_memory_and_compute_bound():
+    h200 = device_peaks("NVIDIA H200")
+    # 4.8 GB at 4.8 TB/s takes 1 ms; measured 2 ms -> half the roofline, memory-bound
+    frac, bound = roofline(4.8e9, 1e9, 2e-3, "fp16", h200)
+    assert frac == pytest.approx(0.5) and bound == "memory"
+    # 989 TFLOP in 1 s at the bf16 peak; measured 4 s -> a quarter, compute-bound
+    frac, bound = roofline(1.0, 989e12, 4.0, "fp16", h200)
+    assert frac == pytest.approx(0.25) and bound == "compute"
+    # int8 uses the int8 peak (2x)
+    assert roofline(1.0, 1979e12, 4.0, "int8", h200)[0] == pytest.approx(0.25)
+    # CPU: unknown unless a copy bandwidth was measured
+    assert roofline(1e9, 1e9, 1.0, "fp32", None) == (None, None)
+    frac, bound = roofline(1e9, 1e9, 1.0, "fp32", None, copy_bandwidth=10e9)
+    assert frac == pytest.approx(0.1) and bound.startswith("memory")
+
+
+# --- the sweep ------------------------------------------------------------------------------------
+def _timers(durations_by_scheme):
+    return lambda rt, loaded: FakeTimer([durations_by_scheme[loaded.case.scheme]])
+
+
+ENV = {"cpu": "fake cpu", "cpu_count": 2, "torch_threads": 2, "packages": {}}
+
+
+def test_sweep_flags_slowdowns_and_derives_figures(spec):
+    cfg = BenchConfig(tokens=(1, 4), budget_s=0.05, warmup=0, min_repeats=3)
+    progress = []
+    result = run_benchmark([spec], [FakeRuntime()], ["fp16", "w8a16"], cfg,
+                           timer_factory=_timers({"fp32": 0.002, "fp16": 0.001, "w8a16": 0.004}),
+                           progress=lambda done, total, label: progress.append((done, total)), environment=ENV)
+    # the fp32 baseline is added although only fp16 and w8a16 were asked for
+    assert [c.scheme for c in result.cases] == ["fp32", "fp32", "fp16", "fp16", "w8a16", "w8a16"]
+    assert progress[-1] == (6, 6) and [d for d, _ in progress] == list(range(1, 7))
+    fast, slow = result.case("relu", "fake-cpu", "fp16", 4), result.case("relu", "fake-cpu", "w8a16", 4)
+    assert fast.speedup == pytest.approx(2.0) and fast.slower_than_baseline is False
+    assert slow.speedup == pytest.approx(0.5) and slow.slower_than_baseline is True
+    assert result.case("relu", "fake-cpu", "fp32", 1).slower_than_baseline is False
+    assert fast.tokens_per_s == pytest.approx(4 / 0.001)
+    assert fast.flops_per_call == 4 * spec.flops_per_token
+    assert fast.bytes_per_call == 1000 + 2 * 4 * D * 4  # weights + fp32 input and output
+    assert fast.achieved_gb_per_s == pytest.approx(fast.bytes_per_call / 0.001 / 1e9)
+    assert fast.sqnr_db is not None and fast.sqnr_db > 100  # the fake runs the float model itself
+    doc = result.to_dict()
+    assert doc["schema"] == "ffnquant.latency" and doc["schema_version"] == 1
+    json.dumps(doc, allow_nan=False)  # strict JSON: no inf/nan
+    md = latency_markdown(doc)
+    assert "**SLOWER**" in md and "(2.00x)" in md and "fake-cpu" in md
+
+
+def test_sweep_records_failures_and_continues(spec):
+    cfg = BenchConfig(tokens=(1, 4), budget_s=0.01, warmup=0, min_repeats=1, accuracy_tokens=2)
+    runtimes = [FakeRuntime("broken", fail="load"), FakeRuntime("flaky", fail="run"),
+                FakeRuntime("off", available=False), FakeRuntime("good")]
+    result = run_benchmark([spec], runtimes, ["fp32"], cfg, timer_factory=_timers({"fp32": 0.001}), environment=ENV)
+    broken = [c for c in result.cases if c.runtime == "broken"]
+    assert [c.error for c in broken] == ["RuntimeError: driver exploded"] * 2
+    assert result.case("relu", "flaky", "fp32", 1).ok
+    assert result.case("relu", "flaky", "fp32", 4).error == "RuntimeError: out of memory"
+    assert all(c.ok for c in result.cases if c.runtime == "good")
+    assert not any(c.runtime == "off" for c in result.cases)
+    rows = {r["name"]: r for r in result.runtimes}
+    assert rows["off"]["available"] is False and rows["off"]["reason"] == "fake runtime switched off"
+    assert "driver exploded" in rows["broken"]["error"] and rows["good"]["error"] is None
+    assert "## Errors" in latency_markdown(result.to_dict())
+
+
+def test_sweep_skips_unsupported_schemes_of_a_runtime(spec):
+    result = run_benchmark([spec], [FakeRuntime(formats=("fp32",))], ["fp32", "w8a16"],
+                           BenchConfig(tokens=(1,), budget_s=0.01, warmup=0, min_repeats=1),
+                           timer_factory=_timers({"fp32": 0.001}), environment=ENV)
+    assert [c.scheme for c in result.cases] == ["fp32"]
+    assert result.skipped == [{"runtime": "fake-cpu", "scheme": "w8a16", "reason": "fake-cpu does not support w8a16"}]
+
+
+def test_sweep_rejects_unknown_scheme(spec):
+    with pytest.raises(FFNQuantError, match="unknown scheme 'int3'"):
+        run_benchmark([spec], [FakeRuntime()], ["int3"], environment=ENV)
+
+
+def test_sweep_on_real_cpu_runtime(spec):
+    """torch-cpu end to end with the real timer: a tiny budget, two token counts."""
+    cfg = BenchConfig(tokens=(1, 8), budget_s=0.005, warmup=1, min_repeats=2)
+    result = run_benchmark([spec], ["torch-cpu"], ["fp32", "w8a8-dynamic"], cfg)
+    assert all(c.ok for c in result.cases), [c.error for c in result.cases]
+    dyn = result.case("relu", "torch-cpu", "w8a8-dynamic", 8)
+    assert dyn.weight_bytes < result.case("relu", "torch-cpu", "fp32", 8).weight_bytes
+    assert dyn.sqnr_db > 25  # int8 per-token x per-channel: ~35 dB on Gaussian inputs
+    assert result.environment["load_average"]["before"]
+
+
+# --- the command ---------------------------------------------------------------------------------
+def test_cli_writes_json_and_markdown(tmp_path, capsys):
+    rc = main(["bench", "--variants", "relu", "--d-model", str(D), "--runtimes", "torch-cpu", "--schemes",
+               "fp32,bf16", "--tokens", "1,4", "--budget-s", "0.005", "--warmup", "1", "--min-repeats", "2",
+               "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "latency.json").read_text())
+    assert doc["command"].startswith("ffnquant bench --variants relu --d-model 32")
+    assert {c["scheme"] for c in doc["cases"]} == {"fp32", "bf16"}
+    assert doc["environment"]["packages"]["torch"]
+    md = (tmp_path / "latency.md").read_text()
+    assert "### torch-cpu" in md and doc["command"] in md
+    assert "4 cases measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--runtimes", "tensorflow"], "unknown runtime 'tensorflow'; valid: ort-cpu"),
+        (["--runtimes", "ort-cpu", "--schemes", "nf4"], "scheme 'nf4' is not supported by ort-cpu"),
+        (["--runtimes", "torch-cpu", "--schemes", "int3"], "unknown scheme 'int3'"),
+        (["--runtimes", "torch-cpu", "--schemes", "w4a16-g128"], "divisible by 128"),  # d_model 32: shape mismatch
+        (["--runtimes", "torch-cpu", "--tokens", "1,x"], "--tokens must be"),
+    ],
+    ids=["unknown-runtime", "unsupported-scheme", "unknown-scheme", "group-mismatch", "bad-tokens"],
+)
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
+    rc = main(["bench", "--d-model", str(D), "--out", str(tmp_path), "--no-progress", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "latency.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cli_unavailable_runtime_gives_its_reason(tmp_path, capsys):
+    rc = main(["bench", "--runtimes", "torch-cuda", "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "runtime torch-cuda is not available: no CUDA device" in err
