@@ -143,8 +143,8 @@ def _positive_float(value: Any, what: str) -> float:
 class RunConfig:
     """Everything that decides a run's numbers (and where it writes). Frozen and validated.
 
-    `runtimes=("available",)` means every runtime that is really available on the machine;
-    naming a runtime that is not available is an error. `source` is "gaussian", "llm_like",
+    `runtimes=("available",)` means every runtime that is really available on the machine,
+    `("none",)` measures no latency (accuracy only); naming a runtime that is not available is an error. `source` is "gaussian", "llm_like",
     "file:PATH" or a .npy/.safetensors path (see `ffnquant.data.parse_source`).
     """
 
@@ -166,6 +166,7 @@ class RunConfig:
     baseline: str = "fp32"
     target_db: float = 30.0
     sensitivity: bool = True
+    onnx: bool = True
     runtimes: tuple[str, ...] = ("available",)
     tokens: tuple[int, ...] = DEFAULT_TOKENS
     budget_s: float = 0.04
@@ -185,8 +186,8 @@ class RunConfig:
             raise FFNQuantError(f"schemes lists a scheme twice: {', '.join(schemes)}")
         set_("schemes", schemes)
         runtimes = tuple(r.lower() for r in _tuple_of_str(self.runtimes, "runtimes")) or ("available",)
-        if "available" in runtimes and len(runtimes) > 1:
-            raise FFNQuantError("runtimes: give 'available' alone or a list of runtime names")
+        if ("available" in runtimes or "none" in runtimes) and len(runtimes) > 1:
+            raise FFNQuantError("runtimes: give 'available' or 'none' alone, or a list of runtime names")
         set_("runtimes", runtimes)
         tokens = self.tokens
         if isinstance(tokens, str):
@@ -208,8 +209,9 @@ class RunConfig:
         if isinstance(self.target_db, bool) or not isinstance(self.target_db, (int, float)) or not math.isfinite(self.target_db):
             raise FFNQuantError(f"target_db must be a number of dB, got {self.target_db!r}")
         set_("target_db", float(self.target_db))
-        if not isinstance(self.sensitivity, bool):
-            raise FFNQuantError(f"sensitivity must be true or false, got {self.sensitivity!r}")
+        for name in ("sensitivity", "onnx"):
+            if not isinstance(getattr(self, name), bool):
+                raise FFNQuantError(f"{name} must be true or false, got {getattr(self, name)!r}")
         base = parse_recipe(self.baseline).name
         if base not in schemes:
             raise FFNQuantError(f"baseline {base!r} must be one of the schemes ({', '.join(schemes)})")
@@ -308,11 +310,6 @@ def load_config(path: str | os.PathLike) -> RunConfig:
 # (message, done, total): called after each unit of work; the CLI draws a progress bar from it.
 Progress = Callable[[str, int, int], None]
 
-# A standard transformer block's attention has 4 d x d projections (q, k, v, o) with biases when the
-# FFN has them: the seeds' "FFN is about two thirds of a block's parameters" is measured against this.
-_ATTN_MATRICES = 4
-
-
 @dataclass
 class RunResult:
     """The report document of a run and the files written."""
@@ -372,6 +369,8 @@ def _select_runtimes(config: RunConfig) -> list[tuple[str, Any, Any]]:
     """[(name, Availability, Runtime)] to measure on. Explicitly named unavailable runtimes are an error."""
     from .runtimes import get_runtime, runtime_names
 
+    if config.runtimes == ("none",):
+        return []
     names = runtime_names() if config.runtimes == ("available",) else config.runtimes
     out = []
     for name in names:
@@ -380,24 +379,6 @@ def _select_runtimes(config: RunConfig) -> list[tuple[str, Any, Any]]:
         if not avail.available and config.runtimes != ("available",):
             raise FFNQuantError(f"runtime {name!r} is not available here: {avail.reason}")
         out.append((name, avail, rt))
-    return out
-
-
-def _claims_static(specs: Sequence[FFNSpec]) -> list[dict[str, Any]]:
-    """The seeds' claims that follow from the sizes alone: the FFN's share of a block's parameters."""
-    out = []
-    for spec in specs:
-        if spec.variant.value not in ("relu", "swiglu"):
-            continue
-        attn = _ATTN_MATRICES * spec.d_model * spec.d_model + (_ATTN_MATRICES * spec.d_model if spec.bias else 0)
-        share = spec.n_params / (spec.n_params + attn)
-        out.append({
-            "claim": f"the FFN is about two thirds of a transformer block's parameters ({spec.variant.value})",
-            "status": "confirmed" if abs(share - 2 / 3) <= 0.05 else "contradicted",
-            "figure": f"{spec.n_params:,} FFN vs {attn:,} attention parameters at d={spec.d_model}, d_ff={spec.d_ff}: "
-                      f"{100 * share:.1f}%",
-            "source": "ffnquant.run (sizes)",
-        })
     return out
 
 
@@ -452,10 +433,10 @@ def _range_section(tables: Mapping[str, Any], specs: Sequence[FFNSpec], missing:
         return section, claims
     section["findings"] = [f["text"] if isinstance(f, dict) else str(f) for f in rangereport.findings(tables)]
     for c in rangereport.claims(tables):
-        claims.append({"claim": str(c["claim"]), "status": str(c["status"]), "figure": str(c.get("figure", "")),
-                       "source": "ffnquant.rangereport"})
-    if hasattr(rangereport, "range_markdown"):
-        section["markdown"] = rangereport.range_markdown(tables)
+        claims.append({"claim": str(c["claim"]), "status": str(c["status"]), "figure": str(c.get("detail", "")),
+                       "source": str(c.get("source", "ffnquant.rangereport"))})
+    # The range issue's full Markdown (per-site tables, weights), nested under the report's own section.
+    section["markdown"] = rangereport.range_report_markdown(tables, heading_level=3)
     return section, claims
 
 
@@ -638,14 +619,15 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
         models[v] = model
         tables[v] = profile(model, calib_source.batches(config.calib_tokens, spec.d_model, config.batch_size), bins=config.bins)
         stages.add("profile", time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        dtypes = [d for d in ("fp32", "fp16") if d in {r.scheme for r in recipes} or d == "fp32"]
-        exported = export_spec(spec, out_export, dtypes=dtypes, seed=config.seed, model=model)
-        for dtype, path in exported.paths.items():
-            onnx_paths[(v, dtype)] = path
-            artifacts.append({"variant": v, "scheme": dtype, "path": _rel(path), "size_bytes": path.stat().st_size,
-                              "format": f"onnx {dtype}"})
-        stages.add("export", time.perf_counter() - t0)
+        if config.onnx:
+            t0 = time.perf_counter()
+            dtypes = [d for d in ("fp32", "fp16") if d in {r.scheme for r in recipes} or d == "fp32"]
+            exported = export_spec(spec, out_export, dtypes=dtypes, seed=config.seed, model=model)
+            for dtype, path in exported.paths.items():
+                onnx_paths[(v, dtype)] = path
+                artifacts.append({"variant": v, "scheme": dtype, "path": _rel(path), "size_bytes": path.stat().st_size,
+                                  "format": f"onnx {dtype}"})
+            stages.add("export", time.perf_counter() - t0)
         tick(f"{v}: profiled and exported")
         if get_scheme is not None:
             t0 = time.perf_counter()
@@ -662,7 +644,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
             timed_claims.append(_claim_activation_time(model, eval_tokens[: max(config.tokens)]))
 
     ranges, range_claims = _range_section(tables, specs, missing)
-    claims = range_claims + _claims_static(specs)
+    claims = range_claims
 
     # --- latency ------------------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -795,6 +777,10 @@ def _measure_latency(
                      for n, a, _ in runtimes],
         "cases": [],
     }
+    if config.runtimes == ("none",):
+        section.update(status="missing", reason="no runtimes requested (runtimes = none): accuracy only")
+        missing.append({"part": "latency and recommendations", "reason": section["reason"]})
+        return section
     try:
         from . import bench
     except ImportError as exc:
@@ -802,3 +788,92 @@ def _measure_latency(
         missing.append({"part": "latency and recommendations", "reason": section["reason"]})
         return section
     return _run_bench(bench, config, specs, recipes, models, onnx_paths, runtimes, section, missing, progress)
+
+
+def _run_bench(
+    bench: Any, config: RunConfig, specs: Sequence[FFNSpec], recipes: Sequence[Recipe], models: Mapping[str, Any],
+    onnx_paths: Mapping[tuple[str, str], Path], runtimes: Sequence[tuple[str, Any, Any]], section: dict[str, Any],
+    missing: list[dict], progress: Progress | None,
+) -> dict[str, Any]:
+    """Drive `bench.run_benchmark`: one sweep over the formats of the first recipe of each scheme, then
+    one sweep per further recipe of a scheme (e.g. with smoothing) on the runtimes that load our ONNX
+    artifacts (the others would time the same thing again). Cases are relabelled with recipe names."""
+    by_key = {s.key: s for s in specs}
+    variant_key = {s.variant.value: s.key for s in specs}
+    first: dict[str, Recipe] = {}
+    extra: list[Recipe] = []
+    for r in recipes:
+        if r.scheme in first:
+            extra.append(r)
+        else:
+            first[r.scheme] = r
+    from .runtimes.base import FORMATS
+
+    unknown = [s for s in first if s not in FORMATS]
+    if unknown:
+        missing.append({"part": f"latency of {', '.join(unknown)}", "reason": "no runtime format of that name"})
+    bconf = bench.BenchConfig(tokens=config.tokens, budget_s=config.budget_s, warmup=2, min_repeats=3, seed=config.seed)
+    model_map = {variant_key[v]: m for v, m in models.items() if v in variant_key}
+    runtime_objs = [rt for _, _, rt in runtimes]
+    done_before = 0
+
+    def sweep(recipe_of_format: Mapping[str, Recipe], rts: Sequence[Any]) -> Any:
+        nonlocal done_before
+        paths = {}
+        for spec in specs:
+            v = spec.variant.value
+            for fmt, recipe in recipe_of_format.items():
+                p = onnx_paths.get((v, recipe.name)) or onnx_paths.get((v, fmt))
+                if p is not None and (fmt in ("fp32", "fp16") or (v, recipe.name) in onnx_paths):
+                    paths[(spec.key, fmt)] = p
+        offset = done_before
+
+        def cb(done: int, total: int, label: str) -> None:
+            if progress is not None:
+                progress(f"latency {label}", offset + done, offset + total)
+
+        res = bench.run_benchmark(specs, rts, [f for f in recipe_of_format if f in FORMATS], bconf, models=model_map,
+                                  onnx_paths=paths, progress=cb)
+        done_before = offset + len(res.cases)
+        return res
+
+    main = sweep(first, runtime_objs)
+    cases = []
+    for c in main.cases:
+        d = c.to_dict()
+        d["scheme"] = first[c.scheme].name if c.scheme in first else c.scheme
+        cases.append(d)
+    rows = {r["name"]: dict(r) for r in main.runtimes}
+    onnx_rts = [rt for rt in runtime_objs if rt.name.startswith("ort-")]
+    for recipe in extra:
+        if not onnx_rts:
+            break
+        res = sweep({recipe.scheme: recipe}, onnx_rts)
+        for c in res.cases:
+            if c.scheme != recipe.scheme:
+                continue  # the baseline the harness re-measured for this sweep's speedups
+            d = c.to_dict()
+            d["scheme"] = recipe.name
+            cases.append(d)
+        for r in res.runtimes:
+            if r.get("error") and not rows.get(r["name"], {}).get("error"):
+                rows[r["name"]]["error"] = r["error"]
+    for c in cases:
+        for k, v in list(c.items()):
+            if isinstance(v, float) and not math.isfinite(v):
+                c[k] = None
+    section["runtimes"] = [
+        {"name": r["name"], "available": bool(r["available"]), "reason": str(r["reason"]), "device": r.get("device"),
+         "error": r.get("error"), "ran_with": list(r.get("ran_with", []))}
+        for r in rows.values()
+    ]
+    section["cases"] = cases
+    section["skipped"] = list(main.skipped)
+    failed = [r["name"] for r in section["runtimes"] if r["error"]]
+    if not any(c["error"] is None for c in cases):
+        section.update(status="missing", reason="no latency case could be measured")
+        missing.append({"part": "latency", "reason": section["reason"]})
+    elif failed:
+        section.update(status="partial", reason=f"runtime(s) failed during the run: {', '.join(failed)}")
+    del by_key
+    return section

@@ -19,7 +19,7 @@ _FIELDS = {
     "ffn_dim_multiplier": "ffn_dim_multiplier", "bias": "bias", "seed": "seed", "source": "source",
     "outlier_channels": "n_outlier_channels", "outlier_scale": "outlier_scale", "calib_tokens": "calib_tokens",
     "eval_tokens": "eval_tokens", "batch_size": "batch_size", "bins": "bins", "schemes": "schemes",
-    "baseline": "baseline", "target_db": "target_db", "sensitivity": "sensitivity", "runtimes": "runtimes",
+    "baseline": "baseline", "target_db": "target_db", "sensitivity": "sensitivity", "onnx": "onnx", "runtimes": "runtimes",
     "tokens": "tokens", "budget_s": "budget_s", "out": "out_reports", "export": "out_export",
 }
 
@@ -44,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-db", type=float, help="accuracy target: SQNR in dB a recommendation must meet (default 30)")
     parser.add_argument("--no-sensitivity", dest="sensitivity", action="store_false", default=None,
                         help="skip the per-site sensitivity of the worst cases")
-    parser.add_argument("--runtimes", help="comma-separated runtimes, or 'available' (default: every runtime available here)")
+    parser.add_argument("--no-onnx", dest="onnx", action="store_false", default=None,
+                        help="skip the ONNX export and artifacts (torch reference accuracy only)")
+    parser.add_argument("--runtimes", help="comma-separated runtimes, 'available' (default: every runtime available "
+                        "here) or 'none' (accuracy only, no latency)")
     parser.add_argument("--tokens", help="token counts M to time, comma-separated (default 1,16,512)")
     parser.add_argument("--budget-s", type=float, help="time budget per latency case in seconds (default 0.04)")
     parser.add_argument("--out", help="report folder (default reports/)")
@@ -68,19 +71,28 @@ def config_from_args(args: argparse.Namespace):
     return base.with_(**changes) if changes else base
 
 
-def _progress_bar():
-    """A rich progress bar on stderr, and the callback `run` reports to."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+class _ProgressBar:
+    """A rich progress bar on stderr, started by the first report from `run` (so that input errors,
+    which come before any work, print as one clean line)."""
 
-    bar = Progress(TextColumn("[bold]ffnquant run[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.description}"), console=Console(stderr=True), transient=False)
-    task = bar.add_task("starting", total=None)
+    def __init__(self) -> None:
+        self._bar = None
+        self._task = None
 
-    def callback(message: str, done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total, description=message)
+    def __call__(self, message: str, done: int, total: int) -> None:
+        if self._bar is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return bar, callback
+            self._bar = Progress(TextColumn("[bold]ffnquant run[/]"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
+            self._task = self._bar.add_task("", total=total)
+            self._bar.start()
+        self._bar.update(self._task, completed=done, total=total, description=message)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # every bad option fails here, before anything is written
     argv = getattr(args, "_argv", None) or ["run"]
     command = "ffnquant " + " ".join(shlex.quote(a) for a in argv)
-    bar, callback = _progress_bar()
-    with bar:
-        result = run_job(config, progress=callback, command=command)
+    bar = _ProgressBar()
+    try:
+        result = run_job(config, progress=bar, command=command)
+    finally:
+        bar.close()
     recs = [r for r in result.recommendations if r["tokens"] == result.primary_tokens]
     if recs:
         print(f"Recommendations at M={result.primary_tokens} tokens (SQNR target {config.target_db:g} dB):")
