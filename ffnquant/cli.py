@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "variants",
     "export",
     "profile",
+    "quantize",
     "run",
     "bench",
     "model",
