@@ -262,7 +262,7 @@ def test_cli_writes_json_and_markdown(tmp_path, capsys):
     "argv, message",
     [
         (["--runtimes", "tensorflow"], "unknown runtime 'tensorflow'; valid: ort-cpu"),
-        (["--runtimes", "ort-cpu", "--schemes", "nf4"], "scheme 'nf4' is not supported by ort-cpu"),
+        (["--runtimes", "ort-cpu", "--schemes", "bf16"], "scheme 'bf16' is not supported by ort-cpu"),
         (["--runtimes", "torch-cpu", "--schemes", "int3"], "unknown scheme 'int3'"),
         (["--runtimes", "torch-cpu", "--schemes", "w4a16-g128"], "divisible by 128"),  # d_model 32: shape mismatch
         (["--runtimes", "torch-cpu", "--tokens", "1,x"], "--tokens must be"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 
 from ..errors import FFNQuantError
@@ -109,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
     specs, adapters, schemes, config = plan_from_args(args)
     out = ensure_writable_dir(args.out)
+    # onnxruntime's quantizers log every node at INFO while artifacts are built; the report says what ran.
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     command = _command_line(args)
     if args.no_progress:
         result = run_benchmark(specs, adapters, schemes, config)

@@ -7,6 +7,7 @@ files the accuracy figures describe.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -14,9 +15,10 @@ from pathlib import Path
 from ..errors import FFNQuantError
 from .base import ModelCase
 
-__all__ = ["artifact_path", "onnx_artifact", "onnx_weight_bytes"]
+__all__ = ["CALIBRATION_TOKENS", "artifact_path", "onnx_artifact", "onnx_weight_bytes"]
 
 _FLOAT = ("fp32", "fp16")
+CALIBRATION_TOKENS = 1024
 
 
 def artifact_path(case: ModelCase, workdir: str | os.PathLike) -> Path:
@@ -44,14 +46,29 @@ def onnx_artifact(case: ModelCase) -> Path:
 
 
 def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
-    try:
-        from .. import onnxquant
-    except ImportError:
-        raise FFNQuantError(
-            f"scheme {case.scheme!r} on onnxruntime needs ffnquant.onnxquant to build its ONNX model; "
-            "it is not in this checkout (pass ModelCase(onnx_path=...) to run a prebuilt file)"
-        ) from None
-    return onnxquant.build_for_runtime(model, case.scheme, path, seed=case.seed)
+    """int8 QDQ / MatMulNBits / MatMulBnb4 through `ffnquant.onnxquant`, from this run's fp32 export.
+
+    Static int8 schemes are calibrated on `CALIBRATION_TOKENS` seeded Gaussian tokens:
+    latency depends on the graph, not on the scale values, and the accuracy figures of
+    record come from the quantization stage's own artifacts (pass them as `onnx_path`).
+    """
+    from .. import onnxquant
+    from ..quantize import prepare, quantize_model
+    from ..schemes import get_scheme
+
+    scheme = get_scheme(case.scheme)
+    kind, why = onnxquant.artifact_kind(scheme)
+    if kind is None:
+        raise FFNQuantError(f"scheme {case.scheme!r} has no onnxruntime artifact: {why}")
+    fp32_path = onnx_artifact(dataclasses.replace(case, scheme="fp32", onnx_path=None, workdir=path.parent))
+    if scheme.static_activations and scheme.quantizes_activations:
+        prep = prepare(case.spec, source="gaussian", calib_tokens=CALIBRATION_TOKENS, eval_tokens=64,
+                       seed=case.seed, model=model)
+        qmodel = quantize_model(prep.model, scheme, prep.table)
+        source = prep.model
+    else:
+        qmodel, source = quantize_model(model, scheme), model
+    return onnxquant.write_artifact(fp32_path, path, qmodel, source)
 
 
 def onnx_weight_bytes(path: str | os.PathLike) -> int:

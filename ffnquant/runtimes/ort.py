@@ -29,9 +29,11 @@ from .base import Availability, Loaded, ModelCase, Runtime, check_input
 __all__ = ["OrtRuntime", "PROVIDERS", "ORT_FORMATS", "captured_native_output"]
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "trt": "TensorrtExecutionProvider"}
+# What ffnquant.onnxquant writes: QDQ int8 (w8a16, w8a8 U8S8, w8a8-s8), MatMulNBits
+# (w4a16-g*) and MatMulBnb4 (nf4, fp4). Per-token dynamic int8 has no QDQ form.
 ORT_FORMATS = {
-    "cpu": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", "w8a8-dynamic", "w4a16-g32", "w4a16-g64", "w4a16-g128"),
-    "cuda": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", "w8a8-dynamic", "w4a16-g32", "w4a16-g64", "w4a16-g128"),
+    "cpu": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", "w4a16-g32", "w4a16-g64", "w4a16-g128", "nf4", "fp4"),
+    "cuda": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", "w4a16-g32", "w4a16-g64", "w4a16-g128", "nf4", "fp4"),
     # TensorRT takes explicit (QDQ) int8 only with symmetric activations: S8S8.
     "trt": ("fp32", "fp16", "w8a8-s8"),
 }
