@@ -249,7 +249,7 @@ class RunConfig:
     def tiny(cls, **changes: Any) -> "RunConfig":
         """A seconds-long configuration for tests and smoke runs: d_model 64, 3 variants, few tokens."""
         base = dict(variants=("relu", "gelu", "swiglu"), d_model=64, calib_tokens=512, eval_tokens=256, batch_size=256,
-                    bins=512, schemes=("fp32", "w8a16", "w8a8@auto", "w8a8@auto+smooth", "w8a8-dynamic", "w4a16-g32"),
+                    bins=512, schemes=("fp32", "w8a8@auto", "w8a8@auto+smooth", "w8a8-dynamic", "w4a16-g32"),
                     tokens=(1, 64), budget_s=0.005)
         base.update(changes)
         return cls(**base)
@@ -461,93 +461,111 @@ def _weight_bytes(spec: FFNSpec, scheme: Any) -> int:
     return math.ceil(n_w * wd.bits / 8) + scale_bytes + zp_bytes + bias
 
 
-def _sensitivity(model: Any, table: Any, scheme: Any, calibrator: str | None, ref: Any, eval_tokens: Any,
-                 remedies: Sequence[Any]) -> dict[str, float | None]:
-    """SQNR with only one weight or one activation site quantized, everything else in float."""
-    from .accuracy import evaluate
-    from .quantize import ACT_SITES, quantize_model
+def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:
+    """SQNR with only one weight or one activation site quantized as in `res`, everything else in float."""
+    from .accuracy import run_batched, sqnr_db
+    from .quantize import quantize_model
 
+    q = res.qmodel
+    ref = prep.ref_eval()
     out: dict[str, float | None] = {}
-    parts = [("weight", w) for w in model.spec.weight_names] if scheme.quantizes_weights else []
-    parts += [("site", s) for s in ACT_SITES] if scheme.quantizes_activations else []
-    for kind, name in parts:
-        q = quantize_model(model, scheme, table, calibrator=calibrator, remedies=remedies,
-                           weights=[name] if kind == "weight" else [], sites=[name] if kind == "site" else [])
-        out[name] = _json_num(evaluate(ref, q, eval_tokens).sqnr_db)
+    for w in q.quantized_weights:
+        one = quantize_model(prep.model, q.scheme, weights=[w], sites=[])
+        out[w] = _json_num(sqnr_db(ref, run_batched(one, prep.eval)))
+    for site in q.quantized_sites:
+        one = quantize_model(prep.model, q.scheme, weights=[], sites=[site], site_range_cache=q.ranges)
+        out[site] = _json_num(sqnr_db(ref, run_batched(one, prep.eval)))
     return out
 
 
 def _quantize_variant(
-    spec: FFNSpec, model: Any, table: Any, recipes: Sequence[Recipe], config: RunConfig, calib_source: Any,
-    eval_tokens: Any, fp32_onnx: Path | None, tick: Callable[[str], None],
-) -> tuple[list[dict], list[dict], dict[str, Path]]:
-    """Accuracy rows (torch reference, plus ORT where an artifact is built), artifacts and their paths by recipe."""
-    from .accuracy import evaluate
-    from .observe import profile
-    from .quantize import quantize_model
+    spec: FFNSpec, model: Any, recipes: Sequence[Recipe], config: RunConfig, calib: Any, eval_tokens: Any,
+    out_export: Path | None, tick: Callable[[str], None],
+) -> tuple[list[dict], list[dict], dict[str, Path], dict | None]:
+    """Every recipe of one variant through `quantize.quantize_spec`: accuracy rows (torch reference and the
+    ONNX artifact on onnxruntime), artifacts written to `out_export`, their paths by recipe name, and
+    onnxruntime's default quantize_static on the same model and data for comparison.
+
+    One `prepare()` per remedy set, shared across the schemes that use it (calibrate once).
+    """
+    from .quantize import prepare, quantize_spec
     from .schemes import get_scheme
 
-    try:
-        from . import onnxquant
-    except ImportError:
-        onnxquant = None
+    v = spec.variant.value
     rows: list[dict] = []
     artifacts: list[dict] = []
     paths: dict[str, Path] = {}
-    work: dict[str, tuple] = {}  # recipe name -> (model, table, scheme, calibrator, remedies) for sensitivity
+    preps: dict[tuple, Any] = {}
+    work: dict[str, Any] = {}  # recipe name -> (prepared, QuantResult) for the sensitivity of the worst cases
+    ort_baseline: dict | None = None
     for recipe in recipes:
         scheme = get_scheme(recipe.scheme)
-        row: dict[str, Any] = {"variant": spec.variant.value, "scheme": recipe.name, "label": recipe.label,
-                               "status": "ok", "reason": None, "sqnr_db": None, "cosine": None, "rel_l2": None,
-                               "max_abs_error": None, "size_bytes": _weight_bytes(spec, scheme), "onnx_sqnr_db": None,
-                               "site_ranges": {}, "sensitivity": None}
+        row: dict[str, Any] = {"variant": v, "scheme": recipe.name, "label": recipe.label, "status": "ok",
+                               "reason": None, "sqnr_db": None, "cosine": None, "rel_l2": None, "max_abs_error": None,
+                               "size_bytes": _weight_bytes(spec, scheme), "onnx_sqnr_db": None, "site_ranges": {},
+                               "sensitivity": None}
         try:
-            qmodel_base, qtable, remedies = model, table, []
-            if recipe.smooth is not None:
-                from .remedies import smooth
-
-                qmodel_base, record = smooth(model, table, alpha=recipe.smooth)
-                remedies.append(record)
-            if recipe.rotate:
-                from .remedies import rotate
-
-                qmodel_base, record = rotate(qmodel_base)
-                remedies.append(record)
-            if remedies:
-                # The remedied model has new ranges: calibrate on ITS activations.
-                qtable = profile(qmodel_base, calib_source.batches(config.calib_tokens, spec.d_model, config.batch_size),
-                                 bins=config.bins)
+            key = (recipe.smooth, recipe.rotate)
+            if key not in preps:
+                preps[key] = prepare(spec, calib_tokens=calib, eval_tokens=eval_tokens, seed=config.seed,
+                                     smooth=recipe.smooth, rotate=recipe.rotate, model=model)
+                base = preps.get((None, False))
+                if base is not None and key != (None, False):
+                    # The reference fp32 export and onnxruntime's default baseline do not depend on the
+                    # remedies: reuse the files already made instead of exporting them again.
+                    preps[key]._files.update({k: p for k, p in base._files.items() if k[0] in ("reference", "baseline")})
+            prep = preps[key]
+            res = quantize_spec(spec, scheme, calibrator=recipe.calibrator, prepared=prep, seed=config.seed,
+                                out_artifacts=out_export, onnx=out_export is not None, sensitivity=False,
+                                baseline=out_export is not None)
+            acc = res.accuracy
             if recipe.scheme == config.baseline:
                 row.update(sqnr_db=None, cosine=1.0, rel_l2=0.0, max_abs_error=0.0)
             else:
-                q = quantize_model(qmodel_base, scheme, qtable, calibrator=recipe.calibrator, remedies=remedies)
-                acc = evaluate(model, q, eval_tokens)
                 row.update(sqnr_db=_json_num(acc.sqnr_db), cosine=_json_num(acc.cosine), rel_l2=_json_num(acc.rel_l2),
                            max_abs_error=_json_num(acc.max_abs_error))
-                row["site_ranges"] = {s: {"lo": r.lo, "hi": r.hi, "calibrator": r.calibrator}
-                                      for s, r in q.ranges.items()}
-                work[recipe.name] = (qmodel_base, qtable, scheme, recipe.calibrator, remedies)
-            if remedies:
-                row["remedies"] = [r.to_dict() for r in remedies]
+                work[recipe.name] = (prep, res)
+            row["site_ranges"] = {s: {"lo": r.lo, "hi": r.hi, "calibrator": r.calibrator} for s, r in res.ranges.items()}
+            if prep.remedies:
+                row["remedies"] = [{"kind": r.kind, "params": r.params, "exact": r.exact, "note": r.note}
+                                   for r in prep.remedies]
+            art = res.artifact or {}
+            if art.get("accuracy_onnx") and recipe.scheme != config.baseline:
+                row["onnx_sqnr_db"] = _json_num(art["accuracy_onnx"]["sqnr_db"])
+            if art.get("path"):
+                p = Path(art["path"])
+                if recipe.calibrator and recipe.scheme != config.baseline:
+                    # quantize_spec names files by scheme; keep recipes that differ only by calibrator apart.
+                    named = p.with_name(p.name[: -len(".onnx")] + f"-{recipe.calibrator.replace(':', '')}.onnx")
+                    os.replace(p, named)
+                    p = named
+                paths[recipe.name] = p
+                artifacts.append({"variant": v, "scheme": recipe.name, "path": _rel(p), "size_bytes": int(art["size_bytes"]),
+                                  "format": str(art.get("kind"))})
+            elif art.get("note") and art.get("kind") is None:
+                row["reason"] = f"no ONNX artifact: {art['note']}"
+            if res.baseline and ort_baseline is None:
+                ort_baseline = {"variant": v, "what": res.baseline["what"],
+                                "sqnr_db": _json_num(res.baseline["accuracy_onnx"]["sqnr_db"]),
+                                "size_bytes": res.baseline.get("size_bytes")}
         except FFNQuantError as exc:
-            # A remedy that is not exact for this variant (smooth on GELU/Swish) is refused by design.
+            # e.g. a remedy that cannot be applied exactly to this variant: refused by design, recorded.
             row.update(status="not applicable", reason=str(exc))
         except Exception as exc:  # one broken combination must not sink the run; the report shows it
             row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
         rows.append(row)
-        tick(f"{spec.variant.value} {recipe.name}")
+        tick(f"{v} {recipe.name}")
     # Per-site sensitivity of the worst cases: the two least accurate quantized recipes of this variant.
     if config.sensitivity:
         ranked = sorted((r for r in rows if r["status"] == "ok" and r["sqnr_db"] is not None and r["scheme"] in work),
                         key=lambda r: r["sqnr_db"])[:2]
         for r in ranked:
-            qm, qt, scheme, cal, rem = work[r["scheme"]]
+            prep, res = work[r["scheme"]]
             try:
-                r["sensitivity"] = _sensitivity(qm, qt, scheme, cal, model, eval_tokens, rem)
+                r["sensitivity"] = _sensitivity(prep, res)
             except Exception as exc:  # recorded, not fatal
-                r["sensitivity"] = None
                 r["reason"] = f"sensitivity failed: {type(exc).__name__}: {exc}"
-    return rows, artifacts, paths
+    return rows, artifacts, paths, ort_baseline
 
 
 def run(config: RunConfig, progress: Progress | None = None, command: str | None = None) -> RunResult:
@@ -563,7 +581,6 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     from .atomic import ensure_writable_dir, write_text
     from .data import calibration_and_eval
     from .envinfo import environment
-    from .export import export_spec
     from .model import build
 
     t_start = time.perf_counter()
@@ -610,6 +627,8 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     models: dict[str, Any] = {}
     onnx_paths: dict[tuple[str, str], Path] = {}
     timed_claims: list[dict] = []
+    ort_baselines: list[dict] = []
+    calib_tokens = calib_source.tokens(config.calib_tokens, config.d_model)
     from .observe import profile
 
     for spec in specs:
@@ -619,25 +638,19 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
         models[v] = model
         tables[v] = profile(model, calib_source.batches(config.calib_tokens, spec.d_model, config.batch_size), bins=config.bins)
         stages.add("profile", time.perf_counter() - t0)
-        if config.onnx:
-            t0 = time.perf_counter()
-            dtypes = [d for d in ("fp32", "fp16") if d in {r.scheme for r in recipes} or d == "fp32"]
-            exported = export_spec(spec, out_export, dtypes=dtypes, seed=config.seed, model=model)
-            for dtype, path in exported.paths.items():
-                onnx_paths[(v, dtype)] = path
-                artifacts.append({"variant": v, "scheme": dtype, "path": _rel(path), "size_bytes": path.stat().st_size,
-                                  "format": f"onnx {dtype}"})
-            stages.add("export", time.perf_counter() - t0)
-        tick(f"{v}: profiled and exported")
+        tick(f"{v}: profiled")
         if get_scheme is not None:
             t0 = time.perf_counter()
-            rows, arts, paths = _quantize_variant(spec, model, tables[v], recipes, config, calib_source, eval_tokens,
-                                                  onnx_paths.get((v, "fp32")), lambda m: tick(m))
+            rows, arts, paths, ort_base = _quantize_variant(
+                spec, model, recipes, config, calib_tokens, eval_tokens, out_export if config.onnx else None,
+                lambda m: tick(m))
             acc_rows += rows
             artifacts += arts
+            if ort_base is not None:
+                ort_baselines.append(ort_base)
             for name, p in paths.items():
                 onnx_paths[(v, name)] = p
-            stages.add("quantize", time.perf_counter() - t0)
+            stages.add("quantize and export", time.perf_counter() - t0)
         else:
             tick(f"{v}: quantization skipped", len(recipes))
         if v in ("relu", "swiglu"):
@@ -709,7 +722,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
         "claims": claims,
         "accuracy": {"status": "ok" if acc_rows else "missing",
                      "reason": None if acc_rows else "quantization modules are not installed", "rows": acc_rows,
-                     "baseline": None},
+                     "baseline": _ort_baseline_summary(ort_baselines, acc_rows, recipes)},
         "artifacts": artifacts,
         "findings": findings,
         "missing": missing,
@@ -748,6 +761,8 @@ def _remedy_findings(rows: Sequence[dict], recipes: Sequence[Recipe]) -> list[di
         plain = Recipe(recipe.scheme, recipe.calibrator).name
         gains = []
         refused = []
+        notes = sorted({f"{r['variant']}: {rem['note']}" for r in rows if r["scheme"] == recipe.name
+                        for rem in r.get("remedies", []) if rem.get("note")})
         for r in rows:
             if r["scheme"] != recipe.name:
                 continue
@@ -761,6 +776,8 @@ def _remedy_findings(rows: Sequence[dict], recipes: Sequence[Recipe]) -> list[di
             text = f"{recipe.label} vs {plain}: " + ", ".join(f"{v} {g:+.1f} dB" for v, g in gains)
             if refused:
                 text += f"; not applied to {', '.join(refused)} (the fold is not exact for their nonlinearity)"
+            if notes:
+                text += "; " + "; ".join(notes)
             out.append({"text": text, "gains_db": dict(gains), "refused": refused})
     return out
 
@@ -877,3 +894,25 @@ def _run_bench(
         section.update(status="partial", reason=f"runtime(s) failed during the run: {', '.join(failed)}")
     del by_key
     return section
+
+
+def _ort_baseline_summary(baselines: Sequence[dict], rows: Sequence[dict], recipes: Sequence[Recipe]) -> dict | None:
+    """onnxruntime's default quantize_static against ffnquant's best static int8 recipe, per variant."""
+    if not baselines:
+        return None
+    static = [r.name for r in recipes if r.scheme in ("w8a8", "w8a8-s8")]
+
+    def db(r: dict) -> float | None:
+        return r["onnx_sqnr_db"] if r.get("onnx_sqnr_db") is not None else r["sqnr_db"]
+
+    per_variant = []
+    for b in baselines:
+        ours = [r for r in rows if r["variant"] == b["variant"] and r["scheme"] in static and r["status"] == "ok"
+                and db(r) is not None]
+        best = max(ours, key=db, default=None)
+        per_variant.append({"variant": b["variant"], "ort_default_sqnr_db": b["sqnr_db"],
+                            "ours": best["label"] if best else None, "ours_sqnr_db": db(best) if best else None})
+    parts = [f"{p['variant']} {p['ort_default_sqnr_db']:.1f} dB vs ffnquant's {p['ours']} {p['ours_sqnr_db']:.1f} dB"
+             for p in per_variant if p["ours_sqnr_db"] is not None and p["ort_default_sqnr_db"] is not None]
+    text = "; ".join(parts) + " (both on onnxruntime's CPU provider, same data)" if parts else ""
+    return {"what": baselines[0]["what"], "variants": per_variant, "text": text}
