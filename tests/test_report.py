@@ -183,3 +183,23 @@ def test_write_report_fails_before_writing(tmp_path):
 def test_plots_are_deterministic():
     doc = synthetic_doc()
     assert render_plots(doc) == render_plots(copy.deepcopy(doc))
+
+
+@pytest.mark.skipif(__import__("shutil").which("chromium") is None, reason="Debian's chromium is not installed")
+def test_html_renders_in_a_headless_browser(tmp_path):
+    """The page loads from file:// with no network and renders its tables and plots (the screenshot has content)."""
+    import subprocess
+
+    from PIL import Image
+
+    paths = write_report(synthetic_doc(), tmp_path / "r")
+    shot = tmp_path / "shot.png"
+    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,3000",
+           paths["html"].resolve().as_uri()]
+    subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+    assert shot.exists(), "chromium wrote no screenshot"
+    image = Image.open(shot).convert("L")
+    # Plots and tables put many distinct grey levels on the page; a blank or broken page has a handful.
+    assert len(image.getcolors(maxcolors=256) or range(256)) > 50
