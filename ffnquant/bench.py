@@ -248,6 +248,7 @@ class BenchConfig:
     seed: int = 0
     accuracy_tokens: int = 64  # tokens of the once-per-model output check against fp32 torch
     measure_bandwidth: bool = False
+    max_total_s: float | None = None  # whole-sweep limit: models not started by then are listed as skipped
 
     def __post_init__(self) -> None:
         tokens = tuple(int(t) for t in self.tokens)
@@ -260,6 +261,8 @@ class BenchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "warmup" else 1):
                 raise FFNQuantError(f"{name} must be a {'non-negative' if name == 'warmup' else 'positive'} integer, got {value!r}")
+        if self.max_total_s is not None and not self.max_total_s > 0:
+            raise FFNQuantError(f"max_total_s must be positive, got {self.max_total_s!r}")
         if self.min_repeats > self.max_repeats:
             raise FFNQuantError(f"min_repeats {self.min_repeats} exceeds max_repeats {self.max_repeats}")
 
@@ -539,6 +542,11 @@ def run_benchmark(
                     onnx_path = (onnx_paths or {}).get((spec.key, scheme))
                     case = ModelCase(spec, scheme, seed=config.seed, max_tokens=max(config.tokens), model=model,
                                      onnx_path=onnx_path, workdir=work)
+                    if config.max_total_s is not None and time.perf_counter() - t_start > config.max_total_s:
+                        skipped.append({"runtime": rt.name, "scheme": scheme, "variant": spec.variant.value,
+                                        "reason": f"sweep time limit of {config.max_total_s:g} s reached"})
+                        total -= len(config.tokens)
+                        continue
                     if requested is None:
                         try:
                             rt.check(case)

@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=_float_positive, default=0.5, help="timed seconds per case (default 0.5)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up calls per case (default 3)")
     parser.add_argument("--min-repeats", type=int, default=5, help="timed calls at least, even past the budget (default 5)")
+    parser.add_argument("--skip-unavailable", action="store_true",
+                        help="record named runtimes that are not available (with the reason) instead of failing")
+    parser.add_argument("--max-total-s", type=_float_positive, default=None,
+                        help="stop starting new models after this many seconds; the rest is listed as not run")
     parser.add_argument("--measure-bandwidth", action="store_true",
                         help="measure the device copy bandwidth for the roofline where no peak is tabled (e.g. CPU)")
     parser.add_argument("--out", default="reports", help="output folder (default reports/)")
@@ -58,7 +62,7 @@ def plan_from_args(args: argparse.Namespace):
     specs = specs_from_args(args)
     tokens = _parse_tokens(args.tokens)
     config = BenchConfig(tokens=tokens, budget_s=args.budget_s, warmup=args.warmup, min_repeats=args.min_repeats,
-                         seed=args.seed, measure_bandwidth=args.measure_bandwidth)
+                         seed=args.seed, measure_bandwidth=args.measure_bandwidth, max_total_s=args.max_total_s)
     names = [n.strip().lower() for n in args.runtimes.split(",") if n.strip()]
     if names == ["available"]:
         adapters = [get_runtime(n) for n in runtime_names()]
@@ -67,20 +71,22 @@ def plan_from_args(args: argparse.Namespace):
         adapters = [get_runtime(n) for n in dict.fromkeys(names)]  # unknown names raise here
         for rt in adapters:
             avail = rt.availability()
-            if not avail.available:
+            if not avail.available and not args.skip_unavailable:
                 raise FFNQuantError(f"runtime {rt.name} is not available: {avail.reason}")
     if not adapters:
         raise FFNQuantError("no runtime given")
+    usable = [rt for rt in adapters if rt.availability().available]
     schemes = None if args.schemes.strip().lower() == "all" else parse_formats(args.schemes)
     for scheme in schemes or []:
-        if not any(scheme in rt.formats for rt in adapters):
+        # With --skip-unavailable a scheme only the missing runtimes support is listed as not run.
+        if not args.skip_unavailable and not any(scheme in rt.formats for rt in usable):
             raise FFNQuantError(
-                f"scheme {scheme!r} is not supported by {', '.join(rt.name for rt in adapters)}; "
-                + "; ".join(f"{rt.name} supports {', '.join(rt.formats)}" for rt in adapters)
+                f"scheme {scheme!r} is not supported by {', '.join(rt.name for rt in usable)}; "
+                + "; ".join(f"{rt.name} supports {', '.join(rt.formats)}" for rt in usable)
             )
     # Sizes each kernel cannot take (e.g. 4-bit groups not dividing d_ff) fail here, not mid-sweep.
     for spec in specs:
-        for rt in adapters:
+        for rt in usable:
             for scheme in schemes or ():  # with 'all', formats a size does not fit are skipped, not errors
                 if scheme in rt.formats:
                     rt.check(ModelCase(spec, scheme, seed=args.seed, max_tokens=max(tokens)))
@@ -100,6 +106,10 @@ def _command_line(args: argparse.Namespace) -> str:
               "--budget-s", str(args.budget_s), "--warmup", str(args.warmup), "--min-repeats", str(args.min_repeats)]
     if args.measure_bandwidth:
         parts.append("--measure-bandwidth")
+    if args.skip_unavailable:
+        parts.append("--skip-unavailable")
+    if args.max_total_s is not None:
+        parts += ["--max-total-s", str(args.max_total_s)]
     parts += ["--out", args.out, "--name", args.name]
     return " ".join(shlex.quote(p) for p in parts)
 
