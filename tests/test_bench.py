@@ -281,3 +281,24 @@ def test_cli_unavailable_runtime_gives_its_reason(tmp_path, capsys):
     rc = main(["bench", "--runtimes", "torch-cuda", "--out", str(tmp_path), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "runtime torch-cuda is not available: no CUDA device" in err
+
+
+def test_sweep_time_limit_lists_the_rest_as_not_run(spec):
+    cfg = BenchConfig(tokens=(1,), budget_s=0.01, warmup=0, min_repeats=1, max_total_s=1e-9)
+    result = run_benchmark([spec], [FakeRuntime()], ["fp32", "fp16"], cfg, timer_factory=_timers({"fp32": 0.001}),
+                           environment=ENV)
+    assert result.cases == []
+    assert [s["scheme"] for s in result.skipped] == ["fp32", "fp16"]
+    assert all("time limit" in s["reason"] for s in result.skipped)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cli_skip_unavailable_reports_the_reason(tmp_path):
+    rc = main(["bench", "--variants", "relu", "--d-model", str(D), "--runtimes", "torch-cuda,torch-cpu",
+               "--skip-unavailable", "--schemes", "fp32,fp8-e4m3", "--tokens", "1", "--budget-s", "0.005",
+               "--min-repeats", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "latency.json").read_text())
+    rows = {r["name"]: r for r in doc["runtimes"]}
+    assert rows["torch-cuda"]["available"] is False and "no CUDA device" in rows["torch-cuda"]["reason"]
+    assert {c["runtime"] for c in doc["cases"]} == {"torch-cpu"}
