@@ -120,7 +120,14 @@ def run(args: argparse.Namespace) -> int:
 
     specs, adapters, schemes, config = plan_from_args(args)
     out = ensure_writable_dir(args.out)
-    # onnxruntime's quantizers log every node at INFO while artifacts are built; the report says what ran.
+    # onnxruntime's MatMulNBits quantizer calls logging.basicConfig(level=INFO) when imported
+    # (mid-sweep, while artifacts are built), after which every exporter pass logs a line.
+    # Import it first and put the root logger back; the report says what ran.
+    try:
+        import onnxruntime.quantization.matmul_nbits_quantizer  # noqa: F401
+    except Exception:  # no onnxruntime: nothing will log
+        pass
+    logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     command = _command_line(args)
     if args.no_progress:
