@@ -711,6 +711,9 @@ def latency_markdown(doc: Mapping[str, Any]) -> str:
                              "exact" if sqnr is None and first.get("max_abs_error") == 0 else
                              (f"{sqnr:.1f}" if sqnr is not None else "-")])
         lines += [markdown_table(["variant", "scheme", *[f"M={m}" for m in tokens], "weights", "SQNR dB"], rows), ""]
+    if any((c.get("roofline_fraction") or 0) > 1 for c in cases):
+        lines += ["Roofline fractions above 100% mean the call beat the bandwidth it is measured against: "
+                  "the weights stayed in cache, which the measured DRAM copy bandwidth does not model.", ""]
     errors = [c for c in cases if c["error"]]
     if errors:
         lines += ["## Errors", ""]
