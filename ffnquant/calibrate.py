@@ -284,6 +284,8 @@ class Calibrator:
     def range(self, hist: Any, grid: Grid) -> tuple[float, float]:
         h = histogram_of(hist)
         lo, hi = self.fn(h, grid)
+        # never wider than the data (interpolation inside a histogram bin can overshoot the exact extremes)
+        lo, hi = min(max(lo, h.lo), h.hi), max(min(hi, h.hi), h.lo)
         return float(min(lo, hi)), float(max(lo, hi))
 
 

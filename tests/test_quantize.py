@@ -1,0 +1,119 @@
+"""Torch reference numerics: SQNR floors per variant x scheme and variant x calibrator, ranges, sensitivity, errors."""
+
+import math
+
+import pytest
+import torch
+
+from ffnquant import FFNSpec, Variant, build
+from ffnquant.accuracy import accuracy_of, cosine, rel_l2, sqnr_db
+from ffnquant.data import gaussian_tokens
+from ffnquant.errors import FFNQuantError
+from ffnquant.quantize import prepare, quantize_model, quantize_spec, search_calibrators
+
+D = 64
+_PREP = {}
+
+
+def _prep(variant):
+    if variant not in _PREP:
+        _PREP[variant] = prepare(FFNSpec(variant, d_model=D), "gaussian", 1024, 512)
+    return _PREP[variant]
+
+
+# Floors from the quantization math, with margin (random N(0, 1/fan_in) weights, Gaussian tokens):
+# - int8 symmetric per-channel weights: ~42 dB per matrix (10 log10(12 * 127^2 / 3.4^2)); three
+#   matrices' errors add and the gate product compounds them: >= 35 dB at the output.
+# - uint8 static activations: the gated hidden's crest factor (absmax/std ~ 20) leaves
+#   ~27 dB for per-tensor 8-bit (10 log10(12 * 255^2 / 40^2)): >= 22 dB.
+# - entropy (KL) clips heavy tails hard (known TensorRT behaviour): >= 8 dB, still far from broken (0 dB).
+# - int4 g32 / nf4: ~20-22 dB per matrix, three matrices and the product: >= 13 dB.
+# - fp8 e4m3: 3 mantissa bits, ~31 dB per tensor, four quantized operands: >= 20 dB.
+SCHEME_FLOORS = {"w8a16": 35.0, "w8a8-dynamic": 30.0, "w4a16-g32": 13.0, "nf4": 13.0, "fp8-e4m3": 20.0, "fp16": 60.0}
+CALIBRATOR_FLOORS = {"minmax": 22.0, "percentile": 22.0, "mse": 22.0, "auto": 22.0, "entropy": 8.0}
+
+
+@pytest.mark.parametrize("variant", list(Variant), ids=str)
+@pytest.mark.parametrize("scheme", SCHEME_FLOORS, ids=str)
+def test_sqnr_floor_per_variant_and_scheme(variant, scheme):
+    r = quantize_spec(FFNSpec(variant, d_model=D), scheme, prepared=_prep(variant), onnx=False, sensitivity=False)
+    assert r.accuracy.sqnr_db >= SCHEME_FLOORS[scheme]
+    assert r.accuracy.sqnr_db < 200  # something was quantized
+
+
+@pytest.mark.parametrize("variant", list(Variant), ids=str)
+@pytest.mark.parametrize("calibrator", CALIBRATOR_FLOORS, ids=str)
+def test_w8a8_sqnr_floor_per_variant_and_calibrator(variant, calibrator):
+    r = quantize_spec(FFNSpec(variant, d_model=D), "w8a8", calibrator, prepared=_prep(variant), onnx=False, sensitivity=False)
+    assert r.accuracy.sqnr_db >= CALIBRATOR_FLOORS[calibrator]
+    assert set(r.ranges) == {"input", "hidden"}
+    for site, rng in r.ranges.items():
+        assert rng.observed_min <= rng.lo <= rng.hi <= rng.observed_max
+        assert rng.scale > 0 and 0 <= rng.zero_point <= 255
+        if calibrator != "auto":
+            assert rng.calibrator.split(":")[0] == calibrator
+
+
+def test_relu_hidden_gets_a_one_sided_range():
+    r = quantize_spec(FFNSpec("relu", d_model=D), "w8a8", "mse", prepared=_prep(Variant.RELU), onnx=False, sensitivity=False)
+    assert r.ranges["hidden"].lo == 0.0 and r.ranges["hidden"].zero_point == 0
+
+
+def test_sensitivity_names_every_quantized_piece_and_each_is_better_than_all_together():
+    r = quantize_spec(FFNSpec("swiglu", d_model=D), "w8a8", "mse", prepared=_prep(Variant.SWIGLU), onnx=False)
+    assert set(r.sensitivity) == {"w_up", "w_gate", "w_down", "input", "hidden"}
+    assert all(v > r.accuracy.sqnr_db for v in r.sensitivity.values())
+
+
+def test_gptq_beats_rtn_at_the_output():
+    # on LLM-like inputs (a few large channels) the Hessian is far from isotropic: GPTQ's case
+    spec = FFNSpec("swiglu", d_model=D)
+    prep = prepare(spec, "llm_like", 1024, 512)
+    rtn = quantize_spec(spec, "w4a16-g32", prepared=prep, onnx=False, sensitivity=False)
+    gptq = quantize_spec(spec, "w4a16-g32-gptq", prepared=prep, onnx=False, sensitivity=False)
+    assert gptq.accuracy.sqnr_db > rtn.accuracy.sqnr_db
+
+
+def test_search_picks_valid_calibrators_and_is_no_worse_than_minmax():
+    prep = _prep(Variant.SWIGLU)
+    picks = search_calibrators(prep.model, prep.table, "w8a8", prep.calib[:256], candidates=["minmax", "mse", "percentile:99.9"])
+    assert set(picks) == {"input", "hidden"} and set(picks.values()) <= {"minmax", "mse", "percentile:99.9"}
+    mm = quantize_model(prep.model, "w8a8", prep.table, calibrator="minmax")
+    best = quantize_model(prep.model, "w8a8", prep.table, calibrator=picks)
+    with torch.no_grad():
+        ref = prep.model(prep.calib[:256])
+        assert sqnr_db(ref, best(prep.calib[:256])) >= sqnr_db(ref, mm(prep.calib[:256])) - 1e-9
+
+
+def test_static_scheme_without_ranges_is_an_error():
+    model = build(FFNSpec("swiglu", d_model=D))
+    with pytest.raises(FFNQuantError, match="calibration ranges are required"):
+        quantize_model(model, "w8a8", None)
+    quantize_model(model, "w8a16", None)  # weight-only needs none
+
+
+def test_in_memory_tokens_and_nan_rejection():
+    spec = FFNSpec("relu", d_model=D)
+    calib, ev = gaussian_tokens(512, D, 1), gaussian_tokens(256, D, 2)
+    r = quantize_spec(spec, "w8a8", "minmax", calib_tokens=calib, eval_tokens=ev, onnx=False, sensitivity=False)
+    assert r.source == "in-memory tokens" and r.n_eval == 256
+    bad = calib.clone()
+    bad[3, 5] = float("nan")
+    with pytest.raises(FFNQuantError, match="NaN"):
+        quantize_spec(spec, "w8a8", calib_tokens=bad, eval_tokens=ev, onnx=False)
+
+
+def test_group_size_not_dividing_is_an_error():
+    with pytest.raises(FFNQuantError, match="does not divide d_model=48"):
+        quantize_model(build(FFNSpec("swiglu", d_model=48)), "w4a16-g32")
+
+
+def test_metrics_on_a_hand_built_pair():
+    ref = torch.tensor([3.0, 4.0])
+    got = torch.tensor([3.0, 4.5])
+    # ||ref|| = 5, ||ref - got|| = 0.5: 20 dB, rel L2 0.1
+    assert math.isclose(sqnr_db(ref, got), 20.0, rel_tol=1e-9)
+    assert math.isclose(rel_l2(ref, got), 0.1, rel_tol=1e-9)
+    assert math.isclose(cosine(ref, got), (9 + 18) / (5 * math.hypot(3, 4.5)), rel_tol=1e-9)
+    acc = accuracy_of(ref[None], got[None])
+    assert acc.max_abs_error == 0.5 and sqnr_db(ref, ref) == 200.0
