@@ -364,7 +364,9 @@ def _section_recommendations(doc: Mapping[str, Any]) -> list[str]:
                 rows.append([v] + cells)
             lines += [f"**{rt}**", "", markdown_table(["variant"] + [f"M={t}" for t in shapes], rows), ""]
         primary = doc["timing"]["latency"].get("primary_tokens")
-        chosen = [r for r in recs if r["tokens"] == primary] or recs
+        order = {v: i for i, v in enumerate(_variants(doc))}
+        chosen = sorted([r for r in recs if r["tokens"] == primary] or recs,
+                        key=lambda r: (order.get(r["variant"], len(order)), r["runtime"], r["tokens"]))
         lines += [f"Why, at M={chosen[0]['tokens']}:", ""]
         lines += [f"- {r['variant']} on {r['runtime']}: {r['reason']}" for r in chosen]
         lines.append("")
