@@ -370,10 +370,10 @@ def run_onnx(path_or_session: Any, tokens: torch.Tensor, batch_size: int = 4096,
 
 def ort_latency_ms(
     path: str | os.PathLike, d_model: int, tokens: int = 256, repeats: int = 30, dtype: str = "fp32", warmup: int = 5,
-    exact_weight_only: bool = True,
+    exact_weight_only: bool = True, threads: int | None = None,
 ) -> float:
     """Median wall time (ms) of one session.run on a [1, tokens, d_model] input, CPU provider."""
-    session = ort_session(path, exact_weight_only=exact_weight_only)
+    session = ort_session(path, threads=threads, exact_weight_only=exact_weight_only)
     x = np.random.default_rng(0).standard_normal((1, tokens, d_model)).astype(np.float16 if dtype == "fp16" else np.float32)
     for _ in range(warmup):
         session.run(None, {"input": x})
