@@ -18,7 +18,7 @@ from .atomic import ensure_writable_dir, write_bytes, write_text
 from .errors import FFNQuantError
 from .observe import DEFAULT_BINS, RangeTable, profile_spec
 from .render import fmt, markdown_table
-from .spec import SITES, Activation, FFNSpec
+from .spec import SITES, Activation, FFNSpec, Variant
 
 __all__ = [
     "SCHEMA",
@@ -27,6 +27,7 @@ __all__ = [
     "OUTLIER_K",
     "RELU_HALF_ZERO_BAND",
     "FFN_SHARE_BAND",
+    "TRAINED_RELU_ZERO_BAND",
     "ClaimStatus",
     "profile_variants",
     "findings",
@@ -51,6 +52,8 @@ OUTLIER_K = 6.0
 RELU_HALF_ZERO_BAND = (0.4, 0.6)
 # "About two thirds" of a block's parameters in the FFN: accepted band.
 FFN_SHARE_BAND = (0.6, 0.72)
+# "Roughly 90-95%" of trained ReLU units zero: accepted band, a little wider than the claim.
+TRAINED_RELU_ZERO_BAND = (0.85, 0.97)
 _SPARSE_ZERO_FRACTION = 0.01  # a site counts as sparse above 1% exact zeros
 
 
@@ -115,6 +118,18 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+_FAMILY_KEYS = frozenset(v.value for v in Variant)
+
+
+def _family(tables: Mapping[str, RangeTable]) -> dict[str, RangeTable]:
+    """The synthetic FFN-family entries (keyed by variant); real-model layers are keyed 'arch:Lk'."""
+    return {k: t for k, t in tables.items() if k in _FAMILY_KEYS}
+
+
+def _model_layers(tables: Mapping[str, RangeTable]) -> dict[str, RangeTable]:
+    return {k: t for k, t in tables.items() if k not in _FAMILY_KEYS}
+
+
 def _uses_relu(table: RangeTable) -> bool:
     return table.spec is not None and table.spec.activation is Activation.RELU
 
@@ -137,8 +152,9 @@ def findings(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
             text += f" By kurtosis (3 = Gaussian) the heaviest tails are {rk[0][0]}'s ({rk[0][1]:.1f}), the lightest {rk[-1][0]}'s ({rk[-1][1]:.1f})."
         out.append({"id": "widest_hidden", "text": text, "figures": {"crest_factor": crest, "kurtosis": kurt}})
 
-        gated = {v: c for v, c in crest.items() if tables[v].spec is not None and tables[v].spec.gated}
-        dense = {v: c for v, c in crest.items() if v not in gated}
+        family_crest = {v: c for v, c in crest.items() if v in _FAMILY_KEYS}
+        gated = {v: c for v, c in family_crest.items() if tables[v].spec is not None and tables[v].spec.gated}
+        dense = {v: c for v, c in family_crest.items() if v not in gated}
         if gated and dense:
             g = sum(gated.values()) / len(gated)
             d = sum(dense.values()) / len(dense)
@@ -206,6 +222,24 @@ def findings(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
         if parts and "input" in outliers and any(outliers["input"].values()):
             text += " Per-tensor int8 ranges at such sites are set by these few channels; per-channel smoothing or rotation targets them."
         out.append({"id": "outlier_channels", "text": text, "figures": {"outlier_channels": outliers, "k": OUTLIER_K}})
+
+    # Trained weights against the random-weight variant of the same family: the seeds'
+    # generalisations are about random weights, real checkpoints are the real test.
+    ratios = {}
+    for key, table in _model_layers(tables).items():
+        twin = table.spec.variant.value if table.spec is not None else None
+        if twin in crest and key in crest and crest[twin] > 0:
+            ratios[key] = (twin, crest[key], crest[twin])
+    if ratios:
+        parts = [f"{k} {c:.1f} vs {t} {ct:.1f} ({c / ct:.1f}x)" for k, (t, c, ct) in ratios.items()]
+        out.append(
+            {
+                "id": "trained_vs_synthetic",
+                "text": "Real-model layers against the random-weight variant of the same family, `hidden` crest factor: "
+                + "; ".join(parts) + ".",
+                "figures": {k: {"variant": t, "model_crest": c, "synthetic_crest": ct} for k, (t, c, ct) in ratios.items()},
+            }
+        )
     return out
 
 
@@ -266,8 +300,9 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
 
     claim = "SwiGLU's product has the widest range of the FFN family."
     src = "DESIGN.md"
-    crest = _site_stat(tables, "hidden", "crest_factor")
-    kurt = _site_stat(tables, "hidden", "kurtosis")
+    family = _family(tables)
+    crest = _site_stat(family, "hidden", "crest_factor")
+    kurt = _site_stat(family, "hidden", "kurtosis")
     if "swiglu" in crest and len(crest) > 1:
         top_c, top_k = _ranked(crest)[0], _ranked(kurt)[0]
         widest = [top_c[0] == "swiglu", top_k[0] == "swiglu"]
@@ -282,6 +317,21 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
         )
     else:
         out.append(_claim("swiglu_widest", claim, src, ClaimStatus.NOT_MEASURED, "needs swiglu and at least one other variant", {}))
+
+    claim = "90-95% of ReLU FFN hidden units are exactly zero on a typical token in trained models."
+    src = "seed 001 (SwiGLU, GELU and ReLU FFNs)"
+    trained_relu = {k: t["hidden"].zero_fraction for k, t in _model_layers(tables).items()
+                    if _uses_relu(t) and "hidden" in t}
+    if trained_relu:
+        lo, hi = TRAINED_RELU_ZERO_BAND
+        inside = [lo <= z <= hi for z in trained_relu.values()]
+        status = ClaimStatus.CONFIRMED if all(inside) else ClaimStatus.CONTRADICTED if not any(inside) else ClaimStatus.MIXED
+        out.append(_claim("trained_relu_sparsity", claim, src, status,
+                          "exact zeros in `hidden`: " + ", ".join(f"{k} {_pct(z)}" for k, z in trained_relu.items())
+                          + f" (band {_pct(lo)}-{_pct(hi)})", {"zero_fraction": trained_relu, "band": [lo, hi]}))
+    else:
+        out.append(_claim("trained_relu_sparsity", claim, src, ClaimStatus.NOT_MEASURED,
+                          "needs a trained ReLU model's layers (--model with an opt or t5 checkpoint)", {}))
 
     claim = "The FFN holds about two thirds of a transformer block's parameters."
     src = "DESIGN.md (attention block 4 d^2)"

@@ -50,3 +50,32 @@ def specs_from_args(args: argparse.Namespace) -> list[FFNSpec]:
         )
         for v in variants
     ]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model PATH and its calibration options: a local Hugging Face folder's FFN layers."""
+    group = parser.add_argument_group("real model (a local Hugging Face folder)")
+    group.add_argument("--model", default=None, metavar="PATH",
+                       help="also take the FFN layers of this model folder (config.json + safetensors)")
+    group.add_argument("--layers", default="all", help="model layers: all, a range 0-3 or a list 0,5,7 (default all)")
+    group.add_argument("--text", default=None, metavar="FILE",
+                       help="calibration text run through the model (default: the shipped public-domain sample)")
+    group.add_argument("--captured", default=None, metavar="DIR",
+                       help="captured FFN inputs (from `ffnquant model capture`) instead of running the model")
+    group.add_argument("--model-tokens", type=positive_int, default=4096,
+                       help="calibration tokens taken from the model (default 4096)")
+    group.add_argument("--allow-pickle", action="store_true",
+                       help="allow .bin/.pt checkpoints (read with torch.load(weights_only=True))")
+
+
+def model_range_tables(args: argparse.Namespace, bins: int = 2048) -> dict:
+    """RangeTables of the model's FFN layers keyed '<model_type>:<layer label>' (empty without --model)."""
+    if not getattr(args, "model", None):
+        return {}
+    from ..hf import EvalSettings, calibrate_model, inspect_model
+
+    info = inspect_model(args.model, allow_pickle=args.allow_pickle)
+    settings = EvalSettings(max_calib_tokens=args.model_tokens, bins=bins)
+    layers, tables = calibrate_model(info, layers=args.layers, text=args.text, captured=args.captured,
+                                     settings=settings, allow_pickle=args.allow_pickle)
+    return {f"{info.model_type}:{layer.label}": tables[layer.label] for layer in layers}

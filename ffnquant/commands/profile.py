@@ -8,7 +8,7 @@ from ..errors import FFNQuantError
 from ..observe import DEFAULT_BINS, StreamingHistogram
 from ..render import fmt, text_table
 from ..spec import SITES
-from .common import add_spec_arguments, positive_int, specs_from_args
+from .common import add_model_arguments, add_spec_arguments, model_range_tables, positive_int, specs_from_args
 
 NAME = "profile"
 HELP = "profile activation ranges at every FFN tensor site and write the range report (JSON, Markdown, plots)"
@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=1024, help="tokens per forward pass (default 1024)")
     parser.add_argument("--bins", type=positive_int, default=DEFAULT_BINS, help=f"histogram bins, a multiple of 4 (default {DEFAULT_BINS})")
     parser.add_argument("--out", default="reports", help="output folder (default reports/)")
+    add_model_arguments(parser)
 
 
 def _cell(table, site: str) -> str:
@@ -53,7 +54,13 @@ def run(args: argparse.Namespace) -> int:
     if available is not None and args.tokens > available:
         raise FFNQuantError(f"{source.label} has {available} tokens; --tokens {args.tokens} asks for more")
 
+    if args.model:
+        from ..hf import inspect_model
+
+        inspect_model(args.model, allow_pickle=args.allow_pickle)  # a bad folder fails before any profiling
     tables = profile_variants(specs, source, args.tokens, seed=args.seed, batch_size=args.batch_size, bins=args.bins)
+    # The model's own layers, calibrated on its own inputs, side by side with the synthetic variants.
+    tables.update(model_range_tables(args, bins=args.bins))
     meta = {
         "command": "ffnquant profile",
         "source": source.to_dict(),
@@ -64,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         "bins": args.bins,
         "batch_size": args.batch_size,
         "variants": list(tables),
+        "model": args.model,
+        "model_layers": args.layers if args.model else None,
     }
     paths = write_range_report(tables, args.out, meta)
 
