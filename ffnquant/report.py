@@ -238,6 +238,7 @@ def _plot_scatter(doc: Mapping[str, Any], runtime: str, tokens: int) -> bytes | 
             ax.axvline(base.latency_s * 1e3, color="grey", linestyle=":", label=f"{base.scheme} latency")
         ax.axhline(target, color="tab:red", linestyle="-.", linewidth=0.8, label=f"target {target:g} dB")
         ax.set_xscale("log")
+        _plain_log_axis(ax.xaxis)
         ax.set_title(v, fontsize=10)
         ax.set_xlabel("median latency (ms, log)", fontsize=8)
         ax.set_ylabel("SQNR (dB)", fontsize=8)
@@ -268,6 +269,8 @@ def _plot_latency_tokens(doc: Mapping[str, Any], runtime: str) -> bytes | None:
                 ax.plot([t for t, _ in pts], [m * 1e3 for _, m in pts], "o-", color=colours[s], label=s, markersize=3)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        _plain_log_axis(ax.xaxis)
+        _plain_log_axis(ax.yaxis)
         ax.set_title(v, fontsize=10)
         ax.set_xlabel("tokens M (log)", fontsize=8)
         ax.set_ylabel("median latency (ms, log)", fontsize=8)
@@ -276,6 +279,15 @@ def _plot_latency_tokens(doc: Mapping[str, Any], runtime: str) -> bytes | None:
     fig.suptitle(f"latency vs tokens on {runtime}")
     fig.tight_layout()
     return _png(fig)
+
+
+def _plain_log_axis(axis) -> None:
+    """Log-scale ticks as plain numbers without minor labels (the default '3x10^0' labels overlap)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(StrMethodFormatter("{x:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _slug(text: str) -> str:

@@ -106,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
         result = run_job(config, progress=bar, command=command)
     finally:
         bar.close()
-    recs = [r for r in result.recommendations if r["tokens"] == result.primary_tokens]
+    order = {v: i for i, v in enumerate(config.variants)}
+    recs = sorted((r for r in result.recommendations if r["tokens"] == result.primary_tokens),
+                  key=lambda r: (order.get(r["variant"], len(order)), r["runtime"]))
     if recs:
         print(f"Recommendations at M={result.primary_tokens} tokens (SQNR target {config.target_db:g} dB):")
         print(text_table(["variant", "runtime", "choice", "why"],
