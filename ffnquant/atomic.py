@@ -41,6 +41,11 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
+        # mkstemp creates the file 0600; give the result the permissions an ordinary write would
+        # (0666 less the umask), so reports and artifacts stay readable by others as before.
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, target)
     finally:
         if tmp.exists():

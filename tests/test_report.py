@@ -203,3 +203,16 @@ def test_html_renders_in_a_headless_browser(tmp_path):
     image = Image.open(shot).convert("L")
     # Plots and tables put many distinct grey levels on the page; a blank or broken page has a handful.
     assert len(image.getcolors(maxcolors=256) or range(256)) > 50
+
+
+def test_report_files_get_ordinary_permissions(tmp_path):
+    """Atomic writes go through mkstemp (0600); the finished files must be readable like any other."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        paths = write_report(synthetic_doc(), tmp_path / "r")
+    finally:
+        os.umask(old)
+    for p in (paths["json"], paths["md"], paths["html"]):
+        assert os.stat(p).st_mode & 0o777 == 0o644, p
