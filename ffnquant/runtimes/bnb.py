@@ -11,13 +11,12 @@ every bitsandbytes format has its float baseline on the same runtime.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import FFNQuantError
-from .base import Availability, Loaded, ModelCase, Runtime, check_input
+from .base import Availability, Loaded, ModelCase
+from .torch_rt import TorchModuleRuntime
 
 __all__ = ["BnbRuntime", "LLM_INT8_THRESHOLDS", "BNB_4BIT_BLOCKSIZE", "bnb_linear"]
 
@@ -90,7 +89,7 @@ def _nbytes(module: torch.nn.Module) -> int:
     return total
 
 
-class BnbRuntime(Runtime):
+class BnbRuntime(TorchModuleRuntime):
     """bitsandbytes modules on `device` ('cpu' or 'cuda')."""
 
     def __init__(self, device: str = "cpu") -> None:
@@ -175,34 +174,6 @@ class BnbRuntime(Runtime):
             input_dtype=dtype_name,
             output_dtype=dtype_name,
         )
-
-    def prepare(self, loaded: Loaded, x: np.ndarray) -> Any:
-        x = check_input(x, loaded.spec)
-        return torch.from_numpy(x).to(device=self.device, dtype=getattr(torch, loaded.input_dtype))
-
-    def run(self, loaded: Loaded, prepared: Any) -> Any:
-        with torch.inference_mode():
-            return loaded.handle(prepared)
-
-    def synchronize(self, loaded: Loaded) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-    def to_numpy(self, loaded: Loaded, output: Any) -> np.ndarray:
-        return output.detach().float().cpu().numpy()
-
-    def reset_peak_memory(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak_memory_bytes(self) -> int | None:
-        return int(torch.cuda.max_memory_allocated()) if self.device == "cuda" else None
-
-    def release(self, loaded: Loaded) -> None:
-        loaded.handle = None
-        if self.device == "cuda":
-            torch.cuda.empty_cache()
 
 
 _LABELS = {

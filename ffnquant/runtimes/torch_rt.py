@@ -213,7 +213,40 @@ def _module_nbytes(module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
 
 
-class TorchRuntime(Runtime):
+class TorchModuleRuntime(Runtime):
+    """Shared plumbing of runtimes whose loaded handle is a torch module on `self.device`
+    (torch's own kernels, bitsandbytes): input transfer, call, sync, peak memory."""
+
+    def prepare(self, loaded: Loaded, x: np.ndarray) -> Any:
+        x = check_input(x, loaded.spec)
+        return torch.from_numpy(x).to(device=self.device, dtype=getattr(torch, loaded.input_dtype))
+
+    def run(self, loaded: Loaded, prepared: Any) -> Any:
+        with torch.inference_mode():
+            return loaded.handle(prepared)
+
+    def synchronize(self, loaded: Loaded) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def to_numpy(self, loaded: Loaded, output: Any) -> np.ndarray:
+        return output.detach().float().cpu().numpy()
+
+    def reset_peak_memory(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory_bytes(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated()) if self.device == "cuda" else None
+
+    def release(self, loaded: Loaded) -> None:
+        loaded.handle = None
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+class TorchRuntime(TorchModuleRuntime):
     """Eager torch on `device` ('cpu' or 'cuda') with torch's float and quantized kernels."""
 
     def __init__(self, device: str = "cpu") -> None:
@@ -307,36 +340,6 @@ class TorchRuntime(Runtime):
             input_dtype=dtype_name,
             output_dtype=dtype_name,
         )
-
-    def prepare(self, loaded: Loaded, x: np.ndarray) -> Any:
-        x = check_input(x, loaded.spec)
-        return torch.from_numpy(x).to(device=self.device, dtype=getattr(torch, loaded.input_dtype))
-
-    def run(self, loaded: Loaded, prepared: Any) -> Any:
-        with torch.inference_mode():
-            return loaded.handle(prepared)
-
-    def synchronize(self, loaded: Loaded) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-    def to_numpy(self, loaded: Loaded, output: Any) -> np.ndarray:
-        return output.detach().float().cpu().numpy()
-
-    def reset_peak_memory(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak_memory_bytes(self) -> int | None:
-        if self.device != "cuda":
-            return None
-        return int(torch.cuda.max_memory_allocated())
-
-    def release(self, loaded: Loaded) -> None:
-        loaded.handle = None
-        if self.device == "cuda":
-            torch.cuda.empty_cache()
 
 
 _KERNELS = {
