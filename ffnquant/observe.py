@@ -26,7 +26,7 @@ import torch
 
 from .errors import FFNQuantError, unknown_choice
 from .model import FFN
-from .spec import FFNSpec, SITES
+from .spec import FFNSpec
 
 __all__ = [
     "DEFAULT_BINS",

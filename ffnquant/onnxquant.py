@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -124,7 +123,6 @@ def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel:
     `source_model` is the float model (after remedies) the fp32 file was exported from;
     `qmodel` its torch reference under an int8 scheme (w8a16: weights only).
     """
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     scheme = qmodel.scheme
@@ -139,7 +137,6 @@ def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel:
     qdq_nodes: dict[str, list] = {}  # matmul node name -> nodes to insert before it
     symmetric = scheme.weight_symmetric
     qmin, qmax = P.int_range(8, signed=symmetric)
-    wtype = TensorProto.INT8 if symmetric else TensorProto.UINT8
     np_wtype = np.int8 if symmetric else np.uint8
     for name, (node, init) in found.items():
         pre = []
@@ -221,7 +218,6 @@ def write_nbits(
     hessians: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """A 4-bit weight-only model: MatMulNBits (int4: RTN, HQQ, GPTQ) or MatMulBnb4 (nf4, fp4) for the FFN matmuls."""
-    import onnx
     from onnx import helper
 
     kind, why = artifact_kind(scheme)

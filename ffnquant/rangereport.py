@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from .atomic import ensure_writable_dir, write_bytes, write_text
 from .errors import FFNQuantError
 from .observe import DEFAULT_BINS, RangeTable, profile_spec
-from .render import fmt, markdown_table
+from .render import markdown_table
 from .spec import SITES, Activation, FFNSpec, Variant
 
 __all__ = [

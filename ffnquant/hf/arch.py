@@ -11,7 +11,6 @@ each tensor (gate, up, down, fused gate+up) and whether it is stored transposed
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
