@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -313,7 +315,14 @@ def ort_default_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike
     class Reader(_Reader, CalibrationDataReader):
         pass
 
-    with atomic_path(out_path) as tmp:
+    # quantize_static logs a "consider pre-processing" warning on the root logger every call;
+    # it is advice for image models, not a fact about this one.
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    with contextlib.ExitStack() as stack:
+        stack.callback(root.setLevel, level)
+        tmp = stack.enter_context(atomic_path(out_path))
         quantize_static(
             str(fp32_path),
             str(tmp),
