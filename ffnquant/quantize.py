@@ -347,6 +347,12 @@ class Prepared:
     _search: dict = field(default_factory=dict)
     _files: dict = field(default_factory=dict)
     _scratch: Any = None
+    name: str | None = None  # file-name stem of the ONNX files (default the spec key)
+
+    @property
+    def stem(self) -> str:
+        """What ONNX file names start with: `name` (e.g. a real model's layer) or the spec key."""
+        return self.name or self.spec.key
 
     def scratch(self) -> Path:
         """A temporary folder for ONNX files nobody asked to keep (removed with this object)."""
@@ -366,15 +372,15 @@ class Prepared:
             return path
         tag = f".{self.remedy_tag}" if self.remedy_tag else ""
         if which == "reference" or (which == "model" and not tag):
-            path = folder / f"{self.spec.key}.fp32.onnx"
+            path = folder / f"{self.stem}.fp32.onnx"
             export_onnx(self.reference, path)
         elif which == "model":
-            path = folder / f"{self.spec.key}{tag}.fp32.onnx"
+            path = folder / f"{self.stem}{tag}.fp32.onnx"
             export_onnx(self.model, path)
         elif which == "baseline":
             from .onnxquant import ort_default_static
 
-            path = folder / f"{self.spec.key}.ort-default-static.onnx"
+            path = folder / f"{self.stem}.ort-default-static.onnx"
             ort_default_static(self.onnx_file("reference", folder), path, self.calib_batches())
         else:
             raise FFNQuantError(f"unknown prepared file {which!r}")
@@ -426,12 +432,14 @@ def prepare(
     smooth_sites: Sequence[str] | None = None,
     rotate: bool = False,
     model: FFN | None = None,
+    name: str | None = None,
 ) -> Prepared:
     """Build (or take) the FFN, apply remedies, profile `input`/`hidden` over the calibration tokens.
 
     `source`: 'gaussian', 'llm_like', a token file path, or a data.TokenSource; or pass the
     tokens themselves as `calib_tokens` / `eval_tokens` tensors ([n, d]). Remedies that need
-    ranges (smooth) are computed from a profile of the original model.
+    ranges (smooth) are computed from a profile of the original model. `name`: the stem of the
+    ONNX files made from it (default the spec key; a real model's layer passes its own).
     """
     from .data import TokenSource, calibration_and_eval, parse_source
     from .model import build
@@ -469,7 +477,7 @@ def prepare(
         work, rec = R.rotate(work)
         records.append(rec)
     table = profile(work, batches, sites=["input", "hidden"], weights=False)
-    return Prepared(spec, ref, work, table, calib, ev, label, records)
+    return Prepared(spec, ref, work, table, calib, ev, label, records, name=name)
 
 
 @dataclass
@@ -600,10 +608,10 @@ def quantize_spec(
     if kind == "fp32":
         path = fp32_work
     elif kind == "fp16":
-        path = folder / f"{spec.key}{tag}.fp16.onnx"
+        path = folder / f"{prep.stem}{tag}.fp16.onnx"
         export_onnx(prep.model, path, dtype="fp16")
     elif kind is not None:
-        path = folder / f"{spec.key}{tag}.{scheme.name}.onnx"
+        path = folder / f"{prep.stem}{tag}.{scheme.name}.onnx"
         OQ.write_artifact(fp32_work, path, q, prep.model, hessians)
     if path is not None:
         got = OQ.run_onnx(path, prep.eval, dtype="fp16" if kind == "fp16" else "fp32")

@@ -26,7 +26,17 @@ from .capture import (
     text_batches,
     transformers_available,
 )
-from .evaluate import EvalSettings, calibrate_layers, calibrate_model, evaluate_layers_from_files, evaluate_model
+from .evaluate import (
+    EvalSettings,
+    LayerInputs,
+    calibrate_layers,
+    calibrate_model,
+    capture_layer_inputs,
+    end_to_end,
+    evaluate_layers_from_files,
+    evaluate_model,
+    float_baseline,
+)
 
 __all__ = [
     "ARCHITECTURES",
@@ -58,4 +68,8 @@ __all__ = [
     "calibrate_model",
     "evaluate_layers_from_files",
     "evaluate_model",
+    "LayerInputs",
+    "capture_layer_inputs",
+    "end_to_end",
+    "float_baseline",
 ]

@@ -34,6 +34,10 @@ __all__ = [
     "quantize_layers",
     "evaluate_layers_from_files",
     "evaluate_model",
+    "float_baseline",
+    "end_to_end",
+    "LayerInputs",
+    "capture_layer_inputs",
 ]
 
 SQNR_CAP_DB = 200.0  # as ffnquant.accuracy: identical outputs read as 200 dB, not +inf
@@ -283,6 +287,207 @@ def _worst(rows: list[dict[str, Any]], key: str, reverse: bool, n: int = 3) -> l
     return [r["label"] for r in sorted(valid, key=lambda r: r[key], reverse=reverse)[:n]]
 
 
+def float_baseline(model: Any, info: ModelInfo, evals: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The float model on the evaluation batches: perplexity (causal LMs, else None) and the token count."""
+    nll = _NLL()
+    for ids in evals:
+        out = _run(model, info, ids)
+        if info.kind is ModelKind.CAUSAL_LM:
+            nll.update(out.logits, ids)
+    return {"perplexity": nll.perplexity, "n_tokens": sum(int(b.numel()) for b in evals)}
+
+
+def _measure_end_to_end(
+    model: Any,
+    info: ModelInfo,
+    layers: Sequence[HFLayer],
+    qffns: Mapping[str, Any],
+    evals: Sequence[torch.Tensor],
+    settings: EvalSettings,
+    baseline: Mapping[str, Any],
+    per_layer: dict[str, ErrorStats] | None = None,
+) -> dict[str, Any]:
+    """One pass over `evals`: the float run (capturing each FFN's input into `per_layer` when given), the
+    run with every FFN of `qffns` installed, and with `settings.ablation` one run per layer index alone."""
+    by_label = {layer.label: layer for layer in layers}
+    layer_infos = [layer.info for layer in layers]
+    indices = sorted({by_label[k].index for k in qffns})
+    causal = info.kind is ModelKind.CAUSAL_LM
+    ablate = settings.ablation and len(indices) > 1
+    hidden_all, nll_all = ErrorStats(), _NLL()
+    ablate_hidden = {i: ErrorStats() for i in indices}
+    ablate_nll = {i: _NLL() for i in indices}
+    for ids in evals:
+        if per_layer is not None:
+            captured: dict[str, list[torch.Tensor]] = {}
+            with ffn_input_hooks(model, info, layer_infos, lambda l, x: captured.setdefault(l.label, []).append(x)):
+                ref = _run(model, info, ids)  # the float run, capturing each FFN's input on the way
+            with torch.no_grad():
+                for label, xs in captured.items():
+                    for x in xs:
+                        if x.shape[0] and label in qffns:
+                            per_layer[label].update(by_label[label].ffn(x), qffns[label](x))
+            del captured
+        else:
+            ref = _run(model, info, ids)
+        ref_hidden = _final_hidden(info, ref)
+        with install_ffns(model, info, {by_label[k].info: q for k, q in qffns.items()}):
+            out = _run(model, info, ids)
+        hidden_all.update(ref_hidden, _final_hidden(info, out))
+        if causal:
+            nll_all.update(out.logits, ids)
+        if ablate:
+            for i in indices:
+                only = {by_label[k].info: q for k, q in qffns.items() if by_label[k].index == i}
+                with install_ffns(model, info, only):
+                    out_i = _run(model, info, ids)
+                ablate_hidden[i].update(ref_hidden, _final_hidden(info, out_i))
+                if causal:
+                    ablate_nll[i].update(out_i.logits, ids)
+    ablation = []
+    if ablate:
+        for i in indices:
+            a = {"index": i, "label": f"L{i}", "hidden_sqnr_db": ablate_hidden[i].sqnr_db,
+                 "hidden_cosine": ablate_hidden[i].cosine}
+            if causal:
+                ppl = ablate_nll[i].perplexity
+                a["perplexity"] = ppl
+                a["perplexity_delta"] = ppl - baseline["perplexity"]
+            ablation.append(a)
+    e2e: dict[str, Any] = {"hidden_sqnr_db": hidden_all.sqnr_db, "hidden_cosine": hidden_all.cosine}
+    if causal:
+        ppl = nll_all.perplexity
+        e2e.update(perplexity=ppl, perplexity_delta=ppl - baseline["perplexity"],
+                   perplexity_ratio=ppl / baseline["perplexity"])
+    if ablation and causal:
+        worst = _worst(ablation, "perplexity_delta", reverse=True)
+    else:
+        worst = _worst(ablation, "hidden_sqnr_db", reverse=False)
+    return {"end_to_end": e2e, "ablation": ablation, "worst_layers_end_to_end": worst}
+
+
+def end_to_end(
+    model: Any,
+    info: ModelInfo,
+    layers: Sequence[HFLayer],
+    qffns: Mapping[str, Any],
+    evals: Sequence[torch.Tensor],
+    settings: EvalSettings = EvalSettings(),
+    baseline: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What the model's user notices when each FFN in `qffns` (label -> callable on [tokens, d_model], e.g. a
+    QuantizedFFN built with remedies) replaces the model's own: final hidden SQNR/cosine, perplexity and its
+    change for causal LMs, and with `settings.ablation` the same per layer index quantized alone.
+
+    `evals`: token-id batches of the evaluation text; `baseline`: `float_baseline` of the same batches
+    (computed when None). Returns {"baseline", "end_to_end", "ablation", "worst_layers_end_to_end"}.
+    """
+    base = dict(baseline) if baseline is not None else float_baseline(model, info, evals)
+    return {"baseline": base, **_measure_end_to_end(model, info, layers, qffns, evals, settings, base)}
+
+
+@dataclass
+class LayerInputs:
+    """Each selected FFN's calibration and held-out evaluation inputs ([tokens, d_model], by layer label).
+
+    `eval_batches` are the evaluation text's token ids and `model` the loaded transformers model
+    (both None when the inputs came from captured files: no end-to-end numbers then); `borrowed`
+    names the experts the router never chose, which get their layer's other experts' inputs.
+    """
+
+    calib: dict[str, torch.Tensor]
+    eval: dict[str, torch.Tensor]
+    calibration_source: str
+    evaluation_source: str
+    separation: str
+    borrowed: dict[str, str]
+    eval_batches: list[torch.Tensor] | None = None
+    model: Any = None
+
+
+def _concat_rows(pieces: Iterable[tuple[str, torch.Tensor]], labels: Sequence[str], limit: int | None,
+                 skip: int = 0) -> dict[str, torch.Tensor]:
+    """Per label, rows skip..skip+limit of the concatenated pieces (one label's rows in arrival order)."""
+    got: dict[str, list[torch.Tensor]] = {label: [] for label in labels}
+    seen = {label: 0 for label in labels}
+    for label, x in pieces:
+        if label not in got:
+            continue
+        start, stop = seen[label], seen[label] + x.shape[0]
+        seen[label] = stop
+        lo = max(skip - start, 0)
+        hi = x.shape[0] if limit is None else min(x.shape[0], skip + limit - start)
+        if hi > lo:
+            got[label].append(x[lo:hi])
+    return {label: torch.cat(xs) if xs else torch.zeros(0, 0) for label, xs in got.items()}
+
+
+def _fill_unrouted(layers: Sequence[HFLayer], inputs: dict[str, torch.Tensor], what: str,
+                   borrowed: dict[str, str]) -> None:
+    for layer in layers:
+        if inputs[layer.label].shape[0]:
+            continue
+        siblings = [inputs[o.label] for o in layers if o.index == layer.index and inputs[o.label].shape[0]]
+        if not siblings:
+            raise FFNQuantError(f"layer {layer.label} ({layer.name}) received no {what} tokens")
+        inputs[layer.label] = torch.cat(siblings)
+        borrowed[layer.label] = f"the router sent it no {what} tokens: its layer's other experts' inputs are used"
+
+
+def capture_layer_inputs(
+    info: ModelInfo,
+    layers: Sequence[HFLayer],
+    text: str | os.PathLike | None = None,
+    eval_text: str | os.PathLike | None = None,
+    captured: str | os.PathLike | None = None,
+    calib_tokens: int = 4096,
+    eval_tokens: int = 2048,
+    settings: EvalSettings = EvalSettings(),
+    allow_pickle: bool = False,
+) -> LayerInputs:
+    """Calibration and held-out inputs of each FFN in `layers`, for quantizing them one by one.
+
+    From the model itself (needs transformers): its own tokenizer on `text` (calibration, default the
+    shipped sample) and on `eval_text` (evaluation, a different book by default), each FFN's input
+    captured through forward hooks. From `captured` files instead (no transformers): the first
+    `calib_tokens` rows of each layer's file calibrate, the next `eval_tokens` rows evaluate.
+    """
+    labels = [layer.label for layer in layers]
+    borrowed: dict[str, str] = {}
+    if captured is not None:
+        d = info.spec.d_model
+        calib = _concat_rows(iter_captured_files(captured, labels, d), labels, calib_tokens)
+        evals = _concat_rows(iter_captured_files(captured, labels, d), labels, eval_tokens, skip=calib_tokens)
+        for label in labels:
+            if evals[label].shape[0] == 0:
+                raise FFNQuantError(
+                    f"captured activations of layer {label} in {str(captured)!r} have {calib[label].shape[0]} rows: "
+                    f"none is left for evaluation after the {calib_tokens} calibration rows")
+        return LayerInputs(calib, evals, f"captured {captured}", f"captured {captured}",
+                           f"rows {calib_tokens + 1} onwards of each captured file (the first {calib_tokens} calibrate)",
+                           borrowed)
+    model = load_hf_model(info, allow_pickle=allow_pickle)
+    tokenizer = load_tokenizer(info.path)
+    layer_infos = [layer.info for layer in layers]
+    calib_ids = text_batches(tokenizer, read_text(text, "calibration"), settings.seq_len, settings.batch_size, calib_tokens)
+    eval_ids = text_batches(tokenizer, read_text(eval_text, "evaluation"), settings.seq_len, settings.batch_size,
+                            eval_tokens)
+
+    def pieces(batches):
+        for batch in iter_captured(model, info, layer_infos, batches):
+            yield from batch.items()
+
+    calib = _concat_rows(pieces(calib_ids), labels, None)
+    evals = _concat_rows(pieces(eval_ids), labels, None)
+    _fill_unrouted(layers, calib, "calibration", borrowed)
+    _fill_unrouted(layers, evals, "evaluation", borrowed)
+    cal_name = str(text) if text is not None else "ffnquant/data/calibration.txt"
+    ev_name = str(eval_text) if eval_text is not None else "ffnquant/data/evaluation.txt"
+    return LayerInputs(calib, evals, cal_name, ev_name,
+                       "different texts: calibration inputs from " + cal_name + ", held-out inputs from " + ev_name,
+                       borrowed, eval_ids, model)
+
+
 def evaluate_model(
     path: str | os.PathLike | ModelInfo,
     schemes: Sequence[Any],
@@ -320,15 +525,7 @@ def evaluate_model(
     tables, hessians = calibrate_layers(hf_layers, iter_captured(model, info, layer_infos, calib), settings.bins,
                                         hessians=need_hessians)
 
-    # float baseline
-    base_nll = _NLL()
-    for ids in evals:
-        out = _run(model, info, ids)
-        if info.kind is ModelKind.CAUSAL_LM:
-            base_nll.update(out.logits, ids)
-    baseline = {"perplexity": base_nll.perplexity, "n_tokens": sum(int(b.numel()) for b in evals)}
-
-    indices = sorted({layer.index for layer in hf_layers})
+    baseline = float_baseline(model, info, evals)
     results, skipped = [], []
     for scheme in resolved:
         try:
@@ -337,36 +534,8 @@ def evaluate_model(
             skipped.append({"scheme": scheme.name, "reason": str(exc)})
             continue
         qffns = quantize_layers(hf_layers, scheme, tables, calibrator, hessians if scheme.method is Method.GPTQ else None)
-        by_label = {layer.label: layer for layer in hf_layers}
-        per_layer = {label: ErrorStats() for label in by_label}
-        hidden_all = ErrorStats()
-        nll_all = _NLL()
-        ablate_hidden = {i: ErrorStats() for i in indices}
-        ablate_nll = {i: _NLL() for i in indices}
-        for ids in evals:
-            captured: dict[str, list[torch.Tensor]] = {}
-            with ffn_input_hooks(model, info, layer_infos, lambda l, x: captured.setdefault(l.label, []).append(x)):
-                ref = _run(model, info, ids)  # the float run, capturing each FFN's input on the way
-            ref_hidden = _final_hidden(info, ref)
-            with torch.no_grad():
-                for label, xs in captured.items():
-                    for x in xs:
-                        if x.shape[0]:
-                            per_layer[label].update(by_label[label].ffn(x), qffns[label](x))
-            del captured
-            with install_ffns(model, info, {by_label[k].info: q for k, q in qffns.items()}):
-                out = _run(model, info, ids)
-            hidden_all.update(ref_hidden, _final_hidden(info, out))
-            if info.kind is ModelKind.CAUSAL_LM:
-                nll_all.update(out.logits, ids)
-            if settings.ablation and len(indices) > 1:
-                for i in indices:
-                    only = {by_label[k].info: q for k, q in qffns.items() if by_label[k].index == i}
-                    with install_ffns(model, info, only):
-                        out_i = _run(model, info, ids)
-                    ablate_hidden[i].update(ref_hidden, _final_hidden(info, out_i))
-                    if info.kind is ModelKind.CAUSAL_LM:
-                        ablate_nll[i].update(out_i.logits, ids)
+        per_layer = {layer.label: ErrorStats() for layer in hf_layers}
+        e2e = _measure_end_to_end(model, info, hf_layers, qffns, evals, settings, baseline, per_layer)
         rows = []
         for layer in hf_layers:
             st = per_layer[layer.label]
@@ -375,33 +544,14 @@ def evaluate_model(
                    "calib_tokens": tables[layer.label].n_tokens,
                    "calib_borrowed": "borrowed_from_layer" in tables[layer.label].meta}
             rows.append(row)
-        ablation = []
-        if settings.ablation and len(indices) > 1:
-            for i in indices:
-                a = {"index": i, "label": f"L{i}", "hidden_sqnr_db": ablate_hidden[i].sqnr_db,
-                     "hidden_cosine": ablate_hidden[i].cosine}
-                if info.kind is ModelKind.CAUSAL_LM:
-                    ppl = ablate_nll[i].perplexity
-                    a["perplexity"] = ppl
-                    a["perplexity_delta"] = ppl - baseline["perplexity"]
-                ablation.append(a)
-        e2e: dict[str, Any] = {"hidden_sqnr_db": hidden_all.sqnr_db, "hidden_cosine": hidden_all.cosine}
-        if info.kind is ModelKind.CAUSAL_LM:
-            ppl = nll_all.perplexity
-            e2e.update(perplexity=ppl, perplexity_delta=ppl - baseline["perplexity"],
-                       perplexity_ratio=ppl / baseline["perplexity"])
-        if ablation and info.kind is ModelKind.CAUSAL_LM:
-            worst_e2e = _worst(ablation, "perplexity_delta", reverse=True)
-        else:
-            worst_e2e = _worst(ablation, "hidden_sqnr_db", reverse=False)
         results.append({
             "scheme": scheme.name,
             "scheme_spec": scheme.to_dict(),
-            "end_to_end": e2e,
+            "end_to_end": e2e["end_to_end"],
             "layers": rows,
-            "ablation": ablation,
+            "ablation": e2e["ablation"],
             "worst_layers_sqnr": _worst(rows, "sqnr_db", reverse=False),
-            "worst_layers_end_to_end": worst_e2e,
+            "worst_layers_end_to_end": e2e["worst_layers_end_to_end"],
         })
     return {
         "model": info.to_dict(),
