@@ -7,7 +7,7 @@ import argparse
 from ..errors import FFNQuantError
 from ..spec import FFNSpec, Variant, parse_variants
 
-__all__ = ["add_spec_arguments", "specs_from_args", "positive_int"]
+__all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments", "model_range_tables"]
 
 
 def positive_int(text: str) -> int:
@@ -52,20 +52,40 @@ def specs_from_args(args: argparse.Namespace) -> list[FFNSpec]:
     ]
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model PATH and its calibration options: a local Hugging Face folder's FFN layers."""
+def add_model_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    captured: bool = True,
+    model_tokens: bool = True,
+    eval_text: bool = False,
+    allow_pickle: bool = True,
+    layers_default: str | None = "all",
+) -> None:
+    """--model PATH and its calibration options: a local Hugging Face folder's FFN layers.
+
+    The keywords leave out what a command does not take (`run` has no captured files and keeps
+    every option None when not given, so that its --config file is not overridden).
+    """
     group = parser.add_argument_group("real model (a local Hugging Face folder)")
     group.add_argument("--model", default=None, metavar="PATH",
                        help="also take the FFN layers of this model folder (config.json + safetensors)")
-    group.add_argument("--layers", default="all", help="model layers: all, a range 0-3 or a list 0,5,7 (default all)")
+    group.add_argument("--layers", default=layers_default,
+                       help="model layers: all, a range 0-3 or a list 0,5,7 (default all)")
     group.add_argument("--text", default=None, metavar="FILE",
                        help="calibration text run through the model (default: the shipped public-domain sample)")
-    group.add_argument("--captured", default=None, metavar="DIR",
-                       help="captured FFN inputs (from `ffnquant model capture`) instead of running the model")
-    group.add_argument("--model-tokens", type=positive_int, default=4096,
-                       help="calibration tokens taken from the model (default 4096)")
-    group.add_argument("--allow-pickle", action="store_true",
-                       help="allow .bin/.pt checkpoints (read with torch.load(weights_only=True))")
+    if eval_text:
+        group.add_argument("--eval-text", default=None, metavar="FILE",
+                           help="held-out evaluation text, never used for calibration "
+                                "(default: the shipped sample from another book)")
+    if captured:
+        group.add_argument("--captured", default=None, metavar="DIR",
+                           help="captured FFN inputs (from `ffnquant model capture`) instead of running the model")
+    if model_tokens:
+        group.add_argument("--model-tokens", type=positive_int, default=4096,
+                           help="calibration tokens taken from the model (default 4096)")
+    if allow_pickle:
+        group.add_argument("--allow-pickle", action="store_true",
+                           help="allow .bin/.pt checkpoints (read with torch.load(weights_only=True))")
 
 
 def model_range_tables(args: argparse.Namespace, bins: int = 2048) -> dict:

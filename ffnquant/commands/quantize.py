@@ -11,7 +11,7 @@ from pathlib import Path
 from ..atomic import ensure_writable_dir, write_json, write_text
 from ..errors import FFNQuantError
 from ..render import fmt, markdown_table, text_table
-from .common import add_spec_arguments, positive_int, specs_from_args
+from .common import add_model_arguments, add_spec_arguments, positive_int, specs_from_args
 
 NAME = "quantize"
 HELP = "quantize FFN variants (int8 / 4-bit / fp8) with calibration and remedies; write ONNX artifacts and an accuracy report"
@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..calibrate import calibrator_names
     from ..schemes import preset_names
 
-    add_spec_arguments(parser, default_variants="swiglu")
+    # default swiglu, or none when --model is given (then only the model's layers are quantized)
+    add_spec_arguments(parser, default_variants=None)
     parser.add_argument("--scheme", default="w8a8", help=f"scheme preset ({', '.join(preset_names())})")
     parser.add_argument(
         "--calibrator", default=None,
@@ -52,17 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-reports", default="reports", help="folder for the JSON and Markdown report (default reports/)")
     parser.add_argument("--no-onnx", action="store_true", help="torch reference only: no ONNX artifacts, no baseline")
     parser.add_argument("--latency", action="store_true", help="also time the artifacts on onnxruntime's CPU provider")
+    add_model_arguments(parser, model_tokens=False, eval_text=True)
 
 
-def _validate(args: argparse.Namespace):
-    """Everything that can be wrong with the input, checked before anything is written."""
+def _scheme_and_sites(args: argparse.Namespace, specs: list):
+    """The scheme (with --calibrator) and the smooth sites, checked against every spec to quantize."""
     from ..calibrate import parse_calibrator
-    from ..data import parse_source
     from ..schemes import check_scheme_fits, get_scheme
     from ..remedies import SMOOTH_SITES, smooth_exact_for
     from ..model import FFN
 
-    specs = specs_from_args(args)
     scheme = get_scheme(args.scheme)
     if args.calibrator is not None:
         scheme = scheme.with_(calibrator=parse_calibrator(args.calibrator).name)
@@ -85,8 +85,17 @@ def _validate(args: argparse.Namespace):
                         f"--smooth-sites hidden: {spec.variant.value}'s {spec.activation.value} is not positively homogeneous, "
                         "so the fold would change the function; smooth the input only or use --rotate"
                     )
+    return scheme, sites
+
+
+def _validate(args: argparse.Namespace, extra_specs: list = ()):
+    """Everything that can be wrong with the input, checked before anything is written."""
+    from ..data import parse_source
+
+    specs = specs_from_args(args) if args.variants is not None else []
+    scheme, sites = _scheme_and_sites(args, specs + list(extra_specs))
     needs_calib = scheme.static_activations or args.smooth is not None or scheme.method.value == "gptq"
-    if needs_calib and args.calib_tokens == 0:
+    if specs and needs_calib and args.calib_tokens == 0:
         raise FFNQuantError(f"scheme {scheme.name!r}{' with --smooth' if args.smooth is not None else ''} needs calibration data: --calib-tokens is 0")
     source = parse_source(args.source, seed=args.seed)
     for spec in specs:  # a token file is read and checked (shape, NaN) here, before any output
@@ -102,12 +111,44 @@ def _validate(args: argparse.Namespace):
     return specs, scheme, sites, source
 
 
-def _tag(result) -> str:
-    parts = [result.spec.key, result.scheme.name]
-    if result.calibrator:
-        parts.append(result.calibrator.replace(":", ""))
-    for r in result.remedies:
-        parts.append(f"smooth{r.params['alpha']:g}" if r.kind == "smooth" else r.kind)
+def _check_model(args: argparse.Namespace):
+    """The model folder read and checked (config, weights index, architecture, the scheme against its
+    widths, the texts or transformers): every model error fails here, before any work or output."""
+    from ..hf import inspect_model
+    from ..hf.capture import read_text, require_transformers
+
+    info = inspect_model(args.model, allow_pickle=args.allow_pickle)
+    try:
+        _scheme_and_sites(args, [info.spec])
+    except FFNQuantError as exc:
+        raise FFNQuantError(f"--model {args.model}: {exc}") from None
+    if args.calib_tokens == 0:
+        raise FFNQuantError("--model needs calibration inputs from the model: --calib-tokens is 0")
+    if args.captured is None:
+        require_transformers()
+        read_text(args.text, "calibration")
+        read_text(args.eval_text, "evaluation")
+    return info
+
+
+def _capture_model(args: argparse.Namespace, info):
+    """The selected FFN layers and their calibration and held-out inputs (model run or captured files)."""
+    from ..hf import EvalSettings, capture_layer_inputs, load_ffn_layers
+
+    layers = load_ffn_layers(info, args.layers, allow_pickle=args.allow_pickle)
+    settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens)
+    inputs = capture_layer_inputs(info, layers, text=args.text, eval_text=args.eval_text, captured=args.captured,
+                                  calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens, settings=settings,
+                                  allow_pickle=args.allow_pickle)
+    return layers, inputs, settings
+
+
+def _tag(head: str, scheme: str, calibrator: str | None, remedies: list[dict]) -> str:
+    parts = [head, scheme]
+    if calibrator:
+        parts.append(calibrator.replace(":", ""))
+    for r in remedies:
+        parts.append(f"smooth{r['params']['alpha']:g}" if r["kind"] == "smooth" else r["kind"])
     return "_".join(parts)
 
 
@@ -153,44 +194,147 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def render_model_markdown(data: dict) -> str:
+    """The Markdown summary of `hf.quantize_model_layers` (one row per FFN layer, then end to end)."""
+    m, scheme = data["model"], data["scheme"]
+    spec = m["spec"]
+    remedies = ", ".join(f"{r['kind']} {r['params']}" + (f" ({r['note']})" if r["note"] else "") for r in data["remedies"])
+    calib = data["calibration"]["tokens_per_layer"].values()
+    evals = data["evaluation"]["tokens_per_layer"].values()
+    lines = [
+        f"# ffnquant quantize: {m['path']}, scheme {scheme['name']}",
+        "",
+        f"- model: {m['model_type']} ({m['kind']}), {m['variant']} FFN (activation {m['activation']}), d_model {spec['d_model']}, "
+        f"d_ff {spec['d_ff']}, {len(data['layers'])} of {m['n_ffns']} FFN layers quantized",
+        f"- calibration: {data['calibration']['source']}, {min(calib)}-{max(calib)} tokens per layer",
+        f"- held-out evaluation: {data['evaluation']['source']}, {min(evals)}-{max(evals)} tokens per layer "
+        f"({data['evaluation']['separation']})",
+        f"- calibrator: {data['calibrator'] or '-'}; remedies: {remedies or 'none'}",
+        "",
+        "## Per layer: FFN output against fp32 on held-out inputs",
+        "",
+    ]
+    rows = []
+    for r in data["layers"]:
+        acc, art = r["accuracy_torch"], r.get("artifact") or {}
+        base = (r.get("ort_default_baseline") or {}).get("accuracy_onnx") or {}
+        sens = r.get("sensitivity_sqnr_db") or {}
+        worst = min(sens.items(), key=lambda kv: kv[1]) if sens else None
+        rows.append((r["label"], r["name"], acc["sqnr_db"], (art.get("accuracy_onnx") or {}).get("sqnr_db"),
+                     base.get("sqnr_db"), acc["cosine"], acc["max_abs_error"],
+                     f"{worst[0]} ({fmt(worst[1])} dB)" if worst else "-", art.get("size_bytes")))
+    lines.append(markdown_table(["layer", "module", "SQNR dB", "ONNX SQNR dB", "ORT default SQNR dB", "cosine",
+                                 "max abs err", "worst alone (sensitivity)", "artifact bytes"], rows))
+    lines += ["", f"Lowest SQNR: {', '.join(data['worst_layers_sqnr'])}.", ""]
+    e2e = data["end_to_end"]
+    lines += ["## End to end", ""]
+    if e2e["status"] != "ok":
+        lines += [f"Not measured: {e2e['reason']}.", ""]
+    else:
+        e, base = e2e["end_to_end"], e2e["baseline"]
+        causal = "perplexity" in e
+        text = (f"Every selected FFN quantized and put back into the model, on {base['n_tokens']} tokens of "
+                f"{e2e['evaluation_text']}: final hidden state SQNR {fmt(e['hidden_sqnr_db'])} dB, cosine {fmt(e['hidden_cosine'])}")
+        if causal:
+            text += f"; perplexity {fmt(base['perplexity'])} -> {fmt(e['perplexity'])} ({e['perplexity_delta']:+.3g})"
+        lines += [text + ".", ""]
+        if e2e["ablation"]:
+            head = ["layer quantized alone", "final hidden SQNR dB", "cosine"] + (["Δ perplexity"] if causal else [])
+            arows = [[a["label"], a["hidden_sqnr_db"], a["hidden_cosine"]] + ([a["perplexity_delta"]] if causal else [])
+                     for a in e2e["ablation"]]
+            lines += [markdown_table(head, arows), "", f"Hurts most end to end: {', '.join(e2e['worst_layers_end_to_end'])}.", ""]
+    arts = [(r["label"], (r.get("artifact") or {}).get("path")) for r in data["layers"] if (r.get("artifact") or {}).get("path")]
+    if arts:
+        lines += ["## Artifacts", "", markdown_table(["layer", "file"], arts), ""]
+    env = data["environment"]
+    lines += [f"_{env.get('timestamp_utc')} on {env.get('cpu')}, torch {env['packages'].get('torch')}, "
+              f"transformers {env['packages'].get('transformers', '-')}_", ""]
+    return "\n".join(lines)
+
+
+def _move_artifacts(tmp: Path, dest: Path) -> dict[str, str]:
+    """Every ONNX file made in `tmp` moved into `dest`; all are staged as .partial first, then renamed."""
+    moved: dict[str, str] = {}
+    for f in sorted(tmp.glob("*.onnx")):
+        target = dest / f.name
+        shutil.move(str(f), str(target) + ".partial")
+        moved[str(f)] = str(target)
+    for target in moved.values():
+        Path(target + ".partial").replace(target)
+    return moved
+
+
+def _fix_paths(entry_holder: dict, moved: dict[str, str]) -> None:
+    for key in ("artifact", "ort_default_baseline", "fp32"):
+        entry = entry_holder.get(key) or {}
+        if entry.get("path"):
+            entry["path"] = moved.get(entry["path"], entry["path"])
+
+
 def run(args: argparse.Namespace) -> int:
+    from ..envinfo import environment
     from ..quantize import prepare, quantize_spec
 
+    if args.variants is None and not args.model:
+        args.variants = "swiglu"
+    info = _check_model(args) if args.model else None
     specs, scheme, sites, source = _validate(args)
+    model_part = _capture_model(args, info) if info is not None else None
     ensure_writable_dir(args.out_artifacts)
     ensure_writable_dir(args.out_reports)
     rows = []
-    # artifacts are built in a scratch folder and moved only when every variant succeeded
+    # artifacts are built in a scratch folder and moved only when every variant and layer succeeded
     with tempfile.TemporaryDirectory(prefix="ffnquant-quantize-") as tmp:
-        outputs: list[tuple[str, dict]] = []
+        outputs: list[tuple[str, dict, object]] = []
         for spec in specs:
             prep = prepare(spec, source, args.calib_tokens, args.eval_tokens, args.seed, args.smooth, sites, args.rotate)
             res = quantize_spec(
                 spec, scheme, prepared=prep, out_artifacts=None if args.no_onnx else tmp, onnx=not args.no_onnx, latency=args.latency
             )
-            outputs.append((_tag(res), res.to_dict()))
-        moved: dict[str, str] = {}
-        for f in sorted(Path(tmp).glob("*.onnx")):
-            dest = Path(args.out_artifacts) / f.name
-            shutil.move(str(f), str(dest) + ".partial")
-            moved[str(f)] = str(dest)
-        for src, dest in moved.items():
-            Path(dest + ".partial").replace(dest)
-        for tag, data in outputs:
-            for key in ("artifact", "ort_default_baseline", "fp32"):
-                entry = data.get(key) or {}
-                if entry.get("path"):
-                    entry["path"] = moved.get(entry["path"], entry["path"])
+            data = res.to_dict()
+            outputs.append((_tag(spec.key, scheme.name, data["calibrator"], data["remedies"]), data, render_markdown))
+        if model_part is not None:
+            from ..hf import model_file_stem, quantize_model_layers
+
+            layers, inputs, settings = model_part
+            stem = model_file_stem(info)
+            data = quantize_model_layers(info, layers, inputs, scheme, smooth=args.smooth, smooth_sites=sites,
+                                         rotate=args.rotate, out_artifacts=None if args.no_onnx else tmp,
+                                         onnx=not args.no_onnx, latency=args.latency, settings=settings, file_stem=stem)
+            data = {"command": "ffnquant quantize --model", "layers_selected": args.layers, **data,
+                    "environment": environment()}
+            outputs.append((_tag(stem, scheme.name, data["calibrator"], data["remedies"]), data, render_model_markdown))
+        moved = _move_artifacts(Path(tmp), Path(args.out_artifacts))
+        for tag, data, render in outputs:
+            for holder in data["layers"] if "layers" in data else [data]:
+                _fix_paths(holder, moved)
             json_path = write_json(Path(args.out_reports) / f"quantize_{tag}.json", data)
-            md_path = write_text(Path(args.out_reports) / f"quantize_{tag}.md", render_markdown(data))
-            art = data.get("artifact") or {}
-            base = data.get("ort_default_baseline") or {}
-            rows.append((
-                data["spec"]["variant"], data["scheme"]["name"], data["calibrator"] or "-",
-                data["accuracy_torch"]["sqnr_db"],
-                (art.get("accuracy_onnx") or {}).get("sqnr_db"),
-                (base.get("accuracy_onnx") or {}).get("sqnr_db"),
-                art.get("size_bytes"), art.get("path") or "-", str(json_path),
-            ))
+            write_text(Path(args.out_reports) / f"quantize_{tag}.md", render(data))
+            for label, r in ([(f"{info.model_type}:{r['label']}", r) for r in data["layers"]] if "layers" in data
+                             else [(data["spec"]["variant"], data)]):
+                art = r.get("artifact") or {}
+                base = r.get("ort_default_baseline") or {}
+                rows.append((
+                    label, r["scheme"]["name"], r["calibrator"] or "-",
+                    r["accuracy_torch"]["sqnr_db"],
+                    (art.get("accuracy_onnx") or {}).get("sqnr_db"),
+                    (base.get("accuracy_onnx") or {}).get("sqnr_db"),
+                    art.get("size_bytes"), art.get("path") or "-", str(json_path),
+                ))
     print(text_table(["variant", "scheme", "calibrator", "SQNR torch", "SQNR ONNX", "SQNR ORT default", "bytes", "artifact", "report"], rows))
+    for tag, data, _ in outputs:
+        e2e = data.get("end_to_end")
+        if e2e is None:
+            continue
+        if e2e["status"] != "ok":
+            print(f"end to end: not measured ({e2e['reason']})")
+            continue
+        e, base = e2e["end_to_end"], e2e["baseline"]
+        line = (f"end to end, {len(data['layers'])} FFN layer(s) quantized: final hidden SQNR {fmt(e['hidden_sqnr_db'])} dB, "
+                f"cosine {fmt(e['hidden_cosine'])}")
+        if "perplexity" in e:
+            line += f", perplexity {fmt(base['perplexity'])} -> {fmt(e['perplexity'])}"
+        if e2e["worst_layers_end_to_end"]:
+            line += f"; hurts most: {', '.join(e2e['worst_layers_end_to_end'])}"
+        print(line)
     return 0

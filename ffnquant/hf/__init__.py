@@ -36,6 +36,8 @@ from .evaluate import (
     evaluate_layers_from_files,
     evaluate_model,
     float_baseline,
+    model_file_stem,
+    quantize_model_layers,
 )
 
 __all__ = [
@@ -72,4 +74,6 @@ __all__ = [
     "capture_layer_inputs",
     "end_to_end",
     "float_baseline",
+    "quantize_model_layers",
+    "model_file_stem",
 ]

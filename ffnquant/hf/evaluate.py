@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -38,6 +39,8 @@ __all__ = [
     "end_to_end",
     "LayerInputs",
     "capture_layer_inputs",
+    "quantize_model_layers",
+    "model_file_stem",
 ]
 
 SQNR_CAP_DB = 200.0  # as ffnquant.accuracy: identical outputs read as 200 dB, not +inf
@@ -486,6 +489,84 @@ def capture_layer_inputs(
     return LayerInputs(calib, evals, cal_name, ev_name,
                        "different texts: calibration inputs from " + cal_name + ", held-out inputs from " + ev_name,
                        borrowed, eval_ids, model)
+
+
+_GENERIC_FOLDERS = frozenset({"model", "models", "checkpoint", "weights", "hf", "snapshot"})
+
+
+def model_file_stem(info: ModelInfo) -> str:
+    """A file-name-safe name of a model folder: '<model_type>-<folder>' (e.g. 'bert-all-MiniLM-L6-v2');
+    a generic folder name ('model', a snapshot hash) is replaced by its parent's."""
+    folder = info.path.resolve()
+    name = folder.name
+    if name.lower() in _GENERIC_FOLDERS or re.fullmatch(r"[0-9a-f]{40}", name):
+        name = folder.parent.name or name
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")
+    return info.model_type if not name or name == info.model_type else f"{info.model_type}-{name}"
+
+
+def quantize_model_layers(
+    info: ModelInfo,
+    layers: Sequence[HFLayer],
+    inputs: LayerInputs,
+    scheme: Any,
+    calibrator: str | None = None,
+    smooth: float | None = None,
+    smooth_sites: Sequence[str] | None = None,
+    rotate: bool = False,
+    out_artifacts: str | os.PathLike | None = None,
+    onnx: bool = True,
+    latency: bool = False,
+    sensitivity: bool = True,
+    settings: EvalSettings = EvalSettings(),
+    file_stem: str | None = None,
+) -> dict[str, Any]:
+    """Quantize each FFN of `layers` exactly as a synthetic variant is quantized, then measure end to end.
+
+    Per layer: `quantize.prepare` on the layer's FFN with its captured calibration inputs (remedies
+    applied to the layer and its ranges re-profiled on the transformed FFN), `quantize.quantize_spec`
+    (scheme, calibrator, ONNX artifact `<file_stem>.<label>...onnx` in `out_artifacts`, onnxruntime's
+    default quantize_static next to it) measured on the held-out inputs. Then, when `inputs` carry
+    the model run, every quantized FFN goes back into the model (`end_to_end`). Returns JSON-able data.
+    """
+    from ..quantize import prepare, quantize_spec
+
+    stem = file_stem or model_file_stem(info)
+    rows, qffns = [], {}
+    for layer in layers:
+        prep = prepare(layer.spec, calib_tokens=inputs.calib[layer.label], eval_tokens=inputs.eval[layer.label],
+                       smooth=smooth, smooth_sites=smooth_sites, rotate=rotate, model=layer.ffn,
+                       name=f"{stem}.{layer.label}")
+        res = quantize_spec(layer.spec, scheme, calibrator=calibrator, prepared=prep, out_artifacts=out_artifacts,
+                            onnx=onnx, latency=latency, sensitivity=sensitivity)
+        data = res.to_dict()
+        data.pop("environment", None)  # once per report, not per layer
+        rows.append({"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
+                     "inputs_borrowed": inputs.borrowed.get(layer.label), **data})
+        qffns[layer.label] = res.qmodel
+        del prep, res
+    first = rows[0]
+    e2e: dict[str, Any]
+    if inputs.model is None or not inputs.eval_batches:
+        e2e = {"status": "missing", "reason": "inputs came from captured files: the end-to-end numbers need the model "
+                                              "run on the evaluation text (transformers)"}
+    else:
+        e2e = {"status": "ok", "reason": None, "evaluation_text": inputs.evaluation_source,
+               **end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings)}
+    return {
+        "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
+        "scheme": first["scheme"],
+        "calibrator": first["calibrator"],
+        "remedies": first["remedies"],
+        "calibration": {"source": inputs.calibration_source,
+                        "tokens_per_layer": {r["label"]: r["n_calib_tokens"] for r in rows}},
+        "evaluation": {"source": inputs.evaluation_source, "separation": inputs.separation,
+                       "tokens_per_layer": {r["label"]: r["n_eval_tokens"] for r in rows}},
+        "layers": rows,
+        "worst_layers_sqnr": _worst([{"label": r["label"], "sqnr_db": r["accuracy_torch"]["sqnr_db"]} for r in rows],
+                                    "sqnr_db", reverse=False),
+        "end_to_end": e2e,
+    }
 
 
 def evaluate_model(
