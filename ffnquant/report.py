@@ -96,6 +96,12 @@ def _variants(doc: Mapping[str, Any]) -> list[str]:
     return [s["variant"] for s in doc["specs"]]
 
 
+def _keys(doc: Mapping[str, Any]) -> list[str]:
+    """The report's rows: the synthetic variants, then a real model's layers ('<model_type>:L<k>') if any."""
+    model = doc.get("model") or {}
+    return _variants(doc) + [layer["key"] for layer in model.get("layers", [])]
+
+
 def _runtimes_with_cases(doc: Mapping[str, Any]) -> list[str]:
     seen: list[str] = []
     for c in _ok_cases(doc):
@@ -211,7 +217,7 @@ def _plot_scatter(doc: Mapping[str, Any], runtime: str, tokens: int) -> bytes | 
     import matplotlib.pyplot as plt
 
     target = float(doc["config"].get("target_db", 30.0))
-    variants = [v for v in _variants(doc) if _points(doc, runtime, tokens, v)]
+    variants = [v for v in _keys(doc) if _points(doc, runtime, tokens, v)]
     if not variants:
         return None
     rows, cols = _grid(len(variants))
@@ -253,7 +259,7 @@ def _plot_latency_tokens(doc: Mapping[str, Any], runtime: str) -> bytes | None:
     import matplotlib.pyplot as plt
 
     cases = [c for c in _ok_cases(doc) if c["runtime"] == runtime]
-    variants = [v for v in _variants(doc) if any(c["variant"] == v for c in cases)]
+    variants = [v for v in _keys(doc) if any(c["variant"] == v for c in cases)]
     if not variants:
         return None
     rows, cols = _grid(len(variants))
@@ -339,6 +345,7 @@ def _section_header(doc: Mapping[str, Any]) -> list[str]:
         f"- machine: {machine}; torch {env.get('packages', {}).get('torch')}, onnxruntime "
         f"{env.get('packages', {}).get('onnxruntime-gpu') or env.get('packages', {}).get('onnxruntime')}",
         f"- variants: {', '.join(_variants(doc))} at d_model {cfg.get('d_model')}",
+        *([_model_line(doc["model"])] if doc.get("model") else []),
         f"- data: {doc['data']['source']}, {doc['data']['calib_tokens']} calibration and {doc['data']['eval_tokens']} "
         f"held-out tokens ({doc['data']['separation']})",
         f"- schemes: {', '.join(cfg.get('schemes', []))}; accuracy target SQNR >= {cfg.get('target_db')} dB; "
@@ -349,6 +356,69 @@ def _section_header(doc: Mapping[str, Any]) -> list[str]:
         lines += ["**Not in this report:**", ""]
         lines += [f"- {m['part']}: {m['reason']}" for m in doc["missing"]]
         lines.append("")
+    return lines
+
+
+def _model_line(model: Mapping[str, Any]) -> str:
+    spec = model["spec"]
+    labels = [layer["label"] for layer in model["layers"]]
+    return (f"- real model: `{model['path']}` ({model['model_type']}, {model['variant']} FFN, d_model {spec['d_model']}, "
+            f"d_ff {spec['d_ff']}); layers {', '.join(labels)} of {model['n_ffns']} reported as "
+            f"{model['model_type']}:L<k> next to the variants; inputs captured from {model['calibration']['source']} "
+            f"(calibration) and {model['evaluation']['source']} (held out)")
+
+
+def _section_model(doc: Mapping[str, Any]) -> list[str]:
+    """The real model's layers per scheme side by side with the variant of its family, and end to end."""
+    model = doc.get("model")
+    if not model:
+        return []
+    keys = [layer["key"] for layer in model["layers"]]
+    acc = _accuracy_index(doc)
+    schemes = [s for s in _scheme_order(doc) if s != _baseline(doc)]
+    same = model["variant"] if model["variant"] in _variants(doc) else None
+    lines = [f"## Real model: {model['model_type']} layers next to the variants", "",
+             f"`{model['path']}`: {model['kind']}, {model['variant']} FFN (config activation "
+             f"`{model['hf_activation']}`), d_model {model['spec']['d_model']}, d_ff {model['spec']['d_ff']}. "
+             f"Each layer is quantized like a synthetic variant (same schemes, calibrators and remedies), calibrated on "
+             f"its own inputs from {model['calibration']['source']} and measured on held-out inputs "
+             f"({model['evaluation']['separation']}). SQNR dB of the FFN output:", ""]
+    head = ["scheme"] + [layer["label"] for layer in model["layers"]] + ([f"{same} (random weights, d_model "
+                                                                          f"{doc['config'].get('d_model')})"] if same else [])
+    rows = []
+    for s in schemes:
+        cells = []
+        for k in keys + ([same] if same else []):
+            r = acc.get((k, s))
+            cells.append("-" if r is None else (_db(r["sqnr_db"]) if r["status"] == "ok" else "skipped"))
+        label = next((r["label"] for k in keys if (r := acc.get((k, s)))), s)
+        rows.append([label] + cells)
+    lines += [markdown_table(head, rows), ""]
+    for sk in model["skipped"]:
+        lines.append(f"- skipped {sk['scheme']} on {', '.join(sk['layers'])}: {sk['reason']}")
+    if model["skipped"]:
+        lines.append("")
+    borrowed = [layer for layer in model["layers"] if layer.get("inputs_borrowed")]
+    lines += [f"- {layer['label']}: {layer['inputs_borrowed']}" for layer in borrowed] + ([""] if borrowed else [])
+    e2e = model["end_to_end"]
+    lines += ["### End to end", ""]
+    if e2e["status"] != "ok":
+        lines += [f"Not measured: {e2e['reason']}", ""]
+    elif e2e["schemes"]:
+        base = e2e["baseline"]
+        causal = base.get("perplexity") is not None
+        lines += [f"Every selected layer quantized with the scheme and put back into the model, on {base['n_tokens']} tokens "
+                  f"of {e2e['evaluation_text']}" + (f" (float perplexity {fmt(base['perplexity'])})" if causal else "")
+                  + "; the last column is the layer that hurts most when quantized alone.", ""]
+        head = ["scheme", "final hidden SQNR dB", "cosine"] + (["perplexity", "Δ perplexity"] if causal else []) + ["hurts most"]
+        rows = []
+        for s in e2e["schemes"]:
+            e = s["end_to_end"]
+            rows.append([s["label"], _db(e["hidden_sqnr_db"]), e["hidden_cosine"]]
+                        + ([e.get("perplexity"), e.get("perplexity_delta")] if causal else [])
+                        + [", ".join(s["worst_layers_end_to_end"][:1]) or "-"])
+        lines += [markdown_table(head, rows), ""]
+    lines += [f"Latency: {model['latency']['reason']}.", ""]
     return lines
 
 
@@ -364,7 +434,7 @@ def _section_recommendations(doc: Mapping[str, Any]) -> list[str]:
         for rt in sorted({r["runtime"] for r in recs}):
             shapes = sorted({r["tokens"] for r in recs if r["runtime"] == rt})
             rows = []
-            for v in _variants(doc):
+            for v in _keys(doc):
                 cells = []
                 for t in shapes:
                     r = next((r for r in recs if (r["runtime"], r["variant"], r["tokens"]) == (rt, v, t)), None)
@@ -376,7 +446,7 @@ def _section_recommendations(doc: Mapping[str, Any]) -> list[str]:
                 rows.append([v] + cells)
             lines += [f"**{rt}**", "", markdown_table(["variant"] + [f"M={t}" for t in shapes], rows), ""]
         primary = doc["timing"]["latency"].get("primary_tokens")
-        order = {v: i for i, v in enumerate(_variants(doc))}
+        order = {v: i for i, v in enumerate(_keys(doc))}
         chosen = sorted([r for r in recs if r["tokens"] == primary] or recs,
                         key=lambda r: (order.get(r["variant"], len(order)), r["runtime"], r["tokens"]))
         lines += [f"Why, at M={chosen[0]['tokens']}:", ""]
@@ -392,7 +462,7 @@ def _section_ranges(doc: Mapping[str, Any], plots: Mapping[str, bytes]) -> list[
     lines = ["## Activation ranges per site", ""]
     if rng["status"] == "missing":
         return lines + [f"Not measured: {rng.get('reason')}", ""]
-    variants = [v for v in _variants(doc) if v in rng["variants"]]
+    variants = [v for v in _keys(doc) if v in rng["variants"]]
     sites = [s for s in ("input", "gate_pre", "up", "act", "hidden", "output")
              if any(s in rng["variants"][v]["sites"] for v in variants)]
     rows = []
@@ -466,7 +536,7 @@ def _section_latency(doc: Mapping[str, Any], plots: Mapping[str, bytes]) -> list
         shapes = sorted({c["tokens"] for c in cases})
         roof = any(c.get("roofline_fraction") is not None for c in cases)
         rows = []
-        for v in _variants(doc):
+        for v in _keys(doc):
             for s in _scheme_order(doc):
                 row_cases = {c["tokens"]: c for c in cases if c["variant"] == v and c["scheme"] == s}
                 if not row_cases:
@@ -527,6 +597,7 @@ def render_markdown(doc: Mapping[str, Any], plots: Mapping[str, bytes]) -> str:
     lines += _section_ranges(doc, plots)
     lines += _section_claims(doc)
     lines += _section_accuracy(doc)
+    lines += _section_model(doc)
     lines += _section_latency(doc, plots)
     lines += _section_artifacts(doc)
     lines += _section_environment(doc)

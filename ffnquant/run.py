@@ -172,6 +172,12 @@ class RunConfig:
     budget_s: float = 0.04
     out_reports: str = "reports"
     out_export: str = "export"
+    # A real model's FFN layers side by side with the variants: a local Hugging Face folder, its layers
+    # ("0-3", "0,5,7"; None = all), calibration text and held-out evaluation text (None = shipped samples).
+    model: str | None = None
+    layers: str | None = None
+    text: str | None = None
+    eval_text: str | None = None
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -222,8 +228,29 @@ class RunConfig:
                 raise FFNQuantError(f"{name} must be a non-empty string, got {value!r}")
         if self.d_ff is not None and self.ffn_dim_multiplier is not None:
             raise FFNQuantError("d_ff and ffn_dim_multiplier are exclusive: give the width or the rule's multiplier")
+        self._check_model_fields()
         self.specs()  # validates the sizes now, not halfway through a run
         self.token_source()
+
+    def _check_model_fields(self) -> None:
+        layers = self.layers
+        if isinstance(layers, (list, tuple)):  # TOML/JSON lists of indices read as the CLI's "0,5,7"
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+                raise FFNQuantError(f"layers must be a string like '0-3' or a list of layer indices, got {layers!r}")
+            layers = ",".join(str(i) for i in layers)
+        elif isinstance(layers, int) and not isinstance(layers, bool):
+            layers = str(layers)
+        if isinstance(layers, str) and layers.strip().lower() in ("", "all"):
+            layers = None
+        object.__setattr__(self, "layers", layers)
+        for name in ("model", "layers", "text", "eval_text"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise FFNQuantError(f"{name} must be a non-empty string, got {value!r}")
+        if self.model is None:
+            given = [n for n in ("layers", "text", "eval_text") if getattr(self, n) is not None]
+            if given:
+                raise FFNQuantError(f"{', '.join(given)} select(s) a real model's layers or texts: give model too")
 
     # --- derived -------------------------------------------------------------------
     @property
@@ -480,18 +507,21 @@ def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:
 
 def _quantize_variant(
     spec: FFNSpec, model: Any, recipes: Sequence[Recipe], config: RunConfig, calib: Any, eval_tokens: Any,
-    out_export: Path | None, tick: Callable[[str], None],
+    out_export: Path | None, tick: Callable[[str], None], label: str | None = None, stem: str | None = None,
+    keep: dict[str, Any] | None = None,
 ) -> tuple[list[dict], list[dict], dict[str, Path], dict | None]:
     """Every recipe of one variant through `quantize.quantize_spec`: accuracy rows (torch reference and the
     ONNX artifact on onnxruntime), artifacts written to `out_export`, their paths by recipe name, and
     onnxruntime's default quantize_static on the same model and data for comparison.
 
-    One `prepare()` per remedy set, shared across the schemes that use it (calibrate once).
+    One `prepare()` per remedy set, shared across the schemes that use it (calibrate once). A real
+    model's layer passes its report key as `label` (e.g. 'bert:L0'), its ONNX file stem as `stem`, and
+    `keep` to collect the quantized FFN of every quantized recipe (by recipe name) for the end-to-end run.
     """
     from .quantize import prepare, quantize_spec
     from .schemes import get_scheme
 
-    v = spec.variant.value
+    v = label or spec.variant.value
     rows: list[dict] = []
     artifacts: list[dict] = []
     paths: dict[str, Path] = {}
@@ -508,7 +538,7 @@ def _quantize_variant(
             key = (recipe.smooth, recipe.rotate)
             if key not in preps:
                 preps[key] = prepare(spec, calib_tokens=calib, eval_tokens=eval_tokens, seed=config.seed,
-                                     smooth=recipe.smooth, rotate=recipe.rotate, model=model)
+                                     smooth=recipe.smooth, rotate=recipe.rotate, model=model, name=stem)
                 base = preps.get((None, False))
                 if base is not None and key != (None, False):
                     # The reference fp32 export and onnxruntime's default baseline do not depend on the
@@ -525,6 +555,8 @@ def _quantize_variant(
                 row.update(sqnr_db=_json_num(acc.sqnr_db), cosine=_json_num(acc.cosine), rel_l2=_json_num(acc.rel_l2),
                            max_abs_error=_json_num(acc.max_abs_error))
                 work[recipe.name] = (prep, res)
+                if keep is not None:
+                    keep[recipe.name] = res.qmodel
             row["site_ranges"] = {s: {"lo": r.lo, "hi": r.hi, "calibrator": r.calibrator} for s, r in res.ranges.items()}
             if prep.remedies:
                 row["remedies"] = [{"kind": r.kind, "params": r.params, "exact": r.exact, "note": r.note}
@@ -568,6 +600,189 @@ def _quantize_variant(
     return rows, artifacts, paths, ort_baseline
 
 
+# Quantized copies of every FFN layer under every recipe are kept for the end-to-end model runs;
+# past this many bytes the run leaves the end-to-end numbers out (and says so) rather than swap.
+MODEL_E2E_MAX_BYTES = 2 << 30
+
+
+def _check_model(config: RunConfig) -> tuple[Any, list[int]]:
+    """The model folder of `config` inspected (config.json, weights, architecture), its layer selection
+    parsed, transformers and both texts checked: every model error fails before the run starts."""
+    from .hf import inspect_model, parse_layers
+    from .hf.capture import read_text, require_transformers
+
+    info = inspect_model(config.model)
+    indices = parse_layers(config.layers, info.n_layers)
+    require_transformers()
+    read_text(config.text, "calibration")
+    read_text(config.eval_text, "evaluation")
+    return info, indices
+
+
+def _model_layers_part(
+    config: RunConfig, info: Any, recipes: Sequence[Recipe], out_export: Path | None, runtimes: Sequence[tuple],
+    tick: Callable[..., None], progress: Progress | None, stages: _Stages,
+) -> dict[str, Any]:
+    """The real model's selected FFN layers, treated as variants keyed '<model_type>:<label>': range tables
+    from inputs captured on the calibration text, every recipe quantized per layer on held-out inputs
+    from the evaluation text (artifacts `<model>.<label>...onnx`), every quantized recipe put back into
+    the model (end to end), and the latency of the first selected layer on the runtimes."""
+    from .hf import EvalSettings, calibrate_layers, capture_layer_inputs, end_to_end, float_baseline, load_ffn_layers
+    from .hf import model_file_stem
+
+    t0 = time.perf_counter()
+    layers = load_ffn_layers(info, config.layers)
+    settings = EvalSettings(max_calib_tokens=config.calib_tokens, max_eval_tokens=config.eval_tokens, bins=config.bins)
+    inputs = capture_layer_inputs(info, layers, text=config.text, eval_text=config.eval_text,
+                                  calib_tokens=config.calib_tokens, eval_tokens=config.eval_tokens, settings=settings)
+    keys = {layer.label: f"{info.model_type}:{layer.label}" for layer in layers}
+    bs = config.batch_size
+    chunks = ({layer.label: x[i : i + bs]} for layer in layers for x in [inputs.calib[layer.label]]
+              for i in range(0, x.shape[0], bs))
+    by_label, _ = calibrate_layers(layers, chunks, config.bins)
+    tables = {keys[label]: table for label, table in by_label.items()}
+    stages.add("model capture and profile", time.perf_counter() - t0)
+    tick(f"{info.model_type}: inputs captured and profiled")
+
+    t0 = time.perf_counter()
+    stem = model_file_stem(info)
+    quantized = [r for r in recipes if r.name != config.baseline]
+    e2e_bytes = 4 * sum(layer.spec.n_params for layer in layers) * len(quantized)
+    e2e_reason = None
+    if e2e_bytes > MODEL_E2E_MAX_BYTES:
+        e2e_reason = (f"would keep {e2e_bytes / 2**30:.1f} GiB of quantized FFN copies (limit "
+                      f"{MODEL_E2E_MAX_BYTES / 2**30:.0f} GiB): select fewer layers or schemes")
+    kept: dict[str, dict[str, Any]] = {}
+    rows: list[dict] = []
+    artifacts: list[dict] = []
+    baselines: list[dict] = []
+    rep_paths: dict[str, Path] = {}
+    for n, layer in enumerate(layers):
+        keep = {} if e2e_reason is None else None
+        lrows, larts, paths, ort_base = _quantize_variant(
+            layer.spec, layer.ffn, recipes, config, inputs.calib[layer.label], inputs.eval[layer.label], out_export,
+            tick, label=keys[layer.label], stem=f"{stem}.{layer.label}", keep=keep)
+        for r in lrows:
+            r["layer"] = layer.label
+        rows += lrows
+        artifacts += larts
+        if ort_base is not None:
+            baselines.append(ort_base)
+        if keep is not None:
+            kept[layer.label] = keep
+        if n == 0:
+            rep_paths = paths
+    stages.add("model quantize and export", time.perf_counter() - t0)
+
+    skipped: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            entry = skipped.setdefault(r["scheme"], {"scheme": r["scheme"], "reason": r["reason"] or r["status"], "layers": []})
+            entry["layers"].append(r["layer"])
+
+    # --- end to end: every layer quantized with the same recipe, back in the model ----------------
+    t0 = time.perf_counter()
+    e2e: dict[str, Any] = {"status": "ok", "reason": None, "evaluation_text": inputs.evaluation_source,
+                           "baseline": None, "schemes": []}
+    if e2e_reason is not None:
+        e2e.update(status="missing", reason=e2e_reason)
+    else:
+        e2e["baseline"] = float_baseline(inputs.model, info, inputs.eval_batches)
+        for recipe in quantized:
+            qffns = {label: k.get(recipe.name) for label, k in kept.items()}
+            if any(q is None for q in qffns.values()):
+                continue  # not applicable to this model (listed under skipped)
+            res = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, e2e["baseline"])
+            e2e["schemes"].append({"scheme": recipe.name, "label": recipe.label, "end_to_end": res["end_to_end"],
+                                   "ablation": res["ablation"], "worst_layers_end_to_end": res["worst_layers_end_to_end"]})
+        tick(f"{info.model_type}: end to end")
+    kept.clear()
+    stages.add("model end to end", time.perf_counter() - t0)
+
+    # --- latency of one representative layer (all layers share the spec: same shapes, same kernels) ---
+    rep = layers[0]
+    latency: dict[str, Any] = {"layer": None, "reason": None, "cases": [], "runtimes": []}
+    if config.runtimes == ("none",) or not runtimes:
+        latency["reason"] = "no runtimes requested (runtimes = none)" if config.runtimes == ("none",) \
+            else "no runtime is available"
+    else:
+        t0 = time.perf_counter()
+        ok = {r["scheme"] for r in rows if r["layer"] == rep.label and r["status"] == "ok"}
+        v = rep.spec.variant.value
+        section = _measure_latency(config, [rep.spec], [r for r in recipes if r.name in ok], {v: rep.ffn},
+                                   {(v, name): p for name, p in rep_paths.items()}, runtimes, [], progress)
+        for c in section["cases"]:
+            c["variant"] = keys[rep.label]
+        latency.update(layer=keys[rep.label], cases=section["cases"], runtimes=section["runtimes"],
+                       reason=f"{keys[rep.label]} stands for every layer: the {len(layers)} selected layers share one "
+                              f"spec ({rep.spec.key}), so the same shapes run the same kernels"
+                              + (f"; {section['reason']}" if section.get("reason") else ""))
+        stages.add("model latency", time.perf_counter() - t0)
+
+    doc = {
+        "status": "ok" if not skipped and e2e["status"] == "ok" else "partial",
+        "reason": None,
+        "path": str(info.path),
+        "model_type": info.model_type,
+        "kind": info.kind.value,
+        "variant": info.spec.variant.value,
+        "activation": info.spec.activation.value,
+        "hf_activation": info.hf_activation,
+        "spec": info.spec.to_dict(),
+        "spec_key": info.spec.key,
+        "n_layers": info.n_layers,
+        "n_experts": info.n_experts,
+        "n_ffns": len(info.layers),
+        "file_stem": stem,
+        "layers": [{"key": keys[l.label], "label": l.label, "index": l.index, "expert": l.expert, "name": l.name,
+                    "calib_tokens": int(inputs.calib[l.label].shape[0]), "eval_tokens": int(inputs.eval[l.label].shape[0]),
+                    "inputs_borrowed": inputs.borrowed.get(l.label)} for l in layers],
+        "calibration": {"source": inputs.calibration_source},
+        "evaluation": {"source": inputs.evaluation_source, "separation": inputs.separation},
+        "skipped": list(skipped.values()),
+        "end_to_end": e2e,
+        "latency": {"layer": latency["layer"], "reason": latency["reason"]},
+    }
+    if skipped:
+        doc["reason"] = "; ".join(f"{s['scheme']} skipped: {s['reason']}" for s in skipped.values())
+    elif e2e["status"] != "ok":
+        doc["reason"] = f"end to end not measured: {e2e['reason']}"
+    return {"doc": doc, "tables": tables, "rows": rows, "artifacts": artifacts, "baselines": baselines,
+            "latency": latency}
+
+
+def _model_finding(model: Mapping[str, Any], rows: Sequence[dict], recipes: Sequence[Recipe], variants: Sequence[str],
+                   ranges: Mapping[str, Any]) -> dict | None:
+    """The model's layers against the random-weight variant of its family under the first static int8 recipe
+    (or the first quantized one), with the end-to-end figure: the side-by-side in one sentence."""
+    keys = [l["key"] for l in model["layers"]]
+    order = [r for r in recipes if r.scheme in ("w8a8", "w8a8-s8") and r.smooth is None and not r.rotate] + list(recipes)
+    for recipe in order:
+        sq = {r["variant"]: r["sqnr_db"] for r in rows if r["scheme"] == recipe.name and r["status"] == "ok"
+              and r["sqnr_db"] is not None}
+        layer_sq = {k: sq[k] for k in keys if k in sq}
+        if not layer_sq:
+            continue
+        lo = min(layer_sq, key=layer_sq.get)
+        text = (f"{model['model_type']} ({model['variant']}, d_model {model['spec']['d_model']}) under {recipe.label}: "
+                f"per-layer SQNR {min(layer_sq.values()):.1f} to {max(layer_sq.values()):.1f} dB on held-out text "
+                f"inputs (lowest {lo}, hidden crest factor "
+                f"{ranges.get(lo, {}).get('sites', {}).get('hidden', {}).get('crest_factor') or float('nan'):.0f})")
+        same = model["variant"] if model["variant"] in variants else None
+        if same is not None and sq.get(same) is not None:
+            crest = ranges.get(same, {}).get("sites", {}).get("hidden", {}).get("crest_factor")
+            text += f", against {sq[same]:.1f} dB for the random-weight {same} variant" + (
+                f" (crest {crest:.0f})" if crest is not None else "")
+        e2e = next((s for s in model["end_to_end"]["schemes"] if s["scheme"] == recipe.name), None)
+        if e2e is not None:
+            e = e2e["end_to_end"]
+            text += f"; every layer quantized, the model's final hidden state keeps {e['hidden_sqnr_db']:.1f} dB SQNR"
+            if e.get("perplexity_delta") is not None:
+                text += f" and perplexity changes by {e['perplexity_delta']:+.3g}"
+        return {"text": text, "scheme": recipe.name, "layers_sqnr_db": layer_sq}
+    return None
+
+
 def run(config: RunConfig, progress: Progress | None = None, command: str | None = None) -> RunResult:
     """Profile, quantize, export, benchmark and report every variant of `config`; returns the document.
 
@@ -608,10 +823,17 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     source = config.token_source()
     calib_source, eval_tokens = calibration_and_eval(source, config.calib_tokens, config.eval_tokens, config.d_model)
     calib_source.available(config.d_model)  # reads and validates a token file now, before writing anything
+    model_info = None
+    if config.model is not None:
+        if get_scheme is None:
+            raise FFNQuantError("model: quantizing a model's layers needs ffnquant's quantization modules")
+        model_info = _check_model(config)  # a bad folder or text fails here, before anything is written
     out_reports = ensure_writable_dir(config.out_reports)
     out_export = ensure_writable_dir(config.out_export)
 
     n_units = len(specs) * (1 + len(recipes))
+    if model_info is not None:
+        n_units += len(model_info[1]) * (1 if model_info[0].n_experts is None else model_info[0].n_experts) * len(recipes) + 2
     done = 0
 
     def tick(message: str, units: int = 1) -> None:
@@ -656,6 +878,15 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
         if v in ("relu", "swiglu"):
             timed_claims.append(_claim_activation_time(model, eval_tokens[: max(config.tokens)]))
 
+    model_part = None
+    if model_info is not None:
+        model_part = _model_layers_part(config, model_info[0], recipes, out_export if config.onnx else None, runtimes,
+                                        tick, progress, stages)
+        tables.update(model_part["tables"])
+        acc_rows += model_part["rows"]
+        artifacts += model_part["artifacts"]
+        ort_baselines += model_part["baselines"]
+
     ranges, range_claims = _range_section(tables, specs, missing)
     claims = range_claims
 
@@ -663,6 +894,12 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     t0 = time.perf_counter()
     latency = _measure_latency(config, specs, recipes, models, onnx_paths, runtimes, missing, progress)
     stages.add("latency", time.perf_counter() - t0)
+    if model_part is not None and model_part["latency"]["cases"]:
+        latency["cases"] += model_part["latency"]["cases"]
+        errors = {r["name"]: r["error"] for r in model_part["latency"]["runtimes"] if r.get("error")}
+        for r in latency["runtimes"]:
+            if errors.get(r["name"]) and not r.get("error"):
+                r["error"] = f"{model_part['latency']['layer']}: {errors[r['name']]}"
 
     # --- recommendations and findings ------------------------------------------------------------
     from .recommend import Point, crest_cost_finding, pareto_front, recommend_all
@@ -690,17 +927,24 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
         pareto.append({"variant": v, "runtime": rt, "tokens": t, "schemes": [p.scheme for p in pareto_front(pts)]})
 
     findings = []
-    crest = {v: ranges["variants"][v]["sites"].get("hidden", {}).get("crest_factor") for v in ranges["variants"]}
+    # the crest/cost relation is a claim about the synthetic family; a real model's layers get their own finding
+    crest = {v: ranges["variants"][v]["sites"].get("hidden", {}).get("crest_factor") for v in ranges["variants"]
+             if v in config.variants}
     crest = {v: c for v, c in crest.items() if c is not None}
     for recipe in recipes:
         if recipe.scheme not in ("w8a8", "w8a8-s8") or recipe.smooth is not None or recipe.rotate:
             continue
-        sq = {r["variant"]: r["sqnr_db"] for r in acc_rows if r["scheme"] == recipe.name and r["sqnr_db"] is not None}
+        sq = {r["variant"]: r["sqnr_db"] for r in acc_rows if r["scheme"] == recipe.name and r["sqnr_db"] is not None
+              and r["variant"] in config.variants}
         f = crest_cost_finding(crest, sq, scheme=recipe.label)
         if f is not None:
             findings.append(f)
         break
     findings += _remedy_findings(acc_rows, recipes)
+    if model_part is not None:
+        f = _model_finding(model_part["doc"], acc_rows, recipes, config.variants, ranges["variants"])
+        if f is not None:
+            findings.append(f)
 
     doc: dict[str, Any] = {
         "schema": "ffnquant-report",
@@ -718,6 +962,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
                           + ("rows after the calibration rows of the file" if source.kind.value == "file"
                              else "an independent random stream of the same source"),
         },
+        **({"model": model_part["doc"]} if model_part is not None else {}),
         "ranges": ranges,
         "claims": claims,
         "accuracy": {"status": "ok" if acc_rows else "missing",
@@ -761,8 +1006,14 @@ def _remedy_findings(rows: Sequence[dict], recipes: Sequence[Recipe]) -> list[di
         plain = Recipe(recipe.scheme, recipe.calibrator).name
         gains = []
         refused = []
-        notes = sorted({f"{r['variant']}: {rem['note']}" for r in rows if r["scheme"] == recipe.name
-                        for rem in r.get("remedies", []) if rem.get("note")})
+        # one note per distinct text, naming every variant (or model layer) it applies to
+        by_note: dict[str, list[str]] = {}
+        for r in rows:
+            if r["scheme"] == recipe.name:
+                for rem in r.get("remedies", []):
+                    if rem.get("note") and r["variant"] not in by_note.setdefault(rem["note"], []):
+                        by_note[rem["note"]].append(r["variant"])
+        notes = sorted(f"{', '.join(vs)}: {note}" for note, vs in by_note.items())
         for r in rows:
             if r["scheme"] != recipe.name:
                 continue

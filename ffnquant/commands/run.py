@@ -8,7 +8,7 @@ import sys
 
 from ..errors import FFNQuantError
 from ..render import text_table
-from .common import add_spec_arguments, positive_int
+from .common import add_model_arguments, add_spec_arguments, positive_int
 
 NAME = "run"
 HELP = "profile, quantize, export and benchmark every FFN variant, and write the accuracy/latency report"
@@ -21,6 +21,7 @@ _FIELDS = {
     "eval_tokens": "eval_tokens", "batch_size": "batch_size", "bins": "bins", "schemes": "schemes",
     "baseline": "baseline", "target_db": "target_db", "sensitivity": "sensitivity", "onnx": "onnx", "runtimes": "runtimes",
     "tokens": "tokens", "budget_s": "budget_s", "out": "out_reports", "export": "out_export",
+    "model": "model", "layers": "layers", "text": "text", "eval_text": "eval_text",
 }
 
 
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, help="time budget per latency case in seconds (default 0.04)")
     parser.add_argument("--out", help="report folder (default reports/)")
     parser.add_argument("--export", help="artifact folder (default export/)")
+    # --model: the folder's FFN layers run as extra rows next to the variants (keyed '<model_type>:L<k>')
+    add_model_arguments(parser, captured=False, model_tokens=False, eval_text=True, allow_pickle=False,
+                        layers_default=None)
 
 
 def config_from_args(args: argparse.Namespace):
