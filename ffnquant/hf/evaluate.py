@@ -41,6 +41,7 @@ __all__ = [
     "capture_layer_inputs",
     "quantize_model_layers",
     "model_file_stem",
+    "fit_settings",
 ]
 
 SQNR_CAP_DB = 200.0  # as ffnquant.accuracy: identical outputs read as 200 dB, not +inf
@@ -196,6 +197,7 @@ def calibrate_model(
         batches = _file_batches(captured, hf_layers, info.spec.d_model)
     else:
         model = load_hf_model(info, allow_pickle=allow_pickle)
+        settings = fit_settings(info, settings)
         ids = text_batches(load_tokenizer(info.path), read_text(text, "calibration"), settings.seq_len,
                            settings.batch_size, settings.max_calib_tokens)
         batches = iter_captured(model, info, [layer.info for layer in hf_layers], ids)
@@ -408,6 +410,18 @@ class LayerInputs:
     model: Any = None
 
 
+def fit_settings(info: ModelInfo, settings: EvalSettings) -> EvalSettings:
+    """`settings` with seq_len no longer than the model's learned positions (config.json's
+    max_position_embeddings / n_positions), so windows never index past the position table."""
+    limits = [info.config.get(k) for k in ("max_position_embeddings", "n_positions")]
+    limits = [int(v) for v in limits if isinstance(v, int) and not isinstance(v, bool) and v >= 2]
+    if limits and settings.seq_len > min(limits):
+        from dataclasses import replace
+
+        return replace(settings, seq_len=min(limits))
+    return settings
+
+
 def _concat_rows(pieces: Iterable[tuple[str, torch.Tensor]], labels: Sequence[str], limit: int | None,
                  skip: int = 0) -> dict[str, torch.Tensor]:
     """Per label, rows skip..skip+limit of the concatenated pieces (one label's rows in arrival order)."""
@@ -472,6 +486,7 @@ def capture_layer_inputs(
     model = load_hf_model(info, allow_pickle=allow_pickle)
     tokenizer = load_tokenizer(info.path)
     layer_infos = [layer.info for layer in layers]
+    settings = fit_settings(info, settings)
     calib_ids = text_batches(tokenizer, read_text(text, "calibration"), settings.seq_len, settings.batch_size, calib_tokens)
     eval_ids = text_batches(tokenizer, read_text(eval_text, "evaluation"), settings.seq_len, settings.batch_size,
                             eval_tokens)
@@ -598,6 +613,7 @@ def evaluate_model(
     model = load_hf_model(info, allow_pickle=allow_pickle)
     tokenizer = load_tokenizer(info.path)
     layer_infos = [layer.info for layer in hf_layers]
+    settings = fit_settings(info, settings)
     calib = text_batches(tokenizer, read_text(calib_text, "calibration"), settings.seq_len, settings.batch_size,
                          settings.max_calib_tokens)
     evals = text_batches(tokenizer, read_text(eval_text, "evaluation"), settings.seq_len, settings.batch_size,
