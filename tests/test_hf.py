@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +15,12 @@ from ffnquant.hf import inspect_model, load_ffn_layers, parse_layers
 from ffnquant.hf.arch import HF_ACTIVATIONS, ffn_variant, hf_activation
 from ffnquant.spec import Activation, FFNSpec, Variant
 
-D, F_, VOCAB = 32, 64, 96
+from hf_models import D, F_, VOCAB, save_tiny
+from hf_models import configs as _configs
+from hf_models import tokenizer as _tokenizer
+from hf_models import write_llama_like as _write_llama_like
+
+ARCH_IDS = ["llama", "mistral", "qwen2", "gemma", "phi3", "mixtral", "t5", "t5-gated-gelu", "gpt2", "bert", "opt"]
 
 
 # --- no transformers needed ---------------------------------------------------------------
@@ -75,26 +79,6 @@ def test_parse_layers(text, n, expect):
 def test_parse_layers_errors(text, msg):
     with pytest.raises(FFNQuantError, match=msg):
         parse_layers(text, 4)
-
-
-def _write_llama_like(folder: Path, d: int = D, f: int = F_, layers: int = 2, model_type: str = "llama") -> dict:
-    """A checkpoint written by hand (safetensors only): enough for the loader, no transformers needed."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(0)
-    state = {}
-    for i in range(layers):
-        p = f"model.layers.{i}.mlp"
-        state[f"{p}.gate_proj.weight"] = torch.randn(f, d, generator=gen)
-        state[f"{p}.up_proj.weight"] = torch.randn(f, d, generator=gen)
-        state[f"{p}.down_proj.weight"] = torch.randn(d, f, generator=gen)
-        state[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(d)
-    save_file(state, str(folder / "model.safetensors"))
-    config = {"model_type": model_type, "hidden_size": d, "intermediate_size": f, "num_hidden_layers": layers,
-              "hidden_act": "silu"}
-    (folder / "config.json").write_text(json.dumps(config))
-    return state
 
 
 def test_loader_without_transformers(tmp_path):
@@ -202,68 +186,14 @@ def test_missing_folder(tmp_path):
 # --- tiny transformers models -------------------------------------------------------------------
 
 
-def _configs(T):
-    common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    t5 = dict(vocab_size=VOCAB, d_model=D, d_ff=F_, num_layers=2, num_heads=4, d_kv=8, decoder_start_token_id=0,
-              pad_token_id=0, eos_token_id=1)
-    return {
-        "llama": (T.LlamaConfig(**common), "swiglu", "silu"),
-        "mistral": (T.MistralConfig(**common), "swiglu", "silu"),
-        "qwen2": (T.Qwen2Config(**common), "swiglu", "silu"),
-        "gemma": (T.GemmaConfig(**common, head_dim=8), "geglu", "gelu_tanh"),
-        "phi3": (T.Phi3Config(**common), "swiglu", "silu"),
-        "mixtral": (T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2), "swiglu", "silu"),
-        "t5": (T.T5Config(**t5), "relu", "relu"),
-        "t5-gated-gelu": (T.T5Config(**t5, feed_forward_proj="gated-gelu"), "geglu", "gelu_tanh"),
-        "gpt2": (T.GPT2Config(vocab_size=VOCAB, n_embd=D, n_layer=2, n_head=4, n_positions=64, n_inner=F_,
-                              bos_token_id=1, eos_token_id=2), "gelu_tanh", "gelu_tanh"),
-        "bert": (T.BertConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_layers=2,
-                              num_attention_heads=4, max_position_embeddings=64), "gelu", "gelu"),
-        "opt": (T.OPTConfig(vocab_size=VOCAB, hidden_size=D, ffn_dim=F_, num_hidden_layers=2, num_attention_heads=4,
-                            max_position_embeddings=64, word_embed_proj_dim=D, bos_token_id=1, eos_token_id=2,
-                            pad_token_id=0), "relu", "relu"),
-    }
-
-
-ARCH_IDS = ["llama", "mistral", "qwen2", "gemma", "phi3", "mixtral", "t5", "t5-gated-gelu", "gpt2", "bert", "opt"]
-
-
-def _tokenizer(T):
-    """A word-level tokenizer trained locally on the shipped sample texts (no downloads)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    from ffnquant.hf.capture import default_text_path
-
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
-    tok.train([str(default_text_path("calibration")), str(default_text_path("evaluation"))], trainer)
-    return T.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                     bos_token="<s>", eos_token="</s>")
-
-
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """Every listed architecture, 2 layers, hidden 32, saved with save_pretrained(safe_serialization=True)."""
     T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
     T.logging.set_verbosity_error()
     root = tmp_path_factory.mktemp("hf")
-    tokenizer = _tokenizer(T)
-    out = {}
-    for name, (config, variant, act) in _configs(T).items():
-        torch.manual_seed(0)
-        if config.model_type == "t5":
-            model = T.T5ForConditionalGeneration(config)
-        elif config.model_type == "bert":
-            model = T.BertModel(config)
-        else:
-            model = T.AutoModelForCausalLM.from_config(config)
-        folder = root / name
-        model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-        out[name] = (folder, variant, act)
-    return out
+    tok = _tokenizer(T)
+    return {name: save_tiny(T, name, root / name, tok) for name in _configs(T)}
 
 
 def _reference_mlp_outputs(name, model, info, x):

@@ -1,0 +1,192 @@
+"""`quantize --model` and `run --model`: a real model's FFN layers through the same machinery as the variants.
+
+Tiny local checkpoints (2 layers, d_model 32, d_ff 64) from `hf_models`; the ones built with
+transformers are marked `hf` and skip without it, the hand-written ones run everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ffnquant.cli import main
+from ffnquant.errors import FFNQuantError
+from ffnquant.run import RunConfig, load_config
+
+from hf_models import D, save_tiny, tokenizer, write_llama_like
+
+# Static int8 per-site ranges on inputs with crest factors of ~5-30: each site leaves
+# 6.02*8 + 4.77 - 20*log10(crest) ~ 23-39 dB, and the sites' errors add at the output.
+INT8_FLOOR_DB = 20.0
+# The ONNX artifact computes what the torch reference computes (same ranges, same grid): ORT's
+# float accumulation order is the only difference (as in tests/test_onnxquant.py).
+ONNX_GAP_DB = 0.5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny BERT (encoder, gelu) and OPT (causal LM, relu) folder with their own tokenizer."""
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
+    T.logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("models")
+    tok = tokenizer(T)
+    return {name: save_tiny(T, name, root / name, tok)[0] for name in ("bert", "opt")}
+
+
+@pytest.mark.hf
+def test_quantize_model_writes_artifacts_and_a_row_per_layer(tiny, tmp_path, capsys):
+    art, rep = tmp_path / "export", tmp_path / "reports"
+    rc = main(["quantize", "--model", str(tiny["bert"]), "--scheme", "w8a8", "--calibrator", "auto", "--smooth", "0.5",
+               "--calib-tokens", "256", "--eval-tokens", "128", "--out-artifacts", str(art), "--out-reports", str(rep)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "bert:L0" in out and "bert:L1" in out and "end to end, 2 FFN layer(s) quantized" in out
+    data = json.loads((rep / "quantize_bert_w8a8_auto_smooth0.5.json").read_text())
+    assert (rep / "quantize_bert_w8a8_auto_smooth0.5.md").is_file()
+    assert [r["label"] for r in data["layers"]] == ["L0", "L1"]
+    assert data["remedies"][0]["kind"] == "smooth" and "not positively homogeneous" in data["remedies"][0]["note"]
+    for r in data["layers"]:
+        # calibration and held-out inputs come from the two different texts, in the requested amounts
+        assert (r["n_calib_tokens"], r["n_eval_tokens"]) == (256, 128)
+        torch_db, onnx_db = r["accuracy_torch"]["sqnr_db"], r["artifact"]["accuracy_onnx"]["sqnr_db"]
+        assert torch_db > INT8_FLOOR_DB and abs(onnx_db - torch_db) < ONNX_GAP_DB
+        path = Path(r["artifact"]["path"])
+        assert path.parent == art and path.is_file() and path.name.startswith(f"bert.{r['label']}.")
+    assert data["evaluation"]["source"].endswith("evaluation.txt") and data["calibration"]["source"].endswith("calibration.txt")
+    e2e = data["end_to_end"]
+    assert e2e["status"] == "ok" and len(e2e["ablation"]) == 2
+    # quantizing both layers costs at least as much as the better of the two alone (errors add)
+    assert e2e["end_to_end"]["hidden_sqnr_db"] <= max(a["hidden_sqnr_db"] for a in e2e["ablation"]) + 0.5
+    assert sorted(p.name for p in art.glob("*.onnx") if ".L1." in p.name) == [
+        "bert.L1.fp32.onnx", "bert.L1.ort-default-static.onnx", "bert.L1.smooth0.5.fp32.onnx", "bert.L1.smooth0.5.w8a8.onnx"]
+
+
+def _captured(tmp_path: Path, rows: int) -> Path:
+    folder = tmp_path / "captured"
+    folder.mkdir()
+    gen = np.random.default_rng(0)
+    for label in ("L0", "L1"):
+        np.save(folder / f"{label}.npy", gen.standard_normal((rows, D)).astype(np.float32))
+    return folder
+
+
+def test_quantize_model_from_captured_files_needs_no_transformers(tmp_path):
+    write_llama_like(tmp_path / "m")
+    rc = main(["quantize", "--model", str(tmp_path / "m"), "--captured", str(_captured(tmp_path, 400)), "--scheme",
+               "w8a8-dynamic", "--calib-tokens", "300", "--eval-tokens", "200", "--no-onnx",
+               "--out-artifacts", str(tmp_path / "export"), "--out-reports", str(tmp_path / "reports")])
+    assert rc == 0
+    data = json.loads((tmp_path / "reports" / "quantize_llama-m_w8a8-dynamic.json").read_text())
+    # the first 300 rows calibrate, the remaining 100 (of 200 asked) are held out
+    assert [(r["n_calib_tokens"], r["n_eval_tokens"]) for r in data["layers"]] == [(300, 100), (300, 100)]
+    assert all(r["accuracy_torch"]["sqnr_db"] > INT8_FLOOR_DB for r in data["layers"])
+    assert data["end_to_end"]["status"] == "missing" and "captured files" in data["end_to_end"]["reason"]
+    assert not list((tmp_path / "export").glob("*"))
+
+
+def _bad_model_cases():
+    def missing(p):
+        return p / "nope"
+
+    def unsupported(p):
+        write_llama_like(p / "m", model_type="llama")
+        cfg = json.loads((p / "m" / "config.json").read_text())
+        (p / "m" / "config.json").write_text(json.dumps(dict(cfg, model_type="mamba")))
+        return p / "m"
+
+    def corrupt(p):
+        write_llama_like(p / "m")
+        (p / "m" / "model.safetensors").write_bytes(b"\x00\x01not a safetensors file")
+        return p / "m"
+
+    return [
+        pytest.param(missing, "does not exist or is not a folder", id="missing-folder"),
+        pytest.param(unsupported, "unsupported architecture: unknown model_type 'mamba'", id="unsupported"),
+        pytest.param(corrupt, "cannot read safetensors file", id="corrupt"),
+    ]
+
+
+@pytest.mark.parametrize("command", ["quantize", "run"], ids=str)
+@pytest.mark.parametrize("make,message", _bad_model_cases())
+def test_bad_model_folder_exits_2_and_writes_nothing(tmp_path, capsys, command, make, message):
+    folder = make(tmp_path)
+    out, export = tmp_path / "out", tmp_path / "export"
+    if command == "quantize":
+        argv = ["quantize", "--model", str(folder), "--out-reports", str(out), "--out-artifacts", str(export)]
+    else:
+        argv = ["run", "--tiny", "--model", str(folder), "--out", str(out), "--export", str(export)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert not out.exists() and not export.exists()
+
+
+def test_quantize_model_input_errors_exit_2(tmp_path, capsys):
+    write_llama_like(tmp_path / "m")
+    base = ["quantize", "--model", str(tmp_path / "m"), "--out-reports", str(tmp_path / "out"),
+            "--out-artifacts", str(tmp_path / "export")]
+    # the scheme does not fit the model's widths: with a single scheme that is an input error
+    assert main(base + ["--scheme", "w4a16-g128", "--captured", str(_captured(tmp_path, 400))]) == 2
+    assert "group size 128 does not divide" in capsys.readouterr().err
+    # no rows left for held-out evaluation
+    assert main(base + ["--scheme", "w8a8", "--captured", str(tmp_path / "captured"), "--calib-tokens", "400"]) == 2
+    assert "none is left for evaluation" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "export").exists()
+
+
+@pytest.mark.hf
+def test_run_with_model_puts_its_layers_next_to_the_variants(tiny, tmp_path, capsys):
+    from ffnquant.report import validate_report
+
+    out, export = tmp_path / "reports", tmp_path / "export"
+    rc = main(["run", "--tiny", "--variants", "relu", "--schemes", "fp32,w8a8@auto,w4a16-g64", "--runtimes", "ort-cpu",
+               "--tokens", "1,16", "--calib-tokens", "256", "--eval-tokens", "128", "--no-sensitivity",
+               "--model", str(tiny["opt"]), "--out", str(out), "--export", str(export)])
+    assert rc == 0
+    doc = json.loads((out / "report.json").read_text())
+    validate_report(doc)
+    model = doc["model"]
+    keys = [layer["key"] for layer in model["layers"]]
+    assert keys == ["opt:L0", "opt:L1"] and model["variant"] == "relu"
+    assert set(keys) <= set(doc["ranges"]["variants"])
+    rows = {(r["variant"], r["scheme"]): r for r in doc["accuracy"]["rows"]}
+    for key in keys:
+        assert rows[(key, "w8a8@auto")]["status"] == "ok" and rows[(key, "w8a8@auto")]["sqnr_db"] > INT8_FLOOR_DB
+        # group 64 fits the variants' d_model 64 but not the model's 32: skipped with the reason, not an error
+        assert rows[(key, "w4a16-g64")]["status"] == "not applicable"
+        assert "group size 64 does not divide" in rows[(key, "w4a16-g64")]["reason"]
+    assert rows[("relu", "w4a16-g64")]["status"] == "ok"
+    assert [s["scheme"] for s in model["skipped"]] == ["w4a16-g64"] and model["skipped"][0]["layers"] == ["L0", "L1"]
+    e2e = model["end_to_end"]
+    assert e2e["status"] == "ok" and e2e["baseline"]["perplexity"] > 1
+    (w8,) = [s for s in e2e["schemes"] if s["scheme"] == "w8a8@auto"]
+    assert w8["end_to_end"]["perplexity_delta"] is not None and len(w8["ablation"]) == 2
+    # latency: the first selected layer stands for all of them, next to the variant on the same runtime
+    cases = {(c["variant"], c["scheme"]) for c in doc["timing"]["latency"]["cases"] if c["error"] is None}
+    assert {("opt:L0", "fp32"), ("opt:L0", "w8a8@auto"), ("relu", "w8a8@auto")} <= cases
+    assert model["latency"]["layer"] == "opt:L0"
+    arts = [a for a in doc["artifacts"] if a["variant"] in keys]
+    assert arts and all(Path(a["path"]).name.startswith(("opt.L0.", "opt.L1.")) and Path(a["path"]).is_file() for a in arts)
+    md = (out / "report.md").read_text()
+    assert "## Real model: opt layers next to the variants" in md and "| opt:L1 | w8a8 (auto) |" in md
+    assert "skipped w4a16-g64 on L0, L1: " in md
+    assert load_config(out / "run.toml").model == str(tiny["opt"])
+
+
+def test_run_config_model_fields_round_trip(tmp_path):
+    cfg = RunConfig.tiny(model="some/folder", layers=[0, 2], text="calib.txt", eval_text="eval.txt")
+    assert cfg.layers == "0,2"
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(path) == cfg
+    assert RunConfig.tiny(model="m", layers="all").layers is None
+    with pytest.raises(FFNQuantError, match="layers, text select.* give model too"):
+        RunConfig.tiny(layers="0-1", text="a.txt")
+    with pytest.raises(FFNQuantError, match="layers must be a string"):
+        RunConfig.tiny(model="m", layers=["a"])
+    # the default run is untouched: no model keys in its TOML
+    default = RunConfig().to_toml().splitlines()
+    assert not [line for line in default if line.split(" = ")[0] in ("model", "layers", "text", "eval_text")]
