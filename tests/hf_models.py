@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 D, F_, VOCAB = 32, 64, 96
@@ -87,3 +88,13 @@ def save_tiny(T, name: str, folder: Path, tok=None) -> tuple[Path, str, str]:
     model.save_pretrained(folder, safe_serialization=True)
     (tok if tok is not None else tokenizer(T)).save_pretrained(folder)
     return folder, variant, act
+
+
+def tiny_folders(tmp_path_factory, names=None) -> dict[str, tuple[Path, str, str]]:
+    """`save_tiny` for each of `names` (default every architecture of `configs`) in a fresh temporary folder;
+    skips the calling test with the reason when transformers is not installed."""
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
+    T.logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("hf")
+    tok = tokenizer(T)
+    return {name: save_tiny(T, name, root / name, tok) for name in (names or configs(T))}

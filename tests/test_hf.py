@@ -15,9 +15,7 @@ from ffnquant.hf import inspect_model, load_ffn_layers, parse_layers
 from ffnquant.hf.arch import HF_ACTIVATIONS, ffn_variant, hf_activation
 from ffnquant.spec import Activation, FFNSpec, Variant
 
-from hf_models import D, F_, VOCAB, save_tiny
-from hf_models import configs as _configs
-from hf_models import tokenizer as _tokenizer
+from hf_models import D, F_, VOCAB, tiny_folders
 from hf_models import write_llama_like as _write_llama_like
 
 ARCH_IDS = ["llama", "mistral", "qwen2", "gemma", "phi3", "mixtral", "t5", "t5-gated-gelu", "gpt2", "bert", "opt"]
@@ -189,11 +187,7 @@ def test_missing_folder(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """Every listed architecture, 2 layers, hidden 32, saved with save_pretrained(safe_serialization=True)."""
-    T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
-    T.logging.set_verbosity_error()
-    root = tmp_path_factory.mktemp("hf")
-    tok = _tokenizer(T)
-    return {name: save_tiny(T, name, root / name, tok) for name in _configs(T)}
+    return tiny_folders(tmp_path_factory)
 
 
 def _reference_mlp_outputs(name, model, info, x):

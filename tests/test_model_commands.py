@@ -16,7 +16,7 @@ from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
 from ffnquant.run import RunConfig, load_config
 
-from hf_models import D, save_tiny, tokenizer, write_llama_like
+from hf_models import D, tiny_folders, write_llama_like
 
 # Static int8 per-site ranges on inputs with crest factors of ~5-30: each site leaves
 # 6.02*8 + 4.77 - 20*log10(crest) ~ 23-39 dB, and the sites' errors add at the output.
@@ -29,11 +29,7 @@ ONNX_GAP_DB = 0.5
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny BERT (encoder, gelu) and OPT (causal LM, relu) folder with their own tokenizer."""
-    T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
-    T.logging.set_verbosity_error()
-    root = tmp_path_factory.mktemp("models")
-    tok = tokenizer(T)
-    return {name: save_tiny(T, name, root / name, tok)[0] for name in ("bert", "opt")}
+    return {name: found[0] for name, found in tiny_folders(tmp_path_factory, ("bert", "opt")).items()}
 
 
 @pytest.mark.hf
