@@ -302,18 +302,25 @@ def float_baseline(model: Any, info: ModelInfo, evals: Sequence[torch.Tensor]) -
     return {"perplexity": nll.perplexity, "n_tokens": sum(int(b.numel()) for b in evals)}
 
 
-def _measure_end_to_end(
+def end_to_end(
     model: Any,
     info: ModelInfo,
     layers: Sequence[HFLayer],
     qffns: Mapping[str, Any],
     evals: Sequence[torch.Tensor],
-    settings: EvalSettings,
-    baseline: Mapping[str, Any],
+    settings: EvalSettings = EvalSettings(),
+    baseline: Mapping[str, Any] | None = None,
     per_layer: dict[str, ErrorStats] | None = None,
 ) -> dict[str, Any]:
-    """One pass over `evals`: the float run (capturing each FFN's input into `per_layer` when given), the
-    run with every FFN of `qffns` installed, and with `settings.ablation` one run per layer index alone."""
+    """What the model's user notices when each FFN in `qffns` (label -> callable on [tokens, d_model], e.g. a
+    QuantizedFFN built with remedies) replaces the model's own: final hidden SQNR/cosine, perplexity and its
+    change for causal LMs, and with `settings.ablation` the same per layer index quantized alone.
+
+    `evals`: token-id batches of the evaluation text; `baseline`: `float_baseline` of the same batches
+    (computed when None); `per_layer`: ErrorStats by label, fed each FFN's own output error on the inputs
+    captured during the float runs. Returns {"baseline", "end_to_end", "ablation", "worst_layers_end_to_end"}.
+    """
+    baseline = dict(baseline) if baseline is not None else float_baseline(model, info, evals)
     by_label = {layer.label: layer for layer in layers}
     layer_infos = [layer.info for layer in layers]
     indices = sorted({by_label[k].index for k in qffns})
@@ -368,27 +375,7 @@ def _measure_end_to_end(
         worst = _worst(ablation, "perplexity_delta", reverse=True)
     else:
         worst = _worst(ablation, "hidden_sqnr_db", reverse=False)
-    return {"end_to_end": e2e, "ablation": ablation, "worst_layers_end_to_end": worst}
-
-
-def end_to_end(
-    model: Any,
-    info: ModelInfo,
-    layers: Sequence[HFLayer],
-    qffns: Mapping[str, Any],
-    evals: Sequence[torch.Tensor],
-    settings: EvalSettings = EvalSettings(),
-    baseline: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """What the model's user notices when each FFN in `qffns` (label -> callable on [tokens, d_model], e.g. a
-    QuantizedFFN built with remedies) replaces the model's own: final hidden SQNR/cosine, perplexity and its
-    change for causal LMs, and with `settings.ablation` the same per layer index quantized alone.
-
-    `evals`: token-id batches of the evaluation text; `baseline`: `float_baseline` of the same batches
-    (computed when None). Returns {"baseline", "end_to_end", "ablation", "worst_layers_end_to_end"}.
-    """
-    base = dict(baseline) if baseline is not None else float_baseline(model, info, evals)
-    return {"baseline": base, **_measure_end_to_end(model, info, layers, qffns, evals, settings, base)}
+    return {"baseline": baseline, "end_to_end": e2e, "ablation": ablation, "worst_layers_end_to_end": worst}
 
 
 @dataclass
@@ -632,7 +619,7 @@ def evaluate_model(
             continue
         qffns = quantize_layers(hf_layers, scheme, tables, calibrator, hessians if scheme.method is Method.GPTQ else None)
         per_layer = {layer.label: ErrorStats() for layer in hf_layers}
-        e2e = _measure_end_to_end(model, info, hf_layers, qffns, evals, settings, baseline, per_layer)
+        e2e = end_to_end(model, info, hf_layers, qffns, evals, settings, baseline, per_layer)
         rows = []
         for layer in hf_layers:
             st = per_layer[layer.label]
