@@ -551,7 +551,7 @@ def quantize_model_layers(
     e2e: dict[str, Any]
     if inputs.model is None or not inputs.eval_batches:
         e2e = {"status": "missing", "reason": "inputs came from captured files: the end-to-end numbers need the model "
-                                              "run on the evaluation text (transformers)"}
+                                              "itself run on the evaluation text (leave out --captured; needs transformers)"}
     else:
         e2e = {"status": "ok", "reason": None, "evaluation_text": inputs.evaluation_source,
                **end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings)}
