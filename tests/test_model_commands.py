@@ -60,6 +60,16 @@ def test_quantize_model_writes_artifacts_and_a_row_per_layer(tiny, tmp_path, cap
         "bert.L1.fp32.onnx", "bert.L1.ort-default-static.onnx", "bert.L1.smooth0.5.fp32.onnx", "bert.L1.smooth0.5.w8a8.onnx"]
 
 
+@pytest.mark.hf
+def test_profile_model_layers_next_to_the_variants(tiny, tmp_path):
+    rc = main(["profile", "--variants", "gelu", "--d-model", "32", "--tokens", "256", "--model", str(tiny["bert"]),
+               "--layers", "1", "--model-tokens", "64", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "ranges.json").read_text())
+    assert sorted(data["variants"]) == ["bert:L1", "gelu"]
+    assert "bert:L1" in (tmp_path / "ranges.md").read_text()
+
+
 def _captured(tmp_path: Path, rows: int) -> Path:
     folder = tmp_path / "captured"
     folder.mkdir()
