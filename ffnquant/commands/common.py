@@ -20,10 +20,13 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_spec_arguments(parser: argparse.ArgumentParser, default_variants: str = "all") -> None:
+def add_spec_arguments(
+    parser: argparse.ArgumentParser, default_variants: str | None = "all", default_note: str | None = None
+) -> None:
     """--variants, --d-model, --d-ff, --multiple-of, --ffn-dim-multiplier, --bias/--no-bias, --seed."""
     valid = ", ".join(v.value for v in Variant)
-    parser.add_argument("--variants", default=default_variants, help=f"comma-separated variants or 'all' ({valid})")
+    note = default_note or f"default {default_variants}"
+    parser.add_argument("--variants", default=default_variants, help=f"comma-separated variants or 'all' ({valid}); {note}")
     parser.add_argument("--d-model", type=positive_int, default=512, help="model width d (default 512)")
     parser.add_argument("--d-ff", type=positive_int, default=None, help="FFN width (default: the width rule)")
     parser.add_argument("--multiple-of", type=positive_int, default=None, help="round gated d_ff up to this (default 128)")

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..schemes import preset_names
 
     # default swiglu, or none when --model is given (then only the model's layers are quantized)
-    add_spec_arguments(parser, default_variants=None)
+    add_spec_arguments(parser, default_variants=None, default_note="default swiglu, or none when --model is given")
     parser.add_argument("--scheme", default="w8a8", help=f"scheme preset ({', '.join(preset_names())})")
     parser.add_argument(
         "--calibrator", default=None,
