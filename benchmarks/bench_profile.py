@@ -170,7 +170,9 @@ def main() -> int:
         f"Command: `{result['command']}`; d_model {d}; {result['environment']['cpu']} "
         f"({result['environment']['cpu_count']} cores, torch {result['environment']['packages']['torch']}, "
         f"{result['environment']['torch_threads']} threads); load average at the end {load[0]:.2f}. "
-        "Other processes shared the machine, so times are medians of interleaved repeats.",
+        ("Other processes shared the machine (load above the core count), so read the CPU-time rows. "
+         if load[0] > (result["environment"]["cpu_count"] or 1) else "")
+        + "Times are medians of interleaved repeats.",
         "",
         "## Memory (swiglu, streamed Gaussian tokens, fresh process per run)",
         "",
