@@ -43,6 +43,24 @@ def test_artifact_agrees_with_torch_reference(variant, scheme, tmp_path_factory)
     assert art["size_bytes"] < prep.onnx_file("model", folder).stat().st_size
 
 
+@pytest.mark.parametrize("variant", ["reglu", "swiglu", "relu"], ids=str)
+def test_every_int8_matmul_runs_as_an_integer_kernel(variant, tmp_path):
+    """onnxruntime must fuse each DQ -> MatMul into MatMulIntegerToFloat; a MatMul left in float
+    (ReGLU's gate before the Relu rewrite) runs 2.4x slower than the whole int8 FFN."""
+    import onnxruntime as ort
+
+    spec = FFNSpec(variant, d_model=D)
+    prep = prepare(spec, "llm_like", 256, 128)
+    r = quantize_spec(spec, "w8a8", "minmax", prepared=prep, out_artifacts=tmp_path, sensitivity=False, baseline=False)
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    opts.log_severity_level = 3
+    ort.InferenceSession(r.artifact["path"], opts, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node]
+    assert ops.count("MatMulIntegerToFloat") == spec.n_matrices
+    assert "MatMul" not in ops and "DequantizeLinear" not in ops
+
+
 def test_no_artifact_is_explained():
     assert artifact_kind(get_scheme("w8a8-dynamic"))[0] is None
     assert "per tensor" in artifact_kind(get_scheme("w8a8-dynamic"))[1]
