@@ -212,6 +212,10 @@ class OrtRuntime(Runtime):
             opts = ort.SessionOptions()
             opts.log_severity_level = 3
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            # By default onnxruntime turns a weight-only DQ -> MatMul into MatMulNBits at
+            # accuracy level 4, which quantizes the activations too: the timed kernel would not
+            # compute what the accuracy figures (onnxquant.ort_session) measured. Same setting.
+            opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
             if optimized_path:
                 opts.optimized_model_filepath = optimized_path
             return ort.InferenceSession(str(path), opts, providers=providers)
