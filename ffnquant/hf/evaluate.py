@@ -219,7 +219,7 @@ def evaluate_layers_from_files(
 
     The end-to-end numbers need the model itself (`evaluate_model`); here they are absent.
     """
-    from ..schemes import Method, check_scheme_fits, get_scheme
+    from ..schemes import Method, get_scheme
 
     info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
     hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
@@ -228,13 +228,7 @@ def evaluate_layers_from_files(
     tables, hessians = calibrate_layers(hf_layers, _file_batches(calib_captured, hf_layers, info.spec.d_model), bins, gptq)
     by_label = {layer.label: layer for layer in hf_layers}
     results, skipped = [], []
-    for scheme in resolved:
-        try:
-            check_scheme_fits(scheme, info.spec)
-        except FFNQuantError as exc:
-            skipped.append({"scheme": scheme.name, "reason": str(exc)})
-            continue
-        qffns = quantize_layers(hf_layers, scheme, tables, calibrator, hessians if scheme.method is Method.GPTQ else None)
+    for scheme, qffns in _quantized_per_scheme(hf_layers, info, resolved, tables, calibrator, hessians, skipped):
         stats = {label: ErrorStats() for label in by_label}
         with torch.no_grad():
             for batch in _file_batches(eval_captured, hf_layers, info.spec.d_model):
@@ -269,6 +263,19 @@ def quantize_layers(
         )
         for layer in layers
     }
+
+
+def _quantized_per_scheme(hf_layers, info, schemes, tables, calibrator, hessians, skipped):
+    """(scheme, {label: QuantizedFFN}) for each scheme that fits the model; the others go to `skipped` with why."""
+    from ..schemes import Method, check_scheme_fits
+
+    for scheme in schemes:
+        try:
+            check_scheme_fits(scheme, info.spec)
+        except FFNQuantError as exc:
+            skipped.append({"scheme": scheme.name, "reason": str(exc)})
+            continue
+        yield scheme, quantize_layers(hf_layers, scheme, tables, calibrator, hessians if scheme.method is Method.GPTQ else None)
 
 
 def _final_hidden(info: ModelInfo, out: Any) -> torch.Tensor:
@@ -589,7 +596,7 @@ def evaluate_model(
     (that layer alone quantized) and the layers that hurt most; a scheme that does not fit
     the model (e.g. a group size not dividing d_model) is listed under `skipped` with why.
     """
-    from ..schemes import Method, check_scheme_fits, get_scheme
+    from ..schemes import Method, get_scheme
 
     t0 = time.perf_counter()
     info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
@@ -611,13 +618,7 @@ def evaluate_model(
 
     baseline = float_baseline(model, info, evals)
     results, skipped = [], []
-    for scheme in resolved:
-        try:
-            check_scheme_fits(scheme, info.spec)
-        except FFNQuantError as exc:
-            skipped.append({"scheme": scheme.name, "reason": str(exc)})
-            continue
-        qffns = quantize_layers(hf_layers, scheme, tables, calibrator, hessians if scheme.method is Method.GPTQ else None)
+    for scheme, qffns in _quantized_per_scheme(hf_layers, info, resolved, tables, calibrator, hessians, skipped):
         per_layer = {layer.label: ErrorStats() for layer in hf_layers}
         e2e = end_to_end(model, info, hf_layers, qffns, evals, settings, baseline, per_layer)
         rows = []
