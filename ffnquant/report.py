@@ -23,7 +23,7 @@ import os
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from .atomic import ensure_writable_dir, write_bytes, write_json, write_text
 from .errors import FFNQuantError
