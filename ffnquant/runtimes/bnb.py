@@ -92,14 +92,11 @@ def _nbytes(module: torch.nn.Module) -> int:
 class BnbRuntime(TorchModuleRuntime):
     """bitsandbytes modules on `device` ('cpu' or 'cuda')."""
 
+    prefix = "bnb"
+    what = "bitsandbytes LLM.int8 (Linear8bitLt), NF4/FP4 (Linear4bit)"
+
     def __init__(self, device: str = "cpu") -> None:
-        if device not in ("cpu", "cuda"):
-            raise FFNQuantError(f"unknown bitsandbytes device {device!r}; valid: cpu, cuda")
-        self.device = device
-        self.name = f"bnb-{device}"
-        self.description = f"bitsandbytes on {device.upper()}: LLM.int8 (Linear8bitLt), NF4/FP4 (Linear4bit)"
-        self.baseline = "fp32" if device == "cpu" else "fp16"
-        self.timing = "cuda-events" if device == "cuda" else "wall"
+        super().__init__(device)
         self._availability: Availability | None = None
 
     def availability(self) -> Availability:

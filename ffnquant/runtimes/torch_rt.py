@@ -215,7 +215,19 @@ def _module_nbytes(module) -> int:
 
 class TorchModuleRuntime(Runtime):
     """Shared plumbing of runtimes whose loaded handle is a torch module on `self.device`
-    (torch's own kernels, bitsandbytes): input transfer, call, sync, peak memory."""
+    (torch's own kernels, bitsandbytes): naming, input transfer, call, sync, peak memory."""
+
+    prefix = ""  # runtime names are f"{prefix}-{device}"
+    what = ""  # the description after "... on CPU:"
+
+    def __init__(self, device: str = "cpu") -> None:
+        if device not in ("cpu", "cuda"):
+            raise FFNQuantError(f"unknown {self.prefix} device {device!r}; valid: cpu, cuda")
+        self.device = device
+        self.name = f"{self.prefix}-{device}"
+        self.description = f"{self.prefix} on {device.upper()}: {self.what}"
+        self.baseline = "fp32" if device == "cpu" else "fp16"
+        self.timing = "cuda-events" if device == "cuda" else "wall"
 
     def prepare(self, loaded: Loaded, x: np.ndarray) -> Any:
         x = check_input(x, loaded.spec)
@@ -249,14 +261,11 @@ class TorchModuleRuntime(Runtime):
 class TorchRuntime(TorchModuleRuntime):
     """Eager torch on `device` ('cpu' or 'cuda') with torch's float and quantized kernels."""
 
+    prefix = "torch"
+    what = "eager float and torch's built-in int8/int4/fp8 kernels"
+
     def __init__(self, device: str = "cpu") -> None:
-        if device not in ("cpu", "cuda"):
-            raise FFNQuantError(f"unknown torch device {device!r}; valid: cpu, cuda")
-        self.device = device
-        self.name = f"torch-{device}"
-        self.description = f"torch eager on {device.upper()}: float and torch's built-in int8/int4/fp8 kernels"
-        self.baseline = "fp32" if device == "cpu" else "fp16"
-        self.timing = "cuda-events" if device == "cuda" else "wall"
+        super().__init__(device)
         self._formats: tuple[str, ...] | None = None
 
     def availability(self) -> Availability:
