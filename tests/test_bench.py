@@ -88,7 +88,7 @@ class FakeRuntime(Runtime):
         self.baseline = "fp32"
         self.calls = 0
 
-    def availability(self):
+    def _check_availability(self):
         return Availability(self._available, "fake" if self._available else "fake runtime switched off", "cpu")
 
     @property

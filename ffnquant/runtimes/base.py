@@ -232,9 +232,16 @@ class Runtime(abc.ABC):
     # The float format every other format on this runtime is compared with.
     baseline: str = "fp32"
 
-    @abc.abstractmethod
     def availability(self) -> Availability:
-        """Whether this runtime really runs here, with the reason; cheap, no model needed."""
+        """Whether this runtime really runs here, with the reason; probed once, then remembered."""
+        cached = getattr(self, "_availability", None)
+        if cached is None:
+            cached = self._availability = self._check_availability()
+        return cached
+
+    @abc.abstractmethod
+    def _check_availability(self) -> Availability:
+        """Probe the backend (import it, open a tiny session, ...) and say whether it runs here and why."""
 
     @property
     @abc.abstractmethod

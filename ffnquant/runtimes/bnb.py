@@ -97,14 +97,8 @@ class BnbRuntime(TorchModuleRuntime):
 
     def __init__(self, device: str = "cpu") -> None:
         super().__init__(device)
-        self._availability: Availability | None = None
 
-    def availability(self) -> Availability:
-        if self._availability is None:
-            self._availability = self._probe()
-        return self._availability
-
-    def _probe(self) -> Availability:
+    def _check_availability(self) -> Availability:
         try:
             bnb = _import_bnb()
         except FFNQuantError as exc:

@@ -133,16 +133,10 @@ class OrtRuntime(Runtime):
         self.description = f"onnxruntime {self.provider}" + ("" if provider == "cpu" else " with I/O binding on the device")
         self.baseline = "fp32" if provider == "cpu" else "fp16"
         self.timing = "wall"  # run_with_iobinding returns after the device finished
-        self._availability: Availability | None = None
         self._engine_cache: str | None = None
 
     # --- availability -------------------------------------------------------------------
-    def availability(self) -> Availability:
-        if self._availability is None:
-            self._availability = self._probe()
-        return self._availability
-
-    def _probe(self) -> Availability:
+    def _check_availability(self) -> Availability:
         try:
             import onnxruntime as ort
         except Exception as exc:  # ImportError or a broken native library

@@ -268,7 +268,7 @@ class TorchRuntime(TorchModuleRuntime):
         super().__init__(device)
         self._formats: tuple[str, ...] | None = None
 
-    def availability(self) -> Availability:
+    def _check_availability(self) -> Availability:
         if self.device == "cpu":
             return Availability(True, f"torch {torch.__version__} on CPU, {torch.get_num_threads()} threads", "cpu")
         if not torch.cuda.is_available():
