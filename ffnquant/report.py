@@ -162,6 +162,19 @@ def _grid(n: int, max_cols: int = 3) -> tuple[int, int]:
     return math.ceil(n / cols), cols
 
 
+def _variant_panels(doc: Mapping[str, Any], variants: list[str], panel_height: float):
+    """One subplot per variant (unused cells hidden), the schemes in report order and a colour per scheme."""
+    import matplotlib.pyplot as plt
+
+    rows, cols = _grid(len(variants))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, panel_height * rows), squeeze=False)
+    for ax in axes.flat[len(variants):]:
+        ax.axis("off")
+    schemes = _scheme_order(doc)
+    colours = {s: plt.cm.tab10(i % 10) for i, s in enumerate(schemes)}
+    return fig, list(zip(axes.flat, variants)), schemes, colours
+
+
 def _plot_hidden_hist(doc: Mapping[str, Any]) -> bytes | None:
     import matplotlib.pyplot as plt
     import numpy as np
@@ -214,19 +227,12 @@ def _plot_crest_kurtosis(doc: Mapping[str, Any]) -> bytes | None:
 
 
 def _plot_scatter(doc: Mapping[str, Any], runtime: str, tokens: int) -> bytes | None:
-    import matplotlib.pyplot as plt
-
     target = float(doc["config"].get("target_db", 30.0))
     variants = [v for v in _keys(doc) if _points(doc, runtime, tokens, v)]
     if not variants:
         return None
-    rows, cols = _grid(len(variants))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
-    schemes = _scheme_order(doc)
-    colours = {s: plt.cm.tab10(i % 10) for i, s in enumerate(schemes)}
-    for ax in axes.flat[len(variants):]:
-        ax.axis("off")
-    for ax, v in zip(axes.flat, variants):
+    fig, panels, schemes, colours = _variant_panels(doc, variants, panel_height=3.6)
+    for ax, v in panels:
         pts = _points(doc, runtime, tokens, v)
         quant = [p for p in pts if p.sqnr_db is not None]
         for p in quant:
@@ -249,26 +255,19 @@ def _plot_scatter(doc: Mapping[str, Any], runtime: str, tokens: int) -> bytes | 
         ax.set_xlabel("median latency (ms, log)", fontsize=8)
         ax.set_ylabel("SQNR (dB)", fontsize=8)
         ax.grid(True, alpha=0.3)
-    axes.flat[0].legend(fontsize=7, loc="lower right")
+    panels[0][0].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"accuracy vs latency on {runtime} at M={tokens} tokens (higher and further left is better)")
     fig.tight_layout()
     return _png(fig)
 
 
 def _plot_latency_tokens(doc: Mapping[str, Any], runtime: str) -> bytes | None:
-    import matplotlib.pyplot as plt
-
     cases = [c for c in _ok_cases(doc) if c["runtime"] == runtime]
     variants = [v for v in _keys(doc) if any(c["variant"] == v for c in cases)]
     if not variants:
         return None
-    rows, cols = _grid(len(variants))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
-    schemes = _scheme_order(doc)
-    colours = {s: plt.cm.tab10(i % 10) for i, s in enumerate(schemes)}
-    for ax in axes.flat[len(variants):]:
-        ax.axis("off")
-    for ax, v in zip(axes.flat, variants):
+    fig, panels, schemes, colours = _variant_panels(doc, variants, panel_height=3.4)
+    for ax, v in panels:
         for s in schemes:
             pts = sorted((c["tokens"], c["median_s"]) for c in cases if c["variant"] == v and c["scheme"] == s)
             if pts:
@@ -281,7 +280,7 @@ def _plot_latency_tokens(doc: Mapping[str, Any], runtime: str) -> bytes | None:
         ax.set_xlabel("tokens M (log)", fontsize=8)
         ax.set_ylabel("median latency (ms, log)", fontsize=8)
         ax.grid(True, alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
+    panels[0][0].legend(fontsize=7)
     fig.suptitle(f"latency vs tokens on {runtime}")
     fig.tight_layout()
     return _png(fig)
