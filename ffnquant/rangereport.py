@@ -253,6 +253,11 @@ def _leader(values: Mapping[str, float], name: str) -> str:
     return f"{top} widest ({top_v:.1f}; {name} {values[name]:.1f})"
 
 
+def _verdict(checks: Sequence[bool]) -> ClaimStatus:
+    """Confirmed if every measurement agrees with the claim, contradicted if none does, else mixed."""
+    return ClaimStatus.CONFIRMED if all(checks) else ClaimStatus.CONTRADICTED if not any(checks) else ClaimStatus.MIXED
+
+
 def _claim(cid: str, claim: str, source: str, status: ClaimStatus, detail: str, figures: dict) -> dict[str, Any]:
     return {"id": cid, "claim": claim, "source": source, "status": status.value, "detail": detail, "figures": figures}
 
@@ -283,7 +288,7 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
     if all(v in tables and "hidden" in tables[v] for v in ("swiglu", "relu")):
         s, r = tables["swiglu"]["hidden"], tables["relu"]["hidden"]
         wider = [s.crest_factor > r.crest_factor, s.kurtosis > r.kurtosis]
-        status = ClaimStatus.CONFIRMED if all(wider) else ClaimStatus.CONTRADICTED if not any(wider) else ClaimStatus.MIXED
+        status = _verdict(wider)
         out.append(
             _claim(
                 "swiglu_wider_than_relu", claim, src, status,
@@ -306,7 +311,7 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
     if "swiglu" in crest and len(crest) > 1:
         top_c, top_k = _ranked(crest)[0], _ranked(kurt)[0]
         widest = [top_c[0] == "swiglu", top_k[0] == "swiglu"]
-        status = ClaimStatus.CONFIRMED if all(widest) else ClaimStatus.CONTRADICTED if not any(widest) else ClaimStatus.MIXED
+        status = _verdict(widest)
         out.append(
             _claim(
                 "swiglu_widest", claim, src, status,
@@ -325,7 +330,7 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
     if trained_relu:
         lo, hi = TRAINED_RELU_ZERO_BAND
         inside = [lo <= z <= hi for z in trained_relu.values()]
-        status = ClaimStatus.CONFIRMED if all(inside) else ClaimStatus.CONTRADICTED if not any(inside) else ClaimStatus.MIXED
+        status = _verdict(inside)
         out.append(_claim("trained_relu_sparsity", claim, src, status,
                           "exact zeros in `hidden`: " + ", ".join(f"{k} {_pct(z)}" for k, z in trained_relu.items())
                           + f" (band {_pct(lo)}-{_pct(hi)})", {"zero_fraction": trained_relu, "band": [lo, hi]}))
@@ -344,7 +349,7 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
     if shares:
         lo, hi = FFN_SHARE_BAND
         inside = [lo <= s <= hi for s in shares.values()]
-        status = ClaimStatus.CONFIRMED if all(inside) else ClaimStatus.CONTRADICTED if not any(inside) else ClaimStatus.MIXED
+        status = _verdict(inside)
         out.append(
             _claim(
                 "ffn_two_thirds", claim, src, status,
