@@ -86,6 +86,8 @@ _FORMAT_LIST = (
     Format("nf4", "nf4", "float", Compute.FP16, "4-bit NormalFloat weights (QLoRA), blocks of 64", 64),
     Format("fp4", "fp4", "float", Compute.FP16, "4-bit float weights (bitsandbytes FP4), blocks of 64", 64),
     Format("fp8-e4m3", "fp8-e4m3", "fp8-e4m3", Compute.FP8, "fp8 e4m3 weights and activations, per-tensor scales"),
+    Format("fp8-e4m3-dynamic", "fp8-e4m3", "fp8-e4m3 dynamic", Compute.FP8,
+           "fp8 e4m3 weights with a scale per output channel, activations with a scale per token (row-wise)"),
     Format(
         "llm-int8",
         "int8",
@@ -311,6 +313,16 @@ RUNTIMES: Mapping[str, tuple[str, str, Mapping[str, Any]]] = {
     "ort-trt": ("ffnquant.runtimes.ort", "OrtRuntime", {"provider": "trt"}),
     "torch-cpu": ("ffnquant.runtimes.torch_rt", "TorchRuntime", {"device": "cpu"}),
     "torch-cuda": ("ffnquant.runtimes.torch_rt", "TorchRuntime", {"device": "cuda"}),
+    # The same kernels replayed from a CUDA graph per input shape: at decode sizes an FFN is a
+    # few tens of microseconds, so launch overhead is a large share of the eager figure.
+    "torch-cuda-graph": ("ffnquant.runtimes.torch_rt", "TorchRuntime", {"device": "cuda", "mode": "graph"}),
+    # torch.compile (inductor fuses the activation, the quantize-per-token steps and the
+    # epilogues), then replayed from a CUDA graph like torch-cuda-graph.
+    "torch-cuda-compile": ("ffnquant.runtimes.torch_rt", "TorchRuntime", {"device": "cuda", "mode": "compile"}),
+    # ffnquant's own Triton W4A16 kernels (ffnquant.kernels.w4a16), replayed from a CUDA graph.
+    "triton-cuda": ("ffnquant.runtimes.triton_rt", "TritonRuntime", {"device": "cuda"}),
+    # The same kernels in Triton's interpreter (TRITON_INTERPRET=1): numerics checks on a CPU, not latency.
+    "triton-cpu": ("ffnquant.runtimes.triton_rt", "TritonRuntime", {"device": "cpu"}),
     "bnb-cpu": ("ffnquant.runtimes.bnb", "BnbRuntime", {"device": "cpu"}),
     "bnb-cuda": ("ffnquant.runtimes.bnb", "BnbRuntime", {"device": "cuda"}),
 }

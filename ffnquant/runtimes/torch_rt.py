@@ -6,8 +6,13 @@ The quantized formats use kernels that ship inside torch, no extra package:
 - w8a16: per-channel int8 weights, `torch._weight_int8pack_mm`;
 - w4a16-g32/64/128: asymmetric 4-bit groups in tinygemm's layout,
   `torch.ops.aten._weight_int4pack_mm` (CUDA, bf16 activations) or its CPU twin;
-- fp8-e4m3: per-tensor scaled e4m3 weights and activations, `torch._scaled_mm`
-  (CUDA compute capability >= 8.9, or torch's CPU implementation).
+- fp8-e4m3: per-tensor scaled e4m3 weights and activations (the activation scale is
+  computed per call), `torch._scaled_mm` (CUDA compute capability >= 8.9, or torch's CPU
+  implementation);
+- fp8-e4m3-dynamic: e4m3 weights with a scale per output channel and activations with a
+  scale per token, `torch._scaled_mm` with row-wise scales (bf16 output).
+On CUDA each runtime also exists in a `graph` mode (every call replayed from a CUDA graph
+captured per input shape) and a `compile` mode (torch.compile, then a CUDA graph).
 Each kernel's availability is probed with a tiny call, because their signatures and
 device coverage changed across torch 2.4 .. 2.14.
 """
@@ -33,6 +38,9 @@ __all__ = [
     "Int8WeightOnlyLinear",
     "Int4WeightOnlyLinear",
     "Fp8Linear",
+    "Fp8RowwiseLinear",
+    "CapturedCall",
+    "MODES",
 ]
 
 FP8_E4M3_MAX = 448.0
@@ -197,6 +205,35 @@ class Fp8Linear(_QuantLinear):
         return y[0] if isinstance(y, tuple) else y  # torch 2.4 returned (out, amax)
 
 
+def fp8_rowwise(t):
+    """Per-row scaled fp8 e4m3: q = fp8(t / s[:, None]), s = absmax(row) / 448 (float32 [rows, 1])."""
+    scale = (t.detach().abs().amax(dim=-1, keepdim=True).float() / FP8_E4M3_MAX).clamp(min=1e-12)
+    q = (t.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+class Fp8RowwiseLinear(_QuantLinear):
+    """fp8-e4m3-dynamic: e4m3 weights scaled per output channel, activations per token, `torch._scaled_mm` row-wise."""
+
+    def __init__(self, linear) -> None:
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
+        wq, w_scale = fp8_rowwise(linear.weight)
+        self.register_buffer("wq", wq)
+        self.register_buffer("w_scale", w_scale.reshape(1, -1).contiguous())  # [1, out], as scale_b wants
+
+    def _matmul(self, x2d):
+        rows = x2d.shape[0]
+        xq, x_scale = fp8_rowwise(x2d)
+        pad = (-rows) % 16  # cuBLASLt's fp8 GEMM wants every dimension a multiple of 16
+        if pad:
+            xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+            x_scale = torch.nn.functional.pad(x_scale, (0, 0, 0, pad), value=1.0)
+        # row-wise scaling needs a bf16 output in torch's implementation
+        y = torch._scaled_mm(xq, self.wq.t(), scale_a=x_scale, scale_b=self.w_scale, out_dtype=torch.bfloat16)
+        y = y[0] if isinstance(y, tuple) else y
+        return y[:rows].to(x2d.dtype)
+
+
 # --- the runtime ------------------------------------------------------------------------
 def _compute_dtype(scheme: str, device: str):
     """The activation dtype each format runs in on each device."""
@@ -204,13 +241,47 @@ def _compute_dtype(scheme: str, device: str):
         return getattr(torch, _FLOAT_DTYPES[scheme])
     if device == "cpu":
         return torch.float32  # comparable with the fp32 baseline on CPU
-    if scheme.startswith("w4a16") or scheme == "fp8-e4m3":
+    if scheme.startswith("w4a16") or scheme.startswith("fp8-e4m3"):
         return torch.bfloat16  # tinygemm takes bf16 only; fp8 GEMMs commonly emit bf16
     return torch.float16
 
 
 def _module_nbytes(module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+MODES = {
+    "eager": "",
+    "graph": "; replayed from a CUDA graph captured per input shape",
+    "compile": "; torch.compile (inductor), replayed from a CUDA graph captured per input shape",
+}
+
+
+class CapturedCall:
+    """One forward call of `module` on a static input, captured as a CUDA graph and replayed.
+
+    Warm-up calls run on a side stream first (cuBLAS picks its algorithms and torch.compile
+    compiles there, outside the capture), as torch's CUDA-graph notes prescribe. `replay()`
+    returns the graph's static output tensor, overwritten by each replay.
+    """
+
+    def __init__(self, module, x, warmup: int = 3) -> None:
+        self.x = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(warmup):
+                module(self.x)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph):
+            self.y = module(self.x)
+        torch.cuda.synchronize()
+
+    def replay(self):
+        self.graph.replay()
+        return self.y
 
 
 class TorchModuleRuntime(Runtime):
@@ -220,20 +291,35 @@ class TorchModuleRuntime(Runtime):
     prefix = ""  # runtime names are f"{prefix}-{device}"
     what = ""  # the description after "... on CPU:"
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", mode: str = "eager") -> None:
         if device not in ("cpu", "cuda"):
             raise FFNQuantError(f"unknown {self.prefix} device {device!r}; valid: cpu, cuda")
+        if mode not in MODES:
+            raise FFNQuantError(f"unknown {self.prefix} mode {mode!r}; valid: {', '.join(MODES)}")
+        if mode != "eager" and device != "cuda":
+            raise FFNQuantError(f"{self.prefix} mode {mode!r} replays CUDA graphs: it needs device 'cuda'")
         self.device = device
-        self.name = f"{self.prefix}-{device}"
-        self.description = f"{self.prefix} on {device.upper()}: {self.what}"
+        self.mode = mode
+        self.name = f"{self.prefix}-{device}" + ("" if mode == "eager" else f"-{mode}")
+        self.description = f"{self.prefix} on {device.upper()}: {self.what}" + MODES[mode]
         self.baseline = "fp32" if device == "cpu" else "fp16"
         self.timing = "cuda-events" if device == "cuda" else "wall"
 
+    def _compile(self, module):
+        """The module as run in compile mode (torch.compile, inductor's default mode, static shapes)."""
+        return torch.compile(module, dynamic=False, fullgraph=True)
+
     def prepare(self, loaded: Loaded, x: np.ndarray) -> Any:
+        """The input on the device; in graph/compile mode, a CUDA graph captured for its shape."""
         x = check_input(x, loaded.spec)
-        return torch.from_numpy(x).to(device=self.device, dtype=getattr(torch, loaded.input_dtype))
+        t = torch.from_numpy(x).to(device=self.device, dtype=getattr(torch, loaded.input_dtype))
+        if self.mode == "eager":
+            return t
+        return CapturedCall(loaded.handle, t)
 
     def run(self, loaded: Loaded, prepared: Any) -> Any:
+        if isinstance(prepared, CapturedCall):
+            return prepared.replay()
         with torch.inference_mode():
             return loaded.handle(prepared)
 
@@ -255,6 +341,8 @@ class TorchModuleRuntime(Runtime):
     def release(self, loaded: Loaded) -> None:
         loaded.handle = None
         if self.device == "cuda":
+            if self.mode == "compile":
+                torch._dynamo.reset()  # drop the compiled code and its cached graphs with the model
             torch.cuda.empty_cache()
 
 
@@ -264,8 +352,8 @@ class TorchRuntime(TorchModuleRuntime):
     prefix = "torch"
     what = "eager float and torch's built-in int8/int4/fp8 kernels"
 
-    def __init__(self, device: str = "cpu") -> None:
-        super().__init__(device)
+    def __init__(self, device: str = "cpu", mode: str = "eager") -> None:
+        super().__init__(device, mode)
         self._formats: tuple[str, ...] | None = None
 
     def _check_availability(self) -> Availability:
@@ -299,7 +387,12 @@ class TorchRuntime(TorchModuleRuntime):
     @property
     def formats(self) -> tuple[str, ...]:
         if self._formats is None:
-            candidates = ["fp32", "fp16", "bf16", "w8a8-dynamic", "w8a16", *_INT4_GROUPS, "fp8-e4m3"]
+            candidates = ["fp32", "fp16", "bf16", "w8a8-dynamic", "w8a16", *_INT4_GROUPS, "fp8-e4m3",
+                          "fp8-e4m3-dynamic"]
+            if self.mode == "compile":
+                # compile time is paid per model and input shape: the float formats and the
+                # per-token dynamic ones, whose quantize steps inductor fuses
+                candidates = ["fp16", "bf16", "w8a8-dynamic", "fp8-e4m3-dynamic"]
             if not self.availability().available:
                 self._formats = tuple(candidates)
             else:
@@ -318,7 +411,7 @@ class TorchRuntime(TorchModuleRuntime):
                 raise FFNQuantError(f"{scheme} on CUDA (tinygemm) needs d_model and d_ff divisible by 32")
         if self.device == "cuda" and scheme == "w8a8-dynamic" and any(k % 8 for k in dims):
             raise FFNQuantError(f"{scheme} on CUDA (cuBLAS int8) needs d_model and d_ff divisible by 8")
-        if self.device == "cuda" and scheme == "fp8-e4m3" and any(k % 16 for k in dims):
+        if self.device == "cuda" and scheme.startswith("fp8-e4m3") and any(k % 16 for k in dims):
             raise FFNQuantError(f"{scheme} on CUDA (cuBLASLt fp8) needs d_model and d_ff divisible by 16")
 
     def load(self, case: ModelCase) -> Loaded:
@@ -337,8 +430,11 @@ class TorchRuntime(TorchModuleRuntime):
                 model = model.to(dev)
                 kernel = _KERNELS[case.scheme]
         model.eval()
+        if self.mode == "compile":
+            model = self._compile(model)
+            kernel = f"torch.compile(inductor) of {kernel}"
         dtype_name = str(dtype).replace("torch.", "")
-        label = f"torch {torch.__version__} {self.device}: {kernel}, {dtype_name} activations"
+        label = f"torch {torch.__version__} {self.device}: {kernel}, {dtype_name} activations{MODES[self.mode]}"
         return Loaded(
             runtime=self.name,
             case=case,
@@ -357,7 +453,8 @@ _KERNELS = {
     "w4a16-g32": "aten._weight_int4pack_mm (tinygemm int4, group 32)",
     "w4a16-g64": "aten._weight_int4pack_mm (tinygemm int4, group 64)",
     "w4a16-g128": "aten._weight_int4pack_mm (tinygemm int4, group 128)",
-    "fp8-e4m3": "torch._scaled_mm (per-tensor scaled e4m3)",
+    "fp8-e4m3": "torch._scaled_mm (per-tensor scaled e4m3, activation scale per call)",
+    "fp8-e4m3-dynamic": "torch._scaled_mm (row-wise: e4m3 weights per channel, activations per token)",
 }
 
 
@@ -373,6 +470,8 @@ def _quant_module(scheme: str, linear, device, act_dtype):
         module = Int4WeightOnlyLinear(linear, _INT4_GROUPS[scheme], device, act_dtype)
     elif scheme == "fp8-e4m3":
         module = Fp8Linear(linear)
+    elif scheme == "fp8-e4m3-dynamic":
+        module = Fp8RowwiseLinear(linear)
     else:
         raise FFNQuantError(f"torch runtime has no quantized kernel for {scheme!r}")
     if module.bias is not None:
