@@ -1,0 +1,144 @@
+"""triton runtime: ffnquant's own Triton W4A16 kernel (`ffnquant.kernels.w4a16`) on CUDA.
+
+The kernel fuses the int4 dequantization into the matmul and implements ffnquant's
+`w4a16-g*` presets exactly (symmetric groups, the extreme of each group on code 0), so
+its accuracy row and the quantization stage's reference describe the same numerics,
+unlike tinygemm's asymmetric groups on `torch-cuda`. Every call is replayed from a CUDA
+graph (decode-size FFNs are a few microseconds per kernel: launch overhead would
+otherwise dominate); `fp16` runs the plain torch FFN the same way, as the baseline.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+from ..errors import FFNQuantError
+from .base import Availability, Loaded, ModelCase
+from .torch_rt import MODES, TorchModuleRuntime, _module_nbytes
+
+__all__ = ["TritonRuntime"]
+
+_GROUPS = {"w4a16-g32": 32, "w4a16-g64": 64, "w4a16-g128": 128}
+_FORMATS = ("fp16", *_GROUPS)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class GatedW4FFN(torch.nn.Module):
+    """A gated FFN without biases on the Triton kernels: act(x Wg) * (x Wu) in ONE launch, then W_down.
+
+    Reading both weights in one program saves a launch and the round trip of the two [M, d_ff]
+    intermediates through memory; at one token that is a visible share of a ~15 us FFN.
+    """
+
+    def __init__(self, model, group_size: int) -> None:
+        from ..kernels.w4a16 import W4A16Linear
+
+        super().__init__()
+        spec = model.spec
+        self.spec = spec
+        self.act = spec.activation.value
+        self.w_gate = W4A16Linear(model.w_gate, group_size=group_size)
+        self.w_up = W4A16Linear(model.w_up, group_size=group_size)
+        self.w_down = W4A16Linear(model.w_down, group_size=group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.w4a16 import w4a16_gated
+
+        lead = x.shape[:-1]
+        hidden = w4a16_gated(x.reshape(-1, self.spec.d_model), self.w_gate.weight_packed, self.w_up.weight_packed,
+                             self.act)
+        return self.w_down(hidden).reshape(*lead, self.spec.d_model)
+
+
+class TritonRuntime(TorchModuleRuntime):
+    """ffnquant's Triton W4A16 kernels on `device`: 'cuda', or 'cpu' under TRITON_INTERPRET=1 (tests)."""
+
+    prefix = "triton"
+    what = "ffnquant's Triton W4A16 kernel (fused int4 dequantize + matmul, exact w4a16-g* presets)"
+
+    def __init__(self, device: str = "cuda") -> None:
+        # On CUDA every call is a graph replay; the interpreter (CPU) runs eagerly.
+        super().__init__(device, "graph" if device == "cuda" else "eager")
+        self.name = f"{self.prefix}-{device}"  # one mode per device: no suffix
+
+    def _check_availability(self) -> Availability:
+        try:
+            from ..kernels.w4a16 import triton_status
+        except ImportError as exc:  # a broken install of the package itself: say so, do not crash the sweep
+            return Availability(False, f"ffnquant's Triton kernels cannot be imported: {exc}", self.device)
+        ok, reason = triton_status()
+        if not ok:
+            return Availability(False, reason, self.device)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            return Availability(False, f"no CUDA device: torch {torch.__version__}", "cuda")
+        if self.device == "cpu" and not _interpreting():
+            return Availability(False, "Triton runs on CPU only in its interpreter (TRITON_INTERPRET=1)", "cpu")
+        # A tiny call: a Triton install without a working compiler or driver fails only here.
+        try:
+            from ..kernels.w4a16 import W4A16Linear
+
+            lin = torch.nn.Linear(128, 32, bias=False)
+            layer = W4A16Linear(lin, group_size=32).to(self.device)
+            y = layer(torch.randn(2, 128, device=self.device, dtype=torch.float16))
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            if not torch.isfinite(y.float()).all():
+                raise RuntimeError("the probe returned non-finite values")
+        except Exception as exc:  # any failure of the compiled kernel means "not usable here"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return Availability(False, f"Triton W4A16 kernel fails on {self.device}: {first}", self.device)
+        import triton
+
+        where = torch.cuda.get_device_name(0) if self.device == "cuda" else "CPU (Triton interpreter)"
+        return Availability(True, f"triton {triton.__version__} on {where}", self.device)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return _FORMATS
+
+    def check(self, case: ModelCase) -> None:
+        super().check(case)
+        if case.scheme in _GROUPS:
+            g = _GROUPS[case.scheme]
+            spec = case.spec
+            if spec.d_model % g or spec.d_ff % g:
+                raise FFNQuantError(f"{case.scheme} needs d_model and d_ff divisible by {g}, "
+                                    f"got {spec.d_model} and {spec.d_ff}")
+
+    def load(self, case: ModelCase) -> Loaded:
+        from ..kernels.w4a16 import W4A16Linear
+
+        self.check(case)
+        model = copy.deepcopy(case.float_model()).float().cpu()
+        with torch.no_grad():
+            if case.scheme in _GROUPS:
+                g = _GROUPS[case.scheme]
+                if case.spec.gated and not case.spec.bias:
+                    model = GatedW4FFN(model, g)
+                    fused = "; gate, up and activation fused in one kernel"
+                else:
+                    for name in case.spec.weight_names:
+                        setattr(model, name, W4A16Linear(getattr(model, name), group_size=g))
+                    fused = ""
+                kernel = f"ffnquant Triton W4A16 (symmetric int4, group {g}, fp16 scales{fused})"
+            else:
+                kernel = "eager torch matmul"
+            model = model.to(device=self.device, dtype=torch.float16)
+        import triton
+
+        return Loaded(
+            runtime=self.name,
+            case=case,
+            handle=model.eval(),
+            device=self.device,
+            label=f"triton {triton.__version__} {self.device}: {kernel}, float16 activations{MODES[self.mode]}",
+            weight_bytes=_module_nbytes(model),
+            input_dtype="float16",
+            output_dtype="float16",
+        )
