@@ -29,6 +29,10 @@ __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
     "DEFAULT_TOKENS",
+    "REFERENCE_TOLERANCE_DB",
+    "reference_output",
+    "numerics_rows",
+    "gpu_targets",
     "LatencyStats",
     "latency_stats",
     "Timer",
@@ -51,6 +55,9 @@ __all__ = [
 SCHEMA = "ffnquant.latency"
 SCHEMA_VERSION = 1
 DEFAULT_TOKENS = (1, 16, 512, 2048)  # decode (1, 16) and prefill (512, 2048) tokens per call
+# A runtime's kernel "disagrees" with ffnquant's reference of the same scheme when their SQNRs
+# against fp32 differ by more than this: the 0.5 dB that ffnquant's ONNX artifacts are held to.
+REFERENCE_TOLERANCE_DB = 0.5
 
 
 # --- statistics ---------------------------------------------------------------------------
@@ -249,6 +256,9 @@ class BenchConfig:
     accuracy_tokens: int = 64  # tokens of the once-per-model output check against fp32 torch
     measure_bandwidth: bool = False
     max_total_s: float | None = None  # whole-sweep limit: models not started by then are listed as skipped
+    # Score each case also against ffnquant's own fake-quantized reference of the scheme of the
+    # same name, so a kernel whose numerics differ from the preset is visible (see `REFERENCE_TOLERANCE_DB`).
+    reference_check: bool = True
 
     def __post_init__(self) -> None:
         tokens = tuple(int(t) for t in self.tokens)
@@ -300,6 +310,9 @@ class CaseResult:
     peak_memory_bytes: int | None = None
     sqnr_db: float | None = None
     max_abs_error: float | None = None
+    reference_sqnr_db: float | None = None  # ffnquant's reference of the same scheme, against fp32
+    sqnr_vs_reference_db: float | None = None  # this output against that reference's output
+    reference_note: str | None = None  # why there is no reference, or how it was calibrated
     baseline: str | None = None
     speedup: float | None = None  # baseline median / this median
     slower_than_baseline: bool | None = None
@@ -311,6 +324,18 @@ class CaseResult:
     @property
     def median_s(self) -> float | None:
         return self.stats.median_s if self.stats else None
+
+    @property
+    def disagrees_with_reference(self) -> bool | None:
+        """True when this quantized kernel's SQNR is more than REFERENCE_TOLERANCE_DB from ffnquant's reference.
+
+        None for float formats (their 60+ dB differ only in where fp16 rounds, which no recipe
+        decision depends on) and where there is no reference.
+        """
+        if self.sqnr_db is None or self.reference_sqnr_db is None or FORMATS[self.scheme].compute.value == "fp32" \
+                or self.scheme in ("fp16", "bf16"):
+            return None
+        return abs(self.sqnr_db - self.reference_sqnr_db) > REFERENCE_TOLERANCE_DB
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -352,6 +377,10 @@ class CaseResult:
             "peak_memory_bytes": self.peak_memory_bytes,
             "sqnr_db": _finite(self.sqnr_db),
             "max_abs_error": _finite(self.max_abs_error),
+            "reference_sqnr_db": _finite(self.reference_sqnr_db),
+            "sqnr_vs_reference_db": _finite(self.sqnr_vs_reference_db),
+            "disagrees_with_reference": self.disagrees_with_reference,
+            "reference_note": self.reference_note,
             "baseline": self.baseline,
             "speedup": _finite(self.speedup),
             "slower_than_baseline": self.slower_than_baseline,
@@ -440,14 +469,52 @@ def _device_name(runtime: Runtime, environment: Mapping[str, Any]) -> str:
     return str(environment.get("cpu") or "cpu")
 
 
-def _output_check(runtime: Runtime, loaded: Loaded, x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
-    """(SQNR in dB, max |error|) of the runtime's output against fp32 torch on the same input."""
+def _sqnr(ref: np.ndarray, got: np.ndarray) -> float:
+    noise = float(np.sum((got - ref) ** 2))
+    return math.inf if noise == 0 else 10 * math.log10(float(np.sum(ref**2)) / noise)
+
+
+def _output_check(runtime: Runtime, loaded: Loaded, x: np.ndarray, ref: np.ndarray) -> tuple[float, float, np.ndarray]:
+    """(SQNR in dB, max |error|, the output) of the runtime's output against fp32 torch on the same input."""
     got = runtime(loaded, x).reshape(ref.shape).astype(np.float64)
-    err = got - ref
-    noise = float(np.sum(err**2))
-    signal = float(np.sum(ref**2))
-    sqnr = math.inf if noise == 0 else 10 * math.log10(signal / noise)
-    return sqnr, float(np.max(np.abs(err)))
+    return _sqnr(ref, got), float(np.max(np.abs(got - ref))), got
+
+
+# Static presets are calibrated like the ONNX artifacts the onnxruntime adapters build
+# (runtimes.artifacts): seeded Gaussian tokens, the scheme's own calibrator.
+_REFERENCE_CALIBRATION_TOKENS = 1024
+
+
+def reference_output(model: Any, scheme_name: str, x: np.ndarray, seed: int = 0) -> tuple[np.ndarray | None, str]:
+    """ffnquant's fake-quantized reference of the preset called `scheme_name` on `x` (float64), with a note.
+
+    Returns (None, reason) where there is no such preset (`bf16`, bitsandbytes' LLM.int8) or it
+    cannot be built here (nf4/fp4 without bitsandbytes). The GPU kernels' figures are compared
+    with this: it is the numerics the quantization stage reports for that scheme.
+    """
+    import torch
+
+    from .quantize import prepare, quantize_model
+    from .schemes import PRESETS
+
+    if scheme_name == "fp32":
+        return None, "fp32 is the reference itself"
+    if scheme_name not in PRESETS:
+        return None, f"no ffnquant scheme called {scheme_name!r} (a runtime-only format)"
+    scheme = PRESETS[scheme_name]
+    try:
+        if scheme.static_activations:
+            prep = prepare(model.spec, source="gaussian", calib_tokens=_REFERENCE_CALIBRATION_TOKENS, eval_tokens=64,
+                           seed=seed, model=model)
+            qmodel = quantize_model(prep.model, scheme, prep.table)
+            note = f"static ranges calibrated ({scheme.calibrator}) on {_REFERENCE_CALIBRATION_TOKENS} Gaussian tokens"
+        else:
+            qmodel, note = quantize_model(model, scheme), "no calibration needed"
+        with torch.inference_mode():
+            out = qmodel(torch.from_numpy(x)).double().numpy()
+    except FFNQuantError as exc:
+        return None, f"reference unavailable: {exc}"
+    return out, note
 
 
 def run_benchmark(
@@ -526,6 +593,15 @@ def run_benchmark(
 
             with torch.inference_mode():
                 ref = model.float()(torch.from_numpy(x_check)).double().numpy()
+            references: dict[str, tuple[np.ndarray | None, str, float | None]] = {}
+
+            def reference(scheme: str) -> tuple[np.ndarray | None, str, float | None]:
+                if scheme not in references:
+                    out, note = (reference_output(model, scheme, x_check, config.seed) if config.reference_check
+                                 else (None, "reference check off"))
+                    references[scheme] = (out, note, None if out is None else _sqnr(ref, out))
+                return references[scheme]
+
             for rt, wanted in plan:
                 device_name = _device_name(rt, env)
                 peaks = device_peaks(device_name) if rt.device == "cuda" else None
@@ -559,7 +635,7 @@ def run_benchmark(
                     try:
                         rt.reset_peak_memory()
                         loaded = rt.load(case)
-                        sqnr, max_err = _output_check(rt, loaded, x_check, ref)
+                        sqnr, max_err, got = _output_check(rt, loaded, x_check, ref)
                     except Exception as exc:  # a failing runtime is a result, not the end of the sweep
                         for m in config.tokens:
                             record(m, error=_error_text(exc))
@@ -573,13 +649,16 @@ def run_benchmark(
                     if loaded.label not in row["ran_with"]:
                         row["ran_with"].append(loaded.label)
                     compute = FORMATS[scheme].compute.value
+                    ref_out, ref_note, ref_sqnr = reference(scheme)
+                    vs_ref = None if ref_out is None else _sqnr(ref_out, got)
                     for m in config.tokens:
                         act_bytes = tensor_nbytes(loaded.input_dtype, m * spec.d_model) + tensor_nbytes(
                             loaded.output_dtype, m * spec.d_model)
                         base_kw = dict(label=loaded.label, providers=loaded.providers, weight_bytes=loaded.weight_bytes,
                                        file_bytes=loaded.file_bytes, bytes_per_call=loaded.weight_bytes + act_bytes,
                                        flops_per_call=m * spec.flops_per_token, compute=compute, sqnr_db=sqnr,
-                                       max_abs_error=max_err)
+                                       max_abs_error=max_err, reference_sqnr_db=ref_sqnr, sqnr_vs_reference_db=vs_ref,
+                                       reference_note=ref_note)
                         try:
                             stats = measure(rt, loaded, inputs[m], config, timer_factory(rt, loaded))
                         except Exception as exc:
@@ -630,6 +709,137 @@ def _flag_slowdowns(cases: list[CaseResult], baselines: Mapping[str, str]) -> No
         c.slower_than_baseline = c.scheme != base.scheme and c.stats.median_s > base.stats.median_s
 
 
+# --- derived tables (pure functions of a BenchResult.to_dict() document) ----------------------------
+def numerics_rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The cross-runtime numerics table: per (variant, scheme), ffnquant's reference and every runtime's output.
+
+    Each row: variant, scheme, reference_sqnr_db, reference_note and `runtimes`, a dict runtime ->
+    {sqnr_db (against fp32), sqnr_vs_reference_db, disagrees}: fake-quant agreement (the reference
+    against fp32) and real-kernel agreement (each kernel against the reference) side by side.
+    """
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for c in doc.get("cases", []):
+        if c.get("error") or c.get("sqnr_db") is None and c.get("max_abs_error") is None:
+            continue
+        key = (c["spec_key"], c["scheme"])
+        row = rows.setdefault(key, {"variant": c["variant"], "spec_key": c["spec_key"], "scheme": c["scheme"],
+                                    "reference_sqnr_db": c.get("reference_sqnr_db"),
+                                    "reference_note": c.get("reference_note"), "runtimes": {}})
+        exact = c.get("sqnr_db") is None and c.get("max_abs_error") == 0  # infinite SQNR is stored as None
+        row["runtimes"].setdefault(c["runtime"], {"sqnr_db": math.inf if exact else c.get("sqnr_db"),
+                                                  "sqnr_vs_reference_db": c.get("sqnr_vs_reference_db"),
+                                                  "disagrees": c.get("disagrees_with_reference")})
+    return list(rows.values())
+
+
+# The issue's GPU targets, checked on the figures of the run itself.
+W4A16_DECODE_TARGET = 3.5  # x over fp16 at M = 1, SwiGLU d_model 4096 (4-bit weights: ideal about 3.9x)
+INT8_FP8_PREFILL_TARGET = 1.5  # x over bf16 at M = 2048
+GPU_RUN_TARGET_S = 360.0
+
+
+def _median(cases: Sequence[Mapping[str, Any]], **keys: Any) -> float | None:
+    c = next((c for c in cases if all(c.get(k) == v for k, v in keys.items()) and not c.get("error")), None)
+    return None if c is None else c.get("median_s")
+
+
+def gpu_targets(doc: Mapping[str, Any], variant: str = "swiglu") -> list[dict[str, Any]]:
+    """The GPU targets measured in this run: each kernel's speedup over its own runtime's float case.
+
+    W4A16 at one token against fp16, W8A8/FP8 at the largest token count against bf16, both on the
+    same runtime (eager, graph or compile) so that launch overhead is counted alike; and the run's
+    wall time. Empty when no CUDA case ran.
+    """
+    cases = [c for c in doc.get("cases", []) if c.get("variant") == variant and "cuda" in c.get("runtime", "")
+             and not c.get("error")]
+    if not cases:
+        return []
+    out: list[dict[str, Any]] = []
+    big = max(doc["config"]["tokens"])
+
+    def add(goal: str, target: float, scheme_ok, base_scheme: str, m: int) -> None:
+        rows = []
+        for c in cases:
+            if c["tokens"] != m or not scheme_ok(c["scheme"]):
+                continue
+            base = _median(cases, runtime=c["runtime"], scheme=base_scheme, tokens=m)
+            if base and c["median_s"]:
+                rows.append({"runtime": c["runtime"], "scheme": c["scheme"], "median_s": c["median_s"],
+                             "baseline_s": base, "speedup": base / c["median_s"],
+                             "roofline_fraction": c.get("roofline_fraction")})
+        best = max(rows, key=lambda r: r["speedup"], default=None)
+        out.append({"goal": goal, "target": target, "tokens": m, "baseline": base_scheme, "kernels": rows,
+                    "best": best, "met": None if best is None else best["speedup"] >= target})
+
+    add(f"W4A16 at M=1 >= {W4A16_DECODE_TARGET}x over fp16", W4A16_DECODE_TARGET,
+        lambda s: s.startswith("w4a16") or s in ("nf4", "fp4"), "fp16", 1)
+    add(f"W8A8 / FP8 at M={big} >= {INT8_FP8_PREFILL_TARGET}x over bf16", INT8_FP8_PREFILL_TARGET,
+        lambda s: s.startswith("w8a8") or s.startswith("fp8") or s.startswith("llm-int8"), "bf16", big)
+    wall = doc.get("wall_s") or 0.0
+    out.append({"goal": f"whole GPU sweep within {GPU_RUN_TARGET_S:.0f} s", "target": GPU_RUN_TARGET_S,
+                "wall_s": wall, "met": wall <= GPU_RUN_TARGET_S, "kernels": [], "best": None})
+    return out
+
+
+def _db(value: float | None) -> str:
+    return "-" if value is None else ("exact" if math.isinf(value) else f"{value:.1f}")
+
+
+def _numerics_markdown(doc: Mapping[str, Any]) -> list[str]:
+    from .render import markdown_table
+
+    rows = numerics_rows(doc)
+    if not rows:
+        return []
+    runtimes = [r["name"] for r in doc["runtimes"] if any(r["name"] in row["runtimes"] for row in rows)]
+    table = []
+    for row in rows:
+        cells = []
+        for rt in runtimes:
+            got = row["runtimes"].get(rt)
+            if got is None:
+                cells.append("-")
+                continue
+            cell = _db(got["sqnr_db"])
+            if got.get("sqnr_vs_reference_db") is not None:
+                cell += f" / {_db(got['sqnr_vs_reference_db'])}"
+            if got.get("disagrees"):
+                cell += " **DIFFERS**"
+            cells.append(cell)
+        table.append([row["variant"], row["scheme"], _db(row["reference_sqnr_db"]), *cells])
+    notes = sorted({f"{r['scheme']}: {r['reference_note']}" for r in rows if r.get("reference_note")})
+    return ["## Numerics across runtimes", "",
+            "The same quantized FFN through every runtime on the same "
+            f"{doc['config']['accuracy_tokens']} tokens. `reference`: ffnquant's own fake-quantized model of the scheme "
+            "of that name, SQNR against fp32 (fake-quant agreement). Runtime cells: SQNR of the runtime's own output "
+            "against fp32 / against that reference (real-kernel agreement; higher is closer). **DIFFERS**: the "
+            f"kernel's SQNR is more than {REFERENCE_TOLERANCE_DB} dB from the reference's, i.e. it does not compute "
+            "the scheme's numerics (another rounding, symmetry, granularity or activation scaling).", "",
+            markdown_table(["variant", "scheme", "reference", *runtimes], table), "",
+            "Reference per scheme: " + "; ".join(notes) + ".", ""]
+
+
+def _targets_markdown(doc: Mapping[str, Any]) -> list[str]:
+    targets = gpu_targets(doc)
+    if not targets:
+        return []
+    lines = ["## GPU targets (measured in this run, side by side)", ""]
+    for t in targets:
+        verdict = {True: "**met**", False: "**not met**", None: "not measured"}[t["met"]]
+        if "wall_s" in t:
+            lines.append(f"- {t['goal']}: {t['wall_s']:.0f} s, {verdict}")
+            continue
+        best = t["best"]
+        lines.append(f"- {t['goal']}: {verdict}" + (
+            f"; best {best['speedup']:.2f}x ({best['runtime']} {best['scheme']}, {_ms(best['median_s'])} against "
+            f"{_ms(best['baseline_s'])})" if best else ""))
+        for k in sorted(t["kernels"], key=lambda r: -r["speedup"]):
+            roof = k.get("roofline_fraction")
+            lines.append(f"  - {k['runtime']} {k['scheme']}: {_ms(k['median_s'])}, {k['speedup']:.2f}x"
+                         + (f", {100 * roof:.0f}% of the roofline" if roof is not None else ""))
+    return lines + [""]
+
+
 # --- Markdown -----------------------------------------------------------------------------------
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3g} ms"
@@ -657,7 +867,8 @@ def latency_markdown(doc: Mapping[str, Any]) -> str:
     lines += [
         f"- Machine: {env.get('cpu')} ({env.get('cpu_count')} cores, torch threads {env.get('torch_threads')})"
         + (f"; GPU {gpu['name']} (sm {gpu['capability']}, CUDA {gpu['cuda']})" if gpu else "; no GPU"),
-        f"- Versions: torch {pk.get('torch')}, onnxruntime {pk.get('onnxruntime-gpu') or pk.get('onnxruntime')}, "
+        f"- Versions: torch {pk.get('torch')}, triton {pk.get('triton')}, "
+        f"onnxruntime {pk.get('onnxruntime-gpu') or pk.get('onnxruntime')}, "
         f"bitsandbytes {pk.get('bitsandbytes')}, onnx {pk.get('onnx')}, numpy {pk.get('numpy')}",
         f"- Budget {doc['config']['budget_s']} s per case after {doc['config']['warmup']} warm-up calls "
         f"(at least {doc['config']['min_repeats']} timed calls); token counts {doc['config']['tokens']}; "
@@ -714,6 +925,8 @@ def latency_markdown(doc: Mapping[str, Any]) -> str:
     if any((c.get("roofline_fraction") or 0) > 1 for c in cases):
         lines += ["Roofline fractions above 100% mean the call beat the bandwidth it is measured against: "
                   "the weights stayed in cache, which the measured DRAM copy bandwidth does not model.", ""]
+    lines += _targets_markdown(doc)
+    lines += _numerics_markdown(doc)
     errors = [c for c in cases if c["error"]]
     if errors:
         lines += ["## Errors", ""]

@@ -11,7 +11,10 @@ from typing import Any
 
 __all__ = ["package_versions", "environment"]
 
-_PACKAGES = ("ffnquant", "torch", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "bitsandbytes", "numpy", "transformers")
+_PACKAGES = (
+    "ffnquant", "torch", "triton", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "bitsandbytes", "numpy",
+    "transformers",
+)
 
 
 def package_versions() -> dict[str, str | None]:

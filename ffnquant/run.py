@@ -1086,7 +1086,9 @@ def _run_bench(
         missing.append({"part": f"latency of {', '.join(unknown)}", "reason": "no runtime format of that name"})
     # One warm-up and a floor of two timed calls: fast cases still repeat until the budget is spent, and the
     # slow ones (torch's CPU int4/int8 weight-only kernels take seconds per 512-token call) stay bounded.
-    bconf = bench.BenchConfig(tokens=config.tokens, budget_s=config.budget_s, warmup=1, min_repeats=2, seed=config.seed)
+    # The accuracy stage scores every recipe against its reference already: no second reference here.
+    bconf = bench.BenchConfig(tokens=config.tokens, budget_s=config.budget_s, warmup=1, min_repeats=2, seed=config.seed,
+                              reference_check=False)
     model_map = {variant_key[v]: m for v, m in models.items() if v in variant_key}
     runtime_objs = [rt for _, _, rt in runtimes]
     done_before = 0

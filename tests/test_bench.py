@@ -302,3 +302,90 @@ def test_cli_skip_unavailable_reports_the_reason(tmp_path):
     rows = {r["name"]: r for r in doc["runtimes"]}
     assert rows["torch-cuda"]["available"] is False and "no CUDA device" in rows["torch-cuda"]["reason"]
     assert {c["runtime"] for c in doc["cases"]} == {"torch-cpu"}
+
+
+# --- numerics against ffnquant's reference, and the GPU targets --------------------------------------
+def test_reference_of_a_fake_runtime_that_runs_fp32_weights(spec):
+    """A 'w8a16' runtime that silently runs fp32 weights disagrees with ffnquant's w8a16 reference."""
+    cfg = BenchConfig(tokens=(1,), budget_s=0.001, warmup=0, min_repeats=1)
+    result = run_benchmark([spec], [FakeRuntime()], ["fp32", "fp16", "w8a16"], cfg, timer_factory=lambda r, l: FakeTimer([1e-3]))
+    fake = result.case("relu", "fake-cpu", "w8a16", 1)
+    # the reference quantizes the weights to int8 (about 40 dB on this tiny FFN); the fake is exact
+    assert fake.reference_sqnr_db is not None and fake.reference_sqnr_db < 60
+    assert fake.sqnr_db is None or fake.sqnr_db > fake.reference_sqnr_db + 20
+    assert fake.disagrees_with_reference is True
+    # float formats are not flagged: their differences are fp16 rounding, not a recipe's numerics
+    assert result.case("relu", "fake-cpu", "fp16", 1).disagrees_with_reference is None
+    assert result.case("relu", "fake-cpu", "fp32", 1).reference_note == "fp32 is the reference itself"
+
+
+def test_torch_cpu_kernels_against_the_reference(spec):
+    """int8 weight-only on torch-cpu computes the preset's numerics: it agrees with the reference."""
+    cfg = BenchConfig(tokens=(1,), budget_s=0.001, warmup=0, min_repeats=1)
+    result = run_benchmark([spec], ["torch-cpu"], ["fp32", "w8a16", "bf16"], cfg)
+    w8 = result.case("relu", "torch-cpu", "w8a16", 1)
+    assert w8.disagrees_with_reference is False
+    # same weights, same float math up to summation order: far closer to the reference than to fp32
+    assert w8.sqnr_vs_reference_db > w8.sqnr_db + 30
+    bf16 = result.case("relu", "torch-cpu", "bf16", 1)
+    assert bf16.reference_sqnr_db is None and "no ffnquant scheme called 'bf16'" in bf16.reference_note
+    assert result.case("relu", "torch-cpu", "fp32", 1).sqnr_vs_reference_db is None
+
+
+def test_reference_check_can_be_switched_off(spec):
+    cfg = BenchConfig(tokens=(1,), budget_s=0.001, warmup=0, min_repeats=1, reference_check=False)
+    result = run_benchmark([spec], ["torch-cpu"], ["w8a16"], cfg)
+    c = result.case("relu", "torch-cpu", "w8a16", 1)
+    assert c.reference_sqnr_db is None and c.reference_note == "reference check off"
+
+
+def _doc_case(runtime, scheme, tokens, median_s, variant="swiglu", **kw):
+    return {"variant": variant, "spec_key": f"{variant}_d64", "runtime": runtime, "scheme": scheme,
+            "tokens": tokens, "median_s": median_s, "error": None, "roofline_fraction": kw.get("roof"),
+            "sqnr_db": kw.get("sqnr"), "max_abs_error": kw.get("max_err", 0.1),
+            "reference_sqnr_db": kw.get("ref"), "sqnr_vs_reference_db": kw.get("vs_ref"),
+            "disagrees_with_reference": kw.get("differs"), "reference_note": kw.get("note")}
+
+
+def test_gpu_targets_compare_each_kernel_with_its_own_runtime():
+    from ffnquant.bench import gpu_targets
+
+    doc = {"config": {"tokens": [1, 2048]}, "wall_s": 300.0, "cases": [
+        _doc_case("torch-cuda-graph", "fp16", 1, 60e-6),
+        _doc_case("torch-cuda-graph", "w4a16-g128", 1, 30e-6, roof=0.4),
+        _doc_case("triton-cuda", "fp16", 1, 58e-6),
+        _doc_case("triton-cuda", "w4a16-g128", 1, 16e-6, roof=0.85),
+        _doc_case("torch-cuda", "bf16", 2048, 1e-3),
+        _doc_case("torch-cuda", "w8a8-dynamic", 2048, 0.8e-3),
+        _doc_case("torch-cuda", "fp8-e4m3-dynamic", 2048, 0.6e-3),
+        _doc_case("torch-cpu", "w4a16-g128", 1, 1e-6),  # not a GPU case: ignored
+    ]}
+    w4, w8, wall = gpu_targets(doc)
+    assert w4["best"]["runtime"] == "triton-cuda" and w4["best"]["speedup"] == pytest.approx(58 / 16)
+    assert w4["met"] is True and len(w4["kernels"]) == 2
+    assert w8["best"]["scheme"] == "fp8-e4m3-dynamic" and w8["best"]["speedup"] == pytest.approx(1 / 0.6)
+    assert w8["met"] is True and w8["tokens"] == 2048
+    assert wall["met"] is True
+    doc["wall_s"] = 400.0
+    assert gpu_targets(doc)[2]["met"] is False
+    assert gpu_targets({"config": {"tokens": [1]}, "cases": [_doc_case("torch-cpu", "fp32", 1, 1e-3)]}) == []
+
+
+def test_numerics_table_puts_every_runtime_beside_the_reference():
+    from ffnquant.bench import numerics_rows
+
+    doc = {"config": {"tokens": [1], "budget_s": 0.1, "warmup": 1, "min_repeats": 1, "accuracy_tokens": 64},
+           "runtimes": [{"name": n, "available": True, "reason": ""} for n in ("ort-cpu", "torch-cuda")],
+           "specs": [], "environment": {}, "cases": [
+               _doc_case("ort-cpu", "w4a16-g128", 1, 1e-3, sqnr=16.2, ref=16.2, vs_ref=130.0, differs=False, note="n"),
+               _doc_case("torch-cuda", "w4a16-g128", 1, 1e-4, sqnr=16.9, ref=16.2, vs_ref=14.0, differs=True, note="n"),
+               _doc_case("torch-cuda", "fp32", 1, 1e-4, sqnr=None, max_err=0.0, note="fp32 is the reference itself"),
+           ]}
+    rows = {r["scheme"]: r for r in numerics_rows(doc)}
+    assert rows["w4a16-g128"]["runtimes"]["torch-cuda"]["disagrees"] is True
+    assert rows["w4a16-g128"]["runtimes"]["ort-cpu"]["sqnr_vs_reference_db"] == 130.0
+    assert math.isinf(rows["fp32"]["runtimes"]["torch-cuda"]["sqnr_db"])  # exact output, stored as None
+    md = latency_markdown(doc)
+    assert "## Numerics across runtimes" in md
+    assert "| swiglu | w4a16-g128 | 16.2 | 16.2 / 130.0 | 16.9 / 14.0 **DIFFERS** |" in md
+    assert "| swiglu | fp32 | - | - | exact |" in md

@@ -63,7 +63,8 @@ def tiny(request):
 
 # --- registry and formats -------------------------------------------------------------------
 def test_registry_lists_every_runtime():
-    assert set(runtime_names()) == {"ort-cpu", "ort-cuda", "ort-trt", "torch-cpu", "torch-cuda", "bnb-cpu", "bnb-cuda"}
+    assert set(runtime_names()) == {"ort-cpu", "ort-cuda", "ort-trt", "torch-cpu", "torch-cuda", "torch-cuda-graph",
+                                    "torch-cuda-compile", "triton-cuda", "triton-cpu", "bnb-cpu", "bnb-cuda"}
     for name in runtime_names():
         assert get_runtime(name).name == name
 
@@ -287,6 +288,56 @@ def test_torch_cpu_agrees_with_scheme_reference(tiny, scheme):
     assert np.max(np.abs(got - ref)) <= rel * max(1.0, float(np.max(np.abs(ref)))), scheme
 
 
+def ref_fp8_rowwise(x, w, b):
+    """e4m3 with one absmax/448 scale per token (x) and per output channel (w); the GEMM's output in bf16."""
+    def q(t):
+        s = t.abs().amax(dim=-1, keepdim=True).float() / 448.0
+        return (t.float() / s).to(torch.float8_e4m3fn).double() * s.double()
+
+    y = (q(x) @ q(w).T).to(torch.bfloat16).double()
+    return y if b is None else y + b
+
+
+def test_torch_cpu_fp8_rowwise_agrees_with_its_math(tiny):
+    spec, model, x = tiny
+    rt = get_runtime("torch-cpu")
+    if "fp8-e4m3-dynamic" not in rt.formats:
+        pytest.skip(f"torch {torch.__version__} has no row-wise _scaled_mm on CPU")
+    got = rt(rt.load(ModelCase(spec, "fp8-e4m3-dynamic", model=model)), x)
+    ref = run_ref(with_linears(model, ref_fp8_rowwise), x)
+    # Same products and scales; the kernel and the reference may round a bf16 output to the
+    # neighbouring value (2^-8 relative), which can move an fp8 code of the next matmul's input
+    # by one step (2^-3 relative on that element). Both are far below fp8's own noise (about 24 dB
+    # here): 40 dB of agreement separates "same numerics" from "other scaling" (which is ~24 dB).
+    assert sqnr_db(ref, got) >= 40
+
+
+@pytest.mark.parametrize("name,mode", [("torch", "graph"), ("torch", "compile")], ids=["graph", "compile"])
+def test_cuda_graph_modes_refuse_the_cpu(name, mode):
+    from ffnquant.runtimes.torch_rt import TorchRuntime
+
+    with pytest.raises(FFNQuantError, match=f"mode '{mode}' replays CUDA graphs: it needs device 'cuda'"):
+        TorchRuntime("cpu", mode)
+    with pytest.raises(FFNQuantError, match="unknown torch mode 'jit'; valid: eager, graph, compile"):
+        TorchRuntime("cuda", "jit")
+
+
+def test_mode_runtimes_are_named_and_described():
+    graph, compiled = get_runtime("torch-cuda-graph"), get_runtime("torch-cuda-compile")
+    assert (graph.mode, compiled.mode) == ("graph", "compile")
+    assert "CUDA graph" in graph.description and "torch.compile" in compiled.description
+    # compile time is paid per model and shape: only the float and per-token dynamic formats
+    assert compiled.formats == ("fp16", "bf16", "w8a8-dynamic", "fp8-e4m3-dynamic")
+
+
+def test_triton_runtime_says_why_it_cannot_run_on_this_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    avail = get_runtime("triton-cuda").availability()
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    assert not avail.available and ("no CUDA device" in avail.reason or "triton" in avail.reason.lower())
+
+
 def test_torch_cpu_weight_bytes_shrink_with_bits(tiny):
     spec, model, _ = tiny
     rt = get_runtime("torch-cpu")
@@ -382,7 +433,24 @@ def test_torch_cuda_agrees_with_scheme_reference(scheme):
 
 @pytest.mark.gpu
 @GPU
-@pytest.mark.parametrize("name", ["torch-cuda", "bnb-cuda"])
+@pytest.mark.parametrize("name", ["torch-cuda-graph", "torch-cuda-compile"])
+@pytest.mark.parametrize("scheme", ["fp16", "w8a8-dynamic"], ids=str)
+def test_graph_and_compile_modes_match_eager(name, scheme):
+    spec = FFNSpec("swiglu", d_model=128)
+    model = build(spec, seed=3)
+    x = np.random.default_rng(0).standard_normal((1, 5, 128)).astype(np.float32)
+    eager, other = get_runtime("torch-cuda"), get_runtime(name)
+    want = eager(eager.load(ModelCase(spec, scheme, model=model)), x)
+    got = other(other.load(ModelCase(spec, scheme, model=model)), x)
+    # a replayed graph runs the same kernels (bit-identical); inductor may fuse and reorder
+    # fp16 rounding steps, a few units of fp16's roundoff of the output
+    tol = 0 if name.endswith("graph") else 8 * 2**-11 * float(np.max(np.abs(want)))
+    assert np.max(np.abs(got - want)) <= tol
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("name", ["torch-cuda", "torch-cuda-graph", "bnb-cuda", "triton-cuda"])
 def test_cuda_runtime_available_on_gpu(name):
     assert get_runtime(name).availability().available
 
