@@ -5,11 +5,12 @@
 #   scripts/gpu_bench.sh --dry-run       # the same code paths at d_model 128 on whatever is here (CPU is fine)
 #   D_MODEL=2048 VARIANTS=swiglu scripts/gpu_bench.sh
 #
-# Installs nothing from a registry. If bitsandbytes is not importable and a wheel sits under
-# .whl/, it is unpacked (no index, no dependencies) into /tmp/site and put on PYTHONPATH.
+# Installs nothing from a registry. Each wheel under .whl/ (scripts/fetch_gpu_wheels.sh puts them
+# there) whose package is not importable is unpacked (no index, no dependencies) into /tmp/site,
+# which is put on PYTHONPATH.
 # Runtimes that are not really there (no onnxruntime-gpu, no bitsandbytes, no TensorRT) are
 # recorded as "unavailable: <reason>" in the report instead of failing the run. The sweep
-# stops starting new models after MAX_TOTAL_S seconds (default 300) so it ends within 6 minutes.
+# stops starting new models after MAX_TOTAL_S seconds (default 270) so it ends within 6 minutes.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -19,24 +20,34 @@ PY="${PYTHON:-python3}"  # the GPU image's torch lives under python3
 DRY_RUN=0
 [[ "${1:-}" == "--dry-run" ]] && DRY_RUN=1
 
-if ! "$PY" -c "import bitsandbytes" >/dev/null 2>&1; then
-    shopt -s nullglob
-    wheels=(.whl/bitsandbytes-*.whl)
-    if (( ${#wheels[@]} )); then
-        "$PY" -m pip install --quiet --no-index --no-deps --target /tmp/site "${wheels[@]}" \
-            && export PYTHONPATH="/tmp/site:$PYTHONPATH" \
-            || echo "gpu_bench: could not unpack ${wheels[*]}; bnb runtimes will be reported unavailable" >&2
-    fi
+shopt -s nullglob
+wheels=()
+for w in .whl/*.whl; do
+    # the wheel's distribution name is its import name for the wheels we carry (bitsandbytes, tomli_w)
+    mod="${w##*/}"; mod="${mod%%-*}"
+    "$PY" -c "import $mod" >/dev/null 2>&1 || wheels+=("$w")
+done
+if (( ${#wheels[@]} )); then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
+        && export PYTHONPATH="/tmp/site:$PYTHONPATH" \
+        || echo "gpu_bench: could not unpack ${wheels[*]}; what needs them will be reported unavailable or fail" >&2
 fi
+shopt -u nullglob
 
 OUT_DIR="${OUT:-reports}"
 mkdir -p "$OUT_DIR"
-RUNTIMES="${RUNTIMES:-torch-cuda,bnb-cuda,ort-cuda,ort-trt}"
-SCHEMES="${SCHEMES:-fp16,bf16,w8a8-dynamic,w8a16,w8a8-s8,w4a16-g128,fp8-e4m3,nf4,fp4,llm-int8,llm-int8-t0}"
-VARIANTS="${VARIANTS:-relu,swiglu}"
+# torch-cuda: eager; -graph: the same kernels replayed from a CUDA graph (decode sizes are launch-bound);
+# -compile: torch.compile then a graph; triton-cuda: ffnquant's own W4A16 kernel (graph replay).
+# Order matters under MAX_TOTAL_S: the graph-replayed kernels and ours first, compile (slow to build) last.
+RUNTIMES="${RUNTIMES:-torch-cuda-graph,triton-cuda,torch-cuda,bnb-cuda,torch-cuda-compile,ort-cuda,ort-trt}"
+SCHEMES="${SCHEMES:-fp16,bf16,w8a8-dynamic,w8a16,w8a8-s8,w4a16-g128,fp8-e4m3,fp8-e4m3-dynamic,nf4,fp4,llm-int8,llm-int8-t0}"
+# SwiGLU first: the sweep stops starting new models at MAX_TOTAL_S, and SwiGLU at d_model 4096
+# (d_ff 11008, Llama-2-7B's FFN) is the shape the targets are about.
+VARIANTS="${VARIANTS:-swiglu,relu}"
 if (( DRY_RUN )); then
     D_MODEL="${D_MODEL:-128}"; TOKENS="${TOKENS:-1,16}"; BUDGET_S="${BUDGET_S:-0.02}"; NAME="${NAME:-latency_gpu_dryrun}"
-    RUNTIMES="${RUNTIMES},torch-cpu,bnb-cpu"   # so the sweep measures something on a machine without a GPU
+    RUNTIMES="${RUNTIMES},torch-cpu,bnb-cpu,triton-cpu"   # so the sweep measures something on a machine without a GPU
+    export TRITON_INTERPRET=1   # triton-cpu: ffnquant's Triton kernels in Triton's interpreter
 else
     D_MODEL="${D_MODEL:-4096}"; TOKENS="${TOKENS:-1,16,512,2048}"; BUDGET_S="${BUDGET_S:-0.25}"; NAME="${NAME:-latency_gpu}"
 fi
@@ -58,7 +69,7 @@ PYEOF
     --runtimes "$RUNTIMES" --skip-unavailable \
     --schemes "$SCHEMES" --tokens "$TOKENS" \
     --budget-s "$BUDGET_S" --warmup 3 --min-repeats 5 \
-    --max-total-s "${MAX_TOTAL_S:-300}" \
+    --max-total-s "${MAX_TOTAL_S:-270}" \
     --out "$OUT_DIR" --name "$NAME" --no-progress
 
 cat "$OUT_DIR/$NAME.md"

@@ -1,0 +1,240 @@
+"""`scripts/gpu_bench.sh --dry-run` under the GPU device image's packages only.
+
+The device has no package registry, so an import of something its image lacks kills a paid-for
+lease. These tests run the dry run in a Python whose imports are restricted to the image's list
+(scripts/device_image_packages.txt), the wheels scripts/fetch_gpu_wheels.sh carries, the stdlib
+and ffnquant: a `sitecustomize.py` put first on PYTHONPATH installs a `sys.meta_path` finder that
+refuses every other distribution installed here with "... (not on the device image)".
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_LIST = REPO / "scripts" / "device_image_packages.txt"
+# What travels in .whl/ (scripts/fetch_gpu_wheels.sh), and the package under test itself.
+CARRIED = ("bitsandbytes", "tomli-w", "ffnquant")
+# Here onnxruntime is imported from the onnxruntime-gpu distribution; the device has the CPU
+# `onnxruntime` distribution, which is imported under the same name.
+ALLOWED_IMPORTS = frozenset({"onnxruntime"})
+# This machine runs an older Python than the device's 3.12, whose stdlib dropped these.
+# (distutils is left alone: setuptools' shim provides it on 3.12 too.)
+REMOVED_IN_PY312 = frozenset({"asynchat", "asyncore", "imp", "smtpd"})
+# ffnquant imports that may fail on the device, each behind a guard with a clear message.
+OPTIONAL_IMPORTS = {
+    "jsonschema": "ffnquant.report.validate_report only (the test extra)",
+    "tomli": "Python < 3.11 only; the device has tomllib",
+}
+MARK = "not on the device image"
+LOG_VAR = "DEVICE_IMAGE_BLOCK_LOG"
+
+
+def _norm(dist: str) -> str:
+    """PEP 503 name: 'Tomli_W' and 'tomli-w' are one distribution."""
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def device_distributions() -> set[str]:
+    """Normalised distribution names importable on the device: the image's list plus what we carry."""
+    names = set(CARRIED)
+    for line in PACKAGE_LIST.read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.add(line)
+    return {_norm(n) for n in names}
+
+
+def blocked_imports() -> set[str]:
+    """Top-level import names that only distributions missing from the device provide."""
+    allowed = device_distributions()
+    blocked = set(REMOVED_IN_PY312) if sys.version_info < (3, 12) else set()
+    for module, dists in importlib.metadata.packages_distributions().items():
+        if module in sys.stdlib_module_names or module in ALLOWED_IMPORTS:
+            continue
+        # a namespace shared with an allowed distribution (nvidia.*, say) stays importable
+        if not any(_norm(d) in allowed for d in dists):
+            blocked.add(module)
+    return blocked
+
+
+# Kept small and free of third-party imports: it runs at the start of every Python the dry run
+# starts. BLOCKED is filled in by the test; blocked attempts are appended to $DEVICE_IMAGE_BLOCK_LOG.
+_SITECUSTOMIZE = '''\
+"""Refuse imports of packages the GPU device image lacks (written by tests/test_device_ready.py)."""
+import importlib.util
+import os
+import sys
+
+BLOCKED = frozenset(%(blocked)r)
+_MARK = %(mark)r
+
+
+def _importer():
+    """The first frame outside importlib and this file: who asked for the module."""
+    f = sys._getframe(2)
+    while f is not None and (
+        f.f_code.co_filename.startswith("<frozen") or "importlib" in f.f_code.co_filename
+        or f.f_code.co_filename == __file__
+    ):
+        f = f.f_back
+    return "?" if f is None else f"{f.f_globals.get('__name__')} ({f.f_code.co_filename}:{f.f_lineno})"
+
+
+def _log(kind, name):
+    path = os.environ.get(%(log_var)r)
+    if path:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"{kind}\\t{name}\\t{_importer()}\\n")
+
+
+class DeviceImageFinder:
+    """First on sys.meta_path: a blocked top-level name fails as it would on the device."""
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if path is None and fullname in BLOCKED:
+            _log("import", fullname)
+            raise ModuleNotFoundError(f"No module named {fullname!r} ({_MARK})", name=fullname)
+        return None
+
+
+_find_spec = importlib.util.find_spec
+
+
+def find_spec(name, package=None):
+    """Availability probes get None, as on the device, instead of the finder's error."""
+    if not name.startswith(".") and name.partition(".")[0] in BLOCKED:
+        _log("probe", name)
+        return None
+    return _find_spec(name, package)
+
+
+importlib.util.find_spec = find_spec
+sys.meta_path.insert(0, DeviceImageFinder)
+# .pth files run before this file; anything blocked they imported got past the finder.
+_early = sorted(BLOCKED.intersection(sys.modules))
+if _early:
+    print(f"sitecustomize: {_early} were imported before the blocker and are {_MARK}", file=sys.stderr)
+'''
+
+
+@pytest.fixture(scope="module")
+def restricted_env(tmp_path_factory) -> dict[str, str]:
+    """Environment whose Pythons can import only what the device image (plus .whl/) has."""
+    site_dir = tmp_path_factory.mktemp("device_image_site")
+    blocked = sorted(blocked_imports())
+    (site_dir / "sitecustomize.py").write_text(
+        _SITECUSTOMIZE % {"blocked": blocked, "mark": MARK, "log_var": LOG_VAR}, encoding="utf-8"
+    )
+    # the caller's own overrides of gpu_bench.sh's knobs would change what is tested
+    knobs = {"OUT", "NAME", "D_MODEL", "RUNTIMES", "SCHEMES", "VARIANTS", "TOKENS", "BUDGET_S", "MAX_TOTAL_S"}
+    env = {k: v for k, v in os.environ.items() if k not in knobs}
+    # first on the path so this sitecustomize wins; the repo next, as gpu_bench.sh puts it too
+    env["PYTHONPATH"] = os.pathsep.join([str(site_dir), str(REPO)])
+    env["PYTHON"] = sys.executable  # gpu_bench.sh's interpreter: the one running these tests
+    env["MPLBACKEND"] = "Agg"
+    env[LOG_VAR] = str(site_dir / "blocked.log")
+    return env
+
+
+def _blocked_log(env: dict[str, str]) -> str:
+    path = Path(env[LOG_VAR])
+    return path.read_text(encoding="utf-8") if path.exists() else ""
+
+
+def test_package_list_is_well_formed():
+    """One known distribution per line; the carried wheels are not on the image already."""
+    names = device_distributions()
+    assert {"torch", "numpy", "onnx", "onnxruntime", "safetensors", "matplotlib", "rich"} <= names
+    assert all(re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", n) for n in names)
+    blocked = blocked_imports()
+    assert "jsonschema" in blocked  # installed here (the test extra), absent there
+    assert not {"numpy", "torch", "onnxruntime", "bitsandbytes", "tomli_w", "ffnquant"} & blocked
+
+
+@pytest.mark.parametrize(
+    ("statement", "ok"),
+    [
+        ("import jsonschema", False),
+        ("import jsonschema.validators", False),
+        ("import importlib.util as u; assert u.find_spec('jsonschema') is None", True),
+        ("import numpy", True),
+        ("import bitsandbytes, tomli_w", True),
+        ("import onnxruntime", True),
+        ("import json, tomllib", True),
+        ("import ffnquant.runtimes", True),
+    ],
+    ids=lambda v: v if isinstance(v, str) else ("allowed" if v else "refused"),
+)
+def test_blocker(restricted_env, statement, ok):
+    """The sitecustomize refuses what the device lacks, with the message, and nothing else."""
+    proc = subprocess.run(
+        [sys.executable, "-c", statement], env=restricted_env, capture_output=True, text=True, timeout=60
+    )
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+        assert MARK not in proc.stderr
+    else:
+        assert proc.returncode != 0
+        assert "ModuleNotFoundError" in proc.stderr and MARK in proc.stderr, proc.stderr
+
+
+def test_ffnquant_imports_only_what_the_device_has():
+    """Every import statement in ffnquant, CUDA-only paths included, names a device package.
+
+    The dry run on a CPU skips the code behind CUDA-only runtimes; this reads the source instead.
+    """
+    blocked = blocked_imports()
+    installed = importlib.metadata.packages_distributions()
+    missing = {}
+    for path in sorted((REPO / "ffnquant").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                tops = [a.name.partition(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                tops = [node.module.partition(".")[0]]
+            else:
+                continue
+            for top in tops:
+                known = top in sys.stdlib_module_names or top == "ffnquant" or top in installed
+                if top not in OPTIONAL_IMPORTS and (top in blocked or not known):
+                    missing.setdefault(top, []).append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not missing, f"imports {MARK} (add the wheel to scripts/fetch_gpu_wheels.sh or guard them): {missing}"
+
+
+@pytest.mark.slow
+def test_gpu_bench_dry_run_imports_only_what_the_device_has(restricted_env, tmp_path):
+    """The dry run (same code paths as the GPU run) finishes and reports under the device's packages."""
+    out = tmp_path / "out"
+    env = {
+        **restricted_env,
+        "OUT": str(out),
+        # shortened: one variant, one token count, tiny budgets; runtimes and schemes stay
+        # the script's defaults so every runtime's import path is exercised
+        "VARIANTS": "swiglu",
+        "TOKENS": "1",
+        "BUDGET_S": "0.005",
+        "MAX_TOTAL_S": "60",
+    }
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_bench.sh"), "--dry-run"],
+        env=env, capture_output=True, text=True, timeout=180, cwd=REPO,
+    )
+    output = proc.stdout + proc.stderr
+    blocked = _blocked_log(env)
+    detail = f"\n--- blocked attempts (kind, module, importer) ---\n{blocked}\n--- output tail ---\n{output[-6000:]}"
+    assert proc.returncode == 0, f"dry run exited {proc.returncode}{detail}"
+    assert MARK not in output, f"the dry run needed a package the device image lacks{detail}"
+    for suffix in (".md", ".json"):
+        report = out / f"latency_gpu_dryrun{suffix}"
+        assert report.is_file() and report.stat().st_size > 0, f"no {report.name}{detail}"
+    assert MARK not in (out / "latency_gpu_dryrun.md").read_text(encoding="utf-8"), detail
