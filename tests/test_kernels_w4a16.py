@@ -184,6 +184,24 @@ def test_gated_matches_reference(interpret, m, act):
     _assert_close(y, ref, bound)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_gated_candidate_configs(interpret):
+    # the tuner's gated candidates are the plain ones without a K split; each must run and match
+    k, n = 256, 48
+    pg, pu = _packed(n, k, 128, seed=2), _packed(n, k, 128, seed=3)
+    x = _x(5, k, torch.float16)
+    ref = w4a16_gated_reference(x, pg, pu, "relu")
+    configs = _candidates(5, pg, gated=True)
+    assert configs and all(c.split_k == 1 for c in configs)
+    xf = x.float()
+    g, u = xf @ dequantize_w4(pg).T, xf @ dequantize_w4(pu).T
+    e = 2 * (k + 2) * 2.0**-24
+    e_g, e_u = e * (xf.abs() @ dequantize_w4(pg).abs().T), e * (xf.abs() @ dequantize_w4(pu).abs().T)
+    bound = e_g * u.abs() + (g.abs() + e_g) * e_u + _ulp(ref.float(), torch.float16)  # relu: slope 1, exact
+    for cfg in configs:
+        _assert_close(w4a16_gated(x, pg, pu, "relu", config=cfg), ref, bound)
+
+
 def test_gated_rejects_mismatch_and_split(interpret):
     pg, pu = _packed(48, 256, 64), _packed(48, 256, 32)
     x = _x(1, 256, torch.float16)
