@@ -442,10 +442,16 @@ def test_graph_and_compile_modes_match_eager(name, scheme):
     eager, other = get_runtime("torch-cuda"), get_runtime(name)
     want = eager(eager.load(ModelCase(spec, scheme, model=model)), x)
     got = other(other.load(ModelCase(spec, scheme, model=model)), x)
-    # a replayed graph runs the same kernels (bit-identical); inductor may fuse and reorder
-    # fp16 rounding steps, a few units of fp16's roundoff of the output
-    tol = 0 if name.endswith("graph") else 8 * 2**-11 * float(np.max(np.abs(want)))
-    assert np.max(np.abs(got - want)) <= tol
+    if name.endswith("graph"):  # a replayed graph runs the same kernels: bit-identical
+        assert np.array_equal(got, want)
+    elif scheme == "fp16":  # inductor may fuse and reorder fp16 rounding steps: a few units of roundoff
+        assert np.max(np.abs(got - want)) <= 8 * 2**-11 * float(np.max(np.abs(want)))
+    else:
+        # Inductor computes the per-token scales in another order, so a few int8 codes of the
+        # hidden activation land one step apart (seen on an H200: max difference 0.0127 on an
+        # output of absmax ~0.55). Each such flip is sparse noise far below int8's own (~30 dB
+        # against fp32); 40 dB between the two outputs says "same numerics".
+        assert sqnr_db(want.astype(np.float64), got) >= 40
 
 
 @pytest.mark.gpu
