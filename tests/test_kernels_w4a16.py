@@ -41,17 +41,11 @@ from ffnquant.kernels.w4a16 import (  # noqa: E402
     w4a16_matmul,
     w4a16_reference,
 )
+from ffnquant.model import ACTIVATIONS as FFN_ACTIVATIONS  # noqa: E402
 from ffnquant.primitives import int4_group_dequantize, int4_group_rtn  # noqa: E402
+from ffnquant.spec import Activation  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-_TORCH_ACT = {
-    "silu": torch.nn.functional.silu,
-    "gelu": torch.nn.functional.gelu,
-    "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
-    "relu": torch.relu,
-    "sigmoid": torch.sigmoid,
-    "identity": lambda z: z,
-}
 SHAPES = {"k256-n96": (256, 96), "k384-n100": (384, 100)}  # n=100: not a multiple of any BLOCK_N
 
 
@@ -175,7 +169,7 @@ def test_gated_matches_reference(interpret, m, act):
     gamma = (k + 2) * 2.0**-24
     e_g = 2 * gamma * (xf.abs() @ dequantize_w4(pg).abs().T)
     e_u = 2 * gamma * (xf.abs() @ dequantize_w4(pu).abs().T)
-    a = _TORCH_ACT[act](g)
+    a = FFN_ACTIVATIONS[Activation(act)](g)  # the FFN's own definition
     lip = 1.13  # the largest slope of these activations (gelu: 1.129; silu: 1.0998; the others <= 1)
     # error of g and u carried through act(g) * u, plus a few float32 ulps for the activation's own evaluation
     # (Triton's exp/erf vs torch's; gelu_tanh is evaluated as z * sigmoid(2u), equal to torch's formula in exact math)

@@ -138,17 +138,13 @@ def w4a16_gated_reference(x: torch.Tensor, p_gate: PackedW4, p_up: PackedW4, act
 
 
 def _torch_act(act: str):
-    fns = {
-        "silu": torch.nn.functional.silu,
-        "gelu": torch.nn.functional.gelu,
-        "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
-        "relu": torch.relu,
-        "sigmoid": torch.sigmoid,
-        "identity": lambda z: z,
-    }
-    if act not in fns:
+    """The FFN's own activation called `act` (ffnquant.model.ACTIVATIONS): what the kernel must match."""
+    from ..model import ACTIVATIONS as FFN_ACTIVATIONS
+    from ..spec import Activation
+
+    if act not in ACTIVATIONS:
         raise unknown_choice("activation", act, ACTIVATIONS)
-    return fns[act]
+    return FFN_ACTIVATIONS[Activation(act)]
 
 
 def _describe(t) -> str:
@@ -398,6 +394,8 @@ def _dot_kernel(
             acc2 += tl.dot(x, w, input_precision="ieee") * s[None, :]
     res = acc
     if GATED:
+        # the same epilogue as _gemv_kernel's: a shared @jit helper would be bound to one of the two
+        # modes (compiled or interpreted) at decoration, see _kernels()
         if ACT == 0:
             res = res / (1.0 + tl.exp(-res))
         elif ACT == 1:
