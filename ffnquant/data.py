@@ -26,10 +26,13 @@ import numpy as np
 import torch
 
 from .errors import FFNQuantError, unknown_choice
+from .resources import check_memory, os_reason, regular_file
 
 __all__ = [
     "SourceKind",
     "TOKEN_FILE_SUFFIXES",
+    "NPY_DTYPES",
+    "SAFETENSORS_DTYPES",
     "CHUNK_ROWS",
     "CALIBRATION_STREAM",
     "EVALUATION_STREAM",
@@ -73,10 +76,22 @@ def _check_sizes(n_tokens: int, d_model: int) -> None:
         raise FFNQuantError(f"d_model must be a positive integer, got {d_model!r}")
 
 
+def _check_token_memory(start: int, stop: int, d_model: int, extra_bytes: int = 0) -> None:
+    """Refuse drawing rows [start, stop) of a synthetic source the machine cannot hold, before drawing."""
+    n_chunks = (stop - 1) // CHUNK_ROWS - start // CHUNK_ROWS + 1 if stop > start else 0
+    # Whole chunks are drawn (the rows kept are views into them) and then concatenated.
+    check_memory(
+        (n_chunks * CHUNK_ROWS + (stop - start)) * d_model * 4 + extra_bytes,
+        f"drawing {stop - start} tokens at d_model {d_model} (in chunks of {CHUNK_ROWS})",
+        "choose a smaller d_model or fewer tokens",
+    )
+
+
 def _gaussian_rows(start: int, stop: int, d_model: int, seed: int, stream: int) -> torch.Tensor:
     """Rows [start, stop) of the standard-normal stream (seed, stream), built chunk by chunk."""
     if stop <= start:
         return torch.empty(0, d_model)
+    _check_token_memory(start, stop, d_model)
     parts = []
     for chunk in range(start // CHUNK_ROWS, (stop - 1) // CHUNK_ROWS + 1):
         gen = torch.Generator().manual_seed(_torch_seed(_TOKENS_TAG, seed, stream, chunk, d_model))
@@ -97,6 +112,7 @@ def outlier_channel_indices(d_model: int, seed: int, n_outlier_channels: int) ->
     """The input channels the LLM-like source makes large: fixed by (seed, d_model), sorted."""
     if not 0 <= n_outlier_channels <= d_model:
         raise FFNQuantError(f"n_outlier_channels must be in [0, d_model={d_model}], got {n_outlier_channels}")
+    check_memory(8 * d_model, f"the outlier-channel layout at d_model {d_model}", "choose a smaller d_model")
     gen = torch.Generator().manual_seed(_torch_seed(_LAYOUT_TAG, seed, d_model))
     return torch.sort(torch.randperm(d_model, generator=gen)[:n_outlier_channels]).values
 
@@ -131,6 +147,8 @@ def llm_like_tokens(
     _check_sizes(n_tokens, d_model)
     if not (isinstance(outlier_scale, (int, float)) and math.isfinite(outlier_scale) and outlier_scale > 0):
         raise FFNQuantError(f"outlier_scale must be a positive number, got {outlier_scale!r}")
+    # Before the layout: its permutation and channel scales (16 bytes a channel) take long at huge d_model.
+    _check_token_memory(start, start + n_tokens, d_model, extra_bytes=16 * d_model)
     scales, idx, signs = _llm_layout(d_model, seed, n_outlier_channels)
     x = _gaussian_rows(start, start + n_tokens, d_model, seed, stream) * scales
     if len(idx):
@@ -142,25 +160,65 @@ def _describe(path: Path) -> str:
     return repr(str(path))
 
 
-def _read_array(path: Path, name: str | None) -> tuple[Any, str]:
-    """The raw array of a token file (numpy array or torch tensor) and a label for messages."""
-    suffix = path.suffix.lower()
-    if suffix not in TOKEN_FILE_SUFFIXES:
+# Token file dtypes load_tokens converts to float32. numpy has no bfloat16; the float8 formats
+# are accepted in safetensors because torch converts them exactly. Anything else (float128,
+# complex, integers, bool, strings, objects) is refused: torch cannot take it or it is no activation.
+NPY_DTYPES = ("float16", "float32", "float64")
+SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_SAFETENSORS_ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class _Header:
+    """What a token file says about its array before any data is read."""
+
+    label: str  # "array" or "tensor 'acts'"
+    dtype: str  # numpy / torch dtype name
+    shape: tuple[int, ...]
+    itemsize: int
+    supported: tuple[str, ...] | None  # None: dtype accepted; else the accepted ones (dtype refused)
+
+
+def _npy_header(path: Path) -> tuple[_Header, int]:
+    """The header of a .npy file and the bytes of data after it, read without loading the array."""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as fh:
+            version = fmt.read_magic(fh)
+            if version == (1, 0):
+                shape, _, dtype = fmt.read_array_header_1_0(fh)
+            else:  # (2, 0), or (3, 0) whose utf-8 header differs from 2.0's only beyond ASCII
+                shape, _, dtype = fmt.read_array_header_2_0(fh)
+            offset = fh.tell()
+    except OSError as exc:
+        raise FFNQuantError(f"cannot read token file {_describe(path)}: {os_reason(exc)}") from None
+    except Exception as exc:  # numpy raises ValueError for bad magic or headers
+        raise FFNQuantError(f"cannot read token file {_describe(path)}: {exc}") from exc
+    ok = dtype.kind == "f" and dtype.name in NPY_DTYPES  # either byte order: converted when loaded
+    header = _Header("array", dtype.name, tuple(int(n) for n in shape), dtype.itemsize, None if ok else NPY_DTYPES)
+    return header, path.stat().st_size - offset
+
+
+def _load_npy(path: Path, header: _Header, data_bytes: int) -> torch.Tensor:
+    numel = math.prod(header.shape)
+    if numel * header.itemsize > data_bytes:
         raise FFNQuantError(
-            f"token file {_describe(path)} has unsupported extension {suffix or '(none)'!r}; valid: "
-            + ", ".join(TOKEN_FILE_SUFFIXES)
+            f"token file {_describe(path)} is truncated: its header says {header.dtype} {header.shape} "
+            f"({numel * header.itemsize} bytes of data) but {data_bytes} bytes follow it"
         )
-    if not path.exists():
-        raise FFNQuantError(f"token file {_describe(path)} does not exist")
-    if not path.is_file():
-        raise FFNQuantError(f"token file {_describe(path)} is not a file")
-    if suffix == ".npy":
-        if name is not None:
-            raise FFNQuantError(f"token file {_describe(path)} is .npy and holds one array; a tensor name applies only to .safetensors")
-        try:
-            return np.load(path, allow_pickle=False), "array"
-        except Exception as exc:  # numpy raises ValueError/OSError/EOFError for corrupt files
-            raise FFNQuantError(f"cannot read token file {_describe(path)}: {exc}") from exc
+    try:
+        raw = np.load(path, allow_pickle=False)
+    except OSError as exc:
+        raise FFNQuantError(f"cannot read token file {_describe(path)}: {os_reason(exc)}") from None
+    except Exception as exc:  # numpy raises ValueError/EOFError for corrupt files
+        raise FFNQuantError(f"cannot read token file {_describe(path)}: {exc}") from exc
+    if not raw.dtype.isnative:  # big-endian data (np.save of '>f4'): torch takes native byte order only
+        raw = raw.astype(raw.dtype.newbyteorder("="))
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+def _safetensors_header(path: Path, name: str | None) -> tuple[_Header, str]:
     from safetensors import safe_open
 
     try:
@@ -175,37 +233,70 @@ def _read_array(path: Path, name: str | None) -> tuple[Any, str]:
                 name = keys[0]
             elif name not in keys:
                 raise unknown_choice(f"tensor in {_describe(path)}:", name, keys)
-            return fh.get_tensor(name), f"tensor {name!r}"
+            sl = fh.get_slice(name)
+            st_dtype, shape = str(sl.get_dtype()), tuple(int(n) for n in sl.get_shape())
     except FFNQuantError:
         raise
     except Exception as exc:  # safetensors raises several types for corrupt headers
+        raise FFNQuantError(f"cannot read token file {_describe(path)}: {exc}") from exc
+    ok = st_dtype in SAFETENSORS_DTYPES
+    header = _Header(f"tensor {name!r}", SAFETENSORS_DTYPES.get(st_dtype, st_dtype.lower()), shape,
+                     _SAFETENSORS_ITEMSIZE.get(st_dtype, 1), None if ok else tuple(SAFETENSORS_DTYPES.values()))
+    return header, name
+
+
+def _load_safetensors(path: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return fh.get_tensor(name)
+    except Exception as exc:
         raise FFNQuantError(f"cannot read token file {_describe(path)}: {exc}") from exc
 
 
 def load_tokens(path: str | os.PathLike, d_model: int | None = None, name: str | None = None) -> torch.Tensor:
     """Load float32 tokens [n, d] from .npy or .safetensors ([tokens, d] or [batch, seq, d]), validated.
 
-    Errors (FFNQuantError, naming the file): missing or unreadable file, unsupported
-    extension, several tensors without `name`, non-float data, wrong rank, no tokens,
-    last dimension != `d_model` (when given), NaN/Inf values (with their counts).
+    Errors (FFNQuantError, naming the file): missing, unreadable or non-regular file, unsupported
+    extension, several tensors without `name`, a dtype other than the float ones listed in
+    NPY_DTYPES / SAFETENSORS_DTYPES, wrong rank, no tokens, last dimension != `d_model` (when
+    given), more data than memory holds, NaN/Inf values (with their counts). Everything but the
+    values is checked from the file's header, before its data is read; big-endian data is converted.
     """
     path = Path(path)
-    raw, label = _read_array(path, name)
-    where = f"token file {_describe(path)} ({label})"
-    tensor = raw if isinstance(raw, torch.Tensor) else None
-    if tensor is None:
-        if raw.dtype.kind != "f":
-            raise FFNQuantError(f"{where} has dtype {raw.dtype}; expected floating-point values")
-        tensor = torch.from_numpy(np.ascontiguousarray(raw))
-    elif not tensor.is_floating_point():
-        raise FFNQuantError(f"{where} has dtype {tensor.dtype}; expected floating-point values")
-    if tensor.ndim not in (2, 3):
-        raise FFNQuantError(f"{where} has shape {tuple(tensor.shape)}; expected [tokens, d_model] or [batch, seq, d_model]")
-    if tensor.numel() == 0:
-        raise FFNQuantError(f"{where} is empty (shape {tuple(tensor.shape)})")
-    if d_model is not None and tensor.shape[-1] != d_model:
-        raise FFNQuantError(f"{where} has last dimension {tensor.shape[-1]}, expected d_model {d_model}")
-    tensor = tensor.reshape(-1, tensor.shape[-1]).to(torch.float32)
+    suffix = path.suffix.lower()
+    if suffix not in TOKEN_FILE_SUFFIXES:
+        raise FFNQuantError(
+            f"token file {_describe(path)} has unsupported extension {suffix or '(none)'!r}; valid: "
+            + ", ".join(TOKEN_FILE_SUFFIXES)
+        )
+    regular_file(path, "token file")  # a FIFO would block the read forever
+    if suffix == ".npy":
+        if name is not None:
+            raise FFNQuantError(f"token file {_describe(path)} is .npy and holds one array; a tensor name applies only to .safetensors")
+        header, data_bytes = _npy_header(path)
+    else:
+        header, name = _safetensors_header(path, name)
+    where = f"token file {_describe(path)} ({header.label})"
+    shape = header.shape
+    if header.supported is not None:
+        raise FFNQuantError(f"{where} has dtype {header.dtype}; expected floating-point values, one of: "
+                            + ", ".join(header.supported))
+    if len(shape) not in (2, 3):
+        raise FFNQuantError(f"{where} has shape {shape}; expected [tokens, d_model] or [batch, seq, d_model]")
+    numel = math.prod(shape)
+    if numel == 0:
+        raise FFNQuantError(f"{where} is empty (shape {shape})")
+    if d_model is not None and shape[-1] != d_model:
+        raise FFNQuantError(f"{where} has last dimension {shape[-1]}, expected d_model {d_model}")
+    # The data as stored, a byte-swapped or float32 copy, and the NaN/Inf masks.
+    check_memory(numel * (2 * header.itemsize + 6), f"{where}, {header.dtype} {shape},",
+                 "use a smaller token file", "to load")
+    tensor = _load_npy(path, header, data_bytes) if suffix == ".npy" else _load_safetensors(path, name)
+    if tuple(tensor.shape) != shape:  # the header and the data disagree: a corrupt file
+        raise FFNQuantError(f"cannot read token file {_describe(path)}: header shape {shape}, data {tuple(tensor.shape)}")
+    tensor = tensor.reshape(-1, shape[-1]).to(torch.float32)
     finite = torch.isfinite(tensor)
     if not bool(finite.all()):
         n_nan = int(torch.isnan(tensor).sum())

@@ -10,6 +10,12 @@ __all__ = ["FFNQuantError", "unknown_choice"]
 class FFNQuantError(ValueError):
     """Bad input or an unusable environment; the CLI prints it on one line and exits with code 2."""
 
+    def __init__(self, *args: object) -> None:
+        # The one-line promise holds even when a message embeds a library's multi-line text.
+        if args and isinstance(args[0], str) and ("\n" in args[0] or "\r" in args[0]):
+            args = (" ".join(ln.strip() for ln in args[0].splitlines() if ln.strip()),) + args[1:]
+        super().__init__(*args)
+
 
 def unknown_choice(kind: str, value: object, valid: Iterable[object]) -> FFNQuantError:
     """Build the error for a name outside a closed set, listing the valid names."""

@@ -20,9 +20,10 @@ from torch import nn
 
 from .atomic import atomic_path
 from .errors import FFNQuantError
+from .resources import check_memory, regular_file
 from .spec import Activation, FFNSpec
 
-__all__ = ["ACTIVATIONS", "SiteTap", "FFN", "build", "save_weights", "load_weights"]
+__all__ = ["ACTIVATIONS", "SiteTap", "FFN", "build", "check_fits", "save_weights", "load_weights"]
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +60,7 @@ class FFN(nn.Module):
 
     def __init__(self, spec: FFNSpec, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        check_fits(spec, spec.n_params * _itemsize(dtype))
         self.spec = spec
         d, f, bias = spec.d_model, spec.d_ff, bool(spec.bias)
         self.w_up = nn.Linear(d, f, bias=bias, dtype=dtype)
@@ -90,8 +92,29 @@ class FFN(nn.Module):
         return f"variant={self.spec.variant.value}, d_model={self.spec.d_model}, d_ff={self.spec.d_ff}"
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def check_fits(spec: FFNSpec, n_bytes: int) -> None:
+    """Refuse, before allocating, an FFN whose weights (`n_bytes` with what building them needs) do not fit in memory.
+
+    Every FFN is made through `FFN(...)` (and `build`), so this one check covers each command that makes one.
+    """
+    check_memory(
+        n_bytes,
+        f"{spec.variant.value} at d_model {spec.d_model} (d_ff {spec.d_ff})",
+        "choose a smaller d_model (or d_ff)",
+        "for its weights",
+    )
+
+
 def build(spec: FFNSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> FFN:
     """Build an FFN with deterministic weights: N(0, 1/fan_in) weights, U(+-1/sqrt(fan_in)) biases."""
+    # The fp32 weights, the one random matrix drawn before it is copied in, and a copy in `dtype`.
+    largest = max(r * c for r, c in spec.weight_shapes.values())
+    cast = spec.n_params * _itemsize(dtype) if dtype != torch.float32 else 0
+    check_fits(spec, (spec.n_params + largest) * 4 + cast)
     model = FFN(spec, dtype=torch.float32)
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
@@ -131,9 +154,7 @@ def load_weights(path: str | os.PathLike, spec: FFNSpec | None = None) -> FFN:
     from safetensors import safe_open
     import json
 
-    path = Path(path)
-    if not path.is_file():
-        raise FFNQuantError(f"weights file {str(path)!r} does not exist")
+    path = regular_file(path, "weights file")  # a FIFO would block safe_open forever
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import FFNQuantError, unknown_choice
+from .resources import MAX_ELEMENTS
 
 __all__ = [
     "Variant",
@@ -104,12 +105,17 @@ def parse_variant(name: str | Variant) -> Variant:
 
 
 def parse_variants(names: str | list[str] | None) -> list[Variant]:
-    """Comma-separated or listed variant keys; None or 'all' means every variant."""
+    """Comma-separated or listed variant keys; None or 'all' means every variant.
+
+    An empty string or list is refused rather than read as 'all': it is usually an unset variable.
+    """
     if names is None:
         return list(Variant)
     if isinstance(names, str):
         names = [n for n in names.split(",") if n.strip()]
-    if not names or names == ["all"]:
+    if not names:
+        raise FFNQuantError("no variant given; valid: all, " + ", ".join(v.value for v in Variant))
+    if [str(n).strip().lower() for n in names] == ["all"]:
         return list(Variant)
     out: list[Variant] = []
     for n in names:
@@ -173,16 +179,30 @@ class FFNSpec:
         if mult is not None and (not isinstance(mult, (int, float)) or not math.isfinite(mult) or mult <= 0):
             raise FFNQuantError(f"ffn_dim_multiplier must be a positive number, got {mult!r}")
         if self.d_ff is None:
-            if variant.gated:
-                d_ff = gated_width(self.d_model, multiple_of, mult)
-            else:
-                base = 4 * self.d_model
-                if mult is not None:
-                    base = int(mult * base)
-                d_ff = multiple_of * ((base + multiple_of - 1) // multiple_of)
+            try:
+                if variant.gated:
+                    d_ff = gated_width(self.d_model, multiple_of, mult)
+                else:
+                    base = 4 * self.d_model
+                    if mult is not None:
+                        base = int(mult * base)
+                    d_ff = multiple_of * ((base + multiple_of - 1) // multiple_of)
+            except OverflowError:  # a huge multiplier makes the float width infinite
+                d_ff = None
+            if d_ff is None or d_ff <= 0:
+                raise FFNQuantError(
+                    f"ffn_dim_multiplier {mult!r} at d_model {self.d_model} gives d_ff "
+                    f"{'beyond any size' if d_ff is None else d_ff}; choose a multiplier giving d_ff >= 1"
+                )
             object.__setattr__(self, "d_ff", d_ff)
         elif isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int) or self.d_ff <= 0:
             raise FFNQuantError(f"d_ff must be a positive integer, got {self.d_ff!r}")
+        if self.d_model * self.d_ff > MAX_ELEMENTS:
+            # Refused here, before any size arithmetic: torch's int64 byte counts overflow past this.
+            raise FFNQuantError(
+                f"d_model {self.d_model} x d_ff {self.d_ff} = {self.d_model * self.d_ff:.3g} weights per matrix, "
+                f"beyond what any tensor can hold (2**62): choose a smaller d_model or d_ff"
+            )
         if self.bias is None:
             object.__setattr__(self, "bias", variant in _BIAS_BY_DEFAULT)
         elif not isinstance(self.bias, bool):

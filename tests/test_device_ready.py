@@ -33,6 +33,7 @@ REMOVED_IN_PY312 = frozenset({"asynchat", "asyncore", "imp", "smtpd"})
 OPTIONAL_IMPORTS = {
     "jsonschema": "ffnquant.report.validate_report only (the test extra)",
     "tomli": "Python < 3.11 only; the device has tomllib",
+    "psutil": "ffnquant.resources.available_memory only where /proc/meminfo is absent (not Linux); guarded",
 }
 MARK = "not on the device image"
 LOG_VAR = "DEVICE_IMAGE_BLOCK_LOG"

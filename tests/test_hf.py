@@ -400,3 +400,279 @@ def test_per_layer_evaluation_from_files_needs_no_transformers(tmp_path):
     assert all(r["n_eval_tokens"] == 300 for r in by["w8a8-dynamic"]["layers"])
     assert min(r["sqnr_db"] for r in by["w8a8-dynamic"]["layers"]) > max(r["sqnr_db"] for r in by["w4a16-g32"]["layers"]) + 10
     assert by["w4a16-g32"]["end_to_end"] is None and "end_to_end_unavailable" in result
+
+
+# --- model folders that must be refused in one line: special files, permissions, escapes, pickles ---------
+
+
+@pytest.fixture
+def no_hang():
+    """Fail a test that blocks (a FIFO opened for reading) instead of hanging the suite."""
+    import signal
+
+    def timeout(signum, frame):
+        raise AssertionError("blocked for 20 s: a special file was opened")
+
+    old = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _sharded(p):
+    """Turn the folder's model.safetensors into two shards and an index."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(p / "model.safetensors"))
+    (p / "model.safetensors").unlink()
+    names = sorted(state)
+    weight_map = {}
+    for i, keys in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: state[k] for k in keys}, str(p / shard))
+        weight_map.update({k: shard for k in keys})
+    (p / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return weight_map
+
+
+def _replace_with_fifo(path):
+    import os
+
+    if path.exists():
+        path.unlink()
+    os.mkfifo(path)
+
+
+def _pickled(p):
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(p / "model.safetensors")), p / "pytorch_model.bin")
+    (p / "model.safetensors").unlink()
+
+
+@pytest.mark.parametrize(
+    "prepare, name",
+    [
+        pytest.param(lambda p: None, "model.safetensors", id="weights"),
+        pytest.param(lambda p: None, "config.json", id="config"),
+        pytest.param(lambda p: None, "tokenizer.json", id="tokenizer"),
+        pytest.param(lambda p: None, "special_tokens_map.json", id="tokenizer-extra"),
+        pytest.param(_sharded, "model-00002-of-00002.safetensors", id="shard"),
+        pytest.param(_sharded, "model.safetensors.index.json", id="index"),
+        pytest.param(_pickled, "pytorch_model.bin", id="pickle"),
+    ],
+)
+def test_special_files_in_a_model_folder_are_refused_not_opened(tmp_path, no_hang, prepare, name):
+    _write_llama_like(tmp_path / "m")
+    prepare(tmp_path / "m")
+    _replace_with_fifo(tmp_path / "m" / name)
+    with pytest.raises(FFNQuantError) as info:
+        inspect_model(tmp_path / "m", allow_pickle=True)
+    message = str(info.value)
+    assert "\n" not in message and f"{name}' is a FIFO, not a regular file" in message, message
+
+
+def _deny_open(monkeypatch, path):
+    """Make opening `path` fail as it would without read permission (tests run as root, who reads mode 000)."""
+    import builtins
+
+    real_open = builtins.open
+
+    def denied(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)
+
+
+@pytest.mark.parametrize(
+    "prepare, name, what",
+    [
+        pytest.param(lambda p: None, "config.json", "model config", id="config"),
+        pytest.param(lambda p: None, "model.safetensors", "weights file", id="weights"),
+        pytest.param(_sharded, "model-00001-of-00002.safetensors", "weights file", id="shard"),
+        pytest.param(_sharded, "model.safetensors.index.json", "safetensors index", id="index"),
+        pytest.param(_pickled, "pytorch_model.bin", "weights file", id="pickle"),
+    ],
+)
+def test_unreadable_model_files_are_named_in_one_line(tmp_path, monkeypatch, prepare, name, what):
+    _write_llama_like(tmp_path / "m")
+    prepare(tmp_path / "m")
+    path = tmp_path / "m" / name
+    _deny_open(monkeypatch, path)
+    with pytest.raises(FFNQuantError) as info:
+        inspect_model(tmp_path / "m", allow_pickle=True)
+    assert str(info.value) == f"cannot read {what} {str(path)!r}: permission denied"
+
+
+def test_unlistable_model_folder_is_named(tmp_path, monkeypatch):
+    import os
+
+    _write_llama_like(tmp_path / "m")
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p=".": (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+                        if str(p) == str(tmp_path / "m") else real(p))
+    with pytest.raises(FFNQuantError, match=r"^cannot list model folder '.*m': permission denied$"):
+        inspect_model(tmp_path / "m")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root reads files of mode 000; the denied open is tested above by patching open")
+def test_mode_000_config_is_refused(tmp_path):
+    _write_llama_like(tmp_path / "m")
+    (tmp_path / "m" / "config.json").chmod(0)
+    with pytest.raises(FFNQuantError, match=r"cannot read model config '.*config\.json': permission denied$"):
+        inspect_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize(
+    "shard",
+    [
+        pytest.param("../outside/x.safetensors", id="parent"),
+        pytest.param("sub/../../x.safetensors", id="nested-parent"),
+        pytest.param("{outside}", id="absolute"),
+        pytest.param("..\\x.safetensors", id="backslash-parent"),
+        pytest.param("C:\\x.safetensors", id="windows-drive"),
+        pytest.param("", id="empty"),
+    ],
+)
+def test_sharded_index_pointing_outside_the_folder_is_refused(tmp_path, shard):
+    from safetensors.torch import save_file
+
+    state = _write_llama_like(tmp_path / "m")
+    (tmp_path / "outside").mkdir()
+    outside = tmp_path / "outside" / "x.safetensors"
+    save_file(state, str(outside))  # a readable file out there: it must still not be read
+    (tmp_path / "m" / "model.safetensors").unlink()
+    shard = shard.replace("{outside}", str(outside))
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard for k in state}}))
+    with pytest.raises(FFNQuantError) as info:
+        inspect_model(tmp_path / "m")
+    assert str(info.value).endswith(f"names shard {shard!r}, which is not a file name inside the model folder; "
+                                    "shards must be files in the folder, named relative to it")
+
+
+def test_index_with_shard_links_inside_the_folder_still_loads(tmp_path):
+    """Hugging Face cache snapshots link each file to a blob outside the folder: names, not targets, are checked."""
+    import os
+
+    _write_llama_like(tmp_path / "m")
+    weight_map = _sharded(tmp_path / "m")
+    (tmp_path / "blobs").mkdir()
+    for shard in sorted(set(weight_map.values())):
+        (tmp_path / "m" / shard).rename(tmp_path / "blobs" / shard)
+        os.symlink(tmp_path / "blobs" / shard, tmp_path / "m" / shard)
+    assert len(load_ffn_layers(tmp_path / "m")) == 2
+
+
+class _Payload:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo this must never run",))
+
+
+class _Custom:
+    def __init__(self):
+        self.weights = torch.zeros(2)
+
+
+@pytest.mark.parametrize("obj", [pytest.param({"x": _Payload()}, id="code"), pytest.param({"x": _Custom()}, id="object")])
+def test_pickle_refused_by_weights_only_loading_is_one_line(tmp_path, obj):
+    _write_llama_like(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    torch.save(obj, tmp_path / "m" / "pytorch_model.bin")
+    with pytest.raises(FFNQuantError) as info:
+        inspect_model(tmp_path / "m", allow_pickle=True)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{str(tmp_path / 'm' / 'pytorch_model.bin')!r} holds objects "
+                                                      "that weights-only loading refuses (")
+    assert message.endswith("use a safetensors copy of the weights") and "weights_only" not in message
+    assert "GLOBAL" in message  # torch's name of what was refused
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path):
+    from ffnquant.hf.capture import check_token_ids
+
+    _write_llama_like(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, vocab_size=50)))
+    info = inspect_model(tmp_path / "m")
+    check_token_ids(info, [torch.tensor([[0, 49]])], "the text")  # the last row of the embedding: fine
+    with pytest.raises(FFNQuantError) as exc:
+        check_token_ids(info, [torch.tensor([[3, 7]]), torch.tensor([[50, 1]])], "the calibration text")
+    assert str(exc.value) == (
+        f"the tokenizer of {str(tmp_path / 'm')!r} gives token id 50 on the calibration text, but config.json's "
+        "vocab_size is 50 (the model's embedding rows, ids 0-49): the tokenizer does not belong to this model; "
+        "save the model's own tokenizer into the folder")
+
+
+@pytest.mark.hf
+def test_tokenizer_beyond_the_vocabulary_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """A folder whose tokenizer gives ids up to 95 while config.json says 40 embedding rows."""
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
+    from hf_models import tokenizer
+
+    from ffnquant.hf import capture, evaluate
+
+    _write_llama_like(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, vocab_size=40)))
+    tokenizer(T).save_pretrained(tmp_path / "m")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the tokenizer was checked")
+
+    monkeypatch.setattr(evaluate, "load_hf_model", no_model)
+    monkeypatch.setattr(capture, "load_hf_model", no_model)
+    settings = evaluate.EvalSettings(seq_len=16, batch_size=2, max_calib_tokens=64, max_eval_tokens=32)
+    with pytest.raises(FFNQuantError, match=r"gives token id \d+ on the calibration text, but config\.json's "
+                                            r"vocab_size is 40 \(the model's embedding rows, ids 0-39\)"):
+        evaluate.evaluate_model(tmp_path / "m", ["w8a8"], settings=settings)
+    info = inspect_model(tmp_path / "m")
+    with pytest.raises(FFNQuantError, match="gives token id .* on the evaluation text"):
+        capture.check_tokenizer(info, {"evaluation": None})
+    with pytest.raises(FFNQuantError, match="gives token id"):
+        evaluate.capture_layer_inputs(info, load_ffn_layers(info), calib_tokens=64, eval_tokens=32, settings=settings)
+
+
+@pytest.mark.hf
+def test_model_too_big_to_load_is_refused_before_transformers_loads_it(tmp_path, monkeypatch):
+    pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
+    from ffnquant import resources
+    from ffnquant.hf.capture import load_hf_model
+
+    _write_llama_like(tmp_path / "m")
+    monkeypatch.setattr(resources, "_UNCHECKED_BYTES", 0)  # the tiny model is far below the checked sizes
+    monkeypatch.setattr(resources, "available_memory", lambda: 1000)
+    n = sum(math.prod(t.shape) for t in _write_llama_like(tmp_path / "m").values())
+    assert inspect_model(tmp_path / "m").n_params_total == n
+    with pytest.raises(FFNQuantError, match=rf"the model '.*m' \({n:,} parameters in fp32\) needs .* to load; "
+                                            r"this machine has 1\.0 kB available"):
+        load_hf_model(tmp_path / "m")
+
+
+def test_text_file_that_is_a_fifo_is_refused(tmp_path, no_hang):
+    from ffnquant.hf.capture import read_text
+
+    _replace_with_fifo(tmp_path / "text.txt")
+    with pytest.raises(FFNQuantError, match=r"^text file '.*text\.txt' is a FIFO, not a regular file$"):
+        read_text(tmp_path / "text.txt", "calibration")
+
+
+@pytest.mark.parametrize("command", [["model", "inspect"], ["model", "eval", "--calib-captured", "{tmp}/cap",
+                                                               "--eval-captured", "{tmp}/cap"]], ids=lambda c: c[1])
+def test_cli_refuses_a_fifo_in_the_model_folder_with_exit_2(tmp_path, capsys, no_hang, command):
+    from ffnquant.cli import main
+
+    _write_llama_like(tmp_path / "m")
+    _replace_with_fifo(tmp_path / "m" / "model.safetensors")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in command] + [str(tmp_path / "m")]
+    if command[1] == "eval":
+        argv += ["--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.safetensors' is a FIFO, not a regular file" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()

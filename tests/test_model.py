@@ -106,3 +106,83 @@ def test_load_weights_errors(tmp_path):
         load_weights(path, spec=FFNSpec("swiglu", 32))
     with pytest.raises(FFNQuantError, match=r"tensor w_up.weight has shape \(128, 32\), expected \(64, 32\)"):
         load_weights(path, spec=FFNSpec("relu", 32, d_ff=64))
+
+
+# --- sizes that cannot fit: refused before allocating --------------------------------------------
+
+GB = 10**9
+
+
+@pytest.fixture
+def memory_8gb(monkeypatch):
+    """The machine reports 8 GB available, whatever it has: the checks answer the same everywhere."""
+    from ffnquant import resources
+
+    monkeypatch.setattr(resources, "available_memory", lambda: 8 * GB)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        pytest.param(lambda: build(FFNSpec("relu", 10**9)),
+                     r"relu at d_model 1000000000 \(d_ff 4000000000\) needs 48\.0 EB for its weights; "
+                     r"this machine has 8\.0 GB available: choose a smaller d_model \(or d_ff\)", id="build-huge"),
+        pytest.param(lambda: build(FFNSpec("swiglu", 32768)), r"swiglu at d_model 32768 \(d_ff 87424\) needs 4\d\.\d GB",
+                     id="build-just-too-big"),
+        pytest.param(lambda: FFN(FFNSpec("relu", 40000)), r"relu at d_model 40000 \(d_ff 160000\) needs 51\.2 GB",
+                     id="module-too-big"),
+        pytest.param(lambda: build(FFNSpec("gelu", 24000), dtype=torch.float16), r"gelu at d_model 24000 .* needs \d",
+                     id="build-fp16-with-cast-copy"),
+    ],
+)
+def test_sizes_that_cannot_fit_are_refused_before_allocating(memory_8gb, make, message):
+    with pytest.raises(FFNQuantError, match=message) as info:
+        make()
+    assert "\n" not in str(info.value)
+
+
+def test_sizes_that_fit_are_built(memory_8gb):
+    # ~113 MB with the random temporary: above the size below which memory is not checked, well within 8 GB
+    assert build(FFNSpec("relu", 1536)).w_up.weight.shape == (6144, 1536)
+
+
+def test_unknown_memory_skips_the_check(monkeypatch):
+    from ffnquant import resources
+
+    monkeypatch.setattr(resources, "available_memory", lambda: None)
+    resources.check_memory(10**30, "anything", "no hint")  # no estimate: no refusal
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["export", "--variants", "relu", "--dtypes", "fp32", "--d-model", "1000000000"], id="export"),
+        pytest.param(["profile", "--variants", "relu", "--d-model", "1000000000"], id="profile"),
+        pytest.param(["bench", "--variants", "relu", "--d-model", "1000000000", "--runtimes", "torch-cpu"], id="bench"),
+        pytest.param(["quantize", "--variants", "swiglu", "--d-model", "1000000000"], id="quantize"),
+        pytest.param(["run", "--tiny", "--d-model", "1000000000", "--runtimes", "none"], id="run"),
+        pytest.param(["run", "--config", "{tmp}/run.toml", "--runtimes", "none"], id="run-config"),
+    ],
+)
+def test_cli_refuses_sizes_that_cannot_fit_with_exit_2(memory_8gb, tmp_path, capsys, argv):
+    from ffnquant.cli import main
+
+    (tmp_path / "run.toml").write_text("d_model = 1000000000\n")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    out_flags = {"export": ["--out"], "profile": ["--out"], "bench": ["--out"], "run": ["--out", "--export"],
+                 "quantize": ["--out-reports", "--out-artifacts"]}[argv[0]]
+    for i, flag in enumerate(out_flags):
+        argv += [flag, str(tmp_path / f"out{i}")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs" in err and "this machine has 8.0 GB available: choose a smaller d_model" in err, err
+    assert "\n" not in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]  # nothing written
+
+
+def test_weights_file_that_is_a_fifo_is_refused(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "w.safetensors")  # safe_open would block on it forever
+    with pytest.raises(FFNQuantError, match=r"weights file '.*w\.safetensors' is a FIFO, not a regular file"):
+        load_weights(tmp_path / "w.safetensors")

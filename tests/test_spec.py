@@ -76,12 +76,27 @@ def test_json_round_trip(variant):
         pytest.param({"variant": "swiglu", "multiple_of": 0}, "multiple_of must be", id="zero-multiple"),
         pytest.param({"variant": "swiglu", "ffn_dim_multiplier": -1.0}, "ffn_dim_multiplier", id="neg-mult"),
         pytest.param({"variant": "relu", "bias": "yes"}, "bias must be", id="bad-bias"),
+        # sizes no tensor can hold, refused before any byte arithmetic can overflow
+        pytest.param({"variant": "relu", "d_model": 10**10},
+                     r"d_model 10000000000 x d_ff 40000000000 = 4e\+20 weights per matrix, beyond what any tensor can "
+                     r"hold \(2\*\*62\): choose a smaller d_model or d_ff", id="matrix-overflow"),
+        pytest.param({"variant": "swiglu", "d_model": 64, "d_ff": 2**60}, "beyond what any tensor can hold",
+                     id="d_ff-overflow"),
+        pytest.param({"variant": "relu", "ffn_dim_multiplier": 1e308}, "gives d_ff beyond any size",
+                     id="multiplier-infinite-width"),
+        pytest.param({"variant": "swiglu", "ffn_dim_multiplier": 1e-9}, "gives d_ff 0; choose a multiplier",
+                     id="multiplier-zero-width"),
     ],
 )
 def test_bad_specs_raise_one_line_errors(kwargs, message):
     with pytest.raises(FFNQuantError, match=message) as info:
         FFNSpec(**kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_largest_describable_spec_is_accepted():
+    # 10**9 x 4*10**9 is below 2**62: a valid spec (refused later, by the memory check, if ever built)
+    assert FFNSpec("relu", d_model=10**9).d_ff == 4 * 10**9
 
 
 def test_from_dict_rejects_unknown_fields():
@@ -96,3 +111,9 @@ def test_parse_variants():
     assert parse_variant("GeGLU") is Variant.GEGLU
     with pytest.raises(FFNQuantError, match="valid: relu, gelu, gelu_tanh, swish, glu, bilinear, reglu, geglu, swiglu"):
         parse_variants("relu,nope")
+
+
+@pytest.mark.parametrize("names", ["", " , ", []], ids=repr)
+def test_parse_variants_refuses_an_empty_selection(names):
+    with pytest.raises(FFNQuantError, match=r"^no variant given; valid: all, relu, gelu, .*, swiglu$"):
+        parse_variants(names)

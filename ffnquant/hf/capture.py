@@ -22,6 +22,8 @@ from torch import nn
 
 from ..atomic import atomic_path, ensure_writable_dir
 from ..errors import FFNQuantError
+from ..resources import check_memory
+from ..resources import read_text as read_file_text
 from .arch import Install, ModelKind
 from .checkpoint import LayerInfo, ModelInfo, inspect_model
 
@@ -35,6 +37,10 @@ __all__ = [
     "load_tokenizer",
     "token_batches",
     "text_batches",
+    "vocab_size",
+    "check_token_ids",
+    "check_tokenizer",
+    "model_text_batches",
     "ffn_input_hooks",
     "shift_right",
     "iter_captured",
@@ -81,12 +87,7 @@ def default_text_path(split: str) -> Path:
 def read_text(path: str | os.PathLike | None, split: str) -> str:
     """The text of `path`, or the shipped sample for `split` when path is None."""
     p = default_text_path(split) if path is None else Path(path)
-    if not p.is_file():
-        raise FFNQuantError(f"text file {str(p)!r} does not exist")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FFNQuantError(f"cannot read text file {str(p)!r} as UTF-8: {exc}") from exc
+    text = read_file_text(p, "text file")  # one-line errors: missing, a FIFO, unreadable, not UTF-8
     if not text.strip():
         raise FFNQuantError(f"text file {str(p)!r} is empty")
     return text
@@ -97,6 +98,9 @@ def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = Fals
     transformers = require_transformers()
     if not isinstance(info, ModelInfo):
         info = inspect_model(info, allow_pickle=allow_pickle)
+    # Every tensor of the checkpoint in fp32 (config.json's ones without tensors, e.g. tied heads, aside).
+    check_memory(info.n_params_total * 4, f"the model {str(info.path)!r} ({info.n_params_total:,} parameters in fp32)",
+                 "choose a smaller model, or pass captured activations instead of running it", "to load")
     auto = {
         ModelKind.CAUSAL_LM: transformers.AutoModelForCausalLM,
         ModelKind.ENCODER: transformers.AutoModel,
@@ -151,6 +155,42 @@ def text_batches(tokenizer, text: str, seq_len: int = 128, batch_size: int = 4, 
     """Tokenize `text` (no special tokens: the chunks are arbitrary windows) into batches."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return token_batches(ids, seq_len, batch_size, max_tokens)
+
+
+def vocab_size(info: ModelInfo) -> int | None:
+    """config.json's vocab_size (the rows of the model's embedding), or None when it gives none."""
+    value = info.config.get("vocab_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def check_token_ids(info: ModelInfo, batches: Sequence[torch.Tensor], what: str) -> None:
+    """Refuse token ids the model's embedding has no row for, before the model runs (else an IndexError deep in torch)."""
+    vocab = vocab_size(info)
+    if vocab is None or not batches:
+        return
+    top = max(int(b.max()) for b in batches)
+    if top >= vocab:
+        raise FFNQuantError(
+            f"the tokenizer of {str(info.path)!r} gives token id {top} on {what}, but config.json's vocab_size is "
+            f"{vocab} (the model's embedding rows, ids 0-{vocab - 1}): the tokenizer does not belong to this model; "
+            "save the model's own tokenizer into the folder"
+        )
+
+
+def check_tokenizer(info: ModelInfo, texts: Mapping[str, str | os.PathLike | None]) -> None:
+    """Load the folder's tokenizer and check its ids on each text ({split: path or None}) against config.json,
+    without loading the model: for callers that validate every input before starting."""
+    tokenizer = load_tokenizer(info.path)
+    for split, path in texts.items():
+        model_text_batches(info, tokenizer, path, split, 2, 1, None)
+
+
+def model_text_batches(info: ModelInfo, tokenizer, path: str | os.PathLike | None, split: str, seq_len: int,
+                       batch_size: int, max_tokens: int | None) -> list[torch.Tensor]:
+    """`text_batches` of the text at `path` (default: the shipped `split` sample), ids checked against config.json."""
+    batches = text_batches(tokenizer, read_text(path, split), seq_len, batch_size, max_tokens)
+    check_token_ids(info, batches, f"the {split} text")
+    return batches
 
 
 # --- locating the FFNs in a loaded transformers model ------------------------------------
@@ -267,6 +307,7 @@ def iter_captured(
     Only one batch's captures are alive at a time; experts the router skipped in a batch are absent.
     """
     for ids in batches:
+        check_token_ids(info, [ids], "its input")  # callers that tokenized without checking
         captured: dict[str, list[torch.Tensor]] = {}
 
         def sink(layer: LayerInfo, x: torch.Tensor) -> None:
@@ -423,7 +464,8 @@ def iter_captured_files(
     for label in labels:
         if src.is_dir():
             candidates = [src / f"{label}.npy", src / f"{label}.safetensors"]
-            path = next((p for p in candidates if p.is_file()), None)
+            # lexists: a FIFO or unreadable file is refused by name in load_tokens, not passed over
+            path = next((p for p in candidates if os.path.lexists(p)), None)
             if path is None:
                 raise FFNQuantError(f"{str(src)!r} has no captured activations for layer {label} (expected {label}.npy or {label}.safetensors)")
             x = load_tokens(path, d_model=d_model)

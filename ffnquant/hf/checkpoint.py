@@ -9,16 +9,19 @@ with `torch.load(weights_only=True)`, which unpickles tensors only.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Iterator, Mapping
 
 import torch
 
 from ..errors import FFNQuantError
 from ..model import FFN
+from ..resources import non_regular_entries, os_reason, regular_file
+from ..resources import read_text as read_file_text
 from ..spec import FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, get_arch, hf_activation
 
@@ -74,6 +77,7 @@ class ModelInfo:
     weight_files: tuple[str, ...]
     weights_format: str  # "safetensors" or "pickle"
     config: Mapping[str, Any] = field(repr=False, default_factory=dict)
+    n_params_total: int = 0  # elements of every tensor in the weight files (what loading the model takes)
 
     @property
     def kind(self) -> ModelKind:
@@ -118,14 +122,19 @@ class HFLayer:
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """config.json of a model folder, with a one-line error if absent or unreadable."""
     folder = Path(path)
-    if not folder.is_dir():
+    try:
+        is_dir = folder.is_dir()
+    except OSError as exc:  # a parent folder without search permission
+        raise FFNQuantError(f"model folder {str(folder)!r} cannot be accessed: {os_reason(exc)}") from None
+    if not is_dir:
         raise FFNQuantError(f"model folder {str(folder)!r} does not exist or is not a folder")
     cfg = folder / "config.json"
-    if not cfg.is_file():
+    if not os.path.lexists(cfg):
         raise FFNQuantError(f"{str(cfg)!r} is missing: a Hugging Face model folder needs config.json")
+    text = read_file_text(cfg, "model config")
     try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise FFNQuantError(f"{str(cfg)!r} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise FFNQuantError(f"{str(cfg)!r} must hold a JSON object")
@@ -163,6 +172,38 @@ def parse_layers(selection: str | int | list[int] | None, n_layers: int) -> list
 # --- tensor access ------------------------------------------------------------------
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text, for one-line messages."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _weights_only_reason(exc: BaseException) -> str:
+    """' (the blocked global)' from torch's multi-line weights-only refusal, or '' when it names none.
+
+    The rest of torch's text is advice to load with weights_only=False, which is the danger refused here.
+    """
+    text = str(exc)
+    m = re.search(r"WeightsUnpickler error: (.*?)(?:\. |\.?$)", text, re.MULTILINE) or \
+        re.search(r"^\s*(Trying to load unsupported .*?)\.?$", text, re.MULTILINE)
+    return f" ({m.group(1).strip()})" if m else ""
+
+
+def _check_inside(index: Path, shard: str) -> None:
+    """Refuse a shard name that leaves the model folder (absolute, or with '..' climbing out).
+
+    Checked on the name, not with resolve(): the Hugging Face cache links each file of a snapshot
+    folder to a blob outside it, and those links are the folder's own files.
+    """
+    pure = PurePosixPath(shard.replace("\\", "/"))
+    if not shard or pure.is_absolute() or PureWindowsPath(shard).drive or ".." in pure.parts:
+        raise FFNQuantError(
+            f"{str(index)!r} names shard {shard!r}, which is not a file name inside the model folder; "
+            "shards must be files in the folder, named relative to it"
+        )
+
+
+
 class _Weights:
     """Tensor name -> file index over safetensors (single or sharded) or opted-in pickles; lazy reads."""
 
@@ -174,14 +215,16 @@ class _Weights:
         self._pickles: dict[Path, Mapping[str, torch.Tensor]] = {}
         index = folder / "model.safetensors.index.json"
         single = folder / "model.safetensors"
-        if index.is_file():
+        # lexists, not is_file: a FIFO or unreadable file of these names is refused by name when read,
+        # rather than skipped in favour of some other file
+        if os.path.lexists(index):
             self._from_index(index)
-        elif single.is_file():
+        elif os.path.lexists(single):
             self._scan_safetensors([single])
         elif sorted(folder.glob("*.safetensors")):
             self._scan_safetensors(sorted(folder.glob("*.safetensors")))
         else:
-            pickles = sorted(p for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES and p.is_file())
+            pickles = sorted(p for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES and not p.is_dir())
             if not pickles:
                 raise FFNQuantError(
                     f"{str(folder)!r} has no weights: expected model.safetensors or model.safetensors.index.json"
@@ -200,16 +243,20 @@ class _Weights:
         return tuple(sorted({p.name for p in self.file_of.values()}))
 
     def _from_index(self, index: Path) -> None:
+        text = read_file_text(index, "safetensors index")
         try:
-            data = json.loads(index.read_text(encoding="utf-8"))
+            data = json.loads(text)
             weight_map = data["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            if not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("a weight_map value is not a file name")
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise FFNQuantError(f"{str(index)!r} is not a valid safetensors index: {exc}") from exc
         shards = sorted(set(weight_map.values()))
         for shard in shards:
-            if not (self.folder / shard).is_file():
+            _check_inside(index, shard)
+            if not os.path.lexists(self.folder / shard):
                 raise FFNQuantError(f"{str(index)!r} names shard {shard!r}, which is missing from {str(self.folder)!r}")
         self._scan_safetensors([self.folder / s for s in shards])
         for name, shard in weight_map.items():
@@ -220,6 +267,7 @@ class _Weights:
         from safetensors import safe_open
 
         for path in files:
+            regular_file(path, "weights file")  # a FIFO would block safe_open forever
             try:
                 with safe_open(str(path), framework="pt") as fh:
                     for name in fh.keys():
@@ -229,12 +277,23 @@ class _Weights:
                 raise FFNQuantError(f"cannot read safetensors file {str(path)!r}: {exc}") from exc
 
     def _scan_pickles(self, files: list[Path]) -> None:
+        import pickle
+
         for path in files:
+            regular_file(path, "weights file")
             try:
                 # weights_only: tensors and plain containers only, no arbitrary objects; mmap keeps it lazy
                 state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError as exc:
+                # torch's own text spans several lines and advises weights_only=False, which is the danger
+                raise FFNQuantError(
+                    f"{str(path)!r} holds objects that weights-only loading refuses{_weights_only_reason(exc)}, so it "
+                    "is not a plain state dict of tensors and is not read; use a safetensors copy of the weights"
+                ) from exc
             except Exception as exc:
-                raise FFNQuantError(f"cannot read {str(path)!r} with torch.load(weights_only=True): {exc}") from exc
+                raise FFNQuantError(
+                    f"cannot read {str(path)!r} with torch.load(weights_only=True): {_first_line(exc)}"
+                ) from exc
             if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
                 state = state["state_dict"]
             if not isinstance(state, dict):
@@ -308,6 +367,15 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     """Detect architecture, variant, sizes and every FFN layer of a model folder; reads no tensor data."""
     folder = Path(path)
     config = read_config(folder)
+    # transformers and tokenizers open files of the folder by many names; a FIFO or device among them
+    # would block or stream forever, so any such entry is refused up front.
+    odd = non_regular_entries(folder, "model folder")
+    if odd:
+        name, kind = odd[0]
+        raise FFNQuantError(
+            f"{str(folder / name)!r} is {kind}, not a regular file; a model folder holds regular files "
+            "(config.json, weights, tokenizer): replace or remove it"
+        )
     cfg_file = str(folder / "config.json")
     arch = get_arch(config.get("model_type"), cfg_file)
     d, f = arch.d_model(config, cfg_file), arch.d_ff(config, cfg_file)
@@ -396,6 +464,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
         weight_files=weights.files,
         weights_format=weights.format,
         config=config,
+        n_params_total=sum(math.prod(shape) for shape in weights._shapes.values()),
     )
 
 
