@@ -553,13 +553,16 @@ def quantize_spec(
     latency: bool = False,
     prepared: Prepared | None = None,
     model: FFN | None = None,
+    artifact_suffix: str = "",
 ) -> QuantResult:
     """Quantize one FFN under one scheme and measure it (torch reference, ONNX artifact, ORT default baseline).
 
     Pass `prepared` (from `prepare`) to reuse the model, remedies, RangeTable and tokens
     across schemes. With `out_artifacts`, the ONNX files are kept there (else in a temporary
     folder, sizes still reported). `calibrator='search'` picks per site by output SQNR on
-    the calibration tokens (cached per scheme grid in `prepared`).
+    the calibration tokens (cached per scheme grid in `prepared`). `artifact_suffix` goes at the end
+    of the artifact's file stem (e.g. '-auto'), so that recipes differing only by calibrator get their
+    own files without renaming (a rename could drop an earlier file of the same name).
     """
     from .accuracy import accuracy_of, run_batched, sqnr_db
     from .calibrate import parse_calibrator
@@ -608,10 +611,10 @@ def quantize_spec(
     if kind == "fp32":
         path = fp32_work
     elif kind == "fp16":
-        path = folder / f"{prep.stem}{tag}.fp16.onnx"
+        path = folder / f"{prep.stem}{tag}.fp16{artifact_suffix}.onnx"
         export_onnx(prep.model, path, dtype="fp16")
     elif kind is not None:
-        path = folder / f"{prep.stem}{tag}.{scheme.name}.onnx"
+        path = folder / f"{prep.stem}{tag}.{scheme.name}{artifact_suffix}.onnx"
         OQ.write_artifact(fp32_work, path, q, prep.model, hessians)
     if path is not None:
         got = OQ.run_onnx(path, prep.eval, dtype="fp16" if kind == "fp16" else "fp32")

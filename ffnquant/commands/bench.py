@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import re
 import shlex
 
 from ..errors import FFNQuantError
@@ -18,8 +20,8 @@ def _float_positive(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    if not (value > 0 and math.isfinite(value)):  # inf would also reach the report, which JSON cannot hold
+        raise argparse.ArgumentTypeError(f"expected a positive finite number of seconds, got {text!r}")
     return value
 
 
@@ -40,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure-bandwidth", action="store_true",
                         help="measure the device copy bandwidth for the roofline where no peak is tabled (e.g. CPU)")
     parser.add_argument("--out", default="reports", help="output folder (default reports/)")
-    parser.add_argument("--name", default="latency", help="file stem of the outputs (default latency)")
+    parser.add_argument("--name", default="latency",
+                        help="file stem of the outputs: letters, digits, '.', '_', '-', not starting with '.' (default latency)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -54,11 +57,24 @@ def _parse_tokens(text: str) -> tuple[int, ...]:
     return tokens
 
 
+# A plain file name in --out: no folders (no '/', no '..'), no hidden or temporary-looking names.
+_STEM_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def check_file_stem(value: str, option: str = "--name") -> str:
+    """`value` if it is a plain file stem, else a one-line FFNQuantError saying what is valid."""
+    if not isinstance(value, str) or not _STEM_RE.fullmatch(value):
+        raise FFNQuantError(f"{option} {value!r} is not a plain file stem; valid: 1-128 letters, digits, '.', '_' "
+                            "and '-', not starting with '.' (e.g. latency)")
+    return value
+
+
 def plan_from_args(args: argparse.Namespace):
     """Validate everything before measuring: (specs, runtime adapters, schemes or None, config)."""
     from ..bench import BenchConfig
     from ..runtimes import ModelCase, get_runtime, parse_formats, runtime_names
 
+    check_file_stem(args.name)  # the outputs go to --out/<name>.json and .md, never elsewhere
     specs = specs_from_args(args)
     tokens = _parse_tokens(args.tokens)
     config = BenchConfig(tokens=tokens, budget_s=args.budget_s, warmup=args.warmup, min_repeats=args.min_repeats,
@@ -115,11 +131,27 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..atomic import ensure_writable_dir, write_json, write_text
-    from ..bench import latency_markdown, run_benchmark
+    from ..atomic import OutputTransaction
 
     specs, adapters, schemes, config = plan_from_args(args)
-    out = ensure_writable_dir(args.out)
+    # Both files are staged in --out and moved into place together at the end: a failure or Ctrl-C
+    # mid-sweep leaves --out as it was.
+    with OutputTransaction() as tx:
+        json_path, md_path, result = _measure_and_write(args, tx.folder(args.out), specs, adapters, schemes, config)
+        json_path, md_path = tx.final(json_path), tx.final(md_path)
+    ok = sum(1 for c in result.cases if c.ok)
+    failed = len(result.cases) - ok
+    slower = sum(1 for c in result.cases if c.slower_than_baseline)
+    print(f"{ok} cases measured, {failed} failed, {slower} slower than their float baseline; "
+          f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def _measure_and_write(args: argparse.Namespace, out, specs, adapters, schemes, config):
+    """Run the sweep and write <name>.json and <name>.md into `out`; returns (json path, md path, result)."""
+    from ..atomic import write_json, write_text
+    from ..bench import latency_markdown, run_benchmark
+
     # onnxruntime's MatMulNBits quantizer calls logging.basicConfig(level=INFO) when imported
     # (mid-sweep, while artifacts are built), after which every exporter pass logs a line.
     # Import it first and put the root logger back; the report says what ran.
@@ -147,9 +179,4 @@ def run(args: argparse.Namespace) -> int:
     doc = result.to_dict()
     json_path = write_json(out / f"{args.name}.json", doc)
     md_path = write_text(out / f"{args.name}.md", latency_markdown(doc))
-    ok = sum(1 for c in result.cases if c.ok)
-    failed = len(result.cases) - ok
-    slower = sum(1 for c in result.cases if c.slower_than_baseline)
-    print(f"{ok} cases measured, {failed} failed, {slower} slower than their float baseline; "
-          f"wrote {json_path} and {md_path}")
-    return 0
+    return json_path, md_path, result

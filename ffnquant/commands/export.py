@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..atomic import ensure_writable_dir
+from ..atomic import OutputTransaction
 from ..export import DEFAULT_OPSET, export_spec
 from ..render import text_table
 from .common import add_spec_arguments, specs_from_args
@@ -30,15 +30,17 @@ def run(args: argparse.Namespace) -> int:
         raise FFNQuantError(f"unknown dtype(s) {bad or dtypes}; valid: fp32, fp16")
     if args.opset < 17:
         raise FFNQuantError(f"--opset must be >= 17, got {args.opset}")
-    ensure_writable_dir(args.out)
     rows = []
-    for spec in specs:
-        result = export_spec(spec, args.out, dtypes=dtypes, seed=args.seed, opset=args.opset)
-        for dtype in dtypes:
-            check = result.parity[dtype]
-            rows.append(
-                (spec.variant.value, dtype, str(result.paths[dtype]), check.max_abs_error, check.tolerance,
-                 "pass" if check.passed else "FAIL", check.provider)
-            )
+    # every file is staged and moved into place only once all passed parity: a failure leaves --out as it was
+    with OutputTransaction() as tx:
+        out = tx.folder(args.out)
+        for spec in specs:
+            result = export_spec(spec, out, dtypes=dtypes, seed=args.seed, opset=args.opset)
+            for dtype in dtypes:
+                check = result.parity[dtype]
+                rows.append(
+                    (spec.variant.value, dtype, str(tx.final(result.paths[dtype])), check.max_abs_error, check.tolerance,
+                     "pass" if check.passed else "FAIL", check.provider)
+                )
     print(text_table(["variant", "dtype", "file", "max |onnx - torch|", "tolerance", "parity", "provider"], rows))
     return 0

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..atomic import OutputTransaction
 from ..errors import FFNQuantError
 from ..render import fmt, markdown_table, text_table
 from .common import positive_int
@@ -78,13 +79,20 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _capture(args: argparse.Namespace) -> int:
     from ..hf import inspect_model, load_ffn_layers
-    from ..hf.capture import iter_captured, load_hf_model, load_tokenizer, read_text, save_captured, text_batches
+    from ..hf.capture import iter_captured, load_hf_model, load_tokenizer, model_text_batches, save_captured
 
     info = inspect_model(args.path, allow_pickle=args.allow_pickle)
     layers = [l.info for l in load_ffn_layers(info, args.layers, allow_pickle=args.allow_pickle)]
-    model = load_hf_model(info, allow_pickle=args.allow_pickle)
-    batches = text_batches(load_tokenizer(info.path), read_text(args.text, "calibration"), args.seq_len, 4, args.max_tokens)
-    files = save_captured(args.out, iter_captured(model, info, layers, batches), info.spec.d_model)
+    # the .npy files are staged in --out (checked before the model loads) and moved into place together
+    # once every layer is written: a failure or Ctrl-C leaves --out as it was
+    with OutputTransaction() as tx:
+        out = tx.folder(args.out)
+        # the text is read and tokenized, its ids checked against config.json, before the model loads
+        batches = model_text_batches(info, load_tokenizer(info.path), args.text, "calibration", args.seq_len, 4,
+                                     args.max_tokens)
+        model = load_hf_model(info, allow_pickle=args.allow_pickle)
+        files = save_captured(out, iter_captured(model, info, layers, batches), info.spec.d_model)
+        files = {label: tx.final(path) for label, path in files.items()}
     print(text_table(["layer", "file"], [(label, str(path)) for label, path in files.items()]))
     return 0
 
@@ -146,7 +154,7 @@ def _markdown_layers_only(result: dict[str, Any]) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from ..atomic import ensure_writable_dir, write_json, write_text
+    from ..atomic import write_json, write_text
     from ..envinfo import environment
     from ..hf.evaluate import EvalSettings, evaluate_model
     from ..schemes import get_scheme
@@ -156,28 +164,31 @@ def _eval(args: argparse.Namespace) -> int:
         raise FFNQuantError("--schemes is empty")
     settings = EvalSettings(seq_len=args.seq_len, batch_size=args.batch_size, max_calib_tokens=args.max_calib_tokens,
                             max_eval_tokens=args.max_eval_tokens, ablation=not args.no_ablation)
-    out = ensure_writable_dir(args.out)
     if (args.calib_captured is None) != (args.eval_captured is None):
         raise FFNQuantError("--calib-captured and --eval-captured go together")
-    if args.calib_captured is not None:
-        from ..hf.evaluate import evaluate_layers_from_files
+    # The report is staged in --out (checked here, before the model runs) and moved into place at the
+    # end: a failure or Ctrl-C leaves --out as it was.
+    with OutputTransaction() as tx:
+        out = tx.folder(args.out)
+        if args.calib_captured is not None:
+            from ..hf.evaluate import evaluate_layers_from_files
 
-        result = evaluate_layers_from_files(args.path, schemes, args.calib_captured, args.eval_captured, layers=args.layers,
-                                            calibrator=args.calibrator, allow_pickle=args.allow_pickle)
+            result = evaluate_layers_from_files(args.path, schemes, args.calib_captured, args.eval_captured,
+                                                layers=args.layers, calibrator=args.calibrator,
+                                                allow_pickle=args.allow_pickle)
+        else:
+            result = evaluate_model(args.path, schemes, layers=args.layers, calib_text=args.calib_text,
+                                    eval_text=args.eval_text, settings=settings, calibrator=args.calibrator,
+                                    allow_pickle=args.allow_pickle)
         result["environment"] = environment()
-        stem = out / f"model-{_slug(args.path)}"
-        write_json(stem.with_suffix(".json"), result)
-        write_text(stem.with_suffix(".md"), render_markdown(result))
+        name = f"model-{_slug(args.path)}"
+        json_path = tx.final(write_json(out / f"{name}.json", result))
+        md_path = tx.final(write_text(out / f"{name}.md", render_markdown(result)))
+    if args.calib_captured is not None:
         rows = [(s["scheme"], r["label"], r["sqnr_db"], r["cosine"]) for s in result["schemes"] for r in s["layers"]]
         print(text_table(["scheme", "layer", "SQNR dB", "cosine"], rows))
-        print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')} (per layer only: no model run)")
+        print(f"wrote {json_path} and {md_path} (per layer only: no model run)")
         return 0
-    result = evaluate_model(args.path, schemes, layers=args.layers, calib_text=args.calib_text, eval_text=args.eval_text,
-                            settings=settings, calibrator=args.calibrator, allow_pickle=args.allow_pickle)
-    result["environment"] = environment()
-    stem = out / f"model-{_slug(args.path)}"
-    write_json(stem.with_suffix(".json"), result)
-    write_text(stem.with_suffix(".md"), render_markdown(result))
     causal = result["model"]["kind"] == "causal_lm"
     rows = []
     for s in result["schemes"]:
@@ -191,5 +202,5 @@ def _eval(args: argparse.Namespace) -> int:
     print(text_table(head, rows))
     for s in result["skipped"]:
         print(f"skipped {s['scheme']}: {s['reason']}")
-    print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
+    print(f"wrote {json_path} and {md_path}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..atomic import OutputTransaction
 from ..errors import FFNQuantError
 from ..observe import DEFAULT_BINS, StreamingHistogram
 from ..render import fmt, text_table
@@ -58,23 +59,26 @@ def run(args: argparse.Namespace) -> int:
         from ..hf import inspect_model
 
         inspect_model(args.model, allow_pickle=args.allow_pickle)  # a bad folder fails before any profiling
-    tables = profile_variants(specs, source, args.tokens, seed=args.seed, batch_size=args.batch_size, bins=args.bins)
-    # The model's own layers, calibrated on its own inputs, side by side with the synthetic variants.
-    tables.update(model_range_tables(args, bins=args.bins))
-    meta = {
-        "command": "ffnquant profile",
-        "source": source.to_dict(),
-        "source_label": source.label,
-        "n_tokens": args.tokens,
-        "seed": args.seed,
-        "d_model": args.d_model,
-        "bins": args.bins,
-        "batch_size": args.batch_size,
-        "variants": list(tables),
-        "model": args.model,
-        "model_layers": args.layers if args.model else None,
-    }
-    paths = write_range_report(tables, args.out, meta)
+    # The report is staged and moved into place only when complete: a failure leaves --out as it was.
+    with OutputTransaction() as tx:
+        out = tx.folder(args.out)  # an unusable --out fails here, before the profiling
+        tables = profile_variants(specs, source, args.tokens, seed=args.seed, batch_size=args.batch_size, bins=args.bins)
+        # The model's own layers, calibrated on its own inputs, side by side with the synthetic variants.
+        tables.update(model_range_tables(args, bins=args.bins))
+        meta = {
+            "command": "ffnquant profile",
+            "source": source.to_dict(),
+            "source_label": source.label,
+            "n_tokens": args.tokens,
+            "seed": args.seed,
+            "d_model": args.d_model,
+            "bins": args.bins,
+            "batch_size": args.batch_size,
+            "variants": list(tables),
+            "model": args.model,
+            "model_layers": args.layers if args.model else None,
+        }
+        paths = {k: tx.final(p) for k, p in write_range_report(tables, out, meta).items()}
 
     print(f"activation ranges: {args.tokens:,} tokens of {source.label}, d_model {args.d_model}")
     headers = ["variant"] + [f"{s} crest/kurt" for s in SITES] + ["hidden zeros", "dead"]

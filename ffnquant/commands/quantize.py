@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
-import tempfile
-from pathlib import Path
 
-from ..atomic import ensure_writable_dir, write_json, write_text
+from ..atomic import OutputTransaction, write_json, write_text
 from ..errors import FFNQuantError
 from ..render import fmt, markdown_table, text_table
 from .common import add_model_arguments, add_spec_arguments, positive_int, specs_from_args
@@ -252,23 +249,12 @@ def render_model_markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
-def _move_artifacts(tmp: Path, dest: Path) -> dict[str, str]:
-    """Every ONNX file made in `tmp` moved into `dest`; all are staged as .partial first, then renamed."""
-    moved: dict[str, str] = {}
-    for f in sorted(tmp.glob("*.onnx")):
-        target = dest / f.name
-        shutil.move(str(f), str(target) + ".partial")
-        moved[str(f)] = str(target)
-    for target in moved.values():
-        Path(target + ".partial").replace(target)
-    return moved
-
-
-def _fix_paths(entry_holder: dict, moved: dict[str, str]) -> None:
+def _fix_paths(entry_holder: dict, tx: OutputTransaction) -> None:
+    """Staged artifact paths replaced by the paths the files will have once moved into place."""
     for key in ("artifact", "ort_default_baseline", "fp32"):
         entry = entry_holder.get(key) or {}
         if entry.get("path"):
-            entry["path"] = moved.get(entry["path"], entry["path"])
+            entry["path"] = str(tx.final(entry["path"]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -279,18 +265,17 @@ def run(args: argparse.Namespace) -> int:
         args.variants = "swiglu"
     info = _check_model(args) if args.model else None
     specs, scheme, sites, source = _validate(args)
-    model_part = _capture_model(args, info) if info is not None else None
-    ensure_writable_dir(args.out_artifacts)
-    ensure_writable_dir(args.out_reports)
     rows = []
-    # artifacts are built in a scratch folder and moved only when every variant and layer succeeded
-    with tempfile.TemporaryDirectory(prefix="ffnquant-quantize-") as tmp:
+    # Artifacts and reports are staged beside their folders and moved into place only when every variant
+    # and layer succeeded: a failure or Ctrl-C leaves both folders as they were.
+    with OutputTransaction() as tx:
+        arts = None if args.no_onnx else tx.folder(args.out_artifacts)
+        reports = tx.folder(args.out_reports)
+        model_part = _capture_model(args, info) if info is not None else None
         outputs: list[tuple[str, dict, object]] = []
         for spec in specs:
             prep = prepare(spec, source, args.calib_tokens, args.eval_tokens, args.seed, args.smooth, sites, args.rotate)
-            res = quantize_spec(
-                spec, scheme, prepared=prep, out_artifacts=None if args.no_onnx else tmp, onnx=not args.no_onnx, latency=args.latency
-            )
+            res = quantize_spec(spec, scheme, prepared=prep, out_artifacts=arts, onnx=not args.no_onnx, latency=args.latency)
             data = res.to_dict()
             outputs.append((_tag(spec.key, scheme.name, data["calibrator"], data["remedies"]), data, render_markdown))
         if model_part is not None:
@@ -299,17 +284,16 @@ def run(args: argparse.Namespace) -> int:
             layers, inputs, settings = model_part
             stem = model_file_stem(info)
             data = quantize_model_layers(info, layers, inputs, scheme, smooth=args.smooth, smooth_sites=sites,
-                                         rotate=args.rotate, out_artifacts=None if args.no_onnx else tmp,
+                                         rotate=args.rotate, out_artifacts=arts,
                                          onnx=not args.no_onnx, latency=args.latency, settings=settings, file_stem=stem)
             data = {"command": "ffnquant quantize --model", "layers_selected": args.layers, **data,
                     "environment": environment()}
             outputs.append((_tag(stem, scheme.name, data["calibrator"], data["remedies"]), data, render_model_markdown))
-        moved = _move_artifacts(Path(tmp), Path(args.out_artifacts))
         for tag, data, render in outputs:
             for holder in data["layers"] if "layers" in data else [data]:
-                _fix_paths(holder, moved)
-            json_path = write_json(Path(args.out_reports) / f"quantize_{tag}.json", data)
-            write_text(Path(args.out_reports) / f"quantize_{tag}.md", render(data))
+                _fix_paths(holder, tx)
+            json_path = tx.final(write_json(reports / f"quantize_{tag}.json", data))
+            write_text(reports / f"quantize_{tag}.md", render(data))
             for label, r in ([(f"{info.model_type}:{r['label']}", r) for r in data["layers"]] if "layers" in data
                              else [(data["spec"]["variant"], data)]):
                 art = r.get("artifact") or {}

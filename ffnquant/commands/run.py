@@ -94,8 +94,10 @@ class _ProgressBar:
             self._bar.start()
         self._bar.update(self._task, completed=done, total=total, description=message)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         if self._bar is not None:
+            if not ok:
+                self._bar.live.transient = True  # after an error, its one line is all stderr shows
             self._bar.stop()
 
 
@@ -108,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
     bar = _ProgressBar()
     try:
         result = run_job(config, progress=bar, command=command)
-    finally:
-        bar.close()
+    except BaseException:
+        bar.close(ok=False)
+        raise
+    bar.close()
     order = {v: i for i, v in enumerate(config.variants)}
     recs = sorted((r for r in result.recommendations if r["tokens"] == result.primary_tokens),
                   key=lambda r: (order.get(r["variant"], len(order)), r["runtime"]))

@@ -24,7 +24,10 @@ import torch.nn.functional as F
 
 from ..errors import FFNQuantError
 from .arch import ModelKind
-from .capture import ffn_input_hooks, install_ffns, iter_captured, iter_captured_files, load_hf_model, load_tokenizer, read_text, shift_right, text_batches
+from .capture import (
+    ffn_input_hooks, install_ffns, iter_captured, iter_captured_files, load_hf_model, load_tokenizer, model_text_batches,
+    shift_right,
+)
 from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers
 
 __all__ = [
@@ -196,10 +199,11 @@ def calibrate_model(
     if captured is not None:
         batches = _file_batches(captured, hf_layers, info.spec.d_model)
     else:
-        model = load_hf_model(info, allow_pickle=allow_pickle)
         settings = fit_settings(info, settings)
-        ids = text_batches(load_tokenizer(info.path), read_text(text, "calibration"), settings.seq_len,
-                           settings.batch_size, settings.max_calib_tokens)
+        # tokenized (and the ids checked against config.json) before the model is loaded
+        ids = model_text_batches(info, load_tokenizer(info.path), text, "calibration", settings.seq_len,
+                                 settings.batch_size, settings.max_calib_tokens)
+        model = load_hf_model(info, allow_pickle=allow_pickle)
         batches = iter_captured(model, info, [layer.info for layer in hf_layers], ids)
     tables, _ = calibrate_layers(hf_layers, batches, settings.bins)
     return hf_layers, tables
@@ -477,13 +481,15 @@ def capture_layer_inputs(
         return LayerInputs(calib, evals, f"captured {captured}", f"captured {captured}",
                            f"rows {calib_tokens + 1} onwards of each captured file (the first {calib_tokens} calibrate)",
                            borrowed)
-    model = load_hf_model(info, allow_pickle=allow_pickle)
     tokenizer = load_tokenizer(info.path)
     layer_infos = [layer.info for layer in layers]
     settings = fit_settings(info, settings)
-    calib_ids = text_batches(tokenizer, read_text(text, "calibration"), settings.seq_len, settings.batch_size, calib_tokens)
-    eval_ids = text_batches(tokenizer, read_text(eval_text, "evaluation"), settings.seq_len, settings.batch_size,
-                            eval_tokens)
+    # tokenized (and the ids checked against config.json) before the model is loaded
+    calib_ids = model_text_batches(info, tokenizer, text, "calibration", settings.seq_len, settings.batch_size,
+                                   calib_tokens)
+    eval_ids = model_text_batches(info, tokenizer, eval_text, "evaluation", settings.seq_len, settings.batch_size,
+                                  eval_tokens)
+    model = load_hf_model(info, allow_pickle=allow_pickle)
 
     def pieces(batches):
         for batch in iter_captured(model, info, layer_infos, batches):
@@ -604,14 +610,15 @@ def evaluate_model(
     resolved = [get_scheme(s) for s in schemes]
     if not resolved:
         raise FFNQuantError("no schemes to evaluate")
-    model = load_hf_model(info, allow_pickle=allow_pickle)
     tokenizer = load_tokenizer(info.path)
     layer_infos = [layer.info for layer in hf_layers]
     settings = fit_settings(info, settings)
-    calib = text_batches(tokenizer, read_text(calib_text, "calibration"), settings.seq_len, settings.batch_size,
-                         settings.max_calib_tokens)
-    evals = text_batches(tokenizer, read_text(eval_text, "evaluation"), settings.seq_len, settings.batch_size,
-                         settings.max_eval_tokens)
+    # tokenized (and the ids checked against config.json) before the model is loaded
+    calib = model_text_batches(info, tokenizer, calib_text, "calibration", settings.seq_len, settings.batch_size,
+                               settings.max_calib_tokens)
+    evals = model_text_batches(info, tokenizer, eval_text, "evaluation", settings.seq_len, settings.batch_size,
+                               settings.max_eval_tokens)
+    model = load_hf_model(info, allow_pickle=allow_pickle)
     need_hessians = any(s.method is Method.GPTQ for s in resolved)
     tables, hessians = calibrate_layers(hf_layers, iter_captured(model, info, layer_infos, calib), settings.bins,
                                         hessians=need_hessians)
