@@ -44,6 +44,8 @@ DEFAULT_SCHEMES: tuple[str, ...] = (
 # Decode (1, 16) and one prefill block (512): enough to see both regimes within the 5-minute budget.
 DEFAULT_TOKENS: tuple[int, ...] = (1, 16, 512)
 DEFAULT_SMOOTH_ALPHA = 0.5
+# What speedups and recommendations are measured against: an unquantized scheme.
+FLOAT_BASELINES: tuple[str, ...] = ("fp32", "fp16")
 
 
 # --- recipes: a scheme preset plus calibrator and remedies ---------------------------------
@@ -64,7 +66,7 @@ class Recipe:
     def name(self) -> str:
         out = self.scheme + (f"@{self.calibrator}" if self.calibrator else "")
         if self.smooth is not None:
-            out += "+smooth" + ("" if self.smooth == DEFAULT_SMOOTH_ALPHA else f"={self.smooth:g}")
+            out += "+smooth" + ("" if self.smooth == DEFAULT_SMOOTH_ALPHA else f"={_exact(self.smooth)}")
         if self.rotate:
             out += "+rotate"
         return out
@@ -80,6 +82,13 @@ class Recipe:
         return out
 
 
+def _exact(x: float) -> str:
+    """The short form of x ('0.3', '1') where it reads back to the same float, else every digit needed:
+    run.toml stores recipes as text, and a rounded strength would not repeat the run."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
+
+
 def parse_recipe(text: str) -> Recipe:
     """Parse `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]`; scheme and calibrator names are checked
     against their registries when those modules are installed."""
@@ -87,12 +96,23 @@ def parse_recipe(text: str) -> Recipe:
     if not raw:
         raise FFNQuantError("empty scheme name")
     head, *mods = raw.split("+")
-    scheme, _, calibrator = head.partition("@")
+    scheme, at, calibrator = head.partition("@")
     scheme, calibrator = scheme.strip().lower(), calibrator.strip().lower() or None
+    if not scheme:
+        raise FFNQuantError(f"scheme {raw!r}: no scheme name before '@' or '+'; the form is SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]")
+    if at and calibrator is None:
+        from .calibrate import calibrator_names
+
+        raise FFNQuantError(f"scheme {raw!r}: '@' must be followed by a calibrator; valid: {', '.join(calibrator_names())}")
     smooth: float | None = None
     rotate = False
+    seen: set[str] = set()
     for mod in mods:
         key, _, value = mod.strip().lower().partition("=")
+        if key in seen:
+            # "+smooth+smooth=0.3" would silently keep the last value: say which one was meant instead
+            raise FFNQuantError(f"scheme {raw!r}: remedy {key!r} is given twice; give each remedy at most once")
+        seen.add(key)
         if key == "smooth":
             try:
                 smooth = float(value) if value else DEFAULT_SMOOTH_ALPHA
@@ -222,7 +242,15 @@ class RunConfig:
         for name in ("sensitivity", "onnx"):
             if not isinstance(getattr(self, name), bool):
                 raise FFNQuantError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        base = parse_recipe(self.baseline).name
+        try:
+            base_recipe = parse_recipe(self.baseline)
+        except FFNQuantError as exc:
+            raise FFNQuantError(f"baseline: {exc}") from None
+        base = base_recipe.name
+        if base_recipe.calibrator or base_recipe.smooth is not None or base_recipe.rotate or \
+                base_recipe.scheme not in FLOAT_BASELINES:
+            raise FFNQuantError(f"baseline {base!r} must be a float scheme (speedups are measured against it); "
+                                f"valid: {', '.join(FLOAT_BASELINES)}")
         if base not in schemes:
             raise FFNQuantError(f"baseline {base!r} must be one of the schemes ({', '.join(schemes)})")
         set_("baseline", base)
@@ -320,6 +348,9 @@ def load_config(path: str | os.PathLike) -> RunConfig:
         import tomli as tomllib  # type: ignore[no-redef]
 
     p = Path(path)
+    if p.exists() and not p.is_file():
+        # a FIFO or a device would block the read forever; a folder cannot be parsed
+        raise FFNQuantError(f"config file {str(p)!r} is not a regular file; give a TOML file written by 'ffnquant run'")
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -522,6 +553,7 @@ def _quantize_variant(
     model's layer passes its report key as `label` (e.g. 'bert:L0'), its ONNX file stem as `stem`, and
     `keep` to collect the quantized FFN of every quantized recipe (by recipe name) for the end-to-end run.
     """
+    from .atomic import is_output_failure
     from .quantize import prepare, quantize_spec
     from .schemes import get_scheme
 
@@ -549,9 +581,12 @@ def _quantize_variant(
                     # remedies: reuse the files already made instead of exporting them again.
                     preps[key]._files.update({k: p for k, p in base._files.items() if k[0] in ("reference", "baseline")})
             prep = preps[key]
+            # quantize_spec names files by scheme; recipes that differ only by calibrator get a suffix, written
+            # under that name from the start (renaming afterwards could drop an earlier file of the plain name)
+            suffix = f"-{recipe.calibrator.replace(':', '')}" if recipe.calibrator and recipe.scheme != config.baseline else ""
             res = quantize_spec(spec, scheme, calibrator=recipe.calibrator, prepared=prep, seed=config.seed,
                                 out_artifacts=out_export, onnx=out_export is not None, sensitivity=False,
-                                baseline=out_export is not None)
+                                baseline=out_export is not None, artifact_suffix=suffix)
             acc = res.accuracy
             if recipe.scheme == config.baseline:
                 row.update(sqnr_db=None, cosine=1.0, rel_l2=0.0, max_abs_error=0.0)
@@ -570,13 +605,9 @@ def _quantize_variant(
                 row["onnx_sqnr_db"] = _json_num(art["accuracy_onnx"]["sqnr_db"])
             if art.get("path"):
                 p = Path(art["path"])
-                if recipe.calibrator and recipe.scheme != config.baseline:
-                    # quantize_spec names files by scheme; keep recipes that differ only by calibrator apart.
-                    named = p.with_name(p.name[: -len(".onnx")] + f"-{recipe.calibrator.replace(':', '')}.onnx")
-                    os.replace(p, named)
-                    p = named
                 paths[recipe.name] = p
-                artifacts.append({"variant": v, "scheme": recipe.name, "path": _rel(p), "size_bytes": int(art["size_bytes"]),
+                # the staged path for now: `run` puts the final one in once every artifact is written
+                artifacts.append({"variant": v, "scheme": recipe.name, "path": p, "size_bytes": int(art["size_bytes"]),
                                   "format": str(art.get("kind"))})
             elif art.get("note") and art.get("kind") is None:
                 row["reason"] = f"no ONNX artifact: {art['note']}"
@@ -588,6 +619,8 @@ def _quantize_variant(
             # e.g. a remedy that cannot be applied exactly to this variant: refused by design, recorded.
             row.update(status="not applicable", reason=str(exc))
         except Exception as exc:  # one broken combination must not sink the run; the report shows it
+            if is_output_failure(exc):
+                raise  # a full disk is not one broken combination: the run stops and leaves nothing
             row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
         rows.append(row)
         tick(f"{v} {recipe.name}")
@@ -613,13 +646,14 @@ def _check_model(config: RunConfig) -> tuple[Any, list[int]]:
     """The model folder of `config` inspected (config.json, weights, architecture), its layer selection
     parsed, transformers and both texts checked: every model error fails before the run starts."""
     from .hf import inspect_model, parse_layers
-    from .hf.capture import read_text, require_transformers
+    from .hf.capture import check_tokenizer, require_transformers
 
     info = inspect_model(config.model)
     indices = parse_layers(config.layers, info.n_layers)
     require_transformers()
-    read_text(config.text, "calibration")
-    read_text(config.eval_text, "evaluation")
+    # reads both texts and checks the tokenizer's ids against config.json's vocab_size: a tokenizer
+    # that does not belong to the weights fails here, not after the synthetic variants have run
+    check_tokenizer(info, {"calibration": config.text, "evaluation": config.eval_text})
     return info, indices
 
 
@@ -797,7 +831,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     import torch
 
     from . import __version__
-    from .atomic import ensure_writable_dir, write_text
+    from .atomic import OutputTransaction, write_text
     from .data import calibration_and_eval
     from .envinfo import environment
     from .model import build
@@ -832,164 +866,171 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
         if get_scheme is None:
             raise FFNQuantError("model: quantizing a model's layers needs ffnquant's quantization modules")
         model_info = _check_model(config)  # a bad folder or text fails here, before anything is written
-    out_reports = ensure_writable_dir(config.out_reports)
-    out_export = ensure_writable_dir(config.out_export)
+    # The whole output set is staged beside its folders and moved into place only once every file is
+    # written: a failure, a full disk or Ctrl-C leaves the reports and artifacts folders as they were,
+    # and an earlier file is replaced only by this run's file of the same name.
+    with OutputTransaction() as tx:
+        out_reports = tx.folder(config.out_reports)
+        out_export = tx.folder(config.out_export)
 
-    n_units = len(specs) * (1 + len(recipes))
-    if model_info is not None:
-        n_units += len(model_info[1]) * (1 if model_info[0].n_experts is None else model_info[0].n_experts) * len(recipes) + 2
-    done = 0
+        n_units = len(specs) * (1 + len(recipes))
+        if model_info is not None:
+            n_units += len(model_info[1]) * (1 if model_info[0].n_experts is None else model_info[0].n_experts) * len(recipes) + 2
+        done = 0
 
-    def tick(message: str, units: int = 1) -> None:
-        nonlocal done
-        done += units
-        if progress is not None:
-            progress(message, done, n_units)
+        def tick(message: str, units: int = 1) -> None:
+            nonlocal done
+            done += units
+            if progress is not None:
+                progress(message, done, n_units)
 
-    torch.manual_seed(config.seed)  # nothing below should draw from the global generator; belt and braces
-    tables: dict[str, Any] = {}
-    acc_rows: list[dict] = []
-    artifacts: list[dict] = []
-    models: dict[str, Any] = {}
-    onnx_paths: dict[tuple[str, str], Path] = {}
-    timed_claims: list[dict] = []
-    ort_baselines: list[dict] = []
-    calib_tokens = calib_source.tokens(config.calib_tokens, config.d_model)
-    from .observe import profile
+        torch.manual_seed(config.seed)  # nothing below should draw from the global generator; belt and braces
+        tables: dict[str, Any] = {}
+        acc_rows: list[dict] = []
+        artifacts: list[dict] = []
+        models: dict[str, Any] = {}
+        onnx_paths: dict[tuple[str, str], Path] = {}
+        timed_claims: list[dict] = []
+        ort_baselines: list[dict] = []
+        calib_tokens = calib_source.tokens(config.calib_tokens, config.d_model)
+        from .observe import profile
 
-    for spec in specs:
-        v = spec.variant.value
-        t0 = time.perf_counter()
-        model = build(spec, seed=config.seed)
-        models[v] = model
-        tables[v] = profile(model, calib_source.batches(config.calib_tokens, spec.d_model, config.batch_size), bins=config.bins)
-        stages.add("profile", time.perf_counter() - t0)
-        tick(f"{v}: profiled")
-        if get_scheme is not None:
+        for spec in specs:
+            v = spec.variant.value
             t0 = time.perf_counter()
-            rows, arts, paths, ort_base = _quantize_variant(
-                spec, model, recipes, config, calib_tokens, eval_tokens, out_export if config.onnx else None,
-                lambda m: tick(m))
-            acc_rows += rows
-            artifacts += arts
-            if ort_base is not None:
-                ort_baselines.append(ort_base)
-            for name, p in paths.items():
-                onnx_paths[(v, name)] = p
-            stages.add("quantize and export", time.perf_counter() - t0)
-        else:
-            tick(f"{v}: quantization skipped", len(recipes))
-        if v in ("relu", "swiglu"):
-            timed_claims.append(_claim_activation_time(model, eval_tokens[: max(config.tokens)]))
+            model = build(spec, seed=config.seed)
+            models[v] = model
+            tables[v] = profile(model, calib_source.batches(config.calib_tokens, spec.d_model, config.batch_size), bins=config.bins)
+            stages.add("profile", time.perf_counter() - t0)
+            tick(f"{v}: profiled")
+            if get_scheme is not None:
+                t0 = time.perf_counter()
+                rows, arts, paths, ort_base = _quantize_variant(
+                    spec, model, recipes, config, calib_tokens, eval_tokens, out_export if config.onnx else None,
+                    lambda m: tick(m))
+                acc_rows += rows
+                artifacts += arts
+                if ort_base is not None:
+                    ort_baselines.append(ort_base)
+                for name, p in paths.items():
+                    onnx_paths[(v, name)] = p
+                stages.add("quantize and export", time.perf_counter() - t0)
+            else:
+                tick(f"{v}: quantization skipped", len(recipes))
+            if v in ("relu", "swiglu"):
+                timed_claims.append(_claim_activation_time(model, eval_tokens[: max(config.tokens)]))
 
-    model_part = None
-    if model_info is not None:
-        model_part = _model_layers_part(config, model_info[0], recipes, out_export if config.onnx else None, runtimes,
-                                        tick, progress, stages)
-        tables.update(model_part["tables"])
-        acc_rows += model_part["rows"]
-        artifacts += model_part["artifacts"]
-        ort_baselines += model_part["baselines"]
+        model_part = None
+        if model_info is not None:
+            model_part = _model_layers_part(config, model_info[0], recipes, out_export if config.onnx else None, runtimes,
+                                            tick, progress, stages)
+            tables.update(model_part["tables"])
+            acc_rows += model_part["rows"]
+            artifacts += model_part["artifacts"]
+            ort_baselines += model_part["baselines"]
 
-    ranges, range_claims = _range_section(tables, specs, missing)
-    claims = range_claims
+        ranges, range_claims = _range_section(tables, specs, missing)
+        claims = range_claims
 
-    # --- latency ------------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    latency = _measure_latency(config, specs, recipes, models, onnx_paths, runtimes, missing, progress)
-    stages.add("latency", time.perf_counter() - t0)
-    if model_part is not None and model_part["latency"]["cases"]:
-        latency["cases"] += model_part["latency"]["cases"]
-        errors = {r["name"]: r["error"] for r in model_part["latency"]["runtimes"] if r.get("error")}
-        for r in latency["runtimes"]:
-            if errors.get(r["name"]) and not r.get("error"):
-                r["error"] = f"{model_part['latency']['layer']}: {errors[r['name']]}"
+        # --- latency ------------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        latency = _measure_latency(config, specs, recipes, models, onnx_paths, runtimes, missing, progress)
+        stages.add("latency", time.perf_counter() - t0)
+        if model_part is not None and model_part["latency"]["cases"]:
+            latency["cases"] += model_part["latency"]["cases"]
+            errors = {r["name"]: r["error"] for r in model_part["latency"]["runtimes"] if r.get("error")}
+            for r in latency["runtimes"]:
+                if errors.get(r["name"]) and not r.get("error"):
+                    r["error"] = f"{model_part['latency']['layer']}: {errors[r['name']]}"
 
-    # --- recommendations and findings ------------------------------------------------------------
-    from .recommend import Point, crest_cost_finding, pareto_front, recommend_all
+        # --- recommendations and findings ------------------------------------------------------------
+        from .recommend import Point, crest_cost_finding, pareto_front, recommend_all
 
-    acc_index = {(r["variant"], r["scheme"]): r for r in acc_rows}
-    points = []
-    for c in latency["cases"]:
-        if c.get("error") is not None or not c.get("median_s"):
-            continue
-        row = acc_index.get((c["variant"], c["scheme"]))
-        if c["scheme"] == config.baseline:
-            sqnr = None
-        elif row is not None and row["status"] == "ok" and row["sqnr_db"] is not None:
-            sqnr = row["sqnr_db"]
-        else:
-            continue
-        points.append(Point(c["variant"], c["scheme"], c["runtime"], c["tokens"], c["median_s"], sqnr,
-                            row["label"] if row else c["scheme"]))
-    recs = [r.to_dict() for r in recommend_all(points, config.target_db, config.baseline)]
-    pareto = []
-    groups: dict[tuple, list] = {}
-    for p in points:
-        groups.setdefault((p.variant, p.runtime, p.tokens), []).append(p)
-    for (v, rt, t), pts in sorted(groups.items()):
-        pareto.append({"variant": v, "runtime": rt, "tokens": t, "schemes": [p.scheme for p in pareto_front(pts)]})
+        acc_index = {(r["variant"], r["scheme"]): r for r in acc_rows}
+        points = []
+        for c in latency["cases"]:
+            if c.get("error") is not None or not c.get("median_s"):
+                continue
+            row = acc_index.get((c["variant"], c["scheme"]))
+            if c["scheme"] == config.baseline:
+                sqnr = None
+            elif row is not None and row["status"] == "ok" and row["sqnr_db"] is not None:
+                sqnr = row["sqnr_db"]
+            else:
+                continue
+            points.append(Point(c["variant"], c["scheme"], c["runtime"], c["tokens"], c["median_s"], sqnr,
+                                row["label"] if row else c["scheme"]))
+        recs = [r.to_dict() for r in recommend_all(points, config.target_db, config.baseline)]
+        pareto = []
+        groups: dict[tuple, list] = {}
+        for p in points:
+            groups.setdefault((p.variant, p.runtime, p.tokens), []).append(p)
+        for (v, rt, t), pts in sorted(groups.items()):
+            pareto.append({"variant": v, "runtime": rt, "tokens": t, "schemes": [p.scheme for p in pareto_front(pts)]})
 
-    findings = []
-    # the crest/cost relation is a claim about the synthetic family; a real model's layers get their own finding
-    crest = {v: ranges["variants"][v]["sites"].get("hidden", {}).get("crest_factor") for v in ranges["variants"]
-             if v in config.variants}
-    crest = {v: c for v, c in crest.items() if c is not None}
-    for recipe in recipes:
-        if recipe.scheme not in ("w8a8", "w8a8-s8") or recipe.smooth is not None or recipe.rotate:
-            continue
-        sq = {r["variant"]: r["sqnr_db"] for r in acc_rows if r["scheme"] == recipe.name and r["sqnr_db"] is not None
-              and r["variant"] in config.variants}
-        f = crest_cost_finding(crest, sq, scheme=recipe.label)
-        if f is not None:
-            findings.append(f)
-        break
-    findings += _remedy_findings(acc_rows, recipes)
-    if model_part is not None:
-        f = _model_finding(model_part["doc"], acc_rows, recipes, config.variants, ranges["variants"])
-        if f is not None:
-            findings.append(f)
+        findings = []
+        # the crest/cost relation is a claim about the synthetic family; a real model's layers get their own finding
+        crest = {v: ranges["variants"][v]["sites"].get("hidden", {}).get("crest_factor") for v in ranges["variants"]
+                 if v in config.variants}
+        crest = {v: c for v, c in crest.items() if c is not None}
+        for recipe in recipes:
+            if recipe.scheme not in ("w8a8", "w8a8-s8") or recipe.smooth is not None or recipe.rotate:
+                continue
+            sq = {r["variant"]: r["sqnr_db"] for r in acc_rows if r["scheme"] == recipe.name and r["sqnr_db"] is not None
+                  and r["variant"] in config.variants}
+            f = crest_cost_finding(crest, sq, scheme=recipe.label)
+            if f is not None:
+                findings.append(f)
+            break
+        findings += _remedy_findings(acc_rows, recipes)
+        if model_part is not None:
+            f = _model_finding(model_part["doc"], acc_rows, recipes, config.variants, ranges["variants"])
+            if f is not None:
+                findings.append(f)
 
-    doc: dict[str, Any] = {
-        "schema": "ffnquant-report",
-        "schema_version": 1,
-        "ffnquant_version": __version__,
-        "command": command,
-        "config": config.to_dict(),
-        "environment": environment(),
-        "specs": [dict(s.to_dict(), key=s.key, n_params=s.n_params, flops_per_token=s.flops_per_token) for s in specs],
-        "data": {
-            "source": source.label,
-            "calib_tokens": config.calib_tokens,
-            "eval_tokens": config.eval_tokens,
-            "separation": "held-out tokens never used for calibration: "
-                          + ("rows after the calibration rows of the file" if source.kind.value == "file"
-                             else "an independent random stream of the same source"),
-        },
-        **({"model": model_part["doc"]} if model_part is not None else {}),
-        "ranges": ranges,
-        "claims": claims,
-        "accuracy": {"status": "ok" if acc_rows else "missing",
-                     "reason": None if acc_rows else "quantization modules are not installed", "rows": acc_rows,
-                     "baseline": _ort_baseline_summary(ort_baselines, acc_rows, recipes)},
-        "artifacts": artifacts,
-        "findings": findings,
-        "missing": missing,
-        "timing": {
-            "wall_s": 0.0,
-            "stages": {},
-            "latency": latency,
-            "recommendations": recs,
-            "pareto": pareto,
-            "claims": timed_claims,
-        },
-    }
-    from .report import write_report
+        for a in artifacts:  # the paths the files will have once moved into place
+            a["path"] = _rel(tx.final(a["path"]))
+        doc: dict[str, Any] = {
+            "schema": "ffnquant-report",
+            "schema_version": 1,
+            "ffnquant_version": __version__,
+            "command": command,
+            "config": config.to_dict(),
+            "environment": environment(),
+            "specs": [dict(s.to_dict(), key=s.key, n_params=s.n_params, flops_per_token=s.flops_per_token) for s in specs],
+            "data": {
+                "source": source.label,
+                "calib_tokens": config.calib_tokens,
+                "eval_tokens": config.eval_tokens,
+                "separation": "held-out tokens never used for calibration: "
+                              + ("rows after the calibration rows of the file" if source.kind.value == "file"
+                                 else "an independent random stream of the same source"),
+            },
+            **({"model": model_part["doc"]} if model_part is not None else {}),
+            "ranges": ranges,
+            "claims": claims,
+            "accuracy": {"status": "ok" if acc_rows else "missing",
+                         "reason": None if acc_rows else "quantization modules are not installed", "rows": acc_rows,
+                         "baseline": _ort_baseline_summary(ort_baselines, acc_rows, recipes)},
+            "artifacts": artifacts,
+            "findings": findings,
+            "missing": missing,
+            "timing": {
+                "wall_s": 0.0,
+                "stages": {},
+                "latency": latency,
+                "recommendations": recs,
+                "pareto": pareto,
+                "claims": timed_claims,
+            },
+        }
+        from .report import write_report
 
-    doc["timing"]["stages"] = {k: round(v, 3) for k, v in stages.seconds.items()}
-    doc["timing"]["wall_s"] = round(time.perf_counter() - t_start, 3)
-    paths = write_report(doc, out_reports)
-    paths["config"] = write_text(out_reports / "run.toml", config.to_toml())
+        doc["timing"]["stages"] = {k: round(v, 3) for k, v in stages.seconds.items()}
+        doc["timing"]["wall_s"] = round(time.perf_counter() - t_start, 3)
+        paths = write_report(doc, out_reports)
+        paths["config"] = write_text(out_reports / "run.toml", config.to_toml())
+        paths = {k: tx.final(p) for k, p in paths.items()}
     return RunResult(config, doc, paths)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import json
 from pathlib import Path
 
@@ -125,6 +127,35 @@ def test_cli_options_override_the_config_file(tmp_path):
 def test_parse_recipe(text, recipe):
     assert parse_recipe(text) == recipe
     assert parse_recipe(recipe.name) == recipe
+
+
+@pytest.mark.parametrize("text, message", [
+    pytest.param("w8a8@", "'@' must be followed by a calibrator; valid: minmax,", id="empty-calibrator"),
+    pytest.param("w8a8+smooth+smooth=0.3", "remedy 'smooth' is given twice", id="smooth-twice"),
+    pytest.param("w8a8+rotate+rotate", "remedy 'rotate' is given twice", id="rotate-twice"),
+    pytest.param("@auto", "no scheme name before '@' or '+'", id="no-scheme"),
+    pytest.param("w8a8+", "unknown remedy", id="empty-remedy"),
+    pytest.param("w8a8+smooth=1.5", "smooth strength must be in [0, 1]", id="alpha-range"),
+], )
+def test_parse_recipe_refuses_with_one_line(text, message):
+    with pytest.raises(FFNQuantError) as info:
+        parse_recipe(text)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("baseline", ["w8a8", "w8a8@auto", "w4a16-g32"], ids=str)
+def test_baseline_must_be_a_float_scheme(baseline):
+    with pytest.raises(FFNQuantError, match=f"baseline '{baseline}' must be a float scheme.*valid: fp32, fp16"):
+        RunConfig.tiny(schemes=("fp32", baseline), baseline=baseline)
+
+
+def test_config_that_is_not_a_regular_file_is_refused_without_reading(tmp_path):
+    fifo = tmp_path / "run.toml"
+    os.mkfifo(fifo)  # reading a FIFO with no writer would block forever
+    with pytest.raises(FFNQuantError, match="is not a regular file"):
+        load_config(fifo)
+    with pytest.raises(FFNQuantError, match="is not a regular file"):
+        load_config(tmp_path)
 
 
 def test_default_config_is_the_issue_default():
