@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["FFNQuantError", "unknown_choice"]
+__all__ = ["FFNQuantError", "unknown_choice", "first_line"]
 
 
 class FFNQuantError(ValueError):
@@ -21,3 +21,9 @@ def unknown_choice(kind: str, value: object, valid: Iterable[object]) -> FFNQuan
     """Build the error for a name outside a closed set, listing the valid names."""
     names = ", ".join(str(getattr(v, "value", v)) for v in valid)
     return FFNQuantError(f"unknown {kind} {value!r}; valid: {names}")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none): for availability reasons."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from ..errors import FFNQuantError
+from ..errors import FFNQuantError, first_line
 from .base import Availability, Loaded, ModelCase
 from .torch_rt import TorchModuleRuntime
 
@@ -117,7 +117,7 @@ class BnbRuntime(TorchModuleRuntime):
                     if not torch.isfinite(y.float()).all():
                         raise RuntimeError(f"{scheme} probe returned non-finite values")
         except Exception as exc:  # any failure of the native kernels means "not usable here"
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             return Availability(False, f"bitsandbytes {bnb.__version__} kernels fail on {self.device}: {first}", self.device)
         where = torch.cuda.get_device_name(0) if self.device == "cuda" else "CPU"
         return Availability(True, f"bitsandbytes {bnb.__version__} on {where}", self.device)

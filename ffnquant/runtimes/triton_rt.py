@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..errors import FFNQuantError
+from ..errors import FFNQuantError, first_line
 from .base import Availability, Loaded, ModelCase
 from .torch_rt import MODES, TorchModuleRuntime, _module_nbytes
 
@@ -91,7 +91,7 @@ class TritonRuntime(TorchModuleRuntime):
             if not torch.isfinite(y.float()).all():
                 raise RuntimeError("the probe returned non-finite values")
         except Exception as exc:  # any failure of the compiled kernel means "not usable here"
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             return Availability(False, f"Triton W4A16 kernel fails on {self.device}: {first}", self.device)
         import triton
 
