@@ -53,7 +53,7 @@ def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
     record come from the quantization stage's own artifacts (pass them as `onnx_path`).
     """
     from .. import onnxquant
-    from ..quantize import prepare, quantize_model
+    from ..quantize import quantize_model
     from ..schemes import get_scheme
 
     scheme = get_scheme(case.scheme)
@@ -62,13 +62,21 @@ def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
         raise FFNQuantError(f"scheme {case.scheme!r} has no onnxruntime artifact: {why}")
     fp32_path = onnx_artifact(dataclasses.replace(case, scheme="fp32", onnx_path=None, workdir=path.parent))
     if scheme.static_activations and scheme.quantizes_activations:
-        prep = prepare(case.spec, source="gaussian", calib_tokens=CALIBRATION_TOKENS, eval_tokens=64,
-                       seed=case.seed, model=model)
+        prep = gaussian_calibration(model, case.seed)
         qmodel = quantize_model(prep.model, scheme, prep.table)
         source = prep.model
     else:
         qmodel, source = quantize_model(model, scheme), model
     return onnxquant.write_artifact(fp32_path, path, qmodel, source)
+
+
+def gaussian_calibration(model, seed: int):
+    """The `quantize.Prepared` that static schemes of timed artifacts and of the bench's references are
+    calibrated from: `CALIBRATION_TOKENS` seeded Gaussian tokens through `model`."""
+    from ..quantize import prepare
+
+    return prepare(model.spec, source="gaussian", calib_tokens=CALIBRATION_TOKENS, eval_tokens=64, seed=seed,
+                   model=model)
 
 
 def onnx_weight_bytes(path: str | os.PathLike) -> int:
