@@ -1,6 +1,6 @@
 """FFN modules: one class for the whole family, variant chosen by registry key.
 
-Every tensor site (DESIGN.md) passes through a named `SiteTap` (an identity module),
+Every tensor site (`spec.SITES`) passes through a named `SiteTap` (an identity module),
 so observers and fake-quantizers attach with ordinary forward hooks and the float math
 is unchanged. Two further identity slots, `input_transform` and `hidden_transform`, are
 where outlier remedies put an explicit per-channel scale or a rotation; they are

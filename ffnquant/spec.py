@@ -77,7 +77,7 @@ VARIANT_ACTIVATION: Mapping[Variant, Activation] = {
     Variant.SWIGLU: Activation.SILU,
 }
 
-# Tensor sites, named the same in every variant (DESIGN.md).
+# Tensor sites, named the same in every variant (the README's FFN family table).
 SITES = ("input", "gate_pre", "up", "act", "hidden", "output")
 GATED_ONLY_SITES = frozenset({"gate_pre"})
 WEIGHTS = ("w_up", "w_gate", "w_down")

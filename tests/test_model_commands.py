@@ -175,7 +175,9 @@ def test_run_with_model_puts_its_layers_next_to_the_variants(tiny, tmp_path, cap
     assert {("opt:L0", "fp32"), ("opt:L0", "w8a8@auto"), ("relu", "w8a8@auto")} <= cases
     assert model["latency"]["layer"] == "opt:L0"
     arts = [a for a in doc["artifacts"] if a["variant"] in keys]
-    assert arts and all(Path(a["path"]).name.startswith(("opt.L0.", "opt.L1.")) and Path(a["path"]).is_file() for a in arts)
+    # printed as export/<file> (the folder's name, not this machine's absolute path); the file is there
+    assert arts and all(Path(a["path"]).name.startswith(("opt.L0.", "opt.L1.")) and Path(a["path"]).parent.name == "export"
+                        and (export / Path(a["path"]).name).is_file() for a in arts)
     md = (out / "report.md").read_text()
     assert "## Real model: opt layers next to the variants" in md and "| opt:L1 | w8a8 (auto) |" in md
     assert "skipped w4a16-g64 on L0, L1: " in md

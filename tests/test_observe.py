@@ -302,7 +302,7 @@ def test_range_table_merge_and_round_trip():
 
 
 def test_hidden_range_ordering_on_gaussian_inputs():
-    """The measured ordering DESIGN.md reports: relu/gelu `hidden` narrower than the gated
+    """The measured ordering the README reports: relu/gelu `hidden` narrower than the gated
     swiglu/geglu/reglu, by crest factor and kurtosis (d=128, 4096 tokens, fixed seeds)."""
     src = TokenSource("gaussian", seed=0)
     tables = {v: profile_spec(FFNSpec(v, d_model=128), src, 4096, bins=256) for v in ("relu", "gelu", "swiglu", "geglu", "reglu")}

@@ -126,7 +126,9 @@ def _command_line(args: argparse.Namespace) -> str:
         parts.append("--skip-unavailable")
     if args.max_total_s is not None:
         parts += ["--max-total-s", str(args.max_total_s)]
-    parts += ["--out", args.out, "--name", args.name]
+    from ..render import display_path
+
+    parts += ["--out", display_path(args.out), "--name", args.name]  # never this machine's absolute layout
     return " ".join(shlex.quote(p) for p in parts)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -102,11 +103,13 @@ class _ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..render import display_path
     from ..run import run as run_job
 
     config = config_from_args(args)  # every bad option fails here, before anything is written
     argv = getattr(args, "_argv", None) or ["run"]
-    command = "ffnquant " + " ".join(shlex.quote(a) for a in argv)
+    # paths outside the working folder are shown as folder/name: reports never print this machine's layout
+    command = "ffnquant " + " ".join(shlex.quote(display_path(a) if os.path.isabs(a) else a) for a in argv)
     bar = _ProgressBar()
     try:
         result = run_job(config, progress=bar, command=command)
