@@ -335,7 +335,7 @@ def test_triton_runtime_says_why_it_cannot_run_on_this_cpu(monkeypatch):
     avail = get_runtime("triton-cuda").availability()
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
-    assert not avail.available and ("no CUDA device" in avail.reason or "triton" in avail.reason.lower())
+    assert not avail.available and "no CUDA device" in avail.reason
 
 
 def test_torch_cpu_weight_bytes_shrink_with_bits(tiny):
