@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .errors import FFNQuantError, unknown_choice
 from .render import display_path
+from .recipe import DEFAULT_SMOOTH_ALPHA, Recipe, parse_recipe
 from .spec import FFNSpec, Variant, parse_variants
 
 __all__ = [
@@ -44,101 +45,8 @@ DEFAULT_SCHEMES: tuple[str, ...] = (
 )
 # Decode (1, 16) and one prefill block (512): enough to see both regimes within the 5-minute budget.
 DEFAULT_TOKENS: tuple[int, ...] = (1, 16, 512)
-DEFAULT_SMOOTH_ALPHA = 0.5
 # What speedups and recommendations are measured against: an unquantized scheme.
 FLOAT_BASELINES: tuple[str, ...] = ("fp32", "fp16")
-
-
-# --- recipes: a scheme preset plus calibrator and remedies ---------------------------------
-
-@dataclass(frozen=True)
-class Recipe:
-    """What one row of the report is: `scheme` preset, optional calibrator override, remedies.
-
-    Text form: `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]`, e.g. `w8a8@auto+smooth=0.5`.
-    """
-
-    scheme: str
-    calibrator: str | None = None
-    smooth: float | None = None
-    rotate: bool = False
-
-    @property
-    def name(self) -> str:
-        out = self.scheme + (f"@{self.calibrator}" if self.calibrator else "")
-        if self.smooth is not None:
-            out += "+smooth" + ("" if self.smooth == DEFAULT_SMOOTH_ALPHA else f"={_exact(self.smooth)}")
-        if self.rotate:
-            out += "+rotate"
-        return out
-
-    @property
-    def label(self) -> str:
-        """Human label, e.g. 'w8a8 (auto) + smooth 0.5'."""
-        out = self.scheme + (f" ({self.calibrator})" if self.calibrator else "")
-        if self.smooth is not None:
-            out += f" + smooth {self.smooth:g}"
-        if self.rotate:
-            out += " + rotate"
-        return out
-
-
-def _exact(x: float) -> str:
-    """The short form of x ('0.3', '1') where it reads back to the same float, else every digit needed:
-    run.toml stores recipes as text, and a rounded strength would not repeat the run."""
-    short = f"{x:g}"
-    return short if float(short) == x else repr(float(x))
-
-
-def parse_recipe(text: str) -> Recipe:
-    """Parse `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]`; scheme and calibrator names are checked
-    against their registries when those modules are installed."""
-    raw = str(text).strip()
-    if not raw:
-        raise FFNQuantError("empty scheme name")
-    head, *mods = raw.split("+")
-    scheme, at, calibrator = head.partition("@")
-    scheme, calibrator = scheme.strip().lower(), calibrator.strip().lower() or None
-    if not scheme:
-        raise FFNQuantError(f"scheme {raw!r}: no scheme name before '@' or '+'; the form is SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]")
-    if at and calibrator is None:
-        from .calibrate import calibrator_names
-
-        raise FFNQuantError(f"scheme {raw!r}: '@' must be followed by a calibrator; valid: {', '.join(calibrator_names())}")
-    smooth: float | None = None
-    rotate = False
-    seen: set[str] = set()
-    for mod in mods:
-        key, _, value = mod.strip().lower().partition("=")
-        if key in seen:
-            # "+smooth+smooth=0.3" would silently keep the last value: say which one was meant instead
-            raise FFNQuantError(f"scheme {raw!r}: remedy {key!r} is given twice; give each remedy at most once")
-        seen.add(key)
-        if key == "smooth":
-            try:
-                smooth = float(value) if value else DEFAULT_SMOOTH_ALPHA
-            except ValueError:
-                raise FFNQuantError(f"scheme {raw!r}: smooth strength must be a number, got {value!r}") from None
-            if not (0.0 <= smooth <= 1.0):
-                raise FFNQuantError(f"scheme {raw!r}: smooth strength must be in [0, 1], got {smooth:g}")
-        elif key == "rotate" and not value:
-            rotate = True
-        else:
-            raise unknown_choice(f"remedy in {raw!r}", mod, ["smooth", "smooth=ALPHA", "rotate"])
-    try:
-        from .schemes import get_scheme
-    except ImportError:  # quantization not installed: the run reports it as missing
-        return Recipe(scheme, calibrator, smooth, rotate)
-    sch = get_scheme(scheme)
-    if calibrator is not None:
-        from .calibrate import parse_calibrator
-
-        parse_calibrator(calibrator)
-        if not sch.static_activations:
-            raise FFNQuantError(f"scheme {raw!r}: {scheme} has no static activation ranges to calibrate")
-    if (smooth is not None or rotate) and sch.weight_dtype.is_float:
-        raise FFNQuantError(f"scheme {raw!r}: remedies apply to quantized schemes, not {scheme}")
-    return Recipe(scheme, calibrator, smooth, rotate)
 
 
 # --- the configuration ---------------------------------------------------------------------
