@@ -1,7 +1,7 @@
 """The run report: `report.json` (schema-versioned), `report.md` and a self-contained `report.html`.
 
 Everything here renders a report *document* (a JSON-able dict, see
-`ffnquant/data/report.schema.json`) built by `ffnquant.run`; nothing is measured here.
+`ffnquant/data/report.schema.json`) built by `ffnquant.pipeline`; nothing is measured here.
 Plots, Markdown and HTML are all produced in memory first and only then written, each file
 atomically, so a failure while rendering leaves no report behind and an interruption while
 writing leaves whole files only.

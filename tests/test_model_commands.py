@@ -14,7 +14,7 @@ import pytest
 
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
-from ffnquant.run import RunConfig, load_config
+from ffnquant.pipeline import RunConfig, load_config
 
 from hf_models import D, tiny_folders, write_llama_like
 
@@ -40,8 +40,9 @@ def test_quantize_model_writes_artifacts_and_a_row_per_layer(tiny, tmp_path, cap
     assert rc == 0
     out = capsys.readouterr().out
     assert "bert:L0" in out and "bert:L1" in out and "end to end, 2 FFN layer(s) quantized" in out
-    data = json.loads((rep / "quantize_bert_w8a8_auto_smooth0.5.json").read_text())
-    assert (rep / "quantize_bert_w8a8_auto_smooth0.5.md").is_file()
+    data = json.loads((rep / "quantize_bert.w8a8-auto.smooth0.5.json").read_text())  # named by the recipe's slug
+    assert (rep / "quantize_bert.w8a8-auto.smooth0.5.md").is_file()
+    assert data["recipe"] == "w8a8@auto+smooth"
     assert [r["label"] for r in data["layers"]] == ["L0", "L1"]
     assert data["remedies"][0]["kind"] == "smooth" and "not positively homogeneous" in data["remedies"][0]["note"]
     for r in data["layers"]:
@@ -57,7 +58,8 @@ def test_quantize_model_writes_artifacts_and_a_row_per_layer(tiny, tmp_path, cap
     # quantizing both layers costs at least as much as the better of the two alone (errors add)
     assert e2e["end_to_end"]["hidden_sqnr_db"] <= max(a["hidden_sqnr_db"] for a in e2e["ablation"]) + 0.5
     assert sorted(p.name for p in art.glob("*.onnx") if ".L1." in p.name) == [
-        "bert.L1.fp32.onnx", "bert.L1.ort-default-static.onnx", "bert.L1.smooth0.5.fp32.onnx", "bert.L1.smooth0.5.w8a8.onnx"]
+        "bert.L1.fp32.onnx", "bert.L1.ort-default-static.onnx", "bert.L1.smooth0.5.fp32.onnx",
+        "bert.L1.w8a8-auto.smooth0.5.onnx"]
 
 
 @pytest.mark.hf
@@ -85,7 +87,7 @@ def test_quantize_model_from_captured_files_needs_no_transformers(tmp_path):
                "w8a8-dynamic", "--calib-tokens", "300", "--eval-tokens", "200", "--no-onnx",
                "--out-artifacts", str(tmp_path / "export"), "--out-reports", str(tmp_path / "reports")])
     assert rc == 0
-    data = json.loads((tmp_path / "reports" / "quantize_llama-m_w8a8-dynamic.json").read_text())
+    data = json.loads((tmp_path / "reports" / "quantize_llama-m.w8a8-dynamic.json").read_text())
     # the first 300 rows calibrate, the remaining 100 (of 200 asked) are held out
     assert [(r["n_calib_tokens"], r["n_eval_tokens"]) for r in data["layers"]] == [(300, 100), (300, 100)]
     assert all(r["accuracy_torch"]["sqnr_db"] > INT8_FLOOR_DB for r in data["layers"])

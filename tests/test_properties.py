@@ -1,6 +1,6 @@
 """Property-based cases (hypothesis) of the two input parsers every command relies on (issue 15).
 
-- The recipe grammar `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]` (`ffnquant.run.parse_recipe`):
+- The recipe grammar `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]` (`ffnquant.recipe.Recipe.parse`):
   valid recipes round-trip through their text form, and any text either parses or raises
   FFNQuantError with a one-line message, never another exception.
 - The token-file reader (`ffnquant.data.load_tokens`): small arrays of the supported float
@@ -24,7 +24,7 @@ from hypothesis.extra import numpy as hnp
 from ffnquant.calibrate import calibrator_names
 from ffnquant.data import load_tokens
 from ffnquant.errors import FFNQuantError
-from ffnquant.run import Recipe, parse_recipe
+from ffnquant.recipe import Recipe, parse_recipe
 from ffnquant.schemes import PRESETS
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,8 @@ import pytest
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
 from ffnquant.report import PLOT_DIR, strip_timing, validate_report
-from ffnquant.run import DEFAULT_SCHEMES, Recipe, RunConfig, load_config, parse_recipe, run
+from ffnquant.pipeline import DEFAULT_SCHEMES, RunConfig, load_config, run
+from ffnquant.recipe import Recipe, parse_recipe
 
 # Small enough for the suite: two variants, d_model 64, a few hundred tokens, tiny latency budget.
 SMALL = dict(variants=("relu", "swiglu"), schemes=("fp32", "w8a8@auto", "w8a8-dynamic", "w4a16-g32"),
@@ -104,7 +105,7 @@ def test_config_round_trips_through_toml(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(cfg.to_toml())
     back = load_config(path)
-    assert back == cfg and back.tokens == (1, 16) and back.schemes[1] == "w8a8@mse+smooth=0.8"
+    assert back == cfg and back.tokens == (1, 16) and str(back.schemes[1]) == "w8a8@mse+smooth=0.8"
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -161,7 +162,7 @@ def test_config_that_is_not_a_regular_file_is_refused_without_reading(tmp_path):
 
 def test_default_config_is_the_issue_default():
     cfg = RunConfig()
-    assert cfg.d_model == 512 and len(cfg.variants) == 9 and cfg.schemes == DEFAULT_SCHEMES
+    assert cfg.d_model == 512 and len(cfg.variants) == 9 and tuple(map(str, cfg.schemes)) == DEFAULT_SCHEMES
     assert cfg.target_db == 30.0 and cfg.runtimes == ("available",)
     dims = {s.variant.value: s.d_ff for s in cfg.specs()}
     assert dims["relu"] == 2048 and dims["swiglu"] == 1408

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The RunConfig the arguments describe: --config file or --tiny preset or defaults, then the options given."""
-    from ..run import RunConfig, load_config
+    from ..pipeline import RunConfig, load_config
 
     if args.config and args.tiny:
         raise FFNQuantError("--config and --tiny are exclusive")
@@ -104,7 +104,7 @@ class _ProgressBar:
 
 def run(args: argparse.Namespace) -> int:
     from ..render import display_path
-    from ..run import run as run_job
+    from ..pipeline import run as run_job
 
     config = config_from_args(args)  # every bad option fails here, before anything is written
     argv = getattr(args, "_argv", None) or ["run"]

@@ -1,0 +1,59 @@
+"""The report document of a run, assembled from the stages' results (nothing is measured here)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .config import RunConfig
+from .findings import ort_baseline_summary
+
+__all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "build_document"]
+
+SCHEMA_NAME = "ffnquant-report"
+SCHEMA_VERSION = 1
+
+
+def build_document(
+    config: RunConfig, command: str, source: Any, model_doc: Mapping[str, Any] | None, ranges: Mapping[str, Any],
+    claims: Sequence[dict], rows: Sequence[dict], ort_baselines: Sequence[dict], artifacts: Sequence[dict],
+    findings: Sequence[dict], missing: Sequence[dict], latency: Mapping[str, Any], recommendations: Sequence[dict],
+    pareto: Sequence[dict], timed_claims: Sequence[dict], stages: Mapping[str, float], wall_s: float,
+) -> dict[str, Any]:
+    """The JSON document `report.write_report` renders (schema `ffnquant-report` v1)."""
+    from .. import __version__
+    from ..envinfo import environment
+
+    specs = config.specs()
+    return {
+        "schema": SCHEMA_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "ffnquant_version": __version__,
+        "command": command,
+        "config": config.to_dict(),
+        "environment": environment(),
+        "specs": [dict(s.to_dict(), key=s.key, n_params=s.n_params, flops_per_token=s.flops_per_token) for s in specs],
+        "data": {
+            "source": source.label,
+            "calib_tokens": config.calib_tokens,
+            "eval_tokens": config.eval_tokens,
+            "separation": "held-out tokens never used for calibration: "
+                          + ("rows after the calibration rows of the file" if source.kind.value == "file"
+                             else "an independent random stream of the same source"),
+        },
+        **({"model": dict(model_doc)} if model_doc is not None else {}),
+        "ranges": ranges,
+        "claims": list(claims),
+        "accuracy": {"status": "ok" if rows else "missing", "reason": None if rows else "no recipe was quantized",
+                     "rows": list(rows), "baseline": ort_baseline_summary(ort_baselines, rows, config.recipes)},
+        "artifacts": list(artifacts),
+        "findings": list(findings),
+        "missing": list(missing),
+        "timing": {
+            "wall_s": round(wall_s, 3),
+            "stages": {k: round(v, 3) for k, v in stages.items()},
+            "latency": latency,
+            "recommendations": list(recommendations),
+            "pareto": list(pareto),
+            "claims": list(timed_claims),
+        },
+    }

@@ -1,0 +1,148 @@
+"""Stage: every recipe of one FFN quantized, exported and scored (a synthetic variant or a model's layer)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import FFNQuantError
+from ..recipe import Recipe
+from ..spec import FFNSpec
+from .config import RunConfig
+from .results import VariantResult, json_num
+
+__all__ = ["quantize_recipes", "weight_bytes"]
+
+
+def weight_bytes(spec: FFNSpec, scheme: Any) -> int:
+    """Stored bytes of the weight matrices in the scheme's format, with their scales (and zero points),
+    plus fp32 biases: the size the deployed weights carry (artifact files add graph overhead).
+
+    Group scales count 4 bytes: the MatMulNBits artifacts store float32 scales and bitsandbytes keeps
+    float32 absmax per block; 4-bit zero points pack two per byte along each row's blocks."""
+    wd = scheme.weight_dtype
+    n_w = spec.n_weight_params
+    bias = 4 * spec.n_bias_params
+    if wd.is_float:
+        return n_w * wd.bits // 8 + bias
+    shapes = list(spec.weight_shapes.values())  # [out, in] per matrix
+    gran = scheme.weight_granularity.value
+    if gran == "per_group":
+        blocks = [(n_out, math.ceil(n_in / scheme.group_size)) for n_out, n_in in shapes]
+        scale_bytes = 4 * sum(n * b for n, b in blocks)
+        zp_bytes = 0 if scheme.weight_symmetric else sum(n * math.ceil(b / 2) for n, b in blocks)
+    elif gran == "per_channel":
+        out_channels = sum(n_out for n_out, _ in shapes)
+        scale_bytes, zp_bytes = 4 * out_channels, 0 if scheme.weight_symmetric else out_channels
+    else:
+        scale_bytes, zp_bytes = 4 * spec.n_matrices, 0
+    return math.ceil(n_w * wd.bits / 8) + scale_bytes + zp_bytes + bias
+
+
+def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:
+    """SQNR with one weight or one activation site quantized as in `res`, the rest float (quantize.sensitivity)."""
+    from ..quantize import sensitivity
+
+    return {k: json_num(v) for k, v in sensitivity(prep, res.qmodel).items()}
+
+
+def _row(label: str, recipe: Recipe, spec: FFNSpec) -> dict[str, Any]:
+    return {"variant": label, "scheme": recipe.name, "label": recipe.label, "status": "ok", "reason": None,
+            "sqnr_db": None, "cosine": None, "rel_l2": None, "max_abs_error": None,
+            "size_bytes": weight_bytes(spec, recipe.resolve()), "onnx_sqnr_db": None, "site_ranges": {},
+            "sensitivity": None}
+
+
+def quantize_recipes(
+    spec: FFNSpec, model: Any, recipes: Sequence[Recipe], config: RunConfig, calib: Any, eval_tokens: Any,
+    out_export: Path | None, tick: Callable[[str], None], label: str | None = None, stem: str | None = None,
+    keep: bool = False,
+) -> VariantResult:
+    """Every recipe of one FFN through `quantize.quantize_spec`: accuracy rows (torch reference and the
+    ONNX artifact on onnxruntime), artifacts written to `out_export`, and onnxruntime's default
+    quantize_static on the same model and data for comparison.
+
+    One `prepare()` per remedy set, shared across the recipes that use it (calibrate once). A real
+    model's layer passes its report key as `label` (e.g. 'bert:L0') and its ONNX file stem as `stem`;
+    `keep` collects the quantized FFN of every quantized recipe for the end-to-end run.
+    """
+    from ..atomic import is_output_failure
+    from ..quantize import prepare, quantize_spec
+
+    v = label or spec.variant.value
+    out = VariantResult([], [], {}, None)
+    preps: dict[tuple, Any] = {}
+    work: dict[str, Any] = {}  # recipe name -> (prepared, QuantResult) for the sensitivity of the worst cases
+    for recipe in recipes:
+        row = _row(v, recipe, spec)
+        try:
+            key = (recipe.smooth, recipe.rotate)
+            if key not in preps:
+                preps[key] = prepare(spec, calib_tokens=calib, eval_tokens=eval_tokens, seed=config.seed,
+                                     smooth=recipe.smooth, rotate=recipe.rotate, model=model, name=stem)
+                base = preps.get((None, False))
+                if base is not None and key != (None, False):
+                    # The reference fp32 export and onnxruntime's default baseline do not depend on the
+                    # remedies: reuse the files already made instead of exporting them again.
+                    preps[key]._files.update({k: p for k, p in base._files.items() if k[0] in ("reference", "baseline")})
+            prep = preps[key]
+            res = quantize_spec(spec, recipe, prepared=prep, out_artifacts=out_export, onnx=out_export is not None,
+                                sensitivity=False, baseline=out_export is not None)
+            _fill_row(row, recipe, res, prep, recipe.name == config.baseline)
+            if recipe.name != config.baseline:
+                work[recipe.name] = (prep, res)
+                if keep:
+                    out.kept[recipe.name] = res.qmodel
+            art = res.artifact or {}
+            if art.get("path"):
+                p = Path(art["path"])
+                out.paths[recipe.name] = p
+                # the staged path for now: `run` puts the final one in once every artifact is written
+                out.artifacts.append({"variant": v, "scheme": recipe.name, "path": p,
+                                      "size_bytes": int(art["size_bytes"]), "format": str(art.get("kind"))})
+            elif art.get("note") and art.get("kind") is None:
+                row["reason"] = f"no ONNX artifact: {art['note']}"
+            if res.baseline and out.ort_baseline is None:
+                out.ort_baseline = {"variant": v, "what": res.baseline["what"],
+                                    "sqnr_db": json_num(res.baseline["accuracy_onnx"]["sqnr_db"]),
+                                    "size_bytes": res.baseline.get("size_bytes")}
+        except FFNQuantError as exc:
+            # e.g. a remedy that cannot be applied exactly to this variant: refused by design, recorded.
+            row.update(status="not applicable", reason=str(exc))
+        except Exception as exc:  # one broken combination must not sink the run; the report shows it
+            if is_output_failure(exc):
+                raise  # a full disk is not one broken combination: the run stops and leaves nothing
+            row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+        out.rows.append(row)
+        tick(f"{v} {recipe.name}")
+    if config.sensitivity:
+        _worst_sensitivity(out.rows, work)
+    return out
+
+
+def _fill_row(row: dict[str, Any], recipe: Recipe, res: Any, prep: Any, is_baseline: bool) -> None:
+    acc = res.accuracy
+    if is_baseline:
+        row.update(sqnr_db=None, cosine=1.0, rel_l2=0.0, max_abs_error=0.0)
+    else:
+        row.update(sqnr_db=json_num(acc.sqnr_db), cosine=json_num(acc.cosine), rel_l2=json_num(acc.rel_l2),
+                   max_abs_error=json_num(acc.max_abs_error))
+    row["site_ranges"] = {s: {"lo": r.lo, "hi": r.hi, "calibrator": r.calibrator} for s, r in res.ranges.items()}
+    if prep.remedies:
+        row["remedies"] = [{"kind": r.kind, "params": r.params, "exact": r.exact, "note": r.note} for r in prep.remedies]
+    art = res.artifact or {}
+    if art.get("accuracy_onnx") and not is_baseline:
+        row["onnx_sqnr_db"] = json_num(art["accuracy_onnx"]["sqnr_db"])
+
+
+def _worst_sensitivity(rows: list[dict], work: dict[str, Any]) -> None:
+    """Per-site sensitivity of the worst cases: the two least accurate quantized recipes of the FFN."""
+    ranked = sorted((r for r in rows if r["status"] == "ok" and r["sqnr_db"] is not None and r["scheme"] in work),
+                    key=lambda r: r["sqnr_db"])[:2]
+    for r in ranked:
+        prep, res = work[r["scheme"]]
+        try:
+            r["sensitivity"] = _sensitivity(prep, res)
+        except Exception as exc:  # recorded, not fatal
+            r["reason"] = f"sensitivity failed: {type(exc).__name__}: {exc}"
