@@ -487,8 +487,9 @@ def reference_output(model: Any, scheme_name: str, x: np.ndarray, seed: int = 0,
     Static presets are calibrated like the ONNX artifacts the onnxruntime adapters time
     (`runtimes.artifacts.gaussian_calibration`); `calibration` returns that Prepared, so a sweep
     calibrates each model once for all its static schemes. Returns (None, reason) where there is
-    no such preset (`bf16`, bitsandbytes' LLM.int8) or it cannot be built here (nf4/fp4 without
-    bitsandbytes). The GPU kernels' figures are compared with this.
+    no such preset, where ffnquant's fake quantization does not reproduce it
+    (`Scheme.no_reference_reason`: `bf16`, bitsandbytes' LLM.int8 outlier split) or where it
+    cannot be built here (nf4/fp4 without bitsandbytes). The GPU kernels' figures are compared with this.
     """
     import torch
 
@@ -499,8 +500,10 @@ def reference_output(model: Any, scheme_name: str, x: np.ndarray, seed: int = 0,
     if scheme_name == "fp32":
         return None, "fp32 is the reference itself"
     if scheme_name not in PRESETS:
-        return None, f"no ffnquant scheme called {scheme_name!r} (a runtime-only format)"
+        return None, f"no ffnquant scheme called {scheme_name!r}"
     scheme = PRESETS[scheme_name]
+    if scheme.no_reference_reason is not None:
+        return None, f"no reference: {scheme.no_reference_reason}"
     try:
         if scheme.static_activations:
             prep = calibration() if calibration is not None else gaussian_calibration(model, seed)

@@ -4,12 +4,19 @@ A `Scheme` says what happens to the weights (dtype, granularity, symmetry, round
 and to the activations that feed a matmul (`input` and `hidden`: dtype, static or dynamic,
 symmetry, calibrator). Presets (`w8a8`, `w4a16-g128`, `nf4`, ...) cover the usual recipes;
 `get_scheme(name)` looks one up, `Scheme.from_dict` reads one back from JSON.
+
+This is the one registry of scheme names: the runtimes' formats (`ffnquant.runtimes.FORMATS`)
+are views of these presets, and a runtime registers a kernel under a preset's name only when
+the kernel computes that preset's numerics. Runtime-only formats (`bf16`, bitsandbytes'
+`llm-int8`) are presets too; `Scheme.no_reference_reason` says when ffnquant's own fake
+quantization cannot reproduce one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -23,6 +30,7 @@ __all__ = [
     "Granularity",
     "ActMode",
     "Method",
+    "Compute",
     "Scheme",
     "PRESETS",
     "preset_names",
@@ -43,6 +51,7 @@ class WeightDType(_StrEnum):
 
     FP32 = "fp32"
     FP16 = "fp16"
+    BF16 = "bf16"
     INT8 = "int8"
     INT4 = "int4"
     NF4 = "nf4"  # bitsandbytes NormalFloat4, block-wise absmax
@@ -51,12 +60,12 @@ class WeightDType(_StrEnum):
 
     @property
     def bits(self) -> int:
-        return {"fp32": 32, "fp16": 16, "int8": 8, "fp8_e4m3": 8}.get(self.value, 4)
+        return {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "fp8_e4m3": 8}.get(self.value, 4)
 
     @property
     def is_float(self) -> bool:
-        """True for formats that are not quantized at all (fp32, fp16)."""
-        return self in (WeightDType.FP32, WeightDType.FP16)
+        """True for formats that are not quantized at all (fp32, fp16, bf16)."""
+        return self in (WeightDType.FP32, WeightDType.FP16, WeightDType.BF16)
 
 
 class ActDType(_StrEnum):
@@ -64,6 +73,7 @@ class ActDType(_StrEnum):
 
     NONE = "none"
     FP16 = "fp16"
+    BF16 = "bf16"
     UINT8 = "uint8"
     INT8 = "int8"
     FP8_E4M3 = "fp8_e4m3"
@@ -71,6 +81,11 @@ class ActDType(_StrEnum):
     @property
     def is_integer(self) -> bool:
         return self in (ActDType.UINT8, ActDType.INT8)
+
+    @property
+    def is_float(self) -> bool:
+        """True when the activations are not quantized (kept in fp32, or cast to fp16/bf16)."""
+        return self in (ActDType.NONE, ActDType.FP16, ActDType.BF16)
 
 
 class Granularity(_StrEnum):
@@ -86,6 +101,15 @@ class ActMode(_StrEnum):
 
     STATIC = "static"
     DYNAMIC = "dynamic"
+
+
+class Compute(_StrEnum):
+    """The arithmetic a scheme's matmuls run in; it picks the device peak in the roofline."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"  # fp16 or bf16 tensor-core math (same peak on NVIDIA); also weight-only schemes
+    INT8 = "int8"
+    FP8 = "fp8"
 
 
 class Method(_StrEnum):
@@ -114,7 +138,9 @@ class Scheme:
     Activations at the matmul inputs (`input`, `hidden`): `act_dtype` (`none` = float),
     `act_mode` static (a calibrated per-tensor range per site) or dynamic (per token),
     `act_symmetric` (uint8 is asymmetric by default, int8 symmetric) and `calibrator`
-    (a name from `ffnquant.calibrate`, used by static integer schemes).
+    (a name from `ffnquant.calibrate`, used by static integer schemes). `outlier_threshold`
+    makes it bitsandbytes' LLM.int8: input columns holding any |x| above it are computed in
+    fp16, the rest in per-token int8 (0: the same kernel without the split).
     """
 
     name: str
@@ -127,6 +153,7 @@ class Scheme:
     act_mode: ActMode | None = None
     act_symmetric: bool | None = None
     calibrator: str = "minmax"
+    outlier_threshold: float | None = None
     version: int = SCHEME_VERSION
 
     def __post_init__(self) -> None:
@@ -173,7 +200,7 @@ class Scheme:
 
         # --- activations ------------------------------------------------------------
         mode = self.act_mode
-        if ad in (ActDType.NONE, ActDType.FP16):
+        if ad.is_float:
             if mode is not None:
                 raise FFNQuantError(f"scheme {self.name!r}: activation mode needs quantized activations (act_dtype is {ad})")
             if self.act_symmetric is not None:
@@ -196,6 +223,20 @@ class Scheme:
 
         parse_calibrator(self.calibrator)
 
+        # --- LLM.int8's outlier split ------------------------------------------------------
+        t = self.outlier_threshold
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise FFNQuantError(f"scheme {self.name!r}: outlier_threshold must be a finite number >= 0, got {t!r}")
+            set_("outlier_threshold", float(t))
+            # bitsandbytes' Linear8bitLt: row-wise int8 weights, per-token symmetric int8 activations
+            if (wd, gran, self.weight_symmetric, method, ad, mode, self.act_symmetric) != (
+                    WeightDType.INT8, Granularity.PER_CHANNEL, True, Method.RTN, ActDType.INT8, ActMode.DYNAMIC, True):
+                raise FFNQuantError(
+                    f"scheme {self.name!r}: outlier_threshold is LLM.int8's column split: it needs int8 per_channel "
+                    "symmetric rtn weights and int8 dynamic symmetric activations"
+                )
+
     # --- derived facts -------------------------------------------------------------
     @property
     def quantizes_weights(self) -> bool:
@@ -213,6 +254,76 @@ class Scheme:
     @property
     def weight_bits(self) -> int:
         return self.weight_dtype.bits
+
+    @property
+    def compute(self) -> Compute:
+        """What the matmuls compute in: the activations' format (weight-only schemes run float math)."""
+        ad = self.act_dtype
+        if ad.is_integer:
+            return Compute.INT8
+        if ad is ActDType.FP8_E4M3:
+            return Compute.FP8
+        if ad is ActDType.NONE and self.weight_dtype is WeightDType.FP32:
+            return Compute.FP32
+        return Compute.FP16
+
+    @property
+    def description(self) -> str:
+        """One line saying what the weights and the matmul-input activations become."""
+        wd, ad = self.weight_dtype, self.act_dtype
+        names = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+        if wd.is_float and ad.value == wd.value or (wd is WeightDType.FP32 and ad is ActDType.NONE):
+            return f"{names[wd.value]} weights and activations"
+        text = f"{self._weight_text()}; {self._act_text()}"
+        t = self.outlier_threshold
+        if t is None:
+            return text
+        if t > 0:
+            return f"bitsandbytes LLM.int8: {text}; input columns with any |x| > {t:g} computed in fp16"
+        # The same row-wise int8 math as w8a8-dynamic-s8; bitsandbytes only quantizes from fp16 inputs.
+        return f"bitsandbytes LLM.int8 at threshold 0 (no outlier split): {text}, quantized from fp16 inputs"
+
+    def _weight_text(self) -> str:
+        wd, gran = self.weight_dtype, self.weight_granularity
+        if wd.is_float:
+            return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[wd.value] + " weights"
+        if wd in (WeightDType.NF4, WeightDType.FP4):
+            kind = "NormalFloat (NF4)" if wd is WeightDType.NF4 else "float e2m1 (FP4)"
+            return f"4-bit {kind} weights, absmax per block of {self.group_size}"
+        where = {Granularity.PER_TENSOR: "one scale per tensor", Granularity.PER_CHANNEL: "a scale per output channel",
+                 Granularity.PER_GROUP: f"a scale per {self.group_size} input features"}[gran]
+        if wd is WeightDType.FP8_E4M3:
+            return f"fp8 e4m3 weights, {where}"
+        if self.method is Method.HQQ:
+            sym = "asymmetric"  # HQQ's zero points are fitted floats, not integers
+        elif self.weight_symmetric:
+            sym = "symmetric (group extreme on code -8)" if wd is WeightDType.INT4 and gran is Granularity.PER_GROUP \
+                else "symmetric"
+        else:
+            sym = "asymmetric (integer zero point)"
+        method = {Method.RTN: "round-to-nearest", Method.GPTQ: "GPTQ", Method.HQQ: "HQQ-fitted zero points"}[self.method]
+        return f"{wd.value} weights, {sym}, {where}, {method}"
+
+    def _act_text(self) -> str:
+        ad = self.act_dtype
+        if ad is ActDType.NONE:
+            return "float activations (weight-only)"
+        if ad.is_float:
+            return {"fp16": "float16", "bf16": "bfloat16"}[ad.value] + " activations"
+        kind = "fp8 e4m3" if ad is ActDType.FP8_E4M3 else f"{ad.value} {'symmetric' if self.act_symmetric else 'asymmetric'}"
+        if self.act_mode is ActMode.DYNAMIC:
+            return f"{kind} activations, a range per token computed per call"
+        return f"{kind} activations, one static range per site ({self.calibrator} calibration)"
+
+    @property
+    def no_reference_reason(self) -> str | None:
+        """Why ffnquant's fake quantization (`ffnquant.quantize`) cannot reproduce this scheme; None when it can."""
+        if self.outlier_threshold:
+            return (f"scheme {self.name!r}: bitsandbytes' LLM.int8 outlier split (columns beyond |{self.outlier_threshold:g}| "
+                    "in fp16) is a runtime kernel; ffnquant has no fake quantization of it")
+        if WeightDType.BF16 in (self.weight_dtype, self.act_dtype):
+            return f"scheme {self.name!r}: bf16 is a runtime format; ffnquant's fake quantization has no bf16 rounding"
+        return None
 
     def with_(self, **changes: Any) -> "Scheme":
         """A validated copy with some fields changed (e.g. another calibrator)."""
@@ -240,11 +351,14 @@ def _presets() -> dict[str, Scheme]:
     out = [
         S("fp32", W.FP32, G.PER_TENSOR),
         S("fp16", W.FP16, G.PER_TENSOR, act_dtype=A.FP16),
+        S("bf16", W.BF16, G.PER_TENSOR, act_dtype=A.BF16),
         S("w8a16", W.INT8, G.PER_CHANNEL),
         # uint8 asymmetric activations: the fast path of onnxruntime's CPU provider (U8S8)
         S("w8a8", W.INT8, G.PER_CHANNEL, act_dtype=A.UINT8, act_mode=ActMode.STATIC),
         S("w8a8-s8", W.INT8, G.PER_CHANNEL, act_dtype=A.INT8, act_mode=ActMode.STATIC, act_symmetric=True),
         S("w8a8-dynamic", W.INT8, G.PER_CHANNEL, act_dtype=A.UINT8, act_mode=ActMode.DYNAMIC),
+        # int8 symmetric per token: what GPU int8 GEMMs take (torch._int_mm, cuBLAS), no zero point
+        S("w8a8-dynamic-s8", W.INT8, G.PER_CHANNEL, act_dtype=A.INT8, act_mode=ActMode.DYNAMIC, act_symmetric=True),
     ]
     for g in (32, 64, 128):
         out.append(S(f"w4a16-g{g}", W.INT4, G.PER_GROUP, group_size=g, weight_symmetric=True))
@@ -258,6 +372,9 @@ def _presets() -> dict[str, Scheme]:
         S("fp8-e4m3", W.FP8_E4M3, G.PER_TENSOR, act_dtype=A.FP8_E4M3, act_mode=ActMode.STATIC),
         S("fp8-e4m3-pc", W.FP8_E4M3, G.PER_CHANNEL, act_dtype=A.FP8_E4M3, act_mode=ActMode.STATIC),
         S("fp8-e4m3-dynamic", W.FP8_E4M3, G.PER_CHANNEL, act_dtype=A.FP8_E4M3, act_mode=ActMode.DYNAMIC),
+        # bitsandbytes' Linear8bitLt; 6.0 separates the emergent outlier features (Dettmers et al. 2022)
+        S("llm-int8", W.INT8, G.PER_CHANNEL, act_dtype=A.INT8, act_mode=ActMode.DYNAMIC, outlier_threshold=6.0),
+        S("llm-int8-t0", W.INT8, G.PER_CHANNEL, act_dtype=A.INT8, act_mode=ActMode.DYNAMIC, outlier_threshold=0.0),
     ]
     return {s.name: s for s in out}
 
@@ -280,7 +397,10 @@ def get_scheme(name: str | Scheme) -> Scheme:
 
 
 def check_scheme_fits(scheme: Scheme, spec: FFNSpec) -> None:
-    """Raise FFNQuantError when the scheme cannot apply to the FFN (group size vs d_model / d_ff)."""
+    """Raise FFNQuantError when ffnquant cannot quantize the FFN with the scheme: a group size that does
+    not divide d_model / d_ff, or a scheme only runtimes implement (`Scheme.no_reference_reason`)."""
+    if scheme.no_reference_reason is not None:
+        raise FFNQuantError(scheme.no_reference_reason)
     if scheme.weight_granularity is not Granularity.PER_GROUP:
         return
     g = scheme.group_size

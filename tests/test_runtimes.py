@@ -130,7 +130,7 @@ def test_unsupported_scheme_is_an_error(tiny):
 def test_group_size_that_does_not_divide_is_an_error():
     spec = FFNSpec("relu", d_model=D)  # d_model 64 is not a multiple of 128
     with pytest.raises(FFNQuantError, match="divisible by 128"):
-        get_runtime("torch-cpu").check(ModelCase(spec, "w4a16-g128"))
+        get_runtime("torch-cpu").check(ModelCase(spec, "w4a16-g128-asym"))
 
 
 @pytest.mark.parametrize("name", ["torch-cpu", "bnb-cpu"])
@@ -224,7 +224,7 @@ def _int8_rows(t):
     return torch.round(t / scale).clamp(-127, 127), scale
 
 
-def ref_w8a8_dynamic(x, w, b):
+def ref_w8a8_dynamic_s8(x, w, b):
     """Per-token int8 input x per-channel int8 weight, exact integer products, float rescale."""
     xq, sx = _int8_rows(x.float())
     wq, sw = _int8_rows(w.float())
@@ -236,25 +236,20 @@ def ref_w8a16(x, w, b):
     return affine(x, wq.double() * sw.double(), b)
 
 
-def ref_w4_groups(group):
+def ref_w4_asym_groups(group):
+    """The w4a16-g*-asym preset: each group's [min(lo, 0), max(hi, 0)] over codes 0..15, integer zero point."""
+
     def fn(x, w, b):
         n, k = w.shape
-        wg = w.reshape(n, k // group, group)
-        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        wg = w.float().reshape(n, k // group, group)
+        lo, hi = wg.amin(-1, keepdim=True).clamp(max=0), wg.amax(-1, keepdim=True).clamp(min=0)
         scale = (hi - lo) / 15.0
-        q = torch.round((wg - lo) / scale).clamp(0, 15)
-        deq = ((q - 8) * scale + (lo + 8 * scale)).reshape(n, k)
-        return affine(x, deq, b)
+        zp = torch.round(-lo / scale).clamp(0, 15)
+        q = (torch.round(wg / scale) + zp).clamp(0, 15)
+        deq = ((q - zp) * scale).reshape(n, k)
+        return affine(x, deq.double(), b)
 
     return fn
-
-
-def ref_fp8(x, w, b):
-    def q(t):
-        s = t.abs().max().float() / 448.0
-        return (t.float() / s).to(torch.float8_e4m3fn).double() * s.double()
-
-    return affine(q(x), q(w), b)
 
 
 def round_to(dtype):
@@ -267,11 +262,10 @@ TORCH_CASES = {
     "fp32": (affine, 1e-5),
     "fp16": (round_to(torch.float16), 8 * 2**-11),
     "bf16": (round_to(torch.bfloat16), 8 * 2**-8),
-    "w8a8-dynamic": (ref_w8a8_dynamic, 1e-4),
+    "w8a8-dynamic-s8": (ref_w8a8_dynamic_s8, 1e-4),
     "w8a16": (ref_w8a16, 1e-4),
-    "w4a16-g32": (ref_w4_groups(32), 1e-4),
-    "w4a16-g64": (ref_w4_groups(64), 1e-4),
-    "fp8-e4m3": (ref_fp8, 1e-4),
+    "w4a16-g32-asym": (ref_w4_asym_groups(32), 1e-4),
+    "w4a16-g64-asym": (ref_w4_asym_groups(64), 1e-4),
 }
 
 
@@ -327,7 +321,7 @@ def test_mode_runtimes_are_named_and_described():
     assert (graph.mode, compiled.mode) == ("graph", "compile")
     assert "CUDA graph" in graph.description and "torch.compile" in compiled.description
     # compile time is paid per model and shape: only the float and per-token dynamic formats
-    assert compiled.formats == ("fp16", "bf16", "w8a8-dynamic", "fp8-e4m3-dynamic")
+    assert compiled.formats == ("fp16", "bf16", "w8a8-dynamic-s8", "fp8-e4m3-dynamic")
 
 
 def test_triton_runtime_says_why_it_cannot_run_on_this_cpu(monkeypatch):
@@ -341,8 +335,9 @@ def test_triton_runtime_says_why_it_cannot_run_on_this_cpu(monkeypatch):
 def test_torch_cpu_weight_bytes_shrink_with_bits(tiny):
     spec, model, _ = tiny
     rt = get_runtime("torch-cpu")
-    sizes = {s: rt.load(ModelCase(spec, s, model=model)).weight_bytes for s in ("fp32", "fp16", "w8a16", "w4a16-g32")}
-    assert sizes["fp32"] > sizes["fp16"] > sizes["w8a16"] > sizes["w4a16-g32"]
+    sizes = {s: rt.load(ModelCase(spec, s, model=model)).weight_bytes
+             for s in ("fp32", "fp16", "w8a16", "w4a16-g32-asym")}
+    assert sizes["fp32"] > sizes["fp16"] > sizes["w8a16"] > sizes["w4a16-g32-asym"]
 
 
 # --- bitsandbytes --------------------------------------------------------------------------------
@@ -417,7 +412,7 @@ def test_bnb_outlier_threshold_helps_with_outlier_features(tiny):
 # --- GPU (skipped here) ------------------------------------------------------------------------------
 @pytest.mark.gpu
 @GPU
-@pytest.mark.parametrize("scheme", ["fp16", "bf16", "w8a8-dynamic", "w4a16-g64", "fp8-e4m3"], ids=str)
+@pytest.mark.parametrize("scheme", ["fp16", "bf16", "w8a8-dynamic-s8", "w4a16-g64-asym", "fp8-e4m3"], ids=str)
 def test_torch_cuda_agrees_with_scheme_reference(scheme):
     spec = FFNSpec("swiglu", d_model=128)
     model = build(spec, seed=3)
@@ -427,14 +422,14 @@ def test_torch_cuda_agrees_with_scheme_reference(scheme):
         pytest.skip(f"no CUDA kernel for {scheme} on this device")
     got = rt(rt.load(ModelCase(spec, scheme, model=model)), x)
     ref = run_ref(with_linears(model, affine), x)
-    floor = {"fp16": 50, "bf16": 35, "w8a8-dynamic": 28, "w4a16-g64": 12, "fp8-e4m3": 18}[scheme]
+    floor = {"fp16": 50, "bf16": 35, "w8a8-dynamic-s8": 28, "w4a16-g64-asym": 12, "fp8-e4m3": 18}[scheme]
     assert sqnr_db(ref, got) >= floor
 
 
 @pytest.mark.gpu
 @GPU
 @pytest.mark.parametrize("name", ["torch-cuda-graph", "torch-cuda-compile"])
-@pytest.mark.parametrize("scheme", ["fp16", "w8a8-dynamic"], ids=str)
+@pytest.mark.parametrize("scheme", ["fp16", "w8a8-dynamic-s8"], ids=str)
 def test_graph_and_compile_modes_match_eager(name, scheme):
     spec = FFNSpec("swiglu", d_model=128)
     model = build(spec, seed=3)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,6 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import FFNQuantError, unknown_choice
+from ..schemes import PRESETS, ActDType, ActMode, Compute, Scheme, WeightDType
 from ..spec import FFNSpec
 
 __all__ = [
@@ -39,24 +39,13 @@ __all__ = [
 ]
 
 
-class Compute(str, enum.Enum):
-    """The arithmetic a format's matmuls run in; it picks the device peak in the roofline."""
-
-    FP32 = "fp32"
-    FP16 = "fp16"  # fp16 or bf16 tensor-core math (same peak on NVIDIA)
-    INT8 = "int8"
-    FP8 = "fp8"
-
-    def __str__(self) -> str:
-        return self.value
-
-
 @dataclass(frozen=True)
 class Format:
-    """A deployable numeric format: what the weights are stored in and what the matmuls compute in.
+    """A scheme as the runtimes see it: what the weights are stored in and what the matmuls compute in.
 
-    Names match the `ffnquant.schemes` presets where they overlap; `bf16`, `llm-int8` and
-    `llm-int8-t0` exist only as runtime formats (torch's bf16, bitsandbytes' LLM.int8).
+    A view of one `ffnquant.schemes` preset (the one registry of scheme names), built by
+    `Format.of`; `scheme` is that preset. A runtime lists a format only for a kernel that
+    computes the preset's numerics.
     """
 
     name: str
@@ -65,45 +54,33 @@ class Format:
     compute: Compute
     description: str
     group_size: int | None = None
+    scheme: Scheme | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, scheme: Scheme) -> "Format":
+        """The runtime view of `scheme`."""
+        return cls(scheme.name, _weight_storage(scheme), _activation_kind(scheme), scheme.compute,
+                   scheme.description, scheme.group_size, scheme)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "scheme"}
         d["compute"] = self.compute.value
         return d
 
 
-_FORMAT_LIST = (
-    Format("fp32", "fp32", "fp32", Compute.FP32, "float32 weights and activations"),
-    Format("fp16", "fp16", "fp16", Compute.FP16, "float16 weights and activations"),
-    Format("bf16", "bf16", "bf16", Compute.FP16, "bfloat16 weights and activations"),
-    Format("w8a16", "int8", "float", Compute.FP16, "int8 per-channel weights, float activations (weight-only)"),
-    Format("w8a8", "int8", "uint8", Compute.INT8, "static int8 QDQ: int8 weights, calibrated uint8 activations (U8S8)"),
-    Format("w8a8-s8", "int8", "int8", Compute.INT8, "static int8 QDQ: int8 weights, calibrated int8 activations (S8S8)"),
-    Format("w8a8-dynamic", "int8", "int8 dynamic", Compute.INT8, "int8 weights, activations quantized per call"),
-    Format("w4a16-g32", "int4", "float", Compute.FP16, "4-bit weights, group 32, float activations", 32),
-    Format("w4a16-g64", "int4", "float", Compute.FP16, "4-bit weights, group 64, float activations", 64),
-    Format("w4a16-g128", "int4", "float", Compute.FP16, "4-bit weights, group 128, float activations", 128),
-    Format("nf4", "nf4", "float", Compute.FP16, "4-bit NormalFloat weights (QLoRA), blocks of 64", 64),
-    Format("fp4", "fp4", "float", Compute.FP16, "4-bit float weights (bitsandbytes FP4), blocks of 64", 64),
-    Format("fp8-e4m3", "fp8-e4m3", "fp8-e4m3", Compute.FP8, "fp8 e4m3 weights and activations, per-tensor scales"),
-    Format("fp8-e4m3-dynamic", "fp8-e4m3", "fp8-e4m3 dynamic", Compute.FP8,
-           "fp8 e4m3 weights with a scale per output channel, activations with a scale per token (row-wise)"),
-    Format(
-        "llm-int8",
-        "int8",
-        "int8 dynamic + fp16 outliers",
-        Compute.INT8,
-        "bitsandbytes LLM.int8: row-wise dynamic int8, input columns beyond |6.0| in fp16",
-    ),
-    Format(
-        "llm-int8-t0",
-        "int8",
-        "int8 dynamic",
-        Compute.INT8,
-        "bitsandbytes Linear8bitLt with threshold 0: row-wise dynamic int8, no outlier split",
-    ),
-)
-FORMATS: Mapping[str, Format] = {f.name: f for f in _FORMAT_LIST}
+def _weight_storage(s: Scheme) -> str:
+    return s.weight_dtype.value.replace("_", "-")
+
+
+def _activation_kind(s: Scheme) -> str:
+    ad = s.act_dtype
+    if ad is ActDType.NONE:
+        return "fp32" if s.weight_dtype is WeightDType.FP32 else "float"
+    kind = ad.value.replace("_", "-") + (" dynamic" if s.act_mode is ActMode.DYNAMIC else "")
+    return kind + (" + fp16 outliers" if s.outlier_threshold else "")
+
+
+FORMATS: Mapping[str, Format] = {name: Format.of(s) for name, s in PRESETS.items()}
 
 
 def get_format(name: str) -> Format:

@@ -15,13 +15,14 @@ import copy
 import torch
 
 from ..errors import FFNQuantError, first_line
+from ..schemes import PRESETS
 from .base import Availability, Loaded, ModelCase
 from .torch_rt import TorchModuleRuntime
 
 __all__ = ["BnbRuntime", "LLM_INT8_THRESHOLDS", "BNB_4BIT_BLOCKSIZE", "bnb_linear"]
 
-# Dettmers et al. (2022): 6.0 separates the emergent outlier features.
-LLM_INT8_THRESHOLDS = {"llm-int8": 6.0, "llm-int8-t0": 0.0}
+# The LLM.int8 presets' thresholds, from the scheme registry (llm-int8: 6.0, llm-int8-t0: 0.0).
+LLM_INT8_THRESHOLDS = {name: s.outlier_threshold for name, s in PRESETS.items() if s.outlier_threshold is not None}
 BNB_4BIT_BLOCKSIZE = 64
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16}
 _FORMATS = ("fp32", "fp16", "llm-int8", "llm-int8-t0", "nf4", "fp4")

@@ -30,10 +30,12 @@ __all__ = ["OrtRuntime", "PROVIDERS", "ORT_FORMATS", "captured_native_output"]
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "trt": "TensorrtExecutionProvider"}
 # What ffnquant.onnxquant writes: QDQ int8 (w8a16, w8a8 U8S8, w8a8-s8), MatMulNBits
-# (w4a16-g*) and MatMulBnb4 (nf4, fp4). Per-token dynamic int8 has no QDQ form.
+# (w4a16-g*, symmetric or -asym with zero points) and MatMulBnb4 (nf4, fp4), each with the
+# preset's own codes and scales. Per-token dynamic int8 has no QDQ form.
+_NBITS = ("w4a16-g32", "w4a16-g64", "w4a16-g128", "w4a16-g32-asym", "w4a16-g64-asym", "w4a16-g128-asym")
 ORT_FORMATS = {
-    "cpu": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", "w4a16-g32", "w4a16-g64", "w4a16-g128", "nf4", "fp4"),
-    "cuda": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", "w4a16-g32", "w4a16-g64", "w4a16-g128", "nf4", "fp4"),
+    "cpu": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", *_NBITS, "nf4", "fp4"),
+    "cuda": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", *_NBITS, "nf4", "fp4"),
     # TensorRT takes explicit (QDQ) int8 only with symmetric activations: S8S8.
     "trt": ("fp32", "fp16", "w8a8-s8"),
 }

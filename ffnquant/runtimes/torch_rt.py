@@ -1,14 +1,18 @@
 """torch runtimes: eager float (fp32, fp16, bf16) and torch's own quantized kernels, on CPU or CUDA.
 
-The quantized formats use kernels that ship inside torch, no extra package:
-- w8a8-dynamic: per-token symmetric int8 activations (quantized per call), per-channel
-  symmetric int8 weights, `torch._int_mm` (int32 accumulate), rescale in float;
+The quantized formats use kernels that ship inside torch, no extra package, each registered
+under the preset whose numerics it computes (`ffnquant.schemes`):
+- w8a8-dynamic-s8: per-token symmetric int8 activations (quantized per call), per-channel
+  symmetric int8 weights, `torch._int_mm` (int32 accumulate), rescale in float (not
+  `w8a8-dynamic`, whose activations are asymmetric uint8);
 - w8a16: per-channel int8 weights, `torch._weight_int8pack_mm`;
-- w4a16-g32/64/128: asymmetric 4-bit groups in tinygemm's layout,
-  `torch.ops.aten._weight_int4pack_mm` (CUDA, bf16 activations) or its CPU twin;
-- fp8-e4m3: per-tensor scaled e4m3 weights and activations (the activation scale is
-  computed per call), `torch._scaled_mm` (CUDA compute capability >= 8.9, or torch's CPU
-  implementation);
+- w4a16-g32/64/128-asym: the preset's asymmetric 4-bit codes, scales and integer zero points
+  in tinygemm's layout, `torch.ops.aten._weight_int4pack_mm` (CUDA, bf16 activations) or its
+  CPU twin (the symmetric `w4a16-g*` run on ffnquant's Triton kernel, `triton-cuda`);
+- fp8-e4m3: per-tensor scaled e4m3 weights and activations, the activation scale of each
+  matmul input calibrated once at load like the preset's static range (the reference's own
+  Gaussian calibration, `runtimes.artifacts.gaussian_calibration`), `torch._scaled_mm`
+  (CUDA compute capability >= 8.9, or torch's CPU implementation);
 - fp8-e4m3-dynamic: e4m3 weights with a scale per output channel and activations with a
   scale per token, `torch._scaled_mm` with row-wise scales (bf16 output).
 On CUDA each runtime also exists in a `graph` mode (every call replayed from a CUDA graph
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import FFNQuantError
+from ..primitives import int4_group_rtn
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
 
 __all__ = [
@@ -44,7 +49,7 @@ __all__ = [
 ]
 
 FP8_E4M3_MAX = 448.0
-_INT4_GROUPS = {"w4a16-g32": 32, "w4a16-g64": 64, "w4a16-g128": 128}
+_INT4_GROUPS = {"w4a16-g32-asym": 32, "w4a16-g64-asym": 64, "w4a16-g128-asym": 128}
 _FLOAT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -57,20 +62,18 @@ def int8_symmetric_rows(t):
 
 
 def int4_groupwise_affine(w, group_size: int):
-    """Asymmetric 4-bit groups along the input dimension, tinygemm's convention.
+    """The `w4a16-g*-asym` preset's 4-bit groups along the input dimension, in tinygemm's convention.
 
     Returns (q int32 in [0, 15] shaped like w, scales [n, k/g], zeros [n, k/g]) with
-    w ~ (q - 8) * scale + zero, scale = (max - min) / 15 and zero = min + 8 * scale.
+    w ~ (q - 8) * scale + zero: the codes and scales of `primitives.int4_group_rtn` (asymmetric)
+    and zero = (8 - zp) * scale, so (q - 8) * scale + zero = (q - zp) * scale, the preset's value.
     """
     n, k = w.shape
     if k % group_size:
         raise FFNQuantError(f"4-bit groups of {group_size} need the input dimension divisible by it, got {k}")
-    wg = w.detach().float().reshape(n, k // group_size, group_size)
-    w_max, w_min = wg.amax(dim=-1, keepdim=True), wg.amin(dim=-1, keepdim=True)
-    scales = (w_max - w_min).clamp(min=1e-6) / 15.0
-    zeros = w_min + 8.0 * scales
-    q = torch.round((wg - w_min) / scales).clamp(0, 15).to(torch.int32).reshape(n, k)
-    return q, scales.reshape(n, -1), zeros.reshape(n, -1)
+    q, scale, zp = int4_group_rtn(w.detach().float(), group_size, symmetric=False)  # scale, zp: [n, k/g, 1]
+    zeros = (8.0 - zp.float()) * scale
+    return q.to(torch.int32), scale.reshape(n, -1), zeros.reshape(n, -1)
 
 
 def dequantize_int4_groupwise(q, scales, zeros, group_size: int):
@@ -113,7 +116,7 @@ class _QuantLinear(torch.nn.Module):
 
 
 class Int8DynamicLinear(_QuantLinear):
-    """w8a8-dynamic: per-token int8 activations quantized each call, `torch._int_mm`, float rescale."""
+    """w8a8-dynamic-s8: per-token symmetric int8 activations quantized each call, `torch._int_mm`, float rescale."""
 
     def __init__(self, linear, min_rows: int = 0) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
@@ -170,7 +173,7 @@ def _pack_int4(q, device, inner_k_tiles: int):
 
 
 class Int4WeightOnlyLinear(_QuantLinear):
-    """w4a16-g*: asymmetric 4-bit groups, tinygemm's `_weight_int4pack_mm` (bf16 activations on CUDA)."""
+    """w4a16-g*-asym: the preset's asymmetric 4-bit groups, tinygemm's `_weight_int4pack_mm` (bf16 activations on CUDA)."""
 
     def __init__(self, linear, group_size: int, device, act_dtype) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
@@ -191,17 +194,19 @@ class Int4WeightOnlyLinear(_QuantLinear):
 
 
 class Fp8Linear(_QuantLinear):
-    """fp8-e4m3: per-tensor scaled e4m3 weights, activations scaled per call, `torch._scaled_mm`."""
+    """fp8-e4m3: per-tensor scaled e4m3 weights, activations with a static (calibrated) scale, `torch._scaled_mm`."""
 
-    def __init__(self, linear) -> None:
+    def __init__(self, linear, act_scale: float) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
         wq, w_scale = fp8_tensorwise(linear.weight)
         self.register_buffer("wq", wq)  # [out, in] row-major; .t() is the column-major mat2
         self.register_buffer("w_scale", w_scale)
+        self.register_buffer("x_scale", torch.tensor(float(act_scale), dtype=torch.float32))
 
     def _matmul(self, x2d):
-        xq, x_scale = fp8_tensorwise(x2d)
-        y = torch._scaled_mm(xq, self.wq.t(), scale_a=x_scale, scale_b=self.w_scale, out_dtype=x2d.dtype)
+        # the preset's static fake quantization: saturate at +-448 steps of the calibrated scale
+        xq = (x2d.float() / self.x_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.wq.t(), scale_a=self.x_scale, scale_b=self.w_scale, out_dtype=x2d.dtype)
         return y[0] if isinstance(y, tuple) else y  # torch 2.4 returned (out, amax)
 
 
@@ -376,7 +381,7 @@ class TorchRuntime(TorchModuleRuntime):
         x = torch.randn(2, 128)
         try:
             with torch.inference_mode():
-                module = _quant_module(scheme, lin, dev, dtype).to(dev)
+                module = _quant_module(scheme, lin, dev, dtype, act_scale=1.0).to(dev)
                 y = module(x.to(device=dev, dtype=dtype))
                 if self.device == "cuda":
                     torch.cuda.synchronize()
@@ -387,12 +392,12 @@ class TorchRuntime(TorchModuleRuntime):
     @property
     def formats(self) -> tuple[str, ...]:
         if self._formats is None:
-            candidates = ["fp32", "fp16", "bf16", "w8a8-dynamic", "w8a16", *_INT4_GROUPS, "fp8-e4m3",
+            candidates = ["fp32", "fp16", "bf16", "w8a8-dynamic-s8", "w8a16", *_INT4_GROUPS, "fp8-e4m3",
                           "fp8-e4m3-dynamic"]
             if self.mode == "compile":
                 # compile time is paid per model and input shape: the float formats and the
                 # per-token dynamic ones, whose quantize steps inductor fuses
-                candidates = ["fp16", "bf16", "w8a8-dynamic", "fp8-e4m3-dynamic"]
+                candidates = ["fp16", "bf16", "w8a8-dynamic-s8", "fp8-e4m3-dynamic"]
             if not self.availability().available:
                 self._formats = tuple(candidates)
             else:
@@ -409,7 +414,7 @@ class TorchRuntime(TorchModuleRuntime):
                 raise FFNQuantError(f"{scheme} needs d_model and d_ff divisible by {g}, got {spec.d_model} and {spec.d_ff}")
             if self.device == "cuda" and any(k % 32 for k in dims):
                 raise FFNQuantError(f"{scheme} on CUDA (tinygemm) needs d_model and d_ff divisible by 32")
-        if self.device == "cuda" and scheme == "w8a8-dynamic" and any(k % 8 for k in dims):
+        if self.device == "cuda" and scheme == "w8a8-dynamic-s8" and any(k % 8 for k in dims):
             raise FFNQuantError(f"{scheme} on CUDA (cuBLAS int8) needs d_model and d_ff divisible by 8")
         if self.device == "cuda" and scheme.startswith("fp8-e4m3") and any(k % 16 for k in dims):
             raise FFNQuantError(f"{scheme} on CUDA (cuBLASLt fp8) needs d_model and d_ff divisible by 16")
@@ -424,9 +429,10 @@ class TorchRuntime(TorchModuleRuntime):
                 model = model.to(device=dev, dtype=dtype)
                 kernel = "eager matmul"
             else:
+                scales = _static_act_scales(case) if case.scheme in _STATIC else {}
                 for name in case.spec.weight_names:
                     linear = getattr(model, name)
-                    setattr(model, name, _quant_module(case.scheme, linear, dev, dtype))
+                    setattr(model, name, _quant_module(case.scheme, linear, dev, dtype, scales.get(name)))
                 model = model.to(dev)
                 kernel = _KERNELS[case.scheme]
         model.eval()
@@ -448,20 +454,35 @@ class TorchRuntime(TorchModuleRuntime):
 
 
 _KERNELS = {
-    "w8a8-dynamic": "torch._int_mm (per-token dynamic int8 x per-channel int8)",
+    "w8a8-dynamic-s8": "torch._int_mm (per-token symmetric int8 x per-channel int8)",
     "w8a16": "torch._weight_int8pack_mm (per-channel int8 weights)",
-    "w4a16-g32": "aten._weight_int4pack_mm (tinygemm int4, group 32)",
-    "w4a16-g64": "aten._weight_int4pack_mm (tinygemm int4, group 64)",
-    "w4a16-g128": "aten._weight_int4pack_mm (tinygemm int4, group 128)",
-    "fp8-e4m3": "torch._scaled_mm (per-tensor scaled e4m3, activation scale per call)",
+    **{name: f"aten._weight_int4pack_mm (tinygemm int4, asymmetric group {g})" for name, g in _INT4_GROUPS.items()},
+    "fp8-e4m3": "torch._scaled_mm (per-tensor scaled e4m3, calibrated static activation scales)",
     "fp8-e4m3-dynamic": "torch._scaled_mm (row-wise: e4m3 weights per channel, activations per token)",
 }
 
 
-def _quant_module(scheme: str, linear, device, act_dtype):
-    """The quantized replacement of one nn.Linear in `scheme` (weights quantized from fp32)."""
+# Formats with static activation scales, calibrated at load.
+_STATIC = ("fp8-e4m3",)
+
+
+def _static_act_scales(case: ModelCase) -> dict[str, float]:
+    """Each projection's input scale under the case's static preset, calibrated as ffnquant's reference is
+    (the same Gaussian calibration the ONNX artifacts and the bench's references use), by weight name."""
+    from ..quantize import WEIGHT_INPUT_SITE, quantize_model
+    from ..schemes import get_scheme
+    from .artifacts import gaussian_calibration
+
+    prep = gaussian_calibration(case.float_model(), case.seed)
+    ranges = quantize_model(prep.model, get_scheme(case.scheme), prep.table).ranges
+    return {name: ranges[WEIGHT_INPUT_SITE[name]].scale for name in case.spec.weight_names}
+
+
+def _quant_module(scheme: str, linear, device, act_dtype, act_scale: float | None = None):
+    """The quantized replacement of one nn.Linear in `scheme` (weights quantized from fp32); `act_scale`
+    is the static activation scale of the formats that take one."""
     linear = linear.float().cpu()
-    if scheme == "w8a8-dynamic":
+    if scheme == "w8a8-dynamic-s8":
         module = Int8DynamicLinear(linear, min_rows=17 if device.type == "cuda" else 0)
     elif scheme == "w8a16":
         module = Int8WeightOnlyLinear(linear)
@@ -469,7 +490,9 @@ def _quant_module(scheme: str, linear, device, act_dtype):
     elif scheme in _INT4_GROUPS:
         module = Int4WeightOnlyLinear(linear, _INT4_GROUPS[scheme], device, act_dtype)
     elif scheme == "fp8-e4m3":
-        module = Fp8Linear(linear)
+        if act_scale is None:
+            raise FFNQuantError("fp8-e4m3 has static activation scales: a calibrated act_scale is required")
+        module = Fp8Linear(linear, act_scale)
     elif scheme == "fp8-e4m3-dynamic":
         module = Fp8RowwiseLinear(linear)
     else:

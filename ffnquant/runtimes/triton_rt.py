@@ -2,8 +2,8 @@
 
 The kernel fuses the int4 dequantization into the matmul and implements ffnquant's
 `w4a16-g*` presets exactly (symmetric groups, the extreme of each group on code 0), so
-its accuracy row and the quantization stage's reference describe the same numerics,
-unlike tinygemm's asymmetric groups on `torch-cuda`. Every call is replayed from a CUDA
+its accuracy row and the quantization stage's reference describe the same numerics
+(tinygemm on `torch-cuda` runs the asymmetric `w4a16-g*-asym` presets instead). Every call is replayed from a CUDA
 graph (decode-size FFNs are a few microseconds per kernel: launch overhead would
 otherwise dominate); `fp16` runs the plain torch FFN the same way, as the baseline.
 """
