@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,8 +29,10 @@ from . import primitives as P
 from .atomic import atomic_path
 from .errors import FFNQuantError
 from .model import FFN
-from .quantize import WEIGHT_INPUT_SITE, QuantizedFFN
 from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType
+
+if TYPE_CHECKING:  # quantize.py imports this module (one direction): the type only, for annotations
+    from .quantize import QuantizedFFN
 
 __all__ = [
     "ARTIFACT_KINDS",
@@ -119,7 +121,7 @@ def _check_and_save(proto, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
-def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel: QuantizedFFN, source_model: FFN) -> Path:
+def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel: "QuantizedFFN", source_model: FFN) -> Path:
     """An int8 QDQ model: our per-channel int8 weights and our calibrated activation scales around each FFN matmul.
 
     `source_model` is the float model (after remedies) the fp32 file was exported from;
@@ -142,7 +144,7 @@ def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel:
     np_wtype = np.int8 if symmetric else np.uint8
     for name, (node, init) in found.items():
         pre = []
-        site = WEIGHT_INPUT_SITE[name]
+        site = qmodel.input_site(name)
         a = node.input[0]
         if site in qmodel.quantized_sites:
             if a not in act_dq:
@@ -300,7 +302,7 @@ def write_nbits(
 def write_artifact(
     fp32_path: str | os.PathLike,
     out_path: str | os.PathLike,
-    qmodel: QuantizedFFN,
+    qmodel: "QuantizedFFN",
     source_model: FFN,
     hessians: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:

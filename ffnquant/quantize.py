@@ -23,7 +23,9 @@ from torch import nn
 from . import primitives as P
 from .calibrate import Grid, calibrate_range, histogram_of, parse_calibrator
 from .errors import FFNQuantError
+from . import onnxquant as OQ
 from .model import FFN
+from .recipe import Recipe, as_recipe
 from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType, check_scheme_fits, get_scheme
 
 __all__ = [
@@ -40,7 +42,10 @@ __all__ = [
     "Prepared",
     "prepare",
     "QuantResult",
+    "sensitivity",
     "quantize_spec",
+    "RecipeOutcome",
+    "quantize_recipes",
 ]
 
 # The activations that feed a matmul, and which weight reads which.
@@ -158,7 +163,13 @@ class QuantizedFFN(nn.Module):
     `ranges` holds the static range each activation site got (empty for dynamic or weight-only
     schemes); `quantized_weights` / `quantized_sites` say what is quantized (a subset for
     per-site sensitivity); `remedies` the records of remedies applied to the model before.
+    `recipe` is the Recipe it was quantized under and `prepared` the `Prepared` calibration it came
+    from (its float reference, tokens and GPTQ Hessians), when known: `quantize_spec` sets the recipe,
+    the Python API (`ffnquant.quantize`) both, so that `export_onnx` and `evaluate` need nothing else.
     """
+
+    recipe: Recipe | None = None
+    prepared: "Prepared | None" = None
 
     def __init__(
         self,
@@ -184,6 +195,11 @@ class QuantizedFFN(nn.Module):
     @property
     def spec(self):
         return self.model.spec
+
+    @staticmethod
+    def input_site(weight: str) -> str:
+        """The activation site a weight's matmul reads ('input' or 'hidden')."""
+        return WEIGHT_INPUT_SITE[weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -331,7 +347,8 @@ class Prepared:
 
     `model` is the float model after remedies (what gets quantized), `reference` the original
     float model (what accuracy is measured against), `table` the RangeTable of `model` over the
-    calibration tokens, `calib` / `eval` disjoint token sets, `remedies` the remedy records.
+    calibration tokens, `calib` / `eval` disjoint token sets, `remedies` the remedy records and
+    `smooth` / `rotate` the remedies as a recipe states them (what a recipe must match to use it).
     """
 
     spec: Any
@@ -348,11 +365,21 @@ class Prepared:
     _files: dict = field(default_factory=dict)
     _scratch: Any = None
     name: str | None = None  # file-name stem of the ONNX files (default the spec key)
+    smooth: float | None = None
+    rotate: bool = False
 
     @property
     def stem(self) -> str:
         """What ONNX file names start with: `name` (e.g. a real model's layer) or the spec key."""
         return self.name or self.spec.key
+
+    # The remedies as a file-name part ('' or e.g. 'smooth0.5-rotate'): Recipe.remedy_slug itself, which
+    # reads only `smooth` and `rotate`, so the remedied fp32 export and the artifacts share one naming rule.
+    remedy_slug = property(Recipe.remedy_slug.fget)
+
+    def matches(self, recipe: Recipe) -> bool:
+        """True when this calibration was prepared with exactly `recipe`'s remedies."""
+        return (self.smooth, self.rotate) == (recipe.smooth, recipe.rotate)
 
     def scratch(self) -> Path:
         """A temporary folder for ONNX files nobody asked to keep (removed with this object)."""
@@ -363,37 +390,33 @@ class Prepared:
         return Path(self._scratch.name)
 
     def onnx_file(self, which: str, folder: Path) -> Path:
-        """The fp32 export of the `reference` or remedied `model`, or the ORT-default baseline, made once per folder."""
+        """The fp32 export of the `reference` or remedied `model`, or the ORT-default baseline, made once per folder.
+
+        Names: `{stem}.fp32.onnx` (reference, and the model without remedies), `{stem}.{remedy_slug}.fp32.onnx`
+        (the remedied model), `{stem}.ort-default-static.onnx` (the baseline)."""
         from .export import export_onnx
 
         key = (which, str(folder))
         path = self._files.get(key)
         if path is not None and path.exists():
             return path
-        tag = f".{self.remedy_tag}" if self.remedy_tag else ""
-        if which == "reference" or (which == "model" and not tag):
+        if which == "reference" or (which == "model" and not self.remedy_slug):
             path = folder / f"{self.stem}.fp32.onnx"
             export_onnx(self.reference, path)
         elif which == "model":
-            path = folder / f"{self.stem}{tag}.fp32.onnx"
+            path = folder / f"{self.stem}.{self.remedy_slug}.fp32.onnx"
             export_onnx(self.model, path)
         elif which == "baseline":
-            from .onnxquant import ort_default_static
-
             path = folder / f"{self.stem}.ort-default-static.onnx"
-            ort_default_static(self.onnx_file("reference", folder), path, self.calib_batches())
+            OQ.ort_default_static(self.onnx_file("reference", folder), path, self.calib_batches())
         else:
             raise FFNQuantError(f"unknown prepared file {which!r}")
         self._files[key] = path
         return path
 
-    @property
-    def remedy_tag(self) -> str:
-        """A file-name tag for the remedies: '' or e.g. 'smooth0.5-rotate'."""
-        parts = []
-        for r in self.remedies:
-            parts.append(f"smooth{r.params['alpha']:g}" if r.kind == "smooth" else r.kind)
-        return "-".join(parts)
+    def share_files(self, other: "Prepared") -> None:
+        """Reuse `other`'s reference export and ORT-default baseline (they do not depend on the remedies)."""
+        self._files.update({k: p for k, p in other._files.items() if k[0] in ("reference", "baseline")})
 
     def calib_batches(self, batch_size: int = 1024) -> list[torch.Tensor]:
         return [self.calib[i : i + batch_size] for i in range(0, self.calib.shape[0], batch_size)]
@@ -433,18 +456,30 @@ def prepare(
     rotate: bool = False,
     model: FFN | None = None,
     name: str | None = None,
+    *,
+    recipe: Recipe | None = None,
+    bins: int | None = None,
 ) -> Prepared:
     """Build (or take) the FFN, apply remedies, profile `input`/`hidden` over the calibration tokens.
 
     `source`: 'gaussian', 'llm_like', a token file path, or a data.TokenSource; or pass the
     tokens themselves as `calib_tokens` / `eval_tokens` tensors ([n, d]). Remedies that need
-    ranges (smooth) are computed from a profile of the original model. `name`: the stem of the
-    ONNX files made from it (default the spec key; a real model's layer passes its own).
+    ranges (smooth) are computed from a profile of the original model. `recipe`: take the remedies
+    (smooth strength, rotate) from this Recipe instead of `smooth` / `rotate` (giving both is an
+    error); `smooth_sites` still chooses where smoothing applies. `name`: the stem of the ONNX files
+    made from it (default the spec key; a real model's layer passes its own). `bins`: histogram bins
+    of the range profiles (default observe's).
     """
     from .data import TokenSource, calibration_and_eval, parse_source
     from .model import build
-    from .observe import profile
+    from .observe import DEFAULT_BINS, profile
     from . import remedies as R
+
+    if recipe is not None:
+        if smooth is not None or rotate:
+            raise FFNQuantError(f"prepare: give the remedies once, in the recipe ({recipe}) or as smooth/rotate, not both")
+        smooth, rotate = recipe.smooth, recipe.rotate
+    bins = DEFAULT_BINS if bins is None else bins
 
     d = spec.d_model
     ref = model if model is not None else build(spec, seed=seed)
@@ -467,7 +502,7 @@ def prepare(
     batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
     work, records = ref, []
     if smooth is not None:
-        table0 = profile(work, batches, sites=["input", "hidden"], weights=False)
+        table0 = profile(work, batches, sites=["input", "hidden"], weights=False, bins=bins)
         sites = tuple(smooth_sites) if smooth_sites else tuple(s for s, ok in R.smooth_exact_for(work).items() if ok)
         work, rec = R.smooth(work, table0, smooth, sites)
         if smooth_sites is None and not R.smooth_exact_for(ref)["hidden"]:
@@ -476,13 +511,14 @@ def prepare(
     if rotate:
         work, rec = R.rotate(work)
         records.append(rec)
-    table = profile(work, batches, sites=["input", "hidden"], weights=False)
-    return Prepared(spec, ref, work, table, calib, ev, label, records, name=name)
+    table = profile(work, batches, sites=["input", "hidden"], weights=False, bins=bins)
+    return Prepared(spec, ref, work, table, calib, ev, label, records, name=name,
+                    smooth=None if smooth is None else float(smooth), rotate=bool(rotate))
 
 
 @dataclass
 class QuantResult:
-    """One (variant, scheme, calibrator, remedies) measurement: ranges, accuracy in torch and ONNX, sizes, sensitivity."""
+    """One (variant, recipe) measurement: ranges, accuracy in torch and ONNX, sizes, sensitivity."""
 
     spec: Any
     scheme: Scheme
@@ -499,10 +535,12 @@ class QuantResult:
     fp32: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     qmodel: QuantizedFFN | None = None
+    recipe: Recipe | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": RESULT_SCHEMA_VERSION,
+            "recipe": str(self.recipe) if self.recipe is not None else None,
             "spec": self.spec.to_dict(),
             "scheme": self.scheme.to_dict(),
             "calibrator": self.calibrator,
@@ -520,61 +558,77 @@ class QuantResult:
         }
 
 
-def _sensitivity(prep: Prepared, q: QuantizedFFN, hessians) -> dict[str, float]:
-    """SQNR with only one weight or one activation site quantized (the rest float)."""
+def sensitivity(prep: Prepared, qmodel: QuantizedFFN, hessians: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """Per-site sensitivity: the output SQNR (dB, on `prep`'s held-out tokens against its float reference)
+    with only one weight or one activation site of `qmodel` quantized as in `qmodel`, everything else float.
+
+    Keys are `qmodel.quantized_weights` then `qmodel.quantized_sites`. Weights are requantized under
+    `qmodel.scheme` (a GPTQ scheme with `hessians`, default `prep.hessians()`: the Hessians of
+    `prep.model` over its calibration tokens); sites reuse `qmodel`'s own static ranges.
+    """
     from .accuracy import run_batched, sqnr_db
 
+    if hessians is None and qmodel.scheme.method is Method.GPTQ and qmodel.quantized_weights:
+        hessians = prep.hessians()
     out: dict[str, float] = {}
     ref = prep.ref_eval()
-    for w in q.quantized_weights:
-        one = quantize_model(prep.model, q.scheme, weights=[w], sites=[], hessians=hessians)
+    for w in qmodel.quantized_weights:
+        one = quantize_model(prep.model, qmodel.scheme, weights=[w], sites=[], hessians=hessians)
         out[w] = sqnr_db(ref, run_batched(one, prep.eval))
-    for s in q.quantized_sites:
-        one = quantize_model(prep.model, q.scheme, weights=[], sites=[s], site_range_cache=q.ranges)
+    for s in qmodel.quantized_sites:
+        one = quantize_model(prep.model, qmodel.scheme, weights=[], sites=[s], site_range_cache=qmodel.ranges)
         out[s] = sqnr_db(ref, run_batched(one, prep.eval))
     return out
 
 
+_site_sensitivity = sensitivity  # quantize_spec's `sensitivity` flag shadows the name inside it
+
+# What `quantize_spec` passes to `prepare` when no `prepared` is given.
+_PREPARE_KEYS = ("source", "calib_tokens", "eval_tokens", "seed", "smooth_sites", "model", "name", "bins")
+
+
 def quantize_spec(
     spec: Any,
-    scheme: Scheme | str,
-    calibrator: str | None = None,
-    smooth: float | None = None,
-    smooth_sites: Sequence[str] | None = None,
-    rotate: bool = False,
-    source: Any = "llm_like",
-    calib_tokens: int | torch.Tensor = 4096,
-    eval_tokens: int | torch.Tensor = 2048,
-    seed: int = 0,
+    recipe: Recipe | str,
+    prepared: Prepared | None = None,
+    *,
     out_artifacts: str | os.PathLike | None = None,
     onnx: bool = True,
     baseline: bool = True,
     sensitivity: bool = True,
     latency: bool = False,
-    prepared: Prepared | None = None,
-    model: FFN | None = None,
-    artifact_suffix: str = "",
+    **prepare_kw: Any,
 ) -> QuantResult:
-    """Quantize one FFN under one scheme and measure it (torch reference, ONNX artifact, ORT default baseline).
+    """Quantize one FFN under one recipe and measure it (torch reference, ONNX artifact, ORT default baseline).
 
-    Pass `prepared` (from `prepare`) to reuse the model, remedies, RangeTable and tokens
-    across schemes. With `out_artifacts`, the ONNX files are kept there (else in a temporary
-    folder, sizes still reported). `calibrator='search'` picks per site by output SQNR on
-    the calibration tokens (cached per scheme grid in `prepared`). `artifact_suffix` goes at the end
-    of the artifact's file stem (e.g. '-auto'), so that recipes differing only by calibrator get their
-    own files without renaming (a rename could drop an earlier file of the same name).
+    `recipe`: a `Recipe` (or its text, parsed here once: `w8a8@search+smooth+rotate`); its Scheme is
+    resolved once. `prepared` (from `prepare`, with the recipe's remedies) reuses the model, remedies,
+    RangeTable and tokens across recipes; without it `prepare(spec, recipe=recipe, **prepare_kw)` makes one
+    (`prepare_kw`: source, calib_tokens, eval_tokens, seed, smooth_sites, model, name, bins; giving them
+    beside `prepared` is an error, they would be ignored). With `out_artifacts` the ONNX files are kept
+    there (else in a temporary folder, sizes still reported): `{stem}.{recipe.slug}.onnx`, the fp32
+    exports `{stem}.fp32.onnx` / `{stem}.{recipe.remedy_slug}.fp32.onnx`. The calibrator 'search' picks
+    per site by output SQNR on the calibration tokens (cached per scheme grid in `prepared`).
     """
     from .accuracy import accuracy_of, run_batched, sqnr_db
-    from .calibrate import parse_calibrator
     from .envinfo import environment
+    from .export import export_onnx
 
-    scheme = get_scheme(scheme)
+    recipe = as_recipe(recipe)
+    scheme = recipe.resolve()
     check_scheme_fits(scheme, spec)
-    if calibrator is not None:
-        calibrator = parse_calibrator(calibrator).name
-        scheme = scheme.with_(calibrator=calibrator)
+    unknown = sorted(set(prepare_kw) - set(_PREPARE_KEYS))
+    if unknown:
+        raise FFNQuantError(f"quantize_spec: unknown argument(s) {', '.join(unknown)}; valid: {', '.join(_PREPARE_KEYS)}")
     if prepared is None:
-        prepared = prepare(spec, source, calib_tokens, eval_tokens, seed, smooth, smooth_sites, rotate, model)
+        prepared = prepare(spec, recipe=recipe, **prepare_kw)
+    elif prepare_kw:
+        raise FFNQuantError(f"quantize_spec: {', '.join(sorted(prepare_kw))} only apply when it prepares the calibration "
+                            "itself; pass them to prepare() instead of beside `prepared`")
+    elif not prepared.matches(recipe):
+        have = prepared.remedy_slug or "no remedies"
+        raise FFNQuantError(f"recipe {recipe} needs a calibration prepared with its remedies "
+                            f"({recipe.remedy_slug or 'none'}), got one with {have}")
     prep = prepared
     hessians = prep.hessians() if scheme.method is Method.GPTQ else None
     cal: Any = scheme.calibrator
@@ -584,20 +638,19 @@ def quantize_spec(
             prep._search[key] = search_calibrators(prep.model, prep.table, scheme, prep.calib[:1024], hessians=hessians)
         cal = prep._search[key]
     q = quantize_model(prep.model, scheme, prep.table, calibrator=cal, remedies=prep.remedies, hessians=hessians)
+    q.recipe = recipe
     ref = prep.ref_eval()
     acc = accuracy_of(ref, run_batched(q, prep.eval), prep.eval.shape[0])
-    sens = _sensitivity(prep, q, hessians) if sensitivity else {}
+    sens = _site_sensitivity(prep, q, hessians) if sensitivity else {}
     result = QuantResult(
         spec, scheme, scheme.calibrator if scheme.static_activations else None, prep.source_label,
         prep.calib.shape[0], prep.eval.shape[0], prep.remedies, q.ranges, acc, sens, environment=environment(), qmodel=q,
+        recipe=recipe,
     )
     if not onnx:
         return result
-    from . import onnxquant as OQ
-    from .export import export_onnx
 
     kind, why = OQ.artifact_kind(scheme)
-    tag = f".{prep.remedy_tag}" if prep.remedy_tag else ""
     keep = out_artifacts is not None
     folder = Path(out_artifacts) if keep else prep.scratch()
     d = spec.d_model
@@ -609,12 +662,12 @@ def quantize_spec(
     art: dict[str, Any] = {"kind": kind, "note": why}
     path = None
     if kind == "fp32":
-        path = fp32_work
+        path = fp32_work  # the fp32 export itself: `{stem}.fp32.onnx`, as `{stem}.{recipe.slug}.onnx` reads
     elif kind == "fp16":
-        path = folder / f"{prep.stem}{tag}.fp16{artifact_suffix}.onnx"
+        path = folder / f"{prep.stem}.{recipe.slug}.onnx"
         export_onnx(prep.model, path, dtype="fp16")
     elif kind is not None:
-        path = folder / f"{prep.stem}{tag}.{scheme.name}{artifact_suffix}.onnx"
+        path = folder / f"{prep.stem}.{recipe.slug}.onnx"
         OQ.write_artifact(fp32_work, path, q, prep.model, hessians)
     if path is not None:
         got = OQ.run_onnx(path, prep.eval, dtype="fp16" if kind == "fp16" else "fp32")
@@ -645,3 +698,70 @@ def quantize_spec(
         if latency:
             result.baseline["latency_ms"] = OQ.ort_latency_ms(bpath, d)
     return result
+
+
+# =====================================================================================
+# Many recipes on one FFN: one calibration per remedy set, shared across its recipes
+# =====================================================================================
+
+
+@dataclass
+class RecipeOutcome:
+    """One recipe on one FFN: its `result`, or the `error` that stopped it (with `collect_errors`).
+
+    `prepared` is the calibration the recipe used (its remedies applied): what `sensitivity` needs.
+    `label` names the FFN when it is a real model's layer (set by `hf.quantize_layers`)."""
+
+    recipe: Recipe
+    result: QuantResult | None
+    error: Exception | None
+    prepared: Prepared | None
+    label: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def quantize_recipes(
+    spec: Any,
+    recipes: Sequence[Recipe | str],
+    *,
+    collect_errors: bool = False,
+    out_artifacts: str | os.PathLike | None = None,
+    onnx: bool = True,
+    baseline: bool = True,
+    sensitivity: bool = False,
+    latency: bool = False,
+    **prepare_kw: Any,
+):
+    """Yield a `RecipeOutcome` per recipe, in order: `quantize_spec` on one FFN under each recipe.
+
+    One `prepare(spec, recipe=..., **prepare_kw)` per remedy set (smooth, rotate), shared by the recipes
+    that use it; the reference fp32 export and onnxruntime's default baseline are made once (they do not
+    depend on the remedies). `collect_errors`: an exception of one recipe (e.g. a remedy that cannot apply
+    exactly) is yielded as its outcome's `error` and the next recipe goes on; a failure to write output
+    (full disk) still raises. Without it the first error raises.
+    """
+    from .atomic import is_output_failure
+
+    preps: dict[tuple, Prepared] = {}
+    for item in recipes:
+        recipe, prep = None, None
+        try:
+            recipe = as_recipe(item)
+            key = (recipe.smooth, recipe.rotate)
+            if key not in preps:
+                preps[key] = prepare(spec, recipe=recipe, **prepare_kw)
+                plain = preps.get((None, False))
+                if plain is not None and key != (None, False):
+                    preps[key].share_files(plain)
+            prep = preps[key]
+            res = quantize_spec(spec, recipe, prep, out_artifacts=out_artifacts, onnx=onnx, baseline=baseline,
+                                sensitivity=sensitivity, latency=latency)
+        except Exception as exc:
+            if not collect_errors or recipe is None or is_output_failure(exc):
+                raise
+            yield RecipeOutcome(recipe, None, exc, prep)
+            continue
+        yield RecipeOutcome(recipe, res, None, prep)

@@ -10,18 +10,31 @@ from ffnquant import FFNSpec
 from ffnquant.cli import main
 from ffnquant.onnxquant import artifact_kind, ort_session
 from ffnquant.quantize import prepare, quantize_spec
+from ffnquant.recipe import Recipe
 from ffnquant.schemes import get_scheme
 
 D = 64
-_PREP = {}
 
 
-def _prep(variant, tmp_path_factory):
-    if variant not in _PREP:
-        spec = FFNSpec(variant, d_model=D)
-        remedies = dict(smooth=0.5, rotate=True) if variant == "swiglu" else {}
-        _PREP[variant] = (spec, prepare(spec, "llm_like", 1024, 512, **remedies), tmp_path_factory.mktemp(variant))
-    return _PREP[variant]
+@pytest.fixture(scope="module")
+def preps(tmp_path_factory):
+    """(spec, prepared, artifact folder) per variant, made on first use and shared within this module only;
+    swiglu is prepared with smooth 0.5 + rotate."""
+    made = {}
+
+    def get(variant):
+        if variant not in made:
+            spec = FFNSpec(variant, d_model=D)
+            remedies = dict(smooth=0.5, rotate=True) if variant == "swiglu" else {}
+            made[variant] = (spec, prepare(spec, "llm_like", 1024, 512, **remedies), tmp_path_factory.mktemp(variant))
+        return made[variant]
+
+    return get
+
+
+def _recipe(scheme, prep, calibrator=None):
+    """The recipe of `scheme` with the prepared calibration's remedies."""
+    return Recipe(scheme, calibrator, smooth=prep.smooth, rotate=prep.rotate)
 
 
 ARTIFACT_SCHEMES = ["w8a8", "w8a8-s8", "w8a16", "w4a16-g32", "w4a16-g32-asym", "w4a16-g32-hqq", "w4a16-g32-gptq", "nf4"]
@@ -29,12 +42,13 @@ ARTIFACT_SCHEMES = ["w8a8", "w8a8-s8", "w8a16", "w4a16-g32", "w4a16-g32-asym", "
 
 @pytest.mark.parametrize("variant", ["swiglu", "relu"], ids=str)
 @pytest.mark.parametrize("scheme", ARTIFACT_SCHEMES, ids=str)
-def test_artifact_agrees_with_torch_reference(variant, scheme, tmp_path_factory):
-    spec, prep, folder = _prep(variant, tmp_path_factory)
-    r = quantize_spec(spec, scheme, "minmax" if get_scheme(scheme).static_activations else None,
-                      prepared=prep, out_artifacts=folder, sensitivity=False, baseline=False)
+def test_artifact_agrees_with_torch_reference(variant, scheme, preps):
+    spec, prep, folder = preps(variant)
+    recipe = _recipe(scheme, prep, "minmax" if get_scheme(scheme).static_activations else None)
+    r = quantize_spec(spec, recipe, prepared=prep, out_artifacts=folder, sensitivity=False, baseline=False)
     art = r.artifact
     path = Path(art["path"])
+    assert path.name == f"{spec.key}.{recipe.slug}.onnx"  # the recipe's slug is the file name
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
     assert ort_session(path).get_providers()[0] == "CPUExecutionProvider"
     assert abs(art["accuracy_onnx"]["sqnr_db"] - r.accuracy.sqnr_db) <= 0.5
@@ -51,7 +65,7 @@ def test_every_int8_matmul_runs_as_an_integer_kernel(variant, tmp_path):
 
     spec = FFNSpec(variant, d_model=D)
     prep = prepare(spec, "llm_like", 256, 128)
-    r = quantize_spec(spec, "w8a8", "minmax", prepared=prep, out_artifacts=tmp_path, sensitivity=False, baseline=False)
+    r = quantize_spec(spec, "w8a8@minmax", prepared=prep, out_artifacts=tmp_path, sensitivity=False, baseline=False)
     opts = ort.SessionOptions()
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     opts.log_severity_level = 3
@@ -67,11 +81,15 @@ def test_no_artifact_is_explained():
     assert artifact_kind(get_scheme("fp8-e4m3"))[0] is None
 
 
-def test_ffnquant_recipe_beats_ort_default_on_swiglu(tmp_path_factory):
-    spec, prep, folder = _prep("swiglu", tmp_path_factory)  # smooth 0.5 + rotate, llm_like inputs
-    r = quantize_spec(spec, "w8a8", "mse", prepared=prep, out_artifacts=folder, sensitivity=False)
+def test_ffnquant_recipe_beats_ort_default_on_swiglu(preps):
+    spec, prep, folder = preps("swiglu")  # smooth 0.5 + rotate, llm_like inputs
+    r = quantize_spec(spec, "w8a8@mse+smooth+rotate", prepared=prep, out_artifacts=folder, sensitivity=False)
     base = r.baseline["accuracy_onnx"]["sqnr_db"]
     assert r.artifact["accuracy_onnx"]["sqnr_db"] > base + 3.0
+    # the artifact and the remedied fp32 export are named from the recipe's slugs
+    assert Path(r.artifact["path"]).name == f"{spec.key}.w8a8-mse.smooth0.5-rotate.onnx"
+    assert prep.onnx_file("model", folder).name == f"{spec.key}.smooth0.5-rotate.fp32.onnx"
+    assert Path(r.baseline["path"]).name == f"{spec.key}.ort-default-static.onnx"
 
 
 def test_cli_writes_artifacts_and_reports(tmp_path, capsys):
@@ -81,7 +99,7 @@ def test_cli_writes_artifacts_and_reports(tmp_path, capsys):
                "--out-artifacts", str(exp), "--out-reports", str(rep)])
     assert rc == 0
     names = {p.name for p in exp.iterdir()}
-    assert any(n.endswith(".w8a8.onnx") for n in names) and any("ort-default" in n for n in names)
+    assert "reglu_d64_ff256.w8a8-mse.smooth0.5.onnx" in names and any("ort-default" in n for n in names)
     (js,) = rep.glob("quantize_*.json")
     import json
 
@@ -93,6 +111,37 @@ def test_cli_writes_artifacts_and_reports(tmp_path, capsys):
     assert "reglu" in capsys.readouterr().out
 
 
+def test_cli_recipe_text_and_flags_build_the_same_recipe_parsed_once(tmp_path, monkeypatch):
+    """`--recipe` takes `ffnquant run --schemes`' grammar; the old flags are sugar for the same Recipe: the same
+    files, the same numbers. Each command parses its recipe once; giving both forms is an error."""
+    import json
+
+    from ffnquant import recipe as recipe_module
+
+    common = ["quantize", "--variants", "relu", "--d-model", "32", "--calib-tokens", "256", "--eval-tokens", "128",
+              "--no-onnx"]
+    out = {}
+    for form, args in {"text": ["--recipe", "w8a8@mse+smooth=0.3+rotate"],
+                       "flags": ["--scheme", "w8a8", "--calibrator", "mse", "--smooth", "0.3", "--rotate"]}.items():
+        monkeypatch.setitem(recipe_module.PARSE_COUNT, "n", 0)
+        rep = tmp_path / form
+        assert main(common + args + ["--out-reports", str(rep)]) == 0
+        assert recipe_module.PARSE_COUNT["n"] == (1 if form == "text" else 0)
+        (js,) = rep.glob("quantize_*.json")
+        assert js.name == "quantize_relu_d32_ff128.w8a8-mse.smooth0.3-rotate.json"
+        out[form] = json.loads(js.read_text())
+    assert out["text"]["recipe"] == out["flags"]["recipe"] == "w8a8@mse+smooth=0.3+rotate"
+    assert out["text"]["accuracy_torch"] == out["flags"]["accuracy_torch"]
+
+
+def test_cli_recipe_and_flags_together_is_an_error(tmp_path, capsys):
+    rc = main(["quantize", "--variants", "relu", "--d-model", "32", "--recipe", "w8a8", "--smooth", "0.5",
+               "--out-artifacts", str(tmp_path / "e"), "--out-reports", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--recipe" in err and "--smooth" in err and err.count("\n") == 1
+    assert not (tmp_path / "e").exists() and not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -101,6 +150,8 @@ def test_cli_writes_artifacts_and_reports(tmp_path, capsys):
         pytest.param(["--scheme", "w4a16-g128", "--d-model", "96"], "does not divide d_model=96", id="group-d_model"),
         pytest.param(["--scheme", "w4a16-g64", "--variants", "relu", "--d-ff", "200"], "does not divide d_ff=200", id="group-d_ff"),
         pytest.param(["--calib-tokens", "0"], "needs calibration data", id="no-calibration"),
+        pytest.param(["--recipe", "w8a8+bogus"], "bogus", id="recipe-remedy"),
+        pytest.param(["--recipe", "w8a8-dynamic@mse"], "w8a8-dynamic", id="recipe-calibrator-on-dynamic"),
         pytest.param(["--variants", "gelu", "--smooth", "0.5", "--smooth-sites", "hidden"], "not positively homogeneous", id="gelu-hidden"),
         pytest.param(["--source", "NANFILE"], "NaN", id="nan-data"),
     ],

@@ -9,16 +9,25 @@ from ffnquant import FFNSpec, Variant, build
 from ffnquant.accuracy import accuracy_of, cosine, rel_l2, sqnr_db
 from ffnquant.data import gaussian_tokens
 from ffnquant.errors import FFNQuantError
-from ffnquant.quantize import prepare, quantize_model, quantize_spec, search_calibrators
+from ffnquant.quantize import prepare, quantize_model, quantize_spec, search_calibrators, sensitivity
+from ffnquant.recipe import Recipe
 
 D = 64
-_PREP = {}
 
 
-def _prep(variant):
-    if variant not in _PREP:
-        _PREP[variant] = prepare(FFNSpec(variant, d_model=D), "gaussian", 1024, 512)
-    return _PREP[variant]
+@pytest.fixture(scope="module")
+def preps():
+    """One Gaussian calibration per variant, made on first use and shared by this module's tests only
+    (a fresh dict per module run, so no result depends on which test ran first)."""
+    made = {}
+
+    def get(variant):
+        variant = Variant(variant)
+        if variant not in made:
+            made[variant] = prepare(FFNSpec(variant, d_model=D), "gaussian", 1024, 512)
+        return made[variant]
+
+    return get
 
 
 # Floors from the quantization math, with margin (random N(0, 1/fan_in) weights, Gaussian tokens):
@@ -35,16 +44,17 @@ CALIBRATOR_FLOORS = {"minmax": 22.0, "percentile": 22.0, "mse": 22.0, "auto": 22
 
 @pytest.mark.parametrize("variant", list(Variant), ids=str)
 @pytest.mark.parametrize("scheme", SCHEME_FLOORS, ids=str)
-def test_sqnr_floor_per_variant_and_scheme(variant, scheme):
-    r = quantize_spec(FFNSpec(variant, d_model=D), scheme, prepared=_prep(variant), onnx=False, sensitivity=False)
+def test_sqnr_floor_per_variant_and_scheme(variant, scheme, preps):
+    r = quantize_spec(FFNSpec(variant, d_model=D), scheme, prepared=preps(variant), onnx=False, sensitivity=False)
     assert r.accuracy.sqnr_db >= SCHEME_FLOORS[scheme]
     assert r.accuracy.sqnr_db < 200  # something was quantized
 
 
 @pytest.mark.parametrize("variant", list(Variant), ids=str)
 @pytest.mark.parametrize("calibrator", CALIBRATOR_FLOORS, ids=str)
-def test_w8a8_sqnr_floor_per_variant_and_calibrator(variant, calibrator):
-    r = quantize_spec(FFNSpec(variant, d_model=D), "w8a8", calibrator, prepared=_prep(variant), onnx=False, sensitivity=False)
+def test_w8a8_sqnr_floor_per_variant_and_calibrator(variant, calibrator, preps):
+    r = quantize_spec(FFNSpec(variant, d_model=D), Recipe("w8a8", calibrator), prepared=preps(variant), onnx=False,
+                      sensitivity=False)
     assert r.accuracy.sqnr_db >= CALIBRATOR_FLOORS[calibrator]
     assert set(r.ranges) == {"input", "hidden"}
     for site, rng in r.ranges.items():
@@ -54,15 +64,30 @@ def test_w8a8_sqnr_floor_per_variant_and_calibrator(variant, calibrator):
             assert rng.calibrator.split(":")[0] == calibrator
 
 
-def test_relu_hidden_gets_a_one_sided_range():
-    r = quantize_spec(FFNSpec("relu", d_model=D), "w8a8", "mse", prepared=_prep(Variant.RELU), onnx=False, sensitivity=False)
+def test_relu_hidden_gets_a_one_sided_range(preps):
+    r = quantize_spec(FFNSpec("relu", d_model=D), "w8a8@mse", prepared=preps(Variant.RELU), onnx=False, sensitivity=False)
     assert r.ranges["hidden"].lo == 0.0 and r.ranges["hidden"].zero_point == 0
 
 
-def test_sensitivity_names_every_quantized_piece_and_each_is_better_than_all_together():
-    r = quantize_spec(FFNSpec("swiglu", d_model=D), "w8a8", "mse", prepared=_prep(Variant.SWIGLU), onnx=False)
+def test_sensitivity_names_every_quantized_piece_and_each_is_better_than_all_together(preps):
+    r = quantize_spec(FFNSpec("swiglu", d_model=D), "w8a8@mse", prepared=preps(Variant.SWIGLU), onnx=False)
     assert set(r.sensitivity) == {"w_up", "w_gate", "w_down", "input", "hidden"}
     assert all(v > r.accuracy.sqnr_db for v in r.sensitivity.values())
+    # the public function gives the same numbers from the prepared calibration and the quantized FFN
+    assert sensitivity(preps(Variant.SWIGLU), r.qmodel) == r.sensitivity
+
+
+def test_sensitivity_of_a_gptq_recipe_uses_the_input_hessians(preps):
+    """GPTQ weights need the calibration's Hessians: quantizing one weight alone without them (what the
+    run's own per-site sensitivity did) fails; `sensitivity` takes them from the prepared calibration."""
+    prep = preps(Variant.SWIGLU)
+    r = quantize_spec(prep.spec, "w4a16-g32-gptq", prepared=prep, onnx=False, sensitivity=False)
+    with pytest.raises(FFNQuantError, match="Hessians"):  # the old path: no hessians
+        quantize_model(prep.model, r.qmodel.scheme, weights=["w_up"], sites=[])
+    sens = sensitivity(prep, r.qmodel)
+    assert set(sens) == {"w_up", "w_gate", "w_down"}
+    assert all(math.isfinite(v) and r.accuracy.sqnr_db < v < 200 for v in sens.values())
+    assert sensitivity(prep, r.qmodel, prep.hessians()) == sens
 
 
 def test_gptq_beats_rtn_at_the_output():
@@ -74,8 +99,8 @@ def test_gptq_beats_rtn_at_the_output():
     assert gptq.accuracy.sqnr_db > rtn.accuracy.sqnr_db
 
 
-def test_search_picks_valid_calibrators_and_is_no_worse_than_minmax():
-    prep = _prep(Variant.SWIGLU)
+def test_search_picks_valid_calibrators_and_is_no_worse_than_minmax(preps):
+    prep = preps(Variant.SWIGLU)
     picks = search_calibrators(prep.model, prep.table, "w8a8", prep.calib[:256], candidates=["minmax", "mse", "percentile:99.9"])
     assert set(picks) == {"input", "hidden"} and set(picks.values()) <= {"minmax", "mse", "percentile:99.9"}
     mm = quantize_model(prep.model, "w8a8", prep.table, calibrator="minmax")
@@ -95,12 +120,32 @@ def test_static_scheme_without_ranges_is_an_error():
 def test_in_memory_tokens_and_nan_rejection():
     spec = FFNSpec("relu", d_model=D)
     calib, ev = gaussian_tokens(512, D, 1), gaussian_tokens(256, D, 2)
-    r = quantize_spec(spec, "w8a8", "minmax", calib_tokens=calib, eval_tokens=ev, onnx=False, sensitivity=False)
+    r = quantize_spec(spec, "w8a8@minmax", calib_tokens=calib, eval_tokens=ev, onnx=False, sensitivity=False)
     assert r.source == "in-memory tokens" and r.n_eval == 256
     bad = calib.clone()
     bad[3, 5] = float("nan")
     with pytest.raises(FFNQuantError, match="NaN"):
         quantize_spec(spec, "w8a8", calib_tokens=bad, eval_tokens=ev, onnx=False)
+
+
+def test_quantize_spec_takes_a_recipe_and_checks_the_prepared_remedies(preps):
+    prep = preps(Variant.RELU)
+    r = quantize_spec(prep.spec, Recipe("w8a8", "minmax"), prepared=prep, onnx=False, sensitivity=False)
+    assert r.recipe == Recipe("w8a8", "minmax") and r.qmodel.recipe == r.recipe and r.calibrator == "minmax"
+    assert r.to_dict()["recipe"] == "w8a8@minmax"
+    with pytest.raises(FFNQuantError, match="prepared with its remedies"):  # smooth, but prepared without
+        quantize_spec(prep.spec, "w8a8+smooth", prepared=prep, onnx=False)
+    with pytest.raises(FFNQuantError, match="beside `prepared`"):  # would be ignored: an error, not dead
+        quantize_spec(prep.spec, "w8a8", prepared=prep, seed=3, onnx=False)
+
+
+def test_prepare_takes_the_remedies_from_the_recipe():
+    spec = FFNSpec("relu", d_model=D)
+    prep = prepare(spec, "gaussian", 256, 128, recipe=Recipe("w8a8", smooth=0.3, rotate=True))
+    assert (prep.smooth, prep.rotate) == (0.3, True) and [r.kind for r in prep.remedies] == ["smooth", "rotate"]
+    assert prep.remedy_slug == Recipe("w8a8", smooth=0.3, rotate=True).remedy_slug == "smooth0.3-rotate"
+    with pytest.raises(FFNQuantError, match="not both"):
+        prepare(spec, "gaussian", 256, 128, smooth=0.5, recipe=Recipe("w8a8", smooth=0.5))
 
 
 def test_group_size_not_dividing_is_an_error():

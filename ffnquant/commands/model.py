@@ -40,8 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("eval", help="quantize the FFNs per scheme; perplexity / hidden-state SQNR and per-layer SQNR (needs transformers)")
     common(p)
-    p.add_argument("--schemes", default="w8a8,w8a8-dynamic,w4a16-g128", help="comma-separated scheme presets")
-    p.add_argument("--calibrator", default=None, help="override the schemes' calibrator (minmax, percentile, ...)")
+    p.add_argument("--schemes", default="w8a8,w8a8-dynamic,w4a16-g128",
+                   help="comma-separated recipes, as `ffnquant run --schemes`: SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]")
+    p.add_argument("--calibrator", default=None,
+                   help="calibrator of the static recipes that name none (minmax, percentile, ...)")
     p.add_argument("--calib-text", default=None, help="calibration text file (default: shipped sample, Austen)")
     p.add_argument("--eval-text", default=None, help="evaluation text file (default: shipped sample, Melville)")
     p.add_argument("--seq-len", type=positive_int, default=128)
@@ -119,7 +121,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     rows = []
     for s in result["schemes"]:
         e = s["end_to_end"]
-        rows.append([s["scheme"]] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
+        rows.append([_name(s)] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
                     + [e["hidden_sqnr_db"], e["hidden_cosine"], ", ".join(s["worst_layers_sqnr"]),
                        ", ".join(s["worst_layers_end_to_end"]) or "-"])
     lines += ["## End to end", "", markdown_table(head, rows), ""]
@@ -133,7 +135,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             rows.append([r["label"], r["name"], r["sqnr_db"], r["cosine"],
                          f"{r['calib_tokens']}" + (" (borrowed)" if r["calib_borrowed"] else ""),
                          a.get("perplexity_delta") if causal else a.get("hidden_sqnr_db")])
-        lines += [f"## {s['scheme']}: per layer", "", markdown_table(head, rows), ""]
+        lines += [f"## {_name(s)}: per layer", "", markdown_table(head, rows), ""]
     for s in result["skipped"]:
         lines.append(f"- skipped {s['scheme']}: {s['reason']}")
     return "\n".join(lines) + "\n"
@@ -147,19 +149,24 @@ def _markdown_layers_only(result: dict[str, Any]) -> str:
              f"{result['end_to_end_unavailable']}.", ""]
     for s in result["schemes"]:
         rows = [[r["label"], r["name"], r["sqnr_db"], r["cosine"], r["calib_tokens"]] for r in s["layers"]]
-        lines += [f"## {s['scheme']}", "", markdown_table(["layer", "module", "SQNR dB", "cosine", "calib tokens"], rows), ""]
+        lines += [f"## {_name(s)}", "", markdown_table(["layer", "module", "SQNR dB", "cosine", "calib tokens"], rows), ""]
     for s in result["skipped"]:
         lines.append(f"- skipped {s['scheme']}: {s['reason']}")
     return "\n".join(lines) + "\n"
+
+
+def _name(entry: dict[str, Any]) -> str:
+    """How a result's recipe is shown: its recipe text ('w8a8@mse+smooth'), or the scheme of older results."""
+    return entry.get("recipe") or entry["scheme"]
 
 
 def _eval(args: argparse.Namespace) -> int:
     from ..atomic import write_json, write_text
     from ..envinfo import environment
     from ..hf.evaluate import EvalSettings, evaluate_model
-    from ..schemes import get_scheme
+    from ..recipe import parse_recipe
 
-    schemes = [get_scheme(s.strip()) for s in args.schemes.split(",") if s.strip()]
+    schemes = [parse_recipe(s) for s in args.schemes.split(",") if s.strip()]  # each recipe parsed once, here
     if not schemes:
         raise FFNQuantError("--schemes is empty")
     settings = EvalSettings(seq_len=args.seq_len, batch_size=args.batch_size, max_calib_tokens=args.max_calib_tokens,
@@ -185,7 +192,7 @@ def _eval(args: argparse.Namespace) -> int:
         json_path = tx.final(write_json(out / f"{name}.json", result))
         md_path = tx.final(write_text(out / f"{name}.md", render_markdown(result)))
     if args.calib_captured is not None:
-        rows = [(s["scheme"], r["label"], r["sqnr_db"], r["cosine"]) for s in result["schemes"] for r in s["layers"]]
+        rows = [(_name(s), r["label"], r["sqnr_db"], r["cosine"]) for s in result["schemes"] for r in s["layers"]]
         print(text_table(["scheme", "layer", "SQNR dB", "cosine"], rows))
         print(f"wrote {json_path} and {md_path} (per layer only: no model run)")
         return 0
@@ -194,7 +201,7 @@ def _eval(args: argparse.Namespace) -> int:
     for s in result["schemes"]:
         e = s["end_to_end"]
         own = [r["sqnr_db"] for r in s["layers"] if r["sqnr_db"] is not None]
-        rows.append([s["scheme"]] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
+        rows.append([_name(s)] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
                     + [e["hidden_sqnr_db"], min(own) if own else None, ", ".join(s["worst_layers_end_to_end"] or s["worst_layers_sqnr"])])
     head = ["scheme"] + (["perplexity", "Δ ppl"] if causal else []) + ["hidden SQNR dB", "min layer SQNR dB", "hurts most"]
     if causal:

@@ -7,13 +7,14 @@ import math
 
 from ..atomic import OutputTransaction, write_json, write_text
 from ..errors import FFNQuantError
+from ..recipe import GRAMMAR, Recipe
 from ..render import fmt, markdown_table, text_table
 from .common import add_model_arguments, add_spec_arguments, positive_int, specs_from_args
 
 NAME = "quantize"
 HELP = "quantize FFN variants (int8 / 4-bit / fp8) with calibration and remedies; write ONNX artifacts and an accuracy report"
 
-__all__ = ["NAME", "HELP", "add_arguments", "run", "render_markdown"]
+__all__ = ["NAME", "HELP", "add_arguments", "recipe_from_args", "run", "render_markdown"]
 
 
 def _non_negative_int(text: str) -> int:
@@ -32,7 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     # default swiglu, or none when --model is given (then only the model's layers are quantized)
     add_spec_arguments(parser, default_variants=None, default_note="default swiglu, or none when --model is given")
-    parser.add_argument("--scheme", default="w8a8", help=f"scheme preset ({', '.join(preset_names())})")
+    parser.add_argument(
+        "--recipe", default=None, metavar="RECIPE",
+        help=f"what to quantize with, as `ffnquant run --schemes` writes it: {GRAMMAR}, e.g. 'w8a8@search+smooth+rotate' "
+             "(or give the same with --scheme/--calibrator/--smooth/--rotate, not both)",
+    )
+    parser.add_argument("--scheme", default=None, help=f"scheme preset ({', '.join(preset_names())}); default w8a8")
     parser.add_argument(
         "--calibrator", default=None,
         help=f"activation calibrator for static schemes ({', '.join(calibrator_names())}, percentile:P); default: the scheme's",
@@ -53,24 +59,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, model_tokens=False, eval_text=True)
 
 
-def _scheme_and_sites(args: argparse.Namespace, specs: list):
-    """The scheme (with --calibrator) and the smooth sites, checked against every spec to quantize."""
-    from ..calibrate import parse_calibrator
-    from ..schemes import check_scheme_fits, get_scheme
+def recipe_from_args(args: argparse.Namespace) -> Recipe:
+    """The one Recipe of the command: `--recipe TEXT` parsed, or built from the --scheme/--calibrator/--smooth/
+    --rotate flags (the same Recipe the text would give); both forms at once is an error."""
+    flags = [f for f, given in (("--scheme", args.scheme is not None), ("--calibrator", args.calibrator is not None),
+                                ("--smooth", args.smooth is not None), ("--rotate", bool(args.rotate))) if given]
+    if args.recipe is not None:
+        if flags:
+            raise FFNQuantError(f"--recipe {args.recipe!r} already says the scheme, calibrator and remedies: "
+                                f"leave out {', '.join(flags)} (or give them without --recipe)")
+        return Recipe.parse(args.recipe)
+    if args.smooth is not None and not (math.isfinite(args.smooth) and 0.0 <= args.smooth <= 1.0):
+        raise FFNQuantError(f"--smooth must be in [0, 1], got {args.smooth}")
+    return Recipe(args.scheme if args.scheme is not None else "w8a8", args.calibrator, args.smooth, bool(args.rotate))
+
+
+def _smooth_sites(args: argparse.Namespace, recipe: Recipe, specs: list):
+    """The recipe checked against every spec to quantize, and the smooth sites (None: every exact one)."""
     from ..remedies import SMOOTH_SITES, smooth_exact_for
     from ..model import FFN
 
-    scheme = get_scheme(args.scheme)
-    if args.calibrator is not None:
-        scheme = scheme.with_(calibrator=parse_calibrator(args.calibrator).name)
     for spec in specs:
-        check_scheme_fits(scheme, spec)
-    if args.smooth is not None and not (math.isfinite(args.smooth) and 0.0 <= args.smooth <= 1.0):
-        raise FFNQuantError(f"--smooth must be in [0, 1], got {args.smooth}")
+        recipe.check_fits(spec)
     sites = None
     if args.smooth_sites is not None:
-        if args.smooth is None:
-            raise FFNQuantError("--smooth-sites needs --smooth ALPHA")
+        if recipe.smooth is None:
+            raise FFNQuantError("--smooth-sites needs smoothing: --smooth ALPHA or a recipe with +smooth")
         sites = [s.strip() for s in args.smooth_sites.split(",") if s.strip()]
         bad = [s for s in sites if s not in SMOOTH_SITES]
         if bad or not sites:
@@ -82,18 +96,19 @@ def _scheme_and_sites(args: argparse.Namespace, specs: list):
                         f"--smooth-sites hidden: {spec.variant.value}'s {spec.activation.value} is not positively homogeneous, "
                         "so the fold would change the function; smooth the input only or use --rotate"
                     )
-    return scheme, sites
+    return sites
 
 
-def _validate(args: argparse.Namespace, extra_specs: list = ()):
+def _validate(args: argparse.Namespace, recipe: Recipe):
     """Everything that can be wrong with the input, checked before anything is written."""
     from ..data import parse_source
 
     specs = specs_from_args(args) if args.variants is not None else []
-    scheme, sites = _scheme_and_sites(args, specs + list(extra_specs))
-    needs_calib = scheme.static_activations or args.smooth is not None or scheme.method.value == "gptq"
+    sites = _smooth_sites(args, recipe, specs)
+    scheme = recipe.resolve()
+    needs_calib = scheme.static_activations or recipe.smooth is not None or scheme.method.value == "gptq"
     if specs and needs_calib and args.calib_tokens == 0:
-        raise FFNQuantError(f"scheme {scheme.name!r}{' with --smooth' if args.smooth is not None else ''} needs calibration data: --calib-tokens is 0")
+        raise FFNQuantError(f"recipe {recipe.name!r} needs calibration data: --calib-tokens is 0")
     source = parse_source(args.source, seed=args.seed)
     for spec in specs:  # a token file is read and checked (shape, NaN) here, before any output
         from ..data import calibration_and_eval
@@ -105,10 +120,10 @@ def _validate(args: argparse.Namespace, extra_specs: list = ()):
         for what, x in (("calibration", calib), ("evaluation", ev)):
             if not torch.isfinite(x).all():
                 raise FFNQuantError(f"{what} tokens from {source.label} contain NaN/Inf values")
-    return specs, scheme, sites, source
+    return specs, sites, source
 
 
-def _check_model(args: argparse.Namespace):
+def _check_model(args: argparse.Namespace, recipe: Recipe):
     """The model folder read and checked (config, weights index, architecture, the scheme against its
     widths, the texts or transformers): every model error fails here, before any work or output."""
     from ..hf import inspect_model
@@ -116,7 +131,7 @@ def _check_model(args: argparse.Namespace):
 
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)
     try:
-        _scheme_and_sites(args, [info.spec])
+        _smooth_sites(args, recipe, [info.spec])
     except FFNQuantError as exc:
         raise FFNQuantError(f"--model {args.model}: {exc}") from None
     if args.calib_tokens == 0:
@@ -138,15 +153,6 @@ def _capture_model(args: argparse.Namespace, info):
                                   calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens, settings=settings,
                                   allow_pickle=args.allow_pickle)
     return layers, inputs, settings
-
-
-def _tag(head: str, scheme: str, calibrator: str | None, remedies: list[dict]) -> str:
-    parts = [head, scheme]
-    if calibrator:
-        parts.append(calibrator.replace(":", ""))
-    for r in remedies:
-        parts.append(f"smooth{r['params']['alpha']:g}" if r["kind"] == "smooth" else r["kind"])
-    return "_".join(parts)
 
 
 def render_markdown(data: dict) -> str:
@@ -263,8 +269,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.variants is None and not args.model:
         args.variants = "swiglu"
-    info = _check_model(args) if args.model else None
-    specs, scheme, sites, source = _validate(args)
+    recipe = recipe_from_args(args)  # the command's one parse
+    info = _check_model(args, recipe) if args.model else None
+    specs, sites, source = _validate(args, recipe)
     rows = []
     # Artifacts and reports are staged beside their folders and moved into place only when every variant
     # and layer succeeded: a failure or Ctrl-C leaves both folders as they were.
@@ -274,21 +281,19 @@ def run(args: argparse.Namespace) -> int:
         model_part = _capture_model(args, info) if info is not None else None
         outputs: list[tuple[str, dict, object]] = []
         for spec in specs:
-            prep = prepare(spec, source, args.calib_tokens, args.eval_tokens, args.seed, args.smooth, sites, args.rotate)
-            res = quantize_spec(spec, scheme, prepared=prep, out_artifacts=arts, onnx=not args.no_onnx, latency=args.latency)
-            data = res.to_dict()
-            outputs.append((_tag(spec.key, scheme.name, data["calibrator"], data["remedies"]), data, render_markdown))
+            prep = prepare(spec, source, args.calib_tokens, args.eval_tokens, args.seed, smooth_sites=sites, recipe=recipe)
+            res = quantize_spec(spec, recipe, prep, out_artifacts=arts, onnx=not args.no_onnx, latency=args.latency)
+            outputs.append((f"{spec.key}.{recipe.slug}", res.to_dict(), render_markdown))
         if model_part is not None:
             from ..hf import model_file_stem, quantize_model_layers
 
             layers, inputs, settings = model_part
             stem = model_file_stem(info)
-            data = quantize_model_layers(info, layers, inputs, scheme, smooth=args.smooth, smooth_sites=sites,
-                                         rotate=args.rotate, out_artifacts=arts,
+            data = quantize_model_layers(info, layers, inputs, recipe, smooth_sites=sites, out_artifacts=arts,
                                          onnx=not args.no_onnx, latency=args.latency, settings=settings, file_stem=stem)
             data = {"command": "ffnquant quantize --model", "layers_selected": args.layers, **data,
                     "environment": environment()}
-            outputs.append((_tag(stem, scheme.name, data["calibrator"], data["remedies"]), data, render_model_markdown))
+            outputs.append((f"{stem}.{recipe.slug}", data, render_model_markdown))
         for tag, data, render in outputs:
             for holder in data["layers"] if "layers" in data else [data]:
                 _fix_paths(holder, tx)

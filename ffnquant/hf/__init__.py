@@ -37,6 +37,7 @@ from .evaluate import (
     evaluate_model,
     float_baseline,
     model_file_stem,
+    quantize_layers,
     quantize_model_layers,
 )
 
@@ -74,6 +75,7 @@ __all__ = [
     "capture_layer_inputs",
     "end_to_end",
     "float_baseline",
+    "quantize_layers",
     "quantize_model_layers",
     "model_file_stem",
 ]

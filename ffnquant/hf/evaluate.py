@@ -16,7 +16,7 @@ import math
 import os
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -219,20 +219,20 @@ def evaluate_layers_from_files(
     bins: int = 2048,
     allow_pickle: bool = False,
 ) -> dict[str, Any]:
-    """Per-layer SQNR/cosine per scheme from captured activation files; needs no transformers.
+    """Per-layer SQNR/cosine per recipe from captured activation files; needs no transformers.
 
-    The end-to-end numbers need the model itself (`evaluate_model`); here they are absent.
+    `schemes`: Recipes or their text (`w8a8@mse+smooth`); `calibrator` applies to those of them with static
+    activation ranges and no calibrator of their own. The end-to-end numbers need the model itself
+    (`evaluate_model`); here they are absent.
     """
-    from ..schemes import Method, get_scheme
-
     info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
     hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
-    resolved = [get_scheme(s) for s in schemes]
-    gptq = any(s.method is Method.GPTQ for s in resolved)
-    tables, hessians = calibrate_layers(hf_layers, _file_batches(calib_captured, hf_layers, info.spec.d_model), bins, gptq)
+    recipes = _recipes(schemes, calibrator)
+    inputs = _file_inputs(info, hf_layers, calib_captured, eval_captured)
     by_label = {layer.label: layer for layer in hf_layers}
     results, skipped = [], []
-    for scheme, qffns in _quantized_per_scheme(hf_layers, info, resolved, tables, calibrator, hessians, skipped):
+    for recipe, qffns in _quantized_per_recipe(hf_layers, info, recipes, inputs, bins, skipped):
+        scheme = recipe.resolve()
         stats = {label: ErrorStats() for label in by_label}
         with torch.no_grad():
             for batch in _file_batches(eval_captured, hf_layers, info.spec.d_model):
@@ -240,46 +240,102 @@ def evaluate_layers_from_files(
                     stats[label].update(by_label[label].ffn(x), qffns[label](x))
         rows = [{"label": l.label, "index": l.index, "expert": l.expert, "name": l.name,
                  "sqnr_db": stats[l.label].sqnr_db, "cosine": stats[l.label].cosine,
-                 "n_eval_tokens": stats[l.label].n_tokens, "calib_tokens": tables[l.label].n_tokens,
-                 "calib_borrowed": "borrowed_from_layer" in tables[l.label].meta} for l in hf_layers]
-        results.append({"scheme": scheme.name, "scheme_spec": scheme.to_dict(), "end_to_end": None, "layers": rows,
-                        "ablation": [], "worst_layers_sqnr": _worst(rows, "sqnr_db", reverse=False),
-                        "worst_layers_end_to_end": []})
+                 "n_eval_tokens": stats[l.label].n_tokens, "calib_tokens": int(inputs.calib[l.label].shape[0]),
+                 "calib_borrowed": l.label in inputs.calib_borrowed} for l in hf_layers]
+        results.append({"scheme": scheme.name, "recipe": recipe.name, "scheme_spec": scheme.to_dict(),
+                        "end_to_end": None, "layers": rows, "ablation": [],
+                        "worst_layers_sqnr": _worst(rows, "sqnr_db", reverse=False), "worst_layers_end_to_end": []})
     return {"model": info.to_dict(), "calibrator": calibrator, "calibration_captured": str(calib_captured),
             "evaluation_captured": str(eval_captured), "schemes": results, "skipped": skipped,
             "end_to_end_unavailable": "captured activations only: end-to-end numbers need the model run (evaluate_model)"}
 
 
+def _recipes(schemes: Sequence[Any], calibrator: str | None) -> list[Any]:
+    """Recipes from `schemes` (Recipes or text); `calibrator` given to each static one without its own."""
+    from ..recipe import Recipe, as_recipe
+
+    out = []
+    for s in schemes:
+        r = as_recipe(s)
+        if calibrator is not None and r.calibrator is None and r.resolve().static_activations:
+            r = Recipe(r.scheme, calibrator, r.smooth, r.rotate)
+        out.append(r)
+    if not out:
+        raise FFNQuantError("no schemes to evaluate")
+    return out
+
+
+def _file_inputs(info: ModelInfo, layers: Sequence[HFLayer], calib_captured, eval_captured) -> "LayerInputs":
+    """Every row of each layer's calibration and evaluation files; an expert the router sent no rows gets its
+    layer's other experts' rows (recorded in `calib_borrowed` / `borrowed`)."""
+    d, labels = info.spec.d_model, [layer.label for layer in layers]
+    calib = _concat_rows(iter_captured_files(calib_captured, labels, d), labels, None)
+    evals = _concat_rows(iter_captured_files(eval_captured, labels, d), labels, None)
+    calib_borrowed: dict[str, str] = {}
+    borrowed: dict[str, str] = {}
+    _fill_unrouted(layers, calib, "calibration", calib_borrowed)
+    for layer in layers:
+        if evals[layer.label].shape[0] == 0 and not any(
+                evals[o.label].shape[0] for o in layers if o.index == layer.index):
+            # no evaluation rows in the whole layer: the rows report no tokens (SQNR None, from the files
+            # streamed), and quantize_spec's own held-out figure, not reported, is taken on the calibration rows
+            evals[layer.label] = calib[layer.label]
+    _fill_unrouted(layers, evals, "evaluation", borrowed)
+    return LayerInputs(calib, evals, f"captured {calib_captured}", f"captured {eval_captured}",
+                       "separate files", {**calib_borrowed, **borrowed}, calib_borrowed=calib_borrowed)
+
+
 def quantize_layers(
     layers: Sequence[HFLayer],
-    scheme: Any,
-    tables: Mapping[str, Any],
-    calibrator: str | None = None,
-    hessians: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
-) -> dict[str, Any]:
-    """A QuantizedFFN (torch reference numerics) per layer label."""
-    from ..quantize import quantize_model
+    recipes: Sequence[Any],
+    inputs: "LayerInputs",
+    *,
+    file_stem: str | None = None,
+    collect_errors: bool = False,
+    out_artifacts: str | os.PathLike | None = None,
+    onnx: bool = False,
+    baseline: bool = False,
+    sensitivity: bool = False,
+    latency: bool = False,
+    bins: int | None = None,
+    smooth_sites: Sequence[str] | None = None,
+):
+    """THE way a real model's FFN layers are quantized: yield a `quantize.RecipeOutcome` (its `label` set)
+    per layer and recipe, layer by layer (recipes in order within a layer).
 
-    return {
-        layer.label: quantize_model(
-            layer.ffn, scheme, tables[layer.label], calibrator=calibrator,
-            hessians=(hessians or {}).get(layer.label),
-        )
-        for layer in layers
-    }
+    Each layer is quantized exactly as a synthetic variant (`quantize.quantize_recipes`): one `prepare` per
+    remedy set on the layer's FFN with its captured calibration inputs `inputs.calib[label]` (remedies
+    applied to the layer, ranges re-profiled with `bins`), `quantize_spec` per recipe measured on the
+    held-out `inputs.eval[label]`. ONNX files (with `onnx` and `out_artifacts`) are named
+    `<file_stem>.<label>.<recipe slug>.onnx` (`file_stem` default: the layer label alone). Used by the
+    `ffnquant model eval` command (`evaluate_model`, `evaluate_layers_from_files`), `ffnquant quantize
+    --model` (`quantize_model_layers`) and `ffnquant run`. `collect_errors`: see `quantize_recipes`.
+    """
+    from ..quantize import quantize_recipes
+
+    for layer in layers:
+        name = f"{file_stem}.{layer.label}" if file_stem else layer.label
+        for outcome in quantize_recipes(
+            layer.spec, recipes, collect_errors=collect_errors, out_artifacts=out_artifacts, onnx=onnx,
+            baseline=baseline, sensitivity=sensitivity, latency=latency, model=layer.ffn,
+            calib_tokens=inputs.calib[layer.label], eval_tokens=inputs.eval[layer.label], name=name, bins=bins,
+            smooth_sites=smooth_sites,
+        ):
+            outcome.label = layer.label
+            yield outcome
 
 
-def _quantized_per_scheme(hf_layers, info, schemes, tables, calibrator, hessians, skipped):
-    """(scheme, {label: QuantizedFFN}) for each scheme that fits the model; the others go to `skipped` with why."""
-    from ..schemes import Method, check_scheme_fits
-
-    for scheme in schemes:
+def _quantized_per_recipe(hf_layers, info, recipes, inputs, bins, skipped):
+    """(recipe, {label: QuantizedFFN}) for each recipe that fits the model, one recipe at a time (one set of
+    quantized copies in memory); the others go to `skipped` with why."""
+    for recipe in recipes:
         try:
-            check_scheme_fits(scheme, info.spec)
+            recipe.check_fits(info.spec)
         except FFNQuantError as exc:
-            skipped.append({"scheme": scheme.name, "reason": str(exc)})
+            skipped.append({"scheme": recipe.name, "reason": str(exc)})
             continue
-        yield scheme, quantize_layers(hf_layers, scheme, tables, calibrator, hessians if scheme.method is Method.GPTQ else None)
+        qffns = {o.label: o.result.qmodel for o in quantize_layers(hf_layers, [recipe], inputs, bins=bins)}
+        yield recipe, qffns
 
 
 def _final_hidden(info: ModelInfo, out: Any) -> torch.Tensor:
@@ -395,7 +451,8 @@ class LayerInputs:
 
     `eval_batches` are the evaluation text's token ids and `model` the loaded transformers model
     (both None when the inputs came from captured files: no end-to-end numbers then); `borrowed`
-    names the experts the router never chose, which get their layer's other experts' inputs.
+    names the experts the router never chose, which get their layer's other experts' inputs
+    (`calib_borrowed`: those among them whose calibration inputs are borrowed).
     """
 
     calib: dict[str, torch.Tensor]
@@ -406,6 +463,8 @@ class LayerInputs:
     borrowed: dict[str, str]
     eval_batches: list[torch.Tensor] | None = None
     model: Any = None
+    calib_borrowed: dict[str, str] = field(default_factory=dict)  # the labels whose CALIBRATION inputs are borrowed
+    calib_batches: list[torch.Tensor] | None = None  # the calibration text's token ids (None from captured files)
 
 
 def fit_settings(info: ModelInfo, settings: EvalSettings) -> EvalSettings:
@@ -497,13 +556,15 @@ def capture_layer_inputs(
 
     calib = _concat_rows(pieces(calib_ids), labels, None)
     evals = _concat_rows(pieces(eval_ids), labels, None)
-    _fill_unrouted(layers, calib, "calibration", borrowed)
+    calib_borrowed: dict[str, str] = {}
+    _fill_unrouted(layers, calib, "calibration", calib_borrowed)
     _fill_unrouted(layers, evals, "evaluation", borrowed)
+    borrowed = {**calib_borrowed, **borrowed}
     cal_name = str(text) if text is not None else "ffnquant/data/calibration.txt"
     ev_name = str(eval_text) if eval_text is not None else "ffnquant/data/evaluation.txt"
     return LayerInputs(calib, evals, cal_name, ev_name,
                        "different texts: calibration inputs from " + cal_name + ", held-out inputs from " + ev_name,
-                       borrowed, eval_ids, model)
+                       borrowed, eval_ids, model, calib_borrowed=calib_borrowed, calib_batches=calib_ids)
 
 
 _GENERIC_FOLDERS = frozenset({"model", "models", "checkpoint", "weights", "hf", "snapshot"})
@@ -524,11 +585,9 @@ def quantize_model_layers(
     info: ModelInfo,
     layers: Sequence[HFLayer],
     inputs: LayerInputs,
-    scheme: Any,
-    calibrator: str | None = None,
-    smooth: float | None = None,
+    recipe: Any,
+    *,
     smooth_sites: Sequence[str] | None = None,
-    rotate: bool = False,
     out_artifacts: str | os.PathLike | None = None,
     onnx: bool = True,
     latency: bool = False,
@@ -536,30 +595,25 @@ def quantize_model_layers(
     settings: EvalSettings = EvalSettings(),
     file_stem: str | None = None,
 ) -> dict[str, Any]:
-    """Quantize each FFN of `layers` exactly as a synthetic variant is quantized, then measure end to end.
+    """Quantize each FFN of `layers` under one `recipe` (`quantize_layers`), then measure end to end.
 
-    Per layer: `quantize.prepare` on the layer's FFN with its captured calibration inputs (remedies
-    applied to the layer and its ranges re-profiled on the transformed FFN), `quantize.quantize_spec`
-    (scheme, calibrator, ONNX artifact `<file_stem>.<label>...onnx` in `out_artifacts`, onnxruntime's
-    default quantize_static next to it) measured on the held-out inputs. Then, when `inputs` carry
-    the model run, every quantized FFN goes back into the model (`end_to_end`). Returns JSON-able data.
+    Per layer: the `QuantResult` of `quantize_layers` (ONNX artifact `<file_stem>.<label>.<slug>.onnx` in
+    `out_artifacts`, onnxruntime's default quantize_static next to it, on the held-out inputs). Then, when
+    `inputs` carry the model run, every quantized FFN goes back into the model (`end_to_end`). Returns
+    JSON-able data (what `ffnquant quantize --model` reports).
     """
-    from ..quantize import prepare, quantize_spec
-
     stem = file_stem or model_file_stem(info)
+    by_label = {layer.label: layer for layer in layers}
     rows, qffns = [], {}
-    for layer in layers:
-        prep = prepare(layer.spec, calib_tokens=inputs.calib[layer.label], eval_tokens=inputs.eval[layer.label],
-                       smooth=smooth, smooth_sites=smooth_sites, rotate=rotate, model=layer.ffn,
-                       name=f"{stem}.{layer.label}")
-        res = quantize_spec(layer.spec, scheme, calibrator=calibrator, prepared=prep, out_artifacts=out_artifacts,
-                            onnx=onnx, latency=latency, sensitivity=sensitivity)
+    for outcome in quantize_layers(layers, [recipe], inputs, file_stem=stem, out_artifacts=out_artifacts, onnx=onnx,
+                                   baseline=onnx, sensitivity=sensitivity, latency=latency, smooth_sites=smooth_sites):
+        layer, res = by_label[outcome.label], outcome.result
         data = res.to_dict()
         data.pop("environment", None)  # once per report, not per layer
         rows.append({"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
                      "inputs_borrowed": inputs.borrowed.get(layer.label), **data})
         qffns[layer.label] = res.qmodel
-        del prep, res
+        del outcome, res
     first = rows[0]
     e2e: dict[str, Any]
     if inputs.model is None or not inputs.eval_batches:
@@ -570,6 +624,7 @@ def quantize_model_layers(
                **end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings)}
     return {
         "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
+        "recipe": first["recipe"],
         "scheme": first["scheme"],
         "calibrator": first["calibrator"],
         "remedies": first["remedies"],
@@ -602,30 +657,22 @@ def evaluate_model(
     (that layer alone quantized) and the layers that hurt most; a scheme that does not fit
     the model (e.g. a group size not dividing d_model) is listed under `skipped` with why.
     """
-    from ..schemes import Method, get_scheme
-
     t0 = time.perf_counter()
     info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
     hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
-    resolved = [get_scheme(s) for s in schemes]
-    if not resolved:
-        raise FFNQuantError("no schemes to evaluate")
-    tokenizer = load_tokenizer(info.path)
-    layer_infos = [layer.info for layer in hf_layers]
+    recipes = _recipes(schemes, calibrator)
     settings = fit_settings(info, settings)
-    # tokenized (and the ids checked against config.json) before the model is loaded
-    calib = model_text_batches(info, tokenizer, calib_text, "calibration", settings.seq_len, settings.batch_size,
-                               settings.max_calib_tokens)
-    evals = model_text_batches(info, tokenizer, eval_text, "evaluation", settings.seq_len, settings.batch_size,
-                               settings.max_eval_tokens)
-    model = load_hf_model(info, allow_pickle=allow_pickle)
-    need_hessians = any(s.method is Method.GPTQ for s in resolved)
-    tables, hessians = calibrate_layers(hf_layers, iter_captured(model, info, layer_infos, calib), settings.bins,
-                                        hessians=need_hessians)
+    # tokenized (and the ids checked against config.json) before the model is loaded; each FFN's calibration
+    # and held-out inputs captured from the model run on the two texts
+    inputs = capture_layer_inputs(info, hf_layers, text=calib_text, eval_text=eval_text,
+                                  calib_tokens=settings.max_calib_tokens, eval_tokens=settings.max_eval_tokens,
+                                  settings=settings, allow_pickle=allow_pickle)
+    model, evals = inputs.model, inputs.eval_batches
 
     baseline = float_baseline(model, info, evals)
     results, skipped = [], []
-    for scheme, qffns in _quantized_per_scheme(hf_layers, info, resolved, tables, calibrator, hessians, skipped):
+    for recipe, qffns in _quantized_per_recipe(hf_layers, info, recipes, inputs, settings.bins, skipped):
+        scheme = recipe.resolve()
         per_layer = {layer.label: ErrorStats() for layer in hf_layers}
         e2e = end_to_end(model, info, hf_layers, qffns, evals, settings, baseline, per_layer)
         rows = []
@@ -633,11 +680,12 @@ def evaluate_model(
             st = per_layer[layer.label]
             row = {"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
                    "sqnr_db": st.sqnr_db, "cosine": st.cosine, "n_eval_tokens": st.n_tokens,
-                   "calib_tokens": tables[layer.label].n_tokens,
-                   "calib_borrowed": "borrowed_from_layer" in tables[layer.label].meta}
+                   "calib_tokens": int(inputs.calib[layer.label].shape[0]),
+                   "calib_borrowed": layer.label in inputs.calib_borrowed}
             rows.append(row)
         results.append({
             "scheme": scheme.name,
+            "recipe": recipe.name,
             "scheme_spec": scheme.to_dict(),
             "end_to_end": e2e["end_to_end"],
             "layers": rows,
@@ -651,7 +699,7 @@ def evaluate_model(
         "calibrator": calibrator,
         "calibration_text": str(calib_text) if calib_text is not None else "ffnquant/data/calibration.txt",
         "evaluation_text": str(eval_text) if eval_text is not None else "ffnquant/data/evaluation.txt",
-        "calibration_tokens": sum(int(b.numel()) for b in calib),
+        "calibration_tokens": sum(int(b.numel()) for b in inputs.calib_batches or []),
         "baseline": baseline,
         "schemes": results,
         "skipped": skipped,
