@@ -1,0 +1,70 @@
+"""The run's stages (ffnquant.pipeline): byte accounting, honest latency labels, config errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from ffnquant import FFNSpec
+from ffnquant.errors import FFNQuantError
+from ffnquant.pipeline import RunConfig, load_config, run
+from ffnquant.pipeline.variants import weight_bytes
+from ffnquant.recipe import Recipe
+
+
+@pytest.mark.parametrize("variant", ["relu", "swiglu"], ids=str)
+@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a16-g32-asym", "nf4"], ids=str)
+def test_weight_bytes_equal_the_artifacts_initializers(variant, scheme, tmp_path):
+    """The size column is what the 4-bit artifact stores: packed codes, float32 group scales, packed zero
+    points, fp32 biases (it used to count the scales as 2-byte floats)."""
+    from ffnquant.quantize import quantize_spec
+    from ffnquant.runtimes.artifacts import onnx_weight_bytes
+
+    spec = FFNSpec(variant, d_model=64)
+    res = quantize_spec(spec, Recipe(scheme), source="gaussian", calib_tokens=256, eval_tokens=64,
+                        out_artifacts=tmp_path, sensitivity=False, baseline=False)
+    assert weight_bytes(spec, Recipe(scheme).resolve()) == onnx_weight_bytes(res.artifact["path"])
+
+
+def test_remedy_recipes_are_not_timed_on_a_plain_artifact(tmp_path):
+    """With onnx = false there is no artifact of `w8a8+smooth+rotate`: the harness would build a plain
+    w8a8 one (no Hadamard MatMul) and the report would label its time with the recipe. It is skipped, saying why."""
+    pytest.importorskip("onnxruntime")
+    cfg = RunConfig.tiny(variants=("swiglu",), schemes=("fp32", "w8a8", "w8a8+smooth+rotate"), runtimes=("ort-cpu",),
+                         tokens=(1,), onnx=False, sensitivity=False, out_reports=str(tmp_path / "r"),
+                         out_export=str(tmp_path / "e"))
+    lat = run(cfg).document["timing"]["latency"]
+    timed = {c["scheme"] for c in lat["cases"] if c["error"] is None}
+    assert "w8a8" in timed and "w8a8+smooth+rotate" not in timed
+    assert any(s.get("scheme") == "w8a8+smooth+rotate" and "no ONNX artifact" in s["reason"] for s in lat["skipped"])
+
+
+def test_remedy_recipes_are_timed_on_their_own_artifact(tmp_path):
+    pytest.importorskip("onnxruntime")
+    cfg = RunConfig.tiny(variants=("swiglu",), schemes=("fp32", "w8a8+smooth+rotate"), runtimes=("ort-cpu",),
+                         tokens=(1,), sensitivity=False, out_reports=str(tmp_path / "r"), out_export=str(tmp_path / "e"))
+    doc = run(cfg).document
+    case = next(c for c in doc["timing"]["latency"]["cases"] if c["scheme"] == "w8a8+smooth+rotate")
+    assert case["error"] is None
+    art = next(a for a in doc["artifacts"] if a["scheme"] == "w8a8+smooth+rotate")
+    assert art["path"].endswith(f".{Recipe.parse('w8a8+smooth+rotate').slug}.onnx")
+
+
+def test_load_config_does_not_reword_a_programming_error(tmp_path, monkeypatch):
+    """A TypeError inside ffnquant is a bug to report, not a user's bad config file."""
+    path = tmp_path / "run.toml"
+    path.write_text(RunConfig.tiny().to_toml())
+
+    def broken(cls, data):
+        raise TypeError("internal bug")
+
+    monkeypatch.setattr(RunConfig, "from_dict", classmethod(broken))
+    with pytest.raises(TypeError, match="internal bug"):
+        load_config(path)
+
+
+def test_config_keeps_recipes_and_writes_their_text():
+    cfg = RunConfig.tiny(schemes=("fp32", Recipe("w8a8", "auto", 0.5)))
+    assert cfg.recipes == (Recipe("fp32"), Recipe("w8a8", "auto", 0.5))
+    assert cfg.to_dict()["schemes"] == ["fp32", "w8a8@auto+smooth"]
+    with pytest.raises(FFNQuantError, match="schemes lists a scheme twice"):
+        RunConfig.tiny(schemes=("fp32", "w8a8", Recipe("w8a8")))
