@@ -169,6 +169,13 @@ class OrtRuntime(Runtime):
     def formats(self) -> tuple[str, ...]:
         return ORT_FORMATS[self.provider_key]
 
+    def check(self, case: ModelCase) -> None:
+        super().check(case)
+        from ..schemes import check_scheme_fits, get_scheme
+
+        # the artifacts are written by ffnquant's quantizer: 4-bit groups must divide both widths
+        check_scheme_fits(get_scheme(case.scheme), case.spec)
+
     # --- sessions -----------------------------------------------------------------------
     def _providers(self, scheme: str, d_model: int, max_tokens: int | None) -> list:
         cuda = ("CUDAExecutionProvider", {"device_id": 0})
