@@ -15,7 +15,7 @@ import torch
 
 from .errors import FFNQuantError
 
-__all__ = ["sqnr_db", "cosine", "rel_l2", "max_abs_error", "Accuracy", "accuracy_of", "evaluate", "run_batched"]
+__all__ = ["sqnr_db", "cosine", "rel_l2", "max_abs_error", "Accuracy", "accuracy_of", "run_batched"]
 
 # Outputs equal to float precision read as this many dB rather than +inf (JSON has no inf).
 SQNR_CAP_DB = 200.0
@@ -94,11 +94,3 @@ def run_batched(fn: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor
     with torch.no_grad():
         return torch.cat([fn(tokens[i : i + batch_size]) for i in range(0, tokens.shape[0], batch_size)])
 
-
-def evaluate(ref_model: Callable[[torch.Tensor], torch.Tensor], q_model: Callable[[torch.Tensor], torch.Tensor], eval_tokens: torch.Tensor) -> Accuracy:
-    """Accuracy of `q_model` against `ref_model` on held-out `eval_tokens` [n, d_model]."""
-    if not torch.isfinite(eval_tokens).all():
-        raise FFNQuantError("evaluation tokens contain NaN or Inf")
-    ref = run_batched(ref_model, eval_tokens)
-    got = run_batched(q_model, eval_tokens)
-    return accuracy_of(ref, got, eval_tokens.shape[0])
