@@ -19,6 +19,7 @@ __all__ = [
     "Point",
     "Recommendation",
     "pareto_front",
+    "beats",
     "recommend",
     "recommend_all",
     "crest_cost_finding",
@@ -28,11 +29,18 @@ __all__ = [
 DEFAULT_TARGET_DB = 30.0
 
 
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 @dataclass(frozen=True)
 class Point:
     """One measured case: a scheme's accuracy and its median latency on a runtime at M tokens.
 
-    `sqnr_db=None` marks the float reference itself (exact by definition).
+    `sqnr_db=None` marks the float reference itself (exact by definition). `p10_s` / `p90_s`
+    are the latency's 10th and 90th percentiles (the bench's LatencyStats): a scheme is only
+    called faster than the baseline when its p90 is below the baseline's p10. Without them the
+    medians are compared.
     """
 
     variant: str
@@ -42,14 +50,32 @@ class Point:
     latency_s: float
     sqnr_db: float | None
     label: str = ""
+    p10_s: float | None = None
+    p90_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s) and self.latency_s > 0):
+        if not _positive(self.latency_s):
             raise FFNQuantError(f"latency of {self.scheme} on {self.runtime} must be a positive number, got {self.latency_s!r}")
+        for name in ("p10_s", "p90_s"):
+            value = getattr(self, name)
+            if value is not None and not _positive(value):
+                raise FFNQuantError(f"{name} of {self.scheme} on {self.runtime} must be a positive number or None, got {value!r}")
+        if self.p10_s is not None and self.p90_s is not None and self.p10_s > self.p90_s:
+            raise FFNQuantError(f"latency percentiles of {self.scheme} on {self.runtime}: p10 {self.p10_s!r} exceeds p90 {self.p90_s!r}")
         if self.sqnr_db is not None and not isinstance(self.sqnr_db, (int, float)):
             raise FFNQuantError(f"SQNR of {self.scheme} must be a number or None, got {self.sqnr_db!r}")
         if not self.label:
             object.__setattr__(self, "label", self.scheme)
+
+    @property
+    def fast_end(self) -> float:
+        """The low end of the measured spread (p10, else the median)."""
+        return self.p10_s if self.p10_s is not None else self.latency_s
+
+    @property
+    def slow_end(self) -> float:
+        """The high end of the measured spread (p90, else the median)."""
+        return self.p90_s if self.p90_s is not None else self.latency_s
 
     @property
     def accuracy(self) -> float:
@@ -85,6 +111,24 @@ def _fmt_db(p: Point) -> str:
     return "exact" if p.sqnr_db is None else f"{p.sqnr_db:.1f} dB"
 
 
+def _fmt_ratio(r: float) -> str:
+    # near 1 one decimal would print a measurable 4% as "1.0x"
+    return f"{r:.2f}x" if r < 1.1 else f"{r:.1f}x"
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
+
+
+def beats(p: Point, base: Point) -> bool:
+    """True when `p` is faster than `base` beyond the measured spread: p's p90 below base's p10.
+
+    Timings of two cases overlap by noise (other processes, frequency scaling); a median a few
+    percent lower inside that overlap is no reason to quantize. Medians stand in for missing percentiles.
+    """
+    return p.slow_end < base.fast_end
+
+
 def pareto_front(points: Iterable[Point]) -> list[Point]:
     """Points no other point beats on both latency (lower) and accuracy (higher); sorted by latency.
 
@@ -109,8 +153,8 @@ def _speed_phrase(p: Point, base: Point | None, baseline: str) -> tuple[float | 
     if p.scheme == base.scheme:
         return 1.0, f"the {baseline} baseline"
     if speedup >= 1.0:
-        return speedup, f"{speedup:.1f}x faster than {baseline}"
-    return speedup, f"{1.0 / speedup:.1f}x slower than {baseline}"
+        return speedup, f"{_fmt_ratio(speedup)} faster than {baseline}"
+    return speedup, f"{_fmt_ratio(1.0 / speedup)} slower than {baseline}"
 
 
 def recommend(
@@ -121,9 +165,10 @@ def recommend(
     """The fastest scheme whose SQNR meets `target_db` among points of ONE (variant, runtime, tokens).
 
     The float baseline (SQNR None = exact) always meets the target, so when no quantized scheme
-    both meets the target and beats it, the recommendation is to stay at the baseline; the
-    reason then names the fastest quantized scheme and why it was not chosen. Without any point
-    meeting the target (no baseline measured), the most accurate point is named instead.
+    both meets the target and beats it beyond the measured spread (`beats`: its p90 below the
+    baseline's p10), the recommendation is to stay at the baseline; the reason then names the
+    fastest quantized scheme and why it was not chosen. Without any point meeting the target
+    (no baseline measured), the most accurate point is named instead.
     """
     if not math.isfinite(target_db):
         raise FFNQuantError(f"accuracy target must be a finite number of dB, got {target_db!r}")
@@ -149,20 +194,24 @@ def recommend(
         return Recommendation(variant, runtime, tokens, target_db, best.scheme, best.label, best.sqnr_db,
                               best.latency_s, baseline, speedup, False, reason)
 
-    pick = ok[0]
+    if base is not None:
+        winners = [p for p in ok if p.scheme != base.scheme and beats(p, base)]
+        pick = winners[0] if winners else base
+    else:
+        pick = ok[0]
     speedup, phrase = _speed_phrase(pick, base, baseline)
     if base is not None and pick.scheme == base.scheme:
         quantized = sorted((p for p in points if p.scheme != base.scheme), key=lambda p: (p.latency_s, -p.accuracy))
         if quantized:
             q = quantized[0]
             if q.accuracy >= target_db:
-                why = f"{q.label} meets it ({_fmt_db(q)}) but is {q.latency_s / base.latency_s:.1f}x slower"
+                why = f"{q.label} meets it ({_fmt_db(q)}) but {_not_faster(q, base, baseline)}"
             else:
                 why = f"the fastest quantized scheme, {q.label}, reaches only {_fmt_db(q)}"
                 faster_ok = [p for p in ok if p.scheme != base.scheme]
                 if faster_ok:
                     f = faster_ok[0]
-                    why += f", and {f.label} ({_fmt_db(f)}) is {f.latency_s / base.latency_s:.1f}x slower"
+                    why += f", and {f.label} ({_fmt_db(f)}) {_not_faster(f, base, baseline)}"
             reason = f"{base.label}: no quantized scheme meeting {target_db:g} dB is faster {where} ({why})"
         else:
             reason = f"{base.label}: only the baseline was measured {where}"
@@ -172,6 +221,14 @@ def recommend(
     reason = f"{pick.label}: {_fmt_db(pick)} >= {target_db:g} dB target, {phrase} {where}"
     return Recommendation(variant, runtime, tokens, target_db, pick.scheme, pick.label, pick.sqnr_db, pick.latency_s,
                           baseline, speedup, True, reason)
+
+
+def _not_faster(p: Point, base: Point, baseline: str) -> str:
+    """Why `p` does not beat `base`: slower, or faster only within the measured spread."""
+    if p.latency_s >= base.latency_s:
+        return f"is {_fmt_ratio(p.latency_s / base.latency_s)} slower"
+    return (f"is {_fmt_ratio(base.latency_s / p.latency_s)} faster only within the measured spread "
+            f"(its p90 {_fmt_s(p.slow_end)} is not below the {baseline} p10 {_fmt_s(base.fast_end)})")
 
 
 def recommend_all(

@@ -114,3 +114,45 @@ def test_crest_cost_finding_falls_back_to_extremes_and_needs_two():
     f = crest_cost_finding({"gelu": 9.0, "reglu": 21.0}, {"gelu": 31.0, "reglu": 27.0})
     assert (f["wide"], f["narrow"]) == ("reglu", "gelu") and f["slope_db_per_doubling"] is None
     assert crest_cost_finding({"relu": 9.0}, {"relu": 30.0}) is None
+
+
+# --- speedups must clear the measured spread -----------------------------------------------------
+def spread(scheme, p10, median, p90, sqnr, **kw):
+    return Point(kw.get("variant", "swiglu"), scheme, "torch-cpu", 16, median, sqnr, "", p10, p90)
+
+
+BASE = spread("fp32", 0.0095, 0.0100, 0.0110, None)
+
+
+def test_a_speedup_inside_the_spread_keeps_the_baseline():
+    """A 2% lower median whose p90 overlaps the baseline's p10 is noise, not '1.0x faster'."""
+    rec = recommend([BASE, spread("w8a8-dynamic-s8", 0.0090, 0.0098, 0.0106, 35.0)], target_db=30.0)
+    assert rec.choice == "fp32" and rec.speedup == 1.0
+    assert rec.reason == (
+        "fp32: no quantized scheme meeting 30 dB is faster on torch-cpu at M=16 (w8a8-dynamic-s8 meets it "
+        "(35.0 dB) but is 1.02x faster only within the measured spread (its p90 10.6 ms is not below the "
+        "fp32 p10 9.5 ms))"
+    )
+
+
+def test_a_speedup_beyond_the_spread_is_recommended():
+    rec = recommend([BASE, spread("w8a8-dynamic-s8", 0.0080, 0.0085, 0.0090, 35.0)], target_db=30.0)
+    assert rec.choice == "w8a8-dynamic-s8" and rec.speedup == pytest.approx(0.0100 / 0.0085)
+    assert rec.reason == "w8a8-dynamic-s8: 35.0 dB >= 30 dB target, 1.2x faster than fp32 on torch-cpu at M=16"
+
+
+def test_the_fastest_scheme_clear_of_the_spread_wins_over_a_noisier_faster_median():
+    noisy = spread("w8a16", 0.0060, 0.0080, 0.0120, 40.0)  # lower median, p90 above the baseline's p10
+    steady = spread("w8a8", 0.0088, 0.0090, 0.0093, 33.0)
+    assert recommend([BASE, noisy, steady], target_db=30.0).choice == "w8a8"
+
+
+def test_close_speedups_print_two_decimals():
+    rec = recommend([BASE, spread("fp16", 0.0090, 0.0093, 0.0094, 70.0)], target_db=30.0)
+    assert rec.choice == "fp16" and "1.08x faster than fp32" in rec.reason
+
+
+@pytest.mark.parametrize("p10, p90", [(0.002, 0.001), (-1.0, 0.001), (0.001, math.inf)], ids=["crossed", "negative", "inf"])
+def test_point_rejects_bad_percentiles(p10, p90):
+    with pytest.raises(FFNQuantError, match="p10|p90"):
+        Point("relu", "fp32", "torch-cpu", 1, 0.0015, None, "", p10, p90)
