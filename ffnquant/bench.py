@@ -332,8 +332,7 @@ class CaseResult:
         None for float formats (their 60+ dB differ only in where fp16 rounds, which no recipe
         decision depends on) and where there is no reference.
         """
-        if self.sqnr_db is None or self.reference_sqnr_db is None or FORMATS[self.scheme].compute.value == "fp32" \
-                or self.scheme in ("fp16", "bf16"):
+        if self.sqnr_db is None or self.reference_sqnr_db is None or FORMATS[self.scheme].scheme.weight_dtype.is_float:
             return None
         return abs(self.sqnr_db - self.reference_sqnr_db) > REFERENCE_TOLERANCE_DB
 
