@@ -227,7 +227,7 @@ def test_runtime_failing_mid_run_is_recorded_and_the_run_completes(tmp_path, mon
         return real_load(self, case)
 
     monkeypatch.setattr(torch_rt.TorchRuntime, "load", flaky_load)
-    cfg = RunConfig(**dict(SMALL, variants=("relu",), runtimes=("torch-cpu",)),
+    cfg = RunConfig(**dict(SMALL, variants=("relu",), runtimes=("torch-cpu",), schemes=("fp32", "w8a8-dynamic-s8", "w4a16-g32-asym")),
                     out_reports=str(tmp_path / "r"), out_export=str(tmp_path / "e"))
     doc = run(cfg).document
     validate_report(doc)

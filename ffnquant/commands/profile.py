@@ -41,7 +41,8 @@ def _cell(table, site: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..data import parse_source
-    from ..rangereport import findings, claims, profile_variants, write_range_report
+    from ..ranges import claims, findings, profile_variants
+    from ..report.ranges import write_range_report
 
     # Validate everything before profiling or writing anything.
     specs = specs_from_args(args)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from ..report import SCHEMA_NAME, SCHEMA_VERSION
 from .config import RunConfig
 from .findings import ort_baseline_summary
 
-__all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "build_document"]
-
-SCHEMA_NAME = "ffnquant-report"
-SCHEMA_VERSION = 1
+__all__ = ["build_document"]
 
 
 def build_document(

@@ -37,9 +37,11 @@ def compact_histogram(hist: Any, max_bins: int = 256) -> dict[str, list] | None:
     return {"edges": [float(e) for e in edges[::factor]], "counts": [int(c) for c in folded]}
 
 
-def range_section(tables: Mapping[str, Any]) -> tuple[dict, list[dict]]:
-    """The report's `ranges` object and the range claims, from the range tables by variant (or layer key)."""
-    from .. import rangereport
+def range_section(tables: Mapping[str, Any], meta: Mapping[str, Any]) -> tuple[dict, list[dict]]:
+    """The report's `ranges` object and the range claims, from the range tables by variant (or layer key);
+    `meta` says where the tokens came from and the synthetic weights' seed."""
+    from .. import ranges as R
+    from ..report.ranges import range_report_markdown
 
     variants = {}
     for v, table in tables.items():
@@ -51,11 +53,11 @@ def range_section(tables: Mapping[str, Any]) -> tuple[dict, list[dict]]:
             "n_tokens": table.n_tokens,
         }
     section: dict[str, Any] = {"status": "ok", "reason": None, "variants": variants, "findings": [], "markdown": None}
-    section["findings"] = [f["text"] if isinstance(f, dict) else str(f) for f in rangereport.findings(tables)]
+    section["findings"] = [f["text"] if isinstance(f, dict) else str(f) for f in R.findings(tables)]
     claims = [{"claim": str(c["claim"]), "status": str(c["status"]), "figure": str(c.get("detail", "")),
-               "source": str(c.get("source", "ffnquant.rangereport"))} for c in rangereport.claims(tables)]
+               "source": str(c.get("source", "ffnquant.ranges"))} for c in R.claims(tables)]
     # The range report's full Markdown (per-site tables, weights), nested under the report's own section.
-    section["markdown"] = rangereport.range_report_markdown(tables, heading_level=3)
+    section["markdown"] = range_report_markdown(tables, meta, heading_level=3)
     return section, claims
 
 

@@ -105,7 +105,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
             artifacts += model_part.artifacts
             ort_baselines += model_part.baselines
 
-        ranges, claims = F.range_section(tables)
+        ranges, claims = F.range_section(tables, {"seed": config.seed, "source_label": source.label})
 
         # --- latency ------------------------------------------------------------------------------
         t0 = time.perf_counter()

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..errors import FFNQuantError
 from ..recipe import Recipe
 from ..render import display_path
 from .config import RunConfig

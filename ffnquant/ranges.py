@@ -1,29 +1,19 @@
-"""The range report: profile every variant, state findings in plain words, check the seeds' claims.
+"""What the range tables say: profile every variant, state findings in plain words, check the seeds' claims.
 
-Everything here is derived from measured RangeTables; no outcome is hard-coded. The report is
-rendered fully in memory (JSON, Markdown, PNG plots) and validated before any file is written,
-then each file is written atomically.
+Everything here is derived from measured RangeTables; no outcome is hard-coded. The range report that
+renders these (JSON, Markdown, plots) is `ffnquant.report.ranges`.
 """
 
 from __future__ import annotations
 
 import enum
-import io
-import json
-import os
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .atomic import ensure_writable_dir, write_bytes, write_text
 from .errors import FFNQuantError
 from .observe import DEFAULT_BINS, RangeTable, profile_spec
-from .render import markdown_table
 from .spec import SITES, Activation, FFNSpec, Variant
 
 __all__ = [
-    "SCHEMA",
-    "SCHEMA_VERSION",
-    "REPORT_FILES",
     "OUTLIER_K",
     "RELU_HALF_ZERO_BAND",
     "FFN_SHARE_BAND",
@@ -32,20 +22,8 @@ __all__ = [
     "profile_variants",
     "findings",
     "claims",
-    "range_report_dict",
-    "range_report_markdown",
-    "render_plots",
-    "write_range_report",
 ]
 
-SCHEMA = "ffnquant.ranges"
-SCHEMA_VERSION = 1
-REPORT_FILES = {
-    "json": "ranges.json",
-    "markdown": "ranges.md",
-    "hidden_histogram": "ranges_hidden_hist.png",
-    "crest_kurtosis": "ranges_crest_kurtosis.png",
-}
 # "Outlier channel": absmax above this many times the median channel absmax.
 OUTLIER_K = 6.0
 # "About half" of ReLU units zero: accepted band for the zero fraction.
@@ -114,7 +92,7 @@ def _ranked(values: Mapping[str, float]) -> list[tuple[str, float]]:
     return sorted(values.items(), key=lambda kv: kv[1], reverse=True)
 
 
-def _pct(x: float) -> str:
+def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
@@ -175,18 +153,18 @@ def findings(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
         sparse = {v: z for v, z in zeros.items() if z > _SPARSE_ZERO_FRACTION}
         others = {v: z for v, z in zeros.items() if v not in sparse}
         if sparse:
-            text = "Sparse `hidden`: " + ", ".join(f"{v} {_pct(z)}" for v, z in _ranked(sparse)) + " of values exactly zero"
+            text = "Sparse `hidden`: " + ", ".join(f"{v} {pct(z)}" for v, z in _ranked(sparse)) + " of values exactly zero"
             relu_like = [v for v in sparse if _uses_relu(tables[v])]
             if relu_like and len(relu_like) == len(sparse):
                 text += " (the ReLU-gated variants)"
             text += "."
             if others:
                 top = max(others.values())
-                text += f" The other variants have at most {_pct(top)} exact zeros, so an int8 grid spends no codes on a zero spike there."
+                text += f" The other variants have at most {pct(top)} exact zeros, so an int8 grid spends no codes on a zero spike there."
             else:
                 text += " Every profiled variant is sparse."
         else:
-            text = f"No variant has more than {_pct(_SPARSE_ZERO_FRACTION)} exact zeros in `hidden` (largest {_pct(max(zeros.values()))})."
+            text = f"No variant has more than {pct(_SPARSE_ZERO_FRACTION)} exact zeros in `hidden` (largest {pct(max(zeros.values()))})."
         out.append({"id": "relu_sparsity", "text": text, "figures": {"zero_fraction": zeros}})
 
     dead = {v: t["hidden"].dead_units for v, t in tables.items() if "hidden" in t}
@@ -276,7 +254,7 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
             _claim(
                 "relu_half_zero", claim, src,
                 ClaimStatus.CONFIRMED if ok else ClaimStatus.CONTRADICTED,
-                f"measured {_pct(z)} of relu `hidden` values exactly zero ({'inside' if ok else 'outside'} the {_pct(lo)}-{_pct(hi)} band)",
+                f"measured {pct(z)} of relu `hidden` values exactly zero ({'inside' if ok else 'outside'} the {pct(lo)}-{pct(hi)} band)",
                 {"zero_fraction": z, "band": [lo, hi]},
             )
         )
@@ -332,8 +310,8 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
         inside = [lo <= z <= hi for z in trained_relu.values()]
         status = _verdict(inside)
         out.append(_claim("trained_relu_sparsity", claim, src, status,
-                          "exact zeros in `hidden`: " + ", ".join(f"{k} {_pct(z)}" for k, z in trained_relu.items())
-                          + f" (band {_pct(lo)}-{_pct(hi)})", {"zero_fraction": trained_relu, "band": [lo, hi]}))
+                          "exact zeros in `hidden`: " + ", ".join(f"{k} {pct(z)}" for k, z in trained_relu.items())
+                          + f" (band {pct(lo)}-{pct(hi)})", {"zero_fraction": trained_relu, "band": [lo, hi]}))
     else:
         out.append(_claim("trained_relu_sparsity", claim, src, ClaimStatus.NOT_MEASURED,
                           "needs a trained ReLU model's layers (--model with an opt or t5 checkpoint)", {}))
@@ -353,8 +331,8 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
         out.append(
             _claim(
                 "ffn_two_thirds", claim, src, status,
-                "FFN share of block parameters: " + ", ".join(f"{v} {_pct(s)}" for v, s in shares.items())
-                + f" (band {_pct(lo)}-{_pct(hi)}; attention counted as 4 d^2 projections)",
+                "FFN share of block parameters: " + ", ".join(f"{v} {pct(s)}" for v, s in shares.items())
+                + f" (band {pct(lo)}-{pct(hi)}; attention counted as 4 d^2 projections)",
                 {"ffn_share": shares, "band": [lo, hi]},
             )
         )
@@ -364,189 +342,3 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
 # =====================================================================================
 # Rendering
 # =====================================================================================
-
-
-def _check_tables(tables: Mapping[str, RangeTable]) -> None:
-    if not tables:
-        raise FFNQuantError("no range tables to report")
-    for v, t in tables.items():
-        if not isinstance(t, RangeTable):
-            raise FFNQuantError(f"range report entry {v!r} is a {type(t).__name__}, not a RangeTable")
-        if t.n_tokens <= 0 or not t.sites:
-            raise FFNQuantError(f"range table for {v!r} holds no observations")
-
-
-def range_report_dict(tables: Mapping[str, RangeTable], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ranges.json content: schema, environment, meta, per-variant summaries, findings, claims,
-    and the full mergeable state of every table (reload with `RangeTable.from_dict`)."""
-    from .envinfo import environment
-
-    _check_tables(tables)
-    return {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "environment": environment(),
-        "meta": dict(meta or {}),
-        "variants": {v: t.summary() for v, t in tables.items()},
-        "findings": findings(tables),
-        "claims": claims(tables),
-        "plots": {k: REPORT_FILES[k] for k in ("hidden_histogram", "crest_kurtosis")},
-        "tables": {v: t.to_dict() for v, t in tables.items()},
-    }
-
-
-def _site_rows(tables: Mapping[str, RangeTable], site: str) -> list[list[Any]]:
-    rows = []
-    for v, t in tables.items():
-        if site not in t:
-            continue
-        o = t[site]
-        rows.append(
-            [v, o.absmax, o.std, o.crest_factor, o.kurtosis, o.abs_percentile(99.99), _pct(o.zero_fraction),
-             o.dead_units, o.outlier_channels(OUTLIER_K)]
-        )
-    return rows
-
-
-def range_report_markdown(
-    tables: Mapping[str, RangeTable],
-    meta: Mapping[str, Any] | None = None,
-    plots: Mapping[str, str] | None = None,
-    heading_level: int = 1,
-) -> str:
-    """The Markdown body (embeddable: pass `heading_level=2` to nest it under another report)."""
-    _check_tables(tables)
-    h = "#" * heading_level
-    meta = dict(meta or {})
-    lines = [f"{h} FFN activation ranges", ""]
-    first = next(iter(tables.values()))
-    d_model = first.spec.d_model if first.spec else "?"
-    lines.append(
-        f"{len(tables)} variant(s) at d_model {d_model}, {first.n_tokens:,} tokens from "
-        f"{meta.get('source_label', first.meta.get('source_label', 'the given batches'))}, "
-        f"weight seed {meta.get('seed', first.meta.get('weight_seed', '?'))}, "
-        f"{first[next(iter(first.sites))].histogram.n_bins} histogram bins. "
-        "Crest factor = absmax/std; kurtosis is Pearson's (3 for a Gaussian); percentiles are of |x|; "
-        f"outlier channels have absmax above {OUTLIER_K:g}x the median channel's."
-    )
-    lines += ["", f"{h}# Findings", ""]
-    lines += [f"- {f['text']}" for f in findings(tables)]
-    lines += ["", f"{h}# Seed claims checked", ""]
-    lines.append(
-        markdown_table(["claim", "status", "measured"], [[c["claim"], c["status"], c["detail"]] for c in claims(tables)])
-    )
-    if plots:
-        lines += ["", f"{h}# Plots", ""]
-        titles = {"hidden_histogram": "`hidden` histograms", "crest_kurtosis": "crest factor and kurtosis per site"}
-        lines += [f"![{titles.get(k, k)}]({p})" for k, p in plots.items()]
-    lines += ["", f"{h}# Per-site statistics", ""]
-    headers = ["variant", "absmax", "std", "crest", "kurtosis", "p99.99 |x|", "zeros", "dead units", f"outlier ch. (>{OUTLIER_K:g}x)"]
-    for site in SITES:
-        rows = _site_rows(tables, site)
-        if rows:
-            lines += [f"**`{site}`**", "", markdown_table(headers, rows), ""]
-    lines += [f"{h}# Weights", ""]
-    rows = []
-    for v, t in tables.items():
-        for name, st in t.weights.items():
-            med = st.get("channel_absmax_median")
-            mx = st.get("channel_absmax_max")
-            rows.append([v, name, "x".join(map(str, st["shape"])), st["absmax"], st["std"], st["crest_factor"], st["kurtosis"],
-                         (mx / med) if med else None])
-    if rows:
-        lines.append(markdown_table(["variant", "weight", "shape", "absmax", "std", "crest", "kurtosis", "max/median row absmax"], rows))
-    else:
-        lines.append("No weight statistics were collected.")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def render_plots(tables: Mapping[str, RangeTable]) -> dict[str, bytes]:
-    """PNG bytes: 'hidden_histogram' (log-scale `hidden` histograms, raw and in units of std) and
-    'crest_kurtosis' (per variant and site)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    _check_tables(tables)
-    out: dict[str, bytes] = {}
-    cmap = plt.get_cmap("tab10")
-    colours = {v: cmap(i % 10) for i, v in enumerate(tables)}
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    for v, t in tables.items():
-        if "hidden" not in t or t["hidden"].n == 0:
-            continue
-        o = t["hidden"]
-        hist = o.histogram
-        width = hist.bin_width
-        counts = hist.counts.astype(float)
-        keep = counts > 0
-        density = counts / (counts.sum() * width)
-        centres = hist.centers
-        axes[0].plot(centres[keep], density[keep], lw=1, label=v, color=colours[v])
-        std = o.std or 1.0
-        axes[1].plot(centres[keep] / std, density[keep] * std, lw=1, label=v, color=colours[v])
-    axes[0].set(title="`hidden` histogram", xlabel="value", ylabel="density (log)", yscale="log")
-    axes[1].set(title="`hidden` in units of its std", xlabel="value / std", ylabel="density (log)", yscale="log")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    out["hidden_histogram"] = _png(fig)
-
-    sites = [s for s in SITES if any(s in t for t in tables.values())]
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(sites) * max(1, len(tables)) / 3), 7.5), sharex=True)
-    n = len(tables)
-    width = 0.8 / n
-    x = np.arange(len(sites))
-    for i, (v, t) in enumerate(tables.items()):
-        crest = [t[s].crest_factor if s in t else np.nan for s in sites]
-        kurt = [t[s].kurtosis if s in t else np.nan for s in sites]
-        axes[0].bar(x + (i - (n - 1) / 2) * width, crest, width, label=v, color=colours[v])
-        axes[1].bar(x + (i - (n - 1) / 2) * width, kurt, width, label=v, color=colours[v])
-    axes[0].set(title="crest factor (absmax / std) per site", ylabel="crest factor")
-    axes[1].set(title="kurtosis per site (3 = Gaussian)", ylabel="kurtosis (log)", yscale="log")
-    axes[1].axhline(3.0, color="grey", lw=0.8, ls="--")
-    axes[1].set_xticks(x, sites)
-    axes[0].legend(fontsize=8, ncol=min(n, 5))
-    for ax in axes:
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    out["crest_kurtosis"] = _png(fig)
-    return out
-
-
-def _png(fig) -> bytes:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def write_range_report(
-    tables: Mapping[str, RangeTable], out_dir: str | os.PathLike, meta: Mapping[str, Any] | None = None
-) -> dict[str, Path]:
-    """Write ranges.json, ranges.md and the two PNG plots into `out_dir`; returns their paths.
-
-    Everything is rendered and validated in memory first (JSON without NaN, plots drawn), so
-    a failure leaves no file behind; each file is then written atomically.
-    """
-    _check_tables(tables)
-    data = range_report_dict(tables, meta)
-    try:
-        text = json.dumps(data, indent=1, sort_keys=True, allow_nan=False, default=str) + "\n"
-    except ValueError as exc:
-        raise FFNQuantError(f"range report has a non-finite number: {exc}") from exc
-    plots = render_plots(tables)
-    markdown = range_report_markdown(tables, meta, plots={k: REPORT_FILES[k] for k in plots})
-    folder = ensure_writable_dir(out_dir)
-    paths = {}
-    for key, blob in plots.items():
-        paths[key] = write_bytes(folder / REPORT_FILES[key], blob)
-    paths["json"] = write_text(folder / REPORT_FILES["json"], text)
-    paths["markdown"] = write_text(folder / REPORT_FILES["markdown"], markdown)
-    return paths

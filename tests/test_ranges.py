@@ -13,15 +13,8 @@ from ffnquant.cli import main
 from ffnquant.data import TokenSource
 from ffnquant.errors import FFNQuantError
 from ffnquant.observe import RangeTable, TensorObserver
-from ffnquant.rangereport import (
-    REPORT_FILES,
-    SCHEMA_VERSION,
-    claims,
-    findings,
-    profile_variants,
-    range_report_markdown,
-    write_range_report,
-)
+from ffnquant.ranges import claims, findings, profile_variants
+from ffnquant.report.ranges import REPORT_FILES, SCHEMA_VERSION, range_report_markdown, write_range_report
 
 D = 32
 
@@ -150,3 +143,12 @@ def test_cli_profile_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, extr
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_header_names_the_weights_it_knows_and_never_prints_a_question_mark(tables):
+    """Tables from a run carry no weight seed; a real model's layers have trained weights: say what is known."""
+    assert "?" not in range_report_markdown(tables).split("\n")[2]
+    assert "random weights of seed 5" in range_report_markdown(tables, {"seed": 5})
+    layers = {"llama:L0": tables["swiglu"], "llama:L1": tables["swiglu"]}
+    header = range_report_markdown(layers).split("\n")[2]
+    assert "2 model layer(s)" in header and "trained weights" in header and "weights of seed" not in header and "?" not in header
