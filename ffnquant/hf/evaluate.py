@@ -2,8 +2,9 @@
 
 Calibration streams each captured batch through the layer's ffnquant FFN with observers on
 every site (issue 3's `observe.profile`, merged batch by batch), so memory is one batch.
-Evaluation puts the quantized FFNs (issue 4's `quantize_model`, torch reference numerics)
-back into the transformers model and measures what its user notices: perplexity on the
+`quantize_layers` is the one way layers are quantized (each exactly as a synthetic variant:
+`quantize.quantize_recipes` on the layer's captured inputs, `hf.inputs`). Evaluation puts the
+quantized FFNs (torch reference numerics) back into the transformers model and measures what its user notices: perplexity on the
 evaluation text for causal LMs, SQNR and cosine of the final hidden states for every kind
 (the only end-to-end measure for encoders and encoder-decoders), next to each layer's own
 output SQNR on the same captured inputs, and, per layer, the end-to-end cost of quantizing
@@ -14,9 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -29,6 +28,9 @@ from .capture import (
     shift_right,
 )
 from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers
+from .inputs import (  # re-exported: hf.evaluate is where they were
+    EvalSettings, LayerInputs, capture_layer_inputs, file_inputs, fit_settings, model_file_stem,
+)
 
 __all__ = [
     "EvalSettings",
@@ -48,29 +50,6 @@ __all__ = [
 ]
 
 SQNR_CAP_DB = 200.0  # as ffnquant.accuracy: identical outputs read as 200 dB, not +inf
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """Token budget and batching of a model evaluation. Frozen and validated."""
-
-    seq_len: int = 128
-    batch_size: int = 4
-    max_calib_tokens: int = 4096
-    max_eval_tokens: int = 4096
-    bins: int = 2048
-    ablation: bool = True  # per-layer end-to-end cost: one extra model run per layer, scheme and batch
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size", "max_calib_tokens", "max_eval_tokens", "bins"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise FFNQuantError(f"{name} must be a positive integer, got {value!r}")
-        if self.seq_len < 2:
-            raise FFNQuantError(f"seq_len must be at least 2, got {self.seq_len}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class ErrorStats:
@@ -228,7 +207,7 @@ def evaluate_layers_from_files(
     info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
     hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
     recipes = _recipes(schemes, calibrator)
-    inputs = _file_inputs(info, hf_layers, calib_captured, eval_captured)
+    inputs = file_inputs(info, hf_layers, calib_captured, eval_captured)
     by_label = {layer.label: layer for layer in hf_layers}
     results, skipped = [], []
     for recipe, qffns in _quantized_per_recipe(hf_layers, info, recipes, inputs, bins, skipped):
@@ -265,30 +244,10 @@ def _recipes(schemes: Sequence[Any], calibrator: str | None) -> list[Any]:
     return out
 
 
-def _file_inputs(info: ModelInfo, layers: Sequence[HFLayer], calib_captured, eval_captured) -> "LayerInputs":
-    """Every row of each layer's calibration and evaluation files; an expert the router sent no rows gets its
-    layer's other experts' rows (recorded in `calib_borrowed` / `borrowed`)."""
-    d, labels = info.spec.d_model, [layer.label for layer in layers]
-    calib = _concat_rows(iter_captured_files(calib_captured, labels, d), labels, None)
-    evals = _concat_rows(iter_captured_files(eval_captured, labels, d), labels, None)
-    calib_borrowed: dict[str, str] = {}
-    borrowed: dict[str, str] = {}
-    _fill_unrouted(layers, calib, "calibration", calib_borrowed)
-    for layer in layers:
-        if evals[layer.label].shape[0] == 0 and not any(
-                evals[o.label].shape[0] for o in layers if o.index == layer.index):
-            # no evaluation rows in the whole layer: the rows report no tokens (SQNR None, from the files
-            # streamed), and quantize_spec's own held-out figure, not reported, is taken on the calibration rows
-            evals[layer.label] = calib[layer.label]
-    _fill_unrouted(layers, evals, "evaluation", borrowed)
-    return LayerInputs(calib, evals, f"captured {calib_captured}", f"captured {eval_captured}",
-                       "separate files", {**calib_borrowed, **borrowed}, calib_borrowed=calib_borrowed)
-
-
 def quantize_layers(
     layers: Sequence[HFLayer],
     recipes: Sequence[Any],
-    inputs: "LayerInputs",
+    inputs: LayerInputs,
     *,
     file_stem: str | None = None,
     collect_errors: bool = False,
@@ -443,142 +402,6 @@ def end_to_end(
     else:
         worst = _worst(ablation, "hidden_sqnr_db", reverse=False)
     return {"baseline": baseline, "end_to_end": e2e, "ablation": ablation, "worst_layers_end_to_end": worst}
-
-
-@dataclass
-class LayerInputs:
-    """Each selected FFN's calibration and held-out evaluation inputs ([tokens, d_model], by layer label).
-
-    `eval_batches` are the evaluation text's token ids and `model` the loaded transformers model
-    (both None when the inputs came from captured files: no end-to-end numbers then); `borrowed`
-    names the experts the router never chose, which get their layer's other experts' inputs
-    (`calib_borrowed`: those among them whose calibration inputs are borrowed).
-    """
-
-    calib: dict[str, torch.Tensor]
-    eval: dict[str, torch.Tensor]
-    calibration_source: str
-    evaluation_source: str
-    separation: str
-    borrowed: dict[str, str]
-    eval_batches: list[torch.Tensor] | None = None
-    model: Any = None
-    calib_borrowed: dict[str, str] = field(default_factory=dict)  # the labels whose CALIBRATION inputs are borrowed
-    calib_batches: list[torch.Tensor] | None = None  # the calibration text's token ids (None from captured files)
-
-
-def fit_settings(info: ModelInfo, settings: EvalSettings) -> EvalSettings:
-    """`settings` with seq_len no longer than the model's learned positions (config.json's
-    max_position_embeddings / n_positions), so windows never index past the position table."""
-    limits = [info.config.get(k) for k in ("max_position_embeddings", "n_positions")]
-    limits = [int(v) for v in limits if isinstance(v, int) and not isinstance(v, bool) and v >= 2]
-    if limits and settings.seq_len > min(limits):
-        from dataclasses import replace
-
-        return replace(settings, seq_len=min(limits))
-    return settings
-
-
-def _concat_rows(pieces: Iterable[tuple[str, torch.Tensor]], labels: Sequence[str], limit: int | None,
-                 skip: int = 0) -> dict[str, torch.Tensor]:
-    """Per label, rows skip..skip+limit of the concatenated pieces (one label's rows in arrival order)."""
-    got: dict[str, list[torch.Tensor]] = {label: [] for label in labels}
-    seen = {label: 0 for label in labels}
-    for label, x in pieces:
-        if label not in got:
-            continue
-        start, stop = seen[label], seen[label] + x.shape[0]
-        seen[label] = stop
-        lo = max(skip - start, 0)
-        hi = x.shape[0] if limit is None else min(x.shape[0], skip + limit - start)
-        if hi > lo:
-            got[label].append(x[lo:hi])
-    return {label: torch.cat(xs) if xs else torch.zeros(0, 0) for label, xs in got.items()}
-
-
-def _fill_unrouted(layers: Sequence[HFLayer], inputs: dict[str, torch.Tensor], what: str,
-                   borrowed: dict[str, str]) -> None:
-    for layer in layers:
-        if inputs[layer.label].shape[0]:
-            continue
-        siblings = [inputs[o.label] for o in layers if o.index == layer.index and inputs[o.label].shape[0]]
-        if not siblings:
-            raise FFNQuantError(f"layer {layer.label} ({layer.name}) received no {what} tokens")
-        inputs[layer.label] = torch.cat(siblings)
-        borrowed[layer.label] = f"the router sent it no {what} tokens: its layer's other experts' inputs are used"
-
-
-def capture_layer_inputs(
-    info: ModelInfo,
-    layers: Sequence[HFLayer],
-    text: str | os.PathLike | None = None,
-    eval_text: str | os.PathLike | None = None,
-    captured: str | os.PathLike | None = None,
-    calib_tokens: int = 4096,
-    eval_tokens: int = 2048,
-    settings: EvalSettings = EvalSettings(),
-    allow_pickle: bool = False,
-) -> LayerInputs:
-    """Calibration and held-out inputs of each FFN in `layers`, for quantizing them one by one.
-
-    From the model itself (needs transformers): its own tokenizer on `text` (calibration, default the
-    shipped sample) and on `eval_text` (evaluation, a different book by default), each FFN's input
-    captured through forward hooks. From `captured` files instead (no transformers): the first
-    `calib_tokens` rows of each layer's file calibrate, the next `eval_tokens` rows evaluate.
-    """
-    labels = [layer.label for layer in layers]
-    borrowed: dict[str, str] = {}
-    if captured is not None:
-        d = info.spec.d_model
-        calib = _concat_rows(iter_captured_files(captured, labels, d), labels, calib_tokens)
-        evals = _concat_rows(iter_captured_files(captured, labels, d), labels, eval_tokens, skip=calib_tokens)
-        for label in labels:
-            if evals[label].shape[0] == 0:
-                raise FFNQuantError(
-                    f"captured activations of layer {label} in {str(captured)!r} have {calib[label].shape[0]} rows: "
-                    f"none is left for evaluation after the {calib_tokens} calibration rows")
-        return LayerInputs(calib, evals, f"captured {captured}", f"captured {captured}",
-                           f"rows {calib_tokens + 1} onwards of each captured file (the first {calib_tokens} calibrate)",
-                           borrowed)
-    tokenizer = load_tokenizer(info.path)
-    layer_infos = [layer.info for layer in layers]
-    settings = fit_settings(info, settings)
-    # tokenized (and the ids checked against config.json) before the model is loaded
-    calib_ids = model_text_batches(info, tokenizer, text, "calibration", settings.seq_len, settings.batch_size,
-                                   calib_tokens)
-    eval_ids = model_text_batches(info, tokenizer, eval_text, "evaluation", settings.seq_len, settings.batch_size,
-                                  eval_tokens)
-    model = load_hf_model(info, allow_pickle=allow_pickle)
-
-    def pieces(batches):
-        for batch in iter_captured(model, info, layer_infos, batches):
-            yield from batch.items()
-
-    calib = _concat_rows(pieces(calib_ids), labels, None)
-    evals = _concat_rows(pieces(eval_ids), labels, None)
-    calib_borrowed: dict[str, str] = {}
-    _fill_unrouted(layers, calib, "calibration", calib_borrowed)
-    _fill_unrouted(layers, evals, "evaluation", borrowed)
-    borrowed = {**calib_borrowed, **borrowed}
-    cal_name = str(text) if text is not None else "ffnquant/data/calibration.txt"
-    ev_name = str(eval_text) if eval_text is not None else "ffnquant/data/evaluation.txt"
-    return LayerInputs(calib, evals, cal_name, ev_name,
-                       "different texts: calibration inputs from " + cal_name + ", held-out inputs from " + ev_name,
-                       borrowed, eval_ids, model, calib_borrowed=calib_borrowed, calib_batches=calib_ids)
-
-
-_GENERIC_FOLDERS = frozenset({"model", "models", "checkpoint", "weights", "hf", "snapshot"})
-
-
-def model_file_stem(info: ModelInfo) -> str:
-    """A file-name-safe name of a model folder: '<model_type>-<folder>' (e.g. 'bert-all-MiniLM-L6-v2');
-    a generic folder name ('model', a snapshot hash) is replaced by its parent's."""
-    folder = info.path.resolve()
-    name = folder.name
-    if name.lower() in _GENERIC_FOLDERS or re.fullmatch(r"[0-9a-f]{40}", name):
-        name = folder.parent.name or name
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")
-    return info.model_type if not name or name == info.model_type else f"{info.model_type}-{name}"
 
 
 def quantize_model_layers(

@@ -1,0 +1,327 @@
+"""Reference numerics in torch: an FFN with fake-quantized weights and matmul-input activations.
+
+`quantize_model(model, scheme, ranges)` copies the model, replaces each weight by its
+quantize-dequantize image under the scheme, and puts forward hooks on the `input` and
+`hidden` taps (what the matmuls read) that fake-quantize the activations: with a static
+range per site chosen by a calibrator from the RangeTable's histograms, or per token at run
+time. The result records the range and qparams every site got. nf4/fp4 go through
+bitsandbytes itself; HQQ through onnxruntime's copy of the HQQ routine; GPTQ needs the
+input Hessians (`input_hessians`). The end-to-end measurement (calibrate, quantize under a
+Recipe, ONNX artifact, accuracy) builds on this in `ffnquant.quantize`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from . import primitives as P
+from .calibrate import Grid, calibrate_range, histogram_of, parse_calibrator
+from .errors import FFNQuantError
+from .model import FFN
+from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType, check_scheme_fits, get_scheme
+
+if TYPE_CHECKING:  # annotations only: ffnquant.quantize builds on this module, not the other way
+    from .quantize import Prepared
+    from .recipe import Recipe
+
+__all__ = [
+    "ACT_SITES",
+    "WEIGHT_INPUT_SITE",
+    "SiteRange",
+    "QuantizedFFN",
+    "quantize_weight",
+    "site_ranges",
+    "input_hessians",
+    "quantize_model",
+    "search_calibrators",
+]
+
+# The activations that feed a matmul, and which weight reads which.
+ACT_SITES = ("input", "hidden")
+WEIGHT_INPUT_SITE = {"w_up": "input", "w_gate": "input", "w_down": "hidden"}
+
+
+@dataclass(frozen=True)
+class SiteRange:
+    """The static range one activation site got: calibrated [lo, hi], the qparams derived from it, and who chose it."""
+
+    site: str
+    lo: float
+    hi: float
+    scale: float
+    zero_point: int
+    qmin: int
+    qmax: int
+    dtype: str
+    calibrator: str
+    expected_mse: float
+    observed_min: float
+    observed_max: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _act_grid(scheme: Scheme) -> Grid:
+    return Grid.for_act(scheme.act_dtype, bool(scheme.act_symmetric))
+
+
+def site_ranges(
+    ranges: Any, scheme: Scheme, calibrator: str | Mapping[str, str] | None = None, sites: Sequence[str] = ACT_SITES
+) -> dict[str, SiteRange]:
+    """Calibrated static ranges of `sites` from a RangeTable (anything indexable by site giving observers/histograms).
+
+    `calibrator`: one name for every site, or {site: name}; None takes the scheme's.
+    """
+    if ranges is None:
+        raise FFNQuantError(f"scheme {scheme.name!r} has static activations: calibration ranges are required")
+    grid = _act_grid(scheme)
+    out: dict[str, SiteRange] = {}
+    for site in sites:
+        name = calibrator.get(site) if isinstance(calibrator, Mapping) else calibrator
+        cal = parse_calibrator(name or scheme.calibrator)
+        try:
+            obs = ranges[site]
+        except (KeyError, FFNQuantError):
+            raise FFNQuantError(f"the range table has no site {site!r}; profile the model's {', '.join(sites)}") from None
+        h = histogram_of(obs)
+        lo, hi, used, err = calibrate_range(h, grid, cal)
+        if grid.kind == "int":
+            scale, zp = P.choose_qparams(lo, hi, grid.qmin, grid.qmax, grid.symmetric)
+            scale_f, zp_i, qmin, qmax = float(scale), int(zp), grid.qmin, grid.qmax
+        else:
+            amax = max(abs(lo), abs(hi))
+            scale_f, zp_i, qmin, qmax = (amax / P.FP8_E4M3_MAX if amax > 0 else 1.0), 0, 0, 0
+        out[site] = SiteRange(site, lo, hi, scale_f, zp_i, qmin, qmax, scheme.act_dtype.value, used, err, h.lo, h.hi)
+    return out
+
+
+def quantize_weight(w: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> torch.Tensor:
+    """The quantize-dequantize image of one [out, in] weight under `scheme` (float32)."""
+    wd, gran = scheme.weight_dtype, scheme.weight_granularity
+    w = w.detach().float()
+    if wd is WeightDType.FP32:
+        return w.clone()
+    if wd is WeightDType.FP16:
+        return w.half().float()
+    if wd is WeightDType.FP8_E4M3:
+        return P.fp8_weight_fake(w, gran.value)
+    if wd in (WeightDType.NF4, WeightDType.FP4):
+        return P.bnb_4bit_fake(w, wd.value, scheme.group_size)
+    bits = 8 if wd is WeightDType.INT8 else 4
+    if scheme.method is Method.GPTQ:
+        if hessian is None:
+            raise FFNQuantError(f"scheme {scheme.name!r} (gptq) needs calibration data for the input Hessians")
+        if bits != 4:
+            raise FFNQuantError("gptq is implemented for int4 group-wise weights")
+        g = scheme.group_size if gran is Granularity.PER_GROUP else w.shape[1]
+        return P.gptq_int4(w, hessian, g, scheme.weight_symmetric)
+    if scheme.method is Method.HQQ:
+        g = scheme.group_size if gran is Granularity.PER_GROUP else w.shape[1]
+        return P.hqq_int4(w, g)
+    if bits == 4 and gran is not Granularity.PER_TENSOR:
+        # MatMulNBits' grid (per-channel = one group spanning the whole input)
+        g = scheme.group_size if gran is Granularity.PER_GROUP else w.shape[1]
+        q, scale, zp = P.int4_group_rtn(w, g, scheme.weight_symmetric)
+        return P.int4_group_dequantize(q, scale, zp)
+    return P.fake_quantize_weight(w, gran.value, bits, scheme.weight_symmetric, scheme.group_size)
+
+
+def _act_fn(scheme: Scheme, rng: SiteRange | None):
+    """The activation fake-quantizer of one site under `scheme`."""
+    ad = scheme.act_dtype
+    if ad is ActDType.FP16:
+        return lambda x: x.half().to(x.dtype)
+    if scheme.act_mode is ActMode.DYNAMIC:
+        if ad is ActDType.FP8_E4M3:
+            return P.fp8_per_token_fake
+        signed = ad is ActDType.INT8
+        return lambda x: P.fake_quantize_per_token(x, 8, signed, bool(scheme.act_symmetric))
+    assert rng is not None
+    if ad is ActDType.FP8_E4M3:
+        return lambda x: P.fp8_e4m3_fake(x, rng.scale)
+    scale = torch.tensor(rng.scale, dtype=torch.float32)
+    zp = torch.tensor(rng.zero_point, dtype=torch.int32)
+    return lambda x: P.fake_quantize(x, scale, zp, rng.qmin, rng.qmax)
+
+
+class QuantizedFFN(nn.Module):
+    """A fake-quantized copy of an FFN: quantized weights in `model`, activation hooks on its taps.
+
+    `ranges` holds the static range each activation site got (empty for dynamic or weight-only
+    schemes); `quantized_weights` / `quantized_sites` say what is quantized (a subset for
+    per-site sensitivity); `remedies` the records of remedies applied to the model before.
+    `recipe` is the Recipe it was quantized under and `prepared` the `Prepared` calibration it came
+    from (its float reference, tokens and GPTQ Hessians), when known: `quantize_spec` sets the recipe,
+    the Python API (`ffnquant.quantize`) both, so that `export_onnx` and `evaluate` need nothing else.
+    """
+
+    recipe: Recipe | None = None
+    prepared: "Prepared | None" = None
+
+    def __init__(
+        self,
+        model: FFN,
+        scheme: Scheme,
+        ranges: Mapping[str, SiteRange],
+        quantized_weights: Sequence[str],
+        quantized_sites: Sequence[str],
+        remedies: Sequence[Any] = (),
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.scheme = scheme
+        self.ranges = dict(ranges)
+        self.quantized_weights = tuple(quantized_weights)
+        self.quantized_sites = tuple(quantized_sites)
+        self.remedies = list(remedies)
+        self._handles = []
+        for site in self.quantized_sites:
+            fn = _act_fn(scheme, self.ranges.get(site))
+            self._handles.append(model.taps[site].register_forward_hook(lambda mod, inp, out, fn=fn: fn(out)))
+
+    @property
+    def spec(self):
+        return self.model.spec
+
+    @staticmethod
+    def input_site(weight: str) -> str:
+        """The activation site a weight's matmul reads ('input' or 'hidden')."""
+        return WEIGHT_INPUT_SITE[weight]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def remove_hooks(self) -> None:
+        """Detach the activation fake-quantizers (the weights stay quantized)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "scheme": self.scheme.to_dict(),
+            "quantized_weights": list(self.quantized_weights),
+            "quantized_sites": list(self.quantized_sites),
+            "ranges": {s: r.to_dict() for s, r in self.ranges.items()},
+            "remedies": [r.to_dict() for r in self.remedies],
+        }
+
+
+def input_hessians(model: FFN, batches: Iterable[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPTQ's H = sum X^T X of each matmul's input ([d, d] for input, [f, f] for hidden), float64, by weight name.
+
+    Accumulated batch by batch through hooks on the taps: memory is the two matrices, not the activations.
+    """
+    acc: dict[str, torch.Tensor] = {}
+
+    def hook(site):
+        def fn(mod, inp, out):
+            x = out.detach().reshape(-1, out.shape[-1]).double()
+            acc[site] = acc.get(site, 0) + x.T @ x
+
+        return fn
+
+    handles = [model.taps[s].register_forward_hook(hook(s)) for s in ACT_SITES]
+    try:
+        with torch.no_grad():
+            for b in batches:
+                model(b)
+    finally:
+        for h in handles:
+            h.remove()
+    if not acc:
+        raise FFNQuantError("no calibration batches: cannot build the GPTQ Hessians")
+    return {w: acc[site] for w, site in WEIGHT_INPUT_SITE.items() if w in model.spec.weight_names}
+
+
+def quantize_model(
+    model: FFN,
+    scheme: Scheme | str,
+    ranges: Any = None,
+    calibrator: str | Mapping[str, str] | None = None,
+    remedies: Sequence[Any] = (),
+    weights: Sequence[str] | None = None,
+    sites: Sequence[str] | None = None,
+    hessians: Mapping[str, torch.Tensor] | None = None,
+    site_range_cache: Mapping[str, SiteRange] | None = None,
+) -> QuantizedFFN:
+    """Fake-quantize `model` under `scheme` (weights and matmul-input activations).
+
+    `ranges`: the RangeTable of THIS model (after any remedies), needed for static
+    activations; `calibrator` overrides the scheme's. `weights` / `sites` restrict what is
+    quantized (default: everything the scheme quantizes), which is how per-site sensitivity
+    is measured. `remedies`: records of remedies already applied to `model`, carried along.
+    """
+    scheme = get_scheme(scheme)
+    check_scheme_fits(scheme, model.spec)
+    all_weights = list(model.spec.weight_names) if scheme.quantizes_weights else []
+    all_sites = list(ACT_SITES) if scheme.quantizes_activations else []
+    weights = all_weights if weights is None else [w for w in weights if w in all_weights]
+    sites = all_sites if sites is None else [s for s in sites if s in all_sites]
+    rng: dict[str, SiteRange] = {}
+    if sites and scheme.static_activations:
+        if site_range_cache is not None and all(s in site_range_cache for s in sites):
+            rng = {s: site_range_cache[s] for s in sites}
+        else:
+            rng = site_ranges(ranges, scheme, calibrator, sites)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for name in weights:
+            lin = getattr(new, name)
+            h = hessians.get(name) if hessians is not None else None
+            lin.weight.copy_(quantize_weight(lin.weight, scheme, h))
+    return QuantizedFFN(new.eval(), scheme, rng, weights, sites, remedies)
+
+
+def search_calibrators(
+    model: FFN,
+    table: Any,
+    scheme: Scheme | str,
+    tokens: torch.Tensor,
+    candidates: Sequence[str] | None = None,
+    hessians: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, str]:
+    """Per site, the calibrator whose range gives the best FFN output SQNR on calibration `tokens`.
+
+    Every (input, hidden) pair of candidate ranges is tried with the weights quantized too,
+    since the two sites' errors add up at the output; activation MSE on a histogram cannot
+    see that a smoothed channel's error is amplified by its rescaled weight column.
+    """
+    from itertools import product
+
+    from .accuracy import run_batched, sqnr_db
+    from .calibrate import CANDIDATES
+
+    scheme = get_scheme(scheme)
+    if not scheme.static_activations:
+        return {}
+    names = list(candidates or CANDIDATES)
+    per_site: dict[str, dict[tuple[float, float], str]] = {}
+    ranges: dict[tuple[str, str], SiteRange] = {}
+    for site in ACT_SITES:
+        per_site[site] = {}
+        for name in names:
+            r = site_ranges(table, scheme, name, [site])[site]
+            key = (round(r.lo, 12), round(r.hi, 12))
+            if key not in per_site[site]:  # identical ranges: try once, keep the first (simplest) name
+                per_site[site][key] = r.calibrator
+                ranges[(site, r.calibrator)] = r
+    ref = run_batched(model, tokens)
+    weights_only = quantize_model(model, scheme, table, sites=[], hessians=hessians)  # weights quantized once
+    best: tuple[float, dict[str, str]] = (-float("inf"), {})
+    for combo in product(*[list(per_site[s].values()) for s in ACT_SITES]):
+        cache = {s: ranges[(s, c)] for s, c in zip(ACT_SITES, combo)}
+        q = QuantizedFFN(weights_only.model, scheme, cache, weights_only.quantized_weights, ACT_SITES)
+        try:
+            score = sqnr_db(ref, run_batched(q, tokens))
+        finally:
+            q.remove_hooks()
+        if score > best[0]:
+            best = (score, dict(zip(ACT_SITES, combo)))
+    return best[1]
