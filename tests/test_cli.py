@@ -56,3 +56,36 @@ def test_every_subcommand_has_help(command, capsys):
 def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "ffnquant", "--version"], capture_output=True, text=True, check=True)
     assert proc.stdout.startswith("ffnquant ")
+
+
+def _help_defaults():
+    """(command, option, the default its help states, the default the code uses) for every '(default X)'."""
+    import re
+
+    from ffnquant.cli import build_parser
+    from ffnquant.commands import run as run_cmd
+    from ffnquant.commands.common import format_default
+    from ffnquant.pipeline import RunConfig
+    from ffnquant.spec import Variant
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    out = []
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            for stated in re.findall(r"\(default ([^):]+)\)|; default (\S+)$", action.help or ""):
+                stated = next(s for s in stated if s)
+                value = action.default
+                if value is None and name == "run" and action.dest in run_cmd._FIELDS:
+                    value = RunConfig.__dataclass_fields__[run_cmd._FIELDS[action.dest]].default
+                if isinstance(value, tuple) and set(value) == {v.value for v in Variant}:
+                    value = "all"
+                out.append(pytest.param(stated.rstrip("/"), format_default(value).rstrip("/"),
+                                        id=f"{name}{action.option_strings[0] if action.option_strings else action.dest}"))
+    return out
+
+
+@pytest.mark.parametrize("stated, actual", _help_defaults())
+def test_every_help_default_is_the_codes_default(stated, actual):
+    """A help text that names a default must name the one the code uses (run's came from RunConfig by hand)."""
+    assert stated == actual

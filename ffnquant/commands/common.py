@@ -29,7 +29,7 @@ def add_spec_arguments(
     parser.add_argument("--variants", default=default_variants, help=f"comma-separated variants or 'all' ({valid}); {note}")
     parser.add_argument("--d-model", type=positive_int, default=512, help="model width d (default 512)")
     parser.add_argument("--d-ff", type=positive_int, default=None, help="FFN width (default: the width rule)")
-    parser.add_argument("--multiple-of", type=positive_int, default=None, help="round gated d_ff up to this (default 128)")
+    parser.add_argument("--multiple-of", type=positive_int, default=None, help="round gated d_ff up to this (by default 128 for gated variants, 1 otherwise)")
     parser.add_argument("--ffn-dim-multiplier", type=float, default=None, help="Llama 3's multiplier on the gated width")
     bias = parser.add_mutually_exclusive_group()
     bias.add_argument("--bias", dest="bias", action="store_true", default=None, help="force biases on")
@@ -73,7 +73,7 @@ def add_model_arguments(
     group.add_argument("--model", default=None, metavar="PATH",
                        help="also take the FFN layers of this model folder (config.json + safetensors)")
     group.add_argument("--layers", default=layers_default,
-                       help="model layers: all, a range 0-3 or a list 0,5,7 (default all)")
+                       help="model layers: all, a range 0-3 or a list 0,5,7 (every layer when not given)")
     group.add_argument("--text", default=None, metavar="FILE",
                        help="calibration text run through the model (default: the shipped public-domain sample)")
     if eval_text:
@@ -102,3 +102,12 @@ def model_range_tables(args: argparse.Namespace, bins: int = 2048) -> dict:
     layers, tables = calibrate_model(info, layers=args.layers, text=args.text, captured=args.captured,
                                      settings=settings, allow_pickle=args.allow_pickle)
     return {f"{info.model_type}:{layer.label}": tables[layer.label] for layer in layers}
+
+
+def format_default(value) -> str:
+    """A default as a help text shows it: lists comma-separated, floats short, recipes by their text."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(format_default(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)

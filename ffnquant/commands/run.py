@@ -9,7 +9,7 @@ import sys
 
 from ..errors import FFNQuantError
 from ..render import text_table
-from .common import add_model_arguments, add_spec_arguments, positive_int
+from .common import add_model_arguments, add_spec_arguments, format_default, positive_int
 
 NAME = "run"
 HELP = "profile, quantize, export and benchmark every FFN variant, and write the accuracy/latency report"
@@ -26,6 +26,13 @@ _FIELDS = {
 }
 
 
+def _default(field: str) -> str:
+    """RunConfig's default of `field` as the help shows it: the help can never disagree with the code."""
+    from ..pipeline import RunConfig
+
+    return format_default(RunConfig.__dataclass_fields__[field].default)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_spec_arguments(parser)
     # Defaults come from RunConfig (or --config / --tiny): an option left out must not override them.
@@ -33,27 +40,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="read the run configuration from a TOML file "
                         "(options given on the command line override it); every run writes its own as run.toml")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (d_model 64, 3 variants, few tokens)")
-    parser.add_argument("--source", help="data: gaussian, llm_like (default), file:PATH or PATH.npy/.safetensors [tokens, d_model]")
-    parser.add_argument("--outlier-channels", type=int, help="llm_like: number of outlier input channels (default 4)")
-    parser.add_argument("--outlier-scale", type=float, help="llm_like: their magnitude (default 50)")
-    parser.add_argument("--calib-tokens", type=positive_int, help="calibration tokens (default 4096)")
-    parser.add_argument("--eval-tokens", type=positive_int, help="held-out evaluation tokens (default 2048)")
-    parser.add_argument("--batch-size", type=positive_int, help="profiling batch size (default 1024)")
-    parser.add_argument("--bins", type=positive_int, help="histogram bins per site (default 2048)")
+    parser.add_argument("--source", help=f"data: gaussian, llm_like, file:PATH or PATH.npy/.safetensors [tokens, d_model] (default {_default('source')})")
+    parser.add_argument("--outlier-channels", type=int, help=f"llm_like: number of outlier input channels (default {_default('n_outlier_channels')})")
+    parser.add_argument("--outlier-scale", type=float, help=f"llm_like: their magnitude (default {_default('outlier_scale')})")
+    parser.add_argument("--calib-tokens", type=positive_int, help=f"calibration tokens (default {_default('calib_tokens')})")
+    parser.add_argument("--eval-tokens", type=positive_int, help=f"held-out evaluation tokens (default {_default('eval_tokens')})")
+    parser.add_argument("--batch-size", type=positive_int, help=f"profiling batch size (default {_default('batch_size')})")
+    parser.add_argument("--bins", type=positive_int, help=f"histogram bins per site (default {_default('bins')})")
     parser.add_argument("--schemes", help="comma-separated SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate] "
-                        "(default fp32,fp16,w8a16,w8a8@auto,w8a8@auto+smooth,w8a8-dynamic,w4a16-g128,nf4)")
-    parser.add_argument("--baseline", help="the float scheme speedups are measured against (default fp32)")
-    parser.add_argument("--target-db", type=float, help="accuracy target: SQNR in dB a recommendation must meet (default 30)")
+                        f"(default {_default('schemes')})")
+    parser.add_argument("--baseline", help=f"the float scheme speedups are measured against (default {_default('baseline')})")
+    parser.add_argument("--target-db", type=float, help=f"accuracy target: SQNR in dB a recommendation must meet (default {_default('target_db')})")
     parser.add_argument("--no-sensitivity", dest="sensitivity", action="store_false", default=None,
                         help="skip the per-site sensitivity of the worst cases")
     parser.add_argument("--no-onnx", dest="onnx", action="store_false", default=None,
                         help="skip the ONNX export and artifacts (torch reference accuracy only)")
-    parser.add_argument("--runtimes", help="comma-separated runtimes, 'available' (default: every runtime available "
-                        "here) or 'none' (accuracy only, no latency)")
-    parser.add_argument("--tokens", help="token counts M to time, comma-separated (default 1,16,512)")
-    parser.add_argument("--budget-s", type=float, help="time budget per latency case in seconds (default 0.04)")
-    parser.add_argument("--out", help="report folder (default reports/)")
-    parser.add_argument("--export", help="artifact folder (default export/)")
+    parser.add_argument("--runtimes", help="comma-separated runtimes, 'available' (every runtime available here, the default) "
+                        "or 'none' (accuracy only, no latency)")
+    parser.add_argument("--tokens", help=f"token counts M to time, comma-separated (default {_default('tokens')})")
+    parser.add_argument("--budget-s", type=float, help=f"time budget per latency case in seconds (default {_default('budget_s')})")
+    parser.add_argument("--out", help=f"report folder (default {_default('out_reports')})")
+    parser.add_argument("--export", help=f"artifact folder (default {_default('out_export')})")
     # --model: the folder's FFN layers run as extra rows next to the variants (keyed '<model_type>:L<k>')
     add_model_arguments(parser, captured=False, model_tokens=False, eval_text=True, allow_pickle=False,
                         layers_default=None)
