@@ -22,83 +22,23 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from .errors import FFNQuantError
-# The report side (Markdown, the numerics table, the GPU targets) lives in latencyreport; re-exported
-# here because callers know them as part of the latency harness.
-from .latencyreport import REFERENCE_TOLERANCE_DB, gpu_targets, latency_markdown, numerics_rows
+# The pure side (statistics, device peaks and the roofline, Markdown, the numerics table, the GPU
+# targets) lives in latencyreport; re-exported here because callers know them as part of the harness.
+from .latencyreport import (DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks, LatencyStats, device_peaks, gpu_targets,
+                            latency_markdown, latency_stats, numerics_rows, roofline)
 from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_runtime, tensor_nbytes
 from .spec import FFNSpec
 
 __all__ = [
-    "SCHEMA",
-    "SCHEMA_VERSION",
-    "DEFAULT_TOKENS",
-    "REFERENCE_TOLERANCE_DB",
-    "reference_output",
-    "numerics_rows",
-    "gpu_targets",
-    "LatencyStats",
-    "latency_stats",
-    "Timer",
-    "WallTimer",
-    "CudaEventTimer",
-    "default_timer",
-    "DevicePeaks",
-    "DEVICE_PEAKS",
-    "device_peaks",
-    "measure_copy_bandwidth",
-    "roofline",
-    "BenchConfig",
-    "CaseResult",
-    "BenchResult",
-    "measure",
-    "run_benchmark",
-    "latency_markdown",
+    "SCHEMA", "SCHEMA_VERSION", "DEFAULT_TOKENS", "REFERENCE_TOLERANCE_DB", "reference_output", "numerics_rows",
+    "gpu_targets", "LatencyStats", "latency_stats", "Timer", "WallTimer", "CudaEventTimer", "default_timer",
+    "DevicePeaks", "DEVICE_PEAKS", "device_peaks", "measure_copy_bandwidth", "roofline", "BenchConfig",
+    "CaseResult", "BenchResult", "measure", "run_benchmark", "latency_markdown",
 ]
 
 SCHEMA = "ffnquant.latency"
 SCHEMA_VERSION = 1
 DEFAULT_TOKENS = (1, 16, 512, 2048)  # decode (1, 16) and prefill (512, 2048) tokens per call
-
-
-# --- statistics ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LatencyStats:
-    """Per-call latency in seconds over `n` timed calls."""
-
-    n: int
-    median_s: float
-    p10_s: float
-    p90_s: float
-    p99_s: float
-    mean_s: float
-    std_s: float
-    min_s: float
-    max_s: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def latency_stats(samples: Sequence[float]) -> LatencyStats:
-    """Statistics of per-call times: percentiles by linear interpolation (numpy's default), sample std."""
-    arr = np.asarray(samples, dtype=np.float64)
-    if arr.ndim != 1 or arr.size == 0:
-        raise FFNQuantError("latency statistics need at least one sample")
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-        raise FFNQuantError("latency samples must be finite and non-negative")
-    p10, p50, p90, p99 = np.percentile(arr, [10, 50, 90, 99])
-    std = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
-    return LatencyStats(
-        n=int(arr.size),
-        median_s=float(p50),
-        p10_s=float(p10),
-        p90_s=float(p90),
-        p99_s=float(p99),
-        mean_s=float(arr.mean()),
-        std_s=std,
-        min_s=float(arr.min()),
-        max_s=float(arr.max()),
-    )
 
 
 # --- timers -------------------------------------------------------------------------------
@@ -154,48 +94,7 @@ def default_timer(runtime: Runtime, loaded: Loaded) -> Timer:
 TimerFactory = Callable[[Runtime, Loaded], Timer]
 
 
-# --- device peaks and the roofline ----------------------------------------------------------
-@dataclass(frozen=True)
-class DevicePeaks:
-    """Spec-sheet peaks of one device: memory bandwidth (bytes/s) and dense ops/s per compute type."""
-
-    name: str
-    match: str  # case-insensitive substring of the device name
-    memory_bytes_per_s: float
-    ops_per_s: Mapping[str, float]
-    source: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "memory_bytes_per_s": self.memory_bytes_per_s,
-            "ops_per_s": dict(self.ops_per_s),
-            "source": self.source,
-        }
-
-
-# Dense (no sparsity) peaks from NVIDIA's data sheets; fp32 is the non-tensor-core rate,
-# since torch leaves TF32 off for fp32 matmuls by default. Order matters: the first match wins.
-DEVICE_PEAKS: tuple[DevicePeaks, ...] = (
-    DevicePeaks("H200", "h200", 4.8e12, {"fp32": 67e12, "fp16": 989e12, "fp8": 1979e12, "int8": 1979e12},
-                "NVIDIA H200 SXM data sheet (HBM3e 4.8 TB/s)"),
-    DevicePeaks("H100 PCIe", "h100 pcie", 2.0e12, {"fp32": 51e12, "fp16": 756e12, "fp8": 1513e12, "int8": 1513e12},
-                "NVIDIA H100 PCIe data sheet"),
-    DevicePeaks("H100 SXM", "h100", 3.35e12, {"fp32": 67e12, "fp16": 989e12, "fp8": 1979e12, "int8": 1979e12},
-                "NVIDIA H100 SXM data sheet"),
-    DevicePeaks("A100 80GB", "a100", 2.039e12, {"fp32": 19.5e12, "fp16": 312e12, "int8": 624e12},
-                "NVIDIA A100 SXM 80GB data sheet"),
-)
-
-
-def device_peaks(device_name: str | None) -> DevicePeaks | None:
-    """The peaks entry whose `match` occurs in `device_name` (None: unknown device, e.g. a CPU)."""
-    if not device_name:
-        return None
-    lowered = device_name.lower()
-    return next((p for p in DEVICE_PEAKS if p.match in lowered), None)
-
-
+# --- the roofline's bandwidth where no peak is tabled ---------------------------------------
 def measure_copy_bandwidth(device: str = "cpu", nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Best-of-`repeats` device copy bandwidth in bytes/s (read + write counted, as STREAM's copy does)."""
     import torch
@@ -213,33 +112,6 @@ def measure_copy_bandwidth(device: str = "cpu", nbytes: int = 256 * 2**20, repea
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2 * n * 4 / best
-
-
-def roofline(
-    bytes_moved: float,
-    flops: float,
-    seconds: float,
-    compute: str,
-    peaks: DevicePeaks | None,
-    copy_bandwidth: float | None = None,
-) -> tuple[float | None, str | None]:
-    """(fraction of the attainable time, what bounds it) for one call; (None, None) if nothing is known.
-
-    Attainable time is max(bytes / bandwidth, flops / peak ops) (Williams et al.'s roofline);
-    the fraction is attainable / measured, so 1.0 means running at the device's limit.
-    Spec-sheet bandwidth is used where the device is in the table, else a measured copy bandwidth.
-    """
-    bandwidth = peaks.memory_bytes_per_s if peaks is not None else copy_bandwidth
-    peak_ops = peaks.ops_per_s.get(compute) if peaks is not None else None
-    t_mem = bytes_moved / bandwidth if bandwidth else None
-    t_ops = flops / peak_ops if peak_ops else None
-    if seconds <= 0 or (t_mem is None and t_ops is None):
-        return None, None
-    if t_ops is None:
-        return t_mem / seconds, "memory (compute peak unknown)"
-    if t_mem is None:
-        return t_ops / seconds, "compute (bandwidth unknown)"
-    return max(t_mem, t_ops) / seconds, ("memory" if t_mem >= t_ops else "compute")
 
 
 # --- configuration and results -----------------------------------------------------------------

@@ -1,19 +1,146 @@
-"""The latency report: Markdown of a `bench.BenchResult.to_dict()` document, the cross-runtime
-numerics table and the GPU targets, all pure functions of that document (nothing here measures).
+"""The latency report: per-call statistics of timed samples, device peaks and the roofline, and
+Markdown of a `bench.BenchResult.to_dict()` document with the cross-runtime numerics table and
+the GPU targets; all pure functions of numbers (nothing here measures).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
+from .errors import FFNQuantError
 from .spec import FFNSpec
 
-__all__ = ["REFERENCE_TOLERANCE_DB", "numerics_rows", "gpu_targets", "latency_markdown"]
+__all__ = [
+    "LatencyStats",
+    "latency_stats",
+    "DevicePeaks",
+    "DEVICE_PEAKS",
+    "device_peaks",
+    "roofline",
+    "REFERENCE_TOLERANCE_DB",
+    "numerics_rows",
+    "gpu_targets",
+    "latency_markdown",
+]
 
 # A runtime's kernel "disagrees" with ffnquant's reference of the same scheme when their SQNRs
 # against fp32 differ by more than this: the 0.5 dB that ffnquant's ONNX artifacts are held to.
 REFERENCE_TOLERANCE_DB = 0.5
+
+
+# --- statistics ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LatencyStats:
+    """Per-call latency in seconds over `n` timed calls."""
+
+    n: int
+    median_s: float
+    p10_s: float
+    p90_s: float
+    p99_s: float
+    mean_s: float
+    std_s: float
+    min_s: float
+    max_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def latency_stats(samples: Sequence[float]) -> LatencyStats:
+    """Statistics of per-call times: percentiles by linear interpolation (numpy's default), sample std."""
+    arr = np.asarray(samples, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise FFNQuantError("latency statistics need at least one sample")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise FFNQuantError("latency samples must be finite and non-negative")
+    p10, p50, p90, p99 = np.percentile(arr, [10, 50, 90, 99])
+    std = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
+    return LatencyStats(
+        n=int(arr.size),
+        median_s=float(p50),
+        p10_s=float(p10),
+        p90_s=float(p90),
+        p99_s=float(p99),
+        mean_s=float(arr.mean()),
+        std_s=std,
+        min_s=float(arr.min()),
+        max_s=float(arr.max()),
+    )
+
+
+# --- device peaks and the roofline ----------------------------------------------------------
+@dataclass(frozen=True)
+class DevicePeaks:
+    """Spec-sheet peaks of one device: memory bandwidth (bytes/s) and dense ops/s per compute type."""
+
+    name: str
+    match: str  # case-insensitive substring of the device name
+    memory_bytes_per_s: float
+    ops_per_s: Mapping[str, float]
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "memory_bytes_per_s": self.memory_bytes_per_s,
+            "ops_per_s": dict(self.ops_per_s),
+            "source": self.source,
+        }
+
+
+# Dense (no sparsity) peaks from NVIDIA's data sheets; fp32 is the non-tensor-core rate,
+# since torch leaves TF32 off for fp32 matmuls by default. Order matters: the first match wins.
+DEVICE_PEAKS: tuple[DevicePeaks, ...] = (
+    DevicePeaks("H200", "h200", 4.8e12, {"fp32": 67e12, "fp16": 989e12, "fp8": 1979e12, "int8": 1979e12},
+                "NVIDIA H200 SXM data sheet (HBM3e 4.8 TB/s)"),
+    DevicePeaks("H100 PCIe", "h100 pcie", 2.0e12, {"fp32": 51e12, "fp16": 756e12, "fp8": 1513e12, "int8": 1513e12},
+                "NVIDIA H100 PCIe data sheet"),
+    DevicePeaks("H100 SXM", "h100", 3.35e12, {"fp32": 67e12, "fp16": 989e12, "fp8": 1979e12, "int8": 1979e12},
+                "NVIDIA H100 SXM data sheet"),
+    DevicePeaks("A100 80GB", "a100", 2.039e12, {"fp32": 19.5e12, "fp16": 312e12, "int8": 624e12},
+                "NVIDIA A100 SXM 80GB data sheet"),
+)
+
+
+def device_peaks(device_name: str | None) -> DevicePeaks | None:
+    """The peaks entry whose `match` occurs in `device_name` (None: unknown device, e.g. a CPU)."""
+    if not device_name:
+        return None
+    lowered = device_name.lower()
+    return next((p for p in DEVICE_PEAKS if p.match in lowered), None)
+
+
+def roofline(
+    bytes_moved: float,
+    flops: float,
+    seconds: float,
+    compute: str,
+    peaks: DevicePeaks | None,
+    copy_bandwidth: float | None = None,
+) -> tuple[float | None, str | None]:
+    """(fraction of the attainable time, what bounds it) for one call; (None, None) if nothing is known.
+
+    Attainable time is max(bytes / bandwidth, flops / peak ops) (Williams et al.'s roofline);
+    the fraction is attainable / measured, so 1.0 means running at the device's limit.
+    Spec-sheet bandwidth is used where the device is in the table, else a measured copy bandwidth.
+    """
+    bandwidth = peaks.memory_bytes_per_s if peaks is not None else copy_bandwidth
+    peak_ops = peaks.ops_per_s.get(compute) if peaks is not None else None
+    t_mem = bytes_moved / bandwidth if bandwidth else None
+    t_ops = flops / peak_ops if peak_ops else None
+    if seconds <= 0 or (t_mem is None and t_ops is None):
+        return None, None
+    if t_ops is None:
+        return t_mem / seconds, "memory (compute peak unknown)"
+    if t_mem is None:
+        return t_ops / seconds, "compute (bandwidth unknown)"
+    return max(t_mem, t_ops) / seconds, ("memory" if t_mem >= t_ops else "compute")
 
 
 # --- derived tables (pure functions of a BenchResult.to_dict() document) ----------------------------
