@@ -40,7 +40,7 @@ mkdir -p "$OUT_DIR"
 # -compile: torch.compile then a graph; triton-cuda: ffnquant's own W4A16 kernel (graph replay).
 # Order matters under MAX_TOTAL_S: the graph-replayed kernels and ours first, compile (slow to build) last.
 RUNTIMES="${RUNTIMES:-torch-cuda-graph,triton-cuda,torch-cuda,bnb-cuda,torch-cuda-compile,ort-cuda,ort-trt}"
-SCHEMES="${SCHEMES:-fp16,bf16,w8a8-dynamic,w8a16,w8a8-s8,w4a16-g128,fp8-e4m3,fp8-e4m3-dynamic,nf4,fp4,llm-int8,llm-int8-t0}"
+SCHEMES="${SCHEMES:-fp16,bf16,w8a8-dynamic-s8,w8a16,w8a8-s8,w4a16-g128,w4a16-g128-asym,fp8-e4m3,fp8-e4m3-dynamic,nf4,fp4,llm-int8,llm-int8-t0}"
 # SwiGLU first: the sweep stops starting new models at MAX_TOTAL_S, and SwiGLU at d_model 4096
 # (d_ff 11008, Llama-2-7B's FFN) is the shape the targets are about.
 VARIANTS="${VARIANTS:-swiglu,relu}"
