@@ -16,7 +16,7 @@ HELP = "export FFN variants to fp32/fp16 ONNX and check them against torch on on
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_spec_arguments(parser)
     parser.add_argument("--out", default="export", help="output folder (default export/)")
-    parser.add_argument("--dtypes", default="fp32,fp16", help="comma-separated: fp32, fp16 (default both)")
+    parser.add_argument("--dtypes", default="fp32,fp16", help="comma-separated: fp32, fp16 (default fp32,fp16)")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset, >= 17 (default {DEFAULT_OPSET})")
 
 

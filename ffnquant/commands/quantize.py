@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"what to quantize with, as `ffnquant run --schemes` writes it: {GRAMMAR}, e.g. 'w8a8@search+smooth+rotate' "
              "(or give the same with --scheme/--calibrator/--smooth/--rotate, not both)",
     )
-    parser.add_argument("--scheme", default=None, help=f"scheme preset ({', '.join(preset_names())}); default w8a8")
+    parser.add_argument("--scheme", default=None, help=f"scheme preset ({', '.join(preset_names())}); w8a8 when neither --scheme nor --recipe is given")
     parser.add_argument(
         "--calibrator", default=None,
         help=f"activation calibrator for static schemes ({', '.join(calibrator_names())}, percentile:P); default: the scheme's",
