@@ -578,7 +578,10 @@ def run_benchmark(
 
 
 def _flag_slowdowns(cases: list[CaseResult], baselines: Mapping[str, str]) -> None:
-    """Set speedup (baseline median / median) and slower_than_baseline on every measured case."""
+    """Set speedup (baseline median / median) and slower_than_baseline on every measured case.
+
+    Slower means beyond the measured spread: the case's p10 above the baseline's p90, the mirror of
+    the recommender's test for faster. A median a hair above the baseline's is noise, not a slowdown."""
     index = {(c.spec_key, c.runtime, c.tokens): c for c in cases if c.ok and c.scheme == baselines.get(c.runtime)}
     for c in cases:
         base = index.get((c.spec_key, c.runtime, c.tokens))
@@ -586,4 +589,4 @@ def _flag_slowdowns(cases: list[CaseResult], baselines: Mapping[str, str]) -> No
             continue
         c.baseline = base.scheme
         c.speedup = base.stats.median_s / c.stats.median_s if c.stats.median_s > 0 else None
-        c.slower_than_baseline = c.scheme != base.scheme and c.stats.median_s > base.stats.median_s
+        c.slower_than_baseline = c.scheme != base.scheme and c.stats.p10_s > base.stats.p90_s

@@ -324,7 +324,7 @@ def latency_markdown(doc: Mapping[str, Any]) -> str:
     cases = doc["cases"]
     tokens = doc["config"]["tokens"]
     lines += ["## Median latency per call", "",
-              "Cells: median (speedup over the runtime's float baseline; **SLOWER** when below 1x), "
+              "Cells: median (speedup over the runtime's float baseline; **SLOWER** when its p10 is above the baseline's p90, i.e. slower beyond the measured spread), "
               "then the fraction of the device roofline where known.", ""]
     for rt in [r["name"] for r in doc["runtimes"]]:
         rt_cases = [c for c in cases if c["runtime"] == rt]

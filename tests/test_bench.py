@@ -177,6 +177,18 @@ def _timers(durations_by_scheme):
 ENV = {"cpu": "fake cpu", "cpu_count": 2, "torch_threads": 2, "packages": {}}
 
 
+def test_a_median_inside_the_baselines_spread_is_not_flagged_slower(spec):
+    """0.5% above the baseline's median but inside its p10-p90 spread: noise, not a slowdown (the GPU
+    report printed '1.00x **SLOWER**')."""
+    spread = [0.0009, 0.001, 0.0011]
+    timers = {"fp32": spread, "fp16": [0.000905, 0.001005, 0.001105]}
+    cfg = BenchConfig(tokens=(1,), budget_s=0.05, warmup=0, min_repeats=3)
+    result = run_benchmark([spec], [FakeRuntime()], ["fp16"], cfg, environment=ENV,
+                           timer_factory=lambda rt, loaded: FakeTimer(timers[loaded.case.scheme]))
+    case = result.case("relu", "fake-cpu", "fp16", 1)
+    assert case.speedup < 1 and case.slower_than_baseline is False
+
+
 def test_sweep_flags_slowdowns_and_derives_figures(spec):
     cfg = BenchConfig(tokens=(1, 4), budget_s=0.05, warmup=0, min_repeats=3)
     progress = []

@@ -68,3 +68,18 @@ def test_config_keeps_recipes_and_writes_their_text():
     assert cfg.to_dict()["schemes"] == ["fp32", "w8a8@auto+smooth"]
     with pytest.raises(FFNQuantError, match="schemes lists a scheme twice"):
         RunConfig.tiny(schemes=("fp32", "w8a8", Recipe("w8a8")))
+
+
+@pytest.mark.parametrize("p90_ms, choice", [(1.05, "fp32"), (0.85, "w8a8")], ids=["within-spread", "beyond-spread"])
+def test_recommendations_use_the_cases_spread(p90_ms, choice):
+    """The run hands each case's p10/p90 to the recommender: a lower median inside the baseline's
+    spread is no speedup (it used to read them from a key the cases do not have, and compared medians)."""
+    from ffnquant.pipeline.findings import recommendations
+
+    cfg = RunConfig.tiny(schemes=("fp32", "w8a8"), runtimes=("none",))
+    case = dict(variant="relu", runtime="ort-cpu", tokens=1, error=None)
+    cases = [dict(case, scheme="fp32", median_s=1e-3, p10_s=0.9e-3, p90_s=1.1e-3),
+             dict(case, scheme="w8a8", median_s=0.8e-3, p10_s=0.7e-3, p90_s=p90_ms * 1e-3)]
+    rows = [{"variant": "relu", "scheme": "w8a8", "status": "ok", "sqnr_db": 40.0, "label": "w8a8"}]
+    recs, _ = recommendations(cfg, cases, rows)
+    assert [r["choice"] for r in recs] == [choice]

@@ -24,10 +24,11 @@ CONFIG_VERSION = 1
 # per site, dynamic int8, 4-bit group-wise and bitsandbytes' NF4; smoothed static int8 uses
 # `search` (per site by the FFN's output SQNR), because after smoothing a per-tensor histogram
 # cannot see the rescaled weight columns and `auto` falls behind (swiglu d=512: 28.8 vs 31.1 dB),
-# plus smoothing with rotation, the one recipe that brings geglu's int8 over 30 dB.
+# plus smoothing with rotation, the one recipe that brings geglu's int8 over 30 dB. Dynamic int8 is the
+# symmetric per-token scheme, the one a CPU kernel computes (torch._int_mm); uint8 `w8a8-dynamic` has none.
 DEFAULT_SCHEMES: tuple[str, ...] = (
     "fp32", "fp16", "w8a16", "w8a8@auto", "w8a8@search+smooth", "w8a8@search+smooth+rotate",
-    "w8a8-dynamic", "w4a16-g128", "nf4",
+    "w8a8-dynamic-s8", "w4a16-g128", "nf4",
 )
 # Decode (1, 16) and one prefill block (512): enough to see both regimes within the 5-minute budget.
 DEFAULT_TOKENS: tuple[int, ...] = (1, 16, 512)
@@ -220,7 +221,7 @@ class RunConfig:
     def tiny(cls, **changes: Any) -> "RunConfig":
         """A seconds-long configuration for tests and smoke runs: d_model 64, 3 variants, few tokens."""
         base = dict(variants=("relu", "gelu", "swiglu"), d_model=64, calib_tokens=512, eval_tokens=256, batch_size=256,
-                    bins=512, schemes=("fp32", "w8a8@auto", "w8a8@auto+smooth", "w8a8-dynamic", "w4a16-g32"),
+                    bins=512, schemes=("fp32", "w8a8@auto", "w8a8@auto+smooth", "w8a8-dynamic-s8", "w4a16-g32"),
                     tokens=(1, 64), budget_s=0.005)
         base.update(changes)
         return cls(**base)

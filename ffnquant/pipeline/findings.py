@@ -104,9 +104,9 @@ def recommendations(config: RunConfig, cases: Sequence[dict], rows: Sequence[dic
             sqnr = row["sqnr_db"]
         else:
             continue
-        stats = c.get("stats") or {}
         points.append(Point(c["variant"], c["scheme"], c["runtime"], c["tokens"], c["median_s"], sqnr,
-                            row["label"] if row else c["scheme"], **_spread(stats)))
+                            row["label"] if row else c["scheme"], p10_s=c.get("p10_s") or None,
+                            p90_s=c.get("p90_s") or None))
     recs = [r.to_dict() for r in recommend_all(points, config.target_db, config.baseline)]
     groups: dict[tuple, list] = {}
     for p in points:
@@ -114,16 +114,6 @@ def recommendations(config: RunConfig, cases: Sequence[dict], rows: Sequence[dic
     pareto = [{"variant": v, "runtime": rt, "tokens": t, "schemes": [p.scheme for p in pareto_front(pts)]}
               for (v, rt, t), pts in sorted(groups.items())]
     return recs, pareto
-
-
-def _spread(stats: Mapping[str, Any]) -> dict[str, float]:
-    """The p10/p90 of a case for the recommender's spread test (when `recommend.Point` takes them)."""
-    import dataclasses
-
-    from ..recommend import Point
-
-    fields = {f.name for f in dataclasses.fields(Point)}
-    return {k: stats[k] for k in ("p10_s", "p90_s") if k in fields and stats.get(k) is not None}
 
 
 def findings(config: RunConfig, ranges: Mapping[str, Any], rows: Sequence[dict], recipes: Sequence[Recipe],
