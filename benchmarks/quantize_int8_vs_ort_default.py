@@ -19,7 +19,8 @@ from pathlib import Path
 from ffnquant.atomic import write_json, write_text
 from ffnquant.envinfo import environment
 from ffnquant.onnxquant import ort_latency_ms
-from ffnquant.quantize import prepare, quantize_spec
+from ffnquant.quantization import prepare, quantize_spec
+from ffnquant.recipe import Recipe
 from ffnquant.render import markdown_table
 from ffnquant.spec import FFNSpec, parse_variants
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
                 prep = prepare(spec, "llm_like", args.calib_tokens, args.eval_tokens, 0, alpha, sites, rot)
                 folder = Path(tmp) / f"{spec.key}_{len(records)}"
                 folder.mkdir()
-                r = quantize_spec(spec, "w8a8", cal, prepared=prep, out_artifacts=folder, sensitivity=False)
+                r = quantize_spec(spec, Recipe("w8a8", cal, alpha, rot), prep, out_artifacts=folder, sensitivity=False)
                 if not base_done:
                     b = r.baseline
                     rows.append([v.value, "fp32 ONNX", None, None, r.fp32["size_bytes"], None])

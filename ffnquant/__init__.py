@@ -3,10 +3,8 @@
 The Python API (`ffnquant.api`): `quantize(layer_or_spec, recipe, calibration)` -> `QuantizedFFN`,
 `export_onnx(q, path)`, `evaluate(q, tokens)`, `profile(model_or_spec, tokens)`, `run(config)`.
 
-Two of these verbs share their name with a module: `ffnquant.quantize` and `ffnquant.run` are the
-FUNCTIONS. The quantization module is imported by its full name (`from ffnquant.quantize import
-quantize_spec`, which reads sys.modules and is unaffected); `import ffnquant.quantize as m` or
-`from ffnquant import quantize` give the function. The run job lives in `ffnquant.pipeline`.
+The quantization stage lives in `ffnquant.quantization` and the run job in `ffnquant.pipeline`,
+so no module shares its name with a verb.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from .spec import FFNSpec, Variant, Activation, SITES, WEIGHTS, parse_variant, p
 from .model import FFN, build, save_weights, load_weights
 from .recipe import Recipe
 
-# Last: binding `quantize` here replaces the attribute that importing the `.quantize` submodule set.
 from .api import QuantizedFFN, evaluate, export_onnx, profile, quantize, run
 
 __all__ = [

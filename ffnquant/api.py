@@ -25,7 +25,7 @@ import torch
 
 from .errors import FFNQuantError
 from .model import FFN
-from .quantize import Prepared, QuantizedFFN
+from .quantization import Prepared, QuantizedFFN
 from .recipe import Recipe, as_recipe
 from .spec import FFNSpec
 
@@ -48,7 +48,7 @@ def _model_of(layer_or_spec: Any, seed: int = 0) -> tuple[FFNSpec, FFN, str | No
 
 
 def _tokens(x: Any, d_model: int, what: str) -> torch.Tensor:
-    from .quantize import _check_tokens
+    from .quantization import _check_tokens
 
     return _check_tokens(x if isinstance(x, torch.Tensor) else torch.as_tensor(x), d_model, what)
 
@@ -72,7 +72,7 @@ def quantize(
     prepared held-out set (what `evaluate(q)` measures on without tokens) is `held_out`, or the
     calibration tokens themselves when not given. The numbers are those of `quantize.quantize_spec`.
     """
-    from .quantize import prepare, quantize_spec
+    from .quantization import prepare, quantize_spec
 
     recipe = as_recipe(recipe)
     spec, model, name = _model_of(layer_or_spec, seed)

@@ -22,10 +22,10 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from .errors import FFNQuantError
-# The pure side (statistics, device peaks and the roofline, Markdown, the numerics table, the GPU
-# targets) lives in latencyreport; re-exported here because callers know them as part of the harness.
-from .latencyreport import (DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks, LatencyStats, device_peaks, gpu_targets,
-                            latency_markdown, latency_stats, numerics_rows, roofline)
+# The pure side (statistics, device peaks and the roofline, the numerics rows, the GPU targets) lives in
+# ffnquant.latency; re-exported here because callers know them as part of the harness.
+from .latency import (DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks, LatencyStats, device_peaks, gpu_targets,
+                      latency_stats, numerics_rows, roofline)
 from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_runtime, tensor_nbytes
 from .spec import FFNSpec
 
@@ -33,7 +33,7 @@ __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "DEFAULT_TOKENS", "REFERENCE_TOLERANCE_DB", "reference_output", "numerics_rows",
     "gpu_targets", "LatencyStats", "latency_stats", "Timer", "WallTimer", "CudaEventTimer", "default_timer",
     "DevicePeaks", "DEVICE_PEAKS", "device_peaks", "measure_copy_bandwidth", "roofline", "BenchConfig",
-    "CaseResult", "BenchResult", "measure", "run_benchmark", "latency_markdown",
+    "CaseResult", "BenchResult", "measure", "run_benchmark",
 ]
 
 SCHEMA = "ffnquant.latency"
@@ -364,7 +364,7 @@ def reference_output(model: Any, scheme_name: str, x: np.ndarray, seed: int = 0,
     """
     import torch
 
-    from .quantize import quantize_model
+    from .fakequant import quantize_model
     from .runtimes.artifacts import CALIBRATION_TOKENS, gaussian_calibration
     from .schemes import PRESETS
 

@@ -8,7 +8,7 @@ Registry (`CALIBRATORS`): `minmax`, `percentile[:P]` (default 99.99), `entropy` 
 KL-divergence search), `mse` (the range minimising the expected quantization error on the
 histogram), `auto` (per site, whichever of the others has the lowest expected error on the
 histogram) and `search` (per site, whichever gives the lowest FFN output error on calibration
-tokens: see `ffnquant.quantize.search_calibrators`).
+tokens: see `ffnquant.quantization.search_calibrators`).
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ CALIBRATORS: Mapping[str, Callable[[float | None], Callable[[Histogram, Grid], t
     "mse": lambda p: _mse,
     "auto": lambda p: _auto,
     # `search` picks per site the candidate giving the best FFN OUTPUT error on calibration
-    # tokens (ffnquant.quantize.search_calibrators); from a histogram alone it is `auto`.
+    # tokens (ffnquant.quantization.search_calibrators); from a histogram alone it is `auto`.
     "search": lambda p: _auto,
 }
 

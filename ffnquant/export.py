@@ -94,8 +94,10 @@ class ExportResult:
 
 
 def onnx_path_for(spec: FFNSpec, out_dir: str | os.PathLike, dtype: str) -> Path:
-    """Where the export of `spec` at `dtype` ('fp32'/'fp16') goes: `<out_dir>/<spec.key>.<dtype>.onnx`."""
-    return Path(out_dir) / f"{spec.key}.{dtype}.onnx"
+    """Where the export of `spec` at `dtype` ('fp32'/'fp16') goes: `<out_dir>/<spec.key>.<recipe slug>.onnx`."""
+    from .recipe import Recipe
+
+    return Path(out_dir) / f"{spec.key}.{Recipe(dtype).slug}.onnx"
 
 
 def _export_proto(model: torch.nn.Module, example: torch.Tensor, opset: int):

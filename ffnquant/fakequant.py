@@ -7,7 +7,7 @@ range per site chosen by a calibrator from the RangeTable's histograms, or per t
 time. The result records the range and qparams every site got. nf4/fp4 go through
 bitsandbytes itself; HQQ through onnxruntime's copy of the HQQ routine; GPTQ needs the
 input Hessians (`input_hessians`). The end-to-end measurement (calibrate, quantize under a
-Recipe, ONNX artifact, accuracy) builds on this in `ffnquant.quantize`.
+Recipe, ONNX artifact, accuracy) builds on this in `ffnquant.quantization`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from .errors import FFNQuantError
 from .model import FFN
 from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType, check_scheme_fits, get_scheme
 
-if TYPE_CHECKING:  # annotations only: ffnquant.quantize builds on this module, not the other way
-    from .quantize import Prepared
+if TYPE_CHECKING:  # annotations only: ffnquant.quantization builds on this module, not the other way
+    from .quantization import Prepared
     from .recipe import Recipe
 
 __all__ = [

@@ -31,8 +31,8 @@ from .errors import FFNQuantError
 from .model import FFN
 from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType
 
-if TYPE_CHECKING:  # quantize.py imports this module (one direction): the type only, for annotations
-    from .quantize import QuantizedFFN
+if TYPE_CHECKING:  # annotations only: onnxquant reads a QuantizedFFN, it never builds one
+    from .fakequant import QuantizedFFN
 
 __all__ = [
     "ARTIFACT_KINDS",

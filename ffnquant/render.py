@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["fmt", "text_table", "markdown_table", "display_path"]
+__all__ = ["fmt", "fmt_db", "fmt_ms", "fmt_bytes", "text_table", "markdown_table", "display_path"]
 
 
 def fmt(value: Any, digits: int = 4) -> str:
@@ -22,6 +22,29 @@ def fmt(value: Any, digits: int = 4) -> str:
             return "nan"
         return f"{value:.{digits}g}"
     return str(value)
+
+
+def fmt_db(value: Any) -> str:
+    """An SQNR in dB for a table: one decimal, 'exact' for an infinite one, '-' when absent."""
+    if value is None:
+        return "-"
+    value = float(value)
+    return "exact" if value == float("inf") else f"{value:.1f}"
+
+
+def fmt_ms(seconds: Any, unit: bool = False) -> str:
+    """A duration given in seconds as milliseconds, three significant digits ('-' when absent)."""
+    return "-" if seconds is None else f"{float(seconds) * 1e3:.3g}" + (" ms" if unit else "")
+
+
+def fmt_bytes(n: int | None) -> str:
+    """A byte count in binary units (KiB, MiB, GiB)."""
+    if n is None:
+        return "-"
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {name}"
+    return f"{n} B"
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

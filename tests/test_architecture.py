@@ -126,3 +126,14 @@ def test_module_size(path):
     n = len((ROOT / path).read_text(encoding="utf-8").splitlines())
     limit = 900 if path in LARGE_MODULES else 600
     assert n <= limit, f"{path} has {n} lines (limit {limit}); split it by concern or list it in LARGE_MODULES with why"
+
+
+def test_the_module_map_in_docs_matches_the_package():
+    """docs/ARCHITECTURE.md lists every top-level module and subpackage of ffnquant, and nothing else."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `(ffnquant/[\w/.]+)` \|", text, flags=re.M))
+    actual = {f"ffnquant/{p.name}" for p in PACKAGE.glob("*.py")}
+    actual |= {f"ffnquant/{p.name}/" for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert listed == actual, f"missing from the map: {sorted(actual - listed)}; not in the package: {sorted(listed - actual)}"
+    for path, why in LARGE_MODULES.items():
+        assert path.removeprefix("ffnquant/").split("/")[-1] in text, f"the map must say why {path} may be large"

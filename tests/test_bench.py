@@ -13,13 +13,13 @@ from ffnquant.bench import (
     BenchConfig,
     WallTimer,
     device_peaks,
-    latency_markdown,
     latency_stats,
     measure,
     roofline,
     run_benchmark,
 )
 from ffnquant.cli import main
+from ffnquant.report.latency import latency_markdown
 from ffnquant.errors import FFNQuantError
 from ffnquant.runtimes.base import Availability, Loaded, ModelCase, Runtime, check_input
 from ffnquant.spec import FFNSpec

@@ -612,7 +612,8 @@ CASES = [
     C("export-target-is-a-dir", EXPORT + ["--out", "{exp}"], "relu_d32_ff128.fp32.onnx",
       setup=replace_with_dir("exp/relu_d32_ff128.fp32.onnx")),
     C("profile-target-is-a-dir", PROFILE, "ranges.json", setup=replace_with_dir("out/ranges.json")),
-    C("quantize-target-is-a-dir", QUANTIZE, "relu_d32_ff128.w8a8.onnx", setup=replace_with_dir("exp/relu_d32_ff128.w8a8.onnx")),
+    C("quantize-target-is-a-dir", QUANTIZE, "relu_d32_ff128.w8a8-minmax.onnx",
+      setup=replace_with_dir("exp/relu_d32_ff128.w8a8-minmax.onnx")),
     C("run-target-is-a-dir", RUN + ["--no-onnx"], "report.json", setup=replace_with_dir("out/report.json")),
     C("model-eval-target-is-a-dir", EVAL_CAPTURED, "model-m.json",
       setup=chain(model(), captured(), replace_with_dir("out/model-m.json"))),
@@ -916,7 +917,7 @@ INTERRUPTIONS = [
      lambda f: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f)), 2, "space"),
     ("run-disk-full-mid-onnx", RUN, "onnx.save_model",
      lambda f: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f)), 2, "space"),
-    ("bench-ctrl-c-between-files", BENCH, "ffnquant.bench.latency_markdown", None, 130, "interrupt"),
+    ("bench-ctrl-c-between-files", BENCH, "ffnquant.report.latency.latency_markdown", None, 130, "interrupt"),
 ]
 
 

@@ -9,7 +9,7 @@ import pytest
 from ffnquant import FFNSpec
 from ffnquant.cli import main
 from ffnquant.onnxquant import artifact_kind, ort_session
-from ffnquant.quantize import prepare, quantize_spec
+from ffnquant.quantization import prepare, quantize_spec
 from ffnquant.recipe import Recipe
 from ffnquant.schemes import get_scheme
 

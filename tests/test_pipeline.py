@@ -16,7 +16,7 @@ from ffnquant.recipe import Recipe
 def test_weight_bytes_equal_the_artifacts_initializers(variant, scheme, tmp_path):
     """The size column is what the 4-bit artifact stores: packed codes, float32 group scales, packed zero
     points, fp32 biases (it used to count the scales as 2-byte floats)."""
-    from ffnquant.quantize import quantize_spec
+    from ffnquant.quantization import quantize_spec
     from ffnquant.runtimes.artifacts import onnx_weight_bytes
 
     spec = FFNSpec(variant, d_model=64)

@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
 def _measure_and_write(args: argparse.Namespace, out, specs, adapters, schemes, config):
     """Run the sweep and write <name>.json and <name>.md into `out`; returns (json path, md path, result)."""
     from ..atomic import write_json, write_text
-    from ..bench import latency_markdown, run_benchmark
+    from ..bench import run_benchmark
+    from ..report.latency import latency_markdown
 
     # onnxruntime's MatMulNBits quantizer calls logging.basicConfig(level=INFO) when imported
     # (mid-sweep, while artifacts are built), after which every exporter pass logs a line.

@@ -265,7 +265,7 @@ def _fix_paths(entry_holder: dict, tx: OutputTransaction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..envinfo import environment
-    from ..quantize import prepare, quantize_spec
+    from ..quantization import prepare, quantize_spec
 
     if args.variants is None and not args.model:
         args.variants = "swiglu"

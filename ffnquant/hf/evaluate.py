@@ -118,7 +118,7 @@ def calibrate_layers(
     (same spec), marked in `meta["borrowed_from_layer"]`.
     """
     from ..observe import profile
-    from ..quantize import input_hessians
+    from ..fakequant import input_hessians
 
     by_label = {layer.label: layer for layer in layers}
     tables: dict[str, Any] = {}
@@ -270,7 +270,7 @@ def quantize_layers(
     `ffnquant model eval` command (`evaluate_model`, `evaluate_layers_from_files`), `ffnquant quantize
     --model` (`quantize_model_layers`) and `ffnquant run`. `collect_errors`: see `quantize_recipes`.
     """
-    from ..quantize import quantize_recipes
+    from ..quantization import quantize_recipes
 
     for layer in layers:
         name = f"{file_stem}.{layer.label}" if file_stem else layer.label

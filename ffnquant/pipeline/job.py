@@ -31,7 +31,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     from . import findings as F
     from .latency import measure_latency, select_runtimes
     from .model import check_model, model_layers
-    from .variants import quantize_recipes
+    from .variants import score_recipes
 
     t_start = time.perf_counter()
     stages = Stages()
@@ -87,7 +87,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
             stages.add("profile", time.perf_counter() - t0)
             tick(f"{v}: profiled")
             t0 = time.perf_counter()
-            res = quantize_recipes(spec, model, recipes, config, calib_tokens, eval_tokens, out_export, tick)
+            res = score_recipes(spec, model, recipes, config, calib_tokens, eval_tokens, out_export, tick)
             rows += res.rows
             artifacts += res.artifacts
             ort_baselines += [res.ort_baseline] if res.ort_baseline is not None else []

@@ -12,7 +12,7 @@ from ..render import display_path
 from .config import RunConfig
 from .latency import measure_latency
 from .results import ModelPart, Progress, Stages
-from .variants import quantize_recipes
+from .variants import score_recipes
 
 __all__ = ["MODEL_E2E_MAX_BYTES", "check_model", "model_layers"]
 
@@ -74,7 +74,7 @@ def model_layers(
     baselines: list[dict] = []
     rep_paths: dict[str, Path] = {}
     for n, layer in enumerate(layers):
-        res = quantize_recipes(layer.spec, layer.ffn, recipes, config, inputs.calib[layer.label], inputs.eval[layer.label],
+        res = score_recipes(layer.spec, layer.ffn, recipes, config, inputs.calib[layer.label], inputs.eval[layer.label],
                                out_export, tick, label=keys[layer.label], stem=f"{stem}.{layer.label}",
                                keep=e2e_reason is None)
         for r in res.rows:

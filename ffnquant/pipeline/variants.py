@@ -12,7 +12,7 @@ from ..spec import FFNSpec
 from .config import RunConfig
 from .results import VariantResult, json_num
 
-__all__ = ["quantize_recipes", "weight_bytes"]
+__all__ = ["score_recipes", "weight_bytes"]
 
 
 def weight_bytes(spec: FFNSpec, scheme: Any) -> int:
@@ -42,7 +42,7 @@ def weight_bytes(spec: FFNSpec, scheme: Any) -> int:
 
 def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:
     """SQNR with one weight or one activation site quantized as in `res`, the rest float (quantize.sensitivity)."""
-    from ..quantize import sensitivity
+    from ..quantization import sensitivity
 
     return {k: json_num(v) for k, v in sensitivity(prep, res.qmodel).items()}
 
@@ -54,41 +54,37 @@ def _row(label: str, recipe: Recipe, spec: FFNSpec) -> dict[str, Any]:
             "sensitivity": None}
 
 
-def quantize_recipes(
+def score_recipes(
     spec: FFNSpec, model: Any, recipes: Sequence[Recipe], config: RunConfig, calib: Any, eval_tokens: Any,
     out_export: Path | None, tick: Callable[[str], None], label: str | None = None, stem: str | None = None,
     keep: bool = False,
 ) -> VariantResult:
-    """Every recipe of one FFN through `quantize.quantize_spec`: accuracy rows (torch reference and the
+    """Every recipe of one FFN through `quantization.quantize_recipes`: accuracy rows (torch reference and the
     ONNX artifact on onnxruntime), artifacts written to `out_export`, and onnxruntime's default
     quantize_static on the same model and data for comparison.
 
-    One `prepare()` per remedy set, shared across the recipes that use it (calibrate once). A real
+    `quantization.quantize_recipes` calibrates once per remedy set, shared by the recipes that use it. A real
     model's layer passes its report key as `label` (e.g. 'bert:L0') and its ONNX file stem as `stem`;
     `keep` collects the quantized FFN of every quantized recipe for the end-to-end run.
     """
-    from ..atomic import is_output_failure
-    from ..quantize import prepare, quantize_spec
+    from ..quantization import quantize_recipes as quantize_each
 
     v = label or spec.variant.value
     out = VariantResult([], [], {}, None)
-    preps: dict[tuple, Any] = {}
     work: dict[str, Any] = {}  # recipe name -> (prepared, QuantResult) for the sensitivity of the worst cases
-    for recipe in recipes:
+    outcomes = quantize_each(spec, recipes, collect_errors=True, model=model, calib_tokens=calib,
+                             eval_tokens=eval_tokens, seed=config.seed, name=stem, out_artifacts=out_export,
+                             onnx=out_export is not None, baseline=out_export is not None)
+    for o in outcomes:
+        recipe, res, prep = o.recipe, o.result, o.prepared
         row = _row(v, recipe, spec)
-        try:
-            key = (recipe.smooth, recipe.rotate)
-            if key not in preps:
-                preps[key] = prepare(spec, calib_tokens=calib, eval_tokens=eval_tokens, seed=config.seed,
-                                     smooth=recipe.smooth, rotate=recipe.rotate, model=model, name=stem)
-                base = preps.get((None, False))
-                if base is not None and key != (None, False):
-                    # The reference fp32 export and onnxruntime's default baseline do not depend on the
-                    # remedies: reuse the files already made instead of exporting them again.
-                    preps[key]._files.update({k: p for k, p in base._files.items() if k[0] in ("reference", "baseline")})
-            prep = preps[key]
-            res = quantize_spec(spec, recipe, prepared=prep, out_artifacts=out_export, onnx=out_export is not None,
-                                sensitivity=False, baseline=out_export is not None)
+        if o.error is not None:
+            # a remedy that cannot apply exactly to this FFN is refused by design; anything else is a
+            # broken combination that must not sink the run: both are recorded in the report
+            bad = isinstance(o.error, FFNQuantError)
+            row.update(status="not applicable" if bad else "error",
+                       reason=str(o.error) if bad else f"{type(o.error).__name__}: {o.error}")
+        else:
             _fill_row(row, recipe, res, prep, recipe.name == config.baseline)
             if recipe.name != config.baseline:
                 work[recipe.name] = (prep, res)
@@ -107,13 +103,6 @@ def quantize_recipes(
                 out.ort_baseline = {"variant": v, "what": res.baseline["what"],
                                     "sqnr_db": json_num(res.baseline["accuracy_onnx"]["sqnr_db"]),
                                     "size_bytes": res.baseline.get("size_bytes")}
-        except FFNQuantError as exc:
-            # e.g. a remedy that cannot be applied exactly to this variant: refused by design, recorded.
-            row.update(status="not applicable", reason=str(exc))
-        except Exception as exc:  # one broken combination must not sink the run; the report shows it
-            if is_output_failure(exc):
-                raise  # a full disk is not one broken combination: the run stops and leaves nothing
-            row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
         out.rows.append(row)
         tick(f"{v} {recipe.name}")
     if config.sensitivity:

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..render import fmt, markdown_table
+from ..render import fmt, fmt_db, fmt_ms, markdown_table
 from .plots import _slug
 from .view import _accuracy_index, _baseline, _keys, _ok_cases, _runtimes_with_cases, _scheme_order, _variants
 
 PLOT_DIR = "report_plots"  # beside report.md, so the Markdown's relative image links work
-
-def _db(x: Any) -> str:
-    return "-" if x is None else f"{float(x):.1f}"
-
-
-def _ms(x: Any) -> str:
-    return "-" if x is None else f"{float(x) * 1e3:.3g}"
-
 
 def _img(plots: Mapping[str, bytes], name: str, alt: str) -> list[str]:
     return [f"![{alt}]({PLOT_DIR}/{name})", ""] if name in plots else []
@@ -81,7 +73,7 @@ def _section_model(doc: Mapping[str, Any]) -> list[str]:
         cells = []
         for k in keys + ([same] if same else []):
             r = acc.get((k, s))
-            cells.append("-" if r is None else (_db(r["sqnr_db"]) if r["status"] == "ok" else "skipped"))
+            cells.append("-" if r is None else (fmt_db(r["sqnr_db"]) if r["status"] == "ok" else "skipped"))
         label = next((r["label"] for k in keys if (r := acc.get((k, s)))), s)
         rows.append([label] + cells)
     lines += [markdown_table(head, rows), ""]
@@ -105,7 +97,7 @@ def _section_model(doc: Mapping[str, Any]) -> list[str]:
         rows = []
         for s in e2e["schemes"]:
             e = s["end_to_end"]
-            rows.append([s["label"], _db(e["hidden_sqnr_db"]), e["hidden_cosine"]]
+            rows.append([s["label"], fmt_db(e["hidden_sqnr_db"]), e["hidden_cosine"]]
                         + ([e.get("perplexity"), e.get("perplexity_delta")] if causal else [])
                         + [", ".join(s["worst_layers_end_to_end"][:1]) or "-"])
         lines += [markdown_table(head, rows), ""]
@@ -192,7 +184,7 @@ def _section_accuracy(doc: Mapping[str, Any]) -> list[str]:
     rows = []
     for r in acc["rows"]:
         note = "" if r["status"] == "ok" else f"{r['status']}: {r.get('reason') or ''}"
-        rows.append([r["variant"], r["label"], _db(r["sqnr_db"]), _db(r.get("onnx_sqnr_db")), r["cosine"],
+        rows.append([r["variant"], r["label"], fmt_db(r["sqnr_db"]), fmt_db(r.get("onnx_sqnr_db")), r["cosine"],
                      r["max_abs_error"], r["size_bytes"], note])
     lines += [markdown_table(["variant", "scheme", "SQNR dB", "ORT SQNR dB", "cosine", "max abs error",
                               "weight bytes", "note"], rows), ""]
@@ -206,7 +198,7 @@ def _section_accuracy(doc: Mapping[str, Any]) -> list[str]:
         keys: list[str] = []
         for r in worst:
             keys += [k for k in r["sensitivity"] if k not in keys]
-        rows = [[r["variant"], r["label"], _db(r["sqnr_db"])] + [_db(r["sensitivity"].get(k)) for k in keys] for r in worst]
+        rows = [[r["variant"], r["label"], fmt_db(r["sqnr_db"])] + [fmt_db(r["sensitivity"].get(k)) for k in keys] for r in worst]
         lines += [markdown_table(["variant", "scheme", "all"] + keys, rows), ""]
     return lines
 
@@ -238,7 +230,7 @@ def _section_latency(doc: Mapping[str, Any], plots: Mapping[str, bytes]) -> list
                     if c is None:
                         cells.append("-")
                         continue
-                    cell = _ms(c["median_s"])
+                    cell = fmt_ms(c["median_s"])
                     if c.get("speedup") is not None and s != base:
                         cell += f" ({c['speedup']:.2f}x)"
                     if c.get("slower_than_baseline"):

@@ -22,8 +22,10 @@ CALIBRATION_TOKENS = 1024
 
 
 def artifact_path(case: ModelCase, workdir: str | os.PathLike) -> Path:
-    """`<workdir>/<spec.key>.s<seed>.<scheme>.onnx`."""
-    return Path(workdir) / f"{case.spec.key}.s{case.seed}.{case.scheme}.onnx"
+    """`<workdir>/<spec.key>.s<seed>.<recipe slug>.onnx`."""
+    from ..recipe import Recipe
+
+    return Path(workdir) / f"{case.spec.key}.s{case.seed}.{Recipe(case.scheme).slug}.onnx"
 
 
 def onnx_artifact(case: ModelCase) -> Path:
@@ -53,7 +55,7 @@ def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
     record come from the quantization stage's own artifacts (pass them as `onnx_path`).
     """
     from .. import onnxquant
-    from ..quantize import quantize_model
+    from ..fakequant import quantize_model
     from ..schemes import get_scheme
 
     scheme = get_scheme(case.scheme)
@@ -73,7 +75,7 @@ def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
 def gaussian_calibration(model, seed: int):
     """The `quantize.Prepared` that static schemes of timed artifacts and of the bench's references are
     calibrated from: `CALIBRATION_TOKENS` seeded Gaussian tokens through `model`."""
-    from ..quantize import prepare
+    from ..quantization import prepare
 
     return prepare(model.spec, source="gaussian", calib_tokens=CALIBRATION_TOKENS, eval_tokens=64, seed=seed,
                    model=model)

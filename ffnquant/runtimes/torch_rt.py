@@ -469,7 +469,7 @@ _STATIC = ("fp8-e4m3",)
 def _static_act_scales(case: ModelCase) -> dict[str, float]:
     """Each projection's input scale under the case's static preset, calibrated as ffnquant's reference is
     (the same Gaussian calibration the ONNX artifacts and the bench's references use), by weight name."""
-    from ..quantize import WEIGHT_INPUT_SITE, quantize_model
+    from ..fakequant import WEIGHT_INPUT_SITE, quantize_model
     from ..schemes import get_scheme
     from .artifacts import gaussian_calibration
 

@@ -122,10 +122,10 @@ class Prepared:
         if path is not None and path.exists():
             return path
         if which == "reference" or (which == "model" and not self.remedy_slug):
-            path = folder / f"{self.stem}.fp32.onnx"
+            path = folder / f"{self.stem}.{Recipe('fp32').slug}.onnx"
             export_onnx(self.reference, path)
         elif which == "model":
-            path = folder / f"{self.stem}.{self.remedy_slug}.fp32.onnx"
+            path = folder / f"{self.stem}.{self.remedy_slug}.{Recipe('fp32').slug}.onnx"
             export_onnx(self.model, path)
         elif which == "baseline":
             path = folder / f"{self.stem}.ort-default-static.onnx"

@@ -9,7 +9,7 @@ from ffnquant import FFNSpec, Variant, build
 from ffnquant.accuracy import accuracy_of, cosine, rel_l2, sqnr_db
 from ffnquant.data import gaussian_tokens
 from ffnquant.errors import FFNQuantError
-from ffnquant.quantize import prepare, quantize_model, quantize_spec, search_calibrators, sensitivity
+from ffnquant.quantization import prepare, quantize_model, quantize_spec, search_calibrators, sensitivity
 from ffnquant.recipe import Recipe
 
 D = 64
