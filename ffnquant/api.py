@@ -25,7 +25,8 @@ import torch
 
 from .errors import FFNQuantError
 from .model import FFN
-from .quantization import Prepared, QuantizedFFN
+from .fakequant import QuantizedFFN
+from .quantization import Prepared
 from .recipe import Recipe, as_recipe
 from .spec import FFNSpec
 

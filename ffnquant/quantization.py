@@ -19,31 +19,12 @@ import torch
 
 from . import onnxquant as OQ
 from .errors import FFNQuantError
-from .fakequant import (
-    ACT_SITES,
-    WEIGHT_INPUT_SITE,
-    QuantizedFFN,
-    SiteRange,
-    input_hessians,
-    quantize_model,
-    quantize_weight,
-    search_calibrators,
-    site_ranges,
-)
+from .fakequant import QuantizedFFN, SiteRange, input_hessians, quantize_model, search_calibrators
 from .model import FFN
 from .recipe import Recipe, as_recipe
 from .schemes import Method, Scheme, check_scheme_fits
 
 __all__ = [
-    "ACT_SITES",
-    "WEIGHT_INPUT_SITE",
-    "SiteRange",
-    "QuantizedFFN",
-    "quantize_weight",
-    "site_ranges",
-    "input_hessians",
-    "quantize_model",
-    "search_calibrators",
     "RESULT_SCHEMA_VERSION",
     "Prepared",
     "prepare",

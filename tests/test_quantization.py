@@ -9,7 +9,8 @@ from ffnquant import FFNSpec, Variant, build
 from ffnquant.accuracy import accuracy_of, cosine, rel_l2, sqnr_db
 from ffnquant.data import gaussian_tokens
 from ffnquant.errors import FFNQuantError
-from ffnquant.quantization import prepare, quantize_model, quantize_spec, search_calibrators, sensitivity
+from ffnquant.fakequant import quantize_model, search_calibrators
+from ffnquant.quantization import prepare, quantize_spec, sensitivity
 from ffnquant.recipe import Recipe
 
 D = 64
