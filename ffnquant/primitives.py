@@ -59,17 +59,22 @@ def choose_qparams(
     hi = torch.as_tensor(hi, dtype=torch.float32)
     lo = torch.minimum(lo, torch.zeros_like(lo))
     hi = torch.maximum(hi, torch.zeros_like(hi))
+    # A scale below float32's smallest normal number is subnormal: x / scale and q * scale then lose
+    # most of their bits and the half-step error bound fails. Such a range is represented on the
+    # smallest normal step instead; an all-zero range on any positive scale (1).
+    tiny = torch.finfo(torch.float32).tiny
+
+    def usable(scale: torch.Tensor) -> torch.Tensor:
+        return torch.where(scale > 0, torch.clamp(scale, min=tiny), torch.ones_like(scale))
+
     if symmetric:
         zp = (qmin + qmax + 1) // 2
         absmax = torch.maximum(-lo, hi)
-        scale = absmax / float(qmax - zp)
+        scale = usable(absmax / float(qmax - zp))
         zero_point = torch.full_like(scale, zp, dtype=torch.int32)
     else:
-        scale = (hi - lo) / float(qmax - qmin)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        zero_point = torch.clamp(torch.round(qmin - lo / safe), qmin, qmax).to(torch.int32)
-    # an all-zero range: any positive scale represents it exactly
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = usable((hi - lo) / float(qmax - qmin))
+        zero_point = torch.clamp(torch.round(qmin - lo / scale), qmin, qmax).to(torch.int32)
     return scale, zero_point
 
 
