@@ -410,6 +410,7 @@ CASES = [
     C("bench-d-model-1e9", BENCH + ["--d-model", BIG], (BIG, "d_model")),
     C("bench-unknown-runtime", BENCH + ["--runtimes", "tpu"], "tpu"),
     C("bench-unknown-scheme", BENCH + ["--schemes", "w9a9"], "w9a9"),
+    C("bench-recipe-with-remedies", BENCH + ["--schemes", "w8a8@auto+smooth"], ("w8a8@auto+smooth", "ffnquant run")),
     C("bench-tokens-zero", BENCH + ["--tokens", "0"], "tokens"),
     C("bench-tokens-not-a-number", BENCH + ["--tokens", "1,x"], "tokens"),
     C("bench-budget-zero", BENCH + ["--budget-s", "0"], "budget"),

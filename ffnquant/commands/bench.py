@@ -92,7 +92,7 @@ def plan_from_args(args: argparse.Namespace):
     if not adapters:
         raise FFNQuantError("no runtime given")
     usable = [rt for rt in adapters if rt.availability().available]
-    schemes = None if args.schemes.strip().lower() == "all" else parse_formats(args.schemes)
+    schemes = None if args.schemes.strip().lower() == "all" else parse_formats(_preset_names(args.schemes))
     for scheme in schemes or []:
         # With --skip-unavailable a scheme only the missing runtimes support is listed as not run.
         if not args.skip_unavailable and not any(scheme in rt.formats for rt in usable):
@@ -130,6 +130,21 @@ def _command_line(args: argparse.Namespace) -> str:
 
     parts += ["--out", display_path(args.out), "--name", args.name]  # never this machine's absolute layout
     return " ".join(shlex.quote(p) for p in parts)
+
+
+def _preset_names(text: str) -> list[str]:
+    """The schemes of --schemes read in the one recipe grammar; bench times each preset's own kernels, so a
+    recipe with a calibrator or remedies is refused with where it can be timed (on its own artifact)."""
+    from ..recipe import Recipe
+
+    names = []
+    for item in (t for t in text.split(",") if t.strip()):
+        recipe = Recipe.parse(item)
+        if recipe.calibrator or recipe.has_remedies:
+            raise FFNQuantError(f"bench times scheme presets (e.g. {recipe.scheme}); {recipe.name!r} carries a calibrator "
+                                f"or remedies: time it on its own artifact with: ffnquant run --schemes fp32,{recipe.name}")
+        names.append(recipe.scheme)
+    return names
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Any
 
 from ..atomic import OutputTransaction
 from ..errors import FFNQuantError
-from ..render import fmt, markdown_table, text_table
+from ..render import fmt, text_table
+from ..report.model import model_eval_markdown, recipe_name
 from .common import positive_int
 
 NAME = "model"
@@ -103,63 +103,6 @@ def _slug(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(path).resolve().name).strip("-") or "model"
 
 
-def render_markdown(result: dict[str, Any]) -> str:
-    """The Markdown view of an `evaluate_model` result."""
-    m = result["model"]
-    if "end_to_end_unavailable" in result:
-        return _markdown_layers_only(result)
-    lines = [f"# FFN quantization of {m['path']}", "",
-             f"{m['model_type']} ({m['kind']}): {m['variant']} FFN, activation {m['activation']}, "
-             f"d_model {m['spec']['d_model']}, d_ff {m['spec']['d_ff']}, {m['n_layers']} layers, {m['n_ffns']} FFNs.", "",
-             f"Calibration text: {result['calibration_text']} ({result['calibration_tokens']} tokens); "
-             f"evaluation text: {result['evaluation_text']} ({result['baseline']['n_tokens']} tokens).", ""]
-    causal = m["kind"] == "causal_lm"
-    if causal:
-        lines += [f"Float perplexity: {fmt(result['baseline']['perplexity'])}.", ""]
-    head = ["scheme"] + (["perplexity", "Δ ppl"] if causal else []) + ["final hidden SQNR dB", "cosine",
-                                                                        "worst layers (own SQNR)", "worst layers (end to end)"]
-    rows = []
-    for s in result["schemes"]:
-        e = s["end_to_end"]
-        rows.append([_name(s)] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
-                    + [e["hidden_sqnr_db"], e["hidden_cosine"], ", ".join(s["worst_layers_sqnr"]),
-                       ", ".join(s["worst_layers_end_to_end"]) or "-"])
-    lines += ["## End to end", "", markdown_table(head, rows), ""]
-    for s in result["schemes"]:
-        ablation = {a["index"]: a for a in s["ablation"]}
-        head = ["layer", "module", "SQNR dB", "cosine", "calib tokens"] + (
-            ["Δ ppl (this layer alone)"] if causal else ["final hidden SQNR dB (this layer alone)"])
-        rows = []
-        for r in s["layers"]:
-            a = ablation.get(r["index"], {})
-            rows.append([r["label"], r["name"], r["sqnr_db"], r["cosine"],
-                         f"{r['calib_tokens']}" + (" (borrowed)" if r["calib_borrowed"] else ""),
-                         a.get("perplexity_delta") if causal else a.get("hidden_sqnr_db")])
-        lines += [f"## {_name(s)}: per layer", "", markdown_table(head, rows), ""]
-    for s in result["skipped"]:
-        lines.append(f"- skipped {s['scheme']}: {s['reason']}")
-    return "\n".join(lines) + "\n"
-
-
-def _markdown_layers_only(result: dict[str, Any]) -> str:
-    m = result["model"]
-    lines = [f"# FFN quantization of {m['path']} (per layer, captured inputs)", "",
-             f"{m['model_type']}: {m['variant']} FFN, d_model {m['spec']['d_model']}, d_ff {m['spec']['d_ff']}. "
-             f"Calibration: {result['calibration_captured']}; evaluation: {result['evaluation_captured']}. "
-             f"{result['end_to_end_unavailable']}.", ""]
-    for s in result["schemes"]:
-        rows = [[r["label"], r["name"], r["sqnr_db"], r["cosine"], r["calib_tokens"]] for r in s["layers"]]
-        lines += [f"## {_name(s)}", "", markdown_table(["layer", "module", "SQNR dB", "cosine", "calib tokens"], rows), ""]
-    for s in result["skipped"]:
-        lines.append(f"- skipped {s['scheme']}: {s['reason']}")
-    return "\n".join(lines) + "\n"
-
-
-def _name(entry: dict[str, Any]) -> str:
-    """How a result's recipe is shown: its recipe text ('w8a8@mse+smooth'), or the scheme of older results."""
-    return entry.get("recipe") or entry["scheme"]
-
-
 def _eval(args: argparse.Namespace) -> int:
     from ..atomic import write_json, write_text
     from ..envinfo import environment
@@ -190,9 +133,9 @@ def _eval(args: argparse.Namespace) -> int:
         result["environment"] = environment()
         name = f"model-{_slug(args.path)}"
         json_path = tx.final(write_json(out / f"{name}.json", result))
-        md_path = tx.final(write_text(out / f"{name}.md", render_markdown(result)))
+        md_path = tx.final(write_text(out / f"{name}.md", model_eval_markdown(result)))
     if args.calib_captured is not None:
-        rows = [(_name(s), r["label"], r["sqnr_db"], r["cosine"]) for s in result["schemes"] for r in s["layers"]]
+        rows = [(recipe_name(s), r["label"], r["sqnr_db"], r["cosine"]) for s in result["schemes"] for r in s["layers"]]
         print(text_table(["scheme", "layer", "SQNR dB", "cosine"], rows))
         print(f"wrote {json_path} and {md_path} (per layer only: no model run)")
         return 0
@@ -201,7 +144,7 @@ def _eval(args: argparse.Namespace) -> int:
     for s in result["schemes"]:
         e = s["end_to_end"]
         own = [r["sqnr_db"] for r in s["layers"] if r["sqnr_db"] is not None]
-        rows.append([_name(s)] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
+        rows.append([recipe_name(s)] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
                     + [e["hidden_sqnr_db"], min(own) if own else None, ", ".join(s["worst_layers_end_to_end"] or s["worst_layers_sqnr"])])
     head = ["scheme"] + (["perplexity", "Δ ppl"] if causal else []) + ["hidden SQNR dB", "min layer SQNR dB", "hurts most"]
     if causal:

@@ -8,13 +8,14 @@ import math
 from ..atomic import OutputTransaction, write_json, write_text
 from ..errors import FFNQuantError
 from ..recipe import GRAMMAR, Recipe
-from ..render import fmt, markdown_table, text_table
+from ..render import fmt, text_table
+from ..report.quantize import quantize_markdown, quantize_model_markdown
 from .common import add_model_arguments, add_spec_arguments, positive_int, specs_from_args
 
 NAME = "quantize"
 HELP = "quantize FFN variants (int8 / 4-bit / fp8) with calibration and remedies; write ONNX artifacts and an accuracy report"
 
-__all__ = ["NAME", "HELP", "add_arguments", "recipe_from_args", "run", "render_markdown"]
+__all__ = ["NAME", "HELP", "add_arguments", "recipe_from_args", "run"]
 
 
 def _non_negative_int(text: str) -> int:
@@ -155,106 +156,6 @@ def _capture_model(args: argparse.Namespace, info):
     return layers, inputs, settings
 
 
-def render_markdown(data: dict) -> str:
-    """The Markdown summary of one `QuantResult.to_dict()`."""
-    spec, scheme = data["spec"], data["scheme"]
-    lines = [
-        f"# ffnquant quantize: {spec['variant']} d={spec['d_model']} d_ff={spec['d_ff']}, scheme {scheme['name']}",
-        "",
-        f"- data: {data['source']}; {data['n_calib_tokens']} calibration tokens, {data['n_eval_tokens']} held-out evaluation tokens",
-        f"- calibrator: {data['calibrator'] or '-'}; remedies: "
-        + (", ".join(f"{r['kind']} {r['params']}" + (f" ({r['note']})" if r["note"] else "") for r in data["remedies"]) or "none"),
-        "",
-        "## Accuracy against fp32 (held-out tokens)",
-        "",
-    ]
-    rows = [("torch reference", *[data["accuracy_torch"][k] for k in ("sqnr_db", "cosine", "rel_l2", "max_abs_error")], None, None)]
-    art = data.get("artifact") or {}
-    if art.get("accuracy_onnx"):
-        a = art["accuracy_onnx"]
-        rows.append((f"ONNX artifact ({art['kind']})", a["sqnr_db"], a["cosine"], a["rel_l2"], a["max_abs_error"], art.get("size_bytes"), art.get("latency_ms")))
-    base = data.get("ort_default_baseline") or {}
-    if base.get("accuracy_onnx"):
-        a = base["accuracy_onnx"]
-        rows.append(("ORT default quantize_static", a["sqnr_db"], a["cosine"], a["rel_l2"], a["max_abs_error"], base.get("size_bytes"), base.get("latency_ms")))
-    fp32 = data.get("fp32") or {}
-    if fp32:
-        rows.append(("fp32 ONNX", None, None, None, None, fp32.get("size_bytes"), fp32.get("latency_ms")))
-    lines.append(markdown_table(["model", "SQNR dB", "cosine", "rel L2", "max abs err", "bytes", "ORT CPU ms"], rows))
-    if art and not art.get("accuracy_onnx"):
-        lines += ["", f"No ONNX artifact: {art.get('note')}."]
-    if data["ranges"]:
-        lines += ["", "## Activation ranges per site", ""]
-        lines.append(markdown_table(
-            ["site", "calibrator", "lo", "hi", "observed min", "observed max", "scale", "zero point"],
-            [(s, r["calibrator"], r["lo"], r["hi"], r["observed_min"], r["observed_max"], r["scale"], r["zero_point"]) for s, r in data["ranges"].items()],
-        ))
-    if data["sensitivity_sqnr_db"]:
-        lines += ["", "## Where the error comes from (SQNR with only this one quantized)", ""]
-        lines.append(markdown_table(["quantized alone", "SQNR dB"], sorted(data["sensitivity_sqnr_db"].items(), key=lambda kv: kv[1])))
-    env = data["environment"]
-    lines += ["", f"_{env.get('timestamp_utc')} on {env.get('cpu')}, torch {env['packages'].get('torch')}, onnxruntime {env['packages'].get('onnxruntime-gpu') or env['packages'].get('onnxruntime')}_", ""]
-    return "\n".join(lines)
-
-
-def render_model_markdown(data: dict) -> str:
-    """The Markdown summary of `hf.quantize_model_layers` (one row per FFN layer, then end to end)."""
-    m, scheme = data["model"], data["scheme"]
-    spec = m["spec"]
-    remedies = ", ".join(f"{r['kind']} {r['params']}" + (f" ({r['note']})" if r["note"] else "") for r in data["remedies"])
-    calib = data["calibration"]["tokens_per_layer"].values()
-    evals = data["evaluation"]["tokens_per_layer"].values()
-    lines = [
-        f"# ffnquant quantize: {m['path']}, scheme {scheme['name']}",
-        "",
-        f"- model: {m['model_type']} ({m['kind']}), {m['variant']} FFN (activation {m['activation']}), d_model {spec['d_model']}, "
-        f"d_ff {spec['d_ff']}, {len(data['layers'])} of {m['n_ffns']} FFN layers quantized",
-        f"- calibration: {data['calibration']['source']}, {min(calib)}-{max(calib)} tokens per layer",
-        f"- held-out evaluation: {data['evaluation']['source']}, {min(evals)}-{max(evals)} tokens per layer "
-        f"({data['evaluation']['separation']})",
-        f"- calibrator: {data['calibrator'] or '-'}; remedies: {remedies or 'none'}",
-        "",
-        "## Per layer: FFN output against fp32 on held-out inputs",
-        "",
-    ]
-    rows = []
-    for r in data["layers"]:
-        acc, art = r["accuracy_torch"], r.get("artifact") or {}
-        base = (r.get("ort_default_baseline") or {}).get("accuracy_onnx") or {}
-        sens = r.get("sensitivity_sqnr_db") or {}
-        worst = min(sens.items(), key=lambda kv: kv[1]) if sens else None
-        rows.append((r["label"], r["name"], acc["sqnr_db"], (art.get("accuracy_onnx") or {}).get("sqnr_db"),
-                     base.get("sqnr_db"), acc["cosine"], acc["max_abs_error"],
-                     f"{worst[0]} ({fmt(worst[1])} dB)" if worst else "-", art.get("size_bytes")))
-    lines.append(markdown_table(["layer", "module", "SQNR dB", "ONNX SQNR dB", "ORT default SQNR dB", "cosine",
-                                 "max abs err", "worst alone (sensitivity)", "artifact bytes"], rows))
-    lines += ["", f"Lowest SQNR: {', '.join(data['worst_layers_sqnr'])}.", ""]
-    e2e = data["end_to_end"]
-    lines += ["## End to end", ""]
-    if e2e["status"] != "ok":
-        lines += [f"Not measured: {e2e['reason']}.", ""]
-    else:
-        e, base = e2e["end_to_end"], e2e["baseline"]
-        causal = "perplexity" in e
-        text = (f"Every selected FFN quantized and put back into the model, on {base['n_tokens']} tokens of "
-                f"{e2e['evaluation_text']}: final hidden state SQNR {fmt(e['hidden_sqnr_db'])} dB, cosine {fmt(e['hidden_cosine'])}")
-        if causal:
-            text += f"; perplexity {fmt(base['perplexity'])} -> {fmt(e['perplexity'])} ({e['perplexity_delta']:+.3g})"
-        lines += [text + ".", ""]
-        if e2e["ablation"]:
-            head = ["layer quantized alone", "final hidden SQNR dB", "cosine"] + (["Δ perplexity"] if causal else [])
-            arows = [[a["label"], a["hidden_sqnr_db"], a["hidden_cosine"]] + ([a["perplexity_delta"]] if causal else [])
-                     for a in e2e["ablation"]]
-            lines += [markdown_table(head, arows), "", f"Hurts most end to end: {', '.join(e2e['worst_layers_end_to_end'])}.", ""]
-    arts = [(r["label"], (r.get("artifact") or {}).get("path")) for r in data["layers"] if (r.get("artifact") or {}).get("path")]
-    if arts:
-        lines += ["## Artifacts", "", markdown_table(["layer", "file"], arts), ""]
-    env = data["environment"]
-    lines += [f"_{env.get('timestamp_utc')} on {env.get('cpu')}, torch {env['packages'].get('torch')}, "
-              f"transformers {env['packages'].get('transformers', '-')}_", ""]
-    return "\n".join(lines)
-
-
 def _fix_paths(entry_holder: dict, tx: OutputTransaction) -> None:
     """Staged artifact paths replaced by the paths the files will have once moved into place."""
     for key in ("artifact", "ort_default_baseline", "fp32"):
@@ -283,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         for spec in specs:
             prep = prepare(spec, source, args.calib_tokens, args.eval_tokens, args.seed, smooth_sites=sites, recipe=recipe)
             res = quantize_spec(spec, recipe, prep, out_artifacts=arts, onnx=not args.no_onnx, latency=args.latency)
-            outputs.append((f"{spec.key}.{recipe.slug}", res.to_dict(), render_markdown))
+            outputs.append((f"{spec.key}.{recipe.slug}", res.to_dict(), quantize_markdown))
         if model_part is not None:
             from ..hf import model_file_stem, quantize_model_layers
 
@@ -293,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
                                          onnx=not args.no_onnx, latency=args.latency, settings=settings, file_stem=stem)
             data = {"command": "ffnquant quantize --model", "layers_selected": args.layers, **data,
                     "environment": environment()}
-            outputs.append((f"{stem}.{recipe.slug}", data, render_model_markdown))
+            outputs.append((f"{stem}.{recipe.slug}", data, quantize_model_markdown))
         for tag, data, render in outputs:
             for holder in data["layers"] if "layers" in data else [data]:
                 _fix_paths(holder, tx)
