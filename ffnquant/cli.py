@@ -51,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and argparse's own errors: return the code
         return int(exc.code or 0)
+    # Third-party noise stays out of the user's terminal: bitsandbytes asks at import to `pip install
+    # kernels`, a package ffnquant does not use, wherever it is imported (runtimes, primitives).
+    from .runtimes.bnb import quiet_bitsandbytes
+
+    quiet_bitsandbytes()
     # The exact command line, for reports that state how they were made.
     args._argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -89,3 +89,17 @@ def _help_defaults():
 def test_every_help_default_is_the_codes_default(stated, actual):
     """A help text that names a default must name the one the code uses (run's came from RunConfig by hand)."""
     assert stated == actual
+
+
+def test_cli_keeps_bitsandbytes_pip_install_kernels_warning_off_stderr(tmp_path):
+    """A 4-bit scheme's reference numerics import bitsandbytes (ffnquant.primitives), which logs at import a
+    request to `pip install kernels`, a package ffnquant does not use: the command's stderr has no such line."""
+    pytest.importorskip("bitsandbytes")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ffnquant", "quantize", "--variants", "swiglu", "--d-model", "64", "--scheme", "nf4",
+         "--no-onnx", "--calib-tokens", "64", "--eval-tokens", "64", "--out-reports", str(tmp_path / "r"),
+         "--out-artifacts", str(tmp_path / "e")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "pip install kernels" not in proc.stderr and "kernels-community" not in proc.stderr

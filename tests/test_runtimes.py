@@ -457,3 +457,52 @@ def test_cuda_runtime_available_on_gpu(name):
 
 
 
+
+
+# --- bitsandbytes' third-party noise --------------------------------------------------------------
+
+_BNB_NOISE = ("pip install kernels", "kernels-community")
+
+
+def test_bnb_runtime_keeps_the_pip_install_kernels_warning_off_stderr():
+    """bitsandbytes logs 'Failed to load CPU gemm_4bit_forward from kernels-community ... pip install kernels' at
+    import (a package ffnquant does not use): importing and running the bnb runtime shows no such line, even
+    with every logger at DEBUG. A fresh interpreter, since the warning is logged once, at import."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("bitsandbytes")
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)\n"
+        "from ffnquant.runtimes import ModelCase, get_runtime\n"
+        "from ffnquant.spec import FFNSpec\n"
+        "rt = get_runtime('bnb-cpu'); assert rt.availability().available, rt.availability()\n"
+        "import torch\n"
+        "loaded = rt.load(ModelCase(FFNSpec('swiglu', d_model=64), 'nf4'))\n"
+        "rt.run(loaded, rt.prepare(loaded, torch.randn(4, 64).numpy()))\n"
+        "print('ran')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "ran" in proc.stdout
+    noisy = [line for line in (proc.stdout + proc.stderr).splitlines() if any(n in line for n in _BNB_NOISE)]
+    assert not noisy
+
+
+def test_bnb_noise_filter_passes_other_records():
+    import logging
+
+    from ffnquant.runtimes.bnb import quiet_bitsandbytes
+
+    quiet_bitsandbytes()
+    quiet_bitsandbytes()  # idempotent: one filter
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    assert len(logger.filters) == 1
+    f = logger.filters[0]
+
+    def rec(msg):
+        return logging.LogRecord(logger.name, logging.WARNING, __file__, 1, msg, (), None)
+
+    assert not f.filter(rec("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. "
+                            "Please make sure you already `pip install kernels` and the kernels >= 0.11.1"))
+    assert f.filter(rec("some other bitsandbytes warning"))
