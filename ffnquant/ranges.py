@@ -318,24 +318,62 @@ def claims(tables: Mapping[str, RangeTable]) -> list[dict[str, Any]]:
 
     claim = "The FFN holds about two thirds of a transformer block's parameters."
     src = "transformer block arithmetic (attention 4 d^2)"
+    lo, hi = FFN_SHARE_BAND
+    # The synthetic family: ffnquant's FFNs next to a full multi-head attention of 4 d^2 (the claim's own
+    # arithmetic). A real model's layers are never counted here: its attention is what its config.json says.
     shares = {}
-    for v, t in tables.items():
+    for v, t in _family(tables).items():
         if t.spec is not None:
             d = t.spec.d_model
             attention = 4 * d * d + (4 * d if t.spec.bias else 0)
             shares[v] = t.spec.n_params / (t.spec.n_params + attention)
     if shares:
-        lo, hi = FFN_SHARE_BAND
         inside = [lo <= s <= hi for s in shares.values()]
         status = _verdict(inside)
         out.append(
             _claim(
                 "ffn_two_thirds", claim, src, status,
-                "FFN share of block parameters: " + ", ".join(f"{v} {pct(s)}" for v, s in shares.items())
+                "synthetic family, FFN share of block parameters: " + ", ".join(f"{v} {pct(s)}" for v, s in shares.items())
                 + f" (band {pct(lo)}-{pct(hi)}; attention counted as 4 d^2 projections)",
                 {"ffn_share": shares, "band": [lo, hi]},
             )
         )
+    out.extend(_model_ffn_share_claims(tables, claim))
+    return out
+
+
+def _model_ffn_share_claims(tables: Mapping[str, RangeTable], claim: str) -> list[dict[str, Any]]:
+    """The two-thirds claim checked per real model, from its own shapes (config.json's heads, key/value heads,
+    head width, d_model, FFN width and experts: `hf.ModelInfo.block_params`, carried in the layers' meta)."""
+    lo, hi = FFN_SHARE_BAND
+    models: dict[str, Mapping[str, Any] | None] = {}
+    for key, t in _model_layers(tables).items():
+        name = key.split(":", 1)[0]
+        block = t.meta.get("model_block") if isinstance(t.meta, Mapping) else None
+        if models.get(name) is None:
+            models[name] = block
+    out = []
+    for name, block in models.items():
+        text = f"{claim[:-1]} ({name}, from its own config.json)."
+        cid = f"ffn_two_thirds:{name}"
+        src = f"{name}'s config.json (attention q/k/v/o as its heads and key/value heads give them)"
+        attn = (block or {}).get("attention")
+        share = (block or {}).get("ffn_share")
+        if not attn or share is None:
+            reason = (block or {}).get("reason") or "the layers carry no shapes of their model's attention"
+            out.append(_claim(cid, text, src, ClaimStatus.NOT_MEASURED, reason, {}))
+            continue
+        ok = lo <= share <= hi
+        heads = f"{attn['n_heads']} heads"
+        heads += (f", {attn['n_kv_heads']} key/value heads (grouped-query)" if attn["n_kv_heads"] != attn["n_heads"]
+                  else " (no key/value sharing)")
+        cross = block.get("cross_attention_blocks") or 0
+        detail = (f"{name}: FFN {pct(share)} of a block's FFN + attention parameters ({'inside' if ok else 'outside'} "
+                  f"the {pct(lo)}-{pct(hi)} band): FFN {block['ffn_params_per_block']:,}, attention {attn['params']:,} "
+                  f"per block (d_model {attn['d_model']}, {heads}, head_dim {attn['head_dim']})"
+                  + (f"; {cross} decoder blocks add a cross-attention" if cross else ""))
+        out.append(_claim(cid, text, src, ClaimStatus.CONFIRMED if ok else ClaimStatus.CONTRADICTED, detail,
+                          {"ffn_share": share, "band": [lo, hi], "block": dict(block)}))
     return out
 
 

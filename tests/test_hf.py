@@ -676,3 +676,69 @@ def test_cli_refuses_a_fifo_in_the_model_folder_with_exit_2(tmp_path, capsys, no
     err = capsys.readouterr().err.strip()
     assert "model.safetensors' is a FIFO, not a regular file" in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+# --- the model's own block arithmetic ------------------------------------------------------------
+
+
+def _gqa_model(folder, d=576, f=1536, heads=9, kv_heads=3, layers=1):
+    """A hand-written llama with grouped-query attention, the shapes of a 30-layer 576-wide trained LM's blocks."""
+    _write_llama_like(folder, d=d, f=f, layers=layers)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_block_params_count_grouped_query_attention_from_config(tmp_path):
+    info = inspect_model(_gqa_model(tmp_path / "m"))
+    block = info.block_params()
+    attn = block["attention"]
+    assert (attn["d_model"], attn["n_heads"], attn["n_kv_heads"], attn["head_dim"]) == (576, 9, 3, 64)
+    # q and o: 576 x 576 each; k and v: 576 x (3 heads x 64)
+    assert attn["params"] == 2 * 576 * 576 + 2 * 576 * 192
+    assert block["ffn_params_per_block"] == 3 * 576 * 1536
+    assert block["ffn_share"] == pytest.approx(0.75)
+    assert info.to_dict()["block_params"]["ffn_share"] == pytest.approx(0.75)
+    # without a head count in config.json the attention is not guessed
+    bare = inspect_model(_write_llama_like(tmp_path / "bare") and tmp_path / "bare").block_params()
+    assert bare["attention"] is None and bare["ffn_share"] is None and "head count" in bare["reason"]
+
+
+def test_ffn_share_claim_is_per_model_from_its_own_config(tmp_path):
+    """The two-thirds claim: the synthetic family keeps its 4 d^2 arithmetic, the real model gets its own
+    (75.0% with grouped-query attention, outside the band), never the family's 66.7%."""
+    from ffnquant.data import TokenSource
+    from ffnquant.hf import calibrate_model
+    from ffnquant.ranges import claims, profile_variants
+
+    folder = _gqa_model(tmp_path / "m")
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    np.save(cap / "L0.npy", np.random.default_rng(0).standard_normal((64, 576)).astype(np.float32))
+    layers, by_label = calibrate_model(folder, captured=cap)
+    tables = profile_variants([FFNSpec("swiglu", d_model=64)], TokenSource("gaussian", seed=0), 256, bins=64)
+    tables.update({f"llama:{label}": t for label, t in by_label.items()})
+    c = {x["id"]: x for x in claims(tables)}
+    family = c["ffn_two_thirds"]
+    assert list(family["figures"]["ffn_share"]) == ["swiglu"]  # the model's layers are not in the family's claim
+    model = c["ffn_two_thirds:llama"]
+    assert model["status"] == "contradicted" and model["figures"]["ffn_share"] == pytest.approx(0.75)
+    assert "75.0%" in model["detail"] and "3 key/value heads" in model["detail"] and "d_model 576" in model["detail"]
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma", "mixtral", "bert"], ids=str)
+def test_block_params_attention_matches_transformers(tiny_models, name):
+    """The attention counted from config.json is the transformers model's own attention parameters."""
+    import transformers
+
+    folder, _, _ = tiny_models[name]
+    info = inspect_model(folder)
+    model = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True)
+    counted = info.block_params()["attention"]["params"]
+    attn = next(m for n, m in model.named_modules() if n.endswith(("self_attn", "attention.self")))
+    own = sum(p.numel() for p in attn.parameters())
+    if name == "bert":  # BERT's output projection lives in attention.output.dense
+        own += sum(p.numel() for p in model.encoder.layer[0].attention.output.dense.parameters())
+    assert counted == own

@@ -26,6 +26,7 @@ __all__ = [
     "get_arch",
     "hf_activation",
     "ffn_variant",
+    "attention_shape",
 ]
 
 
@@ -109,6 +110,47 @@ def ffn_variant(activation: Activation, gated: bool, where: str) -> tuple[Varian
         raise FFNQuantError(f"{where}: a {kind} FFN with activation {activation.value!r} has no ffnquant variant")
     variant = table[activation]
     return variant, activation  # FFNSpec normalises an override equal to the variant's own to None
+
+
+# --- attention shapes (for block parameter counts) --------------------------------------
+
+_HEADS_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads")
+_KV_HEADS_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_head_kv", "num_kv")
+_HEAD_DIM_KEYS = ("head_dim", "d_kv", "attention_head_dim")
+
+
+def _config_int(config: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
+    for k in keys:
+        v = config.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def attention_shape(config: Mapping[str, Any], d_model: int, ffn_bias: bool = False) -> dict[str, Any] | None:
+    """One self-attention's shape and parameter count from config.json: heads, key/value heads (grouped-query
+    and multi-query attention share K/V heads), head width, and the q/k/v/o projections' weights (+ biases
+    where config.json's attention_bias says so, else where the FFN has them). None when config.json names
+    no head count (the attention cannot be counted from it)."""
+    n_heads = _config_int(config, _HEADS_KEYS)
+    if n_heads is None:
+        return None
+    n_kv = _config_int(config, _KV_HEADS_KEYS)
+    if n_kv is None:
+        n_kv = 1 if config.get("multi_query") is True else n_heads
+    head_dim = _config_int(config, _HEAD_DIM_KEYS)
+    if head_dim is None:
+        if d_model % n_heads:
+            return None
+        head_dim = d_model // n_heads
+    q = n_heads * head_dim
+    kv = n_kv * head_dim
+    bias = config.get("attention_bias")
+    bias = ffn_bias if not isinstance(bias, bool) else bias
+    weights = d_model * q + 2 * d_model * kv + q * d_model
+    biases = (q + 2 * kv + d_model) if bias else 0
+    return {"d_model": d_model, "n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": head_dim, "bias": bool(bias),
+            "params": weights + biases}
 
 
 # --- per-architecture config readers --------------------------------------------------

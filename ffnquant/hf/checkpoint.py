@@ -83,6 +83,28 @@ class ModelInfo:
     def kind(self) -> ModelKind:
         return self.arch.kind
 
+    def block_params(self) -> dict[str, Any]:
+        """The model's own block arithmetic from config.json: each block's FFN parameters (every expert of a
+        mixture-of-experts block), its attention's (`arch.attention_shape`: grouped-query heads counted as
+        config.json gives them; a seq2seq decoder block's cross-attention counted too) and the FFN's share
+        of the blocks' FFN + attention parameters (None when config.json names no head count)."""
+        from .arch import attention_shape
+
+        ffn = self.spec.n_params * (self.n_experts or 1)
+        attn = attention_shape(self.config, self.spec.d_model, self.spec.bias)
+        out: dict[str, Any] = {"model_type": self.model_type, "ffn_params_per_block": ffn, "attention": attn,
+                               "ffn_share": None}
+        if attn is None:
+            out["reason"] = "config.json names no attention head count"
+            return out
+        per_stack = self.arch.n_layers(self.config, "config.json")
+        blocks = sum(per_stack.values())
+        cross = per_stack.get("decoder", 0) if self.kind is ModelKind.SEQ2SEQ else 0
+        attention_total = attn["params"] * (blocks + cross)
+        out.update(cross_attention_blocks=cross, blocks=blocks,
+                   ffn_share=ffn * blocks / (ffn * blocks + attention_total))
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": str(self.path),
@@ -96,6 +118,7 @@ class ModelInfo:
             "n_experts": self.n_experts,
             "n_ffns": len(self.layers),
             "ffn_params_total": self.spec.n_params * len(self.layers),
+            "block_params": self.block_params(),
             "weight_files": list(self.weight_files),
             "weights_format": self.weights_format,
             "layers": [layer.to_dict() for layer in self.layers],
@@ -113,6 +136,7 @@ class HFLayer:
     spec: FFNSpec
     activation: str  # the transformers activation name from config.json
     info: LayerInfo
+    block: Mapping[str, Any] | None = None  # the model's block arithmetic (`ModelInfo.block_params`)
 
     @property
     def label(self) -> str:
@@ -514,7 +538,8 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
         for wname in spec.weight_names:
             state.setdefault(f"{wname}.bias", torch.zeros_like(getattr(ffn, wname).bias))
     ffn.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True)
-    return HFLayer(layer.index, layer.expert, layer.name, ffn.eval(), spec, info.hf_activation, layer)
+    return HFLayer(layer.index, layer.expert, layer.name, ffn.eval(), spec, info.hf_activation, layer,
+                   block=info.block_params())
 
 
 def iter_ffn_layers(

@@ -129,6 +129,8 @@ def calibrate_layers(
                 continue
             ffn = by_label[label].ffn
             table = profile(ffn, [x], bins=bins, weights=label not in tables)
+            if by_label[label].block is not None:  # the model's own block arithmetic, for claims about it
+                table.meta = dict(table.meta, model_block=dict(by_label[label].block))
             tables[label] = tables[label].merge(table) if label in tables else table
             if hessians:
                 h = input_hessians(ffn, [x])
