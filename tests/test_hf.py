@@ -742,3 +742,29 @@ def test_block_params_attention_matches_transformers(tiny_models, name):
     if name == "bert":  # BERT's output projection lives in attention.output.dense
         own += sum(p.numel() for p in model.encoder.layer[0].attention.output.dense.parameters())
     assert counted == own
+
+
+def test_several_text_files_are_all_read(tmp_path):
+    from ffnquant.hf.capture import read_text, text_label, text_paths
+
+    a, b, c = (tmp_path / f"{n}.txt" for n in "abc")
+    for p in (a, b, c):
+        p.write_text(f"text {p.stem}", encoding="utf-8")
+    odd = tmp_path / "with,comma.txt"
+    odd.write_text("comma", encoding="utf-8")
+    assert text_paths(f"{a},{b}", "calibration") == [a, b]
+    assert text_paths([str(a), f"{b}, {c}"], "calibration") == [a, b, c]
+    assert text_paths(str(odd), "calibration") == [odd]  # an existing file is one file, comma or not
+    assert read_text(f"{a},{b},{c}", "calibration") == "text a\n\ntext b\n\ntext c"
+    assert text_label([a, b], "calibration") == f"{a} + {b}"
+    assert text_label(None, "evaluation") == "ffnquant/data/evaluation.txt"
+    with pytest.raises(FFNQuantError, match="nope.txt"):
+        read_text(f"{a},{tmp_path / 'nope.txt'}", "calibration")
+
+
+def test_cli_text_options_accumulate():
+    from ffnquant.cli import build_parser
+
+    args = build_parser().parse_args(["quantize", "--model", "m", "--text", "a.txt", "--text", "b.txt,c.txt",
+                                      "--eval-text", "d.txt"])
+    assert (args.text, args.eval_text) == ("a.txt,b.txt,c.txt", "d.txt")

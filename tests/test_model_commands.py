@@ -200,3 +200,71 @@ def test_run_config_model_fields_round_trip(tmp_path):
     # the default run is untouched: no model keys in its TOML
     default = RunConfig().to_toml().splitlines()
     assert not [line for line in default if line.split(" = ")[0] in ("model", "layers", "text", "eval_text")]
+
+
+def _copies(tmp_path: Path, n: int) -> list[str]:
+    """`n` copies of the shipped calibration sample, as separate text files."""
+    from ffnquant.hf.capture import default_text_path
+
+    text = default_text_path("calibration").read_text(encoding="utf-8")
+    paths = []
+    for i in range(n):
+        p = tmp_path / f"text{i}.txt"
+        p.write_text(text, encoding="utf-8")
+        paths.append(str(p))
+    return paths
+
+
+@pytest.mark.hf
+def test_profile_model_header_says_what_was_measured(tiny, tmp_path, capsys):
+    """The header names the model's width, the real tokens per layer and the text, not the synthetic source's
+    token count and width; a default token count larger than the text gives is reported as such."""
+    out_dir = tmp_path / "r"
+    assert main(["profile", "--variants", "gelu", "--d-model", "64", "--tokens", "256", "--model", str(tiny["opt"]),
+                 "--layers", "1", "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    data = json.loads((out_dir / "ranges.json").read_text())
+    n = data["variants"]["opt:L1"]["n_tokens"]
+    assert 2 <= n < 4096
+    assert "1 variant(s) on 256 tokens of gaussian(seed=0), d_model 64" in out
+    assert f"1 FFN layer(s) at d_model {D}, {n:,} tokens per layer of text ffnquant/data/calibration.txt" in out
+    assert f"note: calibration text ffnquant/data/calibration.txt gives {n:,} tokens, fewer than the 4,096 requested" in out
+    assert "too short" in out
+    measured = data["meta"]["model_measured"]
+    assert measured["calibration_text"]["requested"] == 4096 and measured["calibration_text"]["obtained"] == n
+    header = (out_dir / "ranges.md").read_text().split("\n\n")[1]
+    assert f"d_model {D}" in header and f"{n:,} tokens per layer" in header and "too short" in header
+
+    # several texts, repeated and comma-separated: all are used
+    a, b, c = _copies(tmp_path, 3)
+    out_dir = tmp_path / "r2"
+    assert main(["profile", "--variants", "gelu", "--d-model", "64", "--tokens", "256", "--model", str(tiny["opt"]),
+                 "--layers", "1", "--text", a, "--text", f"{b},{c}", "--out", str(out_dir)]) == 0
+    capsys.readouterr()
+    data = json.loads((out_dir / "ranges.json").read_text())
+    assert data["variants"]["opt:L1"]["n_tokens"] >= 3 * n - 2
+    assert data["meta"]["model_measured"]["source"] == f"text {a} + {b} + {c}"
+
+
+@pytest.mark.hf
+def test_quantize_model_reports_requested_and_obtained_tokens(tiny, tmp_path, capsys):
+    rep = tmp_path / "reports"
+    argv = ["quantize", "--model", str(tiny["opt"]), "--layers", "0", "--scheme", "w8a8-dynamic", "--no-onnx",
+            "--out-reports", str(rep), "--out-artifacts", str(tmp_path / "e")]
+    assert main(argv) == 0  # the defaults: 4,096 calibration and 2,048 evaluation tokens requested
+    out = capsys.readouterr().out
+    data = json.loads(next(rep.glob("quantize_opt*.json")).read_text())
+    cal, ev = data["calibration"]["tokens"], data["evaluation"]["tokens"]
+    assert (cal["requested"], ev["requested"]) == (4096, 2048) and cal["short"] and ev["short"]
+    assert cal["obtained"] == data["layers"][0]["n_calib_tokens"]
+    assert f"gives {cal['obtained']:,} tokens, fewer than the 4,096 requested" in out
+    assert f"gives {ev['obtained']:,} tokens, fewer than the 2,048 requested" in out
+    md = next(rep.glob("quantize_opt*.md")).read_text()
+    assert f"gives {cal['obtained']:,} of the 4,096 tokens requested: the text is too short" in md
+
+    a, b = _copies(tmp_path, 2)
+    assert main(argv + ["--text", f"{a},{b}", "--out-reports", str(tmp_path / "r2")]) == 0
+    capsys.readouterr()
+    data2 = json.loads(next((tmp_path / "r2").glob("quantize_opt*.json")).read_text())
+    assert data2["calibration"]["tokens"]["obtained"] >= 2 * cal["obtained"] - 2
+    assert data2["calibration"]["source"].startswith(f"{a} + {b}")

@@ -7,7 +7,8 @@ import argparse
 from ..errors import FFNQuantError
 from ..spec import FFNSpec, Variant, parse_variants
 
-__all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments", "model_range_tables"]
+__all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments", "model_range_tables",
+           "TextFiles", "token_notes"]
 
 
 def positive_int(text: str) -> int:
@@ -55,6 +56,23 @@ def specs_from_args(args: argparse.Namespace) -> list[FFNSpec]:
     ]
 
 
+class TextFiles(argparse.Action):
+    """--text FILE, repeatable and comma-separated: every file given, in order, as one comma-separated string
+    (what RunConfig and `hf.capture.read_text` take); all of them are read."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parts = [p.strip() for p in str(values).split(",") if p.strip()]
+        if not parts:
+            raise argparse.ArgumentError(self, "expected a file name (several: repeat the option or comma-separate)")
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, ",".join(([previous] if previous else []) + parts))
+
+
+def token_notes(budgets) -> list[str]:
+    """One line per text that gave fewer tokens than requested (`hf.inputs.token_budget` dicts)."""
+    return [f"note: {b['note']}" for b in budgets if b and b.get("short")]
+
+
 def add_model_arguments(
     parser: argparse.ArgumentParser,
     *,
@@ -74,12 +92,13 @@ def add_model_arguments(
                        help="also take the FFN layers of this model folder (config.json + safetensors)")
     group.add_argument("--layers", default=layers_default,
                        help="model layers: all, a range 0-3 or a list 0,5,7 (every layer when not given)")
-    group.add_argument("--text", default=None, metavar="FILE",
-                       help="calibration text run through the model (default: the shipped public-domain sample)")
+    group.add_argument("--text", default=None, metavar="FILE", action=TextFiles,
+                       help="calibration text run through the model; several files: repeat the option or "
+                            "comma-separate them, all are used (default: the shipped public-domain sample)")
     if eval_text:
-        group.add_argument("--eval-text", default=None, metavar="FILE",
-                           help="held-out evaluation text, never used for calibration "
-                                "(default: the shipped sample from another book)")
+        group.add_argument("--eval-text", default=None, metavar="FILE", action=TextFiles,
+                           help="held-out evaluation text, never used for calibration; several files: repeat the "
+                                "option or comma-separate them (default: the shipped sample from another book)")
     if captured:
         group.add_argument("--captured", default=None, metavar="DIR",
                            help="captured FFN inputs (from `ffnquant model capture`) instead of running the model")

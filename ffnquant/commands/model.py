@@ -10,7 +10,7 @@ from ..atomic import OutputTransaction
 from ..errors import FFNQuantError
 from ..render import fmt, text_table
 from ..report.model import model_eval_markdown, recipe_name
-from .common import positive_int
+from .common import TextFiles, positive_int, token_notes
 
 NAME = "model"
 HELP = "FFN layers of a local Hugging Face model: inspect, capture inputs, evaluate schemes end to end"
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("capture", help="run the model on a text and save each FFN's input as <label>.npy (needs transformers)")
     common(p)
-    p.add_argument("--text", default=None, help="text file (default: the shipped calibration sample)")
+    p.add_argument("--text", default=None, action=TextFiles,
+                   help="text file; several: repeat or comma-separate (default: the shipped calibration sample)")
     p.add_argument("--out", required=True, help="output folder for <label>.npy files")
     p.add_argument("--seq-len", type=positive_int, default=128)
     p.add_argument("--max-tokens", type=positive_int, default=4096)
@@ -44,8 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated recipes, as `ffnquant run --schemes`: SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]")
     p.add_argument("--calibrator", default=None,
                    help="calibrator of the static recipes that name none (minmax, percentile, ...)")
-    p.add_argument("--calib-text", default=None, help="calibration text file (default: shipped sample, Austen)")
-    p.add_argument("--eval-text", default=None, help="evaluation text file (default: shipped sample, Melville)")
+    p.add_argument("--calib-text", default=None, action=TextFiles,
+                   help="calibration text file; several: repeat or comma-separate (default: shipped sample, Austen)")
+    p.add_argument("--eval-text", default=None, action=TextFiles,
+                   help="evaluation text file; several: repeat or comma-separate (default: shipped sample, Melville)")
     p.add_argument("--seq-len", type=positive_int, default=128)
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--max-calib-tokens", type=positive_int, default=4096)
@@ -147,6 +150,8 @@ def _eval(args: argparse.Namespace) -> int:
         rows.append([recipe_name(s)] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
                     + [e["hidden_sqnr_db"], min(own) if own else None, ", ".join(s["worst_layers_end_to_end"] or s["worst_layers_sqnr"])])
     head = ["scheme"] + (["perplexity", "Δ ppl"] if causal else []) + ["hidden SQNR dB", "min layer SQNR dB", "hurts most"]
+    for line in token_notes(result.get("token_budgets", {}).values()):
+        print(line)
     if causal:
         print(f"float perplexity {fmt(result['baseline']['perplexity'])} on {result['baseline']['n_tokens']} tokens")
     print(text_table(head, rows))

@@ -9,7 +9,9 @@ from ..errors import FFNQuantError
 from ..observe import DEFAULT_BINS, StreamingHistogram
 from ..render import fmt, text_table
 from ..spec import SITES
-from .common import add_model_arguments, add_spec_arguments, model_range_tables, positive_int, specs_from_args
+from .common import (
+    add_model_arguments, add_spec_arguments, model_range_tables, positive_int, specs_from_args, token_notes,
+)
 
 NAME = "profile"
 HELP = "profile activation ranges at every FFN tensor site and write the range report (JSON, Markdown, plots)"
@@ -39,6 +41,26 @@ def _cell(table, site: str) -> str:
     return f"{fmt(o.crest_factor, 3)}/{fmt(o.kurtosis, 3)}"
 
 
+def _model_measured(args: argparse.Namespace, tables: dict) -> dict | None:
+    """What the model's layers were measured on, from their tables: width, tokens per layer, the text (or
+    captured files) and, for a text, the tokens requested against those it gave."""
+    if not tables:
+        return None
+    first = next(iter(tables.values()))
+    model_type = next(iter(tables)).split(":", 1)[0]
+    widths = sorted({t.spec.d_model for t in tables.values() if t.spec is not None})
+    tokens = sorted({t.n_tokens for t in tables.values()})
+    source = first.meta.get("source_label", "the model's inputs")
+    budget = first.meta.get("calibration_text")
+    count = f"{tokens[0]:,}" + (f" to {tokens[-1]:,}" if len(tokens) > 1 else "")
+    summary = (f"{model_type} ({args.model}), {len(tables)} FFN layer(s) at d_model "
+               f"{', '.join(str(w) for w in widths)}, {count} tokens per layer of {source}")
+    if budget and budget.get("short"):
+        summary += f" ({budget['requested']:,} tokens requested: the text is too short)"
+    return {"summary": summary, "model_type": model_type, "d_model": widths, "source": source,
+            "tokens_per_layer": {k: t.n_tokens for k, t in tables.items()}, "calibration_text": budget}
+
+
 def run(args: argparse.Namespace) -> int:
     from ..data import parse_source
     from ..ranges import claims, findings, profile_variants
@@ -64,12 +86,17 @@ def run(args: argparse.Namespace) -> int:
     with OutputTransaction() as tx:
         out = tx.folder(args.out)  # an unusable --out fails here, before the profiling
         tables = profile_variants(specs, source, args.tokens, seed=args.seed, batch_size=args.batch_size, bins=args.bins)
+        synthetic = f"{source.label} (variants: {args.tokens:,} tokens, d_model {args.d_model})"
         # The model's own layers, calibrated on its own inputs, side by side with the synthetic variants.
-        tables.update(model_range_tables(args, bins=args.bins))
+        model_tables = model_range_tables(args, bins=args.bins)
+        tables.update(model_tables)
+        measured = _model_measured(args, model_tables)
         meta = {
             "command": "ffnquant profile",
             "source": source.to_dict(),
-            "source_label": source.label,
+            # what each group of columns was measured on: the report's header states it
+            "source_label": synthetic + (f"; {measured['summary']}" if measured else ""),
+            "model_measured": measured,
             "n_tokens": args.tokens,
             "seed": args.seed,
             "d_model": args.d_model,
@@ -81,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
         }
         paths = {k: tx.final(p) for k, p in write_range_report(tables, out, meta).items()}
 
-    print(f"activation ranges: {args.tokens:,} tokens of {source.label}, d_model {args.d_model}")
+    print(f"activation ranges: {len(specs)} variant(s) on {args.tokens:,} tokens of {source.label}, "
+          f"d_model {args.d_model}, random weights of seed {args.seed}")
+    if measured:
+        print(f"model layers: {measured['summary']}, trained weights")
+        for line in token_notes([measured.get("calibration_text")]):
+            print(line)
     headers = ["variant"] + [f"{s} crest/kurt" for s in SITES] + ["hidden zeros", "dead"]
     rows = []
     for v, t in tables.items():

@@ -10,7 +10,7 @@ from ..errors import FFNQuantError
 from ..recipe import GRAMMAR, Recipe
 from ..render import fmt, text_table
 from ..report.quantize import quantize_markdown, quantize_model_markdown
-from .common import add_model_arguments, add_spec_arguments, positive_int, specs_from_args
+from .common import add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes
 
 NAME = "quantize"
 HELP = "quantize FFN variants (int8 / 4-bit / fp8) with calibration and remedies; write ONNX artifacts and an accuracy report"
@@ -213,6 +213,13 @@ def run(args: argparse.Namespace) -> int:
                 ))
     print(text_table(["variant", "scheme", "calibrator", "SQNR torch", "SQNR ONNX", "SQNR ORT default", "bytes", "artifact", "report"], rows))
     for tag, data, _ in outputs:
+        if "calibration" in data:  # a model's layers: which texts, how many tokens (and whether fewer than asked)
+            for part in ("calibration", "evaluation"):
+                per_layer = list(data[part]["tokens_per_layer"].values())
+                count = f"{min(per_layer):,}" + (f" to {max(per_layer):,}" if min(per_layer) != max(per_layer) else "")
+                print(f"{part}: {count} tokens per layer from {data[part]['source']}")
+            for line in token_notes([data["calibration"].get("tokens"), data["evaluation"].get("tokens")]):
+                print(line)
         e2e = data.get("end_to_end")
         if e2e is None:
             continue

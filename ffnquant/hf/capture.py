@@ -33,6 +33,8 @@ __all__ = [
     "require_transformers",
     "default_text_path",
     "read_text",
+    "text_paths",
+    "text_label",
     "load_hf_model",
     "load_tokenizer",
     "token_batches",
@@ -84,13 +86,41 @@ def default_text_path(split: str) -> Path:
     return Path(str(resources.files("ffnquant") / "data" / TEXT_SPLITS[split]))
 
 
-def read_text(path: str | os.PathLike | None, split: str) -> str:
-    """The text of `path`, or the shipped sample for `split` when path is None."""
-    p = default_text_path(split) if path is None else Path(path)
-    text = read_file_text(p, "text file")  # one-line errors: missing, a FIFO, unreadable, not UTF-8
-    if not text.strip():
-        raise FFNQuantError(f"text file {str(p)!r} is empty")
-    return text
+def text_paths(path: str | os.PathLike | Sequence[str | os.PathLike] | None, split: str) -> list[Path]:
+    """The text files of `path`: one file, several (a list, or one comma-separated string, as the CLI's
+    repeated --text gives them), or the shipped sample for `split` when None. A path that exists is one file
+    even if its name holds a comma."""
+    if path is None:
+        return [default_text_path(split)]
+    items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    out: list[Path] = []
+    for item in items:
+        if isinstance(item, str) and "," in item and not os.path.exists(item):
+            out += [Path(part.strip()) for part in item.split(",") if part.strip()]
+        else:
+            out.append(Path(item))
+    if not out:
+        raise FFNQuantError(f"no {split} text file given")
+    return out
+
+
+def text_label(path: str | os.PathLike | Sequence[str | os.PathLike] | None, split: str) -> str:
+    """How reports name the text(s): the file, 'a.txt + b.txt', or the shipped sample's path."""
+    if path is None:
+        return f"ffnquant/data/{TEXT_SPLITS[split]}"
+    return " + ".join(str(p) for p in text_paths(path, split))
+
+
+def read_text(path: str | os.PathLike | Sequence[str | os.PathLike] | None, split: str) -> str:
+    """The text of `path` (several files: each read, joined by a blank line, in order), or the shipped sample
+    for `split` when path is None."""
+    texts = []
+    for p in text_paths(path, split):
+        text = read_file_text(p, "text file")  # one-line errors: missing, a FIFO, unreadable, not UTF-8
+        if not text.strip():
+            raise FFNQuantError(f"text file {str(p)!r} is empty")
+        texts.append(text)
+    return "\n\n".join(texts)
 
 
 def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = False) -> nn.Module:

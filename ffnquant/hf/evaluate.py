@@ -29,7 +29,7 @@ from .capture import (
 )
 from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers
 from .inputs import (  # re-exported: hf.evaluate is where they were
-    EvalSettings, LayerInputs, capture_layer_inputs, file_inputs, fit_settings, model_file_stem,
+    EvalSettings, LayerInputs, capture_layer_inputs, file_inputs, fit_settings, model_file_stem, token_budget,
 )
 
 __all__ = [
@@ -179,14 +179,22 @@ def calibrate_model(
     hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
     if captured is not None:
         batches = _file_batches(captured, hf_layers, info.spec.d_model)
+        meta: dict[str, Any] = {"source_label": f"captured activations {captured}"}
     else:
+        from .capture import text_label
+
         settings = fit_settings(info, settings)
         # tokenized (and the ids checked against config.json) before the model is loaded
         ids = model_text_batches(info, load_tokenizer(info.path), text, "calibration", settings.seq_len,
                                  settings.batch_size, settings.max_calib_tokens)
+        label = text_label(text, "calibration")
+        meta = {"source_label": f"text {label}",
+                "calibration_text": token_budget("calibration", settings.max_calib_tokens, ids, label)}
         model = load_hf_model(info, allow_pickle=allow_pickle)
         batches = iter_captured(model, info, [layer.info for layer in hf_layers], ids)
     tables, _ = calibrate_layers(hf_layers, batches, settings.bins)
+    for table in tables.values():  # what each layer was measured on: the text, requested and obtained tokens
+        table.meta = dict(table.meta, **meta)
     return hf_layers, tables
 
 
@@ -453,15 +461,26 @@ def quantize_model_layers(
         "scheme": first["scheme"],
         "calibrator": first["calibrator"],
         "remedies": first["remedies"],
-        "calibration": {"source": inputs.calibration_source,
-                        "tokens_per_layer": {r["label"]: r["n_calib_tokens"] for r in rows}},
-        "evaluation": {"source": inputs.evaluation_source, "separation": inputs.separation,
-                       "tokens_per_layer": {r["label"]: r["n_eval_tokens"] for r in rows}},
+        "calibration": {"source": _with_shortfall(inputs.calibration_source, inputs.budgets.get("calibration")),
+                        "tokens_per_layer": {r["label"]: r["n_calib_tokens"] for r in rows},
+                        "tokens": inputs.budgets.get("calibration")},
+        "evaluation": {"source": _with_shortfall(inputs.evaluation_source, inputs.budgets.get("evaluation")),
+                       "separation": inputs.separation,
+                       "tokens_per_layer": {r["label"]: r["n_eval_tokens"] for r in rows},
+                       "tokens": inputs.budgets.get("evaluation")},
         "layers": rows,
         "worst_layers_sqnr": _worst([{"label": r["label"], "sqnr_db": r["accuracy_torch"]["sqnr_db"]} for r in rows],
                                     "sqnr_db", reverse=False),
         "end_to_end": e2e,
     }
+
+
+def _with_shortfall(source: str, budget: Mapping[str, Any] | None) -> str:
+    """`source`, followed by requested against obtained tokens when the text gave fewer than requested."""
+    if not budget or not budget.get("short"):
+        return source
+    return (f"{source} (gives {budget['obtained']:,} of the {budget['requested']:,} tokens requested: "
+            "the text is too short)")
 
 
 def evaluate_model(
@@ -522,8 +541,9 @@ def evaluate_model(
         "model": info.to_dict(),
         "settings": settings.to_dict(),
         "calibrator": calibrator,
-        "calibration_text": str(calib_text) if calib_text is not None else "ffnquant/data/calibration.txt",
-        "evaluation_text": str(eval_text) if eval_text is not None else "ffnquant/data/evaluation.txt",
+        "calibration_text": _with_shortfall(inputs.calibration_source, inputs.budgets.get("calibration")),
+        "evaluation_text": _with_shortfall(inputs.evaluation_source, inputs.budgets.get("evaluation")),
+        "token_budgets": inputs.budgets,
         "calibration_tokens": sum(int(b.numel()) for b in inputs.calib_batches or []),
         "baseline": baseline,
         "schemes": results,

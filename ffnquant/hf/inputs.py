@@ -19,7 +19,23 @@ from . import capture as _capture
 from .capture import iter_captured, iter_captured_files, load_tokenizer, model_text_batches
 from .checkpoint import HFLayer, ModelInfo
 
-__all__ = ["EvalSettings", "LayerInputs", "capture_layer_inputs", "file_inputs", "fit_settings", "model_file_stem"]
+__all__ = ["EvalSettings", "LayerInputs", "capture_layer_inputs", "file_inputs", "fit_settings", "model_file_stem",
+           "token_budget"]
+
+
+def token_budget(split: str, requested: int | None, batches: Sequence[torch.Tensor] | None,
+                 source: str) -> dict[str, Any]:
+    """Requested against obtained tokens of a text run through the model: {split, source, requested,
+    obtained, short, note}. `short` when the text gives fewer tokens than requested (the count then is
+    what the text yields); `note` says so in words, and how to give more text."""
+    obtained = sum(int(b.numel()) for b in batches or [])
+    short = requested is not None and obtained < requested
+    note = None
+    if short:
+        note = (f"{split} text {source} gives {obtained:,} tokens, fewer than the {requested:,} requested (the text "
+                "is too short): give a longer text or several files (repeat the option or comma-separate them)")
+    return {"split": split, "source": source, "requested": requested, "obtained": obtained, "short": short,
+            "note": note}
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,8 @@ class LayerInputs:
     model: Any = None
     calib_borrowed: dict[str, str] = field(default_factory=dict)  # the labels whose CALIBRATION inputs are borrowed
     calib_batches: list[torch.Tensor] | None = None  # the calibration text's token ids (None from captured files)
+    # requested against obtained tokens of each text (`token_budget`); empty from captured files
+    budgets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def fit_settings(info: ModelInfo, settings: EvalSettings) -> EvalSettings:
@@ -160,11 +178,13 @@ def capture_layer_inputs(
     _fill_unrouted(layers, calib, "calibration", calib_borrowed)
     _fill_unrouted(layers, evals, "evaluation", borrowed)
     borrowed = {**calib_borrowed, **borrowed}
-    cal_name = str(text) if text is not None else "ffnquant/data/calibration.txt"
-    ev_name = str(eval_text) if eval_text is not None else "ffnquant/data/evaluation.txt"
+    cal_name, ev_name = _capture.text_label(text, "calibration"), _capture.text_label(eval_text, "evaluation")
+    budgets = {"calibration": token_budget("calibration", calib_tokens, calib_ids, cal_name),
+               "evaluation": token_budget("evaluation", eval_tokens, eval_ids, ev_name)}
     return LayerInputs(calib, evals, cal_name, ev_name,
                        "different texts: calibration inputs from " + cal_name + ", held-out inputs from " + ev_name,
-                       borrowed, eval_ids, model, calib_borrowed=calib_borrowed, calib_batches=calib_ids)
+                       borrowed, eval_ids, model, calib_borrowed=calib_borrowed, calib_batches=calib_ids,
+                       budgets=budgets)
 
 
 _GENERIC_FOLDERS = frozenset({"model", "models", "checkpoint", "weights", "hf", "snapshot"})
