@@ -268,3 +268,48 @@ def test_quantize_model_reports_requested_and_obtained_tokens(tiny, tmp_path, ca
     data2 = json.loads(next((tmp_path / "r2").glob("quantize_opt*.json")).read_text())
     assert data2["calibration"]["tokens"]["obtained"] >= 2 * cal["obtained"] - 2
     assert data2["calibration"]["source"].startswith(f"{a} + {b}")
+
+
+@pytest.mark.hf
+def test_quantize_model_shows_progress_per_stage_and_can_skip_ablation(tiny, tmp_path, capsys):
+    rep = tmp_path / "reports"
+    argv = ["quantize", "--model", str(tiny["opt"]), "--scheme", "w8a8-dynamic", "--no-onnx", "--calib-tokens", "256",
+            "--eval-tokens", "256", "--out-reports", str(rep), "--out-artifacts", str(tmp_path / "e")]
+    assert main(argv + ["--no-ablation"]) == 0
+    captured = capsys.readouterr()
+    # a bar per stage on stderr, each finished; stdout keeps the results only
+    for stage in ("capture calibration inputs", "capture evaluation inputs", "quantize layers", "end to end"):
+        assert stage in captured.err
+    assert "ablation" not in captured.err and "quantize layers" not in captured.out
+    assert "2/2" in captured.err  # both layers quantized
+    assert "per-layer ablation skipped (--no-ablation)" in captured.out
+    data = json.loads(next(rep.glob("quantize_opt*.json")).read_text())
+    assert data["ablation"] is False and data["end_to_end"]["ablation"] == []
+    assert data["end_to_end"]["status"] == "ok" and data["end_to_end"]["end_to_end"]["perplexity"] > 0
+
+    # with the ablation (the default): its own bar, one model run per layer and evaluation batch
+    assert main(argv + ["--out-reports", str(tmp_path / "r2")]) == 0
+    assert "ablation" in capsys.readouterr().err
+    data = json.loads(next((tmp_path / "r2").glob("quantize_opt*.json")).read_text())
+    assert data["ablation"] is True and len(data["end_to_end"]["ablation"]) == 2
+
+
+@pytest.mark.hf
+def test_model_library_functions_report_progress_and_never_print(tiny, capsys):
+    from ffnquant.hf import EvalSettings, capture_layer_inputs, inspect_model, load_ffn_layers, quantize_model_layers
+
+    info = inspect_model(tiny["opt"])
+    layers = load_ffn_layers(info)
+    seen: list[tuple[str, int, int]] = []
+    settings = EvalSettings(max_calib_tokens=128, max_eval_tokens=128)
+    inputs = capture_layer_inputs(info, layers, calib_tokens=128, eval_tokens=128, settings=settings,
+                                  progress=lambda m, d, t: seen.append((m, d, t)))
+    quantize_model_layers(info, layers, inputs, "w8a8-dynamic", onnx=False, sensitivity=False, settings=settings,
+                          progress=lambda m, d, t: seen.append((m, d, t)))
+    assert capsys.readouterr().out == ""
+    stages = {m.split(": ")[0] for m, _, _ in seen}
+    assert stages == {"capture calibration inputs", "capture evaluation inputs", "quantize layers", "end to end",
+                      "ablation"}
+    assert [(m, d, t) for m, d, t in seen if m.startswith("quantize layers")] == [
+        ("quantize layers: L0", 1, 2), ("quantize layers: L1", 2, 2)]
+    assert all(0 < d <= t for _, d, t in seen)

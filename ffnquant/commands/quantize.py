@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-reports", default="reports", help="folder for the JSON and Markdown report (default reports/)")
     parser.add_argument("--no-onnx", action="store_true", help="torch reference only: no ONNX artifacts, no baseline")
     parser.add_argument("--latency", action="store_true", help="also time the artifacts on onnxruntime's CPU provider")
+    parser.add_argument("--no-ablation", action="store_true",
+                        help="--model: skip the per-layer end-to-end ablation (one extra model run per layer and "
+                             "evaluation batch: most of the time on a deep model)")
+    parser.add_argument("--no-progress", action="store_true", help="--model: no progress bars on stderr")
     add_model_arguments(parser, model_tokens=False, eval_text=True)
 
 
@@ -144,15 +148,49 @@ def _check_model(args: argparse.Namespace, recipe: Recipe):
     return info
 
 
-def _capture_model(args: argparse.Namespace, info):
+class _StageBars:
+    """Progress of `quantize --model` on stderr: one rich bar per stage (capture, quantize layers, end to end,
+    ablation), fed by the library's `progress(message, done, total)` callbacks ('stage: detail'). Started
+    by the first report, so input errors, which come before any work, print as one clean line."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._bar = None
+        self._tasks: dict[str, int] = {}
+
+    def __call__(self, message: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("[bold]{task.fields[stage]}[/]"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
+            self._bar.start()
+        stage, _, detail = message.partition(": ")
+        if stage not in self._tasks:
+            self._tasks[stage] = self._bar.add_task(detail, total=total, stage=stage)
+        self._bar.update(self._tasks[stage], completed=done, total=total, description=detail)
+
+    def close(self, ok: bool = True) -> None:
+        if self._bar is not None:
+            if not ok:
+                self._bar.live.transient = True  # after an error, its one line is all stderr shows
+            self._bar.stop()
+            self._bar = None
+
+
+def _capture_model(args: argparse.Namespace, info, progress=None):
     """The selected FFN layers and their calibration and held-out inputs (model run or captured files)."""
     from ..hf import EvalSettings, capture_layer_inputs, load_ffn_layers
 
     layers = load_ffn_layers(info, args.layers, allow_pickle=args.allow_pickle)
-    settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens)
+    settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens,
+                            ablation=not args.no_ablation)
     inputs = capture_layer_inputs(info, layers, text=args.text, eval_text=args.eval_text, captured=args.captured,
                                   calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens, settings=settings,
-                                  allow_pickle=args.allow_pickle)
+                                  allow_pickle=args.allow_pickle, progress=progress)
     return layers, inputs, settings
 
 
@@ -165,21 +203,33 @@ def _fix_paths(entry_holder: dict, tx: OutputTransaction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..envinfo import environment
-    from ..quantization import prepare, quantize_spec
-
     if args.variants is None and not args.model:
         args.variants = "swiglu"
     recipe = recipe_from_args(args)  # the command's one parse
     info = _check_model(args, recipe) if args.model else None
     specs, sites, source = _validate(args, recipe)
     rows = []
+    bars = _StageBars(enabled=not args.no_progress)
+    try:
+        outputs = _quantize_all(args, recipe, info, specs, sites, source, rows, bars)
+    except BaseException:
+        bars.close(ok=False)
+        raise
+    bars.close()
+    _print_results(rows, outputs)
+    return 0
+
+
+def _quantize_all(args, recipe, info, specs, sites, source, rows, bars) -> list:
+    from ..envinfo import environment
+    from ..quantization import prepare, quantize_spec
+
     # Artifacts and reports are staged beside their folders and moved into place only when every variant
     # and layer succeeded: a failure or Ctrl-C leaves both folders as they were.
     with OutputTransaction() as tx:
         arts = None if args.no_onnx else tx.folder(args.out_artifacts)
         reports = tx.folder(args.out_reports)
-        model_part = _capture_model(args, info) if info is not None else None
+        model_part = _capture_model(args, info, bars) if info is not None else None
         outputs: list[tuple[str, dict, object]] = []
         for spec in specs:
             prep = prepare(spec, source, args.calib_tokens, args.eval_tokens, args.seed, smooth_sites=sites, recipe=recipe)
@@ -191,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
             layers, inputs, settings = model_part
             stem = model_file_stem(info)
             data = quantize_model_layers(info, layers, inputs, recipe, smooth_sites=sites, out_artifacts=arts,
-                                         onnx=not args.no_onnx, latency=args.latency, settings=settings, file_stem=stem)
+                                         onnx=not args.no_onnx, latency=args.latency, settings=settings, file_stem=stem,
+                                         progress=bars)
             data = {"command": "ffnquant quantize --model", "layers_selected": args.layers, **data,
                     "environment": environment()}
             outputs.append((f"{stem}.{recipe.slug}", data, quantize_model_markdown))
@@ -211,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
                     (base.get("accuracy_onnx") or {}).get("sqnr_db"),
                     art.get("size_bytes"), art.get("path") or "-", str(json_path),
                 ))
+    return outputs
+
+
+def _print_results(rows: list, outputs: list) -> None:
     print(text_table(["variant", "scheme", "calibrator", "SQNR torch", "SQNR ONNX", "SQNR ORT default", "bytes", "artifact", "report"], rows))
     for tag, data, _ in outputs:
         if "calibration" in data:  # a model's layers: which texts, how many tokens (and whether fewer than asked)
@@ -233,5 +288,6 @@ def run(args: argparse.Namespace) -> int:
             line += f", perplexity {fmt(base['perplexity'])} -> {fmt(e['perplexity'])}"
         if e2e["worst_layers_end_to_end"]:
             line += f"; hurts most: {', '.join(e2e['worst_layers_end_to_end'])}"
+        elif data.get("ablation") is False and len(data["layers"]) > 1:
+            line += "; per-layer ablation skipped (--no-ablation)"
         print(line)
-    return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,7 @@ __all__ = [
     "fit_settings",
 ]
 
+Progress = Callable[[str, int, int], None]  # (message, done, total): called here, shown by the commands
 SQNR_CAP_DB = 200.0  # as ffnquant.accuracy: identical outputs read as 200 dB, not +inf
 
 
@@ -347,6 +348,7 @@ def end_to_end(
     settings: EvalSettings = EvalSettings(),
     baseline: Mapping[str, Any] | None = None,
     per_layer: dict[str, ErrorStats] | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """What the model's user notices when each FFN in `qffns` (label -> callable on [tokens, d_model], e.g. a
     QuantizedFFN built with remedies) replaces the model's own: final hidden SQNR/cosine, perplexity and its
@@ -355,6 +357,8 @@ def end_to_end(
     `evals`: token-id batches of the evaluation text; `baseline`: `float_baseline` of the same batches
     (computed when None); `per_layer`: ErrorStats by label, fed each FFN's own output error on the inputs
     captured during the float runs. Returns {"baseline", "end_to_end", "ablation", "worst_layers_end_to_end"}.
+    `progress(message, done, total)`: after each evaluation batch ('end to end: batch 2/7') and each ablation
+    run ('ablation: L4, batch 2/7').
     """
     baseline = dict(baseline) if baseline is not None else float_baseline(model, info, evals)
     by_label = {layer.label: layer for layer in layers}
@@ -365,7 +369,8 @@ def end_to_end(
     hidden_all, nll_all = ErrorStats(), _NLL()
     ablate_hidden = {i: ErrorStats() for i in indices}
     ablate_nll = {i: _NLL() for i in indices}
-    for ids in evals:
+    n_ablation = len(evals) * len(indices) if ablate else 0
+    for b, ids in enumerate(evals):
         if per_layer is not None:
             captured: dict[str, list[torch.Tensor]] = {}
             with ffn_input_hooks(model, info, layer_infos, lambda l, x: captured.setdefault(l.label, []).append(x)):
@@ -384,14 +389,18 @@ def end_to_end(
         hidden_all.update(ref_hidden, _final_hidden(info, out))
         if causal:
             nll_all.update(out.logits, ids)
+        if progress is not None:
+            progress(f"end to end: batch {b + 1}/{len(evals)}", b + 1, len(evals))
         if ablate:
-            for i in indices:
+            for j, i in enumerate(indices):
                 only = {by_label[k].info: q for k, q in qffns.items() if by_label[k].index == i}
                 with install_ffns(model, info, only):
                     out_i = _run(model, info, ids)
                 ablate_hidden[i].update(ref_hidden, _final_hidden(info, out_i))
                 if causal:
                     ablate_nll[i].update(out_i.logits, ids)
+                if progress is not None:
+                    progress(f"ablation: L{i}, batch {b + 1}/{len(evals)}", b * len(indices) + j + 1, n_ablation)
     ablation = []
     if ablate:
         for i in indices:
@@ -427,13 +436,16 @@ def quantize_model_layers(
     sensitivity: bool = True,
     settings: EvalSettings = EvalSettings(),
     file_stem: str | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Quantize each FFN of `layers` under one `recipe` (`quantize_layers`), then measure end to end.
 
     Per layer: the `QuantResult` of `quantize_layers` (ONNX artifact `<file_stem>.<label>.<slug>.onnx` in
     `out_artifacts`, onnxruntime's default quantize_static next to it, on the held-out inputs). Then, when
     `inputs` carry the model run, every quantized FFN goes back into the model (`end_to_end`). Returns
-    JSON-able data (what `ffnquant quantize --model` reports).
+    JSON-able data (what `ffnquant quantize --model` reports). `progress(message, done, total)`: after each
+    layer ('quantize layers: L3') and each end-to-end batch and ablation run (`end_to_end`); nothing prints.
+    With `settings.ablation` False the per-layer end-to-end runs are skipped.
     """
     stem = file_stem or model_file_stem(info)
     by_label = {layer.label: layer for layer in layers}
@@ -447,6 +459,8 @@ def quantize_model_layers(
                      "inputs_borrowed": inputs.borrowed.get(layer.label), **data})
         qffns[layer.label] = res.qmodel
         del outcome, res
+        if progress is not None:
+            progress(f"quantize layers: {layer.label}", len(rows), len(layers))
     first = rows[0]
     e2e: dict[str, Any]
     if inputs.model is None or not inputs.eval_batches:
@@ -454,9 +468,10 @@ def quantize_model_layers(
                                               "itself run on the evaluation text (leave out --captured; needs transformers)"}
     else:
         e2e = {"status": "ok", "reason": None, "evaluation_text": inputs.evaluation_source,
-               **end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings)}
+               **end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress)}
     return {
         "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
+        "ablation": settings.ablation,
         "recipe": first["recipe"],
         "scheme": first["scheme"],
         "calibrator": first["calibrator"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -136,6 +136,7 @@ def capture_layer_inputs(
     eval_tokens: int = 2048,
     settings: EvalSettings = EvalSettings(),
     allow_pickle: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> LayerInputs:
     """Calibration and held-out inputs of each FFN in `layers`, for quantizing them one by one.
 
@@ -143,6 +144,8 @@ def capture_layer_inputs(
     shipped sample) and on `eval_text` (evaluation, a different book by default), each FFN's input
     captured through forward hooks. From `captured` files instead (no transformers): the first
     `calib_tokens` rows of each layer's file calibrate, the next `eval_tokens` rows evaluate.
+    `progress(message, done, total)` is called after each batch run through the model ('capture calibration
+    inputs: batch 3/9'); it never prints here.
     """
     labels = [layer.label for layer in layers]
     borrowed: dict[str, str] = {}
@@ -168,12 +171,14 @@ def capture_layer_inputs(
                                   eval_tokens)
     model = _capture.load_hf_model(info, allow_pickle=allow_pickle)  # looked up at call time (tests replace it)
 
-    def pieces(batches):
-        for batch in iter_captured(model, info, layer_infos, batches):
+    def pieces(batches, stage):
+        for i, batch in enumerate(iter_captured(model, info, layer_infos, batches)):
             yield from batch.items()
+            if progress is not None:
+                progress(f"{stage}: batch {i + 1}/{len(batches)}", i + 1, len(batches))
 
-    calib = _concat_rows(pieces(calib_ids), labels, None)
-    evals = _concat_rows(pieces(eval_ids), labels, None)
+    calib = _concat_rows(pieces(calib_ids, "capture calibration inputs"), labels, None)
+    evals = _concat_rows(pieces(eval_ids, "capture evaluation inputs"), labels, None)
     calib_borrowed: dict[str, str] = {}
     _fill_unrouted(layers, calib, "calibration", calib_borrowed)
     _fill_unrouted(layers, evals, "evaluation", borrowed)
