@@ -768,3 +768,17 @@ def test_cli_text_options_accumulate():
     args = build_parser().parse_args(["quantize", "--model", "m", "--text", "a.txt", "--text", "b.txt,c.txt",
                                       "--eval-text", "d.txt"])
     assert (args.text, args.eval_text) == ("a.txt,b.txt,c.txt", "d.txt")
+
+
+@pytest.mark.hf
+def test_load_hf_model_keeps_transformers_loading_bar_off_stderr(tiny_models, capsys):
+    import transformers
+
+    from ffnquant.hf import load_hf_model
+
+    tl = transformers.utils.logging
+    tl.enable_progress_bar()
+    capsys.readouterr()
+    load_hf_model(tiny_models["llama"][0])
+    assert "Loading weights" not in capsys.readouterr().err
+    assert tl.is_progress_bar_enabled()  # the caller's setting is restored

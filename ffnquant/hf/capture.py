@@ -138,15 +138,33 @@ def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = Fals
     }[info.kind]
     kwargs: dict[str, Any] = {"local_files_only": True, "use_safetensors": info.weights_format == "safetensors"}
     try:
-        try:
-            model = auto.from_pretrained(str(info.path), dtype=torch.float32, **kwargs)
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            model = auto.from_pretrained(str(info.path), torch_dtype=torch.float32, **kwargs)
+        with _quiet_transformers(transformers):
+            try:
+                model = auto.from_pretrained(str(info.path), dtype=torch.float32, **kwargs)
+            except TypeError:  # transformers < 4.56 names it torch_dtype
+                model = auto.from_pretrained(str(info.path), torch_dtype=torch.float32, **kwargs)
     except FFNQuantError:
         raise
     except Exception as exc:
         raise FFNQuantError(f"transformers cannot load {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
     return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers):
+    """transformers' own 'Loading weights' tqdm bar off while ffnquant loads a model (ffnquant's commands show
+    their own progress; a library never prints); the caller's setting is restored afterwards."""
+    tl = getattr(getattr(transformers, "utils", None), "logging", None)
+    if tl is None or not hasattr(tl, "is_progress_bar_enabled"):
+        yield
+        return
+    was = tl.is_progress_bar_enabled()
+    tl.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tl.enable_progress_bar()
 
 
 def load_tokenizer(path: str | os.PathLike):
