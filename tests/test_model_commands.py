@@ -313,3 +313,20 @@ def test_model_library_functions_report_progress_and_never_print(tiny, capsys):
     assert [(m, d, t) for m, d, t in seen if m.startswith("quantize layers")] == [
         ("quantize layers: L0", 1, 2), ("quantize layers: L1", 2, 2)]
     assert all(0 < d <= t for _, d, t in seen)
+
+
+@pytest.mark.hf
+def test_run_with_model_says_when_a_text_gives_fewer_tokens_than_asked(tiny, tmp_path, capsys):
+    """run --model records requested against obtained tokens per text and says when a text is short
+    (it used to shrink the counts silently)."""
+    out = tmp_path / "reports"
+    rc = main(["run", "--tiny", "--variants", "relu", "--schemes", "fp32,w8a8", "--runtimes", "none",
+               "--calib-tokens", "100000", "--eval-tokens", "64", "--no-sensitivity", "--no-onnx",
+               "--model", str(tiny["opt"]), "--out", str(out), "--export", str(tmp_path / "export")])
+    assert rc == 0
+    model = json.loads((out / "report.json").read_text())["model"]
+    cal, ev = model["calibration"]["tokens"], model["evaluation"]["tokens"]
+    assert cal["requested"] == 100000 and cal["short"] and cal["obtained"] < 100000
+    assert ev["requested"] == 64 and not ev["short"]
+    assert "fewer than the 100,000 requested" in capsys.readouterr().err
+    assert "Note: calibration text" in (out / "report.md").read_text()

@@ -133,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
                          [(r["variant"], r["runtime"], r["label"] or "-", r["reason"]) for r in recs]))
     for m in result.document["missing"]:
         print(f"not in this report: {m['part']}: {m['reason']}", file=sys.stderr)
+    model = result.document.get("model") or {}
+    for split in ("calibration", "evaluation"):
+        budget = (model.get(split) or {}).get("tokens") or {}
+        if budget.get("short"):
+            print(f"note: {budget['note']}", file=sys.stderr)
     for f in result.document["findings"]:
         print(f"- {f['text']}")
     print(f"wall time {result.document['timing']['wall_s']:.1f} s")

@@ -167,8 +167,10 @@ def _model_doc(info: Any, layers: Sequence[Any], keys: dict[str, str], inputs: A
         "layers": [{"key": keys[l.label], "label": l.label, "index": l.index, "expert": l.expert, "name": l.name,
                     "calib_tokens": int(inputs.calib[l.label].shape[0]), "eval_tokens": int(inputs.eval[l.label].shape[0]),
                     "inputs_borrowed": inputs.borrowed.get(l.label)} for l in layers],
-        "calibration": {"source": inputs.calibration_source},
-        "evaluation": {"source": inputs.evaluation_source, "separation": inputs.separation},
+        # requested against obtained tokens of each text: a short text is said, never silently shrunk
+        "calibration": {"source": inputs.calibration_source, "tokens": inputs.budgets.get("calibration")},
+        "evaluation": {"source": inputs.evaluation_source, "separation": inputs.separation,
+                       "tokens": inputs.budgets.get("evaluation")},
         "skipped": list(skipped.values()),
         "end_to_end": e2e,
         "latency": {"layer": latency["layer"], "reason": latency["reason"]},

@@ -66,6 +66,9 @@ def _section_model(doc: Mapping[str, Any]) -> list[str]:
              f"Each layer is quantized like a synthetic variant (same schemes, calibrators and remedies), calibrated on "
              f"its own inputs from {model['calibration']['source']} and measured on held-out inputs "
              f"({model['evaluation']['separation']}). SQNR dB of the FFN output:", ""]
+    notes = [b["note"] for b in ((model["calibration"].get("tokens") or {}), (model["evaluation"].get("tokens") or {}))
+             if b.get("short") and b.get("note")]
+    lines[-1:-1] = [f"Note: {n}" for n in notes] + ([""] if notes else [])
     head = ["scheme"] + [layer["label"] for layer in model["layers"]] + ([f"{same} (random weights, d_model "
                                                                           f"{doc['config'].get('d_model')})"] if same else [])
     rows = []
