@@ -127,8 +127,9 @@ def quantize_weight(w: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | Non
     if bits == 4 and gran is not Granularity.PER_TENSOR:
         # MatMulNBits' grid (per-channel = one group spanning the whole input)
         g = scheme.group_size if gran is Granularity.PER_GROUP else w.shape[1]
+        # a group that does not divide the input width pads it with zero columns (primitives._pad_columns)
         q, scale, zp = P.int4_group_rtn(w, g, scheme.weight_symmetric)
-        return P.int4_group_dequantize(q, scale, zp)
+        return P.int4_group_dequantize(q, scale, zp, w.shape[1])
     return P.fake_quantize_weight(w, gran.value, bits, scheme.weight_symmetric, scheme.group_size)
 
 

@@ -212,12 +212,21 @@ def _relu_after_matmul_as_max(graph) -> None:
             node.input.append(zero)
 
 
-def _nbits_node(node, name: str, codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, group: int, symmetric: bool):
-    """A MatMulNBits node and its initializers from int4 codes [N, K] (0..15), scale / zp [N, K/g, 1]."""
+def _nbits_node(
+    node, name: str, codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, group: int, symmetric: bool, k: int
+):
+    """A MatMulNBits node and its initializers from int4 codes [N, K'] (0..15), scale / zp [N, K'/g, 1].
+
+    K' = ceil(k / g) * g (the codes padded to whole blocks, `primitives.int4_group_rtn`); the node's
+    K attribute is the real width k: MatMulNBits reads ceil(K / block_size) blocks per column and
+    ignores the padded codes, as onnxruntime's own quantizer writes it.
+    """
     from onnx import helper, numpy_helper
 
-    n_out, k = codes.shape
-    blocks = k // group
+    n_out, k_padded = codes.shape
+    blocks = k_padded // group
+    if k_padded != blocks * group or blocks != -(-k // group):
+        raise FFNQuantError(f"{name}: {k_padded} codes are not the {k} inputs padded to blocks of {group}")
     packed = P.pack_int4(codes.reshape(n_out, blocks, group)).numpy().astype(np.uint8)  # [N, blocks, g/2]
     inits = [
         numpy_helper.from_array(packed, f"{name}_Q4"),
@@ -272,7 +281,7 @@ def write_nbits(
             w = torch.from_numpy(numpy_helper.to_array(init).copy()).T.float()
             g = group or w.shape[1]
             codes, scale, zp = P.gptq_int4_codes(w, hessians[name], g, scheme.weight_symmetric)
-            new, inits = _nbits_node(node, name, codes, scale, zp, g, scheme.weight_symmetric)
+            new, inits = _nbits_node(node, name, codes, scale, zp, g, scheme.weight_symmetric, w.shape[1])
             replaced[node.name] = new
             graph.initializer.remove(init)
             graph.initializer.extend(inits)

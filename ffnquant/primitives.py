@@ -8,6 +8,11 @@ Conventions (shared by the torch reference and the ONNX artifacts, so they agree
 - group-wise int4 follows onnxruntime's MatMulNBits quantizer (MLAS): groups of `group_size`
   consecutive input features; symmetric maps the group's signed extreme to -8 (all 16 levels
   used, scale may be negative); asymmetric spans [min(lo, 0), max(hi, 0)] over 0..15.
+- any group size fits any width: the input dimension K is padded with zero columns up to
+  ceil(K / g) * g (the last group holds K mod g real columns), as MatMulNBits stores it. The
+  group quantizers return codes of the padded shape [out, ceil(K/g)*g] and scales / zero points
+  [out, ceil(K/g), 1]; dequantized weights are cropped back to [out, K]. For K divisible by g
+  nothing is padded and every number is what it was.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ __all__ = [
     "fake_quantize_weight",
     "pack_int4",
     "unpack_int4",
+    "padded_width",
     "int4_group_rtn",
     "int4_group_dequantize",
     "hqq_int4",
@@ -98,7 +104,7 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
 def weight_qparams(
     w: torch.Tensor, granularity: str, qmin: int, qmax: int, symmetric: bool, group_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min/max qparams of a [out, in] weight: shape [] (per_tensor), [out, 1] (per_channel) or [out, in/g, 1] (per_group)."""
+    """Min/max qparams of a [out, in] weight: shape [] (per_tensor), [out, 1] (per_channel) or [out, ceil(in/g), 1] (per_group)."""
     w = w.detach().float()
     g = str(getattr(granularity, "value", granularity))
     if g == "per_tensor":
@@ -113,11 +119,31 @@ def weight_qparams(
     return choose_qparams(lo, hi, qmin, qmax, symmetric)
 
 
+def padded_width(in_features: int, group_size: int) -> int:
+    """The input dimension padded up to whole groups: ceil(in / g) * g."""
+    return -(-in_features // group_size) * group_size
+
+
+def _pad_columns(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """[out, in] -> [out, ceil(in/g)*g] with zero columns appended (the tensor itself when g divides in).
+
+    Zero columns, not copies of the group's values: every min/max grid here contains 0
+    (`choose_qparams` widens [lo, hi] to hold 0, the int4 grids span [min(lo, 0), max(hi, 0)] or
+    the signed absmax extreme), so a zero never moves a group's min, max or absmax: the last,
+    partial group's scale and zero point come from its real columns only. Zero columns also
+    quantize to the zero point exactly, so the padded weights are exactly 0 (as in the artifact).
+    HQQ's fit is the exception (its range is not widened to 0): see `hqq_int4`.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise FFNQuantError(f"group size must be a positive integer, got {group_size!r}")
+    pad = padded_width(w.shape[1], group_size) - w.shape[1]
+    return torch.nn.functional.pad(w, (0, pad)) if pad else w
+
+
 def _groups(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    out_f, in_f = w.shape
-    if not group_size or in_f % group_size:
-        raise FFNQuantError(f"group size {group_size} does not divide the input dimension {in_f}")
-    return w.reshape(out_f, in_f // group_size, group_size)
+    """[out, in] -> [out, ceil(in/g), g], zero-padded along `in` (see `_pad_columns`)."""
+    wp = _pad_columns(w, group_size)
+    return wp.reshape(wp.shape[0], wp.shape[1] // group_size, group_size)
 
 
 def fake_quantize_weight(
@@ -129,7 +155,8 @@ def fake_quantize_weight(
     g = str(getattr(granularity, "value", granularity))
     wf = w.detach().float()
     if g == "per_group":
-        return fake_quantize(_groups(wf, group_size), scale, zp, qmin, qmax).reshape(w.shape)
+        wq = fake_quantize(_groups(wf, group_size), scale, zp, qmin, qmax)
+        return wq.reshape(w.shape[0], -1)[:, : w.shape[1]]
     return fake_quantize(wf, scale, zp, qmin, qmax)
 
 
@@ -156,9 +183,11 @@ def unpack_int4(packed: torch.Tensor, signed: bool) -> torch.Tensor:
 def int4_group_rtn(
     w: torch.Tensor, group_size: int, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """MatMulNBits-style group-wise int4 RTN of a [out, in] weight: codes 0..15 [out, in], scale and zp [out, in/g, 1].
+    """MatMulNBits-style group-wise int4 RTN of a [out, in] weight: codes 0..15 [out, K'], scale and zp [out, K'/g, 1].
 
-    Symmetric: the group's signed extreme m maps to code 0 (value -8): scale = m / -8, zp = 8.
+    K' = ceil(in / g) * g: `in` padded with zero columns to whole groups (K' = in when g divides
+    it); the padded codes are the zero point (value 0) and the last group's qparams come from its
+    real columns only (see `_pad_columns`). Symmetric: the group's signed extreme m maps to code 0 (value -8): scale = m / -8, zp = 8.
     Asymmetric: [min(lo, 0), max(hi, 0)] over 0..15 with a rounded zero point.
     """
     wg = _groups(w.detach().float(), group_size)
@@ -171,41 +200,56 @@ def int4_group_rtn(
     else:
         scale, zp = choose_qparams(wg.amin(dim=2, keepdim=True), wg.amax(dim=2, keepdim=True), 0, 15, False)
     q = torch.clamp(torch.round(wg / scale) + zp, 0, 15).to(torch.int32)
-    return q.reshape(w.shape), scale, zp
+    return q.reshape(wg.shape[0], -1), scale, zp
 
 
-def int4_group_dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    """Float [out, in] weight from int4_group_rtn's codes and [out, in/g, 1] scale / zero point (int or float)."""
+def int4_group_dequantize(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, in_features: int | None = None
+) -> torch.Tensor:
+    """Float weight from int4_group_rtn's codes [out, K'] and [out, K'/g, 1] scale / zero point (int or float).
+
+    `in_features` crops the padded K' columns back to the real input dimension ([out, in_features]);
+    None returns all K' columns.
+    """
     out_f, in_f = q.shape
     groups = scale.shape[1]
     qg = q.reshape(out_f, groups, in_f // groups).to(torch.float32)
-    return ((qg - zero_point.to(torch.float32)) * scale).reshape(out_f, in_f)
+    w = ((qg - zero_point.to(torch.float32)) * scale).reshape(out_f, in_f)
+    return w if in_features is None or in_features == in_f else w[:, :in_features]
 
 
 def hqq_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """HQQ (half-quadratic zero-point fit) int4 fake quantization of a [out, in] weight, groups along `in`.
 
     Uses onnxruntime's copy of the official HQQ routine, the same one its MatMulNBits
-    quantizer runs, so the torch reference and the ONNX artifact use one algorithm.
+    quantizer runs, so the torch reference and the ONNX artifact use one algorithm. When g does
+    not divide `in`, that routine pads `in` with zero columns itself, and the artifact's
+    quantizer does the same: unlike the widened-to-0 RTN grids, HQQ's min/max and its fit then
+    see the padded zeros in the last group (an all-positive group's range starts at 0). Kept
+    as is so that the reference and the artifact stay one algorithm; the result is cropped to `in`.
     """
     from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
 
     quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=group_size, bits=4))
     q, scale, zero = quantizer.quantize_internal(w.detach().float(), bits=4, group_size=group_size)
-    return int4_group_dequantize(q, scale.unsqueeze(-1), zero.unsqueeze(-1))
+    return int4_group_dequantize(q, scale.unsqueeze(-1), zero.unsqueeze(-1), w.shape[1])
 
 
 def gptq_int4(
     w: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, percdamp: float = 0.01, block: int = 128
 ) -> torch.Tensor:
-    """GPTQ fake quantization of a [out, in] weight (see `gptq_int4_codes`)."""
-    return int4_group_dequantize(*gptq_int4_codes(w, hessian, group_size, symmetric, percdamp, block))
+    """GPTQ fake quantization of a [out, in] weight (see `gptq_int4_codes`), [out, in]."""
+    return int4_group_dequantize(*gptq_int4_codes(w, hessian, group_size, symmetric, percdamp, block), w.shape[1])
 
 
 def gptq_int4_codes(
     w: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, percdamp: float = 0.01, block: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ (Frantar et al. 2022) on the int4 group grid of `int4_group_rtn`: codes 0..15 [out, in], scale and zp [out, in/g, 1].
+    """GPTQ (Frantar et al. 2022) on the int4 group grid of `int4_group_rtn`: codes 0..15 [out, K'], scale and zp [out, K'/g, 1].
+
+    K' = ceil(in / g) * g as in `int4_group_rtn`: GPTQ runs on the real columns only (the Hessian
+    is not padded); the last group holds in mod g columns and its qparams come from them; the
+    padded codes are that group's zero point (value 0).
 
     `hessian` is X^T X over calibration inputs ([in, in]). Columns are quantized in order;
     each one's rounding error is spread over the not yet quantized columns through the
@@ -214,8 +258,7 @@ def gptq_int4_codes(
     """
     W = w.detach().float().clone()
     out_f, in_f = W.shape
-    if in_f % group_size:
-        raise FFNQuantError(f"group size {group_size} does not divide the input dimension {in_f}")
+    n_groups = padded_width(in_f, group_size) // group_size
     H = hessian.detach().double().clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
@@ -224,8 +267,8 @@ def gptq_int4_codes(
     H += damp * torch.eye(in_f, dtype=H.dtype)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
     codes = torch.zeros(W.shape, dtype=torch.int32)
-    scales = torch.zeros(out_f, in_f // group_size, 1)
-    zps = torch.zeros(out_f, in_f // group_size, 1, dtype=torch.int32)
+    scales = torch.zeros(out_f, n_groups, 1)
+    zps = torch.zeros(out_f, n_groups, 1, dtype=torch.int32)
     scale = zp = None
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
@@ -247,6 +290,9 @@ def gptq_int4_codes(
             W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
             Err[:, i : i + 1] = err
         W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
+    pad = n_groups * group_size - in_f
+    if pad:  # the padded columns are zero weights: the last group's zero point
+        codes = torch.cat([codes, zps[:, -1].expand(out_f, pad)], dim=1)
     return codes, scales, zps
 
 
@@ -300,6 +346,10 @@ def bnb_4bit_fake(w: torch.Tensor, quant_type: str, blocksize: int) -> torch.Ten
         import bitsandbytes.functional as bnbf
     except Exception as exc:  # bitsandbytes missing or failing to load its native library
         raise FFNQuantError(f"{quant_type} needs bitsandbytes, which is unavailable: {exc}") from exc
-    wf = w.detach().float().contiguous()
+    # Flattened here, not by bitsandbytes: its CPU backend (0.50) quantizes a 2-D weight whose
+    # row length is not a multiple of `blocksize` wrongly (blocks of [160, 96]: 12.3 dB instead
+    # of 20.7 dB, values beyond the block's absmax). Flat, any size works: blocks run over the
+    # row-major weight, the last one partial, as MatMulBnb4 stores it. Same numbers when divisible.
+    wf = w.detach().float().contiguous().reshape(-1)
     packed, state = bnbf.quantize_4bit(wf, blocksize=blocksize, quant_type=quant_type)
     return bnbf.dequantize_4bit(packed, state).to(torch.float32).reshape(w.shape)

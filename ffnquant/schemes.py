@@ -397,16 +397,18 @@ def get_scheme(name: str | Scheme) -> Scheme:
 
 
 def check_scheme_fits(scheme: Scheme, spec: FFNSpec) -> None:
-    """Raise FFNQuantError when ffnquant cannot quantize the FFN with the scheme: a group size that does
-    not divide d_model / d_ff, or a scheme only runtimes implement (`Scheme.no_reference_reason`)."""
+    """Raise FFNQuantError when ffnquant cannot quantize the FFN with the scheme: a scheme only runtimes
+    implement (`Scheme.no_reference_reason`) or a width the groups cannot cover.
+
+    Any group size fits any width: a group that does not divide a matrix's input dimension K
+    (d_model for w_up/w_gate, d_ff for w_down) pads K with zero columns to ceil(K / g) groups,
+    the last holding K mod g real columns, as MatMulNBits stores it; a group larger than K is one
+    padded group. Runtimes whose kernels need divisibility refuse it in their own `check`."""
     if scheme.no_reference_reason is not None:
         raise FFNQuantError(scheme.no_reference_reason)
     if scheme.weight_granularity is not Granularity.PER_GROUP:
         return
     g = scheme.group_size
-    # groups run along each matmul's input dimension: d_model for w_up/w_gate, d_ff for w_down
     for dim_name, dim in (("d_model", spec.d_model), ("d_ff", spec.d_ff)):
-        if dim % g:
-            raise FFNQuantError(
-                f"scheme {scheme.name!r}: group size {g} does not divide {dim_name}={dim} of {spec.key}"
-            )
+        if not isinstance(dim, int) or dim < 1:
+            raise FFNQuantError(f"scheme {scheme.name!r}: {dim_name}={dim!r} of {spec.key} has no groups of {g}")

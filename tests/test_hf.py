@@ -348,7 +348,7 @@ def test_evaluate_model_end_to_end(tiny_models, name):
     result = evaluate_model(folder, ["fp32", "w8a8", "w4a16-g32", "w4a16-g128"], settings=settings)
     json.dumps(result, allow_nan=False)  # the report is plain JSON
     by = {s["scheme"]: s for s in result["schemes"]}
-    assert [s["scheme"] for s in result["skipped"]] == ["w4a16-g128"]  # group 128 does not divide d_model 32
+    assert result["skipped"] == []  # group 128 is wider than d_model 32: one zero-padded group, not a refusal
     # fp32 quantizes nothing: the model is bit-identical to the float one
     assert by["fp32"]["end_to_end"]["hidden_sqnr_db"] == 200.0
     assert all(r["sqnr_db"] == 200.0 for r in by["fp32"]["layers"])

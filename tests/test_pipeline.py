@@ -12,14 +12,20 @@ from ffnquant.recipe import Recipe
 
 
 @pytest.mark.parametrize("variant", ["relu", "swiglu"], ids=str)
-@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a16-g32-asym", "nf4"], ids=str)
-def test_weight_bytes_equal_the_artifacts_initializers(variant, scheme, tmp_path):
+@pytest.mark.parametrize(
+    "scheme, d_model",
+    [("w4a16-g32", 64), ("w4a16-g32-asym", 64), ("nf4", 64),
+     # widths the group does not divide: the artifact stores padded groups (nf4: a partial last block)
+     ("w4a16-g64", 96), ("w4a16-g64-asym", 96), ("w4a16-g128", 96), ("nf4", 96)],
+    ids=lambda v: str(v),
+)
+def test_weight_bytes_equal_the_artifacts_initializers(variant, scheme, d_model, tmp_path):
     """The size column is what the 4-bit artifact stores: packed codes, float32 group scales, packed zero
-    points, fp32 biases (it used to count the scales as 2-byte floats)."""
+    points, fp32 biases (it used to count the scales as 2-byte floats); padded groups count as stored."""
     from ffnquant.quantization import quantize_spec
     from ffnquant.runtimes.artifacts import onnx_weight_bytes
 
-    spec = FFNSpec(variant, d_model=64)
+    spec = FFNSpec(variant, d_model=d_model)
     res = quantize_spec(spec, Recipe(scheme), source="gaussian", calib_tokens=256, eval_tokens=64,
                         out_artifacts=tmp_path, sensitivity=False, baseline=False)
     assert weight_bytes(spec, Recipe(scheme).resolve()) == onnx_weight_bytes(res.artifact["path"])

@@ -152,3 +152,160 @@ def test_gptq_beats_rtn_on_correlated_inputs():
     gptq = P.gptq_int4(w, h, 32, True)
     ref = x @ w.T
     assert _sqnr(ref, x @ gptq.T) > _sqnr(ref, x @ rtn.T) + 1.0
+
+
+# --- groups that do not divide the input width ------------------------------------------
+
+
+def _old_int4_group_rtn(w, g, symmetric):
+    """int4_group_rtn as it was before padding (divisible K only), kept to pin the old numbers."""
+    out_f, in_f = w.shape
+    wg = w.detach().float().reshape(out_f, in_f // g, g)
+    if symmetric:
+        extreme = torch.gather(wg, 2, wg.abs().argmax(dim=2, keepdim=True))
+        scale = extreme / -8.0
+        scale = torch.where(scale != 0, scale, torch.ones_like(scale))
+        zp = torch.full_like(scale, 8, dtype=torch.int32)
+    else:
+        scale, zp = P.choose_qparams(wg.amin(dim=2, keepdim=True), wg.amax(dim=2, keepdim=True), 0, 15, False)
+    q = torch.clamp(torch.round(wg / scale) + zp, 0, 15).to(torch.int32)
+    return q.reshape(w.shape), scale, zp
+
+
+def _old_gptq_int4_codes(w, hessian, g, symmetric, percdamp=0.01, block=128):
+    """gptq_int4_codes as it was before padding (divisible K only)."""
+    W = w.detach().float().clone()
+    out_f, in_f = W.shape
+    H = hessian.detach().double().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += percdamp * torch.mean(torch.diag(H)) * torch.eye(in_f, dtype=H.dtype)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    codes = torch.zeros(W.shape, dtype=torch.int32)
+    scales, zps = torch.zeros(out_f, in_f // g, 1), torch.zeros(out_f, in_f // g, 1, dtype=torch.int32)
+    for i1 in range(0, in_f, block):
+        i2 = min(i1 + block, in_f)
+        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        Err = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % g == 0:
+                _, scale, zp = _old_int4_group_rtn(torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :g], g, symmetric)
+                scale, zp = scale[:, 0], zp[:, 0]
+                scales[:, col // g], zps[:, col // g] = scale, zp
+            wcol = W1[:, i : i + 1]
+            q = torch.clamp(torch.round(wcol / scale) + zp, 0, 15)
+            codes[:, col : col + 1] = q.to(torch.int32)
+            err = (wcol - (q - zp) * scale) / Hinv1[i, i]
+            W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
+            Err[:, i : i + 1] = err
+        W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
+    return codes, scales, zps
+
+
+def _weights(out_f, in_f, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_f, in_f, generator=g) * 0.05
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("in_f, group", [(64, 32), (128, 64), (256, 128), (96, 32)])
+def test_divisible_groups_give_exactly_the_old_numbers(in_f, group, symmetric):
+    """Padding changes nothing when g divides K: codes, scales, zero points, GPTQ, the int8 group grid
+    and bitsandbytes' blocks are bit-identical to the code before padding (the committed reports stand)."""
+    w = _weights(48, in_f)
+    new, old = P.int4_group_rtn(w, group, symmetric), _old_int4_group_rtn(w, group, symmetric)
+    for a, b in zip(new, old):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(P.int4_group_dequantize(*new, in_f), P.int4_group_dequantize(*old))
+    x = torch.randn(200, in_f, generator=torch.Generator().manual_seed(2))
+    H = x.T @ x
+    for a, b in zip(P.gptq_int4_codes(w, H, group, symmetric), _old_gptq_int4_codes(w, H, group, symmetric)):
+        assert torch.equal(a, b)
+    qmin, qmax = P.int_range(8, signed=symmetric)
+    scale, zp = P.choose_qparams(w.reshape(48, -1, group).amin(2, keepdim=True), w.reshape(48, -1, group).amax(2, keepdim=True),
+                                 qmin, qmax, symmetric)
+    old_fq = P.fake_quantize(w.reshape(48, -1, group), scale, zp, qmin, qmax).reshape(w.shape)
+    assert torch.equal(P.fake_quantize_weight(w, "per_group", 8, symmetric, group), old_fq)
+
+
+def test_bnb_4bit_divisible_is_bitsandbytes_own_2d_call():
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    w = _weights(160, 64)
+    packed, state = bnbf.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4")
+    assert torch.equal(P.bnb_4bit_fake(w, "nf4", 64), bnbf.dequantize_4bit(packed, state).float().reshape(w.shape))
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("in_f, group", [(96, 64), (100, 32), (48, 128)])
+def test_int4_groups_pad_the_width(in_f, group, symmetric):
+    """K = 96, g = 64: codes of the padded [out, 128], a scale per padded group, the padded codes are the
+    zero point (weight 0), the last group's qparams are those of its real columns alone, and the cropped
+    dequantized weight has the input's shape with each real weight within half its group's step."""
+    w = _weights(40, in_f, seed=3)
+    w[:7, (in_f // group) * group:] = w[:7, (in_f // group) * group:].abs() + 0.01  # all-positive last groups
+    q, scale, zp = P.int4_group_rtn(w, group, symmetric)
+    n_groups, kp = -(-in_f // group), -(-in_f // group) * group
+    assert q.shape == (40, kp) and scale.shape == zp.shape == (40, n_groups, 1) and P.padded_width(in_f, group) == kp
+    assert torch.equal(q[:, in_f:], zp[:, -1].expand(40, kp - in_f))
+    last = (n_groups - 1) * group
+    _, s_last, z_last = _old_int4_group_rtn(w[:, last:], in_f - last, symmetric)  # the real columns as one group
+    assert torch.equal(scale[:, -1], s_last[:, 0]) and torch.equal(zp[:, -1], z_last[:, 0])
+    wq = P.int4_group_dequantize(q, scale, zp, in_f)
+    assert wq.shape == w.shape
+    assert torch.equal(P.int4_group_dequantize(q, scale, zp)[:, in_f:], torch.zeros(40, kp - in_f))
+    step = scale.abs().repeat_interleave(group, dim=1)[:, :in_f, 0]
+    err = (w - wq).abs()
+    if symmetric:  # codes reach 7 steps on the extreme's other side: beyond, within one step
+        assert (err <= step * (1 + 1e-5)).all()
+        err = torch.where(w.abs() <= 7 * step, err, torch.zeros_like(err))
+    assert (err <= step / 2 * (1 + 1e-5) + 1e-8).all()
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_gptq_pads_the_width(symmetric):
+    """GPTQ on K = 96, g = 64: padded codes/scales like RTN, cropped weight; with a diagonal Hessian
+    no error is propagated, so it is RTN exactly."""
+    w = _weights(24, 96, seed=4)
+    codes, scale, zp = P.gptq_int4_codes(w, torch.eye(96) * 3.0, 64, symmetric)
+    rtn = P.int4_group_rtn(w, 64, symmetric)
+    assert codes.shape == (24, 128) and scale.shape == (24, 2, 1)
+    for a, b in zip((codes, scale, zp), rtn):
+        assert torch.equal(a, b)
+    x = torch.randn(300, 96, generator=torch.Generator().manual_seed(5))
+    wq = P.gptq_int4(w, x.T @ x, 64, symmetric)
+    assert wq.shape == w.shape and torch.isfinite(wq).all()
+    assert (x @ (w - wq).T).pow(2).mean() <= (x @ (w - P.int4_group_dequantize(*rtn, 96)).T).pow(2).mean()
+
+
+def test_hqq_pads_the_width():
+    pytest.importorskip("onnxruntime")
+    w = _weights(32, 96, seed=6)
+    wq = P.hqq_int4(w, 64)
+    assert wq.shape == w.shape and torch.isfinite(wq).all()
+    assert 10 * math.log10(w.pow(2).sum() / (w - wq).pow(2).sum()) > 15.0
+
+
+@pytest.mark.parametrize("shape", [(160, 96), (7, 96), (96, 160)], ids=str)
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_bnb_4bit_any_width(shape, quant_type):
+    """bitsandbytes' blocks run over the flattened weight (the last one partial): each block's values stay
+    within its absmax. Its CPU backend got a 2-D [160, 96] wrong (12 dB); bnb_4bit_fake flattens first."""
+    pytest.importorskip("bitsandbytes")
+    w = _weights(*shape, seed=7)
+    wq = P.bnb_4bit_fake(w, quant_type, 64)
+    assert wq.shape == w.shape
+    flat, qflat = w.reshape(-1), wq.reshape(-1)
+    for i in range(0, flat.numel(), 64):
+        assert qflat[i:i + 64].abs().max() <= flat[i:i + 64].abs().max() * (1 + 1e-6)
+    assert 10 * math.log10(w.pow(2).sum() / (w - wq).pow(2).sum()) > (18.0 if quant_type == "nf4" else 14.0)
+
+
+def test_int8_groups_pad_the_width():
+    w = _weights(16, 96, seed=8)
+    wq = P.fake_quantize_weight(w, "per_group", 8, False, 64)
+    scale, _ = P.weight_qparams(w, "per_group", 0, 255, False, 64)
+    assert wq.shape == w.shape and scale.shape == (16, 2, 1)
+    step = scale.repeat_interleave(64, dim=1)[:, :96, 0]
+    assert ((w - wq).abs() <= step / 2 * (1 + 1e-5)).all()

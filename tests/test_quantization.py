@@ -149,9 +149,51 @@ def test_prepare_takes_the_remedies_from_the_recipe():
         prepare(spec, "gaussian", 256, 128, smooth=0.5, recipe=Recipe("w8a8", smooth=0.5))
 
 
-def test_group_size_not_dividing_is_an_error():
-    with pytest.raises(FFNQuantError, match="does not divide d_model=48"):
-        quantize_model(build(FFNSpec("swiglu", d_model=48)), "w4a16-g32")
+def test_group_size_not_dividing_pads_the_width():
+    """d_model 48 with groups of 32 (it used to be refused): the weights keep their shapes, w_up/w_gate
+    get 2 groups per row (32 + 16 real columns), and the model runs."""
+    model = build(FFNSpec("swiglu", d_model=48))
+    q = quantize_model(model, "w4a16-g32")
+    for name, w in model.weights().items():
+        assert q.model.weights()[name].shape == w.shape
+    x = gaussian_tokens(64, 48, seed=0)
+    assert sqnr_db(model(x), q(x)) > 10.0
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g64", "w4a16-g64-asym", "w4a16-g128", "w8g64", "nf4", "fp4"], ids=str)
+def test_quantize_weight_any_width_within_half_a_step(scheme):
+    """K = 96 with g = 64 (and g = 128 > K): the cropped image has the input's shape and every real
+    weight lies within half its group's step (int grids) or inside its block's absmax (nf4/fp4)."""
+    from ffnquant import primitives as P
+    from ffnquant.fakequant import quantize_weight
+    from ffnquant.schemes import Granularity, Scheme, WeightDType, get_scheme
+
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)) * 0.05
+    w[:, 64:] = w[:, 64:].abs() + 0.01  # an all-positive last partial group: padding must not widen its range
+    sch = (Scheme("w8g64", WeightDType.INT8, Granularity.PER_GROUP, group_size=64, weight_symmetric=False)
+           if scheme == "w8g64" else get_scheme(scheme))
+    wq = quantize_weight(w, sch)
+    assert wq.shape == w.shape and torch.isfinite(wq).all()
+    g = sch.group_size
+    if sch.weight_dtype in (WeightDType.NF4, WeightDType.FP4):
+        flat, qflat = w.reshape(-1), wq.reshape(-1)
+        for i in range(0, flat.numel(), g):
+            assert qflat[i:i + g].abs().max() <= flat[i:i + g].abs().max() * (1 + 1e-6)
+        return
+    bits = 8 if sch.weight_dtype is WeightDType.INT8 else 4
+    levels = 2 ** bits - 1
+    for j in range(0, 96, g):
+        grp, qgrp = w[:, j:j + g], wq[:, j:j + g]
+        lo = grp.amin(1, keepdim=True).clamp(max=0)
+        hi = grp.amax(1, keepdim=True).clamp(min=0)
+        err = (grp - qgrp).abs()
+        if sch.weight_symmetric:  # the signed extreme on code -8: step = |extreme| / 8, and the
+            step = torch.maximum(-lo, hi) / 8  # other sign reaches 7 steps only (beyond: within a step)
+            assert (err <= step * (1 + 1e-4)).all()
+            err = torch.where(grp.abs() <= 7 * step, err, torch.zeros_like(err))
+        else:
+            step = (hi - lo) / levels
+        assert (err <= step / 2 * (1 + 1e-4) + 1e-7).all()
 
 
 def test_metrics_on_a_hand_built_pair():

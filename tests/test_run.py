@@ -184,7 +184,7 @@ def _nan_file(tmp_path: Path) -> Path:
     pytest.param(["--runtimes", "tpu"], "unknown runtime 'tpu'", id="unknown-runtime"),
     pytest.param(["--source", "{tmp}/missing.npy"], "missing.npy", id="missing-data"),
     pytest.param(["--source", "{nan}"], "NaN", id="nan-data"),
-    pytest.param(["--schemes", "fp32,w4a16-g128"], "group size 128 does not divide d_model=64", id="group-size"),
+    pytest.param(["--schemes", "fp32,llm-int8"], "llm-int8", id="scheme-without-reference"),
     pytest.param(["--tokens", "1,0"], "tokens must be a positive integer", id="zero-tokens"),
     pytest.param(["--config", "{tmp}/nope.toml"], "does not exist", id="missing-config"),
 ], )

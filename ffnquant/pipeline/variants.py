@@ -20,7 +20,12 @@ def weight_bytes(spec: FFNSpec, scheme: Any) -> int:
     plus fp32 biases: the size the deployed weights carry (artifact files add graph overhead).
 
     Group scales count 4 bytes: the MatMulNBits artifacts store float32 scales and bitsandbytes keeps
-    float32 absmax per block; 4-bit zero points pack two per byte along each row's blocks."""
+    float32 absmax per block; 4-bit zero points pack two per byte along each row's blocks.
+
+    A group that does not divide a matrix's input width K is stored padded, as the artifact holds
+    it: int4 groups pad each row to ceil(K / g) * g codes (one scale, one zero point per padded
+    group); bitsandbytes' blocks run over the flattened matrix, so nf4/fp4 pay only a last
+    partial block per matrix (ceil(out * K / g) absmax values, ceil(out * K / 2) code bytes)."""
     wd = scheme.weight_dtype
     n_w = spec.n_weight_params
     bias = 4 * spec.n_bias_params
@@ -29,9 +34,15 @@ def weight_bytes(spec: FFNSpec, scheme: Any) -> int:
     shapes = list(spec.weight_shapes.values())  # [out, in] per matrix
     gran = scheme.weight_granularity.value
     if gran == "per_group":
-        blocks = [(n_out, math.ceil(n_in / scheme.group_size)) for n_out, n_in in shapes]
+        g = scheme.group_size
+        if wd.value in ("nf4", "fp4"):
+            code_bytes = sum(math.ceil(n_out * n_in * wd.bits / 8) for n_out, n_in in shapes)
+            return code_bytes + 4 * sum(math.ceil(n_out * n_in / g) for n_out, n_in in shapes) + bias
+        blocks = [(n_out, math.ceil(n_in / g)) for n_out, n_in in shapes]
+        code_bytes = sum(n * math.ceil(b * g * wd.bits / 8) for n, b in blocks)  # each row padded to b * g codes
         scale_bytes = 4 * sum(n * b for n, b in blocks)
         zp_bytes = 0 if scheme.weight_symmetric else sum(n * math.ceil(b / 2) for n, b in blocks)
+        return code_bytes + scale_bytes + zp_bytes + bias
     elif gran == "per_channel":
         out_channels = sum(n_out for n_out, _ in shapes)
         scale_bytes, zp_bytes = 4 * out_channels, 0 if scheme.weight_symmetric else out_channels

@@ -173,7 +173,8 @@ class OrtRuntime(Runtime):
         super().check(case)
         from ..schemes import check_scheme_fits, get_scheme
 
-        # the artifacts are written by ffnquant's quantizer: 4-bit groups must divide both widths
+        # the artifacts are written by ffnquant's quantizer; MatMulNBits pads K to whole blocks
+        # (K attribute = the real width, ceil(K / block_size) blocks), so any group size fits
         check_scheme_fits(get_scheme(case.scheme), case.spec)
 
     # --- sessions -----------------------------------------------------------------------
