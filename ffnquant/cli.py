@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -66,6 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ffnquant {args.command}: interrupted; no partial files were left", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`ffnquant model inspect PATH | head`): stop quietly, no traceback;
+        # stdout is pointed at devnull so that the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -103,3 +103,16 @@ def test_cli_keeps_bitsandbytes_pip_install_kernels_warning_off_stderr(tmp_path)
     )
     assert proc.returncode == 0, proc.stderr
     assert "pip install kernels" not in proc.stderr and "kernels-community" not in proc.stderr
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """`ffnquant variants | head -1`: the reader goes away; no traceback on stderr (was BrokenPipeError)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "ffnquant", "variants", "--d-model", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the table is written
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert "Traceback" not in err and "BrokenPipeError" not in err
