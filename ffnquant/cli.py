@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     # Third-party noise stays out of the user's terminal: bitsandbytes asks at import to `pip install
     # kernels`, a package ffnquant does not use, wherever it is imported (runtimes, primitives).
-    from .runtimes.bnb import quiet_bitsandbytes
+    from .thirdparty import quiet_bitsandbytes
 
     quiet_bitsandbytes()
     # The exact command line, for reports that state how they were made.

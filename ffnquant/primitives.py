@@ -342,6 +342,9 @@ def fp8_per_token_fake(x: torch.Tensor) -> torch.Tensor:
 
 def bnb_4bit_fake(w: torch.Tensor, quant_type: str, blocksize: int) -> torch.Tensor:
     """NF4 / FP4 round trip through bitsandbytes itself (block-wise absmax over the flattened weight)."""
+    from .thirdparty import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # the Python API imports bitsandbytes here, not through the CLI
     try:
         import bitsandbytes.functional as bnbf
     except Exception as exc:  # bitsandbytes missing or failing to load its native library

@@ -492,7 +492,7 @@ def test_bnb_runtime_keeps_the_pip_install_kernels_warning_off_stderr():
 def test_bnb_noise_filter_passes_other_records():
     import logging
 
-    from ffnquant.runtimes.bnb import quiet_bitsandbytes
+    from ffnquant.thirdparty import quiet_bitsandbytes
 
     quiet_bitsandbytes()
     quiet_bitsandbytes()  # idempotent: one filter

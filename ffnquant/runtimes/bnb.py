@@ -11,54 +11,22 @@ every bitsandbytes format has its float baseline on the same runtime.
 from __future__ import annotations
 
 import copy
-import logging
 
 import torch
 
 from ..errors import FFNQuantError, first_line
 from ..schemes import PRESETS
+from ..thirdparty import quiet_bitsandbytes
 from .base import Availability, Loaded, ModelCase
 from .torch_rt import TorchModuleRuntime
 
-__all__ = ["BnbRuntime", "LLM_INT8_THRESHOLDS", "BNB_4BIT_BLOCKSIZE", "bnb_linear", "quiet_bitsandbytes"]
+__all__ = ["BnbRuntime", "LLM_INT8_THRESHOLDS", "BNB_4BIT_BLOCKSIZE", "bnb_linear"]
 
 # The LLM.int8 presets' thresholds, from the scheme registry (llm-int8: 6.0, llm-int8-t0: 0.0).
 LLM_INT8_THRESHOLDS = {name: s.outlier_threshold for name, s in PRESETS.items() if s.outlier_threshold is not None}
 BNB_4BIT_BLOCKSIZE = 64
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16}
 _FORMATS = ("fp32", "fp16", "llm-int8", "llm-int8-t0", "nf4", "fp4")
-
-
-# bitsandbytes' CPU backend logs a warning at import when the optional `kernels` package (a Hub
-# kernel loader ffnquant does not use) is missing, asking the user to `pip install kernels`; its own
-# native CPU kernels run either way. That line is third-party noise in ffnquant's terminal output.
-_NOISY_LOGGERS = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.backends.mps.ops")
-_NOISE = ("pip install kernels", "from kernels-community")
-
-
-class _KernelsNoiseFilter(logging.Filter):
-    """Drops bitsandbytes' 'pip install kernels' records; every other record passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record is not ours to judge
-            return True
-        return not any(n in message for n in _NOISE)
-
-
-_FILTER = _KernelsNoiseFilter()
-
-
-def quiet_bitsandbytes() -> None:
-    """Filter bitsandbytes' 'pip install kernels' warning out of logging (idempotent, imports nothing).
-
-    Call before anything imports bitsandbytes: the warning is logged once, at import.
-    """
-    for name in _NOISY_LOGGERS:
-        logger = logging.getLogger(name)
-        if _FILTER not in logger.filters:
-            logger.addFilter(_FILTER)
 
 
 def _import_bnb():
