@@ -292,7 +292,9 @@ def write_nbits(
             proto.opset_import.append(helper.make_opsetid(_MS_DOMAIN, 1))
         out = proto
     else:
-        from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+        from .thirdparty import matmul_nbits_quantizer
+
+        mnq = matmul_nbits_quantizer()
 
         if scheme.method is Method.HQQ:
             config = mnq.HQQWeightOnlyQuantConfig(block_size=group or 0, bits=4)

@@ -228,9 +228,10 @@ def hqq_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     see the padded zeros in the last group (an all-positive group's range starts at 0). Kept
     as is so that the reference and the artifact stay one algorithm; the result is cropped to `in`.
     """
-    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+    from .thirdparty import matmul_nbits_quantizer
 
-    quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=group_size, bits=4))
+    mnq = matmul_nbits_quantizer()
+    quantizer = mnq.HQQWeightOnlyQuantizer(mnq.HQQWeightOnlyQuantConfig(block_size=group_size, bits=4))
     q, scale, zero = quantizer.quantize_internal(w.detach().float(), bits=4, group_size=group_size)
     return int4_group_dequantize(q, scale.unsqueeze(-1), zero.unsqueeze(-1), w.shape[1])
 

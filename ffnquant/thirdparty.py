@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["quiet_bitsandbytes"]
+__all__ = ["quiet_bitsandbytes", "matmul_nbits_quantizer"]
 
 
 # bitsandbytes' CPU backend logs a warning at import when the optional `kernels` package (a Hub
@@ -38,3 +38,22 @@ def quiet_bitsandbytes() -> None:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
+
+
+def matmul_nbits_quantizer():
+    """onnxruntime's MatMulNBits quantizer module, imported without its side effect on logging.
+
+    At import it calls `logging.basicConfig(level=INFO)`, after which every INFO record of every
+    library (its own "start to quantize node ..." lines, onnx_ir's exporter passes) reaches the
+    user's terminal. The root logger's level and handlers are put back as they were, and the
+    quantizer's own logger keeps warnings only.
+    """
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    from onnxruntime.quantization import matmul_nbits_quantizer as module
+
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
+    logging.getLogger(module.__name__).setLevel(logging.WARNING)
+    return module

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import re
 import shlex
@@ -170,15 +169,6 @@ def _measure_and_write(args: argparse.Namespace, out, specs, adapters, schemes, 
     from ..bench import run_benchmark
     from ..report.latency import latency_markdown
 
-    # onnxruntime's MatMulNBits quantizer calls logging.basicConfig(level=INFO) when imported
-    # (mid-sweep, while artifacts are built), after which every exporter pass logs a line.
-    # Import it first and put the root logger back; the report says what ran.
-    try:
-        import onnxruntime.quantization.matmul_nbits_quantizer  # noqa: F401
-    except Exception:  # no onnxruntime: nothing will log
-        pass
-    logging.getLogger().setLevel(logging.WARNING)
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     command = _command_line(args)
     if args.no_progress:
         result = run_benchmark(specs, adapters, schemes, config)

@@ -1,0 +1,29 @@
+"""Third-party noise: importing onnxruntime's MatMulNBits quantizer through ffnquant leaves logging as it was."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CHECK = """
+import logging
+root = logging.getLogger()
+before = (root.level, list(root.handlers))
+from ffnquant.thirdparty import matmul_nbits_quantizer
+mnq = matmul_nbits_quantizer()
+assert hasattr(mnq, "MatMulNBitsQuantizer")
+assert (root.level, list(root.handlers)) == before, (root.level, root.handlers)
+assert logging.getLogger(mnq.__name__).getEffectiveLevel() >= logging.WARNING
+logging.getLogger("onnx_ir.passes").info("must not be printed")
+"""
+
+
+def test_the_quantizer_import_does_not_turn_on_info_logging():
+    """onnxruntime calls logging.basicConfig(level=INFO) at import: every library's INFO lines (its own
+    'start to quantize node', onnx_ir's passes) then reached the user's terminal."""
+    pytest.importorskip("onnxruntime")
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "must not be printed" not in out.stderr and "[INFO]" not in out.stderr
