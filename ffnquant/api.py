@@ -71,7 +71,7 @@ def quantize(
     and GPTQ Hessians are taken from, or a token source name ('llm_like', 'gaussian', a .npy file) from
     which `calib_tokens` calibration and `eval_tokens` held-out tokens are drawn. With a tensor, the
     prepared held-out set (what `evaluate(q)` measures on without tokens) is `held_out`, or the
-    calibration tokens themselves when not given. The numbers are those of `quantize.quantize_spec`.
+    calibration tokens themselves when not given. The numbers are those of `quantization.quantize_spec`.
     """
     from .quantization import prepare, quantize_spec
 

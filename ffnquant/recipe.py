@@ -21,9 +21,6 @@ DEFAULT_SMOOTH_ALPHA = 0.5
 GRAMMAR = "SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]"
 REMEDIES = ("smooth", "smooth=ALPHA", "rotate")
 
-# How often each text was parsed: a test checks that a command parses each recipe once.
-PARSE_COUNT = {"n": 0}
-
 
 def _exact(x: float) -> str:
     """The short form of x ('0.3', '1') where it reads back to the same float, else every digit needed:
@@ -156,7 +153,6 @@ class Recipe:
     @classmethod
     def parse(cls, text: str) -> "Recipe":
         """Parse `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]` (any letter case, spaces allowed)."""
-        PARSE_COUNT["n"] += 1
         raw = str(text).strip()
         if not raw:
             raise FFNQuantError("empty scheme name")

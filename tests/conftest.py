@@ -30,3 +30,19 @@ def np_activation(name: str, z: np.ndarray) -> np.ndarray:
 @pytest.fixture
 def numpy_reference():
     return np_activation
+
+
+@pytest.fixture
+def recipe_parses(monkeypatch):
+    """A list that grows by one text per `Recipe.parse` call (to check that a command parses a recipe once)."""
+    from ffnquant.recipe import Recipe
+
+    seen: list[str] = []
+    real = Recipe.parse.__func__
+
+    def counting(cls, text):
+        seen.append(str(text))
+        return real(cls, text)
+
+    monkeypatch.setattr(Recipe, "parse", classmethod(counting))
+    return seen

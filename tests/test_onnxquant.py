@@ -148,22 +148,21 @@ def test_cli_writes_artifacts_and_reports(tmp_path, capsys):
     assert "reglu" in capsys.readouterr().out
 
 
-def test_cli_recipe_text_and_flags_build_the_same_recipe_parsed_once(tmp_path, monkeypatch):
+def test_cli_recipe_text_and_flags_build_the_same_recipe_parsed_once(tmp_path, recipe_parses):
     """`--recipe` takes `ffnquant run --schemes`' grammar; the old flags are sugar for the same Recipe: the same
     files, the same numbers. Each command parses its recipe once; giving both forms is an error."""
     import json
 
-    from ffnquant import recipe as recipe_module
 
     common = ["quantize", "--variants", "relu", "--d-model", "32", "--calib-tokens", "256", "--eval-tokens", "128",
               "--no-onnx"]
     out = {}
     for form, args in {"text": ["--recipe", "w8a8@mse+smooth=0.3+rotate"],
                        "flags": ["--scheme", "w8a8", "--calibrator", "mse", "--smooth", "0.3", "--rotate"]}.items():
-        monkeypatch.setitem(recipe_module.PARSE_COUNT, "n", 0)
+        recipe_parses.clear()
         rep = tmp_path / form
         assert main(common + args + ["--out-reports", str(rep)]) == 0
-        assert recipe_module.PARSE_COUNT["n"] == (1 if form == "text" else 0)
+        assert recipe_parses == (["w8a8@mse+smooth=0.3+rotate"] if form == "text" else [])
         (js,) = rep.glob("quantize_*.json")
         assert js.name == "quantize_relu_d32_ff128.w8a8-mse.smooth0.3-rotate.json"
         out[form] = json.loads(js.read_text())

@@ -3,7 +3,7 @@
 Calibration streams each captured batch through the layer's ffnquant FFN with observers on
 every site (issue 3's `observe.profile`, merged batch by batch), so memory is one batch.
 `quantize_layers` is the one way layers are quantized (each exactly as a synthetic variant:
-`quantize.quantize_recipes` on the layer's captured inputs, `hf.inputs`). Evaluation puts the
+`quantization.quantize_recipes` on the layer's captured inputs, `hf.inputs`). Evaluation puts the
 quantized FFNs (torch reference numerics) back into the transformers model and measures what its user notices: perplexity on the
 evaluation text for causal LMs, SQNR and cosine of the final hidden states for every kind
 (the only end-to-end measure for encoders and encoder-decoders), next to each layer's own
@@ -270,10 +270,10 @@ def quantize_layers(
     bins: int | None = None,
     smooth_sites: Sequence[str] | None = None,
 ):
-    """THE way a real model's FFN layers are quantized: yield a `quantize.RecipeOutcome` (its `label` set)
+    """THE way a real model's FFN layers are quantized: yield a `quantization.RecipeOutcome` (its `label` set)
     per layer and recipe, layer by layer (recipes in order within a layer).
 
-    Each layer is quantized exactly as a synthetic variant (`quantize.quantize_recipes`): one `prepare` per
+    Each layer is quantized exactly as a synthetic variant (`quantization.quantize_recipes`): one `prepare` per
     remedy set on the layer's FFN with its captured calibration inputs `inputs.calib[label]` (remedies
     applied to the layer, ranges re-profiled with `bins`), `quantize_spec` per recipe measured on the
     held-out `inputs.eval[label]`. ONNX files (with `onnx` and `out_artifacts`) are named

@@ -73,7 +73,7 @@ def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
 
 
 def gaussian_calibration(model, seed: int):
-    """The `quantize.Prepared` that static schemes of timed artifacts and of the bench's references are
+    """The `quantization.Prepared` that static schemes of timed artifacts and of the bench's references are
     calibrated from: `CALIBRATION_TOKENS` seeded Gaussian tokens through `model`."""
     from ..quantization import prepare
 
