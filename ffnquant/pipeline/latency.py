@@ -32,11 +32,6 @@ def select_runtimes(config: RunConfig) -> list[tuple[str, Any, Any]]:
     return out
 
 
-def _loads_artifacts(runtime: Any) -> bool:
-    """onnxruntime's adapters time ffnquant's own ONNX artifacts; the others quantize the float FFN themselves."""
-    return runtime.name.startswith("ort-")
-
-
 def measure_latency(
     config: RunConfig, specs: Sequence[FFNSpec], recipes: Sequence[Recipe], models: Mapping[str, Any],
     onnx_paths: Mapping[tuple[str, str], Path], runtimes: Sequence[tuple[str, Any, Any]], missing: list[dict],
@@ -88,7 +83,7 @@ def measure_latency(
         cases += [dict(c.to_dict(), scheme=first[c.scheme].name if c.scheme in first else c.scheme) for c in main.cases]
         rows = {r["name"]: dict(r) for r in main.runtimes}
         section["skipped"] += list(main.skipped)
-    onnx_rts = [rt for rt in runtime_objs if _loads_artifacts(rt)]
+    onnx_rts = [rt for rt in runtime_objs if rt.loads_artifacts]
     for recipe in extra:
         own = [s for s in specs if (s.variant.value, recipe.name) in onnx_paths]
         specs_timed = own if recipe.has_remedies else list(specs)

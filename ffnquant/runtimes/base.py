@@ -210,6 +210,9 @@ class Runtime(abc.ABC):
     description: str = ""
     # The float format every other format on this runtime is compared with.
     baseline: str = "fp32"
+    # True when the runtime runs ffnquant's ONNX artifacts (`ModelCase.onnx_path`); the others quantize the
+    # float FFN themselves, so a recipe's remedies (folded into its artifact) never reach them.
+    loads_artifacts: bool = False
 
     def availability(self) -> Availability:
         """Whether this runtime really runs here, with the reason; probed once, then remembered."""

@@ -125,6 +125,8 @@ def _optimized_op_counts(session_factory, path: Path) -> str:
 class OrtRuntime(Runtime):
     """onnxruntime with one execution provider: 'cpu', 'cuda' or 'trt'."""
 
+    loads_artifacts = True
+
     def __init__(self, provider: str = "cpu") -> None:
         if provider not in PROVIDERS:
             raise FFNQuantError(f"unknown onnxruntime provider {provider!r}; valid: {', '.join(PROVIDERS)}")
