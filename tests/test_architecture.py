@@ -114,17 +114,16 @@ def test_a_run_parses_each_recipe_once(tmp_path, recipe_parses):
     assert recipe_parses == []
 
 
-# Modules allowed past 600 lines, each one cohesive thing (docs/ARCHITECTURE.md says why).
+# Modules allowed past 600 lines (never past 700), each one cohesive thing (docs/ARCHITECTURE.md says why).
 LARGE_MODULES = {
-    "ffnquant/observe.py": "the observers and the RangeTable: one streaming-statistics design",
-    "ffnquant/kernels/w4a16.py": "one family of Triton kernels with their packing, tuner and module",
+    "ffnquant/kernels/w4a16.py": "the Triton kernels with their tuner, launcher and module (packing is in w4a16_pack)",
 }
 
 
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")), ids=str)
 def test_module_size(path):
     n = len((ROOT / path).read_text(encoding="utf-8").splitlines())
-    limit = 900 if path in LARGE_MODULES else 600
+    limit = 700 if path in LARGE_MODULES else 600
     assert n <= limit, f"{path} has {n} lines (limit {limit}); split it by concern or list it in LARGE_MODULES with why"
 
 

@@ -9,7 +9,8 @@ import torch
 from ffnquant import primitives as P
 from ffnquant.calibrate import CALIBRATORS, Grid, Histogram, calibrate_range, expected_mse, histogram_of, parse_calibrator
 from ffnquant.errors import FFNQuantError
-from ffnquant.observe import StreamingHistogram, TensorObserver
+from ffnquant.histogram import StreamingHistogram
+from ffnquant.observe import TensorObserver
 
 RNG = np.random.default_rng(0)
 DATA = {

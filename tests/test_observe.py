@@ -12,9 +12,9 @@ import torch
 from ffnquant import FFNSpec, build
 from ffnquant.data import TokenSource
 from ffnquant.errors import FFNQuantError
+from ffnquant.histogram import StreamingHistogram
 from ffnquant.observe import (
     RangeTable,
-    StreamingHistogram,
     TensorObserver,
     profile,
     profile_spec,

@@ -6,7 +6,8 @@ import argparse
 
 from ..atomic import OutputTransaction
 from ..errors import FFNQuantError
-from ..observe import DEFAULT_BINS, StreamingHistogram
+from ..histogram import StreamingHistogram
+from ..observe import DEFAULT_BINS
 from ..render import fmt, text_table
 from ..spec import SITES
 from .common import (

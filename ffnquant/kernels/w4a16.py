@@ -44,7 +44,8 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..primitives import int4_group_rtn, pack_int4, unpack_int4
+from .w4a16_pack import (ACTIVATIONS, SCALE_DTYPES, PackedW4, dequantize_w4, describe, pack_w4, torch_act,
+                         w4a16_gated_reference, w4a16_reference)
 
 __all__ = [
     "ACTIVATIONS",
@@ -61,96 +62,12 @@ __all__ = [
     "w4a16_reference",
 ]
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 _X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # set by _triton(); the kernel bodies below resolve `tl` from this module's globals
 triton = None
 tl = None
-
-
-# --- packing and the torch reference ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PackedW4:
-    """A [n, k] weight as int4 codes (two per byte, first in the low nibble) and per-group scales."""
-
-    packed: torch.Tensor  # uint8 [n, k // 2]
-    scales: torch.Tensor  # [n, k // group_size], float16 unless chosen otherwise
-    group_size: int
-    n: int
-    k: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
-
-    def to(self, device) -> PackedW4:
-        """The same weight on `device`."""
-        return replace(self, packed=self.packed.to(device), scales=self.scales.to(device))
-
-
-def _check_group(k: int, group_size: int) -> None:
-    # 8 | group_size: the gemv kernel reads 8 codes per 32-bit word and never lets a word straddle groups
-    if not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
-        raise FFNQuantError(f"group_size must be a positive multiple of 8, got {group_size!r}")
-    if k % group_size:
-        raise FFNQuantError(f"group_size {group_size} must divide the input dimension {k}")
-
-
-def pack_w4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float16) -> PackedW4:
-    """Quantize a [n, k] weight with ffnquant's symmetric int4 groups (int4_group_rtn) and pack it."""
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
-        raise FFNQuantError(f"pack_w4 needs a 2-D floating [out, in] weight, got {_describe(w)}")
-    if scale_dtype not in _SCALE_DTYPES:
-        raise unknown_choice("scale dtype", scale_dtype, _SCALE_DTYPES)
-    n, k = w.shape
-    _check_group(k, group_size)
-    q, scale, _zp = int4_group_rtn(w.detach(), group_size, symmetric=True)
-    scales = scale.squeeze(-1).to(scale_dtype)
-    if not torch.isfinite(scales).all():
-        raise FFNQuantError(f"a group scale overflows {scale_dtype}; valid: weights with |w| <= 8 * max({scale_dtype}),"
-                            " or scale_dtype=torch.float32")
-    return PackedW4(pack_int4(q).contiguous(), scales.contiguous(), group_size, n, k)
-
-
-def dequantize_w4(p: PackedW4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The [n, k] weight the kernel multiplies by: (q - 8) * stored scale, computed in float32 (exact), cast to `dtype`."""
-    q = unpack_int4(p.packed, signed=False).reshape(p.n, p.k // p.group_size, p.group_size)
-    w = (q.to(torch.float32) - 8.0) * p.scales.to(torch.float32).unsqueeze(-1)
-    return w.reshape(p.n, p.k).to(dtype)
-
-
-def w4a16_reference(x: torch.Tensor, p: PackedW4) -> torch.Tensor:
-    """x @ dequantize_w4(p).T in float32, cast to x.dtype: what w4a16_matmul computes up to summation order."""
-    return (x.to(torch.float32) @ dequantize_w4(p).to(x.device).T).to(x.dtype)
-
-
-def w4a16_gated_reference(x: torch.Tensor, p_gate: PackedW4, p_up: PackedW4, act: str) -> torch.Tensor:
-    """act(x @ Wg^T) * (x @ Wu^T) in float32 with torch's activations, cast to x.dtype."""
-    xf = x.to(torch.float32)
-    g = xf @ dequantize_w4(p_gate).to(x.device).T
-    u = xf @ dequantize_w4(p_up).to(x.device).T
-    return (_torch_act(act)(g) * u).to(x.dtype)
-
-
-def _torch_act(act: str):
-    """The FFN's own activation called `act` (ffnquant.model.ACTIVATIONS): what the kernel must match."""
-    from ..model import ACTIVATIONS as FFN_ACTIVATIONS
-    from ..spec import Activation
-
-    if act not in ACTIVATIONS:
-        raise unknown_choice("activation", act, ACTIVATIONS)
-    return FFN_ACTIVATIONS[Activation(act)]
-
-
-def _describe(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{t.dtype} tensor of shape {tuple(t.shape)}"
-    return type(t).__name__
 
 
 # --- environment --------------------------------------------------------------------------
@@ -566,13 +483,13 @@ def _select(x: torch.Tensor, p: PackedW4, launch, gated: bool) -> KernelConfig:
 
 def _check_call(x: torch.Tensor, p: PackedW4) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _X_DTYPES:
-        raise FFNQuantError(f"w4a16 needs x as a 2-D float16, bfloat16 or float32 [M, K] tensor, got {_describe(x)}")
+        raise FFNQuantError(f"w4a16 needs x as a 2-D float16, bfloat16 or float32 [M, K] tensor, got {describe(x)}")
     if x.shape[1] != p.k:
         raise FFNQuantError(f"x has {x.shape[1]} features but the weight takes {p.k}")
     if p.packed.dtype != torch.uint8 or tuple(p.packed.shape) != (p.n, p.k // 2):
-        raise FFNQuantError(f"packed codes must be uint8 [{p.n}, {p.k // 2}], got {_describe(p.packed)}")
-    if tuple(p.scales.shape) != (p.n, p.k // p.group_size) or p.scales.dtype not in _SCALE_DTYPES:
-        raise FFNQuantError(f"scales must be float [{p.n}, {p.k // p.group_size}], got {_describe(p.scales)}")
+        raise FFNQuantError(f"packed codes must be uint8 [{p.n}, {p.k // 2}], got {describe(p.packed)}")
+    if tuple(p.scales.shape) != (p.n, p.k // p.group_size) or p.scales.dtype not in SCALE_DTYPES:
+        raise FFNQuantError(f"scales must be float [{p.n}, {p.k // p.group_size}], got {describe(p.scales)}")
     if p.packed.device != x.device or p.scales.device != x.device:
         raise FFNQuantError(f"x is on {x.device} but the weight is on {p.packed.device}; move one of them")
     if x.device.type == "cpu" and not _interpreting():
@@ -663,7 +580,7 @@ def w4a16_matmul(x: torch.Tensor, p: PackedW4, config: KernelConfig | None = Non
 def w4a16_gated(x: torch.Tensor, p_gate: PackedW4, p_up: PackedW4, act: str = "silu",
                 config: KernelConfig | None = None) -> torch.Tensor:
     """act(x @ Wg^T) * (x @ Wu^T) in one launch (both weights read by the same program), x.dtype out."""
-    _torch_act(act)  # validates the name
+    torch_act(act)  # validates the name
     if (p_gate.n, p_gate.k, p_gate.group_size, p_gate.scales.dtype) != (p_up.n, p_up.k, p_up.group_size,
                                                                          p_up.scales.dtype):
         raise FFNQuantError("gate and up weights must share shape, group size and scale dtype")
