@@ -142,6 +142,91 @@ def _export_proto(model: torch.nn.Module, example: torch.Tensor, opset: int):
             return onnx.load_from_string(buf.getvalue()), "torch.onnx torchscript"
 
 
+# Exported graphs by model structure (spec, remedy slots, dtype, opset): torch.onnx.export takes ~1.6 s per call
+# while an FFN of the same structure differs only in its weights, so a real model's 30 layers export once and
+# re-use the graph with their own weights put in (`_Template.fill`). Bounded: each entry holds one FFN's weights.
+_TEMPLATES: "dict[tuple, _Template | None]" = {}
+_MAX_TEMPLATES = 8
+
+
+@dataclass
+class _Template:
+    """An exported graph and, per initializer that is one of the model's tensors, which one (and transposed?)."""
+
+    proto: object  # onnx.ModelProto
+    exporter: str
+    sources: dict  # initializer name -> (state_dict key, transposed)
+
+    @classmethod
+    def build(cls, proto, exporter: str, state: dict) -> "_Template | None":
+        """Map initializers to state tensors by value; None when any weight-sized initializer is not one of them
+        (the exporter folded a weight into something else, so filling in new weights would leave it stale)."""
+        from onnx import numpy_helper
+
+        sources, used = {}, set()
+        arrays = {k: v.detach().cpu().numpy() for k, v in state.items()}
+        for init in proto.graph.initializer:
+            value = numpy_helper.to_array(init)
+            found = None
+            for key, arr in arrays.items():
+                for transposed, cand in ((False, arr), (True, arr.T if arr.ndim == 2 else None)):
+                    if cand is not None and cand.shape == value.shape and cand.dtype == value.dtype \
+                            and np.array_equal(cand, value):
+                        if found is not None and found[0] != key:
+                            return None  # two tensors with equal values: ambiguous, export every time
+                        found = (key, transposed)
+            if found is not None:
+                sources[init.name] = found
+                used.add(found[0])
+            elif value.size > 1 and value.dtype.kind == "f":
+                return None
+        if used != set(arrays):  # a tensor the graph holds in some other form (folded): its copy would go stale
+            return None
+        return cls(proto, exporter, sources)
+
+    def fill(self, state: dict):
+        """A copy of the graph with `state`'s tensors in place of the template's."""
+        import onnx
+        from onnx import numpy_helper
+
+        proto = onnx.ModelProto()
+        proto.CopyFrom(self.proto)
+        for init in proto.graph.initializer:
+            if init.name in self.sources:
+                key, transposed = self.sources[init.name]
+                arr = state[key].detach().cpu().numpy()
+                init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(arr.T if transposed else arr), init.name))
+        return proto
+
+
+def _structure_key(model: FFN, dtype: str, opset: int) -> tuple:
+    """What the exported graph depends on besides the weights' values."""
+
+    def slot(m: torch.nn.Module) -> tuple:
+        return (type(m).__name__, tuple((k, tuple(v.shape)) for k, v in m.state_dict().items()), m.extra_repr())
+
+    return (repr(model.spec), slot(model.input_transform), slot(model.hidden_transform), dtype, opset,
+            tuple((k, tuple(v.shape)) for k, v in model.state_dict().items()))
+
+
+def _export_cached(work: FFN, example: torch.Tensor, dtype: str, opset: int):
+    key = _structure_key(work, dtype, opset)
+    state = work.state_dict()
+    template = _TEMPLATES.get(key)
+    if template is not None:
+        return template.fill(state), template.exporter
+    proto, exporter = _export_proto(work, example, opset)
+    if key not in _TEMPLATES:
+        if len(_TEMPLATES) >= _MAX_TEMPLATES:
+            _TEMPLATES.pop(next(iter(_TEMPLATES)))
+        import onnx
+
+        copy_ = onnx.ModelProto()
+        copy_.CopyFrom(proto)
+        _TEMPLATES[key] = _Template.build(copy_, exporter, state)
+    return proto, exporter
+
+
 def export_onnx(
     model: FFN,
     path: str | os.PathLike,
@@ -167,7 +252,7 @@ def export_onnx(
     work = work.to(torch_dtype)
     work.load_state_dict({k: v.to(torch_dtype) for k, v in model.state_dict().items()})
     example = torch.randn(2, 3, spec.d_model, dtype=torch_dtype)
-    proto, exporter = _export_proto(work.eval(), example, opset)
+    proto, exporter = _export_cached(work.eval(), example, dtype, opset)
     meta = {
         "ffnquant_version": __version__,
         "variant": spec.variant.value,

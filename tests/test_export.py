@@ -62,3 +62,57 @@ def test_export_rejects_bad_arguments_and_writes_nothing(kwargs, message, tmp_pa
 def test_file_names_say_variant_sizes_and_dtype(tmp_path):
     assert onnx_path_for(FFNSpec("swiglu", 512), tmp_path, "fp16").name == "swiglu_d512_ff1408.fp16.onnx"
     assert onnx_path_for(FFNSpec("relu", 512, bias=False), tmp_path, "fp32").name == "relu_d512_ff2048_nobias.fp32.onnx"
+
+
+def _remedied(model, kind):
+    """`model` with a remedy in its transform slots (the structures a real model's layers export with)."""
+    import torch
+
+    from ffnquant import remedies as R
+    from ffnquant.observe import profile
+
+    if kind == "plain":
+        return model
+    table = profile(model, [torch.randn(64, model.spec.d_model)], sites=["input", "hidden"], weights=False)
+    smoothed, _ = R.smooth(model, table, 0.5, sites=["input"])
+    return smoothed if kind == "smooth" else R.rotate(smoothed)[0]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("remedy", ["plain", "smooth", "smooth-rotate"])
+@pytest.mark.parametrize("variant", ["swiglu", "relu", "gelu"])
+def test_same_structure_reuses_the_graph_with_each_models_own_weights(variant, remedy, dtype, tmp_path, monkeypatch):
+    """Layers of one structure export once (torch.onnx.export is the slow part of a real model's run); every
+    later file carries its own model's weights: parity against its own model, not the first one's."""
+    import ffnquant.export as E
+
+    monkeypatch.setattr(E, "_TEMPLATES", {})
+    calls = []
+    real = E._export_proto
+    monkeypatch.setattr(E, "_export_proto", lambda *a: calls.append(1) or real(*a))
+    spec = FFNSpec(variant, d_model=32)
+    for seed in range(3):
+        model = _remedied(build(spec, seed=seed), remedy)
+        path, _ = export_onnx(model, tmp_path / f"{seed}.onnx", dtype=dtype)
+        assert check_parity(model, path, dtype=dtype).passed
+    assert len(calls) == 1
+
+
+def test_a_graph_whose_tensors_cannot_be_told_apart_is_exported_every_time(tmp_path, monkeypatch):
+    """Equal w_gate and w_up leave the template's mapping ambiguous: no reuse, and each file is still right."""
+    import torch
+
+    import ffnquant.export as E
+
+    monkeypatch.setattr(E, "_TEMPLATES", {})
+    calls = []
+    real = E._export_proto
+    monkeypatch.setattr(E, "_export_proto", lambda *a: calls.append(1) or real(*a))
+    spec = FFNSpec("swiglu", d_model=32)
+    for seed in range(2):
+        model = build(spec, seed=seed)
+        with torch.no_grad():
+            model.w_gate.weight.copy_(model.w_up.weight)
+        path, _ = export_onnx(model, tmp_path / f"{seed}.onnx")
+        assert check_parity(model, path).passed
+    assert len(calls) == 2
