@@ -251,8 +251,10 @@ def write_nbits(
     scheme: Scheme,
     source_model: FFN,
     hessians: Mapping[str, torch.Tensor] | None = None,
+    weights: Sequence[str] | None = None,
 ) -> Path:
-    """A 4-bit weight-only model: MatMulNBits (int4: RTN, HQQ, GPTQ) or MatMulBnb4 (nf4, fp4) for the FFN matmuls."""
+    """A 4-bit weight-only model: MatMulNBits (int4: RTN, HQQ, GPTQ) or MatMulBnb4 (nf4, fp4) for the FFN matmuls
+    (`weights`: only these, the others stay float MatMuls, as a `+float=SITE` recipe has them; default all)."""
     from onnx import helper
 
     kind, why = artifact_kind(scheme)
@@ -260,6 +262,8 @@ def write_nbits(
         raise FFNQuantError(f"scheme {scheme.name!r} has no 4-bit artifact: {why}")
     proto = _load(fp32_path)
     found = matmul_weights(proto, source_model)
+    if weights is not None:
+        found = {name: v for name, v in found.items() if name in weights}
     ffn_nodes = {node.name for node, _ in found.values()}
     exclude = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in ffn_nodes]
     group = scheme.group_size if scheme.weight_granularity is Granularity.PER_GROUP else None
@@ -322,7 +326,7 @@ def write_artifact(
     if kind == "qdq":
         return write_qdq(fp32_path, out_path, qmodel, source_model)
     if kind in ("nbits", "bnb4"):
-        return write_nbits(fp32_path, out_path, qmodel.scheme, source_model, hessians)
+        return write_nbits(fp32_path, out_path, qmodel.scheme, source_model, hessians, qmodel.quantized_weights)
     raise FFNQuantError(f"scheme {qmodel.scheme.name!r}: {why}")
 
 

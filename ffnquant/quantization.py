@@ -339,7 +339,9 @@ def quantize_spec(
         if key not in prep._search:
             prep._search[key] = search_calibrators(prep.model, prep.table, scheme, prep.calib[:1024], hessians=hessians)
         cal = prep._search[key]
-    q = quantize_model(prep.model, scheme, prep.table, calibrator=cal, remedies=prep.remedies, hessians=hessians)
+    weights, sites = recipe.quantized_parts(spec)  # a `+float=SITE` recipe leaves that site and its matrices float
+    q = quantize_model(prep.model, scheme, prep.table, calibrator=cal, remedies=prep.remedies, hessians=hessians,
+                       weights=weights, sites=sites)
     q.recipe = recipe
     ref = prep.ref_eval()
     acc = accuracy_of(ref, run_batched(q, prep.eval), prep.eval.shape[0])

@@ -18,8 +18,10 @@ from .errors import FFNQuantError, unknown_choice
 __all__ = ["DEFAULT_SMOOTH_ALPHA", "GRAMMAR", "Recipe", "parse_recipe", "as_recipe"]
 
 DEFAULT_SMOOTH_ALPHA = 0.5
-GRAMMAR = "SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]"
-REMEDIES = ("smooth", "smooth=ALPHA", "rotate")
+GRAMMAR = "SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate][+float=SITE]"
+REMEDIES = ("smooth", "smooth=ALPHA", "rotate", "float=input", "float=hidden")
+# A site kept in float: the matrices reading it stay unquantized (16-bit when deployed) and so does the site itself.
+FLOAT_SITES = ("input", "hidden")
 
 
 def _exact(x: float) -> str:
@@ -42,6 +44,7 @@ class Recipe:
     calibrator: str | None = None
     smooth: float | None = None
     rotate: bool = False
+    keep_float: str | None = None  # 'input' (w_gate, w_up) or 'hidden' (w_down): left unquantized, with its site
 
     def __post_init__(self) -> None:
         from .schemes import get_scheme
@@ -68,6 +71,12 @@ class Recipe:
             raise FFNQuantError(f"recipe {self.scheme!r}: rotate must be true or false, got {self.rotate!r}")
         if self.has_remedies and sch.weight_dtype.is_float:
             raise FFNQuantError(f"recipe {self.name!r}: remedies apply to quantized schemes, not {self.scheme}")
+        if self.keep_float is not None:
+            if self.keep_float not in FLOAT_SITES:
+                raise unknown_choice(f"recipe {self.scheme!r}: float site", self.keep_float, FLOAT_SITES)
+            if sch.weight_dtype.is_float:
+                raise FFNQuantError(f"recipe {self.name!r}: {self.scheme} is float already; +float=SITE keeps one site "
+                                    "of a quantized scheme in float")
 
     # --- text forms -------------------------------------------------------------------
     @property
@@ -78,6 +87,8 @@ class Recipe:
             out += "+smooth" + ("" if self.smooth == DEFAULT_SMOOTH_ALPHA else f"={_exact(self.smooth)}")
         if self.rotate:
             out += "+rotate"
+        if self.keep_float:
+            out += f"+float={self.keep_float}"
         return out
 
     def __str__(self) -> str:
@@ -91,6 +102,8 @@ class Recipe:
             out += f" + smooth {self.smooth:g}"
         if self.rotate:
             out += " + rotate"
+        if self.keep_float:
+            out += f", {self.keep_float} in float"
         return out
 
     @property
@@ -107,7 +120,8 @@ class Recipe:
         name cannot carry portably are replaced)."""
         head = self.scheme + (f"-{self.calibrator}" if self.calibrator else "")
         head = re.sub(r"[^a-z0-9._-]", lambda m: "p" if m.group(0) == ":" else "_", head)
-        return head + (f".{self.remedy_slug}" if self.remedy_slug else "")
+        return head + (f".{self.remedy_slug}" if self.remedy_slug else "") + (
+            f".float-{self.keep_float}" if self.keep_float else "")
 
     # --- what it means ------------------------------------------------------------------
     @property
@@ -127,8 +141,18 @@ class Recipe:
         return sch.with_(calibrator=self.calibrator) if self.calibrator else sch
 
     def plain(self) -> "Recipe":
-        """The same scheme and calibrator without remedies (what a remedy's gain is measured against)."""
-        return Recipe(self.scheme, self.calibrator)
+        """The same scheme and calibrator (and float site) without remedies (what a remedy's gain is measured
+        against)."""
+        return Recipe(self.scheme, self.calibrator, keep_float=self.keep_float)
+
+    def quantized_parts(self, spec: Any) -> tuple[list[str], list[str]]:
+        """(weights, sites) this recipe quantizes on `spec`: the scheme's, less the float site and its matrices."""
+        from .fakequant import ACT_SITES, WEIGHT_INPUT_SITE
+
+        sch = self.resolve()
+        weights = [w for w in spec.weight_names if sch.quantizes_weights and WEIGHT_INPUT_SITE[w] != self.keep_float]
+        sites = [s for s in ACT_SITES if sch.quantizes_activations and s != self.keep_float]
+        return weights, sites
 
     def check_fits(self, spec: Any) -> None:
         """Raise FFNQuantError when the recipe cannot apply to `spec` (group size vs widths)."""
@@ -138,11 +162,14 @@ class Recipe:
 
     # --- serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "calibrator": self.calibrator, "smooth": self.smooth, "rotate": self.rotate}
+        out = {"scheme": self.scheme, "calibrator": self.calibrator, "smooth": self.smooth, "rotate": self.rotate}
+        if self.keep_float:  # only when set: the JSON of every recipe without it stays as it was
+            out["keep_float"] = self.keep_float
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Recipe":
-        known = {"scheme", "calibrator", "smooth", "rotate"}
+        known = {"scheme", "calibrator", "smooth", "rotate", "keep_float"}
         extra = sorted(set(data) - known)
         if extra:
             raise FFNQuantError(f"unknown recipe field(s) {', '.join(extra)}; valid: {', '.join(sorted(known))}")
@@ -152,7 +179,7 @@ class Recipe:
 
     @classmethod
     def parse(cls, text: str) -> "Recipe":
-        """Parse `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]` (any letter case, spaces allowed)."""
+        """Parse `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate][+float=SITE]` (any letter case, spaces allowed)."""
         raw = str(text).strip()
         if not raw:
             raise FFNQuantError("empty scheme name")
@@ -167,6 +194,7 @@ class Recipe:
             raise FFNQuantError(f"scheme {raw!r}: '@' must be followed by a calibrator; valid: {', '.join(calibrator_names())}")
         smooth: float | None = None
         rotate = False
+        keep_float: str | None = None
         seen: set[str] = set()
         for mod in mods:
             key, _, value = mod.strip().lower().partition("=")
@@ -183,10 +211,12 @@ class Recipe:
                     raise FFNQuantError(f"scheme {raw!r}: smooth strength must be in [0, 1], got {smooth:g}")
             elif key == "rotate" and not value:
                 rotate = True
+            elif key == "float" and value.strip() in FLOAT_SITES:
+                keep_float = value.strip()
             else:
                 raise unknown_choice(f"remedy in {raw!r}", mod, REMEDIES)
         try:
-            return cls(scheme, calibrator, smooth, rotate)
+            return cls(scheme, calibrator, smooth, rotate, keep_float)
         except FFNQuantError as exc:
             msg = str(exc)
             # name the text the user typed, not the canonical form

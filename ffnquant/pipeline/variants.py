@@ -12,7 +12,34 @@ from ..spec import FFNSpec
 from .config import RunConfig
 from .results import VariantResult, json_num
 
-__all__ = ["score_recipes", "weight_bytes"]
+__all__ = ["recipe_weight_bytes", "score_recipes", "weight_bytes"]
+
+
+def recipe_weight_bytes(spec: FFNSpec, recipe: Recipe) -> int:
+    """`weight_bytes` of a recipe: a `+float=SITE` recipe stores that site's matrices in 16 bits (how a float
+    fallback is deployed) and the others in the scheme's format."""
+    scheme = recipe.resolve()
+    if recipe.keep_float is None:
+        return weight_bytes(spec, scheme)
+    quantized, _ = recipe.quantized_parts(spec)
+    floats = [w for w in spec.weight_names if w not in quantized]
+    # the scheme's bytes of the quantized matrices alone: the whole FFN's less the float ones' share
+    whole = weight_bytes(spec, scheme)
+    float_share = sum(weight_bytes(_one_matrix(spec, w), scheme) - 4 * _bias_params(spec, w) for w in floats)
+    return whole - float_share + sum(2 * spec.weight_shapes[w][0] * spec.weight_shapes[w][1] for w in floats)
+
+
+def _one_matrix(spec: FFNSpec, weight: str) -> Any:
+    """A stand-in with `spec`'s interface holding one weight matrix (for its share of `weight_bytes`)."""
+    from types import SimpleNamespace
+
+    n_out, n_in = spec.weight_shapes[weight]
+    return SimpleNamespace(n_weight_params=n_out * n_in, n_bias_params=_bias_params(spec, weight),
+                           weight_shapes={weight: (n_out, n_in)}, n_matrices=1)
+
+
+def _bias_params(spec: FFNSpec, weight: str) -> int:
+    return spec.weight_shapes[weight][0] if spec.bias else 0
 
 
 def weight_bytes(spec: FFNSpec, scheme: Any) -> int:
@@ -61,7 +88,7 @@ def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:
 def _row(label: str, recipe: Recipe, spec: FFNSpec) -> dict[str, Any]:
     return {"variant": label, "scheme": recipe.name, "label": recipe.label, "status": "ok", "reason": None,
             "sqnr_db": None, "cosine": None, "rel_l2": None, "max_abs_error": None,
-            "size_bytes": weight_bytes(spec, recipe.resolve()), "onnx_sqnr_db": None, "site_ranges": {},
+            "size_bytes": recipe_weight_bytes(spec, recipe), "onnx_sqnr_db": None, "site_ranges": {},
             "sensitivity": None}
 
 
