@@ -5,7 +5,9 @@ knows (from config.json alone, never from the weights) the model width, the FFN 
 the number of layers per stack, the activation and whether the FFN is gated; and the
 regular expression that finds a layer's FFN tensors in a checkpoint, with the role of
 each tensor (gate, up, down, fused gate+up) and whether it is stored transposed
-(GPT-2's Conv1D keeps [in, out]).
+(GPT-2's Conv1D keeps [in, out]); and the norm whose output is the FFN's input (and nothing
+else's), where an input scale of SmoothQuant/AWQ folds, or why no norm can take it
+(`hf.fold`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..spec import Activation, Variant
 __all__ = [
     "ModelKind",
     "Install",
+    "NormGain",
     "Arch",
     "ARCHITECTURES",
     "HF_ACTIVATIONS",
@@ -53,6 +56,20 @@ class Install(str, enum.Enum):
     MODULE = "module"
     SPLIT = "split"
     EXPERTS = "experts"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class NormGain(str, enum.Enum):
+    """How a norm applies its learned per-channel gain g to the normalised n (and what folding a scale c does).
+
+    GAIN: y = n * g (+ b), RMSNorm and LayerNorm: g <- g * c (b <- b * c).
+    ONE_PLUS_GAIN: y = n * (1 + g), Gemma's RMSNorm (g stored zero-centred): g <- (1 + g) * c - 1.
+    """
+
+    GAIN = "gain"
+    ONE_PLUS_GAIN = "one_plus_gain"
 
     def __str__(self) -> str:
         return self.value
@@ -188,6 +205,29 @@ def _gemma_activation(config: Mapping[str, Any], where: str) -> tuple[str, bool]
     return str(config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"), True
 
 
+def _always_folds(config: Mapping[str, Any]) -> str:
+    return ""
+
+
+def _opt_fold_refusal(config: Mapping[str, Any]) -> str:
+    # OPTDecoderLayer: pre-LN (do_layer_norm_before, the default) normalises with final_layer_norm right
+    # before fc1; post-LN (opt-350m) applies final_layer_norm after the residual add instead.
+    if config.get("do_layer_norm_before", True) is False:
+        return ("post-LN (do_layer_norm_before false, as opt-350m): the FFN's input is self_attn_layer_norm's output, "
+                "which is also the residual added to the FFN's output, so scaling that norm would change the residual")
+    if config.get("layer_norm_elementwise_affine", True) is False:
+        return "its LayerNorms have no gain (layer_norm_elementwise_affine false) to fold a scale into"
+    return ""
+
+
+_BERT_NO_FOLD = ("post-LN: the FFN's input (the attention block's output LayerNorm) is also the residual added to the "
+                 "FFN's output (BertOutput: LayerNorm(dense(h) + input)), so folding a scale into that norm would "
+                 "change the residual")
+_MIXTRAL_NO_FOLD = ("post_attention_layernorm's output feeds the router as well as every expert, and each expert is "
+                    "smoothed with its own input scale: one norm gain cannot carry several scales, and scaling it "
+                    "would change the routing")
+
+
 @dataclass(frozen=True)
 class Arch:
     """One Hugging Face architecture: config readers, checkpoint tensor layout, install style."""
@@ -216,6 +256,13 @@ class Arch:
     # {stack} are filled in. For SPLIT, also the attribute names (first linear, act, second).
     module_pattern: str = ""
     split_attrs: tuple[str, str, str] = ("", "", "")
+    # the norm whose output is the FFN's input and ONLY the FFN's input (regex, fullmatch, on module names of
+    # the loaded model; {layer}, {stack}, {ffn} (the FFN module's name) and {ffn_parent} (its parent's) are
+    # filled in, the names regex-escaped): where an input scale folds (hf.fold). How it applies its gain:
+    norm_pattern: str = ""
+    norm_gain: NormGain = NormGain.GAIN
+    # (config) -> why folding an input scale into that norm would not be exact ('' when it is)
+    norm_fold_refusal: Callable[[Mapping[str, Any]], str] = _always_folds
 
     def d_model(self, config: Mapping[str, Any], where: str) -> int:
         return _positive(_get(config, self.d_model_keys, where), self.d_model_keys[0], where)
@@ -251,6 +298,12 @@ class Arch:
     def needed_roles(self, gated: bool) -> tuple[str, ...]:
         return self.gated_roles if gated else self.dense_roles
 
+    def fold_refusal(self, config: Mapping[str, Any]) -> str | None:
+        """Why an FFN input scale cannot fold exactly into the norm before the FFN for this config; None if it can."""
+        if not self.norm_pattern:
+            return "no norm whose output is only the FFN's input is known for this architecture"
+        return self.norm_fold_refusal(config) or None
+
 
 _P = r"(?P<prefix>(?:.+\.)?"  # optional leading module path (model., transformer., bert., ...)
 _LLAMA_ROLES = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
@@ -267,6 +320,8 @@ def _llama_like(name: str) -> Arch:
         roles=_LLAMA_ROLES,
         gated_roles=("gate_proj", "up_proj", "down_proj"),
         module_pattern=r"(?:.+\.)?layers\.{layer}\.mlp",
+        # LlamaDecoderLayer (MistralDecoderLayer, Qwen2DecoderLayer): mlp(post_attention_layernorm(h)) + h
+        norm_pattern=r"{ffn_parent}\.post_attention_layernorm",
     )
 
 
@@ -284,6 +339,9 @@ ARCHITECTURES: Mapping[str, Arch] = {
         roles=_LLAMA_ROLES,
         gated_roles=("gate_proj", "up_proj", "down_proj"),
         module_pattern=r"(?:.+\.)?layers\.{layer}\.mlp",
+        # GemmaDecoderLayer as Llama's; GemmaRMSNorm computes n * (1 + weight)
+        norm_pattern=r"{ffn_parent}\.post_attention_layernorm",
+        norm_gain=NormGain.ONE_PLUS_GAIN,
     ),
     "phi3": Arch(
         name="phi3",
@@ -295,6 +353,8 @@ ARCHITECTURES: Mapping[str, Arch] = {
         roles={"gate_up_proj": "w_gate+w_up", "down_proj": "w_down"},  # Phi3MLP: chunk(2) gives gate, up
         gated_roles=("gate_up_proj", "down_proj"),
         module_pattern=r"(?:.+\.)?layers\.{layer}\.mlp",
+        # Phi3DecoderLayer: mlp(post_attention_layernorm(h)), dropout, + h
+        norm_pattern=r"{ffn_parent}\.post_attention_layernorm",
     ),
     "mixtral": Arch(
         name="mixtral",
@@ -310,6 +370,8 @@ ARCHITECTURES: Mapping[str, Arch] = {
         fused_experts_pattern=_P + r"layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts)\.(?P<role>gate_up_proj|down_proj)",
         install=Install.EXPERTS,
         module_pattern=r"(?:.+\.)?layers\.{layer}\.(?:block_sparse_moe|mlp)\.experts",
+        norm_pattern=r"(?:.+\.)?layers\.{layer}\.post_attention_layernorm",
+        norm_fold_refusal=lambda c: _MIXTRAL_NO_FOLD,
     ),
     "t5": Arch(
         name="t5",
@@ -323,6 +385,8 @@ ARCHITECTURES: Mapping[str, Arch] = {
         gated_roles=("wi_0", "wi_1", "wo"),
         stacks=(("encoder", ("num_layers",)), ("decoder", ("num_decoder_layers", "num_layers"))),
         module_pattern=r"(?:.+\.)?{stack}\.block\.{layer}\.layer\.\d+\.DenseReluDense",
+        # T5LayerFF: DenseReluDense(layer_norm(h)) + h, the T5LayerNorm a sibling of DenseReluDense
+        norm_pattern=r"{ffn_parent}\.layer_norm",
     ),
     "gpt2": Arch(
         name="gpt2",
@@ -337,6 +401,8 @@ ARCHITECTURES: Mapping[str, Arch] = {
         transposed=True,
         stacks=(("", ("n_layer", "num_hidden_layers")),),
         module_pattern=r"(?:.+\.)?h\.{layer}\.mlp",
+        # GPT2Block: mlp(ln_2(h)) + h
+        norm_pattern=r"{ffn_parent}\.ln_2",
     ),
     "bert": Arch(
         name="bert",
@@ -350,6 +416,8 @@ ARCHITECTURES: Mapping[str, Arch] = {
         install=Install.SPLIT,
         module_pattern=r"(?:.+\.)?encoder\.layer\.{layer}",
         split_attrs=("intermediate.dense", "intermediate.intermediate_act_fn", "output.dense"),
+        norm_pattern=r"{ffn}\.attention\.output\.LayerNorm",
+        norm_fold_refusal=lambda c: _BERT_NO_FOLD,
     ),
     "opt": Arch(
         name="opt",
@@ -363,6 +431,9 @@ ARCHITECTURES: Mapping[str, Arch] = {
         install=Install.SPLIT,
         module_pattern=r"(?:.+\.)?decoder\.layers\.{layer}",
         split_attrs=("fc1", "activation_fn", "fc2"),
+        # OPTDecoderLayer, pre-LN: fc2(act(fc1(final_layer_norm(h)))) + h (the FFN module is the whole layer)
+        norm_pattern=r"{ffn}\.final_layer_norm",
+        norm_fold_refusal=_opt_fold_refusal,
     ),
 }
 
