@@ -13,7 +13,8 @@ from ..report.model import model_eval_markdown, recipe_name
 from .common import TextFiles, positive_int, token_notes
 
 NAME = "model"
-HELP = "FFN layers of a local Hugging Face model: inspect, capture inputs, evaluate schemes end to end"
+HELP = ("FFN layers of a local Hugging Face model: inspect, capture inputs, evaluate schemes end to end, "
+        "check the calibration set")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +59,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ablation", action="store_true", help="skip the per-layer end-to-end runs (one model run per layer)")
     p.add_argument("--out", default="reports", help="report folder (default reports/); writes model-<name>.json and .md")
     p.set_defaults(_action=_eval)
+
+    p = sub.add_parser("adequacy", help="does the calibration set suffice: range convergence over bootstrap resamples "
+                                        "of its sequences, held-out clipping, domain shift (needs transformers)")
+    p.add_argument("path", nargs="?", default=None, help="model folder (or --model)")
+    p.add_argument("--model", default=None, metavar="DIR", help="model folder (config.json + safetensors)")
+    p.add_argument("--layers", default="all", help="layers: all, a range 0-3, a list 0,5,7 (default all)")
+    p.add_argument("--text", default=None, action=TextFiles,
+                   help="calibration text; several: repeat or comma-separate (default: shipped sample, Austen)")
+    p.add_argument("--eval-text", default=None, action=TextFiles,
+                   help="held-out text; several: repeat or comma-separate (default: shipped sample, Melville)")
+    p.add_argument("--shift-text", default="code", metavar="FILE|code",
+                   help="text of another domain, or 'code' (the shipped Python sample, default), or 'none'")
+    p.add_argument("--scheme", default="w8a8", help="a scheme with static activation ranges (default w8a8)")
+    p.add_argument("--calibrator", default="mse", help="minmax, percentile[:P], entropy, mse, auto (default mse)")
+    p.add_argument("--bootstrap", type=positive_int, default=50, help="resamples per size (default 50)")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="stable once the range's relative spread (p95-p5 over median) stays under this (default 0.05)")
+    p.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence, the resampled unit")
+    p.add_argument("--max-calib-tokens", type=positive_int, default=4096)
+    p.add_argument("--max-eval-tokens", type=positive_int, default=4096, help="also caps the shift text")
+    p.add_argument("--bins", type=positive_int, default=2048, help="histogram bins per site (default 2048)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read a .bin/.pt checkpoint with torch.load(weights_only=True); only for files you trust")
+    p.add_argument("--out", required=True, help="output folder: adequacy.json and adequacy.md")
+    p.set_defaults(_action=_adequacy)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,5 +184,48 @@ def _eval(args: argparse.Namespace) -> int:
     print(text_table(head, rows))
     for s in result["skipped"]:
         print(f"skipped {s['scheme']}: {s['reason']}")
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def _adequacy(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+
+    from ..adequacy import model_adequacy
+    from ..atomic import write_json, write_text
+    from ..envinfo import environment
+    from ..hf.evaluate import EvalSettings
+    from ..render import display_path
+    from ..report.adequacy import adequacy_markdown, summary_paragraph
+
+    if (args.path is None) == (args.model is None):
+        raise FFNQuantError("give the model folder once: as --model DIR or as the first argument")
+    path = args.model or args.path
+    shift = None if args.shift_text.strip().lower() == "none" else args.shift_text
+    settings = EvalSettings(seq_len=args.seq_len, max_calib_tokens=args.max_calib_tokens,
+                            max_eval_tokens=args.max_eval_tokens, bins=args.bins)
+    # staged in --out (checked here, before the model runs) and moved into place at the end
+    with OutputTransaction() as tx:
+        out = tx.folder(args.out)
+        result = model_adequacy(path, layers=args.layers, text=args.text, eval_text=args.eval_text, shift_text=shift,
+                                calibrator=args.calibrator, scheme=args.scheme, bootstrap=args.bootstrap,
+                                seed=args.seed, tolerance=args.tolerance, settings=settings,
+                                allow_pickle=args.allow_pickle)
+        argv = getattr(args, "_argv", None) or ["model", "adequacy"]
+        # paths outside the working folder are shown as folder/name: reports never print this machine's layout
+        result["command"] = "ffnquant " + " ".join(shlex.quote(display_path(a) if os.path.isabs(a) else a) for a in argv)
+        result["model"]["path"] = display_path(result["model"]["path"])
+        result["environment"] = environment()
+        json_path = tx.final(write_json(out / "adequacy.json", result))
+        md_path = tx.final(write_text(out / "adequacy.md", adequacy_markdown(result)))
+    for line in token_notes(b["tokens"] for b in result["texts"].values() if b):
+        print(line)
+    rows = [(layer["label"], site, a["convergence"]["converged_at"], f"{100 * a['convergence']['final_spread']:.1f}%",
+             f"{100 * a['held_out']['clip_rate']:.3f}%", layer["shift_sqnr_delta_db"], a["verdict"])
+            for layer in result["layers"] for site, a in layer["sites"].items()]
+    print(text_table(["layer", "site", "stable from", "spread", "held-out clip", "shift ΔSQNR dB", "verdict"], rows))
+    print(summary_paragraph(result))
+    print(f"wall time {result['seconds']['total']:.1f} s")
     print(f"wrote {json_path} and {md_path}")
     return 0

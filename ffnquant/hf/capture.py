@@ -54,7 +54,9 @@ __all__ = [
 
 # The shipped public-domain sample texts (ffnquant/data/TEXTS.md): different books for
 # calibration and evaluation, so ranges are never fitted on the evaluation text.
-TEXT_SPLITS = {"calibration": "calibration.txt", "evaluation": "evaluation.txt"}
+TEXT_SPLITS = {"calibration": "calibration.txt", "evaluation": "evaluation.txt",
+               # Python source (PSF license), a different domain for shift checks (`ffnquant model adequacy`)
+               "code": "code.txt"}
 
 
 def transformers_available() -> tuple[bool, str]:
@@ -78,7 +80,7 @@ def require_transformers():
 
 
 def default_text_path(split: str) -> Path:
-    """Path of the shipped sample text for 'calibration' or 'evaluation'."""
+    """Path of the shipped sample text for 'calibration', 'evaluation' or 'code' (ffnquant/data/TEXTS.md)."""
     if split not in TEXT_SPLITS:
         from ..errors import unknown_choice
 
