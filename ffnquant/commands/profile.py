@@ -10,9 +10,7 @@ from ..histogram import StreamingHistogram
 from ..observe import DEFAULT_BINS
 from ..render import fmt, text_table
 from ..spec import SITES
-from .common import (
-    add_model_arguments, add_spec_arguments, model_range_tables, positive_int, specs_from_args, token_notes,
-)
+from .common import add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes
 
 NAME = "profile"
 HELP = "profile activation ranges at every FFN tensor site and write the range report (JSON, Markdown, plots)"
@@ -33,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bins", type=positive_int, default=DEFAULT_BINS, help=f"histogram bins, a multiple of 4 (default {DEFAULT_BINS})")
     parser.add_argument("--out", default="reports", help="output folder (default reports/)")
     add_model_arguments(parser)
+    parser.add_argument("--no-positions", action="store_true",
+                        help="with --model: skip the second model run that finds the token positions of each site's "
+                             "largest values (the layer atlas then has the range figures only)")
 
 
 def _cell(table, site: str) -> str:
@@ -62,6 +63,61 @@ def _model_measured(args: argparse.Namespace, tables: dict) -> dict | None:
             "tokens_per_layer": {k: t.n_tokens for k, t in tables.items()}, "calibration_text": budget}
 
 
+def _model_layers(args: argparse.Namespace):
+    """The model's FFN layers and their RangeTables keyed '<model_type>:<label>' (as `common.model_range_tables`,
+    keeping the layers: the atlas runs their FFNs again to locate the largest values)."""
+    from ..hf import EvalSettings, calibrate_model, inspect_model
+
+    info = inspect_model(args.model, allow_pickle=args.allow_pickle)
+    settings = EvalSettings(max_calib_tokens=args.model_tokens, bins=args.bins)
+    layers, tables = calibrate_model(info, layers=args.layers, text=args.text, captured=args.captured,
+                                     settings=settings, allow_pickle=args.allow_pickle)
+    return info, layers, settings, {f"{info.model_type}:{layer.label}": tables[layer.label] for layer in layers}
+
+
+def _atlas(args: argparse.Namespace, info, layers, settings, tables: dict) -> tuple[dict, str]:
+    """The layer atlas of the model's tables, with the token positions of the top values when they can be measured;
+    and a sentence saying what the positions were measured on (or why not)."""
+    from ..atlas import layer_atlas, model_top_positions
+
+    top: dict = {}
+    if args.no_positions:
+        note = "not measured (--no-positions)."
+    elif args.captured:
+        note = ("not measured: captured files do not record where their sequences start (run without --captured to "
+                "measure them on the model).")
+    else:
+        top, m = model_top_positions(info, layers, text=args.text, settings=settings, allow_pickle=args.allow_pickle)
+        note = (f"measured in a second run of the model over the same calibration windows as the ranges: "
+                f"{m['n_tokens']:,} tokens of {m['source']} in {m['n_sequences']} window(s) of up to {m['seq_len']} "
+                "tokens; position = index within its window (windows are plain cuts of the text, no BOS token "
+                "added).")
+        if m["skipped_experts"]:
+            note += (f" Experts ({', '.join(m['skipped_experts'])}) left out: the router's choice drops their "
+                     "tokens' positions.")
+    return layer_atlas(tables, top), note
+
+
+def _atlas_lines(atlas: dict) -> list[str]:
+    """The atlas's headline for the terminal: per site the worst layer by kurtosis and its largest value."""
+    lines = []
+    for site in atlas["sites"]:
+        worst = atlas["worst"][site]["kurtosis"]
+        if not worst:
+            continue
+        row = next(r for r in atlas["layers"] if r["key"] == worst[0]["key"])
+        cell = row["sites"][site]
+        text = (f"- {site}: hardest {row['label']} (kurtosis {fmt(cell['kurtosis'], 3)}, crest "
+                f"{fmt(cell['crest_factor'], 3)}, absmax {fmt(cell['absmax'], 3)}")
+        pos = cell.get("positions")
+        if pos and pos["top"]:
+            t = pos["top"][0]
+            text += (f" at position {t['position']}, channel {t['channel']}; "
+                     f"{100 * pos['position0_share']:.0f}% of its top {100 * pos['top_fraction']:g}% at position 0")
+        lines.append(text + ")")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     from ..data import parse_source
     from ..ranges import claims, findings, profile_variants
@@ -89,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
         tables = profile_variants(specs, source, args.tokens, seed=args.seed, batch_size=args.batch_size, bins=args.bins)
         synthetic = f"{source.label} (variants: {args.tokens:,} tokens, d_model {args.d_model})"
         # The model's own layers, calibrated on its own inputs, side by side with the synthetic variants.
-        model_tables = model_range_tables(args, bins=args.bins)
+        model_tables, atlas = {}, None
+        if args.model:
+            info, layers, settings, model_tables = _model_layers(args)
+            atlas, positions_note = _atlas(args, info, layers, settings, model_tables)
         tables.update(model_tables)
         measured = _model_measured(args, model_tables)
         meta = {
@@ -108,6 +167,12 @@ def run(args: argparse.Namespace) -> int:
             "model_layers": args.layers if args.model else None,
         }
         paths = {k: tx.final(p) for k, p in write_range_report(tables, out, meta).items()}
+        if atlas is not None:  # the layer atlas beside the range report, in the same transaction
+            from ..report.atlas import write_atlas
+
+            atlas_meta = {"command": "ffnquant profile", "model": args.model, "model_measured": measured,
+                          "positions_measured_on": positions_note}
+            paths.update({f"atlas_{k}": tx.final(p) for k, p in write_atlas(atlas, out, meta=atlas_meta).items()})
 
     print(f"activation ranges: {len(specs)} variant(s) on {args.tokens:,} tokens of {source.label}, "
           f"d_model {args.d_model}, random weights of seed {args.seed}")
@@ -131,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
     print("claims:")
     for c in claims(tables):
         print(f"- [{c['status']}] {c['claim']} ({c['detail']})")
+    if atlas is not None:
+        print()
+        print(f"layer atlas, hardest layer per site; token positions {positions_note}")
+        for line in _atlas_lines(atlas):
+            print(line)
     print()
     for key, path in paths.items():
         print(f"wrote {path}")
