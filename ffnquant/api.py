@@ -119,7 +119,7 @@ def export_onnx(q: QuantizedFFN, path: str | os.PathLike) -> Path:
     if kind in ("fp32", "fp16"):
         export_float(prep.model, path, dtype=kind)
         return path
-    hessians = prep.hessians() if q.scheme.method is Method.GPTQ else None
+    hessians = prep.hessians() if q.scheme.needs_hessians else None
     return OQ.write_artifact(prep.onnx_file("model", prep.scratch()), path, q, prep.model, hessians)
 
 

@@ -5,9 +5,10 @@ quantize-dequantize image under the scheme, and puts forward hooks on the `input
 `hidden` taps (what the matmuls read) that fake-quantize the activations: with a static
 range per site chosen by a calibrator from the RangeTable's histograms, or per token at run
 time. The result records the range and qparams every site got. nf4/fp4 go through
-bitsandbytes itself; HQQ through onnxruntime's copy of the HQQ routine; GPTQ needs the
-input Hessians (`input_hessians`). The end-to-end measurement (calibrate, quantize under a
-Recipe, ONNX artifact, accuracy) builds on this in `ffnquant.quantization`.
+bitsandbytes itself; HQQ through onnxruntime's copy of the HQQ routine; GPTQ and AWQ need the
+input Hessians (`input_hessians`; AWQ folds its searched channel scales into the copy first,
+`ffnquant.awq`). The end-to-end measurement (calibrate, quantize under a Recipe, ONNX
+artifact, accuracy) builds on this in `ffnquant.quantization`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from . import primitives as P
+from .awq import awq_fold
 from .calibrate import Grid, calibrate_range, histogram_of, parse_calibrator
 from .errors import FFNQuantError
 from .model import FFN
@@ -102,7 +104,10 @@ def site_ranges(
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> torch.Tensor:
-    """The quantize-dequantize image of one [out, in] weight under `scheme` (float32)."""
+    """The quantize-dequantize image of one [out, in] weight under `scheme` (float32).
+
+    An AWQ scheme's weight is taken as already scaled (`quantize_model` folds the scales first): it gets RTN.
+    """
     wd, gran = scheme.weight_dtype, scheme.weight_granularity
     w = w.detach().float()
     if wd is WeightDType.FP32:
@@ -258,6 +263,9 @@ def quantize_model(
     activations; `calibrator` overrides the scheme's. `weights` / `sites` restrict what is
     quantized (default: everything the scheme quantizes), which is how per-site sensitivity
     is measured. `remedies`: records of remedies already applied to `model`, carried along.
+    `hessians` (`input_hessians` of `model`, by weight name): needed by GPTQ and AWQ schemes
+    (`Scheme.needs_hessians`). Under AWQ the returned model is `model` with the searched scales
+    folded in (`awq.awq_fold`, its record appended to `remedies`) and its weights RTN-quantized.
     """
     scheme = get_scheme(scheme)
     check_scheme_fits(scheme, model.spec)
@@ -271,7 +279,14 @@ def quantize_model(
             rng = {s: site_range_cache[s] for s in sites}
         else:
             rng = site_ranges(ranges, scheme, calibrator, sites)
-    new = copy.deepcopy(model)
+    if scheme.method is Method.AWQ and weights:
+        # AWQ = exact float fold of searched channel scales, then RTN of the scaled weights (quantize_weight)
+        if hessians is None:
+            raise FFNQuantError(f"scheme {scheme.name!r} (awq) needs calibration data for the input Hessians")
+        new, record = awq_fold(model, hessians, scheme)
+        remedies = [*remedies, record]
+    else:
+        new = copy.deepcopy(model)
     with torch.no_grad():
         for name in weights:
             lin = getattr(new, name)

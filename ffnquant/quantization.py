@@ -270,7 +270,7 @@ def sensitivity(prep: Prepared, qmodel: QuantizedFFN, hessians: Mapping[str, tor
     """
     from .accuracy import run_batched, sqnr_db
 
-    if hessians is None and qmodel.scheme.method is Method.GPTQ and qmodel.quantized_weights:
+    if hessians is None and qmodel.scheme.needs_hessians and qmodel.quantized_weights:
         hessians = prep.hessians()
     out: dict[str, float] = {}
     ref = prep.ref_eval()
@@ -332,7 +332,7 @@ def quantize_spec(
         raise FFNQuantError(f"recipe {recipe} needs a calibration prepared with its remedies "
                             f"({recipe.remedy_slug or 'none'}), got one with {have}")
     prep = prepared
-    hessians = prep.hessians() if scheme.method is Method.GPTQ else None
+    hessians = prep.hessians() if scheme.needs_hessians else None
     cal: Any = scheme.calibrator
     if scheme.static_activations and scheme.calibrator == "search":
         key = (scheme.act_dtype.value, scheme.act_symmetric, scheme.weight_dtype.value, scheme.weight_granularity.value)

@@ -113,11 +113,13 @@ class Compute(_StrEnum):
 
 
 class Method(_StrEnum):
-    """Weight rounding: round-to-nearest, GPTQ (Hessian-aware), HQQ (half-quadratic zero-point fit)."""
+    """Weight rounding: round-to-nearest, GPTQ (Hessian-aware), HQQ (half-quadratic zero-point fit),
+    AWQ (activation-aware per-channel scales folded into the FFN, then round-to-nearest)."""
 
     RTN = "rtn"
     GPTQ = "gptq"
     HQQ = "hqq"
+    AWQ = "awq"
 
 
 def _enum(cls: type[enum.Enum], value: Any, kind: str):
@@ -197,6 +199,11 @@ class Scheme:
             raise FFNQuantError(f"scheme {self.name!r}: hqq fits a zero point: int4 weights, asymmetric")
         if method is Method.GPTQ and wd not in (WeightDType.INT4, WeightDType.INT8):
             raise FFNQuantError(f"scheme {self.name!r}: gptq applies to int4/int8 weights")
+        if method is Method.AWQ and (wd is not WeightDType.INT4 or gran is Granularity.PER_TENSOR):
+            raise FFNQuantError(f"scheme {self.name!r}: awq applies to int4 weights, per_group or per_channel")
+        if method is Method.AWQ and not ad.is_float:
+            # the fold rescales the matmul inputs, so ranges calibrated on the unfolded model would not fit
+            raise FFNQuantError(f"scheme {self.name!r}: awq is weight-only (float activations): its fold rescales the activations after calibration")
 
         # --- activations ------------------------------------------------------------
         mode = self.act_mode
@@ -252,6 +259,11 @@ class Scheme:
         return self.act_mode is ActMode.STATIC
 
     @property
+    def needs_hessians(self) -> bool:
+        """True when the weights are quantized from calibration data: the input Hessians H = sum X^T X (GPTQ, AWQ)."""
+        return self.method in (Method.GPTQ, Method.AWQ)
+
+    @property
     def weight_bits(self) -> int:
         return self.weight_dtype.bits
 
@@ -301,7 +313,9 @@ class Scheme:
                 else "symmetric"
         else:
             sym = "asymmetric (integer zero point)"
-        method = {Method.RTN: "round-to-nearest", Method.GPTQ: "GPTQ", Method.HQQ: "HQQ-fitted zero points"}[self.method]
+        method = {Method.RTN: "round-to-nearest", Method.GPTQ: "GPTQ", Method.HQQ: "HQQ-fitted zero points",
+                  Method.AWQ: "AWQ (activation-aware channel scales searched on calibration data and folded into the "
+                              "FFN, then round-to-nearest)"}[self.method]
         return f"{wd.value} weights, {sym}, {where}, {method}"
 
     def _act_text(self) -> str:
@@ -365,6 +379,8 @@ def _presets() -> dict[str, Scheme]:
         out.append(S(f"w4a16-g{g}-asym", W.INT4, G.PER_GROUP, group_size=g, weight_symmetric=False))
         out.append(S(f"w4a16-g{g}-hqq", W.INT4, G.PER_GROUP, group_size=g, weight_symmetric=False, method=M.HQQ))
         out.append(S(f"w4a16-g{g}-gptq", W.INT4, G.PER_GROUP, group_size=g, weight_symmetric=True, method=M.GPTQ))
+        # zero points, as AutoAWQ's default (zero_point=True)
+        out.append(S(f"w4a16-g{g}-awq", W.INT4, G.PER_GROUP, group_size=g, weight_symmetric=False, method=M.AWQ))
     out += [
         # bitsandbytes' default block size is 64
         S("nf4", W.NF4, G.PER_GROUP, group_size=64),
