@@ -8,7 +8,8 @@
   channel scale or Hadamard rotation) in float, exactly as in the reference.
 - 4-bit (`write_nbits`): onnxruntime's MatMulNBitsQuantizer (RTN `DefaultWeightOnlyQuantConfig`,
   `HQQWeightOnlyQuantConfig`) on the FFN matmuls; GPTQ writes MatMulNBits nodes from our own
-  GPTQ codes (onnxruntime's GPTQ config uses its own grid); nf4/fp4 through MatMulBnb4Quantizer.
+  GPTQ codes (onnxruntime's GPTQ config uses its own grid); AWQ from our RTN codes of the folded
+  model's export (its scales: a Mul before the matmuls); nf4/fp4 through MatMulBnb4Quantizer.
 - baseline (`ort_default_static`): `quantize_static` with its defaults (QDQ, MinMax,
   U8 activations / S8 weights) plus per_channel=True, on the same fp32 model and tokens.
 """
@@ -274,8 +275,8 @@ def write_nbits(
         quant = MatMulBnb4Quantizer(proto, qtype, group, nodes_to_exclude=exclude)
         quant.process()
         out = quant.model.model
-    elif scheme.method is Method.GPTQ:
-        if hessians is None:
+    elif scheme.method in (Method.GPTQ, Method.AWQ):
+        if scheme.method is Method.GPTQ and hessians is None:
             raise FFNQuantError(f"scheme {scheme.name!r} (gptq) needs calibration data for the input Hessians")
         from onnx import numpy_helper
 
@@ -284,7 +285,10 @@ def write_nbits(
         for name, (node, init) in found.items():
             w = torch.from_numpy(numpy_helper.to_array(init).copy()).T.float()
             g = group or w.shape[1]
-            codes, scale, zp = P.gptq_int4_codes(w, hessians[name], g, scheme.weight_symmetric)
+            if scheme.method is Method.GPTQ:
+                codes, scale, zp = P.gptq_int4_codes(w, hessians[name], g, scheme.weight_symmetric)
+            else:  # AWQ: the folded model's scaled weights (write_artifact), RTN codes as the torch reference's
+                codes, scale, zp = P.int4_group_rtn(w, g, scheme.weight_symmetric)
             new, inits = _nbits_node(node, name, codes, scale, zp, g, scheme.weight_symmetric, w.shape[1])
             replaced[node.name] = new
             graph.initializer.remove(init)
@@ -325,9 +329,29 @@ def write_artifact(
     kind, why = artifact_kind(qmodel.scheme)
     if kind == "qdq":
         return write_qdq(fp32_path, out_path, qmodel, source_model)
+    if kind == "nbits" and qmodel.scheme.method is Method.AWQ:
+        return _write_awq(out_path, qmodel, source_model)
     if kind in ("nbits", "bnb4"):
         return write_nbits(fp32_path, out_path, qmodel.scheme, source_model, hessians, qmodel.quantized_weights)
     raise FFNQuantError(f"scheme {qmodel.scheme.name!r}: {why}")
+
+
+def _write_awq(out_path: str | os.PathLike, qmodel: "QuantizedFFN", source_model: FFN) -> Path:
+    """AWQ's MatMulNBits artifact: `source_model` with `qmodel`'s AWQ scales folded in again (`awq.refold`, bit-identical
+    to the reference's fold), exported (the input ChannelScale becomes a Mul before the matmuls), then RTN codes."""
+    import tempfile
+
+    from .awq import refold
+    from .export import export_onnx
+
+    record = next((r for r in qmodel.remedies if getattr(r, "kind", None) == "awq"), None)
+    if record is None:
+        raise FFNQuantError(f"scheme {qmodel.scheme.name!r}: the quantized model carries no AWQ fold (quantize_model makes it)")
+    folded = refold(source_model, record)
+    with tempfile.TemporaryDirectory(prefix="ffnquant-awq-") as tmp:
+        fp32 = Path(tmp) / "awq-folded.fp32.onnx"
+        export_onnx(folded, fp32)
+        return write_nbits(fp32, out_path, qmodel.scheme, folded, weights=qmodel.quantized_weights)
 
 
 class _Reader:
