@@ -22,6 +22,7 @@ COMMANDS: tuple[str, ...] = (
     "export",
     "profile",
     "quantize",
+    "plan",
     "run",
     "bench",
     "model",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from ..atomic import OutputTransaction, write_json, write_text
 from ..errors import FFNQuantError
@@ -50,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated sites to smooth: input, hidden (default: every site the variant folds exactly)",
     )
     parser.add_argument("--rotate", action="store_true", help="block-Hadamard rotation of the hidden (exact in float)")
+    parser.add_argument("--plan", default=None, metavar="FILE",
+                        help="--model: a recipe per layer from `ffnquant plan` (plan.toml), instead of one recipe for all")
     parser.add_argument("--source", default="llm_like", help="token source: gaussian, llm_like or a .npy/.safetensors file")
     parser.add_argument("--calib-tokens", type=_non_negative_int, default=4096, help="calibration tokens (default 4096)")
     parser.add_argument("--eval-tokens", type=positive_int, default=2048, help="held-out evaluation tokens (default 2048)")
@@ -128,17 +131,18 @@ def _validate(args: argparse.Namespace, recipe: Recipe):
     return specs, sites, source
 
 
-def _check_model(args: argparse.Namespace, recipe: Recipe):
+def _check_model(args: argparse.Namespace, recipe: Recipe | None, info=None):
     """The model folder read and checked (config, weights index, architecture, the scheme against its
     widths, the texts or transformers): every model error fails here, before any work or output."""
     from ..hf import inspect_model
     from ..hf.capture import read_text, require_transformers
 
-    info = inspect_model(args.model, allow_pickle=args.allow_pickle)
-    try:
-        _smooth_sites(args, recipe, [info.spec])
-    except FFNQuantError as exc:
-        raise FFNQuantError(f"--model {args.model}: {exc}") from None
+    info = info if info is not None else inspect_model(args.model, allow_pickle=args.allow_pickle)
+    if recipe is not None:
+        try:
+            _smooth_sites(args, recipe, [info.spec])
+        except FFNQuantError as exc:
+            raise FFNQuantError(f"--model {args.model}: {exc}") from None
     if args.calib_tokens == 0:
         raise FFNQuantError("--model needs calibration inputs from the model: --calib-tokens is 0")
     if args.captured is None:
@@ -202,12 +206,36 @@ def _fix_paths(entry_holder: dict, tx: OutputTransaction) -> None:
             entry["path"] = str(tx.final(entry["path"]))
 
 
+def _plan_from_args(args: argparse.Namespace):
+    """(ModelInfo, Plan) for `--plan`: it needs --model, replaces the one-recipe flags, and must fit the model."""
+    from ..hf import inspect_model
+    from ..plan import load_plan
+
+    if not args.model:
+        raise FFNQuantError("--plan needs --model: a plan holds a recipe per layer of one model")
+    given = [f for f, v in (("--recipe", args.recipe), ("--scheme", args.scheme), ("--calibrator", args.calibrator),
+                            ("--smooth", args.smooth), ("--smooth-sites", args.smooth_sites)) if v is not None]
+    given += ["--rotate"] if args.rotate else []
+    given += ["--variants"] if args.variants is not None else []
+    if given:
+        raise FFNQuantError(f"--plan gives each layer its recipe: leave out {', '.join(given)}")
+    info = inspect_model(args.model, allow_pickle=args.allow_pickle)
+    plan = load_plan(args.plan, info)
+    if args.layers is None:
+        args.layers = ",".join(str(i) for i in plan.layers)
+    return info, plan
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.variants is None and not args.model:
-        args.variants = "swiglu"
-    recipe = recipe_from_args(args)  # the command's one parse
-    info = _check_model(args, recipe) if args.model else None
-    specs, sites, source = _validate(args, recipe)
+    if args.plan is not None:
+        info, recipe = _plan_from_args(args)
+        _check_model(args, None, info)
+    else:
+        if args.variants is None and not args.model:
+            args.variants = "swiglu"
+        recipe = recipe_from_args(args)  # the command's one parse
+        info = _check_model(args, recipe) if args.model else None
+    specs, sites, source = _validate(args, recipe) if args.plan is None else ([], None, None)
     rows = []
     bars = _StageBars(enabled=not args.no_progress)
     try:
@@ -245,7 +273,8 @@ def _quantize_all(args, recipe, info, specs, sites, source, rows, bars) -> list:
                                          progress=bars)
             data = {"command": "ffnquant quantize --model", "layers_selected": args.layers, **data,
                     "environment": environment()}
-            outputs.append((f"{stem}.{recipe.slug}", data, quantize_model_markdown))
+            tag = recipe.slug if args.plan is None else "plan-" + Path(args.plan).stem
+            outputs.append((f"{stem}.{tag}", data, quantize_model_markdown))
         for tag, data, render in outputs:
             for holder in data["layers"] if "layers" in data else [data]:
                 _fix_paths(holder, tx)
@@ -256,7 +285,7 @@ def _quantize_all(args, recipe, info, specs, sites, source, rows, bars) -> list:
                 art = r.get("artifact") or {}
                 base = r.get("ort_default_baseline") or {}
                 rows.append((
-                    label, r["scheme"]["name"], r["calibrator"] or "-",
+                    label, r["scheme"]["name"] if args.plan is None else r["recipe"], r["calibrator"] or "-",
                     r["accuracy_torch"]["sqnr_db"],
                     (art.get("accuracy_onnx") or {}).get("sqnr_db"),
                     (base.get("accuracy_onnx") or {}).get("sqnr_db"),

@@ -438,7 +438,8 @@ def quantize_model_layers(
     file_stem: str | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Quantize each FFN of `layers` under one `recipe` (`quantize_layers`), then measure end to end.
+    """Quantize each FFN of `layers` under one `recipe` (`quantize_layers`), or each under its own recipe when
+    `recipe` is a `plan.Plan`, then measure end to end.
 
     Per layer: the `QuantResult` of `quantize_layers` (ONNX artifact `<file_stem>.<label>.<slug>.onnx` in
     `out_artifacts`, onnxruntime's default quantize_static next to it, on the held-out inputs). Then, when
@@ -450,8 +451,14 @@ def quantize_model_layers(
     stem = file_stem or model_file_stem(info)
     by_label = {layer.label: layer for layer in layers}
     rows, qffns = [], {}
-    for outcome in quantize_layers(layers, [recipe], inputs, file_stem=stem, out_artifacts=out_artifacts, onnx=onnx,
-                                   baseline=onnx, sensitivity=sensitivity, latency=latency, smooth_sites=smooth_sites):
+    plan = recipe if hasattr(recipe, "recipe_for") else None  # a per-layer Plan: each layer its own recipe
+    kw = dict(file_stem=stem, out_artifacts=out_artifacts, onnx=onnx, baseline=onnx, sensitivity=sensitivity,
+              latency=latency, smooth_sites=smooth_sites)
+    if plan is not None:
+        outcomes = (o for layer in layers for o in quantize_layers([layer], [plan.recipe_for(layer.index)], inputs, **kw))
+    else:
+        outcomes = quantize_layers(layers, [recipe], inputs, **kw)
+    for outcome in outcomes:
         layer, res = by_label[outcome.label], outcome.result
         data = res.to_dict()
         data.pop("environment", None)  # once per report, not per layer
@@ -469,13 +476,17 @@ def quantize_model_layers(
     else:
         e2e = {"status": "ok", "reason": None, "evaluation_text": inputs.evaluation_source,
                **end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress)}
+    if plan is not None:  # the header names the plan; each layer row carries its own recipe
+        head = {"recipe": "per-layer plan", "plan": plan.to_dict(),
+                "scheme": {"name": f"plan ({len({str(r) for r in plan.layers.values()})} recipes)"},
+                "calibrator": None, "remedies": []}
+    else:
+        head = {"recipe": first["recipe"], "scheme": first["scheme"], "calibrator": first["calibrator"],
+                "remedies": first["remedies"]}
     return {
         "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
         "ablation": settings.ablation,
-        "recipe": first["recipe"],
-        "scheme": first["scheme"],
-        "calibrator": first["calibrator"],
-        "remedies": first["remedies"],
+        **head,
         "calibration": {"source": _with_shortfall(inputs.calibration_source, inputs.budgets.get("calibration")),
                         "tokens_per_layer": {r["label"]: r["n_calib_tokens"] for r in rows},
                         "tokens": inputs.budgets.get("calibration")},

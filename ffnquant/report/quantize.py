@@ -76,7 +76,7 @@ def quantize_model_markdown(data: dict) -> str:
         base = (r.get("ort_default_baseline") or {}).get("accuracy_onnx") or {}
         sens = r.get("sensitivity_sqnr_db") or {}
         worst = min(sens.items(), key=lambda kv: kv[1]) if sens else None
-        rows.append((r["label"], r["name"], acc["sqnr_db"], (art.get("accuracy_onnx") or {}).get("sqnr_db"),
+        rows.append((r["label"] + (f" ({r['recipe']})" if "plan" in data else ""), r["name"], acc["sqnr_db"], (art.get("accuracy_onnx") or {}).get("sqnr_db"),
                      base.get("sqnr_db"), acc["cosine"], acc["max_abs_error"],
                      f"{worst[0]} ({fmt(worst[1])} dB)" if worst else "-", art.get("size_bytes")))
     lines.append(markdown_table(["layer", "module", "SQNR dB", "ONNX SQNR dB", "ORT default SQNR dB", "cosine",

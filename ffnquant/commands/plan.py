@@ -1,0 +1,104 @@
+"""`ffnquant plan`: a recipe per FFN layer of a causal LM that meets an end-to-end target at the least cost, verified."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from ..atomic import OutputTransaction, write_json, write_text
+from ..errors import FFNQuantError
+from ..render import fmt
+from .common import TextFiles, positive_int
+
+NAME = "plan"
+HELP = "choose a recipe per FFN layer that meets an end-to-end target (ppl+1%, sqnr>=30) at the least latency or bytes, and verify it"
+
+__all__ = ["NAME", "HELP", "add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..plan.candidates import CANDIDATE_SETS
+    from ..plan.target import OBJECTIVES, TARGET_FORMS
+
+    parser.add_argument("--model", required=True, metavar="DIR", help="a local Hugging Face causal LM folder (safetensors)")
+    parser.add_argument("--target", default="ppl+1%", help=f"what must hold end to end: {TARGET_FORMS} (default ppl+1%%)")
+    parser.add_argument("--objective", default="latency", choices=OBJECTIVES,
+                        help="what to make least: FFN stack latency on onnxruntime's CPU provider, or weight bytes (default latency)")
+    parser.add_argument("--tokens", type=positive_int, default=512,
+                        help="tokens per call the latency table is measured at (default 512)")
+    parser.add_argument("--candidates", default="default",
+                        help=f"candidate recipes: a set ({', '.join(CANDIDATE_SETS)}) or a comma-separated list (default default)")
+    parser.add_argument("--text", default=None, metavar="FILE", action=TextFiles,
+                        help="search (calibration) text; several files: repeat or comma-separate (default: the shipped sample)")
+    parser.add_argument("--eval-text", default=None, metavar="FILE", action=TextFiles,
+                        help="held-out text the plan is verified on (default: the shipped evaluation sample)")
+    parser.add_argument("--calib-tokens", type=positive_int, default=4096, help="search text tokens (default 4096)")
+    parser.add_argument("--eval-tokens", type=positive_int, default=4096, help="held-out tokens (default 4096)")
+    parser.add_argument("--probe-tokens", type=positive_int, default=512,
+                        help="search tokens the per-layer probes are measured on (default 512)")
+    parser.add_argument("--rounds", type=positive_int, default=4, help="verification rounds at most (default 4)")
+    parser.add_argument("--out", default="reports/plan", help="folder for plan.toml, plan.json, plan.md (default reports/plan)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    parser.add_argument("--allow-pickle", action="store_true", help="allow a pickle checkpoint (loaded weights-only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..envinfo import environment
+    from ..hf import EvalSettings, inspect_model
+    from ..hf.capture import read_text, require_transformers
+    from ..plan.candidates import candidate_recipes
+    from ..plan.job import make_plan
+    from ..plan.sensitivity import check_plannable
+    from ..plan.target import Objective, Target
+    from ..report.plan import plan_markdown
+    from .quantize import _StageBars
+
+    # every input error before any work: target, objective, model, candidates, texts
+    target = Target.parse(args.target)
+    objective = Objective(args.objective, "ort-cpu", args.tokens)
+    info = inspect_model(args.model, allow_pickle=args.allow_pickle)
+    check_plannable(info)
+    candidate_recipes(args.candidates, info.spec)
+    require_transformers()
+    read_text(args.text, "calibration")
+    read_text(args.eval_text, "evaluation")
+    settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens, ablation=False)
+    command = "ffnquant " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["plan"] else None
+    bars = _StageBars(enabled=not args.no_progress)
+    with OutputTransaction() as tx:
+        out = tx.folder(args.out)
+        try:
+            plan, result = make_plan(info, target, objective, args.candidates, text=args.text, eval_text=args.eval_text,
+                                     settings=settings, probe_tokens=args.probe_tokens, max_rounds=args.rounds,
+                                     allow_pickle=args.allow_pickle, progress=bars)
+        except BaseException:
+            bars.close(ok=False)
+            raise
+        bars.close()
+        result["command"] = command
+        result["environment"] = environment()
+        write_text(out / "plan.toml", plan.to_toml(command))
+        write_json(out / "plan.json", result)
+        write_text(out / "plan.md", plan_markdown(result, command))
+        final_dir = tx.final(out)
+    final = result["rounds"][-1]
+    e = final["end_to_end"]
+    unit = plan.summary["objective_unit"]
+    cost = f"{final['cost']:.2f} ms" if unit == "ms" else f"{final['cost'] / 1e6:.2f} MB"
+    fp32 = f"{result['fp32_cost']:.2f} ms" if unit == "ms" else f"{result['fp32_cost'] / 1e6:.2f} MB"
+    recipes = {}
+    for i, r in plan.layers.items():
+        recipes.setdefault(str(r), []).append(i)
+    print(f"plan for {target}: " + "; ".join(f"{r}: {len(v)} layer(s)" for r, v in recipes.items()))
+    print(f"verified on the held-out text: perplexity {fmt(result['baseline']['perplexity'])} -> {fmt(e.get('perplexity'))} "
+          f"({100 * (e.get('perplexity_ratio', 1) - 1):+.2f}%), final hidden SQNR {fmt(e.get('hidden_sqnr_db'))} dB: "
+          f"{'meets' if result['verified'] else 'MISSES'} {target} after {len(result['rounds'])} round(s)")
+    print(f"FFN stack {objective.name}: {cost} (fp32 {fp32}); {fmt(result['timings']['total_s'])} s")
+    print(f"wrote {Path(final_dir) / 'plan.toml'} (use: ffnquant quantize --model {args.model} --plan {Path(final_dir) / 'plan.toml'}), plan.json, plan.md")
+    if not result["verified"]:
+        print(f"note: the target was missed in {len(result['rounds'])} rounds; the plan file holds the last round's choice",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,125 @@
+"""Each layer's candidate recipes, quantized and scored: the numbers the plan search chooses from.
+
+Per (layer, recipe): the layer's own output SQNR on the held-out inputs, its output error on the search
+(calibration) inputs as raw energy and weighted by the loss gradient (`sensitivity.fisher_noise`), and its
+stored bytes. Quantized copies are not kept (a 30-layer model times 15 recipes would not fit in memory);
+`quantize_layer` makes the chosen ones again, deterministically, for the verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import FFNQuantError
+from ..recipe import Recipe
+
+__all__ = ["CANDIDATE_SETS", "candidate_recipes", "CandidateScore", "score_layer", "quantize_layer"]
+
+# Named candidate sets; `--candidates` also takes a comma-separated list of recipes.
+CANDIDATE_SETS: dict[str, tuple[str, ...]] = {
+    "default": (
+        "fp32",
+        "w8a8@minmax", "w8a8@search", "w8a8@search+smooth", "w8a8@search+smooth+rotate",
+        "w8a8-dynamic-s8", "w8a8-dynamic-s8+rotate",
+        "w8a16",
+        "w4a16-g128", "w4a16-g128-gptq", "w4a16-g128-awq",
+        "w8a8@search+smooth+float=hidden", "w8a8@search+smooth+float=input",
+        "w8a8-dynamic-s8+float=hidden", "w4a16-g128-awq+float=hidden",
+    ),
+    # weight-only 4-bit at g128 with a float fallback per site: the 4-bit plan
+    "w4a16": (
+        "fp32", "w4a16-g128", "w4a16-g128-asym", "w4a16-g128-gptq", "w4a16-g128-awq", "w4a16-g128-hqq",
+        "w4a16-g128-awq+float=hidden", "w4a16-g128-awq+float=input", "w4a16-g128-gptq+float=hidden",
+    ),
+    "int8": (
+        "fp32", "w8a8@minmax", "w8a8@search", "w8a8@search+smooth", "w8a8@search+smooth+rotate",
+        "w8a8-dynamic-s8", "w8a8-dynamic-s8+rotate", "w8a16",
+        "w8a8@search+smooth+float=hidden", "w8a8@search+smooth+float=input", "w8a8-dynamic-s8+float=hidden",
+    ),
+}
+
+
+def candidate_recipes(text: str | Sequence[str], spec: Any) -> tuple[list[Recipe], list[dict[str, str]]]:
+    """The recipes of a set name or a comma-separated list that fit `spec`, and the skipped ones with why.
+    fp32 is always a candidate: the fallback that makes any target reachable."""
+    items = CANDIDATE_SETS.get(text) if isinstance(text, str) else None
+    if items is None:
+        items = tuple(t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip())
+        if not items:
+            raise FFNQuantError(f"no candidates given; name a set ({', '.join(CANDIDATE_SETS)}) or list recipes")
+    recipes, skipped = [], []
+    for item in ("fp32",) + tuple(i for i in items if i != "fp32"):
+        try:
+            recipe = Recipe.parse(item)
+            recipe.check_fits(spec)
+        except FFNQuantError as exc:
+            if isinstance(text, str) and text in CANDIDATE_SETS:  # a set's recipe this build or model lacks
+                skipped.append({"recipe": item, "reason": str(exc)})
+                continue
+            raise
+        if recipe not in recipes:
+            recipes.append(recipe)
+    return recipes, skipped
+
+
+@dataclass
+class CandidateScore:
+    """One recipe on one layer (see the module docstring); `error` when it could not be applied."""
+
+    recipe: str
+    layer_sqnr_db: float | None = None
+    search_noise: float | None = None  # sum of squared output errors on the search tokens
+    fisher: float | None = None  # the same weighted by the squared loss gradient
+    bytes: int | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor, bins: int | None):
+    from ..quantization import quantize_recipes
+
+    return quantize_recipes(layer.spec, recipes, collect_errors=True, onnx=False, baseline=False, sensitivity=False,
+                            model=layer.ffn, calib_tokens=calib, eval_tokens=held_out, name=layer.label, bins=bins)
+
+
+def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor,
+                grad: torch.Tensor, keep: Sequence[Recipe] = (), bins: int | None = None):
+    """Score every recipe on one layer: (scores in recipe order, {recipe: QuantizedFFN} for those in `keep`)."""
+    from ..accuracy import run_batched
+    from ..pipeline.variants import recipe_weight_bytes
+
+    if grad.shape != calib.shape:
+        raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
+    with torch.no_grad():
+        ref = run_batched(layer.ffn, calib)
+    scores, kept = [], {}
+    for outcome in _outcomes(layer, recipes, calib, held_out, bins):
+        recipe = outcome.recipe
+        if not outcome.ok:
+            scores.append(CandidateScore(str(recipe), error=str(outcome.error).splitlines()[0]))
+            continue
+        q = outcome.result.qmodel
+        with torch.no_grad():
+            got = run_batched(q, calib)
+        from .sensitivity import fisher_noise
+
+        scores.append(CandidateScore(
+            str(recipe), layer_sqnr_db=outcome.result.accuracy.sqnr_db,
+            search_noise=float((got.double() - ref.double()).square().sum()),
+            fisher=fisher_noise(grad, ref, got), bytes=recipe_weight_bytes(layer.spec, recipe)))
+        if recipe in keep:
+            kept[recipe] = q
+    return scores, kept
+
+
+def quantize_layer(layer: Any, recipe: Recipe, calib: torch.Tensor, held_out: torch.Tensor, bins: int | None = None):
+    """The QuantizedFFN of one layer under one recipe (what `score_layer` scored), and its held-out SQNR."""
+    outcome = next(iter(_outcomes(layer, [recipe], calib, held_out, bins)))
+    if not outcome.ok:
+        raise FFNQuantError(f"{layer.label}: {recipe}: {outcome.error}")
+    return outcome.result.qmodel, outcome.result.accuracy.sqnr_db

@@ -1,0 +1,239 @@
+"""`make_plan`: candidates scored per layer, the cheapest assignment under the target, verified end to end.
+
+1. Capture each FFN's inputs on the calibration text (the search data) and the held-out text (`hf.inputs`).
+2. One backward pass of the float model on the search text: the loss gradient at every FFN output.
+3. Score every candidate recipe on every layer (`candidates.score_layer`).
+4. Predict each candidate's end-to-end damage: its gradient-weighted output error (`fisher`) times a per-layer
+   factor fitted on measured ablations of two probe recipes on that layer (KL of the next-token distribution
+   for a ppl target; final hidden noise for an SQNR target). Probes are measured, the rest predicted.
+5. Cost per candidate: FFN latency from a measured table at the model's shape (`latency_table`), or bytes.
+6. Search (`search.solve`, exact multiple-choice knapsack) within the target's budget times a safety factor.
+7. Verify: quantize every layer as planned, put them all back, measure ppl and final hidden SQNR on the
+   held-out text. If the target is missed, shrink the safety factor by the measured overshoot and repeat.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import FFNQuantError
+from ..recipe import Recipe
+from .candidates import candidate_recipes, quantize_layer, score_layer
+from .planfile import Plan, model_fingerprint
+from .search import Option, pareto, solve
+from .sensitivity import SuffixRunner, check_plannable, output_gradients
+from .target import Objective, Target
+
+__all__ = ["PROBES", "make_plan"]
+
+Progress = Callable[[str, int, int], None]
+# Measured per layer to fit the prediction's scale: a mild and a strong error, both common choices.
+PROBES = ("w8a8-dynamic-s8", "w4a16-g128")
+
+
+def _fit(points: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope through the origin of measured against predicted (>= 0)."""
+    num = sum(m * p for p, m in points)
+    den = sum(p * p for p, m in points)
+    return max(0.0, num / den) if den > 0 else 0.0
+
+
+def make_plan(
+    model_dir: Any,
+    target: Target | str,
+    objective: Objective | None = None,
+    candidates: str | Sequence[str] = "default",
+    text: Any = None,
+    eval_text: Any = None,
+    settings: Any = None,
+    probe_tokens: int = 512,
+    max_rounds: int = 4,
+    allow_pickle: bool = False,
+    progress: Progress | None = None,
+) -> tuple[Plan, dict[str, Any]]:
+    """Plan every FFN layer of a causal LM for `target` at the least `objective`; returns (Plan, JSON-able result)."""
+    from ..hf import inspect_model, load_ffn_layers
+    from ..hf.evaluate import end_to_end, float_baseline
+    from ..hf.inputs import EvalSettings, capture_layer_inputs, fit_settings
+    from .latency_table import measure_latency_table
+
+    t_start = time.perf_counter()
+    tick = progress or (lambda *a: None)
+    target = target if isinstance(target, Target) else Target.parse(target)
+    objective = objective or Objective()
+    info = model_dir if hasattr(model_dir, "arch") else inspect_model(model_dir, allow_pickle=allow_pickle)
+    check_plannable(info)
+    recipes, skipped = candidate_recipes(candidates, info.spec)
+    probes = [Recipe.parse(p) for p in PROBES]
+    for p in probes:
+        if p not in recipes:
+            p.check_fits(info.spec)
+    layers = load_ffn_layers(info, "all", allow_pickle=allow_pickle)
+    settings = fit_settings(info, settings or EvalSettings(ablation=False))
+    timings: dict[str, float] = {}
+
+    t = time.perf_counter()
+    inputs = capture_layer_inputs(info, layers, text=text, eval_text=eval_text, calib_tokens=settings.max_calib_tokens,
+                                  eval_tokens=settings.max_eval_tokens, settings=settings, allow_pickle=allow_pickle,
+                                  progress=progress)
+    model = inputs.model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    timings["capture_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    tick("loss gradients at every FFN output (search text)", 0, 1)
+    grads = output_gradients(model, info, [l.info for l in layers], inputs.calib_batches)
+    timings["gradients_s"] = time.perf_counter() - t
+
+    probe_batches, n = [], 0
+    for ids in inputs.calib_batches:  # the probes run on the first `probe_tokens` of the search text
+        if n >= probe_tokens:
+            break
+        probe_batches.append(ids)
+        n += int(ids.numel())
+    runner = SuffixRunner(model, info, [l.info for l in layers], probe_batches).record()
+    n_probe = sum(int(ids.numel()) for ids in probe_batches)
+
+    latency: dict[str, dict[str, Any]] = {}
+    if objective.kind == "latency":
+        t = time.perf_counter()
+        first = layers[0]
+        latency = measure_latency_table(first, recipes, inputs.calib[first.label], inputs.eval[first.label],
+                                        tokens=objective.tokens, progress=progress)
+        timings["latency_table_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    per_layer: dict[int, dict[str, Any]] = {}
+    fit_points: list[dict[str, Any]] = []
+    for k, layer in enumerate(layers):
+        calib, held = inputs.calib[layer.label], inputs.eval[layer.label]
+        scores, kept = score_layer(layer, list(dict.fromkeys(recipes + probes)), calib, held, grads[layer.label],
+                                   keep=probes, bins=settings.bins)
+        by_recipe = {s.recipe: s for s in scores}
+        probe_rows = []
+        for p, q in kept.items():
+            abl = runner.ablate(layer.index, q)
+            # the same prediction restricted to the probe tokens, which lead the search tokens
+            with torch.no_grad():
+                x = calib[:n_probe]
+                ref, got = layer.ffn(x), q(x)
+            from .sensitivity import fisher_noise
+
+            fisher = fisher_noise(grads[layer.label][:n_probe], ref, got) / max(1, x.shape[0])
+            energy = float((got.double() - ref.double()).square().sum())
+            probe_rows.append({"recipe": str(p), "kl": abl.kl, "nll_delta": abl.nll_delta, "hidden_nsr": abl.hidden_nsr,
+                               "fisher_per_token": fisher, "noise": energy,
+                               "hidden_signal_per_token": abl.hidden_signal / max(1, abl.tokens),
+                               "hidden_noise": abl.hidden_noise})
+        kappa = _fit([(r["fisher_per_token"], r["kl"]) for r in probe_rows])
+        rho = _fit([(r["noise"], r["hidden_noise"]) for r in probe_rows])
+        signal = sum(r["hidden_signal_per_token"] for r in probe_rows) / max(1, len(probe_rows))
+        n_search = calib.shape[0]
+        rows = []
+        for recipe in recipes:
+            s = by_recipe[str(recipe)]
+            row = s.to_dict()
+            if s.error is None:
+                # KL per token ~ kappa * fisher per token; final NSR ~ rho * noise per token / signal per token
+                row["predicted_kl"] = kappa * s.fisher / max(1, n_search)
+                row["predicted_hidden_nsr"] = (rho * s.search_noise / max(1, n_search)) / signal if signal > 0 else None
+            lat = latency.get(str(recipe), {})
+            row["latency_ms"] = lat.get("p50_ms")
+            if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:
+                row["excluded"] = lat.get("reason") or "not timed"
+            rows.append(row)
+        for r in probe_rows:
+            r["predicted_kl"] = kappa * r["fisher_per_token"]
+            fit_points.append({"layer": layer.index, **r})
+        per_layer[layer.index] = {"label": layer.label, "kappa": kappa, "rho": rho, "probes": probe_rows,
+                                  "candidates": rows}
+        del kept
+        tick(f"candidates: {layer.label}", k + 1, len(layers))
+    timings["candidates_s"] = time.perf_counter() - t
+
+    def damage(row: dict[str, Any]) -> float:
+        if target.metric == "ppl":
+            return row["predicted_kl"]
+        return row["predicted_hidden_nsr"] if row["predicted_hidden_nsr"] is not None else float("inf")
+
+    def cost(row: dict[str, Any]) -> float:
+        return row["latency_ms"] if objective.kind == "latency" else float(row["bytes"])
+
+    options = {i: [Option(r["recipe"], damage(r), cost(r)) for r in d["candidates"]
+                   if r.get("error") is None and "excluded" not in r]
+               for i, d in per_layer.items()}
+    if any(not opts for opts in options.values()):
+        raise FFNQuantError("plan: a layer has no usable candidate (fp32 failed?)")
+
+    t = time.perf_counter()
+    baseline = float_baseline(model, info, inputs.eval_batches)
+    by_index = {layer.index: layer for layer in layers}
+    cache: dict[tuple[int, str], Any] = {}
+    rounds, safety, chosen, e2e = [], 1.0, None, None
+    for rnd in range(1, max_rounds + 1):
+        chosen = solve(options, target.budget * safety)
+        if chosen is None:
+            raise FFNQuantError(f"plan: no assignment meets {target} even by prediction (fp32 everywhere should): "
+                                "the predicted damage of the float candidate is not zero")
+        qffns = {}
+        for i, opt in chosen.items():
+            if opt.name == "fp32":
+                continue
+            key = (i, opt.name)
+            if key not in cache:
+                layer = by_index[i]
+                cache[key] = quantize_layer(layer, Recipe.parse(opt.name), inputs.calib[layer.label],
+                                            inputs.eval[layer.label], bins=settings.bins)[0]
+            qffns[by_index[i].label] = cache[key]
+        tick(f"verify round {rnd}: end to end on the held-out text", rnd, max_rounds)
+        e2e = end_to_end(model, info, layers, qffns, inputs.eval_batches, settings, baseline)["end_to_end"] \
+            if qffns else {"hidden_sqnr_db": 200.0, "hidden_cosine": 1.0, "perplexity": baseline["perplexity"],
+                           "perplexity_delta": 0.0, "perplexity_ratio": 1.0}
+        predicted = sum(o.damage for o in chosen.values())
+        spent = target.spent(e2e)
+        met = target.met(e2e)
+        rounds.append({"round": rnd, "safety": safety, "budget": target.budget * safety, "predicted": predicted,
+                       "measured": spent, "met": met, "end_to_end": e2e,
+                       "cost": sum(o.cost for o in chosen.values()),
+                       "layers": {i: o.name for i, o in chosen.items()}})
+        if met:
+            break
+        # missed: spend less, in proportion to the overshoot (at least 30% less)
+        safety *= min(0.7, target.budget / spent) if spent and spent > 0 else 0.5
+    # keep the quantized copies of the last choice only
+    timings["verify_s"] = time.perf_counter() - t
+    final = rounds[-1]
+    fp32_cost = sum(next(o.cost for o in options[i] if o.name == "fp32") for i in options)
+    singles = []
+    for recipe in recipes:
+        name = str(recipe)
+        if all(any(o.name == name for o in options[i]) for i in options):
+            singles.append({"recipe": name, "cost": sum(next(o.cost for o in options[i] if o.name == name) for i in options),
+                            "predicted": sum(next(o.damage for o in options[i] if o.name == name) for i in options)})
+    plan = Plan(
+        model_fingerprint(info) | {"path": str(info.path)}, {i: Recipe.parse(o.name) for i, o in chosen.items()},
+        target.name, objective.name,
+        {"verified": bool(final["met"]), "rounds": len(rounds),
+         "measured_perplexity_ratio": final["end_to_end"].get("perplexity_ratio"),
+         "measured_hidden_sqnr_db": final["end_to_end"].get("hidden_sqnr_db"),
+         "cost": final["cost"], "fp32_cost": fp32_cost, "objective_unit": "ms" if objective.kind == "latency" else "bytes"})
+    timings["total_s"] = time.perf_counter() - t_start
+    result = {
+        "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
+        "target": target.name, "budget": target.budget, "objective": objective.name,
+        "candidates": [str(r) for r in recipes], "skipped_candidates": skipped, "probes": list(PROBES),
+        "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (plan.search)",
+        "calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
+        "token_budgets": inputs.budgets, "probe_tokens": n_probe,
+        "baseline": baseline, "latency_table": latency, "layers": per_layer, "probe_fit": fit_points,
+        "rounds": rounds, "verified": bool(final["met"]), "plan": plan.to_dict(),
+        "fp32_cost": fp32_cost, "single_recipes": singles,
+        "pareto_per_layer": {i: [o.name for o in pareto(opts)] for i, opts in options.items()},
+        "timings": timings,
+    }
+    return plan, result

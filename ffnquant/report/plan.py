@@ -1,0 +1,88 @@
+"""The plan report: what was chosen per layer, the costs against single recipes, and the verification."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..render import fmt, fmt_bytes, markdown_table
+
+__all__ = ["plan_markdown"]
+
+
+def _cost(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f} ms" if unit == "ms" else fmt_bytes(int(value))
+
+
+def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
+    """Markdown of `plan.job.make_plan`'s result."""
+    m, plan = data["model"], data["plan"]
+    unit = plan["summary"]["objective_unit"]
+    final = data["rounds"][-1]
+    e, base = final["end_to_end"], data["baseline"]
+    lines = [f"# ffnquant plan: {m['path']} for {data['target']}, least {data['objective']}", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    verdict = "meets" if data["verified"] else "MISSES"
+    lines += [
+        f"- model: {m['model_type']}, {m['n_layers']} layers, {m['variant']} FFN, d_model {m['spec']['d_model']}, "
+        f"d_ff {m['spec']['d_ff']}",
+        f"- search text (calibration, candidates, probes): {data['calibration']}; held-out text (verification): "
+        f"{data['evaluation']}",
+        f"- verified on the held-out text: {verdict} {data['target']}: perplexity {fmt(base['perplexity'])} -> "
+        f"{fmt(e.get('perplexity'))} ({100 * (e.get('perplexity_ratio', 1) - 1):+.2f}%), final hidden SQNR "
+        f"{fmt(e.get('hidden_sqnr_db'))} dB, after {len(data['rounds'])} round(s)",
+        f"- FFN stack cost: {_cost(final['cost'], unit)} against {_cost(data['fp32_cost'], unit)} for fp32 "
+        f"({data['fp32_cost'] / final['cost']:.2f}x)" if final["cost"] else "- FFN stack cost: -",
+        f"- search: {data['search']}; time {fmt(data['timings']['total_s'])} s",
+        "",
+        "## Per layer",
+        "",
+    ]
+    rows = []
+    for idx, layer in data["layers"].items():
+        chosen = final["layers"][idx] if idx in final["layers"] else final["layers"].get(str(idx))
+        row = next(r for r in layer["candidates"] if r["recipe"] == chosen)
+        damage = row["predicted_kl"] if data["target"].startswith("ppl") else row["predicted_hidden_nsr"]
+        rows.append((layer["label"], chosen, row["layer_sqnr_db"], damage, _cost(row.get("latency_ms"), "ms"),
+                     fmt_bytes(row["bytes"]), " > ".join(data["pareto_per_layer"][idx][:4])))
+    what = "predicted KL (nats/token)" if data["target"].startswith("ppl") else "predicted final NSR"
+    lines += [markdown_table(["layer", "recipe", "layer SQNR dB (held-out)", what, "latency", "bytes",
+                              "cheapest non-dominated candidates"], rows), ""]
+    lines += ["## Verification rounds", "",
+              "Each round solves the search with the budget times the safety factor, quantizes every layer as "
+              "chosen, puts them all back into the model and measures on the held-out text.", ""]
+    lines.append(markdown_table(
+        ["round", "safety", "predicted", "measured", "perplexity", "final hidden SQNR dB", "cost", "met"],
+        [(r["round"], r["safety"], r["predicted"], r["measured"], r["end_to_end"].get("perplexity"),
+          r["end_to_end"].get("hidden_sqnr_db"), _cost(r["cost"], unit), "yes" if r["met"] else "no")
+         for r in data["rounds"]]))
+    lines += ["", "## Against one recipe on every layer (same measured table)", ""]
+    lines.append(markdown_table(["recipe", "FFN stack cost", "vs plan", "predicted damage"],
+                                [(s["recipe"], _cost(s["cost"], unit), f"{s['cost'] / final['cost']:.2f}x" if final["cost"] else "-",
+                                  s["predicted"]) for s in sorted(data["single_recipes"], key=lambda s: s["cost"])]))
+    if data.get("latency_table"):
+        lines += ["", f"## Latency table (one FFN at the model's shape, onnxruntime CPU, {data['plan']['objective']})", ""]
+        lines.append(markdown_table(
+            ["recipe", "p10 ms", "p50 ms", "p90 ms", "artifact", "ONNX SQNR dB", "note"],
+            [(k, v.get("p10_ms"), v.get("p50_ms"), v.get("p90_ms"), v.get("kind", "-"), v.get("onnx_sqnr_db"),
+              v.get("reason", "")) for k, v in data["latency_table"].items()]))
+    fit = data["probe_fit"]
+    if fit:
+        lines += ["", "## How good the prediction is: probes measured against predicted", "",
+                  f"Per layer the probes ({', '.join(data['probes'])}) were measured alone on {data['probe_tokens']} "
+                  "search tokens (that layer quantized, the rest float); the per-layer factor is fitted on them, "
+                  "so these rows show the fit's residual. Every other candidate's damage is predicted.", ""]
+        lines.append(markdown_table(["layer", "probe", "measured KL", "predicted KL", "measured Δ NLL", "final hidden NSR"],
+                                    [(r["layer"], r["recipe"], r["kl"], r["predicted_kl"], r["nll_delta"], r["hidden_nsr"])
+                                     for r in fit]))
+    if data["skipped_candidates"]:
+        lines += ["", "Candidates left out: " + "; ".join(f"{s['recipe']} ({s['reason']})" for s in data["skipped_candidates"])]
+    t = data["timings"]
+    lines += ["", "Time: " + ", ".join(f"{k.removesuffix('_s')} {fmt(v)} s" for k, v in t.items()), ""]
+    env = data.get("environment") or {}
+    if env:
+        lines += [f"_{env.get('timestamp_utc')} on {env.get('cpu')}, torch {env['packages'].get('torch')}, "
+                  f"onnxruntime {env['packages'].get('onnxruntime', '-')}_", ""]
+    return "\n".join(lines)
