@@ -19,8 +19,13 @@ calibration token. Where the scales go (`awq_fold`):
   hidden keeps s = 1 and the record says why.
 
 Quantization itself stays round-to-nearest on the scheme's int4 group grid (`primitives.int4_group_rtn`),
-on the scaled weights; this module holds the search and the fold, `fakequant.quantize_model` runs them.
-AutoAWQ's weight-clipping search is not done here.
+on the scaled weights, after AutoAWQ's clipping search (`clip_search`): each group's weights are clamped to
++-r max|w| with the ratio r in 1, 0.95, ..., 0.55 that minimises that group's output error (the group's
+diagonal block of the scaled H, where AutoAWQ uses 512 sampled tokens), and a row keeps its clipping only
+where it lowers the row's whole output error (cross-group terms included), so the final error is never
+above the unclipped one. The fold (`awq_fold`) is exact; the clipping (`clip_weights`) changes only the
+weights about to be rounded. This module holds the searches, the fold and the clip;
+`fakequant.quantize_model` runs them.
 """
 
 from __future__ import annotations
@@ -48,10 +53,14 @@ __all__ = [
     "scaled_error",
     "SiteSearch",
     "search_site",
+    "CLIP_RATIOS",
+    "clip_search",
+    "clip_groups",
     "AWQRecord",
     "apply_scales",
     "awq_fold",
     "refold",
+    "clip_weights",
 ]
 
 # AutoAWQ's grid: alpha = i / 20, i = 0..19. alpha = 0 gives s = 1, plain RTN, so the search never does worse
@@ -60,6 +69,9 @@ ALPHA_GRID: tuple[float, ...] = tuple(i / 20 for i in range(20))
 # s_max / s_min is at most this: a channel with (almost) no calibration energy gets the smallest s allowed rather
 # than s -> 0 (AutoAWQ clamps stat^alpha at 1e-4 in activation units; a ratio does not depend on the units).
 MAX_SCALE_SPREAD = 1e4
+# AutoAWQ's clipping grid: max_val = (1 - i / 20) * max|w| of the group, i = 0..9 (max_shrink 0.5); 1 = no clipping.
+CLIP_RATIOS: tuple[float, ...] = tuple(1 - i / 20 for i in range(10))
+_READS = {"w_up": "input", "w_gate": "input", "w_down": "hidden"}  # the site each weight reads (fakequant's map)
 
 
 def channel_rms(hessian: torch.Tensor, n_tokens: int | None = None) -> torch.Tensor:
@@ -122,6 +134,60 @@ def scaled_error(weights: Sequence[torch.Tensor], hessian: torch.Tensor, s: torc
     return total
 
 
+def _row_errors(dw: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """Each row's output error dw_r H dw_r^T, float64 [out] (float32 products, as `output_error`)."""
+    return ((dw @ hessian) * dw).sum(dim=1).double()
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[out, in] -> [out, ceil(in/g), g], zero-padded along `in` as the int4 grids pad it (zeros stay 0 under a clamp
+    and quantize to exactly 0, so padding adds no error)."""
+    pad = P.padded_width(w.shape[1], group_size) - w.shape[1]
+    wp = torch.nn.functional.pad(w, (0, pad)) if pad else w
+    return wp.reshape(wp.shape[0], -1, group_size)
+
+
+def clip_groups(w: torch.Tensor, ratios: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`w` [out, in] with each group clamped to +-ratio * max|w| of the group (`ratios` [out, ceil(in/g)]), float32."""
+    w = w.detach().float()
+    wg = _grouped(w, group_size)
+    m = wg.abs().amax(dim=2, keepdim=True) * ratios[..., None].float()
+    return torch.maximum(torch.minimum(wg, m), -m).reshape(w.shape[0], -1)[:, : w.shape[1]]
+
+
+def clip_search(w: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool,
+                ratios: Sequence[float] = CLIP_RATIOS) -> tuple[torch.Tensor, float, float]:
+    """AutoAWQ's weight clipping for one [out, in] weight reading the input of `hessian`: per group the ratio of
+    `ratios` whose clamped RTN has the smallest group output error dw_g H_gg dw_g^T (H's diagonal block); a row
+    keeps its ratios only if its whole error dw_r H dw_r^T (cross-group terms included) goes down.
+
+    Returns (ratios [out, ceil(in/g)], 1 where unclipped; the weight's error after, and before clipping).
+    """
+    w = w.detach().float()
+    h = hessian.detach().float()
+    n_out, k = w.shape
+    kp = P.padded_width(k, group_size)
+    groups = kp // group_size
+    hp = torch.nn.functional.pad(h, (0, kp - k, 0, kp - k))  # padded columns are zero weights: no error
+    blocks = torch.stack([hp[i * group_size:(i + 1) * group_size, i * group_size:(i + 1) * group_size]
+                          for i in range(groups)])  # [G, g, g]
+    wg = _grouped(w, group_size)
+    best_err = torch.full((n_out, groups), float("inf"), dtype=torch.float64)
+    best = torch.ones(n_out, groups)
+    for r in ratios:
+        ratio = torch.full((n_out, groups), float(r))
+        dw = wg - _grouped(rtn(clip_groups(w, ratio, group_size), group_size, symmetric), group_size)
+        err = torch.einsum("ngi,gij,ngj->ng", dw, blocks, dw).double()
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, ratio, best)
+    before = _row_errors(w - rtn(w, group_size, symmetric), h)
+    after = _row_errors(w - rtn(clip_groups(w, best, group_size), group_size, symmetric), h)
+    keep = after < before
+    best = torch.where(keep[:, None], best, torch.ones_like(best))
+    return best, float(torch.where(keep, after, before).sum()), float(before.sum())
+
+
 @dataclass(frozen=True)
 class SiteSearch:
     """The alpha search of one site: the chosen `alpha` and `scale` s, its `loss` and RTN's (`rtn_loss`, alpha = 0),
@@ -166,10 +232,12 @@ def search_site(site: str, weights: Sequence[torch.Tensor], hessian: torch.Tenso
 
 @dataclass
 class AWQRecord(RemedyRecord):
-    """The AWQ fold's `RemedyRecord`, carrying the scales themselves (`scales`: site -> s, float32) so that the
-    same fold can be applied again (`refold`, the ONNX artifact). `to_dict` stays the RemedyRecord's (no tensors)."""
+    """The AWQ fold's `RemedyRecord`, carrying the scales themselves (`scales`: site -> s, float32) and the clipping
+    ratios (`clips`: weight -> [out, groups]) so that the same fold and clipping can be applied again (`refold`,
+    `clip_weights`: the ONNX artifact). `to_dict` stays the RemedyRecord's (no tensors)."""
 
     scales: dict = field(default_factory=dict, repr=False)
+    clips: dict = field(default_factory=dict, repr=False)
 
 
 def _group(scheme: Scheme, in_features: int) -> int:
@@ -222,11 +290,13 @@ def apply_scales(model: FFN, scales: Mapping[str, torch.Tensor]) -> FFN:
 
 def awq_fold(model: FFN, hessians: Mapping[str, torch.Tensor], scheme: Scheme) -> tuple[FFN, AWQRecord]:
     """Search AWQ's scales on `hessians` (`fakequant.input_hessians` of `model`, by weight name) for `scheme`'s
-    grid and fold them into a new FFN (exact in float). The record states the alpha and scale range per site.
+    grid and fold them into a new FFN (exact in float); search each weight's clipping ratios on the scaled
+    weights (kept in the record, applied by `clip_weights`). The record states the alpha, scale range and
+    losses per site and the clipped groups per weight.
 
     The input scale is searched on the weights as they are; the hidden one on w_down. w_up then holds both
-    (columns times the input s, rows over the hidden s); a row's common factor leaves its groups' RTN the same
-    up to float rounding, so the two searches do not interact.
+    (columns times the input s, rows over the hidden s); a row's common factor leaves its groups' RTN and
+    clipping the same up to float rounding, so the searches do not interact.
     """
     if scheme.method is not Method.AWQ:
         raise FFNQuantError(f"awq_fold needs an awq scheme, got {scheme.name!r} ({scheme.method.value})")
@@ -244,6 +314,18 @@ def awq_fold(model: FFN, hessians: Mapping[str, torch.Tensor], scheme: Scheme) -
     scales = {site: r.scale for site, r in searches.items()}
     new = apply_scales(model, scales)
     details = {site: r.to_dict() for site, r in searches.items()}
+    # Clipping on each weight scaled by its own input's s (H scaled to match: the error is the same number), so
+    # the errors are in the search's units; w_up's rows over the hidden s change no ratio (a row's common factor).
+    clips: dict[str, torch.Tensor] = {}
+    for name in spec.weight_names:
+        site = _READS[name]
+        s = scales.get(site, torch.ones(getattr(model, name).in_features))
+        h = hessians[name].double() / (s.double()[:, None] * s.double()[None, :])
+        ratios, after, before = clip_search(getattr(model, name).weight.detach().float() * s[None, :], h,
+                                            _group(scheme, s.shape[0]), sym)
+        clips[name] = ratios
+        details.setdefault("clip", {})[name] = {"groups_clipped": int((ratios < 1).sum()), "groups": ratios.numel(),
+                                                "loss": after, "loss_unclipped": before}
     details["input"]["fold"] = ("x * (1/s) before the input tap (fold into the preceding norm's gain); s into w_up"
                                 + ("/w_gate" if model.w_gate is not None else "") + " columns")
     if "hidden" in details:
@@ -253,10 +335,12 @@ def awq_fold(model: FFN, hessians: Mapping[str, torch.Tensor], scheme: Scheme) -
     record = AWQRecord(
         "awq",
         {"alpha_grid": [ALPHA_GRID[0], ALPHA_GRID[-1], len(ALPHA_GRID)], "statistic": "rms (sqrt(diag(H)/n))",
+         "clip_ratios": [CLIP_RATIOS[-1], CLIP_RATIOS[0], len(CLIP_RATIOS)],
          "group_size": scheme.group_size, "symmetric": sym, "sites": list(searches)},
         details,
         note=why_not_hidden or "",
         scales=scales,
+        clips=clips,
     )
     return new, record
 
@@ -266,3 +350,15 @@ def refold(model: FFN, record: RemedyRecord) -> FFN:
     if not isinstance(record, AWQRecord):
         raise FFNQuantError(f"expected the AWQRecord of awq_fold, got a {record.kind!r} record")
     return apply_scales(model, record.scales)
+
+
+def clip_weights(folded: FFN, record: AWQRecord, names: Sequence[str]) -> FFN:
+    """A copy of the folded FFN with the weights `names` clipped by the record's ratios: what their RTN reads
+    (not exact in float: only for weights about to be quantized)."""
+    new = copy.deepcopy(folded)
+    with torch.no_grad():
+        for name in names:
+            lin = getattr(new, name)
+            g = record.params["group_size"] or lin.in_features
+            lin.weight.copy_(clip_groups(lin.weight, record.clips[name], g))
+    return new.eval()

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import primitives as P
-from .awq import awq_fold
+from .awq import awq_fold, clip_weights
 from .calibrate import Grid, calibrate_range, histogram_of, parse_calibrator
 from .errors import FFNQuantError
 from .model import FFN
@@ -265,7 +265,8 @@ def quantize_model(
     is measured. `remedies`: records of remedies already applied to `model`, carried along.
     `hessians` (`input_hessians` of `model`, by weight name): needed by GPTQ and AWQ schemes
     (`Scheme.needs_hessians`). Under AWQ the returned model is `model` with the searched scales
-    folded in (`awq.awq_fold`, its record appended to `remedies`) and its weights RTN-quantized.
+    folded in (`awq.awq_fold`, its record appended to `remedies`) and its weights clipped
+    (`awq.clip_weights`) and RTN-quantized.
     """
     scheme = get_scheme(scheme)
     check_scheme_fits(scheme, model.spec)
@@ -280,10 +281,11 @@ def quantize_model(
         else:
             rng = site_ranges(ranges, scheme, calibrator, sites)
     if scheme.method is Method.AWQ and weights:
-        # AWQ = exact float fold of searched channel scales, then RTN of the scaled weights (quantize_weight)
+        # AWQ = exact float fold of searched channel scales, clipping, then RTN of the scaled weights (quantize_weight)
         if hessians is None:
             raise FFNQuantError(f"scheme {scheme.name!r} (awq) needs calibration data for the input Hessians")
         new, record = awq_fold(model, hessians, scheme)
+        new = clip_weights(new, record, weights)  # AutoAWQ's clipping of the weights about to be rounded
         remedies = [*remedies, record]
     else:
         new = copy.deepcopy(model)

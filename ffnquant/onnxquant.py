@@ -337,17 +337,18 @@ def write_artifact(
 
 
 def _write_awq(out_path: str | os.PathLike, qmodel: "QuantizedFFN", source_model: FFN) -> Path:
-    """AWQ's MatMulNBits artifact: `source_model` with `qmodel`'s AWQ scales folded in again (`awq.refold`, bit-identical
-    to the reference's fold), exported (the input ChannelScale becomes a Mul before the matmuls), then RTN codes."""
+    """AWQ's MatMulNBits artifact: `source_model` with `qmodel`'s AWQ scales folded in again and its clipping
+    (`awq.refold`, `awq.clip_weights`: bit-identical to the reference's), exported (the input ChannelScale becomes
+    a Mul before the matmuls), then RTN codes of the quantized weights."""
     import tempfile
 
-    from .awq import refold
+    from .awq import clip_weights, refold
     from .export import export_onnx
 
     record = next((r for r in qmodel.remedies if getattr(r, "kind", None) == "awq"), None)
     if record is None:
         raise FFNQuantError(f"scheme {qmodel.scheme.name!r}: the quantized model carries no AWQ fold (quantize_model makes it)")
-    folded = refold(source_model, record)
+    folded = clip_weights(refold(source_model, record), record, qmodel.quantized_weights)
     with tempfile.TemporaryDirectory(prefix="ffnquant-awq-") as tmp:
         fp32 = Path(tmp) / "awq-folded.fp32.onnx"
         export_onnx(folded, fp32)

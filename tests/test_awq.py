@@ -1,5 +1,5 @@
-"""AWQ: the fold is exact in float, the alpha search is never worse than RTN on its calibration objective
-(and that objective is the output error on the calibration tokens), AWQ beats RTN on held-out tokens of an
+"""AWQ: the fold is exact in float, the alpha search and the clipping are never worse than RTN on the calibration
+objective (the output error on the calibration tokens), AWQ beats RTN on held-out tokens of an
 FFN with outlier input channels, the MatMulNBits artifact computes the torch reference, missing Hessians
 are an error, and the presets are registered."""
 
@@ -61,8 +61,8 @@ def test_fold_is_exact_in_float(variant, kw, sites):
     new, record = awq_fold(model, input_hessians(model, [CALIB]), get_scheme("w4a16-g32-awq"))
     with torch.no_grad():
         assert _rel(new(HELD_OUT), model(HELD_OUT)) < 1e-5  # float32 rounding only
-    assert isinstance(record, AWQRecord) and record.kind == "awq" and set(record.details) == sites
-    assert set(record.scales) == sites
+    assert isinstance(record, AWQRecord) and record.kind == "awq" and set(record.details) == sites | {"clip"}
+    assert set(record.scales) == sites and set(record.clips) == set(model.spec.weight_names)
     assert record.details["input"]["alpha"] > 0  # the outlier channels make a scale worth it: not a trivial fold
     assert isinstance(new.input_transform, ChannelScale)
     assert torch.allclose(new.input_transform.scale, 1 / record.scales["input"])
@@ -114,41 +114,57 @@ def test_scales_follow_autoawq():
     assert torch.allclose(channel_rms(h, 4), torch.tensor([1.0, 1.5], dtype=torch.float64))
 
 
+def _loss_from_tokens(x, w, w_eff):
+    """||X (W - W_eff)^T||^2 over the calibration tokens, float64."""
+    return float(((x @ (w.detach().double() - w_eff.double()).T) ** 2).sum())
+
+
 @pytest.mark.parametrize("variant", ["swiglu", "relu"], ids=str)
 @pytest.mark.parametrize("group", [32, 64], ids=lambda g: f"g{g}")
-def test_search_is_never_worse_than_rtn_on_the_calibration_objective(variant, group):
-    """alpha = 0 (s = 1, plain RTN) is on the grid, so the chosen loss is at most RTN's; both losses are the output
-    error of the quantized weights on the calibration tokens, ||X (W - Q(W s) / s)^T||^2, computed here from X."""
+def test_never_worse_than_rtn_on_the_calibration_objective(variant, group):
+    """alpha = 0 (s = 1, plain RTN) is on the grid, so the chosen loss is at most RTN's, and clipping is kept only
+    where it lowers a row's error: the quantized model's weights, taken back to the original coordinates
+    (W_eff = Q(..) undone by the scales), have at most the search's loss. Every loss is the output error on the
+    calibration tokens, ||X (W - W_eff)^T||^2, computed here from X."""
     model = _model(variant)
     scheme = get_scheme(f"w4a16-g{group}-awq")
-    _, record = awq_fold(model, input_hessians(model, [CALIB]), scheme)
-    weights = {"input": [model.w_up.weight] + ([model.w_gate.weight] if model.w_gate is not None else []),
-               "hidden": [model.w_down.weight]}
-    for site, d in record.details.items():
+    hessians = input_hessians(model, [CALIB])
+    q = quantize_model(model, scheme, hessians=hessians)
+    record = q.remedies[-1]
+    s_in, s_h = record.scales["input"], record.scales["hidden"]
+    undo = {"w_up": lambda w: w * s_h[:, None] / s_in[None, :], "w_gate": lambda w: w / s_in[None, :],
+            "w_down": lambda w: w / s_h[None, :]}  # the quantized weight in the original coordinates
+    for site, names in (("input", ["w_up", "w_gate"]), ("hidden", ["w_down"])):
+        names = [n for n in names if n in model.spec.weight_names]
+        d = record.details[site]
         assert d["loss"] <= d["rtn_loss"]
         x = _tap_input(model, site, CALIB)
         s = record.scales[site]
+        ws = [getattr(model, n).weight.detach() for n in names]
         for loss, scale in ((d["rtn_loss"], torch.ones_like(s)), (d["loss"], s)):
-            from_tokens = sum(
-                float(((x @ (w.detach() - rtn(w.detach() * scale, group, False) / scale).double().T) ** 2).sum())
-                for w in weights[site]
-            )
+            from_tokens = sum(_loss_from_tokens(x, w, rtn(w * scale, group, False) / scale) for w in ws)
             # float32 products in the search against float64 here: ~1e-6 relative; 1e-4 leaves room
             assert loss == pytest.approx(from_tokens, rel=1e-4)
+        final = sum(_loss_from_tokens(x, getattr(model, n).weight, undo[n](getattr(q.model, n).weight.detach()))
+                    for n in names)
+        assert final <= d["loss"] * (1 + 1e-4)
+        for n in names:
+            assert record.details["clip"][n]["loss"] <= record.details["clip"][n]["loss_unclipped"]
     # on these outlier channels the input scale removes most of RTN's error (measured: 0.2-0.4 of it)
     assert record.details["input"]["loss"] < 0.6 * record.details["input"]["rtn_loss"]
+    assert sum(c["groups_clipped"] for c in record.details["clip"].values()) > 0  # and some groups are clipped
 
 
 @pytest.mark.parametrize("variant", ["swiglu", "relu"], ids=str)
 def test_awq_beats_rtn_on_held_out_tokens(variant):
-    """Output SQNR on held-out tokens of an FFN fed outlier-channel inputs. Measured (d 64-128, g32/g64, seeds
-    0-2): AWQ 3.3-6.8 dB above asymmetric RTN and 2.4-6.4 dB above symmetric RTN for swiglu and relu; the
-    assertion asks for 2 dB over the better of the two (GELU, input site only, gains 0.4-3 dB: not asserted)."""
+    """Output SQNR on held-out tokens of an FFN fed outlier-channel inputs. Measured (swiglu d 64/128, relu and gelu
+    d 64; g32/g64; seeds 0-2): AWQ 5.5-8.8 dB above asymmetric RTN and 6.4-8.9 dB above symmetric RTN (without
+    the clipping search 0.4-6.8 dB); the assertion asks for 4 dB over the better of the two."""
     spec = FFNSpec(variant, d_model=D)
     prep = prepare(spec, "llm_like", 1024, 1024, seed=0)
     sqnr = {s: quantize_spec(spec, Recipe(s), prep, onnx=False, sensitivity=False).accuracy.sqnr_db
             for s in ("w4a16-g32", "w4a16-g32-asym", "w4a16-g32-awq")}
-    assert sqnr["w4a16-g32-awq"] >= max(sqnr["w4a16-g32"], sqnr["w4a16-g32-asym"]) + 2.0, sqnr
+    assert sqnr["w4a16-g32-awq"] >= max(sqnr["w4a16-g32"], sqnr["w4a16-g32-asym"]) + 4.0, sqnr
 
 
 @pytest.mark.parametrize(
