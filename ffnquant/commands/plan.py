@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     read_text(args.text, "calibration")
     read_text(args.eval_text, "evaluation")
     settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens, ablation=False)
-    command = "ffnquant " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["plan"] else None
+    command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
     bars = _StageBars(enabled=not args.no_progress)
     with OutputTransaction() as tx:
         out = tx.folder(args.out)

@@ -1,0 +1,222 @@
+"""`ffnquant plan`: the target grammar, the knapsack search, plan.toml, the model-level sensitivities and the
+whole loop on a tiny Llama (2 layers, d_model 32) with its own tokenizer."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from ffnquant.cli import main
+from ffnquant.errors import FFNQuantError
+from ffnquant.plan import Plan, Target, load_plan
+from ffnquant.plan.planfile import model_fingerprint
+from ffnquant.plan.search import Option, pareto, solve
+from ffnquant.recipe import Recipe
+
+from hf_models import tiny_folders
+
+SMALL = ["--calib-tokens", "256", "--eval-tokens", "128", "--probe-tokens", "128", "--tokens", "16", "--no-progress"]
+CANDIDATES = "fp32,w8a8@search,w8a8-dynamic-s8,w4a16-g32,w8a8@search+float=hidden"
+
+
+# --- target ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, metric, value, budget", [
+    ("ppl+1%", "ppl", 1.0, math.log(1.01)),
+    ("PPL + 0.5 %", "ppl", 0.5, math.log(1.005)),
+    ("sqnr>=30", "sqnr", 30.0, 1e-3),
+    ("sqnr>=20dB", "sqnr", 20.0, 1e-2),
+], ids=["ppl1", "ppl-spaces", "sqnr30", "sqnr-db"])
+def test_targets_parse_to_their_budget(text, metric, value, budget):
+    t = Target.parse(text)
+    assert (t.metric, t.value) == (metric, value)
+    assert t.budget == pytest.approx(budget)
+    assert Target.parse(t.name) == t
+
+
+@pytest.mark.parametrize("text", ["ppl<1%", "ppl+0%", "sqnr>=0", "latency", "ppl+x%"],
+                         ids=["wrong-op", "zero", "zero-db", "word", "not-number"])
+def test_bad_targets_say_the_forms(text):
+    with pytest.raises(FFNQuantError, match="ppl|sqnr"):
+        Target.parse(text)
+
+
+def test_target_met_and_spent_read_the_measurement():
+    t = Target.parse("ppl+1%")
+    assert t.met({"perplexity_ratio": 1.0099}) and not t.met({"perplexity_ratio": 1.0101})
+    assert t.spent({"perplexity_ratio": 1.01}) == pytest.approx(t.budget)
+    s = Target.parse("sqnr>=30")
+    assert s.met({"hidden_sqnr_db": 30.0}) and not s.met({"hidden_sqnr_db": 29.9})
+
+
+# --- search ----------------------------------------------------------------------------------
+
+def _brute(layers, budget):
+    best = None
+    for combo in itertools.product(*[layers[i] for i in sorted(layers)]):
+        if sum(o.damage for o in combo) <= budget:
+            c = sum(o.cost for o in combo)
+            best = c if best is None or c < best else best
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6), ids=lambda s: f"seed{s}")
+def test_search_finds_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        layers = {i: [Option(f"c{k}", rng.random() * 0.3, rng.random() * 10) for k in range(rng.randint(1, 4))]
+                  for i in range(rng.randint(1, 5))}
+        budget = rng.random() * 0.8
+        got, best = solve(layers, budget, resolution=4000), _brute(layers, budget)
+        if best is None:
+            assert got is None
+            continue
+        assert got is not None  # rounding damages up by < budget/4000 could only flip near-ties
+        assert sum(o.damage for o in got.values()) <= budget
+        assert sum(o.cost for o in got.values()) == pytest.approx(best)
+
+
+def test_search_is_not_fooled_by_a_non_convex_front():
+    # greedy by benefit per cost takes 'mid' first and then cannot afford 'cheap' on the other layer
+    layers = {0: [Option("fp", 0, 10), Option("mid", 0.5, 6), Option("cheap", 1.0, 0)],
+              1: [Option("fp", 0, 10), Option("cheap", 0.5, 1)]}
+    got = solve(layers, 1.55)  # damages are rounded up to steps of budget/resolution: leave that much slack
+    assert {i: o.name for i, o in got.items()} == {0: "cheap", 1: "cheap"}
+
+
+def test_search_says_infeasible_and_counts_negative_damage_as_zero():
+    assert solve({0: [Option("a", 0.2, 1)]}, 0.1) is None
+    got = solve({0: [Option("lucky", -0.5, 1), Option("fp", 0, 5)], 1: [Option("b", 0.1, 1), Option("fp", 0, 5)]}, 0.1)
+    assert got[0].name == "lucky" and got[1].name == "b"
+    assert [o.name for o in pareto([Option("x", 1, 1), Option("y", 2, 2), Option("z", 0, 3)])] == ["x", "z"]
+
+
+# --- plan.toml -------------------------------------------------------------------------------
+
+class _Info:
+    model_type, n_layers = "llama", 3
+
+    class spec:
+        d_model, d_ff = 64, 128
+
+        class variant:
+            value = "swiglu"
+
+
+def _plan():
+    return Plan(model_fingerprint(_Info), {0: Recipe.parse("w8a8@search+smooth"), 1: Recipe.parse("fp32"),
+                                           2: Recipe.parse("w4a16-g32+float=hidden")}, "ppl+1%", "latency")
+
+
+def test_plan_round_trips_through_toml(tmp_path):
+    p = tmp_path / "plan.toml"
+    p.write_text(_plan().to_toml("ffnquant plan --model m"))
+    assert load_plan(p).layers == _plan().layers
+    assert load_plan(p, _Info).target == "ppl+1%"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace('n_layers = 3', 'n_layers = 4'), "another model: n_layers 4"),
+    (lambda t: t.replace('d_model = 64', 'd_model = 96'), "d_model 96"),
+    (lambda t: t.replace('"w8a8@search+smooth"', '"w9a9"'), "layer 0"),
+    (lambda t: t.replace('index = 2', 'index = 7'), "not a layer index"),
+    (lambda t: t.replace('index = 2', 'index = 0'), "given twice"),
+    (lambda t: t.replace('version = 1', 'version = 9'), "version 9"),
+    (lambda t: t + "\n[extra]\nx = 1\n", "unknown key"),
+    (lambda t: t.replace("[model]", "[model"), "not valid TOML"),
+], ids=["layers", "width", "recipe", "index", "twice", "version", "unknown", "toml"])
+def test_a_bad_or_foreign_plan_is_one_line(edit, message, tmp_path):
+    p = tmp_path / "plan.toml"
+    p.write_text(edit(_plan().to_toml()))
+    with pytest.raises(FFNQuantError, match=message) as info:
+        load_plan(p, _Info)
+    assert "\n" not in str(info.value)
+
+
+# --- on a tiny trained-shaped model ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return {name: found[0] for name, found in tiny_folders(tmp_path_factory, ("llama", "bert")).items()}
+
+
+@pytest.mark.hf
+def test_suffix_runs_and_gradients_are_exact_for_the_float_model(tiny):
+    from ffnquant.hf import inspect_model, load_ffn_layers
+    from ffnquant.hf.capture import load_hf_model
+    from ffnquant.plan.sensitivity import SuffixRunner, output_gradients
+
+    info = inspect_model(tiny["llama"])
+    layers = load_ffn_layers(info, "all")
+    model = load_hf_model(info)
+    ids = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(0))
+    runner = SuffixRunner(model, info, [l.info for l in layers], [ids]).record()
+    for layer in layers:  # ffnquant's float FFN is the model's own: skipping blocks must change nothing
+        a = runner.ablate(layer.index, layer.ffn)
+        assert a.kl == pytest.approx(0, abs=1e-9) and a.hidden_noise == pytest.approx(0, abs=1e-9)
+    # a perturbation along the gradient moves the loss by the gradient's prediction (first order)
+    grads = output_gradients(model, info, [l.info for l in layers], [ids])
+    g = grads[layers[1].label]
+    eps = 1e-3
+    pushed = runner.ablate(layers[1].index, lambda x, f=layers[1].ffn: f(x) + eps * g.reshape(x.shape))
+    first_order = eps * float(g.square().sum()) / runner.tokens
+    assert pushed.nll_delta == pytest.approx(first_order, rel=0.05)
+
+
+@pytest.mark.hf
+def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
+    out = tmp_path / "plan"
+    rc = main(["plan", "--model", str(tiny["llama"]), "--target", "ppl+1%", "--candidates", CANDIDATES,
+               "--out", str(out), *SMALL])
+    assert rc == 0
+    data = json.loads((out / "plan.json").read_text())
+    final = data["rounds"][-1]
+    assert data["verified"] and final["met"]
+    assert final["end_to_end"]["perplexity_ratio"] <= 1.01
+    # the plan never costs more than fp32 everywhere, which always meets the target
+    assert final["cost"] <= data["fp32_cost"] + 1e-12
+    # every candidate was scored on every layer, dynamic int8 has no ORT artifact and says why
+    for layer in data["layers"].values():
+        names = {r["recipe"]: r for r in layer["candidates"]}
+        assert set(names) == set(CANDIDATES.split(","))
+        assert "per tensor" in names["w8a8-dynamic-s8"]["excluded"]
+        assert names["fp32"]["predicted_kl"] == 0
+    assert "## Verification rounds" in (out / "plan.md").read_text()
+    plan = load_plan(out / "plan.toml")
+    assert set(plan.layers) == {0, 1}
+    # quantize applies the plan: each layer with its own recipe, the end to end measured again
+    rep = tmp_path / "rep"
+    assert main(["quantize", "--model", str(tiny["llama"]), "--plan", str(out / "plan.toml"), "--no-onnx",
+                 "--calib-tokens", "256", "--eval-tokens", "128", "--out-reports", str(rep), "--no-progress"]) == 0
+    q = json.loads(next(rep.glob("quantize_*.plan-plan.json")).read_text())
+    assert [r["recipe"] for r in q["layers"]] == [str(plan.layers[0]), str(plan.layers[1])]
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("args, message", [
+    (["--target", "ppl<1%"], "ppl+P%"),
+    (["--candidates", "w9a9"], "w9a9"),
+    (["--objective", "speed"], "invalid choice"),
+], ids=["target", "candidate", "objective"])
+def test_plan_refuses_bad_input_in_one_line(tiny, tmp_path, capsys, args, message):
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", str(tiny["llama"]), "--out", str(out), *args, *SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.hf
+def test_plan_refuses_an_encoder_and_quantize_a_foreign_plan(tiny, tmp_path, capsys):
+    assert main(["plan", "--model", str(tiny["bert"]), "--out", str(tmp_path / "p"), *SMALL]) == 2
+    assert "causal LM" in capsys.readouterr().err
+    p = tmp_path / "plan.toml"
+    p.write_text(_plan().to_toml())
+    assert main(["quantize", "--model", str(tiny["llama"]), "--plan", str(p), "--out-reports", str(tmp_path / "r")]) == 2
+    assert "another model" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
