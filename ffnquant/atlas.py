@@ -28,6 +28,7 @@ from .spec import SITES
 __all__ = [
     "ATLAS_KS",
     "TOP_FRACTION",
+    "STANDOUT_RATIO",
     "SCHEMA",
     "layer_key",
     "split_sequences",
@@ -42,6 +43,9 @@ SCHEMA = "ffnquant.atlas"
 ATLAS_KS = tuple(k for k in OUTLIER_KS if k >= 6.0)
 # "The largest magnitudes" of a site: its top 0.01% of |values| (p99.99 of the range report).
 TOP_FRACTION = 1e-4
+# A layer stands out at a site when its absmax is this many times the median layer's there: massive activations
+# (hundreds to thousands) against the tens of the mild layers; relative, so it needs no model-specific scale.
+STANDOUT_RATIO = 10.0
 _LABEL = re.compile(r"L(\d+)(?:\.e(\d+))?")
 
 
@@ -281,12 +285,33 @@ def _recurring(rows: list[dict], site: str, min_ratio: float) -> list[dict[str, 
     return out
 
 
+def _standouts(rows: list[dict], site: str) -> list[dict[str, Any]]:
+    """The layers whose absmax at `site` is at least `STANDOUT_RATIO` x the median layer's, largest first, with where
+    their largest value sits (when positions were measured)."""
+    cells = [(r, r["sites"][site]) for r in rows if site in r["sites"] and r["sites"][site]["absmax"] is not None]
+    if len(cells) < 3:  # a median of one or two layers says nothing about the rest
+        return []
+    median = float(np.median([c["absmax"] for _, c in cells]))
+    out = []
+    for r, c in cells:
+        if median > 0 and c["absmax"] >= STANDOUT_RATIO * median:
+            top = c["positions"]["top"][0] if c.get("positions") and c["positions"]["top"] else None
+            out.append({"key": r["key"], "label": r["label"], "absmax": c["absmax"], "ratio": c["absmax"] / median,
+                        "crest_factor": c["crest_factor"], "kurtosis": c["kurtosis"],
+                        "channel": top["channel"] if top else c["top_channels"][0]["channel"],
+                        "position": top["position"] if top else None,
+                        "position0_share": c["positions"]["position0_share"] if c.get("positions") else None})
+    out.sort(key=lambda d: -d["absmax"])
+    return out
+
+
 def layer_atlas(tables: Mapping[str, RangeTable], top_values: Mapping[str, Mapping[str, Any]] | None = None,
                 top_channels: int = 5, worst: int = 3) -> dict[str, Any]:
     """The atlas of `tables` (key -> RangeTable, e.g. 'llama:L3'): per layer and site the crest factor, Pearson
     kurtosis, outlier channel counts (k in `ATLAS_KS`), absmax and the `top_channels` channels by absmax; with
     `top_values` (key or layer label -> site -> `top_positions` result) also where the top values sit. Adds the
-    `worst` layers per site by crest and kurtosis and the channels that recur across layers at the d_model-wide sites
+    `worst` layers per site by crest and kurtosis, the layers whose absmax stands out (`STANDOUT_RATIO` x the median
+    layer's) and the channels that recur across layers at the d_model-wide sites
     (input, output: the residual stream's channels; d_ff channels are each layer's own neurons). JSON-able."""
     if not tables:
         raise FFNQuantError("no range tables for the atlas")
@@ -321,6 +346,8 @@ def layer_atlas(tables: Mapping[str, RangeTable], top_values: Mapping[str, Mappi
                               if c["positions"]), None),
         "positions_measured": any(c["positions"] for r in rows for c in r["sites"].values()),
         "layers": rows,
+        "standout_ratio": STANDOUT_RATIO,
+        "standouts": {s: _standouts(rows, s) for s in present},
         "worst": {s: {stat: _worst(rows, s, stat, worst) for stat in ("crest_factor", "kurtosis")} for s in present},
         "recurring_channels": {s: _recurring(rows, s, ATLAS_KS[0]) for s in residual},
     }

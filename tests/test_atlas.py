@@ -136,6 +136,18 @@ def test_the_atlas_finds_channel_7_and_position_0(atlas):
     json.dumps(atlas, allow_nan=False)  # JSON-able, no NaN
 
 
+def test_a_layer_far_above_the_others_stands_out_with_its_channel_and_position(layers):
+    (planted, clean), tops = (layers[0]["llama:L0"], layers[0]["llama:L1"]), layers[1]
+    atlas = layer_atlas({"llama:L0": clean, "llama:L1": clean, "llama:L2": planted, "llama:L3": clean},
+                        {"L2": tops["L0"]})
+    # 60 against the clean layers' ~4: 15x the median layer's absmax, above the 10x of STANDOUT_RATIO
+    (found,) = atlas["standouts"]["input"]
+    assert (found["label"], found["channel"], found["position"], found["absmax"]) == ("L2", CHANNEL, 0, PLANTED)
+    assert found["ratio"] >= atlas["standout_ratio"]
+    md = atlas_markdown(atlas)
+    assert "| `input` | L2 | 60 |" in md.split("## Standouts")[1].split("##")[0]
+
+
 def test_heatmap_png_bytes_are_deterministic_and_not_empty(atlas, plots):
     again = render_atlas_plots(atlas)
     assert set(plots) == {"ranges", "top"}
@@ -182,7 +194,7 @@ def _captured_model(tmp_path):
     return ["--model", str(tmp_path / "m"), "--captured", str(folder)]
 
 
-SYNTHETIC = ["profile", "--variants", "gelu", "--d-model", "32", "--tokens", "128"]
+SYNTHETIC = ["profile", "--variants", "gelu", "--d-model", "32", "--tokens", "128", "--bins", "256"]
 
 
 def test_profile_model_from_captured_files_writes_the_atlas_without_positions(tmp_path, capsys):
@@ -213,13 +225,13 @@ def test_a_failing_atlas_leaves_the_output_folder_as_it_was(tmp_path, monkeypatc
 def test_profile_model_writes_the_atlas_with_positions_on_the_same_tokens(tmp_path_factory, tmp_path, capsys):
     folder = tiny_folders(tmp_path_factory, ("llama",))["llama"][0]
     out = tmp_path / "r"
-    assert main(["profile", "--variants", "gelu", "--d-model", "32", "--tokens", "128", "--model", str(folder),
-                 "--model-tokens", "256", "--out", str(out)]) == 0
+    assert main(SYNTHETIC + ["--model", str(folder), "--layers", "1", "--model-tokens", "256", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "layer atlas" in printed and "wrote " + str(out / "atlas_ranges.png") in printed
     data = json.loads((out / "atlas.json").read_text())
     ranges = json.loads((out / "ranges.json").read_text())
     assert data["positions_measured"] and "256 tokens of text" in data["meta"]["positions_measured_on"]
+    assert [row["label"] for row in data["layers"]] == ["L1"]
     for row in data["layers"]:
         assert row["n_tokens"] == ranges["variants"][row["key"]]["n_tokens"] == 256
         for site, cell in row["sites"].items():

@@ -228,6 +228,16 @@ def atlas_markdown(atlas: Mapping[str, Any], plots: Mapping[str, str] | None = N
                   "top": "absmax and the position-0 share of the top magnitudes"}
         lines += [""] + [f"![{titles.get(k, k)}]({p})" for k, p in plots.items()]
 
+    lines += ["", f"{h}# Standouts", "",
+              f"Layers whose absmax at a site is at least {atlas['standout_ratio']:g}x the median layer's there "
+              "(the largest value's channel, and its position when measured):", ""]
+    body = [[f"`{s}`", d["label"], d["absmax"], f"{d['ratio']:.0f}x", d["crest_factor"], d["kurtosis"], d["channel"],
+             "-" if d["position"] is None else d["position"],
+             "-" if d["position0_share"] is None else f"{100 * d['position0_share']:.0f}%"]
+            for s in sites for d in atlas["standouts"][s]]
+    lines.append(markdown_table(["site", "layer", "absmax", "x median", "crest", "kurtosis", "channel", "position",
+                                 f"top {100 * (atlas['top_fraction'] or 0):g}% at pos. 0"], body)
+                 if body else "No layer stands out.")
     lines += ["", f"{h}# Hardest layers per site", ""]
     table = []
     for s in sites:
