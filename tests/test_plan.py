@@ -220,3 +220,52 @@ def test_plan_refuses_an_encoder_and_quantize_a_foreign_plan(tiny, tmp_path, cap
     assert main(["quantize", "--model", str(tiny["llama"]), "--plan", str(p), "--out-reports", str(tmp_path / "r")]) == 2
     assert "another model" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def planned(tiny, tmp_path_factory):
+    """A hand-written plan for the tiny Llama: a float site on L0, 4-bit weights on L1."""
+    from ffnquant.hf import inspect_model
+
+    info = inspect_model(tiny["llama"])
+    path = tmp_path_factory.mktemp("plan") / "plan.toml"
+    path.write_text(Plan(model_fingerprint(info), {0: Recipe.parse("w8a8@search+float=hidden"),
+                                                   1: Recipe.parse("w4a16-g32")}, "ppl+1%", "latency").to_toml())
+    return path
+
+
+@pytest.mark.hf
+def test_export_writes_the_planned_artifacts_and_a_manifest(tiny, planned, tmp_path):
+    out = tmp_path / "exp"
+    assert main(["export", "--model", str(tiny["llama"]), "--plan", str(planned), "--out", str(out),
+                 "--calib-tokens", "256", "--eval-tokens", "128"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    rows = {m["label"]: m for m in manifest["layers"]}
+    assert rows["L0"]["recipe"] == "w8a8@search+float=hidden" and rows["L1"]["recipe"] == "w4a16-g32"
+    for m in rows.values():
+        assert (out / m["file"]).is_file() and m["file"].startswith(f"llama.{m['label']}.")
+        # the artifact computes the reference: same grids, float accumulation order only
+        assert abs(m["sqnr_db_onnx"] - m["sqnr_db_torch"]) < 0.5
+    assert manifest["end_to_end"]["status"] == "ok"
+
+
+@pytest.mark.hf
+def test_run_measures_the_plan_beside_the_single_recipes(tiny, planned, tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", "--tiny", "--model", str(tiny["llama"]), "--plan", str(planned), "--runtimes", "none",
+                 "--out", str(out), "--export", str(tmp_path / "exp")]) == 0
+    doc = json.loads((out / "report.json").read_text())
+    rows = doc["model"]["end_to_end"]["schemes"]
+    plan_row = next(r for r in rows if r["scheme"].startswith("plan: "))
+    assert plan_row["plan"] == {"0": "w8a8@search+float=hidden", "1": "w4a16-g32"}
+    assert plan_row["end_to_end"]["hidden_sqnr_db"] > 10
+    assert "plan" in (out / "run.toml").read_text()
+
+
+@pytest.mark.hf
+def test_export_and_run_refuse_a_plan_without_its_model(tiny, planned, tmp_path, capsys):
+    assert main(["export", "--plan", str(planned), "--out", str(tmp_path / "e")]) == 2
+    assert "--model and --plan" in capsys.readouterr().err
+    assert main(["run", "--tiny", "--plan", str(planned), "--out", str(tmp_path / "r")]) == 2
+    assert "give model too" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists() and not (tmp_path / "r").exists()

@@ -22,7 +22,7 @@ _FIELDS = {
     "eval_tokens": "eval_tokens", "batch_size": "batch_size", "bins": "bins", "schemes": "schemes",
     "baseline": "baseline", "target_db": "target_db", "sensitivity": "sensitivity", "onnx": "onnx", "runtimes": "runtimes",
     "tokens": "tokens", "budget_s": "budget_s", "out": "out_reports", "export": "out_export",
-    "model": "model", "layers": "layers", "text": "text", "eval_text": "eval_text",
+    "model": "model", "layers": "layers", "text": "text", "eval_text": "eval_text", "plan": "plan",
 }
 
 
@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # --model: the folder's FFN layers run as extra rows next to the variants (keyed '<model_type>:L<k>')
     add_model_arguments(parser, captured=False, model_tokens=False, eval_text=True, allow_pickle=False,
                         layers_default=None)
+    parser.add_argument("--plan", metavar="FILE", help="--model: also measure this `ffnquant plan` file (a recipe per "
+                                                       "layer) end to end beside the single recipes")
 
 
 def config_from_args(args: argparse.Namespace):

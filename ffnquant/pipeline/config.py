@@ -110,6 +110,7 @@ class RunConfig:
     layers: str | None = None
     text: str | None = None
     eval_text: str | None = None
+    plan: str | None = None  # an `ffnquant plan` file for `model`: measured end to end beside the single recipes
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -183,12 +184,12 @@ class RunConfig:
         if isinstance(layers, str) and layers.strip().lower() in ("", "all"):
             layers = None
         object.__setattr__(self, "layers", layers)
-        for name in ("model", "layers", "text", "eval_text"):
+        for name in ("model", "layers", "text", "eval_text", "plan"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise FFNQuantError(f"{name} must be a non-empty string, got {value!r}")
         if self.model is None:
-            given = [n for n in ("layers", "text", "eval_text") if getattr(self, n) is not None]
+            given = [n for n in ("layers", "text", "eval_text", "plan") if getattr(self, n) is not None]
             if given:
                 raise FFNQuantError(f"{', '.join(given)} select(s) a real model's layers or texts: give model too")
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..errors import FFNQuantError
 from ..recipe import Recipe
 from ..render import display_path
 from .config import RunConfig
@@ -29,6 +30,13 @@ def check_model(config: RunConfig) -> tuple[Any, list[int]]:
 
     info = inspect_model(config.model)
     indices = parse_layers(config.layers, info.n_layers)
+    if config.plan is not None:
+        from ..plan import load_plan
+
+        missing = sorted(set(indices) - set(load_plan(config.plan, info).layers))
+        if missing:
+            raise FFNQuantError(f"plan {config.plan} has no recipe for layer(s) {', '.join(map(str, missing))} of the "
+                                "selected layers")
     require_transformers()
     # reads both texts and checks the tokenizer's ids against config.json's vocab_size: a tokenizer
     # that does not belong to the weights fails here, not after the synthetic variants have run
@@ -96,7 +104,7 @@ def model_layers(
             entry["layers"].append(r["layer"])
 
     t0 = time.perf_counter()
-    e2e = _end_to_end(info, layers, inputs, settings, quantized, kept, e2e_reason)
+    e2e = _end_to_end(info, layers, inputs, settings, quantized, kept, e2e_reason, config.plan)
     kept.clear()
     tick(f"{info.model_type}: end to end")
     stages.add("model end to end", time.perf_counter() - t0)
@@ -126,8 +134,9 @@ def model_layers(
 
 
 def _end_to_end(info: Any, layers: Sequence[Any], inputs: Any, settings: Any, quantized: Sequence[Recipe],
-                kept: dict[str, dict[str, Any]], reason: str | None) -> dict[str, Any]:
-    """Every layer quantized with the same recipe, back in the model, on the held-out text."""
+                kept: dict[str, dict[str, Any]], reason: str | None, plan_file: str | None = None) -> dict[str, Any]:
+    """Every layer quantized with the same recipe, back in the model, on the held-out text; then, with a plan
+    file, every layer with its planned recipe (row 'plan: FILE')."""
     from ..hf import end_to_end, float_baseline
 
     e2e: dict[str, Any] = {"status": "ok", "reason": None, "evaluation_text": inputs.evaluation_source,
@@ -143,6 +152,25 @@ def _end_to_end(info: Any, layers: Sequence[Any], inputs: Any, settings: Any, qu
         res = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, e2e["baseline"])
         e2e["schemes"].append({"scheme": recipe.name, "label": recipe.label, "end_to_end": res["end_to_end"],
                                "ablation": res["ablation"], "worst_layers_end_to_end": res["worst_layers_end_to_end"]})
+    if plan_file is not None:
+        from ..plan import load_plan
+        from ..plan.candidates import quantize_layer
+
+        plan = load_plan(plan_file, info)
+        qffns = {}
+        for layer in layers:
+            recipe = plan.recipe_for(layer.index)
+            q = kept.get(layer.label, {}).get(recipe.name)
+            if q is None and not recipe.is_float:
+                q = quantize_layer(layer, recipe, inputs.calib[layer.label], inputs.eval[layer.label], settings.bins)[0]
+            if q is not None:
+                qffns[layer.label] = q
+        res = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, e2e["baseline"])
+        name = f"plan: {display_path(plan_file)}"
+        e2e["schemes"].append({"scheme": name, "label": f"{name} ({len(set(map(str, plan.layers.values())))} recipes)",
+                               "end_to_end": res["end_to_end"], "ablation": res["ablation"],
+                               "worst_layers_end_to_end": res["worst_layers_end_to_end"],
+                               "plan": {str(i): str(r) for i, r in plan.layers.items()}})
     return e2e
 
 
