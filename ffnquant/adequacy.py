@@ -79,10 +79,7 @@ class SiteSamples:
         self.exps = np.array(exps, dtype=np.int64)
         self.sizes = np.array(sizes, dtype=np.int64)
         self._folded: dict[tuple[int, int], np.ndarray] = {}
-
-    @property
-    def n(self) -> int:
-        return len(self._hists)
+        self.n = len(self._hists)  # sequences
 
     def _counts_at(self, i: int, exp: int) -> np.ndarray:
         """Sequence i's counts on the bins of range 2**exp (>= its own): merged with a one-value histogram of
@@ -190,11 +187,7 @@ def scheme_grid(scheme: Scheme | str) -> Grid:
 
 def default_sizes(n_sequences: int) -> list[int]:
     """1, 2, 4, ... below `n_sequences`, then `n_sequences` itself."""
-    sizes, n = [], 1
-    while n < n_sequences:
-        sizes.append(n)
-        n *= 2
-    return sizes + [n_sequences]
+    return [2**k for k in range((n_sequences - 1).bit_length())] + [n_sequences]
 
 
 def _check_options(calibrator: str | Calibrator, bootstrap: int, tolerance: float, seed: int) -> Calibrator:
@@ -313,11 +306,11 @@ def clip_stats(values: torch.Tensor, lo: float, hi: float) -> ClipStats:
     outside = (x < lo) | (x > hi)
     x_lo, x_hi = (float(v) for v in torch.aminmax(x))
     beyond: float | None = 0.0
-    for extreme, limit in ((x_hi, hi), (x_lo, lo)):
-        if (extreme > limit) if limit >= 0 else (extreme < limit):
-            if limit == 0:
-                beyond = None  # values on a side the range does not cover at all
-                break
+    for extreme, limit, past in ((x_hi, hi, x_hi > hi), (x_lo, lo, x_lo < lo)):
+        if past and limit == 0:
+            beyond = None  # values on a side the range does not cover at all
+            break
+        if past:
             beyond = max(beyond, extreme / limit - 1.0)
     return ClipStats(x.numel(), x.shape[0], float(outside.sum()) / x.numel(),
                      float(outside.any(dim=-1).sum()) / x.shape[0], beyond)
@@ -495,6 +488,8 @@ def summarize(layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "stable_from_median": float(np.median(from_n)) if from_n else None,
         "n_sequences": max((layer["n_sequences"] for layer in layers), default=0),
         "needs_more_data": [name for name, a in named if not a["stable"]],
+        "needs_more_data_by_site": {site: sum(1 for name, a in named if name.endswith(f" {site}") and not a["stable"])
+                                    for site in ACT_SITES},
         "held_out_clipping": [name for name, a in named if a["clip_remark"]],
         "largest_shift_loss": [{"label": label, "sqnr_delta_db": d} for d, label in shifts[:3]],
     }
@@ -544,7 +539,7 @@ def model_adequacy(model_dir: str | os.PathLike, layers: str | int | list[int] |
     from .hf.checkpoint import inspect_model, load_ffn_layers
     from .hf.inputs import EvalSettings, capture_layer_inputs, fit_settings, token_budget
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     cal = _check_options(calibrator, bootstrap, tolerance, seed)
     sch = get_scheme(scheme)
     scheme_grid(sch)
@@ -569,7 +564,7 @@ def model_adequacy(model_dir: str | os.PathLike, layers: str | int | list[int] |
                 progress(f"capture shift inputs: batch {i + 1}/{len(shift_ids)}", i + 1, len(shift_ids))
     inputs.model = None  # the transformers model is no longer needed: free it before measuring
     units = _units([int(b.shape[1]) for b in inputs.calib_batches or [] for _ in range(b.shape[0])], settings.seq_len)
-    t_capture = time.perf_counter()
+    t_capture, c_capture = time.perf_counter(), time.process_time()
     rows = []
     for k, layer in enumerate(hf_layers):
         seqs, note = _sequences(inputs.calib[layer.label], units, settings.seq_len)
@@ -580,7 +575,7 @@ def model_adequacy(model_dir: str | os.PathLike, layers: str | int | list[int] |
                      "sequences": note, "calib_borrowed": layer.label in inputs.calib_borrowed, **res.to_dict()})
         if progress is not None:
             progress(f"adequacy: {layer.label}", k + 1, len(hf_layers))
-    t_end = time.perf_counter()
+    t_end, c_end = time.perf_counter(), time.process_time()
     texts = {"calibration": {"source": inputs.calibration_source, "tokens": inputs.budgets.get("calibration"),
                              "sequences": len(units), "seq_len": settings.seq_len},
              "evaluation": {"source": inputs.evaluation_source, "tokens": inputs.budgets.get("evaluation")},
@@ -595,5 +590,7 @@ def model_adequacy(model_dir: str | os.PathLike, layers: str | int | list[int] |
         "texts": texts,
         "layers": rows,
         "summary": summarize(rows),
-        "seconds": {"load_and_capture": t_capture - t0, "measure": t_end - t_capture, "total": t_end - t0},
+        # wall time and this process's CPU time (all its threads): the second does not grow on a busy machine
+        "seconds": {"load_and_capture": t_capture - t0, "measure": t_end - t_capture, "total": t_end - t0,
+                    "cpu_load_and_capture": c_capture - c0, "cpu_measure": c_end - c_capture, "cpu_total": c_end - c0},
     }

@@ -155,6 +155,8 @@ def test_clip_stats_count_values_tokens_and_reach():
     assert s.absmax_beyond == 1.0  # -4 is twice the lower limit
     assert clip_stats(x, -4.0, 3.0).absmax_beyond == 0.0 and clip_stats(x, -4.0, 3.0).clip_rate == 0.0
     assert clip_stats(x, -4.0, 0.0).absmax_beyond is None  # positives past a limit of 0
+    assert clip_stats(x, 0.0, 3.0).absmax_beyond is None and clip_stats(x, 0.0, 3.0).clip_rate == 2 / 12
+    assert clip_stats(x.abs(), 0.0, 3.0).absmax_beyond == pytest.approx(1 / 3)  # nothing below a lower limit of 0
 
 
 def test_held_out_values_from_a_wider_distribution_clip_more():

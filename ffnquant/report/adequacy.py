@@ -29,7 +29,9 @@ def summary_paragraph(result: Mapping[str, Any]) -> str:
     else:
         parts.append(f"no site's range is stable at {s['n_sequences']} sequences ({s['n_sites']} sites)")
     if s["needs_more_data"]:
-        parts.append("needs more data: " + ", ".join(s["needs_more_data"]))
+        by_site = ", ".join(f"{n} {site}" for site, n in (s.get("needs_more_data_by_site") or {}).items() if n)
+        parts.append(f"needs more data ({by_site}): " + ", ".join(s["needs_more_data"]) if by_site
+                     else "needs more data: " + ", ".join(s["needs_more_data"]))
     if s["held_out_clipping"]:
         parts.append("held-out text clips far more than calibration: " + ", ".join(s["held_out_clipping"]))
     text = "; ".join(parts) + "."
@@ -99,6 +101,8 @@ def adequacy_markdown(result: Mapping[str, Any]) -> str:
     lines += [f"## Layer output SQNR under {o['scheme']}", "", markdown_table(head, rows), ""]
     sec = result.get("seconds") or {}
     if sec:
-        lines += [f"Wall time {sec['total']:.0f} s (loading and capturing {sec['load_and_capture']:.0f} s, "
-                  f"measuring {sec['measure']:.0f} s).", ""]
+        cpu = (f"; CPU time {sec['cpu_total']:.0f} s: {sec['cpu_load_and_capture']:.0f} s and "
+               f"{sec['cpu_measure']:.0f} s" if "cpu_total" in sec else "")
+        lines += [f"Wall time {sec['total']:.0f} s (loading the model and capturing its inputs on the texts "
+                  f"{sec['load_and_capture']:.0f} s, measuring {sec['measure']:.0f} s{cpu}).", ""]
     return "\n".join(lines)
