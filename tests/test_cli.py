@@ -74,7 +74,7 @@ def _help_defaults():
     for name, p in sub.choices.items():
         for action in p._actions:
             for stated in re.findall(r"\(default ([^):]+)\)|; default (\S+)$", action.help or ""):
-                stated = next(s for s in stated if s)
+                stated = next(s for s in stated if s).replace("%%", "%")  # argparse help is %-formatted
                 value = action.default
                 if value is None and name == "run" and action.dest in run_cmd._FIELDS:
                     value = RunConfig.__dataclass_fields__[run_cmd._FIELDS[action.dest]].default

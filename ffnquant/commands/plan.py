@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..plan.target import OBJECTIVES, TARGET_FORMS
 
     parser.add_argument("--model", required=True, metavar="DIR", help="a local Hugging Face causal LM folder (safetensors)")
-    parser.add_argument("--target", default="ppl+1%", help=f"what must hold end to end: {TARGET_FORMS} (default ppl+1%%)")
+    parser.add_argument("--target", default="ppl+1%", help=f"what must hold end to end: {TARGET_FORMS.replace('%', '%%')} (default ppl+1%%)")
     parser.add_argument("--objective", default="latency", choices=OBJECTIVES,
                         help="what to make least: FFN stack latency on onnxruntime's CPU provider, or weight bytes (default latency)")
     parser.add_argument("--tokens", type=positive_int, default=512,
