@@ -304,6 +304,10 @@ def _print_results(rows: list, outputs: list) -> None:
                 print(f"{part}: {count} tokens per layer from {data[part]['source']}")
             for line in token_notes([data["calibration"].get("tokens"), data["evaluation"].get("tokens")]):
                 print(line)
+            secs = [r["seconds"] for r in data["layers"] if r.get("seconds") is not None]
+            if secs:
+                print(f"time: {sum(secs) / len(secs):.2f} s per layer ({len(secs)} layers, {sum(secs):.1f} s)"
+                      + (f", end to end {data['end_to_end']['seconds']:.1f} s" if data["end_to_end"].get("seconds") else ""))
         e2e = data.get("end_to_end")
         if e2e is None:
             continue

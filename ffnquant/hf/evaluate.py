@@ -458,12 +458,15 @@ def quantize_model_layers(
         outcomes = (o for layer in layers for o in quantize_layers([layer], [plan.recipe_for(layer.index)], inputs, **kw))
     else:
         outcomes = quantize_layers(layers, [recipe], inputs, **kw)
+    t_layer = time.perf_counter()
     for outcome in outcomes:
         layer, res = by_label[outcome.label], outcome.result
         data = res.to_dict()
         data.pop("environment", None)  # once per report, not per layer
+        now = time.perf_counter()
         rows.append({"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
-                     "inputs_borrowed": inputs.borrowed.get(layer.label), **data})
+                     "inputs_borrowed": inputs.borrowed.get(layer.label), "seconds": now - t_layer, **data})
+        t_layer = now
         qffns[layer.label] = res.qmodel
         del outcome, res
         if progress is not None:
@@ -474,8 +477,10 @@ def quantize_model_layers(
         e2e = {"status": "missing", "reason": "inputs came from captured files: the end-to-end numbers need the model "
                                               "itself run on the evaluation text (leave out --captured; needs transformers)"}
     else:
+        t_e2e = time.perf_counter()
         e2e = {"status": "ok", "reason": None, "evaluation_text": inputs.evaluation_source,
                **end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress)}
+        e2e["seconds"] = time.perf_counter() - t_e2e
     if plan is not None:  # the header names the plan; each layer row carries its own recipe
         head = {"recipe": "per-layer plan", "plan": plan.to_dict(),
                 "scheme": {"name": f"plan ({len({str(r) for r in plan.layers.values()})} recipes)"},

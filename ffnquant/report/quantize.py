@@ -81,7 +81,11 @@ def quantize_model_markdown(data: dict) -> str:
                      f"{worst[0]} ({fmt(worst[1])} dB)" if worst else "-", art.get("size_bytes")))
     lines.append(markdown_table(["layer", "module", "SQNR dB", "ONNX SQNR dB", "ORT default SQNR dB", "cosine",
                                  "max abs err", "worst alone (sensitivity)", "artifact bytes"], rows))
+    secs = [r["seconds"] for r in data["layers"] if r.get("seconds") is not None]
     lines += ["", f"Lowest SQNR: {', '.join(data['worst_layers_sqnr'])}.", ""]
+    if secs:
+        lines += [f"Time per layer (calibrate, quantize, export, score): {sum(secs) / len(secs):.2f} s on average, "
+                  f"{min(secs):.2f}-{max(secs):.2f} s; {sum(secs):.1f} s for {len(secs)} layers.", ""]
     e2e = data["end_to_end"]
     lines += ["## End to end", ""]
     if e2e["status"] != "ok":
