@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(out / "plan.json", result)
         write_text(out / "plan.md", plan_markdown(result, command))
         final_dir = tx.final(out)
-    final = result["rounds"][-1]
+    final = result["final"]
     e = final["end_to_end"]
     unit = plan.summary["objective_unit"]
     cost = f"{final['cost']:.2f} ms" if unit == "ms" else f"{final['cost'] / 1e6:.2f} MB"

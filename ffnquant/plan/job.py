@@ -9,7 +9,10 @@
 5. Cost per candidate: FFN latency from a measured table at the model's shape (`latency_table`), or bytes.
 6. Search (`search.solve`, exact multiple-choice knapsack) within the target's budget times a safety factor.
 7. Verify: quantize every layer as planned, put them all back, measure ppl and final hidden SQNR on the
-   held-out text. If the target is missed, shrink the safety factor by the measured overshoot and repeat.
+   search text and on the held-out text. If the held-out text misses the target, shrink the safety factor by
+   the overshoot (or halfway back to the last budget that met) and repeat; if it meets it and the search text
+   shows the plan spending well under the budget (the additive prediction is first order), allow more.
+   The plan is the cheapest round that met the target on the held-out text.
 """
 
 from __future__ import annotations
@@ -172,14 +175,19 @@ def make_plan(
 
     t = time.perf_counter()
     baseline = float_baseline(model, info, inputs.eval_batches)
+    search_baseline = float_baseline(model, info, inputs.calib_batches)
     by_index = {layer.index: layer for layer in layers}
     cache: dict[tuple[int, str], Any] = {}
-    rounds, safety, chosen, e2e = [], 1.0, None, None
+    rounds: list[dict[str, Any]] = []
+    safety, met_safety, missed_safety = 1.0, None, None
+    same = {"hidden_sqnr_db": 200.0, "hidden_cosine": 1.0, "perplexity_delta": 0.0, "perplexity_ratio": 1.0}
     for rnd in range(1, max_rounds + 1):
         chosen = solve(options, target.budget * safety)
         if chosen is None:
             raise FFNQuantError(f"plan: no assignment meets {target} even by prediction (fp32 everywhere should): "
                                 "the predicted damage of the float candidate is not zero")
+        if rounds and {i: o.name for i, o in chosen.items()} == rounds[-1]["layers"]:
+            break  # the budget moved but the choice did not: nothing new to verify
         qffns = {}
         for i, opt in chosen.items():
             if opt.name == "fp32":
@@ -190,24 +198,40 @@ def make_plan(
                 cache[key] = quantize_layer(layer, Recipe.parse(opt.name), inputs.calib[layer.label],
                                             inputs.eval[layer.label], bins=settings.bins)[0]
             qffns[by_index[i].label] = cache[key]
-        tick(f"verify round {rnd}: end to end on the held-out text", rnd, max_rounds)
+        tick(f"verify round {rnd}: end to end on the search and held-out texts", rnd, max_rounds)
+        # the whole plan on the search text: how the additive prediction compares with the real sum there
+        on_search = end_to_end(model, info, layers, qffns, inputs.calib_batches, settings, search_baseline)["end_to_end"] \
+            if qffns else dict(same, perplexity=search_baseline["perplexity"])
         e2e = end_to_end(model, info, layers, qffns, inputs.eval_batches, settings, baseline)["end_to_end"] \
-            if qffns else {"hidden_sqnr_db": 200.0, "hidden_cosine": 1.0, "perplexity": baseline["perplexity"],
-                           "perplexity_delta": 0.0, "perplexity_ratio": 1.0}
+            if qffns else dict(same, perplexity=baseline["perplexity"])
         predicted = sum(o.damage for o in chosen.values())
-        spent = target.spent(e2e)
+        spent, spent_search = target.spent(e2e), target.spent(on_search)
         met = target.met(e2e)
         rounds.append({"round": rnd, "safety": safety, "budget": target.budget * safety, "predicted": predicted,
+                       "measured_search": spent_search, "search_end_to_end": on_search,
                        "measured": spent, "met": met, "end_to_end": e2e,
                        "cost": sum(o.cost for o in chosen.values()),
                        "layers": {i: o.name for i, o in chosen.items()}})
         if met:
-            break
-        # missed: spend less, in proportion to the overshoot (at least 30% less)
-        safety *= min(0.7, target.budget / spent) if spent and spent > 0 else 0.5
-    # keep the quantized copies of the last choice only
+            met_safety = safety
+            # The prediction is first order; when the search text (never the held-out one) says the plan spends
+            # well under the budget, the next round may spend more: scale by what the search text measured.
+            room = target.budget / max(spent_search or 0.0, target.budget / 20)
+            if room < 1.4 or rnd == max_rounds:
+                break
+            step = min(3.0, 0.8 * room)
+            safety = safety * step if missed_safety is None else math.sqrt(safety * missed_safety)
+        else:
+            missed_safety = safety
+            if met_safety is not None:  # between the last budget that met and this one
+                safety = math.sqrt(safety * met_safety)
+            else:  # spend less, in proportion to the overshoot (at least 30% less)
+                safety *= min(0.7, target.budget / spent) if spent and spent > 0 else 0.5
+    # the cheapest round that met the target on the held-out text (else the last, and the result says so)
+    passing = [r for r in rounds if r["met"]]
+    final = min(passing, key=lambda r: r["cost"]) if passing else rounds[-1]
+    chosen = {i: next(o for o in options[i] if o.name == name) for i, name in final["layers"].items()}
     timings["verify_s"] = time.perf_counter() - t
-    final = rounds[-1]
     fp32_cost = sum(next(o.cost for o in options[i] if o.name == "fp32") for i in options)
     singles = []
     for recipe in recipes:
@@ -231,7 +255,7 @@ def make_plan(
         "calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
         "token_budgets": inputs.budgets, "probe_tokens": n_probe,
         "baseline": baseline, "latency_table": latency, "layers": per_layer, "probe_fit": fit_points,
-        "rounds": rounds, "verified": bool(final["met"]), "plan": plan.to_dict(),
+        "rounds": rounds, "final_round": final["round"], "final": final, "verified": bool(final["met"]), "plan": plan.to_dict(),
         "fp32_cost": fp32_cost, "single_recipes": singles,
         "pareto_per_layer": {i: [o.name for o in pareto(opts)] for i, opts in options.items()},
         "timings": timings,

@@ -19,7 +19,7 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     """Markdown of `plan.job.make_plan`'s result."""
     m, plan = data["model"], data["plan"]
     unit = plan["summary"]["objective_unit"]
-    final = data["rounds"][-1]
+    final = data["final"]
     e, base = final["end_to_end"], data["baseline"]
     lines = [f"# ffnquant plan: {m['path']} for {data['target']}, least {data['objective']}", ""]
     if command:
@@ -52,12 +52,18 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
                               "cheapest non-dominated candidates"], rows), ""]
     lines += ["## Verification rounds", "",
               "Each round solves the search with the budget times the safety factor, quantizes every layer as "
-              "chosen, puts them all back into the model and measures on the held-out text.", ""]
+              "chosen, puts them all back into the model and measures on the search text and on the held-out text; "
+              "the plan is the cheapest round that met the target on the held-out text.", ""]
     lines.append(markdown_table(
-        ["round", "safety", "predicted", "measured", "perplexity", "final hidden SQNR dB", "cost", "met"],
-        [(r["round"], r["safety"], r["predicted"], r["measured"], r["end_to_end"].get("perplexity"),
+        ["round", "safety", "predicted", "measured (search text)", "measured (held out)", "perplexity (held out)",
+         "final hidden SQNR dB", "cost", "met"],
+        [(r["round"] if r["round"] != data["final_round"] else f"**{r['round']}** (the plan)", r["safety"], r["predicted"],
+          r.get("measured_search"), r["measured"], r["end_to_end"].get("perplexity"),
           r["end_to_end"].get("hidden_sqnr_db"), _cost(r["cost"], unit), "yes" if r["met"] else "no")
          for r in data["rounds"]]))
+    lines += ["", "Predicted and measured are in the target's budget units (nats per token of mean NLL for a ppl "
+              "target, final hidden noise-to-signal ratio for an SQNR target). A round that meets the target while "
+              "the search text shows room allows more budget in the next; a round that misses it tightens.", ""]
     lines += ["", "## Against one recipe on every layer (same measured table)", ""]
     lines.append(markdown_table(["recipe", "FFN stack cost", "vs plan", "predicted damage"],
                                 [(s["recipe"], _cost(s["cost"], unit), f"{s['cost'] / final['cost']:.2f}x" if final["cost"] else "-",
