@@ -187,6 +187,11 @@ def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
         assert "per tensor" in names["w8a8-dynamic-s8"]["excluded"]
         assert names["fp32"]["predicted_kl"] == 0
     assert "## Verification rounds" in (out / "plan.md").read_text()
+    # the layer atlas with the plan drawn over it: each layer's sites carry the recipe it got
+    atlas = json.loads((out / "atlas" / "atlas.json").read_text())
+    assert (out / "atlas" / "atlas_ranges.png").stat().st_size > 0
+    for index, recipe in final["layers"].items():
+        assert atlas["plan"][str(index)]["input"] == recipe.split("+float=")[0] or recipe == "fp32"
     plan = load_plan(out / "plan.toml")
     assert set(plan.layers) == {0, 1}
     # quantize applies the plan: each layer with its own recipe, the end to end measured again

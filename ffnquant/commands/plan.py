@@ -44,6 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-pickle", action="store_true", help="allow a pickle checkpoint (loaded weights-only)")
 
 
+def site_overlay(plan) -> dict[int, dict[str, str]]:
+    """Per layer index, the recipe each site got: a `+float=SITE` recipe's float site reads 'float'."""
+    out = {}
+    for index, recipe in plan.layers.items():
+        base = str(recipe).split("+float=")[0]
+        out[index] = {site: ("float" if recipe.keep_float == site or recipe.is_float else base)
+                      for site in ("input", "hidden")}
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from ..envinfo import environment
     from ..hf import EvalSettings, inspect_model
@@ -79,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
         bars.close()
         result["command"] = command
         result["environment"] = environment()
+        from ..report.atlas import write_atlas
+
+        atlas = result.pop("atlas")
+        write_atlas(atlas, out / "atlas", plan=site_overlay(plan),
+                    meta={"model": str(args.model), "measured_on": "the search (calibration) text", "plan": "plan.toml"})
+        result["atlas"] = "atlas/atlas.md"
         write_text(out / "plan.toml", plan.to_toml(command))
         write_json(out / "plan.json", result)
         write_text(out / "plan.md", plan_markdown(result, command))

@@ -232,6 +232,19 @@ def make_plan(
     final = min(passing, key=lambda r: r["cost"]) if passing else rounds[-1]
     chosen = {i: next(o for o in options[i] if o.name == name) for i, name in final["layers"].items()}
     timings["verify_s"] = time.perf_counter() - t
+
+    # the layer atlas of the model's FFN ranges (search text), for the plan to be drawn over
+    t = time.perf_counter()
+    from ..atlas import layer_atlas
+    from ..observe import profile
+
+    tables = {}
+    for layer in layers:
+        x = inputs.calib[layer.label]
+        tables[f"{info.model_type}:{layer.label}"] = profile(layer.ffn, [x[i : i + 1024] for i in range(0, x.shape[0], 1024)],
+                                                            bins=settings.bins)
+    atlas = layer_atlas(tables)
+    timings["atlas_s"] = time.perf_counter() - t
     fp32_cost = sum(next(o.cost for o in options[i] if o.name == "fp32") for i in options)
     singles = []
     for recipe in recipes:
@@ -258,6 +271,6 @@ def make_plan(
         "rounds": rounds, "final_round": final["round"], "final": final, "verified": bool(final["met"]), "plan": plan.to_dict(),
         "fp32_cost": fp32_cost, "single_recipes": singles,
         "pareto_per_layer": {i: [o.name for o in pareto(opts)] for i, opts in options.items()},
-        "timings": timings,
+        "timings": timings, "atlas": atlas,
     }
     return plan, result

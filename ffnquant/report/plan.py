@@ -50,6 +50,9 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     what = "predicted KL (nats/token)" if data["target"].startswith("ppl") else "predicted final NSR"
     lines += [markdown_table(["layer", "recipe", "layer SQNR dB (held-out)", what, "latency", "bytes",
                               "cheapest non-dominated candidates"], rows), ""]
+    if data.get("atlas"):
+        lines += [f"The layer atlas with the plan drawn over it: [{data['atlas']}]({data['atlas']}) "
+                  "(crest factor, kurtosis and outlier channels per layer and site, and the recipe each site got).", ""]
     lines += ["## Verification rounds", "",
               "Each round solves the search with the budget times the safety factor, quantizes every layer as "
               "chosen, puts them all back into the model and measures on the search text and on the held-out text; "
