@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..errors import FFNQuantError
 from ..spec import FFNSpec, Variant, parse_variants
 
 __all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments", "model_range_tables",
-           "TextFiles", "token_notes"]
+           "TextFiles", "token_notes", "add_text_arguments"]
 
 
 def positive_int(text: str) -> int:
@@ -108,6 +109,18 @@ def add_model_arguments(
     if allow_pickle:
         group.add_argument("--allow-pickle", action="store_true",
                            help="allow .bin/.pt checkpoints (read with torch.load(weights_only=True))")
+
+
+def add_text_arguments(parser: Any, calib_help: str, eval_help: str, eval_tokens: int = 2048) -> None:
+    """--text/--eval-text (repeatable, comma-separated files) and --calib-tokens/--eval-tokens for a command
+    that runs a model on a calibration (search) text and a held-out text."""
+    parser.add_argument("--text", default=None, metavar="FILE", action=TextFiles,
+                        help=f"{calib_help}; several files: repeat or comma-separate (default: the shipped sample)")
+    parser.add_argument("--eval-text", default=None, metavar="FILE", action=TextFiles,
+                        help=f"{eval_help} (default: the shipped evaluation sample)")
+    parser.add_argument("--calib-tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)")
+    parser.add_argument("--eval-tokens", type=positive_int, default=eval_tokens,
+                        help=f"held-out tokens (default {eval_tokens})")
 
 
 def model_range_tables(args: argparse.Namespace, bins: int = 2048) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..atomic import OutputTransaction
 from ..export import DEFAULT_OPSET, export_spec
 from ..render import text_table
-from .common import TextFiles, add_spec_arguments, positive_int, specs_from_args
+from .common import add_spec_arguments, add_text_arguments, specs_from_args
 
 NAME = "export"
 HELP = "export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, a model's planned quantized FFN layers"
@@ -22,12 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("a model's FFN layers as planned (ffnquant plan)")
     group.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face model folder; needs --plan")
     group.add_argument("--plan", default=None, metavar="FILE", help="plan.toml from `ffnquant plan`: a recipe per layer")
-    group.add_argument("--text", default=None, metavar="FILE", action=TextFiles,
-                       help="calibration text for the static ranges (default: the shipped sample)")
-    group.add_argument("--eval-text", default=None, metavar="FILE", action=TextFiles,
-                       help="held-out text the manifest's SQNR is measured on (default: the shipped sample)")
-    group.add_argument("--calib-tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)")
-    group.add_argument("--eval-tokens", type=positive_int, default=2048, help="held-out tokens (default 2048)")
+    add_text_arguments(group, "calibration text for the static ranges", "held-out text the manifest's SQNR is measured on")
 
 
 def _export_plan(args: argparse.Namespace) -> int:

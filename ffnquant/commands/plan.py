@@ -10,7 +10,7 @@ from pathlib import Path
 from ..atomic import OutputTransaction, write_json, write_text
 from ..errors import FFNQuantError
 from ..render import fmt
-from .common import TextFiles, positive_int
+from .common import add_text_arguments, positive_int
 
 NAME = "plan"
 HELP = "choose a recipe per FFN layer that meets an end-to-end target (ppl+1%, sqnr>=30) at the least latency or bytes, and verify it"
@@ -30,12 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per call the latency table is measured at (default 512)")
     parser.add_argument("--candidates", default="default",
                         help=f"candidate recipes: a set ({', '.join(CANDIDATE_SETS)}) or a comma-separated list (default default)")
-    parser.add_argument("--text", default=None, metavar="FILE", action=TextFiles,
-                        help="search (calibration) text; several files: repeat or comma-separate (default: the shipped sample)")
-    parser.add_argument("--eval-text", default=None, metavar="FILE", action=TextFiles,
-                        help="held-out text the plan is verified on (default: the shipped evaluation sample)")
-    parser.add_argument("--calib-tokens", type=positive_int, default=4096, help="search text tokens (default 4096)")
-    parser.add_argument("--eval-tokens", type=positive_int, default=4096, help="held-out tokens (default 4096)")
+    add_text_arguments(parser, "search (calibration) text", "held-out text the plan is verified on", eval_tokens=4096)
     parser.add_argument("--probe-tokens", type=positive_int, default=512,
                         help="search tokens the per-layer probes are measured on (default 512)")
     parser.add_argument("--rounds", type=positive_int, default=4, help="verification rounds at most (default 4)")
