@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     out["plan_int8"] = {"target": res["target"], "verified": res["verified"], "seconds": plan_s,
                         "ppl_increase_pct": _pct(e.get("perplexity_ratio")), "hidden_sqnr_db": e.get("hidden_sqnr_db"),
                         "stack_ms": final["cost"], "fp32_stack_ms": res["fp32_cost"], "rounds": len(res["rounds"]),
-                        "layers": {str(i): str(r) for i, r in plan.layers.items()}, "timings": res["timings"]}
+                        "layers": {str(i): str(r) for i, r in plan.layers.items()}, "timings": res["timings"],
+                        "round_details": res["rounds"], "final_round": res["final_round"], "probe_fit": res["probe_fit"]}
     out["latency_table"] = table
     out["stack_ms"] = stack
 
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     out["plan_w4a16"] = {"target": res4["target"], "verified": res4["verified"], "seconds": time.perf_counter() - t,
                          "ppl_increase_pct": _pct(e4.get("perplexity_ratio")), "bytes": res4["final"]["cost"],
                          "fp32_bytes": res4["fp32_cost"], "rounds": len(res4["rounds"]),
-                         "layers": {str(i): str(r) for i, r in plan4.layers.items()}}
+                         "layers": {str(i): str(r) for i, r in plan4.layers.items()},
+                         "round_details": res4["rounds"], "final_round": res4["final_round"], "timings": res4["timings"]}
     print(f"plan w4a16 done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
 
     # verdicts
@@ -108,6 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     checks.append(("W4A16 g128 plan ppl increase <= 3%", out["plan_w4a16"]["ppl_increase_pct"] <= 3.0,
                    f"{out['plan_w4a16']['ppl_increase_pct']:+.2f}%"))
     checks.append(("plan search + verification within 10 minutes", p["seconds"] <= 600, f"{p['seconds']:.0f} s"))
+    below = []
+    for index, layer in res["layers"].items():
+        chosen = next(r for r in layer["candidates"] if r["recipe"] == res["final"]["layers"][index])
+        ort = layer.get("ort_best")
+        if ort and Recipe.parse(chosen["recipe"]).resolve().static_activations and chosen["layer_sqnr_db"] < ort["sqnr_db"]:
+            below.append(f"L{index}")
+    n_static = sum(1 for r in p["layers"].values() if Recipe.parse(r).resolve().static_activations)
+    checks.append(("per layer, the plan's static recipes >= onnxruntime's best of quantize_static/quantize_dynamic",
+                   not below, f"{n_static - len(below)} of {n_static} static layers" + (f" (below: {', '.join(below)})" if below else "")))
+    out["plan_int8"]["ort_best"] = {str(i): l.get("ort_best") for i, l in res["layers"].items()}
+    out["plan_int8"]["layer_sqnr_db"] = {str(i): next(r["layer_sqnr_db"] for r in l["candidates"]
+                                                     if r["recipe"] == res["final"]["layers"][i]) for i, l in res["layers"].items()}
     out["checks"] = [{"check": c, "met": bool(m), "measured": v} for c, m, v in checks]
     out["accurate_singles"] = accurate
     out["environment"] = environment()
@@ -145,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
               markdown_table(["recipe", "layers"], [(r, ", ".join(v)) for r, v in by4.items()]), ""]
     env = out["environment"]
     lines += [f"_{env.get('timestamp_utc')} on {env.get('cpu')}, torch {env['packages'].get('torch')}, onnxruntime "
-              f"{env['packages'].get('onnxruntime', '-')}; total {out['seconds']:.0f} s_", ""]
+              f"{env['packages'].get('onnxruntime') or env['packages'].get('onnxruntime-gpu', '-')}; total {out['seconds']:.0f} s_", ""]
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / "targets.json", out)

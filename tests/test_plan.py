@@ -187,6 +187,11 @@ def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
         assert "per tensor" in names["w8a8-dynamic-s8"]["excluded"]
         assert names["fp32"]["predicted_kl"] == 0
     assert "## Verification rounds" in (out / "plan.md").read_text()
+    # no chosen static int8 recipe scores below onnxruntime's own best quantizer on its layer
+    for index, layer in data["layers"].items():
+        chosen = next(r for r in layer["candidates"] if r["recipe"] == final["layers"][index])
+        if layer["ort_best"] and Recipe.parse(chosen["recipe"]).resolve().static_activations:
+            assert chosen["layer_sqnr_db"] >= layer["ort_best"]["sqnr_db"]
     # the layer atlas with the plan drawn over it: each layer's sites carry the recipe it got
     atlas = json.loads((out / "atlas" / "atlas.json").read_text())
     assert (out / "atlas" / "atlas_ranges.png").stat().st_size > 0

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-tokens", type=positive_int, default=512,
                         help="search tokens the per-layer probes are measured on (default 512)")
     parser.add_argument("--rounds", type=positive_int, default=4, help="verification rounds at most (default 4)")
+    parser.add_argument("--no-ort-floor", action="store_true",
+                        help="keep static int8 candidates that score below onnxruntime's own best quantizer on a layer "
+                             "(by default they are left out; measuring that floor takes a few seconds per layer)")
     parser.add_argument("--out", default="reports/plan", help="folder for plan.toml, plan.json, plan.md (default reports/plan)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     parser.add_argument("--allow-pickle", action="store_true", help="allow a pickle checkpoint (loaded weights-only)")
@@ -77,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plan, result = make_plan(info, target, objective, args.candidates, text=args.text, eval_text=args.eval_text,
                                      settings=settings, probe_tokens=args.probe_tokens, max_rounds=args.rounds,
+                                     ort_floor=not args.no_ort_floor,
                                      allow_pickle=args.allow_pickle, progress=bars)
         except BaseException:
             bars.close(ok=False)

@@ -7,6 +7,7 @@
    factor fitted on measured ablations of two probe recipes on that layer (KL of the next-token distribution
    for a ppl target; final hidden noise for an SQNR target). Probes are measured, the rest predicted.
 5. Cost per candidate: FFN latency from a measured table at the model's shape (`latency_table`), or bytes.
+   A static int8 candidate below onnxruntime's best own quantizer on that layer (`ort_floor`) is left out.
 6. Search (`search.solve`, exact multiple-choice knapsack) within the target's budget times a safety factor.
 7. Verify: quantize every layer as planned, put them all back, measure ppl and final hidden SQNR on the
    search text and on the held-out text. If the held-out text misses the target, shrink the safety factor by
@@ -45,6 +46,38 @@ def _fit(points: Sequence[tuple[float, float]]) -> float:
     return max(0.0, num / den) if den > 0 else 0.0
 
 
+def _ort_floor(layer: Any, calib: torch.Tensor, held: torch.Tensor, rows: list[dict[str, Any]], settings: Any):
+    """onnxruntime's best own quantizer of this layer (quantize_static MinMax / Percentile / Entropy and
+    quantize_dynamic, on the same calibration and held-out inputs); every static int8 candidate whose held-out
+    layer SQNR falls below it is excluded: a user would do better with onnxruntime's quantizer alone."""
+    import tempfile
+    from pathlib import Path
+
+    from ..accuracy import run_batched
+    from ..export import export_onnx
+    from ..ortbaseline import ort_baselines
+
+    with tempfile.TemporaryDirectory(prefix="ffnquant-plan-ort-") as folder:
+        fp32 = Path(folder) / f"{layer.label}.fp32.onnx"
+        export_onnx(layer.ffn, fp32)
+        with torch.no_grad():
+            ref = run_batched(layer.ffn, held)
+        res = ort_baselines(fp32, [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)], held, ref,
+                            run_tokens=settings.seq_len * settings.batch_size)
+    best = res.get("best")
+    if not best:
+        return None
+    for row in rows:
+        if row.get("error") is not None or "excluded" in row:
+            continue
+        scheme = Recipe.parse(row["recipe"]).resolve()
+        if scheme.static_activations and scheme.act_dtype.is_integer and row["layer_sqnr_db"] < best["sqnr_db"]:
+            row["excluded"] = (f"below onnxruntime's best own quantizer on this layer ({row['layer_sqnr_db']:.1f} dB < "
+                               f"{best['sqnr_db']:.1f} dB, {best['method']})")
+    return {"method": best["method"], "sqnr_db": best["sqnr_db"],
+            "methods": {m: v.get("sqnr_db") for m, v in res["methods"].items()}}
+
+
 def make_plan(
     model_dir: Any,
     target: Target | str,
@@ -55,6 +88,7 @@ def make_plan(
     settings: Any = None,
     probe_tokens: int = 512,
     max_rounds: int = 4,
+    ort_floor: bool = True,
     allow_pickle: bool = False,
     progress: Progress | None = None,
 ) -> tuple[Plan, dict[str, Any]]:
@@ -153,8 +187,9 @@ def make_plan(
         for r in probe_rows:
             r["predicted_kl"] = kappa * r["fisher_per_token"]
             fit_points.append({"layer": layer.index, **r})
+        ort = _ort_floor(layer, calib, held, rows, settings) if ort_floor else None
         per_layer[layer.index] = {"label": layer.label, "kappa": kappa, "rho": rho, "probes": probe_rows,
-                                  "candidates": rows}
+                                  "candidates": rows, "ort_best": ort}
         del kept
         tick(f"candidates: {layer.label}", k + 1, len(layers))
     timings["candidates_s"] = time.perf_counter() - t

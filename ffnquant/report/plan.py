@@ -45,11 +45,16 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
         chosen = final["layers"][idx] if idx in final["layers"] else final["layers"].get(str(idx))
         row = next(r for r in layer["candidates"] if r["recipe"] == chosen)
         damage = row["predicted_kl"] if data["target"].startswith("ppl") else row["predicted_hidden_nsr"]
-        rows.append((layer["label"], chosen, row["layer_sqnr_db"], damage, _cost(row.get("latency_ms"), "ms"),
-                     fmt_bytes(row["bytes"]), " > ".join(data["pareto_per_layer"][idx][:4])))
+        ort = layer.get("ort_best") or {}
+        rows.append((layer["label"], chosen, row["layer_sqnr_db"],
+                     f"{fmt(ort.get('sqnr_db'))} ({ort['method']})" if ort else "-", damage,
+                     _cost(row.get("latency_ms"), "ms"), fmt_bytes(row["bytes"]),
+                     " > ".join(data["pareto_per_layer"][idx][:4])))
     what = "predicted KL (nats/token)" if data["target"].startswith("ppl") else "predicted final NSR"
-    lines += [markdown_table(["layer", "recipe", "layer SQNR dB (held-out)", what, "latency", "bytes",
-                              "cheapest non-dominated candidates"], rows), ""]
+    lines += [markdown_table(["layer", "recipe", "layer SQNR dB (held-out)", "onnxruntime's best dB", what, "latency",
+                              "bytes", "cheapest non-dominated candidates"], rows), "",
+              "onnxruntime's best: the best of its quantize_static (MinMax, Percentile, Entropy) and quantize_dynamic "
+              "on the same calibration and held-out inputs; static int8 candidates below it on a layer were left out.", ""]
     if data.get("atlas"):
         lines += [f"The layer atlas with the plan drawn over it: [{data['atlas']}]({data['atlas']}) "
                   "(crest factor, kurtosis and outlier channels per layer and site, and the recipe each site got).", ""]
@@ -93,5 +98,5 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     env = data.get("environment") or {}
     if env:
         lines += [f"_{env.get('timestamp_utc')} on {env.get('cpu')}, torch {env['packages'].get('torch')}, "
-                  f"onnxruntime {env['packages'].get('onnxruntime', '-')}_", ""]
+                  f"onnxruntime {env['packages'].get('onnxruntime') or env['packages'].get('onnxruntime-gpu', '-')}_", ""]
     return "\n".join(lines)
