@@ -16,7 +16,7 @@ import torch
 from ..errors import FFNQuantError
 from ..recipe import Recipe
 
-__all__ = ["CANDIDATE_SETS", "candidate_recipes", "CandidateScore", "score_layer", "quantize_layer"]
+__all__ = ["CANDIDATE_SETS", "candidate_recipes", "CandidateScore", "generalization", "score_layer", "quantize_layer"]
 
 # Named candidate sets; `--candidates` also takes a comma-separated list of recipes.
 CANDIDATE_SETS: dict[str, tuple[str, ...]] = {
@@ -72,6 +72,7 @@ class CandidateScore:
     recipe: str
     layer_sqnr_db: float | None = None
     search_noise: float | None = None  # sum of squared output errors on the search tokens
+    search_sqnr_db: float | None = None  # the layer's output SQNR on the search tokens (its own calibration data)
     fisher: float | None = None  # the same weighted by the squared loss gradient
     bytes: int | None = None
     error: str | None = None
@@ -97,6 +98,7 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
         raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
     with torch.no_grad():
         ref = run_batched(layer.ffn, calib)
+    signal = float(ref.double().square().sum())
     scores, kept = [], {}
     for outcome in _outcomes(layer, recipes, calib, held_out, bins):
         recipe = outcome.recipe
@@ -108,13 +110,30 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
             got = run_batched(q, calib)
         from .sensitivity import fisher_noise
 
+        noise = float((got.double() - ref.double()).square().sum())
         scores.append(CandidateScore(
-            str(recipe), layer_sqnr_db=outcome.result.accuracy.sqnr_db,
-            search_noise=float((got.double() - ref.double()).square().sum()),
+            str(recipe), layer_sqnr_db=outcome.result.accuracy.sqnr_db, search_noise=noise,
+            search_sqnr_db=_db(signal, noise),
             fisher=fisher_noise(grad, ref, got), bytes=recipe_weight_bytes(layer.spec, recipe)))
         if recipe in keep:
             kept[recipe] = q
     return scores, kept
+
+
+def _db(signal: float, noise: float) -> float:
+    import math
+
+    return 200.0 if noise <= 0 else (-200.0 if signal <= 0 else min(200.0, 10 * math.log10(signal / noise)))
+
+
+def generalization(score: "CandidateScore") -> float:
+    """How much larger the candidate's relative output error is on held-out inputs than on its own calibration
+    (search) inputs: 10^((search SQNR - held-out SQNR) / 10), bounded to [0.25, 100]. A method that fits its
+    calibration data (GPTQ's Hessians on fewer tokens than the hidden width) looks better on the search text
+    than it is; the prediction is scaled by this."""
+    if score.search_sqnr_db is None or score.layer_sqnr_db is None:
+        return 1.0
+    return min(100.0, max(0.25, 10 ** ((score.search_sqnr_db - score.layer_sqnr_db) / 10)))
 
 
 def quantize_layer(layer: Any, recipe: Recipe, calib: torch.Tensor, held_out: torch.Tensor, bins: int | None = None):

@@ -5,7 +5,9 @@
 3. Score every candidate recipe on every layer (`candidates.score_layer`).
 4. Predict each candidate's end-to-end damage: its gradient-weighted output error (`fisher`) times a per-layer
    factor fitted on measured ablations of two probe recipes on that layer (KL of the next-token distribution
-   for a ppl target; final hidden noise for an SQNR target). Probes are measured, the rest predicted.
+   for a ppl target; final hidden noise for an SQNR target), times how much worse the candidate's layer error
+   is on held-out inputs than on the search inputs it was calibrated on (`candidates.generalization`: GPTQ
+   fits its calibration tokens). Probes are measured, the rest predicted.
 5. Cost per candidate: FFN latency from a measured table at the model's shape (`latency_table`), or bytes.
    A static int8 candidate below onnxruntime's best own quantizer on that layer (`ort_floor`) is left out.
 6. Search (`search.solve`, exact multiple-choice knapsack) within the target's budget times a safety factor.
@@ -26,7 +28,7 @@ import torch
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
-from .candidates import candidate_recipes, quantize_layer, score_layer
+from .candidates import candidate_recipes, generalization, quantize_layer, score_layer
 from .planfile import Plan, model_fingerprint
 from .search import Option, pareto, solve
 from .sensitivity import SuffixRunner, check_plannable, output_gradients
@@ -176,9 +178,12 @@ def make_plan(
             s = by_recipe[str(recipe)]
             row = s.to_dict()
             if s.error is None:
-                # KL per token ~ kappa * fisher per token; final NSR ~ rho * noise per token / signal per token
-                row["predicted_kl"] = kappa * s.fisher / max(1, n_search)
-                row["predicted_hidden_nsr"] = (rho * s.search_noise / max(1, n_search)) / signal if signal > 0 else None
+                # KL per token ~ kappa * fisher per token; final NSR ~ rho * noise per token / signal per token;
+                # both scaled by how much worse the layer's error is on held-out inputs than on the search ones
+                gen = generalization(s)
+                row["generalization"] = gen
+                row["predicted_kl"] = kappa * s.fisher / max(1, n_search) * gen
+                row["predicted_hidden_nsr"] = (rho * gen * s.search_noise / max(1, n_search)) / signal if signal > 0 else None
             lat = latency.get(str(recipe), {})
             row["latency_ms"] = lat.get("p50_ms")
             if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:
