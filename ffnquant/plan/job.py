@@ -147,6 +147,8 @@ def make_plan(
         timings["latency_table_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    # the onnxruntime floor applies to static int8 candidates only: without any, it is not measured
+    any_static = any(r.resolve().static_activations and r.resolve().act_dtype.is_integer for r in recipes)
     per_layer: dict[int, dict[str, Any]] = {}
     fit_points: list[dict[str, Any]] = []
     for k, layer in enumerate(layers):
@@ -192,7 +194,7 @@ def make_plan(
         for r in probe_rows:
             r["predicted_kl"] = kappa * r["fisher_per_token"]
             fit_points.append({"layer": layer.index, **r})
-        ort = _ort_floor(layer, calib, held, rows, settings) if ort_floor else None
+        ort = _ort_floor(layer, calib, held, rows, settings) if ort_floor and any_static else None
         per_layer[layer.index] = {"label": layer.label, "kappa": kappa, "rho": rho, "probes": probe_rows,
                                   "candidates": rows, "ort_best": ort}
         del kept
