@@ -348,7 +348,7 @@ def quantize_spec(
     sens = _site_sensitivity(prep, q, hessians) if sensitivity else {}
     result = QuantResult(
         spec, scheme, scheme.calibrator if scheme.static_activations else None, prep.source_label,
-        prep.calib.shape[0], prep.eval.shape[0], prep.remedies, q.ranges, acc, sens, environment=environment(), qmodel=q,
+        prep.calib.shape[0], prep.eval.shape[0], q.remedies, q.ranges, acc, sens, environment=environment(), qmodel=q,
         recipe=recipe,
     )
     if not onnx:

@@ -114,7 +114,7 @@ def _validate(args: argparse.Namespace, recipe: Recipe):
     specs = specs_from_args(args) if args.variants is not None else []
     sites = _smooth_sites(args, recipe, specs)
     scheme = recipe.resolve()
-    needs_calib = scheme.static_activations or recipe.smooth is not None or scheme.method.value == "gptq"
+    needs_calib = scheme.static_activations or recipe.smooth is not None or scheme.needs_hessians
     if specs and needs_calib and args.calib_tokens == 0:
         raise FFNQuantError(f"recipe {recipe.name!r} needs calibration data: --calib-tokens is 0")
     source = parse_source(args.source, seed=args.seed)
