@@ -346,6 +346,18 @@ RUN = ["run", "--variants", "relu", "--d-model", "32", "--calib-tokens", "256", 
        "--out", "{out}", "--export", "{exp}"]
 M = "{in}/m"
 CAPTURE = ["model", "capture", M, "--out", "{new}", "--max-tokens", "64", "--seq-len", "16"]
+PLAN = ["plan", "--model", M, "--calib-tokens", "64", "--eval-tokens", "64", "--no-progress", "--out", "{out}"]
+QUANTIZE_PLAN = ["quantize", "--model", M, "--plan", "{in}/plan.toml", "--calib-tokens", "64", "--eval-tokens", "64",
+                 "--no-progress", "--out-artifacts", "{exp}", "--out-reports", "{out}"]
+
+
+def plan_file(n_layers: int = 2, recipe: str = "w8a8@search") -> str:
+    """plan.toml for the hand-written 2-layer llama of `model()` (or, with another layer count, a foreign one)."""
+    rows = "".join(f'[[layers]]\nindex = {i}\nrecipe = "{recipe}"\n' for i in range(min(n_layers, 2)))
+    return (f'version = 1\n[model]\nmodel_type = "llama"\nvariant = "swiglu"\nn_layers = {n_layers}\n'
+            f"d_model = 32\nd_ff = 64\n{rows}")
+
+
 EVAL_CAPTURED = ["model", "eval", M, "--calib-captured", "{in}/cal", "--eval-captured", "{in}/ev", "--schemes", "w8a8",
                  "--out", "{out}"]
 
@@ -593,6 +605,25 @@ CASES = [
     C("model-capture-seq-len-1", CAPTURE + ["--seq-len", "1"], "seq", setup=tokenized_model(96)),
     C("profile-model-fifo-safetensors", PROFILE + ["--model", M, "--captured", "{in}/cal"], ("regular", "fifo", "pipe"),
       setup=chain(model(), captured(), model_file("model.safetensors", kind="fifo")), subprocess=True),
+    # --- plans: the plan command's input, and plan files given to quantize / export -----------
+    C("plan-bad-target", PLAN + ["--target", "ppl<1%"], "ppl<1%", setup=model()),
+    C("plan-unknown-objective", PLAN + ["--objective", "speed"], "speed", setup=model()),
+    C("plan-unknown-candidate", PLAN + ["--candidates", "w8a8,w9a9"], "w9a9", setup=model()),
+    C("plan-missing-model", PLAN, ("m", "config.json", "exist")),
+    C("plan-encoder-model", PLAN, ("causal lm", "bert"),
+      setup=model(model_type="bert", intermediate_size=64)),
+    C("plan-out-is-a-file", PLAN + ["--out", "{out}/keep.txt"], "keep.txt", setup=model()),
+    C("quantize-plan-missing-file", QUANTIZE_PLAN, "plan.toml", setup=model()),
+    C("quantize-plan-not-toml", QUANTIZE_PLAN, ("toml",), setup=chain(model(), write("plan.toml", "[model"))),
+    C("quantize-plan-foreign-model", QUANTIZE_PLAN, ("another model", "n_layers"),
+      setup=chain(model(), write("plan.toml", plan_file(n_layers=7)))),
+    C("quantize-plan-unknown-recipe", QUANTIZE_PLAN, "w9a9", setup=chain(model(), write("plan.toml", plan_file(recipe="w9a9")))),
+    C("quantize-plan-without-model", [a for a in QUANTIZE_PLAN if a not in ("--model", M)], "--model",
+      setup=write("plan.toml", plan_file())),
+    C("quantize-plan-and-scheme", QUANTIZE_PLAN + ["--scheme", "w8a8"], "--scheme",
+      setup=chain(model(), write("plan.toml", plan_file()))),
+    C("export-plan-without-model", ["export", "--plan", "{in}/plan.toml", "--out", "{exp}"], "--model",
+      setup=write("plan.toml", plan_file())),
     # --- output folders -----------------------------------------------------------------------
     C("export-out-is-a-file", EXPORT + ["--out", "{out}/keep.txt"], "keep.txt"),
     C("export-out-below-a-file", EXPORT + ["--out", "{out}/keep.txt/sub"], "keep.txt"),
@@ -635,7 +666,7 @@ def test_table_is_large_and_ids_unique():
     assert len(ids) == len(set(ids)), [i for i in ids if ids.count(i) > 1]
     assert len(CASES) >= 60
     commands = {c.argv[0] if c.argv[0] != "model" else f"model {c.argv[1]}" for c in CASES}
-    assert {"export", "profile", "quantize", "bench", "run", "variants", "model inspect", "model eval",
+    assert {"export", "profile", "quantize", "plan", "bench", "run", "variants", "model inspect", "model eval",
             "model capture"} <= commands
 
 
