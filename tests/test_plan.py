@@ -96,6 +96,31 @@ def test_search_says_infeasible_and_counts_negative_damage_as_zero():
     assert [o.name for o in pareto([Option("x", 1, 1), Option("y", 2, 2), Option("z", 0, 3)])] == ["x", "z"]
 
 
+# --- the verification loop's budget factor -----------------------------------------------------
+
+@pytest.mark.parametrize("args, expected", [
+    # met, and the search text shows the plan spending a quarter of the budget: spend up to 3x more
+    (dict(safety=1.0, met=True, spent=0.0, spent_search=0.25, budget=1.0, met_safety=1.0, missed_safety=None), 3.0),
+    # met with some room: by 0.8 x the room seen
+    (dict(safety=1.0, met=True, spent=0.0, spent_search=0.5, budget=1.0, met_safety=1.0, missed_safety=None), 1.6),
+    # met with little room: settled
+    (dict(safety=2.0, met=True, spent=0.9, spent_search=0.8, budget=1.0, met_safety=2.0, missed_safety=None), None),
+    # met, room, but 4x already missed: halfway (geometric) toward it
+    (dict(safety=1.0, met=True, spent=0.2, spent_search=0.2, budget=1.0, met_safety=1.0, missed_safety=4.0), 2.0),
+    # missed with nothing met yet: less in proportion to the overshoot
+    (dict(safety=1.0, met=False, spent=2.0, spent_search=1.5, budget=1.0, met_safety=None, missed_safety=1.0), 0.5),
+    # missed by a little: still at least 30% less
+    (dict(safety=1.0, met=False, spent=1.1, spent_search=0.9, budget=1.0, met_safety=None, missed_safety=1.0), 0.7),
+    # missed after a factor that met: halfway back toward it
+    (dict(safety=9.0, met=False, spent=3.0, spent_search=2.0, budget=1.0, met_safety=1.0, missed_safety=9.0), 3.0),
+], ids=["loosen-capped", "loosen-by-room", "settled", "bisect-up", "tighten-overshoot", "tighten-min", "bisect-down"])
+def test_next_budget_factor(args, expected):
+    from ffnquant.plan.job import next_safety
+
+    got = next_safety(**args)
+    assert got == (pytest.approx(expected) if expected is not None else None)
+
+
 # --- plan.toml -------------------------------------------------------------------------------
 
 class _Info:

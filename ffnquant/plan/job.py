@@ -34,11 +34,30 @@ from .search import Option, pareto, solve
 from .sensitivity import SuffixRunner, check_plannable, output_gradients
 from .target import Objective, Target
 
-__all__ = ["PROBES", "make_plan"]
+__all__ = ["PROBES", "make_plan", "next_safety"]
 
 Progress = Callable[[str, int, int], None]
 # Measured per layer to fit the prediction's scale: a mild and a strong error, both common choices.
 PROBES = ("w8a8-dynamic-s8", "w4a16-g128")
+
+
+def next_safety(safety: float, met: bool, spent: float | None, spent_search: float | None, budget: float,
+                met_safety: float | None, missed_safety: float | None) -> float | None:
+    """The next verification round's budget factor, or None when the plan is settled.
+
+    A round that met the target: when the search text (never the held-out one) shows the whole plan spending
+    well under the budget (room >= 1.4: the additive prediction is first order), spend more next round, by the
+    room seen (at most 3x), or halfway (geometrically) back toward a factor that already missed. A round that
+    missed: halfway back toward the last factor that met, or, with none yet, less in proportion to the
+    overshoot (at least 30% less)."""
+    if met:
+        room = budget / max(spent_search or 0.0, budget / 20)
+        if room < 1.4:
+            return None
+        return safety * min(3.0, 0.8 * room) if missed_safety is None else math.sqrt(safety * missed_safety)
+    if met_safety is not None:
+        return math.sqrt(safety * met_safety)
+    return safety * (min(0.7, budget / spent) if spent and spent > 0 else 0.5)
 
 
 def _fit(points: Sequence[tuple[float, float]]) -> float:
@@ -256,19 +275,14 @@ def make_plan(
                        "layers": {i: o.name for i, o in chosen.items()}})
         if met:
             met_safety = safety
-            # The prediction is first order; when the search text (never the held-out one) says the plan spends
-            # well under the budget, the next round may spend more: scale by what the search text measured.
-            room = target.budget / max(spent_search or 0.0, target.budget / 20)
-            if room < 1.4 or rnd == max_rounds:
-                break
-            step = min(3.0, 0.8 * room)
-            safety = safety * step if missed_safety is None else math.sqrt(safety * missed_safety)
         else:
             missed_safety = safety
-            if met_safety is not None:  # between the last budget that met and this one
-                safety = math.sqrt(safety * met_safety)
-            else:  # spend less, in proportion to the overshoot (at least 30% less)
-                safety *= min(0.7, target.budget / spent) if spent and spent > 0 else 0.5
+        if rnd == max_rounds:
+            break
+        step = next_safety(safety, met, spent, spent_search, target.budget, met_safety, missed_safety)
+        if step is None:
+            break
+        safety = step
     # the cheapest round that met the target on the held-out text (else the last, and the result says so)
     passing = [r for r in rounds if r["met"]]
     final = min(passing, key=lambda r: r["cost"]) if passing else rounds[-1]
