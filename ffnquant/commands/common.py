@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import FFNQuantError
 from ..spec import FFNSpec, Variant, parse_variants
 
-__all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments", "model_range_tables",
+__all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments",
            "TextFiles", "token_notes", "add_text_arguments"]
 
 
@@ -121,19 +121,6 @@ def add_text_arguments(parser: Any, calib_help: str, eval_help: str, eval_tokens
     parser.add_argument("--calib-tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)")
     parser.add_argument("--eval-tokens", type=positive_int, default=eval_tokens,
                         help=f"held-out tokens (default {eval_tokens})")
-
-
-def model_range_tables(args: argparse.Namespace, bins: int = 2048) -> dict:
-    """RangeTables of the model's FFN layers keyed '<model_type>:<layer label>' (empty without --model)."""
-    if not getattr(args, "model", None):
-        return {}
-    from ..hf import EvalSettings, calibrate_model, inspect_model
-
-    info = inspect_model(args.model, allow_pickle=args.allow_pickle)
-    settings = EvalSettings(max_calib_tokens=args.model_tokens, bins=bins)
-    layers, tables = calibrate_model(info, layers=args.layers, text=args.text, captured=args.captured,
-                                     settings=settings, allow_pickle=args.allow_pickle)
-    return {f"{info.model_type}:{layer.label}": tables[layer.label] for layer in layers}
 
 
 def format_default(value) -> str:

@@ -64,8 +64,8 @@ def _model_measured(args: argparse.Namespace, tables: dict) -> dict | None:
 
 
 def _model_layers(args: argparse.Namespace):
-    """The model's FFN layers and their RangeTables keyed '<model_type>:<label>' (as `common.model_range_tables`,
-    keeping the layers: the atlas runs their FFNs again to locate the largest values)."""
+    """The model's FFN layers and their RangeTables keyed '<model_type>:<label>' (the layers are kept: the atlas
+    runs their FFNs again to locate the largest values)."""
     from ..hf import EvalSettings, calibrate_model, inspect_model
 
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)
