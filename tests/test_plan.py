@@ -304,3 +304,31 @@ def test_export_and_run_refuse_a_plan_without_its_model(tiny, planned, tmp_path,
     assert main(["run", "--tiny", "--plan", str(planned), "--out", str(tmp_path / "r")]) == 2
     assert "give model too" in capsys.readouterr().err
     assert not (tmp_path / "e").exists() and not (tmp_path / "r").exists()
+
+
+# --- candidates ------------------------------------------------------------------------------
+
+def test_candidate_sets_start_with_fp32_and_a_list_is_checked():
+    from ffnquant.plan.candidates import CANDIDATE_SETS, candidate_recipes
+    from ffnquant.spec import FFNSpec
+
+    spec = FFNSpec("swiglu", d_model=64)
+    for name in CANDIDATE_SETS:
+        recipes, skipped = candidate_recipes(name, spec)
+        assert recipes[0] == Recipe("fp32") and len(set(recipes)) == len(recipes)
+    recipes, _ = candidate_recipes("w8a8@search, w4a16-g32", spec)
+    assert [str(r) for r in recipes] == ["fp32", "w8a8@search", "w4a16-g32"]
+    with pytest.raises(FFNQuantError, match="w9a9"):
+        candidate_recipes("w8a8,w9a9", spec)  # a list the user typed is never silently shortened
+    with pytest.raises(FFNQuantError, match="no candidates"):
+        candidate_recipes(" , ", spec)
+
+
+@pytest.mark.parametrize("search_db, held_db, expected", [
+    (30.0, 30.0, 1.0), (30.0, 27.0, 10 ** 0.3), (40.0, 10.0, 100.0), (20.0, 40.0, 0.25),
+], ids=["same", "3db-worse-held-out", "capped-high", "capped-low"])
+def test_generalization_scales_by_the_held_out_loss_of_sqnr(search_db, held_db, expected):
+    from ffnquant.plan.candidates import CandidateScore, generalization
+
+    score = CandidateScore("w8a8", layer_sqnr_db=held_db, search_sqnr_db=search_db)
+    assert generalization(score) == pytest.approx(expected)
