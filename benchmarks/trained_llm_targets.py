@@ -23,8 +23,8 @@ from pathlib import Path
 
 from ffnquant.atomic import write_json, write_text
 from ffnquant.envinfo import environment
-from ffnquant.hf import EvalSettings, evaluate_model, inspect_model, load_ffn_layers
-from ffnquant.plan.job import make_plan
+from ffnquant.hf import EvalSettings, evaluate_model, inspect_model
+from ffnquant.plan.job import final_round, make_plan
 from ffnquant.plan.target import Objective
 from ffnquant.recipe import Recipe
 from ffnquant.render import markdown_table
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     table = res["latency_table"]
     n_layers = len(res["layers"])
     stack = {k: v["p50_ms"] * n_layers for k, v in table.items() if v.get("p50_ms") is not None}
-    final = res["final"]
+    final = final_round(res)
     e = final["end_to_end"]
     out["plan_int8"] = {"target": res["target"], "verified": res["verified"], "seconds": plan_s,
                         "ppl_increase_pct": _pct(e.get("perplexity_ratio")), "hidden_sqnr_db": e.get("hidden_sqnr_db"),
@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     # 4. the W4A16 g128 plan
     t = time.perf_counter()
     plan4, res4 = make_plan(info, "ppl+3%", Objective("bytes"), "w4a16", settings=settings, progress=lambda m, d, n: None)
-    e4 = res4["final"]["end_to_end"]
+    e4 = final_round(res4)["end_to_end"]
     out["plan_w4a16"] = {"target": res4["target"], "verified": res4["verified"], "seconds": time.perf_counter() - t,
-                         "ppl_increase_pct": _pct(e4.get("perplexity_ratio")), "bytes": res4["final"]["cost"],
+                         "ppl_increase_pct": _pct(e4.get("perplexity_ratio")), "bytes": final_round(res4)["cost"],
                          "fp32_bytes": res4["fp32_cost"], "rounds": len(res4["rounds"]),
                          "layers": {str(i): str(r) for i, r in plan4.layers.items()},
                          "round_details": res4["rounds"], "final_round": res4["final_round"], "timings": res4["timings"]}
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     checks.append(("plan search + verification within 10 minutes", p["seconds"] <= 600, f"{p['seconds']:.0f} s"))
     below = []
     for index, layer in res["layers"].items():
-        chosen = next(r for r in layer["candidates"] if r["recipe"] == res["final"]["layers"][index])
+        chosen = next(r for r in layer["candidates"] if r["recipe"] == final_round(res)["layers"][index])
         ort = layer.get("ort_best")
         if ort and Recipe.parse(chosen["recipe"]).resolve().static_activations and chosen["layer_sqnr_db"] < ort["sqnr_db"]:
             below.append(f"L{index}")
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                    not below, f"{n_static - len(below)} of {n_static} static layers" + (f" (below: {', '.join(below)})" if below else "")))
     out["plan_int8"]["ort_best"] = {str(i): l.get("ort_best") for i, l in res["layers"].items()}
     out["plan_int8"]["layer_sqnr_db"] = {str(i): next(r["layer_sqnr_db"] for r in l["candidates"]
-                                                     if r["recipe"] == res["final"]["layers"][i]) for i, l in res["layers"].items()}
+                                                     if r["recipe"] == final_round(res)["layers"][i]) for i, l in res["layers"].items()}
     out["checks"] = [{"check": c, "met": bool(m), "measured": v} for c, m, v in checks]
     out["accurate_singles"] = accurate
     out["environment"] = environment()

@@ -108,7 +108,6 @@ def export_onnx(q: QuantizedFFN, path: str | os.PathLike) -> Path:
     from . import onnxquant as OQ
     from .atomic import ensure_writable_dir
     from .export import export_onnx as export_float
-    from .schemes import Method
 
     prep = _prepared(q)
     path = Path(path)

@@ -22,7 +22,7 @@ from .errors import FFNQuantError
 from .fakequant import QuantizedFFN, SiteRange, input_hessians, quantize_model, search_calibrators
 from .model import FFN
 from .recipe import Recipe, as_recipe
-from .schemes import Method, Scheme, check_scheme_fits
+from .schemes import Scheme, check_scheme_fits
 
 __all__ = [
     "RESULT_SCHEMA_VERSION",

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
 from ffnquant.plan import Plan, Target, load_plan
+from ffnquant.plan.job import final_round
 from ffnquant.plan.planfile import model_fingerprint
 from ffnquant.plan.search import Option, pareto, solve
 from ffnquant.recipe import Recipe
@@ -200,7 +202,7 @@ def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
                "--out", str(out), *SMALL])
     assert rc == 0
     data = json.loads((out / "plan.json").read_text())
-    final = data["final"]
+    final = final_round(data)
     assert data["verified"] and final["met"]
     assert final["end_to_end"]["perplexity_ratio"] <= 1.01
     # the plan never costs more than fp32 everywhere, which always meets the target
@@ -220,8 +222,11 @@ def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
     # the layer atlas with the plan drawn over it: each layer's sites carry the recipe it got
     atlas = json.loads((out / "atlas" / "atlas.json").read_text())
     assert (out / "atlas" / "atlas_ranges.png").stat().st_size > 0
-    for index, recipe in final["layers"].items():
-        assert atlas["plan"][str(index)]["input"] == recipe.split("+float=")[0] or recipe == "fp32"
+    for index, text in final["layers"].items():
+        recipe = Recipe.parse(text)
+        for site in ("input", "hidden"):
+            floats = recipe.is_float or recipe.keep_float == site
+            assert atlas["plan"][str(index)][site] == ("float" if floats else str(replace(recipe, keep_float=None)))
     plan = load_plan(out / "plan.toml")
     assert set(plan.layers) == {0, 1}
     # quantize applies the plan: each layer with its own recipe, the end to end measured again

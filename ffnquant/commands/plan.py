@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from ..atomic import OutputTransaction, write_json, write_text
-from ..errors import FFNQuantError
 from ..render import fmt
 from .common import add_text_arguments, positive_int
 
@@ -44,12 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def site_overlay(plan) -> dict[int, dict[str, str]]:
     """Per layer index, the recipe each site got: a `+float=SITE` recipe's float site reads 'float'."""
-    out = {}
-    for index, recipe in plan.layers.items():
-        base = str(recipe).split("+float=")[0]
-        out[index] = {site: ("float" if recipe.keep_float == site or recipe.is_float else base)
-                      for site in ("input", "hidden")}
-    return out
+    from dataclasses import replace
+
+    return {index: {site: "float" if recipe.is_float or recipe.keep_float == site else str(replace(recipe, keep_float=None))
+                    for site in ("input", "hidden")} for index, recipe in plan.layers.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from ..hf import EvalSettings, inspect_model
     from ..hf.capture import read_text, require_transformers
     from ..plan.candidates import candidate_recipes
-    from ..plan.job import make_plan
+    from ..plan.job import final_round, make_plan
     from ..plan.sensitivity import check_plannable
     from ..plan.target import Objective, Target
     from ..report.plan import plan_markdown
@@ -98,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(out / "plan.json", result)
         write_text(out / "plan.md", plan_markdown(result, command))
         final_dir = tx.final(out)
-    final = result["final"]
+    final = final_round(result)
     e = final["end_to_end"]
     unit = plan.summary["objective_unit"]
     cost = f"{final['cost']:.2f} ms" if unit == "ms" else f"{final['cost'] / 1e6:.2f} MB"

@@ -451,7 +451,9 @@ def quantize_model_layers(
     stem = file_stem or model_file_stem(info)
     by_label = {layer.label: layer for layer in layers}
     rows, qffns = [], {}
-    plan = recipe if hasattr(recipe, "recipe_for") else None  # a per-layer Plan: each layer its own recipe
+    from ..plan.planfile import Plan
+
+    plan = recipe if isinstance(recipe, Plan) else None  # each layer its own recipe
     kw = dict(file_stem=stem, out_artifacts=out_artifacts, onnx=onnx, baseline=onnx, sensitivity=sensitivity,
               latency=latency, smooth_sites=smooth_sites)
     if plan is not None:

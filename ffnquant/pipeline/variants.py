@@ -12,70 +12,50 @@ from ..spec import FFNSpec
 from .config import RunConfig
 from .results import VariantResult, json_num
 
-__all__ = ["recipe_weight_bytes", "score_recipes", "weight_bytes"]
+__all__ = ["matrix_bytes", "recipe_weight_bytes", "score_recipes", "weight_bytes"]
 
 
 def recipe_weight_bytes(spec: FFNSpec, recipe: Recipe) -> int:
     """`weight_bytes` of a recipe: a `+float=SITE` recipe stores that site's matrices in 16 bits (how a float
     fallback is deployed) and the others in the scheme's format."""
-    scheme = recipe.resolve()
-    if recipe.keep_float is None:
-        return weight_bytes(spec, scheme)
     quantized, _ = recipe.quantized_parts(spec)
-    floats = [w for w in spec.weight_names if w not in quantized]
-    # the scheme's bytes of the quantized matrices alone: the whole FFN's less the float ones' share
-    whole = weight_bytes(spec, scheme)
-    float_share = sum(weight_bytes(_one_matrix(spec, w), scheme) - 4 * _bias_params(spec, w) for w in floats)
-    return whole - float_share + sum(2 * spec.weight_shapes[w][0] * spec.weight_shapes[w][1] for w in floats)
-
-
-def _one_matrix(spec: FFNSpec, weight: str) -> Any:
-    """A stand-in with `spec`'s interface holding one weight matrix (for its share of `weight_bytes`)."""
-    from types import SimpleNamespace
-
-    n_out, n_in = spec.weight_shapes[weight]
-    return SimpleNamespace(n_weight_params=n_out * n_in, n_bias_params=_bias_params(spec, weight),
-                           weight_shapes={weight: (n_out, n_in)}, n_matrices=1)
-
-
-def _bias_params(spec: FFNSpec, weight: str) -> int:
-    return spec.weight_shapes[weight][0] if spec.bias else 0
+    scheme = recipe.resolve()
+    return 4 * spec.n_bias_params + sum(
+        matrix_bytes(n_out, n_in, scheme) if name in quantized or not scheme.quantizes_weights else 2 * n_out * n_in
+        for name, (n_out, n_in) in spec.weight_shapes.items())
 
 
 def weight_bytes(spec: FFNSpec, scheme: Any) -> int:
     """Stored bytes of the weight matrices in the scheme's format, with their scales (and zero points),
-    plus fp32 biases: the size the deployed weights carry (artifact files add graph overhead).
+    plus fp32 biases: the size the deployed weights carry (artifact files add graph overhead)."""
+    return 4 * spec.n_bias_params + sum(matrix_bytes(n_out, n_in, scheme) for n_out, n_in in spec.weight_shapes.values())
+
+
+def matrix_bytes(n_out: int, n_in: int, scheme: Any) -> int:
+    """Stored bytes of one [n_out, n_in] weight matrix in the scheme's format, with its scales (and zero points).
 
     Group scales count 4 bytes: the MatMulNBits artifacts store float32 scales and bitsandbytes keeps
     float32 absmax per block; 4-bit zero points pack two per byte along each row's blocks.
 
-    A group that does not divide a matrix's input width K is stored padded, as the artifact holds
-    it: int4 groups pad each row to ceil(K / g) * g codes (one scale, one zero point per padded
-    group); bitsandbytes' blocks run over the flattened matrix, so nf4/fp4 pay only a last
-    partial block per matrix (ceil(out * K / g) absmax values, ceil(out * K / 2) code bytes)."""
+    A group that does not divide the input width K is stored padded, as the artifact holds it: int4
+    groups pad each row to ceil(K / g) * g codes (one scale, one zero point per padded group);
+    bitsandbytes' blocks run over the flattened matrix, so nf4/fp4 pay only a last partial block
+    (ceil(out * K / g) absmax values, ceil(out * K / 2) code bytes)."""
     wd = scheme.weight_dtype
-    n_w = spec.n_weight_params
-    bias = 4 * spec.n_bias_params
+    n = n_out * n_in
     if wd.is_float:
-        return n_w * wd.bits // 8 + bias
-    shapes = list(spec.weight_shapes.values())  # [out, in] per matrix
+        return n * wd.bits // 8
     gran = scheme.weight_granularity.value
     if gran == "per_group":
         g = scheme.group_size
         if wd.value in ("nf4", "fp4"):
-            code_bytes = sum(math.ceil(n_out * n_in * wd.bits / 8) for n_out, n_in in shapes)
-            return code_bytes + 4 * sum(math.ceil(n_out * n_in / g) for n_out, n_in in shapes) + bias
-        blocks = [(n_out, math.ceil(n_in / g)) for n_out, n_in in shapes]
-        code_bytes = sum(n * math.ceil(b * g * wd.bits / 8) for n, b in blocks)  # each row padded to b * g codes
-        scale_bytes = 4 * sum(n * b for n, b in blocks)
-        zp_bytes = 0 if scheme.weight_symmetric else sum(n * math.ceil(b / 2) for n, b in blocks)
-        return code_bytes + scale_bytes + zp_bytes + bias
-    elif gran == "per_channel":
-        out_channels = sum(n_out for n_out, _ in shapes)
-        scale_bytes, zp_bytes = 4 * out_channels, 0 if scheme.weight_symmetric else out_channels
-    else:
-        scale_bytes, zp_bytes = 4 * spec.n_matrices, 0
-    return math.ceil(n_w * wd.bits / 8) + scale_bytes + zp_bytes + bias
+            return math.ceil(n * wd.bits / 8) + 4 * math.ceil(n / g)
+        blocks = math.ceil(n_in / g)
+        zp_bytes = 0 if scheme.weight_symmetric else n_out * math.ceil(blocks / 2)
+        return n_out * math.ceil(blocks * g * wd.bits / 8) + 4 * n_out * blocks + zp_bytes
+    if gran == "per_channel":
+        return math.ceil(n * wd.bits / 8) + 4 * n_out + (0 if scheme.weight_symmetric else n_out)
+    return math.ceil(n * wd.bits / 8) + 4
 
 
 def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
+from .sensitivity import fisher_noise
 
 __all__ = ["CANDIDATE_SETS", "candidate_recipes", "CandidateScore", "generalization", "score_layer", "quantize_layer"]
 
@@ -108,8 +109,6 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
         q = outcome.result.qmodel
         with torch.no_grad():
             got = run_batched(q, calib)
-        from .sensitivity import fisher_noise
-
         noise = float((got.double() - ref.double()).square().sum())
         scores.append(CandidateScore(
             str(recipe), layer_sqnr_db=outcome.result.accuracy.sqnr_db, search_noise=noise,

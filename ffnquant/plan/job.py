@@ -31,14 +31,19 @@ from ..recipe import Recipe
 from .candidates import candidate_recipes, generalization, quantize_layer, score_layer
 from .planfile import Plan, model_fingerprint
 from .search import Option, pareto, solve
-from .sensitivity import SuffixRunner, check_plannable, output_gradients
+from .sensitivity import SuffixRunner, check_plannable, fisher_noise, output_gradients
 from .target import Objective, Target
 
-__all__ = ["PROBES", "make_plan", "next_safety"]
+__all__ = ["PROBES", "final_round", "make_plan", "next_safety"]
 
 Progress = Callable[[str, int, int], None]
 # Measured per layer to fit the prediction's scale: a mild and a strong error, both common choices.
 PROBES = ("w8a8-dynamic-s8", "w4a16-g128")
+
+
+def final_round(result: dict[str, Any]) -> dict[str, Any]:
+    """The verification round a `make_plan` result's plan comes from."""
+    return result["rounds"][result["final_round"] - 1]
 
 
 def next_safety(safety: float, met: bool, spent: float | None, spent_search: float | None, budget: float,
@@ -67,7 +72,8 @@ def _fit(points: Sequence[tuple[float, float]]) -> float:
     return max(0.0, num / den) if den > 0 else 0.0
 
 
-def _ort_floor(layer: Any, calib: torch.Tensor, held: torch.Tensor, rows: list[dict[str, Any]], settings: Any):
+def _ort_floor(layer: Any, calib: torch.Tensor, held: torch.Tensor, recipes: Sequence[Recipe], rows: list[dict[str, Any]],
+               settings: Any):
     """onnxruntime's best own quantizer of this layer (quantize_static MinMax / Percentile / Entropy and
     quantize_dynamic, on the same calibration and held-out inputs); every static int8 candidate whose held-out
     layer SQNR falls below it is excluded: a user would do better with onnxruntime's quantizer alone."""
@@ -88,10 +94,10 @@ def _ort_floor(layer: Any, calib: torch.Tensor, held: torch.Tensor, rows: list[d
     best = res.get("best")
     if not best:
         return None
-    for row in rows:
+    for recipe, row in zip(recipes, rows):
         if row.get("error") is not None or "excluded" in row:
             continue
-        scheme = Recipe.parse(row["recipe"]).resolve()
+        scheme = recipe.resolve()
         if scheme.static_activations and scheme.act_dtype.is_integer and row["layer_sqnr_db"] < best["sqnr_db"]:
             row["excluded"] = (f"below onnxruntime's best own quantizer on this layer ({row['layer_sqnr_db']:.1f} dB < "
                                f"{best['sqnr_db']:.1f} dB, {best['method']})")
@@ -148,14 +154,13 @@ def make_plan(
     grads = output_gradients(model, info, [l.info for l in layers], inputs.calib_batches)
     timings["gradients_s"] = time.perf_counter() - t
 
-    probe_batches, n = [], 0
+    probe_batches, n_probe = [], 0
     for ids in inputs.calib_batches:  # the probes run on the first `probe_tokens` of the search text
-        if n >= probe_tokens:
+        if n_probe >= probe_tokens:
             break
         probe_batches.append(ids)
-        n += int(ids.numel())
+        n_probe += int(ids.numel())
     runner = SuffixRunner(model, info, [l.info for l in layers], probe_batches).record()
-    n_probe = sum(int(ids.numel()) for ids in probe_batches)
 
     latency: dict[str, dict[str, Any]] = {}
     if objective.kind == "latency":
@@ -182,8 +187,6 @@ def make_plan(
             with torch.no_grad():
                 x = calib[:n_probe]
                 ref, got = layer.ffn(x), q(x)
-            from .sensitivity import fisher_noise
-
             fisher = fisher_noise(grads[layer.label][:n_probe], ref, got) / max(1, x.shape[0])
             energy = float((got.double() - ref.double()).square().sum())
             probe_rows.append({"recipe": str(p), "kl": abl.kl, "nll_delta": abl.nll_delta, "hidden_nsr": abl.hidden_nsr,
@@ -213,7 +216,7 @@ def make_plan(
         for r in probe_rows:
             r["predicted_kl"] = kappa * r["fisher_per_token"]
             fit_points.append({"layer": layer.index, **r})
-        ort = _ort_floor(layer, calib, held, rows, settings) if ort_floor and any_static else None
+        ort = _ort_floor(layer, calib, held, recipes, rows, settings) if ort_floor and any_static else None
         per_layer[layer.index] = {"label": layer.label, "kappa": kappa, "rho": rho, "probes": probe_rows,
                                   "candidates": rows, "ort_best": ort}
         del kept
@@ -238,6 +241,7 @@ def make_plan(
     baseline = float_baseline(model, info, inputs.eval_batches)
     search_baseline = float_baseline(model, info, inputs.calib_batches)
     by_index = {layer.index: layer for layer in layers}
+    by_name = {str(r): r for r in recipes}  # the options carry recipe texts; the Recipes were parsed once
     cache: dict[tuple[int, str], Any] = {}
     rounds: list[dict[str, Any]] = []
     safety, met_safety, missed_safety = 1.0, None, None
@@ -256,7 +260,7 @@ def make_plan(
             key = (i, opt.name)
             if key not in cache:
                 layer = by_index[i]
-                cache[key] = quantize_layer(layer, Recipe.parse(opt.name), inputs.calib[layer.label],
+                cache[key] = quantize_layer(layer, by_name[opt.name], inputs.calib[layer.label],
                                             inputs.eval[layer.label], bins=settings.bins)[0]
             qffns[by_index[i].label] = cache[key]
         tick(f"verify round {rnd}: end to end on the search and held-out texts", rnd, max_rounds)
@@ -292,14 +296,12 @@ def make_plan(
     # the layer atlas of the model's FFN ranges (search text), for the plan to be drawn over
     t = time.perf_counter()
     from ..atlas import layer_atlas
-    from ..observe import profile
+    from ..hf.evaluate import calibrate_layers
 
-    tables = {}
-    for layer in layers:
-        x = inputs.calib[layer.label]
-        tables[f"{info.model_type}:{layer.label}"] = profile(layer.ffn, [x[i : i + 1024] for i in range(0, x.shape[0], 1024)],
-                                                            bins=settings.bins)
-    atlas = layer_atlas(tables)
+    chunks = ({layer.label: x[i : i + 1024]} for layer in layers for x in [inputs.calib[layer.label]]
+              for i in range(0, x.shape[0], 1024))
+    tables, _ = calibrate_layers(layers, chunks, settings.bins)
+    atlas = layer_atlas({f"{info.model_type}:{label}": table for label, table in tables.items()})
     timings["atlas_s"] = time.perf_counter() - t
     fp32_cost = sum(next(o.cost for o in options[i] if o.name == "fp32") for i in options)
     singles = []
@@ -309,7 +311,7 @@ def make_plan(
             singles.append({"recipe": name, "cost": sum(next(o.cost for o in options[i] if o.name == name) for i in options),
                             "predicted": sum(next(o.damage for o in options[i] if o.name == name) for i in options)})
     plan = Plan(
-        model_fingerprint(info) | {"path": str(info.path)}, {i: Recipe.parse(o.name) for i, o in chosen.items()},
+        model_fingerprint(info) | {"path": str(info.path)}, {i: by_name[o.name] for i, o in chosen.items()},
         target.name, objective.name,
         {"verified": bool(final["met"]), "rounds": len(rounds),
          "measured_perplexity_ratio": final["end_to_end"].get("perplexity_ratio"),
@@ -324,7 +326,7 @@ def make_plan(
         "calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
         "token_budgets": inputs.budgets, "probe_tokens": n_probe,
         "baseline": baseline, "latency_table": latency, "layers": per_layer, "probe_fit": fit_points,
-        "rounds": rounds, "final_round": final["round"], "final": final, "verified": bool(final["met"]), "plan": plan.to_dict(),
+        "rounds": rounds, "final_round": final["round"], "verified": bool(final["met"]), "plan": plan.to_dict(),
         "fp32_cost": fp32_cost, "single_recipes": singles,
         "pareto_per_layer": {i: [o.name for o in pareto(opts)] for i, opts in options.items()},
         "timings": timings, "atlas": atlas,

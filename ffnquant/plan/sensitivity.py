@@ -16,9 +16,8 @@ Plans need a causal LM whose FFN is one module of each block (Llama, Mistral, Qw
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,23 +38,21 @@ def check_plannable(info: Any) -> None:
             "(llama, mistral, qwen2, gemma, phi3, gpt2); per-recipe evaluation of this model: ffnquant model eval")
 
 
-def _ffn_modules(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, nn.Module]:
+def _ffn_names(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, str]:
+    """Each layer's FFN module name in the loaded model."""
     from ..hf.capture import _module_for
 
     names = [n for n, _ in model.named_modules()]
-    return {layer.index: _module_for(model, info, layer, names)[1] for layer in layers}
+    return {layer.index: _module_for(model, info, layer, names)[0] for layer in layers}
+
+
+def _ffn_modules(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, nn.Module]:
+    return {i: model.get_submodule(name) for i, name in _ffn_names(model, info, layers).items()}
 
 
 def _block_modules(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, nn.Module]:
     """The decoder block holding each layer's FFN (the FFN module's parent)."""
-    from ..hf.capture import _module_for
-
-    names = [n for n, _ in model.named_modules()]
-    out = {}
-    for layer in layers:
-        name, _ = _module_for(model, info, layer, names)
-        out[layer.index] = model.get_submodule(name.rsplit(".", 1)[0])
-    return out
+    return {i: model.get_submodule(name.rsplit(".", 1)[0]) for i, name in _ffn_names(model, info, layers).items()}
 
 
 def _nll_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

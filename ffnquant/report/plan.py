@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..plan.job import final_round
 from ..render import fmt, fmt_bytes, markdown_table
 
 __all__ = ["plan_markdown"]
@@ -19,7 +20,7 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     """Markdown of `plan.job.make_plan`'s result."""
     m, plan = data["model"], data["plan"]
     unit = plan["summary"]["objective_unit"]
-    final = data["final"]
+    final = final_round(data)
     e, base = final["end_to_end"], data["baseline"]
     lines = [f"# ffnquant plan: {m['path']} for {data['target']}, least {data['objective']}", ""]
     if command:
