@@ -372,31 +372,30 @@ class _Reader:
         self._i = 0
 
 
-def ort_default_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, calib_batches: Sequence[torch.Tensor]) -> Path:
-    """onnxruntime's quantize_static with its defaults (QDQ, MinMax, QUInt8 activations, QInt8 weights), per_channel=True."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static, CalibrationMethod
+def ort_default_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, calib_batches: Sequence[torch.Tensor],
+                       calibrate: str = "minmax") -> Path:
+    """onnxruntime's quantize_static with its defaults (QDQ, QUInt8 activations, QInt8 weights), per_channel=True,
+    and its calibration method `calibrate` (minmax, its default; percentile, entropy: `ortbaseline`)."""
+    import io
+
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     class Reader(_Reader, CalibrationDataReader):
         pass
 
-    # quantize_static logs a "consider pre-processing" warning on the root logger every call;
-    # it is advice for image models, not a fact about this one.
+    method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+              "entropy": CalibrationMethod.Entropy}[calibrate]
+    # quantize_static logs a "consider pre-processing" warning on the root logger every call (advice for image
+    # models, not a fact about this one) and the histogram calibrators print progress: a library prints nothing.
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)
     with contextlib.ExitStack() as stack:
         stack.callback(root.setLevel, level)
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         tmp = stack.enter_context(atomic_path(out_path))
-        quantize_static(
-            str(fp32_path),
-            str(tmp),
-            Reader(calib_batches),
-            quant_format=QuantFormat.QDQ,
-            per_channel=True,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            calibrate_method=CalibrationMethod.MinMax,
-        )
+        quantize_static(str(fp32_path), str(tmp), Reader(calib_batches), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=method)
         import onnx
 
         onnx.checker.check_model(str(tmp), full_check=True)

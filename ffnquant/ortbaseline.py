@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .atomic import atomic_path
-from .onnxquant import _Reader, ort_session, run_onnx
+from .onnxquant import ort_default_static, ort_session, run_onnx
 
 __all__ = ["ORT_METHODS", "ORT_BASELINE_METHODS", "ort_quantize", "ort_baselines", "versus_ort", "compare_with_ort"]
 
@@ -79,18 +79,13 @@ def ort_quantize(fp32_path: str | os.PathLike, out_path: str | os.PathLike, meth
     tokens 3 GB), checked against the free memory first. They also need batches of one shape (#18792: they
     `np.asarray` the list of batches), so they get the calibration tokens as one batch.
     """
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_dynamic, quantize_static)
+    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from .errors import unknown_choice
     from .resources import check_memory
 
     if method not in ORT_METHODS:
         raise unknown_choice("onnxruntime quantization method", method, ORT_METHODS)
-
-    class Reader(_Reader, CalibrationDataReader):
-        pass
-
     batches = list(calib_batches)
     if method in ("percentile", "entropy") and batches:
         total, largest = _floats_per_token(fp32_path)
@@ -98,14 +93,10 @@ def ort_quantize(fp32_path: str | os.PathLike, out_path: str | os.PathLike, meth
         check_memory(n * (total + 2 * largest) * 4, f"onnxruntime's {method} calibration of {n} tokens",
                      "give it fewer calibration tokens", "to hold every activation")
         batches = [torch.cat([b.reshape(-1, b.shape[-1]) for b in batches])]
+    if method != "dynamic":
+        return ort_default_static(fp32_path, out_path, batches, calibrate=method)
     with _quiet_ort_quantizer(), atomic_path(out_path) as tmp:
-        if method == "dynamic":
-            quantize_dynamic(str(fp32_path), str(tmp), per_channel=True, weight_type=QuantType.QInt8)
-        else:
-            calibrate = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
-                         "entropy": CalibrationMethod.Entropy}[method]
-            quantize_static(str(fp32_path), str(tmp), Reader(batches), quant_format=QuantFormat.QDQ, per_channel=True,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=calibrate)
+        quantize_dynamic(str(fp32_path), str(tmp), per_channel=True, weight_type=QuantType.QInt8)
         import onnx
 
         onnx.checker.check_model(str(tmp), full_check=True)
