@@ -9,7 +9,7 @@ from ..errors import FFNQuantError
 from ..spec import FFNSpec, Variant, parse_variants
 
 __all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments",
-           "TextFiles", "token_notes", "add_text_arguments"]
+           "TextFiles", "token_notes", "add_text_arguments", "StageBars"]
 
 
 def positive_int(text: str) -> int:
@@ -130,3 +130,36 @@ def format_default(value) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
+
+
+class StageBars:
+    """Progress of `quantize --model` and `plan` on stderr: one rich bar per stage (capture, quantize layers, end to end,
+    ablation), fed by the library's `progress(message, done, total)` callbacks ('stage: detail'). Started
+    by the first report, so input errors, which come before any work, print as one clean line."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._bar = None
+        self._tasks: dict[str, int] = {}
+
+    def __call__(self, message: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("[bold]{task.fields[stage]}[/]"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
+            self._bar.start()
+        stage, _, detail = message.partition(": ")
+        if stage not in self._tasks:
+            self._tasks[stage] = self._bar.add_task(detail, total=total, stage=stage)
+        self._bar.update(self._tasks[stage], completed=done, total=total, description=detail)
+
+    def close(self, ok: bool = True) -> None:
+        if self._bar is not None:
+            if not ok:
+                self._bar.live.transient = True  # after an error, its one line is all stderr shows
+            self._bar.stop()
+            self._bar = None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..atomic import OutputTransaction, write_json, write_text
 from ..render import fmt
-from .common import add_text_arguments, positive_int
+from .common import StageBars, add_text_arguments, positive_int
 
 NAME = "plan"
 HELP = "choose a recipe per FFN layer that meets an end-to-end target (ppl+1%, sqnr>=30) at the least latency or bytes, and verify it"
@@ -58,7 +58,6 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.sensitivity import check_plannable
     from ..plan.target import Objective, Target
     from ..report.plan import plan_markdown
-    from .quantize import _StageBars
 
     # every input error before any work: target, objective, model, candidates, texts
     target = Target.parse(args.target)
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     read_text(args.eval_text, "evaluation")
     settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens, ablation=False)
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
-    bars = _StageBars(enabled=not args.no_progress)
+    bars = StageBars(enabled=not args.no_progress)
     with OutputTransaction() as tx:
         out = tx.folder(args.out)
         try:

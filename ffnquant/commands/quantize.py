@@ -11,7 +11,7 @@ from ..errors import FFNQuantError
 from ..recipe import GRAMMAR, Recipe
 from ..render import fmt, text_table
 from ..report.quantize import quantize_markdown, quantize_model_markdown
-from .common import add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes
+from .common import StageBars, add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes
 
 NAME = "quantize"
 HELP = "quantize FFN variants (int8 / 4-bit / fp8) with calibration and remedies; write ONNX artifacts and an accuracy report"
@@ -152,39 +152,6 @@ def _check_model(args: argparse.Namespace, recipe: Recipe | None, info=None):
     return info
 
 
-class _StageBars:
-    """Progress of `quantize --model` on stderr: one rich bar per stage (capture, quantize layers, end to end,
-    ablation), fed by the library's `progress(message, done, total)` callbacks ('stage: detail'). Started
-    by the first report, so input errors, which come before any work, print as one clean line."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self._bar = None
-        self._tasks: dict[str, int] = {}
-
-    def __call__(self, message: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self._bar is None:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._bar = Progress(TextColumn("[bold]{task.fields[stage]}[/]"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
-            self._bar.start()
-        stage, _, detail = message.partition(": ")
-        if stage not in self._tasks:
-            self._tasks[stage] = self._bar.add_task(detail, total=total, stage=stage)
-        self._bar.update(self._tasks[stage], completed=done, total=total, description=detail)
-
-    def close(self, ok: bool = True) -> None:
-        if self._bar is not None:
-            if not ok:
-                self._bar.live.transient = True  # after an error, its one line is all stderr shows
-            self._bar.stop()
-            self._bar = None
-
-
 def _capture_model(args: argparse.Namespace, info, progress=None):
     """The selected FFN layers and their calibration and held-out inputs (model run or captured files)."""
     from ..hf import EvalSettings, capture_layer_inputs, load_ffn_layers
@@ -237,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         info = _check_model(args, recipe) if args.model else None
     specs, sites, source = _validate(args, recipe) if args.plan is None else ([], None, None)
     rows = []
-    bars = _StageBars(enabled=not args.no_progress)
+    bars = StageBars(enabled=not args.no_progress)
     try:
         outputs = _quantize_all(args, recipe, info, specs, sites, source, rows, bars)
     except BaseException:
