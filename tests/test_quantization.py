@@ -205,3 +205,54 @@ def test_metrics_on_a_hand_built_pair():
     assert math.isclose(cosine(ref, got), (9 + 18) / (5 * math.hypot(3, 4.5)), rel_tol=1e-9)
     acc = accuracy_of(ref[None], got[None])
     assert acc.max_abs_error == 0.5 and sqnr_db(ref, ref) == 200.0
+
+
+# --- the grid a quantized weight lies on (what deployment formats store) ------------------------
+
+_GRID_PRESETS = ["w8a8", "w8a16", "w4a16-g32", "w4a16-g32-asym", "w4a16-g128", "w4a16-g32-gptq", "fp8-e4m3",
+                 "fp8-e4m3-pc"]
+
+
+@pytest.mark.parametrize("preset", _GRID_PRESETS)
+def test_weight_grid_reproduces_the_dequantized_weight_exactly(preset):
+    """(code - zero_point) * scale on the grid's signed range gives back quantize_weight's image bit for bit; the
+    codes a format derives as round(w / scale) + zero_point are integers on that range (a 200-wide input pads
+    the last group of 128 and of 32 is exact)."""
+    from ffnquant.fakequant import quantize_weight, weight_grid
+    from ffnquant.schemes import get_scheme
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 200, generator=gen) * 0.05
+    x = torch.randn(300, 200, generator=gen)
+    scheme = get_scheme(preset)
+    deq, grid = weight_grid(w, scheme, (x.T @ x).double())
+    assert torch.equal(deq, quantize_weight(w, scheme, (x.T @ x).double()))
+    scale = grid.scale
+    if grid.granularity == "per_group":  # [out, groups] -> per column, cropped to the real width
+        scale = scale.repeat_interleave(grid.group_size, dim=1)[:, : w.shape[1]]
+    if grid.kind == "fp8":
+        assert torch.equal((deq / scale).to(torch.float8_e4m3fn).float() * scale, deq)
+        return
+    zp = grid.zero_point
+    if grid.granularity == "per_group":
+        zp = zp.repeat_interleave(grid.group_size, dim=1)[:, : w.shape[1]]
+    codes = torch.round(deq / scale) + zp
+    assert codes.min() >= grid.qmin and codes.max() <= grid.qmax
+    assert torch.equal((codes - zp.float()) * scale, deq)
+    if grid.symmetric:  # no zero point stored: it must be 0 everywhere
+        assert (grid.zero_point == 0).all()
+
+
+@pytest.mark.parametrize("preset", ["fp32", "fp16", "nf4", "w4a16-g32-hqq"])
+def test_formats_without_an_integer_grid_say_so(preset):
+    from ffnquant.fakequant import weight_grid
+    from ffnquant.schemes import get_scheme
+
+    assert weight_grid(torch.randn(8, 64), get_scheme(preset))[1] is None
+
+
+def test_quantize_model_records_each_quantized_weights_grid():
+    model = build(FFNSpec(Variant.SWIGLU, 32, 64), seed=0)
+    q = quantize_model(model, "w4a16-g32")
+    assert set(q.weight_grids) == {"w_up", "w_gate", "w_down"}
+    assert q.weight_grids["w_down"].scale.shape == (32, 2)
