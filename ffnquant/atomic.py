@@ -36,7 +36,7 @@ from .errors import FFNQuantError
 
 __all__ = [
     "ensure_writable_dir", "atomic_path", "write_bytes", "write_text", "write_json",
-    "OutputTransaction", "sweep_stale", "is_output_failure", "STALE_AGE_S",
+    "OutputTransaction", "sweep_stale", "is_output_failure", "STALE_AGE_S", "check_new_folder", "staged_folder",
 ]
 
 # Leftovers without a live owner we can check are removed once they are this old.
@@ -462,3 +462,63 @@ class OutputTransaction:
         else:
             what = "the outputs in " + ", ".join(repr(str(t)) for t, _ in self._stages.values())
         return FFNQuantError(f"cannot write {what}: {exc.strerror or exc}; no output file was changed")
+
+
+# --- a whole folder, written beside its target and renamed into place ----------------------------
+
+def check_new_folder(target: str | os.PathLike, force: bool = False) -> Path:
+    """Refuse, before any work, an output folder that cannot be (re)placed: a path that is not a folder, a folder
+    that exists and is not empty (unless `force`), a parent that cannot be written. Returns the target."""
+    target = Path(target)
+    if os.path.lexists(target):
+        if target.is_symlink() or not target.is_dir():
+            raise FFNQuantError(f"output path {str(target)!r} exists and is not a folder")
+        try:
+            empty = not any(os.scandir(target))
+        except OSError as exc:
+            raise FFNQuantError(f"output folder {str(target)!r} cannot be read: {exc.strerror or exc}") from None
+        if not empty and not force:
+            raise FFNQuantError(f"output folder {str(target)!r} exists and is not empty; give another --out or --force "
+                                "to replace it")
+    parent = target.resolve().parent
+    if not parent.is_dir():
+        raise FFNQuantError(f"the folder {str(parent)!r} for output {str(target)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FFNQuantError(f"cannot write output folder {str(target)!r}: {str(parent)!r} is not writable")
+    return target
+
+
+@contextlib.contextmanager
+def staged_folder(target: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Yield an empty staging folder beside `target`; when the block succeeds it becomes `target` by a rename
+    (an existing `target` is replaced only with `force`, or when empty). On an exception or Ctrl-C the staging
+    folder is removed and `target` is exactly as it was. OSErrors of writing become one-line FFNQuantErrors."""
+    target = check_new_folder(target, force)
+    parent = target.resolve().parent
+    sweep_stale(parent)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX + _owner_tag(), dir=parent))
+    except OSError as exc:
+        raise FFNQuantError(f"cannot write in {str(parent)!r}: {exc.strerror or exc}") from None
+    old: Path | None = None
+    try:
+        yield staging
+        mask = os.umask(0)
+        os.umask(mask)
+        with _sigint_deferred():
+            os.chmod(staging, 0o777 & ~mask)  # mkdtemp makes it 0700: give it an ordinary folder's mode
+            if os.path.lexists(target):
+                old = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX + _owner_tag(), dir=parent))
+                os.replace(target, old / "replaced")
+            os.replace(staging, target)
+    except OSError as exc:
+        if old is not None and not os.path.lexists(target) and os.path.lexists(old / "replaced"):
+            os.replace(old / "replaced", target)  # put the user's folder back
+        shutil.rmtree(staging, ignore_errors=True)
+        raise FFNQuantError(f"cannot write output folder {str(target)!r}: {exc.strerror or exc}") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

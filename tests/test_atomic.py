@@ -457,3 +457,70 @@ def test_model_capture_stages_its_files(tmp_path_factory, tmp_path, capsys):
     assert main(argv) == 0
     assert sorted(p.name for p in out.iterdir()) == ["L0.npy", "L1.npy", "notes.bin"]
     assert str(out / "L0.npy") in capsys.readouterr().out
+
+
+# --- staged_folder: a whole folder renamed into place --------------------------------------------
+
+def test_staged_folder_appears_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "model-q"
+    with atomic.staged_folder(target) as stage:
+        (stage / "config.json").write_text("{}")
+        assert not target.exists()
+    assert (target / "config.json").read_text() == "{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["model-q"]
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("bug"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_staged_folder_failure_leaves_the_old_folder_untouched(tmp_path, exc):
+    target = tmp_path / "model-q"
+    target.mkdir()
+    (target / "mine.txt").write_text("user")
+    with pytest.raises(type(exc)):
+        with atomic.staged_folder(target, force=True) as stage:
+            (stage / "config.json").write_text("{}")
+            raise exc
+    assert [p.name for p in target.iterdir()] == ["mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-q"]
+
+
+def test_a_non_empty_folder_needs_force_and_force_replaces_it(tmp_path):
+    target = tmp_path / "model-q"
+    target.mkdir()
+    (target / "old.safetensors").write_text("x")
+    with pytest.raises(FFNQuantError, match="exists and is not empty.*--force"):
+        with atomic.staged_folder(target):
+            pass
+    with atomic.staged_folder(target, force=True) as stage:
+        (stage / "new.safetensors").write_text("y")
+    assert [p.name for p in target.iterdir()] == ["new.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-q"]
+
+
+def test_an_empty_folder_is_replaced_without_force_and_a_file_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with atomic.staged_folder(tmp_path / "empty") as stage:
+        (stage / "a").write_text("1")
+    assert (tmp_path / "empty" / "a").is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FFNQuantError, match="not a folder"):
+        atomic.check_new_folder(tmp_path / "file")
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_parent_is_refused_before_work(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(FFNQuantError, match="not writable"):
+            atomic.check_new_folder(ro / "out")
+    finally:
+        ro.chmod(0o755)
+
+
+def test_a_parent_that_refuses_writes_is_one_line_even_for_root(tmp_path, monkeypatch):
+    """Root writes through mode bits: what a read-only destination reports is checked by faking os.access."""
+    monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)
+    with pytest.raises(FFNQuantError, match=r"cannot write output folder .* is not writable"):
+        atomic.check_new_folder(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
