@@ -3,9 +3,12 @@ user to do something ffnquant does not need (filtered by name and text, never si
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+from typing import Iterator
 
-__all__ = ["quiet_bitsandbytes", "matmul_nbits_quantizer"]
+__all__ = ["quiet_bitsandbytes", "matmul_nbits_quantizer", "quiet_model_io"]
 
 
 # bitsandbytes' CPU backend logs a warning at import when the optional `kernels` package (a Hub
@@ -57,3 +60,33 @@ def matmul_nbits_quantizer():
     root.setLevel(level)
     logging.getLogger(module.__name__).setLevel(logging.WARNING)
     return module
+
+
+@contextlib.contextmanager
+def quiet_model_io() -> Iterator[None]:
+    """Progress bars and info logs of transformers and compressed-tensors kept off the terminal while ffnquant
+    writes or loads a model folder (ffnquant's commands show their own progress). compressed-tensors draws tqdm
+    bars it has no switch for, so the block's stderr is captured; its loguru logger and transformers' progress
+    bar are switched off and restored afterwards. Exceptions still propagate with their messages."""
+    restore_bar = False
+    try:
+        import transformers.utils.logging as tl
+
+        restore_bar = tl.is_progress_bar_enabled()
+        tl.disable_progress_bar()
+    except ImportError:
+        tl = None
+    try:
+        from loguru import logger as loguru_logger
+    except ImportError:
+        loguru_logger = None
+    if loguru_logger is not None:
+        loguru_logger.disable("compressed_tensors")
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        if tl is not None and restore_bar:
+            tl.enable_progress_bar()
+        if loguru_logger is not None:
+            loguru_logger.enable("compressed_tensors")

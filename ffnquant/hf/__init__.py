@@ -32,6 +32,7 @@ from .evaluate import (
     calibrate_layers,
     calibrate_model,
     capture_layer_inputs,
+    compare_models,
     end_to_end,
     evaluate_layers_from_files,
     evaluate_model,
@@ -39,6 +40,7 @@ from .evaluate import (
     model_file_stem,
     quantize_layers,
     quantize_model_layers,
+    quantized_layers,
 )
 
 __all__ = [
@@ -77,5 +79,7 @@ __all__ = [
     "float_baseline",
     "quantize_layers",
     "quantize_model_layers",
+    "quantized_layers",
+    "compare_models",
     "model_file_stem",
 ]

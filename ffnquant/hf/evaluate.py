@@ -423,6 +423,79 @@ def end_to_end(
     return {"baseline": baseline, "end_to_end": e2e, "ablation": ablation, "worst_layers_end_to_end": worst}
 
 
+def compare_models(reference: Any, candidate: Any, info: ModelInfo, evals: Sequence[torch.Tensor],
+                   candidate_run: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """`end_to_end`'s figures for a whole other model (a deployed folder loaded back, an ONNX graph): the final
+    hidden state's SQNR/cosine against `reference` and, for causal LMs, both perplexities on `evals`.
+
+    `candidate_run(ids) -> (logits, final hidden)` runs a candidate that is not a transformers model
+    (`candidate` is then unused)."""
+    hidden, nll_ref, nll = ErrorStats(), _NLL(), _NLL()
+    causal = info.kind is ModelKind.CAUSAL_LM
+    for ids in evals:
+        ref = _run(reference, info, ids)
+        if candidate_run is not None:
+            logits, final = candidate_run(ids)
+        else:
+            out = _run(candidate, info, ids)
+            logits, final = out.logits, _final_hidden(info, out)
+        hidden.update(_final_hidden(info, ref), final)
+        if causal:
+            nll_ref.update(ref.logits, ids)
+            nll.update(logits, ids)
+    out = {"hidden_sqnr_db": hidden.sqnr_db, "hidden_cosine": hidden.cosine,
+           "n_tokens": sum(int(b.numel()) for b in evals)}
+    if causal:
+        out.update(baseline_perplexity=nll_ref.perplexity, perplexity=nll.perplexity,
+                   perplexity_ratio=nll.perplexity / nll_ref.perplexity)
+    return out
+
+
+def quantized_layers(
+    info: ModelInfo,
+    layers: Sequence[HFLayer],
+    inputs: LayerInputs,
+    recipe: Any,
+    *,
+    smooth_sites: Sequence[str] | None = None,
+    out_artifacts: str | os.PathLike | None = None,
+    onnx: bool = True,
+    latency: bool = False,
+    sensitivity: bool = True,
+    file_stem: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each FFN of `layers` quantized under one `recipe`, or each under its own when `recipe` is a `plan.Plan`:
+    (a JSON-able row per layer, {label: QuantizedFFN}). The rows are `quantize_layers`' results with the
+    layer's name, index and seconds; `progress(message, done, total)` after each layer."""
+    from ..plan.planfile import Plan
+
+    stem = file_stem or model_file_stem(info)
+    by_label = {layer.label: layer for layer in layers}
+    rows, qffns = [], {}
+    plan = recipe if isinstance(recipe, Plan) else None  # each layer its own recipe
+    kw = dict(file_stem=stem, out_artifacts=out_artifacts, onnx=onnx, baseline=onnx, sensitivity=sensitivity,
+              latency=latency, smooth_sites=smooth_sites)
+    if plan is not None:
+        outcomes = (o for layer in layers for o in quantize_layers([layer], [plan.recipe_for(layer.index)], inputs, **kw))
+    else:
+        outcomes = quantize_layers(layers, [recipe], inputs, **kw)
+    t_layer = time.perf_counter()
+    for outcome in outcomes:
+        layer, res = by_label[outcome.label], outcome.result
+        data = res.to_dict()
+        data.pop("environment", None)  # once per report, not per layer
+        now = time.perf_counter()
+        rows.append({"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
+                     "inputs_borrowed": inputs.borrowed.get(layer.label), "seconds": now - t_layer, **data})
+        t_layer = now
+        qffns[layer.label] = res.qmodel
+        del outcome, res
+        if progress is not None:
+            progress(f"quantize layers: {layer.label}", len(rows), len(layers))
+    return rows, qffns
+
+
 def quantize_model_layers(
     info: ModelInfo,
     layers: Sequence[HFLayer],
@@ -448,31 +521,12 @@ def quantize_model_layers(
     layer ('quantize layers: L3') and each end-to-end batch and ablation run (`end_to_end`); nothing prints.
     With `settings.ablation` False the per-layer end-to-end runs are skipped.
     """
-    stem = file_stem or model_file_stem(info)
-    by_label = {layer.label: layer for layer in layers}
-    rows, qffns = [], {}
     from ..plan.planfile import Plan
 
-    plan = recipe if isinstance(recipe, Plan) else None  # each layer its own recipe
-    kw = dict(file_stem=stem, out_artifacts=out_artifacts, onnx=onnx, baseline=onnx, sensitivity=sensitivity,
-              latency=latency, smooth_sites=smooth_sites)
-    if plan is not None:
-        outcomes = (o for layer in layers for o in quantize_layers([layer], [plan.recipe_for(layer.index)], inputs, **kw))
-    else:
-        outcomes = quantize_layers(layers, [recipe], inputs, **kw)
-    t_layer = time.perf_counter()
-    for outcome in outcomes:
-        layer, res = by_label[outcome.label], outcome.result
-        data = res.to_dict()
-        data.pop("environment", None)  # once per report, not per layer
-        now = time.perf_counter()
-        rows.append({"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
-                     "inputs_borrowed": inputs.borrowed.get(layer.label), "seconds": now - t_layer, **data})
-        t_layer = now
-        qffns[layer.label] = res.qmodel
-        del outcome, res
-        if progress is not None:
-            progress(f"quantize layers: {layer.label}", len(rows), len(layers))
+    plan = recipe if isinstance(recipe, Plan) else None
+    rows, qffns = quantized_layers(info, layers, inputs, recipe, smooth_sites=smooth_sites, out_artifacts=out_artifacts,
+                                   onnx=onnx, latency=latency, sensitivity=sensitivity, file_stem=file_stem,
+                                   progress=progress)
     first = rows[0]
     e2e: dict[str, Any]
     if inputs.model is None or not inputs.eval_batches:
