@@ -13,7 +13,7 @@ __all__ = ["package_versions", "environment"]
 
 _PACKAGES = (
     "ffnquant", "torch", "triton", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "bitsandbytes", "numpy",
-    "transformers",
+    "transformers", "compressed-tensors",
 )
 
 

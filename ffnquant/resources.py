@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Sequence
 
 from .errors import FFNQuantError
 

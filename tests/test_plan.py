@@ -287,6 +287,9 @@ def test_export_writes_the_planned_artifacts_and_a_manifest(tiny, planned, tmp_p
         # the artifact computes the reference: same grids, float accumulation order only
         assert abs(m["sqnr_db_onnx"] - m["sqnr_db_torch"]) < 0.5
     assert manifest["end_to_end"]["status"] == "ok"
+    # and the whole model as one graph, scored on onnxruntime against the same reference
+    doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    assert (out / "model.onnx").is_file() and doc["graph"]["score"]["meets_tolerance"]
 
 
 @pytest.mark.hf

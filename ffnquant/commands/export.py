@@ -11,69 +11,155 @@ from ..render import text_table
 from .common import add_spec_arguments, add_text_arguments, specs_from_args
 
 NAME = "export"
-HELP = "export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, a model's planned quantized FFN layers"
+HELP = ("export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, "
+        "the model quantized as planned, as ONNX or as a compressed-tensors folder that transformers and vLLM load")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_spec_arguments(parser)
-    parser.add_argument("--out", default="export", help="output folder (default export/)")
+    parser.add_argument("--out", default=None, help="output folder: export/ if omitted; required with --model")
     parser.add_argument("--dtypes", default="fp32,fp16", help="comma-separated: fp32, fp16 (default fp32,fp16)")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset, >= 17 (default {DEFAULT_OPSET})")
-    group = parser.add_argument_group("a model's FFN layers as planned (ffnquant plan)")
+    group = parser.add_argument_group("a model quantized as planned (ffnquant plan)")
     group.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face model folder; needs --plan")
     group.add_argument("--plan", default=None, metavar="FILE", help="plan.toml from `ffnquant plan`: a recipe per layer")
-    add_text_arguments(group, "calibration text for the static ranges", "held-out text the manifest's SQNR is measured on")
+    group.add_argument("--format", default=None, metavar="NAME",
+                       help="onnx (default: per-layer artifacts, manifest.json and the whole-model graph) or "
+                            "compressed-tensors (a Hugging Face folder transformers and vLLM load)")
+    group.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    add_text_arguments(group, "calibration text for the static ranges (the plan's)",
+                       "held-out text the deployed model is checked on", eval_tokens=4096)
+
+
+def _layer_rows(planned, folder: Path) -> list[dict]:
+    rows = []
+    for r in planned.rows:
+        art = r.get("artifact") or {}
+        rows.append({"index": r["index"], "label": r["label"], "recipe": r["recipe"],
+                     "file": Path(art["path"]).name if art.get("path") else None,
+                     "why_no_file": None if art.get("path") else art.get("note"),
+                     "inputs": ["input"], "outputs": ["output"], "input_shape": ["batch", "seq", planned.info.spec.d_model],
+                     "sqnr_db_torch": r["accuracy_torch"]["sqnr_db"],
+                     "sqnr_db_onnx": (art.get("accuracy_onnx") or {}).get("sqnr_db")})
+    return rows
 
 
 def _export_plan(args: argparse.Namespace) -> int:
-    """Each FFN layer of the model quantized with its planned recipe as an ONNX artifact in --out, with
-    manifest.json (layer -> file, recipe, input/output names, measured SQNR) and the end-to-end figures."""
-    from ..atomic import write_json
+    """The model quantized as the plan says, into --out as one format (`deploy.formats`), with the document
+    (`ffnquant-deploy.json`/`.md`) that says what was written and what it measures; nothing half-written."""
+    import shlex
+    import time
+
+    from ..atomic import check_new_folder, staged_folder, write_json, write_text
+    from ..deploy import build_planned_model, deployable_refusal
+    from ..deploy.formats import get_format
     from ..envinfo import environment
     from ..errors import FFNQuantError
-    from ..hf import EvalSettings, capture_layer_inputs, inspect_model, load_ffn_layers, model_file_stem, quantize_model_layers
+    from ..hf import inspect_model, model_file_stem
     from ..hf.capture import read_text, require_transformers
     from ..plan import load_plan
+    from ..plan.sensitivity import check_plannable
+    from ..report.deploy import deploy_markdown
 
     if args.plan is None or args.model is None:
         raise FFNQuantError("--model and --plan go together: export writes a model's FFN layers as its plan says")
+    if args.out is None:
+        raise FFNQuantError("--out is required with --model: the folder the quantized model is written to")
+    fmt = get_format(args.format or "onnx")
     info = inspect_model(args.model)
     plan = load_plan(args.plan, info)
+    whole = True
+    graph_why = None
+    if fmt == "compressed-tensors":
+        from ..deploy import ctensors
+
+        check_plannable(info)
+        for why in (deployable_refusal(info), None if ctensors.ctensors_available()[0] else ctensors.ctensors_available()[1],
+                    ctensors.plan_refusal(plan, info)):
+            if why is not None:
+                raise FFNQuantError(why)
+    else:
+        from ..deploy import onnx_model
+
+        graph_why = deployable_refusal(info) or onnx_model.graph_refusal(info)
+        whole = graph_why is None
     require_transformers()
     read_text(args.text, "calibration")
     read_text(args.eval_text, "evaluation")
-    layers = [l for l in load_ffn_layers(info, "all") if l.index in plan.layers]
-    settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens, ablation=False)
-    with OutputTransaction() as tx:
-        out = tx.folder(args.out)
-        inputs = capture_layer_inputs(info, layers, text=args.text, eval_text=args.eval_text,
-                                      calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens, settings=settings)
-        data = quantize_model_layers(info, layers, inputs, plan, out_artifacts=out, onnx=True, sensitivity=False,
-                                     settings=settings, file_stem=model_file_stem(info))
-        manifest = {
-            "model": data["model"], "plan": plan.to_dict(), "plan_file": str(args.plan),
-            "layers": [{"index": r["index"], "label": r["label"], "recipe": r["recipe"],
-                        "file": Path(tx.final(r["artifact"]["path"])).name if (r.get("artifact") or {}).get("path") else None,
-                        "why_no_file": None if (r.get("artifact") or {}).get("path") else (r.get("artifact") or {}).get("note"),
-                        "inputs": ["input"], "outputs": ["output"], "input_shape": ["batch", "seq", info.spec.d_model],
-                        "sqnr_db_torch": r["accuracy_torch"]["sqnr_db"],
-                        "sqnr_db_onnx": ((r.get("artifact") or {}).get("accuracy_onnx") or {}).get("sqnr_db")}
-                       for r in data["layers"]],
-            "end_to_end": data["end_to_end"], "evaluation": data["evaluation"]["source"],
-            "environment": environment(),
-        }
-        write_json(out / "manifest.json", manifest)
-        final = tx.final(out / "manifest.json")
-    rows = [(m["label"], m["recipe"], m["file"] or f"- ({m['why_no_file']})", m["sqnr_db_torch"], m["sqnr_db_onnx"])
-            for m in manifest["layers"]]
-    print(text_table(["layer", "recipe", "file", "SQNR torch", "SQNR ONNX"], rows))
-    e2e = data["end_to_end"]
-    if e2e.get("status") == "ok":
-        e = e2e["end_to_end"]
-        print(f"end to end (torch reference): perplexity {e2e['baseline'].get('perplexity')} -> {e.get('perplexity')}, "
-              f"final hidden SQNR {e['hidden_sqnr_db']:.2f} dB")
-    print(f"manifest: {final}")
+    check_new_folder(args.out, args.force)
+    command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
+    t0 = time.perf_counter()
+    with staged_folder(args.out, args.force) as folder:
+        planned = build_planned_model(info, plan, text=args.text, eval_text=args.eval_text, calib_tokens=args.calib_tokens,
+                                      eval_tokens=args.eval_tokens, whole_model=whole,
+                                      out_artifacts=folder if fmt == "onnx" else None, file_stem=model_file_stem(info))
+        doc = {"format": fmt, "command": command, "plan_file": str(args.plan), "plan": plan.to_dict(),
+               "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
+               "texts": {k: planned.settings[k] for k in ("calibration", "evaluation")},
+               "reference": planned.reference["end_to_end"], "baseline": planned.reference["baseline"],
+               "layers": _layer_rows(planned, folder)}
+        if fmt == "compressed-tensors":
+            doc["written"] = ctensors.write_folder(planned, folder)
+            doc["proof"] = ctensors.verify_folder(folder, planned, plan.summary.get("measured_perplexity_ratio"))
+            weights = ctensors.folder_bytes(folder)
+        else:
+            write_json(folder / "manifest.json", {"model": doc["model"], "plan": doc["plan"], "plan_file": str(args.plan),
+                                                  "layers": doc["layers"],
+                                                  "end_to_end": {"status": "ok", "reason": None, **planned.reference},
+                                                  "evaluation": doc["texts"]["evaluation"], "environment": environment()})
+            doc["graph"] = ({"status": "ok", **onnx_model.write_model_graph(planned, folder)} if whole
+                            else {"status": "skipped", "reason": graph_why})
+            # the whole graph when written, else the planned per-layer artifacts (not the baselines beside them)
+            graph_file = folder / "model.onnx"
+            weights = graph_file.stat().st_size if whole else sum((folder / r["file"]).stat().st_size
+                                                                  for r in doc["layers"] if r["file"])
+        from ..deploy.ctensors import folder_bytes
+
+        doc["sizes"] = {"weights": weights, "float_weights": folder_bytes(info.path)}
+        doc["seconds"] = time.perf_counter() - t0
+        doc["environment"] = environment()
+        write_json(folder / "ffnquant-deploy.json", doc)
+        write_text(folder / "ffnquant-deploy.md", deploy_markdown(doc))
+    _print_deploy(doc, Path(args.out))
+    if fmt == "compressed-tensors" and not doc["proof"]["proven"]:
+        print("NOT PROVEN: the folder does not reproduce the measured model (see ffnquant-deploy.md)")
+        return 1
     return 0
+
+
+def _print_deploy(doc: dict, out: Path) -> None:
+    rows = [(m["label"], m["recipe"], m["sqnr_db_torch"], m.get("file") or "-") for m in doc["layers"]]
+    print(text_table(["layer", "recipe", "SQNR torch", "file"], rows))
+    ref, base = doc["reference"], doc["baseline"]
+    print(f"ffnquant's torch reference: perplexity {base.get('perplexity'):.4f} -> {ref.get('perplexity'):.4f}, "
+          f"final hidden SQNR {ref['hidden_sqnr_db']:.2f} dB")
+    if doc.get("proof"):
+        proof = doc["proof"]
+        load, w, lay = proof["load"], proof["weights"], proof["layers"]
+        print(f"weights: {w['bit_identical']}/{w['modules']} FFN weights decompressed bit-identical; static input "
+              f"qparams {'equal' if proof['inputs']['all_equal'] else 'DIFFER'}; layers on the same inputs: "
+              f"{lay['bit_identical']}/{lay['layers']} bit-identical, "
+              f"{'all' if lay['all_at_parity'] else 'NOT all'} within rounding ties")
+        print(f"loaded back with transformers: perplexity {load['perplexity']:.4f} "
+              f"({load.get('relative_difference', float('nan')):.1e} relative to the reference), hidden SQNR "
+              f"{load['hidden_sqnr_db']:.2f} dB")
+        if load.get("resolution"):
+            print(f"  beyond the {load['tolerance']:.0e} bound; float32 rounding alone moves this plan's perplexity by up "
+                  f"to {load['resolution']['resolution']:.1e} on this text: "
+                  f"{'within' if load['within_resolution'] else 'BEYOND'} twice that")
+    graph = doc.get("graph") or {}
+    if graph.get("status") == "ok" and graph.get("score"):
+        sc = graph["score"]
+        print(f"whole-model ONNX graph on onnxruntime ({sc['provider']}): perplexity {sc['onnx']['perplexity']:.4f} "
+              f"({100 * sc['perplexity_rel_diff']:+.3f}% against the reference; bound {100 * sc['tolerance']:.1f}%: "
+              f"{'met' if sc['meets_tolerance'] else 'NOT met'})")
+        for n, r in (graph.get("latency") or {}).get("tokens", {}).items():
+            print(f"  {n} tokens: fp32 graph {r['float']['p50_ms']:.2f} ms, quantized {r['quantized']['p50_ms']:.2f} ms "
+                  f"(p50; {r['speedup']:.2f}x)")
+    elif graph:
+        print(f"whole-model ONNX graph: not written ({graph.get('reason')})")
+    print(f"weights {doc['sizes']['weights']:,} bytes against {doc['sizes']['float_weights']:,} for the float folder")
+    print(f"written: {out}/ (ffnquant-deploy.md says what it measures)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model is not None or args.plan is not None:
         return _export_plan(args)
+    if args.format is not None or args.force:
+        raise FFNQuantError("--format and --force apply to --model --plan exports")
+    args.out = args.out or "export"
     specs = specs_from_args(args)  # validate everything before writing anything
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in ("fp32", "fp16")]

@@ -26,13 +26,13 @@ from .capture import (
     text_batches,
     transformers_available,
 )
+from .metrics import compare_models
 from .evaluate import (
     EvalSettings,
     LayerInputs,
     calibrate_layers,
     calibrate_model,
     capture_layer_inputs,
-    compare_models,
     end_to_end,
     evaluate_layers_from_files,
     evaluate_model,

@@ -1,0 +1,454 @@
+"""The planned model as a Hugging Face folder in compressed-tensors' layout, and the proof that it is what was measured.
+
+The folder is what llm-compressor writes and transformers and vLLM load: safetensors whose FFN Linear modules
+carry compressed-tensors' data (int8 weights per output channel with static or per-token int8 activations,
+"int-quantized"; packed 4-bit group weights, "pack-quantized"; fp8, "float-quantized") and a
+`quantization_config` in config.json naming each module's scheme, with every other Linear left float.
+The packing, the parameter names and the config are the `compressed-tensors` library's own: ffnquant sets
+each module's scales and zero points to the grid its weights were quantized on and lets the library compress
+and describe them, so a change in the library's layout follows by itself.
+
+Mapping of ffnquant's numerics (each checked by `verify_folder`):
+- weights: ffnquant's grids (`fakequant.WeightGrid`) are already on compressed-tensors' signed ranges;
+  the library re-derives each code as round(w / scale) + zero_point from the dequantized weight, which returns
+  the code exactly (|code| <= 128, far inside float32's exact integers).
+- static activations: one scale and zero point per site; ffnquant's uint8 zero point z becomes the int8 z - 128
+  (the same values). w_gate and w_up read one site and get the same scale.
+- dynamic per-token int8: compressed-tensors' symmetric scale is absmax / 127.5 where ffnquant's is
+  absmax / 127 (the extreme value then rounds one step in); the end-to-end check measures what that costs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import FFNQuantError
+from .planned import ModuleQuant, PlannedModel
+
+__all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ctensors_available", "recipe_refusal", "plan_refusal",
+           "module_args", "write_folder", "decompressed_weights", "verify_folder", "folder_bytes"]
+
+FORMAT_NAME = "compressed-tensors"
+# What this writer stores, said in every refusal.
+SUPPORTED = ("int8 weights per channel with static or per-token int8 activations (w8a8, w8a8-s8, w8a8-dynamic, "
+             "w8a8-dynamic-s8) or float activations (w8a16); symmetric 4-bit group weights whose group divides the "
+             "input width (w4a16-gN, -gptq); fp8 (fp8-e4m3, -pc, -dynamic); +smooth and AWQ folded into the norms; "
+             "+float=SITE and fp32 kept float")
+# The issue's bound: the loaded folder's perplexity equals the plan's measured one within this, relative.
+LOAD_TOLERANCE = 1e-3
+# Files of a model folder that the writer produces itself (everything else is copied from the source folder).
+_WRITTEN = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+_ROTATE_WHY = ("+rotate multiplies the hidden activation by a block-Hadamard at run time, an operation, not a "
+               "weight fold, which a compressed-tensors folder loaded by transformers does not run")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx")
+
+
+def ctensors_available() -> tuple[bool, str]:
+    """(True, version) when the compressed-tensors package imports, else (False, how to install it)."""
+    try:
+        import compressed_tensors
+    except ImportError as exc:
+        return False, f"compressed-tensors is not installed ({exc}); pip install 'ffnquant[deploy]'"
+    return True, str(getattr(compressed_tensors, "__version__", "?"))
+
+
+def _require() -> None:
+    ok, why = ctensors_available()
+    if not ok:
+        raise FFNQuantError(why)
+
+
+def recipe_refusal(recipe: Any, spec: Any) -> str | None:
+    """Why this writer cannot store `recipe` on an FFN of `spec` (one line naming the recipe and what is
+    supported), None when it can. Decided from the recipe alone, before anything is quantized."""
+    from ..schemes import Granularity, Method, WeightDType, get_scheme
+
+    scheme = get_scheme(recipe.scheme)
+    why = None
+    if recipe.rotate:
+        why = _ROTATE_WHY
+    elif scheme.weight_dtype in (WeightDType.NF4, WeightDType.FP4):
+        why = f"{scheme.weight_dtype} is bitsandbytes' code book, which compressed-tensors has no layout for"
+    elif scheme.method is Method.HQQ:
+        why = "HQQ fits float zero points; compressed-tensors stores integer zero points"
+    elif scheme.outlier_threshold is not None or scheme.no_reference_reason is not None:
+        why = "a runtime-only format without ffnquant reference numerics"
+    elif scheme.weight_dtype is WeightDType.INT4 and not scheme.weight_symmetric:
+        why = ("asymmetric 4-bit weights need packed zero points, which this compressed-tensors and transformers "
+               "pair writes but cannot load back (transformers expects the unpacked shape)")
+    elif scheme.weight_dtype is WeightDType.INT4 and scheme.weight_granularity is Granularity.PER_GROUP:
+        bad = [f"{n} {d}" for n, d in (("d_model", spec.d_model), ("d_ff", spec.d_ff)) if d % scheme.group_size]
+        if bad:
+            why = (f"group {scheme.group_size} does not divide {' or '.join(bad)}; compressed-tensors groups must "
+                   "divide the input width")
+    if why is None:
+        return None
+    return f"recipe {recipe} cannot be written as {FORMAT_NAME}: {why}. Supported: {SUPPORTED}"
+
+
+def plan_refusal(plan: Any, info: Any) -> str | None:
+    """The first layer whose recipe this writer cannot store, as a one-line reason; None when all can."""
+    for index, recipe in plan.layers.items():
+        why = recipe_refusal(recipe, info.spec)
+        if why is not None:
+            return f"layer L{index}: {why}"
+    return None
+
+
+def module_args(mq: ModuleQuant) -> tuple[Any, Any]:
+    """compressed-tensors' (weights, input_activations) QuantizationArgs of one FFN Linear; (None, None) keeps it float."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    if mq.rotation is not None:
+        raise FFNQuantError(f"{mq.module} ({mq.recipe}) cannot be written as {FORMAT_NAME}: {_ROTATE_WHY}. "
+                            f"Supported: {SUPPORTED}")
+    weights = None
+    g = mq.grid
+    if g is not None:
+        strategy = {"per_tensor": "tensor", "per_channel": "channel", "per_group": "group"}[g.granularity]
+        if g.kind == "fp8":
+            weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy)
+        else:
+            weights = QuantizationArgs(num_bits=g.bits, type="int", symmetric=g.symmetric, strategy=strategy,
+                                       group_size=g.group_size if strategy == "group" else None)
+    inputs = None
+    if mq.input_mode is not None:
+        s = mq.scheme
+        fp8 = s.act_dtype.value == "fp8_e4m3"
+        if mq.input_mode == "dynamic":
+            inputs = QuantizationArgs(num_bits=8, type="float" if fp8 else "int",
+                                      symmetric=True if fp8 else bool(s.act_symmetric), strategy="token", dynamic=True)
+        else:
+            r = mq.input_range
+            symmetric = fp8 or (r.qmin == -128 and r.zero_point == 0)
+            inputs = QuantizationArgs(num_bits=8, type="float" if fp8 else "int", symmetric=symmetric,
+                                      strategy="tensor", dynamic=False)
+    return weights, inputs
+
+
+def _set_params(module: torch.nn.Module, mq: ModuleQuant) -> None:
+    """Put ffnquant's scales and zero points into the parameters compressed-tensors initialized on `module`."""
+    with torch.no_grad():
+        g = mq.grid
+        if g is not None:
+            module.weight_scale.copy_(g.scale.reshape(module.weight_scale.shape).to(module.weight_scale.dtype))
+            zp = getattr(module, "weight_zero_point", None)
+            if zp is not None:
+                zp.copy_((g.zero_point if g.zero_point is not None else torch.zeros_like(g.scale))
+                         .reshape(zp.shape).to(zp.dtype))
+        if mq.input_mode == "static":
+            r = mq.input_range
+            module.input_scale.fill_(r.scale)
+            zp = getattr(module, "input_zero_point", None)
+            if zp is not None:
+                # ffnquant's uint8 grid 0..255 is compressed-tensors' int8 grid shifted by 128: same values
+                zp.fill_(r.zero_point - 128 if r.qmin == 0 else r.zero_point)
+
+
+def _config_groups(modules: Sequence[ModuleQuant]) -> tuple[dict[str, Any], dict[str, ModuleQuant]]:
+    """One compressed-tensors scheme per distinct (weights, input) quantization, targeting its modules by name."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    groups: dict[str, tuple[Any, Any, list[str]]] = {}
+    quantized: dict[str, ModuleQuant] = {}
+    for mq in modules:
+        weights, inputs = module_args(mq)
+        if weights is None and inputs is None:
+            continue
+        key = json.dumps([weights.model_dump(mode="json") if weights else None,
+                          inputs.model_dump(mode="json") if inputs else None], sort_keys=True)
+        groups.setdefault(key, (weights, inputs, []))[2].append(mq.module)
+        quantized[mq.module] = mq
+    schemes = {f"group_{i}": QuantizationScheme(targets=targets, weights=w, input_activations=a)
+               for i, (w, a, targets) in enumerate(groups.values())}
+    return schemes, quantized
+
+
+def _copy_side_files(source: Path, folder: Path) -> list[str]:
+    """The source folder's tokenizer, chat template and other non-weight files, copied beside the weights."""
+    copied = []
+    for entry in sorted(source.iterdir()):
+        if not entry.is_file() or entry.name in _WRITTEN or entry.name.endswith(_WEIGHT_SUFFIXES) \
+                or entry.name.endswith(".index.json"):
+            continue
+        shutil.copy2(entry, folder / entry.name)
+        copied.append(entry.name)
+    return copied
+
+
+def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, Any]:
+    """Write the planned model into `folder` (an empty staging folder) in compressed-tensors' layout; returns
+    what was written: the formats the library chose, the config groups, the float modules, the files."""
+    import copy
+
+    _require()
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    from ..thirdparty import quiet_model_io
+
+    folder = Path(folder)
+    schemes, quantized = _config_groups(planned.modules)
+    model = copy.deepcopy(planned.model)  # compressed in place; planned.model stays the reference
+    with quiet_model_io():
+        if schemes:
+            apply_quantization_config(model, QuantizationConfig(config_groups=schemes, quantization_status="frozen"),
+                                      show_progress=False)
+            for name, mq in quantized.items():
+                _set_params(model.get_submodule(name), mq)
+            compressor = ModelCompressor.from_pretrained_model(model)
+            compressor.compress_model(model)
+        model.save_pretrained(folder)
+        if schemes:
+            compressor.update_config(str(folder))
+    copied = _copy_side_files(Path(planned.info.path), folder)
+    config = json.loads((folder / "config.json").read_text())
+    qc = config.get("quantization_config", {})
+    floats = [m.module for m in planned.modules if m.module not in quantized]
+    return {"format": FORMAT_NAME, "compression_format": qc.get("format"), "config_groups": len(schemes),
+            "quantized_modules": len(quantized), "float_ffn_modules": floats, "ignore": qc.get("ignore", []),
+            "copied": copied, "files": _files(folder)}
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _safetensors_reader(folder: Path):
+    """name -> tensor over the folder's safetensors files (one or several shards)."""
+    from safetensors import safe_open
+
+    handles = {}
+    where: dict[str, Path] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                where[key] = path
+
+    def read(name: str) -> torch.Tensor:
+        path = where[name]
+        if path not in handles:
+            handles[path] = safe_open(str(path), framework="pt")
+        return handles[path].get_tensor(name)
+
+    return where, read
+
+
+def decompressed_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every quantized module's weight decompressed from the folder's files by compressed-tensors itself
+    (the format's own compressor per scheme, no transformers involved), by module name."""
+    _require()
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    folder = Path(folder)
+    qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    if not qc:
+        return {}
+    known = set(QuantizationConfig.model_fields)
+    config = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k in known})
+    where, read = _safetensors_reader(folder)
+    out: dict[str, torch.Tensor] = {}
+    for scheme in config.config_groups.values():
+        fmt = scheme.format or config.format
+        compressor = BaseCompressor.get_value_from_registry(fmt)
+        for name in scheme.targets:
+            prefix = name + "."
+            state = {k[len(prefix):]: read(k) for k in where if k.startswith(prefix)}
+            out[name] = compressor.decompress(state, scheme)["weight"]
+    return out
+
+
+def _weights_check(folder: Path, planned: PlannedModel) -> dict[str, Any]:
+    """Every FFN weight as compressed-tensors decompresses it from the files (float ones as stored) against
+    ffnquant's dequantized reference, bit for bit."""
+    stored = decompressed_weights(folder)
+    _, read = _safetensors_reader(folder)
+    rows, equal = [], 0
+    for mq in planned.modules:
+        ref = planned.model.get_submodule(mq.module).weight.detach()
+        got = stored.get(mq.module)
+        how = "decompressed by compressed-tensors"
+        if got is None:
+            got, how = read(mq.module + ".weight"), "stored float"
+        same = bool(got.shape == ref.shape and torch.equal(got.to(ref.dtype), ref))
+        equal += same
+        rows.append({"module": mq.module, "how": how, "bit_identical": same,
+                     "max_abs_diff": None if same or got.shape != ref.shape else float((got.float() - ref).abs().max())})
+    return {"modules": len(rows), "bit_identical": equal, "all_identical": equal == len(rows), "rows": rows}
+
+
+def _input_qparams_check(folder: Path, planned: PlannedModel) -> dict[str, Any]:
+    """Every static input scale and zero point in the files against the range ffnquant calibrated, exactly."""
+    where, read = _safetensors_reader(folder)
+    checked, wrong = 0, []
+    for mq in planned.modules:
+        if mq.input_mode != "static":
+            continue
+        r = mq.input_range
+        scale = read(mq.module + ".input_scale").float()
+        zp_name = mq.module + ".input_zero_point"
+        zp = read(zp_name).to(torch.int32) if zp_name in where else torch.zeros_like(scale, dtype=torch.int32)
+        want_zp = r.zero_point - 128 if r.qmin == 0 and r.qmax == 255 else r.zero_point
+        checked += 1
+        if not (torch.equal(scale, torch.full_like(scale, r.scale)) and bool((zp == want_zp).all())):
+            wrong.append(mq.module)
+    return {"static_inputs": checked, "all_equal": not wrong, "differ": wrong}
+
+
+def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
+    """Each FFN of the loaded folder against ffnquant's quantized FFN on the SAME inputs (those the loaded model
+    feeds it on the first held-out batch): bit for bit, or apart by rounding ties only.
+
+    compressed-tensors rounds x / scale + zero_point in float32 where ffnquant, like ONNX QuantizeLinear and
+    the int8 kernels, rounds x / scale and then adds the zero point: a value within float32 rounding of a half
+    step can land on the neighbouring code. Each such tie is one step on one element, so a layer is at parity
+    when the two outputs differ by at least 20 dB less than the layer's own quantization noise."""
+    from ..accuracy import sqnr_db
+    from ..hf.capture import ffn_input_hooks
+    from ..hf import load_ffn_layers
+
+    info = planned.info
+    layers = [layer.info for layer in load_ffn_layers(info, "all")]
+    captured: dict[str, torch.Tensor] = {}
+    with torch.no_grad(), ffn_input_hooks(loaded, info, layers, lambda l, x: captured.setdefault(l.label, x)):
+        loaded(planned.evals[0])
+    names = {mq.layer: mq.module.rsplit(".", 1)[0] for mq in planned.modules}
+    layer_db = {r["label"]: r["accuracy_torch"]["sqnr_db"] for r in planned.rows}  # each layer's quantization noise
+    rows = []
+    for label, x in captured.items():
+        q = planned.qffns[label]
+        # as [batch, tokens, features]: compressed-tensors' per-token ranges keep the first two axes of what it gets
+        x = x.reshape(1, -1, x.shape[-1])
+        with torch.no_grad():
+            ours = q(x)
+            theirs = loaded.get_submodule(names[label])(x)
+        parity_db, noise_db = sqnr_db(ours, theirs), layer_db[label]
+        exact = bool(torch.equal(ours, theirs))
+        row = {"layer": label, "bit_identical": exact, "parity_sqnr_db": parity_db, "layer_sqnr_db": noise_db,
+               "at_parity": exact or parity_db >= noise_db + 20.0, "note": None}
+        if not row["at_parity"] and _symmetric_per_token_int(q.scheme):
+            with torch.no_grad():
+                convention_db = sqnr_db(_with_ct_per_token_scale(q)(x), theirs)
+            row.update(at_parity=convention_db >= noise_db + 20.0, convention_parity_sqnr_db=convention_db,
+                       note=CT_PER_TOKEN_NOTE)
+        rows.append(row)
+    return {"layers": len(rows), "bit_identical": sum(r["bit_identical"] for r in rows),
+            "all_at_parity": all(r["at_parity"] for r in rows), "rows": rows}
+
+
+CT_PER_TOKEN_NOTE = ("symmetric per-token int8: compressed-tensors' torch emulation, which transformers runs, scales by "
+                     "absmax / 127.5 where ffnquant and the int8 kernels (vLLM's, torch._int_mm's) use absmax / 127; "
+                     "at parity with ffnquant's numerics under that convention")
+
+
+def _symmetric_per_token_int(scheme: Any) -> bool:
+    return (scheme.act_mode is not None and scheme.act_mode.value == "dynamic" and scheme.act_dtype.is_integer
+            and bool(scheme.act_symmetric))
+
+
+def _with_ct_per_token_scale(qffn: Any):
+    """ffnquant's quantized FFN with compressed-tensors' symmetric per-token scale (absmax / ((qmax - qmin) / 2))
+    at its quantized sites: the same weights and grids, only that convention changed."""
+    from ..model import FFN
+
+    ffn = FFN(qffn.model.spec)
+    ffn.load_state_dict(qffn.model.state_dict(), strict=False)
+    ffn.eval()
+
+    def per_token(mod, inp, out):
+        xf = out.float()
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / 127.5, torch.full_like(amax, torch.finfo(torch.float32).eps))
+        return (torch.clamp(torch.round(xf / scale), -128, 127) * scale).to(out.dtype)
+
+    for site in qffn.quantized_sites:
+        ffn.taps[site].register_forward_hook(per_token)
+    return ffn
+
+
+def _resolution(planned: PlannedModel) -> dict[str, Any]:
+    """How far float32 rounding alone moves the plan's perplexity on this text: ffnquant's own quantized model
+    (input scales folded into the norms) run with the first block's input scaled by 1 and 1 +- 2^-23.
+
+    Static activation codes near a rounding boundary flip under any one-ulp change, each flip moves later
+    layers' inputs, and across the layers the quantization noise is redrawn: the spread of these runs is what
+    the end-to-end figure can resolve. Two computations of the same quantized model that differ only in rounding
+    cannot be told apart more finely than this."""
+    from ..hf import compare_models, load_ffn_layers
+    from ..hf.capture import install_ffns
+
+    info, model = planned.info, planned.model
+    by_label = {layer.label: layer.info for layer in load_ffn_layers(info, "all")}
+    ffns = {by_label[k]: q for k, q in planned.qffns.items()}
+    reference = planned.reference["end_to_end"]["perplexity_ratio"]
+    runs = []
+    for delta in (0.0, 2.0 ** -23, -(2.0 ** -23)):
+        hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out, d=delta: out * (1.0 + d))
+        try:
+            with install_ffns(model, info, ffns):
+                fig = compare_models(planned.float_model, model, info, planned.evals)
+        finally:
+            hook.remove()
+        runs.append({"input_scale": 1.0 + delta, "perplexity_ratio": fig["perplexity_ratio"],
+                     "relative_to_reference": abs(fig["perplexity_ratio"] / reference - 1.0)})
+    return {"runs": runs, "resolution": max(r["relative_to_reference"] for r in runs)}
+
+
+def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: float | None = None) -> dict[str, Any]:
+    """The proof that `folder` is the measured model, in four checks.
+
+    1. `weights`: every FFN weight decompressed by compressed-tensors from the files equals ffnquant's
+       dequantized reference bit for bit; every float FFN weight is stored as it was.
+    2. `inputs`: every static input scale and zero point in the files is the calibrated one, exactly.
+    3. `layers`: each FFN of the folder loaded by transformers, fed the same inputs as ffnquant's FFN, gives the
+       same output, bit for bit or apart by rounding ties only (`_layer_parity`).
+    4. `load`: the folder loaded with `AutoModelForCausalLM.from_pretrained` (float32): perplexity and final
+       hidden SQNR on the held-out batches against ffnquant's torch reference of the plan in this run:
+       within LOAD_TOLERANCE relative (`meets`). When not, the end-to-end resolution of the figure on this text
+       (`_resolution`) is measured and reported; the plan's own recorded figure (`plan_ratio`) is compared too.
+    `proven`: 1-3 hold and the end-to-end difference is within the bound or within twice the measured resolution.
+    """
+    _require()
+    from ..hf import compare_models
+    from ..hf.capture import require_transformers
+    from ..thirdparty import quiet_model_io
+
+    transformers = require_transformers()
+    folder = Path(folder)
+    with quiet_model_io():
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        figures = compare_models(planned.float_model, loaded, planned.info, planned.evals)
+        layers = _layer_parity(loaded, planned)
+    reference = planned.reference["end_to_end"]
+    ref_ratio = reference.get("perplexity_ratio")
+    load = {"loaded_with": f"transformers {transformers.__version__} AutoModelForCausalLM (float32)", **figures,
+            "reference_perplexity_ratio": ref_ratio, "reference_hidden_sqnr_db": reference.get("hidden_sqnr_db"),
+            "plan_perplexity_ratio": plan_ratio, "tolerance": LOAD_TOLERANCE}
+    end_to_end_ok = True
+    if figures.get("perplexity") is not None and ref_ratio is not None:
+        rel = abs(figures["perplexity_ratio"] / ref_ratio - 1.0)  # the float perplexity is the same in both
+        load.update(relative_difference=rel, meets=rel <= LOAD_TOLERANCE)
+        if plan_ratio is not None:
+            plan_rel = abs(figures["perplexity_ratio"] / plan_ratio - 1.0)
+            load.update(plan_relative_difference=plan_rel, meets_plan=plan_rel <= LOAD_TOLERANCE)
+        if rel > LOAD_TOLERANCE:
+            res = _resolution(planned)
+            load.update(resolution=res, within_resolution=rel <= 2.0 * res["resolution"])
+            end_to_end_ok = load["within_resolution"]
+    weights = _weights_check(folder, planned)
+    inputs = _input_qparams_check(folder, planned)
+    proven = weights["all_identical"] and inputs["all_equal"] and layers["all_at_parity"] and end_to_end_ok
+    return {"proven": proven, "weights": weights, "inputs": inputs, "layers": layers, "load": load}
+
+
+def folder_bytes(folder: str | os.PathLike, weights_only: bool = True) -> int:
+    """Bytes on disk of a model folder's weight files (or of every file)."""
+    return sum(p.stat().st_size for p in Path(folder).iterdir()
+               if p.is_file() and (not weights_only or p.name.endswith(".safetensors")))

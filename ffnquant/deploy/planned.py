@@ -1,0 +1,191 @@
+"""A model quantized as its plan says, as one transformers model plus what each FFN matmul stores.
+
+`build_planned_model` quantizes every planned FFN layer with its recipe (the same path as `quantize --model
+--plan`), measures ffnquant's torch reference end to end, and then makes the deployable form of it: a copy
+of the float model whose FFN input scales (SmoothQuant, AWQ) are folded into the norms before the FFNs and
+whose FFN Linear modules hold ffnquant's dequantized weights (hidden-site smoothing is already in w_up's
+rows). Each FFN Linear gets a `ModuleQuant`: its weight grid, how its input is quantized, or that it stays
+float. The formats (`deploy.ctensors`, `deploy.onnx_model`) write that; nothing is quantized twice.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import FFNQuantError
+from ..fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
+from ..remedies import BlockHadamard
+from ..schemes import ActMode, Method, Scheme, get_scheme
+
+__all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model"]
+
+
+@dataclass(frozen=True)
+class ModuleQuant:
+    """How one FFN Linear of the deployed model is quantized (or that it stays float).
+
+    `grid` is None when the weight stays float (an fp32 layer, a `+float=SITE` matmul); `input_mode` is
+    "static" (one calibrated `input_range`), "dynamic" (per token, `scheme.act_*`) or None (float input).
+    `rotation` is the orthogonal block-Hadamard the matmul's input is multiplied by first (`+rotate` on the
+    hidden site: w_down's columns already carry it), None without one.
+    """
+
+    module: str  # full name in the transformers model, e.g. "model.layers.3.mlp.down_proj"
+    layer: str  # "L3"
+    index: int
+    weight: str  # "w_gate", "w_up" or "w_down"
+    site: str  # the activation site the matmul reads: "input" or "hidden"
+    recipe: str
+    scheme: Scheme
+    grid: WeightGrid | None
+    input_mode: str | None
+    input_range: SiteRange | None
+    rotation: BlockHadamard | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.grid is not None or self.input_mode is not None
+
+
+@dataclass
+class PlannedModel:
+    """The deployable model: `model` (float32 transformers model, input scales folded, dequantized FFN weights),
+    `modules` (a ModuleQuant per FFN Linear, in layer order), the float model it came from, the held-out
+    batches and ffnquant's torch reference figures on them (`reference`: `hf.end_to_end`'s result).
+
+    `model` holds weights only: the activation quantization is in `modules` (and `qffns`), and a `+rotate`
+    layer's w_down carries the rotation while the Hadamard on its input is `ModuleQuant.rotation`, which a
+    format must apply (the ONNX graph does; compressed-tensors refuses such recipes)."""
+
+    info: Any
+    plan: Any
+    model: nn.Module
+    float_model: nn.Module
+    modules: list[ModuleQuant]
+    evals: list[torch.Tensor]
+    reference: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    qffns: dict[str, Any] = field(default_factory=dict)  # label -> QuantizedFFN (input scale folded away)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def by_module(self) -> dict[str, ModuleQuant]:
+        return {m.module: m for m in self.modules}
+
+
+def deployable_refusal(info: Any) -> str | None:
+    """Why a plan for this model cannot be deployed as one model folder/graph (one line); None when it can."""
+    arch = info.arch
+    if arch.transposed:
+        return (f"{info.model_type}: its MLP weights are Conv1D ([in, out]); deployment writes nn.Linear FFN "
+                "modules (llama, mistral, qwen2, gemma)")
+    fused = [role for role, w in arch.roles.items() if "+" in w and role in arch.needed_roles(info.spec.gated)]
+    if fused:
+        return (f"{info.model_type}: its FFN fuses {' and '.join(arch.roles[fused[0]].split('+'))} in one matrix "
+                f"({fused[0]}); deployment writes separate FFN Linear modules (llama, mistral, qwen2, gemma)")
+    return None
+
+
+def _linear_names(ffn_module: str, info: Any) -> dict[str, str]:
+    """ffnquant weight name -> full module name of that Linear in the transformers model."""
+    return {w: f"{ffn_module}.{role}" for role, w in info.arch.roles.items()
+            if role in info.arch.needed_roles(info.spec.gated)}
+
+
+def _module_quants(label: str, index: int, recipe: Any, qffn: Any, names: Mapping[str, str]) -> list[ModuleQuant]:
+    scheme = qffn.scheme
+    ffn = qffn.model
+    rotation = ffn.hidden_transform if isinstance(ffn.hidden_transform, BlockHadamard) else None
+    out = []
+    for weight in ffn.spec.weight_names:
+        site = WEIGHT_INPUT_SITE[weight]
+        grid = qffn.weight_grids.get(weight)
+        if weight in qffn.quantized_weights and grid is None and not scheme.weight_dtype.is_float:
+            raise FFNQuantError(f"layer {label}: recipe {recipe}: {scheme.weight_dtype} weights have no integer or fp8 "
+                                "grid (bitsandbytes code books, HQQ's float zero points): no deployment format stores them")
+        mode = None
+        if site in qffn.quantized_sites:
+            mode = "dynamic" if scheme.act_mode is ActMode.DYNAMIC else "static"
+            if scheme.act_dtype.is_float:
+                mode = None
+        out.append(ModuleQuant(module=names[weight], layer=label, index=index, weight=weight, site=site,
+                               recipe=str(recipe), scheme=scheme, grid=grid if weight in qffn.quantized_weights else None,
+                               input_mode=mode, input_range=qffn.ranges.get(site) if mode == "static" else None,
+                               rotation=rotation if site == "hidden" else None))
+    return out
+
+
+def _copy_weights(model: nn.Module, ffn: Any, names: Mapping[str, str]) -> None:
+    with torch.no_grad():
+        for weight, module in names.items():
+            src, dst = getattr(ffn, weight), model.get_submodule(module)
+            if tuple(dst.weight.shape) != tuple(src.weight.shape):
+                raise FFNQuantError(f"{module}: weight shape {tuple(dst.weight.shape)} in the model, "
+                                    f"{tuple(src.weight.shape)} in ffnquant's FFN")
+            dst.weight.copy_(src.weight.to(dst.weight.dtype))
+            if (dst.bias is None) != (src.bias is None):
+                raise FFNQuantError(f"{module}: the model and ffnquant's FFN disagree on the bias")
+            if dst.bias is not None:
+                dst.bias.copy_(src.bias.to(dst.bias.dtype))
+
+
+def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: Any = None, calib_tokens: int | None = None,
+                        eval_tokens: int | None = None, whole_model: bool = True, out_artifacts: Any = None,
+                        file_stem: str | None = None, progress: Any = None) -> PlannedModel:
+    """Quantize `info`'s FFN layers as `plan` says and make the deployable model (see the module docstring).
+
+    Every layer of the model must be in the plan (an fp32 recipe keeps one float). Raises FFNQuantError, before
+    anything is computed, for a model deployment does not cover (`deployable_refusal`) or whose norms cannot
+    take a planned input scale (`hf.fold.fold_refusal`). With `whole_model` False only the layers are quantized
+    and measured (`model` is the float model, `modules` empty: per-layer artifacts of any plannable model).
+    `out_artifacts`: also write each layer's ONNX artifact there (`<file_stem>.<label>.<slug>.onnx`)."""
+    from ..hf import EvalSettings, capture_layer_inputs, end_to_end, load_ffn_layers, quantized_layers
+    from ..hf.capture import _module_for
+    from ..hf.fold import fold_input_scales, fold_refusal
+
+    why = deployable_refusal(info) if whole_model else None
+    if why is not None:
+        raise FFNQuantError(why)
+    missing = [layer.index for layer in info.layers if layer.index not in plan.layers]
+    if missing:
+        raise FFNQuantError(f"the plan has no recipe for layer(s) {', '.join(map(str, missing))}: a deployed model needs "
+                            "one for every layer (fp32 keeps a layer float)")
+    # smoothing and AWQ put a scale on the FFN input that must fold into the norm before it
+    smoothed = [i for i, r in plan.layers.items() if r.smooth is not None or get_scheme(r.scheme).method is Method.AWQ]
+    if whole_model and smoothed and fold_refusal(info) is not None:
+        raise FFNQuantError(f"layers {', '.join(f'L{i}' for i in smoothed)}: {fold_refusal(info)}")
+    budget = {k: v for k, v in (("max_calib_tokens", calib_tokens), ("max_eval_tokens", eval_tokens)) if v is not None}
+    settings = EvalSettings(**budget, ablation=False)  # None: EvalSettings' defaults
+    layers = load_ffn_layers(info, "all")
+    inputs = capture_layer_inputs(info, layers, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
+                                  eval_tokens=eval_tokens, settings=settings)
+    rows, qffns = quantized_layers(info, layers, inputs, plan, onnx=out_artifacts is not None, sensitivity=False,
+                                   out_artifacts=out_artifacts, file_stem=file_stem, progress=progress)
+    reference = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress)
+    float_model = inputs.model
+    settings_used = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
+                     "calib_tokens": calib_tokens, "eval_tokens": eval_tokens}
+    if not whole_model:
+        return PlannedModel(info=info, plan=plan, model=float_model, float_model=float_model, modules=[],
+                            evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=qffns,
+                            settings=settings_used)
+    model = copy.deepcopy(float_model).eval()
+    by_label = {layer.label: layer for layer in layers}
+    folded = fold_input_scales(model, info, {by_label[k].info: q for k, q in qffns.items()})
+    names = [n for n, _ in model.named_modules()]
+    modules: list[ModuleQuant] = []
+    out_qffns: dict[str, Any] = {}
+    for layer in layers:
+        qffn = folded[layer.info]
+        ffn_module = _module_for(model, info, layer.info, names)[0]
+        linear = _linear_names(ffn_module, info)
+        _copy_weights(model, qffn.model, linear)
+        modules += _module_quants(layer.label, layer.index, plan.recipe_for(layer.index), qffn, linear)
+        out_qffns[layer.label] = qffn
+    return PlannedModel(info=info, plan=plan, model=model, float_model=float_model, modules=modules,
+                        evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=out_qffns,
+                        settings=settings_used)

@@ -1,0 +1,204 @@
+"""export --format compressed-tensors: the folder transformers loads computes what the plan measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ffnquant.cli import main
+from ffnquant.plan.planfile import Plan, model_fingerprint
+from ffnquant.recipe import Recipe
+from ffnquant.spec import FFNSpec, Variant
+
+from hf_models import tiny_folders
+
+ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors not installed (pip install ffnquant[deploy])")
+
+from ffnquant.deploy import ctensors  # noqa: E402  (after the skip)
+
+SPEC = FFNSpec(Variant.SWIGLU, 576, 1536)
+
+
+# --- what the format can store -------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe, why", [
+    ("w8a8@search+rotate", "block-Hadamard at run time"),
+    ("nf4", "bitsandbytes' code book"),
+    ("w4a16-g64-hqq", "float zero points"),
+    ("w4a16-g64-awq", "asymmetric 4-bit weights"),
+    ("w4a16-g64-asym", "asymmetric 4-bit weights"),
+    ("w4a16-g128", "group 128 does not divide d_model 576"),
+], ids=["rotate", "nf4", "hqq", "awq-asym", "asym", "group-not-dividing"])
+def test_recipes_the_format_cannot_store_are_refused_in_one_line(recipe, why):
+    text = ctensors.recipe_refusal(Recipe.parse(recipe), SPEC)
+    assert text.startswith(f"recipe {recipe} cannot be written as compressed-tensors: ") and why in text
+    assert "Supported: int8 weights" in text and "\n" not in text
+
+
+@pytest.mark.parametrize("recipe", ["w8a8@search+smooth", "w8a8-s8", "w8a8-dynamic-s8", "w8a16", "w4a16-g64",
+                                    "w4a16-g32-gptq", "fp8-e4m3", "fp8-e4m3-dynamic", "w8a8+float=hidden", "fp32"])
+def test_recipes_the_format_stores(recipe):
+    assert ctensors.recipe_refusal(Recipe.parse(recipe), SPEC) is None
+
+
+def _module(recipe: str, weight: str = "w_down"):
+    """A ModuleQuant of a small quantized FFN under `recipe`."""
+    import torch
+
+    from ffnquant import build
+    from ffnquant.deploy.planned import _module_quants
+    from ffnquant.fakequant import quantize_model
+    from ffnquant.observe import profile
+
+    model = build(FFNSpec(Variant.SWIGLU, 32, 64), seed=0)
+    r = Recipe.parse(recipe)
+    table = profile(model, [torch.randn(64, 32, generator=torch.Generator().manual_seed(1))], weights=False)
+    q = quantize_model(model, r.scheme, table, r.calibrator)
+    names = {w: f"m.{w}" for w in ("w_up", "w_gate", "w_down")}
+    return next(m for m in _module_quants("L0", 0, r, q, names) if m.weight == weight)
+
+
+@pytest.mark.parametrize("recipe, weights, inputs", [
+    ("w8a8", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+     {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor", "dynamic": False}),
+    ("w8a8-s8", {"num_bits": 8, "strategy": "channel"}, {"symmetric": True, "strategy": "tensor", "dynamic": False}),
+    ("w8a8-dynamic-s8", {"num_bits": 8}, {"symmetric": True, "strategy": "token", "dynamic": True}),
+    ("w4a16-g32", {"num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}, None),
+    ("fp8-e4m3", {"num_bits": 8, "type": "float", "strategy": "tensor"},
+     {"type": "float", "strategy": "tensor", "dynamic": False}),
+], ids=["w8a8-uint8-static", "w8a8-int8-static", "dynamic-per-token", "w4-group", "fp8"])
+def test_module_args_say_ffnquants_numerics_in_compressed_tensors_terms(recipe, weights, inputs):
+    w, a = ctensors.module_args(_module(recipe))
+    assert {k: w.model_dump(mode="json")[k] for k in weights} == weights
+    if inputs is None:
+        assert a is None
+    else:
+        assert {k: a.model_dump(mode="json")[k] for k in inputs} == inputs
+
+
+# --- on a tiny Llama: written, loaded back, decompressed -------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny_folders(tmp_path_factory, ("llama",))["llama"][0]
+
+
+def _plan(llama, tmp_path, recipes: dict[int, str], name: str = "plan.toml"):
+    from ffnquant.hf import inspect_model
+
+    path = tmp_path / name
+    path.write_text(Plan(model_fingerprint(inspect_model(llama)), {i: Recipe.parse(r) for i, r in recipes.items()},
+                         "ppl+1%", "latency").to_toml())
+    return path
+
+
+_TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
+
+_PLANS = {
+    "static-smooth-float-site+w4": {0: "w8a8@search+smooth+float=hidden", 1: "w4a16-g32"},
+    "dynamic+w8a16": {0: "w8a8-dynamic-s8", 1: "w8a16"},
+    "fp8+gptq": {0: "fp8-e4m3", 1: "w4a16-g32-gptq"},
+}
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("recipes", list(_PLANS.values()), ids=list(_PLANS))
+def test_the_folder_loads_with_transformers_and_is_the_measured_model(llama, tmp_path, recipes):
+    import torch
+    import transformers
+
+    out = tmp_path / "llama-ffnq"
+    assert main(["export", "--model", str(llama), "--plan", str(_plan(llama, tmp_path, recipes)),
+                 "--format", "compressed-tensors", "--out", str(out), *_TOKENS]) == 0
+    doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    load, weights = doc["proof"]["load"], doc["proof"]["weights"]
+    # the issue's bound: the loaded folder's perplexity equals the measured one within 0.1% relative
+    assert load["meets"] and load["relative_difference"] <= 1e-3
+    assert weights["all_identical"] and weights["modules"] == 6
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and "lm_head" in qc["ignore"]
+    assert all(".self_attn." in n or n == "lm_head" or ".mlp." in n for n in qc["ignore"])
+    assert (out / "tokenizer.json").is_file() and (out / "ffnquant-deploy.md").is_file()
+    # what a user does: from_pretrained, nothing else
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 5, 7, 9]])).logits).all()
+
+
+@pytest.mark.hf
+def test_a_float_site_is_in_ignore_and_stored_as_it_was(llama, tmp_path):
+    out = tmp_path / "o"
+    plan = _plan(llama, tmp_path, _PLANS["static-smooth-float-site+w4"])
+    assert main(["export", "--model", str(llama), "--plan", str(plan), "--format", "compressed-tensors",
+                 "--out", str(out), *_TOKENS]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.down_proj" in qc["ignore"]
+    stored = ctensors.decompressed_weights(out)
+    assert "model.layers.0.mlp.down_proj" not in stored and "model.layers.1.mlp.down_proj" in stored
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("edit, message", [
+    (lambda a: a.__setitem__(a.index("--format") + 1, "gguf"), "unknown format 'gguf'; valid: onnx, compressed-tensors"),
+    ("foreign", "plan"),
+    ("rotate", "cannot be written as compressed-tensors"),
+    ("not-empty", "exists and is not empty"),
+], ids=["unknown-format", "foreign-plan", "rotate", "not-empty"])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(llama, tmp_path, capsys, edit, message):
+    out = tmp_path / "out"
+    plan = _plan(llama, tmp_path, _PLANS["dynamic+w8a16"])
+    if edit == "foreign":
+        data = plan.read_text().replace("n_layers = 2", "n_layers = 3")
+        plan.write_text(data)
+    if edit == "rotate":
+        plan = _plan(llama, tmp_path, {0: "w8a8@search+rotate", 1: "w8a16"}, "rot.toml")
+    if edit == "not-empty":
+        out.mkdir()
+        (out / "mine.txt").write_text("keep")
+    argv = ["export", "--model", str(llama), "--plan", str(plan), "--format", "compressed-tensors", "--out", str(out),
+            *_TOKENS]
+    if callable(edit):
+        edit(argv)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    if edit == "not-empty":
+        assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    else:
+        assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ffnquant")) == []
+
+
+@pytest.mark.hf
+def test_force_replaces_a_folder_and_a_failure_leaves_it(llama, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.safetensors").write_text("stale")
+    plan = _plan(llama, tmp_path, _PLANS["dynamic+w8a16"])
+    argv = ["export", "--model", str(llama), "--plan", str(plan), "--format", "compressed-tensors", "--out", str(out),
+            "--force", *_TOKENS]
+
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ctensors, "write_folder", broken)
+    assert main(argv) == 2
+    assert [p.name for p in out.iterdir()] == ["old.safetensors"]
+    monkeypatch.undo()
+    assert main(argv) == 0
+    assert not (out / "old.safetensors").exists() and (out / "config.json").is_file()
+
+
+@pytest.mark.hf
+def test_a_read_only_destination_is_one_line(llama, tmp_path, monkeypatch, capsys):
+    import ffnquant.atomic as atomic
+
+    monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)
+    plan = _plan(llama, tmp_path, _PLANS["dynamic+w8a16"])
+    assert main(["export", "--model", str(llama), "--plan", str(plan), "--format", "compressed-tensors",
+                 "--out", str(tmp_path / "out"), *_TOKENS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not writable" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
