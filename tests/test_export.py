@@ -116,3 +116,18 @@ def test_a_graph_whose_tensors_cannot_be_told_apart_is_exported_every_time(tmp_p
         path, _ = export_onnx(model, tmp_path / f"{seed}.onnx")
         assert check_parity(model, path).passed
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--format", "onnx"], "--format and --force apply to --model --plan exports"),
+    (["--force"], "--format and --force apply to --model --plan exports"),
+    (["--model", "m", "--plan", "p.toml"], "--out is required with --model"),
+], ids=["format-without-model", "force-without-model", "model-without-out"])
+def test_deployment_flags_need_a_model_and_an_out(argv, message, tmp_path, capsys, monkeypatch):
+    from ffnquant.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

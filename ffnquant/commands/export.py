@@ -107,8 +107,19 @@ def _export_plan(args: argparse.Namespace) -> int:
                                                   "layers": doc["layers"],
                                                   "end_to_end": {"status": "ok", "reason": None, **planned.reference},
                                                   "evaluation": doc["texts"]["evaluation"], "environment": environment()})
-            doc["graph"] = ({"status": "ok", **onnx_model.write_model_graph(planned, folder)} if whole
-                            else {"status": "skipped", "reason": graph_why})
+            doc["graph"] = {"status": "skipped", "reason": graph_why}
+            if whole:
+                try:
+                    doc["graph"] = {"status": "ok", **onnx_model.write_model_graph(planned, folder)}
+                except FFNQuantError as exc:  # a recipe the graph cannot express: the per-layer artifacts stand
+                    doc["graph"] = {"status": "skipped", "reason": str(exc)}
+                    whole = False
+                score = doc["graph"].get("score")
+                if score and not score["meets_tolerance"]:  # how finely the figure can be matched on this text
+                    from ..deploy.planned import rounding_resolution
+
+                    res = rounding_resolution(planned)
+                    score.update(resolution=res, within_resolution=abs(score["perplexity_rel_diff"]) <= 2 * res["resolution"])
             # the whole graph when written, else the planned per-layer artifacts (not the baselines beside them)
             graph_file = folder / "model.onnx"
             weights = graph_file.stat().st_size if whole else sum((folder / r["file"]).stat().st_size
@@ -153,6 +164,9 @@ def _print_deploy(doc: dict, out: Path) -> None:
         print(f"whole-model ONNX graph on onnxruntime ({sc['provider']}): perplexity {sc['onnx']['perplexity']:.4f} "
               f"({100 * sc['perplexity_rel_diff']:+.3f}% against the reference; bound {100 * sc['tolerance']:.1f}%: "
               f"{'met' if sc['meets_tolerance'] else 'NOT met'})")
+        if sc.get("resolution"):
+            print(f"  float32 rounding alone moves this plan's perplexity by up to {sc['resolution']['resolution']:.1e} on "
+                  f"this text: {'within' if sc['within_resolution'] else 'BEYOND'} twice that")
         for n, r in (graph.get("latency") or {}).get("tokens", {}).items():
             print(f"  {n} tokens: fp32 graph {r['float']['p50_ms']:.2f} ms, quantized {r['quantized']['p50_ms']:.2f} ms "
                   f"(p50; {r['speedup']:.2f}x)")

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import FFNQuantError
-from .planned import ModuleQuant, PlannedModel
+from .planned import ModuleQuant, PlannedModel, rounding_resolution
 
 __all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ctensors_available", "recipe_refusal", "plan_refusal",
            "module_args", "write_folder", "decompressed_weights", "verify_folder", "folder_bytes"]
@@ -373,34 +373,6 @@ def _with_ct_per_token_scale(qffn: Any):
     return ffn
 
 
-def _resolution(planned: PlannedModel) -> dict[str, Any]:
-    """How far float32 rounding alone moves the plan's perplexity on this text: ffnquant's own quantized model
-    (input scales folded into the norms) run with the first block's input scaled by 1 and 1 +- 2^-23.
-
-    Static activation codes near a rounding boundary flip under any one-ulp change, each flip moves later
-    layers' inputs, and across the layers the quantization noise is redrawn: the spread of these runs is what
-    the end-to-end figure can resolve. Two computations of the same quantized model that differ only in rounding
-    cannot be told apart more finely than this."""
-    from ..hf import compare_models, load_ffn_layers
-    from ..hf.capture import install_ffns
-
-    info, model = planned.info, planned.model
-    by_label = {layer.label: layer.info for layer in load_ffn_layers(info, "all")}
-    ffns = {by_label[k]: q for k, q in planned.qffns.items()}
-    reference = planned.reference["end_to_end"]["perplexity_ratio"]
-    runs = []
-    for delta in (0.0, 2.0 ** -23, -(2.0 ** -23)):
-        hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out, d=delta: out * (1.0 + d))
-        try:
-            with install_ffns(model, info, ffns):
-                fig = compare_models(planned.float_model, model, info, planned.evals)
-        finally:
-            hook.remove()
-        runs.append({"input_scale": 1.0 + delta, "perplexity_ratio": fig["perplexity_ratio"],
-                     "relative_to_reference": abs(fig["perplexity_ratio"] / reference - 1.0)})
-    return {"runs": runs, "resolution": max(r["relative_to_reference"] for r in runs)}
-
-
 def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: float | None = None) -> dict[str, Any]:
     """The proof that `folder` is the measured model, in four checks.
 
@@ -412,7 +384,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     4. `load`: the folder loaded with `AutoModelForCausalLM.from_pretrained` (float32): perplexity and final
        hidden SQNR on the held-out batches against ffnquant's torch reference of the plan in this run:
        within LOAD_TOLERANCE relative (`meets`). When not, the end-to-end resolution of the figure on this text
-       (`_resolution`) is measured and reported; the plan's own recorded figure (`plan_ratio`) is compared too.
+       (`planned.rounding_resolution`) is measured and reported; the plan's own recorded figure (`plan_ratio`) is compared too.
     `proven`: 1-3 hold and the end-to-end difference is within the bound or within twice the measured resolution.
     """
     _require()
@@ -439,7 +411,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
             plan_rel = abs(figures["perplexity_ratio"] / plan_ratio - 1.0)
             load.update(plan_relative_difference=plan_rel, meets_plan=plan_rel <= LOAD_TOLERANCE)
         if rel > LOAD_TOLERANCE:
-            res = _resolution(planned)
+            res = rounding_resolution(planned)
             load.update(resolution=res, within_resolution=rel <= 2.0 * res["resolution"])
             end_to_end_ok = load["within_resolution"]
     weights = _weights_check(folder, planned)

@@ -71,6 +71,11 @@ def _graph_lines(graph: dict[str, Any]) -> list[str]:
                      f"reference {fmt(ref['perplexity'])} ({100 * score['perplexity_rel_diff']:+.3f}%; bound "
                      f"{100 * score['tolerance']:.1f}%: {'met' if score['meets_tolerance'] else 'NOT met'}), final hidden "
                      f"SQNR {fmt(onnx['hidden_sqnr_db'])} dB (reference {fmt(ref['hidden_sqnr_db'])} dB)")
+        res = score.get("resolution")
+        if res:
+            lines.append(f"- beyond the bound: float32 rounding alone moves ffnquant's own reference of this plan by up to "
+                         f"{res['resolution']:.2e} on this text (input scaled by 1 +- 2^-23); the graph is "
+                         f"{'within' if score['within_resolution'] else 'BEYOND'} twice that")
     lat = graph.get("latency") or {}
     rows = []
     for n, r in (lat.get("tokens") or {}).items():
