@@ -108,8 +108,13 @@ def _markdown(data: dict) -> str:
               "convention applied to ffnquant's layer the outputs match bit for bit.", "",
               "## ONNX: the whole model as one graph on onnxruntime", ""]
     ox = [r for r in data["rows"] if r["format"] == "onnx"]
+    # the resolution is the plan's on this text, whichever format's export measured it
+    ct_resolution = {r["plan"]: r.get("resolution") for r in ct if r.get("resolution")}
     rows = []
     for r in ox:
+        r = {**r, "onnx_resolution": r.get("onnx_resolution") or ct_resolution.get(r["plan"])}
+        if r["onnx_resolution"] and r.get("onnx_within_resolution") is None and r.get("onnx_rel_diff") is not None:
+            r["onnx_within_resolution"] = abs(r["onnx_rel_diff"]) <= 2 * r["onnx_resolution"]
         lat = r.get("latency") or {}
         cell = lambda n: (f"{lat[n]['fp32_p50_ms']:.1f} -> {lat[n]['quantized_p50_ms']:.1f} ms ({lat[n]['speedup']:.2f}x)"  # noqa: E731
                           if n in lat else "-")
@@ -130,11 +135,16 @@ def _markdown(data: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--render-only", action="store_true", help="rewrite deploy.md from the existing deploy.json")
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
     ap.add_argument("--plan", default="reports/trained-llm/plan/plan.toml")
     ap.add_argument("--out", default="reports/trained-llm/deploy")
     ap.add_argument("--formats", default="compressed-tensors,onnx")
     args = ap.parse_args()
+    if args.render_only:
+        out = Path(args.out)
+        write_text(out / "deploy.md", _markdown(json.loads((out / "deploy.json").read_text())))
+        return 0
     info = inspect_model(args.model)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ffnq-deploy-") as tmp:
