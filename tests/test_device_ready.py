@@ -34,6 +34,8 @@ OPTIONAL_IMPORTS = {
     "jsonschema": "ffnquant.report.validate_report only (the test extra)",
     "tomli": "Python < 3.11 only; the device has tomllib",
     "psutil": "ffnquant.resources.available_memory only where /proc/meminfo is absent (not Linux); guarded",
+    "compressed_tensors": "export --format compressed-tensors only (the deploy extra); deploy.ctensors says how to install it",
+    "loguru": "compressed-tensors' logger, quieted by thirdparty.quiet_model_io when present; guarded",
 }
 MARK = "not on the device image"
 LOG_VAR = "DEVICE_IMAGE_BLOCK_LOG"
