@@ -5,7 +5,8 @@ spent; `latency_stats` turns the samples into median/p10/p90/p99/mean/std. Deriv
 figures per case: tokens/s, bytes moved and FLOPs per call, achieved GB/s and TFLOP/s,
 and the fraction of the device's roofline where its peaks are known. Every case slower
 than its runtime's float baseline (fp32 on CPU, fp16 on GPU) is flagged. A runtime that
-fails mid-sweep is recorded with its error and the sweep goes on. Nothing here prints.
+fails mid-sweep is recorded with its error and the sweep goes on. Each (spec, runtime, scheme)
+is one task of an `executor` (here, or a Ray worker that stamps its host). Nothing here prints.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -26,8 +29,10 @@ from .errors import FFNQuantError
 # ffnquant.latency; re-exported here because callers know them as part of the harness.
 from .latency import (DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks, LatencyStats, device_peaks, gpu_targets,
                       latency_stats, numerics_rows, roofline)
-from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_runtime, tensor_nbytes
+from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_format, get_runtime, tensor_nbytes
 from .spec import FFNSpec
+# The timers and the copy bandwidth live in ffnquant.timing; re-exported as part of the harness too.
+from .timing import CudaEventTimer, Timer, TimerFactory, WallTimer, default_timer, measure_copy_bandwidth
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "DEFAULT_TOKENS", "REFERENCE_TOLERANCE_DB", "reference_output", "numerics_rows",
@@ -39,79 +44,6 @@ __all__ = [
 SCHEMA = "ffnquant.latency"
 SCHEMA_VERSION = 1
 DEFAULT_TOKENS = (1, 16, 512, 2048)  # decode (1, 16) and prefill (512, 2048) tokens per call
-
-
-# --- timers -------------------------------------------------------------------------------
-class Timer(Protocol):
-    """Times one call: `start()` before it, `stop()` after it returns the seconds it took."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> float: ...
-
-
-class WallTimer:
-    """perf_counter around the call, after synchronising the device (so queued work is counted)."""
-
-    def __init__(self, synchronize: Callable[[], None] = lambda: None) -> None:
-        self._sync = synchronize
-        self._t0 = 0.0
-
-    def start(self) -> None:
-        self._sync()
-        self._t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        self._sync()
-        return time.perf_counter() - self._t0
-
-
-class CudaEventTimer:
-    """CUDA events on torch's current stream: device time of the work queued between start and stop."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self._begin = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        self._begin.record()
-
-    def stop(self) -> float:
-        self._end.record()
-        self._end.synchronize()
-        return self._begin.elapsed_time(self._end) / 1e3
-
-
-def default_timer(runtime: Runtime, loaded: Loaded) -> Timer:
-    """CUDA events for torch-based CUDA runtimes, else wall time with synchronisation."""
-    if getattr(runtime, "timing", "wall") == "cuda-events":
-        return CudaEventTimer()
-    return WallTimer(lambda: runtime.synchronize(loaded))
-
-
-TimerFactory = Callable[[Runtime, Loaded], Timer]
-
-
-# --- the roofline's bandwidth where no peak is tabled ---------------------------------------
-def measure_copy_bandwidth(device: str = "cpu", nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Best-of-`repeats` device copy bandwidth in bytes/s (read + write counted, as STREAM's copy does)."""
-    import torch
-
-    n = max(1, nbytes // 4)
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    best = math.inf
-    for _ in range(repeats + 1):  # the first copy faults the pages in
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n * 4 / best
 
 
 # --- configuration and results -----------------------------------------------------------------
@@ -188,6 +120,7 @@ class CaseResult:
     baseline: str | None = None
     speedup: float | None = None  # baseline median / this median
     slower_than_baseline: bool | None = None
+    host: str | None = None  # the machine that measured it (a Ray worker's, not the driver's)
 
     @property
     def ok(self) -> bool:
@@ -228,36 +161,18 @@ class CaseResult:
         """Flat record: the stats fields (`median_s`, `p10_s`, ...) at the top level, None where absent."""
         stats = self.stats.to_dict() if self.stats else {f.name: None for f in dataclasses.fields(LatencyStats)}
         return {
-            "variant": self.variant,
-            "spec_key": self.spec_key,
-            "runtime": self.runtime,
-            "scheme": self.scheme,
-            "tokens": self.tokens,
-            "device": self.device,
-            **stats,
-            "tokens_per_s": self.tokens_per_s,
-            "bytes_per_call": self.bytes_per_call,
-            "flops_per_call": self.flops_per_call,
-            "achieved_gb_per_s": self.achieved_gb_per_s,
-            "achieved_tflop_per_s": self.achieved_tflop_per_s,
-            "compute": self.compute,
-            "roofline_fraction": _finite(self.roofline_fraction),
-            "roofline_bound": self.roofline_bound,
-            "weight_bytes": self.weight_bytes,
-            "file_bytes": self.file_bytes,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "sqnr_db": _finite(self.sqnr_db),
-            "max_abs_error": _finite(self.max_abs_error),
-            "reference_sqnr_db": _finite(self.reference_sqnr_db),
-            "sqnr_vs_reference_db": _finite(self.sqnr_vs_reference_db),
-            "disagrees_with_reference": self.disagrees_with_reference,
-            "reference_note": self.reference_note,
-            "baseline": self.baseline,
-            "speedup": _finite(self.speedup),
-            "slower_than_baseline": self.slower_than_baseline,
-            "label": self.label,
-            "providers": list(self.providers),
-            "error": self.error,
+            "variant": self.variant, "spec_key": self.spec_key, "runtime": self.runtime, "scheme": self.scheme,
+            "tokens": self.tokens, "device": self.device, "host": self.host, **stats,
+            "tokens_per_s": self.tokens_per_s, "bytes_per_call": self.bytes_per_call,
+            "flops_per_call": self.flops_per_call, "achieved_gb_per_s": self.achieved_gb_per_s,
+            "achieved_tflop_per_s": self.achieved_tflop_per_s, "compute": self.compute,
+            "roofline_fraction": _finite(self.roofline_fraction), "roofline_bound": self.roofline_bound,
+            "weight_bytes": self.weight_bytes, "file_bytes": self.file_bytes, "peak_memory_bytes": self.peak_memory_bytes,
+            "sqnr_db": _finite(self.sqnr_db), "max_abs_error": _finite(self.max_abs_error),
+            "reference_sqnr_db": _finite(self.reference_sqnr_db), "sqnr_vs_reference_db": _finite(self.sqnr_vs_reference_db),
+            "disagrees_with_reference": self.disagrees_with_reference, "reference_note": self.reference_note,
+            "baseline": self.baseline, "speedup": _finite(self.speedup), "slower_than_baseline": self.slower_than_baseline,
+            "label": self.label, "providers": list(self.providers), "error": self.error,
         }
 
 
@@ -401,6 +316,7 @@ def run_benchmark(
     timer_factory: TimerFactory = default_timer,
     progress: Callable[[int, int, str], None] | None = None,
     environment: Mapping[str, Any] | None = None,
+    executor: Any = None,
 ) -> BenchResult:
     """Measure every spec x available runtime x scheme (that runtime supports) x token count.
 
@@ -410,23 +326,22 @@ def run_benchmark(
     error on its cases and the sweep continues. `models` maps spec.key to float FFNs
     (default: built from `config.seed`); `onnx_paths` maps (spec.key, scheme) to prebuilt
     ONNX files for the onnxruntime adapters; others are built under `workdir` (a temporary
-    folder by default). `progress(done, total, label)` is called after each case.
+    folder by default). `progress(done, total, label)` is called after each case. Each
+    (spec, runtime, scheme) is a task of `executor` (default: this process, in order); each
+    case names its host.
     """
     from .envinfo import environment as current_environment
-    from .model import build
+    from .executor import LocalExecutor
 
     t_start = time.perf_counter()
+    executor = executor if executor is not None else LocalExecutor()
     env = dict(environment) if environment is not None else current_environment()
     # Other processes on the machine distort CPU timings; the load average says how much.
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     adapters = [get_runtime(r) if isinstance(r, str) else r for r in runtimes]
     requested = None if schemes is None else [FORMATS[s].name if s in FORMATS else s for s in schemes]
-    if requested is not None:
-        for s in requested:
-            if s not in FORMATS:
-                from .runtimes.base import get_format
-
-                get_format(s)  # raises the unknown-scheme error listing valid names
+    for s in requested or ():
+        get_format(s)  # an unknown name raises the error listing the valid ones
 
     runtime_rows: list[dict[str, Any]] = []
     plan: list[tuple[Runtime, list[str]]] = []
@@ -448,114 +363,46 @@ def run_benchmark(
 
     total = len(specs) * sum(len(w) for _, w in plan) * len(config.tokens)
     done = 0
-    cases: list[CaseResult] = []
-    peaks_used: dict[str, Any] = {}
-    copy_bw: dict[str, float] = {}
+
+    def case_done(c: CaseResult) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total, f"{c.variant} {c.runtime} {c.scheme} M={c.tokens}{': error' if c.stats is None else ''}")
+
     tmp_ctx = tempfile.TemporaryDirectory(prefix="ffnquant_bench_") if workdir is None else None
-    work = Path(tmp_ctx.name if tmp_ctx else workdir)
+    sweep = _Sweep(uuid.uuid4().hex, config, env, socket.gethostname(), timer_factory, requested is None,
+                   None if config.max_total_s is None else time.time() + config.max_total_s,
+                   # in this process: one artifact folder and progress per case, as the cases finish
+                   Path(tmp_ctx.name if tmp_ctx else workdir) if executor.in_process else None,
+                   case_done if executor.in_process else None)
+    tasks = [_CaseTask(sweep, spec, (models or {}).get(spec.key), rt, scheme, (onnx_paths or {}).get((spec.key, scheme)))
+             for spec in specs for rt, wanted in plan for scheme in wanted]
+    gpus = not executor.in_process and executor.describe().get("gpus")  # a CUDA case asks Ray for a GPU node
+    results: dict[int, _CaseDone] = {}
     try:
-        for spec in specs:
-            model = (models or {}).get(spec.key)
-            model = model if model is not None else build(spec, seed=config.seed)
-            rng = np.random.default_rng(config.seed)
-            inputs = {m: rng.standard_normal((1, m, spec.d_model)).astype(np.float32) for m in config.tokens}
-            check_tokens = min(config.accuracy_tokens, max(config.tokens))
-            x_check = rng.standard_normal((1, check_tokens, spec.d_model)).astype(np.float32)
-            import torch
-
-            with torch.inference_mode():
-                ref = model.float()(torch.from_numpy(x_check)).double().numpy()
-            references: dict[str, tuple[np.ndarray | None, str, float | None]] = {}
-            calibrated: list[Any] = []  # this model's Gaussian calibration, made once for all static schemes
-
-            def calibration() -> Any:
-                from .runtimes.artifacts import gaussian_calibration
-
-                if not calibrated:
-                    calibrated.append(gaussian_calibration(model, config.seed))
-                return calibrated[0]
-
-            def reference(scheme: str) -> tuple[np.ndarray | None, str, float | None]:
-                if scheme not in references:
-                    out, note = (reference_output(model, scheme, x_check, config.seed, calibration)
-                                 if config.reference_check else (None, "reference check off"))
-                    references[scheme] = (out, note, None if out is None else _sqnr(ref, out))
-                return references[scheme]
-
-            for rt, wanted in plan:
-                device_name = _device_name(rt, env)
-                peaks = device_peaks(device_name) if rt.device == "cuda" else None
-                if peaks is not None:
-                    peaks_used[rt.device] = {"device": device_name, **peaks.to_dict()}
-                if config.measure_bandwidth and rt.device not in copy_bw:
-                    copy_bw[rt.device] = measure_copy_bandwidth(rt.device)
-                for scheme in wanted:
-                    def record(m: int, **kw: Any) -> CaseResult:
-                        c = CaseResult(spec.variant.value, spec.key, rt.name, scheme, m, device_name, **kw)
-                        cases.append(c)
-                        return c
-
-                    onnx_path = (onnx_paths or {}).get((spec.key, scheme))
-                    case = ModelCase(spec, scheme, seed=config.seed, max_tokens=max(config.tokens), model=model,
-                                     onnx_path=onnx_path, workdir=work)
-                    if config.max_total_s is not None and time.perf_counter() - t_start > config.max_total_s:
-                        skipped.append({"runtime": rt.name, "scheme": scheme, "variant": spec.variant.value,
-                                        "reason": f"sweep time limit of {config.max_total_s:g} s reached"})
-                        total -= len(config.tokens)
-                        continue
-                    if requested is None:
-                        try:
-                            rt.check(case)
-                        except FFNQuantError as exc:  # 'every format': sizes a kernel cannot take are skipped
-                            skipped.append({"runtime": rt.name, "scheme": scheme, "variant": spec.variant.value,
-                                            "reason": str(exc)})
-                            total -= len(config.tokens)
-                            continue
-                    loaded = None
-                    try:
-                        rt.reset_peak_memory()
-                        loaded = rt.load(case)
-                        sqnr, max_err, got = _output_check(rt, loaded, x_check, ref)
-                    except Exception as exc:  # a failing runtime is a result, not the end of the sweep
-                        for m in config.tokens:
-                            record(m, error=_error_text(exc))
-                            done += 1
-                            if progress:
-                                progress(done, total, f"{spec.variant.value} {rt.name} {scheme} M={m}: error")
-                        if loaded is not None:
-                            rt.release(loaded)
-                        continue
-                    row = next(r for r in runtime_rows if r["name"] == rt.name)
-                    if loaded.label not in row["ran_with"]:
-                        row["ran_with"].append(loaded.label)
-                    compute = FORMATS[scheme].compute.value
-                    ref_out, ref_note, ref_sqnr = reference(scheme)
-                    vs_ref = None if ref_out is None else _sqnr(ref_out, got)
-                    for m in config.tokens:
-                        act_bytes = tensor_nbytes(loaded.input_dtype, m * spec.d_model) + tensor_nbytes(
-                            loaded.output_dtype, m * spec.d_model)
-                        base_kw = dict(label=loaded.label, providers=loaded.providers, weight_bytes=loaded.weight_bytes,
-                                       file_bytes=loaded.file_bytes, bytes_per_call=loaded.weight_bytes + act_bytes,
-                                       flops_per_call=m * spec.flops_per_token, compute=compute, sqnr_db=sqnr,
-                                       max_abs_error=max_err, reference_sqnr_db=ref_sqnr, sqnr_vs_reference_db=vs_ref,
-                                       reference_note=ref_note)
-                        try:
-                            stats = measure(rt, loaded, inputs[m], config, timer_factory(rt, loaded))
-                        except Exception as exc:
-                            record(m, error=_error_text(exc), **base_kw)
-                        else:
-                            frac, bound = roofline(base_kw["bytes_per_call"], base_kw["flops_per_call"],
-                                                   stats.median_s, compute, peaks, copy_bw.get(rt.device))
-                            record(m, stats=stats, roofline_fraction=frac, roofline_bound=bound,
-                                   peak_memory_bytes=rt.peak_memory_bytes(), **base_kw)
-                        done += 1
-                        if progress:
-                            progress(done, total, f"{spec.variant.value} {rt.name} {scheme} M={m}")
-                    rt.release(loaded)
+        for i, res in executor.as_completed(_run_case_task, tasks,
+                                            [{"num_gpus": 1} if gpus and t.runtime.device == "cuda" else {} for t in tasks]):
+            results[i] = res
+            total -= 0 if res.skipped is None else len(config.tokens)
+            for c in () if executor.in_process else res.cases:  # from a worker: progress as its task returns
+                case_done(c)
     finally:
+        _SWEEP.clear()
         if tmp_ctx is not None:
             tmp_ctx.cleanup()
 
+    cases, peaks_used, copy_bw = [], {}, {}
+    for task, res in ((tasks[i], results[i]) for i in range(len(tasks))):
+        cases += res.cases
+        skipped += [res.skipped] if res.skipped else []
+        row = next(r for r in runtime_rows if r["name"] == task.runtime.name)
+        if res.label is not None and res.label not in row["ran_with"]:
+            row["ran_with"].append(res.label)
+        if res.peaks is not None:
+            peaks_used[task.runtime.device] = res.peaks
+        if res.copy_bw is not None:
+            copy_bw.setdefault(task.runtime.device, res.copy_bw)
     _flag_slowdowns(cases, {rt.name: rt.baseline for rt, _ in plan})
     for row in runtime_rows:
         errors = [c.error for c in cases if c.runtime == row["name"] and c.error]
@@ -564,27 +411,171 @@ def run_benchmark(
     if load_before is not None:
         env["load_average"] = {"before": [round(v, 2) for v in load_before],
                                "after": [round(v, 2) for v in os.getloadavg()]}
-    return BenchResult(
-        config=config,
-        specs=list(specs),
-        runtimes=runtime_rows,
-        cases=cases,
-        environment=env,
-        device_peaks=peaks_used,
-        copy_bandwidth=copy_bw,
-        skipped=skipped,
-        wall_s=time.perf_counter() - t_start,
-    )
+    env["executor"] = executor.describe()
+    return BenchResult(config=config, specs=list(specs), runtimes=runtime_rows, cases=cases, environment=env,
+                       device_peaks=peaks_used, copy_bandwidth=copy_bw, skipped=skipped,
+                       wall_s=time.perf_counter() - t_start)
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """What every task of one sweep carries."""
+
+    id: str  # what a process keeps of one sweep (`_SWEEP`) never serves another
+    config: BenchConfig
+    environment: Mapping[str, Any]  # the driver's; a task on another host names that host's devices
+    driver_host: str
+    timer_factory: TimerFactory
+    every_format: bool  # 'all' schemes: sizes a kernel cannot take are skipped, not errors
+    deadline: float | None  # time.time() after which no case starts (max_total_s)
+    workdir: Path | None  # the sweep's artifact folder; None: each task its own (tasks run at once)
+    on_case: Callable[[CaseResult], None] | None  # live progress, in the driver's process only
+
+
+@dataclass(frozen=True)
+class _CaseTask:
+    """One task: a (spec, runtime, scheme) loaded once and timed at every token count."""
+
+    sweep: _Sweep
+    spec: FFNSpec
+    model: Any  # the float FFN given for this spec, or None: built from the seed where the task runs
+    runtime: Runtime
+    scheme: str
+    onnx_path: Any
+
+
+@dataclass
+class _CaseDone:
+    cases: list[CaseResult] = field(default_factory=list)
+    skipped: dict[str, str] | None = None
+    label: str | None = None
+    peaks: dict[str, Any] | None = None
+    copy_bw: float | None = None
+
+
+# What this process keeps of the sweep under way: each spec's model, inputs and references, the copy
+# bandwidth per device, another host's environment. Cleared when the sweep ends here; a Ray worker
+# starts afresh when a task of another sweep arrives.
+_SWEEP: dict[str, Any] = {}
+
+
+class _SpecState:
+    """A spec's float model, timed inputs, accuracy input and fp32 output; its references, once per scheme."""
+
+    def __init__(self, spec: FFNSpec, model: Any, config: BenchConfig) -> None:
+        import torch
+
+        from .model import build
+
+        self.config, self.calibrated, self.references = config, None, {}
+        self.model = model if model is not None else build(spec, seed=config.seed)
+        rng = np.random.default_rng(config.seed)
+        self.inputs = {m: rng.standard_normal((1, m, spec.d_model)).astype(np.float32) for m in config.tokens}
+        check_tokens = min(config.accuracy_tokens, max(config.tokens))
+        self.x_check = rng.standard_normal((1, check_tokens, spec.d_model)).astype(np.float32)
+        with torch.inference_mode():
+            self.ref = self.model.float()(torch.from_numpy(self.x_check)).double().numpy()
+
+    def calibration(self) -> Any:
+        """This model's Gaussian calibration, made once for all its static schemes."""
+        from .runtimes.artifacts import gaussian_calibration
+
+        if self.calibrated is None:
+            self.calibrated = gaussian_calibration(self.model, self.config.seed)
+        return self.calibrated
+
+    def reference(self, scheme: str) -> tuple[np.ndarray | None, str, float | None]:
+        if scheme not in self.references:
+            out, note = (reference_output(self.model, scheme, self.x_check, self.config.seed, self.calibration)
+                         if self.config.reference_check else (None, "reference check off"))
+            self.references[scheme] = (out, note, None if out is None else _sqnr(self.ref, out))
+        return self.references[scheme]
+
+
+def _run_case_task(task: _CaseTask) -> _CaseDone:
+    """One task where it landed: load, check the output once, time every token count."""
+    sweep, spec, rt, scheme, host = task.sweep, task.spec, task.runtime, task.scheme, socket.gethostname()
+    config, done = sweep.config, _CaseDone()
+    if _SWEEP.get("id") != sweep.id:
+        _SWEEP.clear()
+        _SWEEP.update(id=sweep.id, specs={}, bandwidth={})
+    if sweep.deadline is not None and time.time() > sweep.deadline:
+        done.skipped = {"runtime": rt.name, "scheme": scheme, "variant": spec.variant.value,
+                        "reason": f"sweep time limit of {config.max_total_s:g} s reached"}
+        return done
+    at_home = host == sweep.driver_host
+    if not at_home and "env" not in _SWEEP:
+        from .envinfo import environment
+
+        _SWEEP["env"] = environment()
+    device_name = _device_name(rt, sweep.environment if at_home else _SWEEP["env"])
+    peaks = device_peaks(device_name) if rt.device == "cuda" else None
+    done.peaks = None if peaks is None else {"device": device_name, **peaks.to_dict()}
+    if config.measure_bandwidth:  # once per device in each process
+        bandwidth = _SWEEP["bandwidth"]
+        done.copy_bw = bandwidth[rt.device] = bandwidth.get(rt.device) or measure_copy_bandwidth(rt.device)
+    case = ModelCase(spec, scheme, seed=config.seed, max_tokens=max(config.tokens), onnx_path=task.onnx_path)
+    if sweep.every_format:
+        try:
+            rt.check(case)
+        except FFNQuantError as exc:
+            done.skipped = {"runtime": rt.name, "scheme": scheme, "variant": spec.variant.value, "reason": str(exc)}
+            return done
+
+    def record(m: int, **kw: Any) -> None:
+        done.cases.append(CaseResult(spec.variant.value, spec.key, rt.name, scheme, m, device_name, host=host, **kw))
+        if sweep.on_case is not None:
+            sweep.on_case(done.cases[-1])
+
+    avail = rt.availability() if at_home else rt._check_availability()  # this host's, not the driver's cached one
+    if not avail.available:
+        for m in config.tokens:
+            record(m, error=f"{rt.name} is not available on {host}: {avail.reason}")
+        return done
+    state = _SWEEP["specs"].get(spec.key) or _SWEEP["specs"].setdefault(spec.key, _SpecState(spec, task.model, config))
+    with tempfile.TemporaryDirectory(prefix="ffnquant_bench_") as own:
+        loaded = None
+        try:
+            rt.reset_peak_memory()
+            loaded = rt.load(dataclasses.replace(case, model=state.model, workdir=sweep.workdir or Path(own)))
+            sqnr, max_err, got = _output_check(rt, loaded, state.x_check, state.ref)
+        except Exception as exc:  # a failing runtime is a result, not the end of the sweep
+            for m in config.tokens:
+                record(m, error=_error_text(exc))
+            if loaded is not None:
+                rt.release(loaded)
+            return done
+        done.label, compute = loaded.label, FORMATS[scheme].compute.value
+        ref_out, ref_note, ref_sqnr = state.reference(scheme)
+        vs_ref = None if ref_out is None else _sqnr(ref_out, got)
+        for m in config.tokens:
+            act_bytes = sum(tensor_nbytes(dtype, m * spec.d_model) for dtype in (loaded.input_dtype, loaded.output_dtype))
+            base_kw = dict(label=loaded.label, providers=loaded.providers, weight_bytes=loaded.weight_bytes,
+                           file_bytes=loaded.file_bytes, bytes_per_call=loaded.weight_bytes + act_bytes,
+                           flops_per_call=m * spec.flops_per_token, compute=compute, sqnr_db=sqnr, max_abs_error=max_err,
+                           reference_sqnr_db=ref_sqnr, sqnr_vs_reference_db=vs_ref, reference_note=ref_note)
+            try:
+                stats = measure(rt, loaded, state.inputs[m], config, sweep.timer_factory(rt, loaded))
+            except Exception as exc:
+                record(m, error=_error_text(exc), **base_kw)
+            else:
+                frac, bound = roofline(base_kw["bytes_per_call"], base_kw["flops_per_call"], stats.median_s, compute,
+                                       peaks, done.copy_bw)
+                record(m, stats=stats, roofline_fraction=frac, roofline_bound=bound,
+                       peak_memory_bytes=rt.peak_memory_bytes(), **base_kw)
+        rt.release(loaded)
+    return done
 
 
 def _flag_slowdowns(cases: list[CaseResult], baselines: Mapping[str, str]) -> None:
     """Set speedup (baseline median / median) and slower_than_baseline on every measured case.
 
     Slower means beyond the measured spread: the case's p10 above the baseline's p90, the mirror of
-    the recommender's test for faster. A median a hair above the baseline's is noise, not a slowdown."""
-    index = {(c.spec_key, c.runtime, c.tokens): c for c in cases if c.ok and c.scheme == baselines.get(c.runtime)}
+    the recommender's test for faster. A median a hair above the baseline's is noise, not a slowdown.
+    A case is compared with the baseline measured on its own host only."""
+    index = {(c.spec_key, c.runtime, c.tokens, c.host): c for c in cases if c.ok and c.scheme == baselines.get(c.runtime)}
     for c in cases:
-        base = index.get((c.spec_key, c.runtime, c.tokens))
+        base = index.get((c.spec_key, c.runtime, c.tokens, c.host))
         if not c.ok or base is None:
             continue
         c.baseline = base.scheme

@@ -40,10 +40,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop starting new models after this many seconds; the rest is listed as not run")
     parser.add_argument("--measure-bandwidth", action="store_true",
                         help="measure the device copy bandwidth for the roofline where no peak is tabled (e.g. CPU)")
+    add_executor_arguments(parser, "each (runtime, scheme, shape) case with its token counts is one task; a case on a "
+                                   "Ray worker is timed on that worker's machine, and the report names its host")
     parser.add_argument("--out", default="reports", help="output folder (default reports/)")
     parser.add_argument("--name", default="latency",
                         help="file stem of the outputs: letters, digits, '.', '_', '-', not starting with '.' (default latency)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """--executor and --ray-address (bench and plan)."""
+    from ..executor import EXECUTORS
+
+    parser.add_argument("--executor", default="local", choices=tuple(EXECUTORS),
+                        help="where the tasks run (default local): " + "; ".join(f"{k}, {v}" for k, v in EXECUTORS.items())
+                        + f"; {what}")
+    parser.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                        help="the Ray cluster to run on with --executor ray (default: $RAY_ADDRESS, else a local Ray instance)")
+
+
+def executor_from_args(args: argparse.Namespace):
+    """The executor the arguments name, started (a Ray cluster reached) before any work."""
+    from ..executor import get_executor
+
+    return get_executor(args.executor, args.ray_address)
 
 
 def _parse_tokens(text: str) -> tuple[int, ...]:
@@ -125,6 +145,8 @@ def _command_line(args: argparse.Namespace) -> str:
         parts.append("--skip-unavailable")
     if args.max_total_s is not None:
         parts += ["--max-total-s", str(args.max_total_s)]
+    if args.executor != "local":
+        parts += ["--executor", args.executor] + (["--ray-address", args.ray_address] if args.ray_address else [])
     from ..render import display_path
 
     parts += ["--out", display_path(args.out), "--name", args.name]  # never this machine's absolute layout
@@ -152,18 +174,21 @@ def run(args: argparse.Namespace) -> int:
     specs, adapters, schemes, config = plan_from_args(args)
     # Both files are staged in --out and moved into place together at the end: a failure or Ctrl-C
     # mid-sweep leaves --out as it was.
-    with OutputTransaction() as tx:
-        json_path, md_path, result = _measure_and_write(args, tx.folder(args.out), specs, adapters, schemes, config)
+    with executor_from_args(args) as executor, OutputTransaction() as tx:
+        json_path, md_path, result = _measure_and_write(args, tx.folder(args.out), specs, adapters, schemes, config,
+                                                        executor)
         json_path, md_path = tx.final(json_path), tx.final(md_path)
     ok = sum(1 for c in result.cases if c.ok)
     failed = len(result.cases) - ok
     slower = sum(1 for c in result.cases if c.slower_than_baseline)
-    print(f"{ok} cases measured, {failed} failed, {slower} slower than their float baseline; "
+    hosts = sorted({c.host for c in result.cases if c.host})
+    where = f" on {len(hosts)} hosts ({', '.join(hosts)})" if len(hosts) > 1 else ""
+    print(f"{ok} cases measured{where}, {failed} failed, {slower} slower than their float baseline; "
           f"wrote {json_path} and {md_path}")
     return 0
 
 
-def _measure_and_write(args: argparse.Namespace, out, specs, adapters, schemes, config):
+def _measure_and_write(args: argparse.Namespace, out, specs, adapters, schemes, config, executor=None):
     """Run the sweep and write <name>.json and <name>.md into `out`; returns (json path, md path, result)."""
     from ..atomic import write_json, write_text
     from ..bench import run_benchmark
@@ -171,7 +196,7 @@ def _measure_and_write(args: argparse.Namespace, out, specs, adapters, schemes, 
 
     command = _command_line(args)
     if args.no_progress:
-        result = run_benchmark(specs, adapters, schemes, config)
+        result = run_benchmark(specs, adapters, schemes, config, executor=executor)
     else:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -182,7 +207,7 @@ def _measure_and_write(args: argparse.Namespace, out, specs, adapters, schemes, 
             def progress(done: int, total: int, label: str) -> None:
                 bar.update(task, completed=done, total=total, description=label)
 
-            result = run_benchmark(specs, adapters, schemes, config, progress=progress)
+            result = run_benchmark(specs, adapters, schemes, config, progress=progress, executor=executor)
     result.command = command
     doc = result.to_dict()
     json_path = write_json(out / f"{args.name}.json", doc)

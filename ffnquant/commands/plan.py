@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..atomic import OutputTransaction, write_json, write_text
 from ..render import fmt
+from .bench import add_executor_arguments, executor_from_args
 from .common import StageBars, add_text_arguments, positive_int
 
 NAME = "plan"
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-ort-floor", action="store_true",
                         help="keep static int8 candidates that score below onnxruntime's own best quantizer on a layer "
                              "(by default they are left out; measuring that floor takes a few seconds per layer)")
+    add_executor_arguments(parser, "each layer's candidates sharing a preparation are one task, carrying the layer and "
+                                   "its captured inputs; the plan is the same on every executor")
     parser.add_argument("--out", default="reports/plan", help="folder for plan.toml, plan.json, plan.md (default reports/plan)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     parser.add_argument("--allow-pickle", action="store_true", help="allow a pickle checkpoint (loaded weights-only)")
@@ -71,13 +74,13 @@ def run(args: argparse.Namespace) -> int:
     settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens, ablation=False)
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
     bars = StageBars(enabled=not args.no_progress)
-    with OutputTransaction() as tx:
+    with executor_from_args(args) as executor, OutputTransaction() as tx:
         out = tx.folder(args.out)
         try:
             plan, result = make_plan(info, target, objective, args.candidates, text=args.text, eval_text=args.eval_text,
                                      settings=settings, probe_tokens=args.probe_tokens, max_rounds=args.rounds,
                                      ort_floor=not args.no_ort_floor,
-                                     allow_pickle=args.allow_pickle, progress=bars)
+                                     allow_pickle=args.allow_pickle, progress=bars, executor=executor)
         except BaseException:
             bars.close(ok=False)
             raise

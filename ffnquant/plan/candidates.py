@@ -4,6 +4,9 @@ Per (layer, recipe): the layer's own output SQNR on the held-out inputs, its out
 (calibration) inputs as raw energy and weighted by the loss gradient (`sensitivity.fisher_noise`), and its
 stored bytes. Quantized copies are not kept (a 30-layer model times 15 recipes would not fit in memory);
 `quantize_layer` makes the chosen ones again, deterministically, for the verification.
+
+The scoring runs as tasks of an `executor` (`score_tasks`, `run_score_task`): one per layer and remedy set
+(the candidates that share one preparation), each carrying the layer's float FFN and captured inputs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from ..errors import FFNQuantError
 from ..recipe import Recipe
 from .sensitivity import fisher_noise
 
-__all__ = ["CANDIDATE_SETS", "candidate_recipes", "CandidateScore", "generalization", "score_layer", "quantize_layer"]
+__all__ = ["CANDIDATE_SETS", "candidate_recipes", "CandidateScore", "generalization", "score_layer", "quantize_layer",
+           "ScoreTask", "score_tasks", "run_score_task"]
 
 # Named candidate sets; `--candidates` also takes a comma-separated list of recipes.
 CANDIDATE_SETS: dict[str, tuple[str, ...]] = {
@@ -141,3 +145,35 @@ def quantize_layer(layer: Any, recipe: Recipe, calib: torch.Tensor, held_out: to
     if not outcome.ok:
         raise FFNQuantError(f"{layer.label}: {recipe}: {outcome.error}")
     return outcome.result.qmodel, outcome.result.accuracy.sqnr_db
+
+
+@dataclass(frozen=True)
+class ScoreTask:
+    """Some candidates of one layer, to score where an executor runs it: everything it reads travels with it
+    (`Shared` handles: the layer, its search and held-out inputs, the loss gradients at its output)."""
+
+    layer: Any  # Shared: the layer (spec, float FFN, label)
+    recipes: tuple[Recipe, ...]
+    calib: Any  # Shared: search (calibration) inputs
+    held_out: Any  # Shared: held-out inputs
+    grad: Any  # Shared: loss gradients at the layer's output on the search inputs
+    keep: tuple[Recipe, ...] = ()
+    bins: int | None = None
+
+
+def score_tasks(executor: Any, layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor,
+                grad: torch.Tensor, keep: Sequence[Recipe] = (), bins: int | None = None) -> list[ScoreTask]:
+    """`score_layer`'s work as tasks: one per remedy set (its candidates share a preparation, as in one call),
+    in the order the sets first appear; the layer and its inputs are shared once by all of them."""
+    groups: dict[tuple, list[Recipe]] = {}
+    for recipe in recipes:
+        groups.setdefault((recipe.smooth, recipe.rotate), []).append(recipe)
+    handles = [executor.share(v) for v in (layer, calib, held_out, grad)]
+    return [ScoreTask(handles[0], tuple(g), *handles[1:], keep=tuple(r for r in keep if r in g), bins=bins)
+            for g in groups.values()]
+
+
+def run_score_task(task: ScoreTask):
+    """Run one `ScoreTask`: (scores in its recipe order, {recipe: QuantizedFFN} for those in its `keep`)."""
+    return score_layer(task.layer.get(), task.recipes, task.calib.get(), task.held_out.get(), task.grad.get(),
+                       keep=task.keep, bins=task.bins)

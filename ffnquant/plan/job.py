@@ -2,7 +2,8 @@
 
 1. Capture each FFN's inputs on the calibration text (the search data) and the held-out text (`hf.inputs`).
 2. One backward pass of the float model on the search text: the loss gradient at every FFN output.
-3. Score every candidate recipe on every layer (`candidates.score_layer`).
+3. Score every candidate recipe on every layer (`candidates.score_layer`), as tasks of an executor (this process,
+   or Ray workers: `candidates.score_tasks`); each layer is finished here as its tasks come back.
 4. Predict each candidate's end-to-end damage: its gradient-weighted output error (`fisher`) times a per-layer
    factor fitted on measured ablations of two probe recipes on that layer (KL of the next-token distribution
    for a ppl target; final hidden noise for an SQNR target), times how much worse the candidate's layer error
@@ -28,7 +29,7 @@ import torch
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
-from .candidates import candidate_recipes, generalization, quantize_layer, score_layer
+from .candidates import candidate_recipes, generalization, quantize_layer, run_score_task, score_tasks
 from .planfile import Plan, model_fingerprint
 from .search import Option, pareto, solve
 from .sensitivity import SuffixRunner, check_plannable, fisher_noise, output_gradients
@@ -105,6 +106,55 @@ def _ort_floor(layer: Any, calib: torch.Tensor, held: torch.Tensor, recipes: Seq
             "methods": {m: v.get("sqnr_db") for m, v in res["methods"].items()}}
 
 
+def _finish_layer(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], recipes: Sequence[Recipe], inputs: Any,
+                  grads: dict[str, torch.Tensor], runner: Any, n_probe: int, latency: dict[str, dict[str, Any]],
+                  objective: Objective, settings: Any, with_ort_floor: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One layer's rows from its scores: the probes ablated on the whole model, the per-layer fit (kappa, rho),
+    each candidate's predicted damage and cost, the onnxruntime floor; (the layer's entry, its probe fit points)."""
+    calib, held = inputs.calib[layer.label], inputs.eval[layer.label]
+    by_recipe = {s.recipe: s for s in scores}
+    probe_rows = []
+    for p, q in kept.items():
+        abl = runner.ablate(layer.index, q)
+        # the same prediction restricted to the probe tokens, which lead the search tokens
+        with torch.no_grad():
+            x = calib[:n_probe]
+            ref, got = layer.ffn(x), q(x)
+        fisher = fisher_noise(grads[layer.label][:n_probe], ref, got) / max(1, x.shape[0])
+        energy = float((got.double() - ref.double()).square().sum())
+        probe_rows.append({"recipe": str(p), "kl": abl.kl, "nll_delta": abl.nll_delta, "hidden_nsr": abl.hidden_nsr,
+                           "fisher_per_token": fisher, "noise": energy,
+                           "hidden_signal_per_token": abl.hidden_signal / max(1, abl.tokens),
+                           "hidden_noise": abl.hidden_noise})
+    kappa = _fit([(r["fisher_per_token"], r["kl"]) for r in probe_rows])
+    rho = _fit([(r["noise"], r["hidden_noise"]) for r in probe_rows])
+    signal = sum(r["hidden_signal_per_token"] for r in probe_rows) / max(1, len(probe_rows))
+    n_search = calib.shape[0]
+    rows = []
+    for recipe in recipes:
+        s = by_recipe[str(recipe)]
+        row = s.to_dict()
+        if s.error is None:
+            # KL per token ~ kappa * fisher per token; final NSR ~ rho * noise per token / signal per token;
+            # both scaled by how much worse the layer's error is on held-out inputs than on the search ones
+            gen = generalization(s)
+            row["generalization"] = gen
+            row["predicted_kl"] = kappa * s.fisher / max(1, n_search) * gen
+            row["predicted_hidden_nsr"] = (rho * gen * s.search_noise / max(1, n_search)) / signal if signal > 0 else None
+        lat = latency.get(str(recipe), {})
+        row["latency_ms"] = lat.get("p50_ms")
+        if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:
+            row["excluded"] = lat.get("reason") or "not timed"
+        rows.append(row)
+    fit_points = []
+    for r in probe_rows:
+        r["predicted_kl"] = kappa * r["fisher_per_token"]
+        fit_points.append({"layer": layer.index, **r})
+    ort = _ort_floor(layer, calib, held, recipes, rows, settings) if with_ort_floor else None
+    return {"label": layer.label, "kappa": kappa, "rho": rho, "probes": probe_rows, "candidates": rows,
+            "ort_best": ort}, fit_points
+
+
 def make_plan(
     model_dir: Any,
     target: Target | str,
@@ -118,14 +168,19 @@ def make_plan(
     ort_floor: bool = True,
     allow_pickle: bool = False,
     progress: Progress | None = None,
+    executor: Any = None,
 ) -> tuple[Plan, dict[str, Any]]:
-    """Plan every FFN layer of a causal LM for `target` at the least `objective`; returns (Plan, JSON-able result)."""
+    """Plan every FFN layer of a causal LM for `target` at the least `objective`; returns (Plan, JSON-able result).
+
+    The candidates are scored as tasks of `executor` (default: in this process); the plan does not depend on it."""
+    from ..executor import LocalExecutor
     from ..hf import inspect_model, load_ffn_layers
     from ..hf.evaluate import end_to_end, float_baseline
     from ..hf.inputs import EvalSettings, capture_layer_inputs, fit_settings
     from .latency_table import measure_latency_table
 
     t_start = time.perf_counter()
+    executor = executor if executor is not None else LocalExecutor()
     tick = progress or (lambda *a: None)
     target = target if isinstance(target, Target) else Target.parse(target)
     objective = objective or Objective()
@@ -174,53 +229,33 @@ def make_plan(
     # the onnxruntime floor applies to static int8 candidates only: without any, it is not measured
     any_static = any(r.resolve().static_activations and r.resolve().act_dtype.is_integer for r in recipes)
     per_layer: dict[int, dict[str, Any]] = {}
-    fit_points: list[dict[str, Any]] = []
+    fits: dict[int, list[dict[str, Any]]] = {}
+    scored = list(dict.fromkeys(recipes + probes))
+    # the scoring as tasks (one per layer and remedy set); each layer is finished here (probe ablations need
+    # the whole model) as soon as its tasks are in, so its quantized probes are freed early
+    tasks, owner = [], []
     for k, layer in enumerate(layers):
-        calib, held = inputs.calib[layer.label], inputs.eval[layer.label]
-        scores, kept = score_layer(layer, list(dict.fromkeys(recipes + probes)), calib, held, grads[layer.label],
-                                   keep=probes, bins=settings.bins)
-        by_recipe = {s.recipe: s for s in scores}
-        probe_rows = []
-        for p, q in kept.items():
-            abl = runner.ablate(layer.index, q)
-            # the same prediction restricted to the probe tokens, which lead the search tokens
-            with torch.no_grad():
-                x = calib[:n_probe]
-                ref, got = layer.ffn(x), q(x)
-            fisher = fisher_noise(grads[layer.label][:n_probe], ref, got) / max(1, x.shape[0])
-            energy = float((got.double() - ref.double()).square().sum())
-            probe_rows.append({"recipe": str(p), "kl": abl.kl, "nll_delta": abl.nll_delta, "hidden_nsr": abl.hidden_nsr,
-                               "fisher_per_token": fisher, "noise": energy,
-                               "hidden_signal_per_token": abl.hidden_signal / max(1, abl.tokens),
-                               "hidden_noise": abl.hidden_noise})
-        kappa = _fit([(r["fisher_per_token"], r["kl"]) for r in probe_rows])
-        rho = _fit([(r["noise"], r["hidden_noise"]) for r in probe_rows])
-        signal = sum(r["hidden_signal_per_token"] for r in probe_rows) / max(1, len(probe_rows))
-        n_search = calib.shape[0]
-        rows = []
-        for recipe in recipes:
-            s = by_recipe[str(recipe)]
-            row = s.to_dict()
-            if s.error is None:
-                # KL per token ~ kappa * fisher per token; final NSR ~ rho * noise per token / signal per token;
-                # both scaled by how much worse the layer's error is on held-out inputs than on the search ones
-                gen = generalization(s)
-                row["generalization"] = gen
-                row["predicted_kl"] = kappa * s.fisher / max(1, n_search) * gen
-                row["predicted_hidden_nsr"] = (rho * gen * s.search_noise / max(1, n_search)) / signal if signal > 0 else None
-            lat = latency.get(str(recipe), {})
-            row["latency_ms"] = lat.get("p50_ms")
-            if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:
-                row["excluded"] = lat.get("reason") or "not timed"
-            rows.append(row)
-        for r in probe_rows:
-            r["predicted_kl"] = kappa * r["fisher_per_token"]
-            fit_points.append({"layer": layer.index, **r})
-        ort = _ort_floor(layer, calib, held, recipes, rows, settings) if ort_floor and any_static else None
-        per_layer[layer.index] = {"label": layer.label, "kappa": kappa, "rho": rho, "probes": probe_rows,
-                                  "candidates": rows, "ort_best": ort}
-        del kept
-        tick(f"candidates: {layer.label}", k + 1, len(layers))
+        group = score_tasks(executor, layer, scored, inputs.calib[layer.label], inputs.eval[layer.label],
+                            grads[layer.label], keep=probes, bins=settings.bins)
+        tasks += group
+        owner += [k] * len(group)
+    waiting = {k: owner.count(k) for k in range(len(layers))}
+    parts: dict[int, dict[int, Any]] = {k: {} for k in range(len(layers))}
+    for i, result in executor.as_completed(run_score_task, tasks):
+        k = owner[i]
+        parts[k][i] = result
+        if len(parts[k]) < waiting[k]:
+            continue
+        scores = [s for j in sorted(parts[k]) for s in parts[k][j][0]]
+        kept = {p: q for j in sorted(parts[k]) for p, q in parts[k].pop(j)[1].items()}
+        layer = layers[k]
+        per_layer[layer.index], fits[layer.index] = _finish_layer(
+            layer, scores, {r: kept[r] for r in scored if r in kept}, recipes, inputs, grads, runner, n_probe, latency,
+            objective, settings, ort_floor and any_static)
+        tick(f"candidates: {layer.label}", len(per_layer), len(layers))
+    # in layer order, whatever order the tasks finished in
+    per_layer = {layer.index: per_layer[layer.index] for layer in layers}
+    fit_points = [p for layer in layers for p in fits[layer.index]]
     timings["candidates_s"] = time.perf_counter() - t
 
     def damage(row: dict[str, Any]) -> float:
@@ -329,6 +364,6 @@ def make_plan(
         "rounds": rounds, "final_round": final["round"], "verified": bool(final["met"]), "plan": plan.to_dict(),
         "fp32_cost": fp32_cost, "single_recipes": singles,
         "pareto_per_layer": {i: [o.name for o in pareto(opts)] for i, opts in options.items()},
-        "timings": timings, "atlas": atlas,
+        "timings": timings, "atlas": atlas, "executor": executor.describe(),
     }
     return plan, result
