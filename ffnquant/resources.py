@@ -7,6 +7,7 @@ safetensors into a one-line `FFNQuantError` naming the input and what is valid.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -17,6 +18,9 @@ __all__ = [
     "available_memory",
     "human_bytes",
     "check_memory",
+    "parse_size",
+    "process_rss",
+    "memory_limit",
     "regular_file",
     "read_text",
     "read_bytes",
@@ -79,6 +83,50 @@ def check_memory(n_bytes: int, what: str, hint: str, purpose: str = "") -> None:
         raise FFNQuantError(
             f"{what} needs {human_bytes(n_bytes)}{purpose}; this machine has {human_bytes(have)} available: {hint}"
         )
+
+
+_SIZE = re.compile(r"(?P<n>(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*(?:(?P<prefix>[kmgtp])(?P<binary>i)?)?b?",
+                   re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size as a user writes it: '8GB', '8g', '512MB', '1.5GiB', '3e9', '4096'.
+
+    k/M/G/T/P are decimal, as `human_bytes` prints them; KiB/MiB/GiB/TiB/PiB are powers of 1024."""
+    m = _SIZE.fullmatch(str(text).strip())
+    if m is None:
+        raise FFNQuantError(f"{text!r} is not a memory size: write e.g. 8GB, 512MB, 1.5GiB or a byte count")
+    power = "kmgtp".index(m.group("prefix").lower()) + 1 if m.group("prefix") else 0
+    value = float(m.group("n")) * (1024 if m.group("binary") else 1000) ** power
+    if not 1 <= value <= 2**62:
+        raise FFNQuantError(f"memory size {text!r} must be at least 1 byte and at most 4 EiB")
+    return int(value)
+
+
+def process_rss() -> int:
+    """Bytes this process holds in memory now (VmRSS of /proc/self/status; psutil elsewhere; 0 when unknown)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:
+        return 0
+
+
+def memory_limit(max_memory: int | None) -> int | None:
+    """The memory this process may hold in all: `max_memory` when given, else what it holds now plus what the
+    machine has available (None when that is unknown: then nothing is refused on memory grounds)."""
+    if max_memory is not None:
+        return max_memory
+    have = available_memory()
+    return None if have is None else process_rss() + have
 
 
 # --- input files -------------------------------------------------------------------------------

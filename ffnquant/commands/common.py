@@ -9,7 +9,7 @@ from ..errors import FFNQuantError
 from ..spec import FFNSpec, Variant, parse_variants
 
 __all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments",
-           "TextFiles", "token_notes", "add_text_arguments", "StageBars"]
+           "TextFiles", "token_notes", "add_text_arguments", "StageBars", "memory_size", "add_memory_arguments"]
 
 
 def positive_int(text: str) -> int:
@@ -109,6 +109,31 @@ def add_model_arguments(
     if allow_pickle:
         group.add_argument("--allow-pickle", action="store_true",
                            help="allow .bin/.pt checkpoints (read with torch.load(weights_only=True))")
+
+
+def memory_size(text: str) -> int:
+    """A size in bytes from '8GB', '512MiB', ... (`resources.parse_size`), as an argparse type."""
+    from ..resources import parse_size
+
+    try:
+        return parse_size(text)
+    except FFNQuantError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """--max-memory SIZE and --sequential/--no-sequential: how a --model run fits in memory (`hf.stream.plan_memory`)."""
+    group = parser.add_argument_group("memory (a --model run)")
+    group.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                       help="memory the run may use in all, e.g. 8GB or 6GiB (default: what the process holds plus "
+                            "what the machine has available); a model that does not fit in float32 is run one decoder "
+                            "layer at a time, and its hidden states go to a temporary folder when they do not fit either")
+    mode = group.add_mutually_exclusive_group()
+    mode.add_argument("--sequential", dest="sequential", action="store_true", default=None,
+                      help="run the model one decoder layer at a time even when it fits (llama, mistral, qwen2, gemma, "
+                           "phi3, gpt2)")
+    mode.add_argument("--no-sequential", dest="sequential", action="store_false",
+                      help="load the whole model, as before sequential onloading (refused when it does not fit)")
 
 
 def add_text_arguments(parser: Any, calib_help: str, eval_help: str, eval_tokens: int = 2048) -> None:

@@ -10,7 +10,9 @@ from ..histogram import StreamingHistogram
 from ..observe import DEFAULT_BINS
 from ..render import fmt, text_table
 from ..spec import SITES
-from .common import add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes
+from .common import (
+    add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes,
+)
 
 NAME = "profile"
 HELP = "profile activation ranges at every FFN tensor site and write the range report (JSON, Markdown, plots)"
@@ -34,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-positions", action="store_true",
                         help="with --model: skip the second model run that finds the token positions of each site's "
                              "largest values (the layer atlas then has the range figures only)")
+    add_memory_arguments(parser)
 
 
 def _cell(table, site: str) -> str:
@@ -63,20 +66,51 @@ def _model_measured(args: argparse.Namespace, tables: dict) -> dict | None:
             "tokens_per_layer": {k: t.n_tokens for k, t in tables.items()}, "calibration_text": budget}
 
 
-def _model_layers(args: argparse.Namespace):
-    """The model's FFN layers and their RangeTables keyed '<model_type>:<label>' (the layers are kept: the atlas
-    runs their FFNs again to locate the largest values)."""
-    from ..hf import EvalSettings, calibrate_model, inspect_model
+def _settings(args: argparse.Namespace):
+    from ..hf import EvalSettings
 
-    info = inspect_model(args.model, allow_pickle=args.allow_pickle)
-    settings = EvalSettings(max_calib_tokens=args.model_tokens, bins=args.bins)
+    return EvalSettings(max_calib_tokens=args.model_tokens, bins=args.bins)
+
+
+def _memory_plan(args: argparse.Namespace, info):
+    """How the model runs (whole, or layer by layer; `hf.stream.plan_memory`), decided before any work; None when
+    its FFN inputs come from --captured files (the model does not run)."""
+    if args.captured is not None:
+        if args.sequential:
+            raise FFNQuantError("--sequential runs the model layer by layer; --captured reads its FFN inputs from "
+                                "files instead: give one of them")
+        return None
+    from ..hf import parse_layers
+    from ..hf.stream import plan_memory, token_batches_of
+
+    settings = _settings(args)
+    ids = token_batches_of(info, args.text, "calibration", settings, args.model_tokens)
+    return plan_memory(info, calib_tokens=sum(int(b.numel()) for b in ids), eval_tokens=0, task="profile",
+                       n_layers=len(parse_layers(args.layers, info.n_layers)), batch_tokens=int(ids[0].numel()),
+                       max_memory=args.max_memory, sequential=args.sequential, tokens_flag="--model-tokens")
+
+
+def _model_layers(args: argparse.Namespace, info, memory):
+    """The model's RangeTables keyed '<model_type>:<label>', its settings, and its layers (kept: the atlas runs
+    their FFNs again to locate the largest values) or, streamed, the top positions measured on the way."""
+    from ..hf import calibrate_model
+
+    settings = _settings(args)
+    if memory is not None and memory.sequential:
+        from ..hf.stream import stream_calibrate
+
+        tables, top, measured = stream_calibrate(info, args.layers, args.text, settings,
+                                                 positions=not args.no_positions, spill=memory.spill)
+        keyed = {f"{info.model_type}:{label}": table for label, table in tables.items()}
+        return settings, keyed, (top, measured)
     layers, tables = calibrate_model(info, layers=args.layers, text=args.text, captured=args.captured,
                                      settings=settings, allow_pickle=args.allow_pickle)
-    return info, layers, settings, {f"{info.model_type}:{layer.label}": tables[layer.label] for layer in layers}
+    return settings, {f"{info.model_type}:{layer.label}": tables[layer.label] for layer in layers}, layers
 
 
 def _atlas(args: argparse.Namespace, info, layers, settings, tables: dict) -> tuple[dict, str]:
-    """The layer atlas of the model's tables, with the token positions of the top values when they can be measured;
+    """The layer atlas of the model's tables, with the token positions of the top values when they can be measured
+    (`layers` the model's FFN layers, or the (positions, what they were measured on) a streamed run measured);
     and a sentence saying what the positions were measured on (or why not)."""
     from ..atlas import layer_atlas, model_top_positions
 
@@ -87,8 +121,14 @@ def _atlas(args: argparse.Namespace, info, layers, settings, tables: dict) -> tu
         note = ("not measured: captured files do not record where their sequences start (run without --captured to "
                 "measure them on the model).")
     else:
-        top, m = model_top_positions(info, layers, text=args.text, settings=settings, allow_pickle=args.allow_pickle)
-        note = (f"measured in a second run of the model over the same calibration windows as the ranges: "
+        if isinstance(layers, tuple):
+            top, m = layers
+            how = "in the same run of the model, layer by layer, over the calibration windows of the ranges"
+        else:
+            top, m = model_top_positions(info, layers, text=args.text, settings=settings,
+                                         allow_pickle=args.allow_pickle)
+            how = "in a second run of the model over the same calibration windows as the ranges"
+        note = (f"measured {how}: "
                 f"{m['n_tokens']:,} tokens of {m['source']} in {m['n_sequences']} window(s) of up to {m['seq_len']} "
                 "tokens; position = index within its window (windows are plain cuts of the text, no BOS token "
                 "added).")
@@ -135,10 +175,14 @@ def run(args: argparse.Namespace) -> int:
     if available is not None and args.tokens > available:
         raise FFNQuantError(f"{source.label} has {available} tokens; --tokens {args.tokens} asks for more")
 
+    info = memory = None
     if args.model:
         from ..hf import inspect_model
 
-        inspect_model(args.model, allow_pickle=args.allow_pickle)  # a bad folder fails before any profiling
+        info = inspect_model(args.model, allow_pickle=args.allow_pickle)  # a bad folder fails before any profiling
+        memory = _memory_plan(args, info)  # a run that cannot fit is refused here, before any work
+    elif args.sequential is not None:
+        raise FFNQuantError("--sequential/--no-sequential choose how a --model runs: give --model")
     # The report is staged and moved into place only when complete: a failure leaves --out as it was.
     with OutputTransaction() as tx:
         out = tx.folder(args.out)  # an unusable --out fails here, before the profiling
@@ -147,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         # The model's own layers, calibrated on its own inputs, side by side with the synthetic variants.
         model_tables, atlas = {}, None
         if args.model:
-            info, layers, settings, model_tables = _model_layers(args)
+            settings, model_tables, layers = _model_layers(args, info, memory)
             atlas, positions_note = _atlas(args, info, layers, settings, model_tables)
         tables.update(model_tables)
         measured = _model_measured(args, model_tables)
@@ -165,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
             "variants": list(tables),
             "model": args.model,
             "model_layers": args.layers if args.model else None,
+            "memory": memory.to_dict() if memory is not None else None,
         }
         paths = {k: tx.final(p) for k, p in write_range_report(tables, out, meta).items()}
         if atlas is not None:  # the layer atlas beside the range report, in the same transaction
@@ -180,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"model layers: {measured['summary']}, trained weights")
         for line in token_notes([measured.get("calibration_text")]):
             print(line)
+        if memory is not None:
+            print(f"memory: {memory.summary()}")
     headers = ["variant"] + [f"{s} crest/kurt" for s in SITES] + ["hidden zeros", "dead"]
     rows = []
     for v, t in tables.items():

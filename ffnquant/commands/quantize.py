@@ -11,7 +11,9 @@ from ..errors import FFNQuantError
 from ..recipe import GRAMMAR, Recipe
 from ..render import fmt, text_table
 from ..report.quantize import quantize_markdown, quantize_model_markdown
-from .common import StageBars, add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes
+from .common import (
+    StageBars, add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes,
+)
 
 NAME = "quantize"
 HELP = "quantize FFN variants (int8 / 4-bit / fp8) with calibration and remedies; write ONNX artifacts and an accuracy report"
@@ -65,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "evaluation batch: most of the time on a deep model)")
     parser.add_argument("--no-progress", action="store_true", help="--model: no progress bars on stderr")
     add_model_arguments(parser, model_tokens=False, eval_text=True)
+    add_memory_arguments(parser)
 
 
 def recipe_from_args(args: argparse.Namespace) -> Recipe:
@@ -152,6 +155,30 @@ def _check_model(args: argparse.Namespace, recipe: Recipe | None, info=None):
     return info
 
 
+def _memory_plan(args: argparse.Namespace, info, recipe):
+    """How the model runs (whole, or layer by layer; `hf.stream.plan_memory`), decided before any work or output:
+    a run that cannot fit is refused here with the numbers. None when the FFN inputs come from --captured files."""
+    if info is None or args.captured is not None:
+        if args.sequential is not None:
+            raise FFNQuantError("--sequential/--no-sequential choose how a --model runs: give --model, without "
+                                "--captured")
+        return None
+    from ..hf import EvalSettings, parse_layers
+    from ..hf.stream import plan_memory, token_batches_of
+    from ..plan.planfile import Plan
+    from ..recipe import as_recipe
+
+    settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens)
+    calib = token_batches_of(info, args.text, "calibration", settings, args.calib_tokens)
+    evals = token_batches_of(info, args.eval_text, "evaluation", settings, args.eval_tokens)
+    recipes = recipe.layers.values() if isinstance(recipe, Plan) else [recipe]
+    return plan_memory(info, calib_tokens=sum(int(b.numel()) for b in calib),
+                       eval_tokens=sum(int(b.numel()) for b in evals), task="quantize",
+                       n_layers=len(parse_layers(args.layers, info.n_layers)), ablation=not args.no_ablation,
+                       hessians=any(as_recipe(r).resolve().needs_hessians for r in recipes), onnx=not args.no_onnx,
+                       batch_tokens=int(calib[0].numel()), max_memory=args.max_memory, sequential=args.sequential)
+
+
 def _capture_model(args: argparse.Namespace, info, progress=None):
     """The selected FFN layers and their calibration and held-out inputs (model run or captured files)."""
     from ..hf import EvalSettings, capture_layer_inputs, load_ffn_layers
@@ -203,19 +230,22 @@ def run(args: argparse.Namespace) -> int:
         recipe = recipe_from_args(args)  # the command's one parse
         info = _check_model(args, recipe) if args.model else None
     specs, sites, source = _validate(args, recipe) if args.plan is None else ([], None, None)
+    memory = _memory_plan(args, info, recipe)
     rows = []
     bars = StageBars(enabled=not args.no_progress)
     try:
-        outputs = _quantize_all(args, recipe, info, specs, sites, source, rows, bars)
+        outputs = _quantize_all(args, recipe, info, specs, sites, source, rows, bars, memory)
     except BaseException:
         bars.close(ok=False)
         raise
     bars.close()
     _print_results(rows, outputs)
+    if memory is not None:
+        print(f"memory: {memory.summary()}")
     return 0
 
 
-def _quantize_all(args, recipe, info, specs, sites, source, rows, bars) -> list:
+def _quantize_all(args, recipe, info, specs, sites, source, rows, bars, memory) -> list:
     from ..envinfo import environment
     from ..quantization import prepare, quantize_spec
 
@@ -224,22 +254,33 @@ def _quantize_all(args, recipe, info, specs, sites, source, rows, bars) -> list:
     with OutputTransaction() as tx:
         arts = None if args.no_onnx else tx.folder(args.out_artifacts)
         reports = tx.folder(args.out_reports)
-        model_part = _capture_model(args, info, bars) if info is not None else None
+        streamed = memory is not None and memory.sequential
+        model_part = _capture_model(args, info, bars) if info is not None and not streamed else None
         outputs: list[tuple[str, dict, object]] = []
         for spec in specs:
             prep = prepare(spec, source, args.calib_tokens, args.eval_tokens, args.seed, smooth_sites=sites, recipe=recipe)
             res = quantize_spec(spec, recipe, prep, out_artifacts=arts, onnx=not args.no_onnx, latency=args.latency)
             outputs.append((f"{spec.key}.{recipe.slug}", res.to_dict(), quantize_markdown))
-        if model_part is not None:
-            from ..hf import model_file_stem, quantize_model_layers
+        if info is not None:
+            from ..hf import EvalSettings, model_file_stem, quantize_model_layers
 
-            layers, inputs, settings = model_part
             stem = model_file_stem(info)
-            data = quantize_model_layers(info, layers, inputs, recipe, smooth_sites=sites, out_artifacts=arts,
-                                         onnx=not args.no_onnx, latency=args.latency, settings=settings, file_stem=stem,
-                                         progress=bars)
+            if streamed:  # capture, quantize and end to end in one pass, a decoder layer at a time
+                from ..hf.stream import stream_quantize
+
+                settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens,
+                                        ablation=not args.no_ablation)
+                data = stream_quantize(info, recipe, args.layers, args.text, args.eval_text, args.calib_tokens,
+                                       args.eval_tokens, settings, smooth_sites=sites, out_artifacts=arts,
+                                       onnx=not args.no_onnx, latency=args.latency, file_stem=stem,
+                                       spill=memory.spill, progress=bars)
+            else:
+                layers, inputs, settings = model_part
+                data = quantize_model_layers(info, layers, inputs, recipe, smooth_sites=sites, out_artifacts=arts,
+                                             onnx=not args.no_onnx, latency=args.latency, settings=settings,
+                                             file_stem=stem, progress=bars)
             data = {"command": "ffnquant quantize --model", "layers_selected": args.layers, **data,
-                    "environment": environment()}
+                    "memory": memory.to_dict() if memory is not None else None, "environment": environment()}
             tag = recipe.slug if args.plan is None else "plan-" + Path(args.plan).stem
             outputs.append((f"{stem}.{tag}", data, quantize_model_markdown))
         for tag, data, render in outputs:

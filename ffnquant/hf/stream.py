@@ -1,0 +1,599 @@
+"""Sequential onloading: a causal LM run one decoder layer at a time, for models larger than memory.
+
+The transformers model is built from config.json with its parameters on the meta device (buffers such as the
+rotary frequencies computed as usual). The modules outside the decoder layers are read from the safetensors
+shards in float32, as `load_hf_model` computes; each batch runs through the model's own forward with stand-ins
+for the decoder layers, which record the embeddings and what the forward builds for each layer (rotary position
+embeddings, causal masks). Then each decoder layer in turn is read, run on every batch's hidden states (its
+FFN's input captured by `capture.ffn_input_hooks`, or a quantized FFN put in by `install_ffns`) and put back on
+the meta device. The model's own forward finishes the last hidden states (final norm, LM head).
+
+Same float32 arithmetic on the same batches, so the figures are bit for bit the in-memory path's
+(tests/test_hf_stream.py). Memory is one decoder layer plus the hidden states of the batches (`plan_memory`),
+which are spilled to a temporary folder, a file per batch, when they do not fit the budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import FFNQuantError
+from ..resources import human_bytes, memory_limit, process_rss
+from .arch import Install, ModelKind
+from .capture import (
+    _module_for, _quiet_transformers, ffn_input_hooks, install_ffns, load_tokenizer, model_text_batches,
+    require_transformers, text_label,
+)
+from .checkpoint import ModelInfo, _Weights, iter_ffn_layers, parse_layers
+from .inputs import EvalSettings, LayerInputs, fit_settings, token_budget
+
+__all__ = ["MemoryPlan", "SequentialModel", "plan_memory", "stream_calibrate", "stream_quantize", "streamable_reason",
+           "token_batches_of"]
+
+Progress = Callable[[str, int, int], None]
+# Python, torch and transformers' own memory beside the model: the modelling code imported on first use and
+# the allocator's slack (reports/scale: about 300 MB between layers over what the process held before).
+_RUNTIME_BYTES = 384 * 10**6
+
+
+def streamable_reason(info: ModelInfo) -> str | None:
+    """Why `info` cannot be run layer by layer, or None when it can: a causal LM whose FFN is one module per
+    block (llama, mistral, qwen2, gemma, phi3, gpt2; the models `plan` takes), from safetensors."""
+    if info.kind is not ModelKind.CAUSAL_LM or info.arch.install is not Install.MODULE or info.n_experts:
+        return (f"sequential onloading supports causal LMs whose FFN is one module per block (llama, mistral, qwen2, "
+                f"gemma, phi3, gpt2), not {info.model_type}")
+    if info.weights_format != "safetensors":
+        return "sequential onloading reads safetensors shards; this checkpoint is pickled"
+    return None
+
+
+# --- memory ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a model run fits in memory, and the estimates (bytes) it was chosen on: the whole model in memory, or
+    streamed layer by layer with the hidden states in memory or spilled to disk."""
+
+    sequential: bool
+    spill: bool
+    limit: int | None  # the budget: --max-memory, or what the process holds plus what the machine has available
+    in_memory: int  # estimated peak, whole model loaded (today's path)
+    streamed: int  # estimated peak, layer by layer, hidden states in memory
+    spilled: int  # estimated peak, layer by layer, hidden states on disk
+    layer: int  # the largest decoder layer in float32
+    calibration: int  # hidden states of the calibration batches: tokens x d_model x 4
+    evaluation: int  # hidden states of the held-out batches, every stream (float, quantized, one per ablated layer)
+    reason: str
+
+    @property
+    def peak(self) -> int:
+        return self.spilled if self.spill else self.streamed if self.sequential else self.in_memory
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peak": self.peak}
+
+    def summary(self) -> str:
+        """One line for the terminal: the mode, why, and the estimate against the budget."""
+        mode = "whole model in memory" if not self.sequential else (
+            "layer by layer, hidden states spilled to disk" if self.spill else "layer by layer")
+        limit = f" of {human_bytes(self.limit)}" if self.limit is not None else ""
+        return f"{mode} ({self.reason}); estimated peak {human_bytes(self.peak)}{limit}"
+
+
+def plan_memory(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_layers: int, task: str = "profile",
+                ablation: bool = False, hessians: bool = False, onnx: bool = False, batch_tokens: int = 512,
+                max_memory: int | None = None, sequential: bool | None = None, spill: bool | None = None,
+                spill_dir: str | os.PathLike | None = None, tokens_flag: str = "--calib-tokens/--eval-tokens") -> MemoryPlan:
+    """How to run `info` on `calib_tokens` calibration and `eval_tokens` held-out tokens for `task` ('profile':
+    ranges of `n_layers` FFNs; 'quantize': also the quantized stream and, with `ablation`, one per layer quantized
+    alone; `hessians`, `onnx`: what the quantization computes besides) under `max_memory` bytes (default: what
+    this process holds plus what the machine has available). `sequential` None streams only when the whole model
+    does not fit; `spill` None spills the hidden states only when they do not fit. Raises a one-line
+    FFNQuantError with the numbers when nothing fits, suggesting fewer tokens by `tokens_flag`."""
+    # Estimates from the shapes, with factors measured on benchmarks/scale.py's 3B Llama (reports/scale/).
+    spec, d, vocab_size = info.spec, info.spec.d_model, int(info.config.get("vocab_size") or 0)
+    base = process_rss() + _RUNTIME_BYTES
+    limit = memory_limit(max_memory)
+    ffn, tokens = spec.n_params * 4, calib_tokens + eval_tokens
+    streams = 2 + (n_layers if ablation and n_layers > 1 else 0) if task == "quantize" else 0
+    if task == "quantize":  # its FFN, the quantized copy, one sensitivity copy and their temporaries (x 11 with
+        # the ONNX export and onnxruntime's scoring); the layer's inputs and their activations
+        work = (11 if onnx else 6) * ffn + (2 * d + 3 * spec.d_ff) * tokens * 4
+        work += 8 * (d * d + spec.d_ff * spec.d_ff) if hessians else 0  # float64 input Hessians
+    else:  # its FFN and the weight statistics' float64 temporaries, its calibration inputs, one batch observed
+        work = 3 * ffn + calib_tokens * d * 4 + 8 * batch_tokens * spec.d_ff * 4
+    calibration, evaluation = calib_tokens * d * 4, streams * eval_tokens * d * 4
+    batch = batch_tokens * d * 4 * 3  # a batch read, its output, the layer's temporaries
+    blocks = {layer.name.rsplit(".", 1)[0] + ".": 0 for layer in info.layers}  # model.layers.3.: the FFN's parent
+    if info.weights_format == "safetensors":
+        weights = _Weights(info.path, False)
+        for name in weights.file_of:
+            prefix = next((p for p in blocks if name.startswith(p)), None)
+            if prefix is not None:
+                blocks[prefix] += math.prod(weights.shape(name))
+    layer = max(blocks.values()) * 4 or info.n_params_total * 4 // info.n_layers  # the largest, in float32
+    vocab = vocab_size * d * 4  # one vocabulary matrix: the embedding, or the head
+    # the largest stage: the embedding (and its checkpoint copy while read), one layer with its FFN inputs, the
+    # layer's consumer (the layer itself offloaded meanwhile), the head with a batch's logits (doubled in float64)
+    stages = max(vocab * 3 // 2 + batch, layer + tokens * d * 4 + batch, work, vocab + 6 * batch_tokens * vocab_size * 4)
+    streamed = base + stages + calibration + evaluation
+    spilled = base + stages
+    captured = n_layers * tokens * d * 4 if task == "quantize" else 0
+    in_memory = base + info.n_params_total * 4 + n_layers * ffn + captured + work + 6 * batch_tokens * vocab_size * 4
+
+    def plan(seq: bool, spl: bool, reason: str) -> MemoryPlan:
+        return MemoryPlan(seq, spl, limit, in_memory, streamed, spilled, layer, calibration, evaluation, reason)
+
+    why_not = streamable_reason(info)
+    fits = limit is None or in_memory <= limit
+    if sequential is False or (sequential is None and (fits or why_not)):
+        if not fits and (sequential is False or max_memory is not None):
+            hint = f"; streamed layer by layer it would need {human_bytes(streamed)}" if not why_not else f" ({why_not})"
+            raise FFNQuantError(f"{info.path}: the whole model in float32 needs about {human_bytes(in_memory)}, over "
+                                f"the {human_bytes(limit)} memory budget{hint}: use a larger --max-memory"
+                                + ("" if why_not else " or leave out --no-sequential"))
+        return plan(False, False, "--no-sequential" if sequential is False else "it fits")
+    if why_not:
+        raise FFNQuantError(f"{info.path}: --sequential: {why_not}")
+    reason = "--sequential" if sequential else f"the whole model needs about {human_bytes(in_memory)}"
+    if spill is not True and (limit is None or streamed <= limit):
+        return plan(True, False, reason)
+    if limit is not None and spilled > limit:
+        raise FFNQuantError(
+            f"{info.path}: layer by layer this run needs about {human_bytes(spilled)} even with its hidden states "
+            f"({human_bytes(calibration)} calibration + {human_bytes(evaluation)} held-out: tokens x d_model {d} x 4 "
+            f"bytes) on disk: {human_bytes(layer)} for one decoder layer in float32, {human_bytes(work)} for its "
+            f"{'quantization' if task == 'quantize' else 'calibration'} on {calib_tokens:,}+{eval_tokens:,} tokens, "
+            f"{human_bytes(base)} runtime; over the {human_bytes(limit)} memory budget: pass fewer {tokens_flag} or "
+            "a larger --max-memory")
+    folder = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
+    free = shutil.disk_usage(folder).free
+    if free < calibration + evaluation + batch:
+        raise FFNQuantError(
+            f"{info.path}: the hidden states ({human_bytes(calibration)} calibration + {human_bytes(evaluation)} "
+            f"held-out) fit neither the {human_bytes(limit)} memory budget (in memory the run needs about "
+            f"{human_bytes(streamed)}) nor the {human_bytes(free)} free in {folder}: pass fewer {tokens_flag}, a "
+            "larger --max-memory, or point TMPDIR at a larger disk")
+    return plan(True, True, reason + (f"; hidden states {human_bytes(calibration + evaluation)} spilled to {folder}"
+                                      if spill is not True else "; spilled on request"))
+
+
+# --- hidden states ---------------------------------------------------------------------------------------
+
+
+class _Store:
+    """One stream's hidden states, a [batch, seq, d_model] tensor per batch, in memory or a file per batch."""
+
+    def __init__(self, folder: Path | None, name: str, items: Sequence[Any] = ()) -> None:
+        self.folder, self.name, self.items = folder, name, list(items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def get(self, b: int) -> torch.Tensor:
+        item = self.items[b]
+        return torch.load(item, weights_only=True) if isinstance(item, Path) else item
+
+    def put(self, b: int, x: torch.Tensor) -> None:
+        if self.folder is not None:
+            path = self.folder / f"{self.name}.{b}.pt"
+            torch.save(x, path)
+            x = path
+        if b == len(self.items):
+            self.items.append(x)
+        else:
+            self.items[b] = x
+
+    def copy(self, name: str) -> "_Store":
+        """A new stream starting from these hidden states (tensors are shared until replaced; files copied)."""
+        if self.folder is None:
+            return _Store(None, name, self.items)
+        out = _Store(self.folder, name)
+        for b in range(len(self)):
+            out.put(b, self.get(b))
+        return out
+
+
+# --- the model, a layer at a time -----------------------------------------------------------------------
+
+
+def _trim() -> None:
+    """Freed heap memory handed back: glibc keeps freed blocks under its mmap threshold (which grows to 32 MB as
+    large blocks are freed), and each layer's tensors read and converted would leave some behind, layer after layer."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator's own policy stands
+        pass
+
+
+class _Stop(Exception):
+    """Raised by the last stand-in: the model's forward has recorded what it builds for every layer."""
+
+
+class _StandIn(nn.Module):
+    """Stands in for a decoder layer while the model's own forward runs: records the arguments it is given,
+    returns `hidden` (or its input unchanged) and, with `stop`, ends the forward there."""
+
+    def __init__(self, record: list | None, hidden: torch.Tensor | None = None, stop: bool = False) -> None:
+        super().__init__()
+        self.record, self.hidden, self.stop = record, hidden, stop
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.record is not None:
+            self.record.append((hidden_states, args, kwargs))
+        if self.stop:
+            raise _Stop
+        return self.hidden if self.hidden is not None else hidden_states
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """While active, every parameter a module registers moves to the meta device: a model's skeleton costs no
+    memory, while its buffers (rotary frequencies, embedding scales) are computed as usual. Linear and
+    Embedding allocate their weight with torch.empty first, which touches no page."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class SequentialModel:
+    """A causal LM from a local folder whose weights are read one module at a time (`streamable_reason`)."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        why = streamable_reason(info)
+        if why:
+            raise FFNQuantError(f"{info.path}: {why}")
+        transformers = require_transformers()
+        self.info, self.transformers = info, transformers
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
+            with _quiet_transformers(transformers), _parameters_on_meta():
+                try:
+                    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                except TypeError:  # transformers < 4.56 names it torch_dtype
+                    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        except Exception as exc:
+            raise FFNQuantError(f"transformers cannot build {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
+        self.model = model.eval()
+        names = [n for n, _ in model.named_modules()]
+        self.blocks = [_module_for(model, info, layer, names)[0].rsplit(".", 1)[0] for layer in info.layers]
+        list_name = self.blocks[0].rsplit(".", 1)[0]
+        self.layers = model.get_submodule(list_name)
+        self.base = model.get_submodule(list_name.rsplit(".", 1)[0]) if "." in list_name else model
+        if self.blocks != [f"{list_name}.{i}" for i in range(len(self.layers))]:
+            raise FFNQuantError(f"{info.path}: the decoder layers of the transformers model are not {list_name}.0, .1, ...")
+        self.weights = _Weights(info.path, False)
+        self.embedding, self.head = model.get_input_embeddings(), model.get_output_embeddings()
+        self.tied = bool(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                                 "tie_word_embeddings", False))
+        self._names = {id(m): n for n, m in model.named_modules()}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if self.tied and name == self._names[id(self.head)] + ".weight":
+                continue  # the embedding's, as from_pretrained ties it
+            if name not in self.weights.file_of or tuple(self.weights.shape(name)) != tuple(p.shape):
+                raise FFNQuantError(f"{info.path}: tensor {name!r} {list(p.shape)} of the transformers model is not in "
+                                    "the checkpoint with that shape; sequential onloading reads every module's tensors "
+                                    "by name: run it whole (--no-sequential)")
+
+    def onload(self, module: nn.Module) -> None:
+        """`module`'s parameters read from the shards in float32 (one tensor at a time, its shard mapped meanwhile)."""
+        prefix = self._names[id(module)]
+        for name, _ in list(module.named_parameters()):
+            owner, _, attr = name.rpartition(".")
+            tensor = self.weights.get(f"{prefix}.{name}" if prefix else name).to(torch.float32)
+            setattr(module.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+
+    @staticmethod
+    def offload(module: nn.Module) -> None:
+        """`module`'s parameters back on the meta device: their memory is freed (buffers are kept)."""
+        for name, p in list(module.named_parameters()):
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, nn.Parameter(torch.empty_like(p, device="meta"),
+                                                                    requires_grad=False))
+        _trim()
+
+    @contextlib.contextmanager
+    def _stand_ins(self, stand_ins: Sequence[nn.Module]):
+        originals = list(self.layers)
+        for i, module in enumerate(stand_ins):
+            self.layers[i] = module
+        try:
+            yield
+        finally:
+            for i, module in enumerate(originals):
+                self.layers[i] = module
+
+    def embed(self, batches: Sequence[torch.Tensor], store: _Store, progress: Progress | None = None,
+              stage: str = "embed") -> list[list[tuple[tuple, dict[str, Any]]]]:
+        """Each batch's embeddings [batch, seq, d_model] put into `store`; returns per batch each layer's (args,
+        kwargs) as the model's forward passes them (its KV cache left out: every window is a whole sequence).
+        The modules outside the decoder layers are onloaded on the first call; `offload(embedding)` frees the
+        largest of them once every text is embedded."""
+        if self.embedding.weight.is_meta:
+            for module in self.base.children():
+                if module is not self.layers:
+                    self.onload(module)
+        calls = []
+        n = len(self.layers)
+        for b, ids in enumerate(batches):
+            record: list = []
+            with self._stand_ins([_StandIn(record, stop=i == n - 1) for i in range(n)]), torch.no_grad():
+                try:
+                    self.base(input_ids=ids)
+                except _Stop:
+                    pass
+            store.put(b, record[0][0])
+            calls.append([self._no_cache(args, kwargs) for _, args, kwargs in record])
+            if progress is not None:
+                progress(f"{stage}: batch {b + 1}/{len(batches)}", b + 1, len(batches))
+        return calls
+
+    def _no_cache(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        # The KV cache (a keyword, or positional as GPT-2 passes it) only keeps each layer's keys and values for a
+        # later step: kept, it would hold those of every batch, and a second stream through a layer would attend
+        # to the first one's keys as well.
+        def drop(v: Any) -> Any:
+            return None if isinstance(v, self.transformers.Cache) else v
+
+        out = {k: drop(v) for k, v in kwargs.items()}
+        if "use_cache" in out:
+            out["use_cache"] = False
+        return tuple(drop(a) for a in args), out
+
+    def run(self, j: int, store: _Store, calls: Sequence, capture: list | None = None, ffn: Any = None) -> None:
+        """Decoder layer `j` (onloaded) over every batch of `store`, outputs replacing inputs; its FFN's inputs
+        [tokens, d_model] appended to `capture` when given; `ffn` (a callable) computing in its FFN's place."""
+        layer, block = self.info.layers[j], self.layers[j]
+        hooks = ffn_input_hooks(self.model, self.info, [layer], lambda _, x: capture.append(x)) \
+            if capture is not None else contextlib.nullcontext()
+        swap = install_ffns(self.model, self.info, {layer: ffn}) if ffn is not None else contextlib.nullcontext()
+        with hooks, swap, torch.no_grad():
+            for b in range(len(store)):
+                args, kwargs = calls[b][j]
+                out = block(store.get(b), *args, **kwargs)
+                store.put(b, out[0] if isinstance(out, tuple) else out)
+
+    def head_out(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden state, logits) of one batch's last decoder layer output, from the model's own forward
+        (final norm, LM head; onloaded on the first call): what `hf.metrics._run` reads as hidden_states[-1] (the
+        base model's last_hidden_state) and logits."""
+        if self.head.weight.is_meta:
+            self.onload(self.embedding if self.tied else self.head)
+            self.head.weight = self.embedding.weight if self.tied else self.head.weight
+        got: list[torch.Tensor] = []
+        n = len(self.layers)
+        handle = self.base.register_forward_hook(
+            lambda module, args, out: got.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+        try:
+            with self._stand_ins([_StandIn(None, hidden if i == 0 else None) for i in range(n)]), torch.no_grad():
+                # inputs_embeds only give the forward its shapes: the first stand-in returns `hidden`
+                logits = self.model(inputs_embeds=torch.zeros_like(hidden)).logits
+        finally:
+            handle.remove()
+        return got[0], logits
+
+    @contextlib.contextmanager
+    def layer(self, j: int):
+        """Decoder layer `j` onloaded while active, offloaded afterwards."""
+        self.onload(self.layers[j])
+        try:
+            yield self.layers[j]
+        finally:
+            self.offload(self.layers[j])
+
+
+def token_batches_of(info: ModelInfo, text, split: str, settings: EvalSettings, max_tokens: int) -> list[torch.Tensor]:
+    """The token id batches `capture_layer_inputs` runs for `split` ('calibration' or 'evaluation')."""
+    settings = fit_settings(info, settings)
+    return model_text_batches(info, load_tokenizer(info.path), text, split, settings.seq_len, settings.batch_size,
+                              max_tokens)
+
+
+@contextlib.contextmanager
+def _spill_folder(spill: bool, spill_dir: str | os.PathLike | None):
+    with tempfile.TemporaryDirectory(prefix="ffnquant-stream-", dir=spill_dir) if spill else \
+            contextlib.nullcontext() as folder:
+        yield Path(folder) if folder else None
+
+
+# --- what the commands stream ----------------------------------------------------------------------------
+
+
+def stream_calibrate(info: ModelInfo, layers: str | int | list[int] | None = "all", text=None,
+                     settings: EvalSettings = EvalSettings(), positions: bool = True, spill: bool = False,
+                     spill_dir: str | os.PathLike | None = None, progress: Progress | None = None):
+    """`calibrate_model` and `atlas.model_top_positions` in one pass, layer by layer: (RangeTable per layer label,
+    top positions per label ({} without `positions`), what the positions were measured on)."""
+    from ..atlas import TOP_FRACTION, PositionTracker, split_sequences
+    from .evaluate import calibrate_layers
+
+    settings = fit_settings(info, settings)
+    ids = token_batches_of(info, text, "calibration", settings, settings.max_calib_tokens)
+    label = text_label(text, "calibration")
+    meta = {"source_label": f"text {label}",
+            "calibration_text": token_budget("calibration", settings.max_calib_tokens, ids, label)}
+    n_tokens = sum(int(b.numel()) for b in ids)
+    measured = {"source": f"text {label}", "n_tokens": n_tokens, "n_sequences": sum(int(b.shape[0]) for b in ids),
+                "seq_len": settings.seq_len, "skipped_experts": []}
+    wanted = parse_layers(layers, info.n_layers)
+    ffns = iter_ffn_layers(info, wanted)
+    model = SequentialModel(info)
+    tables, top = {}, {}
+    with _spill_folder(spill, spill_dir) as folder:
+        store = _Store(folder, "calibration")
+        calls = model.embed(ids, store, progress)
+        model.offload(model.embedding)
+        for j in range(max(wanted) + 1):
+            captured: list | None = [] if j in wanted else None
+            with model.layer(j):
+                model.run(j, store, calls, capture=captured)
+            if captured is not None:  # the layer is offloaded first: its FFN and the observers take its place
+                hf = next(ffns)
+                tables.update(calibrate_layers([hf], ({hf.label: x} for x in captured), settings.bins)[0])
+                tables[hf.label].meta = dict(tables[hf.label].meta, **meta)
+                if positions:
+                    tracker = PositionTracker(hf.ffn, n_tokens, k=5, top_fraction=TOP_FRACTION)
+                    for batch_ids, x in zip(ids, captured):
+                        tracker.update(split_sequences(x, int(batch_ids.shape[1])))
+                    top[hf.label] = tracker.result()
+                    del tracker  # it holds the FFN
+                del hf, captured
+                _trim()
+            if progress is not None:
+                progress(f"layers: L{j}", j + 1, max(wanted) + 1)
+    return tables, top, measured
+
+
+def stream_quantize(info: ModelInfo, recipe: Any, layers: str | int | list[int] | None = "all", text=None,
+                    eval_text=None, calib_tokens: int = 4096, eval_tokens: int = 2048,
+                    settings: EvalSettings = EvalSettings(), *, smooth_sites: Sequence[str] | None = None,
+                    out_artifacts: str | os.PathLike | None = None, onnx: bool = True, latency: bool = False,
+                    sensitivity: bool = True, file_stem: str | None = None, spill: bool = False,
+                    spill_dir: str | os.PathLike | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """`capture_layer_inputs` + `quantize_model_layers` layer by layer, the same data.
+
+    Each selected layer is quantized (`quantized_layers`) on its FFN's inputs as the float calibration and
+    held-out streams pass it. The end-to-end figures keep a quantized stream of the held-out batches beside the
+    float one (each quantized FFN in place as its layer passes) and, with `settings.ablation`, one stream per
+    selected layer that leaves the float stream there with only that layer quantized: the runs `end_to_end`
+    makes, a layer at a time. The final norm and LM head score every stream batch by batch."""
+    from ..plan.planfile import Plan
+    from .evaluate import _with_shortfall, _worst, quantized_layers
+    from .metrics import _NLL, ErrorStats
+
+    settings = fit_settings(info, settings)
+    calib_ids = token_batches_of(info, text, "calibration", settings, calib_tokens)
+    eval_ids = token_batches_of(info, eval_text, "evaluation", settings, eval_tokens)
+    cal_name, ev_name = text_label(text, "calibration"), text_label(eval_text, "evaluation")
+    budgets = {"calibration": token_budget("calibration", calib_tokens, calib_ids, cal_name),
+               "evaluation": token_budget("evaluation", eval_tokens, eval_ids, ev_name)}
+    separation = "different texts: calibration inputs from " + cal_name + ", held-out inputs from " + ev_name
+    wanted = parse_layers(layers, info.n_layers)
+    ffns = iter_ffn_layers(info, wanted)
+    ablate = settings.ablation and len(wanted) > 1
+    model = SequentialModel(info)
+    rows: list[dict[str, Any]] = []
+    kw = dict(smooth_sites=smooth_sites, out_artifacts=out_artifacts, onnx=onnx, latency=latency,
+              sensitivity=sensitivity, file_stem=file_stem)
+    with _spill_folder(spill, spill_dir) as folder:
+        calib, float_eval = _Store(folder, "calibration"), _Store(folder, "evaluation")
+        ccalls = model.embed(calib_ids, calib, progress, "embed calibration")
+        ecalls = model.embed(eval_ids, float_eval, progress, "embed evaluation")
+        model.offload(model.embedding)
+        quant = float_eval.copy("quantized")
+        ablation: dict[int, _Store] = {}
+        e2e_seconds = 0.0  # the runs `end_to_end` makes: the quantized and ablation streams, then the head
+
+        def downstream(j: int, qffn: Any) -> None:  # the quantized and ablation streams through layer j (onloaded)
+            nonlocal e2e_seconds
+            t0 = time.perf_counter()
+            model.run(j, quant, ecalls, ffn=qffn)
+            for i, store in ablation.items():
+                model.run(j, store, ecalls, ffn=qffn if i == j else None)
+            e2e_seconds += time.perf_counter() - t0
+
+        for j in range(info.n_layers):
+            cal_x, ev_x = ([], []) if j in wanted else (None, None)
+            with model.layer(j):
+                if j <= max(wanted):
+                    model.run(j, calib, ccalls, capture=cal_x)
+                if ablate and j in wanted:
+                    ablation[j] = float_eval.copy(f"ablation{j}")
+                model.run(j, float_eval, ecalls, capture=ev_x)
+                if j not in wanted:
+                    downstream(j, None)
+            if j in wanted:  # quantized with the layer offloaded: its FFN and the quantization take its place
+                hf = next(ffns)
+                inputs = LayerInputs({hf.label: torch.cat(cal_x)}, {hf.label: torch.cat(ev_x)}, cal_name, ev_name,
+                                     separation, {}, budgets=budgets)
+                del cal_x, ev_x
+
+                def report(message: str, done: int, total: int, k: int = len(rows)) -> None:
+                    if progress is not None:
+                        progress(message, k + done, len(wanted))
+
+                recipe_j = recipe.recipe_for(j) if isinstance(recipe, Plan) else recipe
+                layer_rows, qffns = quantized_layers(info, [hf], inputs, recipe_j, progress=report, **kw)
+                rows += layer_rows
+                del hf, inputs
+                _trim()
+                with model.layer(j):  # read again (from the page cache, usually) for the quantized streams
+                    downstream(j, qffns.pop(layer_rows[0]["label"]))
+            if j == max(wanted):
+                del calib, ccalls  # the calibration stream has fed its last selected layer
+            if progress is not None:
+                progress(f"layers: L{j}", j + 1, info.n_layers)
+        t_e2e = time.perf_counter() - e2e_seconds
+        nll_base, nll_all, hidden_all = _NLL(), _NLL(), ErrorStats()
+        abl_hidden = {i: ErrorStats() for i in ablation}
+        abl_nll = {i: _NLL() for i in ablation}
+        for b, ids in enumerate(eval_ids):
+            ref_hidden, logits = model.head_out(float_eval.get(b))
+            nll_base.update(logits, ids)
+            del logits  # a batch's logits at a time: [tokens, vocabulary] each
+            hidden, logits = model.head_out(quant.get(b))
+            hidden_all.update(ref_hidden, hidden)
+            nll_all.update(logits, ids)
+            for i, store in ablation.items():
+                hidden, logits = model.head_out(store.get(b))
+                abl_hidden[i].update(ref_hidden, hidden)
+                abl_nll[i].update(logits, ids)
+            if progress is not None:
+                progress(f"end to end: batch {b + 1}/{len(eval_ids)}", b + 1, len(eval_ids))
+    # the figures `end_to_end` returns, from the same accumulators fed in the same order
+    base_ppl = nll_base.perplexity
+    baseline = {"perplexity": base_ppl, "n_tokens": sum(int(b.numel()) for b in eval_ids)}
+    abl_rows = [{"index": i, "label": f"L{i}", "hidden_sqnr_db": abl_hidden[i].sqnr_db,
+                 "hidden_cosine": abl_hidden[i].cosine, "perplexity": abl_nll[i].perplexity,
+                 "perplexity_delta": abl_nll[i].perplexity - base_ppl} for i in sorted(ablation)]
+    ppl = nll_all.perplexity
+    e2e = {"status": "ok", "reason": None, "evaluation_text": ev_name, "baseline": baseline,
+           "end_to_end": {"hidden_sqnr_db": hidden_all.sqnr_db, "hidden_cosine": hidden_all.cosine, "perplexity": ppl,
+                          "perplexity_delta": ppl - base_ppl, "perplexity_ratio": ppl / base_ppl},
+           "ablation": abl_rows, "worst_layers_end_to_end": _worst(abl_rows, "perplexity_delta", reverse=True),
+           "seconds": time.perf_counter() - t_e2e}
+    # the layout of `quantize_model_layers`
+    if isinstance(recipe, Plan):
+        head = {"recipe": "per-layer plan", "plan": recipe.to_dict(),
+                "scheme": {"name": f"plan ({len({str(r) for r in recipe.layers.values()})} recipes)"},
+                "calibrator": None, "remedies": []}
+    else:
+        head = {k: rows[0][k] for k in ("recipe", "scheme", "calibrator", "remedies")}
+    return {
+        "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
+        "ablation": settings.ablation,
+        **head,
+        "calibration": {"source": _with_shortfall(cal_name, budgets["calibration"]),
+                        "tokens_per_layer": {r["label"]: r["n_calib_tokens"] for r in rows},
+                        "tokens": budgets["calibration"]},
+        "evaluation": {"source": _with_shortfall(ev_name, budgets["evaluation"]), "separation": separation,
+                       "tokens_per_layer": {r["label"]: r["n_eval_tokens"] for r in rows},
+                       "tokens": budgets["evaluation"]},
+        "layers": rows,
+        "worst_layers_sqnr": _worst([{"label": r["label"], "sqnr_db": r["accuracy_torch"]["sqnr_db"]} for r in rows],
+                                    "sqnr_db", reverse=False),
+        "end_to_end": e2e,
+    }

@@ -1,0 +1,197 @@
+"""hf.stream: a causal LM run one decoder layer at a time gives the in-memory path's figures bit for bit.
+
+Both paths run the same float32 modules on the same batches (the decoder layers called with the arguments the
+model's own forward builds), so every comparison here is exact equality: histogram counts, minima and maxima,
+per-layer SQNR, perplexities.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ffnquant.errors import FFNQuantError
+
+from hf_models import tiny_folders
+
+pytestmark = pytest.mark.hf
+
+# Every architecture sequential onloading takes. gemma: a tied LM head, embeddings scaled inside the embedding
+# module, (1 + w) RMSNorms; gpt2: learned positions, blocks under transformer.h, a tied head; phi3: fused gate+up.
+ARCHS = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return {name: folder for name, (folder, _, _) in tiny_folders(tmp_path_factory, ARCHS + ("bert",)).items()}
+
+
+def _settings(**kw):
+    from ffnquant.hf import EvalSettings
+
+    return EvalSettings(seq_len=16, batch_size=4, max_calib_tokens=128, max_eval_tokens=64, **kw)
+
+
+def _without_seconds(data):
+    """The data with timings left out: the only figures the two paths do not share."""
+    if isinstance(data, dict):
+        return {k: _without_seconds(v) for k, v in data.items() if k != "seconds"}
+    if isinstance(data, list):
+        return [_without_seconds(v) for v in data]
+    return data
+
+
+@pytest.mark.parametrize("name, layers", [("llama", "all"), ("gemma", "all"), ("gpt2", "all"), ("llama", "0")],
+                         ids=["llama", "gemma", "gpt2", "llama-first-layer-only"])
+def test_streamed_ranges_and_positions_equal_the_in_memory_ones(tiny, name, layers):
+    from ffnquant.atlas import model_top_positions
+    from ffnquant.hf import calibrate_model, inspect_model
+    from ffnquant.hf.stream import stream_calibrate
+
+    info = inspect_model(tiny[name])
+    hf_layers, tables = calibrate_model(info, layers=layers, settings=_settings())
+    top, measured = model_top_positions(info, hf_layers, settings=_settings())
+    s_tables, s_top, s_measured = stream_calibrate(info, layers, settings=_settings())
+    assert list(s_tables) == list(tables) and tables
+    for label, table in tables.items():
+        for site, obs in table.items():
+            got = s_tables[label][site]
+            assert np.array_equal(got.histogram.counts, obs.histogram.counts), (label, site)
+            assert (got.min, got.max) == (obs.min, obs.max), (label, site)
+        assert s_tables[label].to_dict() == table.to_dict()  # every observer's state and the meta
+    assert s_top == top and s_measured == measured
+
+
+@pytest.mark.parametrize("name, layers, spill, plan", [(name, "all", False, False) for name in ARCHS] + [
+    ("llama", "all", True, False), ("llama", "1", False, False), ("llama", "all", False, True)],
+    ids=list(ARCHS) + ["llama-spilled-to-disk", "llama-second-layer-only", "llama-plan"])
+def test_streamed_quantize_equals_the_in_memory_report(tiny, tmp_path, name, layers, spill, plan):
+    """Per-layer rows (SQNR, ranges, sensitivity), the end-to-end perplexity and final hidden SQNR, the per-layer
+    ablation: `stream_quantize` returns `quantize_model_layers`' data exactly, hidden states in memory or on disk,
+    one recipe or a plan's recipe per layer."""
+    from ffnquant.hf import capture_layer_inputs, inspect_model, load_ffn_layers, quantize_model_layers
+    from ffnquant.hf.stream import stream_quantize
+    from ffnquant.plan.planfile import Plan, model_fingerprint
+    from ffnquant.recipe import as_recipe
+
+    info, recipe, settings = inspect_model(tiny[name]), as_recipe("w8a8"), _settings()
+    if plan:
+        recipe = Plan(model_fingerprint(info), {0: as_recipe("w8a16"), 1: as_recipe("w8a8@mse+smooth")})
+    hf_layers = load_ffn_layers(info, layers)
+    inputs = capture_layer_inputs(info, hf_layers, calib_tokens=128, eval_tokens=64, settings=settings)
+    want = quantize_model_layers(info, hf_layers, inputs, recipe, onnx=False, settings=settings)
+    got = stream_quantize(info, recipe, layers, calib_tokens=128, eval_tokens=64, settings=settings, onnx=False,
+                          spill=spill, spill_dir=tmp_path)
+    assert [r["accuracy_torch"]["sqnr_db"] for r in got["layers"]] == [r["accuracy_torch"]["sqnr_db"]
+                                                                         for r in want["layers"]]
+    assert got["end_to_end"]["end_to_end"]["perplexity"] == want["end_to_end"]["end_to_end"]["perplexity"]
+    assert len(got["end_to_end"]["ablation"]) == (2 if layers == "all" else 0)
+    assert json.dumps(_without_seconds(got), sort_keys=True, default=str) == \
+        json.dumps(_without_seconds(want), sort_keys=True, default=str)
+    assert list(tmp_path.iterdir()) == []  # the spilled hidden states are gone
+
+
+def test_only_one_decoder_layer_is_ever_in_memory(tiny):
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.stream import SequentialModel, _Store
+
+    info = inspect_model(tiny["llama"])
+    model = SequentialModel(info)
+    assert all(p.is_meta for p in model.model.parameters())  # the skeleton holds no weights
+    store = _Store(None, "calibration")
+    calls = model.embed([torch.randint(4, 90, (2, 16))], store)
+    model.offload(model.embedding)
+    for j in range(len(model.layers)):
+        with model.layer(j):
+            resident = {i for i, block in enumerate(model.layers) if not any(p.is_meta for p in block.parameters())}
+            assert resident == {j}
+            model.run(j, store, calls)
+    assert all(p.is_meta for block in model.layers for p in block.parameters())
+    assert store.get(0).shape == (2, 16, info.spec.d_model)
+
+
+def _plan(info, monkeypatch, **kw):
+    from ffnquant.hf import stream
+
+    monkeypatch.setattr(stream, "process_rss", lambda: 100 * 10**6)  # a fixed runtime: the estimates are exact
+    return stream.plan_memory(info, calib_tokens=10_000, eval_tokens=10_000, n_layers=2, task="quantize", **kw)
+
+
+def test_the_budget_chooses_whole_streamed_or_spilled(tiny, monkeypatch):
+    from ffnquant.hf import inspect_model
+
+    info = inspect_model(tiny["llama"])
+    p = _plan(info, monkeypatch, max_memory=10**12)
+    assert p.spilled < p.streamed < p.in_memory  # 20,000 tokens per layer are captured in memory, whole
+    assert (p.sequential, p.spill) == (False, False)
+    between = _plan(info, monkeypatch, max_memory=(p.streamed + p.in_memory) // 2)
+    assert (between.sequential, between.spill) == (True, False) and between.peak == p.streamed
+    spilled = _plan(info, monkeypatch, max_memory=(p.spilled + p.streamed) // 2)
+    assert (spilled.sequential, spilled.spill) == (True, True) and "spilled to" in spilled.reason
+    assert _plan(info, monkeypatch, max_memory=10**12, sequential=True).sequential
+    with pytest.raises(FFNQuantError, match="even with its hidden states .* on disk") as err:
+        _plan(info, monkeypatch, max_memory=p.spilled - 1)
+    assert "\n" not in str(err.value) and "--calib-tokens" in str(err.value)
+    with pytest.raises(FFNQuantError, match="leave out --no-sequential"):
+        _plan(info, monkeypatch, max_memory=p.streamed, sequential=False)
+
+
+def test_models_that_cannot_stream_say_why(tiny, monkeypatch):
+    from ffnquant.hf import inspect_model
+
+    info = inspect_model(tiny["bert"])
+    with pytest.raises(FFNQuantError, match="causal LMs whose FFN is one module per block .* not bert"):
+        _plan(info, monkeypatch, sequential=True)
+    assert not _plan(info, monkeypatch).sequential  # within the machine's memory: the whole model, as before
+
+
+@pytest.mark.parametrize("command", ["quantize", "profile"])
+def test_cli_refuses_a_run_that_cannot_fit_up_front(tiny, tmp_path, capsys, command):
+    from ffnquant.cli import main
+
+    out = tmp_path / "out"
+    argv = {"quantize": ["quantize", "--out-reports", str(out / "r"), "--out-artifacts", str(out / "e")],
+            "profile": ["profile", "--out", str(out)]}[command]
+    assert main(argv + ["--model", str(tiny["llama"]), "--max-memory", "1MB"]) == 2
+    err = capsys.readouterr().err.strip()
+    flag = "--calib-tokens" if command == "quantize" else "--model-tokens"
+    assert err.count("\n") == 0 and "over the 1.0 MB memory budget" in err and f"pass fewer {flag}" in err
+    assert not out.exists()  # refused before any work or output
+
+
+def test_cli_sequential_writes_the_in_memory_report(tiny, tmp_path, capsys):
+    from ffnquant.cli import main
+
+    reports = {}
+    for mode in ("--sequential", "--no-sequential"):
+        out = tmp_path / mode
+        assert main(["quantize", "--model", str(tiny["gemma"]), "--calib-tokens", "128", "--eval-tokens", "64",
+                     "--no-onnx", "--no-progress", mode, "--out-reports", str(out)]) == 0
+        assert f"memory: {'layer by layer' if mode == '--sequential' else 'whole model in memory'} ({mode})" in \
+            capsys.readouterr().out
+        data = json.loads(next(out.glob("quantize_*.json")).read_text())
+        assert data.pop("memory")["sequential"] is (mode == "--sequential")
+        data.pop("environment")
+        reports[mode] = _without_seconds(data)
+    assert reports["--sequential"] == reports["--no-sequential"]
+
+
+@pytest.mark.parametrize("text, size", [("8GB", 8 * 10**9), ("8g", 8 * 10**9), ("512MB", 512 * 10**6),
+                                        ("1.5GiB", 3 * 2**29), ("3e9", 3 * 10**9), ("4096", 4096), ("2 TiB", 2**41)],
+                         ids=str)
+def test_memory_sizes(text, size):
+    from ffnquant.resources import parse_size
+
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GB", "0", "8XB", "1e400"], ids=repr)
+def test_bad_memory_sizes_are_one_line_errors(text):
+    from ffnquant.resources import parse_size
+
+    with pytest.raises(FFNQuantError, match="memory size") as err:
+        parse_size(text)
+    assert "\n" not in str(err.value)
