@@ -94,6 +94,11 @@ def latency_markdown(doc: Mapping[str, Any]) -> str:
         la = env["load_average"]
         lines.append(f"- Load average (1/5/15 min) before {la['before']}, after {la['after']}: "
                      "a load above the core count means other processes shared the CPU during the sweep")
+    ex = env.get("executor") or {}
+    if ex.get("executor") == "ray":
+        hosts = sorted({c.get("host") for c in doc["cases"] if c.get("host")})
+        lines.append(f"- Ran as Ray tasks ({ex.get('address')}) on {', '.join(hosts)}: each case was timed on its "
+                     "host's machine (its device column), not necessarily the one described above")
     for dev, bw in (doc.get("copy_bandwidth_bytes_per_s") or {}).items():
         lines.append(f"- Measured copy bandwidth on {dev}: {bw / 1e9:.3g} GB/s (used for the roofline where no peak is tabled)")
     for dev, p in (doc.get("device_peaks") or {}).items():
