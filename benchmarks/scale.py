@@ -7,8 +7,8 @@ per layer at the full and at half the layer count.
 
 The checkpoint is written into a temporary folder shard by shard (a shard's tensors at most in memory); the
 half-depth model shares the shards of the first half of the layers (hard links) under its own config and index.
-Each command runs as a child process; its peak RSS is the kernel's (os.wait4's ru_maxrss) and its seconds are
-wall-clock. Writes scale.json and scale.md.
+Each command runs as a child process; its peak RSS is the kernel's (os.wait4's ru_maxrss, taken by a small
+launcher process that forks it) and its seconds are wall-clock. Writes scale.json and scale.md.
 """
 
 from __future__ import annotations
@@ -158,21 +158,29 @@ def _stages(lines: list[str], n_layers: int) -> list[dict]:
     return rows
 
 
+# Forks the command from a small process and writes its peak RSS: a process's ru_maxrss keeps the high-water mark
+# of the memory it had before exec, so a command spawned straight from this one (which holds the checkpoint
+# writer's tensors) would report at least this process's own peak.
+_LAUNCH = ("import os, sys\npid = os.fork()\nif pid == 0:\n    os.execvp(sys.argv[2], sys.argv[2:])\n"
+           "_, status, usage = os.wait4(pid, 0)\nopen(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+           "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
 def measure(cmd: list[str], env: dict[str, str]) -> dict:
     """Run `cmd` as a child process: its exit status, wall seconds, peak RSS (the kernel's high-water mark of its
-    resident set, ru_maxrss) and the last lines of its output."""
+    resident set, ru_maxrss, taken by a small launcher process: `_LAUNCH`) and the last lines of its output."""
     t = time.perf_counter()
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
+    with tempfile.TemporaryFile() as log, tempfile.NamedTemporaryFile("r") as peak:
+        proc = subprocess.run([sys.executable, "-c", _LAUNCH, peak.name, *cmd], stdout=log,
+                              stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         seconds = time.perf_counter() - t
-        proc.returncode = os.waitstatus_to_exitcode(status)
         log.seek(0)
         text = log.read().decode("utf-8", "replace")
+        maxrss_kb = int(peak.read() or 0)
     lines = text.splitlines()
     memory = next((ln for ln in lines if ln.startswith("memory: ")), None)
     shown = shlex.join(["ffnquant", *cmd[3:]] if cmd[2] == "ffnquant" else ["python", *cmd[1:]])
-    return {"command": shown, "rc": proc.returncode, "seconds": seconds, "peak_rss_bytes": usage.ru_maxrss * 1024,
+    return {"command": shown, "rc": proc.returncode, "seconds": seconds, "peak_rss_bytes": maxrss_kb * 1024,
             "memory_line": memory, "output_tail": lines[-12:], "lines": lines}
 
 
@@ -267,6 +275,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 
 
+def _verdict(res: dict) -> str:
+    """The issue's target (peak RSS at most 25% of the checkpoint's bytes) against the full-depth runs, in words."""
+    full = max(r["layers"] for r in res["runs"])
+    rows = [r for r in res["runs"] if r["layers"] == full and r["seconds_per_layer"] is not None]
+    shares = ", ".join(f"{r['task']} {100 * r['rss_share']:.1f}%" for r in rows)
+    met = all(r["rss_share"] <= 0.25 for r in rows)
+    return (f"Target, peak RSS at most 25% of the checkpoint's bytes at {full} layers: {shares}: "
+            f"{'met' if met else 'missed'}. The peak is one decoder layer's work, not the model's: half the layers "
+            "peak within a few hundred MB of the full depth, and between layers the process holds about 0.5 GB "
+            "(the traces below). At this FFN width (75M parameters per FFN, 0.3 GB in float32) that work is "
+            "ffnquant's float32 reference copies of the layer's FFN: the observers' float64 statistics of its "
+            "weights in profile, the quantized and per-site sensitivity copies in quantize.")
+
+
 def _markdown(res: dict) -> str:
     env, m = res["environment"], res["model"]
     rows = [(r["task"], r["layers"], human_bytes(r["checkpoint_bytes"]), human_bytes(r["peak_rss_bytes"]),
@@ -288,9 +310,11 @@ def _markdown(res: dict) -> str:
         "with --no-ablation (the per-layer ablation adds one held-out stream per layer: its time grows with the "
         "square of the depth) and --no-onnx (ffnquant's ONNX artifact and onnxruntime's scoring of each FFN take "
         "their own time and memory per layer: measured once, on layer 0 alone, in the row so named). "
-        "Peak RSS: the kernel's high-water mark of the child process (ru_maxrss).", "",
+        "Peak RSS: the kernel's high-water mark of the command's process (ru_maxrss, read by a small launcher that forks "
+        "it: spawned straight from the benchmark, a process inherits the benchmark's own high-water mark).", "",
         markdown_table(["command", "layers", "checkpoint", "peak RSS", "RSS / checkpoint", "seconds", "s / layer",
                         "status"], rows), "",
+        _verdict(res), "",
         "Seconds per layer from the two depths: the marginal cost of a layer and the fixed cost (imports, "
         "tokenizer, embedding, the synthetic variant of profile, the head):", "",
         markdown_table(["command", "s per extra layer", "fixed s", "full / half seconds"], lin), "",
