@@ -35,6 +35,7 @@ OPTIONAL_IMPORTS = {
     "tomli": "Python < 3.11 only; the device has tomllib",
     "psutil": "ffnquant.resources.available_memory only where /proc/meminfo is absent (not Linux); guarded",
     "compressed_tensors": "export --format compressed-tensors only (the deploy extra); deploy.ctensors says how to install it",
+    "ray": "--executor ray only (the ray extra); imported lazily, and its absence is a one-line error",
     "loguru": "compressed-tensors' logger, quieted by thirdparty.quiet_model_io when present; guarded",
 }
 MARK = "not on the device image"
