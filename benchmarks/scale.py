@@ -127,7 +127,7 @@ def trace(task: str, model: str, calib_tokens: int, eval_tokens: int) -> None:
     """In this process: layer 0 of `model` profiled or quantized through `hf.stream`, printing one JSON line per
     progress report with the resident set and its high-water mark so far (where the peak comes from)."""
     from ffnquant.hf import EvalSettings, inspect_model
-    from ffnquant.hf.stream import stream_calibrate, stream_quantize
+    from ffnquant.hf.streamed import stream_calibrate, stream_quantize
     from ffnquant.recipe import as_recipe
 
     info = inspect_model(model)

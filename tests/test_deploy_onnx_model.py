@@ -95,7 +95,8 @@ def test_per_token_int8_and_weight_only_int8_score_as_the_reference(llama, tmp_p
     """w8a8-dynamic-s8 (per-token ranges computed in the graph, MatMulInteger) and w8a16 (weight DQ only)."""
     import onnx
 
-    from ffnquant.deploy.onnx_model import export_float_graph, quantize_graph, score_graph
+    from ffnquant.deploy.onnx_model import export_float_graph, score_graph
+    from ffnquant.deploy.onnx_rewrite import quantize_graph
 
     planned = _planned(llama, ["w8a8-dynamic-s8", "w8a16"])
     source = export_float_graph(planned.model, planned.info, tmp_path / "planned.fp32.onnx")
@@ -124,7 +125,7 @@ def test_modules_without_an_honest_graph_are_refused_naming_the_recipe(written, 
     """Checked per module before the graph is even read (the path here does not exist)."""
     from types import SimpleNamespace
 
-    from ffnquant.deploy.onnx_model import quantize_graph
+    from ffnquant.deploy.onnx_rewrite import quantize_graph
     from ffnquant.schemes import get_scheme
 
     planned = written[0]

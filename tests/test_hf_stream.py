@@ -49,7 +49,7 @@ def _without_seconds(data):
 def test_streamed_ranges_and_positions_equal_the_in_memory_ones(tiny, name, layers):
     from ffnquant.atlas import model_top_positions
     from ffnquant.hf import calibrate_model, inspect_model
-    from ffnquant.hf.stream import stream_calibrate
+    from ffnquant.hf.streamed import stream_calibrate
 
     info = inspect_model(tiny[name])
     hf_layers, tables = calibrate_model(info, layers=layers, settings=_settings())
@@ -73,7 +73,7 @@ def test_streamed_quantize_equals_the_in_memory_report(tiny, tmp_path, name, lay
     ablation: `stream_quantize` returns `quantize_model_layers`' data exactly, hidden states in memory or on disk,
     one recipe or a plan's recipe per layer."""
     from ffnquant.hf import capture_layer_inputs, inspect_model, load_ffn_layers, quantize_model_layers
-    from ffnquant.hf.stream import stream_quantize
+    from ffnquant.hf.streamed import stream_quantize
     from ffnquant.plan.planfile import Plan, model_fingerprint
     from ffnquant.recipe import as_recipe
 

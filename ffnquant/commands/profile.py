@@ -97,7 +97,7 @@ def _model_layers(args: argparse.Namespace, info, memory):
 
     settings = _settings(args)
     if memory is not None and memory.sequential:
-        from ..hf.stream import stream_calibrate
+        from ..hf.streamed import stream_calibrate
 
         tables, top, measured = stream_calibrate(info, args.layers, args.text, settings,
                                                  positions=not args.no_positions, spill=memory.spill)

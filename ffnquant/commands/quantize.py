@@ -266,7 +266,7 @@ def _quantize_all(args, recipe, info, specs, sites, source, rows, bars, memory) 
 
             stem = model_file_stem(info)
             if streamed:  # capture, quantize and end to end in one pass, a decoder layer at a time
-                from ..hf.stream import stream_quantize
+                from ..hf.streamed import stream_quantize
 
                 settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens,
                                         ablation=not args.no_ablation)

@@ -240,7 +240,7 @@ def _safetensors_reader(folder: Path):
     return where, read
 
 
-def decompressed_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+def decompressed_weights(folder: str | os.PathLike, reader: Any = None) -> dict[str, torch.Tensor]:
     """Every quantized module's weight decompressed from the folder's files by compressed-tensors itself
     (the format's own compressor per scheme, no transformers involved), by module name."""
     _require()
@@ -253,7 +253,7 @@ def decompressed_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         return {}
     known = set(QuantizationConfig.model_fields)
     config = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k in known})
-    where, read = _safetensors_reader(folder)
+    where, read = reader or _safetensors_reader(folder)
     out: dict[str, torch.Tensor] = {}
     for scheme in config.config_groups.values():
         fmt = scheme.format or config.format
@@ -265,11 +265,11 @@ def decompressed_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def _weights_check(folder: Path, planned: PlannedModel) -> dict[str, Any]:
+def _weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str, Any]:
     """Every FFN weight as compressed-tensors decompresses it from the files (float ones as stored) against
     ffnquant's dequantized reference, bit for bit."""
-    stored = decompressed_weights(folder)
-    _, read = _safetensors_reader(folder)
+    stored = decompressed_weights(folder, reader)
+    _, read = reader
     rows, equal = [], 0
     for mq in planned.modules:
         ref = planned.model.get_submodule(mq.module).weight.detach()
@@ -284,9 +284,9 @@ def _weights_check(folder: Path, planned: PlannedModel) -> dict[str, Any]:
     return {"modules": len(rows), "bit_identical": equal, "all_identical": equal == len(rows), "rows": rows}
 
 
-def _input_qparams_check(folder: Path, planned: PlannedModel) -> dict[str, Any]:
+def _input_qparams_check(planned: PlannedModel, reader: Any) -> dict[str, Any]:
     """Every static input scale and zero point in the files against the range ffnquant calibrated, exactly."""
-    where, read = _safetensors_reader(folder)
+    where, read = reader
     checked, wrong = 0, []
     for mq in planned.modules:
         if mq.input_mode != "static":
@@ -349,8 +349,9 @@ CT_PER_TOKEN_NOTE = ("symmetric per-token int8: compressed-tensors' torch emulat
 
 
 def _symmetric_per_token_int(scheme: Any) -> bool:
-    return (scheme.act_mode is not None and scheme.act_mode.value == "dynamic" and scheme.act_dtype.is_integer
-            and bool(scheme.act_symmetric))
+    from ..schemes import ActMode
+
+    return scheme.act_mode is ActMode.DYNAMIC and scheme.act_dtype.is_integer and bool(scheme.act_symmetric)
 
 
 def _with_ct_per_token_scale(qffn: Any):
@@ -414,8 +415,9 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
             res = rounding_resolution(planned)
             load.update(resolution=res, within_resolution=rel <= 2.0 * res["resolution"])
             end_to_end_ok = load["within_resolution"]
-    weights = _weights_check(folder, planned)
-    inputs = _input_qparams_check(folder, planned)
+    reader = _safetensors_reader(folder)  # the files' tensor index, read once for both checks
+    weights = _weights_check(folder, planned, reader)
+    inputs = _input_qparams_check(planned, reader)
     proven = weights["all_identical"] and inputs["all_equal"] and layers["all_at_parity"] and end_to_end_ok
     return {"proven": proven, "weights": weights, "inputs": inputs, "layers": layers, "load": load}
 

@@ -108,10 +108,8 @@ def _module_quants(label: str, index: int, recipe: Any, qffn: Any, names: Mappin
             raise FFNQuantError(f"layer {label}: recipe {recipe}: {scheme.weight_dtype} weights have no integer or fp8 "
                                 "grid (bitsandbytes code books, HQQ's float zero points): no deployment format stores them")
         mode = None
-        if site in qffn.quantized_sites:
+        if site in qffn.quantized_sites and not scheme.act_dtype.is_float:
             mode = "dynamic" if scheme.act_mode is ActMode.DYNAMIC else "static"
-            if scheme.act_dtype.is_float:
-                mode = None
         out.append(ModuleQuant(module=names[weight], layer=label, index=index, weight=weight, site=site,
                                recipe=str(recipe), scheme=scheme, grid=grid if weight in qffn.quantized_weights else None,
                                input_mode=mode, input_range=qffn.ranges.get(site) if mode == "static" else None,

@@ -325,26 +325,33 @@ def end_to_end(
                     ablate_nll[i].update(out_i.logits, ids)
                 if progress is not None:
                     progress(f"ablation: L{i}, batch {b + 1}/{len(evals)}", b * len(indices) + j + 1, n_ablation)
+    return end_to_end_figures(baseline, hidden_all, nll_all if causal else None,
+                              {i: (ablate_hidden[i], ablate_nll[i] if causal else None) for i in indices} if ablate else {})
+
+
+def end_to_end_figures(baseline: Mapping[str, Any], hidden: ErrorStats, nll: _NLL | None,
+                       ablated: Mapping[int, tuple[ErrorStats, _NLL | None]]) -> dict[str, Any]:
+    """`end_to_end`'s result from its accumulators: the final hidden state's errors (`hidden`), the quantized
+    model's next-token loss (`nll`, None for models without perplexity) and, per layer index quantized alone,
+    the same two (`ablated`). The one layout of these figures, whichever path streamed the batches."""
     ablation = []
-    if ablate:
-        for i in indices:
-            a = {"index": i, "label": f"L{i}", "hidden_sqnr_db": ablate_hidden[i].sqnr_db,
-                 "hidden_cosine": ablate_hidden[i].cosine}
-            if causal:
-                ppl = ablate_nll[i].perplexity
-                a["perplexity"] = ppl
-                a["perplexity_delta"] = ppl - baseline["perplexity"]
-            ablation.append(a)
-    e2e: dict[str, Any] = {"hidden_sqnr_db": hidden_all.sqnr_db, "hidden_cosine": hidden_all.cosine}
-    if causal:
-        ppl = nll_all.perplexity
+    for i, (abl_hidden, abl_nll) in sorted(ablated.items()):
+        a = {"index": i, "label": f"L{i}", "hidden_sqnr_db": abl_hidden.sqnr_db, "hidden_cosine": abl_hidden.cosine}
+        if abl_nll is not None:
+            ppl = abl_nll.perplexity
+            a["perplexity"] = ppl
+            a["perplexity_delta"] = ppl - baseline["perplexity"]
+        ablation.append(a)
+    e2e: dict[str, Any] = {"hidden_sqnr_db": hidden.sqnr_db, "hidden_cosine": hidden.cosine}
+    if nll is not None:
+        ppl = nll.perplexity
         e2e.update(perplexity=ppl, perplexity_delta=ppl - baseline["perplexity"],
                    perplexity_ratio=ppl / baseline["perplexity"])
-    if ablation and causal:
+    if ablation and nll is not None:
         worst = _worst(ablation, "perplexity_delta", reverse=True)
     else:
         worst = _worst(ablation, "hidden_sqnr_db", reverse=False)
-    return {"baseline": baseline, "end_to_end": e2e, "ablation": ablation, "worst_layers_end_to_end": worst}
+    return {"baseline": dict(baseline), "end_to_end": e2e, "ablation": ablation, "worst_layers_end_to_end": worst}
 
 
 def quantized_layers(
@@ -417,13 +424,9 @@ def quantize_model_layers(
     layer ('quantize layers: L3') and each end-to-end batch and ablation run (`end_to_end`); nothing prints.
     With `settings.ablation` False the per-layer end-to-end runs are skipped.
     """
-    from ..plan.planfile import Plan
-
-    plan = recipe if isinstance(recipe, Plan) else None
     rows, qffns = quantized_layers(info, layers, inputs, recipe, smooth_sites=smooth_sites, out_artifacts=out_artifacts,
                                    onnx=onnx, latency=latency, sensitivity=sensitivity, file_stem=file_stem,
                                    progress=progress)
-    first = rows[0]
     e2e: dict[str, Any]
     if inputs.model is None or not inputs.eval_batches:
         e2e = {"status": "missing", "reason": "inputs came from captured files: the end-to-end numbers need the model "
@@ -433,13 +436,21 @@ def quantize_model_layers(
         e2e = {"status": "ok", "reason": None, "evaluation_text": inputs.evaluation_source,
                **end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress)}
         e2e["seconds"] = time.perf_counter() - t_e2e
-    if plan is not None:  # the header names the plan; each layer row carries its own recipe
-        head = {"recipe": "per-layer plan", "plan": plan.to_dict(),
-                "scheme": {"name": f"plan ({len({str(r) for r in plan.layers.values()})} recipes)"},
+    return model_layers_report(info, recipe, rows, e2e, settings, inputs)
+
+
+def model_layers_report(info: ModelInfo, recipe: Any, rows: Sequence[Mapping[str, Any]], e2e: Mapping[str, Any],
+                        settings: EvalSettings, inputs: LayerInputs) -> dict[str, Any]:
+    """What `quantize --model` reports: the model, the recipe (or the plan), the texts and their budgets from
+    `inputs`, a row per layer and the end-to-end figures. The one layout, whichever path quantized the layers."""
+    from ..plan.planfile import Plan
+
+    if isinstance(recipe, Plan):  # the header names the plan; each layer row carries its own recipe
+        head = {"recipe": "per-layer plan", "plan": recipe.to_dict(),
+                "scheme": {"name": f"plan ({len({str(r) for r in recipe.layers.values()})} recipes)"},
                 "calibrator": None, "remedies": []}
     else:
-        head = {"recipe": first["recipe"], "scheme": first["scheme"], "calibrator": first["calibrator"],
-                "remedies": first["remedies"]}
+        head = {k: rows[0][k] for k in ("recipe", "scheme", "calibrator", "remedies")}
     return {
         "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
         "ablation": settings.ablation,
@@ -451,10 +462,10 @@ def quantize_model_layers(
                        "separation": inputs.separation,
                        "tokens_per_layer": {r["label"]: r["n_eval_tokens"] for r in rows},
                        "tokens": inputs.budgets.get("evaluation")},
-        "layers": rows,
+        "layers": list(rows),
         "worst_layers_sqnr": _worst([{"label": r["label"], "sqnr_db": r["accuracy_torch"]["sqnr_db"]} for r in rows],
                                     "sqnr_db", reverse=False),
-        "end_to_end": e2e,
+        "end_to_end": dict(e2e),
     }
 
 
