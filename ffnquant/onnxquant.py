@@ -44,6 +44,7 @@ __all__ = [
     "write_artifact",
     "ort_default_static",
     "ort_session",
+    "int8_activations",
     "run_onnx",
     "ort_latency_ms",
 ]
@@ -402,19 +403,26 @@ def ort_default_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike
     return Path(out_path)
 
 
-def ort_session(path: str | os.PathLike, threads: int | None = None, exact_weight_only: bool = True):
+def ort_session(path: str | os.PathLike, threads: int | None = None, exact_weight_only: bool = True,
+                as_written: bool = False):
     """A CPU-provider InferenceSession; raises if onnxruntime silently picked another provider.
 
     With the default options onnxruntime fuses a weight-only DequantizeLinear -> MatMul into
     MatMulNBits with accuracy_level 4, which quantizes the ACTIVATIONS to int8 on the fly
     (measured: w8a16 swiglu 33.0 dB instead of 38.3 dB). `exact_weight_only` sets
     accuracy_level 0 so a w8a16 artifact computes what it says; QDQ w8a8 and the MatMulNBits
-    artifacts written here are unaffected by this entry.
+    artifacts written here are unaffected by this entry. The int8 entries of `ortcpu.session_entries`
+    (measured on this CPU) keep int8 activations on an exact kernel where the default one saturates.
+    `as_written` turns graph optimizations off: the graph's own value, with no integer kernel fused in.
     """
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
+    from .ortcpu import exact_session_options, session_entries
+
+    opts = exact_session_options() if as_written else ort.SessionOptions()
     opts.log_severity_level = 3
+    for key, value in session_entries().items():
+        opts.add_session_config_entry(key, value)
     if exact_weight_only:
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     if threads:
@@ -423,6 +431,13 @@ def ort_session(path: str | os.PathLike, threads: int | None = None, exact_weigh
     if session.get_providers()[0] != "CPUExecutionProvider":
         raise FFNQuantError(f"{path}: expected the CPU provider, got {session.get_providers()}")
     return session
+
+
+def int8_activations(scheme: Scheme, qmodel: "QuantizedFFN") -> str | None:
+    """'uint8' | 'int8' when the artifact of `scheme` multiplies int8 activation codes (the kernels `ortcpu` probes)."""
+    if not scheme.act_dtype.is_integer or not qmodel.quantized_sites:
+        return None
+    return "int8" if scheme.act_dtype is ActDType.INT8 else "uint8"
 
 
 def run_onnx(path_or_session: Any, tokens: torch.Tensor, batch_size: int = 4096, dtype: str = "fp32") -> torch.Tensor:

@@ -12,6 +12,7 @@ from ffnquant.onnxquant import artifact_kind, ort_session
 from ffnquant.quantization import prepare, quantize_spec
 from ffnquant.recipe import Recipe
 from ffnquant.schemes import get_scheme
+from onnx_checks import graph_db
 
 D = 64
 
@@ -51,7 +52,7 @@ def test_artifact_agrees_with_torch_reference(variant, scheme, preps):
     assert path.name == f"{spec.key}.{recipe.slug}.onnx"  # the recipe's slug is the file name
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
     assert ort_session(path).get_providers()[0] == "CPUExecutionProvider"
-    assert abs(art["accuracy_onnx"]["sqnr_db"] - r.accuracy.sqnr_db) <= 0.5
+    assert abs(graph_db(art) - r.accuracy.sqnr_db) <= 0.5
     assert art["size_bytes"] == path.stat().st_size
     # smaller than the float export of the same (remedied) graph; a rotation's [b, b] matrix stays float in both
     assert art["size_bytes"] < prep.onnx_file("model", folder).stat().st_size
@@ -90,7 +91,7 @@ def test_padded_groups_artifact_agrees_with_torch_reference(variant, scheme, pad
         attrs = [{a.name: a.i for a in n.attribute} for n in model.graph.node if n.op_type == "MatMulNBits"]
         assert sorted(a["K"] for a in attrs) == sorted(w[1] for w in spec.weight_shapes.values())
         assert all(a["block_size"] == get_scheme(scheme).group_size for a in attrs)
-    assert abs(r.artifact["accuracy_onnx"]["sqnr_db"] - r.accuracy.sqnr_db) <= 0.5
+    assert abs(graph_db(r.artifact) - r.accuracy.sqnr_db) <= 0.5
     assert r.accuracy.sqnr_db > 10.0
 
 
@@ -121,8 +122,7 @@ def test_no_artifact_is_explained():
 def test_ffnquant_recipe_beats_ort_default_on_swiglu(preps):
     spec, prep, folder = preps("swiglu")  # smooth 0.5 + rotate, llm_like inputs
     r = quantize_spec(spec, "w8a8@mse+smooth+rotate", prepared=prep, out_artifacts=folder, sensitivity=False)
-    base = r.baseline["accuracy_onnx"]["sqnr_db"]
-    assert r.artifact["accuracy_onnx"]["sqnr_db"] > base + 3.0
+    assert graph_db(r.artifact) > graph_db(r.baseline) + 3.0
     # the artifact and the remedied fp32 export are named from the recipe's slugs
     assert Path(r.artifact["path"]).name == f"{spec.key}.w8a8-mse.smooth0.5-rotate.onnx"
     assert prep.onnx_file("model", folder).name == f"{spec.key}.smooth0.5-rotate.fp32.onnx"

@@ -74,10 +74,11 @@ def test_quantize_spec_leaves_the_float_site_untouched():
                          ids=["qdq-hidden", "qdq-input", "nbits-hidden"])
 def test_the_onnx_artifact_of_a_float_site_recipe_computes_the_torch_reference(text, tmp_path):
     from ffnquant.quantization import quantize_spec
+    from onnx_checks import graph_db
 
     spec = FFNSpec("swiglu", d_model=64)
     res = quantize_spec(spec, Recipe.parse(text), source="llm_like", calib_tokens=512, eval_tokens=256,
                         out_artifacts=tmp_path, baseline=False, sensitivity=False)
     assert res.artifact["path"].endswith(Recipe.parse(text).slug + ".onnx")
     # ORT's integer kernels and the float reference differ by rounding only (the same grids)
-    assert abs(res.artifact["sqnr_gap_db"]) < 1.0
+    assert abs(graph_db(res.artifact) - res.accuracy.sqnr_db) < 1.0

@@ -40,7 +40,10 @@ def _layer_rows(planned, folder: Path) -> list[dict]:
                      "why_no_file": None if art.get("path") else art.get("note"),
                      "inputs": ["input"], "outputs": ["output"], "input_shape": ["batch", "seq", planned.info.spec.d_model],
                      "sqnr_db_torch": r["accuracy_torch"]["sqnr_db"],
-                     "sqnr_db_onnx": (art.get("accuracy_onnx") or {}).get("sqnr_db")})
+                     "sqnr_db_onnx": (art.get("accuracy_onnx") or {}).get("sqnr_db"),
+                     # where this CPU's int8 kernel saturates (ortcpu): the graph's own figure, and why
+                     **({"sqnr_db_onnx_graph": art["accuracy_onnx_graph"]["sqnr_db"], "int8_kernel": art["int8_kernel"]}
+                        if "accuracy_onnx_graph" in art else {})})
     return rows
 
 
@@ -161,9 +164,12 @@ def _print_deploy(doc: dict, out: Path) -> None:
     graph = doc.get("graph") or {}
     if graph.get("status") == "ok" and graph.get("score"):
         sc = graph["score"]
-        print(f"whole-model ONNX graph on onnxruntime ({sc['provider']}): perplexity {sc['onnx']['perplexity']:.4f} "
+        print(f"whole-model ONNX graph on onnxruntime ({sc['provider']}): perplexity "
+              f"{sc.get('graph', sc['onnx'])['perplexity']:.4f} "
               f"({100 * sc['perplexity_rel_diff']:+.3f}% against the reference; bound {100 * sc['tolerance']:.1f}%: "
               f"{'met' if sc['meets_tolerance'] else 'NOT met'})")
+        if "graph" in sc:
+            print(f"  as it runs here: perplexity {sc['onnx']['perplexity']:.4f}; {sc['int8_kernel']}")
         if sc.get("resolution"):
             print(f"  float32 rounding alone moves this plan's perplexity by up to {sc['resolution']['resolution']:.1e} on "
                   f"this text: {'within' if sc['within_resolution'] else 'BEYOND'} twice that")

@@ -141,6 +141,8 @@ def _fill_row(row: dict[str, Any], recipe: Recipe, res: Any, prep: Any, is_basel
     art = res.artifact or {}
     if art.get("accuracy_onnx") and not is_baseline:
         row["onnx_sqnr_db"] = json_num(art["accuracy_onnx"]["sqnr_db"])
+        if art.get("accuracy_onnx_graph"):  # this CPU's int8 kernel saturates (ortcpu): the graph's own figure too
+            row.update(onnx_graph_sqnr_db=json_num(art["accuracy_onnx_graph"]["sqnr_db"]), int8_kernel=art["int8_kernel"])
 
 
 def _worst_sensitivity(rows: list[dict], work: dict[str, Any]) -> None:

@@ -65,12 +65,18 @@ def _graph_lines(graph: dict[str, Any]) -> list[str]:
     lines.append("- files: " + ", ".join(f"{k} ({fmt_bytes(v)})" for k, v in (graph.get("files") or {}).items()))
     score = graph.get("score") or {}
     if score:
-        onnx, ref = score["onnx"], score["reference"]
-        lines.append(f"- onnxruntime {graph.get('onnxruntime')} ({', '.join(score.get('providers', []))}) on "
+        onnx, ref = score.get("graph", score["onnx"]), score["reference"]
+        how = " (graph optimizations off: no integer kernel fused in)" if "graph" in score else ""
+        lines.append(f"- onnxruntime {graph.get('onnxruntime')} ({', '.join(score.get('providers', []))}){how} on "
                      f"{onnx['n_tokens']} held-out tokens: perplexity {fmt(onnx['perplexity'])} against ffnquant's torch "
                      f"reference {fmt(ref['perplexity'])} ({100 * score['perplexity_rel_diff']:+.3f}%; bound "
                      f"{100 * score['tolerance']:.1f}%: {'met' if score['meets_tolerance'] else 'NOT met'}), final hidden "
                      f"SQNR {fmt(onnx['hidden_sqnr_db'])} dB (reference {fmt(ref['hidden_sqnr_db'])} dB)")
+        if "graph" in score:
+            ran = score["onnx"]
+            lines.append(f"- as it runs here, with onnxruntime's int8 kernels: perplexity {fmt(ran['perplexity'])}, final "
+                         f"hidden SQNR {fmt(ran['hidden_sqnr_db'])} dB: {score['int8_kernel']}; exact on CPUs with "
+                         f"VNNI and on GPUs")
         res = score.get("resolution")
         if res:
             lines.append(f"- beyond the bound: float32 rounding alone moves ffnquant's own reference of this plan by up to "

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import FFNQuantError
+from ..ortcpu import session_entries
 from .artifacts import onnx_artifact, onnx_weight_bytes
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
 
@@ -222,6 +223,9 @@ class OrtRuntime(Runtime):
             # accuracy level 4, which quantizes the activations too: the timed kernel would not
             # compute what the accuracy figures (onnxquant.ort_session) measured. Same setting.
             opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+            # int8 activations on an exact kernel where this CPU's default one saturates (ortcpu), as measured
+            for key, value in (session_entries() if self.provider_key == "cpu" else {}).items():
+                opts.add_session_config_entry(key, value)
             if optimized_path:
                 opts.optimized_model_filepath = optimized_path
             return ort.InferenceSession(str(path), opts, providers=providers)
@@ -237,6 +241,15 @@ class OrtRuntime(Runtime):
         ops = _optimized_op_counts(make_session, path) if self.provider_key == "cpu" else "graph compiled by the provider"
         in_dtype = np.dtype(_NP_DTYPES[in_type]).name
         out_dtype = np.dtype(_NP_DTYPES[out_type]).name
+        extra: dict[str, Any] = {"onnx_path": str(path)}
+        if self.provider_key == "cpu":
+            import onnx
+
+            from ..ortcpu import graph_int8_activations, int8_kernels
+
+            # a u8 artifact on an x86 CPU without VNNI runs a saturating kernel: say so beside its figures
+            if any(not int8_kernels().exact(a) for a in graph_int8_activations(onnx.load(str(path)))):
+                extra["int8_kernel"] = int8_kernels().describe()
         return Loaded(
             runtime=self.name,
             case=case,
@@ -248,7 +261,7 @@ class OrtRuntime(Runtime):
             output_dtype=out_dtype,
             file_bytes=os.path.getsize(path),
             providers=used,
-            extra={"onnx_path": str(path)},
+            extra=extra,
         )
 
     # --- running ------------------------------------------------------------------------
