@@ -242,13 +242,29 @@ def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
     (["--target", "ppl<1%"], "ppl+P%"),
     (["--candidates", "w9a9"], "w9a9"),
     (["--objective", "speed"], "invalid choice"),
-], ids=["target", "candidate", "objective"])
+    (["--max-memory", "1MB"], "over the 1.0 MB memory budget"),  # refused with the numbers before any work
+], ids=["target", "candidate", "objective", "memory"])
 def test_plan_refuses_bad_input_in_one_line(tiny, tmp_path, capsys, args, message):
     out = tmp_path / "plan"
     assert main(["plan", "--model", str(tiny["llama"]), "--out", str(out), *args, *SMALL]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.hf
+def test_the_plan_memory_estimate_adds_up_its_parts(tiny):
+    from ffnquant.hf import inspect_model
+    from ffnquant.plan.job import plan_memory_needed
+
+    info = inspect_model(tiny["llama"])
+    small = plan_memory_needed(info, calib_tokens=256, eval_tokens=128, probe_tokens=64, batch_tokens=64)
+    large = plan_memory_needed(info, calib_tokens=512, eval_tokens=128, probe_tokens=64, batch_tokens=64)
+    assert small["total"] == sum(v for k, v in small.items() if k != "total")
+    assert small["model"] == info.n_params_total * 4  # the whole model in float32
+    # each extra search token: its FFN input and its loss gradient at every layer, float32
+    extra = large["hidden_states"] - small["hidden_states"]
+    assert extra == 2 * 256 * info.n_layers * info.spec.d_model * 4
 
 
 @pytest.mark.hf

@@ -84,19 +84,25 @@ def test_recommendations_follow_from_the_measured_numbers(tiny_cli_run):
         pytest.skip(f"latency not measured here: {lat['reason']}")
     acc = {(r["variant"], r["scheme"]): r["sqnr_db"] for r in doc["accuracy"]["rows"]}
     cases = {(c["variant"], c["runtime"], c["tokens"], c["scheme"]): c for c in lat["cases"] if not c["error"]}
+
+    def delivered(case):  # a kernel that disagrees with its recipe (a saturating int8 kernel) counts at its own figure
+        if case["disagrees_with_reference"] and case["sqnr_db"] is not None:
+            return case["sqnr_db"]
+        return acc.get((case["variant"], case["scheme"]))
+
     assert doc["timing"]["recommendations"]
     for rec in doc["timing"]["recommendations"]:
         if not rec["meets_target"] or rec["choice"] == "fp32":
             continue
-        assert acc[(rec["variant"], rec["choice"])] >= rec["target_db"]
         where = (rec["variant"], rec["runtime"], rec["tokens"])
         base = cases[(*where, rec["baseline"])]
         mine = cases[(*where, rec["choice"])]
+        assert delivered(mine) >= rec["target_db"]
         assert (mine["p90_s"] or mine["median_s"]) < (base["p10_s"] or base["median_s"])
         for (v, rt, t, s), case in cases.items():
             beats_base = (case["p90_s"] or case["median_s"]) < (base["p10_s"] or base["median_s"])
-            if (v, rt, t) == where and s != rec["baseline"] and acc.get((v, s)) is not None \
-                    and acc[(v, s)] >= rec["target_db"] and beats_base:
+            if (v, rt, t) == where and s != rec["baseline"] and delivered(case) is not None \
+                    and delivered(case) >= rec["target_db"] and beats_base:
                 assert mine["median_s"] <= case["median_s"], (rec, s)
 
 
