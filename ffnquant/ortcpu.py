@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Int8Kernels", "int8_kernels", "session_entries", "exact_session_options", "cpu_flags"]
+__all__ = ["Int8Kernels", "int8_kernels", "session_entries", "exact_session_options", "cpu_flags", "qdq_matmul",
+           "graph_int8_activations"]
 
 # The session entry that lets onnxruntime's QDQ fusion keep int8 activations on x86 (s8 x s8 kernel).
 INT8_ALLOWED = "session.qdqisint8allowed"
@@ -81,38 +82,38 @@ class Int8Kernels:
                 "session_entries": session_entries(self), "summary": self.describe()}
 
 
-def _probe_model(activation: str):
-    """x -> Q -> DQ, W -> DQ, MatMul: the pattern of ffnquant's QDQ artifacts, with codes that saturate a pair sum."""
-    import onnx
+def qdq_matmul(activation: str, weight_codes: np.ndarray):
+    """x -> Q -> DQ, W -> DQ, MatMul with unit scales and zero points 0: the pattern of ffnquant's QDQ artifacts,
+    whose exact answer is the integer product of x's codes ('uint8' | 'int8') and `weight_codes` (int8 [k, n])."""
     from onnx import TensorProto, helper, numpy_helper
 
-    k, n = 64, 16
+    k, n = weight_codes.shape
     zp = np.array(0, dtype=np.uint8 if activation == "uint8" else np.int8)  # its dtype sets the activation's
-    w = np.full((k, n), 127, dtype=np.int8)
     inits = [numpy_helper.from_array(np.array(1.0, np.float32), "s"), numpy_helper.from_array(zp, "zp"),
-             numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(n, np.float32), "ws"),
-             numpy_helper.from_array(np.zeros(n, np.int8), "wzp")]
-    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"]),
+             numpy_helper.from_array(weight_codes.astype(np.int8), "w"),
+             numpy_helper.from_array(np.ones(n, np.float32), "ws"), numpy_helper.from_array(np.zeros(n, np.int8), "wzp")]
+    nodes = [helper.make_node("QuantizeLinear", ["input", "s", "zp"], ["xq"]),
              helper.make_node("DequantizeLinear", ["xq", "s", "zp"], ["xd"]),
              helper.make_node("DequantizeLinear", ["w", "ws", "wzp"], ["wd"], axis=1),
-             helper.make_node("MatMul", ["xd", "wd"], ["y"])]
-    graph = helper.make_graph(nodes, "int8_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])], inits)
-    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), k
+             helper.make_node("MatMul", ["xd", "wd"], ["output"])]
+    graph = helper.make_graph(nodes, "int8_probe", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, k])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [None, n])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
 
 
 def _exact_here(activation: str, entries: dict[str, str]) -> bool:
+    """Codes that make two adjacent products 255 x 127 (or 127 x 127 shifted to u8): a 16-bit pair sum saturates."""
     import onnxruntime as ort
 
-    model, k = _probe_model(activation)
+    k = 64
+    model = qdq_matmul(activation, np.full((k, 16), 127, dtype=np.int8))
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     for key, value in entries.items():
         opts.add_session_config_entry(key, value)
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     top = 255.0 if activation == "uint8" else 127.0
-    x = np.full((4, k), top, dtype=np.float32)
-    y = session.run(None, {"x": x})[0]
+    y = session.run(None, {"input": np.full((4, k), top, dtype=np.float32)})[0]
     return bool(np.array_equal(y, np.full_like(y, top * 127.0 * k)))
 
 

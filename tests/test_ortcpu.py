@@ -9,25 +9,16 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ffnquant.onnxquant import ort_session
-from ffnquant.ortcpu import INT8_ALLOWED, Int8Kernels, graph_int8_activations, int8_kernels, session_entries
+from ffnquant.ortcpu import INT8_ALLOWED, Int8Kernels, graph_int8_activations, int8_kernels, qdq_matmul, session_entries
 
 
 def _qdq_matmul(path, activation: str, k: int = 64, n: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """x -> Q -> DQ -> MatMul(DQ(W)) with unit scales; returns (x codes, W codes) for the exact answer."""
+    """ortcpu's probe pattern with random full-range codes, saved; returns (x codes, W codes)."""
     rng = np.random.default_rng(seed)
     lo, hi, dtype = (0, 256, np.uint8) if activation == "uint8" else (-128, 128, np.int8)
     xq = rng.integers(lo, hi, (16, k)).astype(dtype)
     w = rng.integers(-127, 128, (k, n)).astype(np.int8)
-    inits = [numpy_helper.from_array(np.array(1.0, np.float32), "s"), numpy_helper.from_array(np.array(0, dtype), "zp"),
-             numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(n, np.float32), "ws"),
-             numpy_helper.from_array(np.zeros(n, np.int8), "wzp")]
-    nodes = [helper.make_node("QuantizeLinear", ["input", "s", "zp"], ["xq"]),
-             helper.make_node("DequantizeLinear", ["xq", "s", "zp"], ["xd"]),
-             helper.make_node("DequantizeLinear", ["w", "ws", "wzp"], ["wd"], axis=1),
-             helper.make_node("MatMul", ["xd", "wd"], ["output"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, k])],
-                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [None, n])], inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), str(path))
+    onnx.save(qdq_matmul(activation, w), str(path))
     return xq, w
 
 
