@@ -38,6 +38,8 @@ PERCENTILES = (99.0, 99.9, 99.99)
 # Thresholds k for "channel absmax > k * median channel absmax" in summaries.
 OUTLIER_KS = (3.0, 6.0, 20.0)
 _STATE_VERSION = 1
+# Elements of a batch `TensorObserver.update` takes at once (16 MB of float32; each scratch buffer that size).
+_CHUNK = 1 << 22
 
 
 # =====================================================================================
@@ -146,10 +148,21 @@ class TensorObserver:
 
     def update(self, x: torch.Tensor | np.ndarray) -> "TensorObserver":
         """Fold a batch (..., channels) into the statistics; raises on NaN/Inf or a channel mismatch
-        (and then changes nothing)."""
+        (and then changes nothing). A batch over `_CHUNK` elements is taken `_CHUNK` elements of rows at a time,
+        so the scratch buffers stay bounded (a whole weight: five float32 temporaries of its size otherwise)."""
         if self._workspace is None:
             self._workspace = Workspace()
-        return self.absorb(TensorObserver.of_batch(x, self.histogram.n_bins, self.name, self._workspace))
+        x = as_float_tensor(x)
+        x2 = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+        step = max(1, _CHUNK // max(1, x2.shape[1]))
+        if x2.shape[0] <= step:
+            return self.absorb(TensorObserver.of_batch(x, self.histogram.n_bins, self.name, self._workspace))
+        if self.channels is not None and x2.shape[1] != self.channels:
+            raise FFNQuantError(f"site {self.name or '?'}: got {x2.shape[1]} channels, expected {self.channels}")
+        part = TensorObserver(self.histogram.n_bins, self.name)  # absorbed whole, so a failed chunk changes nothing
+        for i in range(0, x2.shape[0], step):
+            part.absorb(TensorObserver.of_batch(x2[i:i + step], self.histogram.n_bins, self.name, self._workspace))
+        return self.absorb(part)
 
     def absorb(self, other: "TensorObserver") -> "TensorObserver":
         """Fold another observer's data into this one, in place (see `merge` for the pure form)."""
@@ -379,7 +392,9 @@ def weight_stats(weight: torch.Tensor, bins: int = DEFAULT_BINS) -> dict[str, An
     stats = obs.summary()
     stats["shape"] = list(w.shape)
     stats["channel_absmax"] = obs.channel_absmax.tolist()
-    stats["in_channel_absmax"] = w.abs().amax(dim=0).to(torch.float64).tolist()
+    step = max(1, _CHUNK // max(1, w.shape[1]))  # |w| a row chunk at a time, like the observer
+    in_absmax = torch.stack([w[i:i + step].abs().amax(dim=0) for i in range(0, w.shape[0], step)]).amax(dim=0)
+    stats["in_channel_absmax"] = in_absmax.to(torch.float64).tolist()
     return stats
 
 

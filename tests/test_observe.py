@@ -214,6 +214,40 @@ def test_observer_errors_and_round_trip():
     assert again.summary() == o.summary()
 
 
+def test_a_large_batch_is_observed_a_row_chunk_at_a_time(monkeypatch):
+    """update() takes a batch `_CHUNK` elements of rows at a time (bounded scratch memory): exact histogram,
+    extremes and counts, moments as when merged; a bad chunk anywhere changes nothing."""
+    from ffnquant import observe
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, 8, generator=gen).exp() * 3 + 100.0
+    x[5, 2] = 0.0
+    whole = TensorObserver(64).update(x)
+    monkeypatch.setattr(observe, "_CHUNK", 7 * 8)  # 7 rows a chunk: 143 chunks, the last one short
+    chunked = TensorObserver(64).update(x)
+    assert chunked.histogram == whole.histogram
+    counts = (chunked.n, chunked.n_rows, chunked.zero_count)
+    assert counts == (whole.n, whole.n_rows, whole.zero_count) == (8000, 1000, 1)
+    for a, b in ((chunked.channel_min, whole.channel_min), (chunked.channel_max, whole.channel_max)):
+        np.testing.assert_array_equal(a, b)
+    for stat in ("mean", "std", "skewness", "kurtosis"):
+        assert getattr(chunked, stat) == pytest.approx(getattr(whole, stat), rel=1e-6), stat
+    bad = x.clone()
+    bad[-1, 0] = float("nan")
+    with pytest.raises(FFNQuantError, match="1 NaN"):
+        chunked.update(bad)
+    with pytest.raises(FFNQuantError, match="got 4 channels, expected 8"):
+        chunked.update(torch.zeros(100, 4))
+    assert chunked.n == 8000 and chunked.histogram == whole.histogram
+    w = torch.randn(30, 20, generator=gen)
+    st = weight_stats(w, bins=16)
+    monkeypatch.setattr(observe, "_CHUNK", 3 * 20)
+    chunked_st = weight_stats(w, bins=16)
+    assert chunked_st["in_channel_absmax"] == st["in_channel_absmax"] == w.abs().amax(dim=0).double().tolist()
+    assert chunked_st["channel_absmax"] == st["channel_absmax"]
+    assert chunked_st["kurtosis"] == pytest.approx(st["kurtosis"], rel=1e-6)
+
+
 def test_weight_stats_per_channel():
     w = torch.tensor([[1.0, -2.0], [0.5, 0.25], [0.0, 3.0]])  # [out=3, in=2]
     st = weight_stats(w, bins=16)
