@@ -268,19 +268,42 @@ def sensitivity(prep: Prepared, qmodel: QuantizedFFN, hessians: Mapping[str, tor
     Keys are `qmodel.quantized_weights` then `qmodel.quantized_sites`. Weights are requantized under
     `qmodel.scheme` (a GPTQ scheme with `hessians`, default `prep.hessians()`: the Hessians of
     `prep.model` over its calibration tokens); sites reuse `qmodel`'s own static ranges.
+
+    No copy of the FFN is made: each quantized weight stands in for its float one in `prep.model` (and each
+    site's fake-quantizer is hooked onto it) while the held-out tokens run, then the float one is put back;
+    the numbers are those of `quantize_model(prep.model, ..., weights=[w])` / `(..., sites=[s])`, a whole copy
+    each. AWQ weights (the searched scales folded into a new FFN) are made so, one copy at a time.
     """
     from .accuracy import run_batched, sqnr_db
+    from .fakequant import quantize_weight
+    from .schemes import Method
 
     if hessians is None and qmodel.scheme.needs_hessians and qmodel.quantized_weights:
         hessians = prep.hessians()
     out: dict[str, float] = {}
-    ref = prep.ref_eval()
+    ref, model, scheme = prep.ref_eval(), prep.model, qmodel.scheme
     for w in qmodel.quantized_weights:
-        one = quantize_model(prep.model, qmodel.scheme, weights=[w], sites=[], hessians=hessians)
-        out[w] = sqnr_db(ref, run_batched(one, prep.eval))
+        if scheme.method is Method.AWQ:
+            one = quantize_model(model, scheme, weights=[w], sites=[], hessians=hessians)
+            out[w] = sqnr_db(ref, run_batched(one, prep.eval))
+            del one
+            continue
+        lin = getattr(model, w)
+        original = lin.weight
+        with torch.no_grad():  # into a tensor laid out as the float one, as quantize_model copies it
+            deq = quantize_weight(original, scheme, hessians.get(w) if hessians is not None else None)
+            lin.weight = torch.nn.Parameter(torch.empty_like(original).copy_(deq), original.requires_grad)
+        del deq
+        try:
+            out[w] = sqnr_db(ref, run_batched(model, prep.eval))
+        finally:
+            lin.weight = original
     for s in qmodel.quantized_sites:
-        one = quantize_model(prep.model, qmodel.scheme, weights=[], sites=[s], site_range_cache=qmodel.ranges)
-        out[s] = sqnr_db(ref, run_batched(one, prep.eval))
+        one = QuantizedFFN(model, scheme, {k: r for k, r in qmodel.ranges.items() if k == s}, [], [s])
+        try:
+            out[s] = sqnr_db(ref, run_batched(one, prep.eval))
+        finally:
+            one.remove_hooks()
     return out
 
 
