@@ -113,6 +113,32 @@ def test_only_one_decoder_layer_is_ever_in_memory(tiny):
     assert store.get(0).shape == (2, 16, info.spec.d_model)
 
 
+def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatch):
+    """A tensor over `_READ_BYTES` is read in row chunks into its float32 copy: the values `get().float()` gives,
+    whatever the checkpoint's dtype; and a model read so streams to the in-memory path's ranges."""
+    from safetensors.torch import save_file
+
+    from ffnquant.hf import calibrate_model, inspect_model, stream
+    from ffnquant.hf.checkpoint import _Weights
+    from ffnquant.hf.streamed import stream_calibrate
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"bf16": torch.randn(37, 11, generator=gen).to(torch.bfloat16),
+               "fp16": torch.randn(5, 3, 9, generator=gen).half(), "flat": torch.randn(100, generator=gen),
+               "small": torch.randn(2, 3, generator=gen)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(stream, "_READ_BYTES", 64)  # 2 rows of bf16 a read, 32 elements of the flat one
+    weights = _Weights(tmp_path, False)
+    for name, t in tensors.items():
+        got = stream._read_float32(weights, name)
+        assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, t.float()), name
+    monkeypatch.setattr(stream, "_READ_BYTES", 256)  # the tiny llama's embedding and matrices read in chunks
+    info = inspect_model(tiny["llama"])
+    _, tables = calibrate_model(info, settings=_settings())
+    s_tables, _, _ = stream_calibrate(info, settings=_settings(), positions=False)
+    assert {k: t.to_dict() for k, t in s_tables.items()} == {k: t.to_dict() for k, t in tables.items()}
+
+
 def _plan(info, monkeypatch, **kw):
     from ffnquant.hf import stream
 

@@ -207,15 +207,53 @@ class _Store:
 # --- the model, a layer at a time -----------------------------------------------------------------------
 
 
-def _trim() -> None:
-    """Freed heap memory handed back: glibc keeps freed blocks under its mmap threshold (which grows to 32 MB as
-    large blocks are freed), and each layer's tensors read and converted would leave some behind, layer after layer."""
+def _glibc(call: str, *args: int) -> None:
+    """glibc's malloc `call(*args)`; elsewhere nothing: that allocator's own policy stands."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator's own policy stands
+        getattr(ctypes.CDLL("libc.so.6"), call)(*args)
+    except (OSError, AttributeError):
         pass
+
+
+def _trim() -> None:
+    """Freed heap memory handed back: each layer's tensors read and converted would leave some behind."""
+    _glibc("malloc_trim", 0)
+
+
+# glibc's mmap threshold once a model streams (M_MMAP_THRESHOLD, fixed: it also stops the trim threshold growing):
+# blocks from it up are mapped on their own and unmapped when freed. Left to glibc, the threshold rises to 32 MB as
+# large blocks are freed; the many 4-32 MB tensors of a layer's work (activations, observer chunks, chunks read)
+# are then carved from the heap, where what they leave stays resident: 0.1-0.2 GB more at the peak, varying from
+# run to run (benchmarks/scale.py --trace).
+_MMAP_THRESHOLD = 4 * 2**20
+
+
+# Bytes of a checkpoint tensor read at once: a large tensor (the embedding: vocabulary x d_model) is read a row
+# chunk at a time into its float32 copy, so neither a whole copy in the checkpoint's dtype nor the whole mapped
+# tensor is resident beside it.
+_READ_BYTES = 16 * 2**20
+
+
+def _read_float32(weights: _Weights, name: str) -> torch.Tensor:
+    """Tensor `name` of the safetensors shards in float32: `weights.get(name).to(torch.float32)`, value for value."""
+    from safetensors import safe_open
+
+    shape = weights.shape(name)
+    numel = math.prod(shape)
+    if not shape or numel * 4 <= 2 * _READ_BYTES:
+        return weights.get(name).to(torch.float32)
+    path = weights.file_of[name]
+    out = torch.empty(shape, dtype=torch.float32)
+    step = max(1, _READ_BYTES // (2 * (numel // shape[0])))  # rows of <= _READ_BYTES in 16-bit dtypes
+    try:
+        for i in range(0, shape[0], step):
+            with safe_open(str(path), framework="pt") as fh:  # opened per chunk: its mapped pages go with it
+                out[i:i + step].copy_(fh.get_slice(name)[i:i + step])
+    except Exception as exc:
+        raise FFNQuantError(f"cannot read tensor {name!r} from {str(path)!r}: {exc}") from exc
+    return out
 
 
 class _Stop(Exception):
@@ -266,6 +304,7 @@ class SequentialModel:
             raise FFNQuantError(f"{info.path}: {why}")
         transformers = require_transformers()
         self.info, self.transformers = info, transformers
+        _glibc("mallopt", -3, _MMAP_THRESHOLD)  # M_MMAP_THRESHOLD, for the rest of the process
         try:
             config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
             with _quiet_transformers(transformers), _parameters_on_meta():
@@ -301,7 +340,7 @@ class SequentialModel:
         prefix = self._names[id(module)]
         for name, _ in list(module.named_parameters()):
             owner, _, attr = name.rpartition(".")
-            tensor = self.weights.get(f"{prefix}.{name}" if prefix else name).to(torch.float32)
+            tensor = _read_float32(self.weights, f"{prefix}.{name}" if prefix else name)
             setattr(module.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
 
     @staticmethod
