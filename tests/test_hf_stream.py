@@ -111,6 +111,10 @@ def test_only_one_decoder_layer_is_ever_in_memory(tiny):
             model.run(j, store, calls)
     assert all(p.is_meta for block in model.layers for p in block.parameters())
     assert store.get(0).shape == (2, 16, info.spec.d_model)
+    with model.layer(1, ffn=False) as block:  # a replacement computes in its FFN's place: the FFN is not read
+        ffn = {id(p) for p in model.ffns[1].parameters()}
+        assert ffn and all(p.is_meta == (id(p) in ffn) for p in block.parameters())
+    assert all(p.is_meta for p in model.layers[1].parameters())
 
 
 def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatch):

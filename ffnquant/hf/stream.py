@@ -316,7 +316,8 @@ class SequentialModel:
             raise FFNQuantError(f"transformers cannot build {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
         self.model = model.eval()
         names = [n for n, _ in model.named_modules()]
-        self.blocks = [_module_for(model, info, layer, names)[0].rsplit(".", 1)[0] for layer in info.layers]
+        found = [_module_for(model, info, layer, names) for layer in info.layers]  # (name, module) of each FFN
+        self.blocks, self.ffns = [name.rsplit(".", 1)[0] for name, _ in found], [module for _, module in found]
         list_name = self.blocks[0].rsplit(".", 1)[0]
         self.layers = model.get_submodule(list_name)
         self.base = model.get_submodule(list_name.rsplit(".", 1)[0]) if "." in list_name else model
@@ -335,10 +336,14 @@ class SequentialModel:
                                     "the checkpoint with that shape; sequential onloading reads every module's tensors "
                                     "by name: run it whole (--no-sequential)")
 
-    def onload(self, module: nn.Module) -> None:
-        """`module`'s parameters read from the shards in float32 (one tensor at a time, its shard mapped meanwhile)."""
+    def onload(self, module: nn.Module, skip: nn.Module | None = None) -> None:
+        """`module`'s parameters read from the shards in float32, one tensor at a time (those of its submodule
+        `skip` left on the meta device)."""
         prefix = self._names[id(module)]
-        for name, _ in list(module.named_parameters()):
+        skipped = {id(p) for p in skip.parameters()} if skip is not None else set()
+        for name, p in list(module.named_parameters()):
+            if id(p) in skipped:
+                continue
             owner, _, attr = name.rpartition(".")
             tensor = _read_float32(self.weights, f"{prefix}.{name}" if prefix else name)
             setattr(module.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
@@ -433,9 +438,10 @@ class SequentialModel:
         return got[0], logits
 
     @contextlib.contextmanager
-    def layer(self, j: int):
-        """Decoder layer `j` onloaded while active, offloaded afterwards."""
-        self.onload(self.layers[j])
+    def layer(self, j: int, ffn: bool = True):
+        """Decoder layer `j` onloaded while active, offloaded afterwards; without `ffn`, its FFN's weights are not
+        read (for runs where a replacement computes in the FFN's place: `run(..., ffn=...)`)."""
+        self.onload(self.layers[j], None if ffn else self.ffns[j])
         try:
             yield self.layers[j]
         finally:

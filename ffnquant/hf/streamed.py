@@ -137,7 +137,9 @@ def stream_quantize(info: ModelInfo, recipe: Any, layers: str | int | list[int] 
                 rows += layer_rows
                 del hf, inputs
                 _trim()
-                with model.layer(j):  # read again (from the page cache, usually) for the quantized streams
+                # read again (from the page cache, usually) for the quantized streams; its float FFN only for the
+                # ablation streams of the layers before, which pass it unquantized
+                with model.layer(j, ffn=any(i != j for i in ablation)):
                     downstream(j, qffns.pop(layer_rows[0]["label"]))
             if j == max(wanted):
                 del calib, ccalls  # the calibration stream has fed its last selected layer
