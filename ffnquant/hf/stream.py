@@ -106,12 +106,12 @@ def plan_memory(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_layer
     limit = memory_limit(max_memory)
     ffn, tokens = spec.n_params * 4, calib_tokens + eval_tokens
     streams = 2 + (n_layers if ablation and n_layers > 1 else 0) if task == "quantize" else 0
-    if task == "quantize":  # its FFN, the quantized copy, one sensitivity copy and their temporaries (x 11 with
-        # the ONNX export and onnxruntime's scoring); the layer's inputs and their activations
-        work = (11 if onnx else 6) * ffn + (2 * d + 3 * spec.d_ff) * tokens * 4
+    if task == "quantize":  # its FFN, the quantized copy and the fake quantization's temporaries of a weight (x 11
+        # with the ONNX export and onnxruntime's scoring); the layer's inputs and their activations
+        work = (11 if onnx else 4) * ffn + (2 * d + 3 * spec.d_ff) * tokens * 4
         work += 8 * (d * d + spec.d_ff * spec.d_ff) if hessians else 0  # float64 input Hessians
-    else:  # its FFN and the weight statistics' float64 temporaries, its calibration inputs, one batch observed
-        work = 3 * ffn + calib_tokens * d * 4 + 8 * batch_tokens * spec.d_ff * 4
+    else:  # its FFN and the tensors it is loaded from, its calibration inputs, one batch observed
+        work = 2 * ffn + calib_tokens * d * 4 + 8 * batch_tokens * spec.d_ff * 4
     calibration, evaluation = calib_tokens * d * 4, streams * eval_tokens * d * 4
     batch = batch_tokens * d * 4 * 3  # a batch read, its output, the layer's temporaries
     blocks = {layer.name.rsplit(".", 1)[0] + ".": 0 for layer in info.layers}  # model.layers.3.: the FFN's parent
@@ -123,9 +123,10 @@ def plan_memory(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_layer
                 blocks[prefix] += math.prod(weights.shape(name))
     layer = max(blocks.values()) * 4 or info.n_params_total * 4 // info.n_layers  # the largest, in float32
     vocab = vocab_size * d * 4  # one vocabulary matrix: the embedding, or the head
-    # the largest stage: the embedding (and its checkpoint copy while read), one layer with its FFN inputs, the
-    # layer's consumer (the layer itself offloaded meanwhile), the head with a batch's logits (doubled in float64)
-    stages = max(vocab * 3 // 2 + batch, layer + tokens * d * 4 + batch, work, vocab + 6 * batch_tokens * vocab_size * 4)
+    # the largest stage: the embedding (and a chunk of it read), one layer with its FFN inputs, the layer's consumer
+    # (the layer itself offloaded meanwhile), the head with a batch's logits (doubled in float64)
+    stages = max(vocab + min(vocab // 2, _READ_BYTES) + batch, layer + tokens * d * 4 + batch, work,
+                 vocab + 6 * batch_tokens * vocab_size * 4)
     streamed = base + stages + calibration + evaluation
     spilled = base + stages
     captured = n_layers * tokens * d * 4 if task == "quantize" else 0
