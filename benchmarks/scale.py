@@ -276,17 +276,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _verdict(res: dict) -> str:
-    """The issue's target (peak RSS at most 25% of the checkpoint's bytes) against the full-depth runs, in words."""
+    """The issue's target (peak RSS at most 25% of the checkpoint's bytes) against the full-depth runs, in words,
+    and what the peak is made of (the layer-0 traces say where it is reached)."""
     full = max(r["layers"] for r in res["runs"])
     rows = [r for r in res["runs"] if r["layers"] == full and r["seconds_per_layer"] is not None]
     shares = ", ".join(f"{r['task']} {100 * r['rss_share']:.1f}%" for r in rows)
     met = all(r["rss_share"] <= 0.25 for r in rows)
+    gap = max((abs(r["peak_rss_bytes"] - h["peak_rss_bytes"]) for r in rows for h in res["runs"]
+               if h["task"] == r["task"] and h["layers"] != full), default=0)
+    m = res["model"]
+    ffn = 3 * m["hidden_size"] * m["intermediate_size"]
     return (f"Target, peak RSS at most 25% of the checkpoint's bytes at {full} layers: {shares}: "
             f"{'met' if met else 'missed'}. The peak is one decoder layer's work, not the model's: half the layers "
-            "peak within a few hundred MB of the full depth, and between layers the process holds about 0.5 GB "
-            "(the traces below). At this FFN width (75M parameters per FFN, 0.3 GB in float32) that work is "
-            "ffnquant's float32 reference copies of the layer's FFN: the observers' float64 statistics of its "
-            "weights in profile, the quantized and per-site sensitivity copies in quantize.")
+            f"peak within {human_bytes(gap)} of the full depth, and between layers the process holds about 0.5 GB "
+            "(the traces below), most of it Python, torch and transformers' modelling code. At this FFN width "
+            f"({ffn / 1e6:.0f}M parameters per FFN, {human_bytes(4 * ffn)} in float32) that work is, in profile, the "
+            "FFN loaded beside the float32 tensors it is built from (hf.checkpoint) and its weights observed 16 MB at "
+            "a time; in quantize, the float FFN, its quantized copy and the fake quantization's temporaries of one "
+            "weight (fakequant.quantize_model: about three of the weight's size), the per-site sensitivity "
+            "requantizing one weight at a time in the float FFN itself.")
 
 
 def _markdown(res: dict) -> str:
