@@ -309,3 +309,18 @@ def test_int8_groups_pad_the_width():
     assert wq.shape == w.shape and scale.shape == (16, 2, 1)
     step = scale.repeat_interleave(64, dim=1)[:, :96, 0]
     assert ((w - wq).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("scale_shape", [(), (16, 1), (16, 4, 1)], ids=["per-tensor", "per-channel", "per-group"])
+def test_fake_quantize_in_place_is_bit_identical_and_leaves_its_input(scale_shape):
+    """The in-place path (one temporary) computes exactly what the chained operations (the autograd path) do."""
+    from ffnquant.primitives import fake_quantize
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 4, 8, generator=g) if len(scale_shape) == 3 else torch.randn(16, 32, generator=g)
+    scale = torch.rand(scale_shape, generator=g) * 0.05 + 0.01
+    zp = torch.randint(0, 255, scale_shape, generator=g)
+    before = x.clone()
+    fast = fake_quantize(x, scale, zp, 0, 255)
+    chained = fake_quantize(x.clone().requires_grad_(), scale, zp, 0, 255)
+    assert torch.equal(fast, chained.detach()) and torch.equal(x, before)
