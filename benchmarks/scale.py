@@ -292,8 +292,8 @@ def _verdict(res: dict) -> str:
             "(the traces below), most of it Python, torch and transformers' modelling code. At this FFN width "
             f"({ffn / 1e6:.0f}M parameters per FFN, {human_bytes(4 * ffn)} in float32) that work is, in profile, the "
             "FFN loaded beside the float32 tensors it is built from (hf.checkpoint) and its weights observed 16 MB at "
-            "a time; in quantize, the float FFN, its quantized copy and the fake quantization's temporaries of one "
-            "weight (fakequant.quantize_model: about three of the weight's size), the per-site sensitivity "
+            "a time; in quantize, the float FFN, its quantized copy and the fake quantization's temporary of one "
+            "weight (primitives.fake_quantize works in place on one weight-sized tensor), the per-site sensitivity "
             "requantizing one weight at a time in the float FFN itself.")
 
 
