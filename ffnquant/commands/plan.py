@@ -78,18 +78,19 @@ def run(args: argparse.Namespace) -> int:
     read_text(args.text, "calibration")
     read_text(args.eval_text, "evaluation")
     settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens, ablation=False)
-    calib = token_batches_of(info, args.text, "calibration", settings, args.calib_tokens)
-    evals = token_batches_of(info, args.eval_text, "evaluation", settings, args.eval_tokens)
-    need = check_plan_memory(info, args.max_memory, calib_tokens=sum(int(b.numel()) for b in calib),
-                             eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
-                             batch_tokens=int(calib[0].numel()))
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
-    limit = memory_limit(args.max_memory)
-    print(f"memory: the whole model (plans do not stream); estimated peak {human_bytes(need['total'])}"
-          + (f" of {human_bytes(limit)}" if limit is not None else ""))
     bars = StageBars(enabled=not args.no_progress)
     with executor_from_args(args) as executor, OutputTransaction() as tx:
         out = tx.folder(args.out)
+        # refused with the numbers before any work when the whole model would not fit (plans do not stream)
+        calib = token_batches_of(info, args.text, "calibration", settings, args.calib_tokens)
+        evals = token_batches_of(info, args.eval_text, "evaluation", settings, args.eval_tokens)
+        need = check_plan_memory(info, args.max_memory, calib_tokens=sum(int(b.numel()) for b in calib),
+                                 eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
+                                 batch_tokens=int(calib[0].numel()))
+        limit = memory_limit(args.max_memory)
+        print(f"memory: the whole model (plans do not stream); estimated peak {human_bytes(need['total'])}"
+              + (f" of {human_bytes(limit)}" if limit is not None else ""))
         try:
             plan, result = make_plan(info, target, objective, args.candidates, text=args.text, eval_text=args.eval_text,
                                      settings=settings, probe_tokens=args.probe_tokens, max_rounds=args.rounds,
