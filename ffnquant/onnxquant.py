@@ -44,7 +44,6 @@ __all__ = [
     "write_artifact",
     "ort_default_static",
     "ort_session",
-    "int8_activations",
     "run_onnx",
     "ort_latency_ms",
 ]
@@ -431,13 +430,6 @@ def ort_session(path: str | os.PathLike, threads: int | None = None, exact_weigh
     if session.get_providers()[0] != "CPUExecutionProvider":
         raise FFNQuantError(f"{path}: expected the CPU provider, got {session.get_providers()}")
     return session
-
-
-def int8_activations(scheme: Scheme, qmodel: "QuantizedFFN") -> str | None:
-    """'uint8' | 'int8' when the artifact of `scheme` multiplies int8 activation codes (the kernels `ortcpu` probes)."""
-    if not scheme.act_dtype.is_integer or not qmodel.quantized_sites:
-        return None
-    return "int8" if scheme.act_dtype is ActDType.INT8 else "uint8"
 
 
 def run_onnx(path_or_session: Any, tokens: torch.Tensor, batch_size: int = 4096, dtype: str = "fp32") -> torch.Tensor:

@@ -12,7 +12,8 @@ whose products (at most 128 x 128) cannot overflow a 16-bit pair sum.
 setting that matters, and `session_entries()` is what ffnquant's sessions set from it: the int8-allowed
 entry where it turns a saturating int8 path into an exact one, nothing elsewhere. u8 activations on a
 saturating CPU have no such switch: their artifacts are measured as they run, and next to it their
-graph's exact value (`exact_session`: onnxruntime with graph optimizations off, DequantizeLinear in float).
+graph's exact value (`exact_session_options`: graph optimizations off, DequantizeLinear then a float MatMul).
+`saturating(graph)` names the activation dtypes of a graph that this CPU's kernels do not compute exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Int8Kernels", "int8_kernels", "session_entries", "exact_session_options", "cpu_flags", "qdq_matmul",
-           "graph_int8_activations"]
+           "graph_int8_activations", "saturating"]
 
 # The session entry that lets onnxruntime's QDQ fusion keep int8 activations on x86 (s8 x s8 kernel).
 INT8_ALLOWED = "session.qdqisint8allowed"
@@ -165,3 +166,12 @@ def graph_int8_activations(proto) -> set[str]:
             if to in names:
                 found.add(names[to])
     return found
+
+
+def saturating(graph) -> list[str]:
+    """The int8 activation dtypes of `graph` (an ONNX path or ModelProto) that ffnquant's CPU sessions do not compute
+    exactly on this machine (`int8_kernels`); empty where every int8 MatMul of the graph is exact here."""
+    import onnx
+
+    proto = graph if isinstance(graph, onnx.ModelProto) else onnx.load(str(graph), load_external_data=False)
+    return sorted(a for a in graph_int8_activations(proto) if not int8_kernels().exact(a))

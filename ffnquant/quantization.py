@@ -21,7 +21,7 @@ from . import onnxquant as OQ
 from .errors import FFNQuantError
 from .fakequant import QuantizedFFN, SiteRange, input_hessians, quantize_model, search_calibrators
 from .model import FFN
-from .ortcpu import int8_kernels
+from .ortcpu import int8_kernels, saturating
 from .recipe import Recipe, as_recipe
 from .schemes import Scheme, check_scheme_fits
 
@@ -407,7 +407,7 @@ def quantize_spec(
             sqnr_gap_db=onnx_acc.sqnr_db - acc.sqnr_db,
             provider="CPUExecutionProvider",
         )
-        art.update(_as_written(path, OQ.int8_activations(scheme, q) if kind == "qdq" else None, prep, ref))
+        art.update(_as_written(path, prep, ref))
         if kind == "qdq" and not q.quantized_sites:
             # what a default session does with a weight-only QDQ model (int8 activations on the fly)
             default = OQ.run_onnx(OQ.ort_session(path, exact_weight_only=False), prep.eval)
@@ -423,22 +423,23 @@ def quantize_spec(
             "path": str(bpath) if keep else None,
             "size_bytes": bpath.stat().st_size,
             "accuracy_onnx": b_acc.to_dict(),
-            **_as_written(bpath, "uint8", prep, ref),
+            **_as_written(bpath, prep, ref),
         }
         if latency:
             result.baseline["latency_ms"] = OQ.ort_latency_ms(bpath, d)
     return result
 
 
-def _as_written(path: Path, activation: str | None, prep: Prepared, ref: torch.Tensor) -> dict[str, Any]:
-    """Where this CPU's int8 kernel for `activation` saturates (ortcpu), the graph's own accuracy and why.
+def _as_written(path: Path, prep: Prepared, ref: torch.Tensor) -> dict[str, Any]:
+    """Where this CPU's int8 kernel for the artifact's activations saturates (`ortcpu.saturating`), the graph's own
+    accuracy and why.
 
     The artifact's `accuracy_onnx` is what runs here; `accuracy_onnx_graph` (onnxruntime with no integer
     kernel fused in) is what it computes on an exact kernel: VNNI CPUs, GPUs. Empty where the kernel is exact.
     """
     from .accuracy import accuracy_of
 
-    if activation is None or int8_kernels().exact(activation):
+    if not saturating(path):
         return {}
     exact = OQ.run_onnx(OQ.ort_session(path, as_written=True), prep.eval)
     return {"accuracy_onnx_graph": accuracy_of(ref, exact, prep.eval.shape[0]).to_dict(),

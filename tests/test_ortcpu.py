@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ffnquant.onnxquant import ort_session
-from ffnquant.ortcpu import INT8_ALLOWED, Int8Kernels, graph_int8_activations, int8_kernels, qdq_matmul, session_entries
+from ffnquant.ortcpu import INT8_ALLOWED, Int8Kernels, graph_int8_activations, int8_kernels, qdq_matmul, saturating, session_entries
 
 
 def _qdq_matmul(path, activation: str, k: int = 64, n: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -53,6 +53,9 @@ def test_graph_activation_dtypes_are_read_from_the_graph(tmp_path):
     _qdq_matmul(tmp_path / "s8.onnx", "int8")
     assert graph_int8_activations(onnx.load(str(tmp_path / "u8.onnx"))) == {"uint8"}
     assert graph_int8_activations(onnx.load(str(tmp_path / "s8.onnx"))) == {"int8"}
+    # saturating(): the graph's dtypes this CPU does not compute exactly, from a path or a loaded graph
+    assert saturating(tmp_path / "u8.onnx") == ([] if int8_kernels().u8_exact else ["uint8"])
+    assert saturating(onnx.load(str(tmp_path / "s8.onnx"))) == ([] if int8_kernels().s8_exact else ["int8"])
     # per-token inputs: codes cast to int8 and handed to MatMulInteger
     nodes = [helper.make_node("Cast", ["x"], ["c"], to=TensorProto.INT8),
              helper.make_node("MatMulInteger", ["c", "w"], ["y"])]

@@ -191,11 +191,9 @@ def score_graph(path: str | os.PathLike, planned: Any) -> dict[str, Any]:
 
     Where this CPU's int8 kernel for the graph's activations saturates (`ortcpu`), `onnx` is what ran and the
     bound is checked on `graph`: the same graph with no integer kernel fused in, what exact kernels compute."""
-    import onnx
-
     from ..hf import compare_models
     from ..onnxquant import ort_session
-    from ..ortcpu import graph_int8_activations, int8_kernels
+    from ..ortcpu import int8_kernels, saturating
 
     def figures(session) -> dict[str, Any]:
         def run(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,9 +204,7 @@ def score_graph(path: str | os.PathLike, planned: Any) -> dict[str, Any]:
 
     session = ort_session(path)
     out: dict[str, Any] = {"onnx": figures(session)}
-    saturating = sorted(a for a in graph_int8_activations(onnx.load(str(path), load_external_data=False))
-                        if not int8_kernels().exact(a))
-    if saturating:
+    if saturating(path):
         out["graph"] = figures(ort_session(path, as_written=True))
         out["int8_kernel"] = int8_kernels().describe()
     checked = out.get("graph", out["onnx"])

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import FFNQuantError
-from ..ortcpu import session_entries
+from ..ortcpu import int8_kernels, saturating, session_entries
 from .artifacts import onnx_artifact, onnx_weight_bytes
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
 
@@ -242,14 +242,9 @@ class OrtRuntime(Runtime):
         in_dtype = np.dtype(_NP_DTYPES[in_type]).name
         out_dtype = np.dtype(_NP_DTYPES[out_type]).name
         extra: dict[str, Any] = {"onnx_path": str(path)}
-        if self.provider_key == "cpu":
-            import onnx
-
-            from ..ortcpu import graph_int8_activations, int8_kernels
-
-            # a u8 artifact on an x86 CPU without VNNI runs a saturating kernel: say so beside its figures
-            if any(not int8_kernels().exact(a) for a in graph_int8_activations(onnx.load(str(path)))):
-                extra["int8_kernel"] = int8_kernels().describe()
+        # a u8 artifact on an x86 CPU without VNNI runs a saturating kernel: say so beside its figures
+        if self.provider_key == "cpu" and saturating(path):
+            extra["int8_kernel"] = int8_kernels().describe()
         return Loaded(
             runtime=self.name,
             case=case,
