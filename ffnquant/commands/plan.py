@@ -10,7 +10,7 @@ from pathlib import Path
 from ..atomic import OutputTransaction, write_json, write_text
 from ..render import fmt
 from .bench import add_executor_arguments, executor_from_args
-from .common import StageBars, add_text_arguments, memory_size, positive_int
+from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int
 
 NAME = "plan"
 HELP = "choose a recipe per FFN layer that meets an end-to-end target (ppl+1%, sqnr>=30) at the least latency or bytes, and verify it"
@@ -39,10 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(by default they are left out; measuring that floor takes a few seconds per layer)")
     add_executor_arguments(parser, "each layer's candidates sharing a preparation are one task, carrying the layer and "
                                    "its captured inputs; the plan is the same on every executor")
-    parser.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
-                        help="memory the run may use in all, e.g. 8GB (default: what the process holds plus what the "
-                             "machine has available); a plan holds the whole model in float32 and is refused up front "
-                             "when it would not fit")
+    add_memory_arguments(parser)
     parser.add_argument("--out", default="reports/plan", help="folder for plan.toml, plan.json, plan.md (default reports/plan)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     parser.add_argument("--allow-pickle", action="store_true", help="allow a pickle checkpoint (loaded weights-only)")
@@ -62,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
     from ..hf.capture import read_text, require_transformers
     from ..plan.candidates import candidate_recipes
     from ..hf.stream import token_batches_of
-    from ..plan.job import check_plan_memory, final_round, make_plan
+    from ..plan.job import final_round, make_plan
     from ..plan.sensitivity import check_plannable
+    from ..plan.streamed import plan_memory
     from ..plan.target import Objective, Target
     from ..report.plan import plan_markdown
-    from ..resources import human_bytes, memory_limit
 
     # every input error before any work: target, objective, model, candidates, texts
     target = Target.parse(args.target)
@@ -82,27 +79,26 @@ def run(args: argparse.Namespace) -> int:
     bars = StageBars(enabled=not args.no_progress)
     with executor_from_args(args) as executor, OutputTransaction() as tx:
         out = tx.folder(args.out)
-        # refused with the numbers before any work when the whole model would not fit (plans do not stream)
+        # the whole model, or a decoder layer at a time when it does not fit (or --sequential): refused with the
+        # numbers before any work when neither fits
         calib = token_batches_of(info, args.text, "calibration", settings, args.calib_tokens)
         evals = token_batches_of(info, args.eval_text, "evaluation", settings, args.eval_tokens)
-        need = check_plan_memory(info, args.max_memory, calib_tokens=sum(int(b.numel()) for b in calib),
-                                 eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
-                                 batch_tokens=int(calib[0].numel()))
-        limit = memory_limit(args.max_memory)
-        print(f"memory: the whole model (plans do not stream); estimated peak {human_bytes(need['total'])}"
-              + (f" of {human_bytes(limit)}" if limit is not None else ""))
+        memory = plan_memory(info, calib_tokens=sum(int(b.numel()) for b in calib),
+                             eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
+                             batch_tokens=int(calib[0].numel()), max_memory=args.max_memory, sequential=args.sequential)
+        print(f"memory: {memory.summary()}")
         try:
             plan, result = make_plan(info, target, objective, args.candidates, text=args.text, eval_text=args.eval_text,
                                      settings=settings, probe_tokens=args.probe_tokens, max_rounds=args.rounds,
-                                     ort_floor=not args.no_ort_floor,
-                                     allow_pickle=args.allow_pickle, progress=bars, executor=executor)
+                                     ort_floor=not args.no_ort_floor, allow_pickle=args.allow_pickle, progress=bars,
+                                     executor=executor, memory=memory)
         except BaseException:
             bars.close(ok=False)
             raise
         bars.close()
         result["command"] = command
         result["environment"] = environment()
-        result["memory_estimate_bytes"] = need
+        result["memory"] = memory.to_dict()
         from ..report.atlas import write_atlas
 
         atlas = result.pop("atlas")

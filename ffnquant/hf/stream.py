@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -37,7 +37,8 @@ from .capture import (
 from .checkpoint import ModelInfo, _Weights
 from .inputs import EvalSettings, fit_settings
 
-__all__ = ["MemoryPlan", "SequentialModel", "plan_memory", "streamable_reason", "token_batches_of"]
+__all__ = ["MemoryPlan", "SequentialModel", "choose_memory_plan", "largest_layer_bytes", "plan_memory",
+           "streamable_reason", "token_batches_of"]
 
 Progress = Callable[[str, int, int], None]
 # Python, torch and transformers' own memory beside the model: the modelling code imported on first use and
@@ -114,14 +115,7 @@ def plan_memory(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_layer
         work = 2 * ffn + calib_tokens * d * 4 + 8 * batch_tokens * spec.d_ff * 4
     calibration, evaluation = calib_tokens * d * 4, streams * eval_tokens * d * 4
     batch = batch_tokens * d * 4 * 3  # a batch read, its output, the layer's temporaries
-    blocks = {layer.name.rsplit(".", 1)[0] + ".": 0 for layer in info.layers}  # model.layers.3.: the FFN's parent
-    if info.weights_format == "safetensors":
-        weights = _Weights(info.path, False)
-        for name in weights.file_of:
-            prefix = next((p for p in blocks if name.startswith(p)), None)
-            if prefix is not None:
-                blocks[prefix] += math.prod(weights.shape(name))
-    layer = max(blocks.values()) * 4 or info.n_params_total * 4 // info.n_layers  # the largest, in float32
+    layer = largest_layer_bytes(info)
     vocab = vocab_size * d * 4  # one vocabulary matrix: the embedding, or the head
     # the largest stage: the embedding (and a chunk of it read), one layer with its FFN inputs, the layer's consumer
     # (the layer itself offloaded meanwhile), the head with a batch's logits (doubled in float64)
@@ -132,8 +126,41 @@ def plan_memory(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_layer
     captured = n_layers * tokens * d * 4 if task == "quantize" else 0
     in_memory = base + info.n_params_total * 4 + n_layers * ffn + captured + work + 6 * batch_tokens * vocab_size * 4
 
+    detail = (f"{human_bytes(layer)} for one decoder layer in float32, {human_bytes(work)} for its "
+              f"{'quantization' if task == 'quantize' else 'calibration'} on {calib_tokens:,}+{eval_tokens:,} tokens, "
+              f"{human_bytes(base)} runtime")
+    return choose_memory_plan(info, MemoryPlan(False, False, limit, in_memory, streamed, spilled, layer, calibration,
+                                               evaluation, ""), max_memory=max_memory, sequential=sequential,
+                              spill=spill, spill_dir=spill_dir, tokens_flag=tokens_flag, detail=detail,
+                              spill_bytes=calibration + evaluation + batch)
+
+
+def largest_layer_bytes(info: ModelInfo) -> int:
+    """The largest decoder layer's parameters in float32 (from the safetensors headers; else an average)."""
+    blocks = {layer.name.rsplit(".", 1)[0] + ".": 0 for layer in info.layers}  # model.layers.3.: the FFN's parent
+    if info.weights_format == "safetensors":
+        weights = _Weights(info.path, False)
+        for name in weights.file_of:
+            prefix = next((p for p in blocks if name.startswith(p)), None)
+            if prefix is not None:
+                blocks[prefix] += math.prod(weights.shape(name))
+    return max(blocks.values()) * 4 or info.n_params_total * 4 // info.n_layers
+
+
+def choose_memory_plan(info: ModelInfo, estimate: MemoryPlan, *, max_memory: int | None, sequential: bool | None,
+                       spill: bool | None, spill_dir: str | os.PathLike | None, tokens_flag: str, detail: str,
+                       spill_bytes: int) -> MemoryPlan:
+    """The mode `estimate`'s figures allow under its `limit`: the whole model when it fits (or `sequential` is
+    False), else layer by layer, with the hidden states (`spill_bytes` on disk) spilled when they do not fit or
+    `spill` is True. Raises a one-line FFNQuantError with the numbers (`detail`: what the spilled peak is made of)
+    and a suggestion when nothing fits."""
+    from dataclasses import replace
+
+    limit, in_memory, streamed, spilled = estimate.limit, estimate.in_memory, estimate.streamed, estimate.spilled
+    calibration, evaluation = estimate.calibration, estimate.evaluation
+
     def plan(seq: bool, spl: bool, reason: str) -> MemoryPlan:
-        return MemoryPlan(seq, spl, limit, in_memory, streamed, spilled, layer, calibration, evaluation, reason)
+        return replace(estimate, sequential=seq, spill=spl, reason=reason)
 
     why_not = streamable_reason(info)
     fits = limit is None or in_memory <= limit
@@ -152,14 +179,12 @@ def plan_memory(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_layer
     if limit is not None and spilled > limit:
         raise FFNQuantError(
             f"{info.path}: layer by layer this run needs about {human_bytes(spilled)} even with its hidden states "
-            f"({human_bytes(calibration)} calibration + {human_bytes(evaluation)} held-out: tokens x d_model {d} x 4 "
-            f"bytes) on disk: {human_bytes(layer)} for one decoder layer in float32, {human_bytes(work)} for its "
-            f"{'quantization' if task == 'quantize' else 'calibration'} on {calib_tokens:,}+{eval_tokens:,} tokens, "
-            f"{human_bytes(base)} runtime; over the {human_bytes(limit)} memory budget: pass fewer {tokens_flag} or "
-            "a larger --max-memory")
+            f"({human_bytes(calibration)} calibration + {human_bytes(evaluation)} held-out: tokens x d_model "
+            f"{info.spec.d_model} x 4 bytes) on disk: {detail}; over the {human_bytes(limit)} memory budget: pass "
+            f"fewer {tokens_flag} or a larger --max-memory")
     folder = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
     free = shutil.disk_usage(folder).free
-    if free < calibration + evaluation + batch:
+    if free < spill_bytes:
         raise FFNQuantError(
             f"{info.path}: the hidden states ({human_bytes(calibration)} calibration + {human_bytes(evaluation)} "
             f"held-out) fit neither the {human_bytes(limit)} memory budget (in memory the run needs about "
@@ -173,35 +198,45 @@ def plan_memory(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_layer
 
 
 class _Store:
-    """One stream's hidden states, a [batch, seq, d_model] tensor per batch, in memory or a file per batch."""
+    """One stream's tensors by key (a batch's hidden states [batch, seq, d_model], a layer's inputs), in memory or
+    a file per key."""
 
-    def __init__(self, folder: Path | None, name: str, items: Sequence[Any] = ()) -> None:
-        self.folder, self.name, self.items = folder, name, list(items)
+    def __init__(self, folder: Path | None, name: str, items: Mapping[int, Any] | None = None) -> None:
+        self.folder, self.name, self.items = folder, name, dict(items or {})
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def get(self, b: int) -> torch.Tensor:
-        item = self.items[b]
+    def get(self, key: int) -> torch.Tensor:
+        item = self.items[key]
         return torch.load(item, weights_only=True) if isinstance(item, Path) else item
 
-    def put(self, b: int, x: torch.Tensor) -> None:
+    def put(self, key: int, x: torch.Tensor) -> None:
         if self.folder is not None:
-            path = self.folder / f"{self.name}.{b}.pt"
+            path = self.folder / f"{self.name}.{key}.pt"
             torch.save(x, path)
             x = path
-        if b == len(self.items):
-            self.items.append(x)
-        else:
-            self.items[b] = x
+        self.items[key] = x
 
-    def copy(self, name: str) -> "_Store":
-        """A new stream starting from these hidden states (tensors are shared until replaced; files copied)."""
+    def pop(self, key: int) -> None:
+        """The tensor of `key` dropped (its file deleted)."""
+        item = self.items.pop(key)
+        if isinstance(item, Path):
+            item.unlink()
+
+    def clear(self) -> None:
+        for key in list(self.items):
+            self.pop(key)
+
+    def copy(self, name: str, keys: Sequence[int] | None = None) -> "_Store":
+        """A new stream starting from these tensors (those of `keys`, default all): shared until replaced in
+        memory, files copied on disk."""
+        keys = list(self.items) if keys is None else list(keys)
         if self.folder is None:
-            return _Store(None, name, self.items)
+            return _Store(None, name, {k: self.items[k] for k in keys})
         out = _Store(self.folder, name)
-        for b in range(len(self)):
-            out.put(b, self.get(b))
+        for k in keys:
+            out.put(k, self.get(k))
         return out
 
 
@@ -414,7 +449,7 @@ class SequentialModel:
             if capture is not None else contextlib.nullcontext()
         swap = install_ffns(self.model, self.info, {layer: ffn}) if ffn is not None else contextlib.nullcontext()
         with hooks, swap, torch.no_grad():
-            for b in range(len(store)):
+            for b in sorted(store.items):
                 args, kwargs = calls[b][j]
                 out = block(store.get(b), *args, **kwargs)
                 store.put(b, out[0] if isinstance(out, tuple) else out)
@@ -423,6 +458,20 @@ class SequentialModel:
         """(final hidden state, logits) of one batch's last decoder layer output, from the model's own forward
         (final norm, LM head; onloaded on the first call): what `hf.metrics._run` reads as hidden_states[-1] (the
         base model's last_hidden_state) and logits."""
+        with torch.no_grad():
+            return self._head(hidden)
+
+    def head_grad(self, hidden: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor]):
+        """`head_out` of one batch with the gradient of `loss(logits)` (a scalar) with respect to `hidden`:
+        (final hidden state, logits, loss value, gradient), all detached."""
+        x = hidden.detach().requires_grad_(True)
+        with torch.enable_grad():
+            final, logits = self._head(x)
+            value = loss(logits)
+            (grad,) = torch.autograd.grad(value, [x])
+        return final.detach(), logits.detach(), float(value.detach()), grad
+
+    def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.head.weight.is_meta:
             self.onload(self.embedding if self.tied else self.head)
             self.head.weight = self.embedding.weight if self.tied else self.head.weight
@@ -431,7 +480,7 @@ class SequentialModel:
         handle = self.base.register_forward_hook(
             lambda module, args, out: got.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
         try:
-            with self._stand_ins([_StandIn(None, hidden if i == 0 else None) for i in range(n)]), torch.no_grad():
+            with self._stand_ins([_StandIn(None, hidden if i == 0 else None) for i in range(n)]):
                 # inputs_embeds only give the forward its shapes: the first stand-in returns `hidden`
                 logits = self.model(inputs_embeds=torch.zeros_like(hidden)).logits
         finally:

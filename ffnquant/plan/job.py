@@ -17,13 +17,18 @@
    the overshoot (or halfway back to the last budget that met) and repeat; if it meets it and the search text
    shows the plan spending well under the budget (the additive prediction is first order), allow more.
    The plan is the cheapest round that met the target on the held-out text.
+
+Where the model runs: the whole model loaded (`_InMemory`, below), or a decoder layer at a time (`plan.streamed`:
+the gradients by a layer-by-layer backward pass, the probes' ablations and each verification round as streams).
+Both hand the same tensors to the same steps here, so the plan and every figure are the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -35,11 +40,13 @@ from .search import Option, pareto, solve
 from .sensitivity import SuffixRunner, check_plannable, fisher_noise, output_gradients
 from .target import Objective, Target
 
-__all__ = ["PROBES", "final_round", "make_plan", "next_safety", "plan_memory_needed", "check_plan_memory"]
+__all__ = ["PROBES", "final_round", "make_plan", "next_safety"]
 
 Progress = Callable[[str, int, int], None]
 # Measured per layer to fit the prediction's scale: a mild and a strong error, both common choices.
 PROBES = ("w8a8-dynamic-s8", "w4a16-g128")
+# A verification round where every layer stays float: nothing to measure.
+_UNCHANGED = {"hidden_sqnr_db": 200.0, "hidden_cosine": 1.0, "perplexity_delta": 0.0, "perplexity_ratio": 1.0}
 
 
 def final_round(result: dict[str, Any]) -> dict[str, Any]:
@@ -66,50 +73,6 @@ def next_safety(safety: float, met: bool, spent: float | None, spent_search: flo
     return safety * (min(0.7, budget / spent) if spent and spent > 0 else 0.5)
 
 
-def plan_memory_needed(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: int,
-                       batch_tokens: int) -> dict[str, int]:
-    """Bytes `make_plan` holds at its peak, by part, and their `total`: it keeps the whole model in float32 (its
-    gradients and ablations run the whole model; plans do not stream layer by layer). Measured against
-    a 110M-parameter Llama (d_model 1024, d_ff 2816, 4 layers, vocabulary 32,000) at 512+512 tokens: estimate
-    2.0 GB, peak RSS 1.93 GB."""
-    from ..hf.stream import _RUNTIME_BYTES
-    from ..resources import process_rss
-
-    spec, n = info.spec, info.n_layers
-    d, vocab = spec.d_model, int(info.config.get("vocab_size") or 0)
-    parts = {
-        "runtime": process_rss() + _RUNTIME_BYTES,
-        "model": info.n_params_total * 4,
-        # each FFN loaded on its own for scoring, and the verification rounds' quantized copies
-        "ffn_copies": 2 * n * spec.n_params * 4,
-        # every layer's FFN inputs (search + held-out), the loss gradient at its output, the probes' block outputs
-        "hidden_states": n * (2 * calib_tokens + eval_tokens + probe_tokens) * d * 4,
-        # the probes' next-token log-probabilities, one batch's logits in float32 and float64 and their gradient
-        "vocabulary": (probe_tokens + 4 * batch_tokens) * vocab * 4,
-        # one batch's activations kept for the backward pass through every block
-        "backward": batch_tokens * n * (8 * d + 4 * spec.d_ff) * 4,
-    }
-    parts["total"] = sum(parts.values())
-    return parts
-
-
-def check_plan_memory(info: Any, max_memory: int | None, **tokens: int) -> dict[str, int]:
-    """`plan_memory_needed`, refused up front in one line with the numbers when it exceeds `max_memory` (default:
-    what this process holds plus what the machine has available)."""
-    from ..resources import human_bytes, memory_limit
-
-    need = plan_memory_needed(info, **tokens)
-    limit = memory_limit(max_memory)
-    if limit is not None and need["total"] > limit:
-        big = ", ".join(f"{k.replace('_', ' ')} {human_bytes(v)}" for k, v in need.items() if k != "total")
-        raise FFNQuantError(
-            f"{info.path}: plan holds the whole model in float32 (its loss gradients and ablations run the whole "
-            f"model) and needs about {human_bytes(need['total'])} ({big}), over the {human_bytes(limit)} memory "
-            f"budget: pass fewer --calib-tokens/--eval-tokens/--probe-tokens, a larger --max-memory, or plan on a "
-            f"machine with more memory (profile and quantize --model stream layer by layer)")
-    return need
-
-
 def _fit(points: Sequence[tuple[float, float]]) -> float:
     """Least-squares slope through the origin of measured against predicted (>= 0)."""
     num = sum(m * p for p, m in points)
@@ -117,11 +80,96 @@ def _fit(points: Sequence[tuple[float, float]]) -> float:
     return max(0.0, num / den) if den > 0 else 0.0
 
 
-def _ort_floor(layer: Any, calib: torch.Tensor, held: torch.Tensor, recipes: Sequence[Recipe], rows: list[dict[str, Any]],
-               settings: Any):
+class _InMemory:
+    """The whole model loaded: every FFN's inputs captured at once, the gradients by one backward pass per batch,
+    the probes ablated by `SuffixRunner` as they come, each verification round by `end_to_end` (the quantized
+    layers cached across rounds). The scoring tasks of every layer are handed to the executor at once."""
+
+    def __init__(self, info: Any, settings: Any, text: Any, eval_text: Any, probe_tokens: int, allow_pickle: bool,
+                 progress: Progress | None, timings: dict[str, float]) -> None:
+        from ..hf import load_ffn_layers
+        from ..hf.evaluate import float_baseline
+        from ..hf.inputs import capture_layer_inputs
+
+        self.info, self.settings = info, settings
+        self.layers = load_ffn_layers(info, "all", allow_pickle=allow_pickle)
+        t = time.perf_counter()
+        self.inputs = inputs = capture_layer_inputs(
+            info, self.layers, text=text, eval_text=eval_text, calib_tokens=settings.max_calib_tokens,
+            eval_tokens=settings.max_eval_tokens, settings=settings, allow_pickle=allow_pickle, progress=progress)
+        self.model = inputs.model
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        timings["capture_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if progress is not None:
+            progress("loss gradients at every FFN output (search text)", 0, 1)
+        self.grads = output_gradients(self.model, info, [l.info for l in self.layers], inputs.calib_batches)
+        timings["gradients_s"] = time.perf_counter() - t
+        probe_batches, self.n_probe = [], 0
+        for ids in inputs.calib_batches:  # the probes run on the first `probe_tokens` of the search text
+            if self.n_probe >= probe_tokens:
+                break
+            probe_batches.append(ids)
+            self.n_probe += int(ids.numel())
+        self.runner = SuffixRunner(self.model, info, [l.info for l in self.layers], probe_batches).record()
+        self.ablations: dict[tuple[int, str], Any] = {}
+        self.texts = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
+                      "token_budgets": inputs.budgets}
+        self.baseline = float_baseline(self.model, info, inputs.eval_batches)
+        self.search_baseline = float_baseline(self.model, info, inputs.calib_batches)
+        self._cache: dict[tuple[int, str], Any] = {}
+
+    def groups(self):
+        """The layers to score, (layer, search inputs, held-out inputs, loss gradients) each: all in one group."""
+        yield [(layer, self.inputs.calib[layer.label], self.inputs.eval[layer.label], self.grads[layer.label])
+               for layer in self.layers]
+
+    def ablate(self, layer: Any, name: str, ffn: Any) -> None:
+        self.ablations[(layer.index, name)] = self.runner.ablate(layer.index, ffn)
+
+    def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> tuple[dict, dict]:
+        """The end-to-end figures (search text, held-out text) of the layers quantized as `chosen` ({index: name})."""
+        from ..hf.evaluate import end_to_end
+
+        by_index = {layer.index: layer for layer in self.layers}
+        qffns = {}
+        for i, name in chosen.items():
+            if name == "fp32":
+                continue
+            layer = by_index[i]
+            if (i, name) not in self._cache:
+                self._cache[(i, name)] = quantize_layer(layer, by_name[name], self.inputs.calib[layer.label],
+                                                        self.inputs.eval[layer.label], bins=self.settings.bins)[0]
+            qffns[layer.label] = self._cache[(i, name)]
+        args = (self.model, self.info, self.layers, qffns)
+        return (end_to_end(*args, self.inputs.calib_batches, self.settings, self.search_baseline)["end_to_end"],
+                end_to_end(*args, self.inputs.eval_batches, self.settings, self.baseline)["end_to_end"])
+
+
+def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], probes: Sequence[Recipe], bins: Any):
+    """Each (layer, calib, held, grad) of `group` scored as executor tasks (one per layer and remedy set); yields
+    (position in the group, scores in recipe order, {probe recipe: QuantizedFFN}) as each layer's tasks are in."""
+    tasks, owner = [], []
+    for k, (layer, calib, held, grad) in enumerate(group):
+        part = score_tasks(executor, layer, scored, calib, held, grad, keep=probes, bins=bins)
+        tasks += part
+        owner += [k] * len(part)
+    waiting = {k: owner.count(k) for k in range(len(group))}
+    parts: dict[int, dict[int, Any]] = {k: {} for k in range(len(group))}
+    for i, result in executor.as_completed(run_score_task, tasks):
+        k = owner[i]
+        parts[k][i] = result
+        if len(parts[k]) < waiting[k]:
+            continue
+        scores = [s for j in sorted(parts[k]) for s in parts[k][j][0]]
+        kept = {p: q for j in sorted(parts[k]) for p, q in parts[k].pop(j)[1].items()}
+        yield k, scores, {r: kept[r] for r in scored if r in kept}
+
+
+def _ort_best(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any) -> dict[str, Any] | None:
     """onnxruntime's best own quantizer of this layer (quantize_static MinMax / Percentile / Entropy and
-    quantize_dynamic, on the same calibration and held-out inputs); every static int8 candidate whose held-out
-    layer SQNR falls below it is excluded: a user would do better with onnxruntime's quantizer alone."""
+    quantize_dynamic, on the same calibration and held-out inputs): {method, sqnr_db, methods}, or None."""
     import tempfile
     from pathlib import Path
 
@@ -139,6 +187,15 @@ def _ort_floor(layer: Any, calib: torch.Tensor, held: torch.Tensor, recipes: Seq
     best = res.get("best")
     if not best:
         return None
+    return {"method": best["method"], "sqnr_db": best["sqnr_db"],
+            "methods": {m: v.get("sqnr_db") for m, v in res["methods"].items()}}
+
+
+def _ort_exclude(best: dict[str, Any] | None, recipes: Sequence[Recipe], rows: list[dict[str, Any]]) -> None:
+    """Every static int8 candidate whose held-out layer SQNR falls below onnxruntime's best own quantizer on the
+    layer is excluded: a user would do better with onnxruntime's quantizer alone."""
+    if best is None:
+        return
     for recipe, row in zip(recipes, rows):
         if row.get("error") is not None or "excluded" in row:
             continue
@@ -146,34 +203,47 @@ def _ort_floor(layer: Any, calib: torch.Tensor, held: torch.Tensor, recipes: Seq
         if scheme.static_activations and scheme.act_dtype.is_integer and row["layer_sqnr_db"] < best["sqnr_db"]:
             row["excluded"] = (f"below onnxruntime's best own quantizer on this layer ({row['layer_sqnr_db']:.1f} dB < "
                                f"{best['sqnr_db']:.1f} dB, {best['method']})")
-    return {"method": best["method"], "sqnr_db": best["sqnr_db"],
-            "methods": {m: v.get("sqnr_db") for m, v in res["methods"].items()}}
 
 
-def _finish_layer(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], recipes: Sequence[Recipe], inputs: Any,
-                  grads: dict[str, torch.Tensor], runner: Any, n_probe: int, latency: dict[str, dict[str, Any]],
-                  objective: Objective, settings: Any, with_ort_floor: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One layer's rows from its scores: the probes ablated on the whole model, the per-layer fit (kappa, rho),
-    each candidate's predicted damage and cost, the onnxruntime floor; (the layer's entry, its probe fit points)."""
-    calib, held = inputs.calib[layer.label], inputs.eval[layer.label]
-    by_recipe = {s.recipe: s for s in scores}
-    probe_rows = []
+def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], calib: torch.Tensor, held: torch.Tensor,
+                 grad: torch.Tensor, n_probe: int, source: Any, settings: Any, with_ort_floor: bool) -> dict[str, Any]:
+    """What one layer's own inputs give, while they are at hand: its scores, each probe's gradient-weighted error
+    and noise on the probe tokens (its ablation handed to `source`), the onnxruntime floor, its range table."""
+    from ..hf.evaluate import calibrate_layers
+
+    probes = []
     for p, q in kept.items():
-        abl = runner.ablate(layer.index, q)
+        source.ablate(layer, str(p), q)
         # the same prediction restricted to the probe tokens, which lead the search tokens
         with torch.no_grad():
             x = calib[:n_probe]
             ref, got = layer.ffn(x), q(x)
-        fisher = fisher_noise(grads[layer.label][:n_probe], ref, got) / max(1, x.shape[0])
-        energy = float((got.double() - ref.double()).square().sum())
-        probe_rows.append({"recipe": str(p), "kl": abl.kl, "nll_delta": abl.nll_delta, "hidden_nsr": abl.hidden_nsr,
-                           "fisher_per_token": fisher, "noise": energy,
+        probes.append({"recipe": str(p), "fisher_per_token": fisher_noise(grad[:n_probe], ref, got) / max(1, x.shape[0]),
+                       "noise": float((got.double() - ref.double()).square().sum())})
+    ort = _ort_best(layer, calib, held, settings) if with_ort_floor else None
+    t = time.perf_counter()
+    chunks = ({layer.label: calib[i : i + 1024]} for i in range(0, calib.shape[0], 1024))
+    table = calibrate_layers([layer], chunks, settings.bins)[0][layer.label]
+    return {"index": layer.index, "label": layer.label, "scores": scores, "probes": probes, "ort_best": ort,
+            "n_search": calib.shape[0], "table": table, "atlas_s": time.perf_counter() - t}
+
+
+def _finish_layer(local: dict[str, Any], ablations: Mapping[tuple[int, str], Any], recipes: Sequence[Recipe],
+                  latency: dict[str, dict[str, Any]], objective: Objective) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One layer's rows: the per-layer fit (kappa, rho) on its probes' ablations, each candidate's predicted
+    damage and cost, the onnxruntime floor; (the layer's entry, its probe fit points)."""
+    probe_rows = []
+    for r in local["probes"]:
+        abl = ablations[(local["index"], r["recipe"])]
+        probe_rows.append({"recipe": r["recipe"], "kl": abl.kl, "nll_delta": abl.nll_delta, "hidden_nsr": abl.hidden_nsr,
+                           "fisher_per_token": r["fisher_per_token"], "noise": r["noise"],
                            "hidden_signal_per_token": abl.hidden_signal / max(1, abl.tokens),
                            "hidden_noise": abl.hidden_noise})
     kappa = _fit([(r["fisher_per_token"], r["kl"]) for r in probe_rows])
     rho = _fit([(r["noise"], r["hidden_noise"]) for r in probe_rows])
     signal = sum(r["hidden_signal_per_token"] for r in probe_rows) / max(1, len(probe_rows))
-    n_search = calib.shape[0]
+    n_search = local["n_search"]
+    by_recipe = {s.recipe: s for s in local["scores"]}
     rows = []
     for recipe in recipes:
         s = by_recipe[str(recipe)]
@@ -193,10 +263,10 @@ def _finish_layer(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], re
     fit_points = []
     for r in probe_rows:
         r["predicted_kl"] = kappa * r["fisher_per_token"]
-        fit_points.append({"layer": layer.index, **r})
-    ort = _ort_floor(layer, calib, held, recipes, rows, settings) if with_ort_floor else None
-    return {"label": layer.label, "kappa": kappa, "rho": rho, "probes": probe_rows, "candidates": rows,
-            "ort_best": ort}, fit_points
+        fit_points.append({"layer": local["index"], **r})
+    _ort_exclude(local["ort_best"], recipes, rows)
+    return {"label": local["label"], "kappa": kappa, "rho": rho, "probes": probe_rows, "candidates": rows,
+            "ort_best": local["ort_best"]}, fit_points
 
 
 def make_plan(
@@ -213,15 +283,17 @@ def make_plan(
     allow_pickle: bool = False,
     progress: Progress | None = None,
     executor: Any = None,
+    memory: Any = None,
 ) -> tuple[Plan, dict[str, Any]]:
     """Plan every FFN layer of a causal LM for `target` at the least `objective`; returns (Plan, JSON-able result).
 
-    The candidates are scored as tasks of `executor` (default: in this process); the plan does not depend on it."""
+    The candidates are scored as tasks of `executor` (default: in this process); `memory` (an
+    `hf.stream.MemoryPlan`, e.g. from `plan.streamed.plan_memory`) streams the model a decoder layer at a time
+    when its `sequential` is set, its hidden states on disk with `spill`. The plan depends on neither."""
     from ..executor import LocalExecutor
-    from ..hf import inspect_model, load_ffn_layers
-    from ..hf.evaluate import end_to_end, float_baseline
-    from ..hf.inputs import EvalSettings, capture_layer_inputs, fit_settings
-    from .latency_table import measure_latency_table
+    from ..hf import inspect_model
+    from ..hf.inputs import EvalSettings, fit_settings
+    from .streamed import StreamedPlanModel
 
     t_start = time.perf_counter()
     executor = executor if executor is not None else LocalExecutor()
@@ -235,72 +307,53 @@ def make_plan(
     for p in probes:
         if p not in recipes:
             p.check_fits(info.spec)
-    layers = load_ffn_layers(info, "all", allow_pickle=allow_pickle)
     settings = fit_settings(info, settings or EvalSettings(ablation=False))
     timings: dict[str, float] = {}
+    streamed = memory is not None and memory.sequential
+    with contextlib.ExitStack() as stack:
+        if streamed:
+            source = stack.enter_context(StreamedPlanModel(info, settings, text, eval_text, probe_tokens, memory.spill,
+                                                           progress, timings))
+        else:
+            source = _InMemory(info, settings, text, eval_text, probe_tokens, allow_pickle, progress, timings)
+        plan, result = _search_and_verify(source, info, target, objective, recipes, skipped, probes, settings,
+                                          max_rounds, ort_floor, executor, tick, progress, timings)
+    result["timings"]["total_s"] = time.perf_counter() - t_start
+    result["streamed"] = bool(streamed)
+    return plan, result
 
-    t = time.perf_counter()
-    inputs = capture_layer_inputs(info, layers, text=text, eval_text=eval_text, calib_tokens=settings.max_calib_tokens,
-                                  eval_tokens=settings.max_eval_tokens, settings=settings, allow_pickle=allow_pickle,
-                                  progress=progress)
-    model = inputs.model
-    for p in model.parameters():
-        p.requires_grad_(False)
-    timings["capture_s"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    tick("loss gradients at every FFN output (search text)", 0, 1)
-    grads = output_gradients(model, info, [l.info for l in layers], inputs.calib_batches)
-    timings["gradients_s"] = time.perf_counter() - t
-
-    probe_batches, n_probe = [], 0
-    for ids in inputs.calib_batches:  # the probes run on the first `probe_tokens` of the search text
-        if n_probe >= probe_tokens:
-            break
-        probe_batches.append(ids)
-        n_probe += int(ids.numel())
-    runner = SuffixRunner(model, info, [l.info for l in layers], probe_batches).record()
+def _search_and_verify(source, info, target, objective, recipes, skipped, probes, settings, max_rounds, ort_floor,
+                       executor, tick, progress, timings):
+    """`make_plan` from its inputs at hand (`source`: in memory or streamed): steps 3-7 of the module docstring."""
+    from ..atlas import layer_atlas
+    from .latency_table import measure_latency_table
 
     latency: dict[str, dict[str, Any]] = {}
-    if objective.kind == "latency":
-        t = time.perf_counter()
-        first = layers[0]
-        latency = measure_latency_table(first, recipes, inputs.calib[first.label], inputs.eval[first.label],
-                                        tokens=objective.tokens, progress=progress)
-        timings["latency_table_s"] = time.perf_counter() - t
-
     t = time.perf_counter()
     # the onnxruntime floor applies to static int8 candidates only: without any, it is not measured
     any_static = any(r.resolve().static_activations and r.resolve().act_dtype.is_integer for r in recipes)
+    scored = list(dict.fromkeys(recipes + probes))
+    local: dict[int, dict[str, Any]] = {}
+    n_layers = info.n_layers
+    for group in source.groups():
+        if objective.kind == "latency" and not latency:  # measured on the first layer, at the model's shape
+            t_lat = time.perf_counter()
+            first, calib, held, _ = group[0]
+            latency = measure_latency_table(first, recipes, calib, held, tokens=objective.tokens, progress=progress)
+            timings["latency_table_s"] = time.perf_counter() - t_lat
+        # each layer is finished as soon as its tasks are in, so its quantized probes are freed early
+        for k, scores, kept in _scored(executor, group, scored, probes, settings.bins):
+            layer, calib, held, grad = group[k]
+            local[layer.index] = _layer_local(layer, scores, kept, calib, held, grad, source.n_probe, source,
+                                              settings, ort_floor and any_static)
+            tick(f"candidates: {layer.label}", len(local), n_layers)
     per_layer: dict[int, dict[str, Any]] = {}
     fits: dict[int, list[dict[str, Any]]] = {}
-    scored = list(dict.fromkeys(recipes + probes))
-    # the scoring as tasks (one per layer and remedy set); each layer is finished here (probe ablations need
-    # the whole model) as soon as its tasks are in, so its quantized probes are freed early
-    tasks, owner = [], []
-    for k, layer in enumerate(layers):
-        group = score_tasks(executor, layer, scored, inputs.calib[layer.label], inputs.eval[layer.label],
-                            grads[layer.label], keep=probes, bins=settings.bins)
-        tasks += group
-        owner += [k] * len(group)
-    waiting = {k: owner.count(k) for k in range(len(layers))}
-    parts: dict[int, dict[int, Any]] = {k: {} for k in range(len(layers))}
-    for i, result in executor.as_completed(run_score_task, tasks):
-        k = owner[i]
-        parts[k][i] = result
-        if len(parts[k]) < waiting[k]:
-            continue
-        scores = [s for j in sorted(parts[k]) for s in parts[k][j][0]]
-        kept = {p: q for j in sorted(parts[k]) for p, q in parts[k].pop(j)[1].items()}
-        layer = layers[k]
-        per_layer[layer.index], fits[layer.index] = _finish_layer(
-            layer, scores, {r: kept[r] for r in scored if r in kept}, recipes, inputs, grads, runner, n_probe, latency,
-            objective, settings, ort_floor and any_static)
-        tick(f"candidates: {layer.label}", len(per_layer), len(layers))
-    # in layer order, whatever order the tasks finished in
-    per_layer = {layer.index: per_layer[layer.index] for layer in layers}
-    fit_points = [p for layer in layers for p in fits[layer.index]]
-    timings["candidates_s"] = time.perf_counter() - t
+    for i in sorted(local):  # in layer order, whatever order the tasks finished in
+        per_layer[i], fits[i] = _finish_layer(local[i], source.ablations, recipes, latency, objective)
+    fit_points = [p for i in sorted(fits) for p in fits[i]]
+    timings["candidates_s"] = time.perf_counter() - t - timings.get("latency_table_s", 0.0)
 
     def damage(row: dict[str, Any]) -> float:
         if target.metric == "ppl":
@@ -317,45 +370,32 @@ def make_plan(
         raise FFNQuantError("plan: a layer has no usable candidate (fp32 failed?)")
 
     t = time.perf_counter()
-    baseline = float_baseline(model, info, inputs.eval_batches)
-    search_baseline = float_baseline(model, info, inputs.calib_batches)
-    by_index = {layer.index: layer for layer in layers}
+    baseline, search_baseline = source.baseline, source.search_baseline
     by_name = {str(r): r for r in recipes}  # the options carry recipe texts; the Recipes were parsed once
-    cache: dict[tuple[int, str], Any] = {}
     rounds: list[dict[str, Any]] = []
     safety, met_safety, missed_safety = 1.0, None, None
-    same = {"hidden_sqnr_db": 200.0, "hidden_cosine": 1.0, "perplexity_delta": 0.0, "perplexity_ratio": 1.0}
     for rnd in range(1, max_rounds + 1):
         chosen = solve(options, target.budget * safety)
         if chosen is None:
             raise FFNQuantError(f"plan: no assignment meets {target} even by prediction (fp32 everywhere should): "
                                 "the predicted damage of the float candidate is not zero")
-        if rounds and {i: o.name for i, o in chosen.items()} == rounds[-1]["layers"]:
+        names = {i: o.name for i, o in chosen.items()}
+        if rounds and names == rounds[-1]["layers"]:
             break  # the budget moved but the choice did not: nothing new to verify
-        qffns = {}
-        for i, opt in chosen.items():
-            if opt.name == "fp32":
-                continue
-            key = (i, opt.name)
-            if key not in cache:
-                layer = by_index[i]
-                cache[key] = quantize_layer(layer, by_name[opt.name], inputs.calib[layer.label],
-                                            inputs.eval[layer.label], bins=settings.bins)[0]
-            qffns[by_index[i].label] = cache[key]
         tick(f"verify round {rnd}: end to end on the search and held-out texts", rnd, max_rounds)
-        # the whole plan on the search text: how the additive prediction compares with the real sum there
-        on_search = end_to_end(model, info, layers, qffns, inputs.calib_batches, settings, search_baseline)["end_to_end"] \
-            if qffns else dict(same, perplexity=search_baseline["perplexity"])
-        e2e = end_to_end(model, info, layers, qffns, inputs.eval_batches, settings, baseline)["end_to_end"] \
-            if qffns else dict(same, perplexity=baseline["perplexity"])
+        # the whole plan on the search text too: how the additive prediction compares with the real sum there
+        if all(name == "fp32" for name in names.values()):
+            on_search = dict(_UNCHANGED, perplexity=search_baseline["perplexity"])
+            e2e = dict(_UNCHANGED, perplexity=baseline["perplexity"])
+        else:
+            on_search, e2e = source.verify(names, by_name)
         predicted = sum(o.damage for o in chosen.values())
         spent, spent_search = target.spent(e2e), target.spent(on_search)
         met = target.met(e2e)
         rounds.append({"round": rnd, "safety": safety, "budget": target.budget * safety, "predicted": predicted,
                        "measured_search": spent_search, "search_end_to_end": on_search,
                        "measured": spent, "met": met, "end_to_end": e2e,
-                       "cost": sum(o.cost for o in chosen.values()),
-                       "layers": {i: o.name for i, o in chosen.items()}})
+                       "cost": sum(o.cost for o in chosen.values()), "layers": names})
         if met:
             met_safety = safety
         else:
@@ -373,15 +413,8 @@ def make_plan(
     timings["verify_s"] = time.perf_counter() - t
 
     # the layer atlas of the model's FFN ranges (search text), for the plan to be drawn over
-    t = time.perf_counter()
-    from ..atlas import layer_atlas
-    from ..hf.evaluate import calibrate_layers
-
-    chunks = ({layer.label: x[i : i + 1024]} for layer in layers for x in [inputs.calib[layer.label]]
-              for i in range(0, x.shape[0], 1024))
-    tables, _ = calibrate_layers(layers, chunks, settings.bins)
-    atlas = layer_atlas({f"{info.model_type}:{label}": table for label, table in tables.items()})
-    timings["atlas_s"] = time.perf_counter() - t
+    atlas = layer_atlas({f"{info.model_type}:{local[i]['label']}": local[i]["table"] for i in sorted(local)})
+    timings["atlas_s"] = sum(local[i]["atlas_s"] for i in local)
     fp32_cost = sum(next(o.cost for o in options[i] if o.name == "fp32") for i in options)
     singles = []
     for recipe in recipes:
@@ -396,14 +429,13 @@ def make_plan(
          "measured_perplexity_ratio": final["end_to_end"].get("perplexity_ratio"),
          "measured_hidden_sqnr_db": final["end_to_end"].get("hidden_sqnr_db"),
          "cost": final["cost"], "fp32_cost": fp32_cost, "objective_unit": "ms" if objective.kind == "latency" else "bytes"})
-    timings["total_s"] = time.perf_counter() - t_start
     result = {
         "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
         "target": target.name, "budget": target.budget, "objective": objective.name,
         "candidates": [str(r) for r in recipes], "skipped_candidates": skipped, "probes": list(PROBES),
         "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (plan.search)",
-        "calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
-        "token_budgets": inputs.budgets, "probe_tokens": n_probe,
+        "calibration": source.texts["calibration"], "evaluation": source.texts["evaluation"],
+        "token_budgets": source.texts["token_budgets"], "probe_tokens": source.n_probe,
         "baseline": baseline, "latency_table": latency, "layers": per_layer, "probe_fit": fit_points,
         "rounds": rounds, "final_round": final["round"], "verified": bool(final["met"]), "plan": plan.to_dict(),
         "fp32_cost": fp32_cost, "single_recipes": singles,

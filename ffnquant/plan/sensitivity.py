@@ -25,7 +25,8 @@ from torch import nn
 
 from ..errors import FFNQuantError
 
-__all__ = ["check_plannable", "output_gradients", "fisher_noise", "SuffixRunner", "Ablation"]
+__all__ = ["check_plannable", "output_gradients", "fisher_noise", "SuffixRunner", "Ablation", "ablation_terms",
+           "float_terms", "gradient_probe"]
 
 
 def check_plannable(info: Any) -> None:
@@ -67,16 +68,7 @@ def output_gradients(model: nn.Module, info: Any, layers: Sequence[Any], batches
     grads: dict[str, list[torch.Tensor]] = {layer.label: [] for layer in layers}
     for ids in batches:
         probes: dict[int, torch.Tensor] = {}
-
-        def hook(index: int):
-            def fn(module, args, out):
-                z = torch.zeros_like(out, requires_grad=True)  # d loss / d z = d loss / d out, the graph intact
-                probes[index] = z
-                return out + z
-
-            return fn
-
-        handles = [m.register_forward_hook(hook(i)) for i, m in ffns.items()]
+        handles = [m.register_forward_hook(gradient_probe(probes, i)) for i, m in ffns.items()]
         try:
             with torch.enable_grad():
                 out = model(input_ids=ids)
@@ -89,6 +81,17 @@ def output_gradients(model: nn.Module, info: Any, layers: Sequence[Any], batches
         for i, g in zip(sorted(probes), gs):
             grads[by_index[i].label].append(g.detach().reshape(-1, g.shape[-1]).float())
     return {label: torch.cat(v) for label, v in grads.items()}
+
+
+def gradient_probe(found: dict, key: Any) -> Callable:
+    """A forward hook adding to a module's output a zero that requires grad, kept as `found[key]`: the loss
+    gradient with respect to that zero is the gradient with respect to the output, the graph left intact."""
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        z = torch.zeros_like(out, requires_grad=True)
+        found[key] = z
+        return out + z
+
+    return hook
 
 
 def fisher_noise(grad: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -115,6 +118,31 @@ class Ablation:
     @property
     def hidden_nsr(self) -> float:
         return self.hidden_noise / self.hidden_signal if self.hidden_signal > 0 else float("inf")
+
+    @classmethod
+    def of(cls, index: int, terms: Sequence[tuple[float, float, float, float]], tokens: int) -> "Ablation":
+        """From each batch's `ablation_terms`, summed in batch order; `tokens`: the predicted tokens of them all."""
+        kl, nll, noise, signal = 0.0, 0.0, 0.0, 0.0
+        for a, b, c, d in terms:
+            kl, nll, noise, signal = kl + a, nll + b, noise + c, signal + d
+        return cls(index, kl / tokens, nll / tokens, noise, signal, tokens)
+
+
+def float_terms(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """What an ablation is measured against, of one batch of the float run: its summed NLL and its next-token
+    log-probabilities (float32)."""
+    return float(_nll_sum(logits, ids)), torch.log_softmax(logits[:, :-1].float(), dim=-1)
+
+
+def ablation_terms(logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, ref_nll: float,
+                   ref_logp: torch.Tensor, ref_hidden: torch.Tensor) -> tuple[float, float, float, float]:
+    """One batch of a run with a layer replaced, against the float run's (`float_terms`, final hidden state):
+    (summed KL of the next-token distribution, NLL change, final hidden noise energy, signal energy)."""
+    logq = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    kl = float((ref_logp.exp() * (ref_logp - logq)).sum(dtype=torch.float64))
+    ref = ref_hidden.double()
+    return (kl, float(_nll_sum(logits, ids)) - ref_nll, float((hidden.double() - ref).square().sum()),
+            float(ref.square().sum()))
 
 
 class SuffixRunner:
@@ -148,8 +176,9 @@ class SuffixRunner:
                     h.remove()
             self._outputs.append(kept)
             self._hidden.append(out.hidden_states[-1].detach())
-            self._nll.append(float(_nll_sum(out.logits, ids)))
-            self._logp.append(torch.log_softmax(out.logits[:, :-1].float(), dim=-1))
+            nll, logp = float_terms(out.logits, ids)
+            self._nll.append(nll)
+            self._logp.append(logp)
         return self
 
     @property
@@ -176,19 +205,14 @@ class SuffixRunner:
 
         if not self._outputs:
             self.record()
-        kl, nll, noise, signal = 0.0, 0.0, 0.0, 0.0
+        terms = []
         layer = self.layers[index]
         for b, ids in enumerate(self.batches):
             with self._skip_before(index, b), install_ffns(self.model, self.info, {layer: ffn}), torch.no_grad():
                 out = self.model(input_ids=ids, output_hidden_states=True)
-            nll += float(_nll_sum(out.logits, ids)) - self._nll[b]
-            ref_logp = self._logp[b]
-            logq = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
-            kl += float((ref_logp.exp() * (ref_logp - logq)).sum(dtype=torch.float64))
-            ref = self._hidden[b].double()
-            noise += float((out.hidden_states[-1].double() - ref).square().sum())
-            signal += float(ref.square().sum())
-        return Ablation(index, kl / self.tokens, nll / self.tokens, noise, signal, self.tokens)
+            terms.append(ablation_terms(out.logits, out.hidden_states[-1], ids, self._nll[b], self._logp[b],
+                                        self._hidden[b]))
+        return Ablation.of(index, terms, self.tokens)
 
 
 def _detach(out: Any) -> Any:

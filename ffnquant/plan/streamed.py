@@ -1,0 +1,332 @@
+"""`make_plan` a decoder layer at a time (`hf.stream.SequentialModel`), for models larger than memory.
+
+What the in-memory plan gets from the whole model, in passes over the layers:
+
+1. Forward: the search and held-out texts embedded and run through each layer in turn; each layer's FFN inputs
+   kept (the candidates' data), and the search text's input to each decoder layer (for the backward pass). The
+   final norm and LM head give the float figures: perplexities, final hidden states, the probe tokens'
+   next-token distributions, and the loss gradient at the last layer's output.
+2. Backward, last layer to first: each layer recomputed on its kept input with the gradient probe at its FFN's
+   output (`sensitivity.gradient_probe`), the gradient at its output carried back to its input. The FFN output
+   gradients are those of one backward pass through the whole model: the same operations on the same values.
+3. Forward, scoring: each layer's candidates scored on its kept inputs (`make_plan` hands them to the executor),
+   and each probe's ablation started as a stream of the probe tokens from that layer on, its FFN replaced; the
+   streams already started pass each layer with its float FFN. The head measures every stream at the end.
+4. Each verification round: the search and held-out texts through every layer quantized as chosen (each layer
+   quantized from its kept inputs again: the quantizers are deterministic), scored against the float figures.
+
+Kept tensors go to a temporary folder, a file per layer or batch, when the memory plan spills
+(`plan_memory`). tests/test_plan_streamed.py checks the plan and every figure against the in-memory path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..recipe import Recipe
+
+__all__ = ["StreamedPlanModel", "plan_memory", "plan_memory_needed"]
+
+Progress = Callable[[str, int, int], None]
+
+
+def _scoring_bytes(spec: Any, tokens: int) -> int:
+    """A candidate's quantization of one FFN on `tokens` inputs: the FFN x 11 (its copies, the onnxruntime floor's
+    export and sessions), the activations of its sites, GPTQ's float64 input Hessians."""
+    d, d_ff = spec.d_model, spec.d_ff
+    return 11 * spec.n_params * 4 + (2 * d + 3 * d_ff) * tokens * 4 + 8 * (d * d + d_ff * d_ff)
+
+
+def plan_memory_needed(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: int,
+                       batch_tokens: int) -> dict[str, int]:
+    """Bytes the in-memory plan holds at its peak, by part, and their `total`: the whole model in float32
+    (benchmarks/plan_memory.py measures it against the peak RSS)."""
+    from ..hf.stream import _RUNTIME_BYTES
+    from ..resources import process_rss
+
+    spec, n = info.spec, info.n_layers
+    d, vocab = spec.d_model, int(info.config.get("vocab_size") or 0)
+    parts = {
+        "runtime": process_rss() + _RUNTIME_BYTES,
+        "model": info.n_params_total * 4,
+        # each FFN loaded on its own for scoring, and the verification rounds' quantized copies
+        "ffn_copies": 2 * n * spec.n_params * 4,
+        # every layer's FFN inputs (search + held-out), the loss gradient at its output, the probes' block outputs
+        "hidden_states": n * (2 * calib_tokens + eval_tokens + probe_tokens) * d * 4,
+        # the probes' next-token log-probabilities, one batch's logits in float32 and float64 and their gradient
+        "vocabulary": (probe_tokens + 4 * batch_tokens) * vocab * 4,
+        # one batch's activations kept for the backward pass through every block
+        "backward": batch_tokens * n * (8 * d + 4 * spec.d_ff) * 4,
+        "scoring": _scoring_bytes(spec, calib_tokens + eval_tokens),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def plan_memory(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: int, batch_tokens: int,
+                max_memory: int | None = None, sequential: bool | None = None, spill: bool | None = None,
+                spill_dir: Any = None):
+    """How `make_plan` runs `info` (an `hf.stream.MemoryPlan`): the whole model when it fits in `max_memory`
+    (default: what this process holds plus what the machine has available) or `sequential` is False; else a
+    decoder layer at a time, the kept tensors on disk when they do not fit either. Raises a one-line
+    FFNQuantError with the numbers and a suggestion when nothing fits."""
+    from ..hf.stream import _RUNTIME_BYTES, MemoryPlan, choose_memory_plan, largest_layer_bytes
+    from ..resources import human_bytes, memory_limit, process_rss
+
+    spec, n = info.spec, info.n_layers
+    d, d_ff, vocab = spec.d_model, spec.d_ff, int(info.config.get("vocab_size") or 0)
+    c, e, p = calib_tokens, eval_tokens, min(probe_tokens + batch_tokens, calib_tokens)  # whole batches of probes
+    base = process_rss() + _RUNTIME_BYTES
+    layer = largest_layer_bytes(info)
+    # kept per layer: search FFN inputs, gradients, decoder-layer inputs (until the backward pass has used them),
+    # the probe tokens' decoder-layer inputs and two ablation streams; held-out FFN inputs. Per text: the running
+    # stream, its embedding (each round starts there), its final hidden states, a quantized stream.
+    calibration = (n * (3 * c + 3 * p) + 4 * c) * d * 4
+    evaluation = (n + 4) * e * d * 4
+    logp = p * vocab * 4  # the probe tokens' float next-token log-probabilities, always in memory
+    batch = batch_tokens * d * 4 * 3
+    # the largest stage: one layer with its FFN inputs; a candidate's quantization of its FFN on both texts; one
+    # batch's backward through a layer; the head with a batch's logits
+    stages = max(layer + (c + e) * d * 4 + batch, _scoring_bytes(spec, c + e),
+                 layer + 2 * batch_tokens * (8 * d + 4 * d_ff) * 4,
+                 vocab * d * 4 + 6 * batch_tokens * vocab * 4)
+    in_memory = plan_memory_needed(info, calib_tokens=c, eval_tokens=e, probe_tokens=probe_tokens,
+                                   batch_tokens=batch_tokens)["total"]
+    estimate = MemoryPlan(False, False, memory_limit(max_memory), in_memory, base + stages + logp + calibration + evaluation,
+                          base + stages + logp, layer, calibration, evaluation, "")
+    detail = (f"{human_bytes(layer)} for one decoder layer in float32, {human_bytes(stages)} for its largest stage, "
+              f"{human_bytes(logp)} for the probe tokens' next-token distributions, {human_bytes(base)} runtime")
+    return choose_memory_plan(info, estimate, max_memory=max_memory, sequential=sequential, spill=spill,
+                              spill_dir=spill_dir, tokens_flag="--calib-tokens/--eval-tokens/--probe-tokens",
+                              detail=detail, spill_bytes=calibration + evaluation)
+
+
+class StreamedPlanModel:
+    """What `make_plan` reads from the model (see the module docstring), a decoder layer at a time; a context
+    manager (its temporary folder, when spilling, is removed on exit). Passes 1 and 2 run on entry."""
+
+    def __init__(self, info: Any, settings: Any, text: Any, eval_text: Any, probe_tokens: int, spill: bool,
+                 progress: Progress | None, timings: dict[str, float], spill_dir: Any = None) -> None:
+        self.info, self.settings, self.text, self.eval_text = info, settings, text, eval_text
+        self.probe_tokens, self.spill, self.spill_dir = probe_tokens, spill, spill_dir
+        self.progress, self.timings = progress or (lambda *a: None), timings
+        self.ablations: dict[tuple[int, str], Any] = {}
+
+    def __enter__(self) -> "StreamedPlanModel":
+        import contextlib
+
+        from ..hf.stream import _spill_folder
+
+        self._exit = contextlib.ExitStack()
+        self.folder = self._exit.enter_context(_spill_folder(self.spill, self.spill_dir))
+        try:
+            t = time.perf_counter()
+            self._forward()
+            self.timings["capture_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self._backward()
+            self.timings["gradients_s"] = time.perf_counter() - t
+        except BaseException:
+            self._exit.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._exit.close()
+
+    def _store(self, name: str):
+        from ..hf.stream import _Store
+
+        return _Store(self.folder, name)
+
+    # --- pass 1 -----------------------------------------------------------------------------------------------
+
+    def _forward(self) -> None:
+        from ..hf.capture import text_label
+        from ..hf.inputs import token_budget
+        from ..hf.metrics import _NLL
+        from ..hf.stream import SequentialModel, token_batches_of
+        from .sensitivity import _nll_sum, float_terms
+
+        info, settings = self.info, self.settings
+        self.calib_ids = token_batches_of(info, self.text, "calibration", settings, settings.max_calib_tokens)
+        self.eval_ids = token_batches_of(info, self.eval_text, "evaluation", settings, settings.max_eval_tokens)
+        cal_name, ev_name = text_label(self.text, "calibration"), text_label(self.eval_text, "evaluation")
+        self.texts = {"calibration": cal_name, "evaluation": ev_name, "token_budgets": {
+            "calibration": token_budget("calibration", settings.max_calib_tokens, self.calib_ids, cal_name),
+            "evaluation": token_budget("evaluation", settings.max_eval_tokens, self.eval_ids, ev_name)}}
+        # the probes run on the first `probe_tokens` of the search text, whole batches (as `SuffixRunner`)
+        self.n_probe, self.n_probe_batches = 0, 0
+        for ids in self.calib_ids:
+            if self.n_probe >= self.probe_tokens:
+                break
+            self.n_probe += int(ids.numel())
+            self.n_probe_batches += 1
+        m = self.model = SequentialModel(info)
+        calib, evals = self._store("calibration"), self._store("evaluation")
+        self.ccalls = m.embed(self.calib_ids, calib, self.progress, "embed the search text")
+        self.ecalls = m.embed(self.eval_ids, evals, self.progress, "embed the held-out text")
+        m.offload(m.embedding)
+        self.embedded = (calib.copy("calibration-embedded"), evals.copy("evaluation-embedded"))
+        self.block_in: dict[int, Any] = {}
+        self.ffn_calib, self.ffn_eval = self._store("ffn-calibration"), self._store("ffn-evaluation")
+        n = len(m.layers)
+        for j in range(n):
+            self.block_in[j] = calib.copy(f"block{j}")
+            cal_x: list[torch.Tensor] = []
+            ev_x: list[torch.Tensor] = []
+            with m.layer(j):
+                m.run(j, calib, self.ccalls, capture=cal_x)
+                m.run(j, evals, self.ecalls, capture=ev_x)
+            self.ffn_calib.put(j, torch.cat(cal_x))
+            self.ffn_eval.put(j, torch.cat(ev_x))
+            del cal_x, ev_x
+            self.progress(f"search and held-out texts through L{j}", j + 1, n)
+        # the float figures; the loss gradient at the last layer's output
+        self.final = (self._store("final-calibration"), self._store("final-evaluation"))
+        self.grad_out = self._store("gradient")
+        nll_search, nll_eval = _NLL(), _NLL()
+        self.ref: list[tuple[float, torch.Tensor]] = []  # the probe batches' float NLL and log-probabilities
+        for b, ids in enumerate(self.calib_ids):
+            final, logits, _, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
+            self.final[0].put(b, final)
+            self.grad_out.put(b, grad)
+            nll_search.update(logits, ids)
+            if b < self.n_probe_batches:
+                self.ref.append(float_terms(logits, ids))
+        calib.clear()
+        for b, ids in enumerate(self.eval_ids):
+            final, logits = m.head_out(evals.get(b))
+            self.final[1].put(b, final)
+            nll_eval.update(logits, ids)
+        evals.clear()
+        self.search_baseline = {"perplexity": nll_search.perplexity,
+                                "n_tokens": sum(int(b.numel()) for b in self.calib_ids)}
+        self.baseline = {"perplexity": nll_eval.perplexity, "n_tokens": sum(int(b.numel()) for b in self.eval_ids)}
+
+    # --- pass 2 -----------------------------------------------------------------------------------------------
+
+    def _backward(self) -> None:
+        from .sensitivity import gradient_probe
+
+        m, n = self.model, len(self.model.layers)
+        self.grads = self._store("ffn-gradient")
+        probe_batches = range(self.n_probe_batches)
+        for j in reversed(range(n)):
+            block, rows = m.layers[j], []
+            with m.layer(j):
+                for b in range(len(self.calib_ids)):
+                    args, kwargs = self.ccalls[b][j]
+                    # the first layer's input is the embedding, which needs no gradient (nor has one in the
+                    # whole model's backward pass)
+                    x = self.block_in[j].get(b).detach().requires_grad_(j > 0)
+                    found: dict[int, torch.Tensor] = {}
+                    handle = m.ffns[j].register_forward_hook(gradient_probe(found, j))
+                    try:
+                        with torch.enable_grad():
+                            out = block(x, *args, **kwargs)
+                            out = out[0] if isinstance(out, tuple) else out
+                            got = torch.autograd.grad(out, [found[j], x] if j > 0 else [found[j]],
+                                                      grad_outputs=self.grad_out.get(b))
+                    finally:
+                        handle.remove()
+                    rows.append(got[0].detach().reshape(-1, got[0].shape[-1]).float())
+                    if j > 0:
+                        self.grad_out.put(b, got[1].detach())
+            self.grads.put(j, torch.cat(rows))
+            del rows
+            # only the probe tokens' inputs are read again (where their ablations start)
+            kept = self.block_in[j].copy(f"probe-block{j}", probe_batches)
+            self.block_in[j].clear()
+            self.block_in[j] = kept
+            self.progress(f"loss gradients (search text): L{j}", n - j, n)
+        self.grad_out.clear()
+
+    # --- pass 3 -----------------------------------------------------------------------------------------------
+
+    def groups(self):
+        """One layer at a time, as a group of one (layer, search inputs, held-out inputs, loss gradients); the
+        probes' ablations handed over by `ablate` meanwhile are run from that layer on, and measured at the end."""
+        from ..hf.checkpoint import iter_ffn_layers
+        from ..hf.stream import _trim
+        from .sensitivity import Ablation, ablation_terms
+
+        m, n = self.model, len(self.model.layers)
+        calls = self.ccalls[: self.n_probe_batches]
+        streams: dict[tuple[int, str], Any] = {}
+        ffns = iter_ffn_layers(self.info, "all")
+        for j in range(n):
+            if streams:  # the ablations started before this layer pass it float
+                with m.layer(j):
+                    for store in streams.values():
+                        m.run(j, store, calls)
+            self._pending: list[tuple[str, Any]] = []
+            layer = next(ffns)
+            yield [(layer, self.ffn_calib.get(j), self.ffn_eval.get(j), self.grads.get(j))]
+            self.grads.pop(j)
+            del layer
+            if self._pending:  # this layer's probes, each in its FFN's place
+                with m.layer(j, ffn=False):
+                    for name, q in self._pending:
+                        streams[(j, name)] = store = self.block_in[j].copy(f"ablation{j}-{len(streams)}")
+                        m.run(j, store, calls, ffn=q)
+            self._pending = []
+            self.block_in.pop(j).clear()
+            _trim()
+        tokens = sum(int(ids[:, 1:].numel()) for ids in self.calib_ids[: self.n_probe_batches])
+        for k, ((j, name), store) in enumerate(streams.items()):
+            terms = []
+            for b, ids in enumerate(self.calib_ids[: self.n_probe_batches]):
+                hidden, logits = m.head_out(store.get(b))
+                terms.append(ablation_terms(logits, hidden, ids, *self.ref[b], self.final[0].get(b)))
+            self.ablations[(j, name)] = Ablation.of(j, terms, tokens)
+            store.clear()
+            self.progress("probe ablations: the final norm and head", k + 1, len(streams))
+
+    def ablate(self, layer: Any, name: str, ffn: Any) -> None:
+        """Layer `layer`'s probe `name` measured with `ffn` in its FFN's place (run as its layer's group ends)."""
+        self._pending.append((name, ffn))
+
+    # --- pass 4 -----------------------------------------------------------------------------------------------
+
+    def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> tuple[dict, dict]:
+        """The end-to-end figures (search text, held-out text) of the layers quantized as `chosen` ({index: name}),
+        both texts streamed through every layer once."""
+        from ..hf.checkpoint import iter_ffn_layers
+        from ..hf.evaluate import end_to_end_figures
+        from ..hf.metrics import _NLL, ErrorStats
+        from ..hf.stream import _trim
+        from .candidates import quantize_layer
+
+        m, n = self.model, len(self.model.layers)
+        streams = (self.embedded[0].copy("quantized-calibration"), self.embedded[1].copy("quantized-evaluation"))
+        calls = (self.ccalls, self.ecalls)
+        quantized = [j for j in range(n) if chosen[j] != "fp32"]
+        ffns = iter_ffn_layers(self.info, quantized) if quantized else iter(())
+        for j in range(n):
+            q = None
+            if chosen[j] != "fp32":
+                layer = next(ffns)
+                q = quantize_layer(layer, by_name[chosen[j]], self.ffn_calib.get(j), self.ffn_eval.get(j),
+                                   bins=self.settings.bins)[0]
+                del layer
+            with m.layer(j, ffn=q is None):
+                for store, c in zip(streams, calls):
+                    m.run(j, store, c, ffn=q)
+            del q
+            _trim()
+            self.progress(f"verify: L{j}", j + 1, n)
+        figures = []
+        for store, ids_list, final, base in zip(streams, (self.calib_ids, self.eval_ids), self.final,
+                                                (self.search_baseline, self.baseline)):
+            hidden, nll = ErrorStats(), _NLL()
+            for b, ids in enumerate(ids_list):
+                got, logits = m.head_out(store.get(b))
+                hidden.update(final.get(b), got)
+                nll.update(logits, ids)
+            store.clear()
+            figures.append(end_to_end_figures(base, hidden, nll, {})["end_to_end"])
+        return figures[0], figures[1]

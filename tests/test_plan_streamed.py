@@ -1,0 +1,147 @@
+"""plan.streamed: a plan made a decoder layer at a time is the in-memory plan, bit for bit.
+
+Both paths hand the same float32 tensors to the same steps: the FFN inputs the model's own decoder layers
+produce, the loss gradients of a backward pass (through the whole model, or layer by layer over the same
+operations), the probes' ablations and the verification rounds. So the comparisons are exact equality: the
+plan file, and plan.json's every figure except the timings.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ffnquant.cli import main
+from ffnquant.errors import FFNQuantError
+
+from hf_models import tiny_folders
+
+pytestmark = pytest.mark.hf
+
+# a mix of the candidate kinds (static int8 with the onnxruntime floor, a float site, 4-bit weights, dynamic int8)
+CANDIDATES = "fp32,w8a8@search,w8a8-dynamic-s8,w4a16-g32,w8a8@search+float=hidden"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return {name: folder for name, (folder, _, _) in tiny_folders(tmp_path_factory, ("llama", "gemma", "gpt2")).items()}
+
+
+def _settings():
+    from ffnquant.hf import EvalSettings
+
+    return EvalSettings(seq_len=16, batch_size=4, max_calib_tokens=192, max_eval_tokens=96, ablation=False)
+
+
+def _plan(folder, streamed: bool, spill: bool = False, target: str = "ppl+1%", ort_floor: bool = False):
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.stream import MemoryPlan
+    from ffnquant.plan.job import make_plan
+    from ffnquant.plan.target import Objective
+
+    memory = MemoryPlan(streamed, spill, None, 0, 0, 0, 0, 0, 0, "test") if streamed else None
+    plan, result = make_plan(inspect_model(folder), target, Objective("bytes"), CANDIDATES, settings=_settings(),
+                             probe_tokens=64, ort_floor=ort_floor, memory=memory)
+    assert result.pop("streamed") is streamed
+    result.pop("timings")
+    return plan.to_toml(), json.dumps(result, default=str)
+
+
+@pytest.mark.parametrize("name, spill, target, ort_floor", [
+    ("llama", False, "ppl+1%", True), ("llama", True, "sqnr>=30", False), ("gemma", False, "ppl+1%", False),
+    ("gpt2", False, "sqnr>=30", False)],
+    ids=["llama", "llama-spilled-sqnr-target", "gemma-tied-scaled-embedding", "gpt2-learned-positions"])
+def test_the_streamed_plan_is_the_in_memory_plan(tiny, tmp_path, monkeypatch, name, spill, target, ort_floor):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the spilled tensors' folder, to see it go
+    want = _plan(tiny[name], False, target=target, ort_floor=ort_floor)
+    got = _plan(tiny[name], True, spill, target=target, ort_floor=ort_floor)
+    assert got[0] == want[0]  # the same plan.toml
+    assert got[1] == want[1]  # and every figure of plan.json, in the same order
+    data = json.loads(got[1])
+    assert any(name != "fp32" for r in data["rounds"] for name in r["layers"].values())  # something was verified
+    assert list(tmp_path.iterdir()) == []  # the spilled tensors are gone
+
+
+def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny):
+    """Pass 2 (each decoder layer recomputed on its kept input, the gradient carried back) against one backward
+    pass of the whole model: the same FFN output gradients, exactly."""
+    from ffnquant.hf import inspect_model, load_ffn_layers
+    from ffnquant.hf.capture import load_hf_model
+    from ffnquant.hf.stream import token_batches_of
+    from ffnquant.plan.sensitivity import output_gradients
+    from ffnquant.plan.streamed import StreamedPlanModel
+
+    info, settings = inspect_model(tiny["llama"]), _settings()
+    model = load_hf_model(info)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    batches = token_batches_of(info, None, "calibration", settings, settings.max_calib_tokens)
+    want = output_gradients(model, info, [l.info for l in load_ffn_layers(info, "all")], batches)
+    with StreamedPlanModel(info, settings, None, None, 64, False, None, {}) as source:
+        for j in range(info.n_layers):
+            assert torch.equal(source.grads.get(j), want[f"L{j}"]), j
+        assert not any(p.requires_grad for p in source.model.model.parameters())
+
+
+def test_the_plan_memory_estimate_chooses_whole_streamed_or_spilled(tiny, monkeypatch):
+    from ffnquant.hf import inspect_model
+    from ffnquant.plan import streamed
+
+    info = inspect_model(tiny["llama"])
+    monkeypatch.setattr("ffnquant.resources.process_rss", lambda: 100 * 10**6)  # a fixed runtime: exact estimates
+
+    def plan(calib_tokens=20_000, **kw):
+        return streamed.plan_memory(info, calib_tokens=calib_tokens, eval_tokens=20_000, probe_tokens=512,
+                                    batch_tokens=512, **kw)
+
+    p = plan(max_memory=10**12)
+    assert (p.sequential, p.spill, p.reason) == (False, False, "it fits")
+    assert p.in_memory == streamed.plan_memory_needed(info, calib_tokens=20_000, eval_tokens=20_000, probe_tokens=512,
+                                                      batch_tokens=512)["total"]
+    assert p.spilled < p.in_memory and p.spilled < p.streamed
+    # a tiny model keeps more tensors streamed (every layer's inputs and gradients) than the weights it leaves out
+    assert plan(max_memory=10**12, sequential=True).sequential
+    spilled = plan(max_memory=p.in_memory - 1)
+    assert (spilled.sequential, spilled.spill) == (True, True) and "spilled to" in spilled.reason
+    assert spilled.peak == p.spilled
+    # what is kept per layer grows with the search tokens: FFN inputs, gradients, decoder-layer inputs
+    assert plan(21_000, max_memory=10**12).calibration - p.calibration == \
+        (3 * info.n_layers + 4) * 1000 * info.spec.d_model * 4
+    with pytest.raises(FFNQuantError, match="even with its hidden states .* on disk") as err:
+        plan(max_memory=p.spilled - 1)
+    assert "\n" not in str(err.value) and "--probe-tokens" in str(err.value)
+
+
+def test_the_in_memory_estimate_adds_up_its_parts(tiny):
+    from ffnquant.hf import inspect_model
+    from ffnquant.plan.streamed import plan_memory_needed
+
+    info = inspect_model(tiny["llama"])
+    small = plan_memory_needed(info, calib_tokens=256, eval_tokens=128, probe_tokens=64, batch_tokens=64)
+    large = plan_memory_needed(info, calib_tokens=512, eval_tokens=128, probe_tokens=64, batch_tokens=64)
+    assert small["total"] == sum(v for k, v in small.items() if k != "total")
+    assert small["model"] == info.n_params_total * 4  # the whole model in float32
+    # each extra search token: its FFN input and its loss gradient at every layer, float32
+    extra = large["hidden_states"] - small["hidden_states"]
+    assert extra == 2 * 256 * info.n_layers * info.spec.d_model * 4
+
+
+def test_plan_sequential_on_the_command_line(tiny, tmp_path, capsys):
+    out = tmp_path / "plan"
+    argv = ["plan", "--model", str(tiny["llama"]), "--target", "ppl+1%", "--objective", "bytes", "--candidates",
+            "fp32,w8a8-dynamic-s8,w4a16-g32", "--calib-tokens", "192", "--eval-tokens", "96", "--probe-tokens", "64",
+            "--no-progress", "--out", str(out)]
+    assert main(argv + ["--sequential"]) == 0
+    printed = capsys.readouterr().out
+    assert "memory: layer by layer (--sequential); estimated peak" in printed
+    data = json.loads((out / "plan.json").read_text())
+    assert data["streamed"] and data["memory"]["sequential"] and data["verified"]
+    from ffnquant.plan import load_plan
+
+    assert set(load_plan(out / "plan.toml").layers) == {0, 1}
+    # --sequential and --no-sequential exclude each other
+    assert main(argv + ["--sequential", "--no-sequential"]) == 2
