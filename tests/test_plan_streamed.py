@@ -141,6 +141,7 @@ def test_plan_sequential_on_the_command_line(tiny, tmp_path, capsys):
     assert "memory: layer by layer (--sequential); estimated peak" in printed
     data = json.loads((out / "plan.json").read_text())
     assert data["streamed"] and data["memory"]["sequential"] and data["verified"]
+    assert "- model run: a decoder layer at a time (--sequential; estimated peak" in (out / "plan.md").read_text()
     from ffnquant.plan import load_plan
 
     assert set(load_plan(out / "plan.toml").layers) == {0, 1}

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..plan.job import final_round
 from ..render import fmt, fmt_bytes, markdown_table
+from ..resources import human_bytes
 
 __all__ = ["plan_markdown"]
 
@@ -37,6 +38,9 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
         f"- FFN stack cost: {_cost(final['cost'], unit)} against {_cost(data['fp32_cost'], unit)} for fp32 "
         f"({data['fp32_cost'] / final['cost']:.2f}x)" if final["cost"] else "- FFN stack cost: -",
         f"- search: {data['search']}; time {fmt(data['timings']['total_s'])} s",
+        f"- model run: {'a decoder layer at a time' if data.get('streamed') else 'the whole model in memory'}"
+        + (f" ({data['memory']['reason']}; estimated peak {human_bytes(data['memory']['peak'])})"
+           if data.get("memory") else ""),
         "",
         "## Per layer",
         "",
