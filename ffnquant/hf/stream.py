@@ -463,13 +463,12 @@ class SequentialModel:
 
     def head_grad(self, hidden: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor]):
         """`head_out` of one batch with the gradient of `loss(logits)` (a scalar) with respect to `hidden`:
-        (final hidden state, logits, loss value, gradient), all detached."""
+        (final hidden state, logits, gradient), all detached."""
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             final, logits = self._head(x)
-            value = loss(logits)
-            (grad,) = torch.autograd.grad(value, [x])
-        return final.detach(), logits.detach(), float(value.detach()), grad
+            (grad,) = torch.autograd.grad(loss(logits), [x])
+        return final.detach(), logits.detach(), grad
 
     def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.head.weight.is_meta:

@@ -37,7 +37,7 @@ from ..recipe import Recipe
 from .candidates import candidate_recipes, generalization, quantize_layer, run_score_task, score_tasks
 from .planfile import Plan, model_fingerprint
 from .search import Option, pareto, solve
-from .sensitivity import SuffixRunner, check_plannable, fisher_noise, output_gradients
+from .sensitivity import SuffixRunner, check_plannable, fisher_noise, output_gradients, probe_batches
 from .target import Objective, Target
 
 __all__ = ["PROBES", "final_round", "make_plan", "next_safety"]
@@ -106,13 +106,8 @@ class _InMemory:
             progress("loss gradients at every FFN output (search text)", 0, 1)
         self.grads = output_gradients(self.model, info, [l.info for l in self.layers], inputs.calib_batches)
         timings["gradients_s"] = time.perf_counter() - t
-        probe_batches, self.n_probe = [], 0
-        for ids in inputs.calib_batches:  # the probes run on the first `probe_tokens` of the search text
-            if self.n_probe >= probe_tokens:
-                break
-            probe_batches.append(ids)
-            self.n_probe += int(ids.numel())
-        self.runner = SuffixRunner(self.model, info, [l.info for l in self.layers], probe_batches).record()
+        probes, self.n_probe = probe_batches(inputs.calib_batches, probe_tokens)
+        self.runner = SuffixRunner(self.model, info, [l.info for l in self.layers], probes).record()
         self.ablations: dict[tuple[int, str], Any] = {}
         self.texts = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
                       "token_budgets": inputs.budgets}

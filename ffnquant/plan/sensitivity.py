@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import FFNQuantError
 
 __all__ = ["check_plannable", "output_gradients", "fisher_noise", "SuffixRunner", "Ablation", "ablation_terms",
-           "float_terms", "gradient_probe"]
+           "float_terms", "gradient_probe", "predicted_tokens", "probe_batches"]
 
 
 def check_plannable(info: Any) -> None:
@@ -81,6 +81,23 @@ def output_gradients(model: nn.Module, info: Any, layers: Sequence[Any], batches
         for i, g in zip(sorted(probes), gs):
             grads[by_index[i].label].append(g.detach().reshape(-1, g.shape[-1]).float())
     return {label: torch.cat(v) for label, v in grads.items()}
+
+
+def probe_batches(batches: Sequence[torch.Tensor], probe_tokens: int) -> tuple[list[torch.Tensor], int]:
+    """The leading whole batches of `batches` until `probe_tokens` tokens are reached (what the probes are
+    measured on), and their token count."""
+    chosen, n = [], 0
+    for ids in batches:
+        if n >= probe_tokens:
+            break
+        chosen.append(ids)
+        n += int(ids.numel())
+    return chosen, n
+
+
+def predicted_tokens(batches: Sequence[torch.Tensor]) -> int:
+    """The tokens of `batches` whose next token is predicted (all but each sequence's last)."""
+    return sum(int(ids[:, 1:].numel()) for ids in batches)
 
 
 def gradient_probe(found: dict, key: Any) -> Callable:
@@ -183,7 +200,7 @@ class SuffixRunner:
 
     @property
     def tokens(self) -> int:
-        return sum(int(ids[:, 1:].numel()) for ids in self.batches)
+        return predicted_tokens(self.batches)
 
     @contextlib.contextmanager
     def _skip_before(self, index: int, batch: int) -> Iterator[None]:

@@ -21,6 +21,7 @@ Kept tensors go to a temporary folder, a file per layer or batch, when the memor
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Mapping
 
@@ -104,24 +105,32 @@ def plan_memory(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens:
                               detail=detail, spill_bytes=calibration + evaluation)
 
 
+@contextlib.contextmanager
+def _hooked(module: Any, hook: Callable):
+    """`hook` registered as `module`'s forward hook while active."""
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 class StreamedPlanModel:
     """What `make_plan` reads from the model (see the module docstring), a decoder layer at a time; a context
     manager (its temporary folder, when spilling, is removed on exit). Passes 1 and 2 run on entry."""
 
     def __init__(self, info: Any, settings: Any, text: Any, eval_text: Any, probe_tokens: int, spill: bool,
-                 progress: Progress | None, timings: dict[str, float], spill_dir: Any = None) -> None:
+                 progress: Progress | None, timings: dict[str, float]) -> None:
         self.info, self.settings, self.text, self.eval_text = info, settings, text, eval_text
-        self.probe_tokens, self.spill, self.spill_dir = probe_tokens, spill, spill_dir
+        self.probe_tokens, self.spill = probe_tokens, spill
         self.progress, self.timings = progress or (lambda *a: None), timings
         self.ablations: dict[tuple[int, str], Any] = {}
 
     def __enter__(self) -> "StreamedPlanModel":
-        import contextlib
-
         from ..hf.stream import _spill_folder
 
         self._exit = contextlib.ExitStack()
-        self.folder = self._exit.enter_context(_spill_folder(self.spill, self.spill_dir))
+        self.folder = self._exit.enter_context(_spill_folder(self.spill, None))  # in the temporary directory
         try:
             t = time.perf_counter()
             self._forward()
@@ -149,7 +158,7 @@ class StreamedPlanModel:
         from ..hf.inputs import token_budget
         from ..hf.metrics import _NLL
         from ..hf.stream import SequentialModel, token_batches_of
-        from .sensitivity import _nll_sum, float_terms
+        from .sensitivity import _nll_sum, float_terms, probe_batches
 
         info, settings = self.info, self.settings
         self.calib_ids = token_batches_of(info, self.text, "calibration", settings, settings.max_calib_tokens)
@@ -158,13 +167,8 @@ class StreamedPlanModel:
         self.texts = {"calibration": cal_name, "evaluation": ev_name, "token_budgets": {
             "calibration": token_budget("calibration", settings.max_calib_tokens, self.calib_ids, cal_name),
             "evaluation": token_budget("evaluation", settings.max_eval_tokens, self.eval_ids, ev_name)}}
-        # the probes run on the first `probe_tokens` of the search text, whole batches (as `SuffixRunner`)
-        self.n_probe, self.n_probe_batches = 0, 0
-        for ids in self.calib_ids:
-            if self.n_probe >= self.probe_tokens:
-                break
-            self.n_probe += int(ids.numel())
-            self.n_probe_batches += 1
+        probes, self.n_probe = probe_batches(self.calib_ids, self.probe_tokens)  # the in-memory path's
+        self.n_probe_batches = len(probes)
         m = self.model = SequentialModel(info)
         calib, evals = self._store("calibration"), self._store("evaluation")
         self.ccalls = m.embed(self.calib_ids, calib, self.progress, "embed the search text")
@@ -191,7 +195,7 @@ class StreamedPlanModel:
         nll_search, nll_eval = _NLL(), _NLL()
         self.ref: list[tuple[float, torch.Tensor]] = []  # the probe batches' float NLL and log-probabilities
         for b, ids in enumerate(self.calib_ids):
-            final, logits, _, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
+            final, logits, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
             self.final[0].put(b, final)
             self.grad_out.put(b, grad)
             nll_search.update(logits, ids)
@@ -214,32 +218,26 @@ class StreamedPlanModel:
 
         m, n = self.model, len(self.model.layers)
         self.grads = self._store("ffn-gradient")
-        probe_batches = range(self.n_probe_batches)
+        probe_keys = range(self.n_probe_batches)
         for j in reversed(range(n)):
-            block, rows = m.layers[j], []
-            with m.layer(j):
+            block, rows, found = m.layers[j], [], {}
+            with m.layer(j), _hooked(m.ffns[j], gradient_probe(found, j)), torch.enable_grad():
                 for b in range(len(self.calib_ids)):
                     args, kwargs = self.ccalls[b][j]
                     # the first layer's input is the embedding, which needs no gradient (nor has one in the
                     # whole model's backward pass)
                     x = self.block_in[j].get(b).detach().requires_grad_(j > 0)
-                    found: dict[int, torch.Tensor] = {}
-                    handle = m.ffns[j].register_forward_hook(gradient_probe(found, j))
-                    try:
-                        with torch.enable_grad():
-                            out = block(x, *args, **kwargs)
-                            out = out[0] if isinstance(out, tuple) else out
-                            got = torch.autograd.grad(out, [found[j], x] if j > 0 else [found[j]],
-                                                      grad_outputs=self.grad_out.get(b))
-                    finally:
-                        handle.remove()
+                    out = block(x, *args, **kwargs)
+                    out = out[0] if isinstance(out, tuple) else out
+                    got = torch.autograd.grad(out, [found[j], x] if j > 0 else [found[j]],
+                                              grad_outputs=self.grad_out.get(b))
                     rows.append(got[0].detach().reshape(-1, got[0].shape[-1]).float())
                     if j > 0:
                         self.grad_out.put(b, got[1].detach())
             self.grads.put(j, torch.cat(rows))
             del rows
             # only the probe tokens' inputs are read again (where their ablations start)
-            kept = self.block_in[j].copy(f"probe-block{j}", probe_batches)
+            kept = self.block_in[j].copy(f"probe-block{j}", probe_keys)
             self.block_in[j].clear()
             self.block_in[j] = kept
             self.progress(f"loss gradients (search text): L{j}", n - j, n)
@@ -252,7 +250,7 @@ class StreamedPlanModel:
         probes' ablations handed over by `ablate` meanwhile are run from that layer on, and measured at the end."""
         from ..hf.checkpoint import iter_ffn_layers
         from ..hf.stream import _trim
-        from .sensitivity import Ablation, ablation_terms
+        from .sensitivity import Ablation, ablation_terms, predicted_tokens
 
         m, n = self.model, len(self.model.layers)
         calls = self.ccalls[: self.n_probe_batches]
@@ -276,7 +274,7 @@ class StreamedPlanModel:
             self._pending = []
             self.block_in.pop(j).clear()
             _trim()
-        tokens = sum(int(ids[:, 1:].numel()) for ids in self.calib_ids[: self.n_probe_batches])
+        tokens = predicted_tokens(self.calib_ids[: self.n_probe_batches])
         for k, ((j, name), store) in enumerate(streams.items()):
             terms = []
             for b, ids in enumerate(self.calib_ids[: self.n_probe_batches]):
