@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name in COMMANDS:
         module = importlib.import_module(f"ffnquant.commands.{name}")
-        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        # argparse %-formats a subcommand's help line (not its description): a literal % must be doubled
+        p = sub.add_parser(module.NAME, help=module.HELP.replace("%", "%%"), description=module.HELP)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

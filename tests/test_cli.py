@@ -53,6 +53,41 @@ def test_every_subcommand_has_help(command, capsys):
     assert command in capsys.readouterr().out
 
 
+def _all_parsers(parser, prog=("ffnquant",)):
+    """(argv prefix, parser) for the top-level parser and every subcommand's, nested ones included."""
+    import argparse
+
+    yield list(prog[1:]), parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _all_parsers(child, prog + (name,))
+
+
+def _help_ids():
+    from ffnquant.cli import build_parser
+
+    return [" ".join(argv) or "top" for argv, _ in _all_parsers(build_parser())]
+
+
+@pytest.mark.parametrize("path", _help_ids())
+def test_every_help_text_renders(path, capsys):
+    # argparse %-formats help strings only when --help is asked: a stray % crashed `ffnquant --help`
+    argv = [] if path == "top" else path.split()
+    assert main(argv + ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ffnquant")
+
+
+def test_console_script_help_runs():
+    # the first command the README gives a user, as the installed entry point runs it
+    proc = subprocess.run([sys.executable, "-m", "ffnquant", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for command in COMMANDS:
+        assert command in proc.stdout
+
+
 def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "ffnquant", "--version"], capture_output=True, text=True, check=True)
     assert proc.stdout.startswith("ffnquant ")
