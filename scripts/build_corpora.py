@@ -13,7 +13,8 @@ Domains and sources (all offline once downloaded; nothing comes from a model or 
 
 Split rule (no work is in both splits): the works of each source (a Bible book, a documentation page, a module)
 are ordered by the sha256 of their name and dealt alternately to calibration and evaluation; each split then
-takes its works' documents in that order until the source's character budget for the split is reached.
+takes its works' documents in that order until the source's character budget for the split is reached, and the
+sources' documents are interleaved (one of each in turn), so that the first documents already hold every source.
 
 Output: ``<domain>-<split>.jsonl.gz`` (one ``{"text", "source"}`` object a line, gzip with mtime 0, so a rebuild
 is byte-identical) and ``manifest.json`` (documents, characters, SmolLM2 tokens and sha256 of each file).
@@ -86,6 +87,14 @@ def _take(works: dict[str, list[dict]], names: list[str], budget: int) -> list[d
             size += len(doc["text"])
     if size < budget:
         raise BuildError(f"the source gives {size} characters for a split, {budget} were wanted")
+    return out
+
+
+def _interleave(parts: list[list[dict]]) -> list[dict]:
+    """The sources' documents taken in turn, so that any first few documents hold every source."""
+    out = []
+    for i in range(max(len(p) for p in parts)):
+        out += [p[i] for p in parts if i < len(p)]
     return out
 
 
@@ -205,10 +214,9 @@ def main(argv=None) -> int:
                     "corpora": {}}
         for domain in ("prose", "code"):
             for split in SPLITS:
-                docs = []
-                for (dom, src), works in sources.items():
-                    if dom == domain:
-                        docs += _take(works, _order(works)[split], BUDGET[(dom, src)])
+                parts = [_take(works, _order(works)[split], BUDGET[(dom, src)])
+                         for (dom, src), works in sources.items() if dom == domain]
+                docs = _interleave(parts)
                 data = write_gz(args.out / f"{domain}-{split}.jsonl.gz", docs)
                 entry = {"file": f"{domain}-{split}.jsonl.gz", "sha256": sha256(data), "documents": len(docs),
                          "characters": sum(len(d["text"]) for d in docs)}
