@@ -33,7 +33,11 @@ CANDIDATES = "fp32,w8a8@search,w8a8-dynamic-s8,w4a16-g32,w8a8@search+float=hidde
     ("PPL + 0.5 %", "ppl", 0.5, math.log(1.005)),
     ("sqnr>=30", "sqnr", 30.0, 1e-3),
     ("sqnr>=20dB", "sqnr", 20.0, 1e-2),
-], ids=["ppl1", "ppl-spaces", "sqnr30", "sqnr-db"])
+    ("kld<=0.01", "kld", 0.01, 0.01),
+    ("KLD <= 2e-3", "kld", 0.002, 0.002),
+    # top-1 disagreement ~ 0.4 sqrt(KL): 5% disagreement is (0.05 / 0.4)^2 KL-equivalent nats
+    ("top1>=95%", "top1", 95.0, (0.05 / 0.4) ** 2),
+], ids=["ppl1", "ppl-spaces", "sqnr30", "sqnr-db", "kld", "kld-exponent", "top1"])
 def test_targets_parse_to_their_budget(text, metric, value, budget):
     t = Target.parse(text)
     assert (t.metric, t.value) == (metric, value)
@@ -41,10 +45,12 @@ def test_targets_parse_to_their_budget(text, metric, value, budget):
     assert Target.parse(t.name) == t
 
 
-@pytest.mark.parametrize("text", ["ppl<1%", "ppl+0%", "sqnr>=0", "latency", "ppl+x%"],
-                         ids=["wrong-op", "zero", "zero-db", "word", "not-number"])
+@pytest.mark.parametrize("text", ["ppl<1%", "ppl+0%", "sqnr>=0", "latency", "ppl+x%", "kld<=0", "top1>=100%",
+                                  "top1>=95"],
+                         ids=["wrong-op", "zero", "zero-db", "word", "not-number", "kld-zero", "top1-all",
+                              "top1-no-percent"])
 def test_bad_targets_say_the_forms(text):
-    with pytest.raises(FFNQuantError, match="ppl|sqnr"):
+    with pytest.raises(FFNQuantError, match="ppl|sqnr|kld|top1"):
         Target.parse(text)
 
 
@@ -54,6 +60,33 @@ def test_target_met_and_spent_read_the_measurement():
     assert t.spent({"perplexity_ratio": 1.01}) == pytest.approx(t.budget)
     s = Target.parse("sqnr>=30")
     assert s.met({"hidden_sqnr_db": 30.0}) and not s.met({"hidden_sqnr_db": 29.9})
+
+
+@pytest.mark.parametrize("text, measured, met, resolved", [
+    # the point meets ppl+1% but the interval's upper end does not: not met, unresolved
+    ("ppl+1%", {"perplexity_ratio": 1.006, "perplexity_ratio_ci": [1.002, 1.012], "n_predicted": 10_000}, False, False),
+    ("ppl+1%", {"perplexity_ratio": 1.006, "perplexity_ratio_ci": [1.004, 1.008], "n_predicted": 10_000}, True, True),
+    ("ppl+1%", {"perplexity_ratio": 1.02, "perplexity_ratio_ci": [1.015, 1.025], "n_predicted": 10_000}, False, True),
+    ("kld<=0.01", {"kl": {"mean": 0.008, "ci": [0.006, 0.011]}, "n_predicted": 4_000}, False, False),
+    ("kld<=0.01", {"kl": {"mean": 0.008, "ci": [0.007, 0.009]}, "n_predicted": 4_000}, True, True),
+    # top1 is judged at the interval's lower end
+    ("top1>=95%", {"top1_agreement": 0.96, "top1_agreement_ci": [0.94, 0.98], "n_predicted": 4_000}, False, False),
+    ("top1>=95%", {"top1_agreement": 0.97, "top1_agreement_ci": [0.955, 0.985], "n_predicted": 4_000}, True, True),
+    # no interval (a single sequence): judged on the point
+    ("ppl+1%", {"perplexity_ratio": 1.005, "perplexity_ratio_ci": None, "n_predicted": 100}, True, True),
+], ids=["ppl-unresolved", "ppl-met", "ppl-missed", "kld-unresolved", "kld-met", "top1-unresolved", "top1-met",
+        "no-interval"])
+def test_targets_are_met_at_the_confidence_bound(text, measured, met, resolved):
+    t = Target.parse(text)
+    res = t.resolution(measured)
+    assert t.met(measured) is met and res["met"] is met and res["resolved"] is resolved
+    if not resolved:
+        # the half-width shrinks as 1/sqrt(tokens): the tokens needed put the interval's end at the target
+        point, (lo, hi) = t.figure(measured)
+        half = (hi - lo) / 2
+        shrunk = half * math.sqrt(measured["n_predicted"] / res["tokens_needed"])
+        assert shrunk == pytest.approx(abs(t.value - point), rel=1e-3)
+        assert "would resolve it" in res["words"]
 
 
 # --- search ----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from .capture import (
     ffn_input_hooks, install_ffns, iter_captured, iter_captured_files, load_hf_model, load_tokenizer, model_text_batches,
 )
 from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers
-from .metrics import ErrorStats, _NLL, _final_hidden, _run
+from .metrics import Agreement, ErrorStats, Reference, _NLL, _final_hidden, _run, reference_batch
 from .inputs import (  # re-exported: hf.evaluate is where they were
     EvalSettings, LayerInputs, capture_layer_inputs, file_inputs, fit_settings, model_file_stem, token_budget,
 )
@@ -39,6 +39,7 @@ __all__ = [
     "evaluate_layers_from_files",
     "evaluate_model",
     "float_baseline",
+    "float_reference",
     "end_to_end",
     "LayerInputs",
     "capture_layer_inputs",
@@ -255,12 +256,27 @@ def _worst(rows: list[dict[str, Any]], key: str, reverse: bool, n: int = 3) -> l
 
 def float_baseline(model: Any, info: ModelInfo, evals: Sequence[torch.Tensor]) -> dict[str, Any]:
     """The float model on the evaluation batches: perplexity (causal LMs, else None) and the token count."""
+    return float_reference(model, info, evals, keep=False)[0]
+
+
+def float_reference(model: Any, info: ModelInfo, evals: Sequence[torch.Tensor],
+                    keep: bool = True) -> tuple[dict[str, Any], list[Reference] | None]:
+    """The float model run once on the evaluation batches: (`float_baseline`'s figures, and with `keep` one
+    `Reference` per batch (next-token NLL, top-k log-probabilities, final hidden state) so that every later
+    candidate is scored without running the float model again)."""
     nll = _NLL()
+    refs: list[Reference] | None = [] if keep else None
+    causal = info.kind is ModelKind.CAUSAL_LM
     for ids in evals:
         out = _run(model, info, ids)
-        if info.kind is ModelKind.CAUSAL_LM:
+        if causal:
             nll.update(out.logits, ids)
-    return {"perplexity": nll.perplexity, "n_tokens": sum(int(b.numel()) for b in evals)}
+        if refs is not None:
+            hidden = _final_hidden(info, out)
+            refs.append(reference_batch(out.logits, ids, hidden) if causal else
+                        Reference(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.int32), hidden.detach().float()))
+        del out
+    return {"perplexity": nll.perplexity, "n_tokens": sum(int(b.numel()) for b in evals)}, refs
 
 
 def end_to_end(
@@ -273,16 +289,19 @@ def end_to_end(
     baseline: Mapping[str, Any] | None = None,
     per_layer: dict[str, ErrorStats] | None = None,
     progress: Progress | None = None,
+    references: Sequence[Reference] | None = None,
 ) -> dict[str, Any]:
     """What the model's user notices when each FFN in `qffns` (label -> callable on [tokens, d_model], e.g. a
     QuantizedFFN built with remedies) replaces the model's own: final hidden SQNR/cosine, perplexity and its
-    change for causal LMs, and with `settings.ablation` the same per layer index quantized alone.
+    change with a 95% interval, the next-token KL divergence and top-1 agreement against the float model for
+    causal LMs, and with `settings.ablation` the same per layer index quantized alone.
 
     `evals`: token-id batches of the evaluation text; `baseline`: `float_baseline` of the same batches
-    (computed when None); `per_layer`: ErrorStats by label, fed each FFN's own output error on the inputs
-    captured during the float runs. Returns {"baseline", "end_to_end", "ablation", "worst_layers_end_to_end"}.
-    `progress(message, done, total)`: after each evaluation batch ('end to end: batch 2/7') and each ablation
-    run ('ablation: L4, batch 2/7').
+    (computed when None); `references`: `float_reference`'s kept batches, so the float model is not run again
+    (it still runs when `per_layer` needs its FFN inputs); `per_layer`: ErrorStats by label, fed each FFN's own
+    output error on the inputs captured during the float runs. Returns {"baseline", "end_to_end", "ablation",
+    "worst_layers_end_to_end"}. `progress(message, done, total)`: after each evaluation batch ('end to end:
+    batch 2/7') and each ablation run ('ablation: L4, batch 2/7').
     """
     baseline = dict(baseline) if baseline is not None else float_baseline(model, info, evals)
     by_label = {layer.label: layer for layer in layers}
@@ -290,29 +309,35 @@ def end_to_end(
     indices = sorted({by_label[k].index for k in qffns})
     causal = info.kind is ModelKind.CAUSAL_LM
     ablate = settings.ablation and len(indices) > 1
-    hidden_all, nll_all = ErrorStats(), _NLL()
+    hidden_all, nll_all, agreement = ErrorStats(), _NLL(), Agreement()
     ablate_hidden = {i: ErrorStats() for i in indices}
     ablate_nll = {i: _NLL() for i in indices}
     n_ablation = len(evals) * len(indices) if ablate else 0
     for b, ids in enumerate(evals):
+        ref = references[b] if references is not None else None
         if per_layer is not None:
             captured: dict[str, list[torch.Tensor]] = {}
             with ffn_input_hooks(model, info, layer_infos, lambda l, x: captured.setdefault(l.label, []).append(x)):
-                ref = _run(model, info, ids)  # the float run, capturing each FFN's input on the way
+                out_ref = _run(model, info, ids)  # the float run, capturing each FFN's input on the way
             with torch.no_grad():
                 for label, xs in captured.items():
                     for x in xs:
                         if x.shape[0] and label in qffns:
                             per_layer[label].update(by_label[label].ffn(x), qffns[label](x))
             del captured
-        else:
-            ref = _run(model, info, ids)
-        ref_hidden = _final_hidden(info, ref)
+        elif ref is None:
+            out_ref = _run(model, info, ids)
+        if ref is None:
+            ref = reference_batch(out_ref.logits, ids, _final_hidden(info, out_ref)) if causal else \
+                Reference(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.int32), _final_hidden(info, out_ref))
+            del out_ref
         with install_ffns(model, info, {by_label[k].info: q for k, q in qffns.items()}):
             out = _run(model, info, ids)
-        hidden_all.update(ref_hidden, _final_hidden(info, out))
+        hidden_all.update(ref.hidden, _final_hidden(info, out))
         if causal:
             nll_all.update(out.logits, ids)
+            agreement.update(ref, out.logits, ids)
+        del out
         if progress is not None:
             progress(f"end to end: batch {b + 1}/{len(evals)}", b + 1, len(evals))
         if ablate:
@@ -320,20 +345,24 @@ def end_to_end(
                 only = {by_label[k].info: q for k, q in qffns.items() if by_label[k].index == i}
                 with install_ffns(model, info, only):
                     out_i = _run(model, info, ids)
-                ablate_hidden[i].update(ref_hidden, _final_hidden(info, out_i))
+                ablate_hidden[i].update(ref.hidden, _final_hidden(info, out_i))
                 if causal:
                     ablate_nll[i].update(out_i.logits, ids)
                 if progress is not None:
                     progress(f"ablation: L{i}, batch {b + 1}/{len(evals)}", b * len(indices) + j + 1, n_ablation)
     return end_to_end_figures(baseline, hidden_all, nll_all if causal else None,
-                              {i: (ablate_hidden[i], ablate_nll[i] if causal else None) for i in indices} if ablate else {})
+                              {i: (ablate_hidden[i], ablate_nll[i] if causal else None) for i in indices} if ablate else {},
+                              agreement if causal else None)
 
 
 def end_to_end_figures(baseline: Mapping[str, Any], hidden: ErrorStats, nll: _NLL | None,
-                       ablated: Mapping[int, tuple[ErrorStats, _NLL | None]]) -> dict[str, Any]:
+                       ablated: Mapping[int, tuple[ErrorStats, _NLL | None]],
+                       agreement: Agreement | None = None) -> dict[str, Any]:
     """`end_to_end`'s result from its accumulators: the final hidden state's errors (`hidden`), the quantized
-    model's next-token loss (`nll`, None for models without perplexity) and, per layer index quantized alone,
-    the same two (`ablated`). The one layout of these figures, whichever path streamed the batches."""
+    model's next-token loss (`nll`, None for models without perplexity), its agreement with the float model's
+    next-token distributions (`agreement`: the perplexity change's interval, KL, top-1) and, per layer index
+    quantized alone, the same first two (`ablated`). The one layout of these figures, whichever path streamed
+    the batches."""
     ablation = []
     for i, (abl_hidden, abl_nll) in sorted(ablated.items()):
         a = {"index": i, "label": f"L{i}", "hidden_sqnr_db": abl_hidden.sqnr_db, "hidden_cosine": abl_hidden.cosine}
@@ -347,6 +376,10 @@ def end_to_end_figures(baseline: Mapping[str, Any], hidden: ErrorStats, nll: _NL
         ppl = nll.perplexity
         e2e.update(perplexity=ppl, perplexity_delta=ppl - baseline["perplexity"],
                    perplexity_ratio=ppl / baseline["perplexity"])
+    if agreement is not None and agreement.count:
+        fig = agreement.figures()
+        fig.pop("perplexity_ratio_paired")  # the same ratio as perplexity_ratio (same tokens), kept once
+        e2e.update(fig)
     if ablation and nll is not None:
         worst = _worst(ablation, "perplexity_delta", reverse=True)
     else:

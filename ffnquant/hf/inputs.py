@@ -83,6 +83,9 @@ class LayerInputs:
     calib_batches: list[torch.Tensor] | None = None  # the calibration text's token ids (None from captured files)
     # requested against obtained tokens of each text (`token_budget`); empty from captured files
     budgets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the held-out texts scored apart (`capture_layer_inputs(..., by_domain=True)`): (label, first batch, end
+    # batch) spans of eval_batches, one per evaluation text; one span of all of them otherwise
+    eval_domains: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def fit_settings(info: ModelInfo, settings: EvalSettings) -> EvalSettings:
@@ -137,6 +140,7 @@ def capture_layer_inputs(
     settings: EvalSettings = EvalSettings(),
     allow_pickle: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
+    by_domain: bool = False,
 ) -> LayerInputs:
     """Calibration and held-out inputs of each FFN in `layers`, for quantizing them one by one.
 
@@ -145,7 +149,9 @@ def capture_layer_inputs(
     captured through forward hooks. From `captured` files instead (no transformers): the first
     `calib_tokens` rows of each layer's file calibrate, the next `eval_tokens` rows evaluate.
     `progress(message, done, total)` is called after each batch run through the model ('capture calibration
-    inputs: batch 3/9'); it never prints here.
+    inputs: batch 3/9'); it never prints here. With `by_domain`, each evaluation text (each file, or each
+    shipped corpus) is a domain of its own: tokenized apart with up to `eval_tokens` tokens each, its batches
+    one span of `eval_batches` (`eval_domains`), so that a plan can be held to its target on each.
     """
     labels = [layer.label for layer in layers]
     borrowed: dict[str, str] = {}
@@ -167,8 +173,8 @@ def capture_layer_inputs(
     # tokenized (and the ids checked against config.json) before the model is loaded
     calib_ids = model_text_batches(info, tokenizer, text, "calibration", settings.seq_len, settings.batch_size,
                                    calib_tokens)
-    eval_ids = model_text_batches(info, tokenizer, eval_text, "evaluation", settings.seq_len, settings.batch_size,
-                                  eval_tokens)
+    domains = eval_domain_batches(info, tokenizer, eval_text, settings, eval_tokens, by_domain)
+    eval_ids = [b for _, batches in domains for b in batches]
     model = _capture.load_hf_model(info, allow_pickle=allow_pickle)  # looked up at call time (tests replace it)
 
     def pieces(batches, stage):
@@ -185,11 +191,45 @@ def capture_layer_inputs(
     borrowed = {**calib_borrowed, **borrowed}
     cal_name, ev_name = _capture.text_label(text, "calibration"), _capture.text_label(eval_text, "evaluation")
     budgets = {"calibration": token_budget("calibration", calib_tokens, calib_ids, cal_name),
-               "evaluation": token_budget("evaluation", eval_tokens, eval_ids, ev_name)}
+               **domain_budgets(domains, eval_tokens, by_domain, ev_name)}
     return LayerInputs(calib, evals, cal_name, ev_name,
                        "different texts: calibration inputs from " + cal_name + ", held-out inputs from " + ev_name,
                        borrowed, eval_ids, model, calib_borrowed=calib_borrowed, calib_batches=calib_ids,
-                       budgets=budgets)
+                       budgets=budgets, eval_domains=domain_spans(domains))
+
+
+def eval_domain_batches(info: ModelInfo, tokenizer: Any, eval_text: Any, settings: EvalSettings, max_tokens: int,
+                        by_domain: bool) -> list[tuple[str, list[torch.Tensor]]]:
+    """The evaluation batches as (label, batches) per domain: each evaluation text apart (up to `max_tokens` each)
+    with `by_domain`, else one domain of all of them together (up to `max_tokens` in all)."""
+    settings = fit_settings(info, settings)
+    sources = _capture.text_paths(eval_text, "evaluation") if (by_domain and eval_text is not None) else [eval_text]
+    if by_domain and eval_text is None:
+        sources = list(getattr(_capture, "DEFAULT_EVAL_DOMAINS", [None]))
+    out = []
+    for source in sources:
+        batches = model_text_batches(info, tokenizer, source, "evaluation", settings.seq_len, settings.batch_size,
+                                     max_tokens)
+        out.append((_capture.text_label(source, "evaluation"), batches))
+    return out
+
+
+def domain_spans(domains: Sequence[tuple[str, Sequence[Any]]]) -> list[tuple[str, int, int]]:
+    """(label, first batch, end batch) of each domain in the concatenated batch list."""
+    spans, start = [], 0
+    for label, batches in domains:
+        spans.append((label, start, start + len(batches)))
+        start += len(batches)
+    return spans
+
+
+def domain_budgets(domains: Sequence[tuple[str, Sequence[torch.Tensor]]], requested: int, by_domain: bool,
+                   label: str) -> dict[str, dict[str, Any]]:
+    """`token_budget` of the evaluation text, or of each domain ('evaluation: LABEL') with `by_domain`."""
+    if not by_domain:
+        return {"evaluation": token_budget("evaluation", requested, [b for _, bs in domains for b in bs], label)}
+    return {f"evaluation: {name}": token_budget(f"evaluation ({name})", requested, batches, name)
+            for name, batches in domains}
 
 
 _GENERIC_FOLDERS = frozenset({"model", "models", "checkpoint", "weights", "hf", "snapshot"})

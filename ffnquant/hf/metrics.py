@@ -7,6 +7,7 @@ back, an ONNX graph) on the same batches.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -16,7 +17,8 @@ from .arch import ModelKind
 from .capture import shift_right
 from .checkpoint import ModelInfo
 
-__all__ = ["ErrorStats", "SQNR_CAP_DB", "compare_models"]
+__all__ = ["ErrorStats", "SQNR_CAP_DB", "TOP_K", "Reference", "reference_batch", "Agreement", "ratio_interval",
+           "t_quantile", "compare_models"]
 
 SQNR_CAP_DB = 200.0  # as ffnquant.accuracy: identical outputs read as 200 dB, not +inf
 
@@ -78,6 +80,148 @@ class _NLL:
         return math.exp(self.total / self.count) if self.count else None
 
 
+# --- the reference's next-token distribution kept once, and a candidate's agreement with it ----------------------
+
+TOP_K = 128  # reference tokens kept per position; the rest of its probability mass is one bucket (see Agreement)
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (1-30); above 30 the table's last entries are
+# interpolated in 1/df toward the normal quantile 1.960
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (a 95% two-sided interval)."""
+    if df < 1:
+        return math.inf
+    if df <= len(_T975):
+        return _T975[df - 1]
+    return 1.960 + (_T975[-1] - 1.960) * len(_T975) / df  # exact to 0.002 at every df > 30
+
+
+def ratio_interval(num: Sequence[float], den: Sequence[float]) -> tuple[float, float, float] | None:
+    """(estimate, low, high) of sum(num)/sum(den) with a 95% interval, the sequences as independent units.
+
+    The ratio estimator's standard error over S units: sqrt(S/(S-1) * sum (num_s - r den_s)^2) / sum den_s,
+    widened by Student's t with S-1 degrees of freedom. Tokens inside one sequence are correlated (a passage is
+    easy or hard as a whole), so the sequence, not the token, is the unit. None with fewer than 2 units."""
+    n = torch.as_tensor(list(num), dtype=torch.float64)
+    d = torch.as_tensor(list(den), dtype=torch.float64)
+    if n.numel() < 2 or float(d.sum()) <= 0:
+        return None
+    r = float(n.sum() / d.sum())
+    s = n.numel()
+    se = math.sqrt(s / (s - 1) * float(((n - r * d) ** 2).sum())) / float(d.sum())
+    half = t_quantile(s - 1) * se
+    return r, r - half, r + half
+
+
+@dataclass
+class Reference:
+    """The reference model's figures of one batch, kept so that each candidate is scored without running it again:
+    the next-token NLL at each position [sequences, positions] (float64), its `TOP_K` most likely next tokens with their
+    log-probabilities (sorted, most likely first) and, optionally, the final hidden state."""
+
+    nll: torch.Tensor
+    top_logp: torch.Tensor
+    top_ids: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.nll, self.top_logp, self.top_ids] + ([self.hidden] if self.hidden is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def reference_batch(logits: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor | None = None,
+                    k: int = TOP_K) -> Reference:
+    """`Reference` of one batch from the reference model's logits [sequences, positions, vocabulary]."""
+    nll, top_logp, top_ids = [], [], []
+    for s in range(ids.shape[0]):  # a sequence at a time: [positions, vocabulary] in float64 is ~200 MB at 512 x 49k
+        logp = torch.log_softmax(logits[s, :-1].double(), dim=-1)
+        nll.append(-logp.gather(-1, ids[s, 1:, None]).squeeze(-1))
+        lp, ix = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        top_logp.append(lp)
+        top_ids.append(ix)
+    return Reference(torch.stack(nll), torch.stack(top_logp).float(), torch.stack(top_ids).to(torch.int32),
+                     None if hidden is None else hidden.detach().float())
+
+
+def _log1mexp_sum(logp: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum(exp(logp))) over the last axis, clamped away from log(0)."""
+    mass = logp.double().exp().sum(-1).clamp(max=1.0 - 1e-12)
+    return torch.log1p(-mass)
+
+
+class Agreement:
+    """A candidate's next-token predictions against the reference's on the same tokens, streamed over batches.
+
+    Kept per sequence: both summed NLLs (their paired difference gives the perplexity change's interval), the
+    summed KL divergence and the top-1 agreements; per token, the KL divergence (for its percentiles).
+    KL(reference || candidate) is taken over the reference's `TOP_K` tokens plus one bucket holding the rest of
+    each distribution's mass: merging outcomes never increases a KL divergence, so this is a lower bound of the
+    full-vocabulary KL, and it equals it when the reference puts its mass on those tokens (measured against the
+    full KL in the tests)."""
+
+    def __init__(self) -> None:
+        self.ref_nll: list[float] = []
+        self.nll: list[float] = []
+        self.kl_seq: list[float] = []
+        self.top1_seq: list[float] = []
+        self.count: list[int] = []
+        self.kl_tokens: list[torch.Tensor] = []
+
+    def update(self, ref: Reference, logits: torch.Tensor, ids: torch.Tensor) -> "Agreement":
+        kls = []
+        for s in range(ids.shape[0]):  # a sequence at a time (see reference_batch)
+            logq = torch.log_softmax(logits[s, :-1].double(), dim=-1)
+            nll = -logq.gather(-1, ids[s, 1:, None]).squeeze(-1)
+            top_p_logp = ref.top_logp[s].double()
+            q_top = logq.gather(-1, ref.top_ids[s].long())
+            p_top = top_p_logp.exp()
+            kl = (p_top * (top_p_logp - q_top)).sum(-1)
+            p_rest = (1.0 - p_top.sum(-1)).clamp(min=0.0)
+            rest = p_rest * (_log1mexp_sum(top_p_logp) - _log1mexp_sum(q_top))
+            kl = (kl + torch.where(p_rest > 0, rest, torch.zeros_like(rest))).clamp(min=0.0)  # >= 0 up to rounding
+            agree = (logq.argmax(-1) == ref.top_ids[s, :, 0].long()).double()
+            self.ref_nll.append(float(ref.nll[s].double().sum()))
+            self.nll.append(float(nll.sum()))
+            self.kl_seq.append(float(kl.sum()))
+            self.top1_seq.append(float(agree.sum()))
+            self.count.append(int(nll.numel()))
+            kls.append(kl.float())
+        self.kl_tokens.append(torch.cat(kls))
+        return self
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(self.count)
+
+    def figures(self) -> dict[str, Any]:
+        """{perplexity_ratio with its 95% interval (paired per-sequence differences), kl: {mean, its interval,
+        median, p99, p99_9, max}, top1_agreement with its interval, n_sequences, n_predicted}."""
+        if not self.count:
+            return {}
+        diff = [a - b for a, b in zip(self.nll, self.ref_nll)]
+        r = sum(diff) / self.n_tokens
+        ratio = ratio_interval(diff, self.count)
+        kl_all = torch.cat(self.kl_tokens).double()
+        qs = torch.quantile(kl_all, torch.tensor([0.5, 0.99, 0.999], dtype=torch.float64)).tolist()
+        kl_ci = ratio_interval(self.kl_seq, self.count)
+        top1 = ratio_interval(self.top1_seq, self.count)
+        out = {
+            "perplexity_ratio_paired": math.exp(r),
+            "perplexity_ratio_ci": None if ratio is None else [math.exp(ratio[1]), math.exp(ratio[2])],
+            "kl": {"mean": float(kl_all.mean()), "ci": None if kl_ci is None else [kl_ci[1], kl_ci[2]],
+                   "median": qs[0], "p99": qs[1], "p99_9": qs[2], "max": float(kl_all.max()),
+                   "top_k": TOP_K, "bound": "lower (the reference's top-k tokens plus one bucket)"},
+            "top1_agreement": sum(self.top1_seq) / self.n_tokens,
+            "top1_agreement_ci": None if top1 is None else [top1[1], min(1.0, top1[2])],
+            "n_sequences": len(self.count), "n_predicted": self.n_tokens,
+        }
+        return out
+
+
 def _final_hidden(info: ModelInfo, out: Any) -> torch.Tensor:
     if info.kind is ModelKind.ENCODER:
         return out.last_hidden_state
@@ -97,11 +241,12 @@ def _run(model, info: ModelInfo, ids: torch.Tensor):
 def compare_models(reference: Any, candidate: Any, info: ModelInfo, evals: Sequence[torch.Tensor],
                    candidate_run: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
     """`end_to_end`'s figures for a whole other model (a deployed folder loaded back, an ONNX graph): the final
-    hidden state's SQNR/cosine against `reference` and, for causal LMs, both perplexities on `evals`.
+    hidden state's SQNR/cosine against `reference` and, for causal LMs, both perplexities on `evals`, the
+    change's 95% interval, KL divergence and top-1 agreement against `reference` (`Agreement`).
 
     `candidate_run(ids) -> (logits, final hidden)` runs a candidate that is not a transformers model
     (`candidate` is then unused)."""
-    hidden, nll_ref, nll = ErrorStats(), _NLL(), _NLL()
+    hidden, nll_ref, nll, agreement = ErrorStats(), _NLL(), _NLL(), Agreement()
     causal = info.kind is ModelKind.CAUSAL_LM
     for ids in evals:
         ref = _run(reference, info, ids)
@@ -114,9 +259,13 @@ def compare_models(reference: Any, candidate: Any, info: ModelInfo, evals: Seque
         if causal:
             nll_ref.update(ref.logits, ids)
             nll.update(logits, ids)
+            agreement.update(reference_batch(ref.logits, ids), logits, ids)
     out = {"hidden_sqnr_db": hidden.sqnr_db, "hidden_cosine": hidden.cosine,
            "n_tokens": sum(int(b.numel()) for b in evals)}
     if causal:
         out.update(baseline_perplexity=nll_ref.perplexity, perplexity=nll.perplexity,
                    perplexity_ratio=nll.perplexity / nll_ref.perplexity)
+        fig = agreement.figures()
+        fig.pop("perplexity_ratio_paired", None)
+        out.update(fig)
     return out

@@ -79,7 +79,7 @@ def stream_quantize(info: ModelInfo, recipe: Any, layers: str | int | list[int] 
     makes, a layer at a time. The final norm and LM head score every stream batch by batch."""
     from ..plan.planfile import Plan
     from .evaluate import end_to_end_figures, model_layers_report, quantized_layers
-    from .metrics import _NLL, ErrorStats
+    from .metrics import _NLL, Agreement, ErrorStats, reference_batch
 
     settings = fit_settings(info, settings)
     calib_ids = token_batches_of(info, text, "calibration", settings, calib_tokens)
@@ -146,16 +146,18 @@ def stream_quantize(info: ModelInfo, recipe: Any, layers: str | int | list[int] 
             if progress is not None:
                 progress(f"layers: L{j}", j + 1, info.n_layers)
         t_e2e = time.perf_counter() - e2e_seconds
-        nll_base, nll_all, hidden_all = _NLL(), _NLL(), ErrorStats()
+        nll_base, nll_all, hidden_all, agreement = _NLL(), _NLL(), ErrorStats(), Agreement()
         abl_hidden = {i: ErrorStats() for i in ablation}
         abl_nll = {i: _NLL() for i in ablation}
         for b, ids in enumerate(eval_ids):
             ref_hidden, logits = model.head_out(float_eval.get(b))
             nll_base.update(logits, ids)
+            ref = reference_batch(logits, ids)
             del logits  # a batch's logits at a time: [tokens, vocabulary] each
             hidden, logits = model.head_out(quant.get(b))
             hidden_all.update(ref_hidden, hidden)
             nll_all.update(logits, ids)
+            agreement.update(ref, logits, ids)
             for i, store in ablation.items():
                 hidden, logits = model.head_out(store.get(b))
                 abl_hidden[i].update(ref_hidden, hidden)
@@ -165,7 +167,8 @@ def stream_quantize(info: ModelInfo, recipe: Any, layers: str | int | list[int] 
     # the figures and the layout `end_to_end` and `quantize_model_layers` give, from the same accumulators
     baseline = {"perplexity": nll_base.perplexity, "n_tokens": sum(int(b.numel()) for b in eval_ids)}
     e2e = {"status": "ok", "reason": None, "evaluation_text": ev_name,
-           **end_to_end_figures(baseline, hidden_all, nll_all, {i: (abl_hidden[i], abl_nll[i]) for i in ablation}),
+           **end_to_end_figures(baseline, hidden_all, nll_all, {i: (abl_hidden[i], abl_nll[i]) for i in ablation},
+                                 agreement),
            "seconds": time.perf_counter() - t_e2e}
     texts = LayerInputs({}, {}, cal_name, ev_name, separation, {}, budgets=budgets)
     return model_layers_report(info, recipe, rows, e2e, settings, texts)

@@ -40,13 +40,25 @@ from .search import Option, pareto, solve
 from .sensitivity import SuffixRunner, check_plannable, fisher_noise, output_gradients, probe_batches
 from .target import Objective, Target
 
-__all__ = ["PROBES", "final_round", "make_plan", "next_safety"]
+__all__ = ["PROBES", "final_round", "make_plan", "next_safety", "worst_domain"]
 
 Progress = Callable[[str, int, int], None]
 # Measured per layer to fit the prediction's scale: a mild and a strong error, both common choices.
 PROBES = ("w8a8-dynamic-s8", "w4a16-g128")
 # A verification round where every layer stays float: nothing to measure.
-_UNCHANGED = {"hidden_sqnr_db": 200.0, "hidden_cosine": 1.0, "perplexity_delta": 0.0, "perplexity_ratio": 1.0}
+_UNCHANGED = {"hidden_sqnr_db": 200.0, "hidden_cosine": 1.0, "perplexity_delta": 0.0, "perplexity_ratio": 1.0,
+              "perplexity_ratio_ci": [1.0, 1.0], "top1_agreement": 1.0, "top1_agreement_ci": [1.0, 1.0],
+              "kl": {"mean": 0.0, "ci": [0.0, 0.0], "median": 0.0, "p99": 0.0, "p99_9": 0.0, "max": 0.0}}
+
+
+def worst_domain(target: Target, domains: Mapping[str, Mapping[str, Any]]) -> str:
+    """The held-out domain whose figure is furthest from meeting `target` (at its confidence bound)."""
+    def badness(label: str) -> float:
+        bound = target.bound(domains[label])
+        if bound is None:
+            return float("inf")
+        return bound if target.metric in ("ppl", "kld") else -bound
+    return max(domains, key=badness)
 
 
 def final_round(result: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +100,7 @@ class _InMemory:
     def __init__(self, info: Any, settings: Any, text: Any, eval_text: Any, probe_tokens: int, allow_pickle: bool,
                  progress: Progress | None, timings: dict[str, float]) -> None:
         from ..hf import load_ffn_layers
-        from ..hf.evaluate import float_baseline
+        from ..hf.evaluate import float_reference
         from ..hf.inputs import capture_layer_inputs
 
         self.info, self.settings = info, settings
@@ -96,7 +108,8 @@ class _InMemory:
         t = time.perf_counter()
         self.inputs = inputs = capture_layer_inputs(
             info, self.layers, text=text, eval_text=eval_text, calib_tokens=settings.max_calib_tokens,
-            eval_tokens=settings.max_eval_tokens, settings=settings, allow_pickle=allow_pickle, progress=progress)
+            eval_tokens=settings.max_eval_tokens, settings=settings, allow_pickle=allow_pickle, progress=progress,
+            by_domain=True)
         self.model = inputs.model
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -111,8 +124,19 @@ class _InMemory:
         self.ablations: dict[tuple[int, str], Any] = {}
         self.texts = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
                       "token_budgets": inputs.budgets}
-        self.baseline = float_baseline(self.model, info, inputs.eval_batches)
-        self.search_baseline = float_baseline(self.model, info, inputs.calib_batches)
+        # the float model's figures kept once per batch: each round scores only the quantized model
+        t = time.perf_counter()
+        self.domains = inputs.eval_domains
+        self.domain_baselines, self.domain_refs = {}, {}
+        for k, (label, lo, hi) in enumerate(self.domains):
+            if progress is not None:
+                progress(f"float reference: {label}", k + 1, len(self.domains))
+            self.domain_baselines[label], self.domain_refs[label] = float_reference(
+                self.model, info, inputs.eval_batches[lo:hi])
+        self.search_baseline, self.search_refs = float_reference(self.model, info, inputs.calib_batches)
+        self.baseline = {"perplexity": None, "n_tokens": sum(int(b.numel()) for b in inputs.eval_batches),
+                         "domains": self.domain_baselines}
+        timings["float_reference_s"] = time.perf_counter() - t
         self._cache: dict[tuple[int, str], Any] = {}
 
     def groups(self):
@@ -123,8 +147,9 @@ class _InMemory:
     def ablate(self, layer: Any, name: str, ffn: Any) -> None:
         self.ablations[(layer.index, name)] = self.runner.ablate(layer.index, ffn)
 
-    def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> tuple[dict, dict]:
-        """The end-to-end figures (search text, held-out text) of the layers quantized as `chosen` ({index: name})."""
+    def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> tuple[dict, dict[str, dict]]:
+        """The end-to-end figures of the layers quantized as `chosen` ({index: name}): on the search text, and on
+        each held-out domain ({label: figures})."""
         from ..hf.evaluate import end_to_end
 
         by_index = {layer.index: layer for layer in self.layers}
@@ -138,8 +163,12 @@ class _InMemory:
                                                         self.inputs.eval[layer.label], bins=self.settings.bins)[0]
             qffns[layer.label] = self._cache[(i, name)]
         args = (self.model, self.info, self.layers, qffns)
-        return (end_to_end(*args, self.inputs.calib_batches, self.settings, self.search_baseline)["end_to_end"],
-                end_to_end(*args, self.inputs.eval_batches, self.settings, self.baseline)["end_to_end"])
+        on_search = end_to_end(*args, self.inputs.calib_batches, self.settings, self.search_baseline,
+                               references=self.search_refs)["end_to_end"]
+        domains = {label: end_to_end(*args, self.inputs.eval_batches[lo:hi], self.settings,
+                                     self.domain_baselines[label], references=self.domain_refs[label])["end_to_end"]
+                   for label, lo, hi in self.domains}
+        return on_search, domains
 
 
 def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], probes: Sequence[Recipe], bins: Any):
@@ -351,7 +380,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     timings["candidates_s"] = time.perf_counter() - t - timings.get("latency_table_s", 0.0)
 
     def damage(row: dict[str, Any]) -> float:
-        if target.metric == "ppl":
+        if target.damage_kind == "kl":
             return row["predicted_kl"]
         return row["predicted_hidden_nsr"] if row["predicted_hidden_nsr"] is not None else float("inf")
 
@@ -381,15 +410,20 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         # the whole plan on the search text too: how the additive prediction compares with the real sum there
         if all(name == "fp32" for name in names.values()):
             on_search = dict(_UNCHANGED, perplexity=search_baseline["perplexity"])
-            e2e = dict(_UNCHANGED, perplexity=baseline["perplexity"])
+            domains = {label: dict(_UNCHANGED, perplexity=base["perplexity"], n_predicted=base.get("n_tokens"))
+                       for label, base in baseline["domains"].items()}
         else:
-            on_search, e2e = source.verify(names, by_name)
+            on_search, domains = source.verify(names, by_name)
+        # the target holds on every held-out domain, each at its confidence bound; the worst one steers the budget
+        worst = worst_domain(target, domains)
+        e2e = domains[worst]
         predicted = sum(o.damage for o in chosen.values())
         spent, spent_search = target.spent(e2e), target.spent(on_search)
-        met = target.met(e2e)
+        met = all(target.met(fig) for fig in domains.values())
         rounds.append({"round": rnd, "safety": safety, "budget": target.budget * safety, "predicted": predicted,
                        "measured_search": spent_search, "search_end_to_end": on_search,
-                       "measured": spent, "met": met, "end_to_end": e2e,
+                       "measured": spent, "met": met, "end_to_end": e2e, "worst_domain": worst,
+                       "domains": {label: dict(fig, resolution=target.resolution(fig)) for label, fig in domains.items()},
                        "cost": sum(o.cost for o in chosen.values()), "layers": names})
         if met:
             met_safety = safety
@@ -422,7 +456,11 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         target.name, objective.name,
         {"verified": bool(final["met"]), "rounds": len(rounds),
          "measured_perplexity_ratio": final["end_to_end"].get("perplexity_ratio"),
+         "measured_perplexity_ratio_ci": final["end_to_end"].get("perplexity_ratio_ci"),
+         "measured_kl_mean": (final["end_to_end"].get("kl") or {}).get("mean"),
+         "measured_top1_agreement": final["end_to_end"].get("top1_agreement"),
          "measured_hidden_sqnr_db": final["end_to_end"].get("hidden_sqnr_db"),
+         "worst_domain": final.get("worst_domain"),
          "cost": final["cost"], "fp32_cost": fp32_cost, "objective_unit": "ms" if objective.kind == "latency" else "bytes"})
     result = {
         "model": {k: v for k, v in info.to_dict().items() if k != "layers"},

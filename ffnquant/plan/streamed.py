@@ -156,17 +156,23 @@ class StreamedPlanModel:
     def _forward(self) -> None:
         from ..hf.capture import text_label
         from ..hf.inputs import token_budget
-        from ..hf.metrics import _NLL
+        from ..hf.metrics import _NLL, reference_batch
+        from ..hf.capture import load_tokenizer
+        from ..hf.inputs import domain_budgets, domain_spans, eval_domain_batches
         from ..hf.stream import SequentialModel, token_batches_of
         from .sensitivity import _nll_sum, float_terms, probe_batches
 
         info, settings = self.info, self.settings
         self.calib_ids = token_batches_of(info, self.text, "calibration", settings, settings.max_calib_tokens)
-        self.eval_ids = token_batches_of(info, self.eval_text, "evaluation", settings, settings.max_eval_tokens)
+        # the held-out domains as the in-memory path reads them (hf.inputs.capture_layer_inputs(by_domain=True))
+        domains = eval_domain_batches(info, load_tokenizer(info.path), self.eval_text, settings,
+                                      settings.max_eval_tokens, True)
+        self.eval_ids = [b for _, batches in domains for b in batches]
+        self.domains = domain_spans(domains)
         cal_name, ev_name = text_label(self.text, "calibration"), text_label(self.eval_text, "evaluation")
         self.texts = {"calibration": cal_name, "evaluation": ev_name, "token_budgets": {
             "calibration": token_budget("calibration", settings.max_calib_tokens, self.calib_ids, cal_name),
-            "evaluation": token_budget("evaluation", settings.max_eval_tokens, self.eval_ids, ev_name)}}
+            **domain_budgets(domains, settings.max_eval_tokens, True, ev_name)}}
         probes, self.n_probe = probe_batches(self.calib_ids, self.probe_tokens)  # the in-memory path's
         self.n_probe_batches = len(probes)
         m = self.model = SequentialModel(info)
@@ -192,24 +198,33 @@ class StreamedPlanModel:
         # the float figures; the loss gradient at the last layer's output
         self.final = (self._store("final-calibration"), self._store("final-evaluation"))
         self.grad_out = self._store("gradient")
-        nll_search, nll_eval = _NLL(), _NLL()
+        nll_search = _NLL()
+        nll_eval = {label: _NLL() for label, _, _ in self.domains}
+        domain_of = [label for label, lo, hi in self.domains for _ in range(lo, hi)]
+        self.references: tuple[list, list] = ([], [])  # each batch's float next-token figures (`Reference`)
         self.ref: list[tuple[float, torch.Tensor]] = []  # the probe batches' float NLL and log-probabilities
         for b, ids in enumerate(self.calib_ids):
             final, logits, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
             self.final[0].put(b, final)
             self.grad_out.put(b, grad)
             nll_search.update(logits, ids)
+            self.references[0].append(reference_batch(logits, ids))
             if b < self.n_probe_batches:
                 self.ref.append(float_terms(logits, ids))
         calib.clear()
         for b, ids in enumerate(self.eval_ids):
             final, logits = m.head_out(evals.get(b))
             self.final[1].put(b, final)
-            nll_eval.update(logits, ids)
+            nll_eval[domain_of[b]].update(logits, ids)
+            self.references[1].append(reference_batch(logits, ids))
         evals.clear()
         self.search_baseline = {"perplexity": nll_search.perplexity,
                                 "n_tokens": sum(int(b.numel()) for b in self.calib_ids)}
-        self.baseline = {"perplexity": nll_eval.perplexity, "n_tokens": sum(int(b.numel()) for b in self.eval_ids)}
+        self.domain_baselines = {label: {"perplexity": nll_eval[label].perplexity,
+                                         "n_tokens": sum(int(b.numel()) for b in self.eval_ids[lo:hi])}
+                                 for label, lo, hi in self.domains}
+        self.baseline = {"perplexity": None, "n_tokens": sum(int(b.numel()) for b in self.eval_ids),
+                         "domains": self.domain_baselines}
 
     # --- pass 2 -----------------------------------------------------------------------------------------------
 
@@ -290,12 +305,12 @@ class StreamedPlanModel:
 
     # --- pass 4 -----------------------------------------------------------------------------------------------
 
-    def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> tuple[dict, dict]:
-        """The end-to-end figures (search text, held-out text) of the layers quantized as `chosen` ({index: name}),
-        both texts streamed through every layer once."""
+    def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> tuple[dict, dict[str, dict]]:
+        """The end-to-end figures of the layers quantized as `chosen` ({index: name}) on the search text and on each
+        held-out domain ({label: figures}), both texts streamed through every layer once."""
         from ..hf.checkpoint import iter_ffn_layers
         from ..hf.evaluate import end_to_end_figures
-        from ..hf.metrics import _NLL, ErrorStats
+        from ..hf.metrics import _NLL, Agreement, ErrorStats
         from ..hf.stream import _trim
         from .candidates import quantize_layer
 
@@ -317,14 +332,19 @@ class StreamedPlanModel:
             del q
             _trim()
             self.progress(f"verify: L{j}", j + 1, n)
-        figures = []
-        for store, ids_list, final, base in zip(streams, (self.calib_ids, self.eval_ids), self.final,
-                                                (self.search_baseline, self.baseline)):
-            hidden, nll = ErrorStats(), _NLL()
-            for b, ids in enumerate(ids_list):
+        def figures(store, ids_list, final, refs, base, lo, hi):
+            hidden, nll, agreement = ErrorStats(), _NLL(), Agreement()
+            for b in range(lo, hi):
                 got, logits = m.head_out(store.get(b))
                 hidden.update(final.get(b), got)
-                nll.update(logits, ids)
-            store.clear()
-            figures.append(end_to_end_figures(base, hidden, nll, {})["end_to_end"])
-        return figures[0], figures[1]
+                nll.update(logits, ids_list[b])
+                agreement.update(refs[b], logits, ids_list[b])
+            return end_to_end_figures(base, hidden, nll, {}, agreement)["end_to_end"]
+
+        on_search = figures(streams[0], self.calib_ids, self.final[0], self.references[0], self.search_baseline,
+                            0, len(self.calib_ids))
+        streams[0].clear()
+        domains = {label: figures(streams[1], self.eval_ids, self.final[1], self.references[1],
+                                  self.domain_baselines[label], lo, hi) for label, lo, hi in self.domains}
+        streams[1].clear()
+        return on_search, domains

@@ -5,34 +5,53 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from ..errors import FFNQuantError, unknown_choice
 
-__all__ = ["Target", "Objective", "OBJECTIVES", "TARGET_FORMS"]
+__all__ = ["Target", "Objective", "OBJECTIVES", "METRICS", "TARGET_FORMS"]
 
-TARGET_FORMS = "ppl+P% (perplexity at most P% above the float model's) or sqnr>=DB (final hidden state SQNR)"
+TARGET_FORMS = ("ppl+P% (perplexity at most P% above the float model's), kld<=X (mean next-token KL divergence "
+                "from the float model, nats), top1>=Y% (share of tokens whose most likely next token is the float "
+                "model's) or sqnr>=DB (final hidden state SQNR)")
 OBJECTIVES = ("latency", "bytes")
+METRICS = ("ppl", "kld", "top1", "sqnr")
+
+# Top-1 disagreement grows about as the square root of the KL divergence for small perturbations (a token flips
+# when the logit noise, of size ~sqrt(KL), crosses its margin); this prior factor (disagreement ~ 0.4 sqrt(KL),
+# the ratio seen in published llama.cpp KL / "same top" tables) only sets the first round's budget: the
+# verification rounds correct it by the measured disagreement, as they do for every target.
+_TOP1_PER_SQRT_KL = 0.4
 
 
 @dataclass(frozen=True)
 class Target:
-    """`ppl+1%`: held-out perplexity at most 1% above float; `sqnr>=30`: final hidden state SQNR of at least 30 dB.
+    """What must hold end to end on every held-out text, at its 95% confidence bound where the metric has one.
 
-    `budget` is what the search spends: the allowed increase of the mean negative log-likelihood (nats per
-    token: log(1 + P/100)) or the allowed final-hidden noise-to-signal ratio (10^(-DB/10)); both add up
-    over layers to first order, which is what the search assumes and the verification checks.
+    `ppl+1%`: perplexity at most 1% above float (the interval's upper end); `kld<=0.01`: mean KL divergence of
+    the next-token distribution at most 0.01 nats (upper end); `top1>=95%`: at least 95% of tokens keep the float
+    model's top token (lower end); `sqnr>=30`: final hidden state SQNR of at least 30 dB (a ratio of sums over
+    all tokens, no interval).
+
+    `budget` is what the search spends, in units whose per-layer parts add to first order: nats per token for
+    ppl (log(1 + P/100)) and kld (X); KL-equivalent nats for top1 ((disagreement / 0.4)^2); the final-hidden
+    noise-to-signal ratio for sqnr (10^(-DB/10)).
     """
 
-    metric: str  # "ppl" or "sqnr"
-    value: float  # percent for ppl, dB for sqnr
+    metric: str  # one of METRICS
+    value: float  # percent for ppl and top1, nats for kld, dB for sqnr
 
     def __post_init__(self) -> None:
-        if self.metric not in ("ppl", "sqnr"):
-            raise unknown_choice("target metric", self.metric, ("ppl", "sqnr"))
+        if self.metric not in METRICS:
+            raise unknown_choice("target metric", self.metric, METRICS)
         if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
             raise FFNQuantError(f"target {self.metric}: the value must be a number, got {self.value!r}")
         if self.metric == "ppl" and not 0 < self.value <= 100:
             raise FFNQuantError(f"target ppl+{self.value:g}%: the increase must be in (0, 100] percent")
+        if self.metric == "kld" and not 0 < self.value <= 10:
+            raise FFNQuantError(f"target kld<={self.value:g}: the KL divergence must be in (0, 10] nats")
+        if self.metric == "top1" and not 0 < self.value < 100:
+            raise FFNQuantError(f"target top1>={self.value:g}%: the agreement must be in (0, 100) percent")
         if self.metric == "sqnr" and not 0 < self.value <= 120:
             raise FFNQuantError(f"target sqnr>={self.value:g}: the SQNR must be in (0, 120] dB")
         object.__setattr__(self, "value", float(self.value))
@@ -40,17 +59,18 @@ class Target:
     @classmethod
     def parse(cls, text: str) -> "Target":
         raw = str(text).strip().lower().replace(" ", "")
-        m = re.fullmatch(r"ppl\+([0-9.]+)%", raw)
-        if m:
-            return cls("ppl", _number(m.group(1), text))
-        m = re.fullmatch(r"sqnr>=([0-9.]+)(?:db)?", raw)
-        if m:
-            return cls("sqnr", _number(m.group(1), text))
+        forms = ((r"ppl\+([0-9.]+)%", "ppl"), (r"kld<=([0-9.eE+-]+)", "kld"), (r"top1>=([0-9.]+)%", "top1"),
+                 (r"sqnr>=([0-9.]+)(?:db)?", "sqnr"))
+        for pattern, metric in forms:
+            m = re.fullmatch(pattern, raw)
+            if m:
+                return cls(metric, _number(m.group(1), text))
         raise FFNQuantError(f"target {text!r} is not one of: {TARGET_FORMS}")
 
     @property
     def name(self) -> str:
-        return f"ppl+{self.value:g}%" if self.metric == "ppl" else f"sqnr>={self.value:g}"
+        return {"ppl": f"ppl+{self.value:g}%", "kld": f"kld<={self.value:g}", "top1": f"top1>={self.value:g}%",
+                "sqnr": f"sqnr>={self.value:g}"}[self.metric]
 
     def __str__(self) -> str:
         return self.name
@@ -58,21 +78,100 @@ class Target:
     @property
     def budget(self) -> float:
         """What the layers' predicted damages may add up to (see the class docstring)."""
-        return math.log1p(self.value / 100.0) if self.metric == "ppl" else 10.0 ** (-self.value / 10.0)
-
-    def met(self, measured: dict) -> bool:
-        """Whether an end-to-end measurement ({'perplexity_ratio', 'hidden_sqnr_db'}) meets the target."""
         if self.metric == "ppl":
-            ratio = measured.get("perplexity_ratio")
-            return ratio is not None and ratio <= 1.0 + self.value / 100.0
-        sqnr = measured.get("hidden_sqnr_db")
-        return sqnr is not None and sqnr >= self.value
+            return math.log1p(self.value / 100.0)
+        if self.metric == "kld":
+            return self.value
+        if self.metric == "top1":
+            return self._top1_kl(1.0 - self.value / 100.0)
+        return 10.0 ** (-self.value / 10.0)
 
-    def spent(self, measured: dict) -> float | None:
-        """The measured damage in budget units (nats per token, or noise-to-signal ratio)."""
+    @staticmethod
+    def _top1_kl(disagreement: float) -> float:
+        return (disagreement / _TOP1_PER_SQRT_KL) ** 2
+
+    @property
+    def damage_kind(self) -> str:
+        """Which per-layer prediction the search adds up: 'kl' (next-token KL) or 'hidden_nsr'."""
+        return "hidden_nsr" if self.metric == "sqnr" else "kl"
+
+    def figure(self, measured: Mapping[str, Any]) -> tuple[float | None, list[float] | None]:
+        """(point estimate, 95% interval or None) of the target's metric in its own unit (percent change for ppl,
+        nats for kld, percent for top1, dB for sqnr)."""
+        if self.metric == "ppl":
+            ratio, ci = measured.get("perplexity_ratio"), measured.get("perplexity_ratio_ci")
+            return (None if ratio is None else 100.0 * (ratio - 1.0),
+                    None if not ci else [100.0 * (ci[0] - 1.0), 100.0 * (ci[1] - 1.0)])
+        if self.metric == "kld":
+            kl = measured.get("kl") or {}
+            return kl.get("mean"), kl.get("ci")
+        if self.metric == "top1":
+            top1, ci = measured.get("top1_agreement"), measured.get("top1_agreement_ci")
+            return (None if top1 is None else 100.0 * top1, None if not ci else [100.0 * ci[0], 100.0 * ci[1]])
+        return measured.get("hidden_sqnr_db"), None
+
+    def _ok(self, value: float) -> bool:
+        return value >= self.value if self.metric in ("top1", "sqnr") else value <= self.value
+
+    def bound(self, measured: Mapping[str, Any]) -> float | None:
+        """The figure the target is judged on: the interval's unfavourable end where there is one, else the point."""
+        point, ci = self.figure(measured)
+        if point is None:
+            return None
+        if ci is None:
+            return point
+        return ci[0] if self.metric in ("top1", "sqnr") else ci[1]
+
+    def met(self, measured: Mapping[str, Any]) -> bool:
+        """Whether an end-to-end measurement meets the target at its 95% confidence bound."""
+        bound = self.bound(measured)
+        return bound is not None and self._ok(bound)
+
+    def resolution(self, measured: Mapping[str, Any]) -> dict[str, Any]:
+        """How the measurement stands against the target: {point, ci, bound, met, point_met, resolved,
+        tokens_needed, words}. Unresolved: the point meets the target but the interval reaches past it; then
+        `tokens_needed` is about how many held-out tokens would shrink the interval inside the target (its
+        half-width falls as 1/sqrt(tokens))."""
+        point, ci = self.figure(measured)
+        out: dict[str, Any] = {"target": self.name, "point": point, "ci": ci, "bound": self.bound(measured),
+                               "met": self.met(measured), "point_met": point is not None and self._ok(point),
+                               "resolved": True, "tokens_needed": None}
+        n = (measured.get("n_predicted") or 0)
+        if ci is not None and out["point_met"] and not out["met"]:
+            half = (ci[1] - ci[0]) / 2.0
+            room = abs(self.value - point)
+            out["resolved"] = False
+            if room > 0 and n:
+                out["tokens_needed"] = int(math.ceil(n * (half / room) ** 2))
+        unit = {"ppl": "%", "kld": " nats", "top1": "%", "sqnr": " dB"}[self.metric]
+        if point is None:
+            out["words"] = f"{self.name}: not measured"
+        else:
+            shown = f"{point:+.2f}%" if self.metric == "ppl" else f"{point:.4g}{unit}"
+            if ci is not None:
+                lo, hi = ci
+                shown += (f" (95% CI {lo:+.2f}..{hi:+.2f}%)" if self.metric == "ppl"
+                          else f" (95% CI {lo:.4g}..{hi:.4g}{unit})")
+            if out["met"]:
+                verdict = "meets"
+            elif not out["resolved"]:
+                more = f"; about {out['tokens_needed']:,} held-out tokens would resolve it" if out["tokens_needed"] else ""
+                verdict = f"does not resolve (the interval reaches past the target{more})"
+            else:
+                verdict = "misses"
+            out["words"] = f"{shown}: {verdict} {self.name}"
+        return out
+
+    def spent(self, measured: Mapping[str, Any]) -> float | None:
+        """The measured damage in budget units (see the class docstring), from the point estimate."""
         if self.metric == "ppl":
             ratio = measured.get("perplexity_ratio")
             return None if ratio is None else math.log(ratio)
+        if self.metric == "kld":
+            return (measured.get("kl") or {}).get("mean")
+        if self.metric == "top1":
+            top1 = measured.get("top1_agreement")
+            return None if top1 is None else self._top1_kl(1.0 - top1)
         sqnr = measured.get("hidden_sqnr_db")
         return None if sqnr is None else 10.0 ** (-sqnr / 10.0)
 

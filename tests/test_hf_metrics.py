@@ -1,0 +1,72 @@
+"""hf.metrics: the kept reference, the agreement figures (KL, top-1, the perplexity change's interval)."""
+
+import math
+
+import pytest
+import torch
+
+from ffnquant.hf.metrics import Agreement, _NLL, ratio_interval, reference_batch, t_quantile
+
+
+def _logits(seed: int, shape=(4, 33, 200), scale=3.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _full_kl(ref: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    p = torch.log_softmax(ref[:, :-1].double(), -1)
+    q = torch.log_softmax(cand[:, :-1].double(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+@pytest.mark.parametrize("k", [200, 64, 8], ids=["all-tokens", "top64", "top8"])
+def test_kl_over_the_top_k_and_a_rest_bucket_bounds_the_full_kl(k):
+    ref, ids = _logits(0), torch.randint(0, 200, (4, 33), generator=torch.Generator().manual_seed(1))
+    cand = ref + 0.2 * _logits(2, scale=1.0)
+    got = Agreement().update(reference_batch(ref, ids, k=k), cand, ids).figures()["kl"]
+    full = _full_kl(ref, cand)
+    if k == 200:  # every token kept: the full KL, to the float32 rounding of the kept log-probabilities
+        assert got["mean"] == pytest.approx(float(full.mean()), rel=1e-4)
+        assert got["max"] == pytest.approx(float(full.max()), rel=1e-4)
+    else:  # merging outcomes never increases a KL divergence
+        assert got["mean"] <= float(full.mean()) * (1 + 1e-6)
+        assert got["mean"] > 0.5 * float(full.mean())
+
+
+def test_identical_models_agree_exactly():
+    ref, ids = _logits(3), torch.randint(0, 200, (4, 33), generator=torch.Generator().manual_seed(4))
+    fig = Agreement().update(reference_batch(ref, ids), ref.clone(), ids).figures()
+    assert fig["kl"]["max"] == pytest.approx(0.0, abs=1e-6)
+    assert fig["top1_agreement"] == 1.0
+    assert fig["perplexity_ratio_paired"] == pytest.approx(1.0, abs=1e-9)
+    lo, hi = fig["perplexity_ratio_ci"]
+    assert lo == pytest.approx(1.0, abs=1e-9) and hi == pytest.approx(1.0, abs=1e-9)
+
+
+def test_paired_ratio_equals_the_perplexity_ratio_and_its_interval_covers_it():
+    ref, ids = _logits(5, (8, 65, 100)), torch.randint(0, 100, (8, 65), generator=torch.Generator().manual_seed(6))
+    cand = ref + 0.5 * _logits(7, (8, 65, 100), scale=1.0)
+    a, n_ref, n_cand = Agreement(), _NLL(), _NLL()
+    for lo in range(0, 8, 4):  # two batches: the accumulators stream
+        a.update(reference_batch(ref[lo:lo + 4], ids[lo:lo + 4]), cand[lo:lo + 4], ids[lo:lo + 4])
+        n_ref.update(ref[lo:lo + 4], ids[lo:lo + 4])
+        n_cand.update(cand[lo:lo + 4], ids[lo:lo + 4])
+    fig = a.figures()
+    assert fig["perplexity_ratio_paired"] == pytest.approx(n_cand.perplexity / n_ref.perplexity, rel=1e-9)
+    lo, hi = fig["perplexity_ratio_ci"]
+    assert lo < fig["perplexity_ratio_paired"] < hi
+    assert fig["n_sequences"] == 8 and fig["n_predicted"] == 8 * 64
+
+
+def test_ratio_interval_is_the_ratio_estimators():
+    # hand-derived: units (num, den) = (1, 1), (3, 1): r = 2, residuals -1, +1, se = sqrt(2 * 2) / 2 = 1
+    r, lo, hi = ratio_interval([1.0, 3.0], [1.0, 1.0])
+    assert r == 2.0
+    assert (lo, hi) == pytest.approx((2.0 - 12.706, 2.0 + 12.706))
+    assert ratio_interval([1.0], [1.0]) is None
+
+
+@pytest.mark.parametrize("df, value", [(1, 12.706), (10, 2.228), (30, 2.042), (60, 2.000), (120, 1.980), (10_000, 1.960)],
+                         ids=["df1", "df10", "df30", "df60", "df120", "large"])
+def test_t_quantile_matches_the_table(df, value):
+    assert t_quantile(df) == pytest.approx(value, abs=2e-3)
+    assert math.isinf(t_quantile(0))
