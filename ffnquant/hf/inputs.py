@@ -190,6 +190,8 @@ def capture_layer_inputs(
     _fill_unrouted(layers, evals, "evaluation", borrowed)
     borrowed = {**calib_borrowed, **borrowed}
     cal_name, ev_name = _capture.text_label(text, "calibration"), _capture.text_label(eval_text, "evaluation")
+    if by_domain:
+        ev_name = " + ".join(label for label, _ in domains)
     budgets = {"calibration": token_budget("calibration", calib_tokens, calib_ids, cal_name),
                **domain_budgets(domains, eval_tokens, by_domain, ev_name)}
     return LayerInputs(calib, evals, cal_name, ev_name,
@@ -202,10 +204,18 @@ def eval_domain_batches(info: ModelInfo, tokenizer: Any, eval_text: Any, setting
                         by_domain: bool) -> list[tuple[str, list[torch.Tensor]]]:
     """The evaluation batches as (label, batches) per domain: each evaluation text apart (up to `max_tokens` each)
     with `by_domain`, else one domain of all of them together (up to `max_tokens` in all)."""
+    from dataclasses import replace as _replace
+
+    from .corpus import TextSource, shipped_corpora, source_items
+
     settings = fit_settings(info, settings)
-    sources = _capture.text_paths(eval_text, "evaluation") if (by_domain and eval_text is not None) else [eval_text]
-    if by_domain and eval_text is None:
-        sources = list(getattr(_capture, "DEFAULT_EVAL_DOMAINS", [None]))
+    if not by_domain:
+        sources = [eval_text]
+    elif eval_text is None:  # every shipped evaluation corpus, a domain each
+        sources = [c.name for c in shipped_corpora("evaluation")]
+    else:  # each text a domain of its own, keeping how its documents become sequences (chat template, field)
+        sources = [_replace(eval_text, items=(item,)) if isinstance(eval_text, TextSource) else item
+                   for item in source_items(eval_text, "evaluation")]
     out = []
     for source in sources:
         batches = model_text_batches(info, tokenizer, source, "evaluation", settings.seq_len, settings.batch_size,

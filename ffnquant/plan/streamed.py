@@ -169,7 +169,7 @@ class StreamedPlanModel:
                                       settings.max_eval_tokens, True)
         self.eval_ids = [b for _, batches in domains for b in batches]
         self.domains = domain_spans(domains)
-        cal_name, ev_name = text_label(self.text, "calibration"), text_label(self.eval_text, "evaluation")
+        cal_name, ev_name = text_label(self.text, "calibration"), " + ".join(label for label, _ in domains)
         self.texts = {"calibration": cal_name, "evaluation": ev_name, "token_budgets": {
             "calibration": token_budget("calibration", settings.max_calib_tokens, self.calib_ids, cal_name),
             **domain_budgets(domains, settings.max_eval_tokens, True, ev_name)}}
