@@ -193,39 +193,49 @@ def load_model(folder: str):
 
 
 def quantization_evidence(model, reference) -> dict:
-    """How the candidate's Linears differ from plain float ones: compressed-tensors'
-    attributes on the modules, the weight dtypes, the weights' difference from the reference,
-    and a probe of the first quantized Linear on random inputs compared with the float matmul
-    of its (dequantized) weight and with that matmul on per-token int8 fake-quantized inputs."""
-    ref_params = dict(reference.named_parameters())
-    qmods, dtypes, changed, unchanged, schemes = [], {}, [], [], {}
+    """How the candidate differs from a plain float model, in three independent ways:
+
+    1. on load: which Linears carry compressed-tensors' quantization attributes and in which
+       dtype their weights are stored (int8 for a compressed int-quantized folder);
+    2. after a first forward pass (compressed-tensors decompresses the weights there, once):
+       how many Linears' weights differ from the reference's;
+    3. a probe of the first quantized Linear on inputs with a wide per-token range: its output
+       is compared with the float matmul of its (decompressed) weight, and with that matmul on
+       inputs fake-quantized to int8 per token by hand (symmetric, scale = absmax / 127.5,
+       compressed-tensors' convention for int8, clamp to [-128, 127]). A relative error of ~0
+       against the latter and not the former shows the activations really are quantized
+       dynamically per token in the forward pass the scores come from."""
+    qmods, dtypes = [], {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Linear) and not hasattr(mod, "weight_scale"):
-            continue
         w = getattr(mod, "weight", None)
-        if w is None:
+        if not isinstance(mod, torch.nn.Linear) or w is None:
             continue
         dtypes[str(w.dtype)] = dtypes.get(str(w.dtype), 0) + 1
-        scheme = getattr(mod, "quantization_scheme", None)
-        if scheme is not None or hasattr(mod, "weight_scale"):
+        if getattr(mod, "quantization_scheme", None) is not None:
             qmods.append(name)
-            if scheme is not None:
-                key = json.dumps({"weights": _args(scheme.weights), "input_activations": _args(scheme.input_activations)},
-                                 sort_keys=True)
-                schemes[key] = schemes.get(key, 0) + 1
-        ref_w = ref_params.get(name + ".weight")
-        if ref_w is not None and ref_w.shape == w.shape:
-            same = torch.equal(_dequant(mod), ref_w.detach())
-            (unchanged if same else changed).append(name)
+    schemes = {}
+    for name in qmods:
+        scheme = model.get_submodule(name).quantization_scheme
+        key = json.dumps({"weights": _args(scheme.weights), "input_activations": _args(scheme.input_activations)},
+                         sort_keys=True)
+        schemes[key] = schemes.get(key, 0) + 1
+    with torch.no_grad():  # first forward: triggers compressed-tensors' decompress-on-first-forward hook
+        model(torch.tensor([[0, 1, 2, 3]]))
+    ref_params = dict(reference.named_parameters())
+    changed, unchanged = [], []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            ref_w = ref_params.get(name + ".weight")
+            if ref_w is not None and ref_w.shape == mod.weight.shape:
+                (unchanged if torch.equal(_dequant(mod), ref_w.detach()) else changed).append(name)
     ev = {
-        "modules_with_quantization_attrs": len(qmods),
-        "quantized_module_names_sample": qmods[:3] + (["..."] if len(qmods) > 3 else []),
-        "module_class_of_first": type(model.get_submodule(qmods[0])).__name__ if qmods else None,
-        "linear_weight_dtypes": dtypes,
-        "linears_with_weights_differing_from_reference": len(changed),
-        "linears_with_weights_equal_to_reference": len(unchanged),
+        "linears_with_quantization_scheme": len(qmods),
+        "quantized_sample": qmods[:3] + (["..."] if len(qmods) > 3 else []),
+        "linear_weight_dtypes_on_load": dtypes,
+        "linears_differing_from_reference_after_first_forward": len(changed),
+        "linears_equal_to_reference_after_first_forward": len(unchanged),
         "differing_sample": changed[:3],
-        "schemes": [json.loads(k) | {"modules": v} for k, v in schemes.items()],
+        "schemes": [dict(json.loads(k), modules=v) for k, v in schemes.items()],
     }
     if qmods:
         ev["probe"] = _probe(model.get_submodule(qmods[0]), qmods[0])
@@ -237,46 +247,46 @@ def _args(a):
         return None
     d = a.model_dump() if hasattr(a, "model_dump") else dict(a)
     keep = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "observer")
-    return {k: (str(d[k]) if not isinstance(d[k], (int, float, bool, type(None))) else d[k]) for k in keep if k in d}
+    return {k: (d[k] if isinstance(d[k], (int, float, bool, type(None))) else str(d[k])) for k in keep if k in d}
 
 
 def _dequant(mod) -> torch.Tensor:
     w = mod.weight.detach()
     if w.is_floating_point():
         return w
-    scale = mod.weight_scale.detach().float()
-    zp = getattr(mod, "weight_zero_point", None)
     wf = w.float()
+    zp = getattr(mod, "weight_zero_point", None)
     if zp is not None:
         wf = wf - zp.detach().float()
-    return wf * scale
+    return wf * mod.weight_scale.detach().float()
 
 
 def _probe(mod, name: str) -> dict:
-    torch.manual_seed(0)
-    in_f = _dequant(mod).shape[1]
-    # a few tokens with a wide per-token range so int8 rounding of activations is visible
-    x = torch.randn(8, in_f) * torch.logspace(-1, 1, 8).unsqueeze(1)
-    x[:, 0] *= 30.0
+    gen = torch.Generator().manual_seed(0)
+    w = _dequant(mod).float()
+    x = torch.randn(8, w.shape[1], generator=gen) * torch.logspace(-1, 1, 8).unsqueeze(1)
+    x[:, 0] *= 30.0  # an outlier channel, as in real activations
     with torch.no_grad():
         y = mod(x.unsqueeze(0)).squeeze(0).float()
-        w = _dequant(mod).float()
-        y_float = x @ w.T
-        s = x.abs().amax(dim=1, keepdim=True) / 127.0
+        s = x.abs().amax(dim=1, keepdim=True) / 127.5
         xq = torch.clamp(torch.round(x / s), -128, 127) * s
-        y_tok = xq @ w.T
+        e_float = float((y - x @ w.T).norm() / y.norm())
+        e_tok = float((y - xq @ w.T).norm() / y.norm())
+    reading = ("inputs fake-quantized per token to int8 (matches by-hand per-token int8 of the inputs)"
+               if e_tok < 1e-5 and e_float > 1e-4 else
+               "inputs NOT quantized (matches the float matmul)" if e_float < 1e-5 else "inconclusive")
+    return {"module": name, "weight_int_levels": _levels(mod),
+            "rel_err_vs_float_matmul": e_float, "rel_err_vs_per_token_int8_inputs": e_tok, "reading": reading}
 
-    def rel(a, b):
-        return float((a - b).norm() / b.norm())
-    return {
-        "module": name,
-        "rel_err_vs_float_matmul_of_its_weight": rel(y, y_float),
-        "rel_err_vs_per_token_int8_inputs_matmul": rel(y, y_tok),
-        "reading": ("inputs are fake-quantized per token to int8"
-                    if rel(y, y_tok) < 0.1 * rel(y, y_float) else
-                    "inputs NOT quantized per token (matches float matmul)"
-                    if rel(y, y_float) < 1e-5 else "inconclusive"),
-    }
+
+def _levels(mod):
+    """Distinct weight values per output row after dividing by the row's scale (<= 255 for int8)."""
+    scale = getattr(mod, "weight_scale", None)
+    if scale is None:
+        return None
+    q = _dequant(mod) / scale.detach().float()
+    return {"max_abs_dev_from_integer": float((q - q.round()).abs().max()),
+            "max_abs_level": float(q.round().abs().max())}
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -412,8 +422,8 @@ def main(argv=None) -> int:
         name, folder = spec.split("=", 1) if "=" in spec and not os.path.isdir(spec) else (spec, spec)
         t0 = time.time()
         candidates[name] = load_model(folder)
-        evidence[name] = quantization_evidence(candidates[name], reference)
-        evidence[name]["load_seconds"] = time.time() - t0
+        evidence[name] = {"load_seconds": time.time() - t0}
+        evidence[name].update(quantization_evidence(candidates[name], reference))
         evidence[name]["folder"] = folder
         print(f"{name}: {json.dumps(evidence[name])}", file=sys.stderr, flush=True)
 
