@@ -15,14 +15,14 @@ For every candidate folder and every text it reports, against the float referenc
   median, p99, p99.9, max);
 * top-1 agreement (share of predicted tokens where the two argmaxes agree).
 
-Windows: each text is a list of documents (a .txt file is one document; .jsonl / .jsonl.gz
-holds one JSON object per line with the document under "text", or a bare JSON string).
-Each document is tokenized with add_special_tokens=False and cut into consecutive windows:
-[BOS] (only if the tokenizer itself adds one) + the next seq_len-1 tokens (seq_len without
-BOS); the first window starts at the document's start; the document's final window gets the
-EOS appended when there is room and the tokenizer has an EOS; windows shorter than 16 tokens
-are dropped; windows are taken until --max-tokens tokens (window tokens, BOS and EOS
-included) are reached, the last window cut to fit.
+Windows follow ffnquant/hf/corpus.py's convention, re-implemented here: each text is a list of
+documents (a .txt file is one, or several separated by form feeds; .jsonl / .jsonl.gz holds one JSON
+object per line with the document under "text"). Each document is tokenized with
+add_special_tokens=False and followed by the tokenizer's EOS, then cut into consecutive pieces of
+seq_len tokens (seq_len-1 after a BOS, when the tokenizer adds one), the first at the document's
+start; windows are taken round-robin (every document's first window, then every second, ...);
+windows shorter than 16 tokens are dropped, except the budget's last window, which is cut to what is
+left of --max-tokens (window tokens, BOS and EOS included).
 
 Example:
 
@@ -153,35 +153,43 @@ def read_documents(path: str) -> list[str]:
                 obj = json.loads(line)
                 docs.append(obj if isinstance(obj, str) else obj["text"])
             return docs
-        return [f.read()]
+        return [d for d in f.read().split("\f") if d.strip()]
 
 
 def make_windows(tokenizer, docs: list[str], seq_len: int, max_tokens: int | None) -> list[list[int]]:
+    """Token windows, following ffnquant/hf/corpus.py's convention (re-implemented here, not imported):
+    each document is tokenized without special tokens and followed by the EOS; it is cut into pieces of
+    seq_len tokens (seq_len - 1 after a BOS, when the tokenizer adds one); windows are taken round-robin
+    (every document's first window, then every document's second, ...), so a budget spans many documents;
+    a window shorter than MIN_WINDOW is dropped, except the budget's last one, cut to what is left (>= 2)."""
     probe = tokenizer("a")["input_ids"]
-    bos = tokenizer.bos_token_id if (tokenizer.bos_token_id is not None and probe
-                                     and probe[0] == tokenizer.bos_token_id) else None
-    eos = tokenizer.eos_token_id
-    body = seq_len - 1 if bos is not None else seq_len
-    windows: list[list[int]] = []
-    total = 0
-    for doc in docs:
-        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
-        for start in range(0, len(ids), body):
-            chunk = ids[start:start + body]
-            w = ([bos] if bos is not None else []) + chunk
-            if start + body >= len(ids) and eos is not None and len(w) < seq_len:
-                w.append(eos)
-            if max_tokens is not None and total + len(w) > max_tokens:
+    bos = tokenizer.bos_token_id
+    prefix = [bos] if (bos is not None and probe and probe[0] == bos) else []
+    end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    step = seq_len - len(prefix)
+    ids = [tokenizer(d, add_special_tokens=False)["input_ids"] + end for d in docs]
+    kept, short, total = [], [], 0
+    k = 0
+    while True:
+        rest = [x for x in ids if len(x) > k * step]
+        if not rest:
+            break
+        for x in rest:
+            w = prefix + x[k * step:(k + 1) * step]
+            if max_tokens is not None and len(w) > max_tokens - total:
                 w = w[:max_tokens - total]
-            if len(w) < MIN_WINDOW:
-                if max_tokens is not None and total + MIN_WINDOW > max_tokens:
-                    return windows
+                if len(w) >= 2:
+                    kept.append(w)
+                return kept
+            if len(w) < min(MIN_WINDOW, seq_len):
+                short.append(w)
                 continue
-            windows.append(w)
+            kept.append(w)
             total += len(w)
             if max_tokens is not None and total >= max_tokens:
-                return windows
-    return windows
+                return kept
+        k += 1
+    return kept or [w for w in short if len(w) >= 2]
 
 
 # ----------------------------------------------------------------------------- models
@@ -432,9 +440,11 @@ def main(argv=None) -> int:
     result = {
         "command": command, "machine": machine_stamp(), "reference": args.reference, "seq_len": args.seq_len,
         "max_tokens": args.max_tokens,
-        "windowing": (f"tokenizer adds BOS: {has_bos} (bos {tokenizer.bos_token_id}); EOS {tokenizer.eos_token_id} "
-                      f"appended to a document's final window when there is room; windows < {MIN_WINDOW} tokens "
-                      "dropped; max-tokens counts window tokens"),
+        "windowing": (f"ffnquant/hf/corpus.py's convention, re-implemented: BOS in front of each window: {has_bos} "
+                      f"(bos {tokenizer.bos_token_id}); each document followed by EOS {tokenizer.eos_token_id}; "
+                      f"windows round-robin over documents (all first windows, then all second, ...); windows < "
+                      f"{MIN_WINDOW} tokens dropped except the budget's last, cut to fit; max-tokens counts window "
+                      "tokens (BOS/EOS included)"),
         "evidence": evidence, "texts": {},
     }
     for spec in args.text:
