@@ -217,7 +217,7 @@ def test_the_code_sample_is_python_source_selectable_by_name():
     text = path.read_text(encoding="utf-8")
     assert 5_000 < len(text.encode()) < 32_000
     compile(text, str(path), "exec")  # really code: a different domain from the two books
-    assert text_label(None, "code") == "ffnquant/data/code.txt"
+    assert text_label(None, "code") == "code:evaluation (shipped corpus)"  # no text: the shipped code corpus
     assert "code.txt" in (path.parent / "TEXTS.md").read_text(encoding="utf-8")
 
 
@@ -237,7 +237,7 @@ def test_model_adequacy_writes_json_and_markdown(llama, tmp_path, capsys):
     assert [layer["label"] for layer in data["layers"]] == ["L0", "L1"]
     assert data["texts"]["shift"]["source"] == "ffnquant/data/code.txt"
     assert data["texts"]["shift"]["tokens"]["obtained"] == 200  # --max-eval-tokens caps the shift text too
-    assert data["texts"]["calibration"]["source"].endswith("calibration.txt")
+    assert data["texts"]["calibration"]["source"] == "prose:calibration (shipped corpus)"
     # max_position_embeddings 64 caps the windows: 400 tokens are 6 windows and 16 tokens, which join the last
     assert data["options"]["seq_len"] == 64 and data["texts"]["calibration"]["sequences"] == 6
     for layer in data["layers"]:

@@ -757,7 +757,7 @@ def test_several_text_files_are_all_read(tmp_path):
     assert text_paths(str(odd), "calibration") == [odd]  # an existing file is one file, comma or not
     assert read_text(f"{a},{b},{c}", "calibration") == "text a\n\ntext b\n\ntext c"
     assert text_label([a, b], "calibration") == f"{a} + {b}"
-    assert text_label(None, "evaluation") == "ffnquant/data/evaluation.txt"
+    assert text_label(None, "evaluation") == "prose:evaluation (shipped corpus)"
     with pytest.raises(FFNQuantError, match="nope.txt"):
         read_text(f"{a},{tmp_path / 'nope.txt'}", "calibration")
 

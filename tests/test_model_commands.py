@@ -53,7 +53,8 @@ def test_quantize_model_writes_artifacts_and_a_row_per_layer(tiny, tmp_path, cap
         assert torch_db > INT8_FLOOR_DB and abs(onnx_db - torch_db) < ONNX_GAP_DB
         path = Path(r["artifact"]["path"])
         assert path.parent == art and path.is_file() and path.name.startswith(f"bert.{r['label']}.")
-    assert data["evaluation"]["source"].endswith("evaluation.txt") and data["calibration"]["source"].endswith("calibration.txt")
+    assert data["evaluation"]["source"] == "prose:evaluation (shipped corpus)"
+    assert data["calibration"]["source"] == "prose:calibration (shipped corpus)"
     e2e = data["end_to_end"]
     assert e2e["status"] == "ok" and len(e2e["ablation"]) == 2
     # quantizing both layers costs at least as much as the better of the two alone (errors add)
@@ -218,16 +219,19 @@ def _copies(tmp_path: Path, n: int) -> list[str]:
 def test_profile_model_header_says_what_was_measured(tiny, tmp_path, capsys):
     """The header names the model's width, the real tokens per layer and the text, not the synthetic source's
     token count and width; a default token count larger than the text gives is reported as such."""
+    from ffnquant.hf.capture import default_text_path
+
+    short = str(default_text_path("calibration"))  # the small sample: fewer tokens than the default 4,096
     out_dir = tmp_path / "r"
     assert main(["profile", "--variants", "gelu", "--d-model", "64", "--tokens", "256", "--model", str(tiny["opt"]),
-                 "--layers", "1", "--out", str(out_dir)]) == 0
+                 "--layers", "1", "--text", short, "--out", str(out_dir)]) == 0
     out = capsys.readouterr().out
     data = json.loads((out_dir / "ranges.json").read_text())
     n = data["variants"]["opt:L1"]["n_tokens"]
     assert 2 <= n < 4096
     assert "1 variant(s) on 256 tokens of gaussian(seed=0), d_model 64" in out
-    assert f"1 FFN layer(s) at d_model {D}, {n:,} tokens per layer of text ffnquant/data/calibration.txt" in out
-    assert f"note: calibration text ffnquant/data/calibration.txt gives {n:,} tokens, fewer than the 4,096 requested" in out
+    assert f"1 FFN layer(s) at d_model {D}, {n:,} tokens per layer of text {short}" in out
+    assert f"note: calibration text {short} gives {n:,} tokens, fewer than the 4,096 requested" in out
     assert "too short" in out
     measured = data["meta"]["model_measured"]
     assert measured["calibration_text"]["requested"] == 4096 and measured["calibration_text"]["obtained"] == n
@@ -248,9 +252,13 @@ def test_profile_model_header_says_what_was_measured(tiny, tmp_path, capsys):
 @pytest.mark.hf
 def test_quantize_model_reports_requested_and_obtained_tokens(tiny, tmp_path, capsys):
     rep = tmp_path / "reports"
+    from ffnquant.hf.capture import default_text_path
+
     argv = ["quantize", "--model", str(tiny["opt"]), "--layers", "0", "--scheme", "w8a8-dynamic", "--no-onnx",
-            "--out-reports", str(rep), "--out-artifacts", str(tmp_path / "e")]
-    assert main(argv) == 0  # the defaults: 4,096 calibration and 2,048 evaluation tokens requested
+            "--out-reports", str(rep), "--out-artifacts", str(tmp_path / "e"),
+            # the small sample, shorter than the budget
+            "--eval-text", str(default_text_path("evaluation"))]
+    assert main(argv + ["--text", str(default_text_path("calibration"))]) == 0  # the defaults: 4,096 and 2,048
     out = capsys.readouterr().out
     data = json.loads(next(rep.glob("quantize_opt*.json")).read_text())
     cal, ev = data["calibration"]["tokens"], data["evaluation"]["tokens"]
@@ -318,9 +326,11 @@ def test_model_library_functions_report_progress_and_never_print(tiny, capsys):
 def test_run_with_model_says_when_a_text_gives_fewer_tokens_than_asked(tiny, tmp_path, capsys):
     """run --model records requested against obtained tokens per text and says when a text is short
     (it used to shrink the counts silently)."""
+    from ffnquant.hf.capture import default_text_path
+
     out = tmp_path / "reports"
     rc = main(["run", "--tiny", "--variants", "relu", "--schemes", "fp32,w8a8", "--runtimes", "none",
-               "--calib-tokens", "100000", "--eval-tokens", "64", "--no-sensitivity", "--no-onnx",
+               "--calib-tokens", "100000", "--eval-tokens", "64", "--text", str(default_text_path("calibration")), "--no-sensitivity", "--no-onnx",
                "--model", str(tiny["opt"]), "--out", str(out), "--export", str(tmp_path / "export")])
     assert rc == 0
     model = json.loads((out / "report.json").read_text())["model"]

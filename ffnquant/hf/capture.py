@@ -23,9 +23,10 @@ from torch import nn
 from ..atomic import atomic_path, ensure_writable_dir
 from ..errors import FFNQuantError
 from ..resources import check_memory
-from ..resources import read_text as read_file_text
 from .arch import Install, ModelKind
 from .checkpoint import LayerInfo, ModelInfo, inspect_model
+from .corpus import (DEFAULT_SEQ_LEN, TextSource, document_text, document_windows, load_documents, shipped_corpus, source_items,
+                     source_label, window_batches)
 
 __all__ = [
     "TEXT_SPLITS",
@@ -52,8 +53,8 @@ __all__ = [
     "iter_captured_files",
 ]
 
-# The shipped public-domain sample texts (ffnquant/data/TEXTS.md): different books for
-# calibration and evaluation, so ranges are never fitted on the evaluation text.
+# The small shipped sample texts (ffnquant/data/TEXTS.md), kept for `adequacy --shift-text code` and the tests'
+# tokenizers; the default calibration and evaluation data are the shipped corpora (`hf.corpus`).
 TEXT_SPLITS = {"calibration": "calibration.txt", "evaluation": "evaluation.txt",
                # Python source (PSF license), a different domain for shift checks (`ffnquant model adequacy`)
                "code": "code.txt"}
@@ -88,41 +89,25 @@ def default_text_path(split: str) -> Path:
     return Path(str(resources.files("ffnquant") / "data" / TEXT_SPLITS[split]))
 
 
-def text_paths(path: str | os.PathLike | Sequence[str | os.PathLike] | None, split: str) -> list[Path]:
-    """The text files of `path`: one file, several (a list, or one comma-separated string, as the CLI's
-    repeated --text gives them), or the shipped sample for `split` when None. A path that exists is one file
-    even if its name holds a comma."""
-    if path is None:
-        return [default_text_path(split)]
-    items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-    out: list[Path] = []
-    for item in items:
-        if isinstance(item, str) and "," in item and not os.path.exists(item):
-            out += [Path(part.strip()) for part in item.split(",") if part.strip()]
-        else:
-            out.append(Path(item))
-    if not out:
-        raise FFNQuantError(f"no {split} text file given")
+def text_paths(path: str | os.PathLike | Sequence[str | os.PathLike] | TextSource | None, split: str) -> list[Path]:
+    """The files of `path`: one, several (a list, or one comma-separated string, as the CLI's repeated --text gives
+    them), a TextSource's; a shipped corpus name is its file; None is the default corpus for `split` (`hf.corpus`)."""
+    out = []
+    for item in source_items(path, split):
+        corpus = shipped_corpus(item, split) if not os.path.exists(item) else None
+        out.append(corpus.path if corpus is not None else Path(item))
     return out
 
 
-def text_label(path: str | os.PathLike | Sequence[str | os.PathLike] | None, split: str) -> str:
-    """How reports name the text(s): the file, 'a.txt + b.txt', or the shipped sample's path."""
-    if path is None:
-        return f"ffnquant/data/{TEXT_SPLITS[split]}"
-    return " + ".join(str(p) for p in text_paths(path, split))
+def text_label(path: str | os.PathLike | Sequence[str | os.PathLike] | TextSource | None, split: str) -> str:
+    """How reports name the text(s): 'prose:calibration (shipped corpus)', the file, 'a.txt + b.jsonl'."""
+    return source_label(path, split)
 
 
-def read_text(path: str | os.PathLike | Sequence[str | os.PathLike] | None, split: str) -> str:
-    """The text of `path` (several files: each read, joined by a blank line, in order), or the shipped sample
-    for `split` when path is None."""
-    texts = []
-    for p in text_paths(path, split):
-        text = read_file_text(p, "text file")  # one-line errors: missing, a FIFO, unreadable, not UTF-8
-        if not text.strip():
-            raise FFNQuantError(f"text file {str(p)!r} is empty")
-        texts.append(text)
-    return "\n\n".join(texts)
+def read_text(path: str | os.PathLike | Sequence[str | os.PathLike] | TextSource | None, split: str) -> str:
+    """The text of every document of `path` (`hf.corpus.load_documents`), a blank line apart: one-line errors for
+    a missing, unreadable or empty file, a JSONL row without its field, or an unknown corpus name."""
+    return "\n\n".join(document_text(d) for d in load_documents(path, split))
 
 
 def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = False) -> nn.Module:
@@ -202,9 +187,8 @@ def token_batches(
 
 
 def text_batches(tokenizer, text: str, seq_len: int = 128, batch_size: int = 4, max_tokens: int | None = None):
-    """Tokenize `text` (no special tokens: the chunks are arbitrary windows) into batches."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return token_batches(ids, seq_len, batch_size, max_tokens)
+    """Batches of `text` as one document, in windows as the model sees text (`hf.corpus.document_windows`)."""
+    return window_batches(document_windows(tokenizer, [text], seq_len, max_tokens), batch_size)
 
 
 def vocab_size(info: ModelInfo) -> int | None:
@@ -232,13 +216,19 @@ def check_tokenizer(info: ModelInfo, texts: Mapping[str, str | os.PathLike | Non
     without loading the model: for callers that validate every input before starting."""
     tokenizer = load_tokenizer(info.path)
     for split, path in texts.items():
-        model_text_batches(info, tokenizer, path, split, 2, 1, None)
+        # every token of the text is checked; the window shape does not matter here
+        model_text_batches(info, tokenizer, path, split, DEFAULT_SEQ_LEN, 64, None)
 
 
-def model_text_batches(info: ModelInfo, tokenizer, path: str | os.PathLike | None, split: str, seq_len: int,
-                       batch_size: int, max_tokens: int | None) -> list[torch.Tensor]:
-    """`text_batches` of the text at `path` (default: the shipped `split` sample), ids checked against config.json."""
-    batches = text_batches(tokenizer, read_text(path, split), seq_len, batch_size, max_tokens)
+def model_text_batches(info: ModelInfo, tokenizer, path: str | os.PathLike | TextSource | None, split: str, seq_len: int,
+                       batch_size: int, max_tokens: int | None, n_samples: int | None = None) -> list[torch.Tensor]:
+    """The batches every command runs a model on: the documents of `path` (a shipped corpus name, files of any
+    supported kind, a TextSource; default: the shipped prose corpus' `split`) in windows of `seq_len` tokens
+    starting at document starts with the tokenizer's BOS (`hf.corpus.document_windows`), at most `max_tokens`
+    tokens and `n_samples` windows; ids checked against config.json."""
+    chat = isinstance(path, TextSource) and path.chat_template
+    windows = document_windows(tokenizer, load_documents(path, split), seq_len, max_tokens, n_samples, chat)
+    batches = window_batches(windows, batch_size)
     check_token_ids(info, batches, f"the {split} text")
     return batches
 
