@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FFNQuantError
 from ..spec import FFNSpec, Variant, parse_variants
 
 __all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments",
-           "TextFiles", "token_notes", "add_text_arguments", "StageBars", "memory_size", "add_memory_arguments"]
+           "TextFiles", "token_notes", "add_text_arguments", "TextOptions", "text_options", "StageBars", "memory_size", "add_memory_arguments"]
 
 
 def positive_int(text: str) -> int:
@@ -137,15 +138,59 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_text_arguments(parser: Any, calib_help: str, eval_help: str, eval_tokens: int = 2048) -> None:
-    """--text/--eval-text (repeatable, comma-separated files) and --calib-tokens/--eval-tokens for a command
-    that runs a model on a calibration (search) text and a held-out text."""
-    parser.add_argument("--text", default=None, metavar="FILE", action=TextFiles,
-                        help=f"{calib_help}; several files: repeat or comma-separate (default: the shipped sample)")
-    parser.add_argument("--eval-text", default=None, metavar="FILE", action=TextFiles,
-                        help=f"{eval_help} (default: the shipped evaluation sample)")
-    parser.add_argument("--calib-tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)")
+    """--text/--eval-text (repeatable, comma-separated files or shipped corpus names), --calib-tokens or
+    --calib-samples, --eval-tokens, --seq-len and --chat-template for a command that runs a model on a calibration
+    (search) text and a held-out text (`text_options` turns them into what the library takes)."""
+    from ..hf.corpus import DEFAULT_SEQ_LEN
+
+    sources = ("a shipped corpus (prose, code; prose:evaluation names the split), a text file (a form feed separates "
+               "documents), JSONL ('text' field), parquet or a datasets save_to_disk folder")
+    parser.add_argument("--text", default=None, metavar="SOURCE", action=TextFiles,
+                        help=f"{calib_help}: {sources}; several: repeat or comma-separate (default: the shipped prose "
+                             "corpus' calibration split)")
+    parser.add_argument("--eval-text", default=None, metavar="SOURCE", action=TextFiles,
+                        help=f"{eval_help}, the same kinds (default: the shipped prose corpus' evaluation split)")
+    budget = parser.add_mutually_exclusive_group() if hasattr(parser, "add_mutually_exclusive_group") else parser
+    budget.add_argument("--calib-tokens", type=positive_int, default=None, help="calibration tokens; 4096 when neither this nor --calib-samples is given")
+    budget.add_argument("--calib-samples", type=positive_int, default=None, metavar="N",
+                        help="calibration sequences instead: a budget of N x --seq-len tokens")
     parser.add_argument("--eval-tokens", type=positive_int, default=eval_tokens,
                         help=f"held-out tokens (default {eval_tokens})")
+    parser.add_argument("--seq-len", type=positive_int, default=None, metavar="L",
+                        help=f"tokens per sequence: {DEFAULT_SEQ_LEN} unless given, or the model's context if shorter; each "
+                             "starts at a document's start with the tokenizer's BOS where it adds one")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="render every document through the tokenizer's chat template (instruct models; JSONL "
+                             "rows may carry 'messages'); refused when the tokenizer has none")
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """What `add_text_arguments` asked for, resolved against the model: texts (TextSources with --chat-template),
+    the sequence length (no longer than the model's context) and the calibration token budget."""
+
+    text: Any
+    eval_text: Any
+    seq_len: int
+    calib_tokens: int
+    eval_tokens: int
+
+
+def text_options(args: argparse.Namespace, info: Any = None) -> TextOptions:
+    """The TextOptions of parsed `add_text_arguments` flags; `info` (a ModelInfo) caps --seq-len at its context."""
+    from ..hf.corpus import DEFAULT_SEQ_LEN, TextSource, source_items
+
+    seq_len = args.seq_len or DEFAULT_SEQ_LEN
+    if info is not None:
+        from ..hf.inputs import EvalSettings, fit_settings
+
+        seq_len = fit_settings(info, EvalSettings(seq_len=seq_len)).seq_len
+    texts = [args.text, args.eval_text]
+    if args.chat_template:
+        texts = [TextSource(tuple(source_items(t, split)), chat_template=True)
+                 for t, split in zip(texts, ("calibration", "evaluation"))]
+    calib = args.calib_samples * seq_len if args.calib_samples else (args.calib_tokens or 4096)
+    return TextOptions(texts[0], texts[1], seq_len, calib, args.eval_tokens)
 
 
 def format_default(value) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..atomic import OutputTransaction
 from ..export import DEFAULT_OPSET, export_spec
 from ..render import text_table
-from .common import add_spec_arguments, add_text_arguments, specs_from_args
+from .common import add_spec_arguments, add_text_arguments, specs_from_args, text_options
 
 NAME = "export"
 HELP = ("export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, "
@@ -87,14 +87,16 @@ def _export_plan(args: argparse.Namespace) -> int:
         graph_why = deployable_refusal(info) or onnx_model.graph_refusal(info)
         whole = graph_why is None
     require_transformers()
-    read_text(args.text, "calibration")
-    read_text(args.eval_text, "evaluation")
+    texts = text_options(args, info)
+    read_text(texts.text, "calibration")
+    read_text(texts.eval_text, "evaluation")
     check_new_folder(args.out, args.force)
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
     t0 = time.perf_counter()
     with staged_folder(args.out, args.force) as folder:
-        planned = build_planned_model(info, plan, text=args.text, eval_text=args.eval_text, calib_tokens=args.calib_tokens,
-                                      eval_tokens=args.eval_tokens, whole_model=whole,
+        planned = build_planned_model(info, plan, text=texts.text, eval_text=texts.eval_text,
+                                      calib_tokens=texts.calib_tokens, eval_tokens=texts.eval_tokens,
+                                      seq_len=texts.seq_len, whole_model=whole,
                                       out_artifacts=folder if fmt == "onnx" else None, file_stem=model_file_stem(info))
         doc = {"format": fmt, "command": command, "plan_file": str(args.plan), "plan": plan.to_dict(),
                "model": {k: v for k, v in info.to_dict().items() if k != "layers"},

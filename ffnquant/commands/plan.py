@@ -10,7 +10,7 @@ from pathlib import Path
 from ..atomic import OutputTransaction, write_json, write_text
 from ..render import fmt
 from .bench import add_executor_arguments, executor_from_args
-from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int
+from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int, text_options
 
 NAME = "plan"
 HELP = "choose a recipe per FFN layer that meets an end-to-end target (ppl+1%, sqnr>=30) at the least latency or bytes, and verify it"
@@ -72,23 +72,25 @@ def run(args: argparse.Namespace) -> int:
     check_plannable(info)
     candidate_recipes(args.candidates, info.spec)
     require_transformers()
-    read_text(args.text, "calibration")
-    read_text(args.eval_text, "evaluation")
-    settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens, ablation=False)
+    texts = text_options(args, info)
+    read_text(texts.text, "calibration")
+    read_text(texts.eval_text, "evaluation")
+    settings = EvalSettings(seq_len=texts.seq_len, max_calib_tokens=texts.calib_tokens,
+                            max_eval_tokens=texts.eval_tokens, ablation=False)
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
     bars = StageBars(enabled=not args.no_progress)
     with executor_from_args(args) as executor, OutputTransaction() as tx:
         out = tx.folder(args.out)
         # the whole model, or a decoder layer at a time when it does not fit (or --sequential): refused with the
         # numbers before any work when neither fits
-        calib = token_batches_of(info, args.text, "calibration", settings, args.calib_tokens)
-        evals = token_batches_of(info, args.eval_text, "evaluation", settings, args.eval_tokens)
+        calib = token_batches_of(info, texts.text, "calibration", settings, texts.calib_tokens)
+        evals = token_batches_of(info, texts.eval_text, "evaluation", settings, texts.eval_tokens)
         memory = plan_memory(info, calib_tokens=sum(int(b.numel()) for b in calib),
                              eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
                              batch_tokens=int(calib[0].numel()), max_memory=args.max_memory, sequential=args.sequential)
         print(f"memory: {memory.summary()}")
         try:
-            plan, result = make_plan(info, target, objective, args.candidates, text=args.text, eval_text=args.eval_text,
+            plan, result = make_plan(info, target, objective, args.candidates, text=texts.text, eval_text=texts.eval_text,
                                      settings=settings, probe_tokens=args.probe_tokens, max_rounds=args.rounds,
                                      ort_floor=not args.no_ort_floor, allow_pickle=args.allow_pickle, progress=bars,
                                      executor=executor, memory=memory)

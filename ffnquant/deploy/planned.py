@@ -132,6 +132,7 @@ def _copy_weights(model: nn.Module, ffn: Any, names: Mapping[str, str]) -> None:
 
 
 def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: Any = None, calib_tokens: int | None = None,
+                        seq_len: int | None = None,
                         eval_tokens: int | None = None, whole_model: bool = True, out_artifacts: Any = None,
                         file_stem: str | None = None, progress: Any = None) -> PlannedModel:
     """Quantize `info`'s FFN layers as `plan` says and make the deployable model (see the module docstring).
@@ -156,7 +157,8 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
     smoothed = [i for i, r in plan.layers.items() if r.smooth is not None or get_scheme(r.scheme).method is Method.AWQ]
     if whole_model and smoothed and fold_refusal(info) is not None:
         raise FFNQuantError(f"layers {', '.join(f'L{i}' for i in smoothed)}: {fold_refusal(info)}")
-    budget = {k: v for k, v in (("max_calib_tokens", calib_tokens), ("max_eval_tokens", eval_tokens)) if v is not None}
+    budget = {k: v for k, v in (("max_calib_tokens", calib_tokens), ("max_eval_tokens", eval_tokens),
+                                ("seq_len", seq_len)) if v is not None}
     settings = EvalSettings(**budget, ablation=False)  # None: EvalSettings' defaults
     layers = load_ffn_layers(info, "all")
     inputs = capture_layer_inputs(info, layers, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
