@@ -6,7 +6,31 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["fmt", "fmt_db", "fmt_ms", "fmt_bytes", "text_table", "markdown_table", "display_path"]
+__all__ = ["fmt", "fmt_db", "fmt_ms", "fmt_bytes", "text_table", "markdown_table", "display_path", "ppl_change",
+           "agreement_words"]
+
+
+def ppl_change(fig: Any) -> str:
+    """A measurement's perplexity change against the float model with its 95% interval where it has one:
+    '+0.62% (95% CI +0.41..+0.83%)'."""
+    ratio = fig.get("perplexity_ratio") if fig else None
+    if ratio is None:
+        return "-"
+    ci = fig.get("perplexity_ratio_ci")
+    text = f"{100 * (ratio - 1):+.2f}%"
+    if ci:
+        text += f" (95% CI {100 * (ci[0] - 1):+.2f}..{100 * (ci[1] - 1):+.2f}%)"
+    return text
+
+
+def agreement_words(fig: Any) -> str:
+    """The next-token figures against the float model: 'KL mean 0.012 / p99 0.11 / max 0.9 nats, top-1 97.10%'."""
+    kl = (fig or {}).get("kl")
+    top1 = (fig or {}).get("top1_agreement")
+    if not kl or top1 is None:
+        return "-"
+    return (f"KL mean {fmt(kl['mean'])} / p99 {fmt(kl['p99'])} / max {fmt(kl['max'])} nats, "
+            f"top-1 {100 * top1:.2f}%")
 
 
 def fmt(value: Any, digits: int = 4) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..atomic import OutputTransaction
 from ..errors import FFNQuantError
-from ..render import fmt, text_table
+from ..render import agreement_words, fmt, ppl_change, text_table
 from ..report.model import model_eval_markdown, recipe_name
 from .common import TextFiles, positive_int, token_notes
 
@@ -174,9 +174,10 @@ def _eval(args: argparse.Namespace) -> int:
     for s in result["schemes"]:
         e = s["end_to_end"]
         own = [r["sqnr_db"] for r in s["layers"] if r["sqnr_db"] is not None]
-        rows.append([recipe_name(s)] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
+        rows.append([recipe_name(s)] + ([e["perplexity"], ppl_change(e), agreement_words(e)] if causal else [])
                     + [e["hidden_sqnr_db"], min(own) if own else None, ", ".join(s["worst_layers_end_to_end"] or s["worst_layers_sqnr"])])
-    head = ["scheme"] + (["perplexity", "Δ ppl"] if causal else []) + ["hidden SQNR dB", "min layer SQNR dB", "hurts most"]
+    head = ["scheme"] + (["perplexity", "change (95% CI)", "against float"] if causal else []) + [
+        "hidden SQNR dB", "min layer SQNR dB", "hurts most"]
     for line in token_notes(result.get("token_budgets", {}).values()):
         print(line)
     if causal:

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..atomic import OutputTransaction, write_json, write_text
 from ..errors import FFNQuantError
 from ..recipe import GRAMMAR, Recipe
-from ..render import fmt, text_table
+from ..render import agreement_words, fmt, ppl_change, text_table
 from ..report.quantize import quantize_markdown, quantize_model_markdown
 from .common import (
     StageBars, add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes,
@@ -326,7 +326,7 @@ def _print_results(rows: list, outputs: list) -> None:
         line = (f"end to end, {len(data['layers'])} FFN layer(s) quantized: final hidden SQNR {fmt(e['hidden_sqnr_db'])} dB, "
                 f"cosine {fmt(e['hidden_cosine'])}")
         if "perplexity" in e:
-            line += f", perplexity {fmt(base['perplexity'])} -> {fmt(e['perplexity'])}"
+            line += f", perplexity {fmt(base['perplexity'])} -> {fmt(e['perplexity'])}, {ppl_change(e)}; {agreement_words(e)}"
         if e2e["worst_layers_end_to_end"]:
             line += f"; hurts most: {', '.join(e2e['worst_layers_end_to_end'])}"
         elif data.get("ablation") is False and len(data["layers"]) > 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..render import fmt, fmt_bytes, markdown_table
+from ..render import agreement_words, fmt, fmt_bytes, markdown_table, ppl_change
 
 __all__ = ["deploy_markdown"]
 
@@ -29,7 +29,8 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
                 "noise: compressed-tensors rounds x/s + z, ffnquant and the int8 kernels round x/s, then add z)."
                 if layers["all_at_parity"] else "NOT all within rounding ties."),
              f"4. End to end, loaded with {load['loaded_with']} on {load['n_tokens']} held-out tokens: perplexity "
-             f"{fmt(load['baseline_perplexity'])} (float) -> {fmt(load['perplexity'])} ({_pct(load['perplexity_ratio'])}), "
+             f"{fmt(load['baseline_perplexity'])} (float) -> {fmt(load['perplexity'])} ({ppl_change(load)}; "
+             f"{agreement_words(load)}), "
              f"final hidden SQNR {fmt(load['hidden_sqnr_db'])} dB; ffnquant's torch reference of the plan on the same "
              f"tokens: {_pct(load['reference_perplexity_ratio'])}, {fmt(load['reference_hidden_sqnr_db'])} dB."]
     if load.get("relative_difference") is not None:

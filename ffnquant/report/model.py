@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..render import fmt, markdown_table
+from ..render import agreement_words, fmt, markdown_table, ppl_change
 
 __all__ = ["model_eval_markdown", "recipe_name"]
 
@@ -22,12 +22,14 @@ def model_eval_markdown(result: dict[str, Any]) -> str:
     causal = m["kind"] == "causal_lm"
     if causal:
         lines += [f"Float perplexity: {fmt(result['baseline']['perplexity'])}.", ""]
-    head = ["scheme"] + (["perplexity", "Δ ppl"] if causal else []) + ["final hidden SQNR dB", "cosine",
+    head = ["scheme"] + (["perplexity", "Δ ppl", "change (95% CI)", "against float"] if causal else []) + [
+        "final hidden SQNR dB", "cosine",
                                                                         "worst layers (own SQNR)", "worst layers (end to end)"]
     rows = []
     for s in result["schemes"]:
         e = s["end_to_end"]
-        rows.append([recipe_name(s)] + ([e["perplexity"], e["perplexity_delta"]] if causal else [])
+        rows.append([recipe_name(s)] + ([e["perplexity"], e["perplexity_delta"], ppl_change(e), agreement_words(e)]
+                                        if causal else [])
                     + [e["hidden_sqnr_db"], e["hidden_cosine"], ", ".join(s["worst_layers_sqnr"]),
                        ", ".join(s["worst_layers_end_to_end"]) or "-"])
     lines += ["## End to end", "", markdown_table(head, rows), ""]

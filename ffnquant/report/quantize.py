@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..render import fmt, markdown_table
+from ..render import agreement_words, fmt, markdown_table, ppl_change
 
 __all__ = ["quantize_markdown", "quantize_model_markdown"]
 
@@ -96,7 +96,8 @@ def quantize_model_markdown(data: dict) -> str:
         text = (f"Every selected FFN quantized and put back into the model, on {base['n_tokens']} tokens of "
                 f"{e2e['evaluation_text']}: final hidden state SQNR {fmt(e['hidden_sqnr_db'])} dB, cosine {fmt(e['hidden_cosine'])}")
         if causal:
-            text += f"; perplexity {fmt(base['perplexity'])} -> {fmt(e['perplexity'])} ({e['perplexity_delta']:+.3g})"
+            text += (f"; perplexity {fmt(base['perplexity'])} -> {fmt(e['perplexity'])}, {ppl_change(e)}; "
+                     f"{agreement_words(e)}")
         lines += [text + ".", ""]
         if e2e["ablation"]:
             head = ["layer quantized alone", "final hidden SQNR dB", "cosine"] + (["Δ perplexity"] if causal else [])
