@@ -387,3 +387,42 @@ def test_generalization_scales_by_the_held_out_loss_of_sqnr(search_db, held_db, 
 
     score = CandidateScore("w8a8", layer_sqnr_db=held_db, search_sqnr_db=search_db)
     assert generalization(score) == pytest.approx(expected)
+
+
+def test_worst_domain_is_judged_at_the_bound():
+    from ffnquant.plan.job import worst_domain
+
+    domains = {"prose": {"perplexity_ratio": 1.004, "perplexity_ratio_ci": [1.001, 1.012]},
+               "code": {"perplexity_ratio": 1.008, "perplexity_ratio_ci": [1.007, 1.009]}}
+    # code's point is worse, prose's interval reaches further: the bound decides
+    assert worst_domain(Target.parse("ppl+1%"), domains) == "prose"
+    top1 = {"a": {"top1_agreement": 0.97, "top1_agreement_ci": [0.95, 0.99]},
+            "b": {"top1_agreement": 0.96, "top1_agreement_ci": [0.955, 0.965]}}
+    assert worst_domain(Target.parse("top1>=90%"), top1) == "a"
+
+
+@pytest.mark.hf
+def test_plan_holds_its_target_on_every_held_out_domain(tiny, tmp_path):
+    prose, code = tmp_path / "prose.txt", tmp_path / "code.txt"
+    from ffnquant.hf.capture import default_text_path
+
+    prose.write_text(default_text_path("evaluation").read_text())
+    code.write_text(default_text_path("code").read_text())
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", str(tiny["llama"]), "--target", "ppl+3%", "--objective", "bytes",
+                 "--candidates", "fp32,w4a16-g32", "--eval-text", str(prose), "--eval-text", str(code),
+                 "--out", str(out), *SMALL]) == 0
+    data = json.loads((out / "plan.json").read_text())
+    final = final_round(data)
+    assert set(final["domains"]) == {str(prose), str(code)}
+    target = Target.parse("ppl+3%")
+    for fig in final["domains"].values():
+        lo, hi = fig["perplexity_ratio_ci"]
+        assert lo <= fig["perplexity_ratio"] <= hi
+        assert fig["kl"]["mean"] >= 0 and 0 <= fig["top1_agreement"] <= 1
+        assert fig["resolution"]["met"] == target.met(fig)
+    # met on all, each at its bound; the worst domain steers the budget
+    assert final["met"] == all(target.met(f) for f in final["domains"].values())
+    assert final["end_to_end"] == {k: v for k, v in final["domains"][final["worst_domain"]].items() if k != "resolution"}
+    md = (out / "plan.md").read_text()
+    assert str(prose) in md and str(code) in md and "95% CI" in md

@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     from ..hf import EvalSettings, inspect_model
     from ..hf.capture import read_text, require_transformers
     from ..plan.candidates import candidate_recipes
+    from ..hf.capture import load_tokenizer
+    from ..hf.inputs import eval_domain_batches
     from ..hf.stream import token_batches_of
     from ..plan.job import final_round, make_plan
     from ..plan.sensitivity import check_plannable
@@ -84,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
         # the whole model, or a decoder layer at a time when it does not fit (or --sequential): refused with the
         # numbers before any work when neither fits
         calib = token_batches_of(info, texts.text, "calibration", settings, texts.calib_tokens)
-        evals = token_batches_of(info, texts.eval_text, "evaluation", settings, texts.eval_tokens)
+        # every held-out domain, as the plan will read them (each up to --eval-tokens)
+        evals = [b for _, bs in eval_domain_batches(info, load_tokenizer(info.path), texts.eval_text, settings,
+                                                    texts.eval_tokens, True) for b in bs]
         memory = plan_memory(info, calib_tokens=sum(int(b.numel()) for b in calib),
                              eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
                              batch_tokens=int(calib[0].numel()), max_memory=args.max_memory, sequential=args.sequential)

@@ -45,6 +45,7 @@ def plan_memory_needed(info: Any, *, calib_tokens: int, eval_tokens: int, probe_
                        batch_tokens: int) -> dict[str, int]:
     """Bytes the in-memory plan holds at its peak, by part, and their `total`: the whole model in float32
     (benchmarks/plan_memory.py measures it against the peak RSS)."""
+    from ..hf.metrics import TOP_K
     from ..hf.stream import _RUNTIME_BYTES
     from ..resources import process_rss
 
@@ -62,6 +63,9 @@ def plan_memory_needed(info: Any, *, calib_tokens: int, eval_tokens: int, probe_
         # one batch's activations kept for the backward pass through every block
         "backward": batch_tokens * n * (8 * d + 4 * spec.d_ff) * 4,
         "scoring": _scoring_bytes(spec, calib_tokens + eval_tokens),
+        # the float model's kept figures per token of both texts (hf.metrics.Reference): NLL, the top-k
+        # log-probabilities and ids, the final hidden state
+        "references": (calib_tokens + eval_tokens) * (8 + 8 * TOP_K + 4 * d),
     }
     parts["total"] = sum(parts.values())
     return parts
