@@ -33,24 +33,20 @@ import torch
 
 
 def _windows_after(info, tokenizer, source: str, seq_len: int, batch_size: int, skip: int, tokens: int):
-    """The domain's batches (ffnquant's document windows) after its first `skip` tokens, `tokens` of them."""
-    from ffnquant.hf.capture import model_text_batches
+    """The domain's batches after its first `skip` tokens, `tokens` of them: ffnquant's document windows in their
+    order (what a plan with `skip` held-out tokens verified on is exactly the windows skipped), then batched."""
+    from ffnquant.hf.capture import check_token_ids
+    from ffnquant.hf.corpus import document_windows, load_documents, window_batches
 
-    batches = model_text_batches(info, tokenizer, source, "evaluation", seq_len, batch_size, skip + tokens)
-    rows = [row for b in batches for row in b]  # sequences in order
+    windows = document_windows(tokenizer, load_documents(source, "evaluation"), seq_len, max_tokens=skip + tokens)
     seen, kept = 0, []
-    for row in rows:
+    for w in windows:
         if seen >= skip:
-            kept.append(row)
-        seen += int(row.numel())
-    by_len: dict[int, list[torch.Tensor]] = {}
-    for row in kept:
-        by_len.setdefault(int(row.numel()), []).append(row)
-    out = []
-    for length in sorted(by_len, reverse=True):
-        group = by_len[length]
-        out += [torch.stack(group[i:i + batch_size]) for i in range(0, len(group), batch_size)]
-    return out
+            kept.append(w)
+        seen += len(w)
+    batches = window_batches(kept, batch_size)
+    check_token_ids(info, batches, source)
+    return batches
 
 
 def _candidate(spec: str, kind: str):
