@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from .errors import FFNQuantError
 
@@ -305,6 +305,8 @@ class OutputTransaction:
         """The staging folder for output folder `target` (created, checked and swept on first use)."""
         if not self._open:
             raise RuntimeError("OutputTransaction.folder() outside its with block")
+        if str(target).strip() == "":  # Path('') is the working folder: never written into by accident
+            raise FFNQuantError("the output folder is empty (--out ''); name a folder")
         key = Path(target).resolve()
         if key in self._stages:
             return self._stages[key][1]
@@ -466,9 +468,27 @@ class OutputTransaction:
 
 # --- a whole folder, written beside its target and renamed into place ----------------------------
 
-def check_new_folder(target: str | os.PathLike, force: bool = False) -> Path:
-    """Refuse, before any work, an output folder that cannot be (re)placed: a path that is not a folder, a folder
-    that exists and is not empty (unless `force`), a parent that cannot be written. Returns the target."""
+def check_not_an_input(target: str | os.PathLike, inputs: Sequence[str | os.PathLike | None]) -> None:
+    """Refuse an output folder that is, or holds, one of the run's own inputs (a model folder, a plan file, a
+    text): replacing it would destroy what the run reads, `--force` or not."""
+    out = Path(target).resolve()
+    for item in inputs:
+        if item is None or str(item) == "":
+            continue
+        p = Path(item).resolve()
+        if p == out or out in p.parents:
+            raise FFNQuantError(f"output folder {str(target)!r} holds this run's input {str(item)!r}: writing there "
+                                "would replace it; give another --out")
+
+
+def check_new_folder(target: str | os.PathLike, force: bool = False,
+                     inputs: Sequence[str | os.PathLike | None] = ()) -> Path:
+    """Refuse, before any work, an output folder that cannot be (re)placed: an empty path, a path that is not a
+    folder, a folder that exists and is not empty (unless `force`), one that is or holds one of the run's
+    `inputs`, a parent that cannot be written. Returns the target."""
+    if str(target).strip() == "":
+        raise FFNQuantError("the output folder is empty (--out ''); name a folder")
+    check_not_an_input(target, inputs)
     target = Path(target)
     if os.path.lexists(target):
         if target.is_symlink() or not target.is_dir():

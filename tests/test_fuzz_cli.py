@@ -346,6 +346,7 @@ RUN = ["run", "--variants", "relu", "--d-model", "32", "--calib-tokens", "256", 
        "--out", "{out}", "--export", "{exp}"]
 M = "{in}/m"
 CAPTURE = ["model", "capture", M, "--out", "{new}", "--max-tokens", "64", "--seq-len", "16"]
+EXPORT_PLAN = ["export", "--model", M, "--plan", "{in}/plan.toml", "--calib-tokens", "64", "--eval-tokens", "64"]
 PLAN = ["plan", "--model", M, "--calib-tokens", "64", "--eval-tokens", "64", "--no-progress", "--out", "{out}"]
 QUANTIZE_PLAN = ["quantize", "--model", M, "--plan", "{in}/plan.toml", "--calib-tokens", "64", "--eval-tokens", "64",
                  "--no-progress", "--out-artifacts", "{exp}", "--out-reports", "{out}"]
@@ -624,6 +625,15 @@ CASES = [
       setup=chain(model(), write("plan.toml", plan_file()))),
     C("export-plan-without-model", ["export", "--plan", "{in}/plan.toml", "--out", "{exp}"], "--model",
       setup=write("plan.toml", plan_file())),
+    # the run's own inputs are never an output, --force or not
+    C("export-out-is-the-model", EXPORT_PLAN + ["--out", M, "--force"], "would replace it",
+      setup=chain(model(), write("plan.toml", plan_file()))),
+    C("export-out-holds-the-plan", EXPORT_PLAN + ["--out", "{in}", "--force"], "would replace it",
+      setup=chain(model(), write("plan.toml", plan_file()))),
+    C("export-format-empty", EXPORT_PLAN + ["--format", "", "--out", "{new}"], ("format", "onnx"),
+      setup=chain(model(), write("plan.toml", plan_file()))),
+    C("plan-out-empty", [a for a in PLAN if a not in ("--out", "{out}")] + ["--out", ""], ("output", "empty"),
+      setup=model()),
     # --- output folders -----------------------------------------------------------------------
     C("export-out-is-a-file", EXPORT + ["--out", "{out}/keep.txt"], "keep.txt"),
     C("export-out-below-a-file", EXPORT + ["--out", "{out}/keep.txt/sub"], "keep.txt"),

@@ -47,6 +47,19 @@ def _layer_rows(planned, folder: Path) -> list[dict]:
     return rows
 
 
+def _text_files(texts) -> list[str]:
+    """The files among the run's text sources (corpus names are not files)."""
+    import os
+
+    from ..hf.corpus import source_items
+
+    items = []
+    for source in (texts.text, texts.eval_text):
+        if source is not None:
+            items += [i for i in source_items(source, "evaluation") if os.path.exists(i)]
+    return items
+
+
 def _export_plan(args: argparse.Namespace) -> int:
     """The model quantized as the plan says, into --out as one format (`deploy.formats`), with the document
     (`ffnquant-deploy.json`/`.md`) that says what was written and what it measures; nothing half-written."""
@@ -68,7 +81,7 @@ def _export_plan(args: argparse.Namespace) -> int:
         raise FFNQuantError("--model and --plan go together: export writes a model's FFN layers as its plan says")
     if args.out is None:
         raise FFNQuantError("--out is required with --model: the folder the quantized model is written to")
-    fmt = get_format(args.format or "onnx")
+    fmt = get_format("onnx" if args.format is None else args.format)  # '' is no format name
     info = inspect_model(args.model)
     plan = load_plan(args.plan, info)
     whole = True
@@ -90,7 +103,8 @@ def _export_plan(args: argparse.Namespace) -> int:
     texts = text_options(args, info)
     read_text(texts.text, "calibration")
     read_text(texts.eval_text, "evaluation")
-    check_new_folder(args.out, args.force)
+    # never into the model's own folder, nor over the plan or a text file it reads
+    check_new_folder(args.out, args.force, inputs=[args.model, args.plan, *_text_files(texts)])
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
     t0 = time.perf_counter()
     with staged_folder(args.out, args.force) as folder:
