@@ -37,6 +37,7 @@ OPTIONAL_IMPORTS = {
     "compressed_tensors": "export --format compressed-tensors only (the deploy extra); deploy.ctensors says how to install it",
     "ray": "--executor ray only (the ray extra); imported lazily, and its absence is a one-line error",
     "loguru": "compressed-tensors' logger, quieted by thirdparty.quiet_model_io when present; guarded",
+    "datasets": "parquet / save_to_disk texts only (the data extra); hf.corpus.datasets_module says how to install it",
 }
 MARK = "not on the device image"
 LOG_VAR = "DEVICE_IMAGE_BLOCK_LOG"
