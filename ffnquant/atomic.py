@@ -525,6 +525,15 @@ def staged_folder(target: str | os.PathLike, force: bool = False) -> Iterator[Pa
         yield staging
         mask = os.umask(0)
         os.umask(mask)
+        # libraries that write into the folder pick their own modes (transformers' save_pretrained writes the
+        # weights 0600, unreadable to a server running as another user): every entry gets the umask's mode
+        for root, dirs, files in os.walk(staging):
+            for d in dirs:
+                os.chmod(os.path.join(root, d), 0o777 & ~mask)
+            for f in files:
+                p = os.path.join(root, f)
+                if not os.path.islink(p):
+                    os.chmod(p, 0o666 & ~mask)
         with _sigint_deferred():
             os.chmod(staging, 0o777 & ~mask)  # mkdtemp makes it 0700: give it an ordinary folder's mode
             if os.path.lexists(target):

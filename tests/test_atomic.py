@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -524,3 +525,24 @@ def test_a_parent_that_refuses_writes_is_one_line_even_for_root(tmp_path, monkey
     with pytest.raises(FFNQuantError, match=r"cannot write output folder .* is not writable"):
         atomic.check_new_folder(tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
+def test_staged_folder_gives_every_file_the_umask_mode(tmp_path, umask):
+    # transformers' save_pretrained writes model.safetensors 0600; a served folder must follow the user's umask
+    from ffnquant.atomic import staged_folder
+
+    old = os.umask(umask)
+    try:
+        with staged_folder(tmp_path / "dep") as folder:
+            (folder / "model.safetensors").write_bytes(b"x")
+            os.chmod(folder / "model.safetensors", 0o600)
+            (folder / "sub").mkdir(mode=0o700)
+            (folder / "sub" / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    out = tmp_path / "dep"
+    assert stat.S_IMODE(os.stat(out / "model.safetensors").st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE(os.stat(out / "sub").st_mode) == 0o777 & ~umask
+    assert stat.S_IMODE(os.stat(out / "sub" / "config.json").st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~umask
