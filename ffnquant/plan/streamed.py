@@ -78,6 +78,7 @@ def plan_memory(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens:
     (default: what this process holds plus what the machine has available) or `sequential` is False; else a
     decoder layer at a time, the kept tensors on disk when they do not fit either. Raises a one-line
     FFNQuantError with the numbers and a suggestion when nothing fits."""
+    from ..hf.metrics import TOP_K
     from ..hf.stream import _RUNTIME_BYTES, MemoryPlan, choose_memory_plan, largest_layer_bytes
     from ..resources import human_bytes, memory_limit, process_rss
 
@@ -91,7 +92,9 @@ def plan_memory(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens:
     # stream, its embedding (each round starts there), its final hidden states, a quantized stream.
     calibration = (n * (3 * c + 3 * p) + 4 * c) * d * 4
     evaluation = (n + 4) * e * d * 4
-    logp = p * vocab * 4  # the probe tokens' float next-token log-probabilities, always in memory
+    # the probe tokens' float next-token log-probabilities, and every token's kept float figures (hf.metrics.Reference:
+    # NLL, top-k log-probabilities and ids; the final hidden states are counted per text above): always in memory
+    logp = p * vocab * 4 + (c + e) * (8 + 8 * TOP_K)
     batch = batch_tokens * d * 4 * 3
     # the largest stage: one layer with its FFN inputs; a candidate's quantization of its FFN on both texts; one
     # batch's backward through a layer; the head with a batch's logits
