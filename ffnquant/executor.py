@@ -18,7 +18,7 @@ from .errors import FFNQuantError, first_line, unknown_choice
 
 __all__ = ["INSTALL_HINT", "Shared", "Executor", "LocalExecutor", "RayExecutor", "EXECUTORS", "get_executor"]
 
-INSTALL_HINT = 'pip install "ffnquant[ray]"'
+INSTALL_HINT = 'pip install ".[ray]" from the ffnquant checkout'
 Resources = Sequence[Mapping[str, Any]]
 
 

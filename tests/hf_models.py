@@ -93,7 +93,7 @@ def save_tiny(T, name: str, folder: Path, tok=None) -> tuple[Path, str, str]:
 def tiny_folders(tmp_path_factory, names=None) -> dict[str, tuple[Path, str, str]]:
     """`save_tiny` for each of `names` (default every architecture of `configs`) in a fresh temporary folder;
     skips the calling test with the reason when transformers is not installed."""
-    T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
     T.logging.set_verbosity_error()
     root = tmp_path_factory.mktemp("hf")
     tok = tokenizer(T)

@@ -151,3 +151,16 @@ def test_a_closed_pipe_ends_the_command_quietly():
     err = proc.stderr.read().decode()
     proc.wait(timeout=60)
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_install_hints_name_the_checkout_not_a_registry_package():
+    """`ffnquant` is not on the package registry: every extra is installed from the checkout (`pip install ".[hf]"`)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    needle = "ffnquant" + "["  # spelled apart so that this line is not an offender
+    files = [root / "README.md", *sorted((root / "ffnquant").rglob("*.py")), *sorted((root / "tests").glob("*.py"))]
+    offenders = [f"{f.relative_to(root)}:{n}" for f in files
+                 for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+                 if "install" in line and needle in line.replace('"', "").replace("'", "")]
+    assert offenders == []

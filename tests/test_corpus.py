@@ -21,7 +21,7 @@ CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% end
 
 def _tokenizer(bos: bool, chat: bool = False):
     """The tests' word-level tokenizer; with `bos`, one that puts <s> before a text, as Llama's and Gemma's do."""
-    T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
     from tokenizers import processors
 
     from hf_models import tokenizer
@@ -74,7 +74,7 @@ def test_batches_group_equal_lengths_longest_first():
 
 
 def _write_sources(tmp_path: Path) -> dict[str, Path]:
-    datasets = pytest.importorskip("datasets", reason="datasets not installed (pip install ffnquant[data])")
+    datasets = pytest.importorskip("datasets", reason="datasets not installed (pip install '.[data]')")
     txt = tmp_path / "docs.txt"
     txt.write_text("\f".join(DOCS), encoding="utf-8")
     jsonl = tmp_path / "docs.jsonl"

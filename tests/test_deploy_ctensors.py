@@ -13,7 +13,7 @@ from ffnquant.spec import FFNSpec, Variant
 
 from hf_models import tiny_folders
 
-ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors not installed (pip install ffnquant[deploy])")
+ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors not installed (pip install '.[deploy]')")
 
 from ffnquant.deploy import ctensors  # noqa: E402  (after the skip)
 

@@ -612,7 +612,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path):
 @pytest.mark.hf
 def test_tokenizer_beyond_the_vocabulary_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     """A folder whose tokenizer gives ids up to 95 while config.json says 40 embedding rows."""
-    T = pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
     from hf_models import tokenizer
 
     from ffnquant.hf import capture, evaluate
@@ -640,7 +640,7 @@ def test_tokenizer_beyond_the_vocabulary_is_refused_before_the_model_loads(tmp_p
 
 @pytest.mark.hf
 def test_model_too_big_to_load_is_refused_before_transformers_loads_it(tmp_path, monkeypatch):
-    pytest.importorskip("transformers", reason="transformers not installed (pip install ffnquant[hf])")
+    pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
     from ffnquant import resources
     from ffnquant.hf.capture import load_hf_model
 

@@ -54,7 +54,7 @@ def ctensors_available() -> tuple[bool, str]:
     try:
         import compressed_tensors
     except ImportError as exc:
-        return False, f"compressed-tensors is not installed ({exc}); pip install 'ffnquant[deploy]'"
+        return False, f"compressed-tensors is not installed ({exc}); pip install '.[deploy]' from the ffnquant checkout"
     return True, str(getattr(compressed_tensors, "__version__", "?"))
 
 

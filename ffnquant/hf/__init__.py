@@ -1,7 +1,7 @@
 """Real models: FFN layers from local Hugging Face checkpoints, captured calibration, end-to-end accuracy.
 
 Reading checkpoints needs only safetensors; running a model (capture, end-to-end
-evaluation) needs the optional `transformers` package (`pip install ffnquant[hf]`).
+evaluation) needs the optional `transformers` package (`pip install '.[hf]'`).
 """
 
 from .arch import ARCHITECTURES, HF_ACTIVATIONS, Arch, Install, ModelKind, get_arch, hf_activation

@@ -1,6 +1,6 @@
 """Run a local Hugging Face model and capture each FFN's input; put replacement FFNs into it.
 
-Needs the optional `transformers` package (`pip install ffnquant[hf]`); everything is
+Needs the optional `transformers` package (`pip install '.[hf]'`); everything is
 local (`local_files_only=True`). Capture uses forward pre-hooks on the model's own MLP
 modules and hands each FFN's input to a callback one batch at a time, so nothing holds
 more than one batch of activations. Without transformers, `iter_captured_files` reads
@@ -65,7 +65,7 @@ def transformers_available() -> tuple[bool, str]:
     try:
         import transformers
     except Exception as exc:  # ImportError, or a broken install raising something else
-        return False, f"transformers is not importable ({type(exc).__name__}: {exc}); install ffnquant[hf]"
+        return False, f"transformers is not importable ({type(exc).__name__}: {exc}); pip install '.[hf]' from the ffnquant checkout"
     return True, transformers.__version__
 
 

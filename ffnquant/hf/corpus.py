@@ -3,7 +3,7 @@
 A source is a shipped corpus (`prose`, `code`, or `prose:evaluation` to name the split; ffnquant/data/TEXTS.md),
 a plain text file (one document; a form feed, U+000C, separates several), JSONL (one document a line: the
 `text` field, or `messages` for a chat), parquet, or a folder written by `datasets`' `save_to_disk`; parquet and
-the folder are read through the `datasets` library (`pip install ffnquant[data]`).
+the folder are read through the `datasets` library (`pip install '.[data]'`).
 
 Windows (`document_windows`): a document is tokenized without special tokens and followed by the tokenizer's
 EOS; it is cut into windows of at most `seq_len` tokens, each beginning with the tokens the tokenizer puts in
@@ -158,7 +158,7 @@ def datasets_module():
         import datasets
     except Exception as exc:  # ImportError, or a broken install raising something else
         raise FFNQuantError(f"reading parquet or a save_to_disk folder needs the datasets library ({type(exc).__name__}: "
-                            f"{exc}); pip install 'ffnquant[data]'") from None
+                            f"{exc}); pip install '.[data]' from the ffnquant checkout") from None
     return datasets
 
 

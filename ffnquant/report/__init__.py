@@ -59,7 +59,7 @@ def validate_report(doc: Mapping[str, Any]) -> None:
     try:
         import jsonschema
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise FFNQuantError("validating a report needs the jsonschema package (pip install ffnquant[test])") from exc
+        raise FFNQuantError("validating a report needs the jsonschema package (pip install '.[test]' from the ffnquant checkout)") from exc
     validator = jsonschema.Draft202012Validator(report_schema())
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     if errors:
