@@ -184,6 +184,23 @@ def test_default_config_is_the_issue_default():
     assert dims["relu"] == 2048 and dims["swiglu"] == 1408
 
 
+@pytest.mark.parametrize("config", ["default", "reports/run.toml", "reports/real-model/run.toml"])
+def test_run_never_writes_over_a_committed_report(config):
+    """The default output folder, and those of the committed configs the README repeats, hold no committed file
+    and are git-ignored: a run leaves the reference reports the README compares with as they are."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    cfg = RunConfig() if config == "default" else load_config(root / config)
+    out = cfg.out_reports
+    tracked = subprocess.run(["git", "ls-files", "--", out], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert tracked == ""
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", out + "/report.json"], cwd=root)
+    assert ignored.returncode == 0, f"{out}/ is not git-ignored"
+
+
 def _nan_file(tmp_path: Path) -> Path:
     arr = np.zeros((600, 64), dtype=np.float32)
     arr[3, 5] = np.nan

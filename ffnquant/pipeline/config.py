@@ -102,7 +102,7 @@ class RunConfig:
     runtimes: tuple[str, ...] = ("available",)
     tokens: tuple[int, ...] = DEFAULT_TOKENS
     budget_s: float = 0.04
-    out_reports: str = "reports"
+    out_reports: str = "reports/run"  # git-ignored: a run never replaces the committed reference reports
     out_export: str = "export"
     # A real model's FFN layers side by side with the variants: a local Hugging Face folder, its layers
     # ("0-3", "0,5,7"; None = all), calibration text and held-out evaluation text (None = shipped samples).
