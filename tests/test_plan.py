@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,8 @@ from ffnquant.recipe import Recipe
 from hf_models import tiny_folders
 
 SMALL = ["--calib-tokens", "256", "--eval-tokens", "128", "--probe-tokens", "128", "--tokens", "16", "--no-progress"]
+# a held-out text of a few hundred tokens: shorter than a 4,096-token budget
+SHORT_TEXT = Path(__file__).resolve().parents[1] / "ffnquant" / "data" / "evaluation.txt"
 CANDIDATES = "fp32,w8a8@search,w8a8-dynamic-s8,w4a16-g32,w8a8@search+float=hidden"
 
 
@@ -232,9 +235,13 @@ def test_suffix_runs_and_gradients_are_exact_for_the_float_model(tiny):
 def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
     out = tmp_path / "plan"
     rc = main(["plan", "--model", str(tiny["llama"]), "--target", "ppl+1%", "--candidates", CANDIDATES,
-               "--out", str(out), *SMALL])
+               "--out", str(out), *SMALL, "--eval-text", str(SHORT_TEXT), "--eval-tokens", "4096"])
     assert rc == 0
     data = json.loads((out / "plan.json").read_text())
+    # the held-out text gave fewer tokens than asked: the terminal says so, not only plan.md
+    short = [b for b in data["token_budgets"].values() if b and b.get("short")]
+    printed = capsys.readouterr().out
+    assert short and all(f"note: {b['note']}" in printed for b in short)
     final = final_round(data)
     assert data["verified"] and final["met"]
     assert final["end_to_end"]["perplexity_ratio"] <= 1.01
@@ -309,7 +316,7 @@ def planned(tiny, tmp_path_factory):
 
 
 @pytest.mark.hf
-def test_export_writes_the_planned_artifacts_and_a_manifest(tiny, planned, tmp_path, monkeypatch):
+def test_export_writes_the_planned_artifacts_and_a_manifest(tiny, planned, tmp_path, monkeypatch, capsys):
     from ffnquant.deploy import onnx_model
 
     graphs = []
@@ -322,7 +329,11 @@ def test_export_writes_the_planned_artifacts_and_a_manifest(tiny, planned, tmp_p
     monkeypatch.setattr(onnx_model, "write_model_graph", write_model_graph)
     out = tmp_path / "exp"
     assert main(["export", "--model", str(tiny["llama"]), "--plan", str(planned), "--out", str(out),
-                 "--calib-tokens", "256", "--eval-tokens", "128"]) == 0
+                 "--calib-tokens", "256", "--eval-text", str(SHORT_TEXT), "--eval-tokens", "4096"]) == 0
+    # the held-out text gave fewer tokens than the 4,096 asked: the terminal says how many were used
+    printed = capsys.readouterr().out
+    budget = json.loads((out / "ffnquant-deploy.json").read_text())["token_budgets"]["evaluation"]
+    assert budget["short"] and budget["obtained"] < 4096 and f"note: {budget['note']}" in printed
     manifest = json.loads((out / "manifest.json").read_text())
     rows = {m["label"]: m for m in manifest["layers"]}
     assert rows["L0"]["recipe"] == "w8a8@search+float=hidden" and rows["L1"]["recipe"] == "w4a16-g32"

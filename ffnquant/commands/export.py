@@ -8,7 +8,7 @@ from pathlib import Path
 from ..atomic import OutputTransaction
 from ..export import DEFAULT_OPSET, export_spec
 from ..render import text_table
-from .common import add_spec_arguments, add_text_arguments, specs_from_args, text_options
+from .common import add_spec_arguments, add_text_arguments, specs_from_args, text_options, token_notes
 
 NAME = "export"
 HELP = ("export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, "
@@ -115,6 +115,7 @@ def _export_plan(args: argparse.Namespace) -> int:
         doc = {"format": fmt, "command": command, "plan_file": str(args.plan), "plan": plan.to_dict(),
                "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
                "texts": {k: planned.settings[k] for k in ("calibration", "evaluation")},
+               "token_budgets": planned.settings.get("token_budgets") or {},
                "reference": planned.reference["end_to_end"], "baseline": planned.reference["baseline"],
                "layers": _layer_rows(planned, folder)}
         if fmt == "compressed-tensors":
@@ -160,6 +161,8 @@ def _export_plan(args: argparse.Namespace) -> int:
 def _print_deploy(doc: dict, out: Path) -> None:
     rows = [(m["label"], m["recipe"], m["sqnr_db_torch"], m.get("file") or "-") for m in doc["layers"]]
     print(text_table(["layer", "recipe", "SQNR torch", "file"], rows))
+    for line in token_notes((doc.get("token_budgets") or {}).values()):  # a shrunk text is said here, not only in the report
+        print(line)
     ref, base = doc["reference"], doc["baseline"]
     print(f"ffnquant's torch reference: perplexity {base.get('perplexity'):.4f} -> {ref.get('perplexity'):.4f}, "
           f"final hidden SQNR {ref['hidden_sqnr_db']:.2f} dB")

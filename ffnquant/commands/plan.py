@@ -10,7 +10,7 @@ from pathlib import Path
 from ..atomic import OutputTransaction, write_json, write_text
 from ..render import fmt
 from .bench import add_executor_arguments, executor_from_args
-from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int, text_options
+from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int, text_options, token_notes
 
 NAME = "plan"
 HELP = "choose a recipe per FFN layer that meets an end-to-end target (ppl+1%, sqnr>=30) at the least latency or bytes, and verify it"
@@ -128,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
           f"after {len(result['rounds'])} round(s); final hidden SQNR {fmt(e.get('hidden_sqnr_db'))} dB on the worst:")
     for line in domain_lines(final, result["baseline"]):
         print(f"  {line}")
+    for line in token_notes((result.get("token_budgets") or {}).values()):  # the terminal says it, not only plan.md
+        print(line)
     print(f"FFN stack {objective.name}: {cost} (fp32 {fp32}); {fmt(result['timings']['total_s'])} s")
     print(f"wrote {Path(final_dir) / 'plan.toml'} (use: ffnquant quantize --model {args.model} --plan {Path(final_dir) / 'plan.toml'}), plan.json, plan.md")
     if not result["verified"]:

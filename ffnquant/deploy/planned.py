@@ -168,7 +168,7 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
     reference = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress)
     float_model = inputs.model
     settings_used = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
-                     "calib_tokens": calib_tokens, "eval_tokens": eval_tokens}
+                     "calib_tokens": calib_tokens, "eval_tokens": eval_tokens, "token_budgets": inputs.budgets}
     if not whole_model:
         return PlannedModel(info=info, plan=plan, model=float_model, float_model=float_model, modules=[],
                             evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=qffns,
