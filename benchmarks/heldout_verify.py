@@ -23,6 +23,7 @@ Writes OUT/heldout.json and OUT/heldout.md (stamped with the machine, versions a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shlex
 import sys
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--out", default="reports/trained-llm/heldout")
+    ap.add_argument("--cache", default=None, help="folder keeping the float model's figures between runs")
     args = ap.parse_args(argv)
 
     from ffnquant.atomic import write_json, write_text
@@ -101,7 +103,19 @@ def main(argv=None) -> int:
     refs, baselines, timings = {}, {}, {}
     for source, batches in domains.items():
         t = time.perf_counter()
-        baselines[source], refs[source] = float_reference(model, info, batches)
+        # the float model's figures of these exact windows, kept on disk between runs (--cache): a later run with
+        # other candidates scores against the same reference without running the float model again
+        key = hashlib.sha256(repr((str(info.path.resolve()), source, args.seq_len, args.skip_tokens, args.tokens,
+                                   [b.tolist() for b in batches])).encode()).hexdigest()[:16]
+        cached = Path(args.cache) / f"float-{key}.pt" if args.cache else None
+        if cached is not None and cached.exists():
+            baselines[source], refs[source] = torch.load(cached, weights_only=False)
+        else:
+            baselines[source], refs[source] = float_reference(model, info, batches)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                torch.save((baselines[source], refs[source]), cached.with_suffix(".tmp"))
+                cached.with_suffix(".tmp").replace(cached)
         timings[f"float reference {source}"] = time.perf_counter() - t
         print(f"float {source}: perplexity {baselines[source]['perplexity']:.4f} "
               f"({timings[f'float reference {source}']:.0f} s)", flush=True)
