@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from ..errors import FFNQuantError
 from ..recipe import Recipe
 
-__all__ = ["PLAN_VERSION", "Plan", "load_plan", "model_fingerprint"]
+__all__ = ["PLAN_VERSION", "Plan", "check_plan_data", "load_plan", "model_fingerprint"]
 
 PLAN_VERSION = 1
 _FINGERPRINT = ("model_type", "variant", "n_layers", "d_model", "d_ff")
@@ -90,32 +90,87 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "plan") -> "Plan":
-        version = data.get("version")
-        if version != PLAN_VERSION:
-            raise FFNQuantError(f"{where}: plan version {version!r} is not supported (this ffnquant reads {PLAN_VERSION})")
-        unknown = sorted(set(data) - {"version", "model", "target", "objective", "layers", "summary"})
-        if unknown:
-            raise FFNQuantError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: model, target, objective, layers")
-        if not isinstance(data.get("model"), Mapping):
-            raise FFNQuantError(f"{where}: a [model] table is needed ({', '.join(_FINGERPRINT)})")
-        rows = data.get("layers")
-        if not isinstance(rows, list) or not rows:
-            raise FFNQuantError(f"{where}: [[layers]] entries are needed, each with index and recipe")
-        layers: dict[int, Recipe] = {}
-        for row in rows:
-            if not isinstance(row, Mapping) or set(row) - {"index", "recipe", "note"} or not {"index", "recipe"} <= set(row):
-                raise FFNQuantError(f"{where}: each [[layers]] entry has index and recipe, got {dict(row) if isinstance(row, Mapping) else row!r}")
-            index = row["index"]
-            if index in layers:
-                raise FFNQuantError(f"{where}: layer {index} is given twice")
-            try:
-                layers[index] = Recipe.parse(row["recipe"])
-            except FFNQuantError as exc:
-                raise FFNQuantError(f"{where}: layer {index}: {exc}") from None
+        """A Plan from parsed TOML, every field checked as data first (`check_plan_data`): one line naming the entry."""
+        check_plan_data(data, where)
+        layers = {row["index"]: Recipe.parse(row["recipe"]) for row in data["layers"]}
         try:
-            return cls(dict(data["model"]), layers, data.get("target"), data.get("objective"), data.get("summary") or {})
+            return cls(dict(data["model"]), layers, data.get("target"), data.get("objective"), dict(data.get("summary") or {}))
         except FFNQuantError as exc:
             raise FFNQuantError(f"{where}: {str(exc).removeprefix('plan: ')}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # TOML's true is no count
+
+
+def check_plan_data(data: Any, where: str = "plan") -> None:
+    """The plan file's schema: version, the model's fingerprint, target and objective, one entry per layer index
+    with a known recipe. Raises a one-line FFNQuantError naming the first bad entry; a hand-edited file never
+    reaches the code that uses it."""
+    from .target import Target
+
+    if not isinstance(data, Mapping):
+        raise FFNQuantError(f"{where}: a plan is a TOML table, got {type(data).__name__}")
+    version = data.get("version")
+    if not _is_int(version) or version != PLAN_VERSION:
+        raise FFNQuantError(f"{where}: plan version {version!r} is not supported (this ffnquant reads {PLAN_VERSION})")
+    unknown = sorted(set(data) - {"version", "model", "target", "objective", "layers", "summary"})
+    if unknown:
+        raise FFNQuantError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: model, target, objective, layers")
+    model = data.get("model")
+    if not isinstance(model, Mapping):
+        raise FFNQuantError(f"{where}: a [model] table is needed ({', '.join(_FINGERPRINT)})")
+    missing = [k for k in _FINGERPRINT if k not in model]
+    if missing:
+        raise FFNQuantError(f"{where}: the model section lacks {', '.join(missing)}")
+    for key in ("model_type", "variant"):
+        if not isinstance(model[key], str) or not model[key].strip():
+            raise FFNQuantError(f"{where}: model.{key} must be a name, got {model[key]!r}")
+    for key in ("n_layers", "d_model", "d_ff"):
+        if not _is_int(model[key]) or model[key] <= 0:
+            raise FFNQuantError(f"{where}: model.{key} must be a positive integer, got {model[key]!r}")
+    target = data.get("target")
+    if target is not None:
+        if not isinstance(target, str):
+            raise FFNQuantError(f"{where}: target must be text such as \"ppl+1%\", got {target!r}")
+        try:
+            Target.parse(target)
+        except FFNQuantError as exc:
+            raise FFNQuantError(f"{where}: target: {exc}") from None
+    objective = data.get("objective")
+    if objective is not None and not isinstance(objective, str):  # informational ("weight bytes", "latency on ...")
+        raise FFNQuantError(f"{where}: objective must be text, got {objective!r}")
+    if data.get("summary") is not None and not isinstance(data["summary"], Mapping):
+        raise FFNQuantError(f"{where}: summary must be a table, got {type(data['summary']).__name__}")
+    rows = data.get("layers")
+    if not isinstance(rows, list) or not rows:
+        raise FFNQuantError(f"{where}: [[layers]] entries are needed, each with index and recipe")
+    n = model["n_layers"]
+    seen: set[int] = set()
+    for k, row in enumerate(rows, 1):
+        entry = f"[[layers]] entry {k}"
+        if not isinstance(row, Mapping):
+            raise FFNQuantError(f"{where}: {entry} must be a table with index and recipe, got {row!r}")
+        extra, absent = sorted(set(row) - {"index", "recipe", "note"}), sorted({"index", "recipe"} - set(row))
+        if extra or absent:
+            raise FFNQuantError(f"{where}: {entry} has index and recipe (and an optional note); "
+                                + (f"unknown: {', '.join(extra)}" if extra else f"missing: {', '.join(absent)}"))
+        index = row["index"]
+        if not _is_int(index) or not 0 <= index < n:
+            raise FFNQuantError(f"{where}: {entry}: index {index!r} is not a layer index of a {n}-layer model "
+                                f"(an integer 0..{n - 1})")
+        entry = f"layer {index}"
+        if index in seen:
+            raise FFNQuantError(f"{where}: {entry} is given twice")
+        seen.add(index)
+        if not isinstance(row["recipe"], str):
+            raise FFNQuantError(f"{where}: {entry}: recipe must be text such as \"w8a8@search\", got {row['recipe']!r}")
+        if "note" in row and not isinstance(row["note"], str):
+            raise FFNQuantError(f"{where}: {entry}: note must be text, got {row['note']!r}")
+        try:
+            Recipe.parse(row["recipe"])
+        except FFNQuantError as exc:
+            raise FFNQuantError(f"{where}: {entry}: {exc}") from None
 
 
 def load_plan(path: str | os.PathLike, info: Any | None = None) -> Plan:
