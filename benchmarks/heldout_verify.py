@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--plan", action="append", default=[], help="NAME=PLAN.toml@CALIBRATION_TEXT[@CALIB_TOKENS]")
     ap.add_argument("--recipe", action="append", default=[], help="NAME=RECIPE@CALIBRATION_TEXT (every layer)")
+    ap.add_argument("--folder", action="append", default=[],
+                    help="NAME=FOLDER: a model another tool quantized (e.g. llm-compressor's), loaded by transformers")
     ap.add_argument("--domains", default="prose:evaluation,code:evaluation")
     ap.add_argument("--tokens", type=int, default=50_000, help="held-out tokens per domain")
     ap.add_argument("--skip-tokens", type=int, default=4096)
@@ -123,6 +125,35 @@ def main(argv=None) -> int:
     candidates = [("plan", *_candidate(s, "plan")) for s in args.plan] + \
                  [("recipe", *_candidate(s, "recipe")) for s in args.recipe]
     results = []
+    for spec in args.folder:  # another tool's quantized model, loaded by transformers, on the same windows
+        name, _, folder = spec.partition("=")
+        t = time.perf_counter()
+        import transformers
+
+        from ffnquant.hf.metrics import Agreement, ErrorStats, _final_hidden, _run
+        from ffnquant.hf.evaluate import end_to_end_figures
+        from ffnquant.hf.metrics import _NLL
+        from ffnquant.thirdparty import quiet_model_io
+
+        with quiet_model_io():
+            other = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        row = {"name": name, "kind": "folder", "what": folder, "calibration": "its own (see its provenance)",
+               "calibration_tokens": 0, "quantize_s": time.perf_counter() - t, "domains": {}}
+        for source, batches in domains.items():
+            t = time.perf_counter()
+            hidden, nll, agreement = ErrorStats(), _NLL(), Agreement()
+            for b, ids in enumerate(batches):
+                out = _run(other, info, ids)
+                hidden.update(refs[source][b].hidden, _final_hidden(info, out))
+                nll.update(out.logits, ids)
+                agreement.update(refs[source][b], out.logits, ids)
+                del out
+            fig = end_to_end_figures(baselines[source], hidden, nll, {}, agreement)["end_to_end"]
+            fig["score_s"] = time.perf_counter() - t
+            row["domains"][source] = fig
+            _say(name, source, fig)
+        results.append(row)
+        del other
     for kind, name, what, calib, calib_tokens in candidates:
         t = time.perf_counter()
         if kind == "plan":
@@ -143,10 +174,7 @@ def main(argv=None) -> int:
                              references=refs[source])["end_to_end"]
             fig["score_s"] = time.perf_counter() - t
             row["domains"][source] = fig
-            lo, hi = fig["perplexity_ratio_ci"]
-            print(f"{name} on {source}: {100 * (fig['perplexity_ratio'] - 1):+.2f}% (95% CI {100 * (lo - 1):+.2f}.."
-                  f"{100 * (hi - 1):+.2f}%), KL mean {fig['kl']['mean']:.4g} p99 {fig['kl']['p99']:.4g}, top-1 "
-                  f"{100 * fig['top1_agreement']:.2f}% ({fig['score_s']:.0f} s)", flush=True)
+            _say(name, source, fig)
         results.append(row)
         del qffns, inputs
 
@@ -162,6 +190,13 @@ def main(argv=None) -> int:
     write_text(out / "heldout.md", render(doc))
     print(f"wrote {out / 'heldout.md'}")
     return 0
+
+
+def _say(name, source, fig) -> None:
+    lo, hi = fig["perplexity_ratio_ci"]
+    print(f"{name} on {source}: {100 * (fig['perplexity_ratio'] - 1):+.2f}% (95% CI {100 * (lo - 1):+.2f}.."
+          f"{100 * (hi - 1):+.2f}%), KL mean {fig['kl']['mean']:.4g} p99 {fig['kl']['p99']:.4g}, top-1 "
+          f"{100 * fig['top1_agreement']:.2f}% ({fig['score_s']:.0f} s)", flush=True)
 
 
 def _pct(x):
