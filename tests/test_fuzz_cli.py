@@ -289,6 +289,30 @@ def captured(d: int = 32, n: int = 64, nan: bool = False, layers=("L0", "L1")) -
     return setup
 
 
+def tokenized_model_with(vocab_size: int = 96, embedding: Callable[[], torch.Tensor] | None = None,
+                         **config_changes) -> Callable[[Path], None]:
+    """`tokenized_model`, config.json edited and (given) a token embedding written beside the FFN weights."""
+    def setup(root: Path) -> None:
+        tokenized_model(vocab_size)(root)
+        folder = root / "in" / "m"
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(config_changes)
+        (folder / "config.json").write_text(json.dumps(cfg))
+        if embedding is not None:
+            from safetensors.torch import load_file, save_file
+
+            state = load_file(str(folder / "model.safetensors"))
+            state["model.embed_tokens.weight"] = embedding()
+            save_file(state, str(folder / "model.safetensors"))
+    return setup
+
+
+def _embedding_with(value: float, vocab: int = 96, d: int = 32) -> torch.Tensor:
+    table = torch.randn(vocab, d, generator=torch.Generator().manual_seed(0))
+    table[7, 3] = value
+    return table
+
+
 def tokenized_model(vocab_size: int) -> Callable[[Path], None]:
     """in/m: a one-layer llama checkpoint (FFN weights only; transformers fills in the rest) whose config says
     `vocab_size`, with a 96-word tokenizer of its own (ids 0-95), written with `tokenizers` alone."""
@@ -603,6 +627,25 @@ CASES = [
       setup=chain(tokenized_model(96), folder("t.txt"))),
     C("model-capture-text-fifo", CAPTURE + ["--text", "{in}/t.txt"], ("regular", "fifo", "pipe"),
       setup=chain(tokenized_model(96), fifo("t.txt")), subprocess=True),
+    # model folders checked against their config.json before a model is built (heads, shapes, dtypes, values)
+    C("model-capture-more-kv-heads-than-heads", CAPTURE, ("num_key_value_heads", "8"),
+      setup=tokenized_model_with(num_key_value_heads=8)),
+    C("model-capture-kv-heads-not-dividing", CAPTURE, ("num_key_value_heads", "3"),
+      setup=tokenized_model_with(num_key_value_heads=3)),
+    C("model-capture-heads-not-dividing-width", CAPTURE, ("num_attention_heads", "5"),
+      setup=tokenized_model_with(num_attention_heads=5, num_key_value_heads=1)),
+    C("model-capture-head-dim-zero", CAPTURE, "head_dim", setup=tokenized_model_with(head_dim=0)),
+    C("model-capture-embedding-inf", CAPTURE, ("embed_tokens", "inf"),
+      setup=tokenized_model_with(embedding=lambda: _embedding_with(float("inf")))),
+    C("model-capture-embedding-nan", CAPTURE, ("embed_tokens", "nan"),
+      setup=tokenized_model_with(embedding=lambda: _embedding_with(float("nan")))),
+    C("model-capture-embedding-wrong-shape", CAPTURE, ("embed_tokens", "vocab_size"),
+      setup=tokenized_model_with(embedding=lambda: torch.zeros(90, 32))),
+    C("model-capture-embedding-int8", CAPTURE, ("embed_tokens", "I8", "dtype"),
+      setup=tokenized_model_with(embedding=lambda: torch.zeros(96, 32, dtype=torch.int8))),
+    C("model-inspect-q-proj-wrong-shape", ["model", "inspect", M], ("q_proj", "heads"),
+      setup=chain(tokenized_model_with(), lambda r: _add_tensor(r / "in/m", "model.layers.0.self_attn.q_proj.weight",
+                                                                torch.zeros(16, 32)))),
     C("model-capture-seq-len-1", CAPTURE + ["--seq-len", "1"], "seq", setup=tokenized_model(96)),
     C("profile-model-fifo-safetensors", PROFILE + ["--model", M, "--captured", "{in}/cal"], ("regular", "fifo", "pipe"),
       setup=chain(model(), captured(), model_file("model.safetensors", kind="fifo")), subprocess=True),
@@ -690,6 +733,14 @@ CASES = [
       setup=chain(model(), captured(), replace_with_dir("out/model-m.json"))),
     C("bench-out-read-only", BENCH, "out", setup=chmod("out", 0o555), skip=ROOT_SKIP),
 ]
+
+
+def _add_tensor(folder: Path, name: str, value: torch.Tensor) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    state[name] = value
+    save_file(state, str(folder / "model.safetensors"))
 
 
 def _nan_weight(folder: Path) -> None:
