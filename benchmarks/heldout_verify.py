@@ -193,7 +193,7 @@ def main(argv=None) -> int:
 
 
 def _say(name, source, fig) -> None:
-    lo, hi = fig["perplexity_ratio_ci"]
+    lo, hi = fig.get("perplexity_ratio_ci") or (float("nan"), float("nan"))
     print(f"{name} on {source}: {100 * (fig['perplexity_ratio'] - 1):+.2f}% (95% CI {100 * (lo - 1):+.2f}.."
           f"{100 * (hi - 1):+.2f}%), KL mean {fig['kl']['mean']:.4g} p99 {fig['kl']['p99']:.4g}, top-1 "
           f"{100 * fig['top1_agreement']:.2f}% ({fig['score_s']:.0f} s)", flush=True)
@@ -220,7 +220,7 @@ def render(doc) -> str:
               "KL p99.9 | KL max | top-1 agreement | scoring s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         for s, f in r["domains"].items():
-            lo, hi = f["perplexity_ratio_ci"]
+            lo, hi = f.get("perplexity_ratio_ci") or (None, None)
             kl = f["kl"]
             lines.append(f"| {r['name']} | {r['calibration']} ({r['calibration_tokens']:,} tokens) | {s} | "
                          f"{_pct(f['perplexity_ratio'])} ({_pct(lo)}..{_pct(hi)}) | {kl['mean']:.4g} | "
