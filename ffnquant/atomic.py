@@ -37,6 +37,7 @@ from .errors import FFNQuantError
 __all__ = [
     "ensure_writable_dir", "atomic_path", "write_bytes", "write_text", "write_json",
     "OutputTransaction", "sweep_stale", "is_output_failure", "STALE_AGE_S", "check_new_folder", "staged_folder",
+    "folder_files", "make_staging", "owned_temp_file",
 ]
 
 # Leftovers without a live owner we can check are removed once they are this old.
@@ -50,11 +51,10 @@ _OWNED = rf"(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-{_RAND}"
 # Our own temporary names, and nothing else: a user's file never matches these.
 _STAGING_RE = re.compile(rf"^{re.escape(STAGING_PREFIX)}{_OWNED}$")
 _TMP_RE = re.compile(rf"^\.(?P<target>.+)\.ffnq-{_OWNED}\.tmp$")  # atomic_path (this version)
-_LEGACY_RES = (
-    re.compile(rf"^\..+\.{_RAND}\.tmp$"),  # atomic_path of earlier versions (no owner in the name)
-    re.compile(r"^\..+\.rows\.tmp$"),  # `model capture`'s raw rows of earlier versions
-    re.compile(r"^.+\.onnx\.partial$"),  # `quantize`'s moves of earlier versions
-)
+# A staging folder is ours only with this file inside as well as the name: a user's folder of a like name is kept.
+# (Names without an owner part, such as `.x.abcdefgh.tmp` or `x.onnx.partial`, are never swept: a user's file can
+# carry them, so they are not matched by pattern and age.)
+STAGING_MARKER = ".ffnquant-staging"
 # OSErrors that only writing raises (a full disk, a quota, a read-only mount): reported in one line.
 # Others (permission denied, ...) are reported so only when they name a staged file, since reading
 # an input can raise them too.
@@ -112,6 +112,14 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
                 tmp.unlink()
 
 
+def owned_temp_file(folder: str | os.PathLike, name: str) -> Path:
+    """A new empty scratch file in `folder` named as ours (`.NAME.ffnq-<host>-<pid>-<random>.tmp`): the sweep
+    removes it once its run is over, and nothing else of that folder."""
+    fd, path = tempfile.mkstemp(prefix=f".{name}.ffnq-{_owner_tag()}", suffix=".tmp", dir=folder)
+    os.close(fd)
+    return Path(path)
+
+
 def _write(target: str | os.PathLike, writer: Callable[[Path], None]) -> Path:
     with atomic_path(target) as tmp:
         writer(tmp)
@@ -148,13 +156,25 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _is_stale(name: str, mtime: float, now: float) -> bool:
-    """Whether `name` is one of our temporary names whose run is over (dead owner or old enough)."""
+    """Whether `name` is one of our temporary names (owner host and pid in it) whose run is over."""
     m = _STAGING_RE.match(name) or _TMP_RE.match(name)
-    if m is not None:
-        if m["host"] == _HOST:
-            return not _pid_alive(int(m["pid"]))
-        return now - mtime > FOREIGN_STALE_AGE_S
-    return any(r.match(name) for r in _LEGACY_RES) and now - mtime > STALE_AGE_S
+    if m is None:
+        return False
+    if m["host"] == _HOST:
+        return not _pid_alive(int(m["pid"]))
+    return now - mtime > FOREIGN_STALE_AGE_S
+
+
+def make_staging(parent: str | os.PathLike) -> Path:
+    """A new staging folder in `parent`, named with this run's owner tag and marked inside, so that a sweep can
+    tell it from anything else."""
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX + _owner_tag(), dir=parent))
+    try:
+        (staging / STAGING_MARKER).write_bytes(b"")
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging
 
 
 def sweep_stale(folder: str | os.PathLike) -> list[Path]:
@@ -171,11 +191,13 @@ def sweep_stale(folder: str | os.PathLike) -> list[Path]:
             if stat.S_ISLNK(st.st_mode) or not _is_stale(entry.name, st.st_mtime, now):
                 continue  # we never make links: a link of that name is not ours
             if stat.S_ISDIR(st.st_mode):
-                if not _STAGING_RE.match(entry.name):
-                    continue
+                if not _STAGING_RE.match(entry.name) or not os.path.isfile(os.path.join(entry.path, STAGING_MARKER)):
+                    continue  # a folder of our name but without our marker: not ours
                 shutil.rmtree(entry.path)
-            else:
+            elif _TMP_RE.match(entry.name):
                 os.unlink(entry.path)
+            else:
+                continue
             removed.append(Path(entry.path))
         except OSError:
             continue
@@ -320,7 +342,7 @@ class OutputTransaction:
         folder = ensure_writable_dir(target)
         sweep_stale(folder)
         try:
-            staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX + _owner_tag(), dir=folder))
+            staging = make_staging(folder)
         except OSError as exc:
             raise FFNQuantError(f"cannot write in output folder {str(folder)!r}: {exc.strerror or exc}") from None
         self._stages[key] = (Path(target), staging)
@@ -351,8 +373,8 @@ class OutputTransaction:
             for dirpath, dirnames, filenames in os.walk(staging):
                 dirnames.sort()
                 for name in sorted(filenames):
-                    if _TMP_RE.match(name):
-                        continue  # a writer's own temporary file is never an output
+                    if _TMP_RE.match(name) or (name == STAGING_MARKER and dirpath == str(staging)):
+                        continue  # a writer's own temporary file, or the staging folder's marker, is never an output
                     src = Path(dirpath) / name
                     out.append((src, key / src.relative_to(staging), shown / src.relative_to(staging)))
         return out
@@ -481,11 +503,36 @@ def check_not_an_input(target: str | os.PathLike, inputs: Sequence[str | os.Path
                                 "would replace it; give another --out")
 
 
+def folder_files(folder: str | os.PathLike) -> list[str]:
+    """Every file under `folder` as a sorted relative POSIX path (what a listing records)."""
+    root = Path(folder)
+    return sorted(Path(d, n).relative_to(root).as_posix() for d, _, names in os.walk(root) for n in names)
+
+
+def _check_listed(target: Path, listing: str) -> None:
+    """With --force, refuse a folder that holds anything its `listing` (an earlier ffnquant run's JSON document,
+    key "files") does not name: --force replaces what ffnquant wrote there, never another command's files."""
+    have = folder_files(target)
+    try:
+        doc = json.loads((target / listing).read_text(encoding="utf-8"))
+        listed = {str(f) for f in doc["files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()
+    others = [f for f in have if f not in listed and f != listing]
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        why = (f"not listed in its {listing}" if listed else f"its {listing} lists no files" if listing in have
+               else f"it holds no {listing} of an earlier export")
+        raise FFNQuantError(f"--force replaces only what an earlier ffnquant export wrote, but {str(target)!r} also "
+                            f"holds {shown} ({why}); move them or give another --out")
+
+
 def check_new_folder(target: str | os.PathLike, force: bool = False,
-                     inputs: Sequence[str | os.PathLike | None] = ()) -> Path:
+                     inputs: Sequence[str | os.PathLike | None] = (), listing: str | None = None) -> Path:
     """Refuse, before any work, an output folder that cannot be (re)placed: an empty path, a path that is not a
-    folder, a folder that exists and is not empty (unless `force`), one that is or holds one of the run's
-    `inputs`, a parent that cannot be written. Returns the target."""
+    folder, a folder that exists and is not empty (unless `force`; given a `listing`, only when every file in it
+    is named by that earlier run's document), one that is or holds one of the run's `inputs`, a parent that
+    cannot be written. Returns the target."""
     if str(target).strip() == "":
         raise FFNQuantError("the output folder is empty (--out ''); name a folder")
     check_not_an_input(target, inputs)
@@ -500,6 +547,8 @@ def check_new_folder(target: str | os.PathLike, force: bool = False,
         if not empty and not force:
             raise FFNQuantError(f"output folder {str(target)!r} exists and is not empty; give another --out or --force "
                                 "to replace it")
+        if not empty and listing is not None:
+            _check_listed(target, listing)
     parent = target.resolve().parent
     if not parent.is_dir():
         raise FFNQuantError(f"the folder {str(parent)!r} for output {str(target)!r} does not exist")
@@ -509,45 +558,47 @@ def check_new_folder(target: str | os.PathLike, force: bool = False,
 
 
 @contextlib.contextmanager
-def staged_folder(target: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+def staged_folder(target: str | os.PathLike, force: bool = False, listing: str | None = None) -> Iterator[Path]:
     """Yield an empty staging folder beside `target`; when the block succeeds it becomes `target` by a rename
     (an existing `target` is replaced only with `force`, or when empty). On an exception or Ctrl-C the staging
     folder is removed and `target` is exactly as it was. OSErrors of writing become one-line FFNQuantErrors."""
-    target = check_new_folder(target, force)
+    target = check_new_folder(target, force, listing=listing)
     parent = target.resolve().parent
     sweep_stale(parent)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX + _owner_tag(), dir=parent))
+        staging = make_staging(parent)
     except OSError as exc:
         raise FFNQuantError(f"cannot write in {str(parent)!r}: {exc.strerror or exc}") from None
+    content = staging / "content"  # the folder that becomes `target`; the marker stays outside it
     old: Path | None = None
     try:
-        yield staging
+        content.mkdir()
+        yield content
         mask = os.umask(0)
         os.umask(mask)
         # libraries that write into the folder pick their own modes (transformers' save_pretrained writes the
         # weights 0600, unreadable to a server running as another user): every entry gets the umask's mode
-        for root, dirs, files in os.walk(staging):
+        for root, dirs, files in os.walk(content):
             for d in dirs:
                 os.chmod(os.path.join(root, d), 0o777 & ~mask)
             for f in files:
                 p = os.path.join(root, f)
                 if not os.path.islink(p):
                     os.chmod(p, 0o666 & ~mask)
+        os.chmod(content, 0o777 & ~mask)  # an ordinary folder's mode
         with _sigint_deferred():
-            os.chmod(staging, 0o777 & ~mask)  # mkdtemp makes it 0700: give it an ordinary folder's mode
             if os.path.lexists(target):
-                old = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX + _owner_tag(), dir=parent))
-                os.replace(target, old / "replaced")
-            os.replace(staging, target)
+                os.replace(target, staging / "replaced")  # kept until the new folder is in place
+                old = staging / "replaced"
+            os.replace(content, target)
     except OSError as exc:
-        if old is not None and not os.path.lexists(target) and os.path.lexists(old / "replaced"):
-            os.replace(old / "replaced", target)  # put the user's folder back
+        if old is not None and not os.path.lexists(target) and os.path.lexists(old):
+            os.replace(old, target)  # put the user's folder back
         shutil.rmtree(staging, ignore_errors=True)
         raise FFNQuantError(f"cannot write output folder {str(target)!r}: {exc.strerror or exc}") from None
     except BaseException:
+        if old is not None and not os.path.lexists(target) and os.path.lexists(old):
+            os.replace(old, target)
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)  # the marker and the replaced folder

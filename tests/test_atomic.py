@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import stat
@@ -70,6 +71,7 @@ def test_commit_moves_everything_into_place(out):
         write_bytes(stage / "plots" / "p.png", b"png")
         assert tx.final(stage / "plots" / "p.png") == out / "plots" / "p.png"
         assert snapshot(out) == {**before, stage.name: None, f"{stage.name}/a.txt": b"new a\n",
+                                 f"{stage.name}/{atomic.STAGING_MARKER}": b"",
                                  f"{stage.name}/plots": None, f"{stage.name}/plots/p.png": b"png"}
     assert snapshot(out) == {"a.txt": b"new a\n", "notes.bin": USER_BYTES, "plots": None, "plots/p.png": b"png"}
     assert tx.committed == [out / "a.txt", out / "plots" / "p.png"]
@@ -226,31 +228,34 @@ def test_sweep_removes_only_our_stale_leftovers(tmp_path):
     dead, live = dead_pid(), os.getpid()
     stale, kept = [], []
 
-    def make(name: str, *, folder: bool = False, old: float = 0.0, keep: bool) -> None:
+    def make(name: str, *, folder: bool = False, marked: bool = False, old: float = 0.0, keep: bool) -> None:
         p = tmp_path / name
         if folder:
             p.mkdir()
             (p / "x.onnx").write_bytes(b"x")
+            if marked:
+                (p / atomic.STAGING_MARKER).write_bytes(b"")
         else:
             p.write_bytes(b"x")
         age(p, old)
         (kept if keep else stale).append(name)
 
-    make(f"{STAGING_PREFIX}{host}-{dead}-abcd_123", folder=True, keep=False)  # killed run of this host
+    make(f"{STAGING_PREFIX}{host}-{dead}-abcd_123", folder=True, marked=True, keep=False)  # killed run of this host
+    make(f"{STAGING_PREFIX}{host}-{dead}-nomark12", folder=True, old=50 * hour, keep=True)  # our name, no marker
     make(f".report.json.ffnq-{host}-{dead}-k2j4h5g6.tmp", keep=False)
-    make(f"{STAGING_PREFIX}{host}-{live}-abcd_123", folder=True, old=5 * hour, keep=True)  # a run still going
+    make(f"{STAGING_PREFIX}{host}-{live}-abcd_123", folder=True, marked=True, old=5 * hour, keep=True)  # still going
     make(f".report.json.ffnq-{host}-{live}-k2j4h5g6.tmp", old=5 * hour, keep=True)
-    make(f"{STAGING_PREFIX}0badc0de-{dead}-abcd_123", folder=True, old=2 * hour, keep=True)  # another host: a day
-    make(f"{STAGING_PREFIX}0badc0de-{dead}-efgh_456", folder=True, old=30 * hour, keep=False)
-    make(".report.json.k2j4h5g6.tmp", old=2 * hour, keep=False)  # earlier versions: by age
-    make(".relu.w8a8.onnx.a1b2c3d4.tmp", old=60, keep=True)
-    make(".L0.rows.tmp", old=2 * hour, keep=False)
-    make("relu.w8a8.onnx.partial", old=2 * hour, keep=False)
-    for name in (".hidden", "notes.tmp", ".notes.tmp", "a.onnx", ".x.toolongrandom.tmp", "partial"):
-        make(name, old=50 * hour, keep=True)  # a user's names, however old
-    make(".L1.rows.tmp", folder=True, old=2 * hour, keep=True)  # a folder never matches a file pattern
-    os.symlink(tmp_path / "a.onnx", tmp_path / ".link.k2j4h5g6.tmp")  # nor does a link
-    kept.append(".link.k2j4h5g6.tmp")
+    make(f"{STAGING_PREFIX}0badc0de-{dead}-abcd_123", folder=True, marked=True, old=2 * hour, keep=True)  # a day
+    make(f"{STAGING_PREFIX}0badc0de-{dead}-efgh_456", folder=True, marked=True, old=30 * hour, keep=False)
+    make(f".L0.rows.ffnq-{host}-{dead}-k2j4h5g6.tmp", keep=False)  # `model capture`'s raw rows
+    # names without an owner part are a user's, however old and however like a temporary file (issue 27)
+    for name in (".hidden", "notes.tmp", ".notes.tmp", "a.onnx", ".x.toolongrandom.tmp", "partial",
+                 ".report.json.k2j4h5g6.tmp", ".draft.abcdefgh.tmp", ".model.abcdefgh.tmp", ".relu.w8a8.onnx.a1b2c3d4.tmp",
+                 ".L0.rows.tmp", ".model.rows.tmp", "relu.w8a8.onnx.partial", "notes.onnx.partial"):
+        make(name, old=50 * hour, keep=True)
+    make(f".L1.rows.ffnq-{host}-{dead}-k2j4h5g6.tmp", folder=True, old=2 * hour, keep=True)  # a folder: no file
+    os.symlink(tmp_path / "a.onnx", tmp_path / f".link.ffnq-{host}-{dead}-k2j4h5g6.tmp")  # nor does a link
+    kept.append(f".link.ffnq-{host}-{dead}-k2j4h5g6.tmp")
 
     removed = sweep_stale(tmp_path)
     assert sorted(p.name for p in removed) == sorted(stale)
@@ -392,13 +397,17 @@ def test_a_run_sweeps_stale_leftovers_of_killed_runs(tmp_path):
     killed = folder / f"{STAGING_PREFIX}{atomic._HOST}-{dead_pid()}-abcd_123"
     killed.mkdir()
     (killed / produced).write_bytes(b"half")
-    old = folder / f".{produced}.k2j4h5g6.tmp"  # an earlier version's, two hours old
-    old.write_bytes(b"")
-    age(old, 7200)
-    fresh = folder / ".ranges.md.a1b2c3d4.tmp"  # possibly a concurrent run of an earlier version
-    fresh.write_bytes(b"")
+    (killed / atomic.STAGING_MARKER).write_bytes(b"")
+    dead = folder / f".{produced}.ffnq-{atomic._HOST}-{dead_pid()}-k2j4h5g6.tmp"
+    dead.write_bytes(b"")
+    # names without an owner are a user's, however old (issue 27): a notes file, a draft, a partial download
+    users = [folder / ".draft.abcdefgh.tmp", folder / "notes.onnx.partial", folder / ".model.rows.tmp"]
+    for u in users:
+        u.write_bytes(USER_BYTES)
+        age(u, 7200)
     assert main(argv) == 0
-    assert sorted(p.name for p in folder.iterdir()) == sorted([produced, fresh.name])
+    assert sorted(p.name for p in folder.iterdir()) == sorted([produced, *(u.name for u in users)])
+    assert all(u.read_bytes() == USER_BYTES for u in users)
 
 
 @pytest.mark.parametrize("name", ["../escaped", "", ".hidden", "a/b", "x" * 129, "lat ency"],
@@ -495,6 +504,45 @@ def test_a_non_empty_folder_needs_force_and_force_replaces_it(tmp_path):
         (stage / "new.safetensors").write_text("y")
     assert [p.name for p in target.iterdir()] == ["new.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model-q"]
+
+
+def test_staged_folder_sweeps_only_our_leftovers_beside_it(tmp_path):
+    """export --out dep sweeps the folder above dep: a user's `weights.onnx.partial` there stays (issue 27)."""
+    mine = tmp_path / "weights.onnx.partial"
+    mine.write_bytes(USER_BYTES)
+    age(mine, 5 * 3600.0)
+    with atomic.staged_folder(tmp_path / "dep") as stage:
+        (stage / "config.json").write_text("{}")
+    assert mine.read_bytes() == USER_BYTES
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dep", "weights.onnx.partial"]
+
+
+@pytest.mark.parametrize("files, listed, refused", [
+    pytest.param(["model.onnx", "ffnquant-deploy.json"], ["model.onnx"], None, id="an-earlier-export"),
+    pytest.param(["model.onnx", "ffnquant-deploy.json", "notes.txt"], ["model.onnx"], "notes.txt", id="plus-a-user-file"),
+    pytest.param(["model.onnx", "sub/q.bin"], None, "model.onnx, sub/q.bin", id="no-listing"),
+    pytest.param(["model.onnx", "ffnquant-deploy.json"], "garbage", "model.onnx", id="unreadable-listing"),
+])
+def test_force_replaces_only_what_the_listing_names(tmp_path, files, listed, refused):
+    target = tmp_path / "dep"
+    for f in files:
+        (target / f).parent.mkdir(parents=True, exist_ok=True)
+        (target / f).write_bytes(USER_BYTES)
+    if listed is not None:
+        doc = {"files": listed + ["ffnquant-deploy.json"]} if isinstance(listed, list) else listed
+        (target / "ffnquant-deploy.json").write_text(json.dumps(doc) if isinstance(listed, list) else doc)
+    before = sorted(p.relative_to(target).as_posix() for p in target.rglob("*"))
+    if refused is None:
+        with atomic.staged_folder(target, force=True, listing="ffnquant-deploy.json") as stage:
+            (stage / "new.onnx").write_bytes(b"new")
+        assert [p.name for p in target.iterdir()] == ["new.onnx"]
+    else:
+        with pytest.raises(FFNQuantError, match=f"also holds {refused}") as info:
+            with atomic.staged_folder(target, force=True, listing="ffnquant-deploy.json"):
+                pass
+        assert "\n" not in str(info.value)
+        assert sorted(p.relative_to(target).as_posix() for p in target.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dep"]
 
 
 def test_an_empty_folder_is_replaced_without_force_and_a_file_is_refused(tmp_path):

@@ -172,23 +172,33 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(llama, tmp_path, capsy
 
 
 @pytest.mark.hf
-def test_force_replaces_a_folder_and_a_failure_leaves_it(llama, tmp_path, monkeypatch, capsys):
+def test_force_replaces_an_earlier_export_only_and_a_failure_leaves_it(llama, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.safetensors").write_text("stale")
     plan = _plan(llama, tmp_path, _PLANS["dynamic+w8a16"])
     argv = ["export", "--model", str(llama), "--plan", str(plan), "--format", "compressed-tensors", "--out", str(out),
             "--force", *_TOKENS]
+    # a file no earlier export listed: --force refuses in one line naming it, and deletes nothing
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "old.safetensors" in err and len(err.splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["old.safetensors"]
+    (out / "old.safetensors").unlink()
+    assert main(argv) == 0
+    first = json.loads((out / "ffnquant-deploy.json").read_text())
+    assert sorted(first["files"]) == sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
 
     def broken(*a, **k):
         raise OSError(28, "No space left on device")
 
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     monkeypatch.setattr(ctensors, "write_folder", broken)
     assert main(argv) == 2
-    assert [p.name for p in out.iterdir()] == ["old.safetensors"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     monkeypatch.undo()
-    assert main(argv) == 0
-    assert not (out / "old.safetensors").exists() and (out / "config.json").is_file()
+    assert main(argv) == 0  # an earlier export's folder is replaced
+    assert (out / "config.json").is_file()
 
 
 @pytest.mark.hf

@@ -702,6 +702,12 @@ CASES = [
       setup=chain(model(), write("plan.toml", plan_file()))),
     C("export-out-holds-the-plan", EXPORT_PLAN + ["--out", "{in}", "--force"], "would replace it",
       setup=chain(model(), write("plan.toml", plan_file()))),
+    # --force replaces only what an earlier export listed in its ffnquant-deploy.json (issue 27)
+    C("export-force-over-other-files", EXPORT_PLAN + ["--out", "{exp}", "--force"], ("relu_d32_ff128", "ffnquant-deploy.json"),
+      setup=chain(model(), write("plan.toml", plan_file()))),
+    C("export-force-over-a-listing-that-misses-a-file", EXPORT_PLAN + ["--out", "{in}/dep", "--force"], "notes.md",
+      setup=chain(model(), write("plan.toml", plan_file()), write("dep/model.onnx", b"onnx"), write("dep/notes.md", "mine"),
+                  write("dep/ffnquant-deploy.json", '{"files": ["model.onnx", "ffnquant-deploy.json"]}'))),
     C("export-format-empty", EXPORT_PLAN + ["--format", "", "--out", "{new}"], ("format", "onnx"),
       setup=chain(model(), write("plan.toml", plan_file()))),
     C("plan-out-empty", [a for a in PLAN if a not in ("--out", "{out}")] + ["--out", ""], ("output", "empty"),
@@ -953,13 +959,24 @@ def test_immutable_target_is_refused(case, immutable, tmp_path, capsys, monkeypa
 
 # --- successes that must keep earlier files -------------------------------------------------
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 def _stale_temporaries(root: Path) -> None:
-    """Leftovers of killed runs of earlier versions (mkstemp names), two days old, and user files like them."""
+    """Leftovers of killed runs (ffnquant's owned names, a dead pid of this host), two days old, and user files
+    like them: names without an owner part are never swept, however old (issue 27)."""
+    from ffnquant import atomic
+
     old = time.time() - 2 * 86400
-    for rel in ("out/.latency.json.k2j3h4g5.tmp", "out/.report.json.a1b2c3d4.tmp"):
+    tag = f"{atomic._HOST}-{_dead_pid()}"
+    for rel in (f"out/.latency.json.ffnq-{tag}-k2j3h4g5.tmp", f"out/.report.json.ffnq-{tag}-a1b2c3d4.tmp"):
         (root / rel).write_bytes(b"half a file")
         os.utime(root / rel, (old, old))
-    for rel in ("out/notes.tmp", "out/.latency.json.bak", "out/latency.json.orig"):
+    for rel in ("out/notes.tmp", "out/.latency.json.bak", "out/latency.json.orig", "out/.draft.abcdefgh.tmp",
+                "out/notes.onnx.partial", "out/.model.rows.tmp"):
         (root / rel).write_bytes(b"a user's file")
         os.utime(root / rel, (old, old))
 
@@ -991,9 +1008,10 @@ SUCCESSES = [
     # a rerun sweeps stale temporaries of ffnquant's own naming, and nothing else
     Success("bench-sweeps-stale-temporaries", BENCH, setup=_stale_temporaries,
             replaced=("out/latency.json", "out/latency.md"),
-            kept=("out/notes.tmp", "out/.latency.json.bak", "out/latency.json.orig"),
+            kept=("out/notes.tmp", "out/.latency.json.bak", "out/latency.json.orig", "out/.draft.abcdefgh.tmp",
+                  "out/notes.onnx.partial", "out/.model.rows.tmp"),
             produced=("out/latency.json", "out/latency.md"),
-            gone=("out/.latency.json.k2j3h4g5.tmp", "out/.report.json.a1b2c3d4.tmp")),
+            gone=("out/.latency.json.ffnq-*.tmp", "out/.report.json.ffnq-*.tmp")),
 ]
 
 
@@ -1013,9 +1031,9 @@ def test_success_keeps_earlier_files(case, tmp_path, capsys, monkeypatch):
         assert after.get(rel) == before.get(rel), f"{case.id}: {rel} was deleted or changed by a run that did not write it"
     for rel in case.produced:
         assert (tmp_path / rel).is_file(), f"{case.id}: {rel} was not written"
-    for rel in case.gone:
-        assert not (tmp_path / rel).exists(), f"{case.id}: stale temporary {rel} was not swept"
-    fresh = sorted(set(leftovers(tmp_path)) - {k for k in before if k.endswith(".tmp")})
+    for rel in case.gone:  # a glob: the owner part of the name is made by the setup
+        assert not list(tmp_path.glob(rel)), f"{case.id}: stale temporary {rel} was not swept"
+    fresh = sorted(set(leftovers(tmp_path)) - set(before))  # a user's look-alike names were there before
     assert not fresh, f"{case.id}: temporary files left behind: {fresh}"
 
 

@@ -11,6 +11,7 @@ from ..render import text_table
 from .common import add_spec_arguments, add_text_arguments, specs_from_args, text_options, token_notes
 
 NAME = "export"
+DEPLOY_DOC = "ffnquant-deploy.json"  # what an export wrote and measured; its "files" are what --force may replace
 HELP = ("export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, "
         "the model quantized as planned, as ONNX or as a compressed-tensors folder that transformers and vLLM load")
 
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--format", default=None, metavar="NAME",
                        help="onnx (default: per-layer artifacts, manifest.json and the whole-model graph) or "
                             "compressed-tensors (a Hugging Face folder transformers and vLLM load)")
-    group.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    group.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export (only the files its ffnquant-deploy.json lists)")
     add_text_arguments(group, "calibration text for the static ranges (the plan's)",
                        "held-out text the deployed model is checked on", eval_tokens=4096)
 
@@ -66,7 +67,7 @@ def _export_plan(args: argparse.Namespace) -> int:
     import shlex
     import time
 
-    from ..atomic import check_new_folder, staged_folder, write_json, write_text
+    from ..atomic import check_new_folder, folder_files, staged_folder, write_json, write_text
     from ..deploy import build_planned_model, deployable_refusal
     from ..deploy.formats import get_format
     from ..envinfo import environment
@@ -104,10 +105,11 @@ def _export_plan(args: argparse.Namespace) -> int:
     read_text(texts.text, "calibration")
     read_text(texts.eval_text, "evaluation")
     # never into the model's own folder, nor over the plan or a text file it reads
-    check_new_folder(args.out, args.force, inputs=[args.model, args.plan, *_text_files(texts)])
+    # --force replaces only what an earlier export listed in its ffnquant-deploy.json, never other files
+    check_new_folder(args.out, args.force, inputs=[args.model, args.plan, *_text_files(texts)], listing=DEPLOY_DOC)
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
     t0 = time.perf_counter()
-    with staged_folder(args.out, args.force) as folder:
+    with staged_folder(args.out, args.force, listing=DEPLOY_DOC) as folder:
         planned = build_planned_model(info, plan, text=texts.text, eval_text=texts.eval_text,
                                       calib_tokens=texts.calib_tokens, eval_tokens=texts.eval_tokens,
                                       seq_len=texts.seq_len, whole_model=whole,
@@ -149,7 +151,9 @@ def _export_plan(args: argparse.Namespace) -> int:
         doc["sizes"] = {"weights": weights, "float_weights": folder_bytes(info.path)}
         doc["seconds"] = time.perf_counter() - t0
         doc["environment"] = environment()
-        write_json(folder / "ffnquant-deploy.json", doc)
+        # every file this export wrote: what a later --force may replace
+        doc["files"] = sorted({*folder_files(folder), DEPLOY_DOC, "ffnquant-deploy.md"})
+        write_json(folder / DEPLOY_DOC, doc)
         write_text(folder / "ffnquant-deploy.md", deploy_markdown(doc))
     _print_deploy(doc, Path(args.out))
     if fmt == "compressed-tensors" and not doc["proof"]["proven"]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..atomic import atomic_path, ensure_writable_dir
+from ..atomic import atomic_path, ensure_writable_dir, owned_temp_file
 from ..errors import FFNQuantError
 from ..resources import check_memory
 from .arch import Install, ModelKind
@@ -464,7 +464,7 @@ def save_captured(folder: str | os.PathLike, captured: Iterator[Mapping[str, tor
         for batch in captured:
             for label, x in batch.items():
                 if label not in raw:
-                    tmp = folder / f".{label}.rows.tmp"
+                    tmp = owned_temp_file(folder, f"{label}.rows")  # named as ours: a sweep never takes a user's file
                     raw[label] = (open(tmp, "wb"), tmp, 0)
                 fh, tmp, n = raw[label]
                 fh.write(x.detach().to(torch.float32).contiguous().numpy().tobytes())
