@@ -104,7 +104,7 @@ _PLANS = {
 
 @pytest.mark.hf
 @pytest.mark.parametrize("recipes", list(_PLANS.values()), ids=list(_PLANS))
-def test_the_folder_loads_with_transformers_and_is_the_measured_model(llama, tmp_path, recipes):
+def test_the_folder_loads_with_transformers_and_is_the_measured_model(llama, tmp_path, recipes, capsys):
     import torch
     import transformers
 
@@ -112,6 +112,11 @@ def test_the_folder_loads_with_transformers_and_is_the_measured_model(llama, tmp
     assert main(["export", "--model", str(llama), "--plan", str(_plan(llama, tmp_path, recipes)),
                  "--format", "compressed-tensors", "--out", str(out), *_TOKENS]) == 0
     doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    # the plain thing first: the plan's target met or missed, on the terminal and above the proof in the report
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("the deployed model (loaded back) ") and "the plan's target (ppl+1%): " in first
+    md = (out / "ffnquant-deploy.md").read_text()
+    assert md.index("the plan's target (ppl+1%)") < md.index("Verdict:")
     load, weights = doc["proof"]["load"], doc["proof"]["weights"]
     # the bound: the loaded folder's perplexity equals the measured one within 0.1% relative
     assert load["meets"] and load["relative_difference"] <= 1e-3

@@ -216,3 +216,30 @@ def test_report_files_get_ordinary_permissions(tmp_path):
         os.umask(old)
     for p in (paths["json"], paths["md"], paths["html"]):
         assert os.stat(p).st_mode & 0o777 == 0o644, p
+
+
+# --- the deployment report: the plain verdict on the plan's target first (issue 27) ------------------
+
+@pytest.mark.parametrize("figures, proof, expected", [
+    pytest.param({"perplexity_ratio": 1.0131, "perplexity_ratio_ci": [1.0101, 1.0160]}, True,
+                 "the deployed model (loaded back) misses the plan's target (ppl+1%): +1.31%", id="loaded-misses"),
+    pytest.param({"perplexity_ratio": 1.0042, "perplexity_ratio_ci": [1.0011, 1.0080]}, True,
+                 "the deployed model (loaded back) meets the plan's target (ppl+1%): +0.42%", id="loaded-meets"),
+    pytest.param({"perplexity_ratio": 1.0090, "perplexity_ratio_ci": [1.0050, 1.0130]}, True,
+                 "misses (at its 95% confidence bound; the point estimate meets it) the plan's target", id="unresolved"),
+    pytest.param({"perplexity_ratio": 1.0042, "perplexity_ratio_ci": None}, False,
+                 "the deployed model (ffnquant's reference of it) meets the plan's target (ppl+1%): +0.42%",
+                 id="onnx-reference"),
+])
+def test_deploy_verdict_says_whether_the_plan_target_is_met(figures, proof, expected):
+    from ffnquant.report.deploy import target_verdict
+
+    doc = {"plan": {"target": "ppl+1%"}, "reference": figures if not proof else {"perplexity_ratio": 1.0},
+           **({"proof": {"load": figures}} if proof else {})}
+    assert expected in target_verdict(doc)
+
+
+def test_deploy_verdict_is_absent_without_a_target():
+    from ffnquant.report.deploy import target_verdict
+
+    assert target_verdict({"plan": {}, "reference": {"perplexity_ratio": 1.2}}) is None

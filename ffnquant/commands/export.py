@@ -163,6 +163,11 @@ def _export_plan(args: argparse.Namespace) -> int:
 
 
 def _print_deploy(doc: dict, out: Path) -> None:
+    from ..report.deploy import target_verdict
+
+    verdict = target_verdict(doc)
+    if verdict:  # the plain answer first, then the details
+        print(verdict)
     rows = [(m["label"], m["recipe"], m["sqnr_db_torch"], m.get("file") or "-") for m in doc["layers"]]
     print(text_table(["layer", "recipe", "SQNR torch", "file"], rows))
     for line in token_notes((doc.get("token_budgets") or {}).values()):  # a shrunk text is said here, not only in the report

@@ -7,7 +7,37 @@ from typing import Any
 
 from ..render import agreement_words, fmt, fmt_bytes, markdown_table, ppl_change
 
-__all__ = ["deploy_markdown"]
+__all__ = ["deploy_markdown", "target_verdict"]
+
+
+def target_verdict(doc: dict[str, Any]) -> str | None:
+    """The plain sentence first: whether the deployed model meets the plan's target, at its 95% confidence bound,
+    on the folder loaded back (compressed-tensors) or on ffnquant's reference of the planned model (ONNX). None
+    when the plan names no target or nothing was measured."""
+    from ..errors import FFNQuantError
+    from ..plan.target import Target
+
+    text = (doc.get("plan") or {}).get("target")
+    if not text:
+        return None
+    try:
+        target = Target.parse(text)
+    except FFNQuantError:
+        return None
+    proof = doc.get("proof")
+    figures, what = ((proof["load"], "the deployed model (loaded back)") if proof and proof.get("load")
+                     else (doc.get("reference") or {}, "the deployed model (ffnquant's reference of it)"))
+    r = target.resolution(figures)
+    if r["point"] is None:
+        return None
+    shown = r["words"].rsplit(": ", 1)[0]
+    if r["met"]:
+        verdict = "meets"
+    elif not r["resolved"]:
+        verdict = "misses (at its 95% confidence bound; the point estimate meets it)"
+    else:
+        verdict = "misses"
+    return f"{what} {verdict} the plan's target ({target.name}): {shown}"
 
 
 def _pct(ratio: float | None) -> str:
@@ -101,6 +131,9 @@ def deploy_markdown(doc: dict[str, Any]) -> str:
     """Markdown of the deployment document `export --model --plan` writes beside the output."""
     m = doc["model"]
     lines = [f"# ffnquant deployment: {m['path']} as {doc['format']}", ""]
+    verdict = target_verdict(doc)
+    if verdict:  # the plain answer before any proof detail
+        lines += [f"**{verdict[0].upper() + verdict[1:]}.**", ""]
     if doc.get("command"):
         lines += [f"Command: `{doc['command']}`", ""]
     env = doc.get("environment", {})
