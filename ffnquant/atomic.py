@@ -206,24 +206,32 @@ def sweep_stale(folder: str | os.PathLike) -> list[Path]:
 
 # --- transactions ------------------------------------------------------------------------------
 
+_DEFERRED = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None),
+                               getattr(signal, "SIGHUP", None)) if s is not None)
+
+
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[None]:
-    """Hold Ctrl-C while files are moved or removed, then raise it: a move set is never cut in half."""
-    if threading.current_thread() is not threading.main_thread() or not callable(signal.getsignal(signal.SIGINT)):
-        yield  # not ours to handle here, or ignored anyway (a background job)
+    """Hold Ctrl-C (and SIGTERM/SIGHUP where ffnquant handles them) while files are moved or removed, then raise
+    it: a move set is never cut in half."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # not ours to handle here
         return
     caught: list[int] = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    except (ValueError, OSError):
-        yield
-        return
+    previous: dict[int, Any] = {}
+    for sig in _DEFERRED:
+        if callable(signal.getsignal(sig)):  # ignored (a background job) or the OS default: left so
+            with contextlib.suppress(ValueError, OSError):
+                previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if caught:
-            raise KeyboardInterrupt
+            from .errors import Interrupted
+
+            raise KeyboardInterrupt if caught[0] == signal.SIGINT else Interrupted(caught[0])
 
 
 def _immutable(path: Path) -> bool:

@@ -48,7 +48,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _handle_termination() -> None:
+    """SIGTERM and SIGHUP end a command like Ctrl-C: an exception that unwinds the work, so staging folders and
+    temporary folders are removed and the output folders stay as they were (the OS default kills at once)."""
+    import signal
+    import threading
+
+    from .errors import Interrupted
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def raise_interrupted(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:  # an ignored SIGHUP (nohup) stays ignored
+            signal.signal(sig, raise_interrupted)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _handle_termination()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -66,9 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FFNQuantError as exc:
         print(f"ffnquant {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"ffnquant {args.command}: interrupted; no partial files were left", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        import signal
+
+        signum = getattr(exc, "signum", signal.SIGINT)
+        how = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+        print(f"ffnquant {args.command}: interrupted{how}; no partial files were left", file=sys.stderr)
+        return 128 + int(signum)
     except BrokenPipeError:
         # the reader went away (`ffnquant model inspect PATH | head`): stop quietly, no traceback;
         # stdout is pointed at devnull so that the interpreter's final flush does not fail again

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["FFNQuantError", "unknown_choice", "first_line"]
+__all__ = ["FFNQuantError", "Interrupted", "unknown_choice", "first_line"]
 
 
 class FFNQuantError(ValueError):
@@ -15,6 +15,14 @@ class FFNQuantError(ValueError):
         if args and isinstance(args[0], str) and ("\n" in args[0] or "\r" in args[0]):
             args = (" ".join(ln.strip() for ln in args[0].splitlines() if ln.strip()),) + args[1:]
         super().__init__(*args)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, handled like Ctrl-C (staging removed, outputs as they were); `signum` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def unknown_choice(kind: str, value: object, valid: Iterable[object]) -> FFNQuantError:

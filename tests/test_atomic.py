@@ -209,8 +209,16 @@ def _swallowed() -> None:
         pass
 
 
+@pytest.fixture
+def sigint_delivered():
+    """Ctrl-C delivered as at a terminal: a suite started as a background job inherits SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("library", [_turned_into_error, _swallowed], ids=["turned-into-error", "swallowed"])
-def test_ctrl_c_that_a_library_hides_is_still_an_interruption(out, library):
+def test_ctrl_c_that_a_library_hides_is_still_an_interruption(out, library, sigint_delivered):
     before = snapshot(out)
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):

@@ -1087,13 +1087,24 @@ def test_interrupted_mid_write_leaves_nothing(case_id, argv, target, exc_fn, cod
     assert not changes, f"{case_id}: {changes} (the message was: {lines[0]})"
 
 
-def test_real_sigint_mid_bench_leaves_nothing(tmp_path):
-    """A real Ctrl-C (SIGINT) while `bench` measures: exit 130, one true line, the folders as they were."""
+def _interruptible() -> None:
+    """In the child: Ctrl-C as at a terminal. A suite started as a background job inherits SIGINT ignored, which
+    Python keeps ignored (and `nohup` ignores SIGHUP); the test sends the real signal and needs it delivered."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)],
+                         ids=["sigint", "sigterm", "sighup"])
+def test_real_sigint_mid_bench_leaves_nothing(tmp_path, sig, code):
+    """A real Ctrl-C (SIGINT), SIGTERM or SIGHUP while `bench` measures: exit 128 + the signal, one true line,
+    the folders as they were."""
     places = make_layout(tmp_path)
     before = snapshot(tmp_path)
     argv = [a.format(**places) for a in BENCH] + ["--tokens", "1,2,4,8", "--budget-s", "3"]
     proc = subprocess.Popen([sys.executable, "-m", "ffnquant", *argv], cwd=tmp_path, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_interruptible)
     # wait until the command is past its start-up (it has touched --out) or a few seconds have gone
     out = tmp_path / "out"
     names = set(os.listdir(out))
@@ -1102,14 +1113,14 @@ def test_real_sigint_mid_bench_leaves_nothing(tmp_path):
         time.sleep(0.05)
     time.sleep(0.5)
     assert proc.poll() is None, f"bench ended before the interrupt: rc {proc.returncode}, {proc.stderr.read()}"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        pytest.fail("bench did not stop within 20 s of SIGINT")
-    assert proc.returncode == 130, f"exit {proc.returncode}\n{err}"
+        pytest.fail(f"bench did not stop within 20 s of {sig.name}")
+    assert proc.returncode == code, f"exit {proc.returncode}\n{err}"
     assert "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "interrupt" in lines[0].lower(), err
