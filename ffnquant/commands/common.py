@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,28 +205,50 @@ def format_default(value) -> str:
 
 class StageBars:
     """Progress of `quantize --model` and `plan` on stderr: one rich bar per stage (capture, quantize layers, end to end,
-    ablation), fed by the library's `progress(message, done, total)` callbacks ('stage: detail'). Started
-    by the first report, so input errors, which come before any work, print as one clean line."""
+    ablation) with the time left, fed by the library's `progress(message, done, total)` callbacks ('stage: detail').
+    Started by the first report, so input errors, which come before any work, print as one clean line. When stderr
+    is not a terminal (a log file, CI) a bar cannot redraw: each stage prints a line when it starts, at each
+    quarter and when it ends, with the elapsed time and an estimate of what is left."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._bar = None
         self._tasks: dict[str, int] = {}
+        self._lines: dict[str, tuple[float, int]] = {}  # stage -> (start time, quarters printed) without a terminal
 
     def __call__(self, message: str, done: int, total: int) -> None:
         if not self.enabled:
             return
+        stage, _, detail = message.partition(": ")
+        if not sys.stderr.isatty():
+            self._line(stage, detail, done, total)
+            return
         if self._bar is None:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
             self._bar = Progress(TextColumn("[bold]{task.fields[stage]}[/]"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
+                                 TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                                 TextColumn("{task.description}"), console=Console(stderr=True))
             self._bar.start()
-        stage, _, detail = message.partition(": ")
         if stage not in self._tasks:
             self._tasks[stage] = self._bar.add_task(detail, total=total, stage=stage)
         self._bar.update(self._tasks[stage], completed=done, total=total, description=detail)
+
+    def _line(self, stage: str, detail: str, done: int, total: int) -> None:
+        import time
+
+        now = time.monotonic()
+        start, printed = self._lines.get(stage, (now, -1))
+        quarter = 4 * done // total if total else 4
+        if quarter <= printed:
+            self._lines[stage] = (start, printed)
+            return
+        self._lines[stage] = (start, quarter)
+        elapsed = now - start
+        left = f", about {elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
+        print(f"{stage}: {done}/{total} ({detail}), {elapsed:.0f} s{left}", file=sys.stderr, flush=True)
 
     def close(self, ok: bool = True) -> None:
         if self._bar is not None:
