@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import ffnquant.atomic as atomic
+import ffnquant.atomic_folder as atomic_folder
 from ffnquant.atomic import STAGING_PREFIX, OutputTransaction, atomic_path, sweep_stale, write_bytes, write_text
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
@@ -481,7 +482,7 @@ def test_model_capture_stages_its_files(tmp_path_factory, tmp_path, capsys):
 
 def test_staged_folder_appears_whole_or_not_at_all(tmp_path):
     target = tmp_path / "model-q"
-    with atomic.staged_folder(target) as stage:
+    with atomic_folder.staged_folder(target) as stage:
         (stage / "config.json").write_text("{}")
         assert not target.exists()
     assert (target / "config.json").read_text() == "{}"
@@ -494,7 +495,7 @@ def test_staged_folder_failure_leaves_the_old_folder_untouched(tmp_path, exc):
     target.mkdir()
     (target / "mine.txt").write_text("user")
     with pytest.raises(type(exc)):
-        with atomic.staged_folder(target, force=True) as stage:
+        with atomic_folder.staged_folder(target, force=True) as stage:
             (stage / "config.json").write_text("{}")
             raise exc
     assert [p.name for p in target.iterdir()] == ["mine.txt"]
@@ -506,9 +507,9 @@ def test_a_non_empty_folder_needs_force_and_force_replaces_it(tmp_path):
     target.mkdir()
     (target / "old.safetensors").write_text("x")
     with pytest.raises(FFNQuantError, match="exists and is not empty.*--force"):
-        with atomic.staged_folder(target):
+        with atomic_folder.staged_folder(target):
             pass
-    with atomic.staged_folder(target, force=True) as stage:
+    with atomic_folder.staged_folder(target, force=True) as stage:
         (stage / "new.safetensors").write_text("y")
     assert [p.name for p in target.iterdir()] == ["new.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model-q"]
@@ -519,7 +520,7 @@ def test_staged_folder_sweeps_only_our_leftovers_beside_it(tmp_path):
     mine = tmp_path / "weights.onnx.partial"
     mine.write_bytes(USER_BYTES)
     age(mine, 5 * 3600.0)
-    with atomic.staged_folder(tmp_path / "dep") as stage:
+    with atomic_folder.staged_folder(tmp_path / "dep") as stage:
         (stage / "config.json").write_text("{}")
     assert mine.read_bytes() == USER_BYTES
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dep", "weights.onnx.partial"]
@@ -541,12 +542,12 @@ def test_force_replaces_only_what_the_listing_names(tmp_path, files, listed, ref
         (target / "ffnquant-deploy.json").write_text(json.dumps(doc) if isinstance(listed, list) else doc)
     before = sorted(p.relative_to(target).as_posix() for p in target.rglob("*"))
     if refused is None:
-        with atomic.staged_folder(target, force=True, listing="ffnquant-deploy.json") as stage:
+        with atomic_folder.staged_folder(target, force=True, listing="ffnquant-deploy.json") as stage:
             (stage / "new.onnx").write_bytes(b"new")
         assert [p.name for p in target.iterdir()] == ["new.onnx"]
     else:
         with pytest.raises(FFNQuantError, match=f"also holds {refused}") as info:
-            with atomic.staged_folder(target, force=True, listing="ffnquant-deploy.json"):
+            with atomic_folder.staged_folder(target, force=True, listing="ffnquant-deploy.json"):
                 pass
         assert "\n" not in str(info.value)
         assert sorted(p.relative_to(target).as_posix() for p in target.rglob("*")) == before
@@ -555,12 +556,12 @@ def test_force_replaces_only_what_the_listing_names(tmp_path, files, listed, ref
 
 def test_an_empty_folder_is_replaced_without_force_and_a_file_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
-    with atomic.staged_folder(tmp_path / "empty") as stage:
+    with atomic_folder.staged_folder(tmp_path / "empty") as stage:
         (stage / "a").write_text("1")
     assert (tmp_path / "empty" / "a").is_file()
     (tmp_path / "file").write_text("x")
     with pytest.raises(FFNQuantError, match="not a folder"):
-        atomic.check_new_folder(tmp_path / "file")
+        atomic_folder.check_new_folder(tmp_path / "file")
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
@@ -570,7 +571,7 @@ def test_a_read_only_parent_is_refused_before_work(tmp_path):
     ro.chmod(0o555)
     try:
         with pytest.raises(FFNQuantError, match="not writable"):
-            atomic.check_new_folder(ro / "out")
+            atomic_folder.check_new_folder(ro / "out")
     finally:
         ro.chmod(0o755)
 
@@ -579,14 +580,14 @@ def test_a_parent_that_refuses_writes_is_one_line_even_for_root(tmp_path, monkey
     """Root writes through mode bits: what a read-only destination reports is checked by faking os.access."""
     monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)
     with pytest.raises(FFNQuantError, match=r"cannot write output folder .* is not writable"):
-        atomic.check_new_folder(tmp_path / "out")
+        atomic_folder.check_new_folder(tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
 def test_staged_folder_gives_every_file_the_umask_mode(tmp_path, umask):
     # transformers' save_pretrained writes model.safetensors 0600; a served folder must follow the user's umask
-    from ffnquant.atomic import staged_folder
+    from ffnquant.atomic_folder import staged_folder
 
     old = os.umask(umask)
     try:

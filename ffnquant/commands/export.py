@@ -67,7 +67,8 @@ def _export_plan(args: argparse.Namespace) -> int:
     import shlex
     import time
 
-    from ..atomic import check_new_folder, folder_files, staged_folder, write_json, write_text
+    from ..atomic import write_json, write_text
+    from ..atomic_folder import check_new_folder, folder_files, staged_folder
     from ..deploy import build_planned_model, deployable_refusal
     from ..deploy.formats import get_format
     from ..envinfo import environment
