@@ -209,12 +209,20 @@ _DEFERRED = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "
                                getattr(signal, "SIGHUP", None)) if s is not None)
 
 
+class _Moves:
+    """What a deferred block reports back: `done` once the new outputs are all in place."""
+
+    done = False
+
+
 @contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
+def _sigint_deferred() -> Iterator[_Moves]:
     """Hold Ctrl-C (and SIGTERM/SIGHUP where ffnquant handles them) while files are moved or removed, then raise
-    it: a move set is never cut in half."""
+    it: a move set is never cut in half. A block that sets `.done` on what it is given says its new outputs are in
+    place: the interruption then carries `outputs_complete = True`, so the CLI does not claim nothing was written."""
+    moves = _Moves()
     if threading.current_thread() is not threading.main_thread():
-        yield  # not ours to handle here
+        yield moves  # not ours to handle here
         return
     caught: list[int] = []
     previous: dict[int, Any] = {}
@@ -223,14 +231,16 @@ def _sigint_deferred() -> Iterator[None]:
             with contextlib.suppress(ValueError, OSError):
                 previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
     try:
-        yield
+        yield moves
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if caught:
             from .errors import Interrupted
 
-            raise KeyboardInterrupt if caught[0] == signal.SIGINT else Interrupted(caught[0])
+            exc = KeyboardInterrupt() if caught[0] == signal.SIGINT else Interrupted(caught[0])
+            exc.outputs_complete = moves.done  # type: ignore[attr-defined]
+            raise exc
 
 
 def _immutable(path: Path) -> bool:
@@ -418,7 +428,7 @@ class OutputTransaction:
         except BaseException:
             self.rollback()
             raise
-        with _sigint_deferred():
+        with _sigint_deferred() as moves:
             moved: list[tuple[Path, Path | None]] = []  # (final, hard-linked copy of the file it replaced)
             made_dirs: list[Path] = []
             try:
@@ -456,6 +466,7 @@ class OutputTransaction:
                 self.rollback()
                 raise FFNQuantError(f"cannot write {str(failed)!r}: {exc.strerror or exc}; no output file was changed") from None
             self.committed = [shown for _, _, shown in files]
+            moves.done = True
             self._remove_staging()
             self._open = False
         for key in {final.parent for _, final, _ in files}:

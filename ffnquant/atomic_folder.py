@@ -113,11 +113,12 @@ def staged_folder(target: str | os.PathLike, force: bool = False, listing: str |
                 if not os.path.islink(p):
                     os.chmod(p, 0o666 & ~mask)
         os.chmod(content, 0o777 & ~mask)  # an ordinary folder's mode
-        with _sigint_deferred():
+        with _sigint_deferred() as moves:
             if os.path.lexists(target):
                 os.replace(target, staging / "replaced")  # kept until the new folder is in place
                 old = staging / "replaced"
             os.replace(content, target)
+            moves.done = True
     except OSError as exc:
         if old is not None and not os.path.lexists(target) and os.path.lexists(old):
             os.replace(old, target)  # put the user's folder back

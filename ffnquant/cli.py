@@ -92,7 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         signum = getattr(exc, "signum", signal.SIGINT)
         how = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
-        print(f"ffnquant {args.command}: interrupted{how}; no partial files were left", file=sys.stderr)
+        if getattr(exc, "outputs_complete", False):
+            # it came while the final moves ran, which finish first: the new outputs are all in place
+            print(f"ffnquant {args.command}: interrupted{how} after the output was complete: the new files are in place",
+                  file=sys.stderr)
+        else:
+            print(f"ffnquant {args.command}: interrupted{how}; no partial files were left", file=sys.stderr)
         return 128 + int(signum)
     except BrokenPipeError:
         # the reader went away (`ffnquant model inspect PATH | head`): stop quietly, no traceback;

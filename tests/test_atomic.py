@@ -381,6 +381,54 @@ def test_a_full_disk_names_the_file_not_its_temporary_name(name, tmp_path, capsy
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.fixture
+def signals_delivered():
+    """Ctrl-C and SIGTERM delivered as at a terminal, and the handlers `main` installs put back afterwards."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _signal_on_first_final_move(monkeypatch, sig: int) -> None:
+    """The signal arrives while the final moves run (the first move out of staging): they are deferred past it."""
+    real = os.replace
+    sent = []
+
+    def replace(src, dst, *args, **kwargs):
+        if not sent and STAGING_PREFIX in str(src) and STAGING_PREFIX not in str(dst):
+            sent.append(sig)
+            os.kill(os.getpid(), sig)
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("sig, code, how", [(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, " by SIGTERM")],
+                         ids=["sigint", "sigterm"])
+def test_interrupt_during_the_final_moves_says_the_new_files_are_in_place(tmp_path, capsys, monkeypatch, sig, code,
+                                                                         how, signals_delivered):
+    argv, folder, produced = _command("export", tmp_path)
+    _signal_on_first_final_move(monkeypatch, sig)
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert err == f"ffnquant export: interrupted{how} after the output was complete: the new files are in place"
+    assert (folder / produced).is_file() and not leftovers(tmp_path)
+
+
+def test_interrupt_during_a_folder_rename_marks_the_new_folder_in_place(tmp_path, monkeypatch, signals_delivered):
+    target = tmp_path / "model"
+    _signal_on_first_final_move(monkeypatch, signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as info:
+        with atomic_folder.staged_folder(target) as content:
+            (content / "w.bin").write_bytes(b"new")
+    assert info.value.outputs_complete is True
+    assert (target / "w.bin").read_bytes() == b"new" and not leftovers(tmp_path)
+
+
 def test_interrupt_while_an_artifact_is_written_leaves_nothing(tmp_path, capsys, monkeypatch):
     import onnx
 
