@@ -12,11 +12,28 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .errors import FFNQuantError
-from .spec import FFNSpec, Variant, Activation, SITES, WEIGHTS, parse_variant, parse_variants
-from .model import FFN, build, save_weights, load_weights
-from .recipe import Recipe
 
-from .api import QuantizedFFN, evaluate, export_onnx, profile, quantize, run
+# The rest load on first use (PEP 562): `import ffnquant` (which the `ffnquant` command does first) must not
+# import torch, so that a Ctrl-C at start-up reaches `cli.main`, which reports it in one line.
+_LAZY = {
+    "FFNSpec": "spec", "Variant": "spec", "Activation": "spec", "SITES": "spec", "WEIGHTS": "spec",
+    "parse_variant": "spec", "parse_variants": "spec",
+    "FFN": "model", "build": "model", "save_weights": "model", "load_weights": "model",
+    "Recipe": "recipe",
+    "QuantizedFFN": "api", "quantize": "api", "export_onnx": "api", "evaluate": "api", "profile": "api", "run": "api",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ffnquant' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once loaded, an ordinary attribute
+    return value
+
 
 __all__ = [
     "__version__",

@@ -68,7 +68,45 @@ def _handle_termination() -> None:
             signal.signal(sig, raise_interrupted)
 
 
+def _interrupted_line(exc: KeyboardInterrupt, command: str | None) -> tuple[str, int]:
+    """The one line and exit code for an interruption (128 + the signal, as a shell reports it)."""
+    import signal
+
+    signum = int(getattr(exc, "signum", signal.SIGINT))
+    how = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+    who = f"ffnquant {command}" if command else "ffnquant"
+    if command is None:
+        return f"{who}: interrupted{how}", 128 + signum
+    if getattr(exc, "outputs_complete", False):
+        # it came while the final moves ran, which finish first: the new outputs are all in place
+        return f"{who}: interrupted{how} after the output was complete: the new files are in place", 128 + signum
+    return f"{who}: interrupted{how}; no partial files were left", 128 + signum
+
+
+def _quiet_exit() -> None:
+    """The work is done and its exit code chosen: a Ctrl-C from here to the end of the interpreter (its shutdown
+    can take a while with torch loaded) is ignored, so it cannot print a KeyboardInterrupt traceback."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; the exit code. Called without `argv` it is the program itself (the console script,
+    `python -m ffnquant`), which also keeps a late Ctrl-C quiet."""
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt as exc:  # at start-up (importing torch, building the parser): before any command
+        line, code = _interrupted_line(exc, None)
+        print(line, file=sys.stderr)
+    if argv is None:
+        _quiet_exit()
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     _handle_termination()
     parser = build_parser()
     try:
@@ -88,17 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ffnquant {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        import signal
-
-        signum = getattr(exc, "signum", signal.SIGINT)
-        how = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
-        if getattr(exc, "outputs_complete", False):
-            # it came while the final moves ran, which finish first: the new outputs are all in place
-            print(f"ffnquant {args.command}: interrupted{how} after the output was complete: the new files are in place",
-                  file=sys.stderr)
-        else:
-            print(f"ffnquant {args.command}: interrupted{how}; no partial files were left", file=sys.stderr)
-        return 128 + int(signum)
+        line, code = _interrupted_line(exc, args.command)
+        print(line, file=sys.stderr)
+        return code
     except BrokenPipeError:
         # the reader went away (`ffnquant model inspect PATH | head`): stop quietly, no traceback;
         # stdout is pointed at devnull so that the interpreter's final flush does not fail again

@@ -164,3 +164,61 @@ def test_install_hints_name_the_checkout_not_a_registry_package():
                  for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
                  if "install" in line and needle in line.replace('"', "").replace("'", "")]
     assert offenders == []
+
+
+def _interruptible() -> None:
+    """In the child: Ctrl-C as at a terminal (a suite run as a background job inherits SIGINT ignored)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# How the program starts: the console script's own lines, and `python -m ffnquant`.
+CONSOLE_SCRIPT = "import sys; from ffnquant.cli import main; sys.argv[0] = 'ffnquant'; sys.exit(main())"
+
+
+@pytest.mark.parametrize("start", [[sys.executable, "-c", CONSOLE_SCRIPT], [sys.executable, "-m", "ffnquant"]],
+                         ids=["console-script", "python-m"])
+def test_ctrl_c_at_start_up_is_one_line_not_a_traceback(start):
+    """A real SIGINT while the command is still importing torch (seen in /proc as torch's library being mapped),
+    before any command runs: one line, exit 130."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([*start, "variants"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible)
+    maps = f"/proc/{proc.pid}/maps"
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with open(maps) as f:
+                if "libtorch" in f.read():
+                    break
+        except OSError:
+            break
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    if proc.returncode != 0:  # 0: the command had already finished (a fast machine); still no traceback
+        assert proc.returncode == 130, err
+        assert err.strip() == "ffnquant: interrupted", err
+
+
+def test_ctrl_c_after_the_work_is_done_keeps_the_exit_code_and_prints_no_traceback():
+    """A Ctrl-C once main has returned (the interpreter shutting down) is ignored: main's exit code, no traceback."""
+    late = ("import os, signal, sys, time; from ffnquant.cli import main; sys.argv = ['ffnquant', 'variants']; "
+            "code = main(); os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", late], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=120, preexec_fn=_interruptible)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and proc.stderr == "", proc.stderr
+
+
+def test_main_called_with_arguments_leaves_ctrl_c_alone(capsys):
+    """Code that calls main(argv) (tests, scripts) keeps its Ctrl-C: only the program itself ignores a late one."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    assert main(["variants", "--d-model", "32"]) == 0
+    assert signal.getsignal(signal.SIGINT) is handler
