@@ -29,6 +29,7 @@ import stat
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,6 +38,7 @@ from .errors import FFNQuantError
 __all__ = [
     "ensure_writable_dir", "atomic_path", "write_bytes", "write_text", "write_json",
     "OutputTransaction", "sweep_stale", "is_output_failure", "STALE_AGE_S", "make_staging", "owned_temp_file",
+    "ScratchFolder",
 ]
 
 # Leftovers without a live owner we can check are removed once they are this old.
@@ -174,6 +176,39 @@ def make_staging(parent: str | os.PathLike) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return staging
+
+
+_SWEPT: set[Path] = set()
+
+
+class ScratchFolder:
+    """A temporary folder, like `tempfile.TemporaryDirectory`, but named and marked as ours: removed on `cleanup()`
+    (or leaving the with block, or at exit), and should the run be killed first, by the sweep of the next run that
+    makes one in the same parent. `with ScratchFolder("bench") as folder:` gives the folder as a Path."""
+
+    def __init__(self, purpose: str, dir: str | os.PathLike | None = None) -> None:
+        parent = Path(dir) if dir is not None else Path(tempfile.gettempdir())
+        if parent not in _SWEPT:  # earlier runs' leftovers, ours only: once per folder and process is enough
+            sweep_stale(parent)
+            _SWEPT.add(parent)
+        root = make_staging(parent)
+        # the folder handed out is inside the marked one, so its users never see the marker file
+        self.name = str(root / purpose)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(root), ignore_errors=True)
+        try:
+            os.mkdir(self.name)
+        except OSError:
+            self.cleanup()
+            raise
+
+    def cleanup(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> Path:
+        return Path(self.name)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cleanup()
 
 
 def sweep_stale(folder: str | os.PathLike) -> list[Path]:

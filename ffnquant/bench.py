@@ -15,7 +15,6 @@ import dataclasses
 import math
 import os
 import socket
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_format, get_
 from .spec import FFNSpec
 # The timers and the copy bandwidth live in ffnquant.timing; re-exported as part of the harness too.
 from .timing import CudaEventTimer, Timer, TimerFactory, WallTimer, default_timer, measure_copy_bandwidth
+from .atomic import ScratchFolder
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "DEFAULT_TOKENS", "REFERENCE_TOLERANCE_DB", "reference_output", "numerics_rows",
@@ -370,7 +370,7 @@ def run_benchmark(
         if progress:
             progress(done, total, f"{c.variant} {c.runtime} {c.scheme} M={c.tokens}{': error' if c.stats is None else ''}")
 
-    tmp_ctx = tempfile.TemporaryDirectory(prefix="ffnquant_bench_") if workdir is None else None
+    tmp_ctx = ScratchFolder("bench") if workdir is None else None
     sweep = _Sweep(uuid.uuid4().hex, config, env, socket.gethostname(), timer_factory, requested is None,
                    None if config.max_total_s is None else time.time() + config.max_total_s,
                    # in this process: one artifact folder and progress per case, as the cases finish
@@ -533,7 +533,7 @@ def _run_case_task(task: _CaseTask) -> _CaseDone:
             record(m, error=f"{rt.name} is not available on {host}: {avail.reason}")
         return done
     state = _SWEEP["specs"].get(spec.key) or _SWEEP["specs"].setdefault(spec.key, _SpecState(spec, task.model, config))
-    with tempfile.TemporaryDirectory(prefix="ffnquant_bench_") as own:
+    with ScratchFolder("bench") as own:
         loaded = None
         try:
             rt.reset_peak_memory()

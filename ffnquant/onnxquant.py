@@ -31,6 +31,7 @@ from .atomic import atomic_path
 from .errors import FFNQuantError
 from .model import FFN
 from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType
+from .atomic import ScratchFolder
 
 if TYPE_CHECKING:  # annotations only: onnxquant reads a QuantizedFFN, it never builds one
     from .fakequant import QuantizedFFN
@@ -340,8 +341,6 @@ def _write_awq(out_path: str | os.PathLike, qmodel: "QuantizedFFN", source_model
     """AWQ's MatMulNBits artifact: `source_model` with `qmodel`'s AWQ scales folded in again and its clipping
     (`awq.refold`, `awq.clip_weights`: bit-identical to the reference's), exported (the input ChannelScale becomes
     a Mul before the matmuls), then RTN codes of the quantized weights."""
-    import tempfile
-
     from .awq import clip_weights, refold
     from .export import export_onnx
 
@@ -349,7 +348,7 @@ def _write_awq(out_path: str | os.PathLike, qmodel: "QuantizedFFN", source_model
     if record is None:
         raise FFNQuantError(f"scheme {qmodel.scheme.name!r}: the quantized model carries no AWQ fold (quantize_model makes it)")
     folded = clip_weights(refold(source_model, record), record, qmodel.quantized_weights)
-    with tempfile.TemporaryDirectory(prefix="ffnquant-awq-") as tmp:
+    with ScratchFolder("awq") as tmp:
         fp32 = Path(tmp) / "awq-folded.fp32.onnx"
         export_onnx(folded, fp32)
         return write_nbits(fp32, out_path, qmodel.scheme, folded, weights=qmodel.quantized_weights)

@@ -21,6 +21,7 @@ import torch
 
 from .atomic import atomic_path
 from .onnxquant import ort_default_static, ort_session, run_onnx
+from .atomic import ScratchFolder
 
 __all__ = ["ORT_METHODS", "ORT_BASELINE_METHODS", "ort_quantize", "ort_baselines", "versus_ort", "compare_with_ort"]
 
@@ -126,8 +127,6 @@ def ort_baselines(
     in `out_dir` (stem default: the fp32 file's name less `.fp32.onnx`), else in a temporary folder removed
     before returning.
     """
-    import tempfile
-
     from .accuracy import accuracy_of
     from .atomic import is_output_failure
     from .errors import first_line, unknown_choice
@@ -139,7 +138,7 @@ def ort_baselines(
     rows: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         folder = Path(out_dir) if out_dir is not None else Path(stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="ffnquant-ort-")))
+            ScratchFolder("ort-baseline")))
         for method in methods:
             row: dict[str, Any] = {"ok": False, "what": ORT_METHODS[method], "sqnr_db": None, "accuracy": None,
                                    "size_bytes": None, "path": None, "error": None, "quantize_seconds": None}

@@ -86,10 +86,10 @@ class Prepared:
 
     def scratch(self) -> Path:
         """A temporary folder for ONNX files nobody asked to keep (removed with this object)."""
-        import tempfile
+        from .atomic import ScratchFolder
 
         if self._scratch is None:
-            self._scratch = tempfile.TemporaryDirectory(prefix="ffnquant-")
+            self._scratch = ScratchFolder("quantize")
         return Path(self._scratch.name)
 
     def onnx_file(self, which: str, folder: Path) -> Path:

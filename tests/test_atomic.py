@@ -651,3 +651,40 @@ def test_staged_folder_gives_every_file_the_umask_mode(tmp_path, umask):
     assert stat.S_IMODE(os.stat(out / "sub").st_mode) == 0o777 & ~umask
     assert stat.S_IMODE(os.stat(out / "sub" / "config.json").st_mode) == 0o666 & ~umask
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~umask
+
+
+def test_scratch_folder_a_killed_run_leaves_is_removed_by_the_next_run(tmp_path):
+    """A run killed (SIGKILL) while it holds a scratch folder leaves it behind, marked as ours: the next run that
+    makes one there removes it, and keeps a user's folders of like names."""
+    code = ("import os, signal, sys; from ffnquant.atomic import ScratchFolder; "
+            "f = ScratchFolder('bench', dir=sys.argv[1]); open(os.path.join(f.name, 'case.onnx'), 'wb').write(b'x'); "
+            "print(f.name, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    left = Path(proc.stdout.strip())
+    assert (left / "case.onnx").is_file() and left.parent.name.startswith(STAGING_PREFIX)
+    # a user's folders: one of our name but without our marker, one like the old tempfile names
+    mimic = tmp_path / (left.parent.name[:-8] + "usercopy")  # the dead run's owner tag, no marker
+    mimic.mkdir()
+    (mimic / "mine.txt").write_bytes(USER_BYTES)
+    (tmp_path / "ffnquant_bench_abcd1234").mkdir()
+    with atomic.ScratchFolder("bench", dir=tmp_path) as folder:
+        assert folder.is_dir() and not any(folder.iterdir())  # the marker stays outside the folder handed out
+        assert not left.parent.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mimic.name, "ffnquant_bench_abcd1234"])
+    assert (mimic / "mine.txt").read_bytes() == USER_BYTES
+
+
+@pytest.mark.parametrize("how", ["with-block", "cleanup", "garbage-collected"])
+def test_scratch_folder_is_removed_when_done(tmp_path, how):
+    if how == "with-block":
+        with atomic.ScratchFolder("x", dir=tmp_path) as folder:
+            (folder / "f").write_bytes(b"1")
+    else:
+        scratch = atomic.ScratchFolder("x", dir=tmp_path)
+        (Path(scratch.name) / "f").write_bytes(b"1")
+        if how == "cleanup":
+            scratch.cleanup()
+        else:
+            del scratch
+    assert list(tmp_path.iterdir()) == []

@@ -25,7 +25,6 @@ import io
 import logging
 import math
 import os
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -38,6 +37,7 @@ from torch import nn
 from ..errors import FFNQuantError, first_line
 from ..export import DEFAULT_OPSET
 from .onnx_rewrite import module_kind, quantize_graph
+from ..atomic import ScratchFolder
 
 __all__ = [
     "PPL_TOLERANCE",
@@ -274,7 +274,7 @@ def write_model_graph(planned: Any, folder: str | os.PathLike, *, opset: int = D
     fp32, quant = folder / "model.fp32.onnx", folder / "model.onnx"
     ids = planned.evals[0][:1, :64] if planned.evals else None
     parity = _export(planned.float_model, planned.info, fp32, opset, ids)
-    with tempfile.TemporaryDirectory(prefix=".ffnquant-graph-", dir=folder) as tmp:
+    with ScratchFolder("graph", dir=folder) as tmp:
         # the rewrite starts from the planned model's own export: its weights are the grids' values
         planned_fp32 = Path(tmp) / "planned.fp32.onnx"
         planned_parity = _export(planned.model, planned.info, planned_fp32, opset, ids)

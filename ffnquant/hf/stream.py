@@ -36,6 +36,7 @@ from .capture import (
 )
 from .checkpoint import ModelInfo, _Weights
 from .inputs import EvalSettings, fit_settings
+from ..atomic import ScratchFolder
 
 __all__ = ["MemoryPlan", "SequentialModel", "choose_memory_plan", "largest_layer_bytes", "plan_memory",
            "streamable_reason", "token_batches_of"]
@@ -506,6 +507,6 @@ def token_batches_of(info: ModelInfo, text, split: str, settings: EvalSettings, 
 
 @contextlib.contextmanager
 def _spill_folder(spill: bool, spill_dir: str | os.PathLike | None):
-    with tempfile.TemporaryDirectory(prefix="ffnquant-stream-", dir=spill_dir) if spill else \
+    with ScratchFolder("stream", dir=spill_dir) if spill else \
             contextlib.nullcontext() as folder:
         yield Path(folder) if folder else None

@@ -26,6 +26,7 @@ from ..errors import FFNQuantError
 from ..ortcpu import int8_kernels, saturating, session_entries
 from .artifacts import onnx_artifact, onnx_weight_bytes
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
+from ..atomic import ScratchFolder
 
 __all__ = ["OrtRuntime", "PROVIDERS", "ORT_FORMATS", "captured_native_output"]
 
@@ -115,7 +116,7 @@ def _optimized_op_counts(session_factory, path: Path) -> str:
     """Op types onnxruntime actually runs after its graph fusions (CPU provider), e.g. 'MatMulNBits x3'."""
     import onnx
 
-    with tempfile.TemporaryDirectory(prefix="ffnquant_ortopt_") as tmp:
+    with ScratchFolder("ort-optimized") as tmp:
         out = Path(tmp) / "optimized.onnx"
         session_factory(str(out))
         proto = onnx.load(str(out), load_external_data=False)
