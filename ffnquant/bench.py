@@ -27,7 +27,7 @@ from .errors import FFNQuantError
 # The pure side (statistics, device peaks and the roofline, the numerics rows, the GPU targets) lives in
 # ffnquant.latency; re-exported here because callers know them as part of the harness.
 from .latency import (DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks, LatencyStats, device_peaks, gpu_targets,
-                      latency_stats, numerics_rows, roofline)
+                      latency_stats, numerics_rows, roofline, roofline_speedup_bound, timing_suspect)
 from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_format, get_runtime, tensor_nbytes
 from .spec import FFNSpec
 # The timers and the copy bandwidth live in ffnquant.timing; re-exported as part of the harness too.
@@ -120,6 +120,7 @@ class CaseResult:
     baseline: str | None = None
     speedup: float | None = None  # baseline median / this median
     slower_than_baseline: bool | None = None
+    suspect: str | None = None  # why its timing is not to be trusted (latency.timing_suspect): never recommended
     host: str | None = None  # the machine that measured it (a Ray worker's, not the driver's)
 
     @property
@@ -172,6 +173,7 @@ class CaseResult:
             "reference_sqnr_db": _finite(self.reference_sqnr_db), "sqnr_vs_reference_db": _finite(self.sqnr_vs_reference_db),
             "disagrees_with_reference": self.disagrees_with_reference, "reference_note": self.reference_note,
             "baseline": self.baseline, "speedup": _finite(self.speedup), "slower_than_baseline": self.slower_than_baseline,
+            "suspect": self.suspect,
             "label": self.label, "providers": list(self.providers), "error": self.error,
         }
 
@@ -574,12 +576,21 @@ def _flag_slowdowns(cases: list[CaseResult], baselines: Mapping[str, str]) -> No
 
     Slower means beyond the measured spread: the case's p10 above the baseline's p90, the mirror of
     the recommender's test for faster. A median a hair above the baseline's is noise, not a slowdown.
-    A case is compared with the baseline measured on its own host only."""
+    A case is compared with the baseline measured on its own host only. A timing not to be trusted (too few
+    samples, a ratio the roofline does not allow) is marked `suspect`."""
     index = {(c.spec_key, c.runtime, c.tokens, c.host): c for c in cases if c.ok and c.scheme == baselines.get(c.runtime)}
     for c in cases:
         base = index.get((c.spec_key, c.runtime, c.tokens, c.host))
+        if c.ok:
+            c.suspect = timing_suspect(c.stats.n)
         if not c.ok or base is None:
             continue
         c.baseline = base.scheme
         c.speedup = base.stats.median_s / c.stats.median_s if c.stats.median_s > 0 else None
         c.slower_than_baseline = c.scheme != base.scheme and c.stats.p10_s > base.stats.p90_s
+        if c.suspect is None and c.scheme != base.scheme and None not in (c.bytes_per_call, base.bytes_per_call):
+            bound = roofline_speedup_bound(base.bytes_per_call, base.flops_per_call or 0, base.compute or "fp32",
+                                           c.bytes_per_call, c.flops_per_call or 0, c.compute or "fp32",
+                                           device_peaks(c.device))
+            both_float = all(FORMATS[s].scheme.weight_dtype.is_float for s in (c.scheme, base.scheme))
+            c.suspect = timing_suspect(c.stats.n, c.speedup, bound, base.scheme, both_float)

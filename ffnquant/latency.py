@@ -21,6 +21,9 @@ __all__ = [
     "DEVICE_PEAKS",
     "device_peaks",
     "roofline",
+    "roofline_speedup_bound",
+    "timing_suspect",
+    "MIN_TIMED_SAMPLES",
     "REFERENCE_TOLERANCE_DB",
     "numerics_rows",
     "gpu_targets",
@@ -139,6 +142,55 @@ def roofline(
     if t_mem is None:
         return t_ops / seconds, "compute (bandwidth unknown)"
     return max(t_mem, t_ops) / seconds, ("memory" if t_mem >= t_ops else "compute")
+
+
+# --- timings not to trust ---------------------------------------------------------------------------
+# A timed case needs this many samples before its median is compared with anything: with two, one stall of the
+# machine (another process, a page fault) is half the median.
+MIN_TIMED_SAMPLES = 5
+# Two kernels need not run at the same fraction of their roofline: the room left for that, on either side.
+ROOFLINE_SLACK = 2.0
+# A float format's case slower than its float baseline by more than this (either way, fp16 against fp32) is
+# not a kernel's cost but the machine's: a software-emulated fp16 GEMM costs a few times fp32, not fifty.
+FLOAT_RATIO_LIMIT = 8.0
+# Compute gain over fp32 where the device's peaks are not tabled (CPUs): fp16 packs twice the lanes of fp32,
+# int8 and fp8 dot-product instructions (VNNI, SDOT) do four times the multiply-adds of an fp32 FMA.
+CPU_COMPUTE_GAIN = {"fp32": 1.0, "fp16": 2.0, "int8": 4.0, "fp8": 4.0}
+
+
+def roofline_speedup_bound(base_bytes: float, base_flops: float, base_compute: str, bytes_moved: float,
+                           flops: float, compute: str, peaks: DevicePeaks | None = None) -> float:
+    """The largest speedup over its baseline that the roofline allows a case on the same device.
+
+    Roofline time is max(bytes / bandwidth, flops / peak); the bandwidth is the device's for both, so the
+    baseline's time over the case's is at most the larger of base bytes / bytes (memory side) and
+    (base flops / base peak) / (flops / peak) (compute side), times ROOFLINE_SLACK. Peaks from the device table,
+    else CPU_COMPUTE_GAIN."""
+    ops = peaks.ops_per_s if peaks is not None else {}
+    if ops.get(compute) and ops.get(base_compute):
+        gain = ops[compute] / ops[base_compute]
+    else:
+        gain = CPU_COMPUTE_GAIN.get(compute, 1.0) / CPU_COMPUTE_GAIN.get(base_compute, 1.0)
+    memory = base_bytes / bytes_moved if bytes_moved > 0 else 1.0
+    compute_side = base_flops / flops * gain if flops > 0 else 1.0
+    return max(1.0, memory, compute_side) * ROOFLINE_SLACK
+
+
+def timing_suspect(n: int, speedup: float | None = None, bound: float | None = None, baseline: str = "",
+                   both_float: bool = False) -> str | None:
+    """Why a timed case is not to be trusted (None: it is): too few samples, a speedup over its baseline beyond
+    the roofline's `bound`, or a float format more than FLOAT_RATIO_LIMIT from its float baseline either way."""
+    if n < MIN_TIMED_SAMPLES:
+        return f"{n} sample{'s' if n != 1 else ''} (fewer than {MIN_TIMED_SAMPLES})"
+    if speedup is None or speedup <= 0:
+        return None
+    if bound is not None and speedup > bound:
+        return f"{speedup:.3g}x faster than {baseline}, beyond the roofline's {bound:.3g}x"
+    if both_float and max(speedup, 1 / speedup) > FLOAT_RATIO_LIMIT:
+        way = "faster" if speedup > 1 else "slower"
+        return (f"{max(speedup, 1 / speedup):.3g}x {way} than {baseline}, beyond the {FLOAT_RATIO_LIMIT:g}x "
+                "a float format can differ by")
+    return None
 
 
 # --- derived tables (pure functions of a BenchResult.to_dict() document) ----------------------------

@@ -9,7 +9,7 @@ it was derived from.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import FFNQuantError
@@ -52,6 +52,7 @@ class Point:
     label: str = ""
     p10_s: float | None = None
     p90_s: float | None = None
+    suspect: str | None = None  # why its timing is not to be trusted (the bench's flag): never recommended
 
     def __post_init__(self) -> None:
         if not _positive(self.latency_s):
@@ -180,6 +181,22 @@ def recommend(
     variant, runtime, tokens = next(iter(keys))
     where = f"on {runtime} at M={tokens}"
     base = next((p for p in points if p.scheme == baseline), None)
+    suspect = [p for p in points if p.suspect]
+    if suspect:
+        # a timing not to be trusted decides nothing: with the baseline's suspect no scheme is called faster,
+        # else the suspect points are left out and named in the reason
+        why = "; ".join(f"{p.label}: {p.suspect}" for p in suspect)
+        trusted = [p for p in points if not p.suspect]
+        if base is not None and base.suspect:
+            return Recommendation(variant, runtime, tokens, target_db, base.scheme, f"{base.label} (timing suspect)",
+                                  None, None, baseline, None, True,
+                                  f"{base.label}: the timings {where} are suspect ({why}), so no scheme is called "
+                                  "faster than the baseline; measure again on a quieter machine")
+        if not trusted:
+            return Recommendation(variant, runtime, tokens, target_db, None, None, None, None, baseline, None, False,
+                                  f"no timing {where} can be trusted ({why})")
+        rec = recommend(trusted, target_db, baseline)
+        return replace(rec, reason=f"{rec.reason} (not used, timing suspect: {why})")
     ok = [p for p in points if p.accuracy >= target_db]
     # Fastest first; on equal latency the more accurate one.
     ok.sort(key=lambda p: (p.latency_s, -p.accuracy, p.scheme))

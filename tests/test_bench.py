@@ -401,3 +401,40 @@ def test_numerics_table_puts_every_runtime_beside_the_reference():
     assert "## Numerics across runtimes" in md
     assert "| swiglu | w4a16-g128 | 16.2 | 16.2 / 130.0 | 16.9 / 14.0 **DIFFERS** |" in md
     assert "| swiglu | fp32 | - | - | exact |" in md
+
+
+# --- timings not to trust (issue 27, item 6) --------------------------------------------------------
+@pytest.mark.parametrize("timers, cfg, scheme, why", [
+    pytest.param({"fp32": 0.02, "fp16": 0.001}, dict(budget_s=0.03, min_repeats=1), "fp32", "2 samples (fewer than 5)",
+                 id="2-samples"),
+    pytest.param({"fp32": 0.0202, "fp16": 0.000145}, dict(budget_s=100.0, min_repeats=5, max_repeats=5), "fp16",
+                 "139x faster than fp32, beyond the roofline's 4x", id="139x-beyond-the-roofline"),
+    pytest.param({"fp32": 0.001, "fp16": 0.05}, dict(budget_s=100.0, min_repeats=5, max_repeats=5), "fp16",
+                 "50x slower than fp32, beyond the 8x a float format can differ by", id="float-50x-slower"),
+])
+def test_an_untrustworthy_timing_is_flagged_suspect_and_reported(spec, timers, cfg, scheme, why):
+    result = run_benchmark([spec], [FakeRuntime()], ["fp16"], BenchConfig(tokens=(1,), warmup=0, **cfg),
+                           timer_factory=_timers(timers), environment=ENV)
+    case = result.case("relu", "fake-cpu", scheme, 1)
+    assert case.suspect == why
+    doc = result.to_dict()
+    assert doc["cases"][[c.scheme for c in result.cases].index(scheme)]["suspect"] == why
+    md = latency_markdown(doc)
+    assert "**SUSPECT**" in md and f"- fake-cpu {scheme} (relu, M=1): {why}" in md
+
+
+def test_a_trustworthy_timing_is_not_suspect(spec):
+    result = run_benchmark([spec], [FakeRuntime()], ["fp16"],
+                           BenchConfig(tokens=(1,), warmup=0, budget_s=100.0, min_repeats=5, max_repeats=5),
+                           timer_factory=_timers({"fp32": 0.002, "fp16": 0.001}), environment=ENV)
+    assert [c.suspect for c in result.cases] == [None, None]
+    assert "SUSPECT" not in latency_markdown(result.to_dict())
+
+
+def test_the_latency_report_states_the_load_average_before_and_after(spec, monkeypatch):
+    loads = iter([(3.5, 2.0, 1.0), (7.25, 3.0, 1.5)])
+    monkeypatch.setattr("ffnquant.bench.os.getloadavg", lambda: next(loads))
+    result = run_benchmark([spec], [FakeRuntime()], ["fp32"], BenchConfig(tokens=(1,), warmup=0, min_repeats=5),
+                           timer_factory=_timers({"fp32": 0.002}), environment=ENV)
+    assert result.environment["load_average"] == {"before": [3.5, 2.0, 1.0], "after": [7.25, 3.0, 1.5]}
+    assert "- Load average (1/5/15 min) before [3.5, 2.0, 1.0], after [7.25, 3.0, 1.5]" in latency_markdown(result.to_dict())

@@ -89,3 +89,44 @@ def test_recommendations_use_the_cases_spread(p90_ms, choice):
     rows = [{"variant": "relu", "scheme": "w8a8", "status": "ok", "sqnr_db": 40.0, "label": "w8a8"}]
     recs, _ = recommendations(cfg, cases, rows)
     assert [r["choice"] for r in recs] == [choice]
+
+
+@pytest.mark.parametrize("suspect, choice", [(None, "w8a8"), ("139x faster than fp32, beyond the roofline's 4x", "fp32")],
+                         ids=["trusted", "suspect"])
+def test_recommendations_leave_out_suspect_cases(suspect, choice):
+    """A case the bench flagged (too few samples, a ratio beyond the roofline) is never recommended."""
+    from ffnquant.pipeline.findings import recommendations
+
+    cfg = RunConfig.tiny(schemes=("fp32", "w8a8"), runtimes=("none",))
+    case = dict(variant="relu", runtime="ort-cpu", tokens=1, error=None)
+    cases = [dict(case, scheme="fp32", median_s=1e-3, p10_s=0.9e-3, p90_s=1.1e-3, suspect=None),
+             dict(case, scheme="w8a8", median_s=0.5e-3, p10_s=0.45e-3, p90_s=0.55e-3, suspect=suspect)]
+    rows = [{"variant": "relu", "scheme": "w8a8", "status": "ok", "sqnr_db": 40.0, "label": "w8a8"}]
+    recs, _ = recommendations(cfg, cases, rows)
+    assert [r["choice"] for r in recs] == [choice]
+
+
+@pytest.mark.parametrize("repeats, act_s, status", [
+    pytest.param(7, [1e-6] * 8, "confirmed", id="quiet-confirmed"),
+    pytest.param(7, [1e-6] * 4 + [50e-6] * 4, "not measured", id="spread-straddles"),
+    pytest.param(2, [1e-6] * 3, "not measured", id="2-samples"),
+    pytest.param(7, [50e-6] * 8, "contradicted", id="quiet-contradicted"),
+])
+def test_the_activation_time_claim_ignores_timings_not_to_trust(monkeypatch, repeats, act_s, status):
+    """The seed claim flipped to CONTRADICTED on a loaded machine: its verdict now needs timings beyond their
+    spread and enough samples, else it is 'not measured'."""
+    import itertools
+
+    import torch
+
+    from ffnquant import build
+    from ffnquant.pipeline import findings as F
+    from ffnquant.spec import FFNSpec
+
+    model = build(FFNSpec("relu", d_model=16), seed=0)
+    # perf_counter read twice per timed call: the activation's calls, then the whole forward's (1 ms each)
+    clock = itertools.accumulate(itertools.chain(itertools.chain.from_iterable(
+        (0.0, d) for d in act_s[:repeats] + [1e-3] * repeats), itertools.repeat(0.0)))
+    monkeypatch.setattr(F.time, "perf_counter", lambda: next(clock))
+    claim = F.activation_time_claim(model, torch.zeros(4, 16), repeats=repeats)
+    assert claim["status"] == status, claim

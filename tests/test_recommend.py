@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -156,3 +157,28 @@ def test_close_speedups_print_two_decimals():
 def test_point_rejects_bad_percentiles(p10, p90):
     with pytest.raises(FFNQuantError, match="p10|p90"):
         Point("relu", "fp32", "torch-cpu", 1, 0.0015, None, "", p10, p90)
+
+
+# --- timings not to trust (issue 27, item 6) --------------------------------------------------------
+def test_a_suspect_quantized_point_is_never_recommended():
+    """gelu on bnb-cpu at M=1 was 'fp16 (139.5x)' from a 139x ratio the roofline does not allow."""
+    points = [pt("fp32", 0.0202, None), pt("fp16", 0.000145, 70.0)]
+    points[1] = dataclasses.replace(points[1], suspect="139x faster than fp32, beyond the roofline's 4x")
+    rec = recommend(points, 30.0)
+    assert rec.choice == "fp32" and rec.speedup == 1.0
+    assert "not used, timing suspect: fp16: 139x faster than fp32, beyond the roofline's 4x" in rec.reason
+
+
+def test_a_suspect_baseline_calls_nothing_faster():
+    """A 2-sample fp32 case (median 20.2 ms on a loaded machine): no scheme is called faster than it."""
+    points = [Point("gelu", "fp32", "bnb-cpu", 1, 0.0202, None, suspect="2 samples (fewer than 5)"),
+              Point("gelu", "fp16", "bnb-cpu", 1, 0.000145, 70.0)]
+    rec = recommend(points, 30.0)
+    assert rec.choice == "fp32" and rec.label == "fp32 (timing suspect)"
+    assert rec.speedup is None and rec.latency_s is None
+    assert "suspect (fp32: 2 samples (fewer than 5))" in rec.reason
+
+
+def test_only_suspect_points_recommend_nothing():
+    rec = recommend([Point("swiglu", "w8a8", "ort-cpu", 512, 0.01, 30.0, suspect="2 samples (fewer than 5)")], 20.0)
+    assert rec.choice is None and rec.meets_target is False and "no timing" in rec.reason

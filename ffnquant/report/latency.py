@@ -136,6 +136,8 @@ def latency_markdown(doc: Mapping[str, Any]) -> str:
                             cell += f" ({c['speedup']:.2f}x{' **SLOWER**' if c.get('slower_than_baseline') else ''})"
                         if c.get("roofline_fraction") is not None:
                             cell += f", {100 * c['roofline_fraction']:.0f}% roof"
+                        if c.get("suspect"):
+                            cell += " **SUSPECT**"
                         cells.append(cell)
                 first = next(c for c in rt_cases if c["spec_key"] == key and c["scheme"] == scheme)
                 sqnr = first.get("sqnr_db")
@@ -146,6 +148,13 @@ def latency_markdown(doc: Mapping[str, Any]) -> str:
     if any((c.get("roofline_fraction") or 0) > 1 for c in cases):
         lines += ["Roofline fractions above 100% mean the call beat the bandwidth it is measured against: "
                   "the weights stayed in cache, which the measured DRAM copy bandwidth does not model.", ""]
+    suspect = [c for c in cases if c.get("suspect")]
+    if suspect:
+        lines += ["## Timings not to trust", "",
+                  "Marked **SUSPECT** above, and never used for a recommendation: too few samples, or a ratio to the "
+                  "baseline that the roofline does not allow (the machine was busy, see the load average).", ""]
+        lines += [f"- {c['runtime']} {c['scheme']} ({c['variant']}, M={c['tokens']}): {c['suspect']}" for c in suspect]
+        lines.append("")
     lines += _targets_markdown(doc)
     lines += _numerics_markdown(doc)
     errors = [c for c in cases if c["error"]]

@@ -63,5 +63,6 @@ def _points(doc: Mapping[str, Any], runtime: str, tokens: int, variant: str) -> 
         else:
             continue
         pts.append(Point(variant, c["scheme"], runtime, tokens, float(c["median_s"]), sqnr,
-                         row["label"] if row else c["scheme"], p10_s=c.get("p10_s") or None, p90_s=c.get("p90_s") or None))
+                         row["label"] if row else c["scheme"], p10_s=c.get("p10_s") or None, p90_s=c.get("p90_s") or None,
+                         suspect=c.get("suspect")))
     return pts
