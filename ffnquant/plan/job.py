@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import FFNQuantError
+from ..atomic import ScratchFolder
 from ..recipe import Recipe
 from .candidates import candidate_recipes, generalization, quantize_layer, run_score_task, score_tasks
 from .planfile import Plan, model_fingerprint
@@ -194,14 +195,13 @@ def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], pro
 def _ort_best(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any) -> dict[str, Any] | None:
     """onnxruntime's best own quantizer of this layer (quantize_static MinMax / Percentile / Entropy and
     quantize_dynamic, on the same calibration and held-out inputs): {method, sqnr_db, methods}, or None."""
-    import tempfile
     from pathlib import Path
 
     from ..accuracy import run_batched
     from ..export import export_onnx
     from ..ortbaseline import ort_baselines
 
-    with tempfile.TemporaryDirectory(prefix="ffnquant-plan-ort-") as folder:
+    with ScratchFolder("plan-ort") as folder:  # marked: a killed run's is swept by the next run
         fp32 = Path(folder) / f"{layer.label}.fp32.onnx"
         export_onnx(layer.ffn, fp32)
         with torch.no_grad():

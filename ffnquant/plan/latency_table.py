@@ -9,13 +9,13 @@ and says why; a latency objective cannot choose it.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from ..atomic import ScratchFolder
 from ..recipe import Recipe
 
 __all__ = ["measure_latency_table"]
@@ -30,7 +30,7 @@ def measure_latency_table(layer: Any, recipes: Sequence[Recipe], calib: torch.Te
 
     table: dict[str, dict[str, Any]] = {}
     sessions: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="ffnquant-plan-latency-") as folder:
+    with ScratchFolder("plan-latency") as folder:  # marked: a killed run's is swept by the next run
         outcomes = quantize_recipes(layer.spec, recipes, collect_errors=True, onnx=True, baseline=False,
                                     sensitivity=False, out_artifacts=folder, model=layer.ffn, calib_tokens=calib,
                                     eval_tokens=held_out, name=layer.label)
