@@ -207,12 +207,16 @@ def render(doc) -> str:
     env = doc["environment"]
     lines = [f"# Held-out verification on {', '.join(doc['domains'])}", "",
              f"Command: `{doc['command']}`", "",
-             f"Machine: {env.get('cpu', env.get('machine', '-'))}; torch {env.get('torch', '-')}, "
-             f"transformers {env.get('transformers', '-')}; total {doc['total_s']:.0f} s.", "",
-             "Every figure is against the float model on the same windows (ffnquant's document windows of "
-             f"{doc['seq_len']} tokens, after the first {doc['skip_tokens']:,} tokens of each domain, which the plans "
-             "verified on). The interval is 95%, from paired per-sequence differences; KL is over the float model's "
-             "top-128 tokens plus one bucket for the rest (a lower bound of the full KL).", "",
+             f"Machine: {env.get('cpu', '-')}, {env.get('cpu_count', '-')} cores, torch threads "
+             f"{env.get('torch_threads', '-')}; torch {env.get('packages', {}).get('torch', '-')}, transformers "
+             f"{env.get('packages', {}).get('transformers', '-')}; {env.get('timestamp_utc', '')}; total "
+             f"{doc['total_s']:.0f} s.", "",
+             "Every figure is against the float model on the same windows: ffnquant's document windows of "
+             f"{doc['seq_len']} tokens after the first {doc['skip_tokens']:,} tokens of each domain (what `ffnquant plan` "
+             "verifies on by default, so text no plan saw). The interval is 95%, from paired per-sequence "
+             "differences; KL is over the float model's top-128 tokens plus one bucket for the rest (a lower bound of "
+             "the full KL). A float reference of a few seconds was read from the --cache of an earlier run of the same "
+             "windows.", "",
              "| domain | tokens | sequences | float perplexity |", "|---|---|---|---|"]
     for s, d in doc["domains"].items():
         lines.append(f"| {s} | {d['tokens']:,} | {d['sequences']} | {d['float_perplexity']:.4f} |")
