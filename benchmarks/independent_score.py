@@ -415,6 +415,9 @@ def main(argv=None) -> int:
     ap.add_argument("--text", action="append", required=True, help="NAME=PATH (repeatable)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=None, help="window tokens per text")
+    ap.add_argument("--skip-tokens", type=int, default=0,
+                    help="leave out the first windows (in window order) until this many tokens are passed: the windows "
+                         "of --max-tokens SKIP+N after them, as ffnquant's heldout_verify --skip-tokens takes them")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="output stem: writes STEM.json and STEM.md")
     args = ap.parse_args(argv)
@@ -439,7 +442,7 @@ def main(argv=None) -> int:
     has_bos = bool(probe) and tokenizer.bos_token_id is not None and probe[0] == tokenizer.bos_token_id
     result = {
         "command": command, "machine": machine_stamp(), "reference": args.reference, "seq_len": args.seq_len,
-        "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens, "skip_tokens": args.skip_tokens,
         "windowing": (f"ffnquant/hf/corpus.py's convention, re-implemented: BOS in front of each window: {has_bos} "
                       f"(bos {tokenizer.bos_token_id}); each document followed by EOS {tokenizer.eos_token_id}; "
                       f"windows round-robin over documents (all first windows, then all second, ...); windows < "
@@ -451,6 +454,13 @@ def main(argv=None) -> int:
         tname, path = spec.split("=", 1)
         docs = read_documents(path)
         windows = make_windows(tokenizer, docs, args.seq_len, args.max_tokens)
+        if args.skip_tokens:
+            seen, kept = 0, []
+            for w in windows:
+                if seen >= args.skip_tokens:
+                    kept.append(w)
+                seen += len(w)
+            windows = kept
         print(f"{tname}: {len(docs)} documents, {len(windows)} windows, "
               f"{sum(map(len, windows))} tokens", file=sys.stderr, flush=True)
         r = score(reference, candidates, windows)
