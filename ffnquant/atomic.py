@@ -38,7 +38,7 @@ from .errors import FFNQuantError
 __all__ = [
     "ensure_writable_dir", "atomic_path", "write_bytes", "write_text", "write_json",
     "OutputTransaction", "sweep_stale", "is_output_failure", "STALE_AGE_S", "make_staging", "owned_temp_file",
-    "ScratchFolder",
+    "ScratchFolder", "process_scratch",
 ]
 
 # Leftovers without a live owner we can check are removed once they are this old.
@@ -179,6 +179,17 @@ def make_staging(parent: str | os.PathLike) -> Path:
 
 
 _SWEPT: set[Path] = set()
+
+
+_PROCESS_SCRATCH: dict[str, "ScratchFolder"] = {}
+
+
+def process_scratch(purpose: str) -> Path:
+    """A marked scratch folder that lives as long as this process (removed at exit; a killed run's is swept by the
+    next run): for files a runtime keeps across calls, such as built ONNX artifacts or an engine cache."""
+    if purpose not in _PROCESS_SCRATCH:
+        _PROCESS_SCRATCH[purpose] = ScratchFolder(purpose)
+    return Path(_PROCESS_SCRATCH[purpose].name)
 
 
 class ScratchFolder:

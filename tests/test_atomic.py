@@ -688,3 +688,12 @@ def test_scratch_folder_is_removed_when_done(tmp_path, how):
         else:
             del scratch
     assert list(tmp_path.iterdir()) == []
+
+
+def test_process_scratch_is_one_marked_folder_for_the_process():
+    from ffnquant.atomic import process_scratch
+
+    a, b = process_scratch("test-artifacts"), process_scratch("test-artifacts")
+    assert a == b and a.is_dir()
+    # inside a marked staging folder, so a killed run's is swept by the next run
+    assert a.parent.name.startswith(atomic.STAGING_PREFIX)

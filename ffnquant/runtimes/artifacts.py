@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from pathlib import Path
 
+from ..atomic import process_scratch
 from ..errors import FFNQuantError
 from .base import ModelCase
 
@@ -34,7 +34,7 @@ def onnx_artifact(case: ModelCase) -> Path:
         if not case.onnx_path.is_file():
             raise FFNQuantError(f"ONNX file {str(case.onnx_path)!r} does not exist")
         return case.onnx_path
-    workdir = case.workdir if case.workdir is not None else Path(tempfile.mkdtemp(prefix="ffnquant_onnx_"))
+    workdir = case.workdir if case.workdir is not None else process_scratch("onnx-artifacts")
     path = artifact_path(case, workdir)
     if path.is_file():
         return path

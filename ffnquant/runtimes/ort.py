@@ -26,7 +26,7 @@ from ..errors import FFNQuantError
 from ..ortcpu import int8_kernels, saturating, session_entries
 from .artifacts import onnx_artifact, onnx_weight_bytes
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
-from ..atomic import ScratchFolder
+from ..atomic import ScratchFolder, process_scratch
 
 __all__ = ["OrtRuntime", "PROVIDERS", "ORT_FORMATS", "captured_native_output"]
 
@@ -189,7 +189,7 @@ class OrtRuntime(Runtime):
         if self.provider_key == "cuda":
             return [cuda, "CPUExecutionProvider"]
         if self._engine_cache is None:
-            self._engine_cache = tempfile.mkdtemp(prefix="ffnquant_trt_cache_")
+            self._engine_cache = str(process_scratch("trt-engine-cache"))
         options: dict[str, Any] = {
             "device_id": 0,
             "trt_fp16_enable": scheme != "fp32",
