@@ -5,9 +5,9 @@ project's own environment is not disturbed (llm-compressor pins its own transfor
 compressed-tensors):
 
     python3 -m venv /work/peer-venv
-    /work/peer-venv/bin/pip install torch==2.13.0      # CPU wheel first
-    /work/peer-venv/bin/pip install llmcompressor
-    /work/peer-venv/bin/python benchmarks/peer_llmcompressor.py
+    peer-venv/bin/pip install torch==2.13.0      # CPU wheel first
+    peer-venv/bin/pip install llmcompressor
+    peer-venv/bin/python benchmarks/peer_llmcompressor.py
 
 It never imports ffnquant. The recipe is llm-compressor's W8A8 int8 example
 (examples/quantization_w8a8_int8: SmoothQuantModifier(smoothing_strength=0.8) then
