@@ -4,7 +4,7 @@ Run with the interpreter of a separate virtual environment that has llm-compress
 project's own environment is not disturbed (llm-compressor pins its own transformers and
 compressed-tensors):
 
-    python3 -m venv /work/peer-venv
+    python3 -m venv peer-venv
     peer-venv/bin/pip install torch==2.13.0      # CPU wheel first
     peer-venv/bin/pip install llmcompressor
     peer-venv/bin/python benchmarks/peer_llmcompressor.py
