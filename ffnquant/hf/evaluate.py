@@ -273,8 +273,7 @@ def float_reference(model: Any, info: ModelInfo, evals: Sequence[torch.Tensor],
             nll.update(out.logits, ids)
         if refs is not None:
             hidden = _final_hidden(info, out)
-            refs.append(reference_batch(out.logits, ids, hidden) if causal else
-                        Reference(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.int32), hidden.detach().float()))
+            refs.append(reference_batch(out.logits if causal else None, ids, hidden))
         del out
     return {"perplexity": nll.perplexity, "n_tokens": sum(int(b.numel()) for b in evals)}, refs
 
@@ -328,8 +327,7 @@ def end_to_end(
         elif ref is None:
             out_ref = _run(model, info, ids)
         if ref is None:
-            ref = reference_batch(out_ref.logits, ids, _final_hidden(info, out_ref)) if causal else \
-                Reference(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.int32), _final_hidden(info, out_ref))
+            ref = reference_batch(out_ref.logits if causal else None, ids, _final_hidden(info, out_ref))
             del out_ref
         with install_ffns(model, info, {by_label[k].info: q for k, q in qffns.items()}):
             out = _run(model, info, ids)

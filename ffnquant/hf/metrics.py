@@ -133,9 +133,13 @@ class Reference:
         return sum(t.numel() * t.element_size() for t in parts)
 
 
-def reference_batch(logits: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor | None = None,
+def reference_batch(logits: torch.Tensor | None, ids: torch.Tensor, hidden: torch.Tensor | None = None,
                     k: int = TOP_K) -> Reference:
-    """`Reference` of one batch from the reference model's logits [sequences, positions, vocabulary]."""
+    """`Reference` of one batch from the reference model's logits [sequences, positions, vocabulary]; without
+    logits (an encoder: no next-token figures) only the final hidden state is kept."""
+    if logits is None:
+        return Reference(torch.zeros(0, dtype=torch.float64), torch.zeros(0), torch.zeros(0, dtype=torch.int32),
+                         None if hidden is None else hidden.detach().float())
     nll, top_logp, top_ids = [], [], []
     for s in range(ids.shape[0]):  # a sequence at a time: [positions, vocabulary] in float64 is ~200 MB at 512 x 49k
         logp = torch.log_softmax(logits[s, :-1].double(), dim=-1)

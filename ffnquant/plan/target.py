@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import FFNQuantError, unknown_choice
+from ..render import ppl_change
 
 __all__ = ["Target", "Objective", "OBJECTIVES", "METRICS", "TARGET_FORMS"]
 
@@ -147,11 +148,10 @@ class Target:
         if point is None:
             out["words"] = f"{self.name}: not measured"
         else:
-            shown = f"{point:+.2f}%" if self.metric == "ppl" else f"{point:.4g}{unit}"
-            if ci is not None:
-                lo, hi = ci
-                shown += (f" (95% CI {lo:+.2f}..{hi:+.2f}%)" if self.metric == "ppl"
-                          else f" (95% CI {lo:.4g}..{hi:.4g}{unit})")
+            if self.metric == "ppl":
+                shown = ppl_change(measured)  # the one wording of a perplexity change, as every report prints it
+            else:
+                shown = f"{point:.4g}{unit}" + ("" if ci is None else f" (95% CI {ci[0]:.4g}..{ci[1]:.4g}{unit})")
             if out["met"]:
                 verdict = "meets"
             elif not out["resolved"]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..plan.job import final_round
-from ..render import fmt, fmt_bytes, markdown_table
+from ..render import agreement_words, fmt, fmt_bytes, markdown_table
 from ..resources import human_bytes
 
 __all__ = ["plan_markdown", "domain_lines"]
@@ -17,12 +17,9 @@ def domain_lines(final: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
     out = []
     for label, fig in (final.get("domains") or {}).items():
         base = ((baseline.get("domains") or {}).get(label) or {}).get("perplexity")
-        kl = fig.get("kl") or {}
         res = fig.get("resolution") or {}
-        top1 = fig.get("top1_agreement")
         out.append(f"{label}: {res.get('words', '-')}; perplexity {fmt(base)} -> {fmt(fig.get('perplexity'))}, "
-                   f"KL mean {fmt(kl.get('mean'))} / p99 {fmt(kl.get('p99'))} / max {fmt(kl.get('max'))} nats, "
-                   f"top-1 {'-' if top1 is None else f'{100 * top1:.2f}%'}, {fig.get('n_predicted') or 0:,} tokens")
+                   f"{agreement_words(fig)}, {fig.get('n_predicted') or 0:,} tokens")
     return out
 
 
