@@ -130,9 +130,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         import transformers
 
-        from ffnquant.hf.metrics import Agreement, ErrorStats, _final_hidden, _run
-        from ffnquant.hf.evaluate import end_to_end_figures
-        from ffnquant.hf.metrics import _NLL
+        from ffnquant.hf.metrics import compare_models
         from ffnquant.thirdparty import quiet_model_io
 
         with quiet_model_io():
@@ -141,14 +139,7 @@ def main(argv=None) -> int:
                "calibration_tokens": 0, "quantize_s": time.perf_counter() - t, "domains": {}}
         for source, batches in domains.items():
             t = time.perf_counter()
-            hidden, nll, agreement = ErrorStats(), _NLL(), Agreement()
-            for b, ids in enumerate(batches):
-                out = _run(other, info, ids)
-                hidden.update(refs[source][b].hidden, _final_hidden(info, out))
-                nll.update(out.logits, ids)
-                agreement.update(refs[source][b], out.logits, ids)
-                del out
-            fig = end_to_end_figures(baselines[source], hidden, nll, {}, agreement)["end_to_end"]
+            fig = compare_models(None, other, info, batches, references=refs[source])
             fig["score_s"] = time.perf_counter() - t
             row["domains"][source] = fig
             _say(name, source, fig)

@@ -75,6 +75,11 @@ class _NLL:
         self.total += float(F.cross_entropy(logits, ids[:, 1:].reshape(-1), reduction="sum"))
         self.count += ids[:, 1:].numel()
 
+    def add(self, nll: torch.Tensor) -> None:
+        """Per-token NLLs computed elsewhere (a kept `Reference`'s)."""
+        self.total += float(nll.double().sum())
+        self.count += nll.numel()
+
     @property
     def perplexity(self) -> float | None:
         return math.exp(self.total / self.count) if self.count else None
@@ -243,27 +248,34 @@ def _run(model, info: ModelInfo, ids: torch.Tensor):
 
 
 def compare_models(reference: Any, candidate: Any, info: ModelInfo, evals: Sequence[torch.Tensor],
-                   candidate_run: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
+                   candidate_run: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   references: Sequence[Reference] | None = None) -> dict[str, Any]:
     """`end_to_end`'s figures for a whole other model (a deployed folder loaded back, an ONNX graph): the final
     hidden state's SQNR/cosine against `reference` and, for causal LMs, both perplexities on `evals`, the
     change's 95% interval, KL divergence and top-1 agreement against `reference` (`Agreement`).
 
     `candidate_run(ids) -> (logits, final hidden)` runs a candidate that is not a transformers model
-    (`candidate` is then unused)."""
+    (`candidate` is then unused); `references` (`hf.evaluate.float_reference`'s kept batches, with their final
+    hidden states) stand in for running `reference` again."""
     hidden, nll_ref, nll, agreement = ErrorStats(), _NLL(), _NLL(), Agreement()
     causal = info.kind is ModelKind.CAUSAL_LM
-    for ids in evals:
-        ref = _run(reference, info, ids)
+    for b, ids in enumerate(evals):
+        if references is not None:
+            ref = references[b]
+        else:
+            out_ref = _run(reference, info, ids)
+            ref = reference_batch(out_ref.logits if causal else None, ids, _final_hidden(info, out_ref))
+            del out_ref
         if candidate_run is not None:
             logits, final = candidate_run(ids)
         else:
             out = _run(candidate, info, ids)
             logits, final = out.logits, _final_hidden(info, out)
-        hidden.update(_final_hidden(info, ref), final)
+        hidden.update(ref.hidden, final)
         if causal:
-            nll_ref.update(ref.logits, ids)
+            nll_ref.add(ref.nll)
             nll.update(logits, ids)
-            agreement.update(reference_batch(ref.logits, ids), logits, ids)
+            agreement.update(ref, logits, ids)
     out = {"hidden_sqnr_db": hidden.sqnr_db, "hidden_cosine": hidden.cosine,
            "n_tokens": sum(int(b.numel()) for b in evals)}
     if causal:
