@@ -98,3 +98,36 @@ def tiny_folders(tmp_path_factory, names=None) -> dict[str, tuple[Path, str, str
     root = tmp_path_factory.mktemp("hf")
     tok = tokenizer(T)
     return {name: save_tiny(T, name, root / name, tok) for name in (names or configs(T))}
+
+
+# The causal-LM model types the architecture matrix runs (tests/test_hf_matrix.py): the families people quantize
+# today, dense and mixture-of-experts, gated and not, Linear and Conv1D, parallel and sequential blocks.
+CAUSAL_TYPES = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "opt", "mixtral", "qwen3", "gemma2", "gemma3_text",
+                "olmo2", "granite", "cohere", "stablelm", "starcoder2", "gpt_neox", "falcon", "phi", "smollm3", "glm",
+                "exaone4", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+# Tiny widths under every name a config class may use for them; each config takes the ones it has.
+_TINY = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, head_dim=8, n_embd=D, n_layer=2, n_head=4, n_inner=F_,
+             n_positions=128, ffn_dim=F_, ffn_hidden_size=F_, moe_intermediate_size=F_, shared_expert_intermediate_size=F_,
+             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+             n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+             n_group=1, topk_group=1, bos_token_id=1, eos_token_id=2, pad_token_id=0, word_embed_proj_dim=D,
+             sliding_window=16, num_kv_heads=2)
+
+
+def causal_config(T, model_type: str):
+    """A tiny config of any causal-LM model type of the installed transformers (the widths of `_TINY` it has)."""
+    base = T.AutoConfig.for_model(model_type)
+    settable = lambda k: hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)  # noqa: E731
+    kwargs = {k: v for k, v in _TINY.items() if settable(k) or k == "ffn_hidden_size" and model_type == "falcon"}
+    return T.AutoConfig.for_model(model_type, **kwargs)
+
+
+def save_causal_tiny(T, model_type: str, folder: Path, tok=None) -> Path:
+    """A tiny random-weight causal LM of `model_type` saved with save_pretrained (safetensors) and a tokenizer."""
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(causal_config(T, model_type))
+    model.save_pretrained(folder, safe_serialization=True)
+    (tok if tok is not None else tokenizer(T)).save_pretrained(folder)
+    return folder

@@ -147,14 +147,14 @@ def _bad_folder_cases():
 
     return [
         pytest.param(missing_config, r"config\.json' is missing", id="missing-config"),
-        pytest.param(unsupported, r"unsupported architecture: unknown model_type 'mamba'; valid: bert, gemma", id="unsupported"),
+        pytest.param(unsupported, r"mixer: ffnquant cannot reproduce this FFN's output", id="unsupported"),
         pytest.param(corrupt, r"cannot read safetensors file '.*model\.safetensors'", id="truncated"),
         pytest.param(garbage, r"cannot read safetensors file '.*model\.safetensors'", id="garbage"),
         pytest.param(shape, r"tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \[\d+, \d+\], but config\.json", id="shape"),
         pytest.param(missing_layer, r"no llama FFN tensors for layer 2", id="missing-layer"),
         pytest.param(pickle_only, r"pytorch_model\.bin' is a pickled PyTorch checkpoint.*allow_pickle=True", id="pickle-refused"),
         pytest.param(no_weights, r"has no weights: expected model\.safetensors", id="no-weights"),
-        pytest.param(bad_act, r"activation 'quick_gelu' cannot be represented", id="bad-activation"),
+        pytest.param(bad_act, r"mlp: ffnquant cannot reproduce this FFN's output \(its parameterless parts: QuickGELUActivation\)", id="bad-activation"),
     ]
 
 

@@ -131,6 +131,13 @@ def run(args: argparse.Namespace) -> int:
     for line in token_notes((result.get("token_budgets") or {}).values()):  # the terminal says it, not only plan.md
         print(line)
     print(f"FFN stack {objective.name}: {cost} (fp32 {fp32}); {fmt(result['timings']['total_s'])} s")
+    folds = result.get("fold_refusals") or {}
+    if folds:
+        print(f"smoothing/AWQ not chosen on {len(folds)} layer(s) whose input scale cannot fold into a norm "
+              f"(plan.md lists why), e.g. L{next(iter(folds))}: {next(iter(folds.values()))}")
+    for fmt_, why in (result.get("deployment") or {}).items():
+        if why:
+            print(f"note: export --format {fmt_} will refuse this model: {why}")
     print(f"wrote {Path(final_dir) / 'plan.toml'} (use: ffnquant quantize --model {args.model} --plan {Path(final_dir) / 'plan.toml'}), plan.json, plan.md")
     if not result["verified"]:
         print(f"note: the target was missed in {len(result['rounds'])} rounds; the plan file holds the last round's choice",

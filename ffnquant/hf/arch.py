@@ -263,11 +263,24 @@ class Arch:
     norm_gain: NormGain = NormGain.GAIN
     # (config) -> why folding an input scale into that norm would not be exact ('' when it is)
     norm_fold_refusal: Callable[[Mapping[str, Any]], str] = _always_folds
+    # found from the model itself (`hf.discover`): sizes as found ("d_model", "d_ff", "n_layers", "n_experts",
+    # "blocks": the blocks whose FFN is quantized), what stays float and why; the norm before each FFN is then
+    # found from the graph when the model runs (`hf.fold`), not from norm_pattern
+    fixed: Mapping[str, Any] | None = None
+    discovered: bool = False
+    float_parts: tuple[str, ...] = ()
+    norm_from_graph: bool = False
+    # the roles of fused 3-D expert tensors (fused_experts_pattern)
+    fused_expert_roles: tuple[str, ...] = ("gate_up_proj", "down_proj")
 
     def d_model(self, config: Mapping[str, Any], where: str) -> int:
+        if self.fixed is not None:
+            return self.fixed["d_model"]
         return _positive(_get(config, self.d_model_keys, where), self.d_model_keys[0], where)
 
     def d_ff(self, config: Mapping[str, Any], where: str) -> int:
+        if self.fixed is not None:
+            return self.fixed["d_ff"]
         if self.d_ff_per_d_model is not None:
             value = _get(config, self.d_ff_keys, where, default=self.d_ff_per_d_model * self.d_model(config, where))
         else:
@@ -276,6 +289,8 @@ class Arch:
 
     def n_layers(self, config: Mapping[str, Any], where: str) -> dict[str, int]:
         """Layers per stack ('' for single-stack models); a later key falls back to the first stack's."""
+        if self.fixed is not None:
+            return {"": self.fixed["n_layers"]}
         out: dict[str, int] = {}
         for stack, keys in self.stacks:
             value = None
@@ -291,6 +306,8 @@ class Arch:
         return out
 
     def n_experts(self, config: Mapping[str, Any], where: str) -> int | None:
+        if self.fixed is not None:
+            return self.fixed["n_experts"]
         if self.n_experts_key is None:
             return None
         return _positive(_get(config, (self.n_experts_key,), where), self.n_experts_key, where)
@@ -300,6 +317,8 @@ class Arch:
 
     def fold_refusal(self, config: Mapping[str, Any]) -> str | None:
         """Why an FFN input scale cannot fold exactly into the norm before the FFN for this config; None if it can."""
+        if self.norm_from_graph:
+            return None  # decided per layer from the loaded model's graph (`hf.fold`)
         if not self.norm_pattern:
             return "no norm whose output is only the FFN's input is known for this architecture"
         return self.norm_fold_refusal(config) or None

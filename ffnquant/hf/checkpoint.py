@@ -23,7 +23,7 @@ from ..model import FFN
 from ..resources import non_regular_entries, os_reason, regular_file
 from ..resources import read_text as read_file_text
 from ..spec import FFNSpec
-from .arch import Arch, ModelKind, ffn_variant, get_arch, hf_activation
+from .arch import ARCHITECTURES, Arch, ModelKind, ffn_variant, get_arch, hf_activation
 from .validate import check_attention_config, check_other_tensors
 
 __all__ = [
@@ -388,7 +388,7 @@ def _group_tensors(arch: Arch, names: list[str]) -> dict[tuple[str, int, int | N
 
 
 def _expected_shape(arch: Arch, weight: str, kind: str, d: int, f: int) -> tuple[int, ...]:
-    n_out = {"w_up": f, "w_gate": f, "w_down": d, "w_gate+w_up": 2 * f}[weight]
+    n_out = {"w_up": f, "w_gate": f, "w_down": d, "w_gate+w_up": 2 * f, "w_up+w_gate": 2 * f}[weight]
     n_in = d if weight != "w_down" else f
     if kind == "bias":
         return (n_out,)
@@ -410,7 +410,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
             "(config.json, weights, tokenizer): replace or remove it"
         )
     cfg_file = str(folder / "config.json")
-    arch = get_arch(config.get("model_type"), cfg_file)
+    arch = arch_for_config(config, cfg_file)
     d, f = arch.d_model(config, cfg_file), arch.d_ff(config, cfg_file)
     act_name, gated = arch.activation(config, cfg_file)
     activation = hf_activation(act_name, cfg_file)
@@ -446,8 +446,12 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     layers: list[LayerInfo] = []
     index = 0
     template = next(iter(groups.values())).prefix if groups else None
+    kept = (arch.fixed or {}).get("blocks")  # a discovered model's blocks with the main FFN (others stay float)
     for stack in stacks:
         for block in range(per_stack[stack]):
+            if kept is not None and block not in kept:
+                index += 1
+                continue
             experts: list[int | None] = list(range(n_experts)) if n_experts else [None]
             for expert in experts:
                 found = groups.get((stack, block, expert))
@@ -460,7 +464,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
                         f"expected {', '.join(needed)} (gated={gated} from config.json)"
                     )
                 tensors = dict(found.tensors)
-                needed = ("gate_up_proj", "down_proj") if found.fused else arch.needed_roles(gated)
+                needed = arch.fused_expert_roles if found.fused else arch.needed_roles(gated)
                 for role in needed:
                     if f"{role}.weight" not in tensors and role not in tensors:
                         raise FFNQuantError(
@@ -503,6 +507,26 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     )
 
 
+def arch_for_config(config: Mapping[str, Any], where: str) -> Arch:
+    """The model's Arch: found from the causal LM transformers builds from config.json (`hf.discover`), or, for
+    the encoder and seq2seq models ffnquant knows by name (bert, t5) and when transformers is not installed,
+    the hand-written entry of `hf.arch.ARCHITECTURES`."""
+    import importlib.util
+
+    key = str(config.get("model_type") or "").strip().lower()
+    known = ARCHITECTURES.get(key)
+    if known is not None and known.kind is not ModelKind.CAUSAL_LM:
+        return known
+    if importlib.util.find_spec("transformers") is None:
+        if known is not None:
+            return known
+        raise FFNQuantError(f"{where}: finding the FFNs of model_type {config.get('model_type')!r} needs transformers "
+                            f"(pip install '.[hf]'); without it ffnquant reads {', '.join(sorted(ARCHITECTURES))} by name")
+    from .discover import discover_config
+
+    return discover_config(config, where).arch()
+
+
 def _expand_fused(groups: dict, n_experts: int, where: str) -> dict:
     """Fused 3-D expert tensors (one entry per layer) become one group per expert, roles kept."""
     out: dict = {}
@@ -523,14 +547,15 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
         tensor = weights.get(name)
         if layer.fused_expert_tensors:
             base, kind = role, "weight"
-            want = (info.n_experts, 2 * f, d) if base == "gate_up_proj" else (info.n_experts, d, f)
+            down = arch.roles.get(base) == "w_down" if arch.discovered else base == "down_proj"
+            want = (info.n_experts, d, f) if down else (info.n_experts, 2 * f if spec.gated else f, d)
             if tuple(tensor.shape) != want:
                 raise FFNQuantError(
                     f"{str(weights.file_of[name])!r}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
                     f"(experts={info.n_experts}, d_model={d}, d_ff={f}) implies {list(want)}"
                 )
             tensor = tensor[layer.expert]
-            target = "w_gate+w_up" if base == "gate_up_proj" else "w_down"
+            target = arch.roles.get(base) or ("w_gate+w_up" if base == "gate_up_proj" else "w_down")
         else:
             base, kind = role.rsplit(".", 1)
             target = arch.roles[base]
@@ -539,8 +564,9 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
             tensor = tensor.t()
         if not torch.isfinite(tensor).all():
             raise FFNQuantError(f"{str(weights.file_of[name])!r}: tensor {name!r} holds NaN or infinite values")
-        if target == "w_gate+w_up":
-            gate, up = tensor.chunk(2, dim=0)  # gate first, as Phi3MLP / MixtralExperts chunk it
+        if target in ("w_gate+w_up", "w_up+w_gate"):
+            first, second = tensor.chunk(2, dim=0)  # gate first, as Phi3MLP / MixtralExperts chunk it
+            gate, up = (first, second) if target == "w_gate+w_up" else (second, first)
             state[f"w_gate.{kind}"], state[f"w_up.{kind}"] = gate, up
         else:
             state[f"{target}.{kind}"] = tensor

@@ -89,6 +89,13 @@ def norm_module(model: nn.Module, info: ModelInfo, layer: LayerInfo,
                 names: Sequence[str] | None = None) -> tuple[str, nn.Module]:
     """(name, module) of the norm whose output is `layer`'s FFN input (`Arch.norm_pattern`) in the loaded model."""
     names = [n for n, _ in model.named_modules()] if names is None else names
+    if not info.arch.norm_pattern and info.arch.norm_from_graph:
+        from .graph import fold_sites
+
+        site = fold_sites(model, info, [layer])[layer]
+        if site.norm is None or site.gain is None:
+            raise FFNQuantError(f"layer {layer.label}: {site.refusal}")
+        return site.norm, model.get_submodule(site.norm)
     if not info.arch.norm_pattern:
         raise FFNQuantError(f"{info.arch.name}: no norm before the FFN is known")
     ffn = _module_name(model, info, layer, names)
@@ -108,10 +115,14 @@ class _Fold:
     norm_name: str
     norm: nn.Module
     scale: torch.Tensor  # [d_model], the FFN's input multiply x * scale
+    gain: NormGain
 
 
 def _plan(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerInfo, Any]) -> tuple[list[_Fold], dict[LayerInfo, Any]]:
-    """Every check before any weight changes: which norm takes which scale, and the FFNs without their scale."""
+    """Every check before any weight changes: which norm takes which scale (found from the model's graph,
+    `hf.graph.fold_sites`), and the FFNs without their scale."""
+    from .graph import check_sites, fold_sites
+
     scales = {layer: _input_scale(obj, layer) for layer, obj in ffns.items()}
     todo = [layer for layer, s in scales.items() if s is not None]
     out = {layer: (obj if scales[layer] is None else None) for layer, obj in ffns.items()}
@@ -120,12 +131,20 @@ def _plan(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerInfo, Any]) -> t
     why = fold_refusal(info)
     if why is not None:
         raise FFNQuantError(why)
+    sites = fold_sites(model, info, todo)
+    check_sites(sites, todo)
     names = [n for n, _ in model.named_modules()]
     plan: list[_Fold] = []
     seen: dict[str, LayerInfo] = {}
     for layer in todo:
-        name, norm = norm_module(model, info, layer, names)
-        if name in seen:  # two scales, one gain
+        site = sites[layer]
+        name, norm = site.norm, model.get_submodule(site.norm)
+        if info.arch.norm_pattern:  # a hand-written entry names the norm too: it must be the graph's
+            named, _ = norm_module(model, info, layer, names)
+            if named != name:
+                raise FFNQuantError(f"layer {layer.label}: the {info.arch.name} entry folds into {named}, but the FFN's "
+                                    f"input comes from {name} in the loaded model; refusing a fold the graph contradicts")
+        if name in seen and seen[name].block != layer.block:  # two scales, one gain
             raise FFNQuantError(f"layers {seen[name].label} and {layer.label} both read the norm {name}: "
                                 "one gain cannot carry two input scales")
         seen[name] = layer
@@ -135,19 +154,19 @@ def _plan(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerInfo, Any]) -> t
             shape = None if not isinstance(weight, torch.Tensor) else tuple(weight.shape)
             raise FFNQuantError(f"layer {layer.label}: the norm {name} has gain shape {shape}, the input scale "
                                 f"{tuple(scale.shape)}: nothing to fold it into")
-        plan.append(_Fold(layer, name, norm, scale))
+        plan.append(_Fold(layer, name, norm, scale, site.gain))
         out[layer] = _without_input_scale(ffns[layer], layer)
     return plan, out
 
 
-def _apply(plan: Sequence[_Fold], gain: NormGain) -> None:
+def _apply(plan: Sequence[_Fold]) -> None:
     # In float64, rounded once to the norm's dtype: the stored gain is the correctly rounded product.
     with torch.no_grad():
         for f in plan:
             c = f.scale.to(device=f.norm.weight.device, dtype=torch.float64)
             w = f.norm.weight
             g = w.double()
-            new = (1.0 + g) * c - 1.0 if gain is NormGain.ONE_PLUS_GAIN else g * c
+            new = (1.0 + g) * c - 1.0 if f.gain is NormGain.ONE_PLUS_GAIN else g * c
             w.copy_(new.to(w.dtype))
             bias = getattr(f.norm, "bias", None)
             if isinstance(bias, torch.Tensor):  # LayerNorm: (n g + b) c = n (g c) + b c
@@ -161,7 +180,7 @@ def fold_input_scales(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerInfo
     smoothed FFNs computed in the unfolded one, to float32 rounding. Checked before any weight changes; an
     architecture whose norm cannot take the scale exactly raises an FFNQuantError saying why."""
     plan, out = _plan(model, info, ffns)
-    _apply(plan, info.arch.norm_gain)
+    _apply(plan)
     return out
 
 
@@ -173,7 +192,7 @@ def folded_input_scales(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerIn
     saved = [(t, t.detach().clone()) for f in plan for t in (f.norm.weight, getattr(f.norm, "bias", None))
              if isinstance(t, torch.Tensor)]
     try:
-        _apply(plan, info.arch.norm_gain)
+        _apply(plan)
         yield out
     finally:
         with torch.no_grad():

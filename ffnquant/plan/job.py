@@ -119,6 +119,7 @@ class _InMemory:
         if progress is not None:
             progress("loss gradients at every FFN output (search text)", 0, 1)
         self.grads = output_gradients(self.model, info, [l.info for l in self.layers], inputs.calib_batches)
+        self.fold_refusals = fold_refusals(self.model, info, [l.info for l in self.layers])
         timings["gradients_s"] = time.perf_counter() - t
         probes, self.n_probe = probe_batches(inputs.calib_batches, probe_tokens)
         self.runner = SuffixRunner(self.model, info, [l.info for l in self.layers], probes).record()
@@ -227,6 +228,29 @@ def _ort_exclude(best: dict[str, Any] | None, recipes: Sequence[Recipe], rows: l
         if scheme.static_activations and scheme.act_dtype.is_integer and row["layer_sqnr_db"] < best["sqnr_db"]:
             row["excluded"] = (f"below onnxruntime's best own quantizer on this layer ({row['layer_sqnr_db']:.1f} dB < "
                                f"{best['sqnr_db']:.1f} dB, {best['method']})")
+
+
+def needs_fold(recipe: Recipe) -> bool:
+    """Whether a recipe puts a scale on the FFN input that deployment folds into the norm before the FFN."""
+    from ..schemes import Method, get_scheme
+
+    return recipe.smooth is not None or get_scheme(recipe.scheme).method is Method.AWQ
+
+
+def fold_refusals(model: Any, info: Any, layers: Sequence[Any]) -> dict[int, str]:
+    """layer index -> why an input scale cannot fold into a norm there (`hf.graph.fold_sites`); absent when it can."""
+    from ..hf.graph import fold_sites
+
+    return {layer.index: site.refusal for layer, site in fold_sites(model, info, layers).items() if site.refusal}
+
+
+def _fold_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
+    """A recipe whose input scale cannot fold on this layer is not chosen: no deployment could store it."""
+    if not refusal:
+        return
+    for row in rows:
+        if row.get("error") is None and "excluded" not in row and needs_fold(Recipe.parse(str(row["recipe"]))):
+            row["excluded"] = f"its input scale cannot fold into a norm here: {refusal}"
 
 
 def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], calib: torch.Tensor, held: torch.Tensor,
@@ -374,8 +398,10 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
             tick(f"candidates: {layer.label}", len(local), n_layers)
     per_layer: dict[int, dict[str, Any]] = {}
     fits: dict[int, list[dict[str, Any]]] = {}
+    refusals = getattr(source, "fold_refusals", {})
     for i in sorted(local):  # in layer order, whatever order the tasks finished in
         per_layer[i], fits[i] = _finish_layer(local[i], source.ablations, recipes, latency, objective)
+        _fold_exclude(per_layer[i]["candidates"], refusals.get(i))
     fit_points = [p for i in sorted(fits) for p in fits[i]]
     timings["candidates_s"] = time.perf_counter() - t - timings.get("latency_table_s", 0.0)
 
@@ -474,5 +500,15 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "fp32_cost": fp32_cost, "single_recipes": singles,
         "pareto_per_layer": {i: [o.name for o in pareto(opts)] for i, opts in options.items()},
         "timings": timings, "atlas": atlas, "executor": executor.describe(),
+        "fold_refusals": {str(i): why for i, why in sorted(refusals.items())},
+        "deployment": deployment_notes(info),
     }
     return plan, result
+
+
+def deployment_notes(info: Any) -> dict[str, str]:
+    """Per export format, why this architecture's whole model cannot be written in it ('' when it can)."""
+    from ..deploy.planned import deployable_refusal
+
+    why = deployable_refusal(info) or ""
+    return {"compressed-tensors": why, "onnx": why}

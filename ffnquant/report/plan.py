@@ -113,6 +113,13 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
         lines.append(markdown_table(["layer", "probe", "measured KL", "predicted KL", "measured Δ NLL", "final hidden NSR"],
                                     [(r["layer"], r["recipe"], r["kl"], r["predicted_kl"], r["nll_delta"], r["hidden_nsr"])
                                      for r in fit]))
+    folds = data.get("fold_refusals") or {}
+    if folds:
+        lines += ["", "## Layers whose input scale cannot fold (SmoothQuant and AWQ not chosen there)", ""]
+        lines.append(markdown_table(["layer", "why (from the model's graph)"], [(f"L{i}", why) for i, why in folds.items()]))
+    refused = {fmt_: why for fmt_, why in (data.get("deployment") or {}).items() if why}
+    if refused:
+        lines += ["", "Export of this architecture: " + "; ".join(f"{f} refused ({why})" for f, why in refused.items())]
     if data["skipped_candidates"]:
         lines += ["", "Candidates left out: " + "; ".join(f"{s['recipe']} ({s['reason']})" for s in data["skipped_candidates"])]
     t = data["timings"]

@@ -1,0 +1,465 @@
+"""Find a causal LM's FFNs from the model itself: its module tree, and a probe that reproduces each FFN's output.
+
+transformers builds the model from config.json on the meta device (no memory, no weights); the decoder
+blocks are the largest `nn.ModuleList`; in each block, an FFN is a set of matrices that map the model width d
+to a width f and back: separate Linears (gate/up/down under any names), a fused gate+up Linear (Phi-3, GLM),
+GPT-2's Conv1D ([in, out]), Linears that sit in the block itself (OPT), or a mixture-of-experts module holding
+every expert's matrices as 3-D tensors (transformers >= 5). Which matrix is the gate, which half of a fused
+matrix comes first and what the activation is are not read from names: a small copy of one FFN module with
+seeded random weights is run and the assignment whose ffnquant computation reproduces the module's output
+(to float32 summation order) is the one kept; none reproducing refuses the model with the reason.
+
+What is not an FFN stays float and is named: a mixture-of-experts router, shared experts and FFNs of another
+shape than the model's main one (one FFN shape per model: DeepSeek-V3's dense first layers beside its experts).
+The result is an `Arch` (`hf.arch`) like the hand-written ones, so every command reads it the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import FFNQuantError
+from ..spec import Activation
+from .arch import Arch, Install, ModelKind
+
+__all__ = ["FoundFFN", "Discovery", "discover", "discover_config", "ACTIVATION_NAMES", "probe_activation"]
+
+# the transformers activation name each ffnquant Activation is reported (and re-read, `hf_activation`) as
+ACTIVATION_NAMES: Mapping[Activation, str] = {
+    Activation.RELU: "relu", Activation.GELU: "gelu", Activation.GELU_TANH: "gelu_pytorch_tanh",
+    Activation.SILU: "silu", Activation.SIGMOID: "sigmoid", Activation.IDENTITY: "linear",
+}
+_ACT_FN = {
+    Activation.RELU: torch.relu,
+    Activation.GELU: lambda x: nn.functional.gelu(x),
+    Activation.GELU_TANH: lambda x: nn.functional.gelu(x, approximate="tanh"),
+    Activation.SILU: nn.functional.silu,
+    Activation.SIGMOID: torch.sigmoid,
+    Activation.IDENTITY: lambda x: x,
+}
+# a reproduction is accepted within this many float32 ulps of the output's scale: the module and ffnquant may
+# sum in another order (addmm vs matmul + add), never more than a few roundings per output element
+_REPRODUCE_RTOL = 64 * torch.finfo(torch.float32).eps
+_PROBE_D, _PROBE_F = 24, 40  # a probe's widths, when the module computes at any width
+_PROBE_FULL_MAX = 64_000_000  # parameters: a probe at the real widths above this is refused (memory)
+
+
+@dataclass(frozen=True)
+class FoundFFN:
+    """One FFN shape of a block: where it is (relative to the block, '' = the block's own Linears), how it is
+    installed, its matrices by attribute name (-> "w_gate", "w_up", "w_down", "w_gate+w_up" or "w_up+w_gate")."""
+
+    path: str
+    install: Install
+    roles: Mapping[str, str]
+    d_model: int
+    d_ff: int
+    gated: bool
+    transposed: bool = False
+    bias: bool = False
+    experts: int | None = None
+    activation: Activation | None = None
+    act_attr: str = ""  # the activation module's attribute (SPLIT: the block's)
+
+    def key(self) -> tuple:
+        return (self.path, self.install, tuple(sorted(self.roles.items())), self.d_model, self.d_ff, self.experts)
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What `discover` found: the blocks' list, the FFN kept for quantization and in which blocks, what stays float."""
+
+    model_type: str
+    class_name: str
+    layers_path: str  # e.g. "model.layers"
+    n_blocks: int
+    ffn: FoundFFN
+    blocks: tuple[int, ...]
+    float_parts: tuple[str, ...] = field(default=())  # "L0 mlp (dense, d_ff 64): reason"
+
+    def arch(self) -> Arch:
+        """The `hf.arch.Arch` of this model: checkpoint and module patterns built from the names found."""
+        ffn = self.ffn
+        tail = re.escape(self.layers_path.rpartition(".")[2])
+        rel = (r"\." + re.escape(ffn.path)) if ffn.path else ""
+        prefix = r"(?P<prefix>(?:.+\.)?" + tail + r"\.(?P<layer>\d+)" + rel + ")"
+        roles_re = "|".join(re.escape(r) for r in sorted(ffn.roles))
+        act = ACTIVATION_NAMES[ffn.activation] if ffn.activation is not None else "linear"
+        gated = ffn.gated
+        fixed = {"d_model": ffn.d_model, "d_ff": ffn.d_ff, "n_layers": self.n_blocks, "n_experts": ffn.experts,
+                 "blocks": self.blocks}
+        module_pattern = r"(?:.+\.)?" + tail + r"\.{layer}" + rel
+        common: dict[str, Any] = dict(
+            name=self.model_type, kind=ModelKind.CAUSAL_LM, d_model_keys=("hidden_size",), d_ff_keys=("intermediate_size",),
+            activation=lambda c, w: (act, gated), roles=dict(ffn.roles), transposed=ffn.transposed,
+            module_pattern=module_pattern, fixed=fixed, discovered=True, float_parts=self.float_parts,
+            # the norm before each FFN is found when the model runs (`hf.fold`), from who produces its input
+            norm_pattern="", norm_from_graph=True)
+        roles = tuple(sorted(ffn.roles))
+        if ffn.install is Install.EXPERTS:
+            # checkpoints often keep one 2-D tensor per expert and matrix, which transformers fuses at load time:
+            # its own conversion mapping names them, and the order in which it concatenates gate and up
+            per_expert, renames = _expert_sources(self.model_type, ffn)
+            path = _with_renames(self.layers_path.rpartition(".")[2] + r"\.(?P<layer>\d+)" + rel, renames)
+            expert_prefix = r"(?P<prefix>(?:.+\.)?" + path + r"\.(?P<expert>\d+))"
+            fused_prefix = r"(?P<prefix>(?:.+\.)?" + path + ")"
+            expert_re = "|".join(re.escape(r) for r in sorted(per_expert)) or r"(?!)"
+            common["roles"] = {**per_expert, **ffn.roles}
+            return Arch(**common, tensor_pattern=expert_prefix + r"\.(?P<role>" + expert_re + r")\.(?P<kind>weight|bias)",
+                        fused_experts_pattern=fused_prefix + r"\.(?P<role>" + roles_re + ")",
+                        gated_roles=tuple(sorted(per_expert)), dense_roles=tuple(sorted(per_expert)),
+                        fused_expert_roles=roles, install=Install.EXPERTS, n_experts_key="num_experts")
+        pattern = prefix + r"\.(?P<role>" + roles_re + r")\.(?P<kind>weight|bias)"
+        split = ("", "", "")
+        if ffn.install is Install.SPLIT:
+            up = next(a for a, w in ffn.roles.items() if w != "w_down")
+            down = next(a for a, w in ffn.roles.items() if w == "w_down")
+            split = (up, ffn.act_attr, down)
+        return Arch(**common, tensor_pattern=pattern, gated_roles=roles, dense_roles=roles, install=ffn.install,
+                    split_attrs=split)
+
+
+def _expert_sources(model_type: str, ffn: FoundFFN) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """From transformers' checkpoint conversion mapping for `model_type`: the per-expert tensor names that make up
+    each fused expert parameter (-> ffnquant weight, in the concatenation order) and the module renamings."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        mapping = get_checkpoint_conversion_mapping(model_type) or []
+    except Exception:  # an older or newer transformers without it: only fused checkpoints are read
+        return {}, []
+    per_expert: dict[str, str] = {}
+    renames: list[tuple[str, str]] = []
+    for conv in mapping:
+        sources = list(getattr(conv, "source_patterns", []) or [])
+        targets = list(getattr(conv, "target_patterns", []) or [])
+        if type(conv).__name__ == "WeightRenaming":
+            renames += [(a.strip("."), b.strip(".")) for a, b in zip(sources, targets)]
+            continue
+        if len(targets) != 1:
+            continue
+        param = targets[0].rpartition(".")[2]
+        role = ffn.roles.get(param)
+        names = [m.group(1) for m in (re.search(r"\*\.([A-Za-z0-9_]+)\.weight$", src) for src in sources) if m]
+        if role is None or len(names) != len(sources):
+            continue
+        parts = role.split("+")
+        if len(names) == len(parts):
+            per_expert.update(zip(names, parts))
+    return per_expert, renames
+
+
+def _with_renames(path_re: str, renames: list[tuple[str, str]]) -> str:
+    """`path_re` (a regex of module names) also matching the checkpoint's names before transformers' renamings."""
+    for old, new in renames:
+        if re.fullmatch(r"[A-Za-z0-9_.]+", old) and re.fullmatch(r"[A-Za-z0-9_.]+", new):
+            path_re = path_re.replace(re.escape(new), "(?:" + re.escape(new) + "|" + re.escape(old) + ")")
+    return path_re
+
+
+def _config_int(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _linear_shape(module: nn.Module) -> tuple[int, int, bool] | None:
+    """(in, out, transposed) of a Linear-like module: nn.Linear (and subclasses) or transformers' Conv1D."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return int(weight.shape[0]), int(weight.shape[1]), True
+    return None
+
+
+def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise FFNQuantError(f"{type(model).__name__}: no list of decoder blocks (nn.ModuleList) in the model")
+    size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    return max(lists, key=lambda item: size(item[1]))
+
+
+def _activation_child(module: nn.Module) -> str:
+    """The attribute of `module`'s one parameterless child that is an activation (probed on numbers), or ''."""
+    found = [n for n, c in module.named_children() if not any(True for _ in c.parameters()) and probe_activation(c)]
+    return found[0] if len(found) == 1 else ""
+
+
+def probe_activation(fn: Any) -> Activation | None:
+    """The ffnquant Activation that `fn` computes (elementwise, on numbers from -6 to 6), or None."""
+    x = torch.linspace(-6.0, 6.0, 241)
+    try:
+        with torch.no_grad():
+            y = fn(x)
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    for act, f in _ACT_FN.items():
+        if torch.allclose(y.float(), f(x), rtol=0.0, atol=1e-6):
+            return act
+    return None
+
+
+def _candidates(block: nn.Module, d: int) -> list[FoundFFN]:
+    """Every FFN-shaped set of matrices in a block (structure only; roles of gated pairs not yet known)."""
+    out: list[FoundFFN] = []
+    for path, module in block.named_modules():
+        params3 = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+        if len(params3) == 2:  # fused experts: [E, 2f or f, d] and [E, d, f]
+            (na, a), (nb, b) = sorted(params3.items(), key=lambda kv: kv[1].shape[1] == d)
+            e, fa, din = a.shape
+            if b.shape[0] == e and din == d and b.shape[1] == d:
+                f = int(b.shape[2])
+                gated = fa == 2 * f
+                if gated or fa == f:
+                    roles = {na: "w_gate+w_up" if gated else "w_up", nb: "w_down"}
+                    out.append(FoundFFN(path, Install.EXPERTS, roles, d, f, gated, experts=int(e)))
+            continue
+        linears = {n: _linear_shape(c) for n, c in module.named_children()}
+        linears = {n: s for n, s in linears.items() if s is not None}
+        downs = [n for n, (i, o, _) in linears.items() if o == d and i != d]
+        for down in downs:
+            f = linears[down][0]
+            ups = [n for n, (i, o, _) in linears.items() if i == d and o in (f, 2 * f) and n != down]
+            full = [n for n in ups if linears[n][1] == f]
+            fused = [n for n in ups if linears[n][1] == 2 * f]
+            transposed = linears[down][2]
+            bias = any(getattr(module.get_submodule(n), "bias", None) is not None for n in [down, *ups])
+            install = Install.MODULE if path else Install.SPLIT
+            if len(full) == 2 and not fused:
+                roles = {full[0]: "w_gate", full[1]: "w_up", down: "w_down"}  # order settled by the probe
+                out.append(FoundFFN(path, install, roles, d, f, True, transposed, bias))
+            elif len(fused) == 1 and not full:
+                out.append(FoundFFN(path, install, {fused[0]: "w_gate+w_up", down: "w_down"}, d, f, True, transposed, bias))
+            elif len(full) == 1 and not fused:
+                out.append(FoundFFN(path, install, {full[0]: "w_up", down: "w_down"}, d, f, False, transposed, bias))
+    return out
+
+
+def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Generator) -> nn.Module:
+    """A copy of the (meta) FFN module with its FFN matrices at widths d, f and seeded random values (everything
+    else materialised too), in float32 on the CPU."""
+    probe = copy.deepcopy(module).to_empty(device="cpu").float()
+    for name, role in ffn.roles.items():
+        if ffn.install is Install.EXPERTS:
+            out = 2 * f if "+" in role else (d if role == "w_down" else f)
+            shape = (1, out, f if role == "w_down" else d)
+            setattr(probe, name, nn.Parameter(torch.randn(*shape, generator=gen) * shape[2] ** -0.5 * 1.5))
+            continue
+        old = probe.get_submodule(name)
+        n_in = f if role == "w_down" else d
+        n_out = d if role == "w_down" else (2 * f if "+" in role else f)
+        weight = torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5 * 1.5
+        bias = torch.randn(n_out, generator=gen) * 0.5 if getattr(old, "bias", None) is not None else None
+        if ffn.transposed:
+            new = copy.deepcopy(old)
+            new.weight = nn.Parameter(weight.t().contiguous())
+            new.bias = nn.Parameter(bias if bias is not None else torch.zeros(n_out))
+            new.nf = n_out
+        else:
+            new = nn.Linear(n_in, n_out, bias=bias is not None)
+            with torch.no_grad():
+                new.weight.copy_(weight)
+                if bias is not None:
+                    new.bias.copy_(bias)
+        parent, _, attr = name.rpartition(".")
+        setattr(probe.get_submodule(parent) if parent else probe, attr, new)
+    if ffn.install is Install.EXPERTS:
+        for attr, value in (("num_experts", 1), ("hidden_dim", d), ("intermediate_dim", f)):
+            if isinstance(getattr(probe, attr, None), int):
+                setattr(probe, attr, value)
+    for p in probe.parameters():  # anything else (a norm inside the MLP) gets values too
+        if not torch.isfinite(p).all():
+            with torch.no_grad():
+                p.normal_(generator=gen)
+    return probe.eval()
+
+
+def _matrices(probe: nn.Module, ffn: FoundFFN) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """role attribute -> (weight [out, in], bias) of the probe."""
+    out = {}
+    for name in ffn.roles:
+        if ffn.install is Install.EXPERTS:
+            out[name] = (getattr(probe, name)[0], None)
+            continue
+        m = probe.get_submodule(name)
+        w = m.weight.t() if ffn.transposed else m.weight
+        out[name] = (w, getattr(m, "bias", None))
+    return out
+
+
+def _assignments(ffn: FoundFFN) -> list[dict[str, str]]:
+    roles = dict(ffn.roles)
+    if not ffn.gated:
+        return [roles]
+    fused = [n for n, r in roles.items() if "+" in r]
+    if fused:
+        return [roles, {**roles, fused[0]: "w_up+w_gate"}]
+    a, b = [n for n, r in roles.items() if r != "w_down"]
+    return [roles, {**roles, a: "w_up", b: "w_gate"}]
+
+
+def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mapping[str, str], act: Activation,
+                     x: torch.Tensor) -> torch.Tensor:
+    lin = lambda name, h: nn.functional.linear(h, *mats[name])  # noqa: E731
+    by_role = {r: n for n, r in roles.items()}
+    down = by_role["w_down"]
+    if "w_gate+w_up" in by_role or "w_up+w_gate" in by_role:
+        both = by_role.get("w_gate+w_up") or by_role["w_up+w_gate"]
+        first, second = lin(both, x).chunk(2, dim=-1)
+        gate, up = (first, second) if both == by_role.get("w_gate+w_up") else (second, first)
+        return lin(down, _ACT_FN[act](gate) * up)
+    if "w_gate" in by_role:
+        return lin(down, _ACT_FN[act](lin(by_role["w_gate"], x)) * lin(by_role["w_up"], x))
+    return lin(down, _ACT_FN[act](lin(by_role["w_up"], x)))
+
+
+def _module_output(probe: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: str) -> torch.Tensor:
+    with torch.no_grad():
+        if ffn.install is Install.EXPERTS:
+            index = torch.zeros(x.shape[0], 1, dtype=torch.long)
+            return probe(x, index, torch.ones(x.shape[0], 1))
+        if ffn.install is Install.SPLIT:  # the block's own Linears: first, activation, second
+            up = next(n for n, r in ffn.roles.items() if r != "w_down")
+            down = next(n for n, r in ffn.roles.items() if r == "w_down")
+            return probe.get_submodule(down)(probe.get_submodule(act_attr)(probe.get_submodule(up)(x)))
+        return probe(x)
+
+
+def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
+    """Settle a candidate's roles and activation by reproducing its module's output (see the module docstring)."""
+    gen = torch.Generator().manual_seed(0)
+    act_attr = _activation_child(module) if ffn.install is Install.SPLIT else ""
+    if ffn.install is Install.SPLIT and not act_attr:
+        raise FFNQuantError(f"{where}: the block's FFN Linears have no activation module beside them that ffnquant "
+                            f"can compute ({', '.join(a.value for a in Activation)})")
+    attempts = [(min(ffn.d_model, _PROBE_D), min(ffn.d_ff, _PROBE_F))]
+    n_full = sum(p.numel() for p in module.parameters())
+    if n_full <= _PROBE_FULL_MAX:
+        attempts.append((ffn.d_model, ffn.d_ff))
+    last = "no assignment of gate, up and activation reproduces it"
+    for d, f in attempts:
+        try:
+            probe = _shrunk_copy(module, ffn, d, f, gen)
+            x = torch.randn(7, d, generator=gen) * 1.5
+            y = _module_output(probe, ffn, x, act_attr)
+        except Exception as exc:  # a module that reads its configured width: try the real widths
+            last = f"running a copy of it failed ({type(exc).__name__}: {str(exc)[:120]})"
+            continue
+        if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0], d):
+            last = f"its output has shape {getattr(y, 'shape', None)}, not [tokens, {d}]"
+            continue
+        mats = _matrices(probe, ffn)
+        scale = float(y.abs().max()) or 1.0
+        for roles in _assignments(ffn):
+            for act in Activation:
+                with torch.no_grad():
+                    mine = _ffnquant_output(mats, roles, act, x)
+                if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
+                    return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
+                                    ffn.bias, ffn.experts, act, act_attr)
+    acts = [type(c).__name__ for c in module.children() if not any(True for _ in c.parameters())
+            and not isinstance(c, nn.Dropout)]
+    seen = f" (its parameterless parts: {', '.join(acts)})" if acts else ""
+    raise FFNQuantError(f"{where}: ffnquant cannot reproduce this FFN's output{seen}: {last}; activations ffnquant "
+                        f"computes: {', '.join(a.value for a in Activation)}")
+
+
+def _label(path: str) -> str:
+    return path or "the block's own Linears"
+
+
+def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discovery:
+    """Find the FFNs of a causal LM (on the meta device or not; nothing of it is run or changed)."""
+    where = where or type(model).__name__
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    d = _config_int(text, "hidden_size", "n_embd", "d_model")
+    if d is None:
+        raise FFNQuantError(f"{where}: the config names no model width (hidden_size)")
+    layers_path, blocks = _blocks(model)
+    found: dict[int, list[FoundFFN]] = {i: _candidates(block, d) for i, block in enumerate(blocks)}
+    # the FFN kept: experts where a block has them (the bulk of an MoE's parameters), else the block's FFN
+    per_block: dict[int, FoundFFN] = {}
+    float_parts: list[str] = []
+    for i, cands in found.items():
+        if not cands:
+            continue
+        experts = [c for c in cands if c.install is Install.EXPERTS]
+        pick = experts[0] if experts else max(cands, key=lambda c: (c.install is Install.MODULE, c.d_ff))
+        per_block[i] = pick
+        for other in cands:
+            if other is not pick:
+                float_parts.append(f"L{i} {_label(other.path)} (d_ff {other.d_ff}): stays float, ffnquant quantizes "
+                                   f"one FFN per block ({_label(pick.path)} here)")
+        if experts:
+            for name, mod in blocks[i].named_modules():
+                w = getattr(mod, "weight", None)
+                n_experts = pick.experts or 0
+                if isinstance(w, torch.Tensor) and w.dim() == 2 and tuple(w.shape) == (n_experts, d) and name != pick.path:
+                    float_parts.append(f"L{i} {name}: the router stays float")
+    if not per_block:
+        raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): no matrices map the "
+                            f"width {d} to another width and back")
+    groups: dict[tuple, list[int]] = {}
+    for i, c in per_block.items():
+        groups.setdefault(c.key(), []).append(i)
+    main_key = max(groups, key=lambda k: (len(groups[k]), k[4] * (k[5] or 1)))  # most blocks, then most parameters
+    kept = tuple(sorted(groups[main_key]))
+    first = kept[0]
+    ffn = _probe(blocks[first].get_submodule(per_block[first].path) if per_block[first].path else blocks[first],
+                 per_block[first], f"{where}: {layers_path}.{first}.{_label(per_block[first].path)}")
+    for i, c in sorted(per_block.items()):
+        if c.key() != main_key:
+            float_parts.append(f"L{i} {_label(c.path)} (d_ff {c.d_ff}{', ' + str(c.experts) + ' experts' if c.experts else ''}): "
+                               f"stays float, another FFN shape than the model's main one ({_label(ffn.path)}, d_ff {ffn.d_ff})")
+    for i in range(len(blocks)):
+        if i not in per_block:
+            float_parts.append(f"L{i}: no FFN in this block")
+    return Discovery(model_type or str(getattr(config, "model_type", "")), type(model).__name__, layers_path,
+                     len(blocks), ffn, kept, tuple(sorted(float_parts, key=lambda s: (len(s.split()[0]), s))))
+
+
+_CACHE: dict[str, Discovery] = {}
+
+
+def discover_config(config: Mapping[str, Any], where: str) -> Discovery:
+    """`discover` on the causal LM that transformers builds from config.json, on the meta device (cached per config)."""
+    import json
+
+    key = json.dumps(config, sort_keys=True, default=str)
+    if key in _CACHE:
+        return _CACHE[key]
+    try:
+        import transformers
+    except Exception as exc:
+        raise FFNQuantError(f"{where}: finding a model's FFNs needs transformers ({type(exc).__name__}: {exc}); "
+                            "pip install '.[hf]' from the ffnquant checkout") from exc
+    try:
+        cfg = transformers.AutoConfig.for_model(**dict(config))
+    except Exception as exc:
+        raise FFNQuantError(f"{where}: transformers {transformers.__version__} does not know model_type "
+                            f"{config.get('model_type')!r} ({type(exc).__name__}: {str(exc)[:160]})") from exc
+    try:
+        with torch.device("meta"):  # the skeleton only: no memory, no weights read
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+    except Exception as exc:
+        raise FFNQuantError(f"{where}: transformers has no causal LM class for model_type {config.get('model_type')!r} "
+                            f"({type(exc).__name__}: {str(exc)[:160]}); ffnquant finds the FFNs of causal LMs "
+                            "(and of bert and t5 by their names)") from exc
+    found = discover(model, str(config.get("model_type") or ""), where)
+    _CACHE[key] = found
+    return found
