@@ -111,7 +111,7 @@ _TINY = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_l
              num_key_value_heads=2, max_position_embeddings=128, head_dim=8, n_embd=D, n_layer=2, n_head=4, n_inner=F_,
              n_positions=128, ffn_dim=F_, ffn_hidden_size=F_, moe_intermediate_size=F_, shared_expert_intermediate_size=F_,
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-             n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+             n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
              n_group=1, topk_group=1, bos_token_id=1, eos_token_id=2, pad_token_id=0, word_embed_proj_dim=D,
              sliding_window=16, num_kv_heads=2)
 
@@ -121,6 +121,8 @@ def causal_config(T, model_type: str):
     base = T.AutoConfig.for_model(model_type)
     settable = lambda k: hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)  # noqa: E731
     kwargs = {k: v for k, v in _TINY.items() if settable(k) or k == "ffn_hidden_size" and model_type == "falcon"}
+    if model_type == "deepseek_v3":  # multi-head latent attention: as many key/value heads as query heads
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     return T.AutoConfig.for_model(model_type, **kwargs)
 
 

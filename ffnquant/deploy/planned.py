@@ -11,6 +11,7 @@ float. The formats (`deploy.ctensors`, `deploy.onnx_model`) write that; nothing 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -81,19 +82,62 @@ def deployable_refusal(info: Any) -> str | None:
     """Why a plan for this model cannot be deployed as one model folder/graph (one line); None when it can."""
     arch = info.arch
     if arch.transposed:
-        return (f"{info.model_type}: its MLP weights are Conv1D ([in, out]); deployment writes nn.Linear FFN "
-                "modules (llama, mistral, qwen2, gemma)")
-    fused = [role for role, w in arch.roles.items() if "+" in w and role in arch.needed_roles(info.spec.gated)]
-    if fused:
-        return (f"{info.model_type}: its FFN fuses {' and '.join(arch.roles[fused[0]].split('+'))} in one matrix "
-                f"({fused[0]}); deployment writes separate FFN Linear modules (llama, mistral, qwen2, gemma)")
+        return (f"{info.model_type}: its MLP weights are transformers' Conv1D ([in, out]), which compressed-tensors "
+                "does not quantize (it targets nn.Linear); per-layer ONNX artifacts and `quantize --model` still apply")
+    if arch.linear_class not in ("Linear", ""):
+        return (f"{info.model_type}: its FFN matrices are {arch.linear_class}, a subclass of nn.Linear that transformers "
+                "cannot load back from a compressed-tensors folder (its weight initialisation reads .weight, which "
+                "compression replaces)")
+    if arch.install is not arch.install.MODULE:
+        return (f"{info.model_type}: its FFN is not one module per block ({arch.install}); deployment writes the "
+                "FFN modules of such models")
     return None
 
 
 def _linear_names(ffn_module: str, info: Any) -> dict[str, str]:
-    """ffnquant weight name -> full module name of that Linear in the transformers model."""
-    return {w: f"{ffn_module}.{role}" for role, w in info.arch.roles.items()
-            if role in info.arch.needed_roles(info.spec.gated)}
+    """ffnquant weight name -> full module name of that Linear in the transformers model (a fused gate+up Linear
+    is named for both, in the order its rows hold them)."""
+    out = {}
+    for role, weights in info.arch.roles.items():
+        if role in info.arch.needed_roles(info.spec.gated):
+            for w in weights.split("+"):
+                out[w] = f"{ffn_module}.{role}"
+    return out
+
+
+def _merge_fused(quants: list[ModuleQuant], names: Mapping[str, str]) -> list[ModuleQuant]:
+    """One ModuleQuant per module: a fused gate+up Linear's two halves become one, their grids stacked by rows in
+    the module's order. Per-channel and group grids stack exactly (each row keeps its own scale); two halves on
+    other terms (a float half, different bits or per-tensor scales that differ) cannot share one module."""
+    by_module: dict[str, list[ModuleQuant]] = {}
+    for mq in quants:
+        by_module.setdefault(mq.module, []).append(mq)
+    out = []
+    for module, parts in by_module.items():
+        if len(parts) == 1:
+            out.append(parts[0])
+            continue
+        order = [w for w, m in names.items() if m == module]
+        parts.sort(key=lambda mq: order.index(mq.weight))
+        a, b = parts
+        same = (a.input_mode, a.input_range, a.rotation is None, b.rotation is None) == \
+            (b.input_mode, b.input_range, True, True)
+        ga, gb = a.grid, b.grid
+        if not same or (ga is None) != (gb is None):
+            raise FFNQuantError(f"{module}: its fused halves ({a.weight}, {b.weight}) are quantized differently "
+                                f"({a.recipe}); one Linear holds one quantization")
+        grid = ga
+        if ga is not None:
+            if (ga.kind, ga.bits, ga.granularity, ga.symmetric, ga.group_size) != \
+                    (gb.kind, gb.bits, gb.granularity, gb.symmetric, gb.group_size) or (
+                    ga.scale.dim() == 0 and not torch.equal(ga.scale, gb.scale)):
+                raise FFNQuantError(f"{module}: its fused halves have different weight grids ({a.recipe}); one Linear "
+                                    "holds one grid (per-tensor scales of gate and up differ)")
+            if ga.scale.dim() > 0:
+                zp = None if ga.zero_point is None else torch.cat([ga.zero_point, gb.zero_point])
+                grid = dataclasses.replace(ga, scale=torch.cat([ga.scale, gb.scale]), zero_point=zp)
+        out.append(dataclasses.replace(a, weight="+".join(mq.weight for mq in parts), grid=grid))
+    return out
 
 
 def _module_quants(label: str, index: int, recipe: Any, qffn: Any, names: Mapping[str, str]) -> list[ModuleQuant]:
@@ -118,17 +162,21 @@ def _module_quants(label: str, index: int, recipe: Any, qffn: Any, names: Mappin
 
 
 def _copy_weights(model: nn.Module, ffn: Any, names: Mapping[str, str]) -> None:
+    by_module: dict[str, list[str]] = {}
+    for weight, module in names.items():
+        by_module.setdefault(module, []).append(weight)  # a fused Linear: its halves in row order
     with torch.no_grad():
-        for weight, module in names.items():
-            src, dst = getattr(ffn, weight), model.get_submodule(module)
-            if tuple(dst.weight.shape) != tuple(src.weight.shape):
+        for module, weights in by_module.items():
+            srcs, dst = [getattr(ffn, w) for w in weights], model.get_submodule(module)
+            weight = torch.cat([s.weight for s in srcs])
+            if tuple(dst.weight.shape) != tuple(weight.shape):
                 raise FFNQuantError(f"{module}: weight shape {tuple(dst.weight.shape)} in the model, "
-                                    f"{tuple(src.weight.shape)} in ffnquant's FFN")
-            dst.weight.copy_(src.weight.to(dst.weight.dtype))
-            if (dst.bias is None) != (src.bias is None):
+                                    f"{tuple(weight.shape)} in ffnquant's FFN")
+            dst.weight.copy_(weight.to(dst.weight.dtype))
+            if (dst.bias is None) != (srcs[0].bias is None):
                 raise FFNQuantError(f"{module}: the model and ffnquant's FFN disagree on the bias")
             if dst.bias is not None:
-                dst.bias.copy_(src.bias.to(dst.bias.dtype))
+                dst.bias.copy_(torch.cat([s.bias for s in srcs]).to(dst.bias.dtype))
 
 
 def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: Any = None, calib_tokens: int | None = None,
@@ -184,7 +232,7 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
         ffn_module = _module_for(model, info, layer.info, names)[0]
         linear = _linear_names(ffn_module, info)
         _copy_weights(model, qffn.model, linear)
-        modules += _module_quants(layer.label, layer.index, plan.recipe_for(layer.index), qffn, linear)
+        modules += _merge_fused(_module_quants(layer.label, layer.index, plan.recipe_for(layer.index), qffn, linear), linear)
         out_qffns[layer.label] = qffn
     return PlannedModel(info=info, plan=plan, model=model, float_model=float_model, modules=modules,
                         evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=out_qffns,

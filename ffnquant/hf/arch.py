@@ -272,6 +272,7 @@ class Arch:
     norm_from_graph: bool = False
     # the roles of fused 3-D expert tensors (fused_experts_pattern)
     fused_expert_roles: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    linear_class: str = "Linear"  # the class of the FFN's matrix modules in the loaded model
 
     def d_model(self, config: Mapping[str, Any], where: str) -> int:
         if self.fixed is not None:

@@ -66,6 +66,7 @@ class FoundFFN:
     experts: int | None = None
     activation: Activation | None = None
     act_attr: str = ""  # the activation module's attribute (SPLIT: the block's)
+    linear_class: str = "Linear"  # the class of its matrices' modules (FalconLinear, Conv1D, ...)
 
     def key(self) -> tuple:
         return (self.path, self.install, tuple(sorted(self.roles.items())), self.d_model, self.d_ff, self.experts)
@@ -99,6 +100,7 @@ class Discovery:
             name=self.model_type, kind=ModelKind.CAUSAL_LM, d_model_keys=("hidden_size",), d_ff_keys=("intermediate_size",),
             activation=lambda c, w: (act, gated), roles=dict(ffn.roles), transposed=ffn.transposed,
             module_pattern=module_pattern, fixed=fixed, discovered=True, float_parts=self.float_parts,
+            linear_class=ffn.linear_class if ffn.install is not Install.EXPERTS else "",
             # the norm before each FFN is found when the model runs (`hf.fold`), from who produces its input
             norm_pattern="", norm_from_graph=True)
         roles = tuple(sorted(ffn.roles))
@@ -239,13 +241,16 @@ def _candidates(block: nn.Module, d: int) -> list[FoundFFN]:
             transposed = linears[down][2]
             bias = any(getattr(module.get_submodule(n), "bias", None) is not None for n in [down, *ups])
             install = Install.MODULE if path else Install.SPLIT
+            cls = type(module.get_submodule(down)).__name__
             if len(full) == 2 and not fused:
                 roles = {full[0]: "w_gate", full[1]: "w_up", down: "w_down"}  # order settled by the probe
-                out.append(FoundFFN(path, install, roles, d, f, True, transposed, bias))
+                out.append(FoundFFN(path, install, roles, d, f, True, transposed, bias, linear_class=cls))
             elif len(fused) == 1 and not full:
-                out.append(FoundFFN(path, install, {fused[0]: "w_gate+w_up", down: "w_down"}, d, f, True, transposed, bias))
+                out.append(FoundFFN(path, install, {fused[0]: "w_gate+w_up", down: "w_down"}, d, f, True, transposed, bias,
+                                    linear_class=cls))
             elif len(full) == 1 and not fused:
-                out.append(FoundFFN(path, install, {full[0]: "w_up", down: "w_down"}, d, f, False, transposed, bias))
+                out.append(FoundFFN(path, install, {full[0]: "w_up", down: "w_down"}, d, f, False, transposed, bias,
+                                    linear_class=cls))
     return out
 
 
@@ -370,7 +375,7 @@ def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
                     mine = _ffnquant_output(mats, roles, act, x)
                 if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
                     return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
-                                    ffn.bias, ffn.experts, act, act_attr)
+                                    ffn.bias, ffn.experts, act, act_attr, ffn.linear_class)
     acts = [type(c).__name__ for c in module.children() if not any(True for _ in c.parameters())
             and not isinstance(c, nn.Dropout)]
     seen = f" (its parameterless parts: {', '.join(acts)})" if acts else ""

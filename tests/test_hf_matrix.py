@@ -1,0 +1,138 @@
+"""The architecture matrix: every causal-LM model type of `hf_models.CAUSAL_TYPES`, a tiny random-weight model
+each, found from the model itself (`hf.discover`) and taken as far as ffnquant takes it.
+
+Each type either runs `plan` -> `export --format compressed-tensors` -> load with exact weights (the export's
+proof), or is refused one named feature with its reason: smoothing where the input scale cannot fold (parallel
+blocks, a residual-stream FFN input), compressed-tensors for Conv1D, plans for models whose FFN is not one module
+per block (mixture-of-experts, OPT's in-block Linears), which `quantize --model` still takes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ffnquant.cli import main
+from ffnquant.hf import inspect_model
+from ffnquant.plan.planfile import Plan, model_fingerprint
+from ffnquant.recipe import Recipe
+from hf_models import CAUSAL_TYPES, VOCAB, save_causal_tiny, tokenizer
+
+pytestmark = pytest.mark.hf
+pytest.importorskip("compressed_tensors", reason="compressed-tensors not installed (pip install '.[deploy]')")
+
+# what discovery must find: (variant, install, transposed, experts)
+EXPECTED = {
+    "llama": ("swiglu", "module"), "mistral": ("swiglu", "module"), "qwen2": ("swiglu", "module"),
+    "gemma": ("geglu", "module"), "phi3": ("swiglu", "module"), "gpt2": ("gelu_tanh", "module"),
+    "opt": ("relu", "split"), "mixtral": ("swiglu", "experts"), "qwen3": ("swiglu", "module"),
+    "gemma2": ("geglu", "module"), "gemma3_text": ("geglu", "module"), "olmo2": ("swiglu", "module"),
+    "granite": ("swiglu", "module"), "cohere": ("swiglu", "module"), "stablelm": ("swiglu", "module"),
+    "starcoder2": ("gelu_tanh", "module"), "gpt_neox": ("gelu", "module"), "falcon": ("gelu", "module"),
+    "phi": ("gelu_tanh", "module"), "smollm3": ("swiglu", "module"), "glm": ("swiglu", "module"),
+    "exaone4": ("swiglu", "module"), "qwen2_moe": ("swiglu", "experts"), "qwen3_moe": ("swiglu", "experts"),
+    "deepseek_v3": ("swiglu", "experts"),
+}
+# why a smoothed layer's input scale cannot fold there, as the graph shows it
+NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
+           "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
+           "exaone4": "no module produces the FFN's input"}
+NOT_PLANNED = ("opt", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # FFN not one module per block
+NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
+TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
+
+
+def test_the_matrix_covers_the_named_types():
+    assert set(EXPECTED) == set(CAUSAL_TYPES) and len(CAUSAL_TYPES) >= 25
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+    T.logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("matrix")
+    tok = tokenizer(T)
+    return {t: save_causal_tiny(T, t, root / t, tok) for t in CAUSAL_TYPES}
+
+
+@pytest.mark.parametrize("model_type", CAUSAL_TYPES)
+def test_discovered_ffns_reproduce_the_model(folders, model_type):
+    """The FFNs found from the model: the expected shape, and ffnquant's FFN computes what the model's module does."""
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.hf.capture import _module_for, load_hf_model
+
+    info = inspect_model(folders[model_type])
+    variant, install = EXPECTED[model_type]
+    assert (info.spec.variant.value, str(info.arch.install)) == (variant, install)
+    assert info.arch.discovered and all(layer.index in info.arch.fixed["blocks"] for layer in info.layers)
+    if info.n_experts:
+        assert any("router stays float" in part for part in info.arch.float_parts)
+    if install != "module":
+        return  # experts and in-block Linears: checked end to end by quantize below
+    model = load_hf_model(info)
+    names = [n for n, _ in model.named_modules()]
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(label):
+        def hook(module, args, out):  # returns None: the output passes unchanged
+            seen.setdefault(label, (args[0].detach().clone(), out.detach().clone()))  # falcon adds into it in place
+        return hook
+
+    handles = [_module_for(model, info, layer, names)[1].register_forward_hook(keep(layer.label)) for layer in info.layers]
+    try:
+        with torch.no_grad():
+            model(torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0)))
+    finally:
+        for h in handles:
+            h.remove()
+    for layer in load_ffn_layers(info):
+        x, want = seen[layer.label]
+        with torch.no_grad():
+            got = layer.ffn(x.reshape(-1, x.shape[-1])).reshape(want.shape)
+        # float32 summation order only (addmm vs matmul + add, gelu_new's formula vs torch's tanh GELU)
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), (model_type, layer.label)
+
+
+def _plan(folder, recipes, path):
+    info = inspect_model(folder)
+    idx = sorted({layer.index for layer in info.layers})
+    path.write_text(Plan(model_fingerprint(info), {i: Recipe.parse(recipes[k % len(recipes)]) for k, i in enumerate(idx)},
+                         "ppl+1%", "latency").to_toml())
+    return path
+
+
+@pytest.mark.parametrize("model_type", CAUSAL_TYPES)
+def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, model_type, tmp_path, capsys):
+    folder = folders[model_type]
+    assert main(["quantize", "--model", str(folder), "--scheme", "w8a8", *TOKENS, "--no-progress",
+                 "--out-reports", str(tmp_path / "q"), "--out-artifacts", str(tmp_path / "qa")]) == 0
+    capsys.readouterr()
+    if model_type in NOT_PLANNED:
+        assert main(["plan", "--model", str(folder), "--out", str(tmp_path / "p"), *TOKENS, "--no-progress"]) == 2
+        assert "one module per block" in capsys.readouterr().err
+        return
+    assert main(["plan", "--model", str(folder), "--target", "ppl+5%", "--candidates", "fp32,w8a8@search+smooth,w4a16-g32",
+                 "--out", str(tmp_path / "p"), *TOKENS, "--probe-tokens", "128", "--tokens", "16", "--no-progress"]) == 0
+    data = json.loads((tmp_path / "p" / "plan.json").read_text())
+    if model_type in NO_FOLD:  # the plan knew: smoothing left out where it cannot fold
+        assert data["fold_refusals"] and all(r["recipe"] != "w8a8@search+smooth" for r in data["plan"]["layers"])
+    if model_type in NO_CT:
+        assert NO_CT[model_type] in data["deployment"]["compressed-tensors"]
+    capsys.readouterr()
+    smoothed = _plan(folder, ["w8a8@search+smooth", "w4a16-g32"], tmp_path / "smoothed.toml")
+    argv = ["export", "--model", str(folder), "--format", "compressed-tensors", *TOKENS]
+    rc = main([*argv, "--plan", str(smoothed), "--out", str(tmp_path / "ct")])
+    err = capsys.readouterr().err
+    if model_type in NO_CT:
+        assert rc == 2 and NO_CT[model_type] in err
+        return
+    if model_type in NO_FOLD:
+        assert rc == 2 and "cannot fold" in err and __import__("re").search(NO_FOLD[model_type], err), err
+        assert not (tmp_path / "ct").exists()
+        plain = _plan(folder, ["w8a8-dynamic-s8", "w4a16-g32"], tmp_path / "plain.toml")
+        rc = main([*argv, "--plan", str(plain), "--out", str(tmp_path / "ct")])
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())
+    assert doc["proof"]["proven"] and doc["proof"]["weights"]["all_identical"]
