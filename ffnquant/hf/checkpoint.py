@@ -517,6 +517,18 @@ def arch_for_config(config: Mapping[str, Any], where: str) -> Arch:
     known = ARCHITECTURES.get(key)
     if known is not None and known.kind is not ModelKind.CAUSAL_LM:
         return known
+    # sizes checked before transformers builds anything from them (it fails deep inside, or divides by zero)
+    sizes = {"hidden_size": ("hidden_size", "n_embd", "d_model"), "num_hidden_layers": ("num_hidden_layers", "n_layer")}
+    d = None
+    for name, keys in sizes.items():
+        key = next((k for k in keys if config.get(k) is not None), None)
+        if key is not None:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise FFNQuantError(f"{where}: config.json {key} must be a positive integer, got {value!r}")
+            d = value if name == "hidden_size" else d
+    if d is not None:
+        check_attention_config(config, d, where)
     if importlib.util.find_spec("transformers") is None:
         if known is not None:
             return known

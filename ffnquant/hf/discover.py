@@ -255,41 +255,35 @@ def _candidates(block: nn.Module, d: int) -> list[FoundFFN]:
 
 
 def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Generator) -> nn.Module:
-    """A copy of the (meta) FFN module with its FFN matrices at widths d, f and seeded random values (everything
-    else materialised too), in float32 on the CPU."""
-    probe = copy.deepcopy(module).to_empty(device="cpu").float()
+    """A copy of the (meta) FFN module with its FFN matrices at widths d, f, everything materialised in float32 on
+    the CPU with seeded random values (the matrices are swapped while still on the meta device, so a module of a
+    very wide model costs only the probe's widths)."""
+    probe = copy.deepcopy(module)
     for name, role in ffn.roles.items():
-        if ffn.install is Install.EXPERTS:
-            out = 2 * f if "+" in role else (d if role == "w_down" else f)
-            shape = (1, out, f if role == "w_down" else d)
-            setattr(probe, name, nn.Parameter(torch.randn(*shape, generator=gen) * shape[2] ** -0.5 * 1.5))
-            continue
-        old = probe.get_submodule(name)
         n_in = f if role == "w_down" else d
         n_out = d if role == "w_down" else (2 * f if "+" in role else f)
-        weight = torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5 * 1.5
-        bias = torch.randn(n_out, generator=gen) * 0.5 if getattr(old, "bias", None) is not None else None
+        if ffn.install is Install.EXPERTS:
+            setattr(probe, name, nn.Parameter(torch.empty(1, n_out, n_in, device="meta")))
+            continue
+        old = probe.get_submodule(name)
         if ffn.transposed:
             new = copy.deepcopy(old)
-            new.weight = nn.Parameter(weight.t().contiguous())
-            new.bias = nn.Parameter(bias if bias is not None else torch.zeros(n_out))
+            new.weight = nn.Parameter(torch.empty(n_in, n_out, device="meta"))
+            new.bias = nn.Parameter(torch.empty(n_out, device="meta"))
             new.nf = n_out
         else:
-            new = nn.Linear(n_in, n_out, bias=bias is not None)
-            with torch.no_grad():
-                new.weight.copy_(weight)
-                if bias is not None:
-                    new.bias.copy_(bias)
+            new = nn.Linear(n_in, n_out, bias=getattr(old, "bias", None) is not None, device="meta")
         parent, _, attr = name.rpartition(".")
         setattr(probe.get_submodule(parent) if parent else probe, attr, new)
     if ffn.install is Install.EXPERTS:
         for attr, value in (("num_experts", 1), ("hidden_dim", d), ("intermediate_dim", f)):
             if isinstance(getattr(probe, attr, None), int):
                 setattr(probe, attr, value)
-    for p in probe.parameters():  # anything else (a norm inside the MLP) gets values too
-        if not torch.isfinite(p).all():
-            with torch.no_grad():
-                p.normal_(generator=gen)
+    probe = probe.to_empty(device="cpu").float()
+    with torch.no_grad():
+        for p in probe.parameters():  # unit-scale outputs: the activations' shapes are told apart on them
+            fan_in = p.shape[-1] if p.dim() >= 2 else 1
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.5 * fan_in ** -0.5 if p.dim() >= 2 else 0.5))
     return probe.eval()
 
 
