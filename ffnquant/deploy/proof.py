@@ -1,0 +1,392 @@
+"""What proves an export without sharing its mistakes: every figure is taken against the ORIGINAL float model.
+
+An export folds each FFN's input scale (SmoothQuant, AWQ) into the norm `hf.fold` finds before it, then proves
+the written model. A proof measured on ffnquant's own folded model inherits the fold's mistake: with the wrong
+norm scaled, the deployed model and that "reference" agree with each other and not with the float model. So:
+
+- `fold_check`, before anything is written: the folded model with FLOAT FFN weights (the exported norms, each
+  FFN's input columns divided by its scale, nothing quantized) against the original model's logits and final
+  hidden state on the held-out batches. In exact arithmetic they are equal; `fold_bound` is what float32
+  rounding allows, and `fold_refusal` turns a miss into a one-line refusal naming the layers and norms.
+- `rounding_allowance`: how far float32 rounding alone moves ffnquant's reference figures (perplexity ratio,
+  final hidden SQNR, KL), measured on the original model with the unfolded quantized FFNs installed.
+- `end_to_end_gates`: a deployed model's figures against that reference, each gated within twice the allowance.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+__all__ = ["ULP", "FOLD_ULPS", "GATE_FACTOR", "fold_bound", "input_scale", "FoldCheck", "fold_check", "fold_refusal",
+           "rounding_allowance", "end_to_end_gates"]
+
+ULP = 2.0 ** -24  # float32's unit roundoff
+# Fold bound: float32 roundoffs per block (see fold_bound for the measured figures behind it).
+FOLD_ULPS = 2.0 ** 10
+# A deployed figure may be worse than the reference by this many times the rounding spread (two independent
+# roundings of one quantized model, each as far as the spread from the reference).
+GATE_FACTOR = 2.0
+# How closely the unfolded rebuild must reproduce ffnquant's recorded reference (the same computation: only the
+# summation order of the float perplexity differs).
+_REPRODUCE = 1e-9
+
+
+def fold_bound(n_layers: int) -> float:
+    """The relative difference (max |a - b| / max |a|) float32 rounding allows between the folded float model and
+    the original: FOLD_ULPS units of float32 roundoff (2^-24) per block, the blocks' errors adding up through the
+    residual stream. The fold is exact in real arithmetic and moves one rounding per channel (x * c into the norm's
+    gain, W / c into the weights). Measured per block: a correct fold 1.1 (SmolLM2-135M, 30 blocks: 2.1e-6) to
+    3.3 ulps (14 model types of tests/hf_models.py, 2 blocks: at most 4.0e-7); a fold into the attention's norm
+    instead 7e5 (SmolLM2: 1.31) to 2e6 ulps (tiny models: 0.24-1.2). 2^10 sits ~300x above the first and ~700x
+    below the second."""
+    return FOLD_ULPS * max(1, n_layers) * ULP
+
+
+def input_scale(qffn: Any) -> torch.Tensor | None:
+    """The per-channel multiply x * c a layer's recipe put on its FFN input (SmoothQuant's, then AWQ's, composed
+    as applied), from its remedy records; None without one. The planned model keeps its QuantizedFFNs with the
+    scale folded away (an identity input_transform), so the records are what says what was folded."""
+    from ..awq import AWQRecord
+
+    c = None
+    for rec in getattr(qffn, "remedies", ()):
+        if isinstance(rec, AWQRecord):
+            s = rec.scales.get("input")
+            if s is not None:  # awq.apply_scales: ChannelScale(prior / s)
+                s = s.detach().float()
+                c = (torch.ones_like(s) if c is None else c) / s
+        elif getattr(rec, "kind", None) == "smooth" and "input" in rec.details:
+            # remedies.smooth records the whole composed scale (prior / s) as float32 values: exact round trip
+            c = torch.tensor(rec.details["input"]["input_scale_to_fold_into_norm"], dtype=torch.float32)
+    return c
+
+
+def _ffn(obj: Any) -> Any:
+    return obj.model if hasattr(obj, "model") and hasattr(obj.model, "input_transform") else obj
+
+
+def _with_input_scale(qffn: Any, scale: torch.Tensor) -> Any:
+    """A copy of a folded QuantizedFFN doing its input multiply itself again (what the plan measured): the
+    weights and the recipe shared, the hooks the copy's own (as `hf.fold` copies them)."""
+    from ..remedies import ChannelScale
+
+    memo: dict[int, Any] = {id(t): t for t in list(qffn.parameters()) + list(qffn.buffers())}
+    for name in ("recipe", "prepared"):
+        value = getattr(qffn, name, None)
+        if value is not None:
+            memo[id(value)] = value
+    new = copy.deepcopy(qffn, memo)
+    _ffn(new).input_transform = ChannelScale(scale)
+    return new
+
+
+def _divided(ffn: Any, scale: torch.Tensor) -> Any:
+    """The float FFN reading x * c: its input columns divided by c (w_up, w_gate), nothing quantized."""
+    new = copy.deepcopy(ffn)
+    with torch.no_grad():
+        for lin in (new.w_up, new.w_gate):
+            if lin is not None:
+                lin.weight.div_(scale[None, :].to(lin.weight.dtype))
+    return new
+
+
+def _outputs(model: Any, info: Any, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(logits or None, final hidden state) of one batch."""
+    from ..hf.arch import ModelKind
+    from ..hf.metrics import _final_hidden, _run
+
+    out = _run(model, info, ids)
+    return (out.logits if info.kind is ModelKind.CAUSAL_LM else None), _final_hidden(info, out)
+
+
+@dataclass(frozen=True)
+class FoldCheck:
+    """The folded float model against the original (see the module docstring). `folded`: the layers whose input
+    scale went into a norm; `norms`: layer -> the module(s) the export changed for it (found from the weights, not
+    from the architecture's data); figures are None when nothing was folded. `culprits`, on a miss: per folded
+    layer, the module its FFN really reads (the one whose output is, bit for bit, the FFN's input) and how far that
+    module's output in the exported model is from the original's times the scale, on one held-out sequence."""
+
+    folded: tuple[str, ...]
+    norms: Mapping[str, tuple[str, ...]]
+    bound: float
+    n_layers: int
+    tokens: int = 0
+    logits_max_rel: float | None = None
+    logits_mean_rel: float | None = None
+    hidden_max_rel: float | None = None
+    hidden_sqnr_db: float | None = None
+    culprits: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+
+    @property
+    def exact(self) -> bool:
+        figures = [f for f in (self.logits_max_rel, self.hidden_max_rel) if f is not None]
+        return all(f <= self.bound for f in figures)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "norms": {k: list(v) for k, v in self.norms.items()},
+                "culprits": [dict(c) for c in self.culprits], "exact": self.exact,
+                "relative": "max |a - b| / max |a| over every logit (final hidden value) of every held-out token",
+                "bound_why": f"2^{int(math.log2(FOLD_ULPS))} float32 roundoffs (2^-24) per block x {self.n_layers} blocks"}
+
+
+def _ffn_modules(model: Any, info: Any) -> dict[str, str]:
+    """Layer label -> the FFN module's name in the loaded model."""
+    from ..hf.capture import _module_for
+
+    names = [n for n, _ in model.named_modules()]
+    return {layer.label: _module_for(model, info, layer, names)[0] for layer in info.layers}
+
+
+def _changed_modules(planned: Any, ffn_modules: Sequence[str]) -> list[str]:
+    """The modules outside the FFNs whose parameters the export changed (the norms that took the scales)."""
+    original = dict(planned.float_model.named_parameters())
+    inside = tuple(name + "." for name in ffn_modules)
+    changed = {name.rpartition(".")[0] for name, p in planned.model.named_parameters()
+               if not name.startswith(inside) and name in original and not torch.equal(p, original[name])}
+    return sorted(changed)
+
+
+def _nearest(name: str, candidates: Sequence[str]) -> tuple[str, ...]:
+    """The candidates sharing the longest dotted prefix with `name` (a block's norms with its FFN)."""
+    def shared(other: str) -> int:
+        n = 0
+        for a, b in zip(name.split("."), other.split(".")):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    best = max((shared(c) for c in candidates), default=0)
+    return tuple(c for c in candidates if best and shared(c) == best)
+
+
+def fold_check(planned: Any) -> FoldCheck:
+    """The planned model's folded norms with float FFNs (each planned input scale divided out of its input
+    columns) against the original float model on the held-out batches; `culprits` measured when over the bound."""
+    from ..hf import load_ffn_layers
+    from ..hf.capture import install_ffns
+    from ..hf.fold import _Diff
+    from ..hf.metrics import ErrorStats
+
+    info = planned.info
+    order = {layer.label: i for i, layer in enumerate(info.layers)}
+    scales = {label: input_scale(q) for label, q in planned.qffns.items()}
+    folded = tuple(sorted((k for k, c in scales.items() if c is not None), key=lambda k: order.get(k, 0)))
+    bound = fold_bound(info.n_layers)
+    base = dict(bound=bound, n_layers=info.n_layers)
+    if not folded:
+        return FoldCheck(folded=(), norms={}, **base)
+    ffn_modules = _ffn_modules(planned.model, info)
+    changed = _changed_modules(planned, list(ffn_modules.values()))
+    norms = {label: _nearest(ffn_modules[label], changed) for label in folded}
+    floats = {layer.info: _divided(layer.ffn, scales[layer.label]) if layer.label in folded else layer.ffn
+              for layer in load_ffn_layers(info, "all")}
+    logits, hidden, sqnr = _Diff(), _Diff(), ErrorStats()
+    for ids in planned.evals:
+        ref_logits, ref_hidden = _outputs(planned.float_model, info, ids)
+        with install_ffns(planned.model, info, floats):
+            got_logits, got_hidden = _outputs(planned.model, info, ids)
+        if ref_logits is not None:
+            logits.update(ref_logits, got_logits)
+        hidden.update(ref_hidden, got_hidden)
+        sqnr.update(ref_hidden, got_hidden)
+    has_logits = logits.max_ref > 0
+    check = FoldCheck(folded=folded, norms=norms, **base, tokens=sum(int(b.numel()) for b in planned.evals),
+                      logits_max_rel=logits.to_dict()["max_rel_diff"] if has_logits else None,
+                      logits_mean_rel=logits.to_dict()["mean_rel_diff"] if has_logits else None,
+                      hidden_max_rel=hidden.to_dict()["max_rel_diff"], hidden_sqnr_db=sqnr.sqnr_db)
+    if check.exact:
+        return check
+    return dataclasses.replace(check, culprits=_culprits(planned, folded, scales, norms, bound))
+
+
+def _culprits(planned: Any, folded: Sequence[str], scales: Mapping[str, torch.Tensor],
+              norms: Mapping[str, tuple[str, ...]], bound: float) -> tuple[dict[str, Any], ...]:
+    """Per folded layer, with no error carried from earlier layers: the module whose output the FFN reads in the
+    original model (`_reads`), fed the input it had there, in the exported model against the original's output
+    times the layer's scale. The layers over the bound, or reading no module's output, are the culprits."""
+    info = planned.info
+    ids = planned.evals[0][:1, :64]
+    reads = _reads(planned.float_model, info, ids)
+    rows = []
+    for label in folded:
+        row = {"layer": label, "norm": list(norms.get(label, ())), "ffn_reads": None, "max_rel_diff": None}
+        if label in reads:
+            name, args, out = reads[label]
+            with torch.no_grad():
+                got = planned.model.get_submodule(name)(*args)
+            want = out.double() * scales[label].double()
+            row.update(ffn_reads=name,
+                       max_rel_diff=float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+        if row["max_rel_diff"] is None or row["max_rel_diff"] > bound:
+            rows.append(row)
+    return tuple(rows)
+
+
+def _reads(model: Any, info: Any, ids: torch.Tensor) -> dict[str, tuple[str, tuple, torch.Tensor]]:
+    """Layer label -> (the module whose output is, bit for bit, the FFN's input, its positional inputs, its
+    output), leaf modules first; a layer whose FFN reads no module's output (a residual sum, a bare operation)
+    is absent."""
+    from ..hf.capture import ffn_input_hooks
+
+    d = info.spec.d_model
+    got: dict[str, torch.Tensor] = {}
+    seen: dict[str, tuple[tuple, torch.Tensor]] = {}
+
+    def keep(name):
+        def hook(mod, args, out):
+            if isinstance(out, torch.Tensor) and out.shape[-1] == d and name not in seen:
+                seen[name] = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), out.detach())
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n]
+    try:
+        with torch.no_grad(), ffn_input_hooks(model, info, list(info.layers), lambda l, x: got.setdefault(l.label, x)):
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    leaves = {n for n, m in model.named_modules() if not any(True for _ in m.children())}
+    out: dict[str, tuple[str, tuple, torch.Tensor]] = {}
+    for label, x in got.items():
+        hits = sorted((n for n, (_, o) in seen.items() if o.numel() == x.numel()
+                       and torch.equal(o.reshape(-1, d).float(), x)), key=lambda n: (n not in leaves, n))
+        if hits:
+            out[label] = (hits[0], *seen[hits[0]])
+    return out
+
+
+def fold_refusal(check: FoldCheck, info: Any) -> str | None:
+    """The one-line refusal of a fold that changes the float model beyond float32 rounding, naming the layers,
+    the modules that took their scales and what their FFNs read; None when the fold is exact."""
+    if check.exact:
+        return None
+    what = (f"logits {check.logits_max_rel:.3g}, " if check.logits_max_rel is not None else "")
+    what += f"final hidden {check.hidden_max_rel:.3g}"
+    parts = []
+    for r in check.culprits[:3]:
+        into = " and ".join(r["norm"]) or "no module"
+        reads = (f"its FFN reads {r['ffn_reads']} ({r['max_rel_diff']:.2g} from its output times the scale)"
+                 if r["ffn_reads"] else "its FFN reads no module's output (no norm of its own to fold into)")
+        parts.append(f"{r['layer']}: scale folded into {into}, {reads}")
+    if not parts:
+        parts = [f"no single layer's norm accounts for it (folded into {', '.join(sorted({n for v in check.norms.values() for n in v}))})"]
+    more = f" and {len(check.culprits) - 3} more layers" if len(check.culprits) > 3 else ""
+    return (f"the FFN input scales folded into the norms change the float model: {what} relative to the original "
+            f"(max |a - b| / max |a|; float32 rounding allows {check.bound:.1e}); {'; '.join(parts)}{more}. Nothing "
+            f"written: a scale folds only into the norm whose output is its FFN's input and nothing else's (hf.fold, "
+            f"{info.arch.name}); plan these layers without +smooth and AWQ to export this model")
+
+
+# --- how finely the end-to-end figures can be matched, measured on the original model -------------------------
+
+_FIGURES = ("perplexity_ratio", "hidden_sqnr_db", "kl_mean")
+
+
+def _figures(fig: Mapping[str, Any]) -> dict[str, float | None]:
+    kl = fig.get("kl") or {}
+    return {"perplexity_ratio": fig.get("perplexity_ratio"), "hidden_sqnr_db": fig.get("hidden_sqnr_db"),
+            "kl_mean": kl.get("mean")}
+
+
+def _difference(name: str, got: float, ref: float) -> float:
+    """How far `got` is from `ref`: relative for the perplexity ratio, in the figure's own unit otherwise."""
+    return abs(got / ref - 1.0) if name == "perplexity_ratio" else abs(got - ref)
+
+
+def _run_figures(planned: Any, ffns: Mapping[Any, Any], refs: Sequence[Any], delta: float) -> dict[str, Any]:
+    """The original model with `ffns` installed, its first block's input scaled by 1 + delta, scored."""
+    from ..hf import compare_models
+    from ..hf.capture import install_ffns
+
+    model = planned.float_model
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out: out * (1.0 + delta))
+    try:
+        with install_ffns(model, planned.info, ffns):
+            fig = compare_models(None, model, planned.info, planned.evals, references=refs)
+    finally:
+        hook.remove()
+    return {"input_scale": 1.0 + delta, **_figures(fig)}
+
+
+def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
+                       numerics: Callable[[Any], Any] | None = None, numerics_name: str | None = None) -> dict[str, Any]:
+    """How far float32 rounding alone moves ffnquant's reference figures on this text: the ORIGINAL float model
+    with the plan's quantized FFNs installed, each doing its input multiply itself (unfolded, as measured), its
+    first block's input scaled by 1 and 1 +- 2^-23.
+
+    Static activation codes near a rounding boundary flip under any one-ulp change and the later layers' noise
+    is redrawn: two computations of one quantized model that differ only in rounding cannot be told apart more
+    finely than the spread of these runs (`spread`: relative for the perplexity ratio, dB, nats). The run at 1
+    must reproduce the recorded reference (`reproduces_reference`), else the allowance belongs to another model.
+
+    `numerics(qffn) -> module`: the FFN as a format computes it where that differs from ffnquant's numerics by a
+    stated convention (`numerics_name`); the runs at 1 +- 2^-23 and the `reference` are then of that computation
+    on the same original model, and `convention_cost` is what it moves the figures from ffnquant's reference.
+    `references`: the original model's kept batches (`hf.evaluate.float_reference`), computed when None."""
+    from ..hf.evaluate import float_reference
+
+    info = planned.info
+    by_label = {layer.label: layer for layer in info.layers}
+    ffns = {}
+    for label, q in planned.qffns.items():
+        c = input_scale(q)
+        ffns[by_label[label]] = q if c is None else _with_input_scale(q, c)
+    refs = references if references is not None else float_reference(planned.float_model, info, planned.evals)[1]
+    plain = _run_figures(planned, ffns, refs, 0.0)
+    recorded = _figures(planned.reference["end_to_end"])
+    gaps = {k: _difference(k, plain[k], recorded[k]) for k in _FIGURES
+            if plain[k] is not None and recorded[k] is not None}
+    # the SQNR and KL of the run at 1 are the reference's own numbers recomputed: relative to their size
+    size = {k: 1.0 if k == "perplexity_ratio" else max(1e-12, abs(recorded[k])) for k in gaps}
+    out: dict[str, Any] = {"measured_on": "the original float model with the unfolded quantized FFNs",
+                           "reference_gap": gaps,
+                           "reproduces_reference": all(g <= _REPRODUCE * size[k] for k, g in gaps.items()),
+                           "convention": None}
+    if numerics is not None:
+        ffns = {layer: numerics(q) for layer, q in ffns.items()}
+        at_one = _run_figures(planned, ffns, refs, 0.0)
+        out.update(convention=numerics_name, convention_cost={k: at_one[k] - plain[k] for k in _FIGURES
+                                                              if at_one[k] is not None})
+    else:
+        at_one = plain
+    runs = [at_one] + [_run_figures(planned, ffns, refs, d) for d in (2.0 ** -23, -(2.0 ** -23))]
+    spread = {k: max(_difference(k, r[k], at_one[k]) for r in runs[1:]) for k in _FIGURES if at_one[k] is not None}
+    return {**out, "runs": runs, "spread": spread, "reference": {k: v for k, v in at_one.items() if k in _FIGURES}}
+
+
+_WORSE = {  # how a deployed figure is worse than the reference, in the spread's unit
+    "perplexity_ratio": lambda got, ref: abs(got / ref - 1.0),  # either way: the figure must be reproduced
+    "hidden_sqnr_db": lambda got, ref: ref - got,
+    "kl_mean": lambda got, ref: got - ref,
+}
+
+
+def end_to_end_gates(figures: Mapping[str, Any], allowance: Mapping[str, Any], ppl_tolerance: float) -> dict[str, Any]:
+    """Each end-to-end figure of a deployed model (`hf.compare_models` against the original float model) against
+    the reference `rounding_allowance` measured on the original model (ffnquant's reference of the plan, or its
+    stated convention): perplexity ratio within `ppl_tolerance` relative or twice its rounding spread; final
+    hidden SQNR no more than twice its spread lower; mean KL no more than twice its spread higher. `met`: every
+    gate holds and the allowance's plain run reproduced ffnquant's recorded reference."""
+    got, ref = _figures(figures), allowance["reference"]
+    rows = []
+    for name in _FIGURES:
+        if got[name] is None or ref[name] is None:
+            continue
+        spread = allowance["spread"].get(name, 0.0)
+        allowed = GATE_FACTOR * spread
+        if name == "perplexity_ratio":
+            allowed = max(ppl_tolerance, allowed)
+        worse = _WORSE[name](got[name], ref[name])
+        rows.append({"figure": name, "deployed": got[name], "reference": ref[name], "worse_by": worse,
+                     "rounding_spread": spread, "allowed": allowed, "met": worse <= allowed})
+    return {"gates": rows, "reproduces_reference": bool(allowance.get("reproduces_reference")),
+            "convention": allowance.get("convention"),
+            "met": bool(rows) and all(r["met"] for r in rows) and bool(allowance.get("reproduces_reference"))}
