@@ -120,6 +120,12 @@ def test_the_folder_loads_with_transformers_and_is_the_measured_model(llama, tmp
     load, weights = doc["proof"]["load"], doc["proof"]["weights"]
     # the issue's bound: the loaded folder's perplexity equals the measured one within 0.1% relative
     assert load["meets"] and load["relative_difference"] <= 1e-3
+    # perplexity, final hidden SQNR and KL each gated against a reference of the original (unfolded) model
+    assert load["gates"]["met"] and len(load["gates"]["gates"]) == 3 and load["allowance"]["reproduces_reference"]
+    # symmetric per-token int8 runs under compressed-tensors' absmax / 127.5: the reference is computed that way
+    assert (load["gates"]["convention"] is not None) == ("w8a8-dynamic-s8" in recipes.values())
+    smoothed = [f"L{i}" for i, r in sorted(recipes.items()) if "+smooth" in r]
+    assert doc["fold"]["folded"] == smoothed and doc["fold"]["exact"]
     assert weights["all_identical"] and weights["modules"] == 6
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]

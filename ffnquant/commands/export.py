@@ -69,7 +69,7 @@ def _export_plan(args: argparse.Namespace) -> int:
 
     from ..atomic import write_json, write_text
     from ..atomic_folder import check_new_folder, folder_files, staged_folder
-    from ..deploy import build_planned_model, deployable_refusal
+    from ..deploy import build_planned_model, deployable_refusal, proof
     from ..deploy.formats import get_format
     from ..envinfo import environment
     from ..errors import FFNQuantError
@@ -115,12 +115,20 @@ def _export_plan(args: argparse.Namespace) -> int:
                                       calib_tokens=texts.calib_tokens, eval_tokens=texts.eval_tokens,
                                       seq_len=texts.seq_len, whole_model=whole,
                                       out_artifacts=folder if fmt == "onnx" else None, file_stem=model_file_stem(info))
+        fold = None
+        if whole:  # the folded norms against the original float model, before anything is written
+            fold = proof.fold_check(planned)
+            why = proof.fold_refusal(fold, info)
+            if why is not None:
+                raise FFNQuantError(why)
         doc = {"format": fmt, "command": command, "plan_file": str(args.plan), "plan": plan.to_dict(),
                "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
                "texts": {k: planned.settings[k] for k in ("calibration", "evaluation")},
                "token_budgets": planned.settings.get("token_budgets") or {},
                "reference": planned.reference["end_to_end"], "baseline": planned.reference["baseline"],
                "layers": _layer_rows(planned, folder)}
+        if fold is not None:
+            doc["fold"] = fold.to_dict()
         if fmt == "compressed-tensors":
             doc["written"] = ctensors.write_folder(planned, folder)
             doc["proof"] = ctensors.verify_folder(folder, planned, plan.summary.get("measured_perplexity_ratio"))
@@ -139,10 +147,10 @@ def _export_plan(args: argparse.Namespace) -> int:
                     whole = False
                 score = doc["graph"].get("score")
                 if score and not score["meets_tolerance"]:  # how finely the figure can be matched on this text
-                    from ..deploy.planned import rounding_resolution
-
-                    res = rounding_resolution(planned)
-                    score.update(resolution=res, within_resolution=abs(score["perplexity_rel_diff"]) <= 2 * res["resolution"])
+                    res = proof.rounding_allowance(planned)  # on the original, unfolded model
+                    allowed = proof.GATE_FACTOR * res["spread"]["perplexity_ratio"]
+                    score.update(resolution=res, within_resolution=res["reproduces_reference"]
+                                 and abs(score["perplexity_rel_diff"]) <= allowed)
             # the whole graph when written, else the planned per-layer artifacts (not the baselines beside them)
             graph_file = folder / "model.onnx"
             weights = graph_file.stat().st_size if whole else sum((folder / r["file"]).stat().st_size
@@ -164,7 +172,7 @@ def _export_plan(args: argparse.Namespace) -> int:
 
 
 def _print_deploy(doc: dict, out: Path) -> None:
-    from ..report.deploy import target_verdict
+    from ..report.deploy import fold_line, gate_rows, target_verdict
 
     verdict = target_verdict(doc)
     if verdict:  # the plain answer first, then the details
@@ -176,6 +184,8 @@ def _print_deploy(doc: dict, out: Path) -> None:
     ref, base = doc["reference"], doc["baseline"]
     print(f"ffnquant's torch reference: perplexity {base.get('perplexity'):.4f} -> {ref.get('perplexity'):.4f}, "
           f"final hidden SQNR {ref['hidden_sqnr_db']:.2f} dB")
+    if doc.get("fold"):
+        print(fold_line(doc["fold"]))
     if doc.get("proof"):
         proof = doc["proof"]
         load, w, lay = proof["load"], proof["weights"], proof["layers"]
@@ -183,13 +193,17 @@ def _print_deploy(doc: dict, out: Path) -> None:
               f"qparams {'equal' if proof['inputs']['all_equal'] else 'DIFFER'}; layers on the same inputs: "
               f"{lay['bit_identical']}/{lay['layers']} bit-identical, "
               f"{'all' if lay['all_at_parity'] else 'NOT all'} within rounding ties")
-        print(f"loaded back with transformers: perplexity {load['perplexity']:.4f} "
-              f"({load.get('relative_difference', float('nan')):.1e} relative to the reference), hidden SQNR "
-              f"{load['hidden_sqnr_db']:.2f} dB")
-        if load.get("resolution"):
-            print(f"  beyond the {load['tolerance']:.0e} bound; float32 rounding alone moves this plan's perplexity by up "
-                  f"to {load['resolution']['resolution']:.1e} on this text: "
-                  f"{'within' if load['within_resolution'] else 'BEYOND'} twice that")
+        print(f"loaded back with transformers, against the original float model: perplexity {load['perplexity']:.4f} "
+              f"({load.get('relative_difference', float('nan')):.1e} relative to the reference)")
+        gates = load.get("gates")
+        if gates:
+            print("end-to-end gates, each against ffnquant's reference on the original float model; allowed: twice "
+                  "what float32 rounding alone moves it (the original, unfolded model)")
+            print(text_table(["gate", "deployed", "reference", "worse by", "allowed", "met"], gate_rows(gates)))
+            if gates.get("convention"):
+                print(f"  reference computed with {gates['convention']}, as the folder runs it")
+            if not gates["reproduces_reference"]:
+                print("  the rounding allowance's plain run did not reproduce ffnquant's recorded reference: NOT met")
     graph = doc.get("graph") or {}
     if graph.get("status") == "ok" and graph.get("score"):
         sc = graph["score"]
@@ -200,8 +214,9 @@ def _print_deploy(doc: dict, out: Path) -> None:
         if "graph" in sc:
             print(f"  as it runs here: perplexity {sc['onnx']['perplexity']:.4f}; {sc['int8_kernel']}")
         if sc.get("resolution"):
-            print(f"  float32 rounding alone moves this plan's perplexity by up to {sc['resolution']['resolution']:.1e} on "
-                  f"this text: {'within' if sc['within_resolution'] else 'BEYOND'} twice that")
+            print(f"  float32 rounding alone moves this plan's perplexity by up to "
+                  f"{sc['resolution']['spread']['perplexity_ratio']:.1e} on this text (the original, unfolded model): "
+                  f"{'within' if sc['within_resolution'] else 'BEYOND'} twice that")
         for n, r in (graph.get("latency") or {}).get("tokens", {}).items():
             print(f"  {n} tokens: fp32 graph {r['float']['p50_ms']:.2f} ms, quantized {r['quantized']['p50_ms']:.2f} ms "
                   f"(p50; {r['speedup']:.2f}x)")

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..render import agreement_words, fmt, fmt_bytes, markdown_table, ppl_change
 
-__all__ = ["deploy_markdown", "target_verdict"]
+__all__ = ["deploy_markdown", "target_verdict", "fold_line", "gate_rows"]
 
 
 def target_verdict(doc: dict[str, Any]) -> str | None:
@@ -40,6 +40,78 @@ def target_verdict(doc: dict[str, Any]) -> str | None:
     return f"{what} {verdict} the plan's target ({target.name}): {shown}"
 
 
+def fold_line(fold: dict[str, Any]) -> str:
+    """One sentence: the folded float model against the original, its figure against the float32 bound."""
+    if not fold["folded"]:
+        return "fold: no layer's recipe puts a scale on the FFN input; nothing folded into the norms"
+    figures = ", ".join(f"{name} {fold[key]:.2e}" for name, key in (("logits", "logits_max_rel"),
+                                                                      ("final hidden", "hidden_max_rel"))
+                        if fold.get(key) is not None)
+    n = len(fold["folded"])
+    return (f"fold: input scales of {n} layer{'s' if n != 1 else ''} folded into their norms; the folded float model "
+            f"against the original: {figures} relative (bound {fold['bound']:.1e}, {fold['bound_why']}): "
+            f"{'exact' if fold['exact'] else 'NOT exact'}")
+
+
+_GATE_NAMES = {"perplexity_ratio": ("perplexity ratio", lambda v: f"{v:.5f}", lambda v: f"{v:.1e} rel"),
+               "hidden_sqnr_db": ("final hidden SQNR", lambda v: f"{v:.3f} dB", lambda v: f"{v:.2g} dB"),
+               "kl_mean": ("KL mean", lambda v: f"{v:.3g} nats", lambda v: f"{v:.2g} nats")}
+
+
+def gate_rows(gates: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The end-to-end gates as table rows: figure, deployed, reference, how much worse, allowed, met."""
+    rows = []
+    for g in gates["gates"]:
+        name, value, delta = _GATE_NAMES[g["figure"]]
+        worse = delta(g["worse_by"]) if g["worse_by"] > 0 or g["figure"] == "perplexity_ratio" else "not worse"
+        rows.append((name, value(g["deployed"]), value(g["reference"]), worse, delta(g["allowed"]),
+                     "yes" if g["met"] else "NO"))
+    return rows
+
+
+def _fold_lines(fold: dict[str, Any]) -> list[str]:
+    lines = ["## The fold, checked on the float model before anything was written", ""]
+    if not fold["folded"]:
+        return lines + ["No layer's recipe puts a scale on the FFN input: nothing was folded into the norms.", ""]
+    norms = sorted({n for v in fold["norms"].values() for n in v})
+    lines += [f"SmoothQuant/AWQ input scales of {len(fold['folded'])} layers ({', '.join(fold['folded'])}) went into "
+              f"{len(norms)} norm modules. The exported model with float FFN weights (each scale divided out of "
+              f"the FFN's input columns, nothing quantized) against the original model on {fold['tokens']} held-out "
+              "tokens, max |a - b| / max |a|:", "",
+              markdown_table(["compared", "relative difference", "bound", "within"],
+                             [(name, f"{fold[key]:.3e}", f"{fold['bound']:.1e}", "yes" if fold[key] <= fold["bound"] else "NO")
+                              for name, key in (("logits", "logits_max_rel"), ("final hidden", "hidden_max_rel"))
+                              if fold.get(key) is not None]), "",
+              f"The bound is float32 rounding, {fold['bound_why']}: the fold is exact in real arithmetic and moves "
+              f"one rounding per channel; a correct fold measures 1-3.3 roundoffs per block, a fold into the wrong "
+              f"norm 10^5-10^6. Final hidden SQNR of the folded float model: {fmt(fold['hidden_sqnr_db'])} dB.",
+              ""]
+    return lines
+
+
+def _gate_lines(load: dict[str, Any]) -> list[str]:
+    gates, allowance = load.get("gates"), load.get("allowance")
+    if not gates:
+        return []
+    runs = "; ".join(f"{r['perplexity_ratio']:.6f} / {r['hidden_sqnr_db']:.4f} dB / {r['kl_mean']:.4g}"
+                     if r.get("kl_mean") is not None else f"{r['hidden_sqnr_db']:.4f} dB" for r in allowance["runs"])
+    lines = ["", "   Each figure is gated against ffnquant's reference, both measured against the original float model; "
+             "a figure may be worse by twice what float32 rounding alone moves the reference. That spread is measured "
+             "on the original, unfolded model with the plan's quantized FFNs, its first block's input scaled by 1 and "
+             f"1 +- 2^-23 (perplexity ratio / final hidden SQNR / KL mean: {runs}); the perplexity may also differ by "
+             f"{load['tolerance']:.0e} relative.", "",
+             markdown_table(["gate", "deployed", "reference", "worse by", "allowed", "met"], gate_rows(gates)), ""]
+    if allowance.get("convention"):
+        cost = allowance["convention_cost"]
+        lines.append(f"   The reference is ffnquant's plan computed with {allowance['convention']}, as the loaded folder "
+                     f"runs it (on the same original model); that convention moves ffnquant's own figures by "
+                     + ", ".join(f"{_GATE_NAMES[k][0]} {v:+.3g}" for k, v in cost.items()) + ".")
+    if not gates["reproduces_reference"]:
+        lines.append(f"   The allowance's plain run did not reproduce ffnquant's recorded reference "
+                     f"({allowance['reference_gap']}): it belongs to another model, so the gates are NOT met.")
+    return lines
+
+
 def _pct(ratio: float | None) -> str:
     return "-" if ratio is None else f"{100 * (ratio - 1):+.3f}%"
 
@@ -58,7 +130,8 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
              + ("every other one differs by rounding ties only (at least 20 dB below the layer's own quantization "
                 "noise: compressed-tensors rounds x/s + z, ffnquant and the int8 kernels round x/s, then add z)."
                 if layers["all_at_parity"] else "NOT all within rounding ties."),
-             f"4. End to end, loaded with {load['loaded_with']} on {load['n_tokens']} held-out tokens: perplexity "
+             f"4. End to end, loaded with {load['loaded_with']} on {load['n_tokens']} held-out tokens, against the "
+             f"original float model: perplexity "
              f"{fmt(load['baseline_perplexity'])} (float) -> {fmt(load['perplexity'])} ({ppl_change(load)}; "
              f"{agreement_words(load)}), "
              f"final hidden SQNR {fmt(load['hidden_sqnr_db'])} dB; ffnquant's torch reference of the plan on the same "
@@ -66,15 +139,7 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
     if load.get("relative_difference") is not None:
         lines.append(f"   The loaded perplexity differs from the reference by {load['relative_difference']:.2e} relative "
                      f"(bound {load['tolerance']:.0e}: {'met' if load['meets'] else 'not met'}).")
-    res = load.get("resolution")
-    if res:
-        runs = ", ".join(f"{_pct(r['perplexity_ratio'])}" for r in res["runs"])
-        lines.append(f"   What float32 rounding alone does to this figure: ffnquant's own quantized model with the "
-                     f"scales folded, its first block's input scaled by 1 and 1 +- 2^-23, gives {runs} "
-                     f"(up to {res['resolution']:.2e} from the reference). The loaded folder is "
-                     f"{'within' if load['within_resolution'] else 'BEYOND'} twice that: static activation codes at a "
-                     "rounding boundary flip under any one-ulp change and the later layers' noise is redrawn, so no "
-                     "second implementation can match this figure more closely on this text.")
+    lines += _gate_lines(load)
     if load.get("plan_perplexity_ratio") is not None:
         lines.append(f"   The plan's own verification (plan.toml summary): {_pct(load['plan_perplexity_ratio'])}; "
                      f"{fmt(load.get('plan_relative_difference'), 3)} relative to the loaded folder.")
@@ -110,8 +175,9 @@ def _graph_lines(graph: dict[str, Any]) -> list[str]:
                          f"VNNI and on GPUs")
         res = score.get("resolution")
         if res:
-            lines.append(f"- beyond the bound: float32 rounding alone moves ffnquant's own reference of this plan by up to "
-                         f"{res['resolution']:.2e} on this text (input scaled by 1 +- 2^-23); the graph is "
+            lines.append(f"- beyond the bound: float32 rounding alone moves ffnquant's reference of this plan by up to "
+                         f"{res['spread']['perplexity_ratio']:.2e} on this text (the original, unfolded model, its input "
+                         "scaled by 1 +- 2^-23); the graph is "
                          f"{'within' if score['within_resolution'] else 'BEYOND'} twice that")
     lat = graph.get("latency") or {}
     rows = []
@@ -155,6 +221,8 @@ def deploy_markdown(doc: dict[str, Any]) -> str:
         lines += [f"compressed-tensors format: {w['compression_format']}, {w['config_groups']} scheme group(s), "
                   f"{w['quantized_modules']} quantized FFN modules, {len(w['float_ffn_modules'])} FFN modules kept "
                   f"float (in `ignore` with every non-FFN Linear).", ""]
+    if doc.get("fold"):
+        lines += _fold_lines(doc["fold"])
     if doc.get("proof"):
         lines += _proof_lines(doc["proof"])
     if doc.get("graph"):
