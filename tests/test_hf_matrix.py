@@ -39,7 +39,7 @@ EXPECTED = {
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
            "exaone4": "no module produces the FFN's input"}
-NOT_PLANNED = ("opt", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # FFN not one module per block
+NOT_PLANNED = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # mixture-of-experts
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
 TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
 
@@ -111,7 +111,7 @@ def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, mo
     capsys.readouterr()
     if model_type in NOT_PLANNED:
         assert main(["plan", "--model", str(folder), "--out", str(tmp_path / "p"), *TOKENS, "--no-progress"]) == 2
-        assert "one module per block" in capsys.readouterr().err
+        assert "not mixture-of-experts" in capsys.readouterr().err
         return
     assert main(["plan", "--model", str(folder), "--target", "ppl+5%", "--candidates", "fp32,w8a8@search+smooth,w4a16-g32",
                  "--out", str(tmp_path / "p"), *TOKENS, "--probe-tokens", "128", "--tokens", "16", "--no-progress"]) == 0
@@ -136,3 +136,23 @@ def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, mo
     assert rc == 0, err
     doc = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())
     assert doc["proof"]["proven"] and doc["proof"]["weights"]["all_identical"]
+
+
+def test_an_ffn_that_does_not_reproduce_is_refused_by_layer(folders):
+    """Gate and up swapped (what a copied table row with other names would do): the check on the loaded model
+    names each layer and its module before anything is quantized."""
+    import dataclasses
+
+    from ffnquant.errors import FFNQuantError
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.hf.capture import load_hf_model
+    from ffnquant.hf.graph import check_reproduction
+
+    info = inspect_model(folders["qwen3"])
+    model = load_hf_model(info)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert max(check_reproduction(model, info, load_ffn_layers(info), ids).values()) <= 1e-5
+    swapped = dataclasses.replace(info.arch, roles={"gate_proj": "w_up", "up_proj": "w_gate", "down_proj": "w_down"})
+    wrong = dataclasses.replace(info, arch=swapped)
+    with pytest.raises(FFNQuantError, match=r"does not reproduce .* L0 \(model\.layers\.0\.mlp\): .*; L1 \(model\.layers\.1\.mlp\)"):
+        check_reproduction(model, wrong, load_ffn_layers(wrong), ids)

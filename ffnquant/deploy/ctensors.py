@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import FFNQuantError
-from .planned import ModuleQuant, PlannedModel
+from .planned import ModuleQuant, PlannedModel, loaded_ffn
 
 __all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ctensors_available", "recipe_refusal", "plan_refusal",
            "module_args", "write_folder", "decompressed_weights", "verify_folder", "folder_bytes"]
@@ -328,7 +328,7 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
         x = x.reshape(1, -1, x.shape[-1])
         with torch.no_grad():
             ours = q(x)
-            theirs = loaded.get_submodule(names[label])(x)
+            theirs = loaded_ffn(loaded, info, names[label])(x)
         parity_db, noise_db = sqnr_db(ours, theirs), layer_db[label]
         exact = bool(torch.equal(ours, theirs))
         row = {"layer": label, "bit_identical": exact, "parity_sqnr_db": parity_db, "layer_sqnr_db": noise_db,

@@ -23,7 +23,7 @@ from ..fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
 from ..remedies import BlockHadamard
 from ..schemes import ActMode, Method, Scheme, get_scheme
 
-__all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "rounding_resolution"]
+__all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "rounding_resolution", "loaded_ffn"]
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,8 @@ def deployable_refusal(info: Any) -> str | None:
         return (f"{info.model_type}: its FFN matrices are {arch.linear_class}, a subclass of nn.Linear that transformers "
                 "cannot load back from a compressed-tensors folder (its weight initialisation reads .weight, which "
                 "compression replaces)")
-    if arch.install is not arch.install.MODULE:
-        return (f"{info.model_type}: its FFN is not one module per block ({arch.install}); deployment writes the "
-                "FFN modules of such models")
+    if arch.install is arch.install.EXPERTS:
+        return (f"{info.model_type}: its FFNs are mixture-of-experts tensors; deployment writes one FFN per block")
     return None
 
 
@@ -103,6 +102,16 @@ def _linear_names(ffn_module: str, info: Any) -> dict[str, str]:
             for w in weights.split("+"):
                 out[w] = f"{ffn_module}.{role}"
     return out
+
+
+def loaded_ffn(model: nn.Module, info: Any, ffn_module: str) -> Any:
+    """The FFN of a (loaded) transformers model as one callable on [..., d_model]: the module itself, or for
+    Linears in the block itself (OPT) the first Linear, the activation and the second in turn."""
+    module = model.get_submodule(ffn_module)
+    if info.arch.install is info.arch.install.SPLIT:
+        first, act, second = (module.get_submodule(a) for a in info.arch.split_attrs)
+        return lambda x: second(act(first(x)))
+    return module
 
 
 def _merge_fused(quants: list[ModuleQuant], names: Mapping[str, str]) -> list[ModuleQuant]:

@@ -23,7 +23,7 @@ from ..model import FFN
 from ..resources import non_regular_entries, os_reason, regular_file
 from ..resources import read_text as read_file_text
 from ..spec import FFNSpec
-from .arch import ARCHITECTURES, Arch, ModelKind, ffn_variant, get_arch, hf_activation
+from .arch import Arch, ModelKind, ffn_variant, hf_activation
 from .validate import check_attention_config, check_other_tensors
 
 __all__ = [
@@ -410,6 +410,8 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
             "(config.json, weights, tokenizer): replace or remove it"
         )
     cfg_file = str(folder / "config.json")
+    from .discover import arch_for_config
+
     arch = arch_for_config(config, cfg_file)
     d, f = arch.d_model(config, cfg_file), arch.d_ff(config, cfg_file)
     act_name, gated = arch.activation(config, cfg_file)
@@ -505,38 +507,6 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
         config=config,
         n_params_total=sum(math.prod(shape) for shape in weights._shapes.values()),
     )
-
-
-def arch_for_config(config: Mapping[str, Any], where: str) -> Arch:
-    """The model's Arch: found from the causal LM transformers builds from config.json (`hf.discover`), or, for
-    the encoder and seq2seq models ffnquant knows by name (bert, t5) and when transformers is not installed,
-    the hand-written entry of `hf.arch.ARCHITECTURES`."""
-    import importlib.util
-
-    key = str(config.get("model_type") or "").strip().lower()
-    known = ARCHITECTURES.get(key)
-    if known is not None and known.kind is not ModelKind.CAUSAL_LM:
-        return known
-    # sizes checked before transformers builds anything from them (it fails deep inside, or divides by zero)
-    sizes = {"hidden_size": ("hidden_size", "n_embd", "d_model"), "num_hidden_layers": ("num_hidden_layers", "n_layer")}
-    d = None
-    for name, keys in sizes.items():
-        key = next((k for k in keys if config.get(k) is not None), None)
-        if key is not None:
-            value = config[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise FFNQuantError(f"{where}: config.json {key} must be a positive integer, got {value!r}")
-            d = value if name == "hidden_size" else d
-    if d is not None:
-        check_attention_config(config, d, where)
-    if importlib.util.find_spec("transformers") is None:
-        if known is not None:
-            return known
-        raise FFNQuantError(f"{where}: finding the FFNs of model_type {config.get('model_type')!r} needs transformers "
-                            f"(pip install '.[hf]'); without it ffnquant reads {', '.join(sorted(ARCHITECTURES))} by name")
-    from .discover import discover_config
-
-    return discover_config(config, where).arch()
 
 
 def _expand_fused(groups: dict, n_experts: int, where: str) -> dict:

@@ -26,9 +26,10 @@ from torch import nn
 
 from ..errors import FFNQuantError
 from ..spec import Activation
-from .arch import Arch, Install, ModelKind
+from .arch import ARCHITECTURES, Arch, Install, ModelKind
+from .validate import check_attention_config
 
-__all__ = ["FoundFFN", "Discovery", "discover", "discover_config", "ACTIVATION_NAMES", "probe_activation"]
+__all__ = ["FoundFFN", "Discovery", "discover", "discover_config", "arch_for_config", "ACTIVATION_NAMES", "probe_activation"]
 
 # the transformers activation name each ffnquant Activation is reported (and re-read, `hf_activation`) as
 ACTIVATION_NAMES: Mapping[Activation, str] = {
@@ -462,3 +463,33 @@ def discover_config(config: Mapping[str, Any], where: str) -> Discovery:
     found = discover(model, str(config.get("model_type") or ""), where)
     _CACHE[key] = found
     return found
+
+
+def arch_for_config(config: Mapping[str, Any], where: str) -> Arch:
+    """The model's Arch: found from the causal LM transformers builds from config.json (`hf.discover`), or, for
+    the encoder and seq2seq models ffnquant knows by name (bert, t5) and when transformers is not installed,
+    the hand-written entry of `hf.arch.ARCHITECTURES`."""
+    import importlib.util
+
+    key = str(config.get("model_type") or "").strip().lower()
+    known = ARCHITECTURES.get(key)
+    if known is not None and known.kind is not ModelKind.CAUSAL_LM:
+        return known
+    # sizes checked before transformers builds anything from them (it fails deep inside, or divides by zero)
+    sizes = {"hidden_size": ("hidden_size", "n_embd", "d_model"), "num_hidden_layers": ("num_hidden_layers", "n_layer")}
+    d = None
+    for name, keys in sizes.items():
+        key = next((k for k in keys if config.get(k) is not None), None)
+        if key is not None:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise FFNQuantError(f"{where}: config.json {key} must be a positive integer, got {value!r}")
+            d = value if name == "hidden_size" else d
+    if d is not None:
+        check_attention_config(config, d, where)
+    if importlib.util.find_spec("transformers") is None:
+        if known is not None:
+            return known
+        raise FFNQuantError(f"{where}: finding the FFNs of model_type {config.get('model_type')!r} needs transformers "
+                            f"(pip install '.[hf]'); without it ffnquant reads {', '.join(sorted(ARCHITECTURES))} by name")
+    return discover_config(config, where).arch()

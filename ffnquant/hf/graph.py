@@ -1,4 +1,5 @@
-"""Where an FFN input scale can fold, decided from the loaded model's own graph, one layer at a time.
+"""What the loaded model's own graph says, one layer at a time: where an FFN input scale can fold, and whether
+ffnquant's FFN reproduces the model's module on the same input (`check_reproduction`).
 
 SmoothQuant and AWQ multiply each FFN's input by a per-channel scale and divide the FFN's first matrices by it;
 deployed, the scale must live in the gain of the norm that produces the FFN's input. That is exact only when
@@ -29,7 +30,7 @@ from ..errors import FFNQuantError
 from .arch import Install, ModelKind, NormGain
 from .checkpoint import LayerInfo, ModelInfo
 
-__all__ = ["FoldSite", "fold_sites", "check_sites", "first_matrices", "FOLD_RTOL"]
+__all__ = ["FoldSite", "fold_sites", "check_sites", "first_matrices", "FOLD_RTOL", "check_reproduction", "REPRODUCE_RTOL"]
 
 # A fold is exact to float32 rounding: the check scales by c in [0.5, 2] and compares the output; a legal fold
 # moves the logits by rounding only (measured 1e-7..1e-6 of their size on the tiny and 135M models), an illegal
@@ -269,3 +270,82 @@ def check_sites(sites: Mapping[LayerInfo, FoldSite], wanted: Sequence[LayerInfo]
         detail = "; ".join(f"{s.label}: {s.refusal}" for s in bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
         raise FFNQuantError(f"cannot fold the FFN input scale (SmoothQuant/AWQ) of layer(s) "
                             f"{', '.join(s.label for s in bad)} into a norm: {detail}")
+
+
+# ffnquant's FFN against the model's module on the same input: float32 summation order (addmm vs matmul + add,
+# gelu_new's formula vs torch's tanh GELU) moves the output by a few ulps of its size; a wrong role or
+# activation by its own size
+REPRODUCE_RTOL = 1e-5
+
+
+def check_reproduction(model: nn.Module, info: Any, layers: Any, ids: torch.Tensor) -> dict[str, float]:
+    """Each layer's ffnquant FFN (`HFLayer.ffn`) run on the input the loaded model's own FFN module received for
+    `ids`, against that module's output: {label: relative difference}. Raises, naming every layer beyond
+    REPRODUCE_RTOL with its module, before anything is quantized."""
+    from .capture import _first_input, _model_inputs, _module_for
+
+    names = [n for n, _ in model.named_modules()]
+    arch = info.arch
+    seen: dict[str, tuple[tuple, torch.Tensor]] = {}
+    handles = []
+
+    def keep(key: str):
+        def hook(module, args, kwargs, out):  # returns None: the output passes unchanged
+            if key not in seen:
+                x = _first_input(args, kwargs)
+                extra = tuple(a.detach().clone() for a in args[1:3]) if arch.install is Install.EXPERTS else ()
+                seen[key] = ((x.detach().clone(), *extra), (out[0] if isinstance(out, tuple) else out).detach().clone())
+        return hook
+
+    def keep_split(key: str, part: str):
+        def hook(module, args, out):
+            if key + part not in seen:
+                seen[key + part] = ((args[0].detach().clone(),), out.detach().clone())
+        return hook
+
+    blocks: dict[str, list[Any]] = {}
+    for layer in layers:
+        name, module = _module_for(model, info, layer.info, names)
+        if name not in blocks:
+            if arch.install is Install.SPLIT:
+                first, _, second = arch.split_attrs
+                handles.append(module.get_submodule(first).register_forward_hook(keep_split(name, ":in")))
+                handles.append(module.get_submodule(second).register_forward_hook(keep_split(name, ":out")))
+            else:
+                handles.append(module.register_forward_hook(keep(name), with_kwargs=True))
+        blocks.setdefault(name, []).append(layer)
+    try:
+        with torch.no_grad():
+            model(**_model_inputs(info, model, ids))
+    finally:
+        for h in handles:
+            h.remove()
+    out: dict[str, float] = {}
+    bad = []
+    for name, group in blocks.items():
+        with torch.no_grad():
+            if arch.install is Install.SPLIT:
+                x, want = seen[name + ":in"][0][0], seen[name + ":out"][1]
+                got = group[0].ffn(x.reshape(-1, x.shape[-1])).reshape(want.shape)
+            elif arch.install is Install.EXPERTS:
+                (x, index, weights), want = seen[name]
+                x = x.reshape(-1, x.shape[-1])
+                got = torch.zeros_like(x)
+                for layer in group:  # the model's routing: each token's experts, weighted
+                    token, slot = torch.where(index == layer.info.expert)
+                    if token.numel():
+                        got.index_add_(0, token, layer.ffn(x[token]) * weights[token, slot, None])
+                got = got.reshape(want.shape)
+            else:
+                (x, *_), want = seen[name]
+                got = group[0].ffn(x.reshape(-1, x.shape[-1])).reshape(want.shape)
+        rel = float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30))
+        for layer in group:
+            out[layer.label] = rel
+        if not rel <= REPRODUCE_RTOL:
+            bad.append(f"{group[0].info.label} ({name}): {rel:.2g} relative")
+    if bad:
+        raise FFNQuantError(f"ffnquant's FFN does not reproduce the model's own module on the same input (bound "
+                            f"{REPRODUCE_RTOL:g}) in layer(s) {'; '.join(bad[:4])}{' and more' if len(bad) > 4 else ''}; "
+                            "those layers cannot be quantized faithfully")
+    return out

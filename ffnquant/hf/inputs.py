@@ -17,6 +17,7 @@ import torch
 from ..errors import FFNQuantError
 from . import capture as _capture
 from .capture import iter_captured, iter_captured_files, load_tokenizer, model_text_batches
+from .arch import ModelKind
 from .checkpoint import HFLayer, ModelInfo
 
 __all__ = ["EvalSettings", "LayerInputs", "capture_layer_inputs", "file_inputs", "fit_settings", "model_file_stem",
@@ -176,6 +177,10 @@ def capture_layer_inputs(
     domains = eval_domain_batches(info, tokenizer, eval_text, settings, eval_tokens, by_domain)
     eval_ids = [b for _, batches in domains for b in batches]
     model = _capture.load_hf_model(info, allow_pickle=allow_pickle)  # looked up at call time (tests replace it)
+    if info.kind is ModelKind.CAUSAL_LM and calib_ids:  # the FFNs as found compute what the model's modules do
+        from .graph import check_reproduction
+
+        check_reproduction(model, info, layers, calib_ids[0][:1, :64])
 
     def pieces(batches, stage):
         for i, batch in enumerate(iter_captured(model, info, layer_infos, batches)):

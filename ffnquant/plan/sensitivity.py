@@ -33,10 +33,11 @@ def check_plannable(info: Any) -> None:
     """Raise FFNQuantError unless plans support this model (a causal LM, one FFN module per block)."""
     from ..hf.arch import Install, ModelKind
 
-    if info.kind is not ModelKind.CAUSAL_LM or info.arch.install is not Install.MODULE or info.n_experts:
+    if info.kind is not ModelKind.CAUSAL_LM or info.arch.install is Install.EXPERTS or info.n_experts:
         raise FFNQuantError(
-            f"plan: {info.model_type} is not supported yet: plans need a causal LM whose FFN is one module per block "
-            "(llama, mistral, qwen2, gemma, phi3, gpt2); per-recipe evaluation of this model: ffnquant model eval")
+            f"plan: {info.model_type} is not supported yet: plans need a causal LM with one FFN per block (a module, "
+            "or Linears in the block itself), not mixture-of-experts; per-recipe evaluation of this model: "
+            "ffnquant model eval")
 
 
 def _ffn_names(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, str]:
@@ -48,12 +49,21 @@ def _ffn_names(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, 
 
 
 def _ffn_modules(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, nn.Module]:
-    return {i: model.get_submodule(name) for i, name in _ffn_names(model, info, layers).items()}
+    """The module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear)."""
+    from ..hf.arch import Install
+
+    second = info.arch.split_attrs[2] if info.arch.install is Install.SPLIT else ""
+    return {i: model.get_submodule(f"{name}.{second}" if second else name)
+            for i, name in _ffn_names(model, info, layers).items()}
 
 
 def _block_modules(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, nn.Module]:
-    """The decoder block holding each layer's FFN (the FFN module's parent)."""
-    return {i: model.get_submodule(name.rsplit(".", 1)[0]) for i, name in _ffn_names(model, info, layers).items()}
+    """The decoder block holding each layer's FFN (the FFN module's parent; the block itself for in-block Linears)."""
+    from ..hf.arch import Install
+
+    split = info.arch.install is Install.SPLIT
+    return {i: model.get_submodule(name if split else name.rsplit(".", 1)[0])
+            for i, name in _ffn_names(model, info, layers).items()}
 
 
 def _nll_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
