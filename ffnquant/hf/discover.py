@@ -392,16 +392,32 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
         raise FFNQuantError(f"{where}: the config names no model width (hidden_size)")
     layers_path, blocks = _blocks(model)
     found: dict[int, list[FoundFFN]] = {i: _candidates(block, d) for i, block in enumerate(blocks)}
+    # every FFN-shaped candidate is probed once per structure: what does not reproduce is not an FFN (an attention
+    # whose heads make another width maps d -> h -> d too, but it is no function of its input alone)
+    probed: dict[tuple, FoundFFN | str] = {}
+
+    def settle(i: int, c: FoundFFN) -> FoundFFN | str:
+        if c.key() not in probed:
+            module = blocks[i].get_submodule(c.path) if c.path else blocks[i]
+            try:
+                probed[c.key()] = _probe(module, c, f"{where}: {layers_path}.{i}.{_label(c.path)}")
+            except FFNQuantError as exc:
+                probed[c.key()] = str(exc)
+        return probed[c.key()]
+
     # the FFN kept: experts where a block has them (the bulk of an MoE's parameters), else the block's FFN
     per_block: dict[int, FoundFFN] = {}
     float_parts: list[str] = []
+    refused: list[str] = []
     for i, cands in found.items():
-        if not cands:
+        valid = [c for c in cands if isinstance(settle(i, c), FoundFFN)]
+        refused += [str(settle(i, c)) for c in cands if c not in valid]
+        if not valid:
             continue
-        experts = [c for c in cands if c.install is Install.EXPERTS]
-        pick = experts[0] if experts else max(cands, key=lambda c: (c.install is Install.MODULE, c.d_ff))
+        experts = [c for c in valid if c.install is Install.EXPERTS]
+        pick = experts[0] if experts else max(valid, key=lambda c: (c.install is Install.MODULE, c.d_ff))
         per_block[i] = pick
-        for other in cands:
+        for other in valid:
             if other is not pick:
                 float_parts.append(f"L{i} {_label(other.path)} (d_ff {other.d_ff}): stays float, ffnquant quantizes "
                                    f"one FFN per block ({_label(pick.path)} here)")
@@ -412,6 +428,8 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
                 if isinstance(w, torch.Tensor) and w.dim() == 2 and tuple(w.shape) == (n_experts, d) and name != pick.path:
                     float_parts.append(f"L{i} {name}: the router stays float")
     if not per_block:
+        if refused:  # FFN-shaped, but nothing ffnquant computes reproduces it: the most FFN-like one's reason
+            raise FFNQuantError(max(refused, key=lambda r: ("mlp" in r, "reproduce" in r)))
         raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): no matrices map the "
                             f"width {d} to another width and back")
     groups: dict[tuple, list[int]] = {}
@@ -419,9 +437,8 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
         groups.setdefault(c.key(), []).append(i)
     main_key = max(groups, key=lambda k: (len(groups[k]), k[4] * (k[5] or 1)))  # most blocks, then most parameters
     kept = tuple(sorted(groups[main_key]))
-    first = kept[0]
-    ffn = _probe(blocks[first].get_submodule(per_block[first].path) if per_block[first].path else blocks[first],
-                 per_block[first], f"{where}: {layers_path}.{first}.{_label(per_block[first].path)}")
+    ffn = probed[main_key]
+    assert isinstance(ffn, FoundFFN)
     for i, c in sorted(per_block.items()):
         if c.key() != main_key:
             float_parts.append(f"L{i} {_label(c.path)} (d_ff {c.d_ff}{', ' + str(c.experts) + ' experts' if c.experts else ''}): "
