@@ -98,9 +98,13 @@ def _inspect(args: argparse.Namespace) -> int:
     wanted = set(parse_layers(args.layers, info.n_layers))
     spec = info.spec
     print(f"model: {info.path}  ({info.model_type}, {info.kind.value}, {info.weights_format}: {', '.join(info.weight_files)})")
-    print(f"FFN: {spec.variant.value} (activation {spec.activation.value} from config {info.hf_activation!r}), "
+    source = ("found from the model: its modules, the activation settled by reproducing the module's output"
+              if info.arch.discovered else f"from config {info.hf_activation!r}")
+    print(f"FFN: {spec.variant.value} (activation {spec.activation.value}, {source}), "
           f"d_model {spec.d_model}, d_ff {spec.d_ff}, bias {fmt(spec.bias)}, "
           f"{fmt(spec.n_params)} parameters per FFN")
+    for part in info.arch.float_parts:
+        print(f"float: {part}")
     experts = f", {info.n_experts} experts each" if info.n_experts else ""
     print(f"layers: {info.n_layers}{experts}; {len(info.layers)} FFNs, {fmt(spec.n_params * len(info.layers))} FFN parameters")
     rows = [(l.label, l.stack or "-", l.block, "-" if l.expert is None else l.expert, l.name)
