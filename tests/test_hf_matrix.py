@@ -156,3 +156,23 @@ def test_an_ffn_that_does_not_reproduce_is_refused_by_layer(folders):
     wrong = dataclasses.replace(info, arch=swapped)
     with pytest.raises(FFNQuantError, match=r"does not reproduce .* L0 \(model\.layers\.0\.mlp\): .*; L1 \(model\.layers\.1\.mlp\)"):
         check_reproduction(model, wrong, load_ffn_layers(wrong), ids)
+
+
+# layer by layer through the model's own class: sliding windows (gemma3_text, starcoder2), the norm after the FFN
+# (olmo2), parallel blocks (phi), scaled residuals (granite), a fused gate+up (glm)
+STREAMED = ("gemma3_text", "olmo2", "phi", "granite", "glm", "starcoder2", "qwen3")
+
+
+@pytest.mark.parametrize("model_type", STREAMED)
+def test_layer_by_layer_equals_the_whole_model(folders, model_type, tmp_path, capsys):
+    """`--sequential` runs each decoder layer of the model's own class, read from the safetensors, on every batch:
+    new architectures need no code there, and the figures are the whole model's, bit for bit."""
+    docs = {}
+    for mode in ("--sequential", "--no-sequential"):
+        out = tmp_path / mode.strip("-")
+        assert main(["quantize", "--model", str(folders[model_type]), "--scheme", "w8a8", *TOKENS, "--no-progress",
+                     "--no-onnx", mode, "--out-reports", str(out), "--out-artifacts", str(out / "a")]) == 0
+        doc = json.loads(next(out.glob("*.json")).read_text())
+        docs[mode] = (doc["end_to_end"]["end_to_end"], [layer["accuracy_torch"] for layer in doc["layers"]])
+    capsys.readouterr()
+    assert docs["--sequential"] == docs["--no-sequential"]
