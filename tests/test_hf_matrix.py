@@ -176,3 +176,15 @@ def test_layer_by_layer_equals_the_whole_model(folders, model_type, tmp_path, ca
         docs[mode] = (doc["end_to_end"]["end_to_end"], [layer["accuracy_torch"] for layer in doc["layers"]])
     capsys.readouterr()
     assert docs["--sequential"] == docs["--no-sequential"]
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "glm"])
+def test_the_whole_model_onnx_graph_of_discovered_types(folders, model_type, tmp_path, capsys):
+    """torch's exporter takes the model's own class: the float and planned graphs match the torch models (falcon:
+    a parallel block of FalconLinear modules, which compressed-tensors refuses; glm: a fused gate+up)."""
+    plan = _plan(folders[model_type], ["w8a8-dynamic-s8", "w4a16-g32"], tmp_path / "plan.toml")
+    assert main(["export", "--model", str(folders[model_type]), "--plan", str(plan), "--format", "onnx",
+                 "--out", str(tmp_path / "g"), *TOKENS]) == 0
+    capsys.readouterr()
+    graph = json.loads((tmp_path / "g" / "ffnquant-deploy.json").read_text())["graph"]
+    assert graph["status"] == "ok" and graph["parity"]["float"]["passed"] and graph["parity"]["planned"]["passed"]

@@ -99,7 +99,7 @@ def _export_plan(args: argparse.Namespace) -> int:
     else:
         from ..deploy import onnx_model
 
-        graph_why = deployable_refusal(info) or onnx_model.graph_refusal(info)
+        graph_why = onnx_model.graph_refusal(info)
         whole = graph_why is None
     require_transformers()
     texts = text_options(args, info)

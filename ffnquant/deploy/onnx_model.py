@@ -68,7 +68,7 @@ def graph_refusal(info: Any) -> str | None:
 
     if info.kind is not ModelKind.CAUSAL_LM:
         return f"{info.model_type}: the whole-model graph is written for causal LMs (logits), not {info.kind.value} models"
-    why = deployable_refusal(info)
+    why = deployable_refusal(info, "onnx")
     if why is not None:
         return why
     weights = 4 * int(info.n_params_total)

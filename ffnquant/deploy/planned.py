@@ -78,18 +78,22 @@ class PlannedModel:
         return {m.module: m for m in self.modules}
 
 
-def deployable_refusal(info: Any) -> str | None:
-    """Why a plan for this model cannot be deployed as one model folder/graph (one line); None when it can."""
+def deployable_refusal(info: Any, fmt: str = "compressed-tensors") -> str | None:
+    """Why a plan for this model cannot be deployed as one model folder (`fmt` "compressed-tensors") or one graph
+    ("onnx") (one line); None when it can."""
     arch = info.arch
+    if arch.install is arch.install.EXPERTS:
+        return f"{info.model_type}: its FFNs are mixture-of-experts tensors; deployment writes one FFN per block"
     if arch.transposed:
+        if fmt == "onnx":
+            return (f"{info.model_type}: its MLP weights are transformers' Conv1D ([in, out]); the graph's FFN matmuls "
+                    "are rewritten from nn.Linear modules; per-layer ONNX artifacts still apply")
         return (f"{info.model_type}: its MLP weights are transformers' Conv1D ([in, out]), which compressed-tensors "
                 "does not quantize (it targets nn.Linear); per-layer ONNX artifacts and `quantize --model` still apply")
-    if arch.linear_class not in ("Linear", ""):
+    if fmt != "onnx" and arch.linear_class not in ("Linear", ""):
         return (f"{info.model_type}: its FFN matrices are {arch.linear_class}, a subclass of nn.Linear that transformers "
                 "cannot load back from a compressed-tensors folder (its weight initialisation reads .weight, which "
                 "compression replaces)")
-    if arch.install is arch.install.EXPERTS:
-        return (f"{info.model_type}: its FFNs are mixture-of-experts tensors; deployment writes one FFN per block")
     return None
 
 
@@ -203,7 +207,7 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
     from ..hf.capture import _module_for
     from ..hf.fold import fold_input_scales, fold_refusal
 
-    why = deployable_refusal(info) if whole_model else None
+    why = deployable_refusal(info, "onnx") if whole_model else None  # a format's own refusals: checked by its caller
     if why is not None:
         raise FFNQuantError(why)
     missing = [layer.index for layer in info.layers if layer.index not in plan.layers]

@@ -510,5 +510,4 @@ def deployment_notes(info: Any) -> dict[str, str]:
     """Per export format, why this architecture's whole model cannot be written in it ('' when it can)."""
     from ..deploy.planned import deployable_refusal
 
-    why = deployable_refusal(info) or ""
-    return {"compressed-tensors": why, "onnx": why}
+    return {fmt: deployable_refusal(info, fmt) or "" for fmt in ("compressed-tensors", "onnx")}
