@@ -188,3 +188,15 @@ def test_the_whole_model_onnx_graph_of_discovered_types(folders, model_type, tmp
     capsys.readouterr()
     graph = json.loads((tmp_path / "g" / "ffnquant-deploy.json").read_text())["graph"]
     assert graph["status"] == "ok" and graph["parity"]["float"]["passed"] and graph["parity"]["planned"]["passed"]
+
+
+def test_the_plan_names_what_each_export_format_cannot_store(folders):
+    from ffnquant.plan.job import deployment_notes
+
+    info = inspect_model(folders["qwen3"])
+    plan = Plan(model_fingerprint(info), {0: Recipe.parse("w8a8-dynamic-s8+rotate"), 1: Recipe.parse("w8a16")},
+                "ppl+1%", "bytes")
+    notes = deployment_notes(info, plan)
+    assert "layer L0" in notes["compressed-tensors"] and "rotate" in notes["compressed-tensors"] and not notes["onnx"]
+    assert deployment_notes(inspect_model(folders["gpt2"]))["onnx"].startswith("gpt2: its MLP weights are transformers' Conv1D")
+    assert "mixture-of-experts" in deployment_notes(inspect_model(folders["qwen3_moe"]))["compressed-tensors"]

@@ -501,13 +501,21 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "pareto_per_layer": {i: [o.name for o in pareto(opts)] for i, opts in options.items()},
         "timings": timings, "atlas": atlas, "executor": executor.describe(),
         "fold_refusals": {str(i): why for i, why in sorted(refusals.items())},
-        "deployment": deployment_notes(info),
+        "deployment": deployment_notes(info, plan),
     }
     return plan, result
 
 
-def deployment_notes(info: Any) -> dict[str, str]:
-    """Per export format, why this architecture's whole model cannot be written in it ('' when it can)."""
+def deployment_notes(info: Any, plan: Any = None) -> dict[str, str]:
+    """Per export format, why this architecture, or a recipe the plan chose, cannot be written in it ('' when it
+    can): the plan says so before the export is run."""
     from ..deploy.planned import deployable_refusal
 
-    return {fmt: deployable_refusal(info, fmt) or "" for fmt in ("compressed-tensors", "onnx")}
+    out = {fmt: deployable_refusal(info, fmt) or "" for fmt in ("compressed-tensors", "onnx")}
+    if plan is not None and not out["compressed-tensors"]:
+        try:
+            from ..deploy.ctensors import plan_refusal
+        except Exception:  # the deploy extra is not installed: nothing to say about its format
+            return out
+        out["compressed-tensors"] = plan_refusal(plan, info) or ""
+    return out
