@@ -250,6 +250,12 @@ class StageBars:
         left = f", about {elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
         print(f"{stage}: {done}/{total} ({detail}), {elapsed:.0f} s{left}", file=sys.stderr, flush=True)
 
+    def __enter__(self) -> "StageBars":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(ok=exc_type is None)
+
     def close(self, ok: bool = True) -> None:
         if self._bar is not None:
             if not ok:

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..atomic import OutputTransaction
 from ..export import DEFAULT_OPSET, export_spec
 from ..render import text_table
-from .common import add_spec_arguments, add_text_arguments, specs_from_args, text_options, token_notes
+from .common import StageBars, add_spec_arguments, add_text_arguments, specs_from_args, text_options, token_notes
 
 NAME = "export"
 DEPLOY_DOC = "ffnquant-deploy.json"  # what an export wrote and measured; its "files" are what --force may replace
@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="onnx (default: per-layer artifacts, manifest.json and the whole-model graph) or "
                             "compressed-tensors (a Hugging Face folder transformers and vLLM load)")
     group.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export (only the files its ffnquant-deploy.json lists)")
+    group.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     add_text_arguments(group, "calibration text for the static ranges (the plan's)",
                        "held-out text the deployed model is checked on", eval_tokens=4096)
 
@@ -110,11 +111,15 @@ def _export_plan(args: argparse.Namespace) -> int:
     check_new_folder(args.out, args.force, inputs=[args.model, args.plan, *_text_files(texts)], listing=DEPLOY_DOC)
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
     t0 = time.perf_counter()
-    with staged_folder(args.out, args.force, listing=DEPLOY_DOC) as folder:
+    bars = StageBars(enabled=not getattr(args, "no_progress", False))
+    steps = ["fold check on the float model", f"write {fmt}", "load back and prove"]
+    with bars, staged_folder(args.out, args.force, listing=DEPLOY_DOC) as folder:
         planned = build_planned_model(info, plan, text=texts.text, eval_text=texts.eval_text,
                                       calib_tokens=texts.calib_tokens, eval_tokens=texts.eval_tokens,
                                       seq_len=texts.seq_len, whole_model=whole,
-                                      out_artifacts=folder if fmt == "onnx" else None, file_stem=model_file_stem(info))
+                                      out_artifacts=folder if fmt == "onnx" else None, file_stem=model_file_stem(info),
+                                      progress=bars)
+        bars(f"export: {steps[0]}", 0, len(steps))
         fold = None
         if whole:  # the folded norms against the original float model, before anything is written
             fold = proof.fold_check(planned)
@@ -129,8 +134,10 @@ def _export_plan(args: argparse.Namespace) -> int:
                "layers": _layer_rows(planned, folder)}
         if fold is not None:
             doc["fold"] = fold.to_dict()
+        bars(f"export: {steps[1]}", 1, len(steps))
         if fmt == "compressed-tensors":
             doc["written"] = ctensors.write_folder(planned, folder)
+            bars(f"export: {steps[2]}", 2, len(steps))
             doc["proof"] = ctensors.verify_folder(folder, planned, plan.summary.get("measured_perplexity_ratio"))
             weights = ctensors.folder_bytes(folder)
         else:
@@ -157,6 +164,7 @@ def _export_plan(args: argparse.Namespace) -> int:
                                                                   for r in doc["layers"] if r["file"])
         from ..deploy.ctensors import folder_bytes
 
+        bars(f"export: {steps[-1]}", len(steps), len(steps))
         doc["sizes"] = {"weights": weights, "float_weights": folder_bytes(info.path)}
         doc["seconds"] = time.perf_counter() - t0
         doc["environment"] = environment()

@@ -223,7 +223,7 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
     settings = EvalSettings(**budget, ablation=False)  # None: EvalSettings' defaults
     layers = load_ffn_layers(info, "all")
     inputs = capture_layer_inputs(info, layers, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
-                                  eval_tokens=eval_tokens, settings=settings)
+                                  eval_tokens=eval_tokens, settings=settings, progress=progress)
     rows, qffns = quantized_layers(info, layers, inputs, plan, onnx=out_artifacts is not None, sensitivity=False,
                                    out_artifacts=out_artifacts, file_stem=file_stem, progress=progress)
     reference = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress)
