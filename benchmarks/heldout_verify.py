@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     from ffnquant.hf.capture import load_hf_model, load_tokenizer
     from ffnquant.hf.evaluate import end_to_end, float_reference
     from ffnquant.plan import Plan, load_plan
+    from ffnquant.plan.planfile import model_fingerprint
     from ffnquant.recipe import Recipe
 
     t0 = time.perf_counter()
@@ -103,6 +104,7 @@ def main(argv=None) -> int:
               f"sequences after the first {args.skip_tokens:,}", flush=True)
     model = load_hf_model(info)
     refs, baselines, timings = {}, {}, {}
+    from_cache: list[str] = []
     for source, batches in domains.items():
         t = time.perf_counter()
         # the float model's figures of these exact windows, kept on disk between runs (--cache): a later run with
@@ -112,6 +114,7 @@ def main(argv=None) -> int:
         cached = Path(args.cache) / f"float-{key}.pt" if args.cache else None
         if cached is not None and cached.exists():
             baselines[source], refs[source] = torch.load(cached, weights_only=False)
+            from_cache.append(source)
         else:
             baselines[source], refs[source] = float_reference(model, info, batches)
             if cached is not None:
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
             recipe = load_plan(what, info)
         else:
             r = Recipe.parse(what)
-            recipe = Plan({}, {layer.index: r for layer in layers})
+            recipe = Plan(model_fingerprint(info), {layer.index: r for layer in layers})
         inputs = capture_layer_inputs(info, layers, text=calib, eval_text="code:evaluation",
                                       calib_tokens=calib_tokens or args.calib_tokens, eval_tokens=512,
                                       settings=settings)
@@ -173,7 +176,8 @@ def main(argv=None) -> int:
            "model": str(info.path), "environment": environment(), "seq_len": args.seq_len,
            "skip_tokens": args.skip_tokens,
            "domains": {s: {"tokens": sum(int(b.numel()) for b in bs), "sequences": sum(b.shape[0] for b in bs),
-                           "float_perplexity": baselines[s]["perplexity"]} for s, bs in domains.items()},
+                           "float_perplexity": baselines[s]["perplexity"], "float_from_cache": s in from_cache}
+                for s, bs in domains.items()},
            "results": results, "timings": timings, "total_s": time.perf_counter() - t0}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,8 +210,8 @@ def render(doc) -> str:
              f"{doc['seq_len']} tokens after the first {doc['skip_tokens']:,} tokens of each domain (what `ffnquant plan` "
              "verifies on by default, so text no plan saw). The interval is 95%, from paired per-sequence "
              "differences; KL is over the float model's top-128 tokens plus one bucket for the rest (a lower bound of "
-             "the full KL). A float reference of a few seconds was read from the --cache of an earlier run of the same "
-             "windows.", "",
+             "the full KL)." + ("".join(f" The float reference of {s} was read from the --cache of an earlier run of the "
+                                        "same windows." for s, d in doc["domains"].items() if d.get("float_from_cache"))), "",
              "| domain | tokens | sequences | float perplexity |", "|---|---|---|---|"]
     for s, d in doc["domains"].items():
         lines.append(f"| {s} | {d['tokens']:,} | {d['sequences']} | {d['float_perplexity']:.4f} |")
