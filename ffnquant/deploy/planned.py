@@ -23,7 +23,7 @@ from ..fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
 from ..remedies import BlockHadamard
 from ..schemes import ActMode, Method, Scheme, get_scheme
 
-__all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "rounding_resolution", "loaded_ffn"]
+__all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "loaded_ffn"]
 
 
 @dataclass(frozen=True)
@@ -250,31 +250,3 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
     return PlannedModel(info=info, plan=plan, model=model, float_model=float_model, modules=modules,
                         evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=out_qffns,
                         settings=settings_used)
-
-
-def rounding_resolution(planned: PlannedModel) -> dict[str, Any]:
-    """How far float32 rounding alone moves the plan's perplexity on this text: ffnquant's own quantized model
-    (input scales folded into the norms) run with the first block's input scaled by 1 and 1 +- 2^-23.
-
-    Static activation codes near a rounding boundary flip under any one-ulp change, each flip moves later
-    layers' inputs, and across the layers the quantization noise is redrawn: the spread of these runs is what
-    the end-to-end figure can resolve. Two computations of the same quantized model that differ only in rounding
-    cannot be told apart more finely than this."""
-    from ..hf import compare_models, load_ffn_layers
-    from ..hf.capture import install_ffns
-
-    info, model = planned.info, planned.model
-    by_label = {layer.label: layer.info for layer in load_ffn_layers(info, "all")}
-    ffns = {by_label[k]: q for k, q in planned.qffns.items()}
-    reference = planned.reference["end_to_end"]["perplexity_ratio"]
-    runs = []
-    for delta in (0.0, 2.0 ** -23, -(2.0 ** -23)):
-        hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out, d=delta: out * (1.0 + d))
-        try:
-            with install_ffns(model, info, ffns):
-                fig = compare_models(planned.float_model, model, info, planned.evals)
-        finally:
-            hook.remove()
-        runs.append({"input_scale": 1.0 + delta, "perplexity_ratio": fig["perplexity_ratio"],
-                     "relative_to_reference": abs(fig["perplexity_ratio"] / reference - 1.0)})
-    return {"runs": runs, "resolution": max(r["relative_to_reference"] for r in runs)}

@@ -2,11 +2,12 @@
 
 `remedies.smooth` (and AWQ) leave a per-channel multiply x * c in an FFN's `input_transform` (a
 `remedies.ChannelScale`) and put 1/c into the consuming weight columns. A deployed model has no such
-multiply: it folds into the gain of the norm whose output is the FFN's input and nothing else's
-(`Arch.norm_pattern`): RMSNorm / LayerNorm y = n * g + b become n * (g c) + b c, Gemma's n * (1 + g)
-takes g <- (1 + g) c - 1 (`Arch.norm_gain`). Where that norm's output also feeds something else (BERT's
-post-LN residual, Mixtral's router) the fold would change the model and is refused with the reason
-(`Arch.fold_refusal`). `fold_exactness` measures the fold end to end on a real model.
+multiply: it folds into the gain of the norm whose output is the FFN's input and nothing else's, found per layer
+from the loaded model's graph (`hf.graph.fold_sites`; a hand-written `Arch.norm_pattern` must agree with it):
+RMSNorm / LayerNorm y = n * g + b become n * (g c) + b c, Gemma's n * (1 + g) takes g <- (1 + g) c - 1 (the
+form the graph's numeric check found). Where that norm's output also feeds something else (a parallel block's
+attention, Mixtral's router, BERT's post-LN residual) the fold would change the model and is refused for that
+layer with the reason. `fold_exactness` measures the fold end to end on a real model.
 """
 
 from __future__ import annotations
@@ -315,10 +316,13 @@ def fold_exactness(
         unfolded.update(ref, smooth_out)
         fold_only.update(smooth_out, fold_out)
     result = folded.to_dict()
+    from .graph import fold_sites
+
+    gains = sorted({str(site.gain) for site in fold_sites(model, info, list(smoothed)).values() if site.gain is not None})
     return {
         "model": str(info.path),
         "architecture": info.arch.name,
-        "norm_gain": str(info.arch.norm_gain),
+        "norm_gain": ", ".join(gains) or str(info.arch.norm_gain),
         "compared": "last_hidden_state" if info.kind is ModelKind.ENCODER else "logits",
         "alpha": float(alpha),
         "layers": [layer.label for layer in hf_layers],
