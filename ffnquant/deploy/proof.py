@@ -67,25 +67,6 @@ def input_scale(qffn: Any) -> torch.Tensor | None:
     return c
 
 
-def _ffn(obj: Any) -> Any:
-    return obj.model if hasattr(obj, "model") and hasattr(obj.model, "input_transform") else obj
-
-
-def _with_input_scale(qffn: Any, scale: torch.Tensor) -> Any:
-    """A copy of a folded QuantizedFFN doing its input multiply itself again (what the plan measured): the
-    weights and the recipe shared, the hooks the copy's own (as `hf.fold` copies them)."""
-    from ..remedies import ChannelScale
-
-    memo: dict[int, Any] = {id(t): t for t in list(qffn.parameters()) + list(qffn.buffers())}
-    for name in ("recipe", "prepared"):
-        value = getattr(qffn, name, None)
-        if value is not None:
-            memo[id(value)] = value
-    new = copy.deepcopy(qffn, memo)
-    _ffn(new).input_transform = ChannelScale(scale)
-    return new
-
-
 def _divided(ffn: Any, scale: torch.Tensor) -> Any:
     """The float FFN reading x * c: its input columns divided by c (w_up, w_gate), nothing quantized."""
     new = copy.deepcopy(ffn)
@@ -332,13 +313,15 @@ def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
     on the same original model, and `convention_cost` is what it moves the figures from ffnquant's reference.
     `references`: the original model's kept batches (`hf.evaluate.float_reference`), computed when None."""
     from ..hf.evaluate import float_reference
+    from ..hf.fold import with_input_transform
+    from ..remedies import ChannelScale
 
     info = planned.info
     by_label = {layer.label: layer for layer in info.layers}
     ffns = {}
     for label, q in planned.qffns.items():
         c = input_scale(q)
-        ffns[by_label[label]] = q if c is None else _with_input_scale(q, c)
+        ffns[by_label[label]] = q if c is None else with_input_transform(q, by_label[label], ChannelScale(c))
     refs = references if references is not None else float_reference(planned.float_model, info, planned.evals)[1]
     plain = _run_figures(planned, ffns, refs, 0.0)
     recorded = _figures(planned.reference["end_to_end"])

@@ -65,9 +65,10 @@ def _input_scale(obj: Any, layer: LayerInfo) -> torch.Tensor | None:
     return scale
 
 
-def _without_input_scale(obj: Any, layer: LayerInfo) -> Any:
-    """A copy of `obj` whose FFN has an identity input_transform. The weights (unchanged by the fold), and a
-    QuantizedFFN's recipe and prepared calibration, are shared with `obj`, not duplicated."""
+def with_input_transform(obj: Any, layer: LayerInfo, transform: nn.Module) -> Any:
+    """A copy of `obj` (an FFN or QuantizedFFN) whose FFN has `transform` as its input_transform. The weights
+    (which a fold leaves unchanged), and a QuantizedFFN's recipe and prepared calibration, are shared with `obj`,
+    not duplicated."""
     memo: dict[int, Any] = {id(t): t for t in list(obj.parameters()) + list(obj.buffers())}
     for name in ("recipe", "prepared"):
         value = getattr(obj, name, None)
@@ -76,8 +77,12 @@ def _without_input_scale(obj: Any, layer: LayerInfo) -> Any:
     # deepcopy maps each hook dict and the handles pointing at it together: a QuantizedFFN copy's activation
     # fake-quantizers sit on the copy's taps, and its remove_hooks removes those
     new = copy.deepcopy(obj, memo)
-    _ffn_of(new, layer).input_transform = nn.Identity()
+    _ffn_of(new, layer).input_transform = transform
     return new
+
+
+def _without_input_scale(obj: Any, layer: LayerInfo) -> Any:
+    return with_input_transform(obj, layer, nn.Identity())
 
 
 def _module_name(model: nn.Module, info: ModelInfo, layer: LayerInfo, names: Sequence[str]) -> str:

@@ -49,10 +49,10 @@ _RUNTIME_BYTES = 384 * 10**6
 
 def streamable_reason(info: ModelInfo) -> str | None:
     """Why `info` cannot be run layer by layer, or None when it can: a causal LM whose FFN is one module per
-    block (llama, mistral, qwen2, gemma, phi3, gpt2; the models `plan` takes), from safetensors."""
+    block, of any family transformers builds (found by `hf.discover`), from safetensors."""
     if info.kind is not ModelKind.CAUSAL_LM or info.arch.install is not Install.MODULE or info.n_experts:
-        return (f"sequential onloading supports causal LMs whose FFN is one module per block (llama, mistral, qwen2, "
-                f"gemma, phi3, gpt2), not {info.model_type}")
+        return (f"sequential onloading supports causal LMs whose FFN is one module per block (not mixture-of-experts "
+                f"tensors or Linears in the block itself), not {info.model_type} ({info.kind}, {info.arch.install})")
     if info.weights_format != "safetensors":
         return "sequential onloading reads safetensors shards; this checkpoint is pickled"
     return None
