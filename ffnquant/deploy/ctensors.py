@@ -31,14 +31,15 @@ import torch
 from ..errors import FFNQuantError
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 
-__all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ctensors_available", "recipe_refusal", "plan_refusal",
-           "module_args", "write_folder", "decompressed_weights", "verify_folder", "folder_bytes"]
+__all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ASYMMETRIC_INT4_MEASURED", "ctensors_available",
+           "recipe_refusal", "plan_refusal", "module_args", "write_folder", "decompressed_weights", "verify_folder",
+           "folder_bytes"]
 
 FORMAT_NAME = "compressed-tensors"
 # What this writer stores, said in every refusal.
 SUPPORTED = ("int8 weights per channel with static or per-token int8 activations (w8a8, w8a8-s8, w8a8-dynamic, "
              "w8a8-dynamic-s8) or float activations (w8a16); symmetric 4-bit group weights whose group divides the "
-             "input width (w4a16-gN, -gptq); fp8 (fp8-e4m3, -pc, -dynamic); +smooth and AWQ folded into the norms; "
+             "input width (w4a16-gN, -gptq); fp8 (fp8-e4m3, -pc, -dynamic); +smooth folded into the norms; "
              "+float=SITE and fp32 kept float")
 # The issue's bound: the loaded folder's perplexity equals the plan's measured one within this, relative.
 LOAD_TOLERANCE = 1e-3
@@ -47,6 +48,18 @@ _WRITTEN = ("config.json", "generation_config.json", "model.safetensors", "model
 _ROTATE_WHY = ("+rotate multiplies the hidden activation by a block-Hadamard at run time, an operation, not a "
                "weight fold, which a compressed-tensors folder loaded by transformers does not run")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx")
+# Asymmetric 4-bit groups (AWQ, -asym) in compressed-tensors' own layout, pack-quantized with the zero points packed
+# eight to an int32 along the output rows, are what vLLM reads; transformers cannot load them back, so they are
+# refused. Measured with these versions; tests/test_deploy_ctensors.py writes that layout again with the installed
+# pair and fails once it loads, so the refusal is lifted when the libraries are.
+ASYMMETRIC_INT4_MEASURED = {"compressed-tensors": "0.20.1", "transformers": "5.24.0"}
+ASYMMETRIC_INT4_WHY = (
+    "asymmetric 4-bit weights do not load back: compressed-tensors {compressed-tensors} writes them pack-quantized "
+    "with weight_zero_point packed eight to an int32 along the output rows ([out/8, groups]), while transformers "
+    "{transformers}'s from_pretrained compresses its empty model before loading without packing it ([out, groups]) "
+    "and stops with RuntimeError (weight_zero_point MISMATCH, ignore_mismatched_sizes=False); the one variant that "
+    "loads (strategy block [1, group], zero points unpacked) is not a layout vLLM takes for 4-bit weights (group or "
+    "channel only)").format_map(ASYMMETRIC_INT4_MEASURED)
 
 
 def ctensors_available() -> tuple[bool, str]:
@@ -80,8 +93,7 @@ def recipe_refusal(recipe: Any, spec: Any) -> str | None:
     elif scheme.outlier_threshold is not None or scheme.no_reference_reason is not None:
         why = "a runtime-only format without ffnquant reference numerics"
     elif scheme.weight_dtype is WeightDType.INT4 and not scheme.weight_symmetric:
-        why = ("asymmetric 4-bit weights need packed zero points, which this compressed-tensors and transformers "
-               "pair writes but cannot load back (transformers expects the unpacked shape)")
+        why = ASYMMETRIC_INT4_WHY
     elif scheme.weight_dtype is WeightDType.INT4 and scheme.weight_granularity is Granularity.PER_GROUP:
         bad = [f"{n} {d}" for n, d in (("d_model", spec.d_model), ("d_ff", spec.d_ff)) if d % scheme.group_size]
         if bad:
