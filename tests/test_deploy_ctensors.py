@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ffnquant.cli import main
+from ffnquant.errors import FFNQuantError
 from ffnquant.plan.planfile import Plan, model_fingerprint
 from ffnquant.recipe import Recipe
 from ffnquant.spec import FFNSpec, Variant
@@ -218,6 +219,48 @@ def test_asymmetric_4bit_groups_are_written_right_but_transformers_cannot_load_t
     assert packed.dtype == torch.int32 and tuple(packed.shape) == (grid.scale.shape[0] // 8, grid.scale.shape[1])
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+
+
+@pytest.mark.hf
+def test_format_candidates_leave_out_what_the_format_refuses_with_its_reason(llama):
+    from ffnquant.hf import inspect_model
+    from ffnquant.plan.candidates import candidate_recipes, format_candidates
+
+    info = inspect_model(llama)
+    recipes, skipped = candidate_recipes("fp32,w8a16,w8a8-dynamic-s8+rotate,w4a16-g32-awq,fp8-e4m3,w4a16-g32",
+                                         info.spec)
+    kept, left = format_candidates(recipes, skipped, info, "compressed-tensors")
+    assert [str(r) for r in kept] == ["fp32", "w8a16", "fp8-e4m3", "w4a16-g32"]
+    reasons = {s["recipe"]: s["reason"] for s in left}
+    assert set(reasons) == {"w8a8-dynamic-s8+rotate", "w4a16-g32-awq"}
+    assert reasons["w8a8-dynamic-s8+rotate"] == ctensors.recipe_refusal(Recipe.parse("w8a8-dynamic-s8+rotate"), info.spec)
+    assert "block-Hadamard at run time" in reasons["w8a8-dynamic-s8+rotate"]
+    assert "asymmetric 4-bit weights do not load back" in reasons["w4a16-g32-awq"]
+    # the ONNX graph writes +rotate and AWQ but has no fp8 kernel
+    kept, left = format_candidates(recipes, [], info, "onnx")
+    assert [s["recipe"] for s in left] == ["fp8-e4m3"] and "fp8 e4m3" in left[0]["reason"]
+    with pytest.raises(FFNQuantError, match="unknown format 'gguf'; valid: onnx, compressed-tensors"):
+        format_candidates(recipes, [], info, "gguf")
+
+
+@pytest.mark.hf
+def test_a_model_the_format_refuses_is_refused_whatever_the_candidates(tmp_path):
+    """gpt2's Conv1D matrices: compressed-tensors refuses the model; ONNX writes per-layer artifacts, so there only
+    the recipes without an artifact are left out."""
+    import transformers
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.plan.candidates import candidate_recipes, format_candidates
+
+    from hf_models import save_causal_tiny
+
+    info = inspect_model(save_causal_tiny(transformers, "gpt2", tmp_path / "gpt2"))
+    recipes, _ = candidate_recipes("fp32,w8a16,w8a8-dynamic-s8", info.spec)
+    with pytest.raises(FFNQuantError, match="format compressed-tensors: gpt2: its MLP weights are transformers' Conv1D"):
+        format_candidates(recipes, [], info, "compressed-tensors")
+    kept, left = format_candidates(recipes, [], info, "onnx")
+    assert [str(r) for r in kept] == ["fp32", "w8a16"]
+    assert "no per-layer ONNX artifact" in left[0]["reason"] and "Conv1D" in left[0]["reason"]
 
 
 @pytest.mark.hf

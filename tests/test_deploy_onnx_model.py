@@ -154,3 +154,52 @@ def test_graph_refusal_names_the_protobuf_limit(written):
     assert graph_refusal(info) is None
     why = graph_refusal(dataclasses.replace(info, n_params_total=600_000_000))
     assert "2 GiB" in why and "\n" not in why
+
+
+def _real_graph_refusal(text: str) -> str | None:
+    """What the graph's rewrite says of a small FFN really quantized under `text` (every matmul's ModuleQuant, as
+    `deploy.planned` makes them): None, or its refusal."""
+    from ffnquant import build
+    from ffnquant.deploy.onnx_rewrite import module_kind
+    from ffnquant.deploy.planned import _module_quants
+    from ffnquant.fakequant import input_hessians, quantize_model
+    from ffnquant.observe import profile
+    from ffnquant.recipe import Recipe
+    from ffnquant.spec import FFNSpec, Variant
+
+    model = build(FFNSpec(Variant.SWIGLU, 32, 64), seed=0)
+    recipe = Recipe.parse(text)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    table = profile(model, [x], weights=False)
+    weights, sites = recipe.quantized_parts(model.spec)
+    names = {w: f"m.{w}" for w in ("w_up", "w_gate", "w_down")}
+    try:
+        q = quantize_model(model, recipe.scheme, table, recipe.calibrator, weights=weights, sites=sites,
+                           hessians=input_hessians(model, [x]))
+        for m in _module_quants("L0", 0, recipe, q, names):
+            module_kind(m)
+    except FFNQuantError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("text", ["fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", "w8a8-dynamic", "w8a8-dynamic-s8",
+                                  "w4a16-g32", "w4a16-g32-asym", "w4a16-g32-hqq", "w4a16-g32-gptq", "w4a16-g32-awq",
+                                  "nf4", "fp4", "fp8-e4m3", "fp8-e4m3-pc", "fp8-e4m3-dynamic", "llm-int8",
+                                  "fp8-e4m3+float=input", "w8a8-dynamic-s8+float=hidden", "w8a8@search+float=input"])
+def test_recipe_refusals_say_what_the_graph_rewrite_says_of_real_grids(text, monkeypatch):
+    """`recipe_refuser` decides from the recipe alone (before a plan chooses it); the graph's rewrite decides on the
+    quantized model: they agree on every preset, float sites included."""
+    from types import SimpleNamespace
+
+    from ffnquant.deploy import onnx_model
+    from ffnquant.recipe import Recipe
+    from ffnquant.spec import FFNSpec, Variant
+
+    monkeypatch.setattr(onnx_model, "graph_refusal", lambda info: None)  # the model gets its whole graph
+    predicted = onnx_model.recipe_refuser(SimpleNamespace(spec=FFNSpec(Variant.SWIGLU, 32, 64)))(Recipe.parse(text))
+    real = _real_graph_refusal(text)
+    assert (predicted is None) == (real is None), (predicted, real)
+    if predicted is not None:
+        assert predicted.startswith(f"recipe {text} cannot be written in the whole-model ONNX graph: ")
+        assert "\n" not in predicted

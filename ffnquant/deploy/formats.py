@@ -1,10 +1,12 @@
-"""The deployment formats `export --model --plan --format` writes, by name."""
+"""The deployment formats `export --model --plan --format` writes, by name, and what each refuses."""
 
 from __future__ import annotations
 
-from ..errors import unknown_choice
+from typing import Any, Sequence
 
-__all__ = ["FORMATS", "get_format"]
+from ..errors import FFNQuantError, unknown_choice
+
+__all__ = ["FORMATS", "get_format", "recipe_refusals"]
 
 FORMATS = {
     "onnx": "each planned FFN layer as a quantized ONNX artifact (QDQ int8, MatMulNBits 4-bit) with manifest.json, "
@@ -20,3 +22,29 @@ def get_format(name: str) -> str:
     if key not in FORMATS:
         raise unknown_choice("format", name, FORMATS)
     return key
+
+
+def recipe_refusals(fmt: str, info: Any, recipes: Sequence[Any]) -> dict[Any, str]:
+    """{recipe: why} for each of `recipes` that `export --format fmt` cannot write on `info`'s model (one line
+    each, the format's own refusal), decided from the recipes alone. FFNQuantError when the format refuses the
+    model itself, whatever the recipes: every plan of it would end in a refused export."""
+    fmt = get_format(fmt)
+    if fmt == "compressed-tensors":
+        from . import ctensors
+        from .planned import deployable_refusal
+
+        ok, missing = ctensors.ctensors_available()
+        why = deployable_refusal(info, fmt) or (None if ok else missing)
+        if why is not None:
+            raise FFNQuantError(f"format {fmt}: {why}")
+        refusal = lambda recipe: ctensors.recipe_refusal(recipe, info.spec)  # noqa: E731
+    else:
+        from .onnx_model import recipe_refuser
+
+        refusal = recipe_refuser(info)
+    out = {}
+    for recipe in recipes:
+        why = refusal(recipe)
+        if why is not None:
+            out[recipe] = why
+    return out

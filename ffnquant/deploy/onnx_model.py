@@ -28,7 +28,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from ..atomic import ScratchFolder
 __all__ = [
     "PPL_TOLERANCE",
     "graph_refusal",
+    "recipe_refuser",
     "float_tolerance",
     "export_float_graph",
     "score_graph",
@@ -82,6 +83,74 @@ def graph_refusal(info: Any) -> str | None:
         return (f"{info.model_type}: writing its graph takes about {human_bytes(EXPORT_COPIES * weights)} "
                 f"({EXPORT_COPIES} fp32 copies of {human_bytes(weights)}); this machine has {human_bytes(have)} available")
     return None
+
+
+def recipe_refuser(info: Any) -> Callable[[Any], str | None]:
+    """recipe -> why `export --format onnx` cannot write it as planned on `info`'s model (one line), None when it
+    can; decided from the recipe alone. Where the model gets its whole graph (`graph_refusal` is None), what the
+    graph's rewrite refuses (`module_kind`, on the matmuls the recipe quantizes); where it does not, a recipe
+    without a per-layer artifact (its layers would have no file)."""
+    from ..onnxquant import artifact_kind
+
+    graph_why = graph_refusal(info)  # once: it reads the machine's memory
+
+    def refusal(recipe: Any) -> str | None:
+        if graph_why is not None:
+            kind, why = artifact_kind(recipe.resolve())
+            return None if kind is not None else (f"recipe {recipe} has no per-layer ONNX artifact ({why}) and this "
+                                                  f"model gets no whole-model graph ({graph_why})")
+        try:
+            for m in _recipe_modules(recipe, info.spec):
+                module_kind(m)
+        except FFNQuantError as exc:
+            # module_kind names the matmul and the recipe; the recipe leads this line already
+            said = str(exc).replace(f" (recipe {recipe})", "")
+            return f"recipe {recipe} cannot be written in the whole-model ONNX graph: {said}"
+        return None
+
+    return refusal
+
+
+def _recipe_modules(recipe: Any, spec: Any) -> list[Any]:
+    """The `ModuleQuant`s a layer under `recipe` would get, with stand-in numbers: every field `module_kind` reads
+    (grid kind, bits, granularity, group, zero points, input mode and range) is the recipe's, as
+    `fakequant.weight_grid` and `deploy.planned` set them. FFNQuantError for weights without a grid."""
+    from ..fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
+    from ..schemes import ActMode, Granularity, Method, WeightDType
+    from .planned import ModuleQuant
+
+    scheme = recipe.resolve()
+    weights, sites = recipe.quantized_parts(spec)
+    wd, gran = scheme.weight_dtype, scheme.weight_granularity
+    out = []
+    for weight in spec.weight_names:
+        site = WEIGHT_INPUT_SITE[weight]
+        grid = None
+        if weight in weights and not wd.is_float:
+            if wd in (WeightDType.NF4, WeightDType.FP4) or scheme.method is Method.HQQ:
+                what = "HQQ's float zero points" if scheme.method is Method.HQQ else f"bitsandbytes' {wd.value} codes"
+                raise FFNQuantError(f"its weights have no integer or fp8 grid ({what})")
+            width = spec.d_model if site == "input" else spec.d_ff
+            if wd is WeightDType.FP8_E4M3:
+                grid = WeightGrid("fp8", 8, gran.value, True, torch.ones(()), None)
+            else:
+                bits = 8 if wd is WeightDType.INT8 else 4
+                group = scheme.group_size if gran is Granularity.PER_GROUP else (width if bits == 4 else None)
+                if bits == 4 and gran is Granularity.PER_TENSOR and scheme.method is not Method.GPTQ:
+                    group = None  # the per-tensor RTN grid: no groups
+                zp = torch.zeros(()) if scheme.weight_symmetric else torch.ones(())
+                grid = WeightGrid("int", bits, gran.value, scheme.weight_symmetric, torch.ones(()), zp.to(torch.int32),
+                                  group)
+        mode = None
+        if site in sites and not scheme.act_dtype.is_float:
+            mode = "dynamic" if scheme.act_mode is ActMode.DYNAMIC else "static"
+        rng = None
+        if mode == "static":
+            qmin, qmax = {"uint8": (0, 255), "int8": (-128, 127)}.get(scheme.act_dtype.value, (0, 0))
+            rng = SiteRange(site, -1.0, 1.0, 1.0, 0, qmin, qmax, scheme.act_dtype.value, "", 0.0, -1.0, 1.0)
+        out.append(ModuleQuant(module=weight, layer="", index=0, weight=weight, site=site, recipe=str(recipe),
+                               scheme=scheme, grid=grid, input_mode=mode, input_range=rng))
+    return out
 
 
 # --- export ------------------------------------------------------------------------------------------

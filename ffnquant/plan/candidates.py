@@ -20,8 +20,8 @@ from ..errors import FFNQuantError
 from ..recipe import Recipe
 from .sensitivity import fisher_noise
 
-__all__ = ["CANDIDATE_SETS", "candidate_recipes", "CandidateScore", "generalization", "score_layer", "quantize_layer",
-           "ScoreTask", "score_tasks", "run_score_task"]
+__all__ = ["CANDIDATE_SETS", "candidate_recipes", "format_candidates", "CandidateScore", "generalization", "score_layer",
+           "quantize_layer", "ScoreTask", "score_tasks", "run_score_task"]
 
 # Named candidate sets; `--candidates` also takes a comma-separated list of recipes.
 CANDIDATE_SETS: dict[str, tuple[str, ...]] = {
@@ -68,6 +68,18 @@ def candidate_recipes(text: str | Sequence[str], spec: Any) -> tuple[list[Recipe
         if recipe not in recipes:
             recipes.append(recipe)
     return recipes, skipped
+
+
+def format_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]], info: Any,
+                      fmt: str) -> tuple[list[Recipe], list[dict[str, str]]]:
+    """`candidate_recipes`' result less the recipes `export --format fmt` cannot write on `info`'s model, which
+    join the skipped ones with the format's reason: a plan made for a format never ends in a refused export.
+    FFNQuantError when the format refuses the model itself (`deploy.formats.recipe_refusals`)."""
+    from ..deploy.formats import recipe_refusals
+
+    refused = recipe_refusals(fmt, info, recipes)
+    return ([r for r in recipes if r not in refused],
+            list(skipped) + [{"recipe": str(r), "reason": why} for r, why in refused.items()])
 
 
 @dataclass
