@@ -127,7 +127,7 @@ def trace(task: str, model: str, calib_tokens: int, eval_tokens: int) -> None:
     """In this process: layer 0 of `model` profiled or quantized through `hf.stream`, printing one JSON line per
     progress report with the resident set and its high-water mark so far (where the peak comes from)."""
     from ffnquant.hf import EvalSettings, inspect_model
-    from ffnquant.hf.streamed import stream_calibrate, stream_quantize
+    from ffnquant.hf.layerwise import calibrate_layerwise, quantize_layerwise
     from ffnquant.recipe import as_recipe
 
     info = inspect_model(model)
@@ -138,10 +138,10 @@ def trace(task: str, model: str, calib_tokens: int, eval_tokens: int) -> None:
 
     settings = EvalSettings(max_calib_tokens=calib_tokens, max_eval_tokens=eval_tokens, ablation=False)
     if task == "profile":
-        stream_calibrate(info, "0", settings=settings, progress=progress)
+        calibrate_layerwise(info, "0", settings=settings, progress=progress)
     else:
-        stream_quantize(info, as_recipe("w8a8"), "0", calib_tokens=calib_tokens, eval_tokens=eval_tokens,
-                        settings=settings, onnx=False, progress=progress)
+        quantize_layerwise(info, as_recipe("w8a8"), "0", calib_tokens=calib_tokens, eval_tokens=eval_tokens,
+                           settings=settings, onnx=False, progress=progress)
     print(json.dumps({"stage": "end", **_status()}), flush=True)
 
 
@@ -327,7 +327,7 @@ def _markdown(res: dict) -> str:
         "tokenizer, embedding, the synthetic variant of profile, the head):", "",
         markdown_table(["command", "s per extra layer", "fixed s", "full / half seconds"], lin), "",
     ]
-    lines += ["What each run printed about its memory (the estimate `hf.stream.plan_memory` chose the mode on):", ""]
+    lines += ["What each run printed about its memory (the estimate `hf.memory.plan_memory` chose the mode on):", ""]
     lines += [f"- {r['task']} at {r['layers']} layers: `{r['memory_line']}`" for r in res["runs"] if r["memory_line"]]
     lines += ["", "Where the peak comes from: layer 0 profiled and quantized (w8a8, no ONNX) through `hf.stream` in one "
               "process each, the resident set (RSS) and its high-water mark (HWM) read at each progress report (the "

@@ -537,7 +537,8 @@ def model_adequacy(model_dir: str | os.PathLike, layers: str | int | list[int] |
     """
     from .hf.capture import iter_captured, load_tokenizer, model_text_batches
     from .hf.checkpoint import inspect_model, load_ffn_layers
-    from .hf.inputs import EvalSettings, capture_layer_inputs, fit_settings, token_budget
+    from .hf.inputs import EvalSettings, fit_settings, token_budget
+    from .hf.layerwise import capture_layer_inputs
 
     t0, c0 = time.perf_counter(), time.process_time()
     cal = _check_options(calibrator, bootstrap, tolerance, seed)

@@ -1,10 +1,11 @@
 """The architecture matrix: every causal-LM model type of `hf_models.CAUSAL_TYPES`, a tiny random-weight model
 each, found from the model itself (`hf.discover`) and taken as far as ffnquant takes it.
 
-Each type either runs `plan` -> `export --format compressed-tensors` -> load with exact weights (the export's
+Each type runs `plan`, and either `export --format compressed-tensors` -> load with exact weights (the export's
 proof), or is refused one named feature with its reason: smoothing where the input scale cannot fold (parallel
-blocks, a residual-stream FFN input), compressed-tensors for Conv1D, plans for models whose FFN is not one module
-per block (mixture-of-experts, OPT's in-block Linears), which `quantize --model` still takes.
+blocks, a residual-stream FFN input, a router reading the norm), compressed-tensors for Conv1D and FalconLinear,
+both export formats for routed experts (their layers plan, every expert of a layer under one recipe, and
+`quantize --plan` applies them).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ EXPECTED = {
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
            "exaone4": "no module produces the FFN's input"}
-NOT_PLANNED = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # mixture-of-experts
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # planned by bytes; no export format stores experts
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
 TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
 
@@ -109,10 +110,6 @@ def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, mo
     assert main(["quantize", "--model", str(folder), "--scheme", "w8a8", *TOKENS, "--no-progress",
                  "--out-reports", str(tmp_path / "q"), "--out-artifacts", str(tmp_path / "qa")]) == 0
     capsys.readouterr()
-    if model_type in NOT_PLANNED:
-        assert main(["plan", "--model", str(folder), "--out", str(tmp_path / "p"), *TOKENS, "--no-progress"]) == 2
-        assert "not mixture-of-experts" in capsys.readouterr().err
-        return
     assert main(["plan", "--model", str(folder), "--target", "ppl+5%", "--candidates", "fp32,w8a8@search+smooth,w4a16-g32",
                  "--out", str(tmp_path / "p"), *TOKENS, "--probe-tokens", "128", "--tokens", "16", "--no-progress"]) == 0
     data = json.loads((tmp_path / "p" / "plan.json").read_text())
@@ -120,6 +117,17 @@ def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, mo
         assert data["fold_refusals"] and all(r["recipe"] != "w8a8@search+smooth" for r in data["plan"]["layers"])
     if model_type in NO_CT:
         assert NO_CT[model_type] in data["deployment"]["compressed-tensors"]
+    if model_type in MOE:  # every layer planned; the plan says what the exports refuse, and quantize applies it
+        assert data["objective"] == "weight bytes" and len(data["plan"]["layers"]) == len({l.index for l in
+                                                                                      inspect_model(folder).layers})
+        assert all("mixture-of-experts" in data["deployment"][f] for f in ("compressed-tensors", "onnx"))
+        assert main(["quantize", "--model", str(folder), "--plan", str(tmp_path / "p" / "plan.toml"), *TOKENS,
+                     "--no-progress", "--no-onnx", "--out-reports", str(tmp_path / "qp")]) == 0
+        capsys.readouterr()
+        assert main(["export", "--model", str(folder), "--plan", str(tmp_path / "p" / "plan.toml"), "--format",
+                     "compressed-tensors", *TOKENS, "--out", str(tmp_path / "ct")]) == 2
+        assert "mixture-of-experts" in capsys.readouterr().err and not (tmp_path / "ct").exists()
+        return
     capsys.readouterr()
     smoothed = _plan(folder, ["w8a8@search+smooth", "w4a16-g32"], tmp_path / "smoothed.toml")
     argv = ["export", "--model", str(folder), "--format", "compressed-tensors", *TOKENS]
@@ -158,24 +166,28 @@ def test_an_ffn_that_does_not_reproduce_is_refused_by_layer(folders):
         check_reproduction(model, wrong, load_ffn_layers(wrong), ids)
 
 
-# layer by layer through the model's own class: sliding windows (gemma3_text, starcoder2), the norm after the FFN
-# (olmo2), parallel blocks (phi), scaled residuals (granite), a fused gate+up (glm)
-STREAMED = ("gemma3_text", "olmo2", "phi", "granite", "glm", "starcoder2", "qwen3")
+@pytest.mark.parametrize("model_type", CAUSAL_TYPES)
+def test_the_engine_equals_the_whole_forward(folders, model_type):
+    """Every command runs a causal LM through one engine: the model's own class, a decoder layer at a time (sliding
+    windows, norms after the FFN, parallel blocks, routers: all the class's own). Resident, and read from the
+    safetensors a layer at a time where the checkpoint allows it, its figures are those of transformers' whole
+    forward (`whole=True`), bit for bit: per-layer SQNR and every end-to-end figure."""
+    from ffnquant.hf import EvalSettings, capture_layer_inputs, load_ffn_layers, quantize_model_layers
+    from ffnquant.hf.layerwise import quantize_layerwise
+    from ffnquant.hf.memory import streamable_reason
 
-
-@pytest.mark.parametrize("model_type", STREAMED)
-def test_layer_by_layer_equals_the_whole_model(folders, model_type, tmp_path, capsys):
-    """`--sequential` runs each decoder layer of the model's own class, read from the safetensors, on every batch:
-    new architectures need no code there, and the figures are the whole model's, bit for bit."""
-    docs = {}
-    for mode in ("--sequential", "--no-sequential"):
-        out = tmp_path / mode.strip("-")
-        assert main(["quantize", "--model", str(folders[model_type]), "--scheme", "w8a8", *TOKENS, "--no-progress",
-                     "--no-onnx", mode, "--out-reports", str(out), "--out-artifacts", str(out / "a")]) == 0
-        doc = json.loads(next(out.glob("*.json")).read_text())
-        docs[mode] = (doc["end_to_end"]["end_to_end"], [layer["accuracy_torch"] for layer in doc["layers"]])
-    capsys.readouterr()
-    assert docs["--sequential"] == docs["--no-sequential"]
+    info = inspect_model(folders[model_type])
+    settings = EvalSettings(seq_len=32, batch_size=4, max_calib_tokens=128, max_eval_tokens=64, ablation=False)
+    layers = load_ffn_layers(info)
+    inputs = capture_layer_inputs(info, layers, calib_tokens=128, eval_tokens=64, settings=settings, whole=True)
+    want = quantize_model_layers(info, layers, inputs, Recipe.parse("w8a8"), onnx=False, settings=settings)
+    modes = [True] + ([False] if streamable_reason(info) is None else [])
+    assert (len(modes) == 1) == (model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"))
+    for resident in modes:
+        got = quantize_layerwise(info, Recipe.parse("w8a8"), calib_tokens=128, eval_tokens=64, settings=settings,
+                                 onnx=False, resident=resident)
+        assert [r["accuracy_torch"] for r in got["layers"]] == [r["accuracy_torch"] for r in want["layers"]], resident
+        assert got["end_to_end"]["end_to_end"] == want["end_to_end"]["end_to_end"], resident
 
 
 @pytest.mark.parametrize("model_type", ["falcon", "glm"])

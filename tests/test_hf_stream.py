@@ -1,8 +1,10 @@
-"""hf.stream: a causal LM run one decoder layer at a time gives the in-memory path's figures bit for bit.
+"""hf.stream: the engine, resident or reading a decoder layer at a time, gives the figures of transformers' own
+whole-model forward bit for bit.
 
-Both paths run the same float32 modules on the same batches (the decoder layers called with the arguments the
+Every mode runs the same float32 modules on the same batches (the decoder layers called with the arguments the
 model's own forward builds), so every comparison here is exact equality: histogram counts, minima and maxima,
-per-layer SQNR, perplexities.
+per-layer SQNR, perplexities. The reference is the whole-model path encoders still take (`calibrate_model`,
+`capture_layer_inputs` + `quantize_model_layers`), which runs the model's forward in one call.
 """
 
 from __future__ import annotations
@@ -44,17 +46,19 @@ def _without_seconds(data):
     return data
 
 
-@pytest.mark.parametrize("name, layers", [("llama", "all"), ("gemma", "all"), ("gpt2", "all"), ("llama", "0")],
-                         ids=["llama", "gemma", "gpt2", "llama-first-layer-only"])
-def test_streamed_ranges_and_positions_equal_the_in_memory_ones(tiny, name, layers):
+@pytest.mark.parametrize("name, layers, resident", [("llama", "all", False), ("gemma", "all", False),
+                                                    ("gpt2", "all", False), ("llama", "0", False),
+                                                    ("gemma", "all", True)],
+                         ids=["llama", "gemma", "gpt2", "llama-first-layer-only", "gemma-resident"])
+def test_engine_ranges_and_positions_equal_the_whole_forward_ones(tiny, name, layers, resident):
     from ffnquant.atlas import model_top_positions
     from ffnquant.hf import calibrate_model, inspect_model
-    from ffnquant.hf.streamed import stream_calibrate
+    from ffnquant.hf.layerwise import calibrate_layerwise
 
     info = inspect_model(tiny[name])
     hf_layers, tables = calibrate_model(info, layers=layers, settings=_settings())
     top, measured = model_top_positions(info, hf_layers, settings=_settings())
-    s_tables, s_top, s_measured = stream_calibrate(info, layers, settings=_settings())
+    s_tables, s_top, s_measured = calibrate_layerwise(info, layers, settings=_settings(), resident=resident)
     assert list(s_tables) == list(tables) and tables
     for label, table in tables.items():
         for site, obs in table.items():
@@ -65,15 +69,17 @@ def test_streamed_ranges_and_positions_equal_the_in_memory_ones(tiny, name, laye
     assert s_top == top and s_measured == measured
 
 
-@pytest.mark.parametrize("name, layers, spill, plan", [(name, "all", False, False) for name in ARCHS] + [
-    ("llama", "all", True, False), ("llama", "1", False, False), ("llama", "all", False, True)],
-    ids=list(ARCHS) + ["llama-spilled-to-disk", "llama-second-layer-only", "llama-plan"])
-def test_streamed_quantize_equals_the_in_memory_report(tiny, tmp_path, name, layers, spill, plan):
+@pytest.mark.parametrize("name, layers, mode, plan", [(name, "all", "streamed", False) for name in ARCHS] + [
+    ("llama", "all", "spilled", False), ("llama", "1", "streamed", False), ("llama", "all", "streamed", True),
+    ("llama", "all", "resident", False), ("gpt2", "all", "resident", True)],
+    ids=list(ARCHS) + ["llama-spilled-to-disk", "llama-second-layer-only", "llama-plan", "llama-resident",
+                       "gpt2-resident-plan"])
+def test_engine_quantize_equals_the_whole_forward_report(tiny, tmp_path, name, layers, mode, plan):
     """Per-layer rows (SQNR, ranges, sensitivity), the end-to-end perplexity and final hidden SQNR, the per-layer
-    ablation: `stream_quantize` returns `quantize_model_layers`' data exactly, hidden states in memory or on disk,
-    one recipe or a plan's recipe per layer."""
+    ablation: `quantize_layerwise` returns `quantize_model_layers`' data exactly, the model resident or read a
+    layer at a time, hidden states in memory or on disk, one recipe or a plan's recipe per layer."""
     from ffnquant.hf import capture_layer_inputs, inspect_model, load_ffn_layers, quantize_model_layers
-    from ffnquant.hf.streamed import stream_quantize
+    from ffnquant.hf.layerwise import quantize_layerwise
     from ffnquant.plan.planfile import Plan, model_fingerprint
     from ffnquant.recipe import as_recipe
 
@@ -81,10 +87,10 @@ def test_streamed_quantize_equals_the_in_memory_report(tiny, tmp_path, name, lay
     if plan:
         recipe = Plan(model_fingerprint(info), {0: as_recipe("w8a16"), 1: as_recipe("w8a8@mse+smooth")})
     hf_layers = load_ffn_layers(info, layers)
-    inputs = capture_layer_inputs(info, hf_layers, calib_tokens=128, eval_tokens=64, settings=settings)
+    inputs = capture_layer_inputs(info, hf_layers, calib_tokens=128, eval_tokens=64, settings=settings, whole=True)
     want = quantize_model_layers(info, hf_layers, inputs, recipe, onnx=False, settings=settings)
-    got = stream_quantize(info, recipe, layers, calib_tokens=128, eval_tokens=64, settings=settings, onnx=False,
-                          spill=spill, spill_dir=tmp_path)
+    got = quantize_layerwise(info, recipe, layers, calib_tokens=128, eval_tokens=64, settings=settings, onnx=False,
+                             resident=mode == "resident", spill=mode == "spilled", spill_dir=tmp_path)
     assert [r["accuracy_torch"]["sqnr_db"] for r in got["layers"]] == [r["accuracy_torch"]["sqnr_db"]
                                                                          for r in want["layers"]]
     assert got["end_to_end"]["end_to_end"]["perplexity"] == want["end_to_end"]["end_to_end"]["perplexity"]
@@ -115,6 +121,10 @@ def test_only_one_decoder_layer_is_ever_in_memory(tiny):
         ffn = {id(p) for p in model.ffns[1].parameters()}
         assert ffn and all(p.is_meta == (id(p) in ffn) for p in block.parameters())
     assert all(p.is_meta for p in model.layers[1].parameters())
+    whole = SequentialModel(info, resident=True)  # every layer stays, whatever the calls
+    with whole.layer(0, ffn=False):
+        whole.offload(whole.embedding)
+    assert not any(p.is_meta for p in whole.model.parameters())
 
 
 def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatch):
@@ -124,7 +134,7 @@ def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatc
 
     from ffnquant.hf import calibrate_model, inspect_model, stream
     from ffnquant.hf.checkpoint import _Weights
-    from ffnquant.hf.streamed import stream_calibrate
+    from ffnquant.hf.layerwise import calibrate_layerwise
 
     gen = torch.Generator().manual_seed(0)
     tensors = {"bf16": torch.randn(37, 11, generator=gen).to(torch.bfloat16),
@@ -139,15 +149,16 @@ def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(stream, "_READ_BYTES", 256)  # the tiny llama's embedding and matrices read in chunks
     info = inspect_model(tiny["llama"])
     _, tables = calibrate_model(info, settings=_settings())
-    s_tables, _, _ = stream_calibrate(info, settings=_settings(), positions=False)
+    s_tables, _, _ = calibrate_layerwise(info, settings=_settings(), positions=False)
     assert {k: t.to_dict() for k, t in s_tables.items()} == {k: t.to_dict() for k, t in tables.items()}
 
 
 def _plan(info, monkeypatch, **kw):
-    from ffnquant.hf import stream
+    from ffnquant.hf import memory
 
-    monkeypatch.setattr(stream, "process_rss", lambda: 100 * 10**6)  # a fixed runtime: the estimates are exact
-    return stream.plan_memory(info, calib_tokens=10_000, eval_tokens=10_000, n_layers=2, task="quantize", **kw)
+    monkeypatch.setattr(memory, "process_rss", lambda: 100 * 10**6)  # a fixed runtime: the estimates are exact
+    needs = memory.quantize_needs(info, calib_tokens=10_000, eval_tokens=10_000, n_layers=2)
+    return memory.plan_memory(info, needs, **kw)
 
 
 def test_the_budget_chooses_whole_streamed_or_spilled(tiny, monkeypatch):
@@ -155,7 +166,8 @@ def test_the_budget_chooses_whole_streamed_or_spilled(tiny, monkeypatch):
 
     info = inspect_model(tiny["llama"])
     p = _plan(info, monkeypatch, max_memory=10**12)
-    assert p.spilled < p.streamed < p.in_memory  # 20,000 tokens per layer are captured in memory, whole
+    assert p.spilled < p.streamed < p.in_memory  # the kept hidden states; every layer, whole
+    assert p.in_memory - p.streamed <= info.n_params_total * 4  # one engine: the modes differ in where weights are
     assert (p.sequential, p.spill) == (False, False)
     between = _plan(info, monkeypatch, max_memory=(p.streamed + p.in_memory) // 2)
     assert (between.sequential, between.spill) == (True, False) and between.peak == p.streamed
@@ -173,7 +185,7 @@ def test_models_that_cannot_stream_say_why(tiny, monkeypatch):
     from ffnquant.hf import inspect_model
 
     info = inspect_model(tiny["bert"])
-    with pytest.raises(FFNQuantError, match="causal LMs whose FFN is one module per block .* not bert"):
+    with pytest.raises(FFNQuantError, match="runs decoder-only causal LMs; bert is .*: it runs whole"):
         _plan(info, monkeypatch, sequential=True)
     assert not _plan(info, monkeypatch).sequential  # within the machine's memory: the whole model, as before
 

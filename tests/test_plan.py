@@ -209,26 +209,31 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.hf
-def test_suffix_runs_and_gradients_are_exact_for_the_float_model(tiny):
-    from ffnquant.hf import inspect_model, load_ffn_layers
-    from ffnquant.hf.capture import load_hf_model
-    from ffnquant.plan.sensitivity import SuffixRunner, output_gradients
+def test_ablations_and_gradients_are_exact_for_the_float_model(tiny):
+    """Through the engine (`plan.source.PlanSource`): a layer's ablation with ffnquant's float FFN (the model's own)
+    changes nothing, and one pushed along the loss gradient at its output moves the loss by the gradient's first
+    order prediction."""
+    from ffnquant.hf import EvalSettings, inspect_model
+    from ffnquant.plan.source import PlanSource
 
     info = inspect_model(tiny["llama"])
-    layers = load_ffn_layers(info, "all")
-    model = load_hf_model(info)
-    ids = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(0))
-    runner = SuffixRunner(model, info, [l.info for l in layers], [ids]).record()
-    for layer in layers:  # ffnquant's float FFN is the model's own: skipping blocks must change nothing
-        a = runner.ablate(layer.index, layer.ffn)
-        assert a.kl == pytest.approx(0, abs=1e-9) and a.hidden_noise == pytest.approx(0, abs=1e-9)
-    # a perturbation along the gradient moves the loss by the gradient's prediction (first order)
-    grads = output_gradients(model, info, [l.info for l in layers], [ids])
-    g = grads[layers[1].label]
+    settings = EvalSettings(seq_len=16, batch_size=4, max_calib_tokens=128, max_eval_tokens=64, ablation=False)
     eps = 1e-3
-    pushed = runner.ablate(layers[1].index, lambda x, f=layers[1].ffn: f(x) + eps * g.reshape(x.shape))
-    first_order = eps * float(g.square().sum()) / runner.tokens
-    assert pushed.nll_delta == pytest.approx(first_order, rel=0.05)
+    with PlanSource(info, settings, None, None, 64, resident=True, spill=False, progress=None, timings={}) as source:
+        assert source.n_probe == 64  # one batch: the push below is that batch's gradient, token for token
+        for group in source.groups():
+            for layer, _, _, grad in group:
+                source.ablate(layer, "float", layer.ffn)
+                if layer.index == 1:
+                    g = grad[:64]
+                    first_order = eps * float(g.double().square().sum())
+                    source.ablate(layer, "pushed", lambda x, f=layer.ffn, g=g: f(x) + eps * g.reshape(x.shape))
+        ablations = source.ablations
+    for i in range(info.n_layers):
+        a = ablations[(i, "float")]
+        assert a.kl == pytest.approx(0, abs=1e-9) and a.hidden_noise == pytest.approx(0, abs=1e-9)
+    pushed = ablations[(1, "pushed")]
+    assert pushed.nll_delta == pytest.approx(first_order / pushed.tokens, rel=0.05)
 
 
 @pytest.mark.hf

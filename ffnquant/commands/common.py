@@ -124,7 +124,7 @@ def memory_size(text: str) -> int:
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    """--max-memory SIZE and --sequential/--no-sequential: how a --model run fits in memory (`hf.stream.plan_memory`)."""
+    """--max-memory SIZE and --sequential/--no-sequential: how a --model run fits in memory (`hf.memory.plan_memory`)."""
     group = parser.add_argument_group("memory (a --model run)")
     group.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
                        help="memory the run may use in all, e.g. 8GB or 6GiB (default: what the process holds plus "
@@ -132,10 +132,11 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
                             "layer at a time, and its hidden states go to a temporary folder when they do not fit either")
     mode = group.add_mutually_exclusive_group()
     mode.add_argument("--sequential", dest="sequential", action="store_true", default=None,
-                      help="run the model one decoder layer at a time even when it fits (llama, mistral, qwen2, gemma, "
-                           "phi3, gpt2)")
+                      help="read the model's decoder layers from its safetensors one at a time even when it fits (any "
+                           "causal LM whose checkpoint names are its class's; mixture-of-experts checkpoints, which "
+                           "transformers converts as it loads, run whole)")
     mode.add_argument("--no-sequential", dest="sequential", action="store_false",
-                      help="load the whole model, as before sequential onloading (refused when it does not fit)")
+                      help="keep the whole model in memory (refused when it does not fit); the same engine and figures")
 
 
 def add_text_arguments(parser: Any, calib_help: str, eval_help: str, eval_tokens: int = 2048) -> None:

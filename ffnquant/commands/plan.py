@@ -24,8 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", required=True, metavar="DIR", help="a local Hugging Face causal LM folder (safetensors)")
     parser.add_argument("--target", default="ppl+1%", help=f"what must hold end to end: {TARGET_FORMS.replace('%', '%%')} (default ppl+1%%)")
-    parser.add_argument("--objective", default="latency", choices=OBJECTIVES,
-                        help="what to make least: FFN stack latency on onnxruntime's CPU provider, or weight bytes (default latency)")
+    parser.add_argument("--objective", default=None, choices=OBJECTIVES,
+                        help="what to make least: FFN stack latency on onnxruntime's CPU provider, or weight bytes; "
+                             "when not given, latency, or bytes for a model of routed experts (its layers are not one "
+                             "FFN the latency table can time)")
     parser.add_argument("--tokens", type=positive_int, default=512,
                         help="tokens per call the latency table is measured at (default 512)")
     parser.add_argument("--candidates", default="default",
@@ -63,15 +65,16 @@ def run(args: argparse.Namespace) -> int:
     from ..hf.stream import token_batches_of
     from ..plan.job import final_round, make_plan
     from ..plan.sensitivity import check_plannable
-    from ..plan.streamed import plan_memory
+    from ..hf.memory import plan_memory
+    from ..plan.source import plan_needs
     from ..plan.target import Objective, Target
     from ..report.plan import domain_lines, plan_markdown
 
     # every input error before any work: target, objective, model, candidates, texts
     target = Target.parse(args.target)
-    objective = Objective(args.objective, "ort-cpu", args.tokens)
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)
-    check_plannable(info)
+    objective = Objective(args.objective or ("bytes" if info.n_experts else "latency"), "ort-cpu", args.tokens)
+    check_plannable(info, objective)
     candidate_recipes(args.candidates, info.spec)
     require_transformers()
     texts = text_options(args, info)
@@ -89,9 +92,10 @@ def run(args: argparse.Namespace) -> int:
         # every held-out domain, as the plan will read them (each up to --eval-tokens)
         evals = [b for _, bs in eval_domain_batches(info, load_tokenizer(info.path), texts.eval_text, settings,
                                                     texts.eval_tokens, True) for b in bs]
-        memory = plan_memory(info, calib_tokens=sum(int(b.numel()) for b in calib),
-                             eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
-                             batch_tokens=int(calib[0].numel()), max_memory=args.max_memory, sequential=args.sequential)
+        needs = plan_needs(info, calib_tokens=sum(int(b.numel()) for b in calib),
+                           eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
+                           batch_tokens=int(calib[0].numel()))
+        memory = plan_memory(info, needs, max_memory=args.max_memory, sequential=args.sequential)
         print(f"memory: {memory.summary()}")
         try:
             plan, result = make_plan(info, target, objective, args.candidates, text=texts.text, eval_text=texts.eval_text,

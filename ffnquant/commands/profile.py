@@ -73,7 +73,7 @@ def _settings(args: argparse.Namespace):
 
 
 def _memory_plan(args: argparse.Namespace, info):
-    """How the model runs (whole, or layer by layer; `hf.stream.plan_memory`), decided before any work; None when
+    """How the model runs (whole, or layer by layer; `hf.memory.plan_memory`), decided before any work; None when
     its FFN inputs come from --captured files (the model does not run)."""
     if args.captured is not None:
         if args.sequential:
@@ -81,26 +81,29 @@ def _memory_plan(args: argparse.Namespace, info):
                                 "files instead: give one of them")
         return None
     from ..hf import parse_layers
-    from ..hf.stream import plan_memory, token_batches_of
+    from ..hf.memory import plan_memory, profile_needs
+    from ..hf.stream import token_batches_of
 
     settings = _settings(args)
     ids = token_batches_of(info, args.text, "calibration", settings, args.model_tokens)
-    return plan_memory(info, calib_tokens=sum(int(b.numel()) for b in ids), eval_tokens=0, task="profile",
-                       n_layers=len(parse_layers(args.layers, info.n_layers)), batch_tokens=int(ids[0].numel()),
-                       max_memory=args.max_memory, sequential=args.sequential, tokens_flag="--model-tokens")
+    needs = profile_needs(info, calib_tokens=sum(int(b.numel()) for b in ids),
+                          n_layers=len(parse_layers(args.layers, info.n_layers)), batch_tokens=int(ids[0].numel()))
+    return plan_memory(info, needs, max_memory=args.max_memory, sequential=args.sequential)
 
 
 def _model_layers(args: argparse.Namespace, info, memory):
-    """The model's RangeTables keyed '<model_type>:<label>', its settings, and its layers (kept: the atlas runs
-    their FFNs again to locate the largest values) or, streamed, the top positions measured on the way."""
-    from ..hf import calibrate_model
+    """The model's RangeTables keyed '<model_type>:<label>', its settings, and the top positions measured on the
+    way (a causal LM, through the engine) or its layers (the atlas runs their FFNs again to locate the largest
+    values: encoders, and FFN inputs from --captured files)."""
+    from ..hf import ModelKind, calibrate_model
 
     settings = _settings(args)
-    if memory is not None and memory.sequential:
-        from ..hf.streamed import stream_calibrate
+    if memory is not None and info.kind is ModelKind.CAUSAL_LM:
+        from ..hf.layerwise import calibrate_layerwise
 
-        tables, top, measured = stream_calibrate(info, args.layers, args.text, settings,
-                                                 positions=not args.no_positions, spill=memory.spill)
+        tables, top, measured = calibrate_layerwise(info, args.layers, args.text, settings,
+                                                    positions=not args.no_positions, resident=not memory.sequential,
+                                                    spill=memory.spill, allow_pickle=args.allow_pickle)
         keyed = {f"{info.model_type}:{label}": table for label, table in tables.items()}
         return settings, keyed, (top, measured)
     layers, tables = calibrate_model(info, layers=args.layers, text=args.text, captured=args.captured,
@@ -123,7 +126,7 @@ def _atlas(args: argparse.Namespace, info, layers, settings, tables: dict) -> tu
     else:
         if isinstance(layers, tuple):
             top, m = layers
-            how = "in the same run of the model, layer by layer, over the calibration windows of the ranges"
+            how = "in the same run of the model over the calibration windows of the ranges"
         else:
             top, m = model_top_positions(info, layers, text=args.text, settings=settings,
                                          allow_pickle=args.allow_pickle)

@@ -156,7 +156,7 @@ def _check_model(args: argparse.Namespace, recipe: Recipe | None, info=None):
 
 
 def _memory_plan(args: argparse.Namespace, info, recipe):
-    """How the model runs (whole, or layer by layer; `hf.stream.plan_memory`), decided before any work or output:
+    """How the model runs (whole, or layer by layer; `hf.memory.plan_memory`), decided before any work or output:
     a run that cannot fit is refused here with the numbers. None when the FFN inputs come from --captured files."""
     if info is None or args.captured is not None:
         if args.sequential is not None:
@@ -164,7 +164,8 @@ def _memory_plan(args: argparse.Namespace, info, recipe):
                                 "--captured")
         return None
     from ..hf import EvalSettings, parse_layers
-    from ..hf.stream import plan_memory, token_batches_of
+    from ..hf.memory import plan_memory, quantize_needs
+    from ..hf.stream import token_batches_of
     from ..plan.planfile import Plan
     from ..recipe import as_recipe
 
@@ -172,11 +173,12 @@ def _memory_plan(args: argparse.Namespace, info, recipe):
     calib = token_batches_of(info, args.text, "calibration", settings, args.calib_tokens)
     evals = token_batches_of(info, args.eval_text, "evaluation", settings, args.eval_tokens)
     recipes = recipe.layers.values() if isinstance(recipe, Plan) else [recipe]
-    return plan_memory(info, calib_tokens=sum(int(b.numel()) for b in calib),
-                       eval_tokens=sum(int(b.numel()) for b in evals), task="quantize",
-                       n_layers=len(parse_layers(args.layers, info.n_layers)), ablation=not args.no_ablation,
-                       hessians=any(as_recipe(r).resolve().needs_hessians for r in recipes), onnx=not args.no_onnx,
-                       batch_tokens=int(calib[0].numel()), max_memory=args.max_memory, sequential=args.sequential)
+    needs = quantize_needs(info, calib_tokens=sum(int(b.numel()) for b in calib),
+                           eval_tokens=sum(int(b.numel()) for b in evals),
+                           n_layers=len(parse_layers(args.layers, info.n_layers)), ablation=not args.no_ablation,
+                           hessians=any(as_recipe(r).resolve().needs_hessians for r in recipes), onnx=not args.no_onnx,
+                           batch_tokens=int(calib[0].numel()))
+    return plan_memory(info, needs, max_memory=args.max_memory, sequential=args.sequential)
 
 
 def _capture_model(args: argparse.Namespace, info, progress=None):
@@ -254,8 +256,12 @@ def _quantize_all(args, recipe, info, specs, sites, source, rows, bars, memory) 
     with OutputTransaction() as tx:
         arts = None if args.no_onnx else tx.folder(args.out_artifacts)
         reports = tx.folder(args.out_reports)
-        streamed = memory is not None and memory.sequential
-        model_part = _capture_model(args, info, bars) if info is not None and not streamed else None
+        # a causal LM runs through the engine (whole or a layer at a time); encoders, and FFN inputs from
+        # --captured files, are captured whole first
+        from ..hf import ModelKind
+
+        engine = memory is not None and info.kind is ModelKind.CAUSAL_LM
+        model_part = _capture_model(args, info, bars) if info is not None and not engine else None
         outputs: list[tuple[str, dict, object]] = []
         for spec in specs:
             prep = prepare(spec, source, args.calib_tokens, args.eval_tokens, args.seed, smooth_sites=sites, recipe=recipe)
@@ -265,15 +271,16 @@ def _quantize_all(args, recipe, info, specs, sites, source, rows, bars, memory) 
             from ..hf import EvalSettings, model_file_stem, quantize_model_layers
 
             stem = model_file_stem(info)
-            if streamed:  # capture, quantize and end to end in one pass, a decoder layer at a time
-                from ..hf.streamed import stream_quantize
+            if engine:  # capture, quantize and end to end in one pass over the decoder layers
+                from ..hf.layerwise import quantize_layerwise
 
                 settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens,
                                         ablation=not args.no_ablation)
-                data = stream_quantize(info, recipe, args.layers, args.text, args.eval_text, args.calib_tokens,
-                                       args.eval_tokens, settings, smooth_sites=sites, out_artifacts=arts,
-                                       onnx=not args.no_onnx, latency=args.latency, file_stem=stem,
-                                       spill=memory.spill, progress=bars)
+                data = quantize_layerwise(info, recipe, args.layers, args.text, args.eval_text, args.calib_tokens,
+                                          args.eval_tokens, settings, smooth_sites=sites, out_artifacts=arts,
+                                          onnx=not args.no_onnx, latency=args.latency, file_stem=stem,
+                                          resident=not memory.sequential, spill=memory.spill,
+                                          allow_pickle=args.allow_pickle, progress=bars)
             else:
                 layers, inputs, settings = model_part
                 data = quantize_model_layers(info, layers, inputs, recipe, smooth_sites=sites, out_artifacts=arts,

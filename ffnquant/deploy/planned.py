@@ -226,7 +226,8 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
                                   eval_tokens=eval_tokens, settings=settings, progress=progress)
     rows, qffns = quantized_layers(info, layers, inputs, plan, onnx=out_artifacts is not None, sensitivity=False,
                                    out_artifacts=out_artifacts, file_stem=file_stem, progress=progress)
-    reference = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress)
+    reference = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress,
+                           engine=inputs.engine)
     float_model = inputs.model
     settings_used = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
                      "calib_tokens": calib_tokens, "eval_tokens": eval_tokens, "token_budgets": inputs.budgets}

@@ -21,7 +21,7 @@ weights touched by the check are restored bit for bit).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -100,9 +100,9 @@ def _output(model: nn.Module, info: ModelInfo, ids: torch.Tensor) -> torch.Tenso
     return out.last_hidden_state if info.kind is ModelKind.ENCODER else out.logits
 
 
-def _trace(model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], ids: torch.Tensor,
+def _trace(model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], forward: Callable[[], torch.Tensor],
            ffns: Mapping[LayerInfo, tuple[str, nn.Module]]) -> dict[LayerInfo, tuple[str | None, tuple[str, ...]]]:
-    """(producer, other readers) of each FFN's input, from one forward pass with hooks on every module."""
+    """(producer, other readers) of each FFN's input, from one `forward` pass with hooks on every module."""
     from .capture import _first_input
 
     produced: dict[tuple[int, int], str] = {}
@@ -147,7 +147,8 @@ def _trace(model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], ids: 
             target = ffns[layer][1].get_submodule(first)
             handles.append(target.register_forward_pre_hook(first_input(layer), with_kwargs=True))
     try:
-        _output(model, info, ids)
+        with torch.no_grad():
+            forward()
     finally:
         for h in handles:
             h.remove()
@@ -174,7 +175,7 @@ def _is_norm(module: nn.Module, d: int) -> bool:
 
 
 def _check(model: nn.Module, info: ModelInfo, layer: LayerInfo, ffn: nn.Module, norm: nn.Module, gain: NormGain,
-           ids: torch.Tensor, reference: torch.Tensor) -> float:
+           forward: Callable[[], torch.Tensor], reference: torch.Tensor) -> float:
     """Relative change of the model's output when `norm` takes a random scale in `gain`'s form and the FFN's
     first matrices its inverse (1.0 when the scale makes the output non-finite)."""
     gen = torch.Generator().manual_seed(1234 + layer.index)
@@ -194,7 +195,7 @@ def _check(model: nn.Module, info: ModelInfo, layer: LayerInfo, ffn: nn.Module, 
                 shape = [1] * w.dim()
                 shape[dim] = -1
                 w.copy_((w.double() / c.view(shape)).to(w.dtype))
-        got = _output(model, info, ids)
+            got = forward()
     finally:
         with torch.no_grad():
             for t, old in saved:
@@ -204,18 +205,23 @@ def _check(model: nn.Module, info: ModelInfo, layer: LayerInfo, ffn: nn.Module, 
     return float((got.double() - reference.double()).abs().max() / reference.double().abs().max().clamp_min(1e-30))
 
 
-def fold_sites(model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], ids: torch.Tensor | None = None) -> dict[LayerInfo, FoldSite]:
-    """Each layer's FoldSite (see the module docstring), from the model run on `ids` ([1, 24] tokens by default)."""
+def fold_sites(model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], ids: torch.Tensor | None = None,
+               run: Callable[[], torch.Tensor] | None = None) -> dict[LayerInfo, FoldSite]:
+    """Each layer's FoldSite (see the module docstring), from the model run on `ids` ([1, 24] tokens by default),
+    or from `run()`: a forward through part of `model` (the engine's one decoder layer) whose output the check
+    compares."""
     from .capture import _module_for
 
-    if ids is None:
+    if run is None and ids is None:
         vocab = int(getattr(model.get_input_embeddings(), "num_embeddings", 32))
         ids = torch.randint(3, max(vocab, 4), (1, 24), generator=torch.Generator().manual_seed(0))
     names = [n for n, _ in model.named_modules()]
     # every expert of a layer shares one module (and one norm): the checks run per block
     ffns = {layer: _module_for(model, info, layer, names) for layer in layers}
-    traced = _trace(model, info, layers, ids, ffns)
-    reference = _output(model, info, ids)
+    forward = run if run is not None else lambda: _output(model, info, ids)
+    traced = _trace(model, info, layers, forward, ffns)
+    with torch.no_grad():
+        reference = forward()
     d = info.spec.d_model
     out: dict[LayerInfo, FoldSite] = {}
     by_block: dict[tuple[str, int], FoldSite] = {}
@@ -226,7 +232,7 @@ def fold_sites(model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], i
             continue
         name, module = ffns[layer]
         producer, readers = traced[layer]
-        site = _decide(model, info, layer, name, module, producer, readers, d, ids, reference)
+        site = _decide(model, info, layer, name, module, producer, readers, d, forward, reference)
         by_block[key] = site
         out[layer] = site
     return out
@@ -237,7 +243,7 @@ def _relabel(site: FoldSite, layer: LayerInfo) -> FoldSite:
 
 
 def _decide(model: nn.Module, info: ModelInfo, layer: LayerInfo, name: str, module: nn.Module, producer: str | None,
-            readers: tuple[str, ...], d: int, ids: torch.Tensor, reference: torch.Tensor) -> FoldSite:
+            readers: tuple[str, ...], d: int, forward: Callable[[], torch.Tensor], reference: torch.Tensor) -> FoldSite:
     if producer is None:
         return FoldSite(layer.label, name, None, None, readers,
                         "no module produces the FFN's input: it is computed in the block's forward (the residual "
@@ -252,7 +258,7 @@ def _decide(model: nn.Module, info: ModelInfo, layer: LayerInfo, name: str, modu
                         f"{producer}'s output is also read by {', '.join(readers)}: scaling the norm would change "
                         f"{'it' if len(readers) == 1 else 'them'} too")
     # both gain forms are tried; the one that reproduces the output (by far the smaller change) is the norm's
-    tried = {gain: _check(model, info, layer, module, norm, gain, ids, reference)
+    tried = {gain: _check(model, info, layer, module, norm, gain, forward, reference)
              for gain in (NormGain.GAIN, NormGain.ONE_PLUS_GAIN)}
     gain, worst = min(tried.items(), key=lambda kv: kv[1])
     if worst <= FOLD_RTOL:
@@ -278,10 +284,12 @@ def check_sites(sites: Mapping[LayerInfo, FoldSite], wanted: Sequence[LayerInfo]
 REPRODUCE_RTOL = 1e-5
 
 
-def check_reproduction(model: nn.Module, info: Any, layers: Any, ids: torch.Tensor) -> dict[str, float]:
+def check_reproduction(model: nn.Module, info: Any, layers: Any, ids: torch.Tensor | None = None,
+                       run: Callable[[], Any] | None = None) -> dict[str, float]:
     """Each layer's ffnquant FFN (`HFLayer.ffn`) run on the input the loaded model's own FFN module received for
-    `ids`, against that module's output: {label: relative difference}. Raises, naming every layer beyond
-    REPRODUCE_RTOL with its module, before anything is quantized."""
+    `ids` (or in `run()`, a forward through part of the model: the engine's one decoder layer), against that
+    module's output: {label: relative difference}. Raises, naming every layer beyond REPRODUCE_RTOL with its
+    module, before anything is quantized."""
     from .capture import _first_input, _model_inputs, _module_for
 
     names = [n for n, _ in model.named_modules()]
@@ -316,7 +324,10 @@ def check_reproduction(model: nn.Module, info: Any, layers: Any, ids: torch.Tens
         blocks.setdefault(name, []).append(layer)
     try:
         with torch.no_grad():
-            model(**_model_inputs(info, model, ids))
+            if run is not None:
+                run()
+            else:
+                model(**_model_inputs(info, model, ids))
     finally:
         for h in handles:
             h.remove()

@@ -1,6 +1,6 @@
 """What a real model's FFN layers are quantized and measured on: each layer's captured inputs.
 
-`capture_layer_inputs` runs the model on a calibration text and a different evaluation text (or reads
+`capture_whole` runs the model on a calibration text and a different evaluation text (or reads
 files saved by `ffnquant model capture`) and keeps each FFN's inputs by layer label (`LayerInputs`);
 `EvalSettings` is the token budget and batching; `model_file_stem` names a model's files.
 """
@@ -17,10 +17,9 @@ import torch
 from ..errors import FFNQuantError
 from . import capture as _capture
 from .capture import iter_captured, iter_captured_files, load_tokenizer, model_text_batches
-from .arch import ModelKind
 from .checkpoint import HFLayer, ModelInfo
 
-__all__ = ["EvalSettings", "LayerInputs", "capture_layer_inputs", "file_inputs", "fit_settings", "model_file_stem",
+__all__ = ["EvalSettings", "LayerInputs", "capture_whole", "file_inputs", "fit_settings", "model_file_stem",
            "token_budget"]
 
 
@@ -87,6 +86,9 @@ class LayerInputs:
     # the held-out texts scored apart (`capture_layer_inputs(..., by_domain=True)`): (label, first batch, end
     # batch) spans of eval_batches, one per evaluation text; one span of all of them otherwise
     eval_domains: list[tuple[str, int, int]] = field(default_factory=list)
+    # a causal LM's engine (`hf.stream.SequentialModel`, the model resident) that captured these inputs: the
+    # end-to-end figures run through it too (`hf.evaluate.end_to_end(..., engine=)`)
+    engine: Any = None
 
 
 def fit_settings(info: ModelInfo, settings: EvalSettings) -> EvalSettings:
@@ -130,7 +132,7 @@ def _fill_unrouted(layers: Sequence[HFLayer], inputs: dict[str, torch.Tensor], w
         borrowed[layer.label] = f"the router sent it no {what} tokens: its layer's other experts' inputs are used"
 
 
-def capture_layer_inputs(
+def capture_whole(
     info: ModelInfo,
     layers: Sequence[HFLayer],
     text: str | os.PathLike | None = None,
@@ -143,7 +145,9 @@ def capture_layer_inputs(
     progress: Callable[[str, int, int], None] | None = None,
     by_domain: bool = False,
 ) -> LayerInputs:
-    """Calibration and held-out inputs of each FFN in `layers`, for quantizing them one by one.
+    """Calibration and held-out inputs of each FFN in `layers`, for quantizing them one by one, from
+    transformers' whole forward (encoders; a causal LM's reference) or captured files: what
+    `hf.layerwise.capture_layer_inputs` takes where the engine does not run the model.
 
     From the model itself (needs transformers): its own tokenizer on `text` (calibration, default the
     shipped sample) and on `eval_text` (evaluation, a different book by default), each FFN's input
@@ -177,10 +181,6 @@ def capture_layer_inputs(
     domains = eval_domain_batches(info, tokenizer, eval_text, settings, eval_tokens, by_domain)
     eval_ids = [b for _, batches in domains for b in batches]
     model = _capture.load_hf_model(info, allow_pickle=allow_pickle)  # looked up at call time (tests replace it)
-    if info.kind is ModelKind.CAUSAL_LM and calib_ids:  # the FFNs as found compute what the model's modules do
-        from .graph import check_reproduction
-
-        check_reproduction(model, info, layers, calib_ids[0][:1, :64])
 
     def pieces(batches, stage):
         for i, batch in enumerate(iter_captured(model, info, layer_infos, batches)):

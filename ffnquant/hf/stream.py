@@ -1,16 +1,17 @@
-"""Sequential onloading: a causal LM run one decoder layer at a time, for models larger than memory.
+"""The engine that runs a causal LM for every command: its own transformers class, one decoder layer at a time.
 
-The transformers model is built from config.json with its parameters on the meta device (buffers such as the
-rotary frequencies computed as usual). The modules outside the decoder layers are read from the safetensors
-shards in float32, as `load_hf_model` computes; each batch runs through the model's own forward with stand-ins
-for the decoder layers, which record the embeddings and what the forward builds for each layer (rotary position
-embeddings, causal masks). Then each decoder layer in turn is read, run on every batch's hidden states (its
-FFN's input captured by `capture.ffn_input_hooks`, or a quantized FFN put in by `install_ffns`) and put back on
-the meta device. The model's own forward finishes the last hidden states (final norm, LM head).
+The transformers model is built from config.json (with its parameters on the meta device when the weights are
+read a layer at a time; loaded whole when the model is `resident`). Each batch runs through the model's own
+forward with stand-ins for the decoder layers, which record the embeddings and what the forward builds for each
+layer (rotary position embeddings, causal masks, sliding windows: the class's own). Then each decoder layer in
+turn runs on every batch's hidden states (its FFNs' inputs captured by `capture.ffn_input_hooks`, or quantized
+FFNs put in by `install_ffns`); streamed, it is read from the safetensors shards before and put back on the meta
+device after. The model's own forward finishes the last hidden states (final norm, LM head).
 
-Same float32 arithmetic on the same batches, so the figures are bit for bit the in-memory path's
-(tests/test_hf_stream.py). Memory is one decoder layer plus the hidden states of the batches (`plan_memory`),
-which are spilled to a temporary folder, a file per batch, when they do not fit the budget.
+The modes run the same calls on the same float32 arithmetic, so every figure is the same in each
+(tests/test_hf_stream.py), and the same as transformers' whole forward. Memory (`hf.memory.plan_memory`): the
+whole model, or one decoder layer plus the kept hidden states, which are spilled to a temporary folder, a file
+per batch, when they do not fit the budget.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,171 +26,19 @@ import torch
 from torch import nn
 
 from ..errors import FFNQuantError
-from ..resources import human_bytes, memory_limit, process_rss
 from .arch import Install, ModelKind
 from .capture import (
     _module_for, _quiet_transformers, ffn_input_hooks, install_ffns, load_tokenizer, model_text_batches,
     require_transformers,
 )
-from .checkpoint import ModelInfo, _Weights
+from .checkpoint import LayerInfo, ModelInfo, _Weights
 from .inputs import EvalSettings, fit_settings
+from .memory import _READ_BYTES, streamable_reason
 from ..atomic import ScratchFolder
 
-__all__ = ["MemoryPlan", "SequentialModel", "choose_memory_plan", "largest_layer_bytes", "plan_memory",
-           "streamable_reason", "token_batches_of"]
+__all__ = ["SequentialModel", "token_batches_of"]
 
 Progress = Callable[[str, int, int], None]
-# Python, torch and transformers' own memory beside the model: the modelling code imported on first use and
-# the allocator's slack (reports/scale: about 300 MB between layers over what the process held before).
-_RUNTIME_BYTES = 384 * 10**6
-
-
-def streamable_reason(info: ModelInfo) -> str | None:
-    """Why `info` cannot be run layer by layer, or None when it can: a causal LM whose FFN is one module per
-    block, of any family transformers builds (found by `hf.discover`), from safetensors."""
-    if info.kind is not ModelKind.CAUSAL_LM or info.arch.install is not Install.MODULE or info.n_experts:
-        return (f"sequential onloading supports causal LMs whose FFN is one module per block (not mixture-of-experts "
-                f"tensors or Linears in the block itself), not {info.model_type} ({info.kind}, {info.arch.install})")
-    if info.weights_format != "safetensors":
-        return "sequential onloading reads safetensors shards; this checkpoint is pickled"
-    return None
-
-
-# --- memory ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """How a model run fits in memory, and the estimates (bytes) it was chosen on: the whole model in memory, or
-    streamed layer by layer with the hidden states in memory or spilled to disk."""
-
-    sequential: bool
-    spill: bool
-    limit: int | None  # the budget: --max-memory, or what the process holds plus what the machine has available
-    in_memory: int  # estimated peak, whole model loaded (today's path)
-    streamed: int  # estimated peak, layer by layer, hidden states in memory
-    spilled: int  # estimated peak, layer by layer, hidden states on disk
-    layer: int  # the largest decoder layer in float32
-    calibration: int  # hidden states of the calibration batches: tokens x d_model x 4
-    evaluation: int  # hidden states of the held-out batches, every stream (float, quantized, one per ablated layer)
-    reason: str
-
-    @property
-    def peak(self) -> int:
-        return self.spilled if self.spill else self.streamed if self.sequential else self.in_memory
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "peak": self.peak}
-
-    def summary(self) -> str:
-        """One line for the terminal: the mode, why, and the estimate against the budget."""
-        mode = "whole model in memory" if not self.sequential else (
-            "layer by layer, hidden states spilled to disk" if self.spill else "layer by layer")
-        limit = f" of {human_bytes(self.limit)}" if self.limit is not None else ""
-        return f"{mode} ({self.reason}); estimated peak {human_bytes(self.peak)}{limit}"
-
-
-def plan_memory(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_layers: int, task: str = "profile",
-                ablation: bool = False, hessians: bool = False, onnx: bool = False, batch_tokens: int = 512,
-                max_memory: int | None = None, sequential: bool | None = None, spill: bool | None = None,
-                spill_dir: str | os.PathLike | None = None, tokens_flag: str = "--calib-tokens/--eval-tokens") -> MemoryPlan:
-    """How to run `info` on `calib_tokens` calibration and `eval_tokens` held-out tokens for `task` ('profile':
-    ranges of `n_layers` FFNs; 'quantize': also the quantized stream and, with `ablation`, one per layer quantized
-    alone; `hessians`, `onnx`: what the quantization computes besides) under `max_memory` bytes (default: what
-    this process holds plus what the machine has available). `sequential` None streams only when the whole model
-    does not fit; `spill` None spills the hidden states only when they do not fit. Raises a one-line
-    FFNQuantError with the numbers when nothing fits, suggesting fewer tokens by `tokens_flag`."""
-    # Estimates from the shapes, with factors measured on benchmarks/scale.py's 3B Llama (reports/scale/).
-    spec, d, vocab_size = info.spec, info.spec.d_model, int(info.config.get("vocab_size") or 0)
-    base = process_rss() + _RUNTIME_BYTES
-    limit = memory_limit(max_memory)
-    ffn, tokens = spec.n_params * 4, calib_tokens + eval_tokens
-    streams = 2 + (n_layers if ablation and n_layers > 1 else 0) if task == "quantize" else 0
-    if task == "quantize":  # its FFN, the quantized copy and the fake quantization's temporaries of a weight (x 11
-        # with the ONNX export and onnxruntime's scoring); the layer's inputs and their activations
-        work = (11 if onnx else 4) * ffn + (2 * d + 3 * spec.d_ff) * tokens * 4
-        work += 8 * (d * d + spec.d_ff * spec.d_ff) if hessians else 0  # float64 input Hessians
-    else:  # its FFN and the tensors it is loaded from, its calibration inputs, one batch observed
-        work = 2 * ffn + calib_tokens * d * 4 + 8 * batch_tokens * spec.d_ff * 4
-    calibration, evaluation = calib_tokens * d * 4, streams * eval_tokens * d * 4
-    batch = batch_tokens * d * 4 * 3  # a batch read, its output, the layer's temporaries
-    layer = largest_layer_bytes(info)
-    vocab = vocab_size * d * 4  # one vocabulary matrix: the embedding, or the head
-    # the largest stage: the embedding (and a chunk of it read), one layer with its FFN inputs, the layer's consumer
-    # (the layer itself offloaded meanwhile), the head with a batch's logits (doubled in float64)
-    stages = max(vocab + min(vocab // 2, _READ_BYTES) + batch, layer + tokens * d * 4 + batch, work,
-                 vocab + 6 * batch_tokens * vocab_size * 4)
-    streamed = base + stages + calibration + evaluation
-    spilled = base + stages
-    captured = n_layers * tokens * d * 4 if task == "quantize" else 0
-    in_memory = base + info.n_params_total * 4 + n_layers * ffn + captured + work + 6 * batch_tokens * vocab_size * 4
-
-    detail = (f"{human_bytes(layer)} for one decoder layer in float32, {human_bytes(work)} for its "
-              f"{'quantization' if task == 'quantize' else 'calibration'} on {calib_tokens:,}+{eval_tokens:,} tokens, "
-              f"{human_bytes(base)} runtime")
-    return choose_memory_plan(info, MemoryPlan(False, False, limit, in_memory, streamed, spilled, layer, calibration,
-                                               evaluation, ""), max_memory=max_memory, sequential=sequential,
-                              spill=spill, spill_dir=spill_dir, tokens_flag=tokens_flag, detail=detail,
-                              spill_bytes=calibration + evaluation + batch)
-
-
-def largest_layer_bytes(info: ModelInfo) -> int:
-    """The largest decoder layer's parameters in float32 (from the safetensors headers; else an average)."""
-    blocks = {layer.name.rsplit(".", 1)[0] + ".": 0 for layer in info.layers}  # model.layers.3.: the FFN's parent
-    if info.weights_format == "safetensors":
-        weights = _Weights(info.path, False)
-        for name in weights.file_of:
-            prefix = next((p for p in blocks if name.startswith(p)), None)
-            if prefix is not None:
-                blocks[prefix] += math.prod(weights.shape(name))
-    return max(blocks.values()) * 4 or info.n_params_total * 4 // info.n_layers
-
-
-def choose_memory_plan(info: ModelInfo, estimate: MemoryPlan, *, max_memory: int | None, sequential: bool | None,
-                       spill: bool | None, spill_dir: str | os.PathLike | None, tokens_flag: str, detail: str,
-                       spill_bytes: int) -> MemoryPlan:
-    """The mode `estimate`'s figures allow under its `limit`: the whole model when it fits (or `sequential` is
-    False), else layer by layer, with the hidden states (`spill_bytes` on disk) spilled when they do not fit or
-    `spill` is True. Raises a one-line FFNQuantError with the numbers (`detail`: what the spilled peak is made of)
-    and a suggestion when nothing fits."""
-    from dataclasses import replace
-
-    limit, in_memory, streamed, spilled = estimate.limit, estimate.in_memory, estimate.streamed, estimate.spilled
-    calibration, evaluation = estimate.calibration, estimate.evaluation
-
-    def plan(seq: bool, spl: bool, reason: str) -> MemoryPlan:
-        return replace(estimate, sequential=seq, spill=spl, reason=reason)
-
-    why_not = streamable_reason(info)
-    fits = limit is None or in_memory <= limit
-    if sequential is False or (sequential is None and (fits or why_not)):
-        if not fits and (sequential is False or max_memory is not None):
-            hint = f"; streamed layer by layer it would need {human_bytes(streamed)}" if not why_not else f" ({why_not})"
-            raise FFNQuantError(f"{info.path}: the whole model in float32 needs about {human_bytes(in_memory)}, over "
-                                f"the {human_bytes(limit)} memory budget{hint}: use a larger --max-memory"
-                                + ("" if why_not else " or leave out --no-sequential"))
-        return plan(False, False, "--no-sequential" if sequential is False else "it fits")
-    if why_not:
-        raise FFNQuantError(f"{info.path}: --sequential: {why_not}")
-    reason = "--sequential" if sequential else f"the whole model needs about {human_bytes(in_memory)}"
-    if spill is not True and (limit is None or streamed <= limit):
-        return plan(True, False, reason)
-    if limit is not None and spilled > limit:
-        raise FFNQuantError(
-            f"{info.path}: layer by layer this run needs about {human_bytes(spilled)} even with its hidden states "
-            f"({human_bytes(calibration)} calibration + {human_bytes(evaluation)} held-out: tokens x d_model "
-            f"{info.spec.d_model} x 4 bytes) on disk: {detail}; over the {human_bytes(limit)} memory budget: pass "
-            f"fewer {tokens_flag} or a larger --max-memory")
-    folder = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
-    free = shutil.disk_usage(folder).free
-    if free < spill_bytes:
-        raise FFNQuantError(
-            f"{info.path}: the hidden states ({human_bytes(calibration)} calibration + {human_bytes(evaluation)} "
-            f"held-out) fit neither the {human_bytes(limit)} memory budget (in memory the run needs about "
-            f"{human_bytes(streamed)}) nor the {human_bytes(free)} free in {folder}: pass fewer {tokens_flag}, a "
-            "larger --max-memory, or point TMPDIR at a larger disk")
-    return plan(True, True, reason + (f"; hidden states {human_bytes(calibration + evaluation)} spilled to {folder}"
-                                      if spill is not True else "; spilled on request"))
 
 
 # --- hidden states ---------------------------------------------------------------------------------------
@@ -267,11 +113,6 @@ def _trim() -> None:
 _MMAP_THRESHOLD = 4 * 2**20
 
 
-# Bytes of a checkpoint tensor read at once: a large tensor (the embedding: vocabulary x d_model) is read a row
-# chunk at a time into its float32 copy, so neither a whole copy in the checkpoint's dtype nor the whole mapped
-# tensor is resident beside it.
-_READ_BYTES = 16 * 2**20
-
 
 def _read_float32(weights: _Weights, name: str) -> torch.Tensor:
     """Tensor `name` of the safetensors shards in float32: `weights.get(name).to(torch.float32)`, value for value."""
@@ -301,16 +142,19 @@ class _StandIn(nn.Module):
     """Stands in for a decoder layer while the model's own forward runs: records the arguments it is given,
     returns `hidden` (or its input unchanged) and, with `stop`, ends the forward there."""
 
-    def __init__(self, record: list | None, hidden: torch.Tensor | None = None, stop: bool = False) -> None:
+    def __init__(self, record: list | None, hidden: torch.Tensor | None = None, stop: bool = False,
+                 as_tuple: bool = False) -> None:
         super().__init__()
-        self.record, self.hidden, self.stop = record, hidden, stop
+        self.record, self.hidden, self.stop, self.as_tuple = record, hidden, stop, as_tuple
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.record is not None:
             self.record.append((hidden_states, args, kwargs))
         if self.stop:
             raise _Stop
-        return self.hidden if self.hidden is not None else hidden_states
+        out = self.hidden if self.hidden is not None else hidden_states
+        # in the form the model's loop reads its layers' outputs: (hidden, attention weights) for Falcon's
+        return (out, None) if self.as_tuple else out
 
 
 @contextlib.contextmanager
@@ -332,62 +176,124 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-class SequentialModel:
-    """A causal LM from a local folder whose weights are read one module at a time (`streamable_reason`)."""
+def _stored_names(model: nn.Module, keys) -> dict[str, str]:
+    """The model's parameter name -> the checkpoint's tensor name, where transformers renames a key as it loads
+    (its checkpoint conversion mapping's renamings: GPT-NeoX's `embed_out` is the class's `lm_head`)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
 
-    def __init__(self, info: ModelInfo) -> None:
-        why = streamable_reason(info)
-        if why:
-            raise FFNQuantError(f"{info.path}: {why}")
+        renamings = [t for t in get_model_conversion_mapping(model) if type(t).__name__ == "WeightRenaming"]
+    except Exception:  # a transformers without conversion mappings loads checkpoints by their own names
+        return {}
+    out = {}
+    for key in keys:
+        name = key
+        for t in renamings:
+            name = t.rename_source_key(name)[0]
+        if name != key:
+            out[name] = key
+    return out
+
+
+def _decoder_list(model: nn.Module, module_name: str) -> tuple[str, int]:
+    """(name of the ModuleList of decoder layers, index) holding the module `module_name`: the first
+    `<list>.<i>` on its path whose `<list>` is a ModuleList (model.layers.3.mlp.experts.1 -> model.layers, 3)."""
+    parts = module_name.split(".")
+    for i in range(1, len(parts)):
+        if parts[i].isdigit() and isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
+            return ".".join(parts[:i]), int(parts[i])
+    raise FFNQuantError(f"the FFN module {module_name!r} is not inside a list of decoder layers")
+
+
+class SequentialModel:
+    """The one engine every command runs a causal LM through: the model's own transformers class, its decoder
+    layers run one at a time over batches of hidden states (`embed`, `run`, `head_out`).
+
+    `resident`: the whole model is loaded once (transformers' from_pretrained, float32) and every layer stays in
+    memory; otherwise the model is built on the meta device and each layer's tensors are read from the safetensors
+    shards as it runs and freed after (`streamable_reason`). The same calls, in the same order, on the same
+    arithmetic: the modes differ only in where the weights are between calls."""
+
+    def __init__(self, info: ModelInfo, resident: bool = False, allow_pickle: bool = False) -> None:
+        why = None if resident else streamable_reason(info)
+        if info.kind is not ModelKind.CAUSAL_LM or why:
+            raise FFNQuantError(f"{info.path}: {why or streamable_reason(info)}")
         transformers = require_transformers()
-        self.info, self.transformers = info, transformers
-        _glibc("mallopt", -3, _MMAP_THRESHOLD)  # M_MMAP_THRESHOLD, for the rest of the process
-        try:
-            config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
-            with _quiet_transformers(transformers), _parameters_on_meta():
-                try:
-                    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-                except TypeError:  # transformers < 4.56 names it torch_dtype
-                    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-        except Exception as exc:
-            raise FFNQuantError(f"transformers cannot build {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
+        self.info, self.transformers, self.resident = info, transformers, resident
+        if resident:
+            from . import capture as _capture
+
+            model = _capture.load_hf_model(info, allow_pickle=allow_pickle)  # looked up at call time (tests replace it)
+            for p in model.parameters():  # as onloaded weights: a backward pass computes no weight gradients
+                p.requires_grad_(False)
+            config = model.config
+        else:
+            _glibc("mallopt", -3, _MMAP_THRESHOLD)  # M_MMAP_THRESHOLD, for the rest of the process
+            try:
+                config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
+                with _quiet_transformers(transformers), _parameters_on_meta():
+                    try:
+                        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                    except TypeError:  # transformers < 4.56 names it torch_dtype
+                        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+            except Exception as exc:
+                raise FFNQuantError(f"transformers cannot build {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
         self.model = model.eval()
+        self._tuple_out = False  # whether the model's loop reads its layers' outputs as tuples (`embed` finds out)
         names = [n for n, _ in model.named_modules()]
-        found = [_module_for(model, info, layer, names) for layer in info.layers]  # (name, module) of each FFN
-        self.blocks, self.ffns = [name.rsplit(".", 1)[0] for name, _ in found], [module for _, module in found]
-        list_name = self.blocks[0].rsplit(".", 1)[0]
+        found = {layer: _module_for(model, info, layer, names) for layer in info.layers}  # (name, module) per FFN
+        lists = {_decoder_list(model, name) for name, _ in found.values()}
+        list_name = next(iter(lists))[0]
+        if any(name != list_name for name, _ in lists) or any(
+                _decoder_list(model, name)[1] != layer.index for layer, (name, _) in found.items()):
+            raise FFNQuantError(f"{info.path}: the FFNs of the transformers model are not one per decoder layer "
+                                f"{list_name}.0, .1, ... in layer order")
         self.layers = model.get_submodule(list_name)
         self.base = model.get_submodule(list_name.rsplit(".", 1)[0]) if "." in list_name else model
-        if self.blocks != [f"{list_name}.{i}" for i in range(len(self.layers))]:
-            raise FFNQuantError(f"{info.path}: the decoder layers of the transformers model are not {list_name}.0, .1, ...")
-        self.weights = _Weights(info.path, False)
+        # each decoder layer's FFNs (none where an FFN of another shape stays float; every expert of an MoE layer)
+        self.groups: list[list[LayerInfo]] = [[] for _ in range(len(self.layers))]
+        for layer in info.layers:
+            self.groups[layer.index].append(layer)
+        # the FFN module whose weights a replacement makes unneeded: one module per block (not experts, not
+        # Linears in the block itself, whose router or attention still read the block's weights)
+        self.ffns = [found[g[0]][1] if len(g) == 1 and info.arch.install is Install.MODULE else None
+                     for g in self.groups]
         self.embedding, self.head = model.get_input_embeddings(), model.get_output_embeddings()
         self.tied = bool(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                                  "tie_word_embeddings", False))
         self._names = {id(m): n for n, m in model.named_modules()}
+        if resident:
+            return
+        self.weights = _Weights(info.path, False)
+        self._stored = _stored_names(model, self.weights.file_of)
         for name, p in model.named_parameters(remove_duplicate=False):
             if self.tied and name == self._names[id(self.head)] + ".weight":
                 continue  # the embedding's, as from_pretrained ties it
-            if name not in self.weights.file_of or tuple(self.weights.shape(name)) != tuple(p.shape):
+            stored = self._stored.get(name, name)
+            if stored not in self.weights.file_of or tuple(self.weights.shape(stored)) != tuple(p.shape):
                 raise FFNQuantError(f"{info.path}: tensor {name!r} {list(p.shape)} of the transformers model is not in "
-                                    "the checkpoint with that shape; sequential onloading reads every module's tensors "
-                                    "by name: run it whole (--no-sequential)")
+                                    "the checkpoint with that shape; reading a layer at a time reads every module's "
+                                    "tensors by name: run it whole (--no-sequential)")
 
     def onload(self, module: nn.Module, skip: nn.Module | None = None) -> None:
         """`module`'s parameters read from the shards in float32, one tensor at a time (those of its submodule
         `skip` left on the meta device)."""
+        if self.resident:
+            return
         prefix = self._names[id(module)]
         skipped = {id(p) for p in skip.parameters()} if skip is not None else set()
         for name, p in list(module.named_parameters()):
             if id(p) in skipped:
                 continue
             owner, _, attr = name.rpartition(".")
-            tensor = _read_float32(self.weights, f"{prefix}.{name}" if prefix else name)
+            full = f"{prefix}.{name}" if prefix else name
+            tensor = _read_float32(self.weights, self._stored.get(full, full))
             setattr(module.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
 
-    @staticmethod
-    def offload(module: nn.Module) -> None:
-        """`module`'s parameters back on the meta device: their memory is freed (buffers are kept)."""
+    def offload(self, module: nn.Module) -> None:
+        """`module`'s parameters back on the meta device: their memory is freed (buffers are kept). Resident: kept."""
+        if self.resident:
+            return
         for name, p in list(module.named_parameters()):
             owner, _, attr = name.rpartition(".")
             setattr(module.get_submodule(owner), attr, nn.Parameter(torch.empty_like(p, device="meta"),
@@ -418,17 +324,27 @@ class SequentialModel:
         calls = []
         n = len(self.layers)
         for b, ids in enumerate(batches):
-            record: list = []
-            with self._stand_ins([_StandIn(record, stop=i == n - 1) for i in range(n)]), torch.no_grad():
-                try:
-                    self.base(input_ids=ids)
-                except _Stop:
-                    pass
+            record = self._record(ids, n)
+            if b == 0 and n > 1 and record[1][0].shape != record[0][0].shape:
+                # the model's loop indexes each layer's output (a tuple, as Falcon's layers return): the stand-ins
+                # answer in that form, and the layers' inputs are recorded again
+                self._tuple_out = True
+                record = self._record(ids, n)
             store.put(b, record[0][0])
             calls.append([self._no_cache(args, kwargs) for _, args, kwargs in record])
             if progress is not None:
                 progress(f"{stage}: batch {b + 1}/{len(batches)}", b + 1, len(batches))
         return calls
+
+    def _record(self, ids: torch.Tensor, n: int) -> list:
+        record: list = []
+        stand_ins = [_StandIn(record, stop=i == n - 1, as_tuple=self._tuple_out) for i in range(n)]
+        with self._stand_ins(stand_ins), torch.no_grad():
+            try:
+                self.base(input_ids=ids)
+            except _Stop:
+                pass
+        return record
 
     def _no_cache(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         # The KV cache (a keyword, or positional as GPT-2 passes it) only keeps each layer's keys and values for a
@@ -442,18 +358,53 @@ class SequentialModel:
             out["use_cache"] = False
         return tuple(drop(a) for a in args), out
 
-    def run(self, j: int, store: _Store, calls: Sequence, capture: list | None = None, ffn: Any = None) -> None:
-        """Decoder layer `j` (onloaded) over every batch of `store`, outputs replacing inputs; its FFN's inputs
-        [tokens, d_model] appended to `capture` when given; `ffn` (a callable) computing in its FFN's place."""
-        layer, block = self.info.layers[j], self.layers[j]
-        hooks = ffn_input_hooks(self.model, self.info, [layer], lambda _, x: capture.append(x)) \
-            if capture is not None else contextlib.nullcontext()
-        swap = install_ffns(self.model, self.info, {layer: ffn}) if ffn is not None else contextlib.nullcontext()
+    def run(self, j: int, store: _Store, calls: Sequence, capture: dict[str, list] | None = None,
+            ffns: Mapping[str, Any] | None = None) -> None:
+        """Decoder layer `j` (onloaded) over every batch of `store`, outputs replacing inputs. `capture`: each of
+        its FFNs' inputs [tokens, d_model] appended under the FFN's label (an expert's: the tokens the router sent
+        it; none in a batch where it got none); `ffns`: callables computing in place of FFNs, by label."""
+        group = self.groups[j]
+        by_label = {layer.label: layer for layer in group}
+
+        def sink(layer: LayerInfo, x: torch.Tensor) -> None:
+            if x.shape[0]:
+                capture.setdefault(layer.label, []).append(x)
+
+        hooks = ffn_input_hooks(self.model, self.info, group, sink) if capture is not None and group \
+            else contextlib.nullcontext()
+        swap = install_ffns(self.model, self.info, {by_label[k]: f for k, f in ffns.items()}) if ffns \
+            else contextlib.nullcontext()
         with hooks, swap, torch.no_grad():
             for b in sorted(store.items):
-                args, kwargs = calls[b][j]
-                out = block(store.get(b), *args, **kwargs)
-                store.put(b, out[0] if isinstance(out, tuple) else out)
+                out = self._block(j, store.get(b), calls[b][j])
+                store.put(b, out)
+
+    def _block(self, j: int, hidden: torch.Tensor, call: tuple[tuple, dict[str, Any]]) -> torch.Tensor:
+        args, kwargs = call
+        out = self.layers[j](hidden, *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def check(self, j: int, store: _Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:
+        """ffnquant's FFNs of layer `j` (`hf_layers`, onloaded layer) against the model's own modules on the first
+        batch's inputs (`hf.graph.check_reproduction`): raises, naming the layer, before anything is quantized."""
+        from .graph import check_reproduction
+
+        if not hf_layers or not len(store):
+            return {}
+        b = min(store.items)
+        return check_reproduction(self.model, self.info, hf_layers,
+                                  run=lambda: self._block(j, store.get(b), calls[b][j]))
+
+    def fold_sites(self, j: int, store: _Store, calls: Sequence) -> dict[LayerInfo, Any]:
+        """Where layer `j`'s FFN input scale folds, or why not (`hf.graph.fold_sites`), from the layer (onloaded)
+        run on the first batch of `store`: the check compares the layer's output, which is all a fold can change."""
+        from .graph import fold_sites
+
+        if not self.groups[j] or not len(store):
+            return {}
+        b = min(store.items)
+        return fold_sites(self.model, self.info, self.groups[j],
+                          run=lambda: self._block(j, store.get(b), calls[b][j]))
 
     def head_out(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden state, logits) of one batch's last decoder layer output, from the model's own forward
@@ -480,7 +431,8 @@ class SequentialModel:
         handle = self.base.register_forward_hook(
             lambda module, args, out: got.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
         try:
-            with self._stand_ins([_StandIn(None, hidden if i == 0 else None) for i in range(n)]):
+            with self._stand_ins([_StandIn(None, hidden if i == 0 else None, as_tuple=self._tuple_out)
+                                  for i in range(n)]):
                 # inputs_embeds only give the forward its shapes: the first stand-in returns `hidden`
                 logits = self.model(inputs_embeds=torch.zeros_like(hidden)).logits
         finally:
@@ -490,8 +442,8 @@ class SequentialModel:
     @contextlib.contextmanager
     def layer(self, j: int, ffn: bool = True):
         """Decoder layer `j` onloaded while active, offloaded afterwards; without `ffn`, its FFN's weights are not
-        read (for runs where a replacement computes in the FFN's place: `run(..., ffn=...)`)."""
-        self.onload(self.layers[j], None if ffn else self.ffns[j])
+        read (for runs where a replacement computes in the FFN's place: `run(..., ffns=...)`)."""
+        self.onload(self.layers[j], None if ffn else self.ffns[j])  # no single FFN module: all read
         try:
             yield self.layers[j]
         finally:

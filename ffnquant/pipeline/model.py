@@ -144,12 +144,13 @@ def _end_to_end(info: Any, layers: Sequence[Any], inputs: Any, settings: Any, qu
     if reason is not None:
         e2e.update(status="missing", reason=reason)
         return e2e
-    e2e["baseline"] = float_baseline(inputs.model, info, inputs.eval_batches)
+    e2e["baseline"] = float_baseline(inputs.model, info, inputs.eval_batches, engine=inputs.engine)
     for recipe in quantized:
         qffns = {label: k.get(recipe.name) for label, k in kept.items()}
         if any(q is None for q in qffns.values()):
             continue  # not applicable to this model (listed under skipped)
-        res = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, e2e["baseline"])
+        res = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, e2e["baseline"],
+                         engine=inputs.engine)
         e2e["schemes"].append({"scheme": recipe.name, "label": recipe.label, "end_to_end": res["end_to_end"],
                                "ablation": res["ablation"], "worst_layers_end_to_end": res["worst_layers_end_to_end"]})
     if plan_file is not None:
@@ -165,7 +166,8 @@ def _end_to_end(info: Any, layers: Sequence[Any], inputs: Any, settings: Any, qu
                 q = quantize_layer(layer, recipe, inputs.calib[layer.label], inputs.eval[layer.label], settings.bins)[0]
             if q is not None:
                 qffns[layer.label] = q
-        res = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, e2e["baseline"])
+        res = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, e2e["baseline"],
+                         engine=inputs.engine)
         name = f"plan: {display_path(plan_file)}"
         e2e["schemes"].append({"scheme": name, "label": f"{name} ({len(set(map(str, plan.layers.values())))} recipes)",
                                "end_to_end": res["end_to_end"], "ablation": res["ablation"],

@@ -11,13 +11,15 @@ The scoring runs as tasks of an `executor` (`score_tasks`, `run_score_task`): on
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
+from .moe import MoELayer, quantize_moe_layer, score_moe_layer
+from .scores import CandidateScore, db as _db
 from .sensitivity import fisher_noise
 
 __all__ = ["CANDIDATE_SETS", "candidate_recipes", "format_candidates", "CandidateScore", "generalization", "score_layer",
@@ -82,22 +84,6 @@ def format_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str
             list(skipped) + [{"recipe": str(r), "reason": why} for r, why in refused.items()])
 
 
-@dataclass
-class CandidateScore:
-    """One recipe on one layer (see the module docstring); `error` when it could not be applied."""
-
-    recipe: str
-    layer_sqnr_db: float | None = None
-    search_noise: float | None = None  # sum of squared output errors on the search tokens
-    search_sqnr_db: float | None = None  # the layer's output SQNR on the search tokens (its own calibration data)
-    fisher: float | None = None  # the same weighted by the squared loss gradient
-    bytes: int | None = None
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor, bins: int | None):
     from ..quantization import quantize_recipes
 
@@ -107,7 +93,10 @@ def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_o
 
 def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor,
                 grad: torch.Tensor, keep: Sequence[Recipe] = (), bins: int | None = None):
-    """Score every recipe on one layer: (scores in recipe order, {recipe: QuantizedFFN} for those in `keep`)."""
+    """Score every recipe on one layer: (scores in recipe order, {recipe: QuantizedFFN} for those in `keep`). An
+    MoE layer (`plan.moe.MoELayer`) is scored on its routed experts' output (`score_moe_layer`)."""
+    if isinstance(layer, MoELayer):
+        return score_moe_layer(layer, recipes, calib, held_out, grad, keep=keep, bins=bins)
     from ..accuracy import run_batched
     from ..pipeline.variants import recipe_weight_bytes
 
@@ -135,12 +124,6 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
     return scores, kept
 
 
-def _db(signal: float, noise: float) -> float:
-    import math
-
-    return 200.0 if noise <= 0 else (-200.0 if signal <= 0 else min(200.0, 10 * math.log10(signal / noise)))
-
-
 def generalization(score: "CandidateScore") -> float:
     """How much larger the candidate's relative output error is on held-out inputs than on its own calibration
     (search) inputs: 10^((search SQNR - held-out SQNR) / 10), bounded to [0.25, 100]. A method that fits its
@@ -152,7 +135,10 @@ def generalization(score: "CandidateScore") -> float:
 
 
 def quantize_layer(layer: Any, recipe: Recipe, calib: torch.Tensor, held_out: torch.Tensor, bins: int | None = None):
-    """The QuantizedFFN of one layer under one recipe (what `score_layer` scored), and its held-out SQNR."""
+    """The QuantizedFFN of one layer under one recipe (what `score_layer` scored), and its held-out SQNR (an MoE
+    layer's: a `plan.moe.QuantizedMoE`)."""
+    if isinstance(layer, MoELayer):
+        return quantize_moe_layer(layer, recipe, calib, held_out, bins)
     outcome = next(iter(_outcomes(layer, [recipe], calib, held_out, bins)))
     if not outcome.ok:
         raise FFNQuantError(f"{layer.label}: {recipe}: {outcome.error}")

@@ -18,14 +18,14 @@
    shows the plan spending well under the budget (the additive prediction is first order), allow more.
    The plan is the cheapest round that met the target on the held-out text.
 
-Where the model runs: the whole model loaded (`_InMemory`, below), or a decoder layer at a time (`plan.streamed`:
-the gradients by a layer-by-layer backward pass, the probes' ablations and each verification round as streams).
-Both hand the same tensors to the same steps here, so the plan and every figure are the same.
+Where the model runs: through the one engine (`plan.source.PlanSource` over `hf.stream.SequentialModel`), the model
+resident or read a decoder layer at a time: the gradients by a layer-by-layer backward pass, the probes' ablations
+and each verification round as streams. The modes hand the same tensors to the same steps here, so the plan and
+every figure are the same.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -35,10 +35,11 @@ import torch
 from ..errors import FFNQuantError
 from ..atomic import ScratchFolder
 from ..recipe import Recipe
-from .candidates import candidate_recipes, generalization, quantize_layer, run_score_task, score_tasks
+from .candidates import candidate_recipes, generalization, run_score_task, score_tasks
+from .moe import MoELayer, moe_table
 from .planfile import Plan, model_fingerprint
 from .search import Option, pareto, solve
-from .sensitivity import SuffixRunner, check_plannable, fisher_noise, output_gradients, probe_batches
+from .sensitivity import check_plannable, fisher_noise
 from .target import Objective, Target
 
 __all__ = ["PROBES", "final_round", "make_plan", "next_safety", "worst_domain"]
@@ -91,86 +92,6 @@ def _fit(points: Sequence[tuple[float, float]]) -> float:
     num = sum(m * p for p, m in points)
     den = sum(p * p for p, m in points)
     return max(0.0, num / den) if den > 0 else 0.0
-
-
-class _InMemory:
-    """The whole model loaded: every FFN's inputs captured at once, the gradients by one backward pass per batch,
-    the probes ablated by `SuffixRunner` as they come, each verification round by `end_to_end` (the quantized
-    layers cached across rounds). The scoring tasks of every layer are handed to the executor at once."""
-
-    def __init__(self, info: Any, settings: Any, text: Any, eval_text: Any, probe_tokens: int, allow_pickle: bool,
-                 progress: Progress | None, timings: dict[str, float]) -> None:
-        from ..hf import load_ffn_layers
-        from ..hf.evaluate import float_reference
-        from ..hf.inputs import capture_layer_inputs
-
-        self.info, self.settings = info, settings
-        self.layers = load_ffn_layers(info, "all", allow_pickle=allow_pickle)
-        t = time.perf_counter()
-        self.inputs = inputs = capture_layer_inputs(
-            info, self.layers, text=text, eval_text=eval_text, calib_tokens=settings.max_calib_tokens,
-            eval_tokens=settings.max_eval_tokens, settings=settings, allow_pickle=allow_pickle, progress=progress,
-            by_domain=True)
-        self.model = inputs.model
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        timings["capture_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        if progress is not None:
-            progress("loss gradients at every FFN output (search text)", 0, 1)
-        self.grads = output_gradients(self.model, info, [l.info for l in self.layers], inputs.calib_batches)
-        self.fold_refusals = fold_refusals(self.model, info, [l.info for l in self.layers])
-        timings["gradients_s"] = time.perf_counter() - t
-        probes, self.n_probe = probe_batches(inputs.calib_batches, probe_tokens)
-        self.runner = SuffixRunner(self.model, info, [l.info for l in self.layers], probes).record()
-        self.ablations: dict[tuple[int, str], Any] = {}
-        self.texts = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
-                      "token_budgets": inputs.budgets}
-        # the float model's figures kept once per batch: each round scores only the quantized model
-        t = time.perf_counter()
-        self.domains = inputs.eval_domains
-        self.domain_baselines, self.domain_refs = {}, {}
-        for k, (label, lo, hi) in enumerate(self.domains):
-            if progress is not None:
-                progress(f"float reference: {label}", k + 1, len(self.domains))
-            self.domain_baselines[label], self.domain_refs[label] = float_reference(
-                self.model, info, inputs.eval_batches[lo:hi])
-        self.search_baseline, self.search_refs = float_reference(self.model, info, inputs.calib_batches)
-        self.baseline = {"perplexity": None, "n_tokens": sum(int(b.numel()) for b in inputs.eval_batches),
-                         "domains": self.domain_baselines}
-        timings["float_reference_s"] = time.perf_counter() - t
-        self._cache: dict[tuple[int, str], Any] = {}
-
-    def groups(self):
-        """The layers to score, (layer, search inputs, held-out inputs, loss gradients) each: all in one group."""
-        yield [(layer, self.inputs.calib[layer.label], self.inputs.eval[layer.label], self.grads[layer.label])
-               for layer in self.layers]
-
-    def ablate(self, layer: Any, name: str, ffn: Any) -> None:
-        self.ablations[(layer.index, name)] = self.runner.ablate(layer.index, ffn)
-
-    def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> tuple[dict, dict[str, dict]]:
-        """The end-to-end figures of the layers quantized as `chosen` ({index: name}): on the search text, and on
-        each held-out domain ({label: figures})."""
-        from ..hf.evaluate import end_to_end
-
-        by_index = {layer.index: layer for layer in self.layers}
-        qffns = {}
-        for i, name in chosen.items():
-            if name == "fp32":
-                continue
-            layer = by_index[i]
-            if (i, name) not in self._cache:
-                self._cache[(i, name)] = quantize_layer(layer, by_name[name], self.inputs.calib[layer.label],
-                                                        self.inputs.eval[layer.label], bins=self.settings.bins)[0]
-            qffns[layer.label] = self._cache[(i, name)]
-        args = (self.model, self.info, self.layers, qffns)
-        on_search = end_to_end(*args, self.inputs.calib_batches, self.settings, self.search_baseline,
-                               references=self.search_refs)["end_to_end"]
-        domains = {label: end_to_end(*args, self.inputs.eval_batches[lo:hi], self.settings,
-                                     self.domain_baselines[label], references=self.domain_refs[label])["end_to_end"]
-                   for label, lo, hi in self.domains}
-        return on_search, domains
 
 
 def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], probes: Sequence[Recipe], bins: Any):
@@ -237,13 +158,6 @@ def needs_fold(recipe: Recipe) -> bool:
     return recipe.smooth is not None or get_scheme(recipe.scheme).method is Method.AWQ
 
 
-def fold_refusals(model: Any, info: Any, layers: Sequence[Any]) -> dict[int, str]:
-    """layer index -> why an input scale cannot fold into a norm there (`hf.graph.fold_sites`); absent when it can."""
-    from ..hf.graph import fold_sites
-
-    return {layer.index: site.refusal for layer, site in fold_sites(model, info, layers).items() if site.refusal}
-
-
 def _fold_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
     """A recipe whose input scale cannot fold on this layer is not chosen: no deployment could store it."""
     if not refusal:
@@ -268,10 +182,14 @@ def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], cal
             ref, got = layer.ffn(x), q(x)
         probes.append({"recipe": str(p), "fisher_per_token": fisher_noise(grad[:n_probe], ref, got) / max(1, x.shape[0]),
                        "noise": float((got.double() - ref.double()).square().sum())})
-    ort = _ort_best(layer, calib, held, settings) if with_ort_floor else None
+    moe = isinstance(layer, MoELayer)  # onnxruntime's quantizers take one FFN, not a layer of routed experts
+    ort = _ort_best(layer, calib, held, settings) if with_ort_floor and not moe else None
     t = time.perf_counter()
-    chunks = ({layer.label: calib[i : i + 1024]} for i in range(0, calib.shape[0], 1024))
-    table = calibrate_layers([layer], chunks, settings.bins)[0][layer.label]
+    if moe:
+        table = moe_table(layer, calib, settings.bins)
+    else:
+        chunks = ({layer.label: calib[i : i + 1024]} for i in range(0, calib.shape[0], 1024))
+        table = calibrate_layers([layer], chunks, settings.bins)[0][layer.label]
     return {"index": layer.index, "label": layer.label, "scores": scores, "probes": probes, "ort_best": ort,
             "n_search": calib.shape[0], "table": table, "atlas_s": time.perf_counter() - t}
 
@@ -336,12 +254,13 @@ def make_plan(
     """Plan every FFN layer of a causal LM for `target` at the least `objective`; returns (Plan, JSON-able result).
 
     The candidates are scored as tasks of `executor` (default: in this process); `memory` (an
-    `hf.stream.MemoryPlan`, e.g. from `plan.streamed.plan_memory`) streams the model a decoder layer at a time
-    when its `sequential` is set, its hidden states on disk with `spill`. The plan depends on neither."""
+    `hf.memory.MemoryPlan`, from `hf.memory.plan_memory` with `plan.source.plan_needs`; default: the model
+    resident) reads the model a decoder layer at a time when its `sequential` is set, its hidden states on disk
+    with `spill`. The plan depends on neither."""
     from ..executor import LocalExecutor
     from ..hf import inspect_model
     from ..hf.inputs import EvalSettings, fit_settings
-    from .streamed import StreamedPlanModel
+    from .source import PlanSource
 
     t_start = time.perf_counter()
     executor = executor if executor is not None else LocalExecutor()
@@ -349,7 +268,7 @@ def make_plan(
     target = target if isinstance(target, Target) else Target.parse(target)
     objective = objective or Objective()
     info = model_dir if hasattr(model_dir, "arch") else inspect_model(model_dir, allow_pickle=allow_pickle)
-    check_plannable(info)
+    check_plannable(info, objective)
     recipes, skipped = candidate_recipes(candidates, info.spec)
     probes = [Recipe.parse(p) for p in PROBES]
     for p in probes:
@@ -358,12 +277,9 @@ def make_plan(
     settings = fit_settings(info, settings or EvalSettings(ablation=False))
     timings: dict[str, float] = {}
     streamed = memory is not None and memory.sequential
-    with contextlib.ExitStack() as stack:
-        if streamed:
-            source = stack.enter_context(StreamedPlanModel(info, settings, text, eval_text, probe_tokens, memory.spill,
-                                                           progress, timings))
-        else:
-            source = _InMemory(info, settings, text, eval_text, probe_tokens, allow_pickle, progress, timings)
+    with PlanSource(info, settings, text, eval_text, probe_tokens, resident=not streamed,
+                    spill=bool(memory is not None and memory.spill), progress=progress, timings=timings,
+                    allow_pickle=allow_pickle) as source:
         plan, result = _search_and_verify(source, info, target, objective, recipes, skipped, probes, settings,
                                           max_rounds, ort_floor, executor, tick, progress, timings)
     result["timings"]["total_s"] = time.perf_counter() - t_start
@@ -398,7 +314,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
             tick(f"candidates: {layer.label}", len(local), n_layers)
     per_layer: dict[int, dict[str, Any]] = {}
     fits: dict[int, list[dict[str, Any]]] = {}
-    refusals = getattr(source, "fold_refusals", {})
+    refusals = source.fold_refusals
     for i in sorted(local):  # in layer order, whatever order the tasks finished in
         per_layer[i], fits[i] = _finish_layer(local[i], source.ablations, recipes, latency, objective)
         _fold_exclude(per_layer[i]["candidates"], refusals.get(i))

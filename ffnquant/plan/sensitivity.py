@@ -1,23 +1,23 @@
 """What an error in one FFN layer's output costs the model end to end, measured on the search text.
 
-Two measurements, both on the calibration ("search") text, never on the held-out text the plan is verified on:
+Two measurements, both on the calibration ("search") text, never on the held-out text the plan is verified on
+(`plan.source` runs them through the engine, a decoder layer at a time):
 
-- `output_gradients`: one forward and backward pass of the float model gives, per layer, the gradient g of the
-  summed next-token loss with respect to that FFN's output at every token. To second order the loss a noise
-  dy adds is 1/2 dy^T H dy; with the empirical Fisher (g g^T, diagonal) in place of H, a candidate's predicted
-  damage is proportional to sum_t,j g_tj^2 dy_tj^2 (`fisher_noise`). Its scale is fitted to measurements:
-- `SuffixRunner.ablate`: the model with one layer's FFN replaced, run from that layer on (the float blocks
-  before it return their recorded outputs, so a layer near the end costs a fraction of a full pass): the
-  measured change of the mean negative log-likelihood and the final hidden state's noise for that layer alone.
+- the loss gradients: a forward and backward pass of the float model gives, per layer, the gradient g of the
+  summed next-token loss with respect to that FFN's output at every token (`gradient_probe` marks the output).
+  To second order the loss a noise dy adds is 1/2 dy^T H dy; with the empirical Fisher (g g^T, diagonal) in
+  place of H, a candidate's predicted damage is proportional to sum_t,j g_tj^2 dy_tj^2 (`fisher_noise`). Its
+  scale is fitted to measurements:
+- the ablations: the model with one layer's FFN replaced, run from that layer on: the measured change of the
+  mean negative log-likelihood and the final hidden state's noise for that layer alone (`ablation_terms`).
 
-Plans need a causal LM whose FFN is one module of each block (Llama, Mistral, Qwen2, Gemma, Phi-3, GPT-2).
+Plans need a causal LM with one FFN per decoder layer (a module, or Linears in the block itself).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,19 +25,29 @@ from torch import nn
 
 from ..errors import FFNQuantError
 
-__all__ = ["check_plannable", "output_gradients", "fisher_noise", "SuffixRunner", "Ablation", "ablation_terms",
-           "float_terms", "gradient_probe", "predicted_tokens", "probe_batches"]
+__all__ = ["check_plannable", "fisher_noise", "Ablation", "ablation_terms", "float_terms", "gradient_probe",
+           "predicted_tokens", "probe_batches"]
 
 
-def check_plannable(info: Any) -> None:
-    """Raise FFNQuantError unless plans support this model (a causal LM, one FFN module per block)."""
+def check_plannable(info: Any, objective: Any = None) -> None:
+    """Raise FFNQuantError unless plans support this model: a causal LM with one FFN per decoder layer (a module,
+    or Linears in the block itself), or layers of routed experts held as transformers' fused expert tensors
+    (planned a layer at a time: every expert of a layer under one recipe). The latency objective times one FFN
+    at the model's shape, which a layer of routed experts is not: those plan by bytes."""
     from ..hf.arch import Install, ModelKind
 
-    if info.kind is not ModelKind.CAUSAL_LM or info.arch.install is Install.EXPERTS or info.n_experts:
-        raise FFNQuantError(
-            f"plan: {info.model_type} is not supported yet: plans need a causal LM with one FFN per block (a module, "
-            "or Linears in the block itself), not mixture-of-experts; per-recipe evaluation of this model: "
-            "ffnquant model eval")
+    if info.kind is not ModelKind.CAUSAL_LM:
+        raise FFNQuantError(f"plan: {info.model_type} is {info.kind}: plans need a causal LM (their promise is its "
+                            "perplexity); per-recipe evaluation of this model: ffnquant model eval")
+    if info.arch.install is Install.EXPERTS or info.n_experts:
+        if not info.arch.fused_expert_roles:
+            raise FFNQuantError(f"plan: {info.model_type}'s experts are separate modules, not transformers' fused "
+                                "expert tensors, which plans of routed experts read; per-recipe evaluation of this "
+                                "model: ffnquant model eval")
+        if objective is not None and getattr(objective, "kind", None) == "latency":
+            raise FFNQuantError(f"plan: {info.model_type} routes each token to some of its experts: the latency "
+                                "objective times one FFN at the model's shape, not a layer of routed experts; use "
+                                "--objective bytes")
 
 
 def _ffn_names(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, str]:
@@ -57,40 +67,8 @@ def _ffn_modules(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int
             for i, name in _ffn_names(model, info, layers).items()}
 
 
-def _block_modules(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, nn.Module]:
-    """The decoder block holding each layer's FFN (the FFN module's parent; the block itself for in-block Linears)."""
-    from ..hf.arch import Install
-
-    split = info.arch.install is Install.SPLIT
-    return {i: model.get_submodule(name if split else name.rsplit(".", 1)[0])
-            for i, name in _ffn_names(model, info, layers).items()}
-
-
 def _nll_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(), ids[:, 1:].reshape(-1), reduction="sum")
-
-
-def output_gradients(model: nn.Module, info: Any, layers: Sequence[Any], batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per layer label, d(summed next-token NLL)/d(FFN output) at each token of `batches`: [tokens, d_model],
-    tokens in the order `hf.capture` records the FFN inputs (batch by batch, row-major)."""
-    ffns = _ffn_modules(model, info, layers)
-    by_index = {layer.index: layer for layer in layers}
-    grads: dict[str, list[torch.Tensor]] = {layer.label: [] for layer in layers}
-    for ids in batches:
-        probes: dict[int, torch.Tensor] = {}
-        handles = [m.register_forward_hook(gradient_probe(probes, i)) for i, m in ffns.items()]
-        try:
-            with torch.enable_grad():
-                out = model(input_ids=ids)
-                loss = _nll_sum(out.logits, ids)
-                zs = [probes[i] for i in sorted(probes)]
-                gs = torch.autograd.grad(loss, zs)
-        finally:
-            for h in handles:
-                h.remove()
-        for i, g in zip(sorted(probes), gs):
-            grads[by_index[i].label].append(g.detach().reshape(-1, g.shape[-1]).float())
-    return {label: torch.cat(v) for label, v in grads.items()}
 
 
 def probe_batches(batches: Sequence[torch.Tensor], probe_tokens: int) -> tuple[list[torch.Tensor], int]:
@@ -170,81 +148,3 @@ def ablation_terms(logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor
     ref = ref_hidden.double()
     return (kl, float(_nll_sum(logits, ids)) - ref_nll, float((hidden.double() - ref).square().sum()),
             float(ref.square().sum()))
-
-
-class SuffixRunner:
-    """Runs the model on fixed batches with one FFN replaced, computing only the blocks from that layer on.
-
-    `record()` runs the float model once, keeping every block's output, the final hidden states and the NLL.
-    `ablate(index, ffn)` then replaces the FFN of block `index`; the blocks before it return their recorded
-    outputs instead of computing (embedding, rotary tables and masks are still made; they are cheap).
-    """
-
-    def __init__(self, model: nn.Module, info: Any, layers: Sequence[Any], batches: Sequence[torch.Tensor]) -> None:
-        """`layers`: the LayerInfos of the FFNs that may be ablated; `batches`: token ids [batch, seq]."""
-        self.model, self.info, self.batches = model, info, list(batches)
-        self.layers = {layer.index: layer for layer in layers}
-        self.blocks = _block_modules(model, info, layers)
-        self._outputs: list[dict[int, Any]] = []
-        self._hidden: list[torch.Tensor] = []
-        self._nll: list[float] = []
-        self._logp: list[torch.Tensor] = []
-
-    def record(self) -> "SuffixRunner":
-        for ids in self.batches:
-            kept: dict[int, Any] = {}
-            handles = [b.register_forward_hook(lambda m, a, out, i=i: kept.__setitem__(i, _detach(out)))
-                       for i, b in self.blocks.items()]
-            try:
-                with torch.no_grad():
-                    out = self.model(input_ids=ids, output_hidden_states=True)
-            finally:
-                for h in handles:
-                    h.remove()
-            self._outputs.append(kept)
-            self._hidden.append(out.hidden_states[-1].detach())
-            nll, logp = float_terms(out.logits, ids)
-            self._nll.append(nll)
-            self._logp.append(logp)
-        return self
-
-    @property
-    def tokens(self) -> int:
-        return predicted_tokens(self.batches)
-
-    @contextlib.contextmanager
-    def _skip_before(self, index: int, batch: int) -> Iterator[None]:
-        undo = []
-        try:
-            for i, block in self.blocks.items():
-                if i < index:
-                    cached = self._outputs[batch][i]
-                    object.__setattr__(block, "forward", lambda *a, _c=cached, **k: _c)
-                    undo.append(block)
-            yield
-        finally:
-            for block in undo:
-                delattr(block, "forward")
-
-    def ablate(self, index: int, ffn: Callable[[torch.Tensor], torch.Tensor]) -> Ablation:
-        """Layer `index`'s FFN replaced by `ffn` (a callable on [tokens, d_model]), measured on the batches."""
-        from ..hf.capture import install_ffns
-
-        if not self._outputs:
-            self.record()
-        terms = []
-        layer = self.layers[index]
-        for b, ids in enumerate(self.batches):
-            with self._skip_before(index, b), install_ffns(self.model, self.info, {layer: ffn}), torch.no_grad():
-                out = self.model(input_ids=ids, output_hidden_states=True)
-            terms.append(ablation_terms(out.logits, out.hidden_states[-1], ids, self._nll[b], self._logp[b],
-                                        self._hidden[b]))
-        return Ablation.of(index, terms, self.tokens)
-
-
-def _detach(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, tuple):
-        return tuple(_detach(o) for o in out)
-    return out

@@ -1,11 +1,12 @@
-"""`make_plan` a decoder layer at a time (`hf.stream.SequentialModel`), for models larger than memory.
-
-What the in-memory plan gets from the whole model, in passes over the layers:
+"""What `make_plan` reads from the model, through the one engine (`hf.stream.SequentialModel`): the model resident,
+or read a decoder layer at a time when it does not fit (`hf.memory.plan_memory` with `plan_needs`), in passes over
+the layers:
 
 1. Forward: the search and held-out texts embedded and run through each layer in turn; each layer's FFN inputs
-   kept (the candidates' data), and the search text's input to each decoder layer (for the backward pass). The
-   final norm and LM head give the float figures: perplexities, final hidden states, the probe tokens'
-   next-token distributions, and the loss gradient at the last layer's output.
+   kept (the candidates' data), and the search text's input to each decoder layer (for the backward pass). On
+   the way each layer's FFN is checked to reproduce the model's module, and where its input scale can fold
+   (`SequentialModel.fold_sites`). The final norm and LM head give the float figures: perplexities, final hidden
+   states, the probe tokens' next-token distributions, and the loss gradient at the last layer's output.
 2. Backward, last layer to first: each layer recomputed on its kept input with the gradient probe at its FFN's
    output (`sensitivity.gradient_probe`), the gradient at its output carried back to its input. The FFN output
    gradients are those of one backward pass through the whole model: the same operations on the same values.
@@ -15,8 +16,8 @@ What the in-memory plan gets from the whole model, in passes over the layers:
 4. Each verification round: the search and held-out texts through every layer quantized as chosen (each layer
    quantized from its kept inputs again: the quantizers are deterministic), scored against the float figures.
 
-Kept tensors go to a temporary folder, a file per layer or batch, when the memory plan spills
-(`plan_memory`). tests/test_plan_streamed.py checks the plan and every figure against the in-memory path.
+Kept tensors go to a temporary folder, a file per layer or batch, when the memory plan spills.
+tests/test_plan_source.py checks that every mode gives the same plan and figures.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..recipe import Recipe
+from .moe import MoELayer, QuantizedMoE, Routed
 
-__all__ = ["StreamedPlanModel", "plan_memory", "plan_memory_needed"]
+__all__ = ["PlanSource", "plan_needs"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -41,52 +43,14 @@ def _scoring_bytes(spec: Any, tokens: int) -> int:
     return 11 * spec.n_params * 4 + (2 * d + 3 * d_ff) * tokens * 4 + 8 * (d * d + d_ff * d_ff)
 
 
-def plan_memory_needed(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: int,
-                       batch_tokens: int) -> dict[str, int]:
-    """Bytes the in-memory plan holds at its peak, by part, and their `total`: the whole model in float32
-    (benchmarks/plan_memory.py measures it against the peak RSS)."""
+def plan_needs(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: int, batch_tokens: int):
+    """What `make_plan` holds beside the model's weights (an `hf.memory.Needs` for `hf.memory.plan_memory`)."""
+    from ..hf.memory import Needs
     from ..hf.metrics import TOP_K
-    from ..hf.stream import _RUNTIME_BYTES
-    from ..resources import process_rss
-
-    spec, n = info.spec, info.n_layers
-    d, vocab = spec.d_model, int(info.config.get("vocab_size") or 0)
-    parts = {
-        "runtime": process_rss() + _RUNTIME_BYTES,
-        "model": info.n_params_total * 4,
-        # each FFN loaded on its own for scoring, and the verification rounds' quantized copies
-        "ffn_copies": 2 * n * spec.n_params * 4,
-        # every layer's FFN inputs (search + held-out), the loss gradient at its output, the probes' block outputs
-        "hidden_states": n * (2 * calib_tokens + eval_tokens + probe_tokens) * d * 4,
-        # the probes' next-token log-probabilities, one batch's logits in float32 and float64 and their gradient
-        "vocabulary": (probe_tokens + 4 * batch_tokens) * vocab * 4,
-        # one batch's activations kept for the backward pass through every block
-        "backward": batch_tokens * n * (8 * d + 4 * spec.d_ff) * 4,
-        "scoring": _scoring_bytes(spec, calib_tokens + eval_tokens),
-        # the float model's kept figures per token of both texts (hf.metrics.Reference): NLL, the top-k
-        # log-probabilities and ids, the final hidden state
-        "references": (calib_tokens + eval_tokens) * (8 + 8 * TOP_K + 4 * d),
-    }
-    parts["total"] = sum(parts.values())
-    return parts
-
-
-def plan_memory(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: int, batch_tokens: int,
-                max_memory: int | None = None, sequential: bool | None = None, spill: bool | None = None,
-                spill_dir: Any = None):
-    """How `make_plan` runs `info` (an `hf.stream.MemoryPlan`): the whole model when it fits in `max_memory`
-    (default: what this process holds plus what the machine has available) or `sequential` is False; else a
-    decoder layer at a time, the kept tensors on disk when they do not fit either. Raises a one-line
-    FFNQuantError with the numbers and a suggestion when nothing fits."""
-    from ..hf.metrics import TOP_K
-    from ..hf.stream import _RUNTIME_BYTES, MemoryPlan, choose_memory_plan, largest_layer_bytes
-    from ..resources import human_bytes, memory_limit, process_rss
 
     spec, n = info.spec, info.n_layers
     d, d_ff, vocab = spec.d_model, spec.d_ff, int(info.config.get("vocab_size") or 0)
     c, e, p = calib_tokens, eval_tokens, min(probe_tokens + batch_tokens, calib_tokens)  # whole batches of probes
-    base = process_rss() + _RUNTIME_BYTES
-    layer = largest_layer_bytes(info)
     # kept per layer: search FFN inputs, gradients, decoder-layer inputs (until the backward pass has used them),
     # the probe tokens' decoder-layer inputs and two ablation streams; held-out FFN inputs. Per text: the running
     # stream, its embedding (each round starts there), its final hidden states, a quantized stream.
@@ -95,21 +59,25 @@ def plan_memory(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens:
     # the probe tokens' float next-token log-probabilities, and every token's kept float figures (hf.metrics.Reference:
     # NLL, top-k log-probabilities and ids; the final hidden states are counted per text above): always in memory
     logp = p * vocab * 4 + (c + e) * (8 + 8 * TOP_K)
-    batch = batch_tokens * d * 4 * 3
-    # the largest stage: one layer with its FFN inputs; a candidate's quantization of its FFN on both texts; one
-    # batch's backward through a layer; the head with a batch's logits
-    stages = max(layer + (c + e) * d * 4 + batch, _scoring_bytes(spec, c + e),
-                 layer + 2 * batch_tokens * (8 * d + 4 * d_ff) * 4,
-                 vocab * d * 4 + 6 * batch_tokens * vocab * 4)
-    in_memory = plan_memory_needed(info, calib_tokens=c, eval_tokens=e, probe_tokens=probe_tokens,
-                                   batch_tokens=batch_tokens)["total"]
-    estimate = MemoryPlan(False, False, memory_limit(max_memory), in_memory, base + stages + logp + calibration + evaluation,
-                          base + stages + logp, layer, calibration, evaluation, "")
-    detail = (f"{human_bytes(layer)} for one decoder layer in float32, {human_bytes(stages)} for its largest stage, "
-              f"{human_bytes(logp)} for the probe tokens' next-token distributions, {human_bytes(base)} runtime")
-    return choose_memory_plan(info, estimate, max_memory=max_memory, sequential=sequential, spill=spill,
-                              spill_dir=spill_dir, tokens_flag="--calib-tokens/--eval-tokens/--probe-tokens",
-                              detail=detail, spill_bytes=calibration + evaluation)
+    return Needs(calibration, evaluation, logp, {"a candidate's quantization": _scoring_bytes(spec, c + e)},
+                 {"its FFN inputs": (c + e) * d * 4, "a backward pass through it": 2 * batch_tokens * (8 * d + 4 * d_ff) * 4},
+                 batch_tokens, "--calib-tokens/--eval-tokens/--probe-tokens")
+
+
+@contextlib.contextmanager
+def _routed(experts: Any, sink: dict[str, list]):
+    """While active, each call of an experts module appends what it receives (tokens, experts, routing weights) as
+    a `plan.moe.Routed` to `sink["routed"]`."""
+    def hook(module, args, kwargs):  # returns None: the call's arguments stay as they are
+        x, index, weights = (list(args) + [kwargs.get(k) for k in ("top_k_index", "top_k_weights")])[:3]
+        sink.setdefault("routed", []).append(Routed(x.detach().reshape(-1, x.shape[-1]).float(), index.detach(),
+                                                    weights.detach().float()))
+
+    handle = experts.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager
@@ -122,18 +90,19 @@ def _hooked(module: Any, hook: Callable):
         handle.remove()
 
 
-class StreamedPlanModel:
-    """What `make_plan` reads from the model (see the module docstring), a decoder layer at a time; a context
-    manager (its temporary folder, when spilling, is removed on exit). Passes 1 and 2 run on entry."""
+class PlanSource:
+    """What `make_plan` reads from the model (see the module docstring), the model `resident` or read a decoder
+    layer at a time; a context manager (its temporary folder, when spilling, is removed on exit). Passes 1 and 2
+    run on entry."""
 
-    def __init__(self, info: Any, settings: Any, text: Any, eval_text: Any, probe_tokens: int, spill: bool,
-                 progress: Progress | None, timings: dict[str, float]) -> None:
+    def __init__(self, info: Any, settings: Any, text: Any, eval_text: Any, probe_tokens: int, resident: bool,
+                 spill: bool, progress: Progress | None, timings: dict[str, float], allow_pickle: bool = False) -> None:
         self.info, self.settings, self.text, self.eval_text = info, settings, text, eval_text
-        self.probe_tokens, self.spill = probe_tokens, spill
+        self.probe_tokens, self.resident, self.spill, self.allow_pickle = probe_tokens, resident, spill, allow_pickle
         self.progress, self.timings = progress or (lambda *a: None), timings
         self.ablations: dict[tuple[int, str], Any] = {}
 
-    def __enter__(self) -> "StreamedPlanModel":
+    def __enter__(self) -> "PlanSource":
         from ..hf.stream import _spill_folder
 
         self._exit = contextlib.ExitStack()
@@ -166,8 +135,9 @@ class StreamedPlanModel:
         from ..hf.metrics import _NLL, reference_batch
         from ..hf.capture import load_tokenizer
         from ..hf.inputs import domain_budgets, domain_spans, eval_domain_batches
+        from ..hf.checkpoint import iter_ffn_layers
         from ..hf.stream import SequentialModel, token_batches_of
-        from .sensitivity import _nll_sum, float_terms, probe_batches
+        from .sensitivity import _ffn_modules, _nll_sum, float_terms, probe_batches
 
         info, settings = self.info, self.settings
         self.calib_ids = token_batches_of(info, self.text, "calibration", settings, settings.max_calib_tokens)
@@ -182,7 +152,14 @@ class StreamedPlanModel:
             **domain_budgets(domains, settings.max_eval_tokens, True, ev_name)}}
         probes, self.n_probe = probe_batches(self.calib_ids, self.probe_tokens)  # the in-memory path's
         self.n_probe_batches = len(probes)
-        m = self.model = SequentialModel(info)
+        m = self.model = SequentialModel(info, resident=self.resident, allow_pickle=self.allow_pickle)
+        # the module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear; a
+        # layer of routed experts: its experts module, the weighted sum); the layers a plan covers
+        self.outputs = _ffn_modules(m.model, info, info.layers)
+        self.planned = [j for j in range(len(m.layers)) if m.groups[j]]
+        self.moe = {j for j in self.planned if m.groups[j][0].expert is not None}
+        self.fold_refusals: dict[int, str] = {}  # layer index -> why an input scale cannot fold there
+        ffns = iter_ffn_layers(info, "all", allow_pickle=self.allow_pickle)
         calib, evals = self._store("calibration"), self._store("evaluation")
         self.ccalls = m.embed(self.calib_ids, calib, self.progress, "embed the search text")
         self.ecalls = m.embed(self.eval_ids, evals, self.progress, "embed the held-out text")
@@ -193,14 +170,31 @@ class StreamedPlanModel:
         n = len(m.layers)
         for j in range(n):
             self.block_in[j] = calib.copy(f"block{j}")
-            cal_x: list[torch.Tensor] = []
-            ev_x: list[torch.Tensor] = []
+            cal_x: dict[str, list[torch.Tensor]] = {}
+            ev_x: dict[str, list[torch.Tensor]] = {}
+            hfs = [next(ffns) for _ in m.groups[j]]
+            moe = j in self.moe
             with m.layer(j):
-                m.run(j, calib, self.ccalls, capture=cal_x)
-                m.run(j, evals, self.ecalls, capture=ev_x)
-            self.ffn_calib.put(j, torch.cat(cal_x))
-            self.ffn_eval.put(j, torch.cat(ev_x))
-            del cal_x, ev_x
+                m.check(j, calib, self.ccalls, hfs)
+                self.fold_refusals.update({layer.index: site.refusal
+                                           for layer, site in m.fold_sites(j, calib, self.ccalls).items()
+                                           if site.refusal})
+                if moe:  # what the experts module receives: the tokens, their experts and routing weights
+                    with _routed(self.outputs[j], cal_x):
+                        m.run(j, calib, self.ccalls)
+                    with _routed(self.outputs[j], ev_x):
+                        m.run(j, evals, self.ecalls)
+                else:
+                    m.run(j, calib, self.ccalls, capture=cal_x if hfs else None)
+                    m.run(j, evals, self.ecalls, capture=ev_x if hfs else None)
+            if moe:
+                self.ffn_calib.put(j, Routed.cat(cal_x["routed"]).to_dict())
+                self.ffn_eval.put(j, Routed.cat(ev_x["routed"]).to_dict())
+            elif hfs:
+                label = m.groups[j][0].label
+                self.ffn_calib.put(j, torch.cat(cal_x[label]))
+                self.ffn_eval.put(j, torch.cat(ev_x[label]))
+            del cal_x, ev_x, hfs
             self.progress(f"search and held-out texts through L{j}", j + 1, n)
         # the float figures; the loss gradient at the last layer's output
         self.final = (self._store("final-calibration"), self._store("final-evaluation"))
@@ -243,7 +237,8 @@ class StreamedPlanModel:
         probe_keys = range(self.n_probe_batches)
         for j in reversed(range(n)):
             block, rows, found = m.layers[j], [], {}
-            with m.layer(j), _hooked(m.ffns[j], gradient_probe(found, j)), torch.enable_grad():
+            probe = _hooked(self.outputs[j], gradient_probe(found, j)) if j in self.outputs else contextlib.nullcontext()
+            with m.layer(j), probe, torch.enable_grad():
                 for b in range(len(self.calib_ids)):
                     args, kwargs = self.ccalls[b][j]
                     # the first layer's input is the embedding, which needs no gradient (nor has one in the
@@ -251,12 +246,15 @@ class StreamedPlanModel:
                     x = self.block_in[j].get(b).detach().requires_grad_(j > 0)
                     out = block(x, *args, **kwargs)
                     out = out[0] if isinstance(out, tuple) else out
-                    got = torch.autograd.grad(out, [found[j], x] if j > 0 else [found[j]],
-                                              grad_outputs=self.grad_out.get(b))
-                    rows.append(got[0].detach().reshape(-1, got[0].shape[-1]).float())
+                    wrt = ([found[j]] if j in found else []) + ([x] if j > 0 else [])
+                    got = torch.autograd.grad(out, wrt, grad_outputs=self.grad_out.get(b)) if wrt else ()
+                    if j in found:
+                        rows.append(got[0].detach().reshape(-1, got[0].shape[-1]).float())
                     if j > 0:
-                        self.grad_out.put(b, got[1].detach())
-            self.grads.put(j, torch.cat(rows))
+                        self.grad_out.put(b, got[-1].detach())
+                    found.pop(j, None)
+            if rows:
+                self.grads.put(j, torch.cat(rows))
             del rows
             # only the probe tokens' inputs are read again (where their ablations start)
             kept = self.block_in[j].copy(f"probe-block{j}", probe_keys)
@@ -268,8 +266,10 @@ class StreamedPlanModel:
     # --- pass 3 -----------------------------------------------------------------------------------------------
 
     def groups(self):
-        """One layer at a time, as a group of one (layer, search inputs, held-out inputs, loss gradients); the
-        probes' ablations handed over by `ablate` meanwhile are run from that layer on, and measured at the end."""
+        """The layers to score as groups of (layer, search inputs, held-out inputs, loss gradients): all layers in
+        one group when the model is resident (an executor gets every layer's tasks at once), else one layer at a
+        time as the stream reaches it. The probes' ablations handed over by `ablate` are run from their layer on,
+        the streams passing the layers in order, and measured at the end: the same operations either way."""
         from ..hf.checkpoint import iter_ffn_layers
         from ..hf.stream import _trim
         from .sensitivity import Ablation, ablation_terms, predicted_tokens
@@ -277,25 +277,38 @@ class StreamedPlanModel:
         m, n = self.model, len(self.model.layers)
         calls = self.ccalls[: self.n_probe_batches]
         streams: dict[tuple[int, str], Any] = {}
-        ffns = iter_ffn_layers(self.info, "all")
-        for j in range(n):
-            if streams:  # the ablations started before this layer pass it float
+        self._pending: list[tuple[int, str, Any]] = []
+        ffns = iter_ffn_layers(self.info, "all", allow_pickle=self.allow_pickle)
+
+        def group(js):
+            return [(*self._layer(j, ffns), self.grads.get(j)) for j in js]
+
+        def advance(j: int) -> None:  # the ablations started before layer j pass it float; j's own start there
+            if streams:
                 with m.layer(j):
                     for store in streams.values():
                         m.run(j, store, calls)
-            self._pending: list[tuple[str, Any]] = []
-            layer = next(ffns)
-            yield [(layer, self.ffn_calib.get(j), self.ffn_eval.get(j), self.grads.get(j))]
-            self.grads.pop(j)
-            del layer
-            if self._pending:  # this layer's probes, each in its FFN's place
+            mine = [(name, q) for i, name, q in self._pending if i == j]
+            if mine:  # this layer's probes, each in its FFN's place
                 with m.layer(j, ffn=False):
-                    for name, q in self._pending:
+                    for name, q in mine:
                         streams[(j, name)] = store = self.block_in[j].copy(f"ablation{j}-{len(streams)}")
-                        m.run(j, store, calls, ffn=q)
-            self._pending = []
+                        m.run(j, store, calls, ffns=self._replacements(j, q))
+            self._pending = [p for p in self._pending if p[0] != j]
+            if j in self.planned:
+                self.grads.pop(j)
             self.block_in.pop(j).clear()
             _trim()
+
+        if self.resident:
+            yield group(self.planned)
+            for j in range(n):
+                advance(j)
+        else:
+            for j in range(n):
+                if j in self.planned:
+                    yield group([j])
+                advance(j)
         tokens = predicted_tokens(self.calib_ids[: self.n_probe_batches])
         for k, ((j, name), store) in enumerate(streams.items()):
             terms = []
@@ -306,9 +319,21 @@ class StreamedPlanModel:
             store.clear()
             self.progress("probe ablations: the final norm and head", k + 1, len(streams))
 
+    def _layer(self, j: int, ffns) -> tuple[Any, Any, Any]:
+        """Layer j as the candidates take it, with its search and held-out inputs: an FFN (`HFLayer`) and its input
+        rows, or a layer of routed experts (`plan.moe.MoELayer`) and what its experts module received."""
+        if j in self.moe:
+            return (MoELayer([next(ffns) for _ in self.model.groups[j]]), Routed(**self.ffn_calib.get(j)),
+                    Routed(**self.ffn_eval.get(j)))
+        return next(ffns), self.ffn_calib.get(j), self.ffn_eval.get(j)
+
+    def _replacements(self, j: int, q: Any) -> dict[str, Any]:
+        """What computes in layer j's FFNs' place, by label: a quantized FFN, or each quantized expert."""
+        return q.replacements() if isinstance(q, QuantizedMoE) else {self.model.groups[j][0].label: q}
+
     def ablate(self, layer: Any, name: str, ffn: Any) -> None:
-        """Layer `layer`'s probe `name` measured with `ffn` in its FFN's place (run as its layer's group ends)."""
-        self._pending.append((name, ffn))
+        """Layer `layer`'s probe `name` measured with `ffn` in its FFN's place (its stream starts at its layer)."""
+        self._pending.append((layer.index, name, ffn))
 
     # --- pass 4 -----------------------------------------------------------------------------------------------
 
@@ -324,18 +349,17 @@ class StreamedPlanModel:
         m, n = self.model, len(self.model.layers)
         streams = (self.embedded[0].copy("quantized-calibration"), self.embedded[1].copy("quantized-evaluation"))
         calls = (self.ccalls, self.ecalls)
-        quantized = [j for j in range(n) if chosen[j] != "fp32"]
-        ffns = iter_ffn_layers(self.info, quantized) if quantized else iter(())
+        quantized = [j for j in self.planned if chosen[j] != "fp32"]
+        ffns = iter_ffn_layers(self.info, quantized, allow_pickle=self.allow_pickle) if quantized else iter(())
         for j in range(n):
             q = None
-            if chosen[j] != "fp32":
-                layer = next(ffns)
-                q = quantize_layer(layer, by_name[chosen[j]], self.ffn_calib.get(j), self.ffn_eval.get(j),
-                                   bins=self.settings.bins)[0]
-                del layer
+            if j in quantized:
+                layer, calib, held = self._layer(j, ffns)
+                q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins)[0]
+                del layer, calib, held
             with m.layer(j, ffn=q is None):
                 for store, c in zip(streams, calls):
-                    m.run(j, store, c, ffn=q)
+                    m.run(j, store, c, ffns=self._replacements(j, q) if q is not None else None)
             del q
             _trim()
             self.progress(f"verify: L{j}", j + 1, n)

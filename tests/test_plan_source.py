@@ -1,9 +1,9 @@
-"""plan.streamed: a plan made a decoder layer at a time is the in-memory plan, bit for bit.
+"""plan.source: a plan made with the model read a decoder layer at a time is the plan made with it resident, bit
+for bit, and its loss gradients are those of one backward pass through transformers' whole forward.
 
-Both paths hand the same float32 tensors to the same steps: the FFN inputs the model's own decoder layers
-produce, the loss gradients of a backward pass (through the whole model, or layer by layer over the same
-operations), the probes' ablations and the verification rounds. So the comparisons are exact equality: the
-plan file, and plan.json's every figure except the timings.
+Both modes hand the same float32 tensors to the same steps: the FFN inputs the model's own decoder layers
+produce, the loss gradients of the layer-by-layer backward pass, the probes' ablations and the verification
+rounds. So the comparisons are exact equality: the plan file, and plan.json's every figure except the timings.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _settings():
 
 def _plan(folder, streamed: bool, spill: bool = False, target: str = "ppl+1%", ort_floor: bool = False):
     from ffnquant.hf import inspect_model
-    from ffnquant.hf.stream import MemoryPlan
+    from ffnquant.hf.memory import MemoryPlan
     from ffnquant.plan.job import make_plan
     from ffnquant.plan.target import Objective
 
@@ -54,7 +54,7 @@ def _plan(folder, streamed: bool, spill: bool = False, target: str = "ppl+1%", o
 @pytest.mark.parametrize("name, spill, target, ort_floor", [
     ("llama", False, "ppl+1%", True), ("llama", True, "sqnr>=30", False), ("gpt2", False, "sqnr>=30", False)],
     ids=["llama", "llama-spilled-sqnr-target", "gpt2-tied-head-learned-positions"])
-def test_the_streamed_plan_is_the_in_memory_plan(tiny, tmp_path, monkeypatch, name, spill, target, ort_floor):
+def test_the_streamed_plan_is_the_resident_plan(tiny, tmp_path, monkeypatch, name, spill, target, ort_floor):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the spilled tensors' folder, to see it go
@@ -67,46 +67,66 @@ def test_the_streamed_plan_is_the_in_memory_plan(tiny, tmp_path, monkeypatch, na
     assert list(tmp_path.iterdir()) == []  # the spilled tensors are gone
 
 
-def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny):
+def _whole_model_gradients(model, batches):
+    """The reference: d(summed next-token NLL)/d(each FFN's output) from one backward pass of the whole model per
+    batch, the outputs marked by the plan's own gradient probe."""
+    from ffnquant.plan.sensitivity import _nll_sum, gradient_probe
+
+    mlps = {j: block.mlp for j, block in enumerate(model.model.layers)}
+    grads = {j: [] for j in mlps}
+    for ids in batches:
+        found = {}
+        handles = [m.register_forward_hook(gradient_probe(found, j)) for j, m in mlps.items()]
+        try:
+            with torch.enable_grad():
+                loss = _nll_sum(model(input_ids=ids).logits, ids)
+                got = torch.autograd.grad(loss, [found[j] for j in sorted(found)])
+        finally:
+            for h in handles:
+                h.remove()
+        for j, g in zip(sorted(found), got):
+            grads[j].append(g.detach().reshape(-1, g.shape[-1]).float())
+    return {j: torch.cat(v) for j, v in grads.items()}
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed"])
+def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny, resident):
     """Pass 2 (each decoder layer recomputed on its kept input, the gradient carried back) against one backward
     pass of the whole model: the same FFN output gradients, exactly."""
-    from ffnquant.hf import inspect_model, load_ffn_layers
+    from ffnquant.hf import inspect_model
     from ffnquant.hf.capture import load_hf_model
     from ffnquant.hf.stream import token_batches_of
-    from ffnquant.plan.sensitivity import output_gradients
-    from ffnquant.plan.streamed import StreamedPlanModel
+    from ffnquant.plan.source import PlanSource
 
     info, settings = inspect_model(tiny["llama"]), _settings()
     model = load_hf_model(info)
     for p in model.parameters():
         p.requires_grad_(False)
     batches = token_batches_of(info, None, "calibration", settings, settings.max_calib_tokens)
-    want = output_gradients(model, info, [l.info for l in load_ffn_layers(info, "all")], batches)
-    with StreamedPlanModel(info, settings, None, None, 64, False, None, {}) as source:
+    want = _whole_model_gradients(model, batches)
+    with PlanSource(info, settings, None, None, 64, resident, False, None, {}) as source:
         for j in range(info.n_layers):
-            assert torch.equal(source.grads.get(j), want[f"L{j}"]), j
+            assert torch.equal(source.grads.get(j), want[j]), j
         assert not any(p.requires_grad for p in source.model.model.parameters())
 
 
 def test_the_plan_memory_estimate_chooses_whole_streamed_or_spilled(tiny, monkeypatch):
     from ffnquant.hf import inspect_model
-    from ffnquant.plan import streamed
+    from ffnquant.hf.memory import plan_memory
+    from ffnquant.plan.source import plan_needs
 
     info = inspect_model(tiny["llama"])
-    monkeypatch.setattr("ffnquant.resources.process_rss", lambda: 100 * 10**6)  # a fixed runtime: exact estimates
+    monkeypatch.setattr("ffnquant.hf.memory.process_rss", lambda: 100 * 10**6)  # a fixed runtime: exact estimates
 
     def plan(calib_tokens=20_000, **kw):
-        return streamed.plan_memory(info, calib_tokens=calib_tokens, eval_tokens=20_000, probe_tokens=512,
-                                    batch_tokens=512, **kw)
+        needs = plan_needs(info, calib_tokens=calib_tokens, eval_tokens=20_000, probe_tokens=512, batch_tokens=512)
+        return plan_memory(info, needs, **kw)
 
     p = plan(max_memory=10**12)
     assert (p.sequential, p.spill, p.reason) == (False, False, "it fits")
-    assert p.in_memory == streamed.plan_memory_needed(info, calib_tokens=20_000, eval_tokens=20_000, probe_tokens=512,
-                                                      batch_tokens=512)["total"]
-    assert p.spilled < p.in_memory and p.spilled < p.streamed
-    # a tiny model keeps more tensors streamed (every layer's inputs and gradients) than the weights it leaves out
+    assert p.spilled < p.streamed < p.in_memory
     assert plan(max_memory=10**12, sequential=True).sequential
-    spilled = plan(max_memory=p.in_memory - 1)
+    spilled = plan(max_memory=p.streamed - 1)
     assert (spilled.sequential, spilled.spill) == (True, True) and "spilled to" in spilled.reason
     assert spilled.peak == p.spilled
     # what is kept per layer grows with the search tokens: FFN inputs, gradients, decoder-layer inputs
@@ -115,20 +135,6 @@ def test_the_plan_memory_estimate_chooses_whole_streamed_or_spilled(tiny, monkey
     with pytest.raises(FFNQuantError, match="even with its hidden states .* on disk") as err:
         plan(max_memory=p.spilled - 1)
     assert "\n" not in str(err.value) and "--probe-tokens" in str(err.value)
-
-
-def test_the_in_memory_estimate_adds_up_its_parts(tiny):
-    from ffnquant.hf import inspect_model
-    from ffnquant.plan.streamed import plan_memory_needed
-
-    info = inspect_model(tiny["llama"])
-    small = plan_memory_needed(info, calib_tokens=256, eval_tokens=128, probe_tokens=64, batch_tokens=64)
-    large = plan_memory_needed(info, calib_tokens=512, eval_tokens=128, probe_tokens=64, batch_tokens=64)
-    assert small["total"] == sum(v for k, v in small.items() if k != "total")
-    assert small["model"] == info.n_params_total * 4  # the whole model in float32
-    # each extra search token: its FFN input and its loss gradient at every layer, float32
-    extra = large["hidden_states"] - small["hidden_states"]
-    assert extra == 2 * 256 * info.n_layers * info.spec.d_model * 4
 
 
 def test_plan_sequential_on_the_command_line(tiny, tmp_path, capsys):

@@ -1,0 +1,230 @@
+"""One model's FFN layers quantized and measured, whichever way their inputs were captured: range tables
+(`calibrate_layers`), each layer under a recipe or its plan's (`quantize_layers`, `quantized_layers`), and the
+end-to-end figures' layout from their accumulators (`end_to_end_figures`, `model_layers_report`). The engine's
+commands (`hf.layerwise`) and the whole-forward path (`hf.evaluate`) both assemble their results here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from ..errors import FFNQuantError
+from .checkpoint import HFLayer, ModelInfo
+from .inputs import EvalSettings, LayerInputs, model_file_stem
+from .metrics import _NLL, Agreement, ErrorStats
+
+__all__ = ["calibrate_layers", "end_to_end_figures", "model_layers_report", "quantize_layers", "quantized_layers"]
+
+Progress = Callable[[str, int, int], None]  # (message, done, total): called here, shown by the commands
+
+
+def calibrate_layers(
+    layers: Sequence[HFLayer], captured: Iterable[Mapping[str, torch.Tensor]], bins: int = 2048, hessians: bool = False
+) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """RangeTables (every site) per layer label from captured input batches; optionally GPTQ Hessians.
+
+    An expert the router never chose gets the merged table of its layer's other experts
+    (same spec), marked in `meta["borrowed_from_layer"]`.
+    """
+    from ..observe import profile
+    from ..fakequant import input_hessians
+
+    by_label = {layer.label: layer for layer in layers}
+    tables: dict[str, Any] = {}
+    hess: dict[str, dict[str, torch.Tensor]] = {}
+    for batch in captured:
+        for label, x in batch.items():
+            if label not in by_label or x.shape[0] == 0:
+                continue
+            ffn = by_label[label].ffn
+            table = profile(ffn, [x], bins=bins, weights=label not in tables)
+            if by_label[label].block is not None:  # the model's own block arithmetic, for claims about it
+                table.meta = dict(table.meta, model_block=dict(by_label[label].block))
+            tables[label] = tables[label].merge(table) if label in tables else table
+            if hessians:
+                h = input_hessians(ffn, [x])
+                hess[label] = {k: hess[label][k] + v for k, v in h.items()} if label in hess else h
+    for layer in layers:
+        if layer.label in tables:
+            continue
+        siblings = [tables[o.label] for o in layers if o.index == layer.index and o.label in tables]
+        if not siblings:
+            raise FFNQuantError(f"layer {layer.label} ({layer.name}) received no calibration tokens")
+        merged = siblings[0]
+        for t in siblings[1:]:
+            merged = merged.merge(t)
+        from ..observe import weight_stats
+
+        merged.weights = {n: weight_stats(w, bins) for n, w in layer.ffn.weights().items()}
+        merged.meta = dict(merged.meta, borrowed_from_layer=layer.index)
+        tables[layer.label] = merged
+        if hessians:
+            sib = [hess[o.label] for o in layers if o.index == layer.index and o.label in hess]
+            hess[layer.label] = {k: sum(h[k] for h in sib) for k in sib[0]}
+    return tables, hess
+
+
+def quantize_layers(
+    layers: Sequence[HFLayer],
+    recipes: Sequence[Any],
+    inputs: LayerInputs,
+    *,
+    file_stem: str | None = None,
+    collect_errors: bool = False,
+    out_artifacts: str | os.PathLike | None = None,
+    onnx: bool = False,
+    baseline: bool = False,
+    sensitivity: bool = False,
+    latency: bool = False,
+    bins: int | None = None,
+    smooth_sites: Sequence[str] | None = None,
+):
+    """THE way a real model's FFN layers are quantized: yield a `quantization.RecipeOutcome` (its `label` set)
+    per layer and recipe, layer by layer (recipes in order within a layer).
+
+    Each layer is quantized exactly as a synthetic variant (`quantization.quantize_recipes`): one `prepare` per
+    remedy set on the layer's FFN with its captured calibration inputs `inputs.calib[label]` (remedies
+    applied to the layer, ranges re-profiled with `bins`), `quantize_spec` per recipe measured on the
+    held-out `inputs.eval[label]`. ONNX files (with `onnx` and `out_artifacts`) are named
+    `<file_stem>.<label>.<recipe slug>.onnx` (`file_stem` default: the layer label alone). Used by the
+    `ffnquant model eval` command (`evaluate_model`, `evaluate_layers_from_files`), `ffnquant quantize
+    --model` (`quantize_model_layers`) and `ffnquant run`. `collect_errors`: see `quantize_recipes`.
+    """
+    from ..quantization import quantize_recipes
+
+    for layer in layers:
+        name = f"{file_stem}.{layer.label}" if file_stem else layer.label
+        for outcome in quantize_recipes(
+            layer.spec, recipes, collect_errors=collect_errors, out_artifacts=out_artifacts, onnx=onnx,
+            baseline=baseline, sensitivity=sensitivity, latency=latency, model=layer.ffn,
+            calib_tokens=inputs.calib[layer.label], eval_tokens=inputs.eval[layer.label], name=name, bins=bins,
+            smooth_sites=smooth_sites,
+        ):
+            outcome.label = layer.label
+            yield outcome
+
+
+def _worst(rows: list[dict[str, Any]], key: str, reverse: bool, n: int = 3) -> list[str]:
+    valid = [r for r in rows if r.get(key) is not None]
+    return [r["label"] for r in sorted(valid, key=lambda r: r[key], reverse=reverse)[:n]]
+
+
+def end_to_end_figures(baseline: Mapping[str, Any], hidden: ErrorStats, nll: _NLL | None,
+                       ablated: Mapping[int, tuple[ErrorStats, _NLL | None]],
+                       agreement: Agreement | None = None) -> dict[str, Any]:
+    """`end_to_end`'s result from its accumulators: the final hidden state's errors (`hidden`), the quantized
+    model's next-token loss (`nll`, None for models without perplexity), its agreement with the float model's
+    next-token distributions (`agreement`: the perplexity change's interval, KL, top-1) and, per layer index
+    quantized alone, the same first two (`ablated`). The one layout of these figures, whichever path streamed
+    the batches."""
+    ablation = []
+    for i, (abl_hidden, abl_nll) in sorted(ablated.items()):
+        a = {"index": i, "label": f"L{i}", "hidden_sqnr_db": abl_hidden.sqnr_db, "hidden_cosine": abl_hidden.cosine}
+        if abl_nll is not None:
+            ppl = abl_nll.perplexity
+            a["perplexity"] = ppl
+            a["perplexity_delta"] = ppl - baseline["perplexity"]
+        ablation.append(a)
+    e2e: dict[str, Any] = {"hidden_sqnr_db": hidden.sqnr_db, "hidden_cosine": hidden.cosine}
+    if nll is not None:
+        ppl = nll.perplexity
+        e2e.update(perplexity=ppl, perplexity_delta=ppl - baseline["perplexity"],
+                   perplexity_ratio=ppl / baseline["perplexity"])
+    if agreement is not None and agreement.count:
+        fig = agreement.figures()
+        fig.pop("perplexity_ratio_paired")  # the same ratio as perplexity_ratio (same tokens), kept once
+        e2e.update(fig)
+    if ablation and nll is not None:
+        worst = _worst(ablation, "perplexity_delta", reverse=True)
+    else:
+        worst = _worst(ablation, "hidden_sqnr_db", reverse=False)
+    return {"baseline": dict(baseline), "end_to_end": e2e, "ablation": ablation, "worst_layers_end_to_end": worst}
+
+
+def quantized_layers(
+    info: ModelInfo,
+    layers: Sequence[HFLayer],
+    inputs: LayerInputs,
+    recipe: Any,
+    *,
+    smooth_sites: Sequence[str] | None = None,
+    out_artifacts: str | os.PathLike | None = None,
+    onnx: bool = True,
+    latency: bool = False,
+    sensitivity: bool = True,
+    file_stem: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each FFN of `layers` quantized under one `recipe`, or each under its own when `recipe` is a `plan.Plan`:
+    (a JSON-able row per layer, {label: QuantizedFFN}). The rows are `quantize_layers`' results with the
+    layer's name, index and seconds; `progress(message, done, total)` after each layer."""
+    from ..plan.planfile import Plan
+
+    stem = file_stem or model_file_stem(info)
+    by_label = {layer.label: layer for layer in layers}
+    rows, qffns = [], {}
+    plan = recipe if isinstance(recipe, Plan) else None  # each layer its own recipe
+    kw = dict(file_stem=stem, out_artifacts=out_artifacts, onnx=onnx, baseline=onnx, sensitivity=sensitivity,
+              latency=latency, smooth_sites=smooth_sites)
+    if plan is not None:
+        outcomes = (o for layer in layers for o in quantize_layers([layer], [plan.recipe_for(layer.index)], inputs, **kw))
+    else:
+        outcomes = quantize_layers(layers, [recipe], inputs, **kw)
+    t_layer = time.perf_counter()
+    for outcome in outcomes:
+        layer, res = by_label[outcome.label], outcome.result
+        data = res.to_dict()
+        data.pop("environment", None)  # once per report, not per layer
+        now = time.perf_counter()
+        rows.append({"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
+                     "inputs_borrowed": inputs.borrowed.get(layer.label), "seconds": now - t_layer, **data})
+        t_layer = now
+        qffns[layer.label] = res.qmodel
+        del outcome, res
+        if progress is not None:
+            progress(f"quantize layers: {layer.label}", len(rows), len(layers))
+    return rows, qffns
+
+
+def model_layers_report(info: ModelInfo, recipe: Any, rows: Sequence[Mapping[str, Any]], e2e: Mapping[str, Any],
+                        settings: EvalSettings, inputs: LayerInputs) -> dict[str, Any]:
+    """What `quantize --model` reports: the model, the recipe (or the plan), the texts and their budgets from
+    `inputs`, a row per layer and the end-to-end figures. The one layout, whichever path quantized the layers."""
+    from ..plan.planfile import Plan
+
+    if isinstance(recipe, Plan):  # the header names the plan; each layer row carries its own recipe
+        head = {"recipe": "per-layer plan", "plan": recipe.to_dict(),
+                "scheme": {"name": f"plan ({len({str(r) for r in recipe.layers.values()})} recipes)"},
+                "calibrator": None, "remedies": []}
+    else:
+        head = {k: rows[0][k] for k in ("recipe", "scheme", "calibrator", "remedies")}
+    return {
+        "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
+        "ablation": settings.ablation,
+        **head,
+        "calibration": {"source": _with_shortfall(inputs.calibration_source, inputs.budgets.get("calibration")),
+                        "tokens_per_layer": {r["label"]: r["n_calib_tokens"] for r in rows},
+                        "tokens": inputs.budgets.get("calibration")},
+        "evaluation": {"source": _with_shortfall(inputs.evaluation_source, inputs.budgets.get("evaluation")),
+                       "separation": inputs.separation,
+                       "tokens_per_layer": {r["label"]: r["n_eval_tokens"] for r in rows},
+                       "tokens": inputs.budgets.get("evaluation")},
+        "layers": list(rows),
+        "worst_layers_sqnr": _worst([{"label": r["label"], "sqnr_db": r["accuracy_torch"]["sqnr_db"]} for r in rows],
+                                    "sqnr_db", reverse=False),
+        "end_to_end": dict(e2e),
+    }
+
+
+def _with_shortfall(source: str, budget: Mapping[str, Any] | None) -> str:
+    """`source`, followed by requested against obtained tokens when the text gave fewer than requested."""
+    if not budget or not budget.get("short"):
+        return source
+    return (f"{source} (gives {budget['obtained']:,} of the {budget['requested']:,} tokens requested: "
+            "the text is too short)")
+
+

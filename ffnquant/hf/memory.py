@@ -1,0 +1,217 @@
+"""How a model run fits in memory: each task declares what it holds (`Needs`), and one planner (`plan_memory`)
+chooses whether `hf.stream.SequentialModel` keeps the whole model resident, reads it a decoder layer at a time,
+or also spills the kept hidden states to disk.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import FFNQuantError
+from ..resources import human_bytes, memory_limit, process_rss
+from .arch import Install, ModelKind
+from .checkpoint import ModelInfo, _Weights
+
+__all__ = ["MemoryPlan", "Needs", "choose_memory_plan", "largest_layer_bytes", "plan_memory", "profile_needs",
+           "quantize_needs", "streamable_reason"]
+
+# Python, torch and transformers' own memory beside the model: the modelling code imported on first use and
+# the allocator's slack (reports/scale: about 300 MB between layers over what the process held before).
+_RUNTIME_BYTES = 384 * 10**6
+
+# Bytes of a checkpoint tensor read at once: a large tensor (the embedding: vocabulary x d_model) is read a row
+# chunk at a time into its float32 copy, so neither a whole copy in the checkpoint's dtype nor the whole mapped
+# tensor is resident beside it.
+_READ_BYTES = 16 * 2**20
+
+
+def streamable_reason(info: ModelInfo) -> str | None:
+    """Why `info` cannot be run with its decoder layers read one at a time, or None when it can: a causal LM of
+    any family transformers builds (its FFNs found by `hf.discover`), from safetensors whose tensor names are the
+    class's own. Every causal LM runs through `SequentialModel` whole (`resident`) either way."""
+    if info.kind is not ModelKind.CAUSAL_LM:
+        return (f"the layer-by-layer engine runs decoder-only causal LMs; {info.model_type} is {info.kind}: it runs "
+                "whole")
+    if info.arch.install is Install.EXPERTS:
+        return (f"{info.model_type}'s checkpoint stores each expert's matrices apart, which transformers fuses into "
+                "3-D tensors as it loads: the model runs whole")
+    if info.weights_format != "safetensors":
+        return "reading a decoder layer at a time needs safetensors; this checkpoint is pickled: the model runs whole"
+    return None
+
+
+# --- memory ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a model run fits in memory, and the estimates (bytes) it was chosen on: the whole model in memory, or
+    streamed layer by layer with the hidden states in memory or spilled to disk."""
+
+    sequential: bool
+    spill: bool
+    limit: int | None  # the budget: --max-memory, or what the process holds plus what the machine has available
+    in_memory: int  # estimated peak, whole model loaded (today's path)
+    streamed: int  # estimated peak, layer by layer, hidden states in memory
+    spilled: int  # estimated peak, layer by layer, hidden states on disk
+    layer: int  # the largest decoder layer in float32
+    calibration: int  # hidden states of the calibration batches: tokens x d_model x 4
+    evaluation: int  # hidden states of the held-out batches, every stream (float, quantized, one per ablated layer)
+    reason: str
+
+    @property
+    def peak(self) -> int:
+        return self.spilled if self.spill else self.streamed if self.sequential else self.in_memory
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peak": self.peak}
+
+    def summary(self) -> str:
+        """One line for the terminal: the mode, why, and the estimate against the budget."""
+        mode = "whole model in memory" if not self.sequential else (
+            "layer by layer, hidden states spilled to disk" if self.spill else "layer by layer")
+        limit = f" of {human_bytes(self.limit)}" if self.limit is not None else ""
+        return f"{mode} ({self.reason}); estimated peak {human_bytes(self.peak)}{limit}"
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a task declares it holds beside the model's own weights, in bytes: the tensors it keeps from layer to
+    layer (`calibration` and `evaluation`: hidden states, FFN inputs; on disk when the run spills), what stays in
+    memory even then (`resident`: probe log-probabilities, kept float figures), its stages' peaks while a decoder
+    layer is in memory beside them (`with_layer`: the layer's FFN inputs, a backward pass through it) and while it
+    is not (`stages`: a layer's quantization), by name. `plan_memory` turns it into a `MemoryPlan`; `tokens_flag`
+    words its refusal."""
+
+    calibration: int
+    evaluation: int
+    resident: int
+    stages: Mapping[str, int]
+    with_layer: Mapping[str, int]
+    batch_tokens: int
+    tokens_flag: str = "--calib-tokens/--eval-tokens"
+
+
+def profile_needs(info: ModelInfo, *, calib_tokens: int, n_layers: int, batch_tokens: int = 512) -> Needs:
+    """What `profile --model` holds (`hf.layerwise.calibrate_layerwise`): the calibration hidden states; per
+    selected layer its FFN inputs, then its FFN and the tensors it is loaded from, one batch observed."""
+    spec, d = info.spec, info.spec.d_model
+    work = 2 * spec.n_params * 4 + calib_tokens * d * 4 + 8 * batch_tokens * spec.d_ff * 4
+    return Needs(calib_tokens * d * 4, 0, 0, {"a layer's calibration": work}, {"its FFN inputs": calib_tokens * d * 4},
+                 batch_tokens, "--model-tokens")
+
+
+def quantize_needs(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_layers: int, ablation: bool = False,
+                   hessians: bool = False, onnx: bool = False, batch_tokens: int = 512) -> Needs:
+    """What `quantize --model` holds (`hf.layerwise.quantize_layerwise`): the calibration and held-out streams
+    (float, quantized and, with `ablation`, one per selected layer); per layer its FFN inputs, then its
+    quantization: the FFN, the quantized copy and the fake quantization's temporaries of a weight (x 11 with the
+    ONNX export and onnxruntime's scoring), the activations, GPTQ's float64 input Hessians (`hessians`)."""
+    spec, d = info.spec, info.spec.d_model
+    tokens = calib_tokens + eval_tokens
+    streams = 2 + (n_layers if ablation and n_layers > 1 else 0)
+    work = (11 if onnx else 4) * spec.n_params * 4 + (2 * d + 3 * spec.d_ff) * tokens * 4
+    work += 8 * (d * d + spec.d_ff * spec.d_ff) if hessians else 0
+    return Needs(calib_tokens * d * 4, streams * eval_tokens * d * 4, 0, {"a layer's quantization": work},
+                 {"its FFN inputs": tokens * d * 4}, batch_tokens)
+
+
+def plan_memory(info: ModelInfo, needs: Needs, *, max_memory: int | None = None, sequential: bool | None = None,
+                spill: bool | None = None, spill_dir: str | os.PathLike | None = None) -> MemoryPlan:
+    """How `hf.stream.SequentialModel` runs `info` for a task that holds `needs`, under `max_memory` bytes (default:
+    what this process holds plus what the machine has available): the whole model resident, or a decoder layer at
+    a time with the kept tensors in memory or spilled to disk. The engine's own stages (the embedding read, one
+    layer on a batch, the head with a batch's logits) join the task's. `sequential` None streams only when the
+    whole model does not fit; `spill` None spills only when the kept tensors do not fit. Raises a one-line
+    FFNQuantError with the numbers when nothing fits, suggesting fewer tokens by `needs.tokens_flag`."""
+    # Estimates from the shapes, with factors measured on benchmarks/scale.py's 3B Llama (reports/scale/).
+    d, vocab_size = info.spec.d_model, int(info.config.get("vocab_size") or 0)
+    base = process_rss() + _RUNTIME_BYTES
+    limit = memory_limit(max_memory)
+    batch = needs.batch_tokens * d * 4 * 3  # a batch read, its output, the layer's temporaries
+    layer = largest_layer_bytes(info)
+    vocab = vocab_size * d * 4  # one vocabulary matrix: the embedding, or the head
+    logits = 6 * needs.batch_tokens * vocab_size * 4  # a batch's logits, in float32 and float64
+    beside_layer = batch + max(needs.with_layer.values(), default=0)
+    task = max(needs.stages.values(), default=0)
+    # a layer at a time: the embedding (and a chunk of it read), one layer, the head are each read in turn
+    streamed_peak = max(vocab + min(vocab // 2, _READ_BYTES) + batch, layer + beside_layer, vocab + logits, task)
+    resident_peak = max(beside_layer, logits, task)  # beside the whole model
+    kept = needs.calibration + needs.evaluation
+    streamed = base + streamed_peak + needs.resident + kept
+    spilled = base + streamed_peak + needs.resident
+    in_memory = base + info.n_params_total * 4 + resident_peak + needs.resident + kept
+    largest = max([("the embedding", vocab), ("one decoder layer", layer + beside_layer), ("the head", vocab + logits),
+                   *needs.stages.items()], key=lambda kv: kv[1])
+    detail = (f"{human_bytes(layer)} for one decoder layer in float32, {human_bytes(largest[1])} for its largest "
+              f"stage ({largest[0]})" + (f", {human_bytes(needs.resident)} kept in memory" if needs.resident else "")
+              + f", {human_bytes(base)} runtime")
+    return choose_memory_plan(info, MemoryPlan(False, False, limit, in_memory, streamed, spilled, layer,
+                                               needs.calibration, needs.evaluation, ""),
+                              max_memory=max_memory, sequential=sequential, spill=spill, spill_dir=spill_dir,
+                              tokens_flag=needs.tokens_flag, detail=detail, spill_bytes=kept + batch)
+
+
+def largest_layer_bytes(info: ModelInfo) -> int:
+    """The largest decoder layer's parameters in float32 (from the safetensors headers; else an average)."""
+    blocks = {layer.name.rsplit(".", 1)[0] + ".": 0 for layer in info.layers}  # model.layers.3.: the FFN's parent
+    if info.weights_format == "safetensors":
+        weights = _Weights(info.path, False)
+        for name in weights.file_of:
+            prefix = next((p for p in blocks if name.startswith(p)), None)
+            if prefix is not None:
+                blocks[prefix] += math.prod(weights.shape(name))
+    return max(blocks.values()) * 4 or info.n_params_total * 4 // info.n_layers
+
+
+def choose_memory_plan(info: ModelInfo, estimate: MemoryPlan, *, max_memory: int | None, sequential: bool | None,
+                       spill: bool | None, spill_dir: str | os.PathLike | None, tokens_flag: str, detail: str,
+                       spill_bytes: int) -> MemoryPlan:
+    """The mode `estimate`'s figures allow under its `limit`: the whole model when it fits (or `sequential` is
+    False), else layer by layer, with the hidden states (`spill_bytes` on disk) spilled when they do not fit or
+    `spill` is True. Raises a one-line FFNQuantError with the numbers (`detail`: what the spilled peak is made of)
+    and a suggestion when nothing fits."""
+    limit, in_memory, streamed, spilled = estimate.limit, estimate.in_memory, estimate.streamed, estimate.spilled
+    calibration, evaluation = estimate.calibration, estimate.evaluation
+
+    def plan(seq: bool, spl: bool, reason: str) -> MemoryPlan:
+        return replace(estimate, sequential=seq, spill=spl, reason=reason)
+
+    why_not = streamable_reason(info)
+    fits = limit is None or in_memory <= limit
+    if sequential is False or (sequential is None and (fits or why_not)):
+        if not fits and (sequential is False or max_memory is not None):
+            hint = f"; streamed layer by layer it would need {human_bytes(streamed)}" if not why_not else f" ({why_not})"
+            raise FFNQuantError(f"{info.path}: the whole model in float32 needs about {human_bytes(in_memory)}, over "
+                                f"the {human_bytes(limit)} memory budget{hint}: use a larger --max-memory"
+                                + ("" if why_not else " or leave out --no-sequential"))
+        return plan(False, False, "--no-sequential" if sequential is False else "it fits")
+    if why_not:
+        raise FFNQuantError(f"{info.path}: --sequential: {why_not}")
+    reason = "--sequential" if sequential else f"the whole model needs about {human_bytes(in_memory)}"
+    if spill is not True and (limit is None or streamed <= limit):
+        return plan(True, False, reason)
+    if limit is not None and spilled > limit:
+        raise FFNQuantError(
+            f"{info.path}: layer by layer this run needs about {human_bytes(spilled)} even with its hidden states "
+            f"({human_bytes(calibration)} calibration + {human_bytes(evaluation)} held-out: tokens x d_model "
+            f"{info.spec.d_model} x 4 bytes) on disk: {detail}; over the {human_bytes(limit)} memory budget: pass "
+            f"fewer {tokens_flag} or a larger --max-memory")
+    folder = Path(spill_dir) if spill_dir is not None else Path(tempfile.gettempdir())
+    free = shutil.disk_usage(folder).free
+    if free < spill_bytes:
+        raise FFNQuantError(
+            f"{info.path}: the hidden states ({human_bytes(calibration)} calibration + {human_bytes(evaluation)} "
+            f"held-out) fit neither the {human_bytes(limit)} memory budget (in memory the run needs about "
+            f"{human_bytes(streamed)}) nor the {human_bytes(free)} free in {folder}: pass fewer {tokens_flag}, a "
+            "larger --max-memory, or point TMPDIR at a larger disk")
+    return plan(True, True, reason + (f"; hidden states {human_bytes(calibration + evaluation)} spilled to {folder}"
+                                      if spill is not True else "; spilled on request"))
+
+
