@@ -310,3 +310,42 @@ def _one_error_line(err: str) -> bool:
     """The error is one line, the last: the progress lines of the stages that ran before it stand above it."""
     lines = err.splitlines()
     return bool(lines) and sum("error" in line for line in lines) == 1 and "error" in lines[-1]
+
+
+# --- plan --format: a plan made for this format never ends in a refused export ------------------------------
+
+_PLAN_SMALL = ["--calib-tokens", "256", "--eval-tokens", "128", "--probe-tokens", "128", "--no-progress",
+               "--objective", "bytes", "--target", "ppl+5%"]
+
+
+@pytest.mark.hf
+def test_plan_for_compressed_tensors_leaves_out_what_it_refuses_and_exports(llama, tmp_path, capsys):
+    out = tmp_path / "plan"
+    rotate = "w8a8-dynamic-s8+rotate"
+    assert main(["plan", "--model", str(llama), "--candidates", f"fp32,w8a16,{rotate}", "--format",
+                 "compressed-tensors", "--out", str(out), *_PLAN_SMALL]) == 0
+    printed = capsys.readouterr().out
+    assert f"left out for --format compressed-tensors: {rotate} " in printed
+    data = json.loads((out / "plan.json").read_text())
+    assert data["export_format"] == "compressed-tensors" and data["candidates"] == ["fp32", "w8a16"]
+    from ffnquant.hf import inspect_model
+
+    why = ctensors.recipe_refusal(Recipe.parse(rotate), inspect_model(llama).spec)
+    assert data["skipped_candidates"] == [{"recipe": rotate, "reason": why}] and "block-Hadamard" in why
+    assert all(rotate not in {r["recipe"] for r in layer["candidates"]} for layer in data["layers"].values())
+    assert f"{rotate} ({why})" in (out / "plan.md").read_text()
+    assert data["deployment"]["compressed-tensors"] == ""
+    # and the export of that plan is not refused
+    folder = tmp_path / "folder"
+    assert main(["export", "--model", str(llama), "--plan", str(out / "plan.toml"), "--format", "compressed-tensors",
+                 "--out", str(folder), *_TOKENS]) == 0
+    assert json.loads((folder / "ffnquant-deploy.json").read_text())["proof"]["weights"]["all_identical"]
+
+
+@pytest.mark.hf
+def test_plan_with_an_unknown_format_is_one_line_exit_2(llama, tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", str(llama), "--format", "gguf", "--out", str(out), *_PLAN_SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "ffnquant plan: error: unknown format 'gguf'; valid: onnx, compressed-tensors"
+    assert not out.exists()

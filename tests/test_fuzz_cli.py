@@ -653,6 +653,7 @@ CASES = [
     C("plan-bad-target", PLAN + ["--target", "ppl<1%"], "ppl<1%", setup=model()),
     C("plan-unknown-objective", PLAN + ["--objective", "speed"], "speed", setup=model()),
     C("plan-unknown-candidate", PLAN + ["--candidates", "w8a8,w9a9"], "w9a9", setup=model()),
+    C("plan-unknown-format", PLAN + ["--format", "gguf"], ("gguf", "onnx, compressed-tensors"), setup=model()),
     C("plan-missing-model", PLAN, ("m", "config.json", "exist")),
     C("plan-encoder-model", PLAN, ("causal lm", "bert"),
       setup=model(model_type="bert", intermediate_size=64)),

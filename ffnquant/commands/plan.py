@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per call the latency table is measured at (default 512)")
     parser.add_argument("--candidates", default="default",
                         help=f"candidate recipes: a set ({', '.join(CANDIDATE_SETS)}) or a comma-separated list (default default)")
+    parser.add_argument("--format", default=None, metavar="NAME",
+                        help="the format the plan will be exported in (`export --format`): onnx or compressed-tensors; "
+                             "candidates it cannot write for this model are left out, each listed in plan.md with "
+                             "the format's reason, so the export of the plan is never refused (default: no format, "
+                             "every candidate)")
     add_text_arguments(parser, "search (calibration) text", "held-out text the plan is verified on", eval_tokens=4096)
     parser.add_argument("--probe-tokens", type=positive_int, default=512,
                         help="search tokens the per-layer probes are measured on (default 512)")
@@ -59,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from ..envinfo import environment
     from ..hf import EvalSettings, inspect_model
     from ..hf.capture import read_text, require_transformers
-    from ..plan.candidates import candidate_recipes
+    from ..deploy.formats import get_format
+    from ..plan.candidates import candidate_recipes, format_candidates
     from ..hf.capture import load_tokenizer
     from ..hf.inputs import eval_domain_batches
     from ..hf.stream import token_batches_of
@@ -75,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)
     objective = Objective(args.objective or ("bytes" if info.n_experts else "latency"), "ort-cpu", args.tokens)
     check_plannable(info, objective)
-    candidate_recipes(args.candidates, info.spec)
+    export_format = None if args.format is None else get_format(args.format)
+    recipes, _ = candidate_recipes(args.candidates, info.spec)
+    # a format that refuses the model itself is said now, before any work; make_plan leaves the same ones out
+    left_out = format_candidates(recipes, [], info, export_format)[1] if export_format else []
     require_transformers()
     texts = text_options(args, info)
     read_text(texts.text, "calibration")
@@ -101,12 +110,13 @@ def run(args: argparse.Namespace) -> int:
             plan, result = make_plan(info, target, objective, args.candidates, text=texts.text, eval_text=texts.eval_text,
                                      settings=settings, probe_tokens=args.probe_tokens, max_rounds=args.rounds,
                                      ort_floor=not args.no_ort_floor, allow_pickle=args.allow_pickle, progress=bars,
-                                     executor=executor, memory=memory)
+                                     executor=executor, memory=memory, export_format=export_format)
         except BaseException:
             bars.close(ok=False)
             raise
         bars.close()
         result["command"] = command
+        result["export_format"] = export_format
         result["environment"] = environment()
         result["memory"] = memory.to_dict()
         from ..report.atlas import write_atlas
@@ -139,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
     if folds:
         print(f"smoothing/AWQ not chosen on {len(folds)} layer(s) whose input scale cannot fold into a norm "
               f"(plan.md lists why), e.g. L{next(iter(folds))}: {next(iter(folds.values()))}")
+    if left_out:
+        print(f"left out for --format {export_format}: {', '.join(s['recipe'] for s in left_out)} (it cannot write them here; "
+              "plan.md says why)")
     for fmt_, why in (result.get("deployment") or {}).items():
         if why:
             print(f"note: export --format {fmt_} will refuse this model: {why}")

@@ -250,13 +250,15 @@ def make_plan(
     progress: Progress | None = None,
     executor: Any = None,
     memory: Any = None,
+    export_format: str | None = None,
 ) -> tuple[Plan, dict[str, Any]]:
     """Plan every FFN layer of a causal LM for `target` at the least `objective`; returns (Plan, JSON-able result).
 
     The candidates are scored as tasks of `executor` (default: in this process); `memory` (an
     `hf.memory.MemoryPlan`, from `hf.memory.plan_memory` with `plan.source.plan_needs`; default: the model
     resident) reads the model a decoder layer at a time when its `sequential` is set, its hidden states on disk
-    with `spill`. The plan depends on neither."""
+    with `spill`. The plan depends on neither.
+    `export_format` ("compressed-tensors", "onnx"): only the candidates that format can write are chosen from."""
     from ..executor import LocalExecutor
     from ..hf import inspect_model
     from ..hf.inputs import EvalSettings, fit_settings
@@ -270,6 +272,10 @@ def make_plan(
     info = model_dir if hasattr(model_dir, "arch") else inspect_model(model_dir, allow_pickle=allow_pickle)
     check_plannable(info, objective)
     recipes, skipped = candidate_recipes(candidates, info.spec)
+    if export_format is not None:  # a plan made for a format never ends in a refused export
+        from .candidates import format_candidates
+
+        recipes, skipped = format_candidates(recipes, skipped, info, export_format)
     probes = [Recipe.parse(p) for p in PROBES]
     for p in probes:
         if p not in recipes:
