@@ -73,6 +73,18 @@ def test_parse_layers(text, n, expect):
     assert parse_layers(text, n) == expect
 
 
+@pytest.mark.parametrize("given, calibrator, measured", [
+    ("w8a8+float=hidden", "mse", "w8a8@mse+float=hidden"), ("w8a8@minmax+smooth", "mse", "w8a8@minmax+smooth"),
+    ("w8a8+smooth+rotate", "percentile", "w8a8@percentile+smooth+rotate"), ("w4a16-g32", "mse", "w4a16-g32")],
+    ids=["float-site-kept", "own-calibrator-kept", "remedies-kept", "weight-only-untouched"])
+def test_model_eval_gives_the_calibrator_to_the_whole_recipe(given, calibrator, measured):
+    """`model eval --schemes ... --calibrator C` measures each recipe as written plus C: its float site and
+    remedies kept (it once rebuilt the recipe without `+float=SITE`, measuring plain w8a8@C)."""
+    from ffnquant.hf.evaluate import _recipes
+
+    assert [str(r) for r in _recipes([given], calibrator)] == [measured]
+
+
 @pytest.mark.parametrize("text,msg", [("5", "out of range"), ("2-1", "is empty"), ("a", "is not N, A-B")], ids=str)
 def test_parse_layers_errors(text, msg):
     with pytest.raises(FFNQuantError, match=msg):

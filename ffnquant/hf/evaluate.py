@@ -142,13 +142,15 @@ def evaluate_layers_from_files(
 
 def _recipes(schemes: Sequence[Any], calibrator: str | None) -> list[Any]:
     """Recipes from `schemes` (Recipes or text); `calibrator` given to each static one without its own."""
-    from ..recipe import Recipe, as_recipe
+    from dataclasses import replace
+
+    from ..recipe import as_recipe
 
     out = []
     for s in schemes:
         r = as_recipe(s)
         if calibrator is not None and r.calibrator is None and r.resolve().static_activations:
-            r = Recipe(r.scheme, calibrator, r.smooth, r.rotate)
+            r = replace(r, calibrator=calibrator)  # every other part of the recipe kept (+float=SITE, remedies)
         out.append(r)
     if not out:
         raise FFNQuantError("no schemes to evaluate")

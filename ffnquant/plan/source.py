@@ -195,7 +195,7 @@ class PlanSource:
                 self.ffn_calib.put(j, torch.cat(cal_x[label]))
                 self.ffn_eval.put(j, torch.cat(ev_x[label]))
             del cal_x, ev_x, hfs
-            self.progress(f"search and held-out texts through L{j}", j + 1, n)
+            self.progress(f"search and held-out texts: L{j}", j + 1, n)
         # the float figures; the loss gradient at the last layer's output
         self.final = (self._store("final-calibration"), self._store("final-evaluation"))
         self.grad_out = self._store("gradient")
