@@ -86,8 +86,8 @@ class Needs:
     layer (`calibration` and `evaluation`: hidden states, FFN inputs; on disk when the run spills), what stays in
     memory even then (`resident`: probe log-probabilities, kept float figures), its stages' peaks while a decoder
     layer is in memory beside them (`with_layer`: the layer's FFN inputs, a backward pass through it) and while it
-    is not (`stages`: a layer's quantization), by name. `plan_memory` turns it into a `MemoryPlan`; `tokens_flag`
-    words its refusal."""
+    is not (`stages`: a layer's quantization), by name, and what it holds only beside a resident model
+    (`resident_extra`). `plan_memory` turns it into a `MemoryPlan`; `tokens_flag` words its refusal."""
 
     calibration: int
     evaluation: int
@@ -96,6 +96,7 @@ class Needs:
     with_layer: Mapping[str, int]
     batch_tokens: int
     tokens_flag: str = "--calib-tokens/--eval-tokens"
+    resident_extra: int = 0  # held only when the model is resident (a plan then scores every layer at once)
 
 
 def profile_needs(info: ModelInfo, *, calib_tokens: int, n_layers: int, batch_tokens: int = 512) -> Needs:
@@ -146,7 +147,7 @@ def plan_memory(info: ModelInfo, needs: Needs, *, max_memory: int | None = None,
     kept = needs.calibration + needs.evaluation
     streamed = base + streamed_peak + needs.resident + kept
     spilled = base + streamed_peak + needs.resident
-    in_memory = base + info.n_params_total * 4 + resident_peak + needs.resident + kept
+    in_memory = base + info.n_params_total * 4 + resident_peak + needs.resident + kept + needs.resident_extra
     largest = max([("the embedding", vocab), ("one decoder layer", layer + beside_layer), ("the head", vocab + logits),
                    *needs.stages.items()], key=lambda kv: kv[1])
     detail = (f"{human_bytes(layer)} for one decoder layer in float32, {human_bytes(largest[1])} for its largest "

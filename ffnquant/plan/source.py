@@ -61,7 +61,10 @@ def plan_needs(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: 
     logp = p * vocab * 4 + (c + e) * (8 + 8 * TOP_K)
     return Needs(calibration, evaluation, logp, {"a candidate's quantization": _scoring_bytes(spec, c + e)},
                  {"its FFN inputs": (c + e) * d * 4, "a backward pass through it": 2 * batch_tokens * (8 * d + 4 * d_ff) * 4},
-                 batch_tokens, "--calib-tokens/--eval-tokens/--probe-tokens")
+                 batch_tokens, "--calib-tokens/--eval-tokens/--probe-tokens",
+                 # resident, every layer is scored at once: a float copy of each FFN and its two probes' quantized
+                 # copies wait for their ablations
+                 resident_extra=3 * len(info.layers) * spec.n_params * 4)
 
 
 @contextlib.contextmanager
