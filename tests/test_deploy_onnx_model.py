@@ -1,5 +1,8 @@
 """deploy.onnx_model: a planned tiny Llama (2 layers, d_model 32) as one ONNX graph: the fp32 export against
-torch, the quantized graph scored against ffnquant's torch reference, per-token int8, the refusals, latency."""
+torch, the quantized graph scored against ffnquant's torch reference, per-token int8, the refusals, latency;
+deploy.onnx_decoder: the graph as a decoder with a KV cache, its greedy generation against transformers' on the
+families the graph takes, its perplexity through the cache, decode latency, and the prefill graph it falls
+back to."""
 
 from __future__ import annotations
 
@@ -41,10 +44,12 @@ def written(llama, tmp_path_factory):
 
     planned = _planned(llama, ["w8a8@search+smooth+float=hidden", "w4a16-g32"])
     folder = tmp_path_factory.mktemp("graph")
-    return planned, folder, write_model_graph(planned, folder, tokens=(1, 16), rounds=3)
+    # 1024 tokens of context lie beyond the tiny model's 64 positions: left out, and said so
+    return planned, folder, write_model_graph(planned, folder, tokens=(1, 16), rounds=3, contexts=(16, 64, 1024))
 
 
 def test_the_float_graph_is_the_float_model(written):
+    from ffnquant.deploy.onnx_decoder import prefill_feed
     from ffnquant.deploy.onnx_model import float_tolerance
     from ffnquant.onnxquant import ort_session
 
@@ -54,7 +59,8 @@ def test_the_float_graph_is_the_float_model(written):
     assert result["files"]["model.fp32.onnx"] == (folder / "model.fp32.onnx").stat().st_size
     # another shape than the export's example and the parity batch: batch and sequence are dynamic
     ids = torch.randint(0, 96, (3, 21), generator=torch.Generator().manual_seed(5))
-    logits, hidden = ort_session(folder / "model.fp32.onnx").run(["logits", "last_hidden"], {"input_ids": ids.numpy()})
+    session = ort_session(folder / "model.fp32.onnx")
+    logits, hidden = session.run(["logits", "last_hidden"], prefill_feed(session, ids))
     with torch.no_grad():
         out = planned.float_model(input_ids=ids, use_cache=False, output_hidden_states=True)
     info = planned.info
@@ -203,3 +209,158 @@ def test_recipe_refusals_say_what_the_graph_rewrite_says_of_real_grids(text, mon
     if predicted is not None:
         assert predicted.startswith(f"recipe {text} cannot be written in the whole-model ONNX graph: ")
         assert "\n" not in predicted
+
+
+# --- the decoder with a KV cache ---------------------------------------------------------------------
+
+def test_the_graph_is_a_decoder_in_onnxruntime_genais_layout(written):
+    """The names and dims onnxruntime-genai's model builder writes and its genai_config.json names."""
+    from ffnquant.onnxquant import ort_session
+
+    planned, folder, result = written
+    assert result["decoder"]["status"] == "ok"
+    n = planned.info.n_layers
+    for name in ("model.fp32.onnx", "model.onnx"):
+        session = ort_session(folder / name)
+        inputs = {i.name: i.shape for i in session.get_inputs()}
+        outputs = {o.name: o.shape for o in session.get_outputs()}
+        assert inputs["input_ids"] == ["batch_size", "sequence_length"] == inputs["position_ids"]
+        assert inputs["attention_mask"] == ["batch_size", "total_sequence_length"]
+        assert outputs["logits"] == ["batch_size", "sequence_length", 96]
+        for i in range(n):
+            for kv in ("key", "value"):
+                assert inputs[f"past_key_values.{i}.{kv}"] == ["batch_size", 2, "past_sequence_length", 8]
+                assert outputs[f"present.{i}.{kv}"] == ["batch_size", 2, "total_sequence_length", 8]
+        assert len(inputs) == 3 + 2 * n and len(outputs) == 2 + 2 * n
+    # the parity at export: at once (past 0) and half at once then a token per call, both against torch
+    parity = result["parity"]["float"]
+    assert parity["compared"] == ["logits", "last_hidden", "cached_logits"] and parity["passed"]
+
+
+def test_greedy_generation_of_the_written_graph_equals_transformers(written):
+    generation = written[2]["decoder"]["generation"]
+    assert generation["equal"] and generation["prompts"] == 3 and generation["new_tokens"] == 16
+    assert generation["provider"] == "CPUExecutionProvider" and generation["tokens_compared"] >= 3
+    assert all(0 <= k <= 16 for k in generation["quantized_leading_tokens_equal"])
+
+
+def test_the_rewrite_finds_every_ffn_matmul_of_the_decoder(written):
+    planned, _, result = written
+    q = result["quantize"]
+    assert sum(q["kinds"].values()) == len(planned.modules) == 6
+    assert q["nodes"]["quantized"]["MatMulNBits"] == 3
+
+
+def test_the_quantized_graph_through_its_cache_scores_as_the_prefill_graph(written, tmp_path):
+    """The cached path (half at once, then a token per call) against the same graph at once and against today's
+    prefill graph of the same plan (no cache): the logits differ by float32 summation order only, so the
+    perplexities agree within twice the logits' float32 bound (`_cached_score`), and both meet the 0.5% bound."""
+    from ffnquant.deploy.onnx_model import export_float_graph, score_graph
+    from ffnquant.deploy.onnx_rewrite import quantize_graph
+
+    planned, _, result = written
+    cached, score = result["score"]["cached"], result["score"]
+    assert cached["equals_once"] and cached["max_abs_logit_diff"] <= cached["logit_tolerance"]
+    assert cached["meets_tolerance"] and abs(cached["perplexity_rel_diff"]) <= 0.005
+    assert cached["n_tokens"] == score["onnx"]["n_tokens"]
+    prefill = export_float_graph(planned.model, planned.info, tmp_path / "planned.prefill.onnx")
+    quantize_graph(prefill, planned, tmp_path / "prefill.onnx")
+    old = score_graph(tmp_path / "prefill.onnx", planned)
+    assert "cached" not in old  # a prefill graph has no cache to score through
+    # |ln ppl_a - ln ppl_b| <= 2 max |logit_a - logit_b|, each logit within float32 rounding of the other's
+    # (`float_tolerance` of these logits' magnitude, which `_cached_score` recorded)
+    bound = 2.0 * cached["logit_tolerance"]
+    assert abs(np.log(cached["perplexity"] / old["onnx"]["perplexity"])) <= bound
+    assert abs(np.log(score["onnx"]["perplexity"] / old["onnx"]["perplexity"])) <= bound
+
+
+def test_batched_left_padded_generation_equals_each_prompt_alone(written):
+    """The loop's mask and positions: left padding changes nothing a row computes (float32 rounding aside, no
+    argmax of these prompts lies within it)."""
+    from ffnquant.deploy.onnx_decoder import greedy_generate
+    from ffnquant.onnxquant import ort_session
+
+    session = ort_session(written[1] / "model.fp32.onnx")
+    prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63]]
+    alone = [greedy_generate(session, [p], 12)[0] for p in prompts]
+    assert greedy_generate(session, prompts, 12) == alone and all(len(a) == 12 for a in alone)
+    # EOS ends a row: the first token generated, taken as EOS, leaves one token
+    assert greedy_generate(session, prompts[:1], 12, eos_token_id=alone[0][0]) == [alone[0][:1]]
+    with pytest.raises(FFNQuantError):
+        greedy_generate(session, [[]], 4)
+
+
+def test_decode_latency_is_side_by_side_within_the_models_positions(written):
+    lat = written[2]["decoder"]["decode_latency"]
+    assert set(lat["contexts"]) == {"16", "64"} and lat["beyond_max_positions"] == [1024]
+    assert lat["provider"] == "CPUExecutionProvider" and lat["new_tokens"] == 1
+    for row in lat["contexts"].values():
+        for graph in ("float", "quantized"):
+            r = row[graph]
+            assert 0 < r["p10_ms"] <= r["p50_ms"] <= r["p90_ms"] and r["samples"] == 3 * 3
+            assert r["tokens_per_s"] == pytest.approx(1e3 / r["p50_ms"])
+        assert row["speedup"] == pytest.approx(row["float"]["p50_ms"] / row["quantized"]["p50_ms"])
+
+
+def test_the_deploy_document_reports_the_decoder(written):
+    from ffnquant.report.deploy import _graph_lines, decoder_summary
+
+    graph = {"status": "ok", **written[2]}
+    text = "\n".join(_graph_lines(graph))
+    assert "a decoder with a KV cache" in text and "equal token for token" in text
+    assert "Decode latency per token with the cache" in text and "not measured at 1024 tokens" in text
+    lines = decoder_summary(graph["decoder"], graph["score"]["cached"])
+    assert lines[0].startswith("KV-cache decoder: greedy generation equals") and len(lines) == 2 + 2
+    assert "prefill graph" in decoder_summary({"status": "refused", "reason": "x"}, None)[0]
+
+
+def test_a_model_without_a_cache_export_gets_the_prefill_graph_with_the_reason(written, tmp_path, monkeypatch):
+    from ffnquant.deploy import onnx_decoder
+    from ffnquant.deploy.onnx_model import write_model_graph
+
+    def refuse(model):
+        raise FFNQuantError("its cache is MambaCache, not a DynamicCache of per-layer keys and values")
+
+    monkeypatch.setattr(onnx_decoder, "cache_layout", refuse)
+    result = write_model_graph(written[0], tmp_path, tokens=(4,), rounds=1)
+    assert result["decoder"] == {"status": "refused", "reason": "its cache is MambaCache, not a DynamicCache of "
+                                                                 "per-layer keys and values"}
+    assert "cached" not in result["score"] and result["score"]["meets_tolerance"]
+    assert "cached_logits" not in result["parity"]["float"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.fp32.onnx", "model.onnx"]
+
+
+@pytest.fixture(scope="module")
+def family_folders(tmp_path_factory):
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+    from hf_models import save_causal_tiny, tokenizer
+
+    T.logging.set_verbosity_error()
+    root, tok, made = tmp_path_factory.mktemp("families"), tokenizer(T), {}
+
+    def folder(model_type):
+        if model_type not in made:
+            made[model_type] = save_causal_tiny(T, model_type, root / model_type, tok)
+        return made[model_type]
+
+    return folder
+
+
+# the families the graph takes beyond llama (the fixture's): grouped-query and multi-query attention (falcon),
+# sliding-window layers (gemma3_text: a 16-token window, passed by the 8 + 16 tokens), EOS mid-way (phi3 stops
+# at its EOS on one prompt), a fused gate+up (glm), q/k norms (qwen3)
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "phi3", "glm", "falcon"])
+def test_greedy_generation_equals_transformers_across_families(family_folders, model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from ffnquant.deploy.onnx_decoder import export_decoder, generation_check
+    from ffnquant.hf import inspect_model
+    from ffnquant.onnxquant import ort_session
+
+    folder = family_folders(model_type)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    parity = export_decoder(model, inspect_model(folder), tmp_path / "d.onnx", 20)
+    assert parity["passed"]
+    prompts = [[1, 5, 9, 13, 17, 21, 25, 29], [1, 30, 31, 32, 33, 34, 35, 36], [1, 70, 60, 50, 40, 30, 20, 10]]
+    check = generation_check(model, ort_session(tmp_path / "d.onnx"), prompts, 16)
+    assert check["equal"], [(r["onnx"], r["transformers"]) for r in check["rows"] if not r["equal"]]

@@ -180,7 +180,7 @@ def _export_plan(args: argparse.Namespace) -> int:
 
 
 def _print_deploy(doc: dict, out: Path) -> None:
-    from ..report.deploy import fold_line, gate_rows, target_verdict
+    from ..report.deploy import decoder_summary, fold_line, gate_rows, target_verdict
 
     verdict = target_verdict(doc)
     if verdict:  # the plain answer first, then the details
@@ -228,6 +228,8 @@ def _print_deploy(doc: dict, out: Path) -> None:
         for n, r in (graph.get("latency") or {}).get("tokens", {}).items():
             print(f"  {n} tokens: fp32 graph {r['float']['p50_ms']:.2f} ms, quantized {r['quantized']['p50_ms']:.2f} ms "
                   f"(p50; {r['speedup']:.2f}x)")
+        for line in decoder_summary(graph.get("decoder") or {}, sc.get("cached")):
+            print(f"  {line}")
     elif graph:
         print(f"whole-model ONNX graph: not written ({graph.get('reason')})")
     print(f"weights {doc['sizes']['weights']:,} bytes against {doc['sizes']['float_weights']:,} for the float folder")

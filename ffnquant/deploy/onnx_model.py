@@ -1,5 +1,9 @@
-"""A planned model as one ONNX graph: the causal LM exported whole (prefill, no KV cache), its FFN matmuls
-rewritten as the plan quantized them, scored and timed on onnxruntime's CPU provider.
+"""A planned model as one ONNX graph: the causal LM exported whole, its FFN matmuls rewritten as the plan
+quantized them, scored and timed on onnxruntime's CPU provider.
+
+The graph is the cached decoder of `deploy.onnx_decoder` (past/present key-value inputs and outputs, one graph
+for prefill and decode, greedy generation checked against transformers'); where a model does not export with
+a cache, the prefill graph (`input_ids` -> `logits`, `last_hidden`, no cache) with the reason.
 
 The graph is exported from `PlannedModel.model` (input scales folded into the norms, ffnquant's dequantized
 FFN weights), so every FFN weight in it already lies on its grid: the rewrite recovers the integer codes from
@@ -19,16 +23,12 @@ fp8 grids, llm-int8's outlier split and 4-bit weights with quantized inputs are 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import io
-import logging
 import math
 import os
 import time
-import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from torch import nn
 
 from ..errors import FFNQuantError, first_line
 from ..export import DEFAULT_OPSET
+from .onnx_decoder import float_tolerance, quiet
 from .onnx_rewrite import module_kind, quantize_graph
 from ..atomic import ScratchFolder
 
@@ -167,27 +168,6 @@ class _Prefill(nn.Module):
         return out.logits, out.hidden_states[-1]
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    # the exporter logs a warning per missing torchvision op and prints progress: nothing about this model
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
-
-
-def float_tolerance(ref_absmax: float, n_layers: int, width: int) -> float:
-    """How far onnxruntime's fp32 graph may be from torch's: each length-`width` dot product summed in another
-    order differs by ~sqrt(width) units of float32 roundoff (2^-24) of its magnitude, the blocks add theirs
-    (residual stream), and 8x covers softmax/norm amplification; scaled by the output's magnitude (>= 1)."""
-    return 8.0 * n_layers * math.sqrt(width) * 2.0**-24 * max(1.0, float(ref_absmax))
-
-
 def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[str, Any]:
     from ..onnxquant import ort_session
 
@@ -216,7 +196,7 @@ def _export(model: nn.Module, info: Any, path: str | os.PathLike, opset: int, id
     example = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
     if "dynamo" not in inspect.signature(torch.onnx.export).parameters:
         raise FFNQuantError(f"torch {torch.__version__} has no dynamo ONNX exporter (torch >= 2.5 exports whole models)")
-    with _quiet(), torch.no_grad():
+    with quiet(), torch.no_grad():
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
         try:
             program = torch.onnx.export(_Prefill(model), (example,), dynamo=True, opset_version=opset,
@@ -254,36 +234,70 @@ def export_float_graph(model: nn.Module, info: Any, path: str | os.PathLike, ops
 
 # --- measurement -------------------------------------------------------------------------------------
 
-def score_graph(path: str | os.PathLike, planned: Any) -> dict[str, Any]:
+def score_graph(path: str | os.PathLike, planned: Any, cached: bool = True) -> dict[str, Any]:
     """The graph on onnxruntime's CPU provider over `planned.evals`, against the float model in torch
     (`hf.compare_models`: perplexity, final-hidden SQNR), beside ffnquant's torch reference of the same plan.
 
     Where this CPU's int8 kernel for the graph's activations saturates (`ortcpu`), `onnx` is what ran and the
-    bound is checked on `graph`: the same graph with no integer kernel fused in, what exact kernels compute."""
+    bound is checked on `graph`: the same graph with no integer kernel fused in, what exact kernels compute.
+    A cached decoder is also scored through its cache (`cached`: `_cached_score`) when `cached`."""
     from ..hf import compare_models
     from ..onnxquant import ort_session
     from ..ortcpu import int8_kernels, saturating
+    from .onnx_decoder import is_decoder, prefill_feed
 
     def figures(session) -> dict[str, Any]:
         def run(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits, hidden = session.run(list(OUTPUTS), {"input_ids": ids.numpy().astype(np.int64)})
+            logits, hidden = session.run(list(OUTPUTS), prefill_feed(session, ids))
             return torch.from_numpy(logits), torch.from_numpy(hidden)
 
         return compare_models(planned.float_model, None, planned.info, planned.evals, candidate_run=run)
 
     session = ort_session(path)
+    checked_session = session
     out: dict[str, Any] = {"onnx": figures(session)}
     if saturating(path):
-        out["graph"] = figures(ort_session(path, as_written=True))
+        checked_session = ort_session(path, as_written=True)
+        out["graph"] = figures(checked_session)
         out["int8_kernel"] = int8_kernels().describe()
     checked = out.get("graph", out["onnx"])
     ref = planned.reference["end_to_end"]
     rel = checked["perplexity"] / ref["perplexity"] - 1.0
+    if cached and is_decoder(session):
+        out["cached"] = _cached_score(checked_session, planned, checked, ref["perplexity"])
     return {**out, "reference": {"perplexity": ref["perplexity"], "hidden_sqnr_db": ref.get("hidden_sqnr_db")},
             "perplexity_rel_diff": rel, "tolerance": PPL_TOLERANCE, "meets_tolerance": abs(rel) <= PPL_TOLERANCE,
             "hidden_sqnr_db_diff": checked["hidden_sqnr_db"] - ref["hidden_sqnr_db"]
             if ref.get("hidden_sqnr_db") is not None else None,
             "provider": session.get_providers()[0], "providers": list(session.get_providers())}
+
+
+def _cached_score(session: Any, planned: Any, once: dict[str, Any], ref_ppl: float) -> dict[str, Any]:
+    """The same held-out batches through the cache (each row's first half in one call, then a token per call)
+    against the same graph run at once: the logits may differ by float32 rounding only (attention sums over
+    other lengths), so |ln ppl_cached - ln ppl_once| <= 2 x `float_tolerance` of the logits (a token's NLL
+    moves by at most twice its largest logit change), and the reference bound holds on the cached figure."""
+    from ..hf import compare_models
+    from .onnx_decoder import cached_run, prefill_feed
+
+    info, worst = planned.info, {"diff": 0.0, "absmax": 0.0}
+
+    def run(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden = cached_run(session, ids, max(1, ids.shape[1] // 2))
+        at_once = session.run(["logits"], prefill_feed(session, ids))[0]
+        worst["diff"] = max(worst["diff"], float(np.abs(logits.numpy() - at_once).max()))
+        worst["absmax"] = max(worst["absmax"], float(np.abs(at_once).max()))
+        return logits, hidden
+
+    fig = compare_models(planned.float_model, None, info, planned.evals, candidate_run=run)
+    tol = float_tolerance(worst["absmax"], info.n_layers, max(info.spec.d_model, info.spec.d_ff))
+    log_diff = math.log(fig["perplexity"] / once["perplexity"])
+    rel = fig["perplexity"] / ref_ppl - 1.0
+    return {**fig, "how": "each row's first half in one call, then one token per call",
+            "max_abs_logit_diff": worst["diff"], "logit_tolerance": tol,
+            "perplexity_rel_diff_to_once": math.expm1(log_diff), "log_perplexity_tolerance": 2.0 * tol,
+            "equals_once": abs(log_diff) <= 2.0 * tol, "perplexity_rel_diff": rel,
+            "meets_tolerance": abs(rel) <= PPL_TOLERANCE, "provider": session.get_providers()[0]}
 
 
 def graph_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, tokens: Sequence[int] = (1, 512),
@@ -294,6 +308,7 @@ def graph_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, 
     p10/p50/p90 ms and the speedup (fp32 p50 / quantized p50). Cheap by default; ask for more rounds to publish."""
     from ..latency import latency_stats
     from ..onnxquant import ort_session
+    from .onnx_decoder import prefill_feed
 
     if rounds < 1 or per_round < 1 or warmup < 0 or not tokens or min(tokens) < 1:
         raise FFNQuantError("graph_latency needs rounds >= 1, per_round >= 1, warmup >= 0 and token counts >= 1")
@@ -301,7 +316,7 @@ def graph_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, 
     vocab = sessions["float"].get_outputs()[0].shape[-1]
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else 2
     rng = np.random.default_rng(seed)
-    inputs = {n: {"input_ids": rng.integers(0, vocab, (1, n), dtype=np.int64)} for n in tokens}
+    inputs = {n: prefill_feed(sessions["float"], rng.integers(0, vocab, (1, n), dtype=np.int64)) for n in tokens}
     times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in sessions for n in tokens}
     for session in sessions.values():  # first runs allocate and pick kernels
         for n in tokens:
@@ -326,12 +341,47 @@ def graph_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, 
     return out
 
 
+def _prompts(planned: Any, n: int, length: int = 8) -> list[list[int]]:
+    """`n` prompts of `length` tokens from the held-out batches (consecutive slices of their rows)."""
+    stream = torch.cat([b.reshape(-1) for b in planned.evals]) if planned.evals else torch.arange(1, 1 + n * length)
+    return [stream[i * length:(i + 1) * length].tolist() for i in range(n) if (i + 1) * length <= stream.numel()]
+
+
+def _decoder_figures(planned: Any, fp32: Path, quant: Path, *, contexts: Sequence[int], rounds: int, prompts: int,
+                     new_tokens: int) -> dict[str, Any]:
+    """The cached graphs' own figures: greedy generation of the fp32 graph against transformers' (and how many
+    leading tokens the quantized graph's greedy generation shares with it), per-token decode latency."""
+    from ..onnxquant import ort_session
+    from .onnx_decoder import decode_latency, generation_check, greedy_generate
+
+    chosen = _prompts(planned, prompts)
+    generation = generation_check(planned.float_model, ort_session(fp32), chosen, new_tokens)
+    quant_session = ort_session(quant)
+    shared = []
+    for row in generation["rows"]:
+        q = greedy_generate(quant_session, [row["prompt"]], new_tokens, generation["eos_token_id"],
+                            generation["pad_token_id"])[0]
+        shared.append(next((i for i, (a, b) in enumerate(zip(q, row["onnx"])) if a != b), min(len(q), len(row["onnx"]))))
+    generation["quantized_leading_tokens_equal"] = shared
+    limit = int(getattr(planned.float_model.config, "max_position_embeddings", 0) or 0)
+    kept = [c for c in contexts if not limit or c <= limit]
+    latency = decode_latency(fp32, quant, kept, rounds=rounds) if kept else {"contexts": {}}
+    latency["beyond_max_positions"] = [c for c in contexts if c not in kept]
+    return {"generation": generation, "decode_latency": latency}
+
+
 def write_model_graph(planned: Any, folder: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
-                      tokens: Sequence[int] = (1, 512), rounds: int = 5) -> dict[str, Any]:
+                      tokens: Sequence[int] = (1, 512), rounds: int = 5, contexts: Sequence[int] = (128, 1024),
+                      prompts: int = 3, new_tokens: int = 16) -> dict[str, Any]:
     """The planned model as ONNX in `folder`: `model.fp32.onnx` (the float model, the latency baseline) and
-    `model.onnx` (the quantized graph), scored and timed; JSON-able. Single files: `graph_refusal` refuses
-    models whose graph would need external data. The caller stages `folder`."""
+    `model.onnx` (the quantized graph), scored and timed; JSON-able. Both are cached decoders
+    (`deploy.onnx_decoder`: `decoder` holds greedy generation against transformers' on `prompts` held-out
+    prompts x `new_tokens`, and decode latency at each context of `contexts` within the model's positions), or
+    prefill graphs where the model does not export with a cache (`decoder` says why). Single files:
+    `graph_refusal` refuses models whose graph would need external data. The caller stages `folder`."""
     import onnxruntime as ort
+
+    from .onnx_decoder import export_decoder
 
     why = graph_refusal(planned.info)
     if why is not None:
@@ -342,14 +392,25 @@ def write_model_graph(planned: Any, folder: str | os.PathLike, *, opset: int = D
     folder.mkdir(parents=True, exist_ok=True)
     fp32, quant = folder / "model.fp32.onnx", folder / "model.onnx"
     ids = planned.evals[0][:1, :64] if planned.evals else None
-    parity = _export(planned.float_model, planned.info, fp32, opset, ids)
+    decoder: dict[str, Any] = {"status": "ok", "layout": "onnxruntime-genai: past_key_values.%d.key/value -> "
+                                                          "present.%d.key/value"}
+    try:
+        parity = export_decoder(planned.float_model, planned.info, fp32, opset, ids)
+        export = export_decoder
+    except FFNQuantError as exc:  # the prefill graph as before, with the reason
+        decoder = {"status": "refused", "reason": str(exc)}
+        parity, export = _export(planned.float_model, planned.info, fp32, opset, ids), _export
     with ScratchFolder("graph", dir=folder) as tmp:
         # the rewrite starts from the planned model's own export: its weights are the grids' values
         planned_fp32 = Path(tmp) / "planned.fp32.onnx"
-        planned_parity = _export(planned.model, planned.info, planned_fp32, opset, ids)
+        planned_parity = export(planned.model, planned.info, planned_fp32, opset, ids)
         written = quantize_graph(planned_fp32, planned, quant)
     score = score_graph(quant, planned)
     latency = graph_latency(fp32, quant, tokens=tokens, rounds=rounds)
+    if decoder["status"] == "ok":
+        decoder.update(_decoder_figures(planned, fp32, quant, contexts=contexts, rounds=rounds, prompts=prompts,
+                                        new_tokens=new_tokens))
     return {"files": {fp32.name: fp32.stat().st_size, quant.name: quant.stat().st_size}, "external_data": False,
             "opset": opset, "parity": {"float": parity, "planned": planned_parity}, "quantize": written,
-            "score": score, "latency": latency, "onnxruntime": ort.__version__, "providers": score["providers"]}
+            "score": score, "latency": latency, "decoder": decoder, "onnxruntime": ort.__version__,
+            "providers": score["providers"]}

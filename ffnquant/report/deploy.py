@@ -7,7 +7,7 @@ from typing import Any
 
 from ..render import agreement_words, fmt, fmt_bytes, markdown_table, ppl_change
 
-__all__ = ["deploy_markdown", "target_verdict", "fold_line", "gate_rows"]
+__all__ = ["deploy_markdown", "target_verdict", "fold_line", "gate_rows", "decoder_summary"]
 
 
 def target_verdict(doc: dict[str, Any]) -> str | None:
@@ -179,6 +179,7 @@ def _graph_lines(graph: dict[str, Any]) -> list[str]:
                          f"{res['spread']['perplexity_ratio']:.2e} on this text (the original, unfolded model, its input "
                          "scaled by 1 +- 2^-23); the graph is "
                          f"{'within' if score['within_resolution'] else 'BEYOND'} twice that")
+    lines += _decoder_lines(graph.get("decoder") or {}, score.get("cached"))
     lat = graph.get("latency") or {}
     rows = []
     for n, r in (lat.get("tokens") or {}).items():
@@ -186,11 +187,72 @@ def _graph_lines(graph: dict[str, Any]) -> list[str]:
         rows.append((n, f"{f['p50_ms']:.2f} ({f['p10_ms']:.2f}-{f['p90_ms']:.2f})",
                      f"{q['p50_ms']:.2f} ({q['p10_ms']:.2f}-{q['p90_ms']:.2f})", f"{r['speedup']:.2f}x"))
     if rows:
-        lines += ["", f"Latency on {lat.get('provider')}, batch {lat.get('batch')}, {lat.get('rounds')} interleaved rounds "
-                      f"(threads: {lat.get('threads')}):", "",
+        lines += ["", f"Prefill latency (from an empty cache) on {lat.get('provider')}, batch {lat.get('batch')}, "
+                      f"{lat.get('rounds')} interleaved rounds (threads: {lat.get('threads')}):", "",
                   markdown_table(["tokens", "fp32 graph p50 ms (p10-p90)", "quantized graph p50 ms (p10-p90)",
                                   "speedup (p50)"], rows)]
     return lines + [""]
+
+
+def decoder_summary(decoder: dict[str, Any], cached: dict[str, Any] | None) -> list[str]:
+    """The cached decoder in a few terminal lines: generation equality, perplexity through the cache, decode."""
+    if not decoder:
+        return []
+    if decoder.get("status") != "ok":
+        return [f"no KV cache (prefill graph): {decoder.get('reason')}"]
+    out = []
+    gen = decoder.get("generation")
+    if gen:
+        out.append(f"KV-cache decoder: greedy generation {'equals' if gen['equal'] else 'DIFFERS from'} transformers' "
+                   f"on {gen['prompts']} prompts ({gen['tokens_compared']} tokens)")
+    if cached:
+        out.append(f"through the cache: perplexity {cached['perplexity']:.4f} ({cached['perplexity_rel_diff_to_once']:+.1e} "
+                   f"relative to at once: {'equal' if cached['equals_once'] else 'NOT equal'} within float32 rounding)")
+    for n, r in ((decoder.get("decode_latency") or {}).get("contexts") or {}).items():
+        out.append(f"decode at {n} tokens of context: fp32 graph {r['float']['p50_ms']:.2f} ms/token, quantized "
+                   f"{r['quantized']['p50_ms']:.2f} ms/token (p50; {r['speedup']:.2f}x)")
+    return out
+
+
+def _decoder_lines(decoder: dict[str, Any], cached: dict[str, Any] | None) -> list[str]:
+    """The cached decoder: its layout or why the graph has no cache, greedy generation against transformers',
+    the perplexity through the cache and the decode latency table."""
+    if not decoder:
+        return []
+    if decoder.get("status") != "ok":
+        return [f"- no KV cache: the graph is the prefill graph (`input_ids` -> `logits`, `last_hidden`); "
+                f"{decoder.get('reason')}"]
+    lines = [f"- a decoder with a KV cache ({decoder.get('layout')}): one graph for prefill and decode"]
+    gen = decoder.get("generation")
+    if gen:
+        lines.append(f"- greedy generation of the fp32 graph ({gen['provider']}) against transformers' "
+                     f"`generate(do_sample=False)`: {gen['prompts']} held-out prompts x {gen['new_tokens']} new tokens "
+                     f"(EOS ends one), {gen['tokens_compared']} tokens: "
+                     f"{'equal token for token' if gen['equal'] else 'NOT equal'}; the quantized graph's greedy "
+                     f"tokens equal the fp32 graph's for the first {', '.join(map(str, gen['quantized_leading_tokens_equal']))}")
+    if cached:
+        lines.append(f"- through the cache ({cached['how']}; {cached['provider']}): perplexity {fmt(cached['perplexity'])}, "
+                     f"{cached['perplexity_rel_diff_to_once']:+.2e} relative to the same graph at once (logits within "
+                     f"{cached['max_abs_logit_diff']:.2g}; float32 rounding bound {cached['logit_tolerance']:.2g}: "
+                     f"{'equal' if cached['equals_once'] else 'NOT equal'}), {100 * cached['perplexity_rel_diff']:+.3f}% "
+                     f"against the reference ({'met' if cached['meets_tolerance'] else 'NOT met'})")
+    lat = decoder.get("decode_latency") or {}
+    rows = []
+    for n, r in (lat.get("contexts") or {}).items():
+        f, q = r["float"], r["quantized"]
+        rows.append((n, f"{f['p50_ms']:.2f} ({f['p10_ms']:.2f}-{f['p90_ms']:.2f})",
+                     f"{q['p50_ms']:.2f} ({q['p10_ms']:.2f}-{q['p90_ms']:.2f})", f"{r['speedup']:.2f}x",
+                     f"{f['tokens_per_s']:.1f} / {q['tokens_per_s']:.1f}"))
+    if rows:
+        lines += ["", f"Decode latency per token with the cache on {lat.get('provider')} (one new token attending to "
+                      f"the context; batch 1, {lat.get('rounds')} interleaved rounds of {lat.get('per_round')}, threads: "
+                      f"{lat.get('threads')}):", "",
+                  markdown_table(["context tokens", "fp32 graph p50 ms (p10-p90)", "quantized graph p50 ms (p10-p90)",
+                                  "speedup (p50)", "tokens/s fp32 / quantized"], rows), ""]
+    if lat.get("beyond_max_positions"):
+        lines.append(f"- decode latency not measured at {', '.join(map(str, lat['beyond_max_positions']))} tokens: beyond "
+                     "the model's max_position_embeddings")
+    return lines
 
 
 def deploy_markdown(doc: dict[str, Any]) -> str:
