@@ -302,6 +302,8 @@ class PlanSource:
                 self.grads.pop(j)
             self.block_in.pop(j).clear()
             _trim()
+            if streams:
+                self.progress(f"probe ablations: streams through L{j}", j + 1, n)
 
         if self.resident:
             yield group(self.planned)

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""The architecture matrix: each causal-LM model type of the installed transformers, a tiny random-weight model
+each (tests/hf_models.py), taken through every ffnquant command that reads a model, with the exit code and what
+each command wrote or refused.
+
+Per type: `model inspect`; `profile --model`; `quantize --model` (the model resident) and `quantize --model
+--sequential` (read a decoder layer at a time, or the refusal); `model eval`; `plan` (ppl+5% over four
+candidates); `export --format compressed-tensors` and `--format onnx` of that plan (proven, or the refusal).
+
+Usage:
+  PYTHONPATH=.:tests python benchmarks/architecture_matrix.py --out reports/architecture-matrix
+Writes OUT/matrix.json and OUT/matrix.md (stamped with the machine, versions and the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
+CANDIDATES = "fp32,w8a8@search+smooth,w8a8-dynamic-s8,w4a16-g32"
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    """`ffnquant ARGV` in this process: (exit code, the last line of stderr when it failed)."""
+    from ffnquant.cli import main
+
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = int(exc.code or 0)
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    return rc, (lines[-1] if rc and lines else "")
+
+
+def _why(message: str, folder: Path) -> str:
+    """The refusal, its temporary folder named as the model type."""
+    return message.split("error: ", 1)[-1].replace(str(folder), folder.name)[:220]
+
+
+def one_type(model_type: str, folder: Path, work: Path) -> dict:
+    """Every command on one model folder: {command: {"rc", "result"}}."""
+    row: dict[str, dict] = {}
+    t0 = time.perf_counter()
+
+    def cell(name: str, argv: list[str], result=None) -> int:
+        rc, err = _run(argv)
+        row[name] = {"rc": rc, "result": (result() if result else "") if rc == 0 else _why(err, folder)}
+        return rc
+
+    cell("inspect", ["model", "inspect", str(folder)])
+    cell("profile", ["profile", "--model", str(folder), "--model-tokens", "256", "--variants", "swiglu",
+                     "--tokens", "256", "--no-positions", "--out", str(work / "profile")])
+
+    def quantized(out: Path):
+        doc = json.loads(next(out.glob("*.json")).read_text())
+        e = doc["end_to_end"]["end_to_end"]
+        return f"ppl x{e['perplexity_ratio']:.4f}, final hidden SQNR {e['hidden_sqnr_db']:.1f} dB"
+
+    for mode, flag in (("quantize", []), ("quantize --sequential", ["--sequential"])):
+        out = work / mode.replace(" ", "_")
+        cell(mode, ["quantize", "--model", str(folder), "--scheme", "w8a8", *TOKENS, "--no-onnx", "--no-progress",
+                    *flag, "--out-reports", str(out)], lambda out=out: quantized(out))
+    cell("model eval", ["model", "eval", str(folder), "--schemes", "w8a8,w4a16-g32", "--max-calib-tokens", "256",
+                        "--max-eval-tokens", "128", "--out", str(work / "eval")])
+    plan = work / "plan"
+
+    def planned():
+        data = json.loads((plan / "plan.json").read_text())
+        chosen = sorted({row["recipe"] for row in data["plan"]["layers"]})
+        return f"{'verified' if data['verified'] else 'NOT verified'}: {', '.join(chosen)}"
+
+    rc = cell("plan", ["plan", "--model", str(folder), "--target", "ppl+5%", "--candidates", CANDIDATES, "--objective",
+                       "bytes", *TOKENS, "--probe-tokens", "128", "--no-progress", "--out", str(plan)], planned)
+    for fmt in ("compressed-tensors", "onnx"):
+        out = work / f"export-{fmt}"
+
+        def exported(out=out, fmt=fmt):
+            doc = json.loads((out / "ffnquant-deploy.json").read_text())
+            if fmt == "compressed-tensors":
+                return "proven" if doc["proof"]["proven"] else "NOT proven"
+            graph = doc.get("graph") or {}
+            reason = str(graph.get("reason") or "").replace(str(folder), folder.name)
+            return f"graph {graph.get('status')}" + (f" ({reason})" if reason else "")
+
+        if rc != 0:
+            row[f"export {fmt}"] = {"rc": None, "result": "no plan"}
+            continue
+        cell(f"export {fmt}", ["export", "--model", str(folder), "--plan", str(plan / "plan.toml"), "--format", fmt,
+                               *TOKENS, "--no-progress", "--out", str(out)], exported)
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def _markdown(res: dict) -> str:
+    from ffnquant.render import markdown_table
+
+    commands = [c for c in next(iter(res["types"].values())) if c != "seconds"]
+    lines = ["# Architecture matrix: every ffnquant command on each causal-LM type", "",
+             f"Command: `{res['command']}`", "",
+             "A tiny random-weight model of each type (2 decoder layers, d_model 32; `tests/hf_models.py`), built by "
+             "the installed transformers. A cell is `ok` with what the command measured or wrote, or the command's "
+             "one-line refusal (exit 2). Random weights: the figures show that each command runs and what it "
+             "measures, not what a trained model of the type would give.", ""]
+    rows = []
+    for model_type, row in res["types"].items():
+        cells = []
+        for c in commands:
+            r = row[c]
+            if r["rc"] == 0:
+                cells.append("ok" + (f": {r['result']}" if r["result"] else ""))
+            elif r["rc"] is None:
+                cells.append(r["result"])
+            else:
+                cells.append(f"refused (exit {r['rc']}): {r['result']}")
+        rows.append([model_type, *cells, f"{row['seconds']:.0f} s"])
+    lines += [markdown_table(["type", *commands, "time"], rows), ""]
+    env = res["environment"]
+    lines += ["## Environment", "", "```", json.dumps(env, indent=1, default=str)[:3000], "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import transformers as T
+
+    from ffnquant.atomic import write_json, write_text
+    from ffnquant.envinfo import environment
+    from hf_models import CAUSAL_TYPES, save_causal_tiny, tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="reports/architecture-matrix")
+    ap.add_argument("--types", default=",".join(CAUSAL_TYPES))
+    args = ap.parse_args(argv)
+    T.logging.set_verbosity_error()
+    res = {"command": "PYTHONPATH=.:tests python benchmarks/architecture_matrix.py "
+                      + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+           "transformers": T.__version__, "types": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        root, tok = Path(tmp), tokenizer(T)
+        for model_type in args.types.split(","):
+            folder = save_causal_tiny(T, model_type, root / model_type, tok)
+            res["types"][model_type] = one_type(model_type, folder, root / f"{model_type}-work")
+            print(model_type, {k: v["rc"] for k, v in res["types"][model_type].items() if k != "seconds"}, flush=True)
+    res["environment"] = environment()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "matrix.json", res)
+    write_text(out / "matrix.md", _markdown(res))
+    print(f"wrote {out / 'matrix.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
