@@ -349,3 +349,44 @@ def test_plan_with_an_unknown_format_is_one_line_exit_2(llama, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert err == "ffnquant plan: error: unknown format 'gguf'; valid: onnx, compressed-tensors"
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def llama_bf16(llama, tmp_path_factory):
+    """The tiny llama as a bf16 checkpoint, as SmolLM2, Llama, Qwen and Gemma ship."""
+    T = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("bf16") / "llama-bf16"
+    T.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.bfloat16).save_pretrained(folder)
+    T.AutoTokenizer.from_pretrained(llama).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("recipes", [{0: "w8a16", 1: "fp32"}, {0: "w8a8@search+smooth", 1: "w4a16-g32"}],
+                         ids=["one-layer-quantized", "smoothed-norm"])
+def test_a_bf16_checkpoint_keeps_its_float_parts_in_bf16_and_the_folder_is_smaller(llama_bf16, tmp_path, recipes,
+                                                                                  capsys):
+    """The float parts are stored in the source's bf16 where that is lossless (their values came from it), so a
+    plan that quantizes one layer gives a folder smaller than the source; a norm that took a smoothing scale is
+    not a bf16 value and stays float32, listed. The proof, which loads the folder in float32, holds as before."""
+    from safetensors import safe_open
+
+    from ffnquant.deploy.ctensors import folder_bytes
+
+    plan = _plan(llama_bf16, tmp_path, recipes)
+    assert main(["export", "--model", str(llama_bf16), "--plan", str(plan), "--format", "compressed-tensors",
+                 *_TOKENS, "--out", str(tmp_path / "ct"), "--no-progress"]) == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())
+    assert doc["proof"]["proven"] and doc["proof"]["weights"]["all_identical"]
+    written = doc["written"]["float_dtype"]
+    assert written["source"] == "bfloat16" and written["converted"] > 0
+    smoothed = any("smooth" in r for r in recipes.values())
+    assert bool(written["kept_float32"]) == smoothed
+    assert all("norm" in name for name in written["kept_float32"])  # only the norms that took the scale
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as fh:
+        dtypes = {k: str(fh.get_slice(k).get_dtype()) for k in fh.keys()}
+    assert dtypes["model.embed_tokens.weight"] == "BF16" and dtypes["model.layers.1.self_attn.q_proj.weight"] == "BF16"
+    assert folder_bytes(tmp_path / "ct") < folder_bytes(llama_bf16)

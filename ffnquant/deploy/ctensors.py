@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..atomic import write_text
 from ..errors import FFNQuantError
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 
@@ -208,6 +209,8 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
     folder = Path(folder)
     schemes, quantized = _config_groups(planned.modules)
     model = copy.deepcopy(planned.model)  # compressed in place; planned.model stays the reference
+    dtype = source_dtype(planned.info)
+    kept = _in_source_dtype(model, dtype, set(quantized))
     with quiet_model_io():
         if schemes:
             apply_quantization_config(model, QuantizationConfig(config_groups=schemes, quantization_status="frozen"),
@@ -221,11 +224,55 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
             compressor.update_config(str(folder))
     copied = _copy_side_files(Path(planned.info.path), folder)
     config = json.loads((folder / "config.json").read_text())
+    if dtype is not torch.float32:  # served in the source's dtype, as the source checkpoint is
+        name = str(dtype).removeprefix("torch.")
+        config.update({"dtype": name, "torch_dtype": name})
+        write_text(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     qc = config.get("quantization_config", {})
     floats = [m.module for m in planned.modules if m.module not in quantized]
     return {"format": FORMAT_NAME, "compression_format": qc.get("format"), "config_groups": len(schemes),
             "quantized_modules": len(quantized), "float_ffn_modules": floats, "ignore": qc.get("ignore", []),
-            "copied": copied, "files": _files(folder)}
+            "copied": copied, "files": _files(folder),
+            "float_dtype": {"source": str(dtype).removeprefix("torch."), **kept}}
+
+
+def source_dtype(info: Any) -> torch.dtype:
+    """The floating dtype most of the source checkpoint's tensors are stored in (float32 for a pickled one)."""
+    from collections import Counter
+
+    from ..hf.checkpoint import _Weights
+
+    if info.weights_format != "safetensors":
+        return torch.float32
+    weights = _Weights(info.path, False)
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}
+    counts = Counter(names.get(str(weights.dtype(n))) for n in weights.file_of)
+    counts.pop(None, None)
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def _in_source_dtype(model: torch.nn.Module, dtype: torch.dtype, quantized: set[str]) -> dict[str, Any]:
+    """The float parameters outside the quantized modules stored in the source's `dtype` where that is lossless
+    (every value exactly representable: they came from the source checkpoint); the others (a norm that took a
+    folded smoothing scale) stay float32, listed. The proof loads the folder in float32, so it is unchanged."""
+    if dtype is torch.float32:
+        return {"converted": 0, "kept_float32": []}
+    kept, converted = [], 0
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            if module_name in quantized:
+                continue
+            for name, p in list(module.named_parameters(recurse=False)):
+                if not p.is_floating_point() or p.dtype is dtype:
+                    continue
+                low = p.detach().to(dtype)
+                if torch.equal(low.to(p.dtype), p.detach()):
+                    p.data = low  # the same Parameter: a tied head follows its embedding
+                    converted += 1
+                else:
+                    kept.append(f"{module_name}.{name}" if module_name else name)
+    return {"converted": converted, "kept_float32": kept}
 
 
 def _files(folder: Path) -> dict[str, int]:
