@@ -28,10 +28,9 @@ SPEC = FFNSpec(Variant.SWIGLU, 576, 1536)
     ("w8a8@search+rotate", "block-Hadamard at run time"),
     ("nf4", "bitsandbytes' code book"),
     ("w4a16-g64-hqq", "float zero points"),
-    ("w4a16-g64-awq", "asymmetric 4-bit weights do not load back: compressed-tensors 0.20.1"),
-    ("w4a16-g64-asym", "transformers 5.24.0's from_pretrained"),
     ("w4a16-g128", "group 128 does not divide d_model 576"),
-], ids=["rotate", "nf4", "hqq", "awq-asym", "asym", "group-not-dividing"])
+    ("w4a16-g128-awq", "group 128 does not divide d_model 576"),
+], ids=["rotate", "nf4", "hqq", "group-not-dividing", "asymmetric-group-not-dividing"])
 def test_recipes_the_format_cannot_store_are_refused_in_one_line(recipe, why):
     text = ctensors.recipe_refusal(Recipe.parse(recipe), SPEC)
     assert text.startswith(f"recipe {recipe} cannot be written as compressed-tensors: ") and why in text
@@ -39,7 +38,8 @@ def test_recipes_the_format_cannot_store_are_refused_in_one_line(recipe, why):
 
 
 @pytest.mark.parametrize("recipe", ["w8a8@search+smooth", "w8a8-s8", "w8a8-dynamic-s8", "w8a16", "w4a16-g64",
-                                    "w4a16-g32-gptq", "fp8-e4m3", "fp8-e4m3-dynamic", "w8a8+float=hidden", "fp32"])
+                                    "w4a16-g32-gptq", "w4a16-g64-asym", "w4a16-g64-awq", "fp8-e4m3", "fp8-e4m3-dynamic",
+                                    "w8a8+float=hidden", "fp32"])
 def test_recipes_the_format_stores(recipe):
     assert ctensors.recipe_refusal(Recipe.parse(recipe), SPEC) is None
 
@@ -185,10 +185,10 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(llama, tmp_path, capsy
 
 
 @pytest.mark.hf
-def test_asymmetric_4bit_groups_are_written_right_but_transformers_cannot_load_them(llama, tmp_path):
-    """Why `recipe_refusal` refuses AWQ and -asym: ffnquant's writer stores an asymmetric 4-bit grid in
-    compressed-tensors' own layout exactly (the library decompresses the files to ffnquant's weight bit for bit),
-    and the installed transformers stops loading it. The day it loads, this fails: lift the refusal then."""
+def test_asymmetric_4bit_groups_are_written_as_blocks_that_transformers_loads(llama, tmp_path):
+    """AWQ and -asym: an asymmetric 4-bit grid stored as blocks of one row by a group (compressed-tensors' group
+    layout packs the zero points, which transformers cannot load back): the library decompresses the folder to
+    ffnquant's weight bit for bit, and transformers loads it with that weight."""
     import types
 
     import transformers
@@ -207,18 +207,22 @@ def test_asymmetric_4bit_groups_are_written_right_but_transformers_cannot_load_t
         linear.weight.copy_(deq)
     mq = ModuleQuant(module=name, layer="L0", index=0, weight="w_down", site="hidden", recipe="w4a16-g32-asym",
                      scheme=scheme, grid=grid, input_mode=None, input_range=None)
-    planned = PlannedModel(info=types.SimpleNamespace(path=str(llama)), plan=None, model=model, float_model=model,
-                           modules=[mq], evals=[], reference={})
+    planned = PlannedModel(info=types.SimpleNamespace(path=str(llama), weights_format="pickle"), plan=None,
+                           model=model, float_model=model, modules=[mq], evals=[], reference={})
     out = tmp_path / "asym"
     out.mkdir()
-    written = ctensors.write_folder(planned, out)
-    assert written["compression_format"] == "pack-quantized"
+    ctensors.write_folder(planned, out)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = config["config_groups"].values()
+    assert group["weights"]["strategy"] == "block" and group["weights"]["block_structure"] == [1, 32]
+    zero_point = ctensors._safetensors_reader(out)[1](name + ".weight_zero_point")
+    assert tuple(zero_point.shape) == tuple(grid.scale.shape)  # unpacked: [out, groups]
     # compressed-tensors' q = round(w / s) + z, (q - z) * s is ffnquant's signed grid: the same codes, bit for bit
     assert torch.equal(ctensors.decompressed_weights(out)[name], deq)
-    packed = ctensors._safetensors_reader(out)[1](name + ".weight_zero_point")
-    assert packed.dtype == torch.int32 and tuple(packed.shape) == (grid.scale.shape[0] // 8, grid.scale.shape[1])
-    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
-        transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the loaded model runs ffnquant's weight: the logits of the model that holds it
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 @pytest.mark.hf
@@ -230,12 +234,11 @@ def test_format_candidates_leave_out_what_the_format_refuses_with_its_reason(lla
     recipes, skipped = candidate_recipes("fp32,w8a16,w8a8-dynamic-s8+rotate,w4a16-g32-awq,fp8-e4m3,w4a16-g32",
                                          info.spec)
     kept, left = format_candidates(recipes, skipped, info, "compressed-tensors")
-    assert [str(r) for r in kept] == ["fp32", "w8a16", "fp8-e4m3", "w4a16-g32"]
+    assert [str(r) for r in kept] == ["fp32", "w8a16", "w4a16-g32-awq", "fp8-e4m3", "w4a16-g32"]
     reasons = {s["recipe"]: s["reason"] for s in left}
-    assert set(reasons) == {"w8a8-dynamic-s8+rotate", "w4a16-g32-awq"}
+    assert set(reasons) == {"w8a8-dynamic-s8+rotate"}
     assert reasons["w8a8-dynamic-s8+rotate"] == ctensors.recipe_refusal(Recipe.parse("w8a8-dynamic-s8+rotate"), info.spec)
     assert "block-Hadamard at run time" in reasons["w8a8-dynamic-s8+rotate"]
-    assert "asymmetric 4-bit weights do not load back" in reasons["w4a16-g32-awq"]
     # the ONNX graph writes +rotate and AWQ but has no fp8 kernel
     kept, left = format_candidates(recipes, [], info, "onnx")
     assert [s["recipe"] for s in left] == ["fp8-e4m3"] and "fp8 e4m3" in left[0]["reason"]

@@ -39,8 +39,9 @@ __all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ASYMMETRIC_INT4_MEASUR
 FORMAT_NAME = "compressed-tensors"
 # What this writer stores, said in every refusal.
 SUPPORTED = ("int8 weights per channel with static or per-token int8 activations (w8a8, w8a8-s8, w8a8-dynamic, "
-             "w8a8-dynamic-s8) or float activations (w8a16); symmetric 4-bit group weights whose group divides the "
-             "input width (w4a16-gN, -gptq); fp8 (fp8-e4m3, -pc, -dynamic); +smooth folded into the norms; "
+             "w8a8-dynamic-s8) or float activations (w8a16); 4-bit group weights whose group divides the input "
+             "width (w4a16-gN, -gptq; asymmetric -asym and -awq as blocks [1, group], which transformers loads and "
+             "vLLM does not); fp8 (fp8-e4m3, -pc, -dynamic); +smooth and AWQ's scales folded into the norms; "
              "+float=SITE and fp32 kept float")
 # The issue's bound: the loaded folder's perplexity equals the plan's measured one within this, relative.
 LOAD_TOLERANCE = 1e-3
@@ -49,18 +50,18 @@ _WRITTEN = ("config.json", "generation_config.json", "model.safetensors", "model
 _ROTATE_WHY = ("+rotate multiplies the hidden activation by a block-Hadamard at run time, an operation, not a "
                "weight fold, which a compressed-tensors folder loaded by transformers does not run")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx")
-# Asymmetric 4-bit groups (AWQ, -asym) in compressed-tensors' own layout, pack-quantized with the zero points packed
-# eight to an int32 along the output rows, are what vLLM reads; transformers cannot load them back, so they are
-# refused. Measured with these versions; tests/test_deploy_ctensors.py writes that layout again with the installed
-# pair and fails once it loads, so the refusal is lifted when the libraries are.
+# Asymmetric 4-bit groups (AWQ, -asym): compressed-tensors' group layout ("pack-quantized" with the zero points
+# packed eight to an int32 along the output rows, what vLLM reads) does not load back in transformers, whose
+# from_pretrained compresses its empty model before loading without packing them. The one layout that loads is
+# the same codes in blocks of one row by a group (strategy "block", zero points unpacked, [out, groups]): that is
+# what this writer stores (tests/test_deploy_ctensors.py loads it). vLLM takes 4-bit weights as group or channel
+# only, so such a folder serves in transformers, not vLLM. Asymmetric per-channel 4-bit has no loading layout.
 ASYMMETRIC_INT4_MEASURED = {"compressed-tensors": "0.20.1", "transformers": "5.24.0"}
 ASYMMETRIC_INT4_WHY = (
-    "asymmetric 4-bit weights do not load back: compressed-tensors {compressed-tensors} writes them pack-quantized "
-    "with weight_zero_point packed eight to an int32 along the output rows ([out/8, groups]), while transformers "
-    "{transformers}'s from_pretrained compresses its empty model before loading without packing it ([out, groups]) "
-    "and stops with RuntimeError (weight_zero_point MISMATCH, ignore_mismatched_sizes=False); the one variant that "
-    "loads (strategy block [1, group], zero points unpacked) is not a layout vLLM takes for 4-bit weights (group or "
-    "channel only)").format_map(ASYMMETRIC_INT4_MEASURED)
+    "asymmetric 4-bit per-channel weights do not load back: compressed-tensors {compressed-tensors} packs "
+    "weight_zero_point eight to an int32 ([out/8, 1]), which transformers {transformers}'s from_pretrained builds "
+    "unpacked and stops on (weight_zero_point MISMATCH); asymmetric groups are written as blocks [1, group], "
+    "which load").format_map(ASYMMETRIC_INT4_MEASURED)
 
 
 def ctensors_available() -> tuple[bool, str]:
@@ -93,7 +94,8 @@ def recipe_refusal(recipe: Any, spec: Any) -> str | None:
         why = "HQQ fits float zero points; compressed-tensors stores integer zero points"
     elif scheme.outlier_threshold is not None or scheme.no_reference_reason is not None:
         why = "a runtime-only format without ffnquant reference numerics"
-    elif scheme.weight_dtype is WeightDType.INT4 and not scheme.weight_symmetric:
+    elif scheme.weight_dtype is WeightDType.INT4 and not scheme.weight_symmetric and \
+            scheme.weight_granularity is not Granularity.PER_GROUP:
         why = ASYMMETRIC_INT4_WHY
     elif scheme.weight_dtype is WeightDType.INT4 and scheme.weight_granularity is Granularity.PER_GROUP:
         bad = [f"{n} {d}" for n, d in (("d_model", spec.d_model), ("d_ff", spec.d_ff)) if d % scheme.group_size]
@@ -127,6 +129,11 @@ def module_args(mq: ModuleQuant) -> tuple[Any, Any]:
         strategy = {"per_tensor": "tensor", "per_channel": "channel", "per_group": "group"}[g.granularity]
         if g.kind == "fp8":
             weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy)
+        elif strategy == "group" and not g.symmetric:
+            # asymmetric groups as blocks of one row by a group: the one layout of them transformers loads back
+            # (its zero points stored unpacked, [out, groups]; see ASYMMETRIC_INT4_LAYOUT)
+            weights = QuantizationArgs(num_bits=g.bits, type="int", symmetric=False, strategy="block",
+                                       block_structure=[1, g.group_size])
         else:
             weights = QuantizationArgs(num_bits=g.bits, type="int", symmetric=g.symmetric, strategy=strategy,
                                        group_size=g.group_size if strategy == "group" else None)
