@@ -652,6 +652,7 @@ CASES = [
     # --- plans: the plan command's input, and plan files given to quantize / export -----------
     C("plan-bad-target", PLAN + ["--target", "ppl<1%"], "ppl<1%", setup=model()),
     C("plan-unknown-objective", PLAN + ["--objective", "speed"], "speed", setup=model()),
+    C("plan-decode-tokens-negative", PLAN + ["--decode-tokens", "-1"], "decode tokens", setup=model()),
     C("plan-unknown-candidate", PLAN + ["--candidates", "w8a8,w9a9"], "w9a9", setup=model()),
     C("plan-unknown-format", PLAN + ["--format", "gguf"], ("gguf", "onnx, compressed-tensors"), setup=model()),
     C("plan-missing-model", PLAN, ("m", "config.json", "exist")),

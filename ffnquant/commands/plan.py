@@ -20,7 +20,7 @@ __all__ = ["NAME", "HELP", "add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..plan.candidates import CANDIDATE_SETS
-    from ..plan.target import OBJECTIVES, TARGET_FORMS
+    from ..plan.target import DECODE_TOKENS, OBJECTIVES, TARGET_FORMS
 
     parser.add_argument("--model", required=True, metavar="DIR", help="a local Hugging Face causal LM folder (safetensors)")
     parser.add_argument("--target", default="ppl+1%", help=f"what must hold end to end: {TARGET_FORMS.replace('%', '%%')} (default ppl+1%%)")
@@ -29,7 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when not given, latency, or bytes for a model of routed experts (its layers are not one "
                              "FFN the latency table can time)")
     parser.add_argument("--tokens", type=positive_int, default=512,
-                        help="tokens per call the latency table is measured at (default 512)")
+                        help="prompt tokens of the request the latency objective times: one prefill call (default 512)")
+    parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, metavar="N",
+                        help="decode steps of that request, one token each with the KV cache: the objective is the FFN "
+                             f"time of the prefill plus N steps, each measured (default {DECODE_TOKENS}; 0: prefill only)")
     parser.add_argument("--candidates", default="default",
                         help=f"candidate recipes: a set ({', '.join(CANDIDATE_SETS)}) or a comma-separated list (default default)")
     parser.add_argument("--format", default=None, metavar="NAME",
@@ -73,13 +76,14 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.sensitivity import check_plannable
     from ..hf.memory import plan_memory
     from ..plan.source import plan_needs
-    from ..plan.target import Objective, Target
+    from ..plan.target import Objective, Target, Workload
     from ..report.plan import domain_lines, plan_markdown
 
     # every input error before any work: target, objective, model, candidates, texts
     target = Target.parse(args.target)
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)
-    objective = Objective(args.objective or ("bytes" if info.n_experts else "latency"), "ort-cpu", args.tokens)
+    objective = Objective(args.objective or ("bytes" if info.n_experts else "latency"), "ort-cpu",
+                          Workload(args.tokens, args.decode_tokens))
     check_plannable(info, objective)
     export_format = None if args.format is None else get_format(args.format)
     recipes, _ = candidate_recipes(args.candidates, info.spec)

@@ -23,6 +23,13 @@ a row that produced EOS gets the pad token from then on; stop after `new_tokens`
 
 The export goes through torch's dynamo exporter with transformers' DynamicCache built inside a small wrapper
 from flat past tensors (`_Decoder`); it is checked against torch with and without the cache before it is kept.
+
+Attention is exported at opset `DECODER_OPSET` with the kv heads passed to SDPA as they are (`enable_gqa`), so each
+layer's attention is one ONNX `Attention` node reading the cache in place. The decomposed SDPA of older opsets
+copied each layer's whole cache three more times per decode step (kv heads repeated to the query heads for K and
+V, then K transposed), which made a step's cost grow with the context several times faster than attention's
+own two passes over it. Where that export fails or differs from torch, the decomposed graph is written at the
+caller's opset and the parity result says why (`attention`).
 """
 
 from __future__ import annotations
@@ -46,10 +53,13 @@ from torch import nn
 from ..errors import FFNQuantError, first_line
 
 __all__ = ["CacheLayout", "cache_layout", "export_decoder", "is_decoder", "prefill_feed", "greedy_generate",
-           "cached_run", "generation_check", "decode_latency", "float_tolerance", "PAST", "PRESENT"]
+           "cached_run", "generation_check", "decode_latency", "decode_step_tensors", "float_tolerance", "PAST", "PRESENT",
+           "DECODER_OPSET"]
 
 PAST, PRESENT = "past_key_values.{}.{}", "present.{}.{}"
 HEADS = ("logits", "last_hidden")
+# the first opset with the Attention op (onnxruntime's CPU provider runs it with fewer kv heads than query heads)
+DECODER_OPSET = 23
 # onnxruntime-genai's names for the dynamic dims (its builder's graphs); torch names the mask's dim itself
 DIMS = ("batch_size", "sequence_length", "past_sequence_length", "total_sequence_length")
 
@@ -73,6 +83,22 @@ def quiet() -> Iterator[None]:
             yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _native_gqa() -> Iterator[None]:
+    """transformers' switch that hands SDPA the kv heads as they are (`enable_gqa=True`) instead of repeating them
+    to the query heads first (`repeat_kv`, a copy of the whole cache per layer and step); the exporter then writes
+    one Attention node. Read by transformers at each call, so it is set only around the export."""
+    key, old = "TRANSFORMERS_SDPA_FORCE_GQA", os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 @dataclass(frozen=True)
@@ -178,7 +204,24 @@ def export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset: 
     """`model` (a transformers causal LM) as the cached decoder graph of the module docstring at `path`, checked
     on onnxruntime against torch on `ids` (default a random [2, 16] batch): all at once (past 0) against the
     model without a cache, and the first half at once then a token per call against the full logits.
-    FFNQuantError (one line) when the exporter fails or the graph differs (`float_tolerance`); no file then."""
+    Attention as one Attention node per layer (opset `DECODER_OPSET`, or `opset` when higher); where that fails,
+    the decomposed graph at `opset`, `attention` saying why. FFNQuantError (one line) when the exporter fails or
+    the graph differs (`float_tolerance`); no file then."""
+    fast = max(opset, DECODER_OPSET)
+    try:
+        with _native_gqa():
+            parity = _export_decoder(model, info, path, fast, ids)
+        # a model whose attention is not SDPA (eager: soft-capping, ...) exports decomposed at any opset
+        how = "one Attention node per layer" if parity["attention_nodes"] else "decomposed (the model's attention is not SDPA)"
+        return {**parity, "opset": fast, "attention": how}
+    except FFNQuantError as exc:
+        why = str(exc)
+    parity = _export_decoder(model, info, path, opset, ids)
+    return {**parity, "opset": opset, "attention": f"decomposed SDPA: the opset {fast} export failed: {why}"}
+
+
+def _export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset: int,
+                    ids: torch.Tensor | None) -> dict[str, Any]:
     import onnx
 
     from ..atomic import atomic_path
@@ -210,12 +253,13 @@ def export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset: 
     onnx.helper.set_model_props(proto, {"ffnquant_graph": "fp32", "model_type": info.model_type,
                                         "exporter": "torch.onnx dynamo", "kv_cache": f"{PAST} -> {PRESENT}"})
     onnx.checker.check_model(proto, full_check=True)
+    attention_nodes = sum(n.op_type == "Attention" for n in proto.graph.node)
     if ids is None:
         ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
     with atomic_path(path) as tmp:  # checked before it takes the name: a failed parity leaves no file
         onnx.save_model(proto, str(tmp))
         del proto
-        parity = _parity(model, info, tmp, ids)
+        parity = {**_parity(model, info, tmp, ids), "attention_nodes": attention_nodes}
         if not parity["passed"]:
             worst = max(parity["compared"], key=lambda k: parity[k]["max_abs_error"] / parity[k]["tolerance"])
             raise FFNQuantError(f"{path}: the fp32 decoder's {worst} differs from torch by "
@@ -394,3 +438,31 @@ def decode_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike,
         row["speedup"] = row["float"]["p50_ms"] / row["quantized"]["p50_ms"]
         out["contexts"][str(n)] = row
     return out
+
+
+def decode_step_tensors(path: str | os.PathLike, past: int, folder: str | os.PathLike) -> list[dict[str, Any]]:
+    """What one decode step computes: each node onnxruntime ran (after its graph optimizations) for one new token on
+    a past of `past` tokens, batch 1, with its outputs' shapes, read from onnxruntime's profiler (the trace file
+    goes to `folder` and is removed). A structural view of the step, not a timing: [{node, op, shapes}]."""
+    import json
+
+    import onnxruntime as ort
+
+    from ..onnxquant import ort_session
+
+    plain = ort_session(path, threads=1)
+    vocab = plain.get_outputs()[0].shape[-1]
+    ids = np.random.default_rng(0).integers(0, vocab if isinstance(vocab, int) and vocab > 1 else 2, (1, past + 1))
+    pasts = _step(plain, prefill_feed(plain, ids[:, :past]))[2] if past else _empty_pasts(plain, 1)
+    opts = ort.SessionOptions()
+    opts.log_severity_level, opts.intra_op_num_threads, opts.enable_profiling = 3, 1, True
+    opts.profile_file_prefix = str(Path(folder) / "decode-step")
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    session.run(None, {"input_ids": ids[:, past:], "attention_mask": np.ones((1, past + 1), np.int64),
+                       "position_ids": np.array([[past]], np.int64), **pasts})
+    trace = Path(session.end_profiling())
+    events = json.loads(trace.read_text())
+    trace.unlink()
+    return [{"node": e["name"][: -len("_kernel_time")], "op": e["args"].get("op_name"),
+             "shapes": [next(iter(o.values())) for o in e["args"].get("output_type_shape", [])]}
+            for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]

@@ -397,6 +397,7 @@ def write_model_graph(planned: Any, folder: str | os.PathLike, *, opset: int = D
     try:
         parity = export_decoder(planned.float_model, planned.info, fp32, opset, ids)
         export = export_decoder
+        decoder["attention"] = f"{parity['attention']}, opset {parity['opset']}"
     except FFNQuantError as exc:  # the prefill graph as before, with the reason
         decoder = {"status": "refused", "reason": str(exc)}
         parity, export = _export(planned.float_model, planned.info, fp32, opset, ids), _export

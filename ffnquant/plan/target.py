@@ -10,12 +10,15 @@ from typing import Any, Mapping
 from ..errors import FFNQuantError, unknown_choice
 from ..render import ppl_change
 
-__all__ = ["Target", "Objective", "OBJECTIVES", "METRICS", "TARGET_FORMS"]
+__all__ = ["Target", "Objective", "Workload", "OBJECTIVES", "METRICS", "TARGET_FORMS", "DECODE_TOKENS"]
 
 TARGET_FORMS = ("ppl+P% (perplexity at most P% above the float model's), kld<=X (mean next-token KL divergence "
                 "from the float model, nats), top1>=Y% (share of tokens whose most likely next token is the float "
                 "model's) or sqnr>=DB (final hidden state SQNR)")
 OBJECTIVES = ("latency", "bytes")
+# decode steps per request the latency objective counts by default: a short chat reply to a 512-token prompt;
+# on a CPU each step reads every weight, so at this count decode is most of a request's FFN time
+DECODE_TOKENS = 128
 METRICS = ("ppl", "kld", "top1", "sqnr")
 
 # Top-1 disagreement grows about as the square root of the KL divergence for small perturbations (a token flips
@@ -183,13 +186,42 @@ def _number(text: str, whole: str) -> float:
         raise FFNQuantError(f"target {whole!r}: {text!r} is not a number; the forms are {TARGET_FORMS}") from None
 
 
+def _count(value: Any, what: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise FFNQuantError(f"objective {what} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The request the latency objective times: a prompt of `prompt` tokens in one call (the prefill), then
+    `decode` steps of one token each with the KV cache. Its cost is prefill time + `decode` x one step's time,
+    so a candidate fast on long prompts but slow per token (per-token dynamic int8 on a CPU) is costed as served."""
+
+    prompt: int = 512
+    decode: int = DECODE_TOKENS
+
+    def __post_init__(self) -> None:
+        _count(self.prompt, "prompt tokens", 1)
+        _count(self.decode, "decode tokens", 0)
+
+    def cost(self, prefill_ms: float, decode_ms: float) -> float:
+        """The request's time from a prefill's and one decode step's."""
+        return float(prefill_ms) + self.decode * float(decode_ms)
+
+    @property
+    def name(self) -> str:
+        return f"a {self.prompt}-token prefill + {self.decode} decode steps"
+
+
 @dataclass(frozen=True)
 class Objective:
-    """What the plan makes cheapest: `latency` (FFN stack time on `runtime`, measured) or `bytes` (stored weights)."""
+    """What the plan makes cheapest: `latency` (FFN stack time on `runtime`, measured, of the `tokens` workload) or
+    `bytes` (stored weights). `tokens`: a Workload, or a prompt length (with `DECODE_TOKENS` decode steps)."""
 
     kind: str = "latency"
     runtime: str = "ort-cpu"
-    tokens: int = 512
+    tokens: Workload = Workload()
 
     def __post_init__(self) -> None:
         if self.kind not in OBJECTIVES:
@@ -197,9 +229,9 @@ class Objective:
         if self.runtime != "ort-cpu":
             # the latency table times ffnquant's ONNX artifacts; only the CPU provider runs them on this machine
             raise unknown_choice("plan runtime", self.runtime, ("ort-cpu",))
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens <= 0:
-            raise FFNQuantError(f"objective tokens must be a positive integer, got {self.tokens!r}")
+        if not isinstance(self.tokens, Workload):
+            object.__setattr__(self, "tokens", Workload(_count(self.tokens, "tokens", 1)))
 
     @property
     def name(self) -> str:
-        return f"latency on {self.runtime} at {self.tokens} tokens" if self.kind == "latency" else "weight bytes"
+        return f"latency on {self.runtime} of {self.tokens.name}" if self.kind == "latency" else "weight bytes"

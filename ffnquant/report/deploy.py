@@ -223,6 +223,8 @@ def _decoder_lines(decoder: dict[str, Any], cached: dict[str, Any] | None) -> li
         return [f"- no KV cache: the graph is the prefill graph (`input_ids` -> `logits`, `last_hidden`); "
                 f"{decoder.get('reason')}"]
     lines = [f"- a decoder with a KV cache ({decoder.get('layout')}): one graph for prefill and decode"]
+    if decoder.get("attention"):
+        lines.append(f"- attention: {decoder['attention']}")
     gen = decoder.get("generation")
     if gen:
         lines.append(f"- greedy generation of the fp32 graph ({gen['provider']}) against transformers' "

@@ -101,9 +101,10 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     if data.get("latency_table"):
         lines += ["", f"## Latency table (one FFN at the model's shape, onnxruntime CPU, {data['plan']['objective']})", ""]
         lines.append(markdown_table(
-            ["recipe", "p10 ms", "p50 ms", "p90 ms", "artifact", "ONNX SQNR dB", "note"],
-            [(k, v.get("p10_ms"), v.get("p50_ms"), v.get("p90_ms"), v.get("kind", "-"), v.get("onnx_sqnr_db"),
-              v.get("reason", "")) for k, v in data["latency_table"].items()]))
+            ["recipe", "request p10 ms", "request p50 ms", "request p90 ms", "prefill p50 ms", "decode step p50 ms",
+             "artifact", "ONNX SQNR dB", "note"],
+            [(k, v.get("p10_ms"), v.get("p50_ms"), v.get("p90_ms"), v.get("prefill_ms"), v.get("decode_ms"),
+              v.get("kind", "-"), v.get("onnx_sqnr_db"), v.get("reason", "")) for k, v in data["latency_table"].items()]))
     fit = data["probe_fit"]
     if fit:
         lines += ["", "## How good the prediction is: probes measured against predicted", "",
