@@ -159,7 +159,7 @@ def _markdown(doc: dict) -> str:
     lines = [f"# CPU decode latency with a KV cache: {doc['model']}", "",
              f"Command: `{doc['command']}`", "",
              f"Machine: {env.get('cpu')}, {env.get('cpu_count')} logical CPUs, {env.get('platform')}; python "
-             f"{env.get('python')}; " + ", ".join(f"{k} {pk[k]}" for k in ("torch", "transformers", "onnx", "onnxruntime",
+             f"{env.get('python')}; " + ", ".join(f"{k} {pk[k]}" for k in ("torch", "transformers", "onnx", "onnxruntime", "onnxruntime-gpu",
                                                                            "onnxruntime-genai") if pk.get(k)) +
              f"; {doc['threads']}; measured {env.get('timestamp_utc')}.", "",
              f"onnxruntime's CPU provider, batch 1. Decode: one new token on the graph's own past of N - 1 tokens; "
