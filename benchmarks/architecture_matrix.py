@@ -5,7 +5,8 @@ each command wrote or refused.
 
 Per type: `model inspect`; `profile --model`; `quantize --model` (the model resident) and `quantize --model
 --sequential` (read a decoder layer at a time, or the refusal); `model eval`; `plan` (ppl+5% over four
-candidates); `export --format compressed-tensors` and `--format onnx` of that plan (proven, or the refusal).
+candidates); `export --format compressed-tensors` (proven, or the refusal) and `--format onnx` of that plan (the
+whole-model graph, and whether it is a decoder with a KV cache whose greedy generation equals transformers').
 
 Usage:
   PYTHONPATH=.:tests python benchmarks/architecture_matrix.py --out reports/architecture-matrix
@@ -92,7 +93,16 @@ def one_type(model_type: str, folder: Path, work: Path) -> dict:
                 return "proven" if doc["proof"]["proven"] else "NOT proven"
             graph = doc.get("graph") or {}
             reason = str(graph.get("reason") or "").replace(str(folder), folder.name)
-            return f"graph {graph.get('status')}" + (f" ({reason})" if reason else "")
+            text = f"graph {graph.get('status')}" + (f" ({reason})" if reason else "")
+            decoder = graph.get("decoder") or {}
+            if decoder.get("status") == "ok":
+                gen = decoder.get("generation") or {}
+                text += (f"; decoder with KV cache ({decoder.get('attention')}), greedy generation "
+                         f"{'equals' if gen.get('equal') else 'DIFFERS from'} transformers' on {gen.get('prompts')} "
+                         f"prompts x {gen.get('new_tokens')} tokens")
+            elif decoder:
+                text += f"; prefill graph only: {str(decoder.get('reason', ''))[:120]}"
+            return text
 
         if rc != 0:
             row[f"export {fmt}"] = {"rc": None, "result": "no plan"}
