@@ -389,6 +389,26 @@ def generation_check(model: nn.Module, session: Any, prompts: Sequence[Sequence[
             "provider": session.get_providers()[0]}
 
 
+def interleaved_times(sessions: dict[str, Any], feeds: dict[int, dict[str, Any]], *, warmup: int, rounds: int,
+                      per_round: int) -> dict[tuple[str, int], list[float]]:
+    """Seconds per `session.run` of each (session, feed) pair, timed side by side: after `warmup` untimed runs of
+    each (first runs allocate and pick kernels), `rounds` rounds that each run every session on every feed
+    `per_round` times, so drift on a shared machine falls on all of them alike."""
+    times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in sessions for n in feeds}
+    for session in sessions.values():
+        for feed in feeds.values():
+            for _ in range(warmup):
+                session.run(None, feed)
+    for _ in range(rounds):
+        for n, feed in feeds.items():
+            for key, session in sessions.items():
+                for _ in range(per_round):
+                    t0 = time.perf_counter()
+                    session.run(None, feed)
+                    times[key, n].append(time.perf_counter() - t0)
+    return times
+
+
 def decode_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, contexts: Sequence[int] = (128, 1024),
                    rounds: int = 5, per_round: int = 3, warmup: int = 1, threads: int | None = None,
                    seed: int = 0) -> dict[str, Any]:
@@ -415,18 +435,7 @@ def decode_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike,
             _step(sessions["float"], prefill_feed(sessions["float"], ids[:, :past]))[2]
         feeds[n] = {"input_ids": ids[:, past:], "attention_mask": np.ones((1, n), np.int64),
                     "position_ids": np.array([[past]], np.int64), **pasts}
-    times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in sessions for n in contexts}
-    for session in sessions.values():  # first runs allocate and pick kernels
-        for n in contexts:
-            for _ in range(warmup):
-                session.run(None, feeds[n])
-    for _ in range(rounds):
-        for n in contexts:
-            for key, session in sessions.items():
-                for _ in range(per_round):
-                    t0 = time.perf_counter()
-                    session.run(None, feeds[n])
-                    times[key, n].append(time.perf_counter() - t0)
+    times = interleaved_times(sessions, feeds, warmup=warmup, rounds=rounds, per_round=per_round)
     out: dict[str, Any] = {"provider": sessions["quantized"].get_providers()[0], "threads": threads or "onnxruntime default",
                            "rounds": rounds, "per_round": per_round, "batch": 1, "new_tokens": 1, "contexts": {}}
     for n in contexts:

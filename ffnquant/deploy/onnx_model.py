@@ -26,7 +26,6 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -308,7 +307,7 @@ def graph_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, 
     p10/p50/p90 ms and the speedup (fp32 p50 / quantized p50). Cheap by default; ask for more rounds to publish."""
     from ..latency import latency_stats
     from ..onnxquant import ort_session
-    from .onnx_decoder import prefill_feed
+    from .onnx_decoder import interleaved_times, prefill_feed
 
     if rounds < 1 or per_round < 1 or warmup < 0 or not tokens or min(tokens) < 1:
         raise FFNQuantError("graph_latency needs rounds >= 1, per_round >= 1, warmup >= 0 and token counts >= 1")
@@ -317,18 +316,7 @@ def graph_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, 
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else 2
     rng = np.random.default_rng(seed)
     inputs = {n: prefill_feed(sessions["float"], rng.integers(0, vocab, (1, n), dtype=np.int64)) for n in tokens}
-    times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in sessions for n in tokens}
-    for session in sessions.values():  # first runs allocate and pick kernels
-        for n in tokens:
-            for _ in range(warmup):
-                session.run(None, inputs[n])
-    for _ in range(rounds):
-        for n in tokens:
-            for key, session in sessions.items():
-                for _ in range(per_round):
-                    t0 = time.perf_counter()
-                    session.run(None, inputs[n])
-                    times[key, n].append(time.perf_counter() - t0)
+    times = interleaved_times(sessions, inputs, warmup=warmup, rounds=rounds, per_round=per_round)
     out: dict[str, Any] = {"provider": sessions["quantized"].get_providers()[0], "threads": threads or "onnxruntime default",
                            "rounds": rounds, "per_round": per_round, "batch": 1, "tokens": {}}
     for n in tokens:
