@@ -183,28 +183,8 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
             if progress is not None:
                 progress(f"layers: L{j}", j + 1, info.n_layers)
         t_e2e = time.perf_counter() - e2e_seconds
-        nll_base, nll_all, hidden_all, agreement = _NLL(), _NLL(), ErrorStats(), Agreement()
-        abl_hidden = {i: ErrorStats() for i in ablation}
-        abl_nll = {i: _NLL() for i in ablation}
-        for b, ids in enumerate(eval_ids):
-            ref_hidden, logits = model.head_out(float_eval.get(b))
-            nll_base.update(logits, ids)
-            ref = reference_batch(logits, ids)
-            del logits  # a batch's logits at a time: [tokens, vocabulary] each
-            hidden, logits = model.head_out(quant.get(b))
-            hidden_all.update(ref_hidden, hidden)
-            nll_all.update(logits, ids)
-            agreement.update(ref, logits, ids)
-            for i, store in ablation.items():
-                hidden, logits = model.head_out(store.get(b))
-                abl_hidden[i].update(ref_hidden, hidden)
-                abl_nll[i].update(logits, ids)
-            if progress is not None:
-                progress(f"end to end: batch {b + 1}/{len(eval_ids)}", b + 1, len(eval_ids))
-    baseline = {"perplexity": nll_base.perplexity, "n_tokens": sum(int(b.numel()) for b in eval_ids)}
-    e2e = {"status": "ok", "reason": None, "evaluation_text": ev_name,
-           **end_to_end_figures(baseline, hidden_all, nll_all, {i: (abl_hidden[i], abl_nll[i]) for i in ablation},
-                                 agreement),
+        figures = _head_figures(model, eval_ids, float_eval, quant, ablation, progress=progress)
+    e2e = {"status": "ok", "reason": None, "evaluation_text": ev_name, **figures,
            "seconds": time.perf_counter() - t_e2e}
     texts = LayerInputs({}, {}, cal_name, ev_name, separation, {}, budgets=budgets)
     return model_layers_report(info, recipe, rows, e2e, settings, texts)
@@ -302,6 +282,15 @@ def end_to_end_layerwise(engine: SequentialModel, layers: Sequence[Any], qffns: 
                         per_layer[label].update(by_label[label].ffn(x), qj[label](x))
         if progress is not None:
             progress(f"end to end: L{j}", j + 1, len(engine.layers))
+    return _head_figures(engine, evals, float_s, quant, ablation, baseline, references)
+
+
+def _head_figures(engine: SequentialModel, evals: Sequence[torch.Tensor], float_s: _Store, quant: _Store,
+                  ablation: dict[int, _Store], baseline: dict[str, Any] | None = None,
+                  references: Sequence[Any] | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """The end-to-end figures (`end_to_end_figures`) of streams at the last layer's output, a batch at a time
+    through the model's final norm and head: the quantized stream and each ablation stream against the float
+    stream (or the kept `references`), the float perplexity the `baseline` unless given."""
     nll_base, nll_all, hidden_all, agreement = _NLL(), _NLL(), ErrorStats(), Agreement()
     abl_hidden = {i: ErrorStats() for i in ablation}
     abl_nll = {i: _NLL() for i in ablation}
@@ -312,7 +301,7 @@ def end_to_end_layerwise(engine: SequentialModel, layers: Sequence[Any], qffns: 
             ref_hidden, logits = engine.head_out(float_s.get(b))
             nll_base.update(logits, ids)
             ref = reference_batch(logits, ids, ref_hidden)
-            del logits
+            del logits  # a batch's logits at a time: [tokens, vocabulary] each
         hidden, logits = engine.head_out(quant.get(b))
         hidden_all.update(ref.hidden, hidden)
         nll_all.update(logits, ids)
@@ -321,6 +310,8 @@ def end_to_end_layerwise(engine: SequentialModel, layers: Sequence[Any], qffns: 
             hidden, logits = engine.head_out(store.get(b))
             abl_hidden[i].update(ref.hidden, hidden)
             abl_nll[i].update(logits, ids)
+        if progress is not None:
+            progress(f"end to end: batch {b + 1}/{len(evals)}", b + 1, len(evals))
     if baseline is None:
         baseline = {"perplexity": nll_base.perplexity, "n_tokens": sum(int(b.numel()) for b in evals)}
     return end_to_end_figures(dict(baseline), hidden_all, nll_all,
