@@ -278,17 +278,23 @@ def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[
             "cached_logits": _torch_steps(model, ids, split)}
     logits, hidden = session.run(list(HEADS), prefill_feed(session, ids))
     got = {"logits": logits, "last_hidden": hidden, "cached_logits": cached_run(session, ids, split)[0].numpy()}
+    return {"shape": list(ids.shape), "cached_split": split, "provider": session.get_providers()[0],
+            "compared": list(refs), **compare_outputs(path, info, got, {k: v.numpy() for k, v in refs.items()})}
+
+
+def compare_outputs(path: Any, info: Any, got: dict[str, np.ndarray], refs: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Each output of a graph against torch's: {name: max abs error, the reference's absmax, the float32 tolerance
+    (`float_tolerance`)} and `passed`. A shape that differs is a one-line FFNQuantError naming `path`."""
     width = max(info.spec.d_model, info.spec.d_ff)
-    result = {"shape": list(ids.shape), "cached_split": split, "provider": session.get_providers()[0], "passed": True,
-              "compared": list(refs)}
+    out: dict[str, Any] = {"passed": True}
     for name, ref in refs.items():
-        ref, g = ref.numpy(), got[name]
+        g = got[name]
         if g.shape != ref.shape:
             raise FFNQuantError(f"{path}: {name} has shape {g.shape} on onnxruntime, {ref.shape} in torch")
         err, tol = float(np.abs(g - ref).max()), float_tolerance(np.abs(ref).max(), info.n_layers, width)
-        result[name] = {"max_abs_error": err, "ref_absmax": float(np.abs(ref).max()), "tolerance": tol}
-        result["passed"] &= err <= tol
-    return result
+        out[name] = {"max_abs_error": err, "ref_absmax": float(np.abs(ref).max()), "tolerance": tol}
+        out["passed"] &= err <= tol
+    return out
 
 
 # --- running the graph -------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..errors import FFNQuantError, first_line
 from ..export import DEFAULT_OPSET
-from .onnx_decoder import float_tolerance, quiet
+from .onnx_decoder import compare_outputs, float_tolerance, quiet
 from .onnx_rewrite import module_kind, quantize_graph
 from ..atomic import ScratchFolder
 
@@ -174,15 +174,8 @@ def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[
     got = session.run(list(OUTPUTS), {"input_ids": ids.numpy().astype(np.int64)})
     with torch.no_grad():
         ref = [t.float().numpy() for t in _Prefill(model)(ids)]
-    width = max(info.spec.d_model, info.spec.d_ff)
-    out = {"shape": list(ids.shape), "provider": session.get_providers()[0], "passed": True}
-    for name, g, r in zip(OUTPUTS, got, ref):
-        if g.shape != r.shape:
-            raise FFNQuantError(f"{path}: {name} has shape {g.shape} on onnxruntime, {r.shape} in torch")
-        err, tol = float(np.abs(g - r).max()), float_tolerance(np.abs(r).max(), info.n_layers, width)
-        out[name] = {"max_abs_error": err, "ref_absmax": float(np.abs(r).max()), "tolerance": tol}
-        out["passed"] &= err <= tol
-    return out
+    return {"shape": list(ids.shape), "provider": session.get_providers()[0],
+            **compare_outputs(path, info, dict(zip(OUTPUTS, got)), dict(zip(OUTPUTS, ref)))}
 
 
 def _export(model: nn.Module, info: Any, path: str | os.PathLike, opset: int, ids: torch.Tensor | None) -> dict[str, Any]:
