@@ -367,25 +367,25 @@ def llama_bf16(llama, tmp_path_factory):
 @pytest.mark.hf
 @pytest.mark.parametrize("recipes", [{0: "w8a16", 1: "fp32"}, {0: "w8a8@search+smooth", 1: "w4a16-g32"}],
                          ids=["one-layer-quantized", "smoothed-norm"])
-def test_a_bf16_checkpoint_keeps_its_float_parts_in_bf16_and_the_folder_is_smaller(llama_bf16, tmp_path, recipes,
-                                                                                  capsys):
-    """The float parts are stored in the source's bf16 where that is lossless (their values came from it), so a
-    plan that quantizes one layer gives a folder smaller than the source; a norm that took a smoothing scale is
-    not a bf16 value and stays float32, listed. The proof, which loads the folder in float32, holds as before."""
+def test_a_bf16_checkpoint_computed_in_float32_keeps_its_float_parts_in_bf16(llama_bf16, tmp_path, recipes, capsys):
+    """With --compute-dtype float32, the float parts are stored in the source's bf16 where that is lossless (their
+    values came from it), so a plan that quantizes one layer gives a folder smaller than the source; a norm that
+    took a smoothing scale is not a bf16 value and stays float32, listed. The proof loads the folder in float32."""
     from safetensors import safe_open
 
     from ffnquant.deploy.ctensors import folder_bytes
 
     plan = _plan(llama_bf16, tmp_path, recipes)
     assert main(["export", "--model", str(llama_bf16), "--plan", str(plan), "--format", "compressed-tensors",
-                 *_TOKENS, "--out", str(tmp_path / "ct"), "--no-progress"]) == 0
+                 *_TOKENS, "--compute-dtype", "float32", "--out", str(tmp_path / "ct"), "--no-progress"]) == 0
     capsys.readouterr()
     doc = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())
     assert doc["proof"]["proven"] and doc["proof"]["weights"]["all_identical"]
+    assert doc["proof"]["load"]["compute_dtype"] == "float32"
     written = doc["written"]["float_dtype"]
-    assert written["source"] == "bfloat16" and written["converted"] > 0
+    assert written["source"] == "bfloat16" and written["compute"] == "float32" and written["converted"] > 0
     smoothed = any("smooth" in r for r in recipes.values())
-    assert bool(written["kept_float32"]) == smoothed
+    assert bool(written["kept_float32"]) == smoothed and not written["rounded"]
     assert all("norm" in name for name in written["kept_float32"])  # only the norms that took the scale
     config = json.loads((tmp_path / "ct" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16"
@@ -393,3 +393,81 @@ def test_a_bf16_checkpoint_keeps_its_float_parts_in_bf16_and_the_folder_is_small
         dtypes = {k: str(fh.get_slice(k).get_dtype()) for k in fh.keys()}
     assert dtypes["model.embed_tokens.weight"] == "BF16" and dtypes["model.layers.1.self_attn.q_proj.weight"] == "BF16"
     assert folder_bytes(tmp_path / "ct") < folder_bytes(llama_bf16)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("recipes", [
+    {0: "w8a8@search+smooth+float=hidden", 1: "w4a16-g32"},
+    {0: "w8a8-dynamic-s8", 1: "w8a16"},
+    {0: "fp8-e4m3", 1: "w4a16-g32-gptq"},
+    {0: "w4a16-g32-awq", 1: "fp32"},
+], ids=["static-smooth+w4", "per-token+w8a16", "fp8+gptq", "awq-asym+float"])
+def test_a_bf16_checkpoint_is_computed_in_bf16_and_the_loaded_folder_is_that_computation(llama_bf16, tmp_path,
+                                                                                         recipes, capsys):
+    """By default a bf16 checkpoint's folder is what a bf16 runtime computes: the reference runs the model in
+    bf16 with each quantized FFN's scales rounded to bf16 and compressed-tensors' own input quantizers, so the
+    folder loaded by transformers in bf16 gives every FFN's output bit for bit on the same inputs; every tensor
+    (scales included: they are bf16 values) is stored in bf16, a folded norm rounded as the runtime rounds it."""
+    from safetensors import safe_open
+
+    from ffnquant.deploy.ctensors import folder_bytes
+
+    plan = _plan(llama_bf16, tmp_path, recipes)
+    assert main(["export", "--model", str(llama_bf16), "--plan", str(plan), "--format", "compressed-tensors",
+                 *_TOKENS, "--out", str(tmp_path / "ct"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())
+    proof = doc["proof"]
+    assert proof["proven"], out
+    assert proof["load"]["compute_dtype"] == "bfloat16" and "(bfloat16)" in proof["load"]["loaded_with"]
+    assert proof["weights"]["all_identical"]
+    assert proof["layers"]["bit_identical"] == proof["layers"]["layers"] == 2  # the runtime's computation, exactly
+    assert proof["load"]["allowance"]["step"] == 2.0 ** -7  # bf16's rounding step moves the allowance runs
+    generation = proof["generation"]  # transformers' KV-cache generation of the folder against the reference
+    assert generation["prompts"] == 4 and generation["with_cache"]
+    if not any("smooth" in r or "awq" in r for r in recipes.values()):  # nothing folded: the same computation
+        assert generation["all_equal"]
+    written = doc["written"]["float_dtype"]
+    assert (written["source"], written["stored"], written["compute"]) == ("bfloat16",) * 3
+    assert not written["kept_float32"]
+    assert all("norm" in name for name in written["rounded"])
+    assert bool(written["rounded"]) == any("smooth" in r or "awq" in r for r in recipes.values())
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as fh:
+        dtypes = {k: str(fh.get_slice(k).get_dtype()) for k in fh.keys()}
+    floats = {k: v for k, v in dtypes.items() if v in ("F32", "F16", "BF16", "F64")}
+    assert floats and set(floats.values()) == {"BF16"}, floats
+    assert any(k.endswith("weight_scale") for k in floats)
+    assert folder_bytes(tmp_path / "ct") < folder_bytes(llama_bf16)
+    assert "Computed in bfloat16" in (tmp_path / "ct" / "ffnquant-deploy.md").read_text()
+
+
+@pytest.mark.hf
+def test_an_onnx_export_computed_in_bf16_is_refused_in_one_line(llama_bf16, tmp_path, capsys):
+    plan = _plan(llama_bf16, tmp_path, {0: "w8a16", 1: "fp32"})
+    assert main(["export", "--model", str(llama_bf16), "--plan", str(plan), "--format", "onnx", "--compute-dtype",
+                 "bf16", "--out", str(tmp_path / "o"), *_TOKENS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("ffnquant export: error: compute dtype bfloat16: the onnx graph computes in float32; valid for "
+                   "onnx: auto, float32")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.hf
+def test_a_plan_for_a_bf16_checkpoint_is_verified_in_bf16_and_its_export_measures_that(llama_bf16, tmp_path, capsys):
+    """plan --format compressed-tensors on a bf16 checkpoint verifies its rounds in bf16, the runtime's dtype (the
+    float figures too: the float model in bf16), and says so in plan.toml; exporting the plan computes the
+    reference the same way, and the loaded folder reproduces it."""
+    from ffnquant.plan import load_plan
+
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", str(llama_bf16), "--candidates", "fp32,w8a16,w8a8-dynamic-s8", "--format",
+                 "compressed-tensors", "--out", str(out), *_PLAN_SMALL]) == 0
+    capsys.readouterr()
+    data = json.loads((out / "plan.json").read_text())
+    assert data["verified_in"] == "bfloat16" and "low_precision_baseline_s" in data["timings"]
+    plan = load_plan(out / "plan.toml")
+    assert plan.summary["verified_in"] == "bfloat16"
+    assert main(["export", "--model", str(llama_bf16), "--plan", str(out / "plan.toml"), "--format",
+                 "compressed-tensors", "--out", str(tmp_path / "ct"), *_TOKENS, "--no-progress"]) == 0
+    doc = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())
+    assert doc["proof"]["proven"] and doc["proof"]["load"]["compute_dtype"] == "bfloat16"

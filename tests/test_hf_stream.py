@@ -100,6 +100,38 @@ def test_engine_quantize_equals_the_whole_forward_report(tiny, tmp_path, name, l
     assert list(tmp_path.iterdir()) == []  # the spilled hidden states are gone
 
 
+@pytest.mark.parametrize("name, resident", [("llama", False), ("gemma", False), ("phi3", False), ("gpt2", True)],
+                         ids=["llama", "gemma", "phi3-fused", "gpt2-resident"])
+def test_a_bf16_engine_computes_what_transformers_computes_in_bf16(tiny, name, resident):
+    """The engine computing in bf16, as a runtime serves a bf16 checkpoint: every FFN gets, bit for bit, the input
+    transformers' whole forward in bf16 gives it (captured as float32 values), and the logits are the same; the
+    checks on each layer pass, as they run on a float32 copy of it."""
+    from ffnquant.hf import inspect_model, load_ffn_layers
+    from ffnquant.hf.capture import ffn_input_hooks, load_hf_model
+    from ffnquant.hf.stream import SequentialModel, _Store
+
+    info = inspect_model(tiny[name])
+    engine = SequentialModel(info, resident=resident, dtype=torch.bfloat16)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    store = _Store(None, "text")
+    calls = engine.embed([ids], store)
+    layers = load_ffn_layers(info, "all")
+    captured: dict = {}
+    for j in range(len(engine.layers)):
+        with engine.layer(j):
+            engine.check(j, store, calls, [layer for layer in layers if layer.index == j])
+            engine.run(j, store, calls, capture=captured)
+    _, logits = engine.head_out(store.get(0))
+    model = load_hf_model(info, dtype=torch.bfloat16)
+    whole: dict = {}
+    with torch.no_grad(), ffn_input_hooks(model, info, list(info.layers), lambda l, x: whole.setdefault(l.label, x)):
+        want = model(ids).logits
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, want)
+    assert set(captured) == set(whole) and whole
+    for label, x in whole.items():
+        assert captured[label][0].dtype == torch.float32 and torch.equal(captured[label][0], x), label
+
+
 def test_only_one_decoder_layer_is_ever_in_memory(tiny):
     from ffnquant.hf import inspect_model
     from ffnquant.hf.stream import SequentialModel, _Store
@@ -128,8 +160,9 @@ def test_only_one_decoder_layer_is_ever_in_memory(tiny):
 
 
 def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatch):
-    """A tensor over `_READ_BYTES` is read in row chunks into its float32 copy: the values `get().float()` gives,
-    whatever the checkpoint's dtype; and a model read so streams to the in-memory path's ranges."""
+    """A tensor over `_READ_BYTES` is read in row chunks into its copy in the engine's dtype: the values
+    `get().to(dtype)` gives, whatever the checkpoint's dtype; and a model read so streams to the in-memory path's
+    ranges."""
     from safetensors.torch import save_file
 
     from ffnquant.hf import calibrate_model, inspect_model, stream
@@ -144,8 +177,9 @@ def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(stream, "_READ_BYTES", 64)  # 2 rows of bf16 a read, 32 elements of the flat one
     weights = _Weights(tmp_path, False)
     for name, t in tensors.items():
-        got = stream._read_float32(weights, name)
-        assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, t.float()), name
+        for dtype in (torch.float32, torch.bfloat16):
+            got = stream._read(weights, name, dtype)
+            assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, t.to(dtype)), (name, dtype)
     monkeypatch.setattr(stream, "_READ_BYTES", 256)  # the tiny llama's embedding and matrices read in chunks
     info = inspect_model(tiny["llama"])
     _, tables = calibrate_model(info, settings=_settings())

@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--format", default=None, metavar="NAME",
                        help="onnx (default: per-layer artifacts, manifest.json and the whole-model graph) or "
                             "compressed-tensors (a Hugging Face folder transformers and vLLM load)")
+    group.add_argument("--compute-dtype", default="auto", metavar="NAME",
+                       help="what the deployed model computes in, which the reference and the proof use: float32, "
+                            "bfloat16 or float16; auto is the checkpoint's own dtype for compressed-tensors (a bf16 "
+                            "checkpoint is served in bf16) and float32 for onnx (default auto)")
     group.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export (only the files its ffnquant-deploy.json lists)")
     group.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     add_text_arguments(group, "calibration text for the static ranges (the plan's)",
@@ -102,6 +106,9 @@ def _export_plan(args: argparse.Namespace) -> int:
 
         graph_why = onnx_model.graph_refusal(info)
         whole = graph_why is None
+    from ..deploy.precision import resolve_compute_dtype
+
+    dtype = resolve_compute_dtype(args.compute_dtype, fmt, info)
     require_transformers()
     texts = text_options(args, info)
     read_text(texts.text, "calibration")
@@ -118,7 +125,7 @@ def _export_plan(args: argparse.Namespace) -> int:
                                       calib_tokens=texts.calib_tokens, eval_tokens=texts.eval_tokens,
                                       seq_len=texts.seq_len, whole_model=whole,
                                       out_artifacts=folder if fmt == "onnx" else None, file_stem=model_file_stem(info),
-                                      progress=bars)
+                                      progress=bars, dtype=dtype)
         bars(f"export: {steps[0]}", 0, len(steps))
         fold = None
         if whole:  # the folded norms against the original float model, before anything is written

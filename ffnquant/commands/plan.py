@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the format's reason, so the export of the plan is never refused (default: no format, "
                              "every candidate)")
     add_text_arguments(parser, "search (calibration) text", "held-out text the plan is verified on", eval_tokens=4096)
+    parser.add_argument("--compute-dtype", default="auto", metavar="NAME",
+                        help="what the deployed model computes in, which the verification rounds compute in: float32, "
+                             "bfloat16 or float16; auto is the checkpoint's own dtype with --format compressed-tensors "
+                             "(a bf16 checkpoint is served in bf16) and float32 otherwise (default auto)")
     parser.add_argument("--probe-tokens", type=positive_int, default=512,
                         help="search tokens the per-layer probes are measured on (default 512)")
     parser.add_argument("--rounds", type=positive_int, default=4, help="verification rounds at most (default 4)")
@@ -86,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
                           Workload(args.tokens, args.decode_tokens))
     check_plannable(info, objective)
     export_format = None if args.format is None else get_format(args.format)
+    from ..deploy.precision import resolve_compute_dtype
+
+    dtype = resolve_compute_dtype(args.compute_dtype, export_format, info)
     recipes, _ = candidate_recipes(args.candidates, info.spec)
     # a format that refuses the model itself is said now, before any work; make_plan leaves the same ones out
     left_out = format_candidates(recipes, [], info, export_format)[1] if export_format else []
@@ -114,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             plan, result = make_plan(info, target, objective, args.candidates, text=texts.text, eval_text=texts.eval_text,
                                      settings=settings, probe_tokens=args.probe_tokens, max_rounds=args.rounds,
                                      ort_floor=not args.no_ort_floor, allow_pickle=args.allow_pickle, progress=bars,
-                                     executor=executor, memory=memory, export_format=export_format)
+                                     executor=executor, memory=memory, export_format=export_format, dtype=dtype)
         except BaseException:
             bars.close(ok=False)
             raise

@@ -24,13 +24,14 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..atomic import write_text
 from ..errors import FFNQuantError
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
+from .precision import dtype_name, input_args, source_dtype
 
 __all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ASYMMETRIC_INT4_MEASURED", "ctensors_available",
            "recipe_refusal", "plan_refusal", "module_args", "write_folder", "decompressed_weights", "verify_folder",
@@ -137,19 +138,7 @@ def module_args(mq: ModuleQuant) -> tuple[Any, Any]:
         else:
             weights = QuantizationArgs(num_bits=g.bits, type="int", symmetric=g.symmetric, strategy=strategy,
                                        group_size=g.group_size if strategy == "group" else None)
-    inputs = None
-    if mq.input_mode is not None:
-        s = mq.scheme
-        fp8 = s.act_dtype.value == "fp8_e4m3"
-        if mq.input_mode == "dynamic":
-            inputs = QuantizationArgs(num_bits=8, type="float" if fp8 else "int",
-                                      symmetric=True if fp8 else bool(s.act_symmetric), strategy="token", dynamic=True)
-        else:
-            r = mq.input_range
-            symmetric = fp8 or (r.qmin == -128 and r.zero_point == 0)
-            inputs = QuantizationArgs(num_bits=8, type="float" if fp8 else "int", symmetric=symmetric,
-                                      strategy="tensor", dynamic=False)
-    return weights, inputs
+    return weights, input_args(mq.scheme, mq.input_mode, mq.input_range)
 
 
 def _set_params(module: torch.nn.Module, mq: ModuleQuant) -> None:
@@ -216,8 +205,11 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
     folder = Path(folder)
     schemes, quantized = _config_groups(planned.modules)
     model = copy.deepcopy(planned.model)  # compressed in place; planned.model stays the reference
-    dtype = source_dtype(planned.info)
-    kept = _in_source_dtype(model, dtype, set(quantized))
+    # a model computed in a low precision is stored in it (the runtime loads every parameter in it anyway);
+    # one computed in float32 keeps the source's dtype where that is lossless
+    low = planned.compute_dtype is not torch.float32
+    dtype = planned.compute_dtype if low else source_dtype(planned.info)
+    kept = _in_source_dtype(model, dtype, set(quantized), rounded=low)
     with quiet_model_io():
         if schemes:
             apply_quantization_config(model, QuantizationConfig(config_groups=schemes, quantization_status="frozen"),
@@ -225,7 +217,9 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
             for name, mq in quantized.items():
                 _set_params(model.get_submodule(name), mq)
             compressor = ModelCompressor.from_pretrained_model(model)
-            compressor.compress_model(model)
+            compressor.compress_model(model)  # from the float32 weights: codes re-derived exactly
+            if low:  # the scales computed in that precision are values of it: stored in it, without loss
+                _scales_in(model, dtype, quantized)
         model.save_pretrained(folder)
         if schemes:
             compressor.update_config(str(folder))
@@ -240,32 +234,20 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
     return {"format": FORMAT_NAME, "compression_format": qc.get("format"), "config_groups": len(schemes),
             "quantized_modules": len(quantized), "float_ffn_modules": floats, "ignore": qc.get("ignore", []),
             "copied": copied, "files": _files(folder),
-            "float_dtype": {"source": str(dtype).removeprefix("torch."), **kept}}
+            "float_dtype": {"source": str(source_dtype(planned.info)).removeprefix("torch."),
+                            "stored": str(dtype).removeprefix("torch."),
+                            "compute": str(planned.compute_dtype).removeprefix("torch."), **kept}}
 
 
-def source_dtype(info: Any) -> torch.dtype:
-    """The floating dtype most of the source checkpoint's tensors are stored in (float32 for a pickled one)."""
-    from collections import Counter
-
-    from ..hf.checkpoint import _Weights
-
-    if info.weights_format != "safetensors":
-        return torch.float32
-    weights = _Weights(info.path, False)
-    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}
-    counts = Counter(names.get(str(weights.dtype(n))) for n in weights.file_of)
-    counts.pop(None, None)
-    return counts.most_common(1)[0][0] if counts else torch.float32
-
-
-def _in_source_dtype(model: torch.nn.Module, dtype: torch.dtype, quantized: set[str]) -> dict[str, Any]:
-    """The float parameters outside the quantized modules stored in the source's `dtype` where that is lossless
-    (every value exactly representable: they came from the source checkpoint); the others (a norm that took a
-    folded smoothing scale) stay float32, listed. The proof loads the folder in float32, so it is unchanged."""
+def _in_source_dtype(model: torch.nn.Module, dtype: torch.dtype, quantized: set[str],
+                     rounded: bool = False) -> dict[str, Any]:
+    """The float parameters outside the quantized modules stored in `dtype` where that is lossless (every value
+    exactly representable: they came from the source checkpoint); the others (a norm that took a folded
+    smoothing scale) stay float32, listed. With `rounded` (the model computes in `dtype`, which is how the
+    runtime loads every parameter), those are rounded to `dtype` too, listed as `rounded`."""
     if dtype is torch.float32:
-        return {"converted": 0, "kept_float32": []}
-    kept, converted = [], 0
+        return {"converted": 0, "kept_float32": [], "rounded": []}
+    kept, converted, rounded_names = [], 0, []
     with torch.no_grad():
         for module_name, module in model.named_modules():
             if module_name in quantized:
@@ -274,12 +256,31 @@ def _in_source_dtype(model: torch.nn.Module, dtype: torch.dtype, quantized: set[
                 if not p.is_floating_point() or p.dtype is dtype:
                     continue
                 low = p.detach().to(dtype)
+                full = f"{module_name}.{name}" if module_name else name
                 if torch.equal(low.to(p.dtype), p.detach()):
                     p.data = low  # the same Parameter: a tied head follows its embedding
                     converted += 1
+                elif rounded:
+                    p.data = low
+                    rounded_names.append(full)
                 else:
-                    kept.append(f"{module_name}.{name}" if module_name else name)
-    return {"converted": converted, "kept_float32": kept}
+                    kept.append(full)
+    return {"converted": converted, "kept_float32": kept, "rounded": rounded_names}
+
+
+def _scales_in(model: torch.nn.Module, dtype: torch.dtype, quantized: Mapping[str, Any]) -> None:
+    """The quantized modules' float parameters (scales) in `dtype`; each must be a value of it (the grids were
+    rounded to it: `precision.in_dtype`), else the folder would not hold the measured model."""
+    with torch.no_grad():
+        for name in quantized:
+            module = model.get_submodule(name)
+            for pname, p in list(module.named_parameters(recurse=False)):
+                if p.is_floating_point() and p.dtype is not dtype:
+                    low = p.detach().to(dtype)
+                    if not torch.equal(low.to(p.dtype), p.detach()):
+                        raise FFNQuantError(f"{name}.{pname} is not a {str(dtype).removeprefix('torch.')} value: the "
+                                            "planned model was not computed in that dtype")
+                    p.data = low
 
 
 def _files(folder: Path) -> dict[str, int]:
@@ -336,6 +337,7 @@ def _weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str
     ffnquant's dequantized reference, bit for bit."""
     stored = decompressed_weights(folder, reader)
     _, read = reader
+    dtype = planned.compute_dtype
     rows, equal = [], 0
     for mq in planned.modules:
         ref = planned.model.get_submodule(mq.module).weight.detach()
@@ -343,7 +345,8 @@ def _weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str
         how = "decompressed by compressed-tensors"
         if got is None:
             got, how = read(mq.module + ".weight"), "stored float"
-        same = bool(got.shape == ref.shape and torch.equal(got.to(ref.dtype), ref))
+        # in the dtype the runtime computes in (a bf16 model's decompressed weights are bf16 values)
+        same = bool(got.shape == ref.shape and torch.equal(got.to(dtype), ref.to(dtype)))
         equal += same
         rows.append({"module": mq.module, "how": how, "bit_identical": same,
                      "max_abs_diff": None if same or got.shape != ref.shape else float((got.float() - ref).abs().max())})
@@ -391,7 +394,7 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     for label, x in captured.items():
         q = planned.qffns[label]
         # as [batch, tokens, features]: compressed-tensors' per-token ranges keep the first two axes of what it gets
-        x = x.reshape(1, -1, x.shape[-1])
+        x = x.reshape(1, -1, x.shape[-1]).to(planned.compute_dtype)  # captured as float32: the model's values
         with torch.no_grad():
             ours = q(x)
             theirs = loaded_ffn(loaded, info, names[label])(x)
@@ -399,7 +402,7 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
         exact = bool(torch.equal(ours, theirs))
         row = {"layer": label, "bit_identical": exact, "parity_sqnr_db": parity_db, "layer_sqnr_db": noise_db,
                "at_parity": exact or parity_db >= noise_db + 20.0, "note": None}
-        if not row["at_parity"] and _symmetric_per_token_int(q.scheme):
+        if not row["at_parity"] and _symmetric_per_token_int(q.scheme) and planned.compute_dtype is torch.float32:
             with torch.no_grad():
                 convention_db = sqnr_db(_with_ct_per_token_scale(q)(x), theirs)
             row.update(at_parity=convention_db >= noise_db + 20.0, convention_parity_sqnr_db=convention_db,
@@ -468,6 +471,9 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
        `proof.rounding_allowance`); symmetric per-token layers are taken under compressed-tensors' convention
        (`CT_PER_TOKEN_CONVENTION`, its cost reported). The perplexity against the recorded reference within
        LOAD_TOLERANCE relative (`meets`) and the plan's own recorded figure (`plan_ratio`) are reported too.
+    5. `generation`: greedy generation with a KV cache of the loaded folder against ffnquant's reference of the
+       plan (`proof.generation_equality`), token for token: reported, not a gate (a folded norm is rounded once
+       more than the unfolded reference, which may turn a near-tie of two tokens).
     `proven`: 1-3 hold and every end-to-end gate holds.
     """
     _require()
@@ -475,20 +481,23 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     from ..hf.capture import require_transformers
     from ..hf.evaluate import float_reference
     from ..thirdparty import quiet_model_io
-    from .proof import end_to_end_gates, rounding_allowance
+    from .proof import end_to_end_gates, generation_equality, rounding_allowance
 
     transformers = require_transformers()
     folder = Path(folder)
     # the original float model's figures, kept once: the loaded folder and the allowance runs are scored on them
     _, references = float_reference(planned.float_model, planned.info, planned.evals)
+    dtype = planned.compute_dtype
     with quiet_model_io():
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
         figures = compare_models(None, loaded, planned.info, planned.evals, references=references)
         layers = _layer_parity(loaded, planned)
+        generation = generation_equality(planned, loaded)
     del loaded
     reference = planned.reference["end_to_end"]
     ref_ratio = reference.get("perplexity_ratio")
-    load = {"loaded_with": f"transformers {transformers.__version__} AutoModelForCausalLM (float32)", **figures,
+    load = {"loaded_with": f"transformers {transformers.__version__} AutoModelForCausalLM ({dtype_name(dtype)})",
+            "compute_dtype": dtype_name(dtype), **figures,
             "reference_perplexity_ratio": ref_ratio, "reference_hidden_sqnr_db": reference.get("hidden_sqnr_db"),
             "reference_kl_mean": (reference.get("kl") or {}).get("mean"),
             "plan_perplexity_ratio": plan_ratio, "tolerance": LOAD_TOLERANCE}
@@ -500,7 +509,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
             load.update(plan_relative_difference=plan_rel, meets_plan=plan_rel <= LOAD_TOLERANCE)
     # symmetric per-token layers run under compressed-tensors' convention: the folder is gated against ffnquant's
     # reference computed that way (on the original model), and what the convention costs is reported beside it
-    convention = any(_ct_numerics(q) is not q for q in planned.qffns.values())
+    # (a model computed in a low precision already runs compressed-tensors' own quantizers: precision.in_dtype)
+    convention = dtype is torch.float32 and any(_ct_numerics(q) is not q for q in planned.qffns.values())
     allowance = rounding_allowance(planned, references, numerics=_ct_numerics if convention else None,
                                    numerics_name=CT_PER_TOKEN_CONVENTION if convention else None)
     load.update(allowance=allowance, gates=end_to_end_gates(figures, allowance, LOAD_TOLERANCE))
@@ -509,7 +519,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     inputs = _input_qparams_check(planned, reader)
     proven = (weights["all_identical"] and inputs["all_equal"] and layers["all_at_parity"]
               and load["gates"]["met"])
-    return {"proven": proven, "weights": weights, "inputs": inputs, "layers": layers, "load": load}
+    return {"proven": proven, "weights": weights, "inputs": inputs, "layers": layers, "load": load,
+            "generation": generation}
 
 
 def folder_bytes(folder: str | os.PathLike, weights_only: bool = True) -> int:

@@ -73,6 +73,16 @@ class PlannedModel:
     rows: list[dict[str, Any]] = field(default_factory=list)
     qffns: dict[str, Any] = field(default_factory=dict)  # label -> QuantizedFFN (input scale folded away)
     settings: dict[str, Any] = field(default_factory=dict)
+    # what the deployed model computes in: float_model, evals' figures and qffns are in it (`deploy.precision`);
+    # `model` stays float32, exact values the writers compress from
+    compute_dtype: torch.dtype = torch.float32
+
+    def float32_model(self) -> nn.Module:
+        """The original float model in float32 (itself when it computes in float32; else a float32 copy, the
+        same values): what the fold check compares against float32 rounding."""
+        if self.compute_dtype is torch.float32:
+            return self.float_model
+        return copy.deepcopy(self.float_model).float().eval()
 
     def by_module(self) -> dict[str, ModuleQuant]:
         return {m.module: m for m in self.modules}
@@ -195,14 +205,19 @@ def _copy_weights(model: nn.Module, ffn: Any, names: Mapping[str, str]) -> None:
 def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: Any = None, calib_tokens: int | None = None,
                         seq_len: int | None = None,
                         eval_tokens: int | None = None, whole_model: bool = True, out_artifacts: Any = None,
-                        file_stem: str | None = None, progress: Any = None) -> PlannedModel:
+                        file_stem: str | None = None, progress: Any = None,
+                        dtype: torch.dtype = torch.float32) -> PlannedModel:
     """Quantize `info`'s FFN layers as `plan` says and make the deployable model (see the module docstring).
 
     Every layer of the model must be in the plan (an fp32 recipe keeps one float). Raises FFNQuantError, before
     anything is computed, for a model deployment does not cover (`deployable_refusal`) or whose norms cannot
     take a planned input scale (`hf.fold.fold_refusal`). With `whole_model` False only the layers are quantized
     and measured (`model` is the float model, `modules` empty: per-layer artifacts of any plannable model).
-    `out_artifacts`: also write each layer's ONNX artifact there (`<file_stem>.<label>.<slug>.onnx`)."""
+    `out_artifacts`: also write each layer's ONNX artifact there (`<file_stem>.<label>.<slug>.onnx`).
+    `dtype`: what the deployed model computes in. In a low precision (bf16 for a bf16 checkpoint), the model runs
+    in it on the engine, each layer is quantized as usual on its (float32) inputs, and each quantized FFN then
+    computes as the runtime does in that dtype (`deploy.precision.in_dtype`: scales rounded to it, codes kept):
+    the reference is measured so."""
     from ..hf import EvalSettings, capture_layer_inputs, end_to_end, load_ffn_layers, quantized_layers
     from ..hf.capture import _module_for
     from ..hf.fold import fold_input_scales, fold_refusal
@@ -223,9 +238,13 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
     settings = EvalSettings(**budget, ablation=False)  # None: EvalSettings' defaults
     layers = load_ffn_layers(info, "all")
     inputs = capture_layer_inputs(info, layers, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
-                                  eval_tokens=eval_tokens, settings=settings, progress=progress)
+                                  eval_tokens=eval_tokens, settings=settings, progress=progress, dtype=dtype)
     rows, qffns = quantized_layers(info, layers, inputs, plan, onnx=out_artifacts is not None, sensitivity=False,
                                    out_artifacts=out_artifacts, file_stem=file_stem, progress=progress)
+    if dtype is not torch.float32:
+        from .precision import in_dtype_all
+
+        qffns = in_dtype_all(qffns, dtype)
     reference = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress,
                            engine=inputs.engine)
     float_model = inputs.model
@@ -234,8 +253,8 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
     if not whole_model:
         return PlannedModel(info=info, plan=plan, model=float_model, float_model=float_model, modules=[],
                             evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=qffns,
-                            settings=settings_used)
-    model = copy.deepcopy(float_model).eval()
+                            settings=settings_used, compute_dtype=dtype)
+    model = copy.deepcopy(float_model).float().eval()  # float32: a low-precision model's values, exactly
     by_label = {layer.label: layer for layer in layers}
     folded = fold_input_scales(model, info, {by_label[k].info: q for k, q in qffns.items()})
     names = [n for n, _ in model.named_modules()]
@@ -250,4 +269,4 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
         out_qffns[layer.label] = qffn
     return PlannedModel(info=info, plan=plan, model=model, float_model=float_model, modules=modules,
                         evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=out_qffns,
-                        settings=settings_used)
+                        settings=settings_used, compute_dtype=dtype)

@@ -23,8 +23,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .precision import dtype_name, rounding_step
+
 __all__ = ["ULP", "FOLD_ULPS", "GATE_FACTOR", "fold_bound", "input_scale", "FoldCheck", "fold_check", "fold_refusal",
-           "rounding_allowance", "end_to_end_gates"]
+           "unfolded_ffns", "generation_equality", "rounding_allowance", "end_to_end_gates"]
 
 ULP = 2.0 ** -24  # float32's unit roundoff
 # Fold bound: float32 roundoffs per block (see fold_bound for the measured figures behind it).
@@ -125,9 +127,9 @@ def _ffn_modules(model: Any, info: Any) -> dict[str, str]:
     return {layer.label: _module_for(model, info, layer, names)[0] for layer in info.layers}
 
 
-def _changed_modules(planned: Any, ffn_modules: Sequence[str]) -> list[str]:
+def _changed_modules(planned: Any, ffn_modules: Sequence[str], original32: Any) -> list[str]:
     """The modules outside the FFNs whose parameters the export changed (the norms that took the scales)."""
-    original = dict(planned.float_model.named_parameters())
+    original = dict(original32.named_parameters())
     inside = tuple(name + "." for name in ffn_modules)
     changed = {name.rpartition(".")[0] for name, p in planned.model.named_parameters()
                if not name.startswith(inside) and name in original and not torch.equal(p, original[name])}
@@ -164,14 +166,15 @@ def fold_check(planned: Any) -> FoldCheck:
     base = dict(bound=bound, n_layers=info.n_layers)
     if not folded:
         return FoldCheck(folded=(), norms={}, **base)
+    original = planned.float32_model()  # float32 rounding is what the bound allows, whatever the runtime's dtype
     ffn_modules = _ffn_modules(planned.model, info)
-    changed = _changed_modules(planned, list(ffn_modules.values()))
+    changed = _changed_modules(planned, list(ffn_modules.values()), original)
     norms = {label: _nearest(ffn_modules[label], changed) for label in folded}
     floats = {layer.info: _divided(layer.ffn, scales[layer.label]) if layer.label in folded else layer.ffn
               for layer in load_ffn_layers(info, "all")}
     logits, hidden, sqnr = _Diff(), _Diff(), ErrorStats()
     for ids in planned.evals:
-        ref_logits, ref_hidden = _outputs(planned.float_model, info, ids)
+        ref_logits, ref_hidden = _outputs(original, info, ids)
         with install_ffns(planned.model, info, floats):
             got_logits, got_hidden = _outputs(planned.model, info, ids)
         if ref_logits is not None:
@@ -185,17 +188,17 @@ def fold_check(planned: Any) -> FoldCheck:
                       hidden_max_rel=hidden.to_dict()["max_rel_diff"], hidden_sqnr_db=sqnr.sqnr_db)
     if check.exact:
         return check
-    return dataclasses.replace(check, culprits=_culprits(planned, folded, scales, norms, bound))
+    return dataclasses.replace(check, culprits=_culprits(planned, folded, scales, norms, bound, original))
 
 
 def _culprits(planned: Any, folded: Sequence[str], scales: Mapping[str, torch.Tensor],
-              norms: Mapping[str, tuple[str, ...]], bound: float) -> tuple[dict[str, Any], ...]:
+              norms: Mapping[str, tuple[str, ...]], bound: float, original: Any) -> tuple[dict[str, Any], ...]:
     """Per folded layer, with no error carried from earlier layers: the module whose output the FFN reads in the
     original model (`_reads`), fed the input it had there, in the exported model against the original's output
     times the layer's scale. The layers over the bound, or reading no module's output, are the culprits."""
     info = planned.info
     ids = planned.evals[0][:1, :64]
-    reads = _reads(planned.float_model, info, ids)
+    reads = _reads(original, info, ids)
     rows = []
     for label in folded:
         row = {"layer": label, "norm": list(norms.get(label, ())), "ffn_reads": None, "max_rel_diff": None}
@@ -297,11 +300,59 @@ def _run_figures(planned: Any, ffns: Mapping[Any, Any], refs: Sequence[Any], del
     return {"input_scale": 1.0 + delta, **_figures(fig)}
 
 
+def unfolded_ffns(planned: Any) -> dict[Any, Any]:
+    """The plan's quantized FFNs by LayerInfo, each doing its input multiply itself (unfolded, as measured): what
+    installed in the ORIGINAL float model is ffnquant's reference of the plan."""
+    from ..hf.fold import with_input_transform
+    from ..remedies import ChannelScale
+
+    by_label = {layer.label: layer for layer in planned.info.layers}
+    ffns = {}
+    for label, q in planned.qffns.items():
+        c = input_scale(q)
+        ffns[by_label[label]] = q if c is None else with_input_transform(q, by_label[label], ChannelScale(c))
+    return ffns
+
+
+def generation_equality(planned: Any, loaded: Any, prompts: int = 4, prompt_tokens: int = 16,
+                        new_tokens: int = 24) -> dict[str, Any]:
+    """Greedy generation with a KV cache (transformers' `generate`) of a loaded deployed model against ffnquant's
+    reference of the plan (the original float model with `unfolded_ffns` installed), on `prompts` prompts cut
+    from the held-out batches: the tokens of both, and whether they are equal token for token."""
+    from ..hf.capture import install_ffns
+
+    ids = torch.cat([b.reshape(-1) for b in planned.evals])
+    cuts = [ids[i * prompt_tokens:(i + 1) * prompt_tokens].tolist() for i in range(prompts)
+            if (i + 1) * prompt_tokens <= ids.numel()]
+
+    def generate(model: Any, prompt: list[int]) -> list[int]:
+        eos = getattr(model.config, "eos_token_id", None)
+        pad = getattr(model.config, "pad_token_id", None)
+        pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                                 do_sample=False, num_beams=1, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=pad)
+        return out[0, len(prompt):].tolist()
+
+    with install_ffns(planned.float_model, planned.info, unfolded_ffns(planned)):
+        refs = [generate(planned.float_model, p) for p in cuts]
+    rows = []
+    for p, ref in zip(cuts, refs):
+        got = generate(loaded, p)
+        first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        rows.append({"prompt": p, "deployed": got, "reference": ref, "equal": got == ref, "first_difference": first})
+    return {"prompts": len(rows), "new_tokens": new_tokens, "equal": sum(r["equal"] for r in rows),
+            "all_equal": all(r["equal"] for r in rows), "tokens_compared": sum(len(r["reference"]) for r in rows),
+            "with_cache": True, "rows": rows}
+
+
 def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
                        numerics: Callable[[Any], Any] | None = None, numerics_name: str | None = None) -> dict[str, Any]:
-    """How far float32 rounding alone moves ffnquant's reference figures on this text: the ORIGINAL float model
+    """How far rounding alone moves ffnquant's reference figures on this text: the ORIGINAL float model
     with the plan's quantized FFNs installed, each doing its input multiply itself (unfolded, as measured), its
-    first block's input scaled by 1 and 1 +- 2^-23.
+    first block's input scaled by 1 and 1 +- one rounding step of the dtype the model computes in
+    (`precision.rounding_step`: 2^-23 in float32, 2^-7 in bf16).
 
     Static activation codes near a rounding boundary flip under any one-ulp change and the later layers' noise
     is redrawn: two computations of one quantized model that differ only in rounding cannot be told apart more
@@ -309,19 +360,14 @@ def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
     must reproduce the recorded reference (`reproduces_reference`), else the allowance belongs to another model.
 
     `numerics(qffn) -> module`: the FFN as a format computes it where that differs from ffnquant's numerics by a
-    stated convention (`numerics_name`); the runs at 1 +- 2^-23 and the `reference` are then of that computation
+    stated convention (`numerics_name`); the runs at 1 +- one step and the `reference` are then of that computation
     on the same original model, and `convention_cost` is what it moves the figures from ffnquant's reference.
     `references`: the original model's kept batches (`hf.evaluate.float_reference`), computed when None."""
     from ..hf.evaluate import float_reference
-    from ..hf.fold import with_input_transform
-    from ..remedies import ChannelScale
 
     info = planned.info
-    by_label = {layer.label: layer for layer in info.layers}
-    ffns = {}
-    for label, q in planned.qffns.items():
-        c = input_scale(q)
-        ffns[by_label[label]] = q if c is None else with_input_transform(q, by_label[label], ChannelScale(c))
+    step = rounding_step(planned.compute_dtype)
+    ffns = unfolded_ffns(planned)
     refs = references if references is not None else float_reference(planned.float_model, info, planned.evals)[1]
     plain = _run_figures(planned, ffns, refs, 0.0)
     recorded = _figures(planned.reference["end_to_end"])
@@ -330,6 +376,7 @@ def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
     # the SQNR and KL of the run at 1 are the reference's own numbers recomputed: relative to their size
     size = {k: 1.0 if k == "perplexity_ratio" else max(1e-12, abs(recorded[k])) for k in gaps}
     out: dict[str, Any] = {"measured_on": "the original float model with the unfolded quantized FFNs",
+                           "compute_dtype": dtype_name(planned.compute_dtype), "step": step,
                            "reference_gap": gaps,
                            "reproduces_reference": all(g <= _REPRODUCE * size[k] for k, g in gaps.items()),
                            "convention": None}
@@ -340,7 +387,7 @@ def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
                                                               if at_one[k] is not None})
     else:
         at_one = plain
-    runs = [at_one] + [_run_figures(planned, ffns, refs, d) for d in (2.0 ** -23, -(2.0 ** -23))]
+    runs = [at_one] + [_run_figures(planned, ffns, refs, d) for d in (step, -step)]
     spread = {k: max(_difference(k, r[k], at_one[k]) for r in runs[1:]) for k in _FIGURES if at_one[k] is not None}
     return {**out, "runs": runs, "spread": spread, "reference": {k: v for k, v in at_one.items() if k in _FIGURES}}
 

@@ -110,13 +110,16 @@ def read_text(path: str | os.PathLike | Sequence[str | os.PathLike] | TextSource
     return "\n\n".join(document_text(d) for d in load_documents(path, split))
 
 
-def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = False) -> nn.Module:
-    """The transformers model of a folder in fp32 eval mode, local files only (LM head for causal/seq2seq)."""
+def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = False,
+                  dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The transformers model of a folder in eval mode, its parameters in `dtype` (fp32 by default), local files
+    only (LM head for causal/seq2seq)."""
     transformers = require_transformers()
     if not isinstance(info, ModelInfo):
         info = inspect_model(info, allow_pickle=allow_pickle)
     # Every tensor of the checkpoint in fp32 (config.json's ones without tensors, e.g. tied heads, aside).
-    check_memory(info.n_params_total * 4, f"the model {str(info.path)!r} ({info.n_params_total:,} parameters in fp32)",
+    size, name = torch.finfo(dtype).bits // 8, {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    check_memory(info.n_params_total * size, f"the model {str(info.path)!r} ({info.n_params_total:,} parameters in {name})",
                  "choose a smaller model, or pass captured activations instead of running it", "to load")
     auto = {
         ModelKind.CAUSAL_LM: transformers.AutoModelForCausalLM,
@@ -127,9 +130,9 @@ def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = Fals
     try:
         with _quiet_transformers(transformers):
             try:
-                model = auto.from_pretrained(str(info.path), dtype=torch.float32, **kwargs)
+                model = auto.from_pretrained(str(info.path), dtype=dtype, **kwargs)
             except TypeError:  # transformers < 4.56 names it torch_dtype
-                model = auto.from_pretrained(str(info.path), torch_dtype=torch.float32, **kwargs)
+                model = auto.from_pretrained(str(info.path), torch_dtype=dtype, **kwargs)
     except FFNQuantError:
         raise
     except Exception as exc:

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import FFNQuantError
 from .arch import ModelKind
 from .capture import load_tokenizer, model_text_batches, text_label
 from .checkpoint import ModelInfo, iter_ffn_layers, parse_layers
@@ -193,18 +194,22 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
 def capture_layer_inputs(info: ModelInfo, layers: Sequence[Any], text=None, eval_text=None, captured=None,
                          calib_tokens: int = 4096, eval_tokens: int = 2048, settings: EvalSettings = EvalSettings(),
                          allow_pickle: bool = False, progress: Progress | None = None, by_domain: bool = False,
-                         whole: bool = False) -> LayerInputs:
+                         whole: bool = False, dtype: torch.dtype = torch.float32) -> LayerInputs:
     """Calibration and held-out inputs of each FFN in `layers`, for quantizing them one by one (`LayerInputs`).
 
     A causal LM runs through the engine (`capture_layerwise`: the model resident; the inputs carry it as `engine`
     for the end-to-end figures). Encoders, FFN inputs from `captured` files, and `whole` take transformers' whole
     forward (`hf.inputs.capture_whole`): for a causal LM, the reference the engine is tested against. With
     `by_domain`, each evaluation text is a domain of its own (`eval_domains`), so that a plan can be held to its
-    target on each. `progress(message, done, total)` after each stage; nothing prints here."""
+    target on each. `progress(message, done, total)` after each stage; nothing prints here. `dtype`: what the
+    causal LM computes in on the engine (the FFN inputs are float32 whatever it is); other paths are float32."""
     if info.kind is ModelKind.CAUSAL_LM and captured is None and not whole:
         return capture_layerwise(info, layers, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
                                  eval_tokens=eval_tokens, settings=settings, allow_pickle=allow_pickle,
-                                 progress=progress, by_domain=by_domain)
+                                 progress=progress, by_domain=by_domain, dtype=dtype)
+    if dtype is not torch.float32:
+        raise FFNQuantError(f"{info.path}: computing in {str(dtype).removeprefix('torch.')} runs a causal LM on the "
+                            "engine; encoders and captured activations are float32")
     return capture_whole(info, layers, text=text, eval_text=eval_text, captured=captured, calib_tokens=calib_tokens,
                          eval_tokens=eval_tokens, settings=settings, allow_pickle=allow_pickle, progress=progress,
                          by_domain=by_domain)
@@ -212,7 +217,8 @@ def capture_layer_inputs(info: ModelInfo, layers: Sequence[Any], text=None, eval
 
 def capture_layerwise(info: ModelInfo, layers: Sequence[Any], text=None, eval_text=None, calib_tokens: int = 4096,
                       eval_tokens: int = 2048, settings: EvalSettings = EvalSettings(), allow_pickle: bool = False,
-                      progress: Progress | None = None, by_domain: bool = False) -> LayerInputs:
+                      progress: Progress | None = None, by_domain: bool = False,
+                      dtype: torch.dtype = torch.float32) -> LayerInputs:
     """`hf.inputs.capture_layer_inputs` for a causal LM, through the engine with the model resident: each FFN of
     `layers` checked against the model's module and its inputs captured as the calibration and held-out streams
     pass its decoder layer. The LayerInputs carry the engine (`engine`), for `end_to_end_layerwise`."""
@@ -222,7 +228,7 @@ def capture_layerwise(info: ModelInfo, layers: Sequence[Any], text=None, eval_te
                                    calib_tokens)
     domains = eval_domain_batches(info, tokenizer, eval_text, settings, eval_tokens, by_domain)
     eval_ids = [b for _, batches in domains for b in batches]
-    engine = SequentialModel(info, resident=True, allow_pickle=allow_pickle)
+    engine = SequentialModel(info, resident=True, allow_pickle=allow_pickle, dtype=dtype)
     calib, evals = _Store(None, "calibration"), _Store(None, "evaluation")
     ccalls = engine.embed(calib_ids, calib, progress, "capture calibration inputs: embed")
     ecalls = engine.embed(eval_ids, evals, progress, "capture evaluation inputs: embed")
@@ -278,8 +284,8 @@ def end_to_end_layerwise(engine: SequentialModel, layers: Sequence[Any], qffns: 
         with torch.no_grad():
             for label, xs in (captured or {}).items():
                 for x in xs:
-                    if label in qj:
-                        per_layer[label].update(by_label[label].ffn(x), qj[label](x))
+                    if label in qj:  # x is float32; a quantized FFN computes in the engine's dtype
+                        per_layer[label].update(by_label[label].ffn(x), qj[label](x.to(engine.dtype)))
         if progress is not None:
             progress(f"end to end: L{j}", j + 1, len(engine.layers))
     return _head_figures(engine, evals, float_s, quant, ablation, baseline, references)

@@ -8,8 +8,11 @@ turn runs on every batch's hidden states (its FFNs' inputs captured by `capture.
 FFNs put in by `install_ffns`); streamed, it is read from the safetensors shards before and put back on the meta
 device after. The model's own forward finishes the last hidden states (final norm, LM head).
 
-The modes run the same calls on the same float32 arithmetic, so every figure is the same in each
-(tests/test_hf_stream.py), and the same as transformers' whole forward. Memory (`hf.memory.plan_memory`): the
+The modes run the same calls on the same arithmetic, so every figure is the same in each
+(tests/test_hf_stream.py), and the same as transformers' whole forward. The arithmetic is float32, or the dtype a
+runtime computes the model in (`dtype`: bf16 for a bf16 checkpoint served by transformers or vLLM); the FFN
+inputs captured for calibration are float32 either way, and the checks on each layer (`check`, `fold_sites`)
+run on a float32 copy of it, whose tolerances are float32's. Memory (`hf.memory.plan_memory`): the
 whole model, or one decoder layer plus the kept hidden states, which are spilled to a temporary folder, a file
 per batch, when they do not fit the budget.
 """
@@ -114,16 +117,16 @@ _MMAP_THRESHOLD = 4 * 2**20
 
 
 
-def _read_float32(weights: _Weights, name: str) -> torch.Tensor:
-    """Tensor `name` of the safetensors shards in float32: `weights.get(name).to(torch.float32)`, value for value."""
+def _read(weights: _Weights, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Tensor `name` of the safetensors shards in `dtype`: `weights.get(name).to(dtype)`, value for value."""
     from safetensors import safe_open
 
     shape = weights.shape(name)
     numel = math.prod(shape)
     if not shape or numel * 4 <= 2 * _READ_BYTES:
-        return weights.get(name).to(torch.float32)
+        return weights.get(name).to(dtype)
     path = weights.file_of[name]
-    out = torch.empty(shape, dtype=torch.float32)
+    out = torch.empty(shape, dtype=dtype)
     step = max(1, _READ_BYTES // (2 * (numel // shape[0])))  # rows of <= _READ_BYTES in 16-bit dtypes
     try:
         for i in range(0, shape[0], step):
@@ -132,6 +135,30 @@ def _read_float32(weights: _Weights, name: str) -> torch.Tensor:
     except Exception as exc:
         raise FFNQuantError(f"cannot read tensor {name!r} from {str(path)!r}: {exc}") from exc
     return out
+
+
+def _rounded(layer: Any, dtype: torch.dtype) -> Any:
+    """An HFLayer whose FFN holds its parameters rounded to `dtype` (as float32 values): what a model loaded in
+    `dtype` computes with, when the checkpoint is stored more precisely."""
+    import copy
+    import dataclasses
+
+    ffn = copy.deepcopy(layer.ffn)
+    with torch.no_grad():
+        for p in ffn.parameters():
+            p.copy_(p.to(dtype).float())
+    return dataclasses.replace(layer, ffn=ffn)
+
+
+def _float32(value: Any) -> Any:
+    """`value` (a tensor, or tuples, lists and dicts of them) with its floating tensors in float32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_float32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _float32(v) for k, v in value.items()}
+    return value
 
 
 class _Stop(Exception):
@@ -209,21 +236,23 @@ class SequentialModel:
     """The one engine every command runs a causal LM through: the model's own transformers class, its decoder
     layers run one at a time over batches of hidden states (`embed`, `run`, `head_out`).
 
-    `resident`: the whole model is loaded once (transformers' from_pretrained, float32) and every layer stays in
+    `resident`: the whole model is loaded once (transformers' from_pretrained) and every layer stays in
     memory; otherwise the model is built on the meta device and each layer's tensors are read from the safetensors
     shards as it runs and freed after (`streamable_reason`). The same calls, in the same order, on the same
-    arithmetic: the modes differ only in where the weights are between calls."""
+    arithmetic: the modes differ only in where the weights are between calls. `dtype`: what the model computes
+    in (float32 by default; a low-precision dtype as a runtime serving the checkpoint in it computes)."""
 
-    def __init__(self, info: ModelInfo, resident: bool = False, allow_pickle: bool = False) -> None:
+    def __init__(self, info: ModelInfo, resident: bool = False, allow_pickle: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
         why = None if resident else streamable_reason(info)
         if info.kind is not ModelKind.CAUSAL_LM or why:
             raise FFNQuantError(f"{info.path}: {why or streamable_reason(info)}")
         transformers = require_transformers()
-        self.info, self.transformers, self.resident = info, transformers, resident
+        self.info, self.transformers, self.resident, self.dtype = info, transformers, resident, dtype
         if resident:
             from . import capture as _capture
 
-            model = _capture.load_hf_model(info, allow_pickle=allow_pickle)  # looked up at call time (tests replace it)
+            model = _capture.load_hf_model(info, allow_pickle=allow_pickle, dtype=dtype)  # looked up at call time
             for p in model.parameters():  # as onloaded weights: a backward pass computes no weight gradients
                 p.requires_grad_(False)
             config = model.config
@@ -233,9 +262,9 @@ class SequentialModel:
                 config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
                 with _quiet_transformers(transformers), _parameters_on_meta():
                     try:
-                        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
                     except TypeError:  # transformers < 4.56 names it torch_dtype
-                        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+                        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
             except Exception as exc:
                 raise FFNQuantError(f"transformers cannot build {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
         self.model = model.eval()
@@ -276,7 +305,7 @@ class SequentialModel:
                                     "tensors by name: run it whole (--no-sequential)")
 
     def onload(self, module: nn.Module, skip: nn.Module | None = None) -> None:
-        """`module`'s parameters read from the shards in float32, one tensor at a time (those of its submodule
+        """`module`'s parameters read from the shards in the engine's dtype, one tensor at a time (those of its submodule
         `skip` left on the meta device)."""
         if self.resident:
             return
@@ -287,7 +316,7 @@ class SequentialModel:
                 continue
             owner, _, attr = name.rpartition(".")
             full = f"{prefix}.{name}" if prefix else name
-            tensor = _read_float32(self.weights, self._stored.get(full, full))
+            tensor = _read(self.weights, self._stored.get(full, full), self.dtype)
             setattr(module.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
 
     def offload(self, module: nn.Module) -> None:
@@ -367,7 +396,7 @@ class SequentialModel:
         by_label = {layer.label: layer for layer in group}
 
         def sink(layer: LayerInfo, x: torch.Tensor) -> None:
-            if x.shape[0]:
+            if x.shape[0]:  # float32 whatever the engine computes in (ffn_input_hooks): what calibration reads
                 capture.setdefault(layer.label, []).append(x)
 
         hooks = ffn_input_hooks(self.model, self.info, group, sink) if capture is not None and group \
@@ -392,8 +421,11 @@ class SequentialModel:
         if not hf_layers or not len(store):
             return {}
         b = min(store.items)
-        return check_reproduction(self.model, self.info, hf_layers,
-                                  run=lambda: self._block(j, store.get(b), calls[b][j]))
+        if self.dtype is not torch.float32:  # ffnquant's FFNs with the weights the model holds in its dtype
+            hf_layers = [_rounded(layer, self.dtype) for layer in hf_layers]
+        with self._in_float32(j):
+            return check_reproduction(self.model, self.info, hf_layers,
+                                      run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))
 
     def fold_sites(self, j: int, store: _Store, calls: Sequence) -> dict[LayerInfo, Any]:
         """Where layer `j`'s FFN input scale folds, or why not (`hf.graph.fold_sites`), from the layer (onloaded)
@@ -403,8 +435,26 @@ class SequentialModel:
         if not self.groups[j] or not len(store):
             return {}
         b = min(store.items)
-        return fold_sites(self.model, self.info, self.groups[j],
-                          run=lambda: self._block(j, store.get(b), calls[b][j]))
+        with self._in_float32(j):
+            return fold_sites(self.model, self.info, self.groups[j],
+                              run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))
+
+    @contextlib.contextmanager
+    def _in_float32(self, j: int):
+        """While active, decoder layer `j` (onloaded) is a float32 copy of itself when the engine computes in
+        another dtype: the checks measure ffnquant's FFN and a fold against float32 rounding, whatever the
+        runtime's precision (the inputs are the engine's, converted)."""
+        if self.dtype is torch.float32:
+            yield
+            return
+        import copy
+
+        original = self.layers[j]
+        self.layers[j] = copy.deepcopy(original).float()
+        try:
+            yield
+        finally:
+            self.layers[j] = original
 
     def head_out(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden state, logits) of one batch's last decoder layer output, from the model's own forward

@@ -26,6 +26,7 @@ every figure are the same.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -251,6 +252,7 @@ def make_plan(
     executor: Any = None,
     memory: Any = None,
     export_format: str | None = None,
+    dtype: Any = None,
 ) -> tuple[Plan, dict[str, Any]]:
     """Plan every FFN layer of a causal LM for `target` at the least `objective`; returns (Plan, JSON-able result).
 
@@ -258,7 +260,9 @@ def make_plan(
     `hf.memory.MemoryPlan`, from `hf.memory.plan_memory` with `plan.source.plan_needs`; default: the model
     resident) reads the model a decoder layer at a time when its `sequential` is set, its hidden states on disk
     with `spill`. The plan depends on neither.
-    `export_format` ("compressed-tensors", "onnx"): only the candidates that format can write are chosen from."""
+    `export_format` ("compressed-tensors", "onnx"): only the candidates that format can write are chosen from.
+    `dtype`: what the deployed model computes in, which the verification rounds compute in (None: float32;
+    bf16 for a bf16 checkpoint served by compressed-tensors' runtimes, `deploy.precision.resolve_compute_dtype`)."""
     from ..executor import LocalExecutor
     from ..hf import inspect_model
     from ..hf.inputs import EvalSettings, fit_settings
@@ -283,11 +287,17 @@ def make_plan(
     settings = fit_settings(info, settings or EvalSettings(ablation=False))
     timings: dict[str, float] = {}
     streamed = memory is not None and memory.sequential
+    dtype = torch.float32 if dtype is None else dtype
     with PlanSource(info, settings, text, eval_text, probe_tokens, resident=not streamed,
                     spill=bool(memory is not None and memory.spill), progress=progress, timings=timings,
-                    allow_pickle=allow_pickle) as source:
+                    allow_pickle=allow_pickle, dtype=dtype) as source:
         plan, result = _search_and_verify(source, info, target, objective, recipes, skipped, probes, settings,
                                           max_rounds, ort_floor, executor, tick, progress, timings)
+    if dtype is not torch.float32:  # said where the verified figures are read
+        name = str(dtype).removeprefix("torch.")
+        plan = dataclasses.replace(plan, summary={**plan.summary, "verified_in": name})
+        result["plan"] = plan.to_dict()
+    result["verified_in"] = str(dtype).removeprefix("torch.")
     result["timings"]["total_s"] = time.perf_counter() - t_start
     result["streamed"] = bool(streamed)
     return plan, result

@@ -15,6 +15,9 @@ the layers:
    streams already started pass each layer with its float FFN. The head measures every stream at the end.
 4. Each verification round: the search and held-out texts through every layer quantized as chosen (each layer
    quantized from its kept inputs again: the quantizers are deterministic), scored against the float figures.
+   A plan verified in a low precision (`dtype`: bf16 for a bf16 checkpoint that compressed-tensors will serve)
+   runs these rounds on a second engine computing in it, with each quantized FFN as that runtime computes it
+   (`deploy.precision.in_dtype`), against the float model's figures in that dtype (measured once, on first use).
 
 Kept tensors go to a temporary folder, a file per layer or batch, when the memory plan spills.
 tests/test_plan_source.py checks that every mode gives the same plan and figures.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -99,8 +103,10 @@ class PlanSource:
     run on entry."""
 
     def __init__(self, info: Any, settings: Any, text: Any, eval_text: Any, probe_tokens: int, resident: bool,
-                 spill: bool, progress: Progress | None, timings: dict[str, float], allow_pickle: bool = False) -> None:
+                 spill: bool, progress: Progress | None, timings: dict[str, float], allow_pickle: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.info, self.settings, self.text, self.eval_text = info, settings, text, eval_text
+        self.dtype, self._low = dtype, None
         self.probe_tokens, self.resident, self.spill, self.allow_pickle = probe_tokens, resident, spill, allow_pickle
         self.progress, self.timings = progress or (lambda *a: None), timings
         self.ablations: dict[tuple[int, str], Any] = {}
@@ -344,16 +350,16 @@ class PlanSource:
 
     def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> tuple[dict, dict[str, dict]]:
         """The end-to-end figures of the layers quantized as `chosen` ({index: name}) on the search text and on each
-        held-out domain ({label: figures}), both texts streamed through every layer once."""
+        held-out domain ({label: figures}), both texts streamed through every layer once (in the plan's `dtype`)."""
         from ..hf.checkpoint import iter_ffn_layers
         from ..hf.evaluate import end_to_end_figures
-        from ..hf.metrics import _NLL, Agreement, ErrorStats
+        from ..hf.metrics import Agreement, ErrorStats, _NLL
         from ..hf.stream import _trim
         from .candidates import quantize_layer
 
-        m, n = self.model, len(self.model.layers)
-        streams = (self.embedded[0].copy("quantized-calibration"), self.embedded[1].copy("quantized-evaluation"))
-        calls = (self.ccalls, self.ecalls)
+        v = self._verification()
+        m, n = v.model, len(v.model.layers)
+        streams = (v.embedded[0].copy("quantized-calibration"), v.embedded[1].copy("quantized-evaluation"))
         quantized = [j for j in self.planned if chosen[j] != "fp32"]
         ffns = iter_ffn_layers(self.info, quantized, allow_pickle=self.allow_pickle) if quantized else iter(())
         for j in range(n):
@@ -362,12 +368,17 @@ class PlanSource:
                 layer, calib, held = self._layer(j, ffns)
                 q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins)[0]
                 del layer, calib, held
+                if self.dtype is not torch.float32:
+                    from ..deploy.precision import in_dtype
+
+                    q = in_dtype(q, self.dtype)
             with m.layer(j, ffn=q is None):
-                for store, c in zip(streams, calls):
+                for store, c in zip(streams, v.calls):
                     m.run(j, store, c, ffns=self._replacements(j, q) if q is not None else None)
             del q
             _trim()
             self.progress(f"verify: L{j}", j + 1, n)
+
         def figures(store, ids_list, final, refs, base, lo, hi):
             hidden, nll, agreement = ErrorStats(), _NLL(), Agreement()
             for b in range(lo, hi):
@@ -377,10 +388,71 @@ class PlanSource:
                 agreement.update(refs[b], logits, ids_list[b])
             return end_to_end_figures(base, hidden, nll, {}, agreement)["end_to_end"]
 
-        on_search = figures(streams[0], self.calib_ids, self.final[0], self.references[0], self.search_baseline,
+        on_search = figures(streams[0], self.calib_ids, v.final[0], v.references[0], v.search_baseline,
                             0, len(self.calib_ids))
         streams[0].clear()
-        domains = {label: figures(streams[1], self.eval_ids, self.final[1], self.references[1],
-                                  self.domain_baselines[label], lo, hi) for label, lo, hi in self.domains}
+        domains = {label: figures(streams[1], self.eval_ids, v.final[1], v.references[1],
+                                  v.domain_baselines[label], lo, hi) for label, lo, hi in self.domains}
         streams[1].clear()
         return on_search, domains
+
+    def _verification(self) -> "_Verification":
+        """What the verification rounds run on: this source's own engine, streams and float figures; or, for a plan
+        verified in another dtype, the same texts through an engine computing in it, with the float model's
+        figures in that dtype (`_low_precision`, once)."""
+        if self.dtype is torch.float32:
+            return _Verification(self.model, self.embedded, (self.ccalls, self.ecalls), self.final, self.references,
+                                 self.search_baseline, self.domain_baselines)
+        if self._low is None:
+            t = time.perf_counter()
+            self._low = self._low_precision()
+            self.timings["low_precision_baseline_s"] = time.perf_counter() - t
+        return self._low
+
+    def _low_precision(self) -> "_Verification":
+        from ..hf.metrics import _NLL, reference_batch
+        from ..hf.stream import SequentialModel
+
+        m = SequentialModel(self.info, resident=self.resident, allow_pickle=self.allow_pickle, dtype=self.dtype)
+        name = str(self.dtype).removeprefix("torch.")
+        stores = (self._store(f"{name}-calibration"), self._store(f"{name}-evaluation"))
+        calls = (m.embed(self.calib_ids, stores[0], self.progress, f"embed the search text ({name})"),
+                 m.embed(self.eval_ids, stores[1], self.progress, f"embed the held-out text ({name})"))
+        m.offload(m.embedding)
+        embedded = (stores[0].copy(f"{name}-calibration-embedded"), stores[1].copy(f"{name}-evaluation-embedded"))
+        n = len(m.layers)
+        for j in range(n):
+            with m.layer(j):
+                for store, c in zip(stores, calls):
+                    m.run(j, store, c)
+            self.progress(f"the float model in {name}: L{j}", j + 1, n)
+        final = (self._store(f"{name}-final-calibration"), self._store(f"{name}-final-evaluation"))
+        references: tuple[list, list] = ([], [])
+        nll = [_NLL(), {label: _NLL() for label, _, _ in self.domains}]
+        domain_of = [label for label, lo, hi in self.domains for _ in range(lo, hi)]
+        for k, ids_list in enumerate((self.calib_ids, self.eval_ids)):
+            for b, ids in enumerate(ids_list):
+                hidden, logits = m.head_out(stores[k].get(b))
+                final[k].put(b, hidden)
+                (nll[0] if k == 0 else nll[1][domain_of[b]]).update(logits, ids)
+                references[k].append(reference_batch(logits, ids))
+            stores[k].clear()
+        search = {"perplexity": nll[0].perplexity, "n_tokens": sum(int(b.numel()) for b in self.calib_ids)}
+        domains = {label: {"perplexity": nll[1][label].perplexity,
+                           "n_tokens": sum(int(b.numel()) for b in self.eval_ids[lo:hi])}
+                   for label, lo, hi in self.domains}
+        return _Verification(m, embedded, calls, final, references, search, domains)
+
+
+@dataclass
+class _Verification:
+    """An engine and what a verification round reads: the texts' embedded streams and per-layer calls, the float
+    model's final hidden states and next-token figures, and its perplexities (search text; each domain)."""
+
+    model: Any
+    embedded: tuple[Any, Any]
+    calls: tuple[Any, Any]
+    final: tuple[Any, Any]
+    references: tuple[list, list]
+    search_baseline: dict[str, Any]
+    domain_baselines: dict[str, dict[str, Any]]

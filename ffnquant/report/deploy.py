@@ -95,10 +95,12 @@ def _gate_lines(load: dict[str, Any]) -> list[str]:
         return []
     runs = "; ".join(f"{r['perplexity_ratio']:.6f} / {r['hidden_sqnr_db']:.4f} dB / {r['kl_mean']:.4g}"
                      if r.get("kl_mean") is not None else f"{r['hidden_sqnr_db']:.4f} dB" for r in allowance["runs"])
+    dtype, step = allowance.get("compute_dtype", "float32"), _power_of_two(allowance.get("step", 2.0 ** -23))
     lines = ["", "   Each figure is gated against ffnquant's reference, both measured against the original float model; "
-             "a figure may be worse by twice what float32 rounding alone moves the reference. That spread is measured "
-             "on the original, unfolded model with the plan's quantized FFNs, its first block's input scaled by 1 and "
-             f"1 +- 2^-23 (perplexity ratio / final hidden SQNR / KL mean: {runs}); the perplexity may also differ by "
+             f"a figure may be worse by twice what {dtype} rounding alone moves the reference. That spread is measured "
+             f"on the original, unfolded model (computing in {dtype}) with the plan's quantized FFNs, its first block's "
+             f"input scaled by 1 and 1 +- {step} (perplexity ratio / final hidden SQNR / KL mean: {runs}); the "
+             "perplexity may also differ by "
              f"{load['tolerance']:.0e} relative.", "",
              markdown_table(["gate", "deployed", "reference", "worse by", "allowed", "met"], gate_rows(gates)), ""]
     if allowance.get("convention"):
@@ -110,6 +112,14 @@ def _gate_lines(load: dict[str, Any]) -> list[str]:
         lines.append(f"   The allowance's plain run did not reproduce ffnquant's recorded reference "
                      f"({allowance['reference_gap']}): it belongs to another model, so the gates are NOT met.")
     return lines
+
+
+def _power_of_two(x: float) -> str:
+    """2^-23 for 2 ** -23; the number itself when it is no power of two."""
+    import math
+
+    k = math.log2(x) if x > 0 else 0.5
+    return f"2^{int(k)}" if k == int(k) else f"{x:.3g}"
 
 
 def _pct(ratio: float | None) -> str:
@@ -140,6 +150,13 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
         lines.append(f"   The loaded perplexity differs from the reference by {load['relative_difference']:.2e} relative "
                      f"(bound {load['tolerance']:.0e}: {'met' if load['meets'] else 'not met'}).")
     lines += _gate_lines(load)
+    gen = proof.get("generation")
+    if gen:
+        lines.append(f"5. Generation: greedy with transformers' KV cache, {gen['prompts']} prompts of the held-out text x "
+                     f"{gen['new_tokens']} new tokens: the loaded folder's tokens equal ffnquant's reference of the plan "
+                     f"(the original model with its quantized FFNs) on {gen['equal']} of {gen['prompts']} prompts"
+                     + ("." if gen["all_equal"] else "; first differences at token " + ", ".join(
+                         str(r["first_difference"]) for r in gen["rows"] if not r["equal"]) + "."))
     if load.get("plan_perplexity_ratio") is not None:
         lines.append(f"   The plan's own verification (plan.toml summary): {_pct(load['plan_perplexity_ratio'])}; "
                      f"{fmt(load.get('plan_relative_difference'), 3)} relative to the loaded folder.")
@@ -285,6 +302,17 @@ def deploy_markdown(doc: dict[str, Any]) -> str:
         lines += [f"compressed-tensors format: {w['compression_format']}, {w['config_groups']} scheme group(s), "
                   f"{w['quantized_modules']} quantized FFN modules, {len(w['float_ffn_modules'])} FFN modules kept "
                   f"float (in `ignore` with every non-FFN Linear).", ""]
+        fd = w.get("float_dtype") or {}
+        if fd.get("compute") and fd["compute"] != "float32":
+            lines += [f"Computed in {fd['compute']}, as a runtime serving the {fd['source']} checkpoint computes it: the "
+                      f"reference runs the model in {fd['compute']}, each quantized FFN with its scales rounded to "
+                      f"{fd['compute']} (codes kept) and compressed-tensors' own input quantizers; every parameter is "
+                      f"stored in {fd['stored']} ({fd.get('converted', 0)} exactly, {len(fd.get('rounded') or [])} "
+                      f"rounded as the runtime rounds them at load: "
+                      f"{', '.join(fd.get('rounded') or []) or 'none'}).", ""]
+        elif fd.get("kept_float32"):
+            lines += [f"Stored in {fd.get('stored', fd.get('source'))} where lossless ({fd.get('converted', 0)} tensors); "
+                      f"kept float32: {', '.join(fd['kept_float32'])}.", ""]
     if doc.get("fold"):
         lines += _fold_lines(doc["fold"])
     if doc.get("proof"):
