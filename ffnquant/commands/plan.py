@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                                                     texts.eval_tokens, True) for b in bs]
         needs = plan_needs(info, calib_tokens=sum(int(b.numel()) for b in calib),
                            eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
-                           batch_tokens=int(calib[0].numel()))
+                           batch_tokens=int(calib[0].numel()), dtype=dtype)
         memory = plan_memory(info, needs, max_memory=args.max_memory, sequential=args.sequential)
         print(f"memory: {memory.summary()}")
         try:

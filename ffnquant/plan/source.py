@@ -47,8 +47,10 @@ def _scoring_bytes(spec: Any, tokens: int) -> int:
     return 11 * spec.n_params * 4 + (2 * d + 3 * d_ff) * tokens * 4 + 8 * (d * d + d_ff * d_ff)
 
 
-def plan_needs(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: int, batch_tokens: int):
-    """What `make_plan` holds beside the model's weights (an `hf.memory.Needs` for `hf.memory.plan_memory`)."""
+def plan_needs(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: int, batch_tokens: int,
+               dtype: torch.dtype = torch.float32):
+    """What `make_plan` holds beside the model's weights (an `hf.memory.Needs` for `hf.memory.plan_memory`);
+    verified in a low-precision `dtype`, also the second engine's streams and, resident, its model."""
     from ..hf.memory import Needs
     from ..hf.metrics import TOP_K
 
@@ -60,6 +62,9 @@ def plan_needs(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: 
     # stream, its embedding (each round starts there), its final hidden states, a quantized stream.
     calibration = (n * (3 * c + 3 * p) + 4 * c) * d * 4
     evaluation = (n + 4) * e * d * 4
+    low = 0 if dtype is torch.float32 else torch.finfo(dtype).bits // 8
+    # the verification engine in `dtype`: per text its embedded copy, the running stream and the final states
+    evaluation += 3 * (c + e) * d * low
     # the probe tokens' float next-token log-probabilities, and every token's kept float figures (hf.metrics.Reference:
     # NLL, top-k log-probabilities and ids; the final hidden states are counted per text above): always in memory
     logp = p * vocab * 4 + (c + e) * (8 + 8 * TOP_K)
@@ -68,7 +73,7 @@ def plan_needs(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: 
                  batch_tokens, "--calib-tokens/--eval-tokens/--probe-tokens",
                  # resident, every layer is scored at once: a float copy of each FFN and its two probes' quantized
                  # copies wait for their ablations
-                 resident_extra=3 * len(info.layers) * spec.n_params * 4)
+                 resident_extra=3 * len(info.layers) * spec.n_params * 4 + info.n_params_total * low)
 
 
 @contextlib.contextmanager
