@@ -12,8 +12,8 @@ In this run, on the bf16 checkpoint and its plan:
 4. decode latency per token on the CPU, every model timed in the same interleaved rounds: transformers with the
    source in bf16 and with the compressed-tensors folder in bf16 (one new token on a cached past), and the three
    ONNX graphs on onnxruntime's CPU provider (one thread each; torch on one thread too).
-Figures 1-2 are the exports' own documents (`ffnquant-deploy.json`), written in this run; the folders go to a
-temporary directory and are removed.
+Figures 1-2 are the exports' own documents (`ffnquant-deploy.json`), written in this run and kept in `--out`'s
+`ct/` and `onnx/`; the folders themselves go to a temporary directory and are removed.
 """
 
 from __future__ import annotations
@@ -42,6 +42,22 @@ def _export(model: str, plan: str, fmt: str, out: Path, extra: list[str]) -> dic
     doc = json.loads((out / "ffnquant-deploy.json").read_text())
     return {"command": "ffnquant " + " ".join(argv[:8] + ["OUT"] + argv[9:]), "exit_code": rc,
             "seconds": time.perf_counter() - t0, "doc": doc}
+
+
+def _keep_documents(folder: Path, tmp: Path, dest: Path) -> None:
+    """The export's own documents (ffnquant-deploy.json/.md) copied to `dest`, its temporary folder named OUT."""
+    from ffnquant.atomic import write_text
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("ffnquant-deploy.json", "ffnquant-deploy.md"):
+        write_text(dest / name, _scrub((folder / name).read_text().replace(str(folder), "OUT"), tmp))
+
+
+def _scrub(text: str, tmp: Path) -> str:
+    """`text` with every path under the run's temporary folder reduced to TMP/<file name>."""
+    import re
+
+    return re.sub(re.escape(str(tmp)) + r"[^\"\s]*/", "TMP/", text)
 
 
 def _torch_steps(folder: Path, ids: np.ndarray, contexts: list[int]):
@@ -248,6 +264,8 @@ def main(argv=None) -> int:
             kept.append(s)
             steps.update({(name, n): fn for n, fn in by_n.items()})
         latency = measure(steps, args.rounds, args.per_round)
+        for name in ("ct", "onnx"):  # each export's own document beside this report
+            _keep_documents(tmp / name, tmp, out / name)
     doc = {"command": f"{COMMAND} {' '.join(argv if argv is not None else sys.argv[1:])}".strip(),
            "model": model.name, "plan": args.plan,
            "plan_summary": ", ".join(f"{k} {v}" for k, v in plan.summary.items()
@@ -260,6 +278,7 @@ def main(argv=None) -> int:
            "bytes": sizes, "notes": notes, "contexts": contexts, "rounds": args.rounds, "per_round": args.per_round,
            "latency": latency, "environment": environment(), "wall_s": time.perf_counter() - t_start}
     out.mkdir(parents=True, exist_ok=True)
+    doc = json.loads(_scrub(json.dumps(doc), tmp))
     write_json(out / "deploy_bf16.json", doc)
     write_text(out / "deploy_bf16.md", _markdown(doc))
     print(_markdown(doc))

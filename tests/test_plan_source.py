@@ -35,7 +35,8 @@ def _settings():
     return EvalSettings(seq_len=16, batch_size=4, max_calib_tokens=192, max_eval_tokens=96, ablation=False)
 
 
-def _plan(folder, streamed: bool, spill: bool = False, target: str = "ppl+1%", ort_floor: bool = False):
+def _plan(folder, streamed: bool, spill: bool = False, target: str = "ppl+1%", ort_floor: bool = False,
+          dtype=None):
     from ffnquant.hf import inspect_model
     from ffnquant.hf.memory import MemoryPlan
     from ffnquant.plan.job import make_plan
@@ -43,7 +44,7 @@ def _plan(folder, streamed: bool, spill: bool = False, target: str = "ppl+1%", o
 
     memory = MemoryPlan(streamed, spill, None, 0, 0, 0, 0, 0, 0, "test") if streamed else None
     plan, result = make_plan(inspect_model(folder), target, Objective("bytes"), CANDIDATES, settings=_settings(),
-                             probe_tokens=64, ort_floor=ort_floor, memory=memory)
+                             probe_tokens=64, ort_floor=ort_floor, memory=memory, dtype=dtype)
     assert result.pop("streamed") is streamed
     result.pop("timings")
     return plan.to_toml(), json.dumps(result, default=str)
@@ -65,6 +66,23 @@ def test_the_streamed_plan_is_the_resident_plan(tiny, tmp_path, monkeypatch, nam
     data = json.loads(got[1])
     assert any(name != "fp32" for r in data["rounds"] for name in r["layers"].values())  # something was verified
     assert list(tmp_path.iterdir()) == []  # the spilled tensors are gone
+
+
+def test_a_plan_verified_in_bf16_is_the_same_streamed_or_resident(tiny, tmp_path, monkeypatch):
+    """The verification rounds in bf16 (a second engine computing in it) give the same plan and figures whether the
+    model is resident or read a layer at a time and spilled; the figures are the bf16 computation's, not the
+    float32 ones."""
+    import tempfile
+
+    pytest.importorskip("compressed_tensors")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    want = _plan(tiny["llama"], False, target="sqnr>=30", dtype=torch.bfloat16)
+    got = _plan(tiny["llama"], True, True, target="sqnr>=30", dtype=torch.bfloat16)
+    assert got == want
+    data, float32 = json.loads(got[1]), json.loads(_plan(tiny["llama"], False, target="sqnr>=30")[1])
+    assert data["verified_in"] == "bfloat16" and float32["verified_in"] == "float32"
+    assert data["rounds"][0]["end_to_end"] != float32["rounds"][0]["end_to_end"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def _whole_model_gradients(model, batches):
