@@ -208,12 +208,17 @@ def _print_deploy(doc: dict, out: Path) -> None:
               f"qparams {'equal' if proof['inputs']['all_equal'] else 'DIFFER'}; layers on the same inputs: "
               f"{lay['bit_identical']}/{lay['layers']} bit-identical, "
               f"{'all' if lay['all_at_parity'] else 'NOT all'} within rounding ties")
-        print(f"loaded back with transformers, against the original float model: perplexity {load['perplexity']:.4f} "
+        gen = proof.get("generation") or {}
+        if gen:
+            print(f"generation with transformers' KV cache: {gen['equal']}/{gen['prompts']} prompts x {gen['new_tokens']} "
+                  "tokens equal to ffnquant's reference")
+        dtype = load.get("compute_dtype", "float32")
+        print(f"loaded back with transformers ({dtype}), against the original float model: perplexity {load['perplexity']:.4f} "
               f"({load.get('relative_difference', float('nan')):.1e} relative to the reference)")
         gates = load.get("gates")
         if gates:
             print("end-to-end gates, each against ffnquant's reference on the original float model; allowed: twice "
-                  "what float32 rounding alone moves it (the original, unfolded model)")
+                  f"what {dtype} rounding alone moves it (the original, unfolded model)")
             print(text_table(["gate", "deployed", "reference", "worse by", "allowed", "met"], gate_rows(gates)))
             if gates.get("convention"):
                 print(f"  reference computed with {gates['convention']}, as the folder runs it")
