@@ -48,6 +48,9 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
         f"{verdict} {data['target']} after {len(data['rounds'])} round(s); worst: {final.get('worst_domain', '-')}, "
         f"final hidden SQNR {fmt(e.get('hidden_sqnr_db'))} dB",
         *[f"  - {line}" for line in domain_lines(final, base)],
+        *([f"- verification computed in {data['verified_in']}, the dtype the deployed model computes in (the float "
+           f"figures too: the float model in {data['verified_in']}); candidates scored in float32"]
+          if data.get("verified_in") not in (None, "float32") else []),
         f"- FFN stack cost: {_cost(final['cost'], unit)} against {_cost(data['fp32_cost'], unit)} for fp32 "
         f"({data['fp32_cost'] / final['cost']:.2f}x)" if final["cost"] else "- FFN stack cost: -",
         f"- search: {data['search']}; time {fmt(data['timings']['total_s'])} s",
