@@ -82,6 +82,11 @@ def test_a_plan_verified_in_bf16_is_the_same_streamed_or_resident(tiny, tmp_path
     data, float32 = json.loads(got[1]), json.loads(_plan(tiny["llama"], False, target="sqnr>=30")[1])
     assert data["verified_in"] == "bfloat16" and float32["verified_in"] == "float32"
     assert data["rounds"][0]["end_to_end"] != float32["rounds"][0]["end_to_end"]
+    # the baseline the figures are against is the float model's in bf16: each domain's perplexity minus its change
+    for label, fig in data["rounds"][-1]["domains"].items():
+        base = data["baseline"]["domains"][label]["perplexity"]
+        assert base == pytest.approx(fig["perplexity"] - fig["perplexity_delta"], rel=1e-12)
+        assert base != float32["baseline"]["domains"][label]["perplexity"]
     assert list(tmp_path.iterdir()) == []
 
 

@@ -352,7 +352,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         raise FFNQuantError("plan: a layer has no usable candidate (fp32 failed?)")
 
     t = time.perf_counter()
-    baseline, search_baseline = source.baseline, source.search_baseline
+    # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)
+    baseline, search_baseline = source.verification_baselines()
     by_name = {str(r): r for r in recipes}  # the options carry recipe texts; the Recipes were parsed once
     rounds: list[dict[str, Any]] = []
     safety, met_safety, missed_safety = 1.0, None, None

@@ -401,6 +401,13 @@ class PlanSource:
         streams[1].clear()
         return on_search, domains
 
+    def verification_baselines(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(held-out baseline {perplexity: None, n_tokens, domains: {label: figures}}, search-text baseline): the
+        float model's perplexities the verification rounds are measured against, in the plan's dtype."""
+        v = self._verification()
+        return ({"perplexity": None, "n_tokens": sum(int(b.numel()) for b in self.eval_ids),
+                 "domains": v.domain_baselines}, v.search_baseline)
+
     def _verification(self) -> "_Verification":
         """What the verification rounds run on: this source's own engine, streams and float figures; or, for a plan
         verified in another dtype, the same texts through an engine computing in it, with the float model's
