@@ -20,6 +20,7 @@ float32 gives the QuantizedFFN back unchanged: ffnquant's own numerics, which th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Mapping
 
@@ -27,6 +28,7 @@ import torch
 
 from ..errors import FFNQuantError, unknown_choice
 from ..fakequant import QuantizedFFN, SiteRange, WeightGrid
+from ..model import FFN
 
 __all__ = ["COMPUTE_DTYPES", "compute_dtype", "dtype_name", "rounding_step", "input_args", "in_dtype", "in_dtype_all",
            "source_dtype", "resolve_compute_dtype"]
@@ -174,8 +176,6 @@ def in_dtype(qffn: Any, dtype: torch.dtype) -> Any:
         return qffn
     if not isinstance(qffn, QuantizedFFN):
         raise FFNQuantError(f"cannot compute {type(qffn).__name__} in {dtype_name(dtype)}: a QuantizedFFN is needed")
-    from ..model import FFN
-
     src = qffn.model
     grids: dict[str, WeightGrid] = {}
     weights: dict[str, torch.Tensor] = {}
@@ -192,8 +192,6 @@ def in_dtype(qffn: Any, dtype: torch.dtype) -> Any:
             lin.weight.copy_(w)
             if lin.bias is not None:
                 lin.bias.copy_(old.bias.to(dtype))
-    import copy
-
     ffn.input_transform = copy.deepcopy(src.input_transform)  # each casts to its input's dtype
     ffn.hidden_transform = copy.deepcopy(src.hidden_transform)
     ranges = {site: _rounded_range(r, dtype) for site, r in qffn.ranges.items()}
@@ -204,7 +202,6 @@ def in_dtype(qffn: Any, dtype: torch.dtype) -> Any:
         if fn is not None:
             out._handles.append(ffn.taps[site].register_forward_hook(lambda mod, inp, o, fn=fn: fn(o)))
     out.recipe, out.prepared = qffn.recipe, qffn.prepared
-    out.compute_dtype = dtype
     return out
 
 
