@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..atomic import OutputTransaction
 from ..errors import FFNQuantError
+from ..recipe import GRAMMAR
 from ..render import agreement_words, fmt, ppl_change, text_table
 from ..report.model import model_eval_markdown, recipe_name
 from .common import TextFiles, positive_int, token_notes
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("eval", help="quantize the FFNs per scheme; perplexity / hidden-state SQNR and per-layer SQNR (needs transformers)")
     common(p)
     p.add_argument("--schemes", default="w8a8,w8a8-dynamic,w4a16-g128",
-                   help="comma-separated recipes, as `ffnquant run --schemes`: SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]")
+                   help=f"comma-separated recipes, as `ffnquant run --schemes`: {GRAMMAR}")
     p.add_argument("--calibrator", default=None,
                    help="calibrator of the static recipes that name none (minmax, percentile, ...)")
     p.add_argument("--calib-text", default=None, action=TextFiles,

@@ -8,6 +8,7 @@ import shlex
 import sys
 
 from ..errors import FFNQuantError
+from ..recipe import GRAMMAR
 from ..render import text_table
 from .common import add_model_arguments, add_spec_arguments, format_default, positive_int
 
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-tokens", type=positive_int, help=f"held-out evaluation tokens (default {_default('eval_tokens')})")
     parser.add_argument("--batch-size", type=positive_int, help=f"profiling batch size (default {_default('batch_size')})")
     parser.add_argument("--bins", type=positive_int, help=f"histogram bins per site (default {_default('bins')})")
-    parser.add_argument("--schemes", help="comma-separated SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate] "
+    parser.add_argument("--schemes", help=f"comma-separated {GRAMMAR} "
                         f"(default {_default('schemes')})")
     parser.add_argument("--baseline", help=f"the float scheme speedups are measured against (default {_default('baseline')})")
     parser.add_argument("--target-db", type=float, help=f"accuracy target: SQNR in dB a recommendation must meet (default {_default('target_db')})")
