@@ -88,22 +88,29 @@ def test_in_bf16_scales_are_bf16_values_and_the_codes_are_kept(recipe):
     assert y.dtype == torch.bfloat16 and y.shape == batches[0].shape
 
 
-def test_in_bf16_the_static_input_quantizer_is_compressed_tensors_own():
-    """The input site runs compressed-tensors' fake_quantize with the folder's args: its output lies on the grid
-    (q - z) * s with the bf16 scale, every value a bf16 number."""
-    q, batches = _quantized("w8a8")
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8-s8"], ids=["uint8-asymmetric", "int8-symmetric"])
+def test_in_bf16_the_static_input_quantizer_is_compressed_tensors_own(recipe):
+    """The input site runs compressed-tensors' fake_quantize with the folder's args on bf16 activations: every
+    value it gives is bf16((q - z) * s), the bf16 scale times a code on the grid, rounded once to bf16, and the
+    codes span the grid's range."""
+    q, batches = _quantized(recipe)
     low = precision.in_dtype(q, torch.bfloat16)
     seen = {}
     low.model.taps["input"].register_forward_hook(lambda m, a, out: seen.setdefault("x", out))
     with torch.no_grad():
         low(batches[0].to(torch.bfloat16))
     r = low.ranges["input"]
-    x = seen["x"].float()
-    assert seen["x"].dtype == torch.bfloat16
-    steps = x / r.scale
-    # on the grid, up to bf16's rounding of each product (q - z) * s
-    assert torch.allclose(steps, torch.round(steps), atol=256 * 2.0 ** -8)
-    assert steps.min() >= r.qmin - r.zero_point - 1 and steps.max() <= r.qmax - r.zero_point + 1
+    x = seen["x"]
+    assert x.dtype == torch.bfloat16
+    t = x.float() / r.scale
+    # the code each value came from is the floor or the ceiling of x / s (bf16's rounding moves it < 1 step)
+    on_grid = torch.zeros_like(t, dtype=torch.bool)
+    for k in (torch.floor(t), torch.ceil(t)):
+        on_grid |= (k * r.scale).to(torch.bfloat16) == x
+    assert bool(on_grid.all())
+    codes = torch.round(t)
+    assert codes.min() >= r.qmin - r.zero_point - 1 and codes.max() <= r.qmax - r.zero_point + 1
+    assert codes.max() - codes.min() > 64  # the calibrated range is used, not a few codes
 
 
 @pytest.mark.hf

@@ -481,7 +481,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     from ..hf.capture import require_transformers
     from ..hf.evaluate import float_reference
     from ..thirdparty import quiet_model_io
-    from .proof import end_to_end_gates, generation_equality, rounding_allowance
+    from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
 
     transformers = require_transformers()
     folder = Path(folder)
@@ -492,7 +492,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
         loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
         figures = compare_models(None, loaded, planned.info, planned.evals, references=references)
         layers = _layer_parity(loaded, planned)
-        generation = generation_equality(planned, loaded)
+        unfolded = unfolded_ffns(planned)  # ffnquant's reference of the plan, for both checks below
+        generation = generation_equality(planned, loaded, ffns=unfolded)
     del loaded
     reference = planned.reference["end_to_end"]
     ref_ratio = reference.get("perplexity_ratio")
@@ -511,7 +512,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     # reference computed that way (on the original model), and what the convention costs is reported beside it
     # (a model computed in a low precision already runs compressed-tensors' own quantizers: precision.in_dtype)
     convention = dtype is torch.float32 and any(_ct_numerics(q) is not q for q in planned.qffns.values())
-    allowance = rounding_allowance(planned, references, numerics=_ct_numerics if convention else None,
+    allowance = rounding_allowance(planned, references, ffns=unfolded, numerics=_ct_numerics if convention else None,
                                    numerics_name=CT_PER_TOKEN_CONVENTION if convention else None)
     load.update(allowance=allowance, gates=end_to_end_gates(figures, allowance, LOAD_TOLERANCE))
     reader = _safetensors_reader(folder)  # the files' tensor index, read once for both checks

@@ -315,10 +315,11 @@ def unfolded_ffns(planned: Any) -> dict[Any, Any]:
 
 
 def generation_equality(planned: Any, loaded: Any, prompts: int = 4, prompt_tokens: int = 16,
-                        new_tokens: int = 24) -> dict[str, Any]:
+                        new_tokens: int = 24, ffns: Mapping[Any, Any] | None = None) -> dict[str, Any]:
     """Greedy generation with a KV cache (transformers' `generate`) of a loaded deployed model against ffnquant's
     reference of the plan (the original float model with `unfolded_ffns` installed), on `prompts` prompts cut
-    from the held-out batches: the tokens of both, and whether they are equal token for token."""
+    from the held-out batches: the tokens of both, and whether they are equal token for token. `ffns`: the
+    `unfolded_ffns` when the caller has them."""
     from ..hf.capture import install_ffns
 
     ids = torch.cat([b.reshape(-1) for b in planned.evals])
@@ -335,7 +336,7 @@ def generation_equality(planned: Any, loaded: Any, prompts: int = 4, prompt_toke
                                  pad_token_id=pad)
         return out[0, len(prompt):].tolist()
 
-    with install_ffns(planned.float_model, planned.info, unfolded_ffns(planned)):
+    with install_ffns(planned.float_model, planned.info, ffns if ffns is not None else unfolded_ffns(planned)):
         refs = [generate(planned.float_model, p) for p in cuts]
     rows = []
     for p, ref in zip(cuts, refs):
@@ -348,7 +349,8 @@ def generation_equality(planned: Any, loaded: Any, prompts: int = 4, prompt_toke
 
 
 def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
-                       numerics: Callable[[Any], Any] | None = None, numerics_name: str | None = None) -> dict[str, Any]:
+                       numerics: Callable[[Any], Any] | None = None, numerics_name: str | None = None,
+                       ffns: Mapping[Any, Any] | None = None) -> dict[str, Any]:
     """How far rounding alone moves ffnquant's reference figures on this text: the ORIGINAL float model
     with the plan's quantized FFNs installed, each doing its input multiply itself (unfolded, as measured), its
     first block's input scaled by 1 and 1 +- one rounding step of the dtype the model computes in
@@ -362,12 +364,13 @@ def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
     `numerics(qffn) -> module`: the FFN as a format computes it where that differs from ffnquant's numerics by a
     stated convention (`numerics_name`); the runs at 1 +- one step and the `reference` are then of that computation
     on the same original model, and `convention_cost` is what it moves the figures from ffnquant's reference.
-    `references`: the original model's kept batches (`hf.evaluate.float_reference`), computed when None."""
+    `references`: the original model's kept batches (`hf.evaluate.float_reference`), computed when None; `ffns`:
+    the `unfolded_ffns` when the caller has them."""
     from ..hf.evaluate import float_reference
 
     info = planned.info
     step = rounding_step(planned.compute_dtype)
-    ffns = unfolded_ffns(planned)
+    ffns = ffns if ffns is not None else unfolded_ffns(planned)
     refs = references if references is not None else float_reference(planned.float_model, info, planned.evals)[1]
     plain = _run_figures(planned, ffns, refs, 0.0)
     recorded = _figures(planned.reference["end_to_end"])

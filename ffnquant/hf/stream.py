@@ -20,6 +20,8 @@ per batch, when they do not fit the budget.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -140,9 +142,6 @@ def _read(weights: _Weights, name: str, dtype: torch.dtype = torch.float32) -> t
 def _rounded(layer: Any, dtype: torch.dtype) -> Any:
     """An HFLayer whose FFN holds its parameters rounded to `dtype` (as float32 values): what a model loaded in
     `dtype` computes with, when the checkpoint is stored more precisely."""
-    import copy
-    import dataclasses
-
     ffn = copy.deepcopy(layer.ffn)
     with torch.no_grad():
         for p in ffn.parameters():
@@ -447,8 +446,6 @@ class SequentialModel:
         if self.dtype is torch.float32:
             yield
             return
-        import copy
-
         original = self.layers[j]
         self.layers[j] = copy.deepcopy(original).float()
         try:
