@@ -288,7 +288,10 @@ def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
     (["--candidates", "w9a9"], "w9a9"),
     (["--objective", "speed"], "invalid choice"),
     (["--max-memory", "1MB"], "over the 1.0 MB memory budget"),  # refused with the numbers before any work
-], ids=["target", "candidate", "objective", "memory"])
+    (["--runtime", "tpu"], "valid: ort-cpu, torch-cpu"),
+    (["--runtime", "ort-cpu,torch-cpu"], "cannot be listed with torch-module runtimes"),
+    (["--objective", "bytes", "--runtime", "torch-cpu"], "applies to --objective latency"),
+], ids=["target", "candidate", "objective", "memory", "runtime-unknown", "runtime-mixed", "runtime-with-bytes"])
 def test_plan_refuses_bad_input_in_one_line(tiny, tmp_path, capsys, args, message):
     out = tmp_path / "plan"
     assert main(["plan", "--model", str(tiny["llama"]), "--out", str(out), *args, *SMALL]) == 2
@@ -442,3 +445,34 @@ def test_plan_holds_its_target_on_every_held_out_domain(tiny, tmp_path):
     assert final["end_to_end"] == {k: v for k, v in final["domains"][final["worst_domain"]].items() if k != "resolution"}
     md = (out / "plan.md").read_text()
     assert str(prose) in md and str(code) in md and "95% CI" in md
+
+
+@pytest.mark.hf
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+def test_a_gpu_runtime_without_a_gpu_is_refused_before_any_work(tiny, tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", str(tiny["llama"]), "--runtime", "torch-cuda-graph", "--out", str(out), *SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "plan runtime torch-cuda-graph is not available here: no CUDA device" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.hf
+def test_plan_times_its_candidates_on_a_torch_runtime(tiny, tmp_path):
+    """--runtime torch-cpu: every candidate timed on torch's kernel for its scheme; a scheme without one (static
+    uint8 w8a8) is listed with the reason and never chosen; the plan says where it was timed."""
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", str(tiny["llama"]), "--target", "ppl+3%", "--runtime", "torch-cpu",
+                 "--candidates", "fp32,w8a16,w8a8-dynamic-s8,w8a8@search", "--decode-tokens", "2", "--out", str(out),
+                 *SMALL]) == 0
+    data = json.loads((out / "plan.json").read_text())
+    table = data["latency_table"]
+    for key in ("fp32", "w8a16", "w8a8-dynamic-s8"):
+        assert table[key]["runtime"] == "torch-cpu" and table[key]["p50_ms"] > 0, key
+        assert table[key]["p50_ms"] == pytest.approx(table[key]["prefill_ms"] + 2 * table[key]["decode_ms"])
+    assert "torch-cpu has no kernel for w8a8" in table["w8a8@search"]["reason"]
+    assert "w8a8@search" not in {str(r) for r in load_plan(out / "plan.toml").layers.values()}
+    assert data["plan"]["objective"].startswith("latency on torch-cpu of a 16-token prefill + 2 decode steps")
+    md = (out / "plan.md").read_text()
+    section = md.split("## Latency table")[1]
+    assert "| decode step p50 ms | runtime | kernel | note |" in section and "torch-cpu has no kernel for w8a8" in section

@@ -81,3 +81,77 @@ def test_the_latency_table_times_prefill_and_decode_side_by_side():
         assert (row["tokens"], row["decode_steps"]) == (16, 4)
     # no onnxruntime artifact computes ffnquant's per-token int8: never timed, so never chosen by latency
     assert "p50_ms" not in table["w8a8-dynamic-s8"] and table["w8a8-dynamic-s8"]["reason"]
+
+
+def test_the_objective_takes_a_runtime_or_a_list_of_them():
+    assert Objective("latency", "Torch-CUDA-Graph, triton-cuda").runtimes == ("torch-cuda-graph", "triton-cuda")
+    assert Objective().runtimes == ("ort-cpu",)
+    assert Objective("latency", "torch-cpu").name.startswith("latency on torch-cpu of")
+    for bad, message in [("tpu", "valid: ort-cpu, torch-cpu"), ("", "plan runtime is empty"),
+                         ("ort-cpu,torch-cpu", "cannot be listed"), ("torch-cpu,torch-cpu", "names a runtime twice"),
+                         ("triton-cpu", "valid:"), (3, "a name or a comma list")]:
+        with pytest.raises(FFNQuantError, match=message):
+            Objective("latency", bad)
+
+
+def test_every_plan_runtime_is_a_registered_runtime():
+    from ffnquant.plan.target import PLAN_RUNTIMES
+    from ffnquant.runtimes import runtime_names
+
+    assert set(PLAN_RUNTIMES) <= set(runtime_names())
+
+
+def _fake_runtime(device: str, formats: tuple[str, ...]):
+    return SimpleNamespace(name=f"fake-{device}", device=device, formats=formats)
+
+
+@pytest.mark.parametrize("recipe, device, expected", [
+    ("fp32", "cpu", ("fp32", "timed as fp32")),
+    ("fp32", "cuda", ("bf16", "timed as bf16")),  # a GPU's float baseline is bf16
+    ("w8a16", "cuda", ("w8a16", "timed as w8a16")),
+    ("w8a8-dynamic-s8+smooth", "cuda", ("w8a8-dynamic-s8", "smooth fold")),
+    ("fp8-e4m3@mse", "cuda", ("fp8-e4m3", "@mse fold")),
+    ("w8a8@search", "cuda", (None, "has no kernel for w8a8")),
+    ("w8a8-dynamic-s8+rotate", "cuda", (None, "online Hadamard")),
+    ("w8a16+float=hidden", "cuda", (None, "one format per FFN")),
+], ids=lambda v: str(v) if not isinstance(v, tuple) else None)
+def test_a_recipe_is_timed_as_the_runtime_kernel_for_its_scheme(recipe, device, expected):
+    from ffnquant.plan.runtime_latency import runtime_format
+    from ffnquant.recipe import Recipe
+
+    rt = _fake_runtime(device, ("fp32", "bf16", "w8a16", "w8a8-dynamic-s8", "fp8-e4m3"))
+    fmt, note = runtime_format(Recipe.parse(recipe), rt)
+    assert fmt == expected[0] and expected[1] in note
+
+
+def test_the_runtime_table_shares_a_kernel_between_recipes_and_says_why_one_is_missing():
+    from ffnquant.model import build
+    from ffnquant.plan.runtime_latency import check_runtimes, measure_runtime_table
+    from ffnquant.recipe import Recipe
+    from ffnquant.spec import FFNSpec, Variant
+
+    spec = FFNSpec(Variant.SWIGLU, d_model=32, d_ff=64)
+    layer = SimpleNamespace(spec=spec, ffn=build(spec, seed=0), label="L0")
+    recipes = [Recipe.parse(r) for r in ("fp32", "w8a16", "w8a8-dynamic-s8", "w8a8-dynamic-s8+smooth", "w8a8@search")]
+    runtimes = check_runtimes(["torch-cpu"])
+    calls = []
+    table = measure_runtime_table(layer, recipes, runtimes, Workload(8, 3), rounds=2, per_round=1,
+                                  progress=lambda *a: calls.append(a))
+    for key in ("fp32", "w8a16", "w8a8-dynamic-s8"):
+        row = table[key]
+        assert row["runtime"] == "torch-cpu" and row["samples"] == 2 and row["decode_samples"] == 20
+        assert row["p50_ms"] == pytest.approx(row["prefill_ms"] + 3 * row["decode_ms"])
+    # the smoothed recipe runs the same kernel: one measurement, the same figures
+    assert table["w8a8-dynamic-s8+smooth"]["p50_ms"] == table["w8a8-dynamic-s8"]["p50_ms"]
+    assert "smooth fold" in table["w8a8-dynamic-s8+smooth"]["note"]
+    assert "p50_ms" not in table["w8a8@search"] and "no kernel for w8a8" in table["w8a8@search"]["reason"]
+    assert calls[-1] == ("latency table: timing rounds", 2, 2)
+
+
+def test_a_runtime_that_is_not_here_is_refused_with_its_reason():
+    from ffnquant.plan.runtime_latency import check_runtimes
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal where there is no CUDA device")
+    with pytest.raises(FFNQuantError, match="plan runtime torch-cuda is not available here: no CUDA device"):
+        check_runtimes(["torch-cpu", "torch-cuda"])

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..atomic import OutputTransaction, write_json, write_text
+from ..errors import FFNQuantError
 from ..render import fmt
 from .bench import add_executor_arguments, executor_from_args
 from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int, text_options, token_notes
@@ -20,14 +21,19 @@ __all__ = ["NAME", "HELP", "add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..plan.candidates import CANDIDATE_SETS
-    from ..plan.target import DECODE_TOKENS, OBJECTIVES, TARGET_FORMS
+    from ..plan.target import DECODE_TOKENS, OBJECTIVES, PLAN_RUNTIMES, TARGET_FORMS
 
     parser.add_argument("--model", required=True, metavar="DIR", help="a local Hugging Face causal LM folder (safetensors)")
     parser.add_argument("--target", default="ppl+1%", help=f"what must hold end to end: {TARGET_FORMS.replace('%', '%%')} (default ppl+1%%)")
     parser.add_argument("--objective", default=None, choices=OBJECTIVES,
-                        help="what to make least: FFN stack latency on onnxruntime's CPU provider, or weight bytes; "
+                        help="what to make least: FFN stack latency on --runtime, or weight bytes; "
                              "when not given, latency, or bytes for a model of routed experts (its layers are not one "
                              "FFN the latency table can time)")
+    parser.add_argument("--runtime", default="ort-cpu", metavar="NAME[,NAME]",
+                        help="where the latency objective times the candidates: ort-cpu (the ONNX artifacts on "
+                             "onnxruntime's CPU provider) or a comma list of torch-module runtimes, each candidate "
+                             "timed on the first with a kernel for it, e.g. triton-cuda,torch-cuda-graph for a GPU "
+                             f"deployment; valid: {', '.join(PLAN_RUNTIMES)} (default ort-cpu)")
     parser.add_argument("--tokens", type=positive_int, default=512,
                         help="prompt tokens of the request the latency objective times: one prefill call (default 512)")
     parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, metavar="N",
@@ -86,9 +92,16 @@ def run(args: argparse.Namespace) -> int:
     # every input error before any work: target, objective, model, candidates, texts
     target = Target.parse(args.target)
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)
-    objective = Objective(args.objective or ("bytes" if info.n_experts else "latency"), "ort-cpu",
+    objective = Objective(args.objective or ("bytes" if info.n_experts else "latency"), args.runtime,
                           Workload(args.tokens, args.decode_tokens))
     check_plannable(info, objective)
+    if objective.kind != "latency" and objective.runtimes != ("ort-cpu",):
+        raise FFNQuantError(f"--runtime {args.runtime} applies to --objective latency; the objective here is "
+                            f"{objective.kind}")
+    if objective.kind == "latency" and objective.runtimes != ("ort-cpu",):
+        from ..plan.runtime_latency import check_runtimes
+
+        check_runtimes(objective.runtimes)  # no CUDA here: said now, before the model is read
     export_format = None if args.format is None else get_format(args.format)
     from ..deploy.precision import resolve_compute_dtype
 

@@ -275,6 +275,10 @@ def make_plan(
     objective = objective or Objective()
     info = model_dir if hasattr(model_dir, "arch") else inspect_model(model_dir, allow_pickle=allow_pickle)
     check_plannable(info, objective)
+    if objective.kind == "latency" and objective.runtimes != ("ort-cpu",):
+        from .runtime_latency import check_runtimes
+
+        check_runtimes(objective.runtimes)  # an absent GPU is said before any work
     recipes, skipped = candidate_recipes(candidates, info.spec)
     if export_format is not None:  # a plan made for a format never ends in a refused export
         from .candidates import format_candidates
@@ -308,6 +312,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     """`make_plan` from its inputs at hand (`source`: in memory or streamed): steps 3-7 of the module docstring."""
     from ..atlas import layer_atlas
     from .latency_table import measure_latency_table
+    from .runtime_latency import check_runtimes, measure_runtime_table
 
     latency: dict[str, dict[str, Any]] = {}
     t = time.perf_counter()
@@ -320,7 +325,11 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         if objective.kind == "latency" and not latency:  # measured on the first layer, at the model's shape
             t_lat = time.perf_counter()
             first, calib, held, _ = group[0]
-            latency = measure_latency_table(first, recipes, calib, held, tokens=objective.tokens, progress=progress)
+            if objective.runtimes == ("ort-cpu",):
+                latency = measure_latency_table(first, recipes, calib, held, tokens=objective.tokens, progress=progress)
+            else:
+                latency = measure_runtime_table(first, recipes, check_runtimes(objective.runtimes), objective.tokens,
+                                                progress=progress)
             timings["latency_table_s"] = time.perf_counter() - t_lat
         # each layer is finished as soon as its tasks are in, so its quantized probes are freed early
         for k, scores, kept in _scored(executor, group, scored, probes, settings.bins):

@@ -10,12 +10,18 @@ from typing import Any, Mapping
 from ..errors import FFNQuantError, unknown_choice
 from ..render import ppl_change
 
-__all__ = ["Target", "Objective", "Workload", "OBJECTIVES", "METRICS", "TARGET_FORMS", "DECODE_TOKENS"]
+__all__ = ["Target", "Objective", "Workload", "OBJECTIVES", "METRICS", "TARGET_FORMS", "DECODE_TOKENS", "PLAN_RUNTIMES"]
 
 TARGET_FORMS = ("ppl+P% (perplexity at most P% above the float model's), kld<=X (mean next-token KL divergence "
                 "from the float model, nats), top1>=Y% (share of tokens whose most likely next token is the float "
                 "model's) or sqnr>=DB (final hidden state SQNR)")
 OBJECTIVES = ("latency", "bytes")
+# Where the latency objective can time candidates (`ffnquant.runtimes` names): onnxruntime's CPU provider on the
+# ONNX artifacts, or the torch-module runtimes on their kernels (a comma list: each candidate on the first one with
+# a kernel for it). Left out: ort-cuda / ort-trt (the table times artifacts on the CPU provider only) and
+# triton-cpu (Triton's interpreter: numerics, not latency).
+PLAN_RUNTIMES = ("ort-cpu", "torch-cpu", "torch-cuda", "torch-cuda-graph", "torch-cuda-compile", "triton-cuda",
+                 "bnb-cpu", "bnb-cuda")
 # decode steps per request the latency objective counts by default: a short chat reply to a 512-token prompt;
 # on a CPU each step reads every weight, so at this count decode is most of a request's FFN time
 DECODE_TOKENS = 128
@@ -226,11 +232,28 @@ class Objective:
     def __post_init__(self) -> None:
         if self.kind not in OBJECTIVES:
             raise unknown_choice("objective", self.kind, OBJECTIVES)
-        if self.runtime != "ort-cpu":
-            # the latency table times ffnquant's ONNX artifacts; only the CPU provider runs them on this machine
-            raise unknown_choice("plan runtime", self.runtime, ("ort-cpu",))
+        if not isinstance(self.runtime, str):
+            raise FFNQuantError(f"plan runtime must be a name or a comma list of names, got {self.runtime!r}")
+        names = tuple(n.strip().lower() for n in self.runtime.split(",") if n.strip())
+        if not names:
+            raise FFNQuantError(f"plan runtime is empty; valid: {', '.join(PLAN_RUNTIMES)}")
+        for name in names:
+            if name not in PLAN_RUNTIMES:
+                raise unknown_choice("plan runtime", name, PLAN_RUNTIMES)
+        if "ort-cpu" in names and len(names) > 1:
+            # two measurement paths (ONNX artifacts vs torch modules) would put two clocks in one table
+            raise FFNQuantError(f"plan runtime {self.runtime!r}: ort-cpu times the ONNX artifacts and cannot be "
+                                "listed with torch-module runtimes; give ort-cpu alone or a list of the others")
+        if len(set(names)) != len(names):
+            raise FFNQuantError(f"plan runtime {self.runtime!r} names a runtime twice")
+        object.__setattr__(self, "runtime", ",".join(names))
         if not isinstance(self.tokens, Workload):
             object.__setattr__(self, "tokens", Workload(_count(self.tokens, "tokens", 1)))
+
+    @property
+    def runtimes(self) -> tuple[str, ...]:
+        """The runtime names the latency table times on, in order of preference."""
+        return tuple(self.runtime.split(","))
 
     @property
     def name(self) -> str:

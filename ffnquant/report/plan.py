@@ -102,12 +102,23 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
                                 [(s["recipe"], _cost(s["cost"], unit), f"{s['cost'] / final['cost']:.2f}x" if final["cost"] else "-",
                                   s["predicted"]) for s in sorted(data["single_recipes"], key=lambda s: s["cost"])]))
     if data.get("latency_table"):
-        lines += ["", f"## Latency table (one FFN at the model's shape, onnxruntime CPU, {data['plan']['objective']})", ""]
-        lines.append(markdown_table(
-            ["recipe", "request p10 ms", "request p50 ms", "request p90 ms", "prefill p50 ms", "decode step p50 ms",
-             "artifact", "ONNX SQNR dB", "note"],
-            [(k, v.get("p10_ms"), v.get("p50_ms"), v.get("p90_ms"), v.get("prefill_ms"), v.get("decode_ms"),
-              v.get("kind", "-"), v.get("onnx_sqnr_db"), v.get("reason", "")) for k, v in data["latency_table"].items()]))
+        table = data["latency_table"]
+        if any("runtime" in v for v in table.values()):  # timed on torch-module runtimes, each on its kernel
+            lines += ["", f"## Latency table (one FFN at the model's shape, {data['plan']['objective']})", ""]
+            lines.append(markdown_table(
+                ["recipe", "request p10 ms", "request p50 ms", "request p90 ms", "prefill p50 ms", "decode step p50 ms",
+                 "runtime", "kernel", "note"],
+                [(k, v.get("p10_ms"), v.get("p50_ms"), v.get("p90_ms"), v.get("prefill_ms"), v.get("decode_ms"),
+                  v.get("runtime", "-"), v.get("kernel", "-"), v.get("reason") or v.get("note", ""))
+                 for k, v in table.items()]))
+        else:
+            lines += ["", f"## Latency table (one FFN at the model's shape, onnxruntime CPU, {data['plan']['objective']})",
+                      ""]
+            lines.append(markdown_table(
+                ["recipe", "request p10 ms", "request p50 ms", "request p90 ms", "prefill p50 ms", "decode step p50 ms",
+                 "artifact", "ONNX SQNR dB", "note"],
+                [(k, v.get("p10_ms"), v.get("p50_ms"), v.get("p90_ms"), v.get("prefill_ms"), v.get("decode_ms"),
+                  v.get("kind", "-"), v.get("onnx_sqnr_db"), v.get("reason", "")) for k, v in table.items()]))
     fit = data["probe_fit"]
     if fit:
         lines += ["", "## How good the prediction is: probes measured against predicted", "",
