@@ -109,9 +109,12 @@ def _fake_runtime(device: str, formats: tuple[str, ...]):
     ("fp32", "cpu", ("fp32", "timed as fp32")),
     ("fp32", "cuda", ("bf16", "timed as bf16")),  # a GPU's float baseline is bf16
     ("w8a16", "cuda", ("w8a16", "timed as w8a16")),
-    ("w8a8-dynamic-s8+smooth", "cuda", ("w8a8-dynamic-s8", "smooth fold")),
-    ("fp8-e4m3@mse", "cuda", ("fp8-e4m3", "@mse fold")),
+    ("w8a8-dynamic-s8+smooth", "cuda", ("w8a8-dynamic-s8", "smooth: other stored values")),
+    ("fp8-e4m3@mse", "cuda", ("fp8-e4m3", "@mse: other")),
     ("w8a8@search", "cuda", (None, "has no kernel for w8a8")),
+    ("w4a16-g128-gptq", "cuda", ("w4a16-g128", "gptq: other")),  # GPTQ's codes on the same grid: the same kernel
+    ("w4a16-g128-awq", "cuda", ("w4a16-g128-asym", "awq: other")),
+    ("w4a16-g64-hqq", "cuda", (None, "has no kernel for w4a16-g64-hqq")),
     ("w8a8-dynamic-s8+rotate", "cuda", (None, "online Hadamard")),
     ("w8a16+float=hidden", "cuda", (None, "one format per FFN")),
 ], ids=lambda v: str(v) if not isinstance(v, tuple) else None)
@@ -119,7 +122,7 @@ def test_a_recipe_is_timed_as_the_runtime_kernel_for_its_scheme(recipe, device, 
     from ffnquant.plan.runtime_latency import runtime_format
     from ffnquant.recipe import Recipe
 
-    rt = _fake_runtime(device, ("fp32", "bf16", "w8a16", "w8a8-dynamic-s8", "fp8-e4m3"))
+    rt = _fake_runtime(device, ("fp32", "bf16", "w8a16", "w8a8-dynamic-s8", "fp8-e4m3", "w4a16-g128", "w4a16-g128-asym"))
     fmt, note = runtime_format(Recipe.parse(recipe), rt)
     assert fmt == expected[0] and expected[1] in note
 
@@ -143,7 +146,7 @@ def test_the_runtime_table_shares_a_kernel_between_recipes_and_says_why_one_is_m
         assert row["p50_ms"] == pytest.approx(row["prefill_ms"] + 3 * row["decode_ms"])
     # the smoothed recipe runs the same kernel: one measurement, the same figures
     assert table["w8a8-dynamic-s8+smooth"]["p50_ms"] == table["w8a8-dynamic-s8"]["p50_ms"]
-    assert "smooth fold" in table["w8a8-dynamic-s8+smooth"]["note"]
+    assert "smooth: other stored values" in table["w8a8-dynamic-s8+smooth"]["note"]
     assert "p50_ms" not in table["w8a8@search"] and "no kernel for w8a8" in table["w8a8@search"]["reason"]
     assert calls[-1] == ("latency table: timing rounds", 2, 2)
 

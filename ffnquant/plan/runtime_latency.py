@@ -50,12 +50,26 @@ def runtime_format(recipe: Recipe, runtime: Runtime) -> tuple[str | None, str]:
     fmt = recipe.scheme
     if recipe.is_float and runtime.device == "cuda":
         fmt = "bf16"  # a GPU serves the float model in bf16, not float32: the baseline a quantized kernel must beat
+    method = None
     if fmt not in runtime.formats:
-        return None, f"{runtime.name} has no kernel for {fmt} (its formats: {', '.join(runtime.formats)})"
-    folded = [part for part, on in (("smooth", recipe.smooth is not None), (f"@{recipe.calibrator}", recipe.calibrator))
-              if on]
-    note = f"timed as {fmt}" + (f" ({' and '.join(folded)} fold into the weights and norms)" if folded else "")
+        fmt, method = _same_grid(recipe.resolve(), runtime.formats), recipe.resolve().method.value
+        if fmt is None:
+            return None, f"{runtime.name} has no kernel for {recipe.scheme} (its formats: {', '.join(runtime.formats)})"
+    folded = [part for part, on in (("smooth", recipe.smooth is not None), (f"@{recipe.calibrator}", recipe.calibrator),
+                                    (method, method)) if on]
+    note = f"timed as {fmt}" + (f" ({', '.join(folded)}: other stored values, the same kernel)" if folded else "")
     return fmt, note
+
+
+def _same_grid(scheme: Any, formats: Sequence[str]) -> str | None:
+    """The format storing `scheme`'s grid by plain rounding: GPTQ, AWQ or HQQ choose other codes on the same grid
+    (scales, zero points, group), which the same kernel runs; None when no format has that grid."""
+    from ..schemes import PRESETS, Method
+
+    grid = lambda s: (s.weight_dtype, s.weight_granularity, s.group_size, s.weight_symmetric, s.act_dtype,  # noqa: E731
+                      s.act_mode, s.act_symmetric)
+    return next((f for f in formats if f in PRESETS and PRESETS[f].method is Method.RTN
+                 and grid(PRESETS[f]) == grid(scheme)), None)
 
 
 def measure_runtime_table(layer: Any, recipes: Sequence[Recipe], runtimes: Sequence[Runtime], workload: Workload,
