@@ -1,11 +1,13 @@
-"""triton runtime: ffnquant's own Triton W4A16 kernel (`ffnquant.kernels.w4a16`) on CUDA.
+"""triton runtime: ffnquant's own Triton W4A16 kernel (`ffnquant.kernels.w4a16_tiled`) on CUDA.
 
-The kernel fuses the int4 dequantization into the matmul and implements ffnquant's
-`w4a16-g*` presets exactly (symmetric groups, the extreme of each group on code 0), so
-its accuracy row and the quantization stage's reference describe the same numerics
+The kernel (weights repacked once at load into the tiled layout of `kernels.w4a16_repack`) fuses
+the int4 dequantization into the matmul and implements ffnquant's `w4a16-g*` presets exactly
+(symmetric groups, the extreme of each group on code 0), so its accuracy row and the quantization
+stage's reference describe the same numerics
 (tinygemm on `torch-cuda` runs the asymmetric `w4a16-g*-asym` presets instead). Every call is replayed from a CUDA
 graph (decode-size FFNs are a few microseconds per kernel: launch overhead would
-otherwise dominate); `fp16` runs the plain torch FFN the same way, as the baseline.
+otherwise dominate); `fp16` runs the plain torch FFN the same way, as the baseline. The older
+kernel (`kernels.w4a16`) stays importable: `benchmarks/w4a16_kernels.py` compares against it.
 """
 
 from __future__ import annotations
@@ -33,25 +35,26 @@ class GatedW4FFN(torch.nn.Module):
     """A gated FFN without biases on the Triton kernels: act(x Wg) * (x Wu) in ONE launch, then W_down.
 
     Reading both weights in one program saves a launch and the round trip of the two [M, d_ff]
-    intermediates through memory; at one token that is a visible share of a ~15 us FFN.
+    intermediates through memory; at one token that is a visible share of a decode FFN. Gate and up
+    are repacked alike (same tiles), as the fused kernel requires.
     """
 
     def __init__(self, model, group_size: int) -> None:
-        from ..kernels.w4a16 import W4A16Linear
+        from ..kernels.w4a16_tiled import TiledW4A16Linear
 
         super().__init__()
         spec = model.spec
         self.spec = spec
         self.act = spec.activation.value
-        self.w_gate = W4A16Linear(model.w_gate, group_size=group_size)
-        self.w_up = W4A16Linear(model.w_up, group_size=group_size)
-        self.w_down = W4A16Linear(model.w_down, group_size=group_size)
+        self.w_gate = TiledW4A16Linear(model.w_gate, group_size=group_size)
+        self.w_up = TiledW4A16Linear(model.w_up, group_size=group_size)
+        self.w_down = TiledW4A16Linear(model.w_down, group_size=group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.w4a16 import w4a16_gated
+        from ..kernels.w4a16_tiled import tiled_gated
 
         lead = x.shape[:-1]
-        hidden = w4a16_gated(x.reshape(-1, self.spec.d_model), self.w_gate.weight_packed, self.w_up.weight_packed,
+        hidden = tiled_gated(x.reshape(-1, self.spec.d_model), self.w_gate.weight_tiled, self.w_up.weight_tiled,
                              self.act)
         return self.w_down(hidden).reshape(*lead, self.spec.d_model)
 
@@ -81,10 +84,10 @@ class TritonRuntime(TorchModuleRuntime):
             return Availability(False, "Triton runs on CPU only in its interpreter (TRITON_INTERPRET=1)", "cpu")
         # A tiny call: a Triton install without a working compiler or driver fails only here.
         try:
-            from ..kernels.w4a16 import W4A16Linear
+            from ..kernels.w4a16_tiled import TiledW4A16Linear
 
             lin = torch.nn.Linear(128, 32, bias=False)
-            layer = W4A16Linear(lin, group_size=32).to(self.device)
+            layer = TiledW4A16Linear(lin, group_size=32).to(self.device)
             y = layer(torch.randn(2, 128, device=self.device, dtype=torch.float16))
             if self.device == "cuda":
                 torch.cuda.synchronize()
@@ -112,7 +115,7 @@ class TritonRuntime(TorchModuleRuntime):
                                     f"got {spec.d_model} and {spec.d_ff}")
 
     def load(self, case: ModelCase) -> Loaded:
-        from ..kernels.w4a16 import W4A16Linear
+        from ..kernels.w4a16_tiled import TiledW4A16Linear
 
         self.check(case)
         model = copy.deepcopy(case.float_model()).float().cpu()
@@ -124,9 +127,9 @@ class TritonRuntime(TorchModuleRuntime):
                     fused = "; gate, up and activation fused in one kernel"
                 else:
                     for name in case.spec.weight_names:
-                        setattr(model, name, W4A16Linear(getattr(model, name), group_size=g))
+                        setattr(model, name, TiledW4A16Linear(getattr(model, name), group_size=g))
                     fused = ""
-                kernel = f"ffnquant Triton W4A16 (symmetric int4, group {g}, fp16 scales{fused})"
+                kernel = f"ffnquant Triton W4A16, tiled layout (symmetric int4, group {g}, fp16 scales{fused})"
             else:
                 kernel = "eager torch matmul"
             model = model.to(device=self.device, dtype=torch.float16)

@@ -1,0 +1,573 @@
+"""Triton W4A16 on the tiled layout (`w4a16_repack.TiledW4`): the project's W4A16 kernel for decode and prefill.
+
+Same numerics as `ffnquant.kernels.w4a16` (ffnquant's symmetric int4 groups, w = (q - 8) * stored scale):
+products are formed from the integer (q - 8), exact in fp16/bf16/fp32, with float32 accumulation, and the
+group scale multiplies the float32 partial of each K step (a step never straddles groups); a dequantized
+weight is never rounded to the activation dtype. The only differences from `w4a16_reference` are float32
+summation order and the final rounding to x's dtype.
+
+Why a new layout: the old `dot` path loads codes as [SUB/2, BLOCK_N] bytes strided by K/2 per column and
+rebuilds k order with join/permute/reshape every step. Here the codes are repacked once, offline, so that one
+K step of one layout tile is ONE contiguous block_k * block_n / 2-byte chunk (the next step's chunk follows it),
+the scales are transposed to [k/g, n_pad] (one contiguous row per step), and n is padded so that no load is
+masked. Inside a word, nibble i holds the code of k = k0 + i * block_k/8 + j, so the words shifted by 4i ARE
+the tile in k order. Kernels:
+- `dot` ([BLOCK_M, BLOCK_N] tiles, BLOCK_M >= 16: padded rows of x cost no memory traffic): each step extracts
+  nibbles i and i + 4 of every word at once (mask 0x000F000F), giving the first and second halves of the
+  step's K range; with x in fp16 both halves become floats with the 1024 + q exponent trick (an OR and a
+  subtract per code, two codes per 32-bit op), else with the 2**23 + q float32 trick. Two chained `tl.dot`s
+  (one per half, x loaded as two contiguous half tiles) give the float32 partial, scaled per column.
+  Triton pipelines the loads that feed the dots (num_stages); the scale row is prefetched one step ahead.
+- `gemv` (one row of x per program, no tensor cores): the 2**23 trick with the nibble's power of 16 folded
+  into x (exact: a power of two), one FMA per code; the next step's words are prefetched by hand.
+Both split K (SPLIT_K > 1: atomic adds into a zeroed float32 buffer, then a cast; run-to-run bit differences
+in the float32 sums) and both have a GATED form, act(x Wg^T) * (x Wu^T) in one launch (no K split there).
+Without a GPU, tests/test_kernels_w4a16_tiled.py compiles them for sm_90 on the CPU and checks the generated
+code for what this design relies on: codes arriving by cp.async (pipelined), the fp16 conversion packed as
+f16x2 (two codes per instruction), the products on tensor cores (mma).
+
+One layout per weight: the repack depends on (block_n, block_k), so a weight is repacked ONCE at load with
+block_n = 64 and block_k = min(128, power-of-two part of the group), and every kernel tile reads that layout:
+a BLOCK_N below 64 reads a column slice of a layout tile (runs of >= 64 contiguous bytes), one above reads
+several whole tiles; the K step is the layout's block_k (the largest step that stays inside one group). n is
+padded to a multiple of 128 (the widest kernel tile), so every BLOCK_N divides it. One copy of the weight
+serves every M bucket; the tuner only picks among launch configs.
+
+The tuner times the candidates of an (M bucket, N, K) as CUDA-graph replays with a cold L2 (`w4a16._time_call`)
+and caches the fastest; during a graph capture the bucket's first candidate runs untimed. Under
+TRITON_INTERPRET=1 (CPU tensors) a fixed small config runs and nothing is timed. Speed figures for this kernel
+wait for a GPU run of `benchmarks/w4a16_kernels.py`; none are claimed here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ..errors import FFNQuantError, unknown_choice
+from .w4a16 import _ACT_CODE, _X_DTYPES, _interpreting, _time_call, triton_status
+from .w4a16_pack import ACTIVATIONS, SCALE_DTYPES, PackedW4, describe, pack_w4, torch_act
+from .w4a16_repack import TiledW4, dequantize_tiled, repack_w4, unrepack_w4
+
+__all__ = ["ACTIVATIONS", "KERNEL_BLOCK_NS", "LAYOUT_BLOCK_N", "TiledConfig", "TiledW4", "TiledW4A16Linear",
+           "dequantize_tiled", "repack_w4", "tiled_config_used", "tiled_gated", "tiled_matmul", "triton_status",
+           "unrepack_w4"]
+
+LAYOUT_BLOCK_N = 64  # the layout's tile width for every weight (see the module docstring)
+KERNEL_BLOCK_NS = (16, 32, 64, 128)  # divisors or multiples of the layout's tile; all divide n_pad
+
+# set by _triton(); the kernel bodies below resolve `tl` from this module's globals
+triton = None
+tl = None
+
+
+def _triton():
+    global triton, tl
+    if tl is None:
+        try:
+            import triton as _t
+            import triton.language as _tl
+        except Exception as exc:
+            raise FFNQuantError(f"the W4A16 kernel needs triton, which fails to import: {exc}") from exc
+        triton, tl = _t, _tl
+    return triton
+
+
+_KERNELS: dict[bool, SimpleNamespace] = {}
+
+
+def _kernels(interpret: bool) -> SimpleNamespace:
+    # decorated per mode on first use (triton.jit picks compiled vs interpreted at decoration time)
+    if interpret not in _KERNELS:
+        t = _triton()
+        _KERNELS[interpret] = SimpleNamespace(dot=t.jit(_dot_kernel), gemv=t.jit(_gemv_kernel))
+    return _KERNELS[interpret]
+
+
+# --- kernels ------------------------------------------------------------------------------
+# Word (j, padded column c) of K step t lives at ((c // LAYOUT_N) * KT + t) * STEP + j * LAYOUT_N + c % LAYOUT_N,
+# STEP = (BLOCK_K / 8) * LAYOUT_N: a layout tile's steps follow each other, so a program walks one contiguous run.
+# As in w4a16.py: builtins only (tl.full, tl.reduce with the standard combiner, tl.exp), because the @jit helpers
+# of triton.language are bound to one mode (compiled or interpreted) when triton is imported.
+
+
+def _dot_kernel(
+    x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr,
+    M, N, NPAD, KT, stride_xm, stride_om, iters_per_split,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, LAYOUT_N: tl.constexpr, XKIND: tl.constexpr, DOT_DT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+):
+    KW: tl.constexpr = BLOCK_K // 8
+    HALF: tl.constexpr = BLOCK_K // 2
+    STEP: tl.constexpr = KW * LAYOUT_N
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # padded columns: every load in bounds, no mask
+    m_ok = rm < M
+    rj = tl.arange(0, KW)
+    w_off = ((rn // LAYOUT_N).to(tl.int64) * KT * STEP + rn % LAYOUT_N)[None, :] + (rj * LAYOUT_N)[:, None]
+    sh = (tl.arange(0, 4) * 4)[:, None, None]  # nibbles i (bits 4i) and i + 4 (bits 16 + 4i) of each word at once
+    rk = tl.arange(0, HALF)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    acc2 = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    t0 = pid_k * iters_per_split
+    t1 = tl.minimum(t0 + iters_per_split, KT)
+    # the scale row is too small for cp.async pipelining: prefetched one step ahead by hand (the index clamped to
+    # the last step rather than masked: a redundant load is harmless)
+    s_nx = tl.load(s_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
+    s2_nx = s_nx
+    if GATED:
+        s2_nx = tl.load(s2_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
+    for t in range(t0, t1):
+        s = s_nx.to(tl.float32)
+        s_row = ((tl.minimum(t + 1, KT - 1) * BLOCK_K) // GROUP) * NPAD
+        s_nx = tl.load(s_ptr + s_row + rn)
+        xo = x_rows + (t * BLOCK_K + rk)[None, :]
+        x_lo = tl.load(xo, mask=m_ok[:, None], other=0.0).to(DOT_DT)  # k0 .. k0 + HALF: nibbles 0..3
+        x_hi = tl.load(xo + HALF, mask=m_ok[:, None], other=0.0).to(DOT_DT)  # k0 + HALF .. k0 + BLOCK_K: nibbles 4..7
+        v = tl.load(w_ptr + w_off + t * STEP)[None, :, :] >> sh  # [4, KW, BLOCK_N]
+        if XKIND == 1:
+            # two fp16 codes per int32 op: 0x6400 | q is the fp16 1024 + q; minus 1032 is q - 8, exact
+            v = (v & 0x000F000F) | 0x64006400
+            lo = v.to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+        else:
+            # 2**23 + q as float32, then an exact cast (bf16 arithmetic on bitcast values is wrong in the interpreter)
+            lo = ((v & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            hi = (((v >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        part = tl.dot(x_lo, tl.reshape(lo.to(DOT_DT), (HALF, BLOCK_N)), input_precision="ieee")
+        part = tl.dot(x_hi, tl.reshape(hi.to(DOT_DT), (HALF, BLOCK_N)), part, input_precision="ieee")
+        acc += part * s[None, :]
+        if GATED:
+            s = s2_nx.to(tl.float32)
+            s2_nx = tl.load(s2_ptr + s_row + rn)
+            v = tl.load(w2_ptr + w_off + t * STEP)[None, :, :] >> sh
+            if XKIND == 1:
+                v = (v & 0x000F000F) | 0x64006400
+                lo = v.to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+                hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            else:
+                lo = ((v & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                hi = (((v >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            part = tl.dot(x_lo, tl.reshape(lo.to(DOT_DT), (HALF, BLOCK_N)), input_precision="ieee")
+            part = tl.dot(x_hi, tl.reshape(hi.to(DOT_DT), (HALF, BLOCK_N)), part, input_precision="ieee")
+            acc2 += part * s[None, :]
+    res = acc
+    if GATED:
+        # activations as torch defines them; 1 + tanh(u) == 2 * sigmoid(2u) gives gelu_tanh without tanh
+        if ACT == 0:
+            res = res / (1.0 + tl.exp(-res))
+        elif ACT == 1:
+            res = 0.5 * res * (1.0 + tl.erf(res * 0.7071067811865476))
+        elif ACT == 2:
+            res = res / (1.0 + tl.exp(-1.5957691216057308 * (res + 0.044715 * res * res * res)))
+        elif ACT == 3:
+            res = tl.maximum(res, 0.0)
+        elif ACT == 4:
+            res = 1.0 / (1.0 + tl.exp(-res))
+        res = res * acc2
+    out = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    omask = m_ok[:, None] & (rn < N)[None, :]
+    if ATOMIC:
+        tl.atomic_add(out, res, mask=omask)
+    else:
+        if XKIND == 2:
+            # round to nearest even on the float32 bits, so the cast to bf16 is exact in any rounding mode (the
+            # interpreter truncates float32 -> bf16); NaN passes through unchanged
+            bits = res.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            res = tl.where(res == res, bits.to(tl.float32, bitcast=True), res)
+        tl.store(out, res.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr,
+    N, NPAD, KT, stride_xm, stride_om, iters_per_split,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, LAYOUT_N: tl.constexpr, XKIND: tl.constexpr,
+    BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+):
+    # One row m of x; the step's words are a [KW, BLOCK_N] tile and x's BLOCK_K values are eight contiguous runs
+    # of KW (nibble i of word j is k0 + i * KW + j). (bits & (15 << 4i)) | 2**23, minus 2**23 + 8 * 16**i, is
+    # 16**i * (q - 8) exactly (16**3 * 15 < 2**23); the 16**-i goes into x (exact), so each code costs an AND,
+    # an OR, a subtract and one FMA, with no shift per nibble.
+    KW: tl.constexpr = BLOCK_K // 8
+    STEP: tl.constexpr = KW * LAYOUT_N
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.arange(0, KW)
+    w_off = ((rn // LAYOUT_N).to(tl.int64) * KT * STEP + rn % LAYOUT_N)[None, :] + (rj * LAYOUT_N)[:, None]
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    acc = tl.full([KW, BLOCK_N], 0.0, tl.float32)
+    acc2 = tl.full([KW, BLOCK_N], 0.0, tl.float32)
+    t0 = pid_k * iters_per_split
+    t1 = tl.minimum(t0 + iters_per_split, KT)
+    # no tl.dot in this loop, so Triton's pipeliner does not prefetch: the next step's words are loaded by hand
+    # before this step's math (index clamped to the split's last step: a redundant load at the end)
+    w_nx = tl.load(w_ptr + w_off + t0 * STEP)
+    s_nx = tl.load(s_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
+    w2_nx = w_nx
+    s2_nx = s_nx
+    if GATED:
+        w2_nx = tl.load(w2_ptr + w_off + t0 * STEP)
+        s2_nx = tl.load(s2_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
+    for t in range(t0, t1):
+        w = w_nx
+        s = s_nx.to(tl.float32)
+        w2 = w2_nx
+        s2 = s2_nx.to(tl.float32)
+        tn = tl.minimum(t + 1, t1 - 1)
+        w_nx = tl.load(w_ptr + w_off + tn * STEP)
+        s_nx = tl.load(s_ptr + ((tn * BLOCK_K) // GROUP) * NPAD + rn)
+        if GATED:
+            w2_nx = tl.load(w2_ptr + w_off + tn * STEP)
+            s2_nx = tl.load(s2_ptr + ((tn * BLOCK_K) // GROUP) * NPAD + rn)
+        xb = x_row + t * BLOCK_K + rj
+        x0 = tl.load(xb).to(tl.float32)[:, None]
+        x1 = (tl.load(xb + KW).to(tl.float32) * 0.0625)[:, None]
+        x2 = (tl.load(xb + 2 * KW).to(tl.float32) * 0.00390625)[:, None]
+        x3 = (tl.load(xb + 3 * KW).to(tl.float32) * 0.000244140625)[:, None]
+        x4 = tl.load(xb + 4 * KW).to(tl.float32)[:, None]
+        x5 = (tl.load(xb + 5 * KW).to(tl.float32) * 0.0625)[:, None]
+        x6 = (tl.load(xb + 6 * KW).to(tl.float32) * 0.00390625)[:, None]
+        x7 = (tl.load(xb + 7 * KW).to(tl.float32) * 0.000244140625)[:, None]
+        wh = w >> 16
+        p = (((w & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x0
+        p += (((w & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x1
+        p += (((w & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x2
+        p += (((w & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x3
+        p += (((wh & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x4
+        p += (((wh & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x5
+        p += (((wh & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x6
+        p += (((wh & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x7
+        acc += p * s[None, :]
+        if GATED:
+            wh = w2 >> 16
+            p = (((w2 & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x0
+            p += (((w2 & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x1
+            p += (((w2 & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x2
+            p += (((w2 & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x3
+            p += (((wh & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x4
+            p += (((wh & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x5
+            p += (((wh & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x6
+            p += (((wh & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x7
+            acc2 += p * s2[None, :]
+    res = tl.reduce(acc, 0, tl.standard._sum_combine)
+    if GATED:
+        up = tl.reduce(acc2, 0, tl.standard._sum_combine)
+        if ACT == 0:
+            res = res / (1.0 + tl.exp(-res))
+        elif ACT == 1:
+            res = 0.5 * res * (1.0 + tl.erf(res * 0.7071067811865476))
+        elif ACT == 2:
+            res = res / (1.0 + tl.exp(-1.5957691216057308 * (res + 0.044715 * res * res * res)))
+        elif ACT == 3:
+            res = tl.maximum(res, 0.0)
+        elif ACT == 4:
+            res = 1.0 / (1.0 + tl.exp(-res))
+        res = res * up
+    out = o_ptr + m.to(tl.int64) * stride_om + rn
+    n_ok = rn < N
+    if ATOMIC:
+        tl.atomic_add(out, res, mask=n_ok)
+    else:
+        if XKIND == 2:
+            bits = res.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            res = tl.where(res == res, bits.to(tl.float32, bitcast=True), res)
+        tl.store(out, res.to(o_ptr.dtype.element_ty), mask=n_ok)
+
+
+# --- configs and tuning -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    """One launch config on the tiled layout (the K step is the layout's block_k)."""
+
+    path: str  # "dot" or "gemv"
+    block_m: int  # rows of x per program: 1 for gemv, a power of two >= 16 for dot
+    block_n: int  # one of KERNEL_BLOCK_NS
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def m_bucket(m: int) -> int:
+    """The tuner's M bucket: 1, 2-4, 5-16, 17-64, 65+ (named by their upper end, 65+ as 65)."""
+    return next((b for b in (1, 4, 16, 64) if m <= b), 65)
+
+
+def _split(programs: int, kt: int, sms: int) -> int:
+    # split K until about two programs per SM, at most 8 ways, keeping >= 2 K steps per split
+    s = 1
+    while s < 8 and programs * s < 2 * sms and kt >= 4 * s:
+        s *= 2
+    return s
+
+
+def _candidates(m: int, t: TiledW4, gated: bool, sms: int = 132) -> list[TiledConfig]:
+    """The configs the tuner times for this shape; the first one runs untimed during a graph capture.
+
+    Several per bucket on purpose: tile width, warps, stages and the K split trade off differently per GPU,
+    shape and group size, and no figure measured on this layout exists yet (see the module docstring).
+    """
+    kt = t.k // t.block_k
+
+    def dot(bm, bn, warps=4, stages=3, more=1):
+        tiles = (t.n_pad // bn) * -(-m // bm)
+        return TiledConfig("dot", bm, bn, 1 if gated else min(8, _split(tiles, kt, sms) * more), warps, stages)
+
+    def gemv(bn, warps=4, more=1):
+        tiles = (t.n_pad // bn) * m
+        return TiledConfig("gemv", 1, bn, 1 if gated else min(8, _split(tiles, kt, sms) * more), warps, 1)
+
+    b = m_bucket(m)
+    # Few per bucket, mostly shared across buckets (each distinct one is a compile on first use).
+    if b == 1:
+        cands = [dot(16, 64), gemv(64), gemv(32), dot(16, 32, 4, 4), dot(16, 128, 8, 3)]
+    elif b == 4:
+        cands = [dot(16, 64), dot(16, 32, 4, 4), dot(16, 128, 8, 3), gemv(64), dot(16, 64, 4, 4, more=2)]
+    elif b == 16:
+        cands = [dot(16, 64), dot(16, 32, 4, 4), dot(16, 128, 8, 3), dot(16, 64, 4, 4, more=2)]
+    elif b == 64:
+        cands = [dot(32, 64), dot(64, 64), dot(64, 128, 8, 3), dot(16, 64, 4, 2)]
+    else:
+        cands = [dot(64, 128), dot(128, 128, 8, 3), dot(128, 64, 4, 4), dot(64, 64, 4, 4)]
+    out: list[TiledConfig] = []
+    for c in cands:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _interpreter_config(m: int) -> TiledConfig:
+    # the interpreter runs each program in numpy: small tiles, nothing timed
+    return TiledConfig("gemv", 1, 32, 1, 4, 1) if m == 1 else TiledConfig("dot", 16, 32, 1, 4, 1)
+
+
+_TUNED: dict[tuple, TiledConfig] = {}
+
+
+def _tune_key(x: torch.Tensor, t: TiledW4, gated: bool) -> tuple:
+    return (str(x.device), x.dtype, m_bucket(x.shape[0]), t.n, t.k, t.group_size, t.scales.dtype, t.block_n,
+            t.block_k, gated)
+
+
+def tiled_config_used(x: torch.Tensor, t: TiledW4, gated: bool = False) -> TiledConfig | None:
+    """The config a call with this input and weight uses now (None: not tuned yet on CUDA)."""
+    if _interpreting():
+        return _interpreter_config(x.shape[0])
+    return _TUNED.get(_tune_key(x, t, gated))
+
+
+def _select(x: torch.Tensor, t: TiledW4, launch, gated: bool) -> TiledConfig:
+    """The cached config for this shape, else time the candidates once with `launch(cfg)` and keep the fastest."""
+    m = x.shape[0]
+    if _interpreting():
+        return _interpreter_config(m)
+    key = _tune_key(x, t, gated)
+    if key in _TUNED:
+        return _TUNED[key]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cands = _candidates(m, t, gated, sms)
+    if torch.cuda.is_current_stream_capturing():
+        return cands[0]  # no timing inside a graph capture; the next eager call tunes
+    best, best_ms, errors = None, math.inf, []
+    for cfg in cands:
+        try:
+            ms = _time_call(lambda: launch(cfg))
+        except Exception as exc:  # a config the compiler rejects here (resources): skip it
+            errors.append(f"{cfg}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise FFNQuantError(f"no tiled W4A16 kernel config compiles for M={m}, N={t.n}, K={t.k}: {errors[0]}")
+    _TUNED[key] = best
+    return best
+
+
+# --- launching ----------------------------------------------------------------------------
+
+
+def _check_call(x: torch.Tensor, t: TiledW4) -> None:
+    if not isinstance(t, TiledW4):
+        hint = " (repack a PackedW4 with repack_w4 first)" if isinstance(t, PackedW4) else ""
+        raise FFNQuantError(f"the tiled W4A16 kernel takes a TiledW4 weight, got {describe(t)}{hint}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _X_DTYPES:
+        raise FFNQuantError(f"w4a16 needs x as a 2-D float16, bfloat16 or float32 [M, K] tensor, got {describe(x)}")
+    if x.shape[1] != t.k:
+        raise FFNQuantError(f"x has {x.shape[1]} features but the weight takes {t.k}")
+    shape = (t.n_pad // t.block_n, t.k // t.block_k, t.block_k // 8, t.block_n)
+    if t.words.dtype != torch.int32 or tuple(t.words.shape) != shape or not t.words.is_contiguous():
+        raise FFNQuantError(f"tiled codes must be contiguous int32 {list(shape)}, got {describe(t.words)}")
+    if tuple(t.scales.shape) != (t.k // t.group_size, t.n_pad) or t.scales.dtype not in SCALE_DTYPES \
+            or not t.scales.is_contiguous():
+        raise FFNQuantError(f"tiled scales must be contiguous float [{t.k // t.group_size}, {t.n_pad}], "
+                            f"got {describe(t.scales)}")
+    if t.words.device != x.device or t.scales.device != x.device:
+        raise FFNQuantError(f"x is on {x.device} but the weight is on {t.words.device}; move one of them")
+    if x.device.type == "cpu" and not _interpreting():
+        raise FFNQuantError("the Triton W4A16 kernel runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1")
+    if x.device.type not in ("cpu", "cuda"):
+        raise FFNQuantError(f"the Triton W4A16 kernel runs on cuda or cpu (interpreter) tensors, not {x.device.type}")
+
+
+def _check_config(cfg: TiledConfig, m: int, gated: bool) -> None:
+    if cfg.path not in ("dot", "gemv"):
+        raise unknown_choice("kernel path", cfg.path, ("dot", "gemv"))
+    if cfg.block_n not in KERNEL_BLOCK_NS:
+        raise FFNQuantError(f"kernel block_n {cfg.block_n} is not valid; valid: {', '.join(map(str, KERNEL_BLOCK_NS))}")
+    if cfg.path == "dot" and (cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1)):
+        raise FFNQuantError(f"dot block_m {cfg.block_m} must be a power of two >= 16 (tl.dot's smallest tile)")
+    if cfg.path == "gemv" and m > 65535:  # rows of x are grid axis 1
+        raise FFNQuantError(f"the gemv kernel takes at most 65535 rows of x, got {m}; use the dot path")
+    if not isinstance(cfg.split_k, int) or cfg.split_k < 1:
+        raise FFNQuantError(f"split_k must be a positive integer, got {cfg.split_k!r}")
+    if gated and cfg.split_k != 1:
+        raise FFNQuantError("the gated kernel cannot split K (the activation needs the whole sum); use split_k=1")
+
+
+def _launch(cfg: TiledConfig, x: torch.Tensor, t: TiledW4, t2: TiledW4 | None = None, act: str = "identity",
+            gated: bool = False) -> torch.Tensor:
+    m = x.shape[0]
+    _check_config(cfg, m, gated)
+    kern = _kernels(_interpreting())
+    kt = t.k // t.block_k
+    per = -(-kt // cfg.split_k)
+    splits = -(-kt // per)  # every split has at least one K step
+    atomic = splits > 1
+    if atomic:  # partial sums meet in float32, then one cast
+        out = torch.zeros((m, t.n), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((m, t.n), dtype=x.dtype, device=x.device)
+    q2 = t2 if t2 is not None else t
+    common = {"GROUP": t.group_size, "BLOCK_K": t.block_k, "LAYOUT_N": t.block_n, "XKIND": _X_DTYPES[x.dtype],
+              "BLOCK_N": cfg.block_n, "ATOMIC": atomic, "GATED": gated, "ACT": _ACT_CODE[act],
+              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    ptrs = (x, t.words, t.scales, q2.words, q2.scales, out)
+    if cfg.path == "dot":
+        grid = (t.n_pad // cfg.block_n, -(-m // cfg.block_m), splits)
+        kern.dot[grid](*ptrs, m, t.n, t.n_pad, kt, x.stride(0), out.stride(0), per,
+                       DOT_DT=_dot_dtype(x.dtype), BLOCK_M=cfg.block_m, **common)
+    else:
+        grid = (t.n_pad // cfg.block_n, m, splits)
+        kern.gemv[grid](*ptrs, t.n, t.n_pad, kt, x.stride(0), out.stride(0), per, **common)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _dot_dtype(dt: torch.dtype):
+    # x's own dtype, except bf16 under the interpreter, whose bf16 tl.dot returns garbage (triton 3.9); float32
+    # operands give the same products there (bf16 x small integer is exact in float32)
+    if dt == torch.bfloat16 and _interpreting():
+        return tl.float32
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dt]
+
+
+def _prepare(x: torch.Tensor, t: TiledW4) -> torch.Tensor:
+    _check_call(x, t)
+    _triton()
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def tiled_matmul(x: torch.Tensor, t: TiledW4, config: TiledConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x.dtype (float16, bfloat16 or float32), float32 accumulation.
+
+    `config` forces a launch config (tests, benchmarks); by default one is measured per M bucket and cached.
+    """
+    x = _prepare(x, t)
+    if x.shape[0] == 0 or t.n == 0:
+        return torch.zeros((x.shape[0], t.n), dtype=x.dtype, device=x.device)
+
+    def launch(cfg: TiledConfig) -> torch.Tensor:
+        return _launch(cfg, x, t)
+
+    return launch(config or _select(x, t, launch, gated=False))
+
+
+def tiled_gated(x: torch.Tensor, t_gate: TiledW4, t_up: TiledW4, act: str = "silu",
+                config: TiledConfig | None = None) -> torch.Tensor:
+    """act(x @ Wg^T) * (x @ Wu^T) in one launch (both weights, repacked alike, read by the same program)."""
+    torch_act(act)  # validates the name
+    x = _prepare(x, t_gate)
+    _check_call(x, t_up)
+    same = ("n", "k", "group_size", "block_n", "block_k")
+    if any(getattr(t_gate, a) != getattr(t_up, a) for a in same) or t_gate.scales.dtype != t_up.scales.dtype:
+        raise FFNQuantError("gate and up weights must share shape, group size, tiles and scale dtype")
+    if config is not None:
+        _check_config(config, x.shape[0], gated=True)
+    if x.shape[0] == 0 or t_gate.n == 0:
+        return torch.zeros((x.shape[0], t_gate.n), dtype=x.dtype, device=x.device)
+
+    def launch(cfg: TiledConfig) -> torch.Tensor:
+        return _launch(cfg, x, t_gate, t_up, act, gated=True)
+
+    return launch(config or _select(x, t_gate, launch, gated=True))
+
+
+# --- module -------------------------------------------------------------------------------
+
+
+class TiledW4A16Linear(torch.nn.Module):
+    """nn.Linear replacement with int4 weights (ffnquant's symmetric groups) in the tiled layout.
+
+    Buffers: `words` (int32, the TiledW4 layout), `scales` ([in/g, out padded], float16 by default) and `bias`
+    (or None). Repacked once here, for every M (see the module docstring). The scales keep their dtype
+    through `module.to(dtype)` / `.half()`: they are the numerics of record.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, group_size: int, device=None,
+                 scale_dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        if not isinstance(linear, torch.nn.Linear):
+            raise FFNQuantError(f"TiledW4A16Linear wraps a torch.nn.Linear, got {type(linear).__name__}")
+        t = repack_w4(pack_w4(linear.weight.detach().float().cpu(), group_size, scale_dtype), LAYOUT_BLOCK_N)
+        self.in_features, self.out_features, self.group_size = t.k, t.n, group_size
+        self.block_n, self.block_k = t.block_n, t.block_k
+        dev = torch.device(device) if device is not None else linear.weight.device
+        self.register_buffer("words", t.words.to(dev))
+        self.register_buffer("scales", t.scales.to(dev))
+        bias = linear.bias.detach().clone().to(dev) if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+
+    def _apply(self, fn, recurse=True):
+        # let fn move/cast everything else, but only move the scales (learn the device from an empty probe)
+        scales = self._buffers.pop("scales")
+        try:
+            super()._apply(fn, recurse)
+            probe = fn(torch.empty(0, dtype=scales.dtype, device=scales.device))
+            self._buffers["scales"] = scales.to(probe.device)
+        except Exception:
+            self._buffers["scales"] = scales
+            raise
+        return self
+
+    @property
+    def weight_tiled(self) -> TiledW4:
+        """The buffers as a TiledW4 (views, no copy)."""
+        return TiledW4(self.words, self.scales, self.group_size, self.out_features, self.in_features, self.block_n,
+                       self.block_k)
+
+    @property
+    def weight_packed(self) -> PackedW4:
+        """The weight as the PackedW4 it was repacked from (a copy, for references and the old kernel)."""
+        return unrepack_w4(self.weight_tiled)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = tiled_matmul(x.reshape(-1, self.in_features), self.weight_tiled)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"tiles={self.block_n}x{self.block_k}, scales={self.scales.dtype}, bias={self.bias is not None}")
