@@ -299,7 +299,8 @@ RUNTIMES: Mapping[str, tuple[str, str, Mapping[str, Any]]] = {
     # torch.compile (inductor fuses the activation, the quantize-per-token steps and the
     # epilogues), then replayed from a CUDA graph like torch-cuda-graph.
     "torch-cuda-compile": ("ffnquant.runtimes.torch_rt", "TorchRuntime", {"device": "cuda", "mode": "compile"}),
-    # ffnquant's own Triton W4A16 kernels (ffnquant.kernels.w4a16), replayed from a CUDA graph.
+    # ffnquant's own Triton kernels (W4A16 on the tiled layout, fused int8/fp8 activation quantization),
+    # replayed from a CUDA graph.
     "triton-cuda": ("ffnquant.runtimes.triton_rt", "TritonRuntime", {"device": "cuda"}),
     # The same kernels in Triton's interpreter (TRITON_INTERPRET=1): numerics checks on a CPU, not latency.
     "triton-cpu": ("ffnquant.runtimes.triton_rt", "TritonRuntime", {"device": "cpu"}),

@@ -8,6 +8,10 @@ stage's reference describe the same numerics
 graph (decode-size FFNs are a few microseconds per kernel: launch overhead would
 otherwise dominate); `fp16` runs the plain torch FFN the same way, as the baseline. The older
 kernel (`kernels.w4a16`) stays importable: `benchmarks/w4a16_kernels.py` compares against it.
+
+`w8a8-dynamic-s8` and `fp8-e4m3-dynamic` run `kernels.actquant_ffn`: torch's int8 / fp8 GEMMs (gate and up as
+one) with every per-token activation quantization fused into one Triton kernel (x's, and the hidden's together
+with act(gate) * up), bit for bit the numerics of torch_rt's unfused modules of the same presets.
 """
 
 from __future__ import annotations
@@ -19,12 +23,19 @@ import torch
 
 from ..errors import FFNQuantError, first_line
 from .base import Availability, Loaded, ModelCase
-from .torch_rt import MODES, TorchModuleRuntime, _module_nbytes
+from .torch_rt import MODES, TorchModuleRuntime, _compute_dtype, _module_nbytes
 
 __all__ = ["TritonRuntime"]
 
 _GROUPS = {"w4a16-g32": 32, "w4a16-g64": 64, "w4a16-g128": 128}
-_FORMATS = ("fp16", *_GROUPS)
+# per-token int8 / fp8: activations quantized by one fused kernel each (kernels.actquant), the act*up product and
+# the hidden's quantization in one more; the GEMMs are torch's (_int_mm, _scaled_mm)
+_FUSED = {"w8a8-dynamic-s8": ("int8", 8), "fp8-e4m3-dynamic": ("fp8", 16)}
+_FORMATS = ("fp16", *_GROUPS, *_FUSED)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _interpreting() -> bool:
@@ -60,10 +71,12 @@ class GatedW4FFN(torch.nn.Module):
 
 
 class TritonRuntime(TorchModuleRuntime):
-    """ffnquant's Triton W4A16 kernels on `device`: 'cuda', or 'cpu' under TRITON_INTERPRET=1 (tests)."""
+    """ffnquant's Triton kernels (W4A16, fused int8/fp8 activation quantization) on `device`: 'cuda', or 'cpu'
+    under TRITON_INTERPRET=1 (tests)."""
 
     prefix = "triton"
-    what = "ffnquant's Triton W4A16 kernel (fused int4 dequantize + matmul, exact w4a16-g* presets)"
+    what = ("ffnquant's Triton kernels: W4A16 (fused int4 dequantize + matmul, exact w4a16-g* presets) and fused per-token "
+            "int8 / fp8 activation quantization (w8a8-dynamic-s8, fp8-e4m3-dynamic)")
 
     def __init__(self, device: str = "cuda") -> None:
         # On CUDA every call is a graph replay; the interpreter (CPU) runs eagerly.
@@ -113,14 +126,29 @@ class TritonRuntime(TorchModuleRuntime):
             if spec.d_model % g or spec.d_ff % g:
                 raise FFNQuantError(f"{case.scheme} needs d_model and d_ff divisible by {g}, "
                                     f"got {spec.d_model} and {spec.d_ff}")
+        if case.scheme in _FUSED:
+            kind, multiple = _FUSED[case.scheme]
+            if case.spec.d_model % multiple or case.spec.d_ff % multiple:
+                raise FFNQuantError(f"{case.scheme} ({kind} GEMMs) needs d_model and d_ff divisible by {multiple}, "
+                                    f"got {case.spec.d_model} and {case.spec.d_ff}")
 
     def load(self, case: ModelCase) -> Loaded:
         from ..kernels.w4a16_tiled import TiledW4A16Linear
 
         self.check(case)
         model = copy.deepcopy(case.float_model()).float().cpu()
+        dtype = torch.float16
         with torch.no_grad():
-            if case.scheme in _GROUPS:
+            if case.scheme in _FUSED:
+                from ..kernels.actquant_ffn import fused_ffn
+
+                kind = _FUSED[case.scheme][0]
+                dtype = _compute_dtype(case.scheme, self.device)  # as torch's unfused path of the preset computes
+                model = fused_ffn(model, kind, device=self.device)
+                kernel = (f"ffnquant fused per-token {kind} (one kernel quantizes x, one act*up and the hidden's "
+                          f"quantization{', one the int8 rescale' if kind == 'int8' else ''}; torch's "
+                          f"{'_int_mm' if kind == 'int8' else '_scaled_mm row-wise'} GEMMs, gate and up as one)")
+            elif case.scheme in _GROUPS:
                 g = _GROUPS[case.scheme]
                 if case.spec.gated and not case.spec.bias:
                     model = GatedW4FFN(model, g)
@@ -132,7 +160,7 @@ class TritonRuntime(TorchModuleRuntime):
                 kernel = f"ffnquant Triton W4A16, tiled layout (symmetric int4, group {g}, fp16 scales{fused})"
             else:
                 kernel = "eager torch matmul"
-            model = model.to(device=self.device, dtype=torch.float16)
+            model = model.to(device=self.device, dtype=dtype)
         import triton
 
         return Loaded(
@@ -140,8 +168,8 @@ class TritonRuntime(TorchModuleRuntime):
             case=case,
             handle=model.eval(),
             device=self.device,
-            label=f"triton {triton.__version__} {self.device}: {kernel}, float16 activations{MODES[self.mode]}",
+            label=f"triton {triton.__version__} {self.device}: {kernel}, {_name(dtype)} activations{MODES[self.mode]}",
             weight_bytes=_module_nbytes(model),
-            input_dtype="float16",
-            output_dtype="float16",
+            input_dtype=_name(dtype),
+            output_dtype=_name(dtype),
         )
