@@ -243,3 +243,26 @@ def test_gpu_bench_dry_run_imports_only_what_the_device_has(restricted_env, tmp_
         report = out / f"latency_gpu_dryrun{suffix}"
         assert report.is_file() and report.stat().st_size > 0, f"no {report.name}{detail}"
     assert MARK not in (out / "latency_gpu_dryrun.md").read_text(encoding="utf-8"), detail
+
+
+@pytest.mark.slow
+def test_gpu_session_dry_run_runs_every_stage_under_the_device_packages(restricted_env, tmp_path):
+    """`scripts/gpu_session.sh --dry-run`: the kernel benchmarks (Triton's interpreter) and the plan's latency table
+    (torch-cpu) run to their reports under the device's packages; the sweep's dry run is the test above."""
+    out = tmp_path / "out"
+    env = {**restricted_env, "OUT": str(out), "SKIP_SWEEP": "1"}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_session.sh"), "--dry-run"],
+                          env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    output = proc.stdout + proc.stderr
+    blocked = _blocked_log(env)
+    logs = "".join(f"\n--- {p.name} ---\n{p.read_text(encoding='utf-8')[-3000:]}" for p in sorted(out.glob("*.log")))
+    detail = f"\n--- blocked ---\n{blocked}\n--- output ---\n{output[-4000:]}{logs}"
+    assert proc.returncode == 0, detail
+    session = (out / "session.log").read_text(encoding="utf-8")
+    for stage in ("w4a16_kernels", "actquant_kernels", "gpu_plan_latency"):
+        assert re.search(rf"{stage}: exit 0 after \d+ s", session), f"{stage} failed{detail}"
+    assert MARK not in output + logs, f"a stage needed a package the device image lacks{detail}"
+    for report in ("w4a16-kernels", "actquant-kernels", "gpu-plan-latency"):
+        folder = out / report
+        assert any(folder.glob("*.json")) and any(folder.glob("*.md")), f"no report in {folder}{detail}"
+    assert "session: " in session
