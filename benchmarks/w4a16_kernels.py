@@ -1,7 +1,7 @@
 """W4A16 kernel micro-benchmark: fp16 cuBLAS vs the old Triton kernel vs the tiled one, per FFN projection.
 
     PYTHONPATH=. python benchmarks/w4a16_kernels.py [--d-model 4096] [--d-ff 11008] [--group 128] [--act silu]
-        [--tokens 1,4,16,64,512,2048] [--out reports/w4a16-kernels] [--dry-run]
+        [--tokens 1,4,16,64,512,2048] [--out reports/w4a16-kernels] [--asym] [--dry-run]
 
 A gated FFN's two projections at each token count M: gate+up fused (act(x Wg^T) * (x Wu^T); fp16 runs one
 cuBLAS matmul on the concatenated [2 d_ff, d_model] weight, then the activation and product) and down
@@ -14,6 +14,10 @@ same data, padding not credited) and that rate as a fraction of the device's HBM
 Every quantized output is checked against `w4a16_reference` / `w4a16_gated_reference` with the derived
 tolerance of the tests (`w4a16_repack.matmul_error_bound` / `gated_error_bound`, u = 2**-23 on CUDA); a kernel
 outside it is marked DIFFERS. The fp16 rows compute another thing (weights rounded to fp16): not checked.
+
+--asym quantizes the weights with the `w4a16-g*-asym` presets' zero points (`pack_w4(..., symmetric=False)`) and
+runs fp16 and `w4a16_tiled` only (the old kernel has symmetric groups only); the quantized bytes then count the
+uint8 zero points too.
 
 --dry-run runs the same code paths on CPU tensors in Triton's interpreter at tiny shapes (d_model 128,
 d_ff 256, M = 1, 4 unless given) without timing. Without CUDA and without --dry-run: exit 2.
@@ -31,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("fp16", "w4a16", "w4a16_tiled")
+ASYM_KERNELS = ("fp16", "w4a16_tiled")  # the old kernel hard-codes zero point 8
 
 
 def _gpu_stamp() -> dict:
@@ -66,8 +71,10 @@ def run(args) -> dict:
     u = 2.0**-24 if args.dry_run else 2.0**-23  # tensor-core float32 accumulation is not round-to-nearest
     gen = torch.Generator().manual_seed(args.seed)
     d, f, g = args.d_model, args.d_ff, args.group
-    p_gate, p_up, p_down = (pack_w4(torch.randn(*shape, generator=gen) * 0.02, g).to(dev)
+    sym = not args.asym
+    p_gate, p_up, p_down = (pack_w4(torch.randn(*shape, generator=gen) * 0.02, g, symmetric=sym).to(dev)
                             for shape in ((f, d), (f, d), (d, f)))
+    kernels = KERNELS if sym else ASYM_KERNELS
     t_gate, t_up, t_down = (repack_w4(p, w4a16_tiled.LAYOUT_BLOCK_N) for p in (p_gate, p_up, p_down))  # on dev
     w_gu = torch.cat([dequantize_w4(p_gate), dequantize_w4(p_up)]).to(dev, dtype)
     w_dn = dequantize_w4(p_down).to(dev, dtype)
@@ -99,7 +106,7 @@ def run(args) -> dict:
             n_in, n_out = (d, f) if proj == "gate_up" else (f, d)
             io = (n_in + n_out) * m * 2
             fp16_ms = None
-            for kernel in KERNELS:
+            for kernel in kernels:
                 fn = calls[proj, kernel]
                 t0 = time.perf_counter()
                 ms = None if args.dry_run else w4a16._time_call(fn)  # its first call compiles and tunes
@@ -149,7 +156,9 @@ def _markdown(res: dict) -> str:
     env = res["environment"]
     stamp = (f"{res['device']}; driver {env['gpu'].get('driver')}; torch {env['torch']}, triton {env['triton']}; "
              f"{s['timing']}; {res['wall_s']:.0f} s in all.")
-    title = f"# W4A16 kernels: d_model {s['d_model']}, d_ff {s['d_ff']}, group {s['group']}, {s['act']}, fp16 x"
+    kind = "asymmetric (zero points)" if s.get("asym") else "symmetric"
+    title = (f"# W4A16 kernels: d_model {s['d_model']}, d_ff {s['d_ff']}, group {s['group']} {kind}, {s['act']}, "
+             "fp16 x")
     lines = [title, "", stamp, ""]
 
     def num(v, spec):
@@ -175,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=None, help="comma-separated M values; default 1,4,16,64,512,2048 (1,4 dry)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "reports" / "w4a16-kernels"))
+    ap.add_argument("--asym", action="store_true",
+                    help="asymmetric groups (w4a16-g*-asym zero points): fp16 and the tiled kernel only")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes, nothing timed")
     ap.add_argument("--max-s", type=float, default=75.0,
                     help="start no new M after this many seconds, so the report is written within a stage's limit")
@@ -205,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     except FFNQuantError as exc:
         print(f"w4a16_kernels: {exc}", file=sys.stderr)
         return 2
-    res["settings"] = {"d_model": args.d_model, "d_ff": args.d_ff, "group": args.group, "act": args.act,
+    res["settings"] = {"d_model": args.d_model, "d_ff": args.d_ff, "group": args.group, "asym": args.asym,
+                       "act": args.act,
                        "tokens": list(args.tokens), "dtype": "float16", "dry_run": dry, "seed": args.seed,
                        "max_s": args.max_s,
                        "timing": ("not timed (dry run: Triton interpreter on CPU)" if dry else

@@ -1,17 +1,21 @@
 """The tiled W4A16 layout and kernel against the torch reference, under Triton's CPU interpreter (and on CUDA).
 
-TRITON_INTERPRET is set per test (monkeypatch), as in tests/test_kernels_w4a16.py. The tolerance is that
-file's derivation (not tuned), implemented once in `w4a16_repack.matmul_error_bound` / `gated_error_bound`:
-kernel and reference evaluate the same exact sum of exact products x * (q - 8) * s in float32 in two orders,
-each within gamma_{K+2} * sum|x w| of it (u = 2**-24; 2**-23 on a GPU, whose tensor-core accumulation is not
-round-to-nearest), and each result is rounded to the output dtype (one ulp between them). The gated bound
-carries both sums' errors through the activation (slope <= 1.13) and the product.
+TRITON_INTERPRET is set per test (monkeypatch), as in tests/test_kernels_w4a16.py. The tolerance is derived,
+not tuned, once in `w4a16_repack.matmul_error_bound` / `gated_error_bound`: per output the kernel sums, in
+float32, the exact leaves x_k (q_k - 8) s and, for asymmetric groups (zero point zp), x_k (8 - zp) s (each K
+step adds (8 - zp) * sum_k x_k to its partial); every leaf passes through at most K + 2 roundings, so the sum is
+within gamma_{K+2} * sum|leaves| of the exact value, and the reference (x @ ((q - zp) s)^T, another order)
+within the same, as |q - zp| <= |q - 8| + |8 - zp|. Symmetric groups: sum|leaves| = sum|x w|, the bound as
+before zero points. u = 2**-24; 2**-23 on a GPU, whose tensor-core accumulation is not round-to-nearest. Each
+result is rounded to the output dtype (one ulp between them). The gated bound carries both sums' errors
+through the activation (slope <= 1.13) and the product.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -57,9 +61,17 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _packed(n: int, k: int, g: int, seed: int = 0, scale_dtype=torch.float16) -> PackedW4:
+def _weight(n: int, k: int, seed: int = 0, symmetric: bool = True) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return pack_w4(torch.randn(n, k, generator=gen) * 0.05, g, scale_dtype)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    if not symmetric:
+        # an offset per row spreads the asymmetric zero points over 0..15 (some groups all of one sign)
+        w = w + (torch.rand(n, 1, generator=gen) - 0.5) * 0.3
+    return w
+
+
+def _packed(n: int, k: int, g: int, seed: int = 0, scale_dtype=torch.float16, symmetric: bool = True) -> PackedW4:
+    return pack_w4(_weight(n, k, seed, symmetric), g, scale_dtype, symmetric)
 
 
 def _x(m: int, k: int, dtype, seed: int = 1) -> torch.Tensor:
@@ -94,10 +106,11 @@ REPACK_CASES = {  # (n, k, group, block_n, block_k): n never a multiple of block
 }
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 @pytest.mark.parametrize("case", REPACK_CASES.values(), ids=REPACK_CASES.keys())
-def test_repack_round_trip_is_lossless(case):
+def test_repack_round_trip_is_lossless(case, symmetric):
     n, k, g, bn, bk = case
-    p = _packed(n, k, g, scale_dtype=torch.bfloat16)
+    p = _packed(n, k, g, scale_dtype=torch.bfloat16, symmetric=symmetric)
     t = repack_w4(p, bn, bk)
     n_pad = -(-n // max(bn, 128)) * max(bn, 128)
     assert t.words.dtype == torch.int32 and tuple(t.words.shape) == (n_pad // bn, k // bk, bk // 8, bn)
@@ -105,10 +118,30 @@ def test_repack_round_trip_is_lossless(case):
     back = unrepack_w4(t)
     assert torch.equal(back.packed, p.packed) and torch.equal(back.scales, p.scales)
     assert (back.n, back.k, back.group_size) == (p.n, p.k, p.group_size)
+    assert t.symmetric == back.symmetric == p.symmetric == symmetric
+    if not symmetric:
+        assert t.zero_points.dtype == torch.uint8 and tuple(t.zero_points.shape) == (k // g, n_pad)
+        assert torch.equal(back.zero_points, p.zero_points) and (t.zero_points[:, n:] == 8).all()
+        assert p.nbytes == p.packed.numel() + p.scales.numel() * 2 + p.zero_points.numel()
     assert torch.equal(dequantize_tiled(t), dequantize_w4(p))
     padded = dequantize_tiled(t, padded=True)
     assert padded.shape == (n_pad, k) and not padded[n:].any()  # padding: code 8 and scale 0, weight 0
     assert (t.scales[:, n:] == 0).all()
+
+
+def test_asymmetric_packing_is_the_presets():
+    # the w4a16-g*-asym presets' numerics (torch_rt.int4_groupwise_affine): (q - zp) * s, zp spread over 0..15
+    from ffnquant.primitives import int4_group_rtn
+
+    p = _packed(64, 256, 32, seed=8, scale_dtype=torch.float32, symmetric=False)
+    q, scale, zp = int4_group_rtn(_weight(64, 256, seed=8, symmetric=False), 32, symmetric=False)
+    assert torch.equal(unpack_int4(p.packed, signed=False), q.to(torch.uint8))
+    assert torch.equal(p.zero_points, zp.squeeze(-1).to(torch.uint8)) and torch.equal(p.scales, scale.squeeze(-1))
+    assert p.zero_points.min() == 0 and p.zero_points.max() == 15
+    want = ((q.float().reshape(64, 8, 32) - zp.float()) * scale).reshape(64, 256)
+    assert torch.equal(dequantize_w4(p), want)
+    int8 = PackedW4(p.packed, p.scales, 32, 64, 256, p.zero_points.to(torch.int8))  # int8 zero points are taken too
+    assert torch.equal(unrepack_w4(repack_w4(int8)).zero_points, p.zero_points)
 
 
 def test_words_shifted_are_the_tile_in_k_order():
@@ -152,6 +185,26 @@ def test_matmul_matches_reference(interpret, m, group, dtype):
     _check(_x(m, K, dtype), p, repack_w4(p))
 
 
+def _ignoring_zero_points_fails(x, p, y):
+    # the check is sensitive: the symmetric reading of the same codes (zero point 8) is outside the bound
+    wrong = w4a16_reference(x, replace(p, zero_points=None))
+    assert ((wrong.float() - y.float()).abs() > matmul_error_bound(x, p, wrong, x.dtype)).any()
+
+
+# (m, group) all pairs, the dtype rotating so that every (m, dtype) and (group, dtype) pair occurs once or more
+ASYM_CASES = [(m, g, list(DTYPES)[(i + j) % 3])
+              for i, m in enumerate((1, 4, 16, 64)) for j, g in enumerate((32, 64, 128))]
+
+
+@pytest.mark.parametrize("m,group,dtype", ASYM_CASES, ids=[f"m{m}-g{g}-{d}" for m, g, d in ASYM_CASES])
+def test_asym_matmul_matches_reference(interpret, m, group, dtype):
+    p = _packed(N, K, group, seed=9, symmetric=False)
+    x = _x(m, K, DTYPES[dtype])
+    _check(x, p, repack_w4(p))
+    if m == 4:
+        _ignoring_zero_points_fails(x, p, tiled_matmul(x, repack_w4(p)))
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -169,6 +222,22 @@ def test_tiles_and_split_k(interpret, config, dtype):
     # kernel tiles narrower (16, 32) and wider (128) than the 64-wide layout tile; K splits with atomics
     k, g = 384, 64
     p = _packed(N, k, g, seed=4)
+    _check(_x(5, k, dtype), p, repack_w4(p, 64), config)
+
+
+ASYM_CONFIGS = {  # split K on and off on both paths; tiles narrower and wider than the layout's
+    "dot-fp16": (TiledConfig("dot", 16, 64, split_k=1), torch.float16),
+    "dot-bn16-split2-bf16": (TiledConfig("dot", 16, 16, split_k=2), torch.bfloat16),
+    "dot-bm32-bn128-split3-fp32": (TiledConfig("dot", 32, 128, split_k=3), torch.float32),
+    "gemv-bf16": (TiledConfig("gemv", 1, 32, split_k=1), torch.bfloat16),
+    "gemv-bn128-split4-fp16": (TiledConfig("gemv", 1, 128, split_k=4), torch.float16),
+}
+
+
+@pytest.mark.parametrize("config,dtype", ASYM_CONFIGS.values(), ids=ASYM_CONFIGS.keys())
+def test_asym_tiles_and_split_k(interpret, config, dtype):
+    k, g = 384, 64
+    p = _packed(N, k, g, seed=10, symmetric=False)
     _check(_x(5, k, dtype), p, repack_w4(p, 64), config)
 
 
@@ -230,12 +299,29 @@ def test_gated_candidates_and_dtypes(interpret, dtype):
         _assert_close(tiled_gated(x, tg, tu, "silu", config=cfg), ref, bound)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m,dtype", [(1, torch.float16), (5, torch.bfloat16), (16, torch.float32)],
+                         ids=["m1-fp16", "m5-bf16", "m16-fp32"])
+def test_asym_gated_matches_reference(interpret, m, dtype, act):
+    pg, pu = _packed(N, K, 32, seed=11, symmetric=False), _packed(N, K, 32, seed=12, symmetric=False)
+    x = _x(m, K, dtype) * 4
+    ref = w4a16_gated_reference(x, pg, pu, act)
+    y = tiled_gated(x, repack_w4(pg), repack_w4(pu), act)
+    assert y.shape == (m, N) and y.dtype == dtype
+    _assert_close(y, ref, gated_error_bound(x, pg, pu, act, ref, dtype))
+
+
 # --- errors ----------------------------------------------------------------------------
 
 
 def test_errors_name_what_is_valid(interpret):
+    from ffnquant.kernels.w4a16 import w4a16_matmul
+
     p = _packed(32, 256, 64)
     t = repack_w4(p)
+    pa = _packed(32, 256, 64, symmetric=False)
+    ta = repack_w4(pa)
     x = _x(2, 256, torch.float16)
     cases = [
         (lambda: tiled_matmul(torch.ones(2, 256, dtype=torch.int32), t), "float16, bfloat16 or float32"),
@@ -251,6 +337,12 @@ def test_errors_name_what_is_valid(interpret):
         (lambda: tiled_gated(x, t, t, "swish"), "unknown activation 'swish'; valid: silu"),
         (lambda: pack_w4(torch.randn(8, 96), 64), "group_size 64 must divide the input dimension 96"),
         (lambda: repack_w4(_packed(8, 96, 24)), "multiple of 32"),
+        (lambda: tiled_gated(x, t, ta, "silu"), "both have zero points .*or both none"),
+        (lambda: tiled_matmul(x, replace(ta, zero_points=ta.zero_points.int())), "contiguous uint8 \\[4, 128\\]"),
+        (lambda: repack_w4(replace(pa, zero_points=pa.zero_points[:, :2])), "uint8 or int8 \\[32, 4\\]"),
+        (lambda: repack_w4(replace(pa, zero_points=pa.zero_points + 16)), "integers 0..15, got"),
+        (lambda: w4a16_matmul(x, pa), "symmetric groups only.*w4a16_tiled"),
+        (lambda: pack_w4(torch.randn(8, 64), 32, symmetric="no"), "True or False"),
     ]
     for call, match in cases:
         with pytest.raises(FFNQuantError, match=match) as info:
@@ -289,24 +381,44 @@ def test_linear_with_bias_and_3d_input(interpret):
 
     bound = matmul_error_bound(x2, p, ref, torch.float16) + ulp(ref.float(), torch.float16)
     _assert_close(y.reshape(6, 40), ref, bound)
-    assert "tiles=64x64" in repr(layer)
+    assert "tiles=64x64" in repr(layer) and "symmetric" in repr(layer)
     with pytest.raises(FFNQuantError, match="nn.Linear"):
         TiledW4A16Linear(torch.nn.Conv1d(4, 4, 1), group_size=32)
+
+
+def test_asym_linear(interpret):
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(128, 40, bias=False)
+    with torch.no_grad():
+        lin.weight += 0.05  # a shifted weight: zero points away from 8
+    layer = TiledW4A16Linear(lin, group_size=32, symmetric=False).to(dtype=torch.bfloat16)
+    # .to(dtype) leaves the uint8 zero points and the scales as they are
+    assert layer.zero_points.dtype == torch.uint8 and layer.scales.dtype == torch.float16
+    assert "asymmetric" in repr(layer) and layer.weight_tiled.zero_points is layer.zero_points
+    p = layer.weight_packed
+    want = pack_w4(lin.weight.detach(), 32, symmetric=False)
+    assert torch.equal(p.packed, want.packed) and torch.equal(p.zero_points, want.zero_points)
+    x = _x(3, 128, torch.bfloat16)
+    ref = w4a16_reference(x, p)
+    _assert_close(layer(x), ref, matmul_error_bound(x, p, ref, torch.bfloat16))
 
 
 # --- the device benchmark's dry run ------------------------------------------------------
 
 
-def test_benchmark_dry_run(interpret, tmp_path):
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+def test_benchmark_dry_run(interpret, tmp_path, asym):
     spec = importlib.util.spec_from_file_location("w4a16_kernels_bench", ROOT / "benchmarks" / "w4a16_kernels.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--dry-run", "--d-model", "64", "--d-ff", "128", "--group", "32", "--tokens", "1,4",
-                       "--out", str(tmp_path)]) == 0
+                       "--out", str(tmp_path), *(["--asym"] if asym else [])]) == 0
     doc = json.loads((tmp_path / "w4a16_kernels.json").read_text())
     rows = doc["rows"]
+    kernels = ("fp16", "w4a16_tiled") if asym else ("fp16", "w4a16", "w4a16_tiled")  # the old kernel: symmetric only
     assert {(r["projection"], r["m"], r["kernel"]) for r in rows} == {
-        (p, m, k) for p in ("gate_up", "down") for m in (1, 4) for k in ("fp16", "w4a16", "w4a16_tiled")}
+        (p, m, k) for p in ("gate_up", "down") for m in (1, 4) for k in kernels}
+    assert doc["settings"]["asym"] is asym
     for r in rows:
         assert r["time_us"] is None and r["speedup_vs_fp16"] is None  # nothing timed in a dry run
         if r["kernel"] == "fp16":
@@ -342,9 +454,9 @@ def _compile_sm90(kernel: str, xdt: str, atomic: bool, gated: bool, **const):
     ints = ("M", "N", "NPAD", "KT", "stride_xm", "stride_om", "iters_per_split")
     sdt = "fp16"
     types = {"x_ptr": f"*{xdt}", "w_ptr": "*i32", "s_ptr": f"*{sdt}", "w2_ptr": "*i32", "s2_ptr": f"*{sdt}",
-             "o_ptr": "*fp32" if atomic else f"*{xdt}", **dict.fromkeys(ints, "i32")}
+             "z_ptr": "*u8", "z2_ptr": "*u8", "o_ptr": "*fp32" if atomic else f"*{xdt}", **dict.fromkeys(ints, "i32")}
     consts = {"GROUP": 128, "BLOCK_K": 128, "LAYOUT_N": 64, "XKIND": {"fp32": 0, "fp16": 1, "bf16": 2}[xdt],
-              "ATOMIC": atomic, "GATED": gated, "ACT": 0 if gated else 5, **const}
+              "ATOMIC": atomic, "GATED": gated, "ACT": 0 if gated else 5, "ASYM": False, **const}
     if kernel == "dot":
         consts["DOT_DT"] = {"fp32": tiled.tl.float32, "fp16": tiled.tl.float16, "bf16": tiled.tl.bfloat16}[xdt]
     aligned = ("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "o_ptr", "NPAD", "stride_xm", "stride_om")
@@ -368,7 +480,12 @@ def test_kernels_compile_for_sm90(monkeypatch):
         ("dot", "fp16", False, True, {"BLOCK_M": 64, "BLOCK_N": 128}),
         ("gemv", "fp16", True, False, {"BLOCK_N": 64, "num_stages": 1}),
         ("gemv", "bf16", False, True, {"BLOCK_N": 32, "num_stages": 1}),
+        # asymmetric groups (zero points): the same kernels with ASYM on
+        ("dot", "fp16", False, False, {"BLOCK_M": 16, "BLOCK_N": 64, "ASYM": True}),
+        ("dot", "bf16", True, True, {"BLOCK_M": 64, "BLOCK_N": 128, "ASYM": True}),
+        ("gemv", "fp16", True, True, {"BLOCK_N": 64, "num_stages": 1, "ASYM": True}),
     ]
+    loads = {}
     for kernel, xdt, atomic, gated, const in variants:
         try:
             compiled = _compile_sm90(kernel, xdt, atomic, gated, **const)
@@ -381,6 +498,10 @@ def test_kernels_compile_for_sm90(monkeypatch):
             # the design's claims, checked on the generated code: the codes arrive by cp.async (pipelined), the
             # fp16 conversion is packed (two codes per instruction), and the products run on tensor cores
             assert "cp.async" in ptx and "add.f16x2" in ptx and "mma.sync" in ptx
+            loads[const.get("ASYM", False)] = compiled.asm["ttir"].count("tt.load")
+    # the symmetric kernel reads no zero points: ASYM adds exactly the zero point row's two loads (before and
+    # inside the loop, like the scale row's)
+    assert loads[True] == loads[False] + 2, loads
 
 
 # --- CUDA (skipped without a GPU) --------------------------------------------------------
@@ -418,3 +539,33 @@ def test_cuda_gated_matches_reference(cuda, m, act):
     x = _x(m, k, torch.float16).cuda()
     ref = w4a16_gated_reference(x, pg, pu, act)
     _assert_close(tiled_gated(x, tg, tu, act), ref, gated_error_bound(x, pg, pu, act, ref, torch.float16, 2.0**-23))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_asym_matches_reference(cuda, dtype):
+    # forced configs (each a compile) on both paths, split K on and off, and the tuner once: a few compiles only
+    k, n = 4096, 1000
+    p = _packed(n, k, 128, seed=13, symmetric=False)
+    t = repack_w4(p).to("cuda")
+    p = p.to("cuda")
+    cases = [(1, TiledConfig("gemv", 1, 64, split_k=4)), (1, TiledConfig("dot", 16, 64)),
+             (16, TiledConfig("dot", 16, 64, split_k=2)), (100, TiledConfig("dot", 64, 128, 1, 8, 3))]
+    for m, cfg in cases:
+        _check(_x(m, k, dtype).cuda(), p, t, cfg, u=2.0**-23)
+    if dtype == torch.float16:
+        x = _x(16, k, dtype).cuda()
+        _check(x, p, t, u=2.0**-23)  # tuned
+        assert tiled_config_used(x, t) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16], ids=lambda m: f"m{m}")
+def test_cuda_asym_gated_matches_reference(cuda, m):
+    k, n = 2048, 1000
+    pg, pu = _packed(n, k, 64, seed=14, symmetric=False), _packed(n, k, 64, seed=15, symmetric=False)
+    tg, tu = repack_w4(pg).to("cuda"), repack_w4(pu).to("cuda")
+    pg, pu = pg.to("cuda"), pu.to("cuda")
+    x = _x(m, k, torch.float16).cuda()
+    ref = w4a16_gated_reference(x, pg, pu, "silu")
+    _assert_close(tiled_gated(x, tg, tu, "silu"), ref, gated_error_bound(x, pg, pu, "silu", ref, torch.float16, 2.0**-23))

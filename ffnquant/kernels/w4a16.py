@@ -490,6 +490,8 @@ def _check_call(x: torch.Tensor, p: PackedW4) -> None:
         raise FFNQuantError(f"packed codes must be uint8 [{p.n}, {p.k // 2}], got {describe(p.packed)}")
     if tuple(p.scales.shape) != (p.n, p.k // p.group_size) or p.scales.dtype not in SCALE_DTYPES:
         raise FFNQuantError(f"scales must be float [{p.n}, {p.k // p.group_size}], got {describe(p.scales)}")
+    if p.zero_points is not None:  # this kernel hard-codes zero point 8
+        raise FFNQuantError("this W4A16 kernel takes symmetric groups only; run zero points on w4a16_tiled (repack_w4)")
     if p.packed.device != x.device or p.scales.device != x.device:
         raise FFNQuantError(f"x is on {x.device} but the weight is on {p.packed.device}; move one of them")
     if x.device.type == "cpu" and not _interpreting():

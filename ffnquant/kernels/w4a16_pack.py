@@ -2,8 +2,10 @@
 
 `pack_w4` quantizes with `ffnquant.primitives.int4_group_rtn(w, g, symmetric=True)` (codes 0..15, zero
 point 8, one scale per `group_size` input features, stored float16 by default) and packs two codes per
-byte; `w4a16_reference` / `w4a16_gated_reference` compute in float32 what the kernels compute up to
-summation order. Pure torch: importable and testable without Triton.
+byte; with `symmetric=False` it quantizes as the `w4a16-g*-asym` presets do (`int4_group_rtn(w, g,
+symmetric=False)`: an integer zero point 0..15 per group, stored as `zero_points`; value (q - zp) * s).
+`w4a16_reference` / `w4a16_gated_reference` compute in float32 what the kernels compute up to summation
+order. Pure torch: importable and testable without Triton.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ..errors import FFNQuantError, unknown_choice
 from ..primitives import int4_group_rtn, pack_int4, unpack_int4
 
 __all__ = ["ACTIVATIONS", "SCALE_DTYPES", "PackedW4", "check_group", "pack_w4", "dequantize_w4", "w4a16_reference",
-           "w4a16_gated_reference", "torch_act", "describe"]
+           "w4a16_gated_reference", "torch_act", "describe", "zero_point_values"]
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -24,21 +26,29 @@ SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class PackedW4:
-    """A [n, k] weight as int4 codes (two per byte, first in the low nibble) and per-group scales."""
+    """A [n, k] weight as int4 codes (two per byte, first in the low nibble), per-group scales and, for
+    asymmetric groups, per-group zero points (None: symmetric, zero point 8)."""
 
     packed: torch.Tensor  # uint8 [n, k // 2]
     scales: torch.Tensor  # [n, k // group_size], float16 unless chosen otherwise
     group_size: int
     n: int
     k: int
+    zero_points: torch.Tensor | None = None  # uint8 or int8 [n, k // group_size], integers 0..15
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero_points is None
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
+        zp = 0 if self.zero_points is None else self.zero_points.numel() * self.zero_points.element_size()
+        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size() + zp
 
     def to(self, device) -> PackedW4:
         """The same weight on `device`."""
-        return replace(self, packed=self.packed.to(device), scales=self.scales.to(device))
+        zp = None if self.zero_points is None else self.zero_points.to(device)
+        return replace(self, packed=self.packed.to(device), scales=self.scales.to(device), zero_points=zp)
 
 
 def check_group(k: int, group_size: int) -> None:
@@ -50,26 +60,42 @@ def check_group(k: int, group_size: int) -> None:
         raise FFNQuantError(f"group_size {group_size} must divide the input dimension {k}")
 
 
-def pack_w4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float16) -> PackedW4:
-    """Quantize a [n, k] weight with ffnquant's symmetric int4 groups (int4_group_rtn) and pack it."""
+def pack_w4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float16,
+            symmetric: bool = True) -> PackedW4:
+    """Quantize a [n, k] weight with ffnquant's int4 groups (int4_group_rtn) and pack it.
+
+    symmetric=True: zero point 8 (`w4a16-g*`); False: the `w4a16-g*-asym` presets' integer zero points.
+    """
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
         raise FFNQuantError(f"pack_w4 needs a 2-D floating [out, in] weight, got {describe(w)}")
     if scale_dtype not in SCALE_DTYPES:
         raise unknown_choice("scale dtype", scale_dtype, SCALE_DTYPES)
     n, k = w.shape
     check_group(k, group_size)
-    q, scale, _zp = int4_group_rtn(w.detach(), group_size, symmetric=True)
+    if not isinstance(symmetric, bool):
+        raise FFNQuantError(f"symmetric must be True or False, got {symmetric!r}")
+    q, scale, zp = int4_group_rtn(w.detach(), group_size, symmetric=symmetric)
     scales = scale.squeeze(-1).to(scale_dtype)
     if not torch.isfinite(scales).all():
         raise FFNQuantError(f"a group scale overflows {scale_dtype}; valid: weights with |w| <= 8 * max({scale_dtype}),"
                             " or scale_dtype=torch.float32")
-    return PackedW4(pack_int4(q).contiguous(), scales.contiguous(), group_size, n, k)
+    zps = None if symmetric else zp.squeeze(-1).to(torch.uint8).contiguous()
+    return PackedW4(pack_int4(q).contiguous(), scales.contiguous(), group_size, n, k, zps)
+
+
+def zero_point_values(zero_points: torch.Tensor | None, shape: tuple[int, ...], device) -> torch.Tensor:
+    """Zero points as float32 (8 everywhere when None, the symmetric groups); exact, they are integers 0..15."""
+    if zero_points is None:
+        return torch.full(shape, 8.0, device=device)
+    return zero_points.to(torch.float32)
 
 
 def dequantize_w4(p: PackedW4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The [n, k] weight the kernel multiplies by: (q - 8) * stored scale, computed in float32 (exact), cast to `dtype`."""
+    """The [n, k] weight the kernel multiplies by: (q - zp) * stored scale (zp = 8 when symmetric) in float32, cast to
+    `dtype` (exact for float16 / bfloat16 scales: |q - zp| <= 15 has 4 significant bits)."""
     q = unpack_int4(p.packed, signed=False).reshape(p.n, p.k // p.group_size, p.group_size)
-    w = (q.to(torch.float32) - 8.0) * p.scales.to(torch.float32).unsqueeze(-1)
+    zp = zero_point_values(p.zero_points, p.scales.shape, p.scales.device)
+    w = (q.to(torch.float32) - zp.unsqueeze(-1)) * p.scales.to(torch.float32).unsqueeze(-1)
     return w.reshape(p.n, p.k).to(dtype)
 
 

@@ -4,7 +4,11 @@ Same numerics as `ffnquant.kernels.w4a16` (ffnquant's symmetric int4 groups, w =
 products are formed from the integer (q - 8), exact in fp16/bf16/fp32, with float32 accumulation, and the
 group scale multiplies the float32 partial of each K step (a step never straddles groups); a dequantized
 weight is never rounded to the activation dtype. The only differences from `w4a16_reference` are float32
-summation order and the final rounding to x's dtype.
+summation order and the final rounding to x's dtype. Asymmetric groups (the `w4a16-g*-asym` presets,
+w = (q - zp) * s with an integer zp per group and column) run the same kernels with ASYM on: the codes are
+converted as above and each K step adds (8 - zp) * (the step's float32 row sum of x) to its partial before
+the scale, since sum x (q - zp) = sum x (q - 8) + (8 - zp) sum x (`w4a16_repack.matmul_error_bound` derives
+the tolerance with that term).
 
 Why a new layout: the old `dot` path loads codes as [SUB/2, BLOCK_N] bytes strided by K/2 per column and
 rebuilds k order with join/permute/reshape every step. Here the codes are repacked once, offline, so that one
@@ -33,24 +37,21 @@ several whole tiles; the K step is the layout's block_k (the largest step that s
 padded to a multiple of 128 (the widest kernel tile), so every BLOCK_N divides it. One copy of the weight
 serves every M bucket; the tuner only picks among launch configs.
 
-The tuner times the candidates of an (M bucket, N, K) as CUDA-graph replays with a cold L2 (`w4a16._time_call`)
-and caches the fastest; during a graph capture the bucket's first candidate runs untimed. Under
-TRITON_INTERPRET=1 (CPU tensors) a fixed small config runs and nothing is timed. Speed figures for this kernel
-wait for a GPU run of `benchmarks/w4a16_kernels.py`; none are claimed here.
+The launch configs and their tuner are in `w4a16_tune`. Speed figures for this kernel wait for a GPU run of
+`benchmarks/w4a16_kernels.py`; none are claimed here.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from .w4a16 import _ACT_CODE, _X_DTYPES, _interpreting, _time_call, triton_status
+from .w4a16 import _ACT_CODE, _X_DTYPES, _interpreting, triton_status
 from .w4a16_pack import ACTIVATIONS, SCALE_DTYPES, PackedW4, describe, pack_w4, torch_act
 from .w4a16_repack import TiledW4, dequantize_tiled, repack_w4, unrepack_w4
+from .w4a16_tune import TiledConfig, _candidates, _select, m_bucket, tiled_config_used  # noqa: F401 (re-exported)
 
 __all__ = ["ACTIVATIONS", "KERNEL_BLOCK_NS", "LAYOUT_BLOCK_N", "TiledConfig", "TiledW4", "TiledW4A16Linear",
            "dequantize_tiled", "repack_w4", "tiled_config_used", "tiled_gated", "tiled_matmul", "triton_status",
@@ -95,11 +96,15 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
 
 def _dot_kernel(
-    x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, o_ptr,
     M, N, NPAD, KT, stride_xm, stride_om, iters_per_split,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, LAYOUT_N: tl.constexpr, XKIND: tl.constexpr, DOT_DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    ASYM: tl.constexpr,
 ):
+    # ASYM (zero points zp per group and column): sum_k x_k (q_k - zp) = sum_k x_k (q_k - 8) + (8 - zp) sum_k x_k,
+    # so the codes keep the symmetric conversion and each step adds xsum * (8 - zp) to its partial before the
+    # scale; without ASYM none of it is traced (no loads, no math).
     KW: tl.constexpr = BLOCK_K // 8
     HALF: tl.constexpr = BLOCK_K // 2
     STEP: tl.constexpr = KW * LAYOUT_N
@@ -122,8 +127,14 @@ def _dot_kernel(
     # the last step rather than masked: a redundant load is harmless)
     s_nx = tl.load(s_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
     s2_nx = s_nx
+    z_nx = s_nx
+    z2_nx = s_nx
     if GATED:
         s2_nx = tl.load(s2_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
+    if ASYM:  # zero points prefetched like the scales
+        z_nx = tl.load(z_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
+        if GATED:
+            z2_nx = tl.load(z2_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
     for t in range(t0, t1):
         s = s_nx.to(tl.float32)
         s_row = ((tl.minimum(t + 1, KT - 1) * BLOCK_K) // GROUP) * NPAD
@@ -131,6 +142,12 @@ def _dot_kernel(
         xo = x_rows + (t * BLOCK_K + rk)[None, :]
         x_lo = tl.load(xo, mask=m_ok[:, None], other=0.0).to(DOT_DT)  # k0 .. k0 + HALF: nibbles 0..3
         x_hi = tl.load(xo + HALF, mask=m_ok[:, None], other=0.0).to(DOT_DT)  # k0 + HALF .. k0 + BLOCK_K: nibbles 4..7
+        if ASYM:
+            # the step's row sums of x in float32 (x's values are exact there); the gated up weight reuses them
+            xs = (tl.reduce(x_lo.to(tl.float32), 1, tl.standard._sum_combine)
+                  + tl.reduce(x_hi.to(tl.float32), 1, tl.standard._sum_combine))[:, None]
+            zc = 8.0 - z_nx.to(tl.float32)
+            z_nx = tl.load(z_ptr + s_row + rn)
         v = tl.load(w_ptr + w_off + t * STEP)[None, :, :] >> sh  # [4, KW, BLOCK_N]
         if XKIND == 1:
             # two fp16 codes per int32 op: 0x6400 | q is the fp16 1024 + q; minus 1032 is q - 8, exact
@@ -143,10 +160,15 @@ def _dot_kernel(
             hi = (((v >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
         part = tl.dot(x_lo, tl.reshape(lo.to(DOT_DT), (HALF, BLOCK_N)), input_precision="ieee")
         part = tl.dot(x_hi, tl.reshape(hi.to(DOT_DT), (HALF, BLOCK_N)), part, input_precision="ieee")
+        if ASYM:
+            part += xs * zc[None, :]
         acc += part * s[None, :]
         if GATED:
             s = s2_nx.to(tl.float32)
             s2_nx = tl.load(s2_ptr + s_row + rn)
+            if ASYM:
+                zc = 8.0 - z2_nx.to(tl.float32)
+                z2_nx = tl.load(z2_ptr + s_row + rn)
             v = tl.load(w2_ptr + w_off + t * STEP)[None, :, :] >> sh
             if XKIND == 1:
                 v = (v & 0x000F000F) | 0x64006400
@@ -157,6 +179,8 @@ def _dot_kernel(
                 hi = (((v >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
             part = tl.dot(x_lo, tl.reshape(lo.to(DOT_DT), (HALF, BLOCK_N)), input_precision="ieee")
             part = tl.dot(x_hi, tl.reshape(hi.to(DOT_DT), (HALF, BLOCK_N)), part, input_precision="ieee")
+            if ASYM:
+                part += xs * zc[None, :]
             acc2 += part * s[None, :]
     res = acc
     if GATED:
@@ -187,15 +211,16 @@ def _dot_kernel(
 
 
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, o_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, o_ptr,
     N, NPAD, KT, stride_xm, stride_om, iters_per_split,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, LAYOUT_N: tl.constexpr, XKIND: tl.constexpr,
-    BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, ASYM: tl.constexpr,
 ):
     # One row m of x; the step's words are a [KW, BLOCK_N] tile and x's BLOCK_K values are eight contiguous runs
     # of KW (nibble i of word j is k0 + i * KW + j). (bits & (15 << 4i)) | 2**23, minus 2**23 + 8 * 16**i, is
     # 16**i * (q - 8) exactly (16**3 * 15 < 2**23); the 16**-i goes into x (exact), so each code costs an AND,
-    # an OR, a subtract and one FMA, with no shift per nibble.
+    # an OR, a subtract and one FMA, with no shift per nibble. ASYM: as in the dot kernel, word row j's partial
+    # gains (8 - zp) * (the sum of its eight x values), one more FMA per word.
     KW: tl.constexpr = BLOCK_K // 8
     STEP: tl.constexpr = KW * LAYOUT_N
     pid_n = tl.program_id(0)
@@ -215,9 +240,15 @@ def _gemv_kernel(
     s_nx = tl.load(s_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
     w2_nx = w_nx
     s2_nx = s_nx
+    z_nx = s_nx
+    z2_nx = s_nx
     if GATED:
         w2_nx = tl.load(w2_ptr + w_off + t0 * STEP)
         s2_nx = tl.load(s2_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
+    if ASYM:
+        z_nx = tl.load(z_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
+        if GATED:
+            z2_nx = tl.load(z2_ptr + ((t0 * BLOCK_K) // GROUP) * NPAD + rn)
     for t in range(t0, t1):
         w = w_nx
         s = s_nx.to(tl.float32)
@@ -229,15 +260,31 @@ def _gemv_kernel(
         if GATED:
             w2_nx = tl.load(w2_ptr + w_off + tn * STEP)
             s2_nx = tl.load(s2_ptr + ((tn * BLOCK_K) // GROUP) * NPAD + rn)
+        if ASYM:
+            zc = 8.0 - z_nx.to(tl.float32)
+            z_nx = tl.load(z_ptr + ((tn * BLOCK_K) // GROUP) * NPAD + rn)
+            if GATED:
+                zc2 = 8.0 - z2_nx.to(tl.float32)
+                z2_nx = tl.load(z2_ptr + ((tn * BLOCK_K) // GROUP) * NPAD + rn)
         xb = x_row + t * BLOCK_K + rj
-        x0 = tl.load(xb).to(tl.float32)[:, None]
-        x1 = (tl.load(xb + KW).to(tl.float32) * 0.0625)[:, None]
-        x2 = (tl.load(xb + 2 * KW).to(tl.float32) * 0.00390625)[:, None]
-        x3 = (tl.load(xb + 3 * KW).to(tl.float32) * 0.000244140625)[:, None]
-        x4 = tl.load(xb + 4 * KW).to(tl.float32)[:, None]
-        x5 = (tl.load(xb + 5 * KW).to(tl.float32) * 0.0625)[:, None]
-        x6 = (tl.load(xb + 6 * KW).to(tl.float32) * 0.00390625)[:, None]
-        x7 = (tl.load(xb + 7 * KW).to(tl.float32) * 0.000244140625)[:, None]
+        r0 = tl.load(xb).to(tl.float32)
+        r1 = tl.load(xb + KW).to(tl.float32)
+        r2 = tl.load(xb + 2 * KW).to(tl.float32)
+        r3 = tl.load(xb + 3 * KW).to(tl.float32)
+        r4 = tl.load(xb + 4 * KW).to(tl.float32)
+        r5 = tl.load(xb + 5 * KW).to(tl.float32)
+        r6 = tl.load(xb + 6 * KW).to(tl.float32)
+        r7 = tl.load(xb + 7 * KW).to(tl.float32)
+        x0 = r0[:, None]
+        x1 = (r1 * 0.0625)[:, None]
+        x2 = (r2 * 0.00390625)[:, None]
+        x3 = (r3 * 0.000244140625)[:, None]
+        x4 = r4[:, None]
+        x5 = (r5 * 0.0625)[:, None]
+        x6 = (r6 * 0.00390625)[:, None]
+        x7 = (r7 * 0.000244140625)[:, None]
+        if ASYM:  # word row j's eight x values, unscaled, summed in float32
+            xs = (((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)))[:, None]
         wh = w >> 16
         p = (((w & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x0
         p += (((w & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x1
@@ -247,6 +294,8 @@ def _gemv_kernel(
         p += (((wh & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x5
         p += (((wh & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x6
         p += (((wh & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x7
+        if ASYM:
+            p += xs * zc[None, :]
         acc += p * s[None, :]
         if GATED:
             wh = w2 >> 16
@@ -258,6 +307,8 @@ def _gemv_kernel(
             p += (((wh & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x5
             p += (((wh & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x6
             p += (((wh & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x7
+            if ASYM:
+                p += xs * zc2[None, :]
             acc2 += p * s2[None, :]
     res = tl.reduce(acc, 0, tl.standard._sum_combine)
     if GATED:
@@ -285,116 +336,6 @@ def _gemv_kernel(
         tl.store(out, res.to(o_ptr.dtype.element_ty), mask=n_ok)
 
 
-# --- configs and tuning -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TiledConfig:
-    """One launch config on the tiled layout (the K step is the layout's block_k)."""
-
-    path: str  # "dot" or "gemv"
-    block_m: int  # rows of x per program: 1 for gemv, a power of two >= 16 for dot
-    block_n: int  # one of KERNEL_BLOCK_NS
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def m_bucket(m: int) -> int:
-    """The tuner's M bucket: 1, 2-4, 5-16, 17-64, 65+ (named by their upper end, 65+ as 65)."""
-    return next((b for b in (1, 4, 16, 64) if m <= b), 65)
-
-
-def _split(programs: int, kt: int, sms: int) -> int:
-    # split K until about two programs per SM, at most 8 ways, keeping >= 2 K steps per split
-    s = 1
-    while s < 8 and programs * s < 2 * sms and kt >= 4 * s:
-        s *= 2
-    return s
-
-
-def _candidates(m: int, t: TiledW4, gated: bool, sms: int = 132) -> list[TiledConfig]:
-    """The configs the tuner times for this shape; the first one runs untimed during a graph capture.
-
-    Several per bucket on purpose: tile width, warps, stages and the K split trade off differently per GPU,
-    shape and group size, and no figure measured on this layout exists yet (see the module docstring).
-    """
-    kt = t.k // t.block_k
-
-    def dot(bm, bn, warps=4, stages=3, more=1):
-        tiles = (t.n_pad // bn) * -(-m // bm)
-        return TiledConfig("dot", bm, bn, 1 if gated else min(8, _split(tiles, kt, sms) * more), warps, stages)
-
-    def gemv(bn, warps=4, more=1):
-        tiles = (t.n_pad // bn) * m
-        return TiledConfig("gemv", 1, bn, 1 if gated else min(8, _split(tiles, kt, sms) * more), warps, 1)
-
-    b = m_bucket(m)
-    # Few per bucket, mostly shared across buckets (each distinct one is a compile on first use).
-    if b == 1:
-        cands = [dot(16, 64), gemv(64), gemv(32), dot(16, 32, 4, 4), dot(16, 128, 8, 3)]
-    elif b == 4:
-        cands = [dot(16, 64), dot(16, 32, 4, 4), dot(16, 128, 8, 3), gemv(64), dot(16, 64, 4, 4, more=2)]
-    elif b == 16:
-        cands = [dot(16, 64), dot(16, 32, 4, 4), dot(16, 128, 8, 3), dot(16, 64, 4, 4, more=2)]
-    elif b == 64:
-        cands = [dot(32, 64), dot(64, 64), dot(64, 128, 8, 3), dot(16, 64, 4, 2)]
-    else:
-        cands = [dot(64, 128), dot(128, 128, 8, 3), dot(128, 64, 4, 4), dot(64, 64, 4, 4)]
-    out: list[TiledConfig] = []
-    for c in cands:
-        if c not in out:
-            out.append(c)
-    return out
-
-
-def _interpreter_config(m: int) -> TiledConfig:
-    # the interpreter runs each program in numpy: small tiles, nothing timed
-    return TiledConfig("gemv", 1, 32, 1, 4, 1) if m == 1 else TiledConfig("dot", 16, 32, 1, 4, 1)
-
-
-_TUNED: dict[tuple, TiledConfig] = {}
-
-
-def _tune_key(x: torch.Tensor, t: TiledW4, gated: bool) -> tuple:
-    return (str(x.device), x.dtype, m_bucket(x.shape[0]), t.n, t.k, t.group_size, t.scales.dtype, t.block_n,
-            t.block_k, gated)
-
-
-def tiled_config_used(x: torch.Tensor, t: TiledW4, gated: bool = False) -> TiledConfig | None:
-    """The config a call with this input and weight uses now (None: not tuned yet on CUDA)."""
-    if _interpreting():
-        return _interpreter_config(x.shape[0])
-    return _TUNED.get(_tune_key(x, t, gated))
-
-
-def _select(x: torch.Tensor, t: TiledW4, launch, gated: bool) -> TiledConfig:
-    """The cached config for this shape, else time the candidates once with `launch(cfg)` and keep the fastest."""
-    m = x.shape[0]
-    if _interpreting():
-        return _interpreter_config(m)
-    key = _tune_key(x, t, gated)
-    if key in _TUNED:
-        return _TUNED[key]
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    cands = _candidates(m, t, gated, sms)
-    if torch.cuda.is_current_stream_capturing():
-        return cands[0]  # no timing inside a graph capture; the next eager call tunes
-    best, best_ms, errors = None, math.inf, []
-    for cfg in cands:
-        try:
-            ms = _time_call(lambda: launch(cfg))
-        except Exception as exc:  # a config the compiler rejects here (resources): skip it
-            errors.append(f"{cfg}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    if best is None:
-        raise FFNQuantError(f"no tiled W4A16 kernel config compiles for M={m}, N={t.n}, K={t.k}: {errors[0]}")
-    _TUNED[key] = best
-    return best
-
-
 # --- launching ----------------------------------------------------------------------------
 
 
@@ -413,7 +354,12 @@ def _check_call(x: torch.Tensor, t: TiledW4) -> None:
             or not t.scales.is_contiguous():
         raise FFNQuantError(f"tiled scales must be contiguous float [{t.k // t.group_size}, {t.n_pad}], "
                             f"got {describe(t.scales)}")
-    if t.words.device != x.device or t.scales.device != x.device:
+    zp = t.zero_points
+    if zp is not None and (zp.dtype != torch.uint8 or tuple(zp.shape) != tuple(t.scales.shape)
+                           or not zp.is_contiguous()):
+        raise FFNQuantError(f"tiled zero points must be contiguous uint8 {list(t.scales.shape)} (or None: symmetric), "
+                            f"got {describe(zp)}")
+    if t.words.device != x.device or t.scales.device != x.device or (zp is not None and zp.device != x.device):
         raise FFNQuantError(f"x is on {x.device} but the weight is on {t.words.device}; move one of them")
     if x.device.type == "cpu" and not _interpreting():
         raise FFNQuantError("the Triton W4A16 kernel runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1")
@@ -450,10 +396,13 @@ def _launch(cfg: TiledConfig, x: torch.Tensor, t: TiledW4, t2: TiledW4 | None = 
     else:
         out = torch.empty((m, t.n), dtype=x.dtype, device=x.device)
     q2 = t2 if t2 is not None else t
+    asym = t.zero_points is not None
     common = {"GROUP": t.group_size, "BLOCK_K": t.block_k, "LAYOUT_N": t.block_n, "XKIND": _X_DTYPES[x.dtype],
-              "BLOCK_N": cfg.block_n, "ATOMIC": atomic, "GATED": gated, "ACT": _ACT_CODE[act],
+              "BLOCK_N": cfg.block_n, "ATOMIC": atomic, "GATED": gated, "ACT": _ACT_CODE[act], "ASYM": asym,
               "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    ptrs = (x, t.words, t.scales, q2.words, q2.scales, out)
+    # symmetric: the zero point pointers are never read (ASYM is off); the scales stand in for them
+    z, z2 = (t.zero_points, q2.zero_points) if asym else (t.scales, q2.scales)
+    ptrs = (x, t.words, t.scales, z, q2.words, q2.scales, z2, out)
     if cfg.path == "dot":
         grid = (t.n_pad // cfg.block_n, -(-m // cfg.block_m), splits)
         kern.dot[grid](*ptrs, m, t.n, t.n_pad, kt, x.stride(0), out.stride(0), per,
@@ -502,6 +451,8 @@ def tiled_gated(x: torch.Tensor, t_gate: TiledW4, t_up: TiledW4, act: str = "sil
     same = ("n", "k", "group_size", "block_n", "block_k")
     if any(getattr(t_gate, a) != getattr(t_up, a) for a in same) or t_gate.scales.dtype != t_up.scales.dtype:
         raise FFNQuantError("gate and up weights must share shape, group size, tiles and scale dtype")
+    if t_gate.symmetric != t_up.symmetric:
+        raise FFNQuantError("gate and up weights must both have zero points (asymmetric) or both none (symmetric)")
     if config is not None:
         _check_config(config, x.shape[0], gated=True)
     if x.shape[0] == 0 or t_gate.n == 0:
@@ -517,24 +468,27 @@ def tiled_gated(x: torch.Tensor, t_gate: TiledW4, t_up: TiledW4, act: str = "sil
 
 
 class TiledW4A16Linear(torch.nn.Module):
-    """nn.Linear replacement with int4 weights (ffnquant's symmetric groups) in the tiled layout.
+    """nn.Linear replacement with int4 weights (ffnquant's int4 groups, symmetric or not) in the tiled layout.
 
-    Buffers: `words` (int32, the TiledW4 layout), `scales` ([in/g, out padded], float16 by default) and `bias`
-    (or None). Repacked once here, for every M (see the module docstring). The scales keep their dtype
-    through `module.to(dtype)` / `.half()`: they are the numerics of record.
+    Buffers: `words` (int32, the TiledW4 layout), `scales` ([in/g, out padded], float16 by default),
+    `zero_points` (uint8, same shape; None when symmetric) and `bias` (or None). Repacked once here, for every M
+    (see the module docstring). The scales keep their dtype through `module.to(dtype)` / `.half()`: they are the
+    numerics of record.
     """
 
     def __init__(self, linear: torch.nn.Linear, group_size: int, device=None,
-                 scale_dtype: torch.dtype = torch.float16) -> None:
+                 scale_dtype: torch.dtype = torch.float16, symmetric: bool = True) -> None:
         super().__init__()
         if not isinstance(linear, torch.nn.Linear):
             raise FFNQuantError(f"TiledW4A16Linear wraps a torch.nn.Linear, got {type(linear).__name__}")
-        t = repack_w4(pack_w4(linear.weight.detach().float().cpu(), group_size, scale_dtype), LAYOUT_BLOCK_N)
+        packed = pack_w4(linear.weight.detach().float().cpu(), group_size, scale_dtype, symmetric)
+        t = repack_w4(packed, LAYOUT_BLOCK_N)
         self.in_features, self.out_features, self.group_size = t.k, t.n, group_size
         self.block_n, self.block_k = t.block_n, t.block_k
         dev = torch.device(device) if device is not None else linear.weight.device
         self.register_buffer("words", t.words.to(dev))
         self.register_buffer("scales", t.scales.to(dev))
+        self.register_buffer("zero_points", None if t.zero_points is None else t.zero_points.to(dev))
         bias = linear.bias.detach().clone().to(dev) if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
@@ -554,7 +508,7 @@ class TiledW4A16Linear(torch.nn.Module):
     def weight_tiled(self) -> TiledW4:
         """The buffers as a TiledW4 (views, no copy)."""
         return TiledW4(self.words, self.scales, self.group_size, self.out_features, self.in_features, self.block_n,
-                       self.block_k)
+                       self.block_k, self.zero_points)
 
     @property
     def weight_packed(self) -> PackedW4:
@@ -570,4 +524,5 @@ class TiledW4A16Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"tiles={self.block_n}x{self.block_k}, scales={self.scales.dtype}, bias={self.bias is not None}")
+                f"tiles={self.block_n}x{self.block_k}, scales={self.scales.dtype}, "
+                f"{'symmetric' if self.zero_points is None else 'asymmetric'}, bias={self.bias is not None}")

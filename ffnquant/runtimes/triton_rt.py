@@ -2,9 +2,10 @@
 
 The kernel (weights repacked once at load into the tiled layout of `kernels.w4a16_repack`) fuses
 the int4 dequantization into the matmul and implements ffnquant's `w4a16-g*` presets exactly
-(symmetric groups, the extreme of each group on code 0), so its accuracy row and the quantization
-stage's reference describe the same numerics
-(tinygemm on `torch-cuda` runs the asymmetric `w4a16-g*-asym` presets instead). Every call is replayed from a CUDA
+(symmetric groups, the extreme of each group on code 0) and the asymmetric `w4a16-g*-asym` presets
+(an integer zero point per group: the kernel's ASYM form), so its accuracy rows and the quantization
+stage's reference describe the same numerics (tinygemm on `torch-cuda` runs the asymmetric presets
+too, its scales and float zeros in its activation dtype). Every call is replayed from a CUDA
 graph (decode-size FFNs are a few microseconds per kernel: launch overhead would
 otherwise dominate); `fp16` runs the plain torch FFN the same way, as the baseline. The older
 kernel (`kernels.w4a16`) stays importable: `benchmarks/w4a16_kernels.py` compares against it.
@@ -27,7 +28,8 @@ from .torch_rt import MODES, TorchModuleRuntime, _compute_dtype, _module_nbytes
 
 __all__ = ["TritonRuntime"]
 
-_GROUPS = {"w4a16-g32": 32, "w4a16-g64": 64, "w4a16-g128": 128}
+_GROUPS = {"w4a16-g32": 32, "w4a16-g64": 64, "w4a16-g128": 128,
+           "w4a16-g32-asym": 32, "w4a16-g64-asym": 64, "w4a16-g128-asym": 128}  # the same kernel, zero points on
 # per-token int8 / fp8: activations quantized by one fused kernel each (kernels.actquant), the act*up product and
 # the hidden's quantization in one more; the GEMMs are torch's (_int_mm, _scaled_mm)
 _FUSED = {"w8a8-dynamic-s8": ("int8", 8), "fp8-e4m3-dynamic": ("fp8", 16)}
@@ -50,16 +52,16 @@ class GatedW4FFN(torch.nn.Module):
     are repacked alike (same tiles), as the fused kernel requires.
     """
 
-    def __init__(self, model, group_size: int) -> None:
+    def __init__(self, model, group_size: int, symmetric: bool = True) -> None:
         from ..kernels.w4a16_tiled import TiledW4A16Linear
 
         super().__init__()
         spec = model.spec
         self.spec = spec
         self.act = spec.activation.value
-        self.w_gate = TiledW4A16Linear(model.w_gate, group_size=group_size)
-        self.w_up = TiledW4A16Linear(model.w_up, group_size=group_size)
-        self.w_down = TiledW4A16Linear(model.w_down, group_size=group_size)
+        self.w_gate = TiledW4A16Linear(model.w_gate, group_size=group_size, symmetric=symmetric)
+        self.w_up = TiledW4A16Linear(model.w_up, group_size=group_size, symmetric=symmetric)
+        self.w_down = TiledW4A16Linear(model.w_down, group_size=group_size, symmetric=symmetric)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..kernels.w4a16_tiled import tiled_gated
@@ -75,7 +77,8 @@ class TritonRuntime(TorchModuleRuntime):
     under TRITON_INTERPRET=1 (tests)."""
 
     prefix = "triton"
-    what = ("ffnquant's Triton kernels: W4A16 (fused int4 dequantize + matmul, exact w4a16-g* presets) and fused per-token "
+    what = ("ffnquant's Triton kernels: W4A16 (fused int4 dequantize + matmul, exact w4a16-g* and w4a16-g*-asym "
+            "presets) and fused per-token "
             "int8 / fp8 activation quantization (w8a8-dynamic-s8, fp8-e4m3-dynamic)")
 
     def __init__(self, device: str = "cuda") -> None:
@@ -150,14 +153,16 @@ class TritonRuntime(TorchModuleRuntime):
                           f"{'_int_mm' if kind == 'int8' else '_scaled_mm row-wise'} GEMMs, gate and up as one)")
             elif case.scheme in _GROUPS:
                 g = _GROUPS[case.scheme]
+                sym = not case.scheme.endswith("-asym")
                 if case.spec.gated and not case.spec.bias:
-                    model = GatedW4FFN(model, g)
+                    model = GatedW4FFN(model, g, sym)
                     fused = "; gate, up and activation fused in one kernel"
                 else:
                     for name in case.spec.weight_names:
-                        setattr(model, name, TiledW4A16Linear(getattr(model, name), group_size=g))
+                        setattr(model, name, TiledW4A16Linear(getattr(model, name), group_size=g, symmetric=sym))
                     fused = ""
-                kernel = f"ffnquant Triton W4A16, tiled layout (symmetric int4, group {g}, fp16 scales{fused})"
+                kind = "symmetric int4" if sym else "asymmetric int4, uint8 zero points"
+                kernel = f"ffnquant Triton W4A16, tiled layout ({kind}, group {g}, fp16 scales{fused})"
             else:
                 kernel = "eager torch matmul"
             model = model.to(device=self.device, dtype=dtype)
