@@ -24,7 +24,6 @@ call are decorated per mode too (each mode's kernels see their own helpers throu
 
 from __future__ import annotations
 
-import os
 import types
 from types import SimpleNamespace
 
@@ -32,6 +31,7 @@ import torch
 
 from ..errors import FFNQuantError, unknown_choice
 from ..runtimes.torch_rt import fp8_rowwise, int8_symmetric_rows
+from .tritonenv import import_triton, interpreting
 from .w4a16_pack import ACTIVATIONS, describe, torch_act
 
 __all__ = [
@@ -58,24 +58,12 @@ tl = None
 # --- environment --------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    try:  # triton >= 3.4 reads the variable through knobs (accepts 1/true/on)
-        from triton import knobs
-
-        return bool(knobs.runtime.interpret)
-    except Exception:
-        return os.environ.get("TRITON_INTERPRET", "") in ("1", "true", "on")
 
 
 def _triton():
     global triton, tl
     if tl is None:
-        try:
-            import triton as _t
-            import triton.language as _tl
-        except Exception as exc:
-            raise FFNQuantError(f"the activation quantization kernels need triton, which fails to import: {exc}") from exc
-        triton, tl = _t, _tl
+        triton, tl = import_triton("the activation quantization kernels")
     return triton
 
 
@@ -310,7 +298,7 @@ def _check_kind(kind) -> bool:
 
 
 def _check_device(t: torch.Tensor, what: str) -> None:
-    if t.device.type == "cpu" and not _interpreting():
+    if t.device.type == "cpu" and not interpreting():
         raise FFNQuantError(f"{what} runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1")
     if t.device.type not in ("cpu", "cuda"):
         raise FFNQuantError(f"{what} runs on cuda or cpu (interpreter) tensors, not {t.device.type}")
@@ -362,7 +350,7 @@ def _launch_rows(x, fp8: bool, rows: int):
     m, k = x.shape
     codes, raw, scales = _codes(rows, k, fp8, x.device)
     if rows:
-        interpret = _interpreting()
+        interpret = interpreting()
         if x.stride(1) != 1:
             x = x.contiguous()
         # a decode row of up to 4096 is one step (the second pass then re-reads it from L2)
@@ -376,7 +364,7 @@ def _launch_hidden(y, fp8: bool, act: str, gated: bool, row_scale, col_scale, bi
     f = y.shape[1] // 2 if gated else y.shape[1]
     codes, raw, scales = _codes(out_rows, f, fp8, y.device)
     if out_rows and f:
-        interpret = _interpreting()
+        interpret = interpreting()
         if y.stride(1) != 1:
             y = y.contiguous()
         src_int = y.dtype == torch.int32
@@ -394,7 +382,7 @@ def _launch_rescale(acc, row_scale, col_scale, bias, rows: int, dtype):
     n = acc.shape[1]
     out = torch.empty((rows, n), dtype=dtype, device=acc.device)
     if rows and n:
-        interpret = _interpreting()
+        interpret = interpreting()
         if acc.stride(1) != 1:
             acc = acc.contiguous()
         bm, bn = min(16, 1 << (rows - 1).bit_length()), (32 if interpret else 256)

@@ -37,13 +37,13 @@ TRITON_INTERPRET may be set at any time before the first launch in each mode.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
+from .tritonenv import import_triton, interpreting
 from .w4a16_pack import (ACTIVATIONS, SCALE_DTYPES, PackedW4, dequantize_w4, describe, pack_w4, torch_act,
                          w4a16_gated_reference, w4a16_reference)
 
@@ -73,13 +73,6 @@ tl = None
 # --- environment --------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    try:  # triton >= 3.4 reads the variable through knobs (accepts 1/true/on)
-        from triton import knobs
-
-        return bool(knobs.runtime.interpret)
-    except Exception:
-        return os.environ.get("TRITON_INTERPRET", "") in ("1", "true", "on")
 
 
 def triton_status() -> tuple[bool, str]:
@@ -88,7 +81,7 @@ def triton_status() -> tuple[bool, str]:
         import triton as _t
     except Exception as exc:  # not installed, or broken (missing libs)
         return False, f"triton is not installed or fails to import: {type(exc).__name__}: {exc}"
-    if _interpreting():
+    if interpreting():
         return True, f"triton {_t.__version__} interpreter (TRITON_INTERPRET=1): CPU tensors, slow"
     if torch.cuda.is_available():
         return True, f"triton {_t.__version__} on CUDA ({torch.cuda.get_device_name(0)})"
@@ -100,12 +93,7 @@ def _triton():
     """Import triton into this module's globals (the kernel bodies resolve `tl` there)."""
     global triton, tl
     if tl is None:
-        try:
-            import triton as _t
-            import triton.language as _tl
-        except Exception as exc:
-            raise FFNQuantError(f"the W4A16 kernel needs triton, which fails to import: {exc}") from exc
-        triton, tl = _t, _tl
+        triton, tl = import_triton("the W4A16 kernel")
     return triton
 
 
@@ -427,7 +415,7 @@ def _tune_key(x: torch.Tensor, p: PackedW4, gated: bool) -> tuple:
 
 def w4a16_config_used(x: torch.Tensor, p: PackedW4, gated: bool = False) -> KernelConfig | None:
     """The config a call with this input and weight uses now (None: not tuned yet on CUDA)."""
-    if _interpreting():
+    if interpreting():
         return _interpreter_config(x.shape[0], p)
     return _TUNED.get(_tune_key(x, p, gated))
 
@@ -455,7 +443,7 @@ def _time_call(fn) -> float:
 def _select(x: torch.Tensor, p: PackedW4, launch, gated: bool) -> KernelConfig:
     """The cached config for this shape, else time the candidates once with `launch(cfg)` and keep the fastest."""
     m = x.shape[0]
-    if _interpreting():
+    if interpreting():
         return _interpreter_config(m, p)
     key = _tune_key(x, p, gated)
     if key in _TUNED:
@@ -494,7 +482,7 @@ def _check_call(x: torch.Tensor, p: PackedW4) -> None:
         raise FFNQuantError("this W4A16 kernel takes symmetric groups only; run zero points on w4a16_tiled (repack_w4)")
     if p.packed.device != x.device or p.scales.device != x.device:
         raise FFNQuantError(f"x is on {x.device} but the weight is on {p.packed.device}; move one of them")
-    if x.device.type == "cpu" and not _interpreting():
+    if x.device.type == "cpu" and not interpreting():
         raise FFNQuantError("the Triton W4A16 kernel runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1")
     if x.device.type not in ("cpu", "cuda"):
         raise FFNQuantError(f"the Triton W4A16 kernel runs on cuda or cpu (interpreter) tensors, not {x.device.type}")
@@ -502,7 +490,7 @@ def _check_call(x: torch.Tensor, p: PackedW4) -> None:
 
 def _launch(cfg: KernelConfig, x: torch.Tensor, p: PackedW4, p2: PackedW4 | None = None, act: str = "identity",
             gated: bool = False) -> torch.Tensor:
-    kern = _kernels(_interpreting())
+    kern = _kernels(interpreting())
     m, k = x.shape
     n, g = p.n, p.group_size
     atomic = cfg.split_k > 1
@@ -551,7 +539,7 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, p: PackedW4, p2: PackedW4 | None
 def _dot_dtype(dt: torch.dtype):
     # the dot's operand dtype: x's own, except bf16 under the interpreter, whose bf16 tl.dot returns garbage
     # (triton 3.9); float32 operands give the same products there (bf16 x small integer is exact in float32)
-    if dt == torch.bfloat16 and _interpreting():
+    if dt == torch.bfloat16 and interpreting():
         return tl.float32
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dt]
 

@@ -48,7 +48,8 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from .w4a16 import _ACT_CODE, _X_DTYPES, _interpreting, triton_status
+from .tritonenv import import_triton, interpreting
+from .w4a16 import _ACT_CODE, _X_DTYPES, triton_status
 from .w4a16_pack import ACTIVATIONS, SCALE_DTYPES, PackedW4, describe, pack_w4, torch_act
 from .w4a16_repack import TiledW4, dequantize_tiled, repack_w4, unrepack_w4
 from .w4a16_tune import TiledConfig, _candidates, _select, m_bucket, tiled_config_used  # noqa: F401 (re-exported)
@@ -68,12 +69,7 @@ tl = None
 def _triton():
     global triton, tl
     if tl is None:
-        try:
-            import triton as _t
-            import triton.language as _tl
-        except Exception as exc:
-            raise FFNQuantError(f"the W4A16 kernel needs triton, which fails to import: {exc}") from exc
-        triton, tl = _t, _tl
+        triton, tl = import_triton("the W4A16 kernel")
     return triton
 
 
@@ -361,7 +357,7 @@ def _check_call(x: torch.Tensor, t: TiledW4) -> None:
                             f"got {describe(zp)}")
     if t.words.device != x.device or t.scales.device != x.device or (zp is not None and zp.device != x.device):
         raise FFNQuantError(f"x is on {x.device} but the weight is on {t.words.device}; move one of them")
-    if x.device.type == "cpu" and not _interpreting():
+    if x.device.type == "cpu" and not interpreting():
         raise FFNQuantError("the Triton W4A16 kernel runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1")
     if x.device.type not in ("cpu", "cuda"):
         raise FFNQuantError(f"the Triton W4A16 kernel runs on cuda or cpu (interpreter) tensors, not {x.device.type}")
@@ -386,7 +382,7 @@ def _launch(cfg: TiledConfig, x: torch.Tensor, t: TiledW4, t2: TiledW4 | None = 
             gated: bool = False) -> torch.Tensor:
     m = x.shape[0]
     _check_config(cfg, m, gated)
-    kern = _kernels(_interpreting())
+    kern = _kernels(interpreting())
     kt = t.k // t.block_k
     per = -(-kt // cfg.split_k)
     splits = -(-kt // per)  # every split has at least one K step
@@ -416,7 +412,7 @@ def _launch(cfg: TiledConfig, x: torch.Tensor, t: TiledW4, t2: TiledW4 | None = 
 def _dot_dtype(dt: torch.dtype):
     # x's own dtype, except bf16 under the interpreter, whose bf16 tl.dot returns garbage (triton 3.9); float32
     # operands give the same products there (bf16 x small integer is exact in float32)
-    if dt == torch.bfloat16 and _interpreting():
+    if dt == torch.bfloat16 and interpreting():
         return tl.float32
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dt]
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FFNQuantError
-from .w4a16 import _interpreting, _time_call
+from .tritonenv import interpreting
+from .w4a16 import _time_call
 from .w4a16_repack import TiledW4
 
 __all__ = ["TiledConfig", "m_bucket", "tiled_config_used"]
@@ -95,7 +96,7 @@ def _tune_key(x: torch.Tensor, t: TiledW4, gated: bool) -> tuple:
 
 def tiled_config_used(x: torch.Tensor, t: TiledW4, gated: bool = False) -> TiledConfig | None:
     """The config a call with this input and weight uses now (None: not tuned yet on CUDA)."""
-    if _interpreting():
+    if interpreting():
         return _interpreter_config(x.shape[0])
     return _TUNED.get(_tune_key(x, t, gated))
 
@@ -103,7 +104,7 @@ def tiled_config_used(x: torch.Tensor, t: TiledW4, gated: bool = False) -> Tiled
 def _select(x: torch.Tensor, t: TiledW4, launch, gated: bool) -> TiledConfig:
     """The cached config for this shape, else time the candidates once with `launch(cfg)` and keep the fastest."""
     m = x.shape[0]
-    if _interpreting():
+    if interpreting():
         return _interpreter_config(m)
     key = _tune_key(x, t, gated)
     if key in _TUNED:

@@ -18,11 +18,11 @@ with act(gate) * up), bit for bit the numerics of torch_rt's unfused modules of 
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 
 from ..errors import FFNQuantError, first_line
+from ..kernels.tritonenv import interpreting
 from .base import Availability, Loaded, ModelCase
 from .torch_rt import MODES, TorchModuleRuntime, _compute_dtype, _module_nbytes
 
@@ -38,10 +38,6 @@ _FORMATS = ("fp16", *_GROUPS, *_FUSED)
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class GatedW4FFN(torch.nn.Module):
@@ -96,7 +92,7 @@ class TritonRuntime(TorchModuleRuntime):
             return Availability(False, reason, self.device)
         if self.device == "cuda" and not torch.cuda.is_available():
             return Availability(False, f"no CUDA device: torch {torch.__version__}", "cuda")
-        if self.device == "cpu" and not _interpreting():
+        if self.device == "cpu" and not interpreting():
             return Availability(False, "Triton runs on CPU only in its interpreter (TRITON_INTERPRET=1)", "cpu")
         # A tiny call: a Triton install without a working compiler or driver fails only here.
         try:
