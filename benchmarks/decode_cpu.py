@@ -56,7 +56,7 @@ def _graphs(model: Path, recipes: list[str], out: Path, before: bool, log) -> tu
     from ffnquant.deploy.onnx_rewrite import quantize_graph
     from ffnquant.export import DEFAULT_OPSET
     from ffnquant.hf import inspect_model
-    from ffnquant.plan.planfile import Plan, model_fingerprint
+    from ffnquant.planning.planfile import Plan, model_fingerprint
     from ffnquant.recipe import Recipe
 
     info = inspect_model(model)

@@ -47,7 +47,7 @@ def _ffnquant_graphs(model: Path, recipe: str, out: Path) -> dict:
     from ffnquant.deploy import build_planned_model
     from ffnquant.deploy.onnx_model import write_model_graph
     from ffnquant.hf import inspect_model
-    from ffnquant.plan.planfile import Plan, model_fingerprint
+    from ffnquant.planning.planfile import Plan, model_fingerprint
     from ffnquant.recipe import Recipe
 
     info = inspect_model(model)

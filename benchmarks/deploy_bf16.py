@@ -200,7 +200,7 @@ def main(argv=None) -> int:
 
     from ffnquant.atomic import write_json, write_text
     from ffnquant.envinfo import environment
-    from ffnquant.plan import load_plan
+    from ffnquant.planning import load_plan
 
     out = Path(args.out)
     if args.render:

@@ -22,7 +22,7 @@ from ffnquant.atomic import write_json, write_text
 from ffnquant.cli import main as ffnquant
 from ffnquant.envinfo import environment
 from ffnquant.hf import inspect_model
-from ffnquant.plan.planfile import Plan, model_fingerprint
+from ffnquant.planning.planfile import Plan, model_fingerprint
 from ffnquant.recipe import Recipe
 from ffnquant.render import fmt, fmt_bytes, markdown_table
 

@@ -4,7 +4,7 @@
         [--runtime triton-cuda,torch-cuda-graph] [--candidates LIST] [--tokens 512] [--decode-tokens 128]
         [--out reports/gpu-plan-latency] [--dry-run]
 
-Every candidate recipe is timed on one FFN at the shape (`plan.runtime_latency.measure_runtime_table`, the plan's
+Every candidate recipe is timed on one FFN at the shape (`planning.runtime_latency.measure_runtime_table`, the plan's
 own table: each recipe on the first listed runtime with a kernel for it, interleaved rounds, the runtime's
 timer), and the FFN stack's request time (prefill + decode steps, times the layers) is set against the float
 baseline's. The weights are random: latency does not depend on their values, and the device has no checkpoint
@@ -49,8 +49,8 @@ def main(argv=None) -> int:
     from ffnquant.envinfo import environment
     from ffnquant.errors import FFNQuantError
     from ffnquant.model import build
-    from ffnquant.plan.runtime_latency import check_runtimes, measure_runtime_table
-    from ffnquant.plan.target import Objective, Workload
+    from ffnquant.planning.runtime_latency import check_runtimes, measure_runtime_table
+    from ffnquant.planning.target import Objective, Workload
     from ffnquant.recipe import Recipe
     from ffnquant.spec import FFNSpec, Variant
     from types import SimpleNamespace

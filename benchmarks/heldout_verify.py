@@ -86,8 +86,8 @@ def main(argv=None) -> int:
     from ffnquant.hf import EvalSettings, capture_layer_inputs, inspect_model, load_ffn_layers, quantized_layers
     from ffnquant.hf.capture import load_hf_model, load_tokenizer
     from ffnquant.hf.evaluate import end_to_end, float_reference
-    from ffnquant.plan import Plan, load_plan
-    from ffnquant.plan.planfile import model_fingerprint
+    from ffnquant.planning import Plan, load_plan
+    from ffnquant.planning.planfile import model_fingerprint
     from ffnquant.recipe import Recipe
 
     t0 = time.perf_counter()

@@ -8,7 +8,7 @@
 1. One recipe on every FFN layer, as a new user would try it, end to end on the held-out text
    (`hf.evaluate_model`: perplexity against float).
 2. The FFN latency of each recipe at the model's shape on onnxruntime's CPU provider at 512 tokens, measured
-   side by side (`plan.latency_table`); the FFN stack is that times the layer count.
+   side by side (`planning.latency_table`); the FFN stack is that times the layer count.
 3. `ffnquant plan --target ppl+0.5% --objective latency` (default candidates), verified on the held-out text.
 4. A W4A16 g128 plan: `--target ppl+3% --candidates w4a16 --objective bytes`.
 Writes targets.json and targets.md in --out: every figure from this run, with the machine and versions.
@@ -24,8 +24,8 @@ from pathlib import Path
 from ffnquant.atomic import write_json, write_text
 from ffnquant.envinfo import environment
 from ffnquant.hf import EvalSettings, evaluate_model, inspect_model
-from ffnquant.plan.job import final_round, make_plan
-from ffnquant.plan.target import Objective
+from ffnquant.planning.job import final_round, make_plan
+from ffnquant.planning.target import Objective
 from ffnquant.recipe import Recipe
 from ffnquant.render import markdown_table
 

@@ -1,10 +1,12 @@
 """ffnquant: quantization and deployment toolkit for transformer feed-forward layers.
 
 The Python API (`ffnquant.api`): `quantize(layer_or_spec, recipe, calibration)` -> `QuantizedFFN`,
-`export_onnx(q, path)`, `evaluate(q, tokens)`, `profile(model_or_spec, tokens)`, `run(config)`.
+`export_onnx(q, path)`, `evaluate(q, tokens)`, `profile(model_or_spec, tokens)`, `run(config)`; whole models
+(`ffnquant.wholemodel`): `plan(model, target)` -> Plan, `apply(model, plan_or_recipe)` -> the quantized model,
+`save(qmodel, out)` -> DeployReport, on a model folder or a transformers model.
 
-The quantization stage lives in `ffnquant.quantization` and the run job in `ffnquant.pipeline`,
-so no module shares its name with a verb.
+The quantization stage lives in `ffnquant.quantization`, the run job in `ffnquant.pipeline` and the per-layer
+planning in `ffnquant.planning`, so no module shares its name with a verb.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ _LAZY = {
     "FFN": "model", "build": "model", "save_weights": "model", "load_weights": "model",
     "Recipe": "recipe",
     "QuantizedFFN": "api", "quantize": "api", "export_onnx": "api", "evaluate": "api", "profile": "api", "run": "api",
+    "plan": "wholemodel", "apply": "wholemodel", "save": "wholemodel",
 }
 
 
@@ -56,4 +59,7 @@ __all__ = [
     "evaluate",
     "profile",
     "run",
+    "plan",
+    "apply",
+    "save",
 ]

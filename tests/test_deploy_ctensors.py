@@ -9,7 +9,7 @@ import torch
 
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
-from ffnquant.plan.planfile import Plan, model_fingerprint
+from ffnquant.planning.planfile import Plan, model_fingerprint
 from ffnquant.recipe import Recipe
 from ffnquant.spec import FFNSpec, Variant
 
@@ -228,7 +228,7 @@ def test_asymmetric_4bit_groups_are_written_as_blocks_that_transformers_loads(ll
 @pytest.mark.hf
 def test_format_candidates_leave_out_what_the_format_refuses_with_its_reason(llama):
     from ffnquant.hf import inspect_model
-    from ffnquant.plan.candidates import candidate_recipes, format_candidates
+    from ffnquant.planning.candidates import candidate_recipes, format_candidates
 
     info = inspect_model(llama)
     recipes, skipped = candidate_recipes("fp32,w8a16,w8a8-dynamic-s8+rotate,w4a16-g32-awq,fp8-e4m3,w4a16-g32",
@@ -253,7 +253,7 @@ def test_a_model_the_format_refuses_is_refused_whatever_the_candidates(tmp_path)
     import transformers
 
     from ffnquant.hf import inspect_model
-    from ffnquant.plan.candidates import candidate_recipes, format_candidates
+    from ffnquant.planning.candidates import candidate_recipes, format_candidates
 
     from hf_models import save_causal_tiny
 
@@ -457,7 +457,7 @@ def test_a_plan_for_a_bf16_checkpoint_is_verified_in_bf16_and_its_export_measure
     """plan --format compressed-tensors on a bf16 checkpoint verifies its rounds in bf16, the runtime's dtype (the
     float figures too: the float model in bf16), and says so in plan.toml; exporting the plan computes the
     reference the same way, and the loaded folder reproduces it."""
-    from ffnquant.plan import load_plan
+    from ffnquant.planning import load_plan
 
     out = tmp_path / "plan"
     assert main(["plan", "--model", str(llama_bf16), "--candidates", "fp32,w8a16,w8a8-dynamic-s8", "--format",

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.hf
 def _planned(folder, recipes):
     from ffnquant.deploy import build_planned_model
     from ffnquant.hf import inspect_model
-    from ffnquant.plan import Plan
-    from ffnquant.plan.planfile import model_fingerprint
+    from ffnquant.planning import Plan
+    from ffnquant.planning.planfile import model_fingerprint
     from ffnquant.recipe import Recipe
 
     info = inspect_model(folder)

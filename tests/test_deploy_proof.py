@@ -10,7 +10,7 @@ import torch
 
 from ffnquant.cli import main
 from ffnquant.deploy import proof
-from ffnquant.plan.planfile import Plan, model_fingerprint
+from ffnquant.planning.planfile import Plan, model_fingerprint
 from ffnquant.recipe import Recipe
 
 from hf_models import tiny_folders

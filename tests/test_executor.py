@@ -149,8 +149,8 @@ def tiny_llama(tmp_path_factory):
 @pytest.mark.hf
 def test_plan_on_ray_is_the_local_plan(ray_executor, tiny_llama, monkeypatch):
     from ffnquant.hf import EvalSettings
-    from ffnquant.plan.job import make_plan
-    from ffnquant.plan.target import Objective
+    from ffnquant.planning.job import make_plan
+    from ffnquant.planning.target import Objective
 
     # two remedy sets (plain, smooth) -> two tasks per layer; gptq and the probes need the plain preparation
     candidates = "fp32,w8a8@search,w8a8-dynamic-s8,w4a16-g32-gptq,w8a8@search+smooth"
@@ -159,7 +159,7 @@ def test_plan_on_ray_is_the_local_plan(ray_executor, tiny_llama, monkeypatch):
     plans = {}
     for name, executor in (("local", None), ("ray", ray_executor)):
         if name == "ray":  # the scoring must run in the workers, whose modules are their own
-            monkeypatch.setattr("ffnquant.plan.candidates.score_layer", None)
+            monkeypatch.setattr("ffnquant.planning.candidates.score_layer", None)
         plan, result = make_plan(tiny_llama, "ppl+1%", Objective("bytes"), candidates, executor=executor, **kw)
         for volatile in ("timings", "executor"):
             result.pop(volatile)

@@ -80,7 +80,7 @@ def test_engine_quantize_equals_the_whole_forward_report(tiny, tmp_path, name, l
     layer at a time, hidden states in memory or on disk, one recipe or a plan's recipe per layer."""
     from ffnquant.hf import capture_layer_inputs, inspect_model, load_ffn_layers, quantize_model_layers
     from ffnquant.hf.layerwise import quantize_layerwise
-    from ffnquant.plan.planfile import Plan, model_fingerprint
+    from ffnquant.planning.planfile import Plan, model_fingerprint
     from ffnquant.recipe import as_recipe
 
     info, recipe, settings = inspect_model(tiny[name]), as_recipe("w8a8"), _settings()

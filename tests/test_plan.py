@@ -15,10 +15,10 @@ import torch
 
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
-from ffnquant.plan import Plan, Target, load_plan
-from ffnquant.plan.job import final_round
-from ffnquant.plan.planfile import model_fingerprint
-from ffnquant.plan.search import Option, pareto, solve
+from ffnquant.planning import Plan, Target, load_plan
+from ffnquant.planning.job import final_round
+from ffnquant.planning.planfile import model_fingerprint
+from ffnquant.planning.search import Option, pareto, solve
 from ffnquant.recipe import Recipe
 
 from hf_models import tiny_folders
@@ -153,7 +153,7 @@ def test_search_says_infeasible_and_counts_negative_damage_as_zero():
     (dict(safety=9.0, met=False, spent=3.0, spent_search=2.0, budget=1.0, met_safety=1.0, missed_safety=9.0), 3.0),
 ], ids=["loosen-capped", "loosen-by-room", "settled", "bisect-up", "tighten-overshoot", "tighten-min", "bisect-down"])
 def test_next_budget_factor(args, expected):
-    from ffnquant.plan.job import next_safety
+    from ffnquant.planning.job import next_safety
 
     got = next_safety(**args)
     assert got == (pytest.approx(expected) if expected is not None else None)
@@ -210,11 +210,11 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.hf
 def test_ablations_and_gradients_are_exact_for_the_float_model(tiny):
-    """Through the engine (`plan.source.PlanSource`): a layer's ablation with ffnquant's float FFN (the model's own)
+    """Through the engine (`planning.source.PlanSource`): a layer's ablation with ffnquant's float FFN (the model's own)
     changes nothing, and one pushed along the loss gradient at its output moves the loss by the gradient's first
     order prediction."""
     from ffnquant.hf import EvalSettings, inspect_model
-    from ffnquant.plan.source import PlanSource
+    from ffnquant.planning.source import PlanSource
 
     info = inspect_model(tiny["llama"])
     settings = EvalSettings(seq_len=16, batch_size=4, max_calib_tokens=128, max_eval_tokens=64, ablation=False)
@@ -383,7 +383,7 @@ def test_export_and_run_refuse_a_plan_without_its_model(tiny, planned, tmp_path,
 # --- candidates ------------------------------------------------------------------------------
 
 def test_candidate_sets_start_with_fp32_and_a_list_is_checked():
-    from ffnquant.plan.candidates import CANDIDATE_SETS, candidate_recipes
+    from ffnquant.planning.candidates import CANDIDATE_SETS, candidate_recipes
     from ffnquant.spec import FFNSpec
 
     spec = FFNSpec("swiglu", d_model=64)
@@ -402,14 +402,14 @@ def test_candidate_sets_start_with_fp32_and_a_list_is_checked():
     (30.0, 30.0, 1.0), (30.0, 27.0, 10 ** 0.3), (40.0, 10.0, 100.0), (20.0, 40.0, 0.25),
 ], ids=["same", "3db-worse-held-out", "capped-high", "capped-low"])
 def test_generalization_scales_by_the_held_out_loss_of_sqnr(search_db, held_db, expected):
-    from ffnquant.plan.candidates import CandidateScore, generalization
+    from ffnquant.planning.candidates import CandidateScore, generalization
 
     score = CandidateScore("w8a8", layer_sqnr_db=held_db, search_sqnr_db=search_db)
     assert generalization(score) == pytest.approx(expected)
 
 
 def test_worst_domain_is_judged_at_the_bound():
-    from ffnquant.plan.job import worst_domain
+    from ffnquant.planning.job import worst_domain
 
     domains = {"prose": {"perplexity_ratio": 1.004, "perplexity_ratio_ci": [1.001, 1.012]},
                "code": {"perplexity_ratio": 1.008, "perplexity_ratio_ci": [1.007, 1.009]}}

@@ -1,4 +1,4 @@
-"""plan.moe: a layer of routed experts planned as one unit, through the engine.
+"""planning.moe: a layer of routed experts planned as one unit, through the engine.
 
 The layer's output is computed from what its experts module receives (`Routed`) in the model's own arithmetic,
 so ffnquant's float experts reproduce the module exactly and a candidate's error is the layer's. A plan of a
@@ -35,7 +35,7 @@ def test_the_routed_sum_of_the_float_experts_is_the_experts_module(moe, model_ty
     float, outside the plan)."""
     from ffnquant.hf import inspect_model, load_ffn_layers
     from ffnquant.hf.capture import _module_for, load_hf_model
-    from ffnquant.plan.moe import MoELayer, Routed
+    from ffnquant.planning.moe import MoELayer, Routed
 
     info = inspect_model(moe[model_type])
     model = load_hf_model(info)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ffnquant.errors import FFNQuantError
-from ffnquant.plan.latency_table import request_row
-from ffnquant.plan.search import Option, solve
-from ffnquant.plan.target import DECODE_TOKENS, Objective, Workload
+from ffnquant.planning.latency_table import request_row
+from ffnquant.planning.search import Option, solve
+from ffnquant.planning.target import DECODE_TOKENS, Objective, Workload
 
 
 def test_the_objective_names_its_request_and_takes_a_prompt_length():
@@ -64,7 +64,7 @@ def test_the_same_table_at_prefill_alone_chooses_the_prefill_winner():
 
 def test_the_latency_table_times_prefill_and_decode_side_by_side():
     from ffnquant.model import build
-    from ffnquant.plan.latency_table import measure_latency_table
+    from ffnquant.planning.latency_table import measure_latency_table
     from ffnquant.recipe import Recipe
     from ffnquant.spec import FFNSpec, Variant
 
@@ -95,7 +95,7 @@ def test_the_objective_takes_a_runtime_or_a_list_of_them():
 
 
 def test_every_plan_runtime_is_a_registered_runtime():
-    from ffnquant.plan.target import PLAN_RUNTIMES
+    from ffnquant.planning.target import PLAN_RUNTIMES
     from ffnquant.runtimes import runtime_names
 
     assert set(PLAN_RUNTIMES) <= set(runtime_names())
@@ -119,7 +119,7 @@ def _fake_runtime(device: str, formats: tuple[str, ...]):
     ("w8a16+float=hidden", "cuda", (None, "one format per FFN")),
 ], ids=lambda v: str(v) if not isinstance(v, tuple) else None)
 def test_a_recipe_is_timed_as_the_runtime_kernel_for_its_scheme(recipe, device, expected):
-    from ffnquant.plan.runtime_latency import runtime_format
+    from ffnquant.planning.runtime_latency import runtime_format
     from ffnquant.recipe import Recipe
 
     rt = _fake_runtime(device, ("fp32", "bf16", "w8a16", "w8a8-dynamic-s8", "fp8-e4m3", "w4a16-g128", "w4a16-g128-asym"))
@@ -129,7 +129,7 @@ def test_a_recipe_is_timed_as_the_runtime_kernel_for_its_scheme(recipe, device, 
 
 def test_the_runtime_table_shares_a_kernel_between_recipes_and_says_why_one_is_missing():
     from ffnquant.model import build
-    from ffnquant.plan.runtime_latency import check_runtimes, measure_runtime_table
+    from ffnquant.planning.runtime_latency import check_runtimes, measure_runtime_table
     from ffnquant.recipe import Recipe
     from ffnquant.spec import FFNSpec, Variant
 
@@ -152,7 +152,7 @@ def test_the_runtime_table_shares_a_kernel_between_recipes_and_says_why_one_is_m
 
 
 def test_a_runtime_that_is_not_here_is_refused_with_its_reason():
-    from ffnquant.plan.runtime_latency import check_runtimes
+    from ffnquant.planning.runtime_latency import check_runtimes
 
     if torch.cuda.is_available():
         pytest.skip("checks the refusal where there is no CUDA device")

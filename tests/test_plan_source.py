@@ -1,4 +1,4 @@
-"""plan.source: a plan made with the model read a decoder layer at a time is the plan made with it resident, bit
+"""planning.source: a plan made with the model read a decoder layer at a time is the plan made with it resident, bit
 for bit, and its loss gradients are those of one backward pass through transformers' whole forward.
 
 Both modes hand the same float32 tensors to the same steps: the FFN inputs the model's own decoder layers
@@ -39,8 +39,8 @@ def _plan(folder, streamed: bool, spill: bool = False, target: str = "ppl+1%", o
           dtype=None):
     from ffnquant.hf import inspect_model
     from ffnquant.hf.memory import MemoryPlan
-    from ffnquant.plan.job import make_plan
-    from ffnquant.plan.target import Objective
+    from ffnquant.planning.job import make_plan
+    from ffnquant.planning.target import Objective
 
     memory = MemoryPlan(streamed, spill, None, 0, 0, 0, 0, 0, 0, "test") if streamed else None
     plan, result = make_plan(inspect_model(folder), target, Objective("bytes"), CANDIDATES, settings=_settings(),
@@ -93,7 +93,7 @@ def test_a_plan_verified_in_bf16_is_the_same_streamed_or_resident(tiny, tmp_path
 def _whole_model_gradients(model, batches):
     """The reference: d(summed next-token NLL)/d(each FFN's output) from one backward pass of the whole model per
     batch, the outputs marked by the plan's own gradient probe."""
-    from ffnquant.plan.sensitivity import _nll_sum, gradient_probe
+    from ffnquant.planning.sensitivity import _nll_sum, gradient_probe
 
     mlps = {j: block.mlp for j, block in enumerate(model.model.layers)}
     grads = {j: [] for j in mlps}
@@ -119,7 +119,7 @@ def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny, resident):
     from ffnquant.hf import inspect_model
     from ffnquant.hf.capture import load_hf_model
     from ffnquant.hf.stream import token_batches_of
-    from ffnquant.plan.source import PlanSource
+    from ffnquant.planning.source import PlanSource
 
     info, settings = inspect_model(tiny["llama"]), _settings()
     model = load_hf_model(info)
@@ -136,7 +136,7 @@ def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny, resident):
 def test_the_plan_memory_estimate_chooses_whole_streamed_or_spilled(tiny, monkeypatch):
     from ffnquant.hf import inspect_model
     from ffnquant.hf.memory import plan_memory
-    from ffnquant.plan.source import plan_needs
+    from ffnquant.planning.source import plan_needs
 
     info = inspect_model(tiny["llama"])
     monkeypatch.setattr("ffnquant.hf.memory.process_rss", lambda: 100 * 10**6)  # a fixed runtime: exact estimates
@@ -171,7 +171,7 @@ def test_plan_sequential_on_the_command_line(tiny, tmp_path, capsys):
     data = json.loads((out / "plan.json").read_text())
     assert data["streamed"] and data["memory"]["sequential"] and data["verified"]
     assert "- model run: a decoder layer at a time (--sequential; estimated peak" in (out / "plan.md").read_text()
-    from ffnquant.plan import load_plan
+    from ffnquant.planning import load_plan
 
     assert set(load_plan(out / "plan.toml").layers) == {0, 1}
     # --sequential and --no-sequential exclude each other

@@ -11,7 +11,6 @@ from ..render import text_table
 from .common import StageBars, add_spec_arguments, add_text_arguments, specs_from_args, text_options, token_notes
 
 NAME = "export"
-DEPLOY_DOC = "ffnquant-deploy.json"  # what an export wrote and measured; its "files" are what --force may replace
 HELP = ("export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, "
         "the model quantized as planned, as ONNX or as a compressed-tensors folder that transformers and vLLM load")
 
@@ -37,22 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "held-out text the deployed model is checked on", eval_tokens=4096)
 
 
-def _layer_rows(planned, folder: Path) -> list[dict]:
-    rows = []
-    for r in planned.rows:
-        art = r.get("artifact") or {}
-        rows.append({"index": r["index"], "label": r["label"], "recipe": r["recipe"],
-                     "file": Path(art["path"]).name if art.get("path") else None,
-                     "why_no_file": None if art.get("path") else art.get("note"),
-                     "inputs": ["input"], "outputs": ["output"], "input_shape": ["batch", "seq", planned.info.spec.d_model],
-                     "sqnr_db_torch": r["accuracy_torch"]["sqnr_db"],
-                     "sqnr_db_onnx": (art.get("accuracy_onnx") or {}).get("sqnr_db"),
-                     # where this CPU's int8 kernel saturates (ortcpu): the graph's own figure, and why
-                     **({"sqnr_db_onnx_graph": art["accuracy_onnx_graph"]["sqnr_db"], "int8_kernel": art["int8_kernel"]}
-                        if "accuracy_onnx_graph" in art else {})})
-    return rows
-
-
 def _text_files(texts) -> list[str]:
     """The files among the run's text sources (corpus names are not files)."""
     import os
@@ -70,19 +53,15 @@ def _export_plan(args: argparse.Namespace) -> int:
     """The model quantized as the plan says, into --out as one format (`deploy.formats`), with the document
     (`ffnquant-deploy.json`/`.md`) that says what was written and what it measures; nothing half-written."""
     import shlex
-    import time
 
-    from ..atomic import write_json, write_text
-    from ..atomic_folder import check_new_folder, folder_files, staged_folder
-    from ..deploy import build_planned_model, deployable_refusal, proof
+    from ..atomic_folder import check_new_folder, staged_folder
+    from ..deploy import build_planned_model
     from ..deploy.formats import get_format
-    from ..envinfo import environment
+    from ..deploy.save import DEPLOY_DOC, format_refusal, write_deployment
     from ..errors import FFNQuantError
     from ..hf import inspect_model, model_file_stem
     from ..hf.capture import read_text, require_transformers
-    from ..plan import load_plan
-    from ..plan.sensitivity import check_plannable
-    from ..report.deploy import deploy_markdown
+    from ..planning import load_plan
 
     if args.plan is None or args.model is None:
         raise FFNQuantError("--model and --plan go together: export writes a model's FFN layers as its plan says")
@@ -91,21 +70,7 @@ def _export_plan(args: argparse.Namespace) -> int:
     fmt = get_format("onnx" if args.format is None else args.format)  # '' is no format name
     info = inspect_model(args.model)
     plan = load_plan(args.plan, info)
-    whole = True
-    graph_why = None
-    if fmt == "compressed-tensors":
-        from ..deploy import ctensors
-
-        check_plannable(info)
-        for why in (deployable_refusal(info), None if ctensors.ctensors_available()[0] else ctensors.ctensors_available()[1],
-                    ctensors.plan_refusal(plan, info)):
-            if why is not None:
-                raise FFNQuantError(why)
-    else:
-        from ..deploy import onnx_model
-
-        graph_why = onnx_model.graph_refusal(info)
-        whole = graph_why is None
+    whole, graph_why = format_refusal(info, plan, fmt)
     from ..deploy.precision import resolve_compute_dtype
 
     dtype = resolve_compute_dtype(args.compute_dtype, fmt, info)
@@ -117,68 +82,15 @@ def _export_plan(args: argparse.Namespace) -> int:
     # --force replaces only what an earlier export listed in its ffnquant-deploy.json, never other files
     check_new_folder(args.out, args.force, inputs=[args.model, args.plan, *_text_files(texts)], listing=DEPLOY_DOC)
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
-    t0 = time.perf_counter()
     bars = StageBars(enabled=not getattr(args, "no_progress", False))
-    steps = ["fold check on the float model", f"write {fmt}", "load back and prove"]
     with bars, staged_folder(args.out, args.force, listing=DEPLOY_DOC) as folder:
         planned = build_planned_model(info, plan, text=texts.text, eval_text=texts.eval_text,
                                       calib_tokens=texts.calib_tokens, eval_tokens=texts.eval_tokens,
                                       seq_len=texts.seq_len, whole_model=whole,
                                       out_artifacts=folder if fmt == "onnx" else None, file_stem=model_file_stem(info),
                                       progress=bars, dtype=dtype)
-        bars(f"export: {steps[0]}", 0, len(steps))
-        fold = None
-        if whole:  # the folded norms against the original float model, before anything is written
-            fold = proof.fold_check(planned)
-            why = proof.fold_refusal(fold, info)
-            if why is not None:
-                raise FFNQuantError(why)
-        doc = {"format": fmt, "command": command, "plan_file": str(args.plan), "plan": plan.to_dict(),
-               "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
-               "texts": {k: planned.settings[k] for k in ("calibration", "evaluation")},
-               "token_budgets": planned.settings.get("token_budgets") or {},
-               "reference": planned.reference["end_to_end"], "baseline": planned.reference["baseline"],
-               "layers": _layer_rows(planned, folder)}
-        if fold is not None:
-            doc["fold"] = fold.to_dict()
-        bars(f"export: {steps[1]}", 1, len(steps))
-        if fmt == "compressed-tensors":
-            doc["written"] = ctensors.write_folder(planned, folder)
-            bars(f"export: {steps[2]}", 2, len(steps))
-            doc["proof"] = ctensors.verify_folder(folder, planned, plan.summary.get("measured_perplexity_ratio"))
-            weights = ctensors.folder_bytes(folder)
-        else:
-            write_json(folder / "manifest.json", {"model": doc["model"], "plan": doc["plan"], "plan_file": str(args.plan),
-                                                  "layers": doc["layers"],
-                                                  "end_to_end": {"status": "ok", "reason": None, **planned.reference},
-                                                  "evaluation": doc["texts"]["evaluation"], "environment": environment()})
-            doc["graph"] = {"status": "skipped", "reason": graph_why}
-            if whole:
-                try:
-                    doc["graph"] = {"status": "ok", **onnx_model.write_model_graph(planned, folder)}
-                except FFNQuantError as exc:  # a recipe the graph cannot express: the per-layer artifacts stand
-                    doc["graph"] = {"status": "skipped", "reason": str(exc)}
-                    whole = False
-                score = doc["graph"].get("score")
-                if score and not score["meets_tolerance"]:  # how finely the figure can be matched on this text
-                    res = proof.rounding_allowance(planned)  # on the original, unfolded model
-                    allowed = proof.GATE_FACTOR * res["spread"]["perplexity_ratio"]
-                    score.update(resolution=res, within_resolution=res["reproduces_reference"]
-                                 and abs(score["perplexity_rel_diff"]) <= allowed)
-            # the whole graph when written, else the planned per-layer artifacts (not the baselines beside them)
-            graph_file = folder / "model.onnx"
-            weights = graph_file.stat().st_size if whole else sum((folder / r["file"]).stat().st_size
-                                                                  for r in doc["layers"] if r["file"])
-        from ..deploy.ctensors import folder_bytes
-
-        bars(f"export: {steps[-1]}", len(steps), len(steps))
-        doc["sizes"] = {"weights": weights, "float_weights": folder_bytes(info.path)}
-        doc["seconds"] = time.perf_counter() - t0
-        doc["environment"] = environment()
-        # every file this export wrote: what a later --force may replace
-        doc["files"] = sorted({*folder_files(folder), DEPLOY_DOC, "ffnquant-deploy.md"})
-        write_json(folder / DEPLOY_DOC, doc)
-        write_text(folder / "ffnquant-deploy.md", deploy_markdown(doc))
+        doc = write_deployment(planned, folder, fmt, whole=whole, graph_why=graph_why, command=command,
+                               plan_file=str(args.plan), progress=bars)
     _print_deploy(doc, Path(args.out))
     if fmt == "compressed-tensors" and not doc["proof"]["proven"]:
         print("NOT PROVEN: the folder does not reproduce the measured model (see ffnquant-deploy.md)")

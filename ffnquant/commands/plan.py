@@ -20,8 +20,8 @@ __all__ = ["NAME", "HELP", "add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..plan.candidates import CANDIDATE_SETS
-    from ..plan.target import DECODE_TOKENS, OBJECTIVES, PLAN_RUNTIMES, TARGET_FORMS
+    from ..planning.candidates import CANDIDATE_SETS
+    from ..planning.target import DECODE_TOKENS, OBJECTIVES, PLAN_RUNTIMES, TARGET_FORMS
 
     parser.add_argument("--model", required=True, metavar="DIR", help="a local Hugging Face causal LM folder (safetensors)")
     parser.add_argument("--target", default="ppl+1%", help=f"what must hold end to end: {TARGET_FORMS.replace('%', '%%')} (default ppl+1%%)")
@@ -78,15 +78,15 @@ def run(args: argparse.Namespace) -> int:
     from ..hf import EvalSettings, inspect_model
     from ..hf.capture import read_text, require_transformers
     from ..deploy.formats import get_format
-    from ..plan.candidates import candidate_recipes, format_candidates
+    from ..planning.candidates import candidate_recipes, format_candidates
     from ..hf.capture import load_tokenizer
     from ..hf.inputs import eval_domain_batches
     from ..hf.stream import token_batches_of
-    from ..plan.job import final_round, make_plan
-    from ..plan.sensitivity import check_plannable
+    from ..planning.job import final_round, make_plan
+    from ..planning.sensitivity import check_plannable
     from ..hf.memory import plan_memory
-    from ..plan.source import plan_needs
-    from ..plan.target import Objective, Target, Workload
+    from ..planning.source import plan_needs
+    from ..planning.target import Objective, Target, Workload
     from ..report.plan import domain_lines, plan_markdown
 
     # every input error before any work: target, objective, model, candidates, texts
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         raise FFNQuantError(f"--runtime {args.runtime} applies to --objective latency; the objective here is "
                             f"{objective.kind}")
     if objective.kind == "latency" and objective.runtimes != ("ort-cpu",):
-        from ..plan.runtime_latency import check_runtimes
+        from ..planning.runtime_latency import check_runtimes
 
         check_runtimes(objective.runtimes)  # no CUDA here: said now, before the model is read
     export_format = None if args.format is None else get_format(args.format)

@@ -166,7 +166,7 @@ def _memory_plan(args: argparse.Namespace, info, recipe):
     from ..hf import EvalSettings, parse_layers
     from ..hf.memory import plan_memory, quantize_needs
     from ..hf.stream import token_batches_of
-    from ..plan.planfile import Plan
+    from ..planning.planfile import Plan
     from ..recipe import as_recipe
 
     settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens)
@@ -205,7 +205,7 @@ def _fix_paths(entry_holder: dict, tx: OutputTransaction) -> None:
 def _plan_from_args(args: argparse.Namespace):
     """(ModelInfo, Plan) for `--plan`: it needs --model, replaces the one-recipe flags, and must fit the model."""
     from ..hf import inspect_model
-    from ..plan import load_plan
+    from ..planning import load_plan
 
     if not args.model:
         raise FFNQuantError("--plan needs --model: a plan holds a recipe per layer of one model")

@@ -162,7 +162,7 @@ def quantized_layers(
     """Each FFN of `layers` quantized under one `recipe`, or each under its own when `recipe` is a `plan.Plan`:
     (a JSON-able row per layer, {label: QuantizedFFN}). The rows are `quantize_layers`' results with the
     layer's name, index and seconds; `progress(message, done, total)` after each layer."""
-    from ..plan.planfile import Plan
+    from ..planning.planfile import Plan
 
     stem = file_stem or model_file_stem(info)
     by_label = {layer.label: layer for layer in layers}
@@ -194,7 +194,7 @@ def model_layers_report(info: ModelInfo, recipe: Any, rows: Sequence[Mapping[str
                         settings: EvalSettings, inputs: LayerInputs) -> dict[str, Any]:
     """What `quantize --model` reports: the model, the recipe (or the plan), the texts and their budgets from
     `inputs`, a row per layer and the end-to-end figures. The one layout, whichever path quantized the layers."""
-    from ..plan.planfile import Plan
+    from ..planning.planfile import Plan
 
     if isinstance(recipe, Plan):  # the header names the plan; each layer row carries its own recipe
         head = {"recipe": "per-layer plan", "plan": recipe.to_dict(),

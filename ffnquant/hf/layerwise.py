@@ -112,7 +112,7 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
     float one (each quantized FFN in place as its layer passes) and, with `settings.ablation`, one stream per
     selected layer that leaves the float stream there with only that layer quantized. The final norm and LM head
     score every stream batch by batch."""
-    from ..plan.planfile import Plan
+    from ..planning.planfile import Plan
 
     settings = fit_settings(info, settings)
     calib_ids = token_batches_of(info, text, "calibration", settings, calib_tokens)

@@ -31,7 +31,7 @@ def check_model(config: RunConfig) -> tuple[Any, list[int]]:
     info = inspect_model(config.model)
     indices = parse_layers(config.layers, info.n_layers)
     if config.plan is not None:
-        from ..plan import load_plan
+        from ..planning import load_plan
 
         missing = sorted(set(indices) - set(load_plan(config.plan, info).layers))
         if missing:
@@ -154,8 +154,8 @@ def _end_to_end(info: Any, layers: Sequence[Any], inputs: Any, settings: Any, qu
         e2e["schemes"].append({"scheme": recipe.name, "label": recipe.label, "end_to_end": res["end_to_end"],
                                "ablation": res["ablation"], "worst_layers_end_to_end": res["worst_layers_end_to_end"]})
     if plan_file is not None:
-        from ..plan import load_plan
-        from ..plan.candidates import quantize_layer
+        from ..planning import load_plan
+        from ..planning.candidates import quantize_layer
 
         plan = load_plan(plan_file, info)
         qffns = {}

@@ -15,7 +15,7 @@ def target_verdict(doc: dict[str, Any]) -> str | None:
     on the folder loaded back (compressed-tensors) or on ffnquant's reference of the planned model (ONNX). None
     when the plan names no target or nothing was measured."""
     from ..errors import FFNQuantError
-    from ..plan.target import Target
+    from ..planning.target import Target
 
     text = (doc.get("plan") or {}).get("target")
     if not text:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plan.job import final_round
+from ..planning.job import final_round
 from ..render import agreement_words, fmt, fmt_bytes, markdown_table
 from ..resources import human_bytes
 
@@ -30,7 +30,7 @@ def _cost(value: float | None, unit: str) -> str:
 
 
 def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
-    """Markdown of `plan.job.make_plan`'s result."""
+    """Markdown of `planning.job.make_plan`'s result."""
     m, plan = data["model"], data["plan"]
     unit = plan["summary"]["objective_unit"]
     final = final_round(data)

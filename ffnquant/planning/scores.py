@@ -1,4 +1,4 @@
-"""One candidate recipe's score on one layer: what `plan.candidates` (a dense FFN) and `plan.moe` (a layer of
+"""One candidate recipe's score on one layer: what `planning.candidates` (a dense FFN) and `planning.moe` (a layer of
 routed experts) both report."""
 
 from __future__ import annotations

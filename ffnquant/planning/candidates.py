@@ -94,7 +94,7 @@ def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_o
 def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor,
                 grad: torch.Tensor, keep: Sequence[Recipe] = (), bins: int | None = None):
     """Score every recipe on one layer: (scores in recipe order, {recipe: QuantizedFFN} for those in `keep`). An
-    MoE layer (`plan.moe.MoELayer`) is scored on its routed experts' output (`score_moe_layer`)."""
+    MoE layer (`planning.moe.MoELayer`) is scored on its routed experts' output (`score_moe_layer`)."""
     if isinstance(layer, MoELayer):
         return score_moe_layer(layer, recipes, calib, held_out, grad, keep=keep, bins=bins)
     from ..accuracy import run_batched
@@ -136,7 +136,7 @@ def generalization(score: "CandidateScore") -> float:
 
 def quantize_layer(layer: Any, recipe: Recipe, calib: torch.Tensor, held_out: torch.Tensor, bins: int | None = None):
     """The QuantizedFFN of one layer under one recipe (what `score_layer` scored), and its held-out SQNR (an MoE
-    layer's: a `plan.moe.QuantizedMoE`)."""
+    layer's: a `planning.moe.QuantizedMoE`)."""
     if isinstance(layer, MoELayer):
         return quantize_moe_layer(layer, recipe, calib, held_out, bins)
     outcome = next(iter(_outcomes(layer, [recipe], calib, held_out, bins)))

@@ -1,7 +1,7 @@
 """What an error in one FFN layer's output costs the model end to end, measured on the search text.
 
 Two measurements, both on the calibration ("search") text, never on the held-out text the plan is verified on
-(`plan.source` runs them through the engine, a decoder layer at a time):
+(`planning.source` runs them through the engine, a decoder layer at a time):
 
 - the loss gradients: a forward and backward pass of the float model gives, per layer, the gradient g of the
   summed next-token loss with respect to that FFN's output at every token (`gradient_probe` marks the output).

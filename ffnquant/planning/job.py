@@ -18,7 +18,7 @@
    shows the plan spending well under the budget (the additive prediction is first order), allow more.
    The plan is the cheapest round that met the target on the held-out text.
 
-Where the model runs: through the one engine (`plan.source.PlanSource` over `hf.stream.SequentialModel`), the model
+Where the model runs: through the one engine (`planning.source.PlanSource` over `hf.stream.SequentialModel`), the model
 resident or read a decoder layer at a time: the gradients by a layer-by-layer backward pass, the probes' ablations
 and each verification round as streams. The modes hand the same tensors to the same steps here, so the plan and
 every figure are the same.
@@ -257,7 +257,7 @@ def make_plan(
     """Plan every FFN layer of a causal LM for `target` at the least `objective`; returns (Plan, JSON-able result).
 
     The candidates are scored as tasks of `executor` (default: in this process); `memory` (an
-    `hf.memory.MemoryPlan`, from `hf.memory.plan_memory` with `plan.source.plan_needs`; default: the model
+    `hf.memory.MemoryPlan`, from `hf.memory.plan_memory` with `planning.source.plan_needs`; default: the model
     resident) reads the model a decoder layer at a time when its `sequential` is set, its hidden states on disk
     with `spill`. The plan depends on neither.
     `export_format` ("compressed-tensors", "onnx"): only the candidates that format can write are chosen from.
@@ -434,7 +434,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
         "target": target.name, "budget": target.budget, "objective": objective.name,
         "candidates": [str(r) for r in recipes], "skipped_candidates": skipped, "probes": list(PROBES),
-        "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (plan.search)",
+        "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (planning.search)",
         "calibration": source.texts["calibration"], "evaluation": source.texts["evaluation"],
         "token_budgets": source.texts["token_budgets"], "probe_tokens": source.n_probe,
         "baseline": baseline, "latency_table": latency, "layers": per_layer, "probe_fit": fit_points,

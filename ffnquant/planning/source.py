@@ -79,7 +79,7 @@ def plan_needs(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: 
 @contextlib.contextmanager
 def _routed(experts: Any, sink: dict[str, list]):
     """While active, each call of an experts module appends what it receives (tokens, experts, routing weights) as
-    a `plan.moe.Routed` to `sink["routed"]`."""
+    a `planning.moe.Routed` to `sink["routed"]`."""
     def hook(module, args, kwargs):  # returns None: the call's arguments stay as they are
         x, index, weights = (list(args) + [kwargs.get(k) for k in ("top_k_index", "top_k_weights")])[:3]
         sink.setdefault("routed", []).append(Routed(x.detach().reshape(-1, x.shape[-1]).float(), index.detach(),
@@ -337,7 +337,7 @@ class PlanSource:
 
     def _layer(self, j: int, ffns) -> tuple[Any, Any, Any]:
         """Layer j as the candidates take it, with its search and held-out inputs: an FFN (`HFLayer`) and its input
-        rows, or a layer of routed experts (`plan.moe.MoELayer`) and what its experts module received."""
+        rows, or a layer of routed experts (`planning.moe.MoELayer`) and what its experts module received."""
         if j in self.moe:
             return (MoELayer([next(ffns) for _ in self.model.groups[j]]), Routed(**self.ffn_calib.get(j)),
                     Routed(**self.ffn_eval.get(j)))

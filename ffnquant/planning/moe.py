@@ -133,7 +133,7 @@ def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float | None:
 
 def score_moe_layer(layer: MoELayer, recipes: Sequence[Recipe], calib: Routed, held: Routed, grad: torch.Tensor,
                     keep: Sequence[Recipe] = (), bins: int | None = None):
-    """`plan.candidates.score_layer` for an MoE layer: (scores in recipe order, {recipe: QuantizedMoE} for those in
+    """`planning.candidates.score_layer` for an MoE layer: (scores in recipe order, {recipe: QuantizedMoE} for those in
     `keep`). A recipe is quantized for every expert in turn and scored on the layer's output."""
     from ..pipeline.variants import recipe_weight_bytes
 
