@@ -33,7 +33,8 @@ def _paths(model, device, dtype):
     """{name: module or the reason it cannot run here}."""
     import torch
 
-    from ffnquant.kernels.actquant_ffn import fused_ffn, unfused_ffn
+    from ffnquant.kernels.actquant_ffn import fused_ffn
+    from ffnquant.runtimes.torch_rt import unfused_ffn
 
     out: dict = {"bf16": copy.deepcopy(model).to(device=device, dtype=dtype).eval()}
     for kind in ("int8", "fp8"):

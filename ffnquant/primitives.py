@@ -43,6 +43,9 @@ __all__ = [
     "fake_quantize_per_token",
     "fp8_per_token_fake",
     "bnb_4bit_fake",
+    "int8_symmetric_rows",
+    "fp8_rowwise",
+    "fp8_tensorwise",
 ]
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -362,3 +365,26 @@ def bnb_4bit_fake(w: torch.Tensor, quant_type: str, blocksize: int) -> torch.Ten
     wf = w.detach().float().contiguous().reshape(-1)
     packed, state = bnbf.quantize_4bit(wf, blocksize=blocksize, quant_type=quant_type)
     return bnbf.dequantize_4bit(packed, state).to(torch.float32).reshape(w.shape)
+
+
+# --- per-row (per-token) and per-tensor quantization in the GPU kernels' conventions ------------------
+def int8_symmetric_rows(t):
+    """Per-row symmetric int8 (the per-token activations of `w8a8-dynamic-s8` on torch's and ffnquant's
+    kernels): q = round(t / s) in [-127, 127], s = absmax(row) / 127 (float32)."""
+    scale = t.detach().abs().amax(dim=-1).float().clamp(min=1e-12) / 127.0
+    q = torch.round(t.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def fp8_tensorwise(t):
+    """Per-tensor scaled fp8 e4m3: q = fp8(t / s), s = absmax / 448 (float32 scalar tensor)."""
+    scale = (t.detach().abs().amax().float() / FP8_E4M3_MAX).clamp(min=1e-12)
+    q = (t.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_rowwise(t):
+    """Per-row scaled fp8 e4m3: q = fp8(t / s[:, None]), s = absmax(row) / 448 (float32 [rows, 1])."""
+    scale = (t.detach().abs().amax(dim=-1, keepdim=True).float() / FP8_E4M3_MAX).clamp(min=1e-12)
+    q = (t.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale

@@ -51,10 +51,10 @@ from ffnquant.kernels.actquant_ffn import (  # noqa: E402
     FusedInt8DenseFFN,
     FusedInt8GatedFFN,
     fused_ffn,
-    unfused_ffn,
 )
 from ffnquant.kernels.w4a16_pack import torch_act  # noqa: E402
 from ffnquant.model import build  # noqa: E402
+from ffnquant.runtimes.torch_rt import unfused_ffn  # noqa: E402
 from ffnquant.spec import FFNSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..runtimes.torch_rt import fp8_rowwise, int8_symmetric_rows
+from ..primitives import fp8_rowwise, int8_symmetric_rows
 from .tritonenv import import_triton, interpreting
 from .w4a16_pack import ACTIVATIONS, describe, torch_act
 
@@ -96,7 +96,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 # --- kernels ------------------------------------------------------------------------------
 # 12582912.0 = 1.5 * 2**23: for |v| < 2**22, (v + C) - C is v rounded half-even to an integer (the add lands in a
 # binade whose ulp is 1). 0x3C800000 is 2**-6 as float32, e4m3fn's smallest normal; 448 is its largest value
-# (torch_rt.FP8_E4M3_MAX), 127 int8's symmetric limit.
+# (primitives.FP8_E4M3_MAX), 127 int8's symmetric limit.
 
 
 def _round_to(v, DKIND: tl.constexpr):
@@ -243,7 +243,7 @@ def _rescale_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, o_ptr, M, N, stride_am, stri
 
 
 def quantize_rows_reference(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, float32 scales [M, 1]) from torch_rt's `int8_symmetric_rows` / `fp8_rowwise`."""
+    """(codes, float32 scales [M, 1]) from `primitives.int8_symmetric_rows` / `fp8_rowwise`."""
     if kind == "int8":
         q, s = int8_symmetric_rows(x)
         return q, s.unsqueeze(-1)

@@ -4,7 +4,7 @@ One forward is: quantize_rows(x) -> one GEMM for gate and up together ([Wg; Wu] 
 act(g) * u + quantize (`act_mul_quantize`) -> the down GEMM -> `rescale_int8` (int8) or `_scaled_mm`'s own
 row-wise scaled epilogue (fp8). Dense (ungated) FFNs take the same path with act(up) as the hidden. Weights
 are quantized exactly as torch_rt's `Int8DynamicLinear` / `Fp8RowwiseLinear` quantize them, and every
-activation is quantized and rounded as the unfused path (those modules per Linear, `unfused_ffn`) does, so
+activation is quantized and rounded as the unfused path (those modules per Linear, `torch_rt.unfused_ffn`) does, so
 outputs are the same bit for bit up to the activation function's float32 evaluation and, on fp8, the float
 summation order of the GEMM over the concatenated weight.
 """
@@ -16,7 +16,7 @@ import copy
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..runtimes.torch_rt import _quant_module, fp8_rowwise, int8_symmetric_rows
+from ..primitives import fp8_rowwise, int8_symmetric_rows
 from .actquant import (
     KINDS,
     _check_device,
@@ -32,10 +32,8 @@ __all__ = [
     "FusedInt8DenseFFN",
     "FusedInt8GatedFFN",
     "fused_ffn",
-    "unfused_ffn",
 ]
 
-_SCHEME = {"int8": "w8a8-dynamic-s8", "fp8": "fp8-e4m3-dynamic"}
 _MULTIPLE = {"int8": 8, "fp8": 16}  # cuBLAS int8 / cuBLASLt fp8 dimension multiples
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -195,19 +193,6 @@ def fused_ffn(model, kind: str, device=None) -> _FusedQuantFFN:
     if spec is None:
         raise FFNQuantError(f"a fused FFN wraps an ffnquant FFN (model.FFN), got {type(model).__name__}")
     return _CLASSES[kind, bool(spec.gated)](model, device)
-
-
-def unfused_ffn(model, kind: str, device="cpu", dtype: torch.dtype = torch.float32):
-    """The unfused torch path the fused modules reproduce: a copy of `model` with each Linear replaced as
-    torch_rt's runtime replaces it for the same preset (`Int8DynamicLinear` / `Fp8RowwiseLinear`)."""
-    if kind not in KINDS:
-        raise unknown_choice("activation quantization kind", kind, KINDS)
-    dev = torch.device(device)
-    out = copy.deepcopy(model).float().cpu()
-    with torch.no_grad():
-        for name in out.spec.weight_names:
-            setattr(out, name, _quant_module(_SCHEME[kind], getattr(out, name), dev, dtype))
-    return out.to(dev).eval()
 
 
 def _scaled_mm(a, w, sa, sw):

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import FFNQuantError
-from ..primitives import int4_group_rtn
+from ..primitives import FP8_E4M3_MAX, fp8_rowwise, fp8_tensorwise, int4_group_rtn, int8_symmetric_rows
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
 
 __all__ = [
@@ -39,6 +39,8 @@ __all__ = [
     "int4_groupwise_affine",
     "dequantize_int4_groupwise",
     "fp8_tensorwise",
+    "fp8_rowwise",
+    "unfused_ffn",
     "Int8DynamicLinear",
     "Int8WeightOnlyLinear",
     "Int4WeightOnlyLinear",
@@ -48,19 +50,11 @@ __all__ = [
     "MODES",
 ]
 
-FP8_E4M3_MAX = 448.0
 _INT4_GROUPS = {"w4a16-g32-asym": 32, "w4a16-g64-asym": 64, "w4a16-g128-asym": 128}
 _FLOAT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 # --- pure quantization math in the kernels' conventions -------------------------------
-def int8_symmetric_rows(t):
-    """Per-row symmetric int8: q = round(t / s) in [-127, 127], s = absmax(row) / 127 (float32)."""
-    scale = t.detach().abs().amax(dim=-1).float().clamp(min=1e-12) / 127.0
-    q = torch.round(t.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
 def int4_groupwise_affine(w, group_size: int):
     """The `w4a16-g*-asym` preset's 4-bit groups along the input dimension, in tinygemm's convention.
 
@@ -81,13 +75,6 @@ def dequantize_int4_groupwise(q, scales, zeros, group_size: int):
     n, k = q.shape
     qg = q.float().reshape(n, k // group_size, group_size)
     return ((qg - 8.0) * scales.unsqueeze(-1) + zeros.unsqueeze(-1)).reshape(n, k)
-
-
-def fp8_tensorwise(t):
-    """Per-tensor scaled fp8 e4m3: q = fp8(t / s), s = absmax / 448 (float32 scalar tensor)."""
-    scale = (t.detach().abs().amax().float() / FP8_E4M3_MAX).clamp(min=1e-12)
-    q = (t.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale
 
 
 def _torch_version() -> tuple[int, int]:
@@ -208,13 +195,6 @@ class Fp8Linear(_QuantLinear):
         xq = (x2d.float() / self.x_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
         y = torch._scaled_mm(xq, self.wq.t(), scale_a=self.x_scale, scale_b=self.w_scale, out_dtype=x2d.dtype)
         return y[0] if isinstance(y, tuple) else y  # torch 2.4 returned (out, amax)
-
-
-def fp8_rowwise(t):
-    """Per-row scaled fp8 e4m3: q = fp8(t / s[:, None]), s = absmax(row) / 448 (float32 [rows, 1])."""
-    scale = (t.detach().abs().amax(dim=-1, keepdim=True).float() / FP8_E4M3_MAX).clamp(min=1e-12)
-    q = (t.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale
 
 
 class Fp8RowwiseLinear(_QuantLinear):
@@ -508,3 +488,21 @@ def _copy_model(model):
 
     return copy.deepcopy(model).float().cpu()
 
+
+_UNFUSED = {"int8": "w8a8-dynamic-s8", "fp8": "fp8-e4m3-dynamic"}
+
+
+def unfused_ffn(model, kind: str, device="cpu", dtype: torch.dtype = torch.float32):
+    """A copy of ffnquant's float FFN `model` with each Linear replaced as this runtime replaces it for per-token
+    `kind` ("int8": w8a8-dynamic-s8, `Int8DynamicLinear`; "fp8": fp8-e4m3-dynamic, `Fp8RowwiseLinear`): the
+    unfused path `kernels.actquant_ffn`'s fused modules reproduce."""
+    from ..errors import unknown_choice
+
+    if kind not in _UNFUSED:
+        raise unknown_choice("activation quantization kind", kind, tuple(_UNFUSED))
+    dev = torch.device(device)
+    out = _copy_model(model)
+    with torch.no_grad():
+        for name in out.spec.weight_names:
+            setattr(out, name, _quant_module(_UNFUSED[kind], getattr(out, name), dev, dtype))
+    return out.to(dev).eval()
