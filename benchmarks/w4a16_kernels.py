@@ -7,7 +7,7 @@ A gated FFN's two projections at each token count M: gate+up fused (act(x Wg^T) 
 cuBLAS matmul on the concatenated [2 d_ff, d_model] weight, then the activation and product) and down
 ([M, d_ff] -> [M, d_model]). Kernels: `fp16` (torch matmul on the dequantized weights in fp16), `w4a16`
 (`ffnquant.kernels.w4a16`, the baseline Triton kernel) and `w4a16_tiled` (`ffnquant.kernels.w4a16_tiled`).
-Each is timed as a CUDA-graph replay with the L2 flushed before each replay (`w4a16._time_call`; the first
+Each is timed as a CUDA-graph replay with the L2 flushed before each replay (`kernels.tritonenv.time_call`; the first
 call, outside the timing, compiles and tunes). Reported per row: time, speedup over fp16, achieved GB/s
 counting the bytes of weights + scales + x + out once (the logical int4 bytes for both quantized kernels:
 same data, padding not credited) and that rate as a fraction of the device's HBM peak (`ffnquant.latency`).
@@ -64,6 +64,7 @@ def run(args) -> dict:
     from ffnquant.kernels import w4a16, w4a16_tiled
     from ffnquant.kernels.w4a16_pack import dequantize_w4, pack_w4, torch_act, w4a16_gated_reference, w4a16_reference
     from ffnquant.kernels.w4a16_repack import gated_error_bound, matmul_error_bound, repack_w4
+    from ffnquant.kernels.tritonenv import time_call
     from ffnquant.latency import device_peaks
 
     dev = "cpu" if args.dry_run else "cuda"
@@ -109,7 +110,7 @@ def run(args) -> dict:
             for kernel in kernels:
                 fn = calls[proj, kernel]
                 t0 = time.perf_counter()
-                ms = None if args.dry_run else w4a16._time_call(fn)  # its first call compiles and tunes
+                ms = None if args.dry_run else time_call(fn)  # its first call compiles and tunes
                 y = fn()
                 row = {"projection": proj, "m": m, "kernel": kernel, "time_us": None if ms is None else ms * 1e3,
                        "wall_s": round(time.perf_counter() - t0, 3)}

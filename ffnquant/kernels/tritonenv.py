@@ -8,11 +8,13 @@ picks compiled or interpreted when it decorates), so the variable may be set any
 
 from __future__ import annotations
 
+import math
 import os
+from typing import Any, Callable, Sequence
 
 from ..errors import FFNQuantError
 
-__all__ = ["interpreting", "import_triton"]
+__all__ = ["interpreting", "import_triton", "time_call", "fastest"]
 
 
 def interpreting() -> bool:
@@ -33,3 +35,42 @@ def import_triton(what: str):
     except Exception as exc:  # not installed, or broken (missing libraries)
         raise FFNQuantError(f"{what} needs triton, which fails to import: {exc}") from exc
     return triton, tl
+
+
+def time_call(fn: Callable[[], Any]) -> float:
+    """GPU milliseconds of one call replayed from a CUDA graph, L2 flushed before each replay.
+
+    Timing the eager call instead would mostly measure Python launch overhead: a decode-size call is a
+    few microseconds of GPU time, far less than the wrapper's and Triton's host-side cost.
+    """
+    import torch
+    from triton.testing import do_bench
+
+    fn()  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=3, rep=15)
+
+
+def fastest(candidates: Sequence[Any], launch: Callable[[Any], Any], what: str) -> Any:
+    """The candidate config whose `launch(config)` replays fastest (`time_call`); configs the compiler rejects on
+    this device are skipped, and an error naming `what` is raised when none compiles."""
+    best, best_ms, errors = None, math.inf, []
+    for cfg in candidates:
+        try:
+            ms = time_call(lambda: launch(cfg))
+        except Exception as exc:  # a config the compiler rejects here (resources): skip it
+            text = str(exc).strip()
+            errors.append(f"{cfg}: {text.splitlines()[0] if text else type(exc).__name__}")
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise FFNQuantError(f"no {what} config compiles: {errors[0]}")
+    return best

@@ -36,14 +36,13 @@ TRITON_INTERPRET may be set at any time before the first launch in each mode.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from .tritonenv import import_triton, interpreting
+from .tritonenv import fastest, import_triton, interpreting
 from .w4a16_pack import (ACTIVATIONS, SCALE_DTYPES, PackedW4, dequantize_w4, describe, pack_w4, torch_act,
                          w4a16_gated_reference, w4a16_reference)
 
@@ -420,26 +419,6 @@ def w4a16_config_used(x: torch.Tensor, p: PackedW4, gated: bool = False) -> Kern
     return _TUNED.get(_tune_key(x, p, gated))
 
 
-def _time_call(fn) -> float:
-    """GPU milliseconds of one call replayed from a CUDA graph, L2 flushed before each replay.
-
-    Timing the eager call instead would mostly measure Python launch overhead: a decode-size call is a
-    few microseconds of GPU time, far less than the wrapper's and Triton's host-side cost.
-    """
-    from triton.testing import do_bench
-
-    fn()  # compile outside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=3, rep=15)
-
-
 def _select(x: torch.Tensor, p: PackedW4, launch, gated: bool) -> KernelConfig:
     """The cached config for this shape, else time the candidates once with `launch(cfg)` and keep the fastest."""
     m = x.shape[0]
@@ -451,17 +430,7 @@ def _select(x: torch.Tensor, p: PackedW4, launch, gated: bool) -> KernelConfig:
     cands = _candidates(m, p, gated)
     if torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture; the next eager call tunes
-    best, best_ms, errors = None, math.inf, []
-    for cfg in cands:
-        try:
-            ms = _time_call(lambda: launch(cfg))
-        except Exception as exc:  # a config the compiler rejects here (resources): skip it
-            errors.append(f"{cfg}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    if best is None:
-        raise FFNQuantError(f"no W4A16 kernel config compiles for M={m}, N={p.n}, K={p.k}: {errors[0]}")
+    best = fastest(cands, launch, f"W4A16 kernel for M={m}, N={p.n}, K={p.k}")
     _TUNED[key] = best
     return best
 

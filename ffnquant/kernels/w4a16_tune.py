@@ -1,6 +1,6 @@
 """Launch configs of the tiled W4A16 kernel (`w4a16_tiled`) and the tuner that picks one per M bucket.
 
-The tuner times the candidates of an (M bucket, N, K) as CUDA-graph replays with a cold L2 (`w4a16._time_call`)
+The tuner times the candidates of an (M bucket, N, K) as CUDA-graph replays with a cold L2 (`tritonenv.time_call`)
 and caches the fastest; during a graph capture the bucket's first candidate runs untimed. Under
 TRITON_INTERPRET=1 (CPU tensors) a fixed small config runs and nothing is timed. Symmetric and asymmetric
 weights are tuned apart (the asymmetric kernel is another compilation with more work per step).
@@ -8,14 +8,11 @@ weights are tuned apart (the asymmetric kernel is another compilation with more 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import FFNQuantError
-from .tritonenv import interpreting
-from .w4a16 import _time_call
+from .tritonenv import fastest, interpreting
 from .w4a16_repack import TiledW4
 
 __all__ = ["TiledConfig", "m_bucket", "tiled_config_used"]
@@ -113,16 +110,6 @@ def _select(x: torch.Tensor, t: TiledW4, launch, gated: bool) -> TiledConfig:
     cands = _candidates(m, t, gated, sms)
     if torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture; the next eager call tunes
-    best, best_ms, errors = None, math.inf, []
-    for cfg in cands:
-        try:
-            ms = _time_call(lambda: launch(cfg))
-        except Exception as exc:  # a config the compiler rejects here (resources): skip it
-            errors.append(f"{cfg}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    if best is None:
-        raise FFNQuantError(f"no tiled W4A16 kernel config compiles for M={m}, N={t.n}, K={t.k}: {errors[0]}")
+    best = fastest(cands, launch, f"tiled W4A16 kernel for M={m}, N={t.n}, K={t.k}")
     _TUNED[key] = best
     return best
