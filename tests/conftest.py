@@ -46,3 +46,10 @@ def recipe_parses(monkeypatch):
 
     monkeypatch.setattr(Recipe, "parse", classmethod(counting))
     return seen
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Triton's interpreter for this test only (CPU tensors): the kernel modules decorate their kernels per mode
+    at first launch, so the variable only has to be set before it, and other tests keep their environment."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

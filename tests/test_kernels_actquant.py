@@ -63,11 +63,6 @@ EXACT_ACTS = ("relu", "identity")
 Q = {"int8": 127.0, "fp8": 448.0}
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 def _ulp(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Spacing of `dtype` at |y| (at least its smallest subnormal step), float64."""
     fi = torch.finfo(dtype)

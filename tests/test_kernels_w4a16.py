@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from kernel_checks import assert_within, random_x
 
 pytest.importorskip("triton", reason="the W4A16 kernel tests need triton")
 
@@ -49,11 +50,6 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SHAPES = {"k256-n96": (256, 96), "k384-n100": (384, 100)}  # n=100: not a multiple of any BLOCK_N
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 def _ulp(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Spacing of `dtype` at |y| (at least its smallest subnormal step)."""
     fi = torch.finfo(dtype)
@@ -74,18 +70,6 @@ def _packed(n: int, k: int, g: int, seed: int = 0, scale_dtype=torch.float16) ->
     return pack_w4(torch.randn(n, k, generator=gen) * 0.05, g, scale_dtype)
 
 
-def _x(m: int, k: int, dtype, seed: int = 1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=gen).to(dtype)
-
-
-def _assert_close(y, ref, bound):
-    err = (y.float() - ref.float()).abs()
-    assert torch.isfinite(y.float()).all()
-    worst = (err - bound).max().item()
-    assert worst <= 0, f"max excess over the derived bound {worst:.3g} (max err {err.max().item():.3g})"
-
-
 # --- kernel vs reference ---------------------------------------------------------------
 
 
@@ -96,11 +80,11 @@ def _assert_close(y, ref, bound):
 def test_matmul_matches_reference(interpret, m, group, dtype, shape):
     k, n = shape
     p = _packed(n, k, group)
-    x = _x(m, k, dtype)
+    x = random_x(m, k, dtype)
     y = w4a16_matmul(x, p)
     ref = w4a16_reference(x, p)
     assert y.dtype == dtype and y.shape == (m, n)
-    _assert_close(y, ref, _bound(x, p, ref, dtype))
+    assert_within(y, ref, _bound(x, p, ref, dtype))
 
 
 @pytest.mark.parametrize("m", [1, 5], ids=lambda m: f"m{m}")
@@ -108,14 +92,14 @@ def test_every_candidate_config(interpret, m):
     # the configs the CUDA tuner may pick (split K with atomics, K steps larger than K, several groups per step)
     k, n, group = 384, 100, 128
     p = _packed(n, k, group)
-    x = _x(m, k, torch.float16)
+    x = random_x(m, k, torch.float16)
     ref = w4a16_reference(x, p)
     bound = _bound(x, p, ref, torch.float16)
     configs = _candidates(m, p, gated=False)
     assert 1 <= len(configs) <= 8
     assert any(c.split_k > 1 for c in configs)
     for cfg in configs:
-        _assert_close(w4a16_matmul(x, p, config=cfg), ref, bound)
+        assert_within(w4a16_matmul(x, p, config=cfg), ref, bound)
 
 
 @pytest.mark.parametrize("group", [8, 32, 64], ids=lambda g: f"g{g}")
@@ -124,20 +108,20 @@ def test_gemv_small_and_odd_groups(interpret, group):
     k, n = 192, 40
     p = _packed(n, k, group)
     for m in (1, 4):
-        x = _x(m, k, torch.float16)
+        x = random_x(m, k, torch.float16)
         ref = w4a16_reference(x, p)
-        _assert_close(w4a16_matmul(x, p), ref, _bound(x, p, ref, torch.float16))
+        assert_within(w4a16_matmul(x, p), ref, _bound(x, p, ref, torch.float16))
     p96 = _packed(n, 192, 96)
-    x = _x(3, 192, torch.float32)
+    x = random_x(3, 192, torch.float32)
     ref = w4a16_reference(x, p96)
-    _assert_close(w4a16_matmul(x, p96), ref, _bound(x, p96, ref, torch.float32))
+    assert_within(w4a16_matmul(x, p96), ref, _bound(x, p96, ref, torch.float32))
 
 
 def test_fp32_scales_and_strided_input(interpret):
     p = _packed(64, 256, 64, scale_dtype=torch.float32)
-    xt = _x(256, 6, torch.float16).T  # [6, 256] with stride (1, 6): the wrapper makes it contiguous
+    xt = random_x(256, 6, torch.float16).T  # [6, 256] with stride (1, 6): the wrapper makes it contiguous
     ref = w4a16_reference(xt, p)
-    _assert_close(w4a16_matmul(xt, p), ref, _bound(xt, p, ref, torch.float16))
+    assert_within(w4a16_matmul(xt, p), ref, _bound(xt, p, ref, torch.float16))
 
 
 def test_empty_batch(interpret):
@@ -148,8 +132,8 @@ def test_empty_batch(interpret):
 
 def test_config_used_in_interpreter(interpret):
     p = _packed(32, 256, 128)
-    assert w4a16_config_used(_x(1, 256, torch.float16), p).path == "gemv"
-    assert w4a16_config_used(_x(8, 256, torch.float16), p).path == "dot"
+    assert w4a16_config_used(random_x(1, 256, torch.float16), p).path == "gemv"
+    assert w4a16_config_used(random_x(8, 256, torch.float16), p).path == "dot"
 
 
 # --- gated (gate + up in one launch) ---------------------------------------------------
@@ -161,7 +145,7 @@ def test_config_used_in_interpreter(interpret):
 def test_gated_matches_reference(interpret, m, act):
     k, n = 256, 48
     pg, pu = _packed(n, k, 64, seed=2), _packed(n, k, 64, seed=3)
-    x = _x(m, k, torch.float16) * 4  # pre-activations of a few units: both tails of each activation
+    x = random_x(m, k, torch.float16) * 4  # pre-activations of a few units: both tails of each activation
     ref = w4a16_gated_reference(x, pg, pu, act)
     y = w4a16_gated(x, pg, pu, act)
     xf = x.float()
@@ -175,7 +159,7 @@ def test_gated_matches_reference(interpret, m, act):
     # (Triton's exp/erf vs torch's; gelu_tanh is evaluated as z * sigmoid(2u), equal to torch's formula in exact math)
     bound = lip * e_g * u.abs() + (a.abs() + lip * e_g) * e_u + 16 * 2.0**-24 * (g.abs() + 1) * u.abs()
     bound = bound + _ulp(ref.float(), torch.float16)
-    _assert_close(y, ref, bound)
+    assert_within(y, ref, bound)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
@@ -183,7 +167,7 @@ def test_gated_candidate_configs(interpret):
     # the tuner's gated candidates are the plain ones without a K split; each must run and match
     k, n = 256, 48
     pg, pu = _packed(n, k, 128, seed=2), _packed(n, k, 128, seed=3)
-    x = _x(5, k, torch.float16)
+    x = random_x(5, k, torch.float16)
     ref = w4a16_gated_reference(x, pg, pu, "relu")
     configs = _candidates(5, pg, gated=True)
     assert configs and all(c.split_k == 1 for c in configs)
@@ -193,12 +177,12 @@ def test_gated_candidate_configs(interpret):
     e_g, e_u = e * (xf.abs() @ dequantize_w4(pg).abs().T), e * (xf.abs() @ dequantize_w4(pu).abs().T)
     bound = e_g * u.abs() + (g.abs() + e_g) * e_u + _ulp(ref.float(), torch.float16)  # relu: slope 1, exact
     for cfg in configs:
-        _assert_close(w4a16_gated(x, pg, pu, "relu", config=cfg), ref, bound)
+        assert_within(w4a16_gated(x, pg, pu, "relu", config=cfg), ref, bound)
 
 
 def test_gated_rejects_mismatch_and_split(interpret):
     pg, pu = _packed(48, 256, 64), _packed(48, 256, 32)
-    x = _x(1, 256, torch.float16)
+    x = random_x(1, 256, torch.float16)
     with pytest.raises(FFNQuantError, match="share shape"):
         w4a16_gated(x, pg, pu, "silu")
     with pytest.raises(FFNQuantError, match="unknown activation"):
@@ -293,7 +277,7 @@ def test_linear_with_bias_and_3d_input(interpret):
     assert layer.bias.dtype == torch.float16
     layer32 = W4A16Linear(lin, group_size=64, scale_dtype=torch.float32).to(dtype=torch.bfloat16)
     assert layer32.scales.dtype == torch.float32
-    x = _x(6, 128, torch.float16).reshape(2, 3, 128)
+    x = random_x(6, 128, torch.float16).reshape(2, 3, 128)
     y = layer(x)
     assert y.shape == (2, 3, 40) and y.dtype == torch.float16
     p = layer.weight_packed
@@ -301,7 +285,7 @@ def test_linear_with_bias_and_3d_input(interpret):
     ref = (x2.float() @ dequantize_w4(p).T + layer.bias.float()).half()
     # the kernel's bound, then the bias add in fp16 (one more rounding: half an ulp, within one ulp of y)
     bound = _bound(x2, p, ref, torch.float16) + _ulp(ref.float(), torch.float16)
-    _assert_close(y.reshape(6, 40), ref, bound)
+    assert_within(y.reshape(6, 40), ref, bound)
     no_bias = W4A16Linear(torch.nn.Linear(128, 40, bias=False), group_size=32)
     assert no_bias.bias is None and no_bias(x).shape == (2, 3, 40)
     assert "group_size=64" in repr(layer)
@@ -340,13 +324,13 @@ def test_cuda_matches_reference(monkeypatch, m, dtype):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     k, n = 4096, 1000
     p = _packed(n, k, 128).to("cuda")
-    x = _x(m, k, dtype).cuda()
+    x = random_x(m, k, dtype).cuda()
     ref = w4a16_reference(x, p)
     bound = _bound(x, p, ref, dtype, u=2.0**-23)
-    _assert_close(w4a16_matmul(x, p), ref, bound)  # tuned config
+    assert_within(w4a16_matmul(x, p), ref, bound)  # tuned config
     if dtype == torch.float16:  # every config once (each is a compile): fp16 only
         for cfg in _candidates(m, p, gated=False):
-            _assert_close(w4a16_matmul(x, p, config=cfg), ref, bound)
+            assert_within(w4a16_matmul(x, p, config=cfg), ref, bound)
     assert w4a16_config_used(x, p) is not None
     if m <= 16:
         pu = _packed(n, k, 128, seed=5).to("cuda")
@@ -358,5 +342,5 @@ def test_cuda_matches_reference(monkeypatch, m, dtype):
         eg = e * (x.float().abs() @ dequantize_w4(p).abs().cuda().T)
         eu = e * (x.float().abs() @ dequantize_w4(pu).abs().cuda().T)
         refg = (torch.relu(g) * u).to(dtype)
-        _assert_close(yg, refg, eg * u.abs() + (g.abs() + eg) * eu + _ulp(refg.float(), dtype))
+        assert_within(yg, refg, eg * u.abs() + (g.abs() + eg) * eu + _ulp(refg.float(), dtype))
     assert math.isfinite(float(w4a16_matmul(x, p).float().sum()))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_checks import assert_within, random_x
 
 pytest.importorskip("triton", reason="the W4A16 kernel tests need triton")
 
@@ -56,11 +57,6 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 K, N = 256, 96  # n = 96: not a multiple of the padded width (128) nor of the 64-wide layout tile
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 def _weight(n: int, k: int, seed: int = 0, symmetric: bool = True) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.05
@@ -74,23 +70,11 @@ def _packed(n: int, k: int, g: int, seed: int = 0, scale_dtype=torch.float16, sy
     return pack_w4(_weight(n, k, seed, symmetric), g, scale_dtype, symmetric)
 
 
-def _x(m: int, k: int, dtype, seed: int = 1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=gen).to(dtype)
-
-
-def _assert_close(y, ref, bound):
-    err = (y.float() - ref.float()).abs()
-    assert torch.isfinite(y.float()).all()
-    worst = (err - bound).max().item()
-    assert worst <= 0, f"max excess over the derived bound {worst:.3g} (max err {err.max().item():.3g})"
-
-
 def _check(x, p, t, config=None, u=2.0**-24):
     ref = w4a16_reference(x, p)
     y = tiled_matmul(x, t, config)
     assert y.dtype == x.dtype and y.shape == (x.shape[0], p.n)
-    _assert_close(y, ref, matmul_error_bound(x, p, ref, x.dtype, u))
+    assert_within(y, ref, matmul_error_bound(x, p, ref, x.dtype, u))
 
 
 # --- layout ----------------------------------------------------------------------------
@@ -182,7 +166,7 @@ def test_repack_rejects_bad_tiles(group, block_n, block_k, match):
 @pytest.mark.parametrize("m", [1, 4, 16, 64], ids=lambda m: f"m{m}")
 def test_matmul_matches_reference(interpret, m, group, dtype):
     p = _packed(N, K, group)
-    _check(_x(m, K, dtype), p, repack_w4(p))
+    _check(random_x(m, K, dtype), p, repack_w4(p))
 
 
 def _ignoring_zero_points_fails(x, p, y):
@@ -199,7 +183,7 @@ ASYM_CASES = [(m, g, list(DTYPES)[(i + j) % 3])
 @pytest.mark.parametrize("m,group,dtype", ASYM_CASES, ids=[f"m{m}-g{g}-{d}" for m, g, d in ASYM_CASES])
 def test_asym_matmul_matches_reference(interpret, m, group, dtype):
     p = _packed(N, K, group, seed=9, symmetric=False)
-    x = _x(m, K, DTYPES[dtype])
+    x = random_x(m, K, DTYPES[dtype])
     _check(x, p, repack_w4(p))
     if m == 4:
         _ignoring_zero_points_fails(x, p, tiled_matmul(x, repack_w4(p)))
@@ -222,7 +206,7 @@ def test_tiles_and_split_k(interpret, config, dtype):
     # kernel tiles narrower (16, 32) and wider (128) than the 64-wide layout tile; K splits with atomics
     k, g = 384, 64
     p = _packed(N, k, g, seed=4)
-    _check(_x(5, k, dtype), p, repack_w4(p, 64), config)
+    _check(random_x(5, k, dtype), p, repack_w4(p, 64), config)
 
 
 ASYM_CONFIGS = {  # split K on and off on both paths; tiles narrower and wider than the layout's
@@ -238,7 +222,7 @@ ASYM_CONFIGS = {  # split K on and off on both paths; tiles narrower and wider t
 def test_asym_tiles_and_split_k(interpret, config, dtype):
     k, g = 384, 64
     p = _packed(N, k, g, seed=10, symmetric=False)
-    _check(_x(5, k, dtype), p, repack_w4(p, 64), config)
+    _check(random_x(5, k, dtype), p, repack_w4(p, 64), config)
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 40, 100], ids=lambda m: f"m{m}")
@@ -250,7 +234,7 @@ def test_every_candidate_config(interpret, m):
     assert 3 <= len(configs) <= 8 and len(set(configs)) == len(configs)
     if m <= 16:
         assert any(c.split_k > 1 for c in configs)
-    x = _x(m, 512, torch.float16)
+    x = random_x(m, 512, torch.float16)
     for cfg in configs:
         _check(x, p, t, cfg)
 
@@ -258,13 +242,13 @@ def test_every_candidate_config(interpret, m):
 def test_m_buckets_and_config_used(interpret):
     assert [m_bucket(m) for m in (1, 2, 4, 5, 16, 17, 64, 65, 4096)] == [1, 4, 4, 16, 16, 64, 64, 65, 65]
     t = repack_w4(_packed(32, 256, 128))
-    assert tiled_config_used(_x(1, 256, torch.float16), t).path == "gemv"
-    assert tiled_config_used(_x(8, 256, torch.float16), t).path == "dot"
+    assert tiled_config_used(random_x(1, 256, torch.float16), t).path == "gemv"
+    assert tiled_config_used(random_x(8, 256, torch.float16), t).path == "dot"
 
 
 def test_fp32_scales_strided_input_and_empty(interpret):
     p = _packed(64, 256, 64, scale_dtype=torch.float32)
-    xt = _x(256, 6, torch.float16).T  # [6, 256] with stride (1, 6): the wrapper makes it contiguous
+    xt = random_x(256, 6, torch.float16).T  # [6, 256] with stride (1, 6): the wrapper makes it contiguous
     _check(xt, p, repack_w4(p))
     y = tiled_matmul(torch.zeros(0, 256, dtype=torch.float16), repack_w4(p))
     assert y.shape == (0, 64) and y.dtype == torch.float16
@@ -278,11 +262,11 @@ def test_fp32_scales_strided_input_and_empty(interpret):
 @pytest.mark.parametrize("m", [1, 5], ids=lambda m: f"m{m}")
 def test_gated_matches_reference(interpret, m, act):
     pg, pu = _packed(N, K, 64, seed=2), _packed(N, K, 64, seed=3)
-    x = _x(m, K, torch.float16) * 4  # pre-activations of a few units: both tails of each activation
+    x = random_x(m, K, torch.float16) * 4  # pre-activations of a few units: both tails of each activation
     ref = w4a16_gated_reference(x, pg, pu, act)
     y = tiled_gated(x, repack_w4(pg), repack_w4(pu), act)
     assert y.shape == (m, N) and y.dtype == torch.float16
-    _assert_close(y, ref, gated_error_bound(x, pg, pu, act, ref, torch.float16))
+    assert_within(y, ref, gated_error_bound(x, pg, pu, act, ref, torch.float16))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
@@ -290,13 +274,13 @@ def test_gated_matches_reference(interpret, m, act):
 def test_gated_candidates_and_dtypes(interpret, dtype):
     pg, pu = _packed(N, K, 128, seed=2), _packed(N, K, 128, seed=3)
     tg, tu = repack_w4(pg), repack_w4(pu)
-    x = _x(5, K, dtype)
+    x = random_x(5, K, dtype)
     ref = w4a16_gated_reference(x, pg, pu, "silu")
     bound = gated_error_bound(x, pg, pu, "silu", ref, dtype)
     configs = _candidates(1, tg, gated=True) + _candidates(5, tg, gated=True)
     assert configs and all(c.split_k == 1 for c in configs)
     for cfg in configs:
-        _assert_close(tiled_gated(x, tg, tu, "silu", config=cfg), ref, bound)
+        assert_within(tiled_gated(x, tg, tu, "silu", config=cfg), ref, bound)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
@@ -305,11 +289,11 @@ def test_gated_candidates_and_dtypes(interpret, dtype):
                          ids=["m1-fp16", "m5-bf16", "m16-fp32"])
 def test_asym_gated_matches_reference(interpret, m, dtype, act):
     pg, pu = _packed(N, K, 32, seed=11, symmetric=False), _packed(N, K, 32, seed=12, symmetric=False)
-    x = _x(m, K, dtype) * 4
+    x = random_x(m, K, dtype) * 4
     ref = w4a16_gated_reference(x, pg, pu, act)
     y = tiled_gated(x, repack_w4(pg), repack_w4(pu), act)
     assert y.shape == (m, N) and y.dtype == dtype
-    _assert_close(y, ref, gated_error_bound(x, pg, pu, act, ref, dtype))
+    assert_within(y, ref, gated_error_bound(x, pg, pu, act, ref, dtype))
 
 
 # --- errors ----------------------------------------------------------------------------
@@ -322,11 +306,11 @@ def test_errors_name_what_is_valid(interpret):
     t = repack_w4(p)
     pa = _packed(32, 256, 64, symmetric=False)
     ta = repack_w4(pa)
-    x = _x(2, 256, torch.float16)
+    x = random_x(2, 256, torch.float16)
     cases = [
         (lambda: tiled_matmul(torch.ones(2, 256, dtype=torch.int32), t), "float16, bfloat16 or float32"),
         (lambda: tiled_matmul(torch.randn(2, 3, 256), t), "2-D"),
-        (lambda: tiled_matmul(_x(2, 128, torch.float16), t), "x has 128 features but the weight takes 256"),
+        (lambda: tiled_matmul(random_x(2, 128, torch.float16), t), "x has 128 features but the weight takes 256"),
         (lambda: tiled_matmul(x, p), "takes a TiledW4 weight.*repack_w4"),
         (lambda: tiled_matmul(x, t, TiledConfig("dot", 16, 48)), "block_n 48 .*valid: 16, 32, 64, 128"),
         (lambda: tiled_matmul(x, t, TiledConfig("dot", 8, 64)), "block_m 8 .*power of two >= 16"),
@@ -371,7 +355,7 @@ def test_linear_with_bias_and_3d_input(interpret):
     p = layer.weight_packed
     assert torch.equal(p.packed, pack_w4(lin.weight.detach(), 64).packed)
     assert isinstance(layer.weight_tiled, TiledW4) and layer.weight_tiled.block_n == 64
-    x = _x(6, 128, torch.float16).reshape(2, 3, 128)
+    x = random_x(6, 128, torch.float16).reshape(2, 3, 128)
     y = layer(x)
     assert y.shape == (2, 3, 40) and y.dtype == torch.float16
     x2 = x.reshape(6, 128)
@@ -380,7 +364,7 @@ def test_linear_with_bias_and_3d_input(interpret):
     from ffnquant.kernels.w4a16_repack import ulp
 
     bound = matmul_error_bound(x2, p, ref, torch.float16) + ulp(ref.float(), torch.float16)
-    _assert_close(y.reshape(6, 40), ref, bound)
+    assert_within(y.reshape(6, 40), ref, bound)
     assert "tiles=64x64" in repr(layer) and "symmetric" in repr(layer)
     with pytest.raises(FFNQuantError, match="nn.Linear"):
         TiledW4A16Linear(torch.nn.Conv1d(4, 4, 1), group_size=32)
@@ -398,9 +382,9 @@ def test_asym_linear(interpret):
     p = layer.weight_packed
     want = pack_w4(lin.weight.detach(), 32, symmetric=False)
     assert torch.equal(p.packed, want.packed) and torch.equal(p.zero_points, want.zero_points)
-    x = _x(3, 128, torch.bfloat16)
+    x = random_x(3, 128, torch.bfloat16)
     ref = w4a16_reference(x, p)
-    _assert_close(layer(x), ref, matmul_error_bound(x, p, ref, torch.bfloat16))
+    assert_within(layer(x), ref, matmul_error_bound(x, p, ref, torch.bfloat16))
 
 
 # --- the device benchmark's dry run ------------------------------------------------------
@@ -521,7 +505,7 @@ def test_cuda_matches_reference(cuda, m, dtype):
     k, n = 4096, 1000
     p = _packed(n, k, 128).to("cuda")
     t = repack_w4(p.to("cpu")).to("cuda")
-    x = _x(m, k, dtype).cuda()
+    x = random_x(m, k, dtype).cuda()
     _check(x, p, t, u=2.0**-23)  # tuned config
     assert tiled_config_used(x, t) is not None
     if dtype == torch.float16:  # every candidate once (each is a compile): fp16 only
@@ -536,9 +520,9 @@ def test_cuda_gated_matches_reference(cuda, m, act):
     k, n = 2048, 1000
     pg, pu = _packed(n, k, 64, seed=6).to("cuda"), _packed(n, k, 64, seed=7).to("cuda")
     tg, tu = repack_w4(pg.to("cpu")).to("cuda"), repack_w4(pu.to("cpu")).to("cuda")
-    x = _x(m, k, torch.float16).cuda()
+    x = random_x(m, k, torch.float16).cuda()
     ref = w4a16_gated_reference(x, pg, pu, act)
-    _assert_close(tiled_gated(x, tg, tu, act), ref, gated_error_bound(x, pg, pu, act, ref, torch.float16, 2.0**-23))
+    assert_within(tiled_gated(x, tg, tu, act), ref, gated_error_bound(x, pg, pu, act, ref, torch.float16, 2.0**-23))
 
 
 @pytest.mark.gpu
@@ -552,9 +536,9 @@ def test_cuda_asym_matches_reference(cuda, dtype):
     cases = [(1, TiledConfig("gemv", 1, 64, split_k=4)), (1, TiledConfig("dot", 16, 64)),
              (16, TiledConfig("dot", 16, 64, split_k=2)), (100, TiledConfig("dot", 64, 128, 1, 8, 3))]
     for m, cfg in cases:
-        _check(_x(m, k, dtype).cuda(), p, t, cfg, u=2.0**-23)
+        _check(random_x(m, k, dtype).cuda(), p, t, cfg, u=2.0**-23)
     if dtype == torch.float16:
-        x = _x(16, k, dtype).cuda()
+        x = random_x(16, k, dtype).cuda()
         _check(x, p, t, u=2.0**-23)  # tuned
         assert tiled_config_used(x, t) is not None
 
@@ -566,6 +550,6 @@ def test_cuda_asym_gated_matches_reference(cuda, m):
     pg, pu = _packed(n, k, 64, seed=14, symmetric=False), _packed(n, k, 64, seed=15, symmetric=False)
     tg, tu = repack_w4(pg).to("cuda"), repack_w4(pu).to("cuda")
     pg, pu = pg.to("cuda"), pu.to("cuda")
-    x = _x(m, k, torch.float16).cuda()
+    x = random_x(m, k, torch.float16).cuda()
     ref = w4a16_gated_reference(x, pg, pu, "silu")
-    _assert_close(tiled_gated(x, tg, tu, "silu"), ref, gated_error_bound(x, pg, pu, "silu", ref, torch.float16, 2.0**-23))
+    assert_within(tiled_gated(x, tg, tu, "silu"), ref, gated_error_bound(x, pg, pu, "silu", ref, torch.float16, 2.0**-23))
