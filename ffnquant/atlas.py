@@ -7,7 +7,7 @@ each; position = row index within its sequence) with hooks on `ffn.taps` and kee
 k largest |values| with (sequence, position, channel) and how many of the top `top_fraction`
 magnitudes fall at position 0 (trained Llama-family models put their "massive activations" on
 the first token of a sequence). `PositionTracker` is the streaming form (memory: one batch plus
-the top set); `model_top_positions` feeds it a real model's FFN inputs, batch by batch.
+the top set); `hf.layerwise.model_top_positions` feeds it a real model's FFN inputs, batch by batch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +34,6 @@ __all__ = [
     "split_sequences",
     "PositionTracker",
     "top_positions",
-    "model_top_positions",
     "layer_atlas",
 ]
 
@@ -211,37 +210,6 @@ def top_positions(ffn: FFN, sequences: Sequence[torch.Tensor], sites: Sequence[s
     total = sum(int(s.shape[0]) if isinstance(s, torch.Tensor) and s.ndim == 2 else 1 for s in seqs)
     tracker = PositionTracker(ffn, max(1, total), sites, k, top_fraction)
     return tracker.update(seqs).result()
-
-
-def model_top_positions(info, layers, text=None, settings=None, allow_pickle: bool = False, k: int = 5,
-                        top_fraction: float = TOP_FRACTION,
-                        progress: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, dict], dict]:
-    """Top values with their positions for each dense FFN of a real model (`hf.HFLayer`s), from one more run of the
-    model on the calibration windows `hf.calibrate_model` uses for the same `text` and `settings` (so the very same
-    tokens). Returns ({layer label: {site: `PositionTracker.result`}}, what it was measured on). Experts are left
-    out: the router's selection drops their tokens' positions. `progress(message, done, total)` after each batch."""
-    from .hf.capture import iter_captured, load_hf_model, load_tokenizer, model_text_batches, text_label
-    from .hf.inputs import EvalSettings, fit_settings
-
-    settings = fit_settings(info, settings if settings is not None else EvalSettings())
-    dense = [layer for layer in layers if layer.expert is None]
-    ids = model_text_batches(info, load_tokenizer(info.path), text, "calibration", settings.seq_len,
-                             settings.batch_size, settings.max_calib_tokens)
-    n_tokens = sum(int(b.numel()) for b in ids)
-    measured = {"source": f"text {text_label(text, 'calibration')}", "n_tokens": n_tokens,
-                "n_sequences": sum(int(b.shape[0]) for b in ids), "seq_len": settings.seq_len,
-                "skipped_experts": [layer.label for layer in layers if layer.expert is not None]}
-    if not dense:
-        return {}, measured
-    trackers = {layer.label: PositionTracker(layer.ffn, n_tokens, k=k, top_fraction=top_fraction) for layer in dense}
-    model = load_hf_model(info, allow_pickle=allow_pickle)
-    for i, (batch_ids, captured) in enumerate(zip(ids, iter_captured(model, info, [l.info for l in dense], ids))):
-        for label, x in captured.items():
-            # one window per row of the batch: [batch, seq_len] flattened row-major by the capture hooks
-            trackers[label].update(split_sequences(x, int(batch_ids.shape[1])))
-        if progress is not None:
-            progress(f"positions: batch {i + 1}/{len(ids)}", i + 1, len(ids))
-    return {label: t.result() for label, t in trackers.items()}, measured
 
 
 def _num(v: float) -> float | None:

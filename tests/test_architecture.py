@@ -102,6 +102,75 @@ def test_no_import_cycles_in_the_package():
     assert _cycles(graph) == []
 
 
+# The subpackages, lowest first: each may import the ones before it, never one after it (lazy imports included).
+# Kernels run tensors; runtimes run kernels and torch; hf is the engine on a real model; deploy writes a planned
+# model; planning chooses recipes (asking deploy what a format stores); report renders; pipeline is the main job;
+# commands parse and print. The loose top-level modules sit below all of them, except the few that build on one
+# (TOP_LEVEL_ABOVE).
+SUBPACKAGE_ORDER = ("kernels", "runtimes", "hf", "deploy", "planning", "report", "pipeline", "commands")
+
+
+def _subpackage_edges(imports=None) -> dict[tuple[str, str], list[str]]:
+    """{(importer subpackage, imported subpackage): the importing modules}, between different subpackages
+    (`imports`: a module's imports, `_imports` by default)."""
+    imports = imports or _imports
+    modules = _modules()
+    edges: dict[tuple[str, str], list[str]] = {}
+    for m, p in modules.items():
+        parts = m.split(".")
+        if len(parts) < 3 and not (len(parts) == 2 and p.name == "__init__.py"):
+            continue  # a top-level module
+        src = parts[1]
+        for t in imports(m, p, modules):
+            tp = t.split(".")
+            if len(tp) >= 2 and (tp[1] in SUBPACKAGE_ORDER) and tp[1] != src and (len(tp) > 2 or modules[t].name == "__init__.py"):
+                edges.setdefault((src, tp[1]), []).append(m)
+    return edges
+
+
+def test_the_subpackages_are_layered():
+    """Every subpackage is in the order, and no subpackage imports one above it: the package has a direction a
+    newcomer can read bottom-up, not only no cycle between single modules."""
+    actual = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert actual == set(SUBPACKAGE_ORDER), f"add {sorted(actual - set(SUBPACKAGE_ORDER))} to SUBPACKAGE_ORDER"
+    rank = {name: i for i, name in enumerate(SUBPACKAGE_ORDER)}
+    upward = {f"{a} -> {b}": sorted(set(who)) for (a, b), who in _subpackage_edges().items() if rank[b] > rank[a]}
+    assert not upward, f"subpackages importing one above them: {upward}"
+
+
+# Top-level modules that build on a subpackage, with the highest one each may import: they sit just above it, so
+# only subpackages above that one may import them (everything else top-level is below every subpackage).
+TOP_LEVEL_ABOVE = {"bench": "runtimes", "adequacy": "hf", "api": "pipeline", "wholemodel": "report"}
+
+
+def test_top_level_modules_sit_below_or_just_above_their_subpackages():
+    modules = _modules()
+    rank = {name: i for i, name in enumerate(SUBPACKAGE_ORDER)}
+    top = {m.split(".")[1]: (m, p) for m, p in modules.items() if m.count(".") == 1 and p.name != "__init__.py"}
+    wrong = []
+    for short, (m, p) in top.items():
+        used = {t.split(".")[1] for t in _imports(m, p, modules) if t.count(".") >= 1 and t.split(".")[1] in rank}
+        allowed = TOP_LEVEL_ABOVE.get(short)
+        if used and (allowed is None or max(rank[u] for u in used) > rank[allowed]):
+            wrong.append(f"{m} imports {sorted(used)} (declared: {allowed})")
+    for m, p in modules.items():
+        if m.count(".") < 2 and p.name != "__init__.py":
+            continue
+        for t in _imports(m, p, modules):
+            short = t.split(".")[1] if t.count(".") == 1 else None
+            if short in TOP_LEVEL_ABOVE and rank[m.split(".")[1]] <= rank[TOP_LEVEL_ABOVE[short]]:
+                wrong.append(f"{m} imports {t}, which builds on {TOP_LEVEL_ABOVE[short]}")
+    assert not wrong, wrong
+
+
+def test_the_layering_check_sees_an_upward_import():
+    def with_upward(name, path, modules):  # a kernel module importing the main job: what the order forbids
+        return _imports(name, path, modules) | ({"ffnquant.pipeline.job"} if name == "ffnquant.kernels.tritonenv" else set())
+
+    assert ["ffnquant.kernels.tritonenv"] == _subpackage_edges(with_upward)[("kernels", "pipeline")]
+    assert ("kernels", "pipeline") not in _subpackage_edges()
+
+
 def test_a_run_parses_each_recipe_once(tmp_path, recipe_parses):
     """Recipe text is parsed when the config is made; the stages pass Recipe objects, never text."""
     from ffnquant.pipeline import RunConfig, run

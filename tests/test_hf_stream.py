@@ -51,7 +51,7 @@ def _without_seconds(data):
                                                     ("gemma", "all", True)],
                          ids=["llama", "gemma", "gpt2", "llama-first-layer-only", "gemma-resident"])
 def test_engine_ranges_and_positions_equal_the_whole_forward_ones(tiny, name, layers, resident):
-    from ffnquant.atlas import model_top_positions
+    from ffnquant.hf.layerwise import model_top_positions
     from ffnquant.hf import calibrate_model, inspect_model
     from ffnquant.hf.layerwise import calibrate_layerwise
 

@@ -7,7 +7,7 @@ import pytest
 from ffnquant import FFNSpec
 from ffnquant.errors import FFNQuantError
 from ffnquant.pipeline import RunConfig, load_config, run
-from ffnquant.pipeline.variants import weight_bytes
+from ffnquant.schemes import weight_bytes
 from ffnquant.recipe import Recipe
 
 

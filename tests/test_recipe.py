@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ffnquant.errors import FFNQuantError
-from ffnquant.pipeline.variants import recipe_weight_bytes, weight_bytes
+from ffnquant.schemes import recipe_weight_bytes, weight_bytes
 from ffnquant.recipe import Recipe
 from ffnquant.spec import FFNSpec
 

@@ -57,7 +57,7 @@ def _export_plan(args: argparse.Namespace) -> int:
     from ..atomic_folder import check_new_folder, staged_folder
     from ..deploy import build_planned_model
     from ..deploy.formats import get_format
-    from ..deploy.save import DEPLOY_DOC, format_refusal, write_deployment
+    from ..wholemodel import DEPLOY_DOC, format_refusal, write_deployment
     from ..errors import FFNQuantError
     from ..hf import inspect_model, model_file_stem
     from ..hf.capture import read_text, require_transformers

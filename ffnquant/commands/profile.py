@@ -115,7 +115,8 @@ def _atlas(args: argparse.Namespace, info, layers, settings, tables: dict) -> tu
     """The layer atlas of the model's tables, with the token positions of the top values when they can be measured
     (`layers` the model's FFN layers, or the (positions, what they were measured on) a streamed run measured);
     and a sentence saying what the positions were measured on (or why not)."""
-    from ..atlas import layer_atlas, model_top_positions
+    from ..atlas import layer_atlas
+    from ..hf.layerwise import model_top_positions
 
     top: dict = {}
     if args.no_positions:

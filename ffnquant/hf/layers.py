@@ -17,7 +17,13 @@ from .checkpoint import HFLayer, ModelInfo
 from .inputs import EvalSettings, LayerInputs, model_file_stem
 from .metrics import _NLL, Agreement, ErrorStats
 
-__all__ = ["calibrate_layers", "end_to_end_figures", "model_layers_report", "quantize_layers", "quantized_layers"]
+
+def is_plan(recipe: Any) -> bool:
+    """True for a per-layer plan (`planning.Plan`: a recipe per layer index), False for one recipe. Read from the
+    object, so this engine does not import the planning package that builds on it."""
+    return callable(getattr(recipe, "recipe_for", None))
+
+__all__ = ["calibrate_layers", "end_to_end_figures", "is_plan", "model_layers_report", "quantize_layers", "quantized_layers"]
 
 Progress = Callable[[str, int, int], None]  # (message, done, total): called here, shown by the commands
 
@@ -162,12 +168,10 @@ def quantized_layers(
     """Each FFN of `layers` quantized under one `recipe`, or each under its own when `recipe` is a `plan.Plan`:
     (a JSON-able row per layer, {label: QuantizedFFN}). The rows are `quantize_layers`' results with the
     layer's name, index and seconds; `progress(message, done, total)` after each layer."""
-    from ..planning.planfile import Plan
-
     stem = file_stem or model_file_stem(info)
     by_label = {layer.label: layer for layer in layers}
     rows, qffns = [], {}
-    plan = recipe if isinstance(recipe, Plan) else None  # each layer its own recipe
+    plan = recipe if is_plan(recipe) else None  # each layer its own recipe
     kw = dict(file_stem=stem, out_artifacts=out_artifacts, onnx=onnx, baseline=onnx, sensitivity=sensitivity,
               latency=latency, smooth_sites=smooth_sites)
     if plan is not None:
@@ -194,9 +198,7 @@ def model_layers_report(info: ModelInfo, recipe: Any, rows: Sequence[Mapping[str
                         settings: EvalSettings, inputs: LayerInputs) -> dict[str, Any]:
     """What `quantize --model` reports: the model, the recipe (or the plan), the texts and their budgets from
     `inputs`, a row per layer and the end-to-end figures. The one layout, whichever path quantized the layers."""
-    from ..planning.planfile import Plan
-
-    if isinstance(recipe, Plan):  # the header names the plan; each layer row carries its own recipe
+    if is_plan(recipe):  # the header names the plan; each layer row carries its own recipe
         head = {"recipe": "per-layer plan", "plan": recipe.to_dict(),
                 "scheme": {"name": f"plan ({len({str(r) for r in recipe.layers.values()})} recipes)"},
                 "calibrator": None, "remedies": []}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,12 +22,12 @@ from .inputs import (
     EvalSettings, LayerInputs, _fill_unrouted, capture_whole, domain_budgets, domain_spans, eval_domain_batches,
     fit_settings, token_budget,
 )
-from .layers import calibrate_layers, end_to_end_figures, model_layers_report, quantized_layers
+from .layers import calibrate_layers, end_to_end_figures, is_plan, model_layers_report, quantized_layers
 from .metrics import _NLL, Agreement, ErrorStats, reference_batch
 from .stream import Progress, SequentialModel, _spill_folder, _Store, _trim, token_batches_of
 
 __all__ = ["calibrate_layerwise", "capture_layer_inputs", "capture_layerwise", "end_to_end_layerwise",
-           "quantize_layerwise"]
+           "model_top_positions", "quantize_layerwise"]
 
 
 def _layer_ffns(model: SequentialModel, ffns, j: int, wanted: Sequence[int]) -> list:
@@ -112,8 +112,6 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
     float one (each quantized FFN in place as its layer passes) and, with `settings.ablation`, one stream per
     selected layer that leaves the float stream there with only that layer quantized. The final norm and LM head
     score every stream batch by batch."""
-    from ..planning.planfile import Plan
-
     settings = fit_settings(info, settings)
     calib_ids = token_batches_of(info, text, "calibration", settings, calib_tokens)
     eval_ids = token_batches_of(info, eval_text, "evaluation", settings, eval_tokens)
@@ -169,7 +167,7 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
                     if progress is not None:
                         progress(message, k + done, n_ffns)
 
-                recipe_j = recipe.recipe_for(j) if isinstance(recipe, Plan) else recipe
+                recipe_j = recipe.recipe_for(j) if is_plan(recipe) else recipe
                 layer_rows, qffns = quantized_layers(info, hfs, inputs, recipe_j, progress=report, **kw)
                 rows += layer_rows
                 del hfs, inputs
@@ -322,3 +320,38 @@ def _head_figures(engine: SequentialModel, evals: Sequence[torch.Tensor], float_
         baseline = {"perplexity": nll_base.perplexity, "n_tokens": sum(int(b.numel()) for b in evals)}
     return end_to_end_figures(dict(baseline), hidden_all, nll_all,
                               {i: (abl_hidden[i], abl_nll[i]) for i in ablation}, agreement)
+
+
+def model_top_positions(info, layers, text=None, settings=None, allow_pickle: bool = False, k: int = 5,
+                        top_fraction: float | None = None,
+                        progress: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, dict], dict]:
+    """Top values with their positions for each dense FFN of a real model (`hf.HFLayer`s), from one more run of the
+    model on the calibration windows `hf.calibrate_model` uses for the same `text` and `settings` (so the very same
+    tokens). Returns ({layer label: {site: `PositionTracker.result`}}, what it was measured on). Experts are left
+    out: the router's selection drops their tokens' positions. `progress(message, done, total)` after each batch."""
+    from ..atlas import PositionTracker, split_sequences
+    from .capture import iter_captured, load_hf_model, load_tokenizer, model_text_batches, text_label
+    from .inputs import EvalSettings, fit_settings
+
+    from ..atlas import TOP_FRACTION
+
+    top_fraction = TOP_FRACTION if top_fraction is None else top_fraction
+    settings = fit_settings(info, settings if settings is not None else EvalSettings())
+    dense = [layer for layer in layers if layer.expert is None]
+    ids = model_text_batches(info, load_tokenizer(info.path), text, "calibration", settings.seq_len,
+                             settings.batch_size, settings.max_calib_tokens)
+    n_tokens = sum(int(b.numel()) for b in ids)
+    measured = {"source": f"text {text_label(text, 'calibration')}", "n_tokens": n_tokens,
+                "n_sequences": sum(int(b.shape[0]) for b in ids), "seq_len": settings.seq_len,
+                "skipped_experts": [layer.label for layer in layers if layer.expert is not None]}
+    if not dense:
+        return {}, measured
+    trackers = {layer.label: PositionTracker(layer.ffn, n_tokens, k=k, top_fraction=top_fraction) for layer in dense}
+    model = load_hf_model(info, allow_pickle=allow_pickle)
+    for i, (batch_ids, captured) in enumerate(zip(ids, iter_captured(model, info, [l.info for l in dense], ids))):
+        for label, x in captured.items():
+            # one window per row of the batch: [batch, seq_len] flattened row-major by the capture hooks
+            trackers[label].update(split_sequences(x, int(batch_ids.shape[1])))
+        if progress is not None:
+            progress(f"positions: batch {i + 1}/{len(ids)}", i + 1, len(ids))
+    return {label: t.result() for label, t in trackers.items()}, measured

@@ -2,60 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
 from ..spec import FFNSpec
+from ..schemes import recipe_weight_bytes
 from .config import RunConfig
 from .results import VariantResult, json_num
 
-__all__ = ["matrix_bytes", "recipe_weight_bytes", "score_recipes", "weight_bytes"]
+__all__ = ["score_recipes"]
 
 
-def recipe_weight_bytes(spec: FFNSpec, recipe: Recipe) -> int:
-    """`weight_bytes` of a recipe: a `+float=SITE` recipe stores that site's matrices in 16 bits (how a float
-    fallback is deployed) and the others in the scheme's format."""
-    quantized, _ = recipe.quantized_parts(spec)
-    scheme = recipe.resolve()
-    return 4 * spec.n_bias_params + sum(
-        matrix_bytes(n_out, n_in, scheme) if name in quantized or not scheme.quantizes_weights else 2 * n_out * n_in
-        for name, (n_out, n_in) in spec.weight_shapes.items())
-
-
-def weight_bytes(spec: FFNSpec, scheme: Any) -> int:
-    """Stored bytes of the weight matrices in the scheme's format, with their scales (and zero points),
-    plus fp32 biases: the size the deployed weights carry (artifact files add graph overhead)."""
-    return 4 * spec.n_bias_params + sum(matrix_bytes(n_out, n_in, scheme) for n_out, n_in in spec.weight_shapes.values())
-
-
-def matrix_bytes(n_out: int, n_in: int, scheme: Any) -> int:
-    """Stored bytes of one [n_out, n_in] weight matrix in the scheme's format, with its scales (and zero points).
-
-    Group scales count 4 bytes: the MatMulNBits artifacts store float32 scales and bitsandbytes keeps
-    float32 absmax per block; 4-bit zero points pack two per byte along each row's blocks.
-
-    A group that does not divide the input width K is stored padded, as the artifact holds it: int4
-    groups pad each row to ceil(K / g) * g codes (one scale, one zero point per padded group);
-    bitsandbytes' blocks run over the flattened matrix, so nf4/fp4 pay only a last partial block
-    (ceil(out * K / g) absmax values, ceil(out * K / 2) code bytes)."""
-    wd = scheme.weight_dtype
-    n = n_out * n_in
-    if wd.is_float:
-        return n * wd.bits // 8
-    gran = scheme.weight_granularity.value
-    if gran == "per_group":
-        g = scheme.group_size
-        if wd.value in ("nf4", "fp4"):
-            return math.ceil(n * wd.bits / 8) + 4 * math.ceil(n / g)
-        blocks = math.ceil(n_in / g)
-        zp_bytes = 0 if scheme.weight_symmetric else n_out * math.ceil(blocks / 2)
-        return n_out * math.ceil(blocks * g * wd.bits / 8) + 4 * n_out * blocks + zp_bytes
-    if gran == "per_channel":
-        return math.ceil(n * wd.bits / 8) + 4 * n_out + (0 if scheme.weight_symmetric else n_out)
-    return math.ceil(n * wd.bits / 8) + 4
 
 
 def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:

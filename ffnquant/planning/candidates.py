@@ -98,7 +98,7 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
     if isinstance(layer, MoELayer):
         return score_moe_layer(layer, recipes, calib, held_out, grad, keep=keep, bins=bins)
     from ..accuracy import run_batched
-    from ..pipeline.variants import recipe_weight_bytes
+    from ..schemes import recipe_weight_bytes
 
     if grad.shape != calib.shape:
         raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")

@@ -135,7 +135,7 @@ def score_moe_layer(layer: MoELayer, recipes: Sequence[Recipe], calib: Routed, h
                     keep: Sequence[Recipe] = (), bins: int | None = None):
     """`planning.candidates.score_layer` for an MoE layer: (scores in recipe order, {recipe: QuantizedMoE} for those in
     `keep`). A recipe is quantized for every expert in turn and scored on the layer's output."""
-    from ..pipeline.variants import recipe_weight_bytes
+    from ..schemes import recipe_weight_bytes
 
     if grad.shape != calib.shape:
         raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
