@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 from .errors import FFNQuantError
 
-__all__ = ["plan", "apply", "save", "DeployReport", "DEPLOY_DOC", "format_refusal", "write_deployment"]
+__all__ = ["plan", "apply", "save", "PlanRequest", "plan_request", "DeployReport", "DEPLOY_DOC", "format_refusal",
+           "write_deployment"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -69,6 +70,46 @@ def _texts(info: Any, text: Any, eval_text: Any, seq_len: int | None) -> int:
     return fit_settings(info, EvalSettings(seq_len=seq_len or DEFAULT_SEQ_LEN)).seq_len
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a plan is asked for, validated before any work: the target, the objective, the export format (None:
+    any), the dtype the verification computes in, and the candidates the format leaves out (with its reasons)."""
+
+    target: Any
+    objective: Any
+    format: str | None
+    dtype: Any
+    left_out: list
+
+
+def plan_request(info: Any, target: str = "ppl+1%", objective: str | None = None, runtime: str = "ort-cpu",
+                 tokens: int = 512, decode_tokens: int | None = None, candidates: Any = "default",
+                 format: str | None = None, compute_dtype: str = "auto") -> PlanRequest:
+    """Every input error of a plan, said before the model is read: target, objective and runtime (a runtime that is
+    not here is refused now), format, compute dtype, candidates. `ffnquant.plan` and `ffnquant plan` both call it."""
+    from .deploy.formats import get_format
+    from .deploy.precision import resolve_compute_dtype
+    from .planning.candidates import candidate_recipes, format_candidates
+    from .planning.runtime_latency import check_runtimes
+    from .planning.sensitivity import check_plannable
+    from .planning.target import DECODE_TOKENS, Objective, Target, Workload
+
+    goal = Target.parse(target)
+    kind = objective or ("bytes" if info.n_experts else "latency")
+    aim = Objective(kind, runtime, Workload(tokens, DECODE_TOKENS if decode_tokens is None else decode_tokens))
+    check_plannable(info, aim)
+    if aim.runtimes != ("ort-cpu",):
+        if aim.kind != "latency":
+            raise FFNQuantError(f"runtime {runtime} applies to the latency objective; the objective here is {aim.kind}")
+        check_runtimes(aim.runtimes)  # no CUDA here: said now, before the model is read
+    fmt = None if format is None else get_format(format)
+    dtype = resolve_compute_dtype(compute_dtype, fmt, info)
+    recipes, _ = candidate_recipes(candidates, info.spec)
+    # a format that refuses the model itself is said now, before any work; make_plan leaves the same ones out
+    left_out = format_candidates(recipes, [], info, fmt)[1] if fmt else []
+    return PlanRequest(goal, aim, fmt, dtype, left_out)
+
+
 def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, runtime: str = "ort-cpu",
          tokens: int = 512, decode_tokens: int | None = None, candidates: Any = "default", format: str | None = None,
          text: Any = None, eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096,
@@ -78,24 +119,17 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
     'top1>=95%', 'sqnr>=30') at the least `objective` ('latency' on `runtime`, or 'bytes'), verified on held-out text:
     a `planning.Plan` (its `summary` has the verified figures; `Plan.to_toml` is plan.toml). `format`: plan only
     candidates that format ('compressed-tensors', 'onnx') can write. The other arguments are `ffnquant plan`'s."""
-    from .deploy.formats import get_format
-    from .deploy.precision import resolve_compute_dtype
     from .hf.inputs import EvalSettings
     from .planning.job import make_plan
-    from .planning.target import DECODE_TOKENS, Objective, Target, Workload
 
     info, scratch = _model_info(model, tokenizer)
     try:
-        goal = Target.parse(target)
-        kind = objective or ("bytes" if info.n_experts else "latency")
-        aim = Objective(kind, runtime, Workload(tokens, DECODE_TOKENS if decode_tokens is None else decode_tokens))
-        fmt = None if format is None else get_format(format)
-        dtype = resolve_compute_dtype(compute_dtype, fmt, info)
+        req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype)
         settings = EvalSettings(seq_len=_texts(info, text, eval_text, seq_len), max_calib_tokens=calib_tokens,
                                 max_eval_tokens=eval_tokens, ablation=False)
-        result_plan, _ = make_plan(info, goal, aim, candidates, text=text, eval_text=eval_text, settings=settings,
-                                   probe_tokens=probe_tokens, max_rounds=rounds, ort_floor=ort_floor, progress=progress,
-                                   export_format=fmt, dtype=dtype)
+        result_plan, _ = make_plan(info, req.target, req.objective, candidates, text=text, eval_text=eval_text,
+                                   settings=settings, probe_tokens=probe_tokens, max_rounds=rounds, ort_floor=ort_floor,
+                                   progress=progress, export_format=req.format, dtype=req.dtype)
         return result_plan
     finally:
         if scratch is not None:

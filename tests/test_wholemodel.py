@@ -77,7 +77,10 @@ def test_a_model_object_and_one_recipe_for_every_layer(llama, tmp_path):
     (lambda m: ffnquant.apply(object(), "w8a16"), "expected a model folder or a transformers model"),
     (lambda m: ffnquant.save(object(), "x"), "save takes the model ffnquant.apply returns"),
     (lambda m: ffnquant.plan(m, "ppl<1%"), "ppl+P%"),
-], ids=["not-a-plan", "unknown-recipe", "unknown-format", "not-a-model", "save-not-applied", "bad-target"])
+    (lambda m: ffnquant.plan(m, objective="bytes", runtime="torch-cpu"), "runtime torch-cpu applies to the latency"),
+    (lambda m: ffnquant.plan(m, candidates="w9a9"), "w9a9"),
+], ids=["not-a-plan", "unknown-recipe", "unknown-format", "not-a-model", "save-not-applied", "bad-target",
+        "runtime-with-bytes", "unknown-candidate"])
 def test_bad_input_is_one_line(llama, call, message):
     with pytest.raises(FFNQuantError, match=re.escape(message)) as info:
         call(llama)

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from ..atomic import OutputTransaction, write_json, write_text
-from ..errors import FFNQuantError
 from ..render import fmt
 from .bench import add_executor_arguments, executor_from_args
 from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int, text_options, token_notes
@@ -76,39 +75,22 @@ def site_overlay(plan) -> dict[int, dict[str, str]]:
 def run(args: argparse.Namespace) -> int:
     from ..envinfo import environment
     from ..hf import EvalSettings, inspect_model
-    from ..hf.capture import read_text, require_transformers
-    from ..deploy.formats import get_format
-    from ..planning.candidates import candidate_recipes, format_candidates
-    from ..hf.capture import load_tokenizer
+    from ..hf.capture import load_tokenizer, read_text, require_transformers
     from ..hf.inputs import eval_domain_batches
+    from ..hf.memory import plan_memory
     from ..hf.stream import token_batches_of
     from ..planning.job import final_round, make_plan
-    from ..planning.sensitivity import check_plannable
-    from ..hf.memory import plan_memory
     from ..planning.source import plan_needs
-    from ..planning.target import Objective, Target, Workload
+    from ..planning.target import Target
     from ..report.plan import domain_lines, plan_markdown
+    from ..wholemodel import plan_request
 
     # every input error before any work: target, objective, model, candidates, texts
-    target = Target.parse(args.target)
+    Target.parse(args.target)  # before the model is read: a bad target needs no model
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)
-    objective = Objective(args.objective or ("bytes" if info.n_experts else "latency"), args.runtime,
-                          Workload(args.tokens, args.decode_tokens))
-    check_plannable(info, objective)
-    if objective.kind != "latency" and objective.runtimes != ("ort-cpu",):
-        raise FFNQuantError(f"--runtime {args.runtime} applies to --objective latency; the objective here is "
-                            f"{objective.kind}")
-    if objective.kind == "latency" and objective.runtimes != ("ort-cpu",):
-        from ..planning.runtime_latency import check_runtimes
-
-        check_runtimes(objective.runtimes)  # no CUDA here: said now, before the model is read
-    export_format = None if args.format is None else get_format(args.format)
-    from ..deploy.precision import resolve_compute_dtype
-
-    dtype = resolve_compute_dtype(args.compute_dtype, export_format, info)
-    recipes, _ = candidate_recipes(args.candidates, info.spec)
-    # a format that refuses the model itself is said now, before any work; make_plan leaves the same ones out
-    left_out = format_candidates(recipes, [], info, export_format)[1] if export_format else []
+    req = plan_request(info, args.target, args.objective, args.runtime, args.tokens, args.decode_tokens,
+                       args.candidates, args.format, args.compute_dtype)
+    target, objective, export_format, dtype, left_out = req.target, req.objective, req.format, req.dtype, req.left_out
     require_transformers()
     texts = text_options(args, info)
     read_text(texts.text, "calibration")
