@@ -23,6 +23,18 @@ def test_stage_progress_without_a_terminal_is_a_few_lines_with_the_time_left(tot
     assert lines[-1].startswith("verify round 1: 1/4")
 
 
+def test_a_stage_that_runs_again_shows_its_progress_again(capsys):
+    """Each verification round streams through every layer under one stage name: every run is shown, each
+    timed from its own start (round 2 once printed nothing: the stage had reached its end in round 1)."""
+    bars = StageBars()
+    for _ in range(3):
+        for j in range(1, 9):
+            bars(f"verify: L{j - 1}", j, 8)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert sum(line.startswith("verify: 8/8") for line in lines) == 3
+    assert sum(line.startswith("verify: 1/8") for line in lines) == 3
+
+
 def test_disabled_stage_progress_prints_nothing(capsys):
     bars = StageBars(enabled=False)
     bars("capture: batch 1/2", 1, 2)

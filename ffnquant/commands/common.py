@@ -215,7 +215,8 @@ class StageBars:
         self.enabled = enabled
         self._bar = None
         self._tasks: dict[str, int] = {}
-        self._lines: dict[str, tuple[float, int]] = {}  # stage -> (start time, quarters printed) without a terminal
+        # stage -> (start time, quarters printed, last step) without a terminal
+        self._lines: dict[str, tuple[float, int, int]] = {}
 
     def __call__(self, message: str, done: int, total: int) -> None:
         if not self.enabled:
@@ -241,12 +242,14 @@ class StageBars:
         import time
 
         now = time.monotonic()
-        start, printed = self._lines.get(stage, (now, -1))
+        start, printed, last = self._lines.get(stage, (now, -1, 0))
+        if done < last:  # the stage runs again (each verification round, say): its own start and quarters
+            start, printed = now, -1
         quarter = 4 * done // total if total else 4
         if quarter <= printed:
-            self._lines[stage] = (start, printed)
+            self._lines[stage] = (start, printed, done)
             return
-        self._lines[stage] = (start, quarter)
+        self._lines[stage] = (start, quarter, done)
         elapsed = now - start
         left = f", about {elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
         print(f"{stage}: {done}/{total} ({detail}), {elapsed:.0f} s{left}", file=sys.stderr, flush=True)
