@@ -24,14 +24,14 @@ call are decorated per mode too (each mode's kernels see their own helpers throu
 
 from __future__ import annotations
 
-import types
 from types import SimpleNamespace
 
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
 from ..primitives import fp8_rowwise, int8_symmetric_rows
-from .tritonenv import import_triton, interpreting
+from .tritonenv import import_triton, interpreting, jit_per_mode
+from .tritonmath import act, round_to
 from .w4a16_pack import ACTIVATIONS, describe, torch_act
 
 __all__ = [
@@ -55,11 +55,6 @@ triton = None
 tl = None
 
 
-# --- environment --------------------------------------------------------------------------
-
-
-
-
 def _triton():
     global triton, tl
     if tl is None:
@@ -71,21 +66,9 @@ _KERNELS: dict[bool, SimpleNamespace] = {}
 
 
 def _kernels(interpret: bool) -> SimpleNamespace:
-    # Decorated per mode on first use: triton.jit picks compiled vs interpreted at decoration time. The kernels
-    # call jit helpers, which must be of the same mode: each mode gets copies of the functions bound to its own
-    # globals dict, where the helper names refer to that mode's decorated helpers.
+    # decorated per mode on first use, with the helpers the kernels call (`tritonenv.jit_per_mode`)
     if interpret not in _KERNELS:
-        t = _triton()
-        scope = dict(globals())
-
-        def jit(fn, **kw):
-            copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-            copy.__module__, copy.__qualname__ = fn.__module__, fn.__qualname__
-            copy.__annotations__ = dict(fn.__annotations__)
-            return t.jit(copy, **kw)
-
-        for helper in (_round_to, _encode, _act, _epilogue):
-            scope[helper.__name__] = jit(helper)
+        jit = jit_per_mode(_triton(), globals(), (round_to, _encode, act, _epilogue))
         # M (valid rows) varies per call: not specialized (M == 1 would otherwise be another compile)
         _KERNELS[interpret] = SimpleNamespace(rows=jit(_rows_kernel, do_not_specialize=["M"]),
                                               hidden=jit(_hidden_kernel, do_not_specialize=["M"]),
@@ -97,18 +80,6 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 # 12582912.0 = 1.5 * 2**23: for |v| < 2**22, (v + C) - C is v rounded half-even to an integer (the add lands in a
 # binade whose ulp is 1). 0x3C800000 is 2**-6 as float32, e4m3fn's smallest normal; 448 is its largest value
 # (primitives.FP8_E4M3_MAX), 127 int8's symmetric limit.
-
-
-def _round_to(v, DKIND: tl.constexpr):
-    # v (float32) rounded to float16 / bfloat16 as torch rounds it, kept in float32; bf16 on the bits, because the
-    # interpreter truncates float32 -> bf16 (round to nearest even; NaN passes through)
-    if DKIND == 2:
-        bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        v = tl.where(v == v, bits.to(tl.float32, bitcast=True), v)
-    elif DKIND == 1:
-        v = v.to(tl.float16).to(tl.float32)
-    return v
 
 
 def _encode(v, FP8: tl.constexpr):
@@ -128,31 +99,16 @@ def _encode(v, FP8: tl.constexpr):
     return out
 
 
-def _act(g, ACT: tl.constexpr):
-    # the FFN's activations in torch's operation order (gelu_tanh as z * sigmoid(2u), equal in exact math)
-    if ACT == 0:
-        g = tl.math.div_rn(g, 1.0 + tl.exp(-g))
-    elif ACT == 1:
-        g = g * 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
-    elif ACT == 2:
-        g = tl.math.div_rn(g, 1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
-    elif ACT == 3:
-        g = tl.maximum(g, 0.0)
-    elif ACT == 4:
-        g = tl.math.div_rn(1.0, 1.0 + tl.exp(-g))
-    return g
-
-
 def _epilogue(y_row, sx, sw_ptr, b_ptr, cols, ok, SRC_INT: tl.constexpr, HAS_BIAS: tl.constexpr,
               DKIND: tl.constexpr):
     # one projection's output as the unfused path holds it: D(acc * sx * sw) or D(bf16 GEMM output), then D(. + D(b))
     if SRC_INT:
         sw = tl.load(sw_ptr + cols, mask=ok, other=0.0)
-        v = _round_to((tl.load(y_row + cols, mask=ok, other=0).to(tl.float32) * sx) * sw, DKIND)
+        v = round_to((tl.load(y_row + cols, mask=ok, other=0).to(tl.float32) * sx) * sw, DKIND)
     else:
-        v = _round_to(tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32), DKIND)
+        v = round_to(tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32), DKIND)
     if HAS_BIAS:
-        v = _round_to(v + _round_to(tl.load(b_ptr + cols, mask=ok, other=0.0), DKIND), DKIND)
+        v = round_to(v + round_to(tl.load(b_ptr + cols, mask=ok, other=0.0), DKIND), DKIND)
     return v
 
 
@@ -211,11 +167,11 @@ def _hidden_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, q_ptr, s_ptr, M, F, stride_ym, 
             for k0 in tl.range(0, F, BLOCK, num_stages=STAGES):  # STAGES > 1: loads pipelined (cp.async)
                 cols = k0 + offs
                 ok = cols < F
-                h = _round_to(_act(_epilogue(y_row, sx, sw_ptr, b_ptr, cols, ok, SRC_INT, HAS_BIAS, DKIND), ACT),
+                h = round_to(act(_epilogue(y_row, sx, sw_ptr, b_ptr, cols, ok, SRC_INT, HAS_BIAS, DKIND), ACT),
                               DKIND)
                 if GATED:
                     u = _epilogue(y_row + F, sx, sw_ptr + F, b_ptr + F, cols, ok, SRC_INT, HAS_BIAS, DKIND)
-                    h = _round_to(h * u, DKIND)
+                    h = round_to(h * u, DKIND)
                 if ps == 0:
                     amax = tl.maximum(amax, tl.where(ok, tl.abs(h), 0.0))  # act(0) need not be 0 (sigmoid)
                 else:
@@ -232,10 +188,10 @@ def _rescale_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, o_ptr, M, N, stride_am, stri
     acc = tl.load(acc_ptr + rm.to(tl.int64)[:, None] * stride_am + rn[None, :], mask=ok, other=0).to(tl.float32)
     sx = tl.load(sx_ptr + rm, mask=m_ok, other=0.0)
     sw = tl.load(sw_ptr + rn, mask=n_ok, other=0.0)
-    y = _round_to((acc * sx[:, None]) * sw[None, :], DKIND)
+    y = round_to((acc * sx[:, None]) * sw[None, :], DKIND)
     if HAS_BIAS:
-        b = _round_to(tl.load(b_ptr + rn, mask=n_ok, other=0.0), DKIND)
-        y = _round_to(y + b[None, :], DKIND)
+        b = round_to(tl.load(b_ptr + rn, mask=n_ok, other=0.0), DKIND)
+        y = round_to(y + b[None, :], DKIND)
     tl.store(o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], y.to(o_ptr.dtype.element_ty), mask=ok)
 
 

@@ -24,7 +24,7 @@ from .actquant import (
     _launch_rescale,
     _launch_rows,
 )
-from .w4a16_pack import describe
+from .w4a16_pack import KeptDtypes, describe
 
 __all__ = [
     "FusedFp8DenseFFN",
@@ -52,7 +52,9 @@ def _linears(model, gated: bool) -> tuple[list, torch.nn.Linear]:
     return ins, model.w_down
 
 
-class _FusedQuantFFN(torch.nn.Module):
+class _FusedQuantFFN(KeptDtypes):
+    # codes, scales and biases keep their dtypes through .half() / .to(dtype): the numerics of record
+    kept_dtypes = ("w_in", "w_out", "s_in", "s_out", "b_in", "b_out")
     kind = ""
     gated = True
 
@@ -81,19 +83,6 @@ class _FusedQuantFFN(torch.nn.Module):
         self.register_buffer("b_out", _bias([down], dev))
         it = getattr(model, "input_transform", None)
         self.input_transform = None if it is None or isinstance(it, torch.nn.Identity) else copy.deepcopy(it).to(dev)
-
-    def _apply(self, fn, recurse=True):
-        # codes, scales and biases keep their dtypes through .half() / .to(dtype): they are the numerics of record
-        saved = {k: self._buffers.pop(k) for k in ("w_in", "w_out", "s_in", "s_out", "b_in", "b_out")}
-        try:
-            super()._apply(fn, recurse)
-            probe = fn(torch.empty(0, device=saved["w_in"].device))
-        finally:
-            for k, t in saved.items():
-                self._buffers[k] = t
-        for k, t in saved.items():
-            self._buffers[k] = None if t is None else t.to(probe.device)
-        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d_model] in float16, bfloat16 or float32 -> the FFN output, same shape and dtype."""

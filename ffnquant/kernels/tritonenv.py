@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import os
+import types
 from typing import Any, Callable, Sequence
 
 from ..errors import FFNQuantError
 
-__all__ = ["interpreting", "import_triton", "time_call", "fastest"]
+__all__ = ["interpreting", "import_triton", "jit_per_mode", "time_call", "fastest"]
 
 
 def interpreting() -> bool:
@@ -35,6 +36,24 @@ def import_triton(what: str):
     except Exception as exc:  # not installed, or broken (missing libraries)
         raise FFNQuantError(f"{what} needs triton, which fails to import: {exc}") from exc
     return triton, tl
+
+
+def jit_per_mode(triton: Any, module_globals: dict[str, Any], helpers: Sequence[Callable[..., Any]] = ()):
+    """A `jit(fn, **options)` for one mode (compiled or interpreted, whichever is on now) whose kernels may call
+    `helpers` (plain functions written as Triton code): each is decorated for this mode in a copy of the module's
+    globals, and kernels decorated by the returned `jit` resolve helper names there. triton.jit binds a function to
+    the mode of its decoration, so one set of helpers decorated at import would serve only one of the two."""
+    scope = dict(module_globals)
+
+    def jit(fn, **options):
+        copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__module__, copy.__qualname__ = fn.__module__, fn.__qualname__
+        copy.__annotations__ = dict(fn.__annotations__)
+        return triton.jit(copy, **options)
+
+    for helper in helpers:
+        scope[helper.__name__] = jit(helper)
+    return jit
 
 
 def time_call(fn: Callable[[], Any]) -> float:

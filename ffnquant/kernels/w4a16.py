@@ -43,7 +43,7 @@ import torch
 
 from ..errors import FFNQuantError, unknown_choice
 from .tritonenv import fastest, import_triton, interpreting
-from .w4a16_pack import (ACTIVATIONS, SCALE_DTYPES, PackedW4, dequantize_w4, describe, pack_w4, torch_act,
+from .w4a16_pack import (ACTIVATIONS, SCALE_DTYPES, KeptDtypes, PackedW4, dequantize_w4, describe, pack_w4, torch_act,
                          w4a16_gated_reference, w4a16_reference)
 
 __all__ = [
@@ -559,13 +559,15 @@ def w4a16_gated(x: torch.Tensor, p_gate: PackedW4, p_up: PackedW4, act: str = "s
 # --- module -------------------------------------------------------------------------------
 
 
-class W4A16Linear(torch.nn.Module):
+class W4A16Linear(KeptDtypes):
     """nn.Linear replacement with int4 weights (ffnquant's symmetric groups) run by the Triton W4A16 kernel.
 
     Buffers: `packed` (uint8 [out, in/2]), `scales` ([out, in/g], float16 by default) and `bias`
     (or None). The scales keep their dtype through `module.to(dtype)` / `.half()`: they are the
     numerics of record, and a cast to bf16 would change every weight.
     """
+
+    kept_dtypes = ("scales",)
 
     def __init__(self, linear: torch.nn.Linear, group_size: int, device=None,
                  scale_dtype: torch.dtype = torch.float16) -> None:
@@ -579,18 +581,6 @@ class W4A16Linear(torch.nn.Module):
         self.register_buffer("scales", p.scales.to(dev))
         bias = linear.bias.detach().clone().to(dev) if linear.bias is not None else None
         self.register_buffer("bias", bias)
-
-    def _apply(self, fn, recurse=True):
-        # let fn move/cast everything else, but only move the scales (learn the device from an empty probe)
-        scales = self._buffers.pop("scales")
-        try:
-            super()._apply(fn, recurse)
-            probe = fn(torch.empty(0, dtype=scales.dtype, device=scales.device))
-            self._buffers["scales"] = scales.to(probe.device)
-        except Exception:
-            self._buffers["scales"] = scales
-            raise
-        return self
 
     @property
     def weight_packed(self) -> PackedW4:

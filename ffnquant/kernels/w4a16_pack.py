@@ -18,7 +18,7 @@ from ..errors import FFNQuantError, unknown_choice
 from ..primitives import int4_group_rtn, pack_int4, unpack_int4
 
 __all__ = ["ACTIVATIONS", "SCALE_DTYPES", "PackedW4", "check_group", "pack_w4", "dequantize_w4", "w4a16_reference",
-           "w4a16_gated_reference", "torch_act", "describe", "zero_point_values"]
+           "w4a16_gated_reference", "torch_act", "describe", "zero_point_values", "KeptDtypes"]
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -127,3 +127,24 @@ def describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} tensor of shape {tuple(t.shape)}"
     return type(t).__name__
+
+
+class KeptDtypes(torch.nn.Module):
+    """A module whose buffers named in `kept_dtypes` are the numerics of record (codes, scales, zero points):
+    `.to(dtype)`, `.half()` move them to the new device but never cast them; a cast of fp16 scales to bf16 would
+    change every weight. Everything else follows the call as usual."""
+
+    kept_dtypes: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        saved = {k: self._buffers.pop(k) for k in self.kept_dtypes if k in self._buffers}
+        present = [t for t in saved.values() if t is not None]
+        try:
+            super()._apply(fn, recurse)
+            # where fn puts a tensor that is where these were: an empty probe learns the device
+            probe = fn(torch.empty(0, device=present[0].device)) if present else None
+        finally:
+            self._buffers.update(saved)
+        for k, t in saved.items():
+            self._buffers[k] = None if t is None else t.to(probe.device)
+        return self

@@ -48,9 +48,10 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from .tritonenv import import_triton, interpreting
+from .tritonenv import import_triton, interpreting, jit_per_mode
+from .tritonmath import act, round_to
 from .w4a16 import _ACT_CODE, _X_DTYPES, triton_status
-from .w4a16_pack import ACTIVATIONS, SCALE_DTYPES, PackedW4, describe, pack_w4, torch_act
+from .w4a16_pack import ACTIVATIONS, SCALE_DTYPES, KeptDtypes, PackedW4, describe, pack_w4, torch_act
 from .w4a16_repack import TiledW4, dequantize_tiled, repack_w4, unrepack_w4
 from .w4a16_tune import TiledConfig, _candidates, _select, m_bucket, tiled_config_used  # noqa: F401 (re-exported)
 
@@ -77,18 +78,51 @@ _KERNELS: dict[bool, SimpleNamespace] = {}
 
 
 def _kernels(interpret: bool) -> SimpleNamespace:
-    # decorated per mode on first use (triton.jit picks compiled vs interpreted at decoration time)
+    # decorated per mode on first use, with the helpers the kernels call (`tritonenv.jit_per_mode`)
     if interpret not in _KERNELS:
-        t = _triton()
-        _KERNELS[interpret] = SimpleNamespace(dot=t.jit(_dot_kernel), gemv=t.jit(_gemv_kernel))
+        jit = jit_per_mode(_triton(), globals(), (_dot_step, _word_products, act, round_to))
+        _KERNELS[interpret] = SimpleNamespace(dot=jit(_dot_kernel), gemv=jit(_gemv_kernel))
     return _KERNELS[interpret]
 
 
 # --- kernels ------------------------------------------------------------------------------
 # Word (j, padded column c) of K step t lives at ((c // LAYOUT_N) * KT + t) * STEP + j * LAYOUT_N + c % LAYOUT_N,
 # STEP = (BLOCK_K / 8) * LAYOUT_N: a layout tile's steps follow each other, so a program walks one contiguous run.
-# As in w4a16.py: builtins only (tl.full, tl.reduce with the standard combiner, tl.exp), because the @jit helpers
-# of triton.language are bound to one mode (compiled or interpreted) when triton is imported.
+# Builtins only from triton.language (tl.full, tl.reduce with the standard combiner, tl.exp): its @jit helpers are
+# bound to one mode (compiled or interpreted) when triton is imported. Our own helpers are decorated per mode.
+
+
+def _dot_step(words, sh, x_lo, x_hi, XKIND: tl.constexpr, DOT_DT: tl.constexpr, HALF: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    # one K step of one weight: its [KW, BLOCK_N] words shifted by 0, 4, 8, 12 (`sh`, [4, 1, 1]); masking with
+    # 0x000F000F then yields nibbles i and i + 4 together, the step's two halves already in k order, as (q - 8)
+    v = words[None, :, :] >> sh  # [4, KW, BLOCK_N]
+    if XKIND == 1:
+        # two fp16 codes per int32 op: 0x6400 | q is the fp16 1024 + q; minus 1032 is q - 8, exact
+        v = (v & 0x000F000F) | 0x64006400
+        lo = v.to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+        hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+    else:
+        # 2**23 + q as float32, then an exact cast (bf16 arithmetic on bitcast values is wrong in the interpreter)
+        lo = ((v & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        hi = (((v >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    part = tl.dot(x_lo, tl.reshape(lo.to(DOT_DT), (HALF, BLOCK_N)), input_precision="ieee")
+    return tl.dot(x_hi, tl.reshape(hi.to(DOT_DT), (HALF, BLOCK_N)), part, input_precision="ieee")
+
+
+def _word_products(w, x0, x1, x2, x3, x4, x5, x6, x7):
+    # sum over the 8 nibbles of each word of (q - 8) * 16**(i % 4) * x_i, the 16**(i % 4) already divided out of x_i:
+    # OR-ing the masked nibble into 2**23's mantissa gives 2**23 + 16**(i % 4) * q exactly, no int -> float convert
+    wh = w >> 16
+    p = (((w & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x0
+    p += (((w & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x1
+    p += (((w & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x2
+    p += (((w & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x3
+    p += (((wh & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x4
+    p += (((wh & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x5
+    p += (((wh & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x6
+    p += (((wh & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x7
+    return p
 
 
 def _dot_kernel(
@@ -144,18 +178,7 @@ def _dot_kernel(
                   + tl.reduce(x_hi.to(tl.float32), 1, tl.standard._sum_combine))[:, None]
             zc = 8.0 - z_nx.to(tl.float32)
             z_nx = tl.load(z_ptr + s_row + rn)
-        v = tl.load(w_ptr + w_off + t * STEP)[None, :, :] >> sh  # [4, KW, BLOCK_N]
-        if XKIND == 1:
-            # two fp16 codes per int32 op: 0x6400 | q is the fp16 1024 + q; minus 1032 is q - 8, exact
-            v = (v & 0x000F000F) | 0x64006400
-            lo = v.to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-            hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-        else:
-            # 2**23 + q as float32, then an exact cast (bf16 arithmetic on bitcast values is wrong in the interpreter)
-            lo = ((v & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-            hi = (((v >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-        part = tl.dot(x_lo, tl.reshape(lo.to(DOT_DT), (HALF, BLOCK_N)), input_precision="ieee")
-        part = tl.dot(x_hi, tl.reshape(hi.to(DOT_DT), (HALF, BLOCK_N)), part, input_precision="ieee")
+        part = _dot_step(tl.load(w_ptr + w_off + t * STEP), sh, x_lo, x_hi, XKIND, DOT_DT, HALF, BLOCK_N)
         if ASYM:
             part += xs * zc[None, :]
         acc += part * s[None, :]
@@ -165,45 +188,20 @@ def _dot_kernel(
             if ASYM:
                 zc = 8.0 - z2_nx.to(tl.float32)
                 z2_nx = tl.load(z2_ptr + s_row + rn)
-            v = tl.load(w2_ptr + w_off + t * STEP)[None, :, :] >> sh
-            if XKIND == 1:
-                v = (v & 0x000F000F) | 0x64006400
-                lo = v.to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-                hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-            else:
-                lo = ((v & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                hi = (((v >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-            part = tl.dot(x_lo, tl.reshape(lo.to(DOT_DT), (HALF, BLOCK_N)), input_precision="ieee")
-            part = tl.dot(x_hi, tl.reshape(hi.to(DOT_DT), (HALF, BLOCK_N)), part, input_precision="ieee")
+            part = _dot_step(tl.load(w2_ptr + w_off + t * STEP), sh, x_lo, x_hi, XKIND, DOT_DT, HALF, BLOCK_N)
             if ASYM:
                 part += xs * zc[None, :]
             acc2 += part * s[None, :]
     res = acc
     if GATED:
-        # activations as torch defines them; 1 + tanh(u) == 2 * sigmoid(2u) gives gelu_tanh without tanh
-        if ACT == 0:
-            res = res / (1.0 + tl.exp(-res))
-        elif ACT == 1:
-            res = 0.5 * res * (1.0 + tl.erf(res * 0.7071067811865476))
-        elif ACT == 2:
-            res = res / (1.0 + tl.exp(-1.5957691216057308 * (res + 0.044715 * res * res * res)))
-        elif ACT == 3:
-            res = tl.maximum(res, 0.0)
-        elif ACT == 4:
-            res = 1.0 / (1.0 + tl.exp(-res))
-        res = res * acc2
+        res = act(res, ACT) * acc2
     out = o_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     omask = m_ok[:, None] & (rn < N)[None, :]
     if ATOMIC:
         tl.atomic_add(out, res, mask=omask)
     else:
-        if XKIND == 2:
-            # round to nearest even on the float32 bits, so the cast to bf16 is exact in any rounding mode (the
-            # interpreter truncates float32 -> bf16); NaN passes through unchanged
-            bits = res.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            res = tl.where(res == res, bits.to(tl.float32, bitcast=True), res)
-        tl.store(out, res.to(o_ptr.dtype.element_ty), mask=omask)
+        # rounded as torch rounds (the interpreter truncates float32 -> bf16), so the cast in the store is exact
+        tl.store(out, round_to(res, XKIND).to(o_ptr.dtype.element_ty), mask=omask)
 
 
 def _gemv_kernel(
@@ -281,55 +279,24 @@ def _gemv_kernel(
         x7 = (r7 * 0.000244140625)[:, None]
         if ASYM:  # word row j's eight x values, unscaled, summed in float32
             xs = (((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)))[:, None]
-        wh = w >> 16
-        p = (((w & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x0
-        p += (((w & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x1
-        p += (((w & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x2
-        p += (((w & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x3
-        p += (((wh & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x4
-        p += (((wh & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x5
-        p += (((wh & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x6
-        p += (((wh & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x7
+        p = _word_products(w, x0, x1, x2, x3, x4, x5, x6, x7)
         if ASYM:
             p += xs * zc[None, :]
         acc += p * s[None, :]
         if GATED:
-            wh = w2 >> 16
-            p = (((w2 & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x0
-            p += (((w2 & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x1
-            p += (((w2 & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x2
-            p += (((w2 & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x3
-            p += (((wh & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * x4
-            p += (((wh & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x5
-            p += (((wh & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8390656.0) * x6
-            p += (((wh & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0) * x7
+            p = _word_products(w2, x0, x1, x2, x3, x4, x5, x6, x7)
             if ASYM:
                 p += xs * zc2[None, :]
             acc2 += p * s2[None, :]
     res = tl.reduce(acc, 0, tl.standard._sum_combine)
     if GATED:
-        up = tl.reduce(acc2, 0, tl.standard._sum_combine)
-        if ACT == 0:
-            res = res / (1.0 + tl.exp(-res))
-        elif ACT == 1:
-            res = 0.5 * res * (1.0 + tl.erf(res * 0.7071067811865476))
-        elif ACT == 2:
-            res = res / (1.0 + tl.exp(-1.5957691216057308 * (res + 0.044715 * res * res * res)))
-        elif ACT == 3:
-            res = tl.maximum(res, 0.0)
-        elif ACT == 4:
-            res = 1.0 / (1.0 + tl.exp(-res))
-        res = res * up
+        res = act(res, ACT) * tl.reduce(acc2, 0, tl.standard._sum_combine)
     out = o_ptr + m.to(tl.int64) * stride_om + rn
     n_ok = rn < N
     if ATOMIC:
         tl.atomic_add(out, res, mask=n_ok)
     else:
-        if XKIND == 2:
-            bits = res.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            res = tl.where(res == res, bits.to(tl.float32, bitcast=True), res)
-        tl.store(out, res.to(o_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(out, round_to(res, XKIND).to(o_ptr.dtype.element_ty), mask=n_ok)
 
 
 # --- launching ----------------------------------------------------------------------------
@@ -463,7 +430,7 @@ def tiled_gated(x: torch.Tensor, t_gate: TiledW4, t_up: TiledW4, act: str = "sil
 # --- module -------------------------------------------------------------------------------
 
 
-class TiledW4A16Linear(torch.nn.Module):
+class TiledW4A16Linear(KeptDtypes):
     """nn.Linear replacement with int4 weights (ffnquant's int4 groups, symmetric or not) in the tiled layout.
 
     Buffers: `words` (int32, the TiledW4 layout), `scales` ([in/g, out padded], float16 by default),
@@ -471,6 +438,8 @@ class TiledW4A16Linear(torch.nn.Module):
     (see the module docstring). The scales keep their dtype through `module.to(dtype)` / `.half()`: they are the
     numerics of record.
     """
+
+    kept_dtypes = ("scales",)
 
     def __init__(self, linear: torch.nn.Linear, group_size: int, device=None,
                  scale_dtype: torch.dtype = torch.float16, symmetric: bool = True) -> None:
@@ -487,18 +456,6 @@ class TiledW4A16Linear(torch.nn.Module):
         self.register_buffer("zero_points", None if t.zero_points is None else t.zero_points.to(dev))
         bias = linear.bias.detach().clone().to(dev) if linear.bias is not None else None
         self.register_buffer("bias", bias)
-
-    def _apply(self, fn, recurse=True):
-        # let fn move/cast everything else, but only move the scales (learn the device from an empty probe)
-        scales = self._buffers.pop("scales")
-        try:
-            super()._apply(fn, recurse)
-            probe = fn(torch.empty(0, dtype=scales.dtype, device=scales.device))
-            self._buffers["scales"] = scales.to(probe.device)
-        except Exception:
-            self._buffers["scales"] = scales
-            raise
-        return self
 
     @property
     def weight_tiled(self) -> TiledW4:
