@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .backends import supports
 from .errors import FFNQuantError
 from .model import FFN
 from .fakequant import QuantizedFFN
@@ -111,7 +112,8 @@ def export_onnx(q: QuantizedFFN, path: str | os.PathLike) -> Path:
 
     prep = _prepared(q)
     path = Path(path)
-    kind, why = OQ.artifact_kind(q.scheme)
+    support = supports("onnx-artifact", q.scheme)
+    kind, why = support.kind, support.note
     if kind is None:
         raise FFNQuantError(f"recipe {q.recipe or q.scheme.name}: no ONNX artifact: {why}")
     ensure_writable_dir(path.parent)

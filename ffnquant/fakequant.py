@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from . import primitives as P
-from .awq import awq_fold, clip_weights
 from .calibrate import Grid, calibrate_range, histogram_of, parse_calibrator
 from .errors import FFNQuantError
+from .methods import QuantizedLinear, WeightGrid, handler_for, quantize_linear
 from .model import FFN
-from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType, check_scheme_fits, get_scheme
+from .schemes import ActDType, ActMode, Scheme, check_scheme_fits, get_scheme
 
 if TYPE_CHECKING:  # annotations only: ffnquant.quantization builds on this module, not the other way
     from .quantization import Prepared
@@ -36,6 +36,7 @@ __all__ = [
     "WEIGHT_INPUT_SITE",
     "SiteRange",
     "QuantizedFFN",
+    "QuantizedLinear",
     "WeightGrid",
     "quantize_weight",
     "weight_grid",
@@ -105,85 +106,16 @@ def site_ranges(
     return out
 
 
-@dataclass(frozen=True)
-class WeightGrid:
-    """The grid a quantized weight lies on, so that a deployment format can store its codes exactly.
-
-    Integer grids are given on the signed range of `bits` (qmin = -2^(bits-1)): value = (code - zero_point)
-    * scale, with `zero_point` 0 everywhere when `symmetric`. ffnquant's unsigned grids (asymmetric 0..255,
-    MatMulNBits' 0..15) are shifted by 2^(bits-1) in codes and zero points alike, which changes no value.
-    fp8 grids (`kind` "fp8"): value = fp8_e4m3(w / scale) * scale. `scale` is [] (per tensor), [out, 1] (per
-    channel) or [out, groups] (per group of `group_size` inputs; a last group padded with zero columns when
-    the group does not divide the input width).
-    """
-
-    kind: str  # "int" or "fp8"
-    bits: int
-    granularity: str
-    symmetric: bool
-    scale: torch.Tensor
-    zero_point: torch.Tensor | None  # int32, the scale's shape; None for fp8
-    group_size: int | None = None
-
-    @property
-    def qmin(self) -> int:
-        return -(1 << (self.bits - 1))
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self.bits - 1)) - 1
-
-
-def _signed(zero_point: torch.Tensor, bits: int, was_unsigned: bool) -> torch.Tensor:
-    return (zero_point - (1 << (bits - 1)) if was_unsigned else zero_point).to(torch.int32)
-
-
 def weight_grid(w: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> tuple[torch.Tensor, WeightGrid | None]:
-    """The quantize-dequantize image of one [out, in] weight under `scheme` (float32) and the grid it lies on.
+    """The quantize-dequantize image of one [out, in] weight under `scheme` (float32) and the grid it lies on:
+    `quantize_linear`'s weight and grid (the scheme's method handler, `ffnquant.methods`).
 
     The grid is None for float weights and for formats whose values are not (code - zero) * scale with integer
     zero points: bitsandbytes' nf4/fp4 code books and HQQ's fitted float zero points.
     An AWQ scheme's weight is taken as already scaled (`quantize_model` folds the scales first): it gets RTN.
     """
-    wd, gran = scheme.weight_dtype, scheme.weight_granularity
-    w = w.detach().float()
-    if wd is WeightDType.FP32:
-        return w.clone(), None
-    if wd is WeightDType.FP16:
-        return w.half().float(), None
-    if wd is WeightDType.FP8_E4M3:
-        amax = w.abs().max() if gran is Granularity.PER_TENSOR else w.abs().amax(dim=1, keepdim=True)
-        deq = P.fp8_weight_fake(w, gran.value)
-        scale = torch.where(amax > 0, amax / P.FP8_E4M3_MAX, torch.ones_like(amax))  # as fp8_e4m3_fake uses it
-        return deq, WeightGrid("fp8", 8, gran.value, True, scale, None)
-    if wd in (WeightDType.NF4, WeightDType.FP4):
-        return P.bnb_4bit_fake(w, wd.value, scheme.group_size), None
-    bits = 8 if wd is WeightDType.INT8 else 4
-    if scheme.method is Method.HQQ:
-        g = scheme.group_size if gran is Granularity.PER_GROUP else w.shape[1]
-        return P.hqq_int4(w, g), None
-    if bits == 4 and (scheme.method is Method.GPTQ or gran is not Granularity.PER_TENSOR):
-        # MatMulNBits' grid (per-channel = one group spanning the whole input); a group that does not divide
-        # the input width pads it with zero columns (primitives._pad_columns)
-        g = scheme.group_size if gran is Granularity.PER_GROUP else w.shape[1]
-        if scheme.method is Method.GPTQ:
-            if hessian is None:
-                raise FFNQuantError(f"scheme {scheme.name!r} (gptq) needs calibration data for the input Hessians")
-            q, scale, zp = P.gptq_int4_codes(w, hessian, g, scheme.weight_symmetric)
-        else:
-            q, scale, zp = P.int4_group_rtn(w, g, scheme.weight_symmetric)
-        deq = P.int4_group_dequantize(q, scale, zp, w.shape[1])
-        return deq, WeightGrid("int", 4, gran.value, scheme.weight_symmetric, scale[..., 0], _signed(zp[..., 0], 4, True), g)
-    if scheme.method is Method.GPTQ:
-        raise FFNQuantError("gptq is implemented for int4 group-wise weights")
-    # round-to-nearest on a signed grid (asymmetric: unsigned), as primitives.fake_quantize_weight
-    symmetric = scheme.weight_symmetric
-    qmin, qmax = P.int_range(bits, signed=symmetric)
-    deq = P.fake_quantize_weight(w, gran.value, bits, symmetric, scheme.group_size)
-    scale, zp = P.weight_qparams(w, gran.value, qmin, qmax, symmetric, scheme.group_size)
-    if gran is Granularity.PER_GROUP:
-        scale, zp = scale[..., 0], zp[..., 0]
-    return deq, WeightGrid("int", bits, gran.value, symmetric, scale, _signed(zp, bits, not symmetric), scheme.group_size)
+    ql = quantize_linear(w, get_scheme(scheme), hessian)
+    return ql.weight, ql.grid
 
 
 def quantize_weight(w: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,8 +146,9 @@ class QuantizedFFN(nn.Module):
 
     `ranges` holds the static range each activation site got (empty for dynamic or weight-only
     schemes); `quantized_weights` / `quantized_sites` say what is quantized (a subset for
-    per-site sensitivity); `remedies` the records of remedies applied to the model before; `weight_grids` the
-    grid each quantized weight lies on (`weight_grid`; what a deployment format stores), by weight name.
+    per-site sensitivity); `remedies` the records of remedies applied to the model before; `linears` the
+    `QuantizedLinear` of each quantized weight (its codes, grid and input quantizer: what every writer reads), by
+    weight name, and `weight_grids` the integer or fp8 grid of each that has one (what a deployment format stores).
     `recipe` is the Recipe it was quantized under and `prepared` the `Prepared` calibration it came
     from (its float reference, tokens and GPTQ Hessians), when known: `quantize_spec` sets the recipe,
     the Python API (`ffnquant.quantize`) both, so that `export_onnx` and `evaluate` need nothing else.
@@ -233,10 +166,13 @@ class QuantizedFFN(nn.Module):
         quantized_sites: Sequence[str],
         remedies: Sequence[Any] = (),
         weight_grids: Mapping[str, WeightGrid] | None = None,
+        linears: Mapping[str, QuantizedLinear] | None = None,
     ) -> None:
         super().__init__()
         self.model = model
-        self.weight_grids = dict(weight_grids or {})
+        self.linears = dict(linears or {})
+        grids = {n: ql.grid for n, ql in self.linears.items() if ql.grid is not None}
+        self.weight_grids = dict(weight_grids) if weight_grids is not None else grids
         self.scheme = scheme
         self.ranges = dict(ranges)
         self.quantized_weights = tuple(quantized_weights)
@@ -320,9 +256,10 @@ def quantize_model(
     quantized (default: everything the scheme quantizes), which is how per-site sensitivity
     is measured. `remedies`: records of remedies already applied to `model`, carried along.
     `hessians` (`input_hessians` of `model`, by weight name): needed by GPTQ and AWQ schemes
-    (`Scheme.needs_hessians`). Under AWQ the returned model is `model` with the searched scales
-    folded in (`awq.awq_fold`, its record appended to `remedies`) and its weights clipped
-    (`awq.clip_weights`) and RTN-quantized.
+    (`Scheme.needs_hessians`). Each weight is quantized by the scheme's method handler
+    (`ffnquant.methods`), after the handler's fold of the whole FFN: under AWQ the returned model is `model`
+    with the searched scales folded in (`awq.awq_fold`, its record appended to `remedies`) and its weights
+    clipped (`awq.clip_weights`) and RTN-quantized.
     """
     scheme = get_scheme(scheme)
     check_scheme_fits(scheme, model.spec)
@@ -336,25 +273,26 @@ def quantize_model(
             rng = {s: site_range_cache[s] for s in sites}
         else:
             rng = site_ranges(ranges, scheme, calibrator, sites)
-    if scheme.method is Method.AWQ and weights:
-        # AWQ = exact float fold of searched channel scales, clipping, then RTN of the scaled weights (quantize_weight)
-        if hessians is None:
-            raise FFNQuantError(f"scheme {scheme.name!r} (awq) needs calibration data for the input Hessians")
-        new, record = awq_fold(model, hessians, scheme)
-        new = clip_weights(new, record, weights)  # AutoAWQ's clipping of the weights about to be rounded
-        remedies = [*remedies, record]
+    handler = handler_for(scheme)
+    if weights:
+        if handler.needs_hessians and hessians is None:
+            raise FFNQuantError(f"scheme {scheme.name!r} ({scheme.method}) needs calibration data for the input Hessians")
+        # an exact float rewrite of the whole FFN first where the method has one (AWQ's folded channel scales)
+        new, records = handler.fold(model, scheme, hessians, weights)
+        remedies = [*remedies, *records]
     else:
         new = copy.deepcopy(model)
-    grids: dict[str, WeightGrid] = {}
+    linears: dict[str, QuantizedLinear] = {}
     with torch.no_grad():
         for name in weights:
             lin = getattr(new, name)
             h = hessians.get(name) if hessians is not None else None
-            deq, grid = weight_grid(lin.weight, scheme, h)
-            lin.weight.copy_(deq)
-            if grid is not None:
-                grids[name] = grid
-    return QuantizedFFN(new.eval(), scheme, rng, weights, sites, remedies, grids)
+            ql = handler.quantize(lin.weight, scheme, h)
+            lin.weight.copy_(ql.weight)
+            site = WEIGHT_INPUT_SITE[name]
+            mode = None if site not in sites or scheme.act_dtype.is_float else str(scheme.act_mode)
+            linears[name] = ql.with_input(name, site, mode, rng.get(site))
+    return QuantizedFFN(new.eval(), scheme, rng, weights, sites, remedies, linears=linears)
 
 
 def search_calibrators(

@@ -2,14 +2,14 @@
 
 - int8 (`write_qdq`): QuantizeLinear/DequantizeLinear nodes written directly with onnx.helper
   around the three FFN matmuls, carrying OUR calibrated activation scales (the SiteRanges of
-  the torch reference) and our per-channel int8 weights, so the artifact and the reference
+  the torch reference) and the reference's own int8 codes (`QuantizedFFN.linears`: nothing is
+  quantized twice, the matmuls are found by name), so the artifact and the reference
   compute the same thing. Writing the QDQ nodes ourselves (rather than quantize_static with
   TensorQuantOverrides) also leaves every other op (the gate's Sigmoid/Mul, a remedy's
   channel scale or Hadamard rotation) in float, exactly as in the reference.
-- 4-bit (`write_nbits`): onnxruntime's MatMulNBitsQuantizer (RTN `DefaultWeightOnlyQuantConfig`,
-  `HQQWeightOnlyQuantConfig`) on the FFN matmuls; GPTQ writes MatMulNBits nodes from our own
-  GPTQ codes (onnxruntime's GPTQ config uses its own grid); AWQ from our RTN codes of the folded
-  model's export (its scales: a Mul before the matmuls); nf4/fp4 through MatMulBnb4Quantizer.
+- 4-bit (`write_nbits`): MatMulNBits nodes from the quantized model's own codes, scales and zero
+  points (RTN, GPTQ, HQQ's float zero points, AWQ on its folded model's export, whose scales are a
+  Mul before the matmuls); nf4/fp4 through onnxruntime's MatMulBnb4Quantizer.
 - baseline (`ort_default_static`): `quantize_static` with its defaults (QDQ, MinMax,
   U8 activations / S8 weights) plus per_channel=True, on the same fp32 model and tokens.
 """
@@ -30,7 +30,8 @@ from . import primitives as P
 from .atomic import atomic_path
 from .errors import FFNQuantError
 from .model import FFN
-from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType
+from .backends import ARTIFACT_KINDS, artifact_kind  # the onnx-artifact backend's decision, re-exported
+from .schemes import ActDType, Scheme, WeightDType
 from .atomic import ScratchFolder
 
 if TYPE_CHECKING:  # annotations only: onnxquant reads a QuantizedFFN, it never builds one
@@ -53,31 +54,6 @@ __all__ = [
 _MS_DOMAIN = "com.microsoft"
 
 
-def artifact_kind(scheme: Scheme) -> tuple[str | None, str]:
-    """('qdq' | 'nbits' | 'bnb4' | 'fp16' | 'fp32' | None, reason) for a scheme's ONNX artifact."""
-    wd = scheme.weight_dtype
-    if wd is WeightDType.FP32:
-        return "fp32", "the fp32 export itself"
-    if wd is WeightDType.FP16:
-        return "fp16", "the fp16 export"
-    if wd is WeightDType.INT8:
-        if scheme.act_mode is ActMode.DYNAMIC:
-            return None, "onnxruntime's DynamicQuantizeLinear is per tensor; the per-token reference has no QDQ equivalent"
-        if scheme.method is not Method.RTN:
-            return None, f"int8 {scheme.method.value} weights have no artifact writer"
-        return "qdq", "QDQ with ffnquant's calibrated scales"
-    if wd is WeightDType.INT4:
-        if scheme.act_dtype is not ActDType.NONE:
-            return None, "MatMulNBits takes float activations"
-        if scheme.weight_granularity is Granularity.PER_TENSOR:
-            return None, "MatMulNBits quantizes in blocks, not per tensor"
-        return "nbits", "MatMulNBits (onnxruntime contrib op)"
-    if wd in (WeightDType.NF4, WeightDType.FP4):
-        return "bnb4", "MatMulBnb4 (onnxruntime contrib op, bitsandbytes' 4-bit formats)"
-    return None, f"{wd.value} has no onnxruntime CPU kernel; measured in torch only"
-
-
-ARTIFACT_KINDS = ("fp32", "fp16", "qdq", "nbits", "bnb4")
 
 
 def _load(path: str | os.PathLike):
@@ -86,28 +62,33 @@ def _load(path: str | os.PathLike):
     return onnx.load(str(path))
 
 
-def matmul_weights(proto, model: FFN) -> dict[str, tuple[Any, Any]]:
-    """{weight name: (MatMul node, initializer)} of the FFN's matmuls in an exported graph, matched by value.
+def matmul_weights(proto, names: Sequence[str]) -> dict[str, tuple[Any, Any]]:
+    """{weight name: (MatMul node, initializer)} of the FFN's matmuls `names` in an exported graph, found by name.
 
-    The exporter renames initializers (val_2, ...), so each [in, out] initializer is compared
-    with the model's weights transposed; other matmuls (a remedy's rotation) are left alone.
+    torch's exporter renames initializers (val_2, ...) but records on every node the module it came from
+    (`pkg.torch.onnx.name_scopes`, e.g. ['', 'w_up', 'linear']): the matmul of weight `w_up` is the MatMul whose
+    scopes name `w_up`. Other matmuls (a remedy's rotation, scoped `hidden_transform`) are left alone.
     """
-    from onnx import numpy_helper
+    import ast
 
     inits = {i.name: i for i in proto.graph.initializer}
+    wanted = set(names)
     found: dict[str, tuple[Any, Any]] = {}
-    targets = {name: w.detach().float().T.numpy() for name, w in model.weights().items()}
     for node in proto.graph.node:
         if node.op_type != "MatMul" or node.input[1] not in inits:
             continue
-        arr = numpy_helper.to_array(inits[node.input[1]])
-        for name, t in targets.items():
-            if name not in found and arr.shape == t.shape and np.allclose(arr, t, rtol=0, atol=1e-6):
-                found[name] = (node, inits[node.input[1]])
-                break
-    missing = sorted(set(targets) - set(found))
+        meta = {p.key: p.value for p in node.metadata_props}
+        try:
+            scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
+        except (ValueError, SyntaxError):
+            scopes = []
+        hits = [s for s in scopes if s in wanted and s not in found]
+        if hits:
+            found[hits[0]] = (node, inits[node.input[1]])
+    missing = sorted(wanted - set(found))
     if missing:
-        raise FFNQuantError(f"could not find the matmul(s) of {missing} in the exported graph")
+        raise FFNQuantError(f"could not find the matmul(s) of {missing} in the exported graph: its MatMul nodes carry "
+                            "no pkg.torch.onnx.name_scopes naming them (export with ffnquant.export.export_onnx)")
     for i, node in enumerate(proto.graph.node):
         if not node.name:
             node.name = f"node_{node.op_type}_{i}"
@@ -123,11 +104,13 @@ def _check_and_save(proto, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
-def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel: "QuantizedFFN", source_model: FFN) -> Path:
-    """An int8 QDQ model: our per-channel int8 weights and our calibrated activation scales around each FFN matmul.
+def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel: "QuantizedFFN",
+              source_model: FFN | None = None) -> Path:
+    """An int8 QDQ model: `qmodel`'s int8 codes and grids (its `QuantizedLinear`s) and its calibrated activation
+    scales around each FFN matmul of the fp32 export `fp32_path` (of the float model `qmodel` was quantized from).
 
-    `source_model` is the float model (after remedies) the fp32 file was exported from;
-    `qmodel` its torch reference under an int8 scheme (w8a16: weights only).
+    Nothing is quantized here: the codes are the ones the torch reference decodes (w8a16: weights only).
+    `source_model` is not read (kept for callers that pass it).
     """
     from onnx import TensorProto, helper, numpy_helper
 
@@ -136,14 +119,11 @@ def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel:
     if kind != "qdq":
         raise FFNQuantError(f"scheme {scheme.name!r} has no QDQ artifact: {why}")
     proto = _load(fp32_path)
-    found = matmul_weights(proto, source_model)
+    found = matmul_weights(proto, qmodel.spec.weight_names)
     graph = proto.graph
     new_inits = []
     act_dq: dict[str, str] = {}  # activation tensor -> its dequantized name (w_up and w_gate share `input`)
     qdq_nodes: dict[str, list] = {}  # matmul node name -> nodes to insert before it
-    symmetric = scheme.weight_symmetric
-    qmin, qmax = P.int_range(8, signed=symmetric)
-    np_wtype = np.int8 if symmetric else np.uint8
     for name, (node, init) in found.items():
         pre = []
         site = qmodel.input_site(name)
@@ -161,20 +141,22 @@ def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel:
                 act_dq[a] = dq_out
             node.input[0] = act_dq[a]
         if name in qmodel.quantized_weights:
-            w = torch.from_numpy(numpy_helper.to_array(init).copy()).T  # [out, in]
-            gran = scheme.weight_granularity.value
-            scale, zp = P.weight_qparams(w, gran, qmin, qmax, symmetric, scheme.group_size)
-            if gran == "per_group":
-                raise FFNQuantError("int8 QDQ artifacts take per_tensor or per_channel weights")
-            q = P.quantize(w.float(), scale, zp, qmin, qmax).T.contiguous()  # [in, out]
+            ql = qmodel.linears[name]
+            grid = ql.grid
+            if grid is None or grid.kind != "int" or grid.bits != 8 or grid.granularity == "per_group":
+                raise FFNQuantError(f"{name}: int8 QDQ artifacts take per_tensor or per_channel int8 grids, "
+                                    f"the {scheme.method} weights of {scheme.name} have none")
+            # onnxruntime's asymmetric int8 is uint8: codes and zero points shifted alike (no value changes)
+            codes, zp = (ql.codes, grid.zero_point) if grid.symmetric else (ql.unsigned_codes(), grid.zero_point + 128)
+            np_wtype = np.int8 if grid.symmetric else np.uint8
             qi, si, zi = f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"
-            new_inits.append(numpy_helper.from_array(q.numpy().astype(np_wtype), qi))
-            if gran == "per_channel":
-                new_inits.append(numpy_helper.from_array(scale.reshape(-1).numpy().astype(np.float32), si))
+            new_inits.append(numpy_helper.from_array(codes.T.contiguous().numpy().astype(np_wtype), qi))  # [in, out]
+            if grid.granularity == "per_channel":
+                new_inits.append(numpy_helper.from_array(grid.scale.reshape(-1).numpy().astype(np.float32), si))
                 new_inits.append(numpy_helper.from_array(zp.reshape(-1).numpy().astype(np_wtype), zi))
                 attrs = {"axis": 1}  # output channels are the columns of the [in, out] initializer
             else:
-                new_inits.append(numpy_helper.from_array(np.array(float(scale), dtype=np.float32), si))
+                new_inits.append(numpy_helper.from_array(np.array(float(grid.scale), dtype=np.float32), si))
                 new_inits.append(numpy_helper.from_array(np.array(int(zp), dtype=np_wtype), zi))
                 attrs = {}
             pre.append(helper.make_node("DequantizeLinear", [qi, si, zi], [f"{name}_dequantized"], name=f"{name}_DequantizeLinear", **attrs))
@@ -214,10 +196,9 @@ def _relu_after_matmul_as_max(graph) -> None:
             node.input.append(zero)
 
 
-def _nbits_node(
-    node, name: str, codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, group: int, symmetric: bool, k: int
-):
-    """A MatMulNBits node and its initializers from int4 codes [N, K'] (0..15), scale / zp [N, K'/g, 1].
+def _nbits_node(node, name: str, codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, group: int, k: int):
+    """A MatMulNBits node and its initializers from unsigned int4 codes [N, K'] (0..15) and scale / zero points
+    [N, K'/g]: integer zero points (0..15, packed two per byte) or HQQ's float ones; None is symmetric (8).
 
     K' = ceil(k / g) * g (the codes padded to whole blocks, `primitives.int4_group_rtn`); the node's
     K attribute is the real width k: MatMulNBits reads ceil(K / block_size) blocks per column and
@@ -235,7 +216,10 @@ def _nbits_node(
         numpy_helper.from_array(scale.reshape(-1).numpy().astype(np.float32), f"{name}_scales"),
     ]
     inputs = [node.input[0], f"{name}_Q4", f"{name}_scales"]
-    if not symmetric:  # zero points packed two per byte along the blocks of each column (absent = 8)
+    if zp is not None and zp.is_floating_point():  # HQQ: one float zero point per block, as its quantizer writes
+        inits.append(numpy_helper.from_array(zp.reshape(-1).numpy().astype(np.float32), f"{name}_zero_points"))
+        inputs.append(f"{name}_zero_points")
+    elif zp is not None:  # zero points packed two per byte along the blocks of each column
         z = zp.reshape(n_out, blocks).to(torch.int32)
         if blocks % 2:
             z = torch.cat([z, torch.zeros(n_out, 1, dtype=torch.int32)], 1)
@@ -247,50 +231,48 @@ def _nbits_node(
     return new, inits
 
 
-def write_nbits(
-    fp32_path: str | os.PathLike,
-    out_path: str | os.PathLike,
-    scheme: Scheme,
-    source_model: FFN,
-    hessians: Mapping[str, torch.Tensor] | None = None,
-    weights: Sequence[str] | None = None,
-) -> Path:
-    """A 4-bit weight-only model: MatMulNBits (int4: RTN, HQQ, GPTQ) or MatMulBnb4 (nf4, fp4) for the FFN matmuls
-    (`weights`: only these, the others stay float MatMuls, as a `+float=SITE` recipe has them; default all)."""
+def _int4_parts(ql: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """(unsigned codes [N, K'], scales [N, blocks], zero points or None, group) of an int4 QuantizedLinear."""
+    if ql.zero_float is not None:  # HQQ
+        group = ql.scheme.group_size if ql.scheme.group_size else ql.codes.shape[1]
+        return ql.codes, ql.scale_float, ql.zero_float, group
+    grid = ql.grid
+    if grid is None or grid.kind != "int" or grid.bits != 4 or grid.group_size is None:
+        raise FFNQuantError(f"{ql.name}: MatMulNBits stores 4-bit group codes; {ql.scheme.name} has none")
+    group = grid.group_size or ql.codes.shape[1]
+    return ql.unsigned_codes(), grid.scale, None if grid.symmetric else grid.zero_point + 8, group
+
+
+def write_nbits(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel: "QuantizedFFN") -> Path:
+    """A 4-bit weight-only model: MatMulNBits (int4: RTN, GPTQ, AWQ, HQQ) from `qmodel`'s own codes and grids, or
+    MatMulBnb4 (nf4, fp4) for the FFN matmuls `qmodel` quantizes (the others stay float MatMuls, as a
+    `+float=SITE` recipe has them). `fp32_path` is the export of the float model `qmodel` was quantized from."""
     from onnx import helper
 
+    scheme = qmodel.scheme
     kind, why = artifact_kind(scheme)
     if kind not in ("nbits", "bnb4"):
         raise FFNQuantError(f"scheme {scheme.name!r} has no 4-bit artifact: {why}")
     proto = _load(fp32_path)
-    found = matmul_weights(proto, source_model)
-    if weights is not None:
-        found = {name: v for name, v in found.items() if name in weights}
-    ffn_nodes = {node.name for node, _ in found.values()}
-    exclude = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in ffn_nodes]
-    group = scheme.group_size if scheme.weight_granularity is Granularity.PER_GROUP else None
+    found = matmul_weights(proto, qmodel.quantized_weights)
     if kind == "bnb4":
+        # bitsandbytes' code books: onnxruntime's MatMulBnb4Quantizer computes the same block absmax and code
+        # lookup from the float weight (the reference is bitsandbytes' own quantize_4bit)
         from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
 
+        ffn_nodes = {node.name for node, _ in found.values()}
+        exclude = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in ffn_nodes]
         qtype = MatMulBnb4Quantizer.NF4 if scheme.weight_dtype is WeightDType.NF4 else MatMulBnb4Quantizer.FP4
-        quant = MatMulBnb4Quantizer(proto, qtype, group, nodes_to_exclude=exclude)
+        quant = MatMulBnb4Quantizer(proto, qtype, scheme.group_size, nodes_to_exclude=exclude)
         quant.process()
         out = quant.model.model
-    elif scheme.method in (Method.GPTQ, Method.AWQ):
-        if scheme.method is Method.GPTQ and hessians is None:
-            raise FFNQuantError(f"scheme {scheme.name!r} (gptq) needs calibration data for the input Hessians")
-        from onnx import numpy_helper
-
+    else:
         graph = proto.graph
         replaced: dict[str, Any] = {}
         for name, (node, init) in found.items():
-            w = torch.from_numpy(numpy_helper.to_array(init).copy()).T.float()
-            g = group or w.shape[1]
-            if scheme.method is Method.GPTQ:
-                codes, scale, zp = P.gptq_int4_codes(w, hessians[name], g, scheme.weight_symmetric)
-            else:  # AWQ: the folded model's scaled weights (write_artifact), RTN codes as the torch reference's
-                codes, scale, zp = P.int4_group_rtn(w, g, scheme.weight_symmetric)
-            new, inits = _nbits_node(node, name, codes, scale, zp, g, scheme.weight_symmetric, w.shape[1])
+            ql = qmodel.linears[name]
+            codes, scale, zp, group = _int4_parts(ql)
+            new, inits = _nbits_node(node, name, codes, scale, zp, group, ql.weight.shape[1])
             replaced[node.name] = new
             graph.initializer.remove(init)
             graph.initializer.extend(inits)
@@ -300,58 +282,40 @@ def write_nbits(
         if not any(o.domain == _MS_DOMAIN for o in proto.opset_import):
             proto.opset_import.append(helper.make_opsetid(_MS_DOMAIN, 1))
         out = proto
-    else:
-        from .thirdparty import matmul_nbits_quantizer
-
-        mnq = matmul_nbits_quantizer()
-
-        if scheme.method is Method.HQQ:
-            config = mnq.HQQWeightOnlyQuantConfig(block_size=group or 0, bits=4)
-        else:
-            config = mnq.DefaultWeightOnlyQuantConfig(block_size=group or 0, is_symmetric=scheme.weight_symmetric)
-        if group is None:
-            raise FFNQuantError("MatMulNBits artifacts need per_group weights")
-        quant = mnq.MatMulNBitsQuantizer(proto, nodes_to_exclude=exclude, algo_config=config)
-        quant.process()
-        out = quant.model.model
     out.ir_version = min(out.ir_version, 10)
     helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, "ffnquant_scheme": scheme.name})
     return _check_and_save(out, out_path)
 
 
 def write_artifact(
-    fp32_path: str | os.PathLike,
+    fp32_path: str | os.PathLike | None,
     out_path: str | os.PathLike,
     qmodel: "QuantizedFFN",
-    source_model: FFN,
+    source_model: FFN | None = None,
     hessians: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
-    """The ONNX artifact of `qmodel`'s scheme (QDQ int8 or 4-bit); FFNQuantError says why a scheme has none."""
+    """The ONNX artifact of `qmodel` (QDQ int8 or 4-bit) written from its own codes; FFNQuantError says why a
+    scheme has none. `fp32_path` is the fp32 export of the float model `qmodel` was quantized from (AWQ exports its
+    folded model itself); `source_model` and `hessians` are not read (nothing is quantized again)."""
     kind, why = artifact_kind(qmodel.scheme)
     if kind == "qdq":
-        return write_qdq(fp32_path, out_path, qmodel, source_model)
-    if kind == "nbits" and qmodel.scheme.method is Method.AWQ:
-        return _write_awq(out_path, qmodel, source_model)
+        return write_qdq(fp32_path, out_path, qmodel)
+    if kind == "nbits" and any(getattr(r, "kind", None) == "awq" for r in qmodel.remedies):
+        return _write_folded(out_path, qmodel)
     if kind in ("nbits", "bnb4"):
-        return write_nbits(fp32_path, out_path, qmodel.scheme, source_model, hessians, qmodel.quantized_weights)
+        return write_nbits(fp32_path, out_path, qmodel)
     raise FFNQuantError(f"scheme {qmodel.scheme.name!r}: {why}")
 
 
-def _write_awq(out_path: str | os.PathLike, qmodel: "QuantizedFFN", source_model: FFN) -> Path:
-    """AWQ's MatMulNBits artifact: `source_model` with `qmodel`'s AWQ scales folded in again and its clipping
-    (`awq.refold`, `awq.clip_weights`: bit-identical to the reference's), exported (the input ChannelScale becomes
-    a Mul before the matmuls), then RTN codes of the quantized weights."""
-    from .awq import clip_weights, refold
+def _write_folded(out_path: str | os.PathLike, qmodel: "QuantizedFFN") -> Path:
+    """The artifact of a method that folds the whole FFN first (AWQ: its input ChannelScale becomes a Mul before the
+    matmuls): `qmodel`'s own folded model exported, then its matmuls replaced by its codes."""
     from .export import export_onnx
 
-    record = next((r for r in qmodel.remedies if getattr(r, "kind", None) == "awq"), None)
-    if record is None:
-        raise FFNQuantError(f"scheme {qmodel.scheme.name!r}: the quantized model carries no AWQ fold (quantize_model makes it)")
-    folded = clip_weights(refold(source_model, record), record, qmodel.quantized_weights)
-    with ScratchFolder("awq") as tmp:
-        fp32 = Path(tmp) / "awq-folded.fp32.onnx"
-        export_onnx(folded, fp32)
-        return write_nbits(fp32, out_path, qmodel.scheme, folded, weights=qmodel.quantized_weights)
+    with ScratchFolder("folded") as tmp:
+        fp32 = Path(tmp) / "folded.fp32.onnx"
+        export_onnx(qmodel.model, fp32)
+        return write_nbits(fp32, out_path, qmodel)
 
 
 class _Reader:

@@ -236,12 +236,18 @@ def hqq_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     see the padded zeros in the last group (an all-positive group's range starts at 0). Kept
     as is so that the reference and the artifact stay one algorithm; the result is cropped to `in`.
     """
+    q, scale, zero = hqq_int4_codes(w, group_size)
+    return int4_group_dequantize(q, scale.unsqueeze(-1), zero.unsqueeze(-1), w.shape[1])
+
+
+def hqq_int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HQQ's codes 0..15 [out, K'], float scales and float zero points [out, K'/g] (`hqq_int4`'s numerics)."""
     from .thirdparty import matmul_nbits_quantizer
 
     mnq = matmul_nbits_quantizer()
     quantizer = mnq.HQQWeightOnlyQuantizer(mnq.HQQWeightOnlyQuantConfig(block_size=group_size, bits=4))
     q, scale, zero = quantizer.quantize_internal(w.detach().float(), bits=4, group_size=group_size)
-    return int4_group_dequantize(q, scale.unsqueeze(-1), zero.unsqueeze(-1), w.shape[1])
+    return q.reshape(w.shape[0], -1), scale, zero
 
 
 def gptq_int4(

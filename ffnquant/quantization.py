@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from . import onnxquant as OQ
+from .backends import supports
 from .errors import FFNQuantError
 from .fakequant import QuantizedFFN, SiteRange, input_hessians, quantize_model, search_calibrators
 from .model import FFN
@@ -378,7 +379,8 @@ def quantize_spec(
     if not onnx:
         return result
 
-    kind, why = OQ.artifact_kind(scheme)
+    art_support = supports("onnx-artifact", scheme)
+    kind, why = art_support.kind, art_support.note
     keep = out_artifacts is not None
     folder = Path(out_artifacts) if keep else prep.scratch()
     d = spec.d_model

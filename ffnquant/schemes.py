@@ -37,6 +37,8 @@ __all__ = [
     "Scheme",
     "PRESETS",
     "preset_names",
+    "register_preset",
+    "unregister_preset",
     "get_scheme",
     "check_scheme_fits",
 ]
@@ -125,6 +127,36 @@ class Method(_StrEnum):
     AWQ = "awq"
 
 
+class ExtraMethod(str):
+    """The name of a method registered by a handler outside the built-in ones (`ffnquant.methods`)."""
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+
+def _method(value: Any) -> "Method | ExtraMethod":
+    """A built-in Method, or the name of a registered method handler; an unknown name lists both."""
+    if isinstance(value, Method):
+        return value
+    key = str(value).strip().lower()
+    try:
+        return Method(key)
+    except ValueError:
+        pass
+    from .methods.registry import is_method, method_names
+
+    if is_method(key):
+        return ExtraMethod(key)
+    raise unknown_choice("method", value, method_names())
+
+
+def _method_handler(method: Any):
+    from .methods.registry import get_handler
+
+    return get_handler(str(method))[0]
+
+
 def _enum(cls: type[enum.Enum], value: Any, kind: str):
     if isinstance(value, cls):
         return value
@@ -167,7 +199,7 @@ class Scheme:
             raise FFNQuantError("scheme name must be a non-empty string")
         wd = _enum(WeightDType, self.weight_dtype, "weight dtype")
         gran = _enum(Granularity, self.weight_granularity, "weight granularity")
-        method = _enum(Method, self.method, "method")
+        method = _method(self.method)
         ad = _enum(ActDType, self.act_dtype, "activation dtype")
         set_("weight_dtype", wd)
         set_("weight_granularity", gran)
@@ -207,6 +239,10 @@ class Scheme:
         if method is Method.AWQ and not ad.is_float:
             # the fold rescales the matmul inputs, so ranges calibrated on the unfolded model would not fit
             raise FFNQuantError(f"scheme {self.name!r}: awq is weight-only (float activations): its fold rescales the activations after calibration")
+        if isinstance(method, ExtraMethod):
+            why = _method_handler(method).check(self)
+            if why:
+                raise FFNQuantError(f"scheme {self.name!r}: {why}")
 
         # --- activations ------------------------------------------------------------
         mode = self.act_mode
@@ -264,6 +300,8 @@ class Scheme:
     @property
     def needs_hessians(self) -> bool:
         """True when the weights are quantized from calibration data: the input Hessians H = sum X^T X (GPTQ, AWQ)."""
+        if isinstance(self.method, ExtraMethod):
+            return _method_handler(self.method).needs_hessians
         return self.method in (Method.GPTQ, Method.AWQ)
 
     @property
@@ -318,7 +356,8 @@ class Scheme:
             sym = "asymmetric (integer zero point)"
         method = {Method.RTN: "round-to-nearest", Method.GPTQ: "GPTQ", Method.HQQ: "HQQ-fitted zero points",
                   Method.AWQ: "AWQ (activation-aware channel scales searched on calibration data and folded into the "
-                              "FFN, then round-to-nearest)"}[self.method]
+                              "FFN, then round-to-nearest)"}.get(self.method) or _method_handler(self.method).describe \
+            or str(self.method)
         return f"{wd.value} weights, {sym}, {where}, {method}"
 
     def _act_text(self) -> str:
@@ -350,7 +389,7 @@ class Scheme:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         for k, v in d.items():
-            if isinstance(v, enum.Enum):
+            if isinstance(v, (enum.Enum, ExtraMethod)):
                 d[k] = v.value
         return d
 
@@ -399,10 +438,31 @@ def _presets() -> dict[str, Scheme]:
 
 
 PRESETS: Mapping[str, Scheme] = _presets()
+_BUILTIN_PRESETS = frozenset(PRESETS)
 
 
 def preset_names() -> list[str]:
     return list(PRESETS)
+
+
+def register_preset(scheme: Scheme) -> Scheme:
+    """Add `scheme` to the presets under its name (a new method's preset, `ffnquant.methods`); a name already
+    taken is an error naming it."""
+    if not isinstance(scheme, Scheme):
+        raise FFNQuantError(f"register_preset takes a Scheme, got {type(scheme).__name__}")
+    key = scheme.name.strip().lower()
+    if key in PRESETS:
+        raise FFNQuantError(f"scheme preset {key!r} exists already; choose another name")
+    PRESETS[key] = scheme  # type: ignore[index]  (the registry is a dict behind its Mapping type)
+    return scheme
+
+
+def unregister_preset(name: str) -> None:
+    """Remove a preset added by `register_preset` (the built-in ones stay)."""
+    key = str(name).strip().lower()
+    if key in _BUILTIN_PRESETS:
+        raise FFNQuantError(f"scheme preset {key!r} is built in and cannot be removed")
+    PRESETS.pop(key, None)  # type: ignore[attr-defined]
 
 
 def get_scheme(name: str | Scheme) -> Scheme:

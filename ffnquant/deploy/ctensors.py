@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..atomic import write_text
+from ..backends import ASYMMETRIC_INT4_MEASURED, CTENSORS_SUPPORTED, ROTATE_WHY, supports
 from ..errors import FFNQuantError
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name, input_args, source_dtype
@@ -38,33 +39,13 @@ __all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ASYMMETRIC_INT4_MEASUR
            "folder_bytes"]
 
 FORMAT_NAME = "compressed-tensors"
-# What this writer stores, said in every refusal.
-SUPPORTED = ("int8 weights per channel with static or per-token int8 activations (w8a8, w8a8-s8, w8a8-dynamic, "
-             "w8a8-dynamic-s8) or float activations (w8a16); 4-bit group weights whose group divides the input "
-             "width (w4a16-gN, -gptq; asymmetric -asym and -awq as blocks [1, group], which transformers loads and "
-             "vLLM does not); fp8 (fp8-e4m3, -pc, -dynamic); +smooth and AWQ's scales folded into the norms; "
-             "+float=SITE and fp32 kept float")
+# What this writer stores, said in every refusal (the compressed-tensors backend's declaration).
+SUPPORTED = CTENSORS_SUPPORTED
 # The issue's bound: the loaded folder's perplexity equals the plan's measured one within this, relative.
 LOAD_TOLERANCE = 1e-3
 # Files of a model folder that the writer produces itself (everything else is copied from the source folder).
 _WRITTEN = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
-_ROTATE_WHY = ("+rotate multiplies the hidden activation by a block-Hadamard at run time, an operation, not a "
-               "weight fold, which a compressed-tensors folder loaded by transformers does not run")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx")
-# Asymmetric 4-bit groups (AWQ, -asym): compressed-tensors' group layout ("pack-quantized" with the zero points
-# packed eight to an int32 along the output rows, what vLLM reads) does not load back in transformers, whose
-# from_pretrained compresses its empty model before loading without packing them. The one layout that loads is
-# the same codes in blocks of one row by a group (strategy "block", zero points unpacked, [out, groups]): that is
-# what this writer stores (tests/test_deploy_ctensors.py loads it). vLLM takes 4-bit weights as group or channel
-# only, so such a folder serves in transformers, not vLLM. Asymmetric per-channel 4-bit has no loading layout.
-ASYMMETRIC_INT4_MEASURED = {"compressed-tensors": "0.20.1", "transformers": "5.24.0"}
-ASYMMETRIC_INT4_WHY = (
-    "asymmetric 4-bit per-channel weights do not load back: compressed-tensors {compressed-tensors} packs "
-    "weight_zero_point eight to an int32 ([out/8, 1]), which transformers {transformers}'s from_pretrained builds "
-    "unpacked and stops on (weight_zero_point MISMATCH); asymmetric groups are written as blocks [1, group], "
-    "which load").format_map(ASYMMETRIC_INT4_MEASURED)
-
-
 def ctensors_available() -> tuple[bool, str]:
     """(True, version) when the compressed-tensors package imports, else (False, how to install it)."""
     try:
@@ -82,30 +63,8 @@ def _require() -> None:
 
 def recipe_refusal(recipe: Any, spec: Any) -> str | None:
     """Why this writer cannot store `recipe` on an FFN of `spec` (one line naming the recipe and what is
-    supported), None when it can. Decided from the recipe alone, before anything is quantized."""
-    from ..schemes import Granularity, Method, WeightDType, get_scheme
-
-    scheme = get_scheme(recipe.scheme)
-    why = None
-    if recipe.rotate:
-        why = _ROTATE_WHY
-    elif scheme.weight_dtype in (WeightDType.NF4, WeightDType.FP4):
-        why = f"{scheme.weight_dtype} is bitsandbytes' code book, which compressed-tensors has no layout for"
-    elif scheme.method is Method.HQQ:
-        why = "HQQ fits float zero points; compressed-tensors stores integer zero points"
-    elif scheme.outlier_threshold is not None or scheme.no_reference_reason is not None:
-        why = "a runtime-only format without ffnquant reference numerics"
-    elif scheme.weight_dtype is WeightDType.INT4 and not scheme.weight_symmetric and \
-            scheme.weight_granularity is not Granularity.PER_GROUP:
-        why = ASYMMETRIC_INT4_WHY
-    elif scheme.weight_dtype is WeightDType.INT4 and scheme.weight_granularity is Granularity.PER_GROUP:
-        bad = [f"{n} {d}" for n, d in (("d_model", spec.d_model), ("d_ff", spec.d_ff)) if d % scheme.group_size]
-        if bad:
-            why = (f"group {scheme.group_size} does not divide {' or '.join(bad)}; compressed-tensors groups must "
-                   "divide the input width")
-    if why is None:
-        return None
-    return f"recipe {recipe} cannot be written as {FORMAT_NAME}: {why}. Supported: {SUPPORTED}"
+    supported), None when it can: the compressed-tensors backend's answer (`backends.supports`)."""
+    return supports(FORMAT_NAME, recipe, spec).why
 
 
 def plan_refusal(plan: Any, info: Any) -> str | None:
@@ -122,7 +81,7 @@ def module_args(mq: ModuleQuant) -> tuple[Any, Any]:
     from compressed_tensors.quantization import QuantizationArgs
 
     if mq.rotation is not None:
-        raise FFNQuantError(f"{mq.module} ({mq.recipe}) cannot be written as {FORMAT_NAME}: {_ROTATE_WHY}. "
+        raise FFNQuantError(f"{mq.module} ({mq.recipe}) cannot be written as {FORMAT_NAME}: {ROTATE_WHY}. "
                             f"Supported: {SUPPORTED}")
     weights = None
     g = mq.grid
@@ -132,7 +91,7 @@ def module_args(mq: ModuleQuant) -> tuple[Any, Any]:
             weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy)
         elif strategy == "group" and not g.symmetric:
             # asymmetric groups as blocks of one row by a group: the one layout of them transformers loads back
-            # (its zero points stored unpacked, [out, groups]; see ASYMMETRIC_INT4_LAYOUT)
+            # (its zero points stored unpacked, [out, groups]; see the asymmetric 4-bit note in ffnquant.backends)
             weights = QuantizationArgs(num_bits=g.bits, type="int", symmetric=False, strategy="block",
                                        block_structure=[1, g.group_size])
         else:

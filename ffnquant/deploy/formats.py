@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ..backends import supports
 from ..errors import FFNQuantError, unknown_choice
 
 __all__ = ["FORMATS", "get_format", "recipe_refusals"]
@@ -26,7 +27,8 @@ def get_format(name: str) -> str:
 
 def recipe_refusals(fmt: str, info: Any, recipes: Sequence[Any]) -> dict[Any, str]:
     """{recipe: why} for each of `recipes` that `export --format fmt` cannot write on `info`'s model (one line
-    each, the format's own refusal), decided from the recipes alone. FFNQuantError when the format refuses the
+    each, the format's own refusal: the backend registry's answer, `backends.supports`), decided from the recipes
+    alone. FFNQuantError when the format refuses the
     model itself, whatever the recipes: every plan of it would end in a refused export."""
     fmt = get_format(fmt)
     if fmt == "compressed-tensors":
@@ -37,7 +39,7 @@ def recipe_refusals(fmt: str, info: Any, recipes: Sequence[Any]) -> dict[Any, st
         why = deployable_refusal(info, fmt) or (None if ok else missing)
         if why is not None:
             raise FFNQuantError(f"format {fmt}: {why}")
-        refusal = lambda recipe: ctensors.recipe_refusal(recipe, info.spec)  # noqa: E731
+        refusal = lambda recipe: supports(fmt, recipe, info.spec).why  # noqa: E731
     else:
         from .onnx_model import recipe_refuser
 

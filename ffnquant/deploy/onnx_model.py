@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..backends import register_backend, supports
 from ..errors import FFNQuantError, first_line
 from ..export import DEFAULT_OPSET
 from .onnx_decoder import compare_outputs, float_tolerance, quiet
@@ -87,60 +88,55 @@ def graph_refusal(info: Any) -> str | None:
 
 def recipe_refuser(info: Any) -> Callable[[Any], str | None]:
     """recipe -> why `export --format onnx` cannot write it as planned on `info`'s model (one line), None when it
-    can; decided from the recipe alone. Where the model gets its whole graph (`graph_refusal` is None), what the
-    graph's rewrite refuses (`module_kind`, on the matmuls the recipe quantizes); where it does not, a recipe
-    without a per-layer artifact (its layers would have no file)."""
-    from ..onnxquant import artifact_kind
-
+    can; decided from the recipe alone. Where the model gets its whole graph (`graph_refusal` is None), the
+    onnx-graph backend's answer (what the graph's rewrite refuses, `module_kind`); where it does not, a recipe
+    without a per-layer artifact (the onnx-artifact backend's: its layers would have no file)."""
     graph_why = graph_refusal(info)  # once: it reads the machine's memory
 
     def refusal(recipe: Any) -> str | None:
         if graph_why is not None:
-            kind, why = artifact_kind(recipe.resolve())
-            return None if kind is not None else (f"recipe {recipe} has no per-layer ONNX artifact ({why}) and this "
-                                                  f"model gets no whole-model graph ({graph_why})")
-        try:
-            for m in _recipe_modules(recipe, info.spec):
-                module_kind(m)
-        except FFNQuantError as exc:
-            # module_kind names the matmul and the recipe; the recipe leads this line already
-            said = str(exc).replace(f" (recipe {recipe})", "")
-            return f"recipe {recipe} cannot be written in the whole-model ONNX graph: {said}"
-        return None
+            art = supports("onnx-artifact", recipe)
+            return None if art.ok else (f"recipe {recipe} has no per-layer ONNX artifact ({art.note}) and this "
+                                        f"model gets no whole-model graph ({graph_why})")
+        return supports("onnx-graph", recipe, info.spec).why
 
     return refusal
 
 
+def _graph_support(recipe: Any, spec: Any) -> tuple[str | None, str]:
+    """The onnx-graph backend's decision: what the rewrite writes for each FFN matmul under `recipe`, or why not."""
+    try:
+        kinds = {m.weight: module_kind(m) for m in _recipe_modules(recipe, spec)}
+    except FFNQuantError as exc:
+        # module_kind names the matmul and the recipe; the recipe leads this line already
+        said = str(exc).replace(f" (recipe {recipe})", "")
+        return None, f"recipe {recipe} cannot be written in the whole-model ONNX graph: {said}"
+    return ",".join(sorted(set(kinds.values()))), ", ".join(f"{w}: {k}" for w, k in kinds.items())
+
+
 def _recipe_modules(recipe: Any, spec: Any) -> list[Any]:
-    """The `ModuleQuant`s a layer under `recipe` would get, with stand-in numbers: every field `module_kind` reads
-    (grid kind, bits, granularity, group, zero points, input mode and range) is the recipe's, as
-    `fakequant.weight_grid` and `deploy.planned` set them. FFNQuantError for weights without a grid."""
-    from ..fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
-    from ..schemes import ActMode, Granularity, Method, WeightDType
+    """The `ModuleQuant`s a layer under `recipe` would get: each weight's grid is what the scheme's method handler
+    makes of a small stand-in weight of the layer's input width (`methods.quantize_linear`), the input quantizer
+    a stand-in range of the scheme's integer type. FFNQuantError for weights without a grid."""
+    from ..fakequant import WEIGHT_INPUT_SITE, SiteRange
+    from ..methods import handler_for, quantize_linear
+    from ..schemes import ActMode
     from .planned import ModuleQuant
 
     scheme = recipe.resolve()
     weights, sites = recipe.quantized_parts(spec)
-    wd, gran = scheme.weight_dtype, scheme.weight_granularity
     out = []
     for weight in spec.weight_names:
         site = WEIGHT_INPUT_SITE[weight]
         grid = None
-        if weight in weights and not wd.is_float:
-            if wd in (WeightDType.NF4, WeightDType.FP4) or scheme.method is Method.HQQ:
-                what = "HQQ's float zero points" if scheme.method is Method.HQQ else f"bitsandbytes' {wd.value} codes"
-                raise FFNQuantError(f"its weights have no integer or fp8 grid ({what})")
+        if weight in weights and not scheme.weight_dtype.is_float:
             width = spec.d_model if site == "input" else spec.d_ff
-            if wd is WeightDType.FP8_E4M3:
-                grid = WeightGrid("fp8", 8, gran.value, True, torch.ones(()), None)
-            else:
-                bits = 8 if wd is WeightDType.INT8 else 4
-                group = scheme.group_size if gran is Granularity.PER_GROUP else (width if bits == 4 else None)
-                if bits == 4 and gran is Granularity.PER_TENSOR and scheme.method is not Method.GPTQ:
-                    group = None  # the per-tensor RTN grid: no groups
-                zp = torch.zeros(()) if scheme.weight_symmetric else torch.ones(())
-                grid = WeightGrid("int", bits, gran.value, scheme.weight_symmetric, torch.ones(()), zp.to(torch.int32),
-                                  group)
+            stand_in = torch.linspace(-1.0, 1.0, 2 * width).reshape(2, width)
+            # a method that reads calibration data (GPTQ, AWQ) chooses other codes on round-to-nearest's grid
+            grid_of = scheme.with_(method="rtn") if handler_for(scheme).needs_hessians else scheme
+            grid = quantize_linear(stand_in, grid_of).grid
+            if grid is None:
+                raise FFNQuantError(f"its weights have no integer or fp8 grid ({_no_grid_why(scheme)})")
         mode = None
         if site in sites and not scheme.act_dtype.is_float:
             mode = "dynamic" if scheme.act_mode is ActMode.DYNAMIC else "static"
@@ -151,6 +147,16 @@ def _recipe_modules(recipe: Any, spec: Any) -> list[Any]:
         out.append(ModuleQuant(module=weight, layer="", index=0, weight=weight, site=site, recipe=str(recipe),
                                scheme=scheme, grid=grid, input_mode=mode, input_range=rng))
     return out
+
+
+def _no_grid_why(scheme: Any) -> str:
+    from ..schemes import Method
+
+    return "HQQ's float zero points" if scheme.method is Method.HQQ else f"bitsandbytes' {scheme.weight_dtype.value} codes"
+
+
+register_backend("onnx-graph", "the whole causal LM as one ONNX graph with its FFN matmuls rewritten (QDQ, per-token "
+                 "MatMulInteger, MatMulNBits)", _graph_support)
 
 
 # --- export ------------------------------------------------------------------------------------------

@@ -1,13 +1,12 @@
 """The FFN matmuls of an exported causal LM graph rewritten as its plan quantized them (see `deploy.onnx_model`).
 
-Each FFN MatMul is found by its weight's value, and its integer codes are recovered from the `ModuleQuant`
-grid (checked to give the weight back): nothing is quantized twice. What each matmul becomes is
+Each FFN MatMul is found by name (the module the exporter records on each node), and its integer codes are
+the method handler's own (`ModuleQuant.codes`, checked to give the weight back): nothing is quantized twice. What each matmul becomes is
 `module_kind`; `quantize_graph` writes the rewritten graph.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import Counter
 from typing import Any, Sequence
@@ -69,21 +68,22 @@ def module_kind(m: Any) -> str:
 
 
 def _codes(m: Any, w: torch.Tensor) -> torch.Tensor:
-    """The integer codes of the planned weight `w` [out, in] on its grid (signed, int32; [out, K'] for groups),
-    checked to give `w` back: the grid is what the model was quantized to, so any miss means a wrong graph."""
-    grid = m.grid
+    """The integer codes of the planned weight `w` [out, in] (signed, int32; [out, K'] for groups): the method
+    handler's own (`ModuleQuant.codes`), checked to give `w` back: the grid is what the model was quantized to, so
+    any miss means a wrong graph. Nothing is rounded again."""
+    grid, q = m.grid, m.codes
+    if q is None:
+        raise FFNQuantError(f"{m.module}: the planned module carries no integer codes; was it built by "
+                            "build_planned_model?")
     scale, zp = grid.scale.float(), grid.zero_point.to(torch.int32)
     out_f, in_f = w.shape
     if grid.granularity == "per_group":
         g = grid.group_size
-        groups = scale.shape[1]
-        w = torch.cat([w, w.new_zeros(out_f, groups * g - in_f)], 1)  # padded columns: code = zero point
         scale, zp = scale.repeat_interleave(g, 1), zp.repeat_interleave(g, 1)
     else:
         scale, zp = scale.reshape(-1, 1) if scale.ndim else scale, zp.reshape(-1, 1) if zp.ndim else zp
-    q = torch.clamp(torch.round(w / scale) + zp, grid.qmin, grid.qmax).to(torch.int32)
     back = ((q - zp).float() * scale)[:, :in_f]
-    err = float((back - w[:, :in_f]).abs().max())
+    err = float((back - w).abs().max())
     # exactly on the grid: (code - zp) * scale is the very product that made the weight
     if err > 1e-6 * float(scale.abs().max()):
         raise FFNQuantError(f"{m.module}: the model's weight is not on its {grid.bits}-bit grid (off by {err:.3g}); "
@@ -94,38 +94,41 @@ def _codes(m: Any, w: torch.Tensor) -> torch.Tensor:
 # --- the rewrite -------------------------------------------------------------------------------------
 
 def _find_matmuls(proto: Any, planned: Any) -> dict[str, tuple[Any, Any]]:
-    """{module: (MatMul node, its [in, out] weight initializer)}, matched by value with the planned model's
-    weights (the exporter names initializers val_N): robust to names, exact because the export copies them."""
-    from onnx import numpy_helper
+    """{module: (MatMul node, its [in, out] weight initializer)}, found by name: torch's exporter records on every
+    node the modules it came from (`pkg.torch.onnx.name_scopes`, full names under the export wrapper's own
+    prefix, e.g. 'model.model.layers.3.mlp.down_proj' for 'model.layers.3.mlp.down_proj')."""
+    import ast
 
     inits = {i.name: i for i in proto.graph.initializer}
     uses = Counter(x for n in proto.graph.node for x in n.input)
-    by_hash: dict[str, list[tuple[Any, Any]]] = {}
+    wanted = {m.module for m in planned.modules}
+    found: dict[str, tuple[Any, Any]] = {}
     for node in proto.graph.node:
-        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in inits:
-            arr = numpy_helper.to_array(inits[node.input[1]])
-            if arr.ndim == 2 and arr.dtype == np.float32:
-                key = hashlib.sha1(np.ascontiguousarray(arr).tobytes()).hexdigest()
-                by_hash.setdefault(key, []).append((node, inits[node.input[1]]))
-    found, missing = {}, []
-    for m in planned.modules:
-        w = planned.model.get_submodule(m.module).weight.detach().float().T.contiguous().numpy()
-        hits = by_hash.get(hashlib.sha1(w.tobytes()).hexdigest(), [])
-        if len(hits) != 1:
-            if hits:
-                raise FFNQuantError(f"{m.module}: its weight is the weight of {len(hits)} matmuls in the graph; cannot tell "
-                                    "which one is this FFN's")
-            missing.append(m.module)
+        if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in inits:
             continue
-        node, init = hits[0]
-        if uses[init.name] != 1:
-            raise FFNQuantError(f"{m.module}: its weight initializer feeds {uses[init.name]} nodes; a shared weight "
-                                "cannot be rewritten for one of them")
-        found[m.module] = hits[0]
+        meta = {p.key: p.value for p in node.metadata_props}
+        try:
+            scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
+        except (ValueError, SyntaxError):
+            continue
+        if not scopes:
+            continue
+        # the innermost module scope (the last entry is the op itself): the Linear the MatMul computes
+        hits = [m for m in wanted for scope in scopes[-2:] if scope == m or scope.endswith("." + m)]
+        for module in hits:
+            if module in found:
+                raise FFNQuantError(f"{module}: two MatMul nodes of the graph come from it; cannot tell which one "
+                                    "is this FFN's")
+            init = inits[node.input[1]]
+            if uses[init.name] != 1:
+                raise FFNQuantError(f"{module}: its weight initializer feeds {uses[init.name]} nodes; a shared weight "
+                                    "cannot be rewritten for one of them")
+            found[module] = (node, init)
+    missing = [m.module for m in planned.modules if m.module not in found]
     if missing:
         raise FFNQuantError(f"could not find the matmul(s) of {', '.join(missing[:3])}"
-                            f"{' and more' if len(missing) > 3 else ''} in the graph (weights not stored as [in, out] "
-                            "MatMul initializers)")
+                            f"{' and more' if len(missing) > 3 else ''} in the graph (no MatMul with a weight "
+                            "initializer names them in pkg.torch.onnx.name_scopes)")
     return found
 
 
@@ -296,8 +299,9 @@ def quantize_graph(float_path: str | os.PathLike, planned: Any, out_path: str | 
         elif kind == "nbits":  # MatMulNBits' unsigned layout: codes and zero points + 8
             g = m.grid.group_size
             blocks = q.shape[1] // g
-            new, inits = _nbits_node(node, prefix, q + 8, m.grid.scale.float().reshape(-1, blocks, 1),
-                                     (m.grid.zero_point + 8).reshape(-1, blocks, 1), g, m.grid.symmetric, w.shape[1])
+            new, inits = _nbits_node(node, prefix, q + 8, m.grid.scale.float().reshape(-1, blocks),
+                                     None if m.grid.symmetric else (m.grid.zero_point + 8).reshape(-1, blocks), g,
+                                     w.shape[1])
             rw.replace[id(node)] = [new]
             rw.inits += inits
         else:

@@ -47,6 +47,9 @@ class ModuleQuant:
     input_mode: str | None
     input_range: SiteRange | None
     rotation: BlockHadamard | None = None
+    # the integer codes on `grid` (signed int32, [out, in] or [out, K'] for groups), as the method handler made them
+    # (`QuantizedLinear.codes`): what the writers store, never derived again; None for float and fp8 weights
+    codes: torch.Tensor | None = None
 
     @property
     def quantized(self) -> bool:
@@ -159,7 +162,8 @@ def _merge_fused(quants: list[ModuleQuant], names: Mapping[str, str]) -> list[Mo
             if ga.scale.dim() > 0:
                 zp = None if ga.zero_point is None else torch.cat([ga.zero_point, gb.zero_point])
                 grid = dataclasses.replace(ga, scale=torch.cat([ga.scale, gb.scale]), zero_point=zp)
-        out.append(dataclasses.replace(a, weight="+".join(mq.weight for mq in parts), grid=grid))
+        codes = None if a.codes is None or b.codes is None else torch.cat([a.codes, b.codes])
+        out.append(dataclasses.replace(a, weight="+".join(mq.weight for mq in parts), grid=grid, codes=codes))
     return out
 
 
@@ -177,10 +181,13 @@ def _module_quants(label: str, index: int, recipe: Any, qffn: Any, names: Mappin
         mode = None
         if site in qffn.quantized_sites and not scheme.act_dtype.is_float:
             mode = "dynamic" if scheme.act_mode is ActMode.DYNAMIC else "static"
+        quantized = weight in qffn.quantized_weights
+        ql = qffn.linears.get(weight) if quantized else None
         out.append(ModuleQuant(module=names[weight], layer=label, index=index, weight=weight, site=site,
-                               recipe=str(recipe), scheme=scheme, grid=grid if weight in qffn.quantized_weights else None,
+                               recipe=str(recipe), scheme=scheme, grid=grid if quantized else None,
                                input_mode=mode, input_range=qffn.ranges.get(site) if mode == "static" else None,
-                               rotation=rotation if site == "hidden" else None))
+                               rotation=rotation if site == "hidden" else None,
+                               codes=ql.codes if ql is not None and grid is not None and grid.kind == "int" else None))
     return out
 
 

@@ -111,13 +111,23 @@ def _expand(t: torch.Tensor, grid: WeightGrid, shape: torch.Size) -> torch.Tenso
     return t.repeat_interleave(int(grid.group_size), dim=1)[:, :shape[1]]
 
 
-def _rounded_grid(w: torch.Tensor, grid: WeightGrid, dtype: torch.dtype) -> tuple[torch.Tensor, WeightGrid]:
-    """(weight in `dtype`, grid) with the grid's scale rounded to `dtype` and the codes of `w` kept."""
+def _crop(codes: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Codes [out, K'] (a group grid's padded columns) cropped to the weight's [out, in]."""
+    return codes[:, : shape[1]]
+
+
+def _rounded_grid(w: torch.Tensor, grid: WeightGrid, dtype: torch.dtype,
+                  int_codes: torch.Tensor | None = None) -> tuple[torch.Tensor, WeightGrid]:
+    """(weight in `dtype`, grid) with the grid's scale rounded to `dtype` and the codes of `w` kept: `int_codes`
+    (the method handler's, `QuantizedLinear.codes`) where given, else read off `w` on its grid."""
     scale = grid.scale.float()
     low = scale.to(dtype).float()
     s, s_low = _expand(scale, grid, w.shape), _expand(low, grid, w.shape)
     if grid.kind == "fp8":
         codes = (w.float() / s).to(torch.float8_e4m3fn).float()  # the e4m3 values w was rounded to
+    elif int_codes is not None:
+        zp = grid.zero_point if grid.zero_point is not None else torch.zeros_like(scale, dtype=torch.int32)
+        codes = (_crop(int_codes, w.shape) - _expand(zp.float(), grid, w.shape)).float()
     else:
         zp = grid.zero_point if grid.zero_point is not None else torch.zeros_like(scale, dtype=torch.int32)
         z = _expand(zp.float(), grid, w.shape)
@@ -179,11 +189,16 @@ def in_dtype(qffn: Any, dtype: torch.dtype) -> Any:
     src = qffn.model
     grids: dict[str, WeightGrid] = {}
     weights: dict[str, torch.Tensor] = {}
+    linears = {}
     with torch.no_grad():
         for name in src.spec.weight_names:
             w = getattr(src, name).weight
             if name in qffn.weight_grids:
-                weights[name], grids[name] = _rounded_grid(w, qffn.weight_grids[name], dtype)
+                ql = qffn.linears.get(name)
+                weights[name], grids[name] = _rounded_grid(w, qffn.weight_grids[name], dtype,
+                                                           None if ql is None else ql.codes)
+                if ql is not None:  # the same codes on the rounded grid
+                    linears[name] = dataclasses.replace(ql, weight=weights[name].float(), grid=grids[name])
             else:
                 weights[name] = w.to(dtype)
         ffn = FFN(src.spec, dtype=dtype)
@@ -195,7 +210,7 @@ def in_dtype(qffn: Any, dtype: torch.dtype) -> Any:
     ffn.input_transform = copy.deepcopy(src.input_transform)  # each casts to its input's dtype
     ffn.hidden_transform = copy.deepcopy(src.hidden_transform)
     ranges = {site: _rounded_range(r, dtype) for site, r in qffn.ranges.items()}
-    out = QuantizedFFN(ffn.eval(), qffn.scheme, ranges, qffn.quantized_weights, (), qffn.remedies, grids)
+    out = QuantizedFFN(ffn.eval(), qffn.scheme, ranges, qffn.quantized_weights, (), qffn.remedies, grids, linears)
     out.quantized_sites = tuple(qffn.quantized_sites)
     for site in out.quantized_sites:
         fn = _input_quantizer(qffn.scheme, ranges.get(site), dtype)

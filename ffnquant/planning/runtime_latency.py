@@ -41,35 +41,10 @@ def check_runtimes(names: Sequence[str]) -> list[Runtime]:
 
 
 def runtime_format(recipe: Recipe, runtime: Runtime) -> tuple[str | None, str]:
-    """(the runtime format whose kernel serves `recipe`, a note) or (None, why the runtime cannot serve it)."""
-    if recipe.rotate:
-        return None, f"+rotate needs an online Hadamard transform of the hidden, which {runtime.name} does not run"
-    if recipe.keep_float:
-        return None, (f"+float={recipe.keep_float} mixes a float projection with quantized ones; {runtime.name} "
-                      "runs one format per FFN")
-    fmt = recipe.scheme
-    if recipe.is_float and runtime.device == "cuda":
-        fmt = "bf16"  # a GPU serves the float model in bf16, not float32: the baseline a quantized kernel must beat
-    method = None
-    if fmt not in runtime.formats:
-        fmt, method = _same_grid(recipe.resolve(), runtime.formats), recipe.resolve().method.value
-        if fmt is None:
-            return None, f"{runtime.name} has no kernel for {recipe.scheme} (its formats: {', '.join(runtime.formats)})"
-    folded = [part for part, on in (("smooth", recipe.smooth is not None), (f"@{recipe.calibrator}", recipe.calibrator),
-                                    (method, method)) if on]
-    note = f"timed as {fmt}" + (f" ({', '.join(folded)}: other stored values, the same kernel)" if folded else "")
-    return fmt, note
-
-
-def _same_grid(scheme: Any, formats: Sequence[str]) -> str | None:
-    """The format storing `scheme`'s grid by plain rounding: GPTQ, AWQ or HQQ choose other codes on the same grid
-    (scales, zero points, group), which the same kernel runs; None when no format has that grid."""
-    from ..schemes import PRESETS, Method
-
-    grid = lambda s: (s.weight_dtype, s.weight_granularity, s.group_size, s.weight_symmetric, s.act_dtype,  # noqa: E731
-                      s.act_mode, s.act_symmetric)
-    return next((f for f in formats if f in PRESETS and PRESETS[f].method is Method.RTN
-                 and grid(PRESETS[f]) == grid(scheme)), None)
+    """(the runtime format whose kernel serves `recipe`, a note) or (None, why the runtime cannot serve it): the
+    runtime's own answer (`Runtime.serves`, what `backends.supports(runtime.name, recipe)` asks too), from the
+    very adapter the table times."""
+    return Runtime.serves(runtime, recipe)  # it reads only the runtime's name, device and formats
 
 
 def measure_runtime_table(layer: Any, recipes: Sequence[Recipe], runtimes: Sequence[Runtime], workload: Workload,

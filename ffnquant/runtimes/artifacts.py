@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from ..atomic import process_scratch
+from ..backends import supports
 from ..errors import FFNQuantError
 from .base import ModelCase
 
@@ -59,7 +60,8 @@ def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
     from ..schemes import get_scheme
 
     scheme = get_scheme(case.scheme)
-    kind, why = onnxquant.artifact_kind(scheme)
+    support = supports("onnx-artifact", scheme)
+    kind, why = support.kind, support.note
     if kind is None:
         raise FFNQuantError(f"scheme {case.scheme!r} has no onnxruntime artifact: {why}")
     fp32_path = onnx_artifact(dataclasses.replace(case, scheme="fp32", onnx_path=None, workdir=path.parent))

@@ -12,7 +12,7 @@ import abc
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -202,6 +202,17 @@ def check_input(x: np.ndarray, spec: FFNSpec) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
+def _same_grid(scheme: Any, formats: Sequence[str]) -> str | None:
+    """The format storing `scheme`'s grid by plain rounding: GPTQ, AWQ or HQQ choose other codes on the same grid
+    (scales, zero points, group), which the same kernel runs; None when no format has that grid."""
+    from ..schemes import Method
+
+    grid = lambda s: (s.weight_dtype, s.weight_granularity, s.group_size, s.weight_symmetric, s.act_dtype,  # noqa: E731
+                      s.act_mode, s.act_symmetric)
+    return next((f for f in formats if f in PRESETS and PRESETS[f].method is Method.RTN
+                 and grid(PRESETS[f]) == grid(scheme)), None)
+
+
 class Runtime(abc.ABC):
     """One backend on one device. Subclasses set `name`, `device`, `description`, `baseline`."""
 
@@ -229,6 +240,30 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def formats(self) -> tuple[str, ...]:
         """Format names this runtime can load (on this machine's backend version)."""
+
+    def serves(self, recipe: Any) -> tuple[str | None, str]:
+        """(the format whose kernel serves `recipe` here, a note) or (None, why this runtime cannot serve it): this
+        runtime's answer in the backend registry (`ffnquant.backends.supports`), from the recipe alone.
+
+        Remedies that fold into the weights or the preceding norm (smooth, AWQ, a calibrator) run the scheme's
+        kernel; GPTQ, AWQ or HQQ weights run the kernel of the plain-rounding preset on the same grid."""
+        if recipe.rotate:
+            return None, f"+rotate needs an online Hadamard transform of the hidden, which {self.name} does not run"
+        if recipe.keep_float:
+            return None, (f"+float={recipe.keep_float} mixes a float projection with quantized ones; {self.name} "
+                          "runs one format per FFN")
+        fmt = recipe.scheme
+        if recipe.is_float and self.device == "cuda":
+            fmt = "bf16"  # a GPU serves the float model in bf16, not float32: the baseline a quantized kernel must beat
+        method = None
+        if fmt not in self.formats:
+            fmt, method = _same_grid(recipe.resolve(), self.formats), str(recipe.resolve().method)
+            if fmt is None:
+                return None, f"{self.name} has no kernel for {recipe.scheme} (its formats: {', '.join(self.formats)})"
+        folded = [part for part, on in (("smooth", recipe.smooth is not None), (f"@{recipe.calibrator}", recipe.calibrator),
+                                        (method, method)) if on]
+        note = f"timed as {fmt}" + (f" ({', '.join(folded)}: other stored values, the same kernel)" if folded else "")
+        return fmt, note
 
     def check(self, case: ModelCase) -> None:
         """Raise FFNQuantError if `case` cannot run here (format, sizes) before any heavy work."""

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import FFNQuantError
+from ..schemes import ActDType
 from ..ortcpu import int8_kernels, saturating, session_entries
 from .artifacts import onnx_artifact, onnx_weight_bytes
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
@@ -31,16 +32,28 @@ from ..atomic import ScratchFolder, process_scratch
 __all__ = ["OrtRuntime", "PROVIDERS", "ORT_FORMATS", "captured_native_output"]
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "trt": "TensorrtExecutionProvider"}
-# What ffnquant.onnxquant writes: QDQ int8 (w8a16, w8a8 U8S8, w8a8-s8), MatMulNBits
-# (w4a16-g*, symmetric or -asym with zero points) and MatMulBnb4 (nf4, fp4), each with the
-# preset's own codes and scales. Per-token dynamic int8 has no QDQ form.
-_NBITS = ("w4a16-g32", "w4a16-g64", "w4a16-g128", "w4a16-g32-asym", "w4a16-g64-asym", "w4a16-g128-asym")
-ORT_FORMATS = {
-    "cpu": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", *_NBITS, "nf4", "fp4"),
-    "cuda": ("fp32", "fp16", "w8a16", "w8a8", "w8a8-s8", *_NBITS, "nf4", "fp4"),
-    # TensorRT takes explicit (QDQ) int8 only with symmetric activations: S8S8.
-    "trt": ("fp32", "fp16", "w8a8-s8"),
-}
+
+
+def _ort_formats(provider: str) -> tuple[str, ...]:
+    """The presets this provider runs: those the onnx-artifact backend writes (QDQ int8, MatMulNBits, MatMulBnb4,
+    the float exports) by plain rounding (GPTQ, AWQ and HQQ choose other codes on the same grids, which
+    `Runtime.serves` maps to these kernels), by artifact kind, symmetric before asymmetric. TensorRT takes
+    explicit (QDQ) int8 only with symmetric int8 activations (S8S8), and no contrib ops."""
+    from ..backends import ARTIFACT_KINDS, artifact_kind
+    from ..schemes import PRESETS, Method
+
+    rows = []
+    for i, (name, scheme) in enumerate(PRESETS.items()):
+        kind, _ = artifact_kind(scheme)
+        if kind is None or scheme.method is not Method.RTN or scheme.no_reference_reason is not None:
+            continue
+        if provider == "trt" and not (kind in ("fp32", "fp16") or (kind == "qdq" and scheme.act_dtype is ActDType.INT8)):
+            continue
+        rows.append((ARTIFACT_KINDS.index(kind), not scheme.weight_symmetric, i, name))
+    return tuple(name for *_, name in sorted(rows))
+
+
+ORT_FORMATS = {provider: _ort_formats(provider) for provider in PROVIDERS}
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
