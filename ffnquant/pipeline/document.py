@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from ..recommend import Point
 from ..report import SCHEMA_NAME, SCHEMA_VERSION
 from .config import RunConfig
 from .findings import ort_baseline_summary
@@ -14,7 +15,7 @@ __all__ = ["build_document"]
 def build_document(
     config: RunConfig, command: str, source: Any, model_doc: Mapping[str, Any] | None, ranges: Mapping[str, Any],
     claims: Sequence[dict], rows: Sequence[dict], ort_baselines: Sequence[dict], artifacts: Sequence[dict],
-    findings: Sequence[dict], missing: Sequence[dict], latency: Mapping[str, Any], recommendations: Sequence[dict],
+    findings: Sequence[dict], missing: Sequence[dict], latency: Mapping[str, Any], points: Sequence[Point], recommendations: Sequence[dict],
     pareto: Sequence[dict], timed_claims: Sequence[dict], stages: Mapping[str, float], wall_s: float,
 ) -> dict[str, Any]:
     """The JSON document `report.write_report` renders (schema `ffnquant-report` v1)."""
@@ -50,6 +51,7 @@ def build_document(
             "wall_s": round(wall_s, 3),
             "stages": {k: round(v, 3) for k, v in stages.items()},
             "latency": latency,
+            "points": [p.to_dict() for p in points],
             "recommendations": list(recommendations),
             "pareto": list(pareto),
             "claims": list(timed_claims),

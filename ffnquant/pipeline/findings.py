@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from ..recipe import Recipe
+from ..recommend import Point
 from .config import RunConfig
 
 __all__ = ["range_section", "compact_histogram", "activation_time_claim", "recommendations", "findings",
@@ -106,29 +107,10 @@ def activation_time_claim(model: Any, tokens: Any, repeats: int = 7) -> dict[str
     }
 
 
-def recommendations(config: RunConfig, cases: Sequence[dict], rows: Sequence[dict]) -> tuple[list[dict], list[dict]]:
-    """(recommendations, Pareto fronts) from the latency cases paired with the accuracy rows of the same recipe."""
-    from ..recommend import Point, pareto_front, recommend_all
+def recommendations(config: RunConfig, points: Sequence[Point]) -> tuple[list[dict], list[dict]]:
+    """(recommendations, Pareto fronts) from the run's latency x accuracy points (`recommend.join_points`)."""
+    from ..recommend import pareto_front, recommend_all
 
-    acc_index = {(r["variant"], r["scheme"]): r for r in rows}
-    points = []
-    for c in cases:
-        if c.get("error") is not None or not c.get("median_s"):
-            continue
-        row = acc_index.get((c["variant"], c["scheme"]))
-        if c["scheme"] == config.baseline:
-            sqnr = None
-        elif row is not None and row["status"] == "ok" and row["sqnr_db"] is not None:
-            sqnr = row["sqnr_db"]
-            if c.get("disagrees_with_reference") and c.get("sqnr_db") is not None:
-                # this runtime computes something else than the recipe here (a saturating int8 kernel, its note
-                # says): what it delivers is its own figure, not the reference's
-                sqnr = c["sqnr_db"]
-        else:
-            continue
-        points.append(Point(c["variant"], c["scheme"], c["runtime"], c["tokens"], c["median_s"], sqnr,
-                            row["label"] if row else c["scheme"], p10_s=c.get("p10_s") or None,
-                            p90_s=c.get("p90_s") or None, suspect=c.get("suspect")))
     recs = [r.to_dict() for r in recommend_all(points, config.target_db, config.baseline)]
     groups: dict[tuple, list] = {}
     for p in points:

@@ -27,6 +27,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     from ..data import calibration_and_eval
     from ..model import build
     from ..observe import profile
+    from ..recommend import join_points
     from ..report import write_report
     from . import findings as F
     from .latency import measure_latency, select_runtimes
@@ -119,7 +120,9 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
                     r["error"] = f"{model_part.latency['layer']}: {errors[r['name']]}"
 
         # --- recommendations, findings and the document ---------------------------------------------
-        recs, pareto = F.recommendations(config, latency["cases"], rows)
+        # the one latency x accuracy join: stored in the document, the report renders these points
+        points = join_points(latency["cases"], rows, config.baseline)
+        recs, pareto = F.recommendations(config, points)
         model_doc = model_part.doc if model_part is not None else None
         found = F.findings(config, ranges, rows, recipes, model_doc)
         for a in artifacts:  # the paths the files will have once moved into place
@@ -127,7 +130,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
         from .document import build_document
 
         doc = build_document(config, command, source, model_doc, ranges, claims, rows, ort_baselines, artifacts,
-                             found, missing, latency, recs, pareto, timed_claims, stages.seconds,
+                             found, missing, latency, points, recs, pareto, timed_claims, stages.seconds,
                              time.perf_counter() - t_start)
         paths = write_report(doc, out_reports)
         paths["config"] = write_text(out_reports / "run.toml", config.to_toml())
