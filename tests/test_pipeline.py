@@ -91,7 +91,7 @@ def test_recommendations_use_the_cases_spread(p90_ms, choice):
     cases = [dict(case, scheme="fp32", median_s=1e-3, p10_s=0.9e-3, p90_s=1.1e-3),
              dict(case, scheme="w8a8", median_s=0.8e-3, p10_s=0.7e-3, p90_s=p90_ms * 1e-3)]
     rows = [{"variant": "relu", "scheme": "w8a8", "status": "ok", "sqnr_db": 40.0, "label": "w8a8"}]
-    recs, _ = recommendations(cfg, join_points(cases, rows, cfg.baseline))
+    recs, _ = recommendations(join_points(cases, rows, cfg.baseline), target_db=cfg.target_db, baseline=cfg.baseline)
     assert [r["choice"] for r in recs] == [choice]
 
 
@@ -107,7 +107,7 @@ def test_recommendations_leave_out_suspect_cases(suspect, choice):
     cases = [dict(case, scheme="fp32", median_s=1e-3, p10_s=0.9e-3, p90_s=1.1e-3, suspect=None),
              dict(case, scheme="w8a8", median_s=0.5e-3, p10_s=0.45e-3, p90_s=0.55e-3, suspect=suspect)]
     rows = [{"variant": "relu", "scheme": "w8a8", "status": "ok", "sqnr_db": 40.0, "label": "w8a8"}]
-    recs, _ = recommendations(cfg, join_points(cases, rows, cfg.baseline))
+    recs, _ = recommendations(join_points(cases, rows, cfg.baseline), target_db=cfg.target_db, baseline=cfg.baseline)
     assert [r["choice"] for r in recs] == [choice]
 
 

@@ -9,7 +9,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..recipe import Recipe
 from ..recommend import Point
-from .config import RunConfig
 
 __all__ = ["range_section", "compact_histogram", "activation_time_claim", "recommendations", "findings",
            "ort_baseline_summary"]
@@ -107,11 +106,11 @@ def activation_time_claim(model: Any, tokens: Any, repeats: int = 7) -> dict[str
     }
 
 
-def recommendations(config: RunConfig, points: Sequence[Point]) -> tuple[list[dict], list[dict]]:
+def recommendations(points: Sequence[Point], *, target_db: float, baseline: str) -> tuple[list[dict], list[dict]]:
     """(recommendations, Pareto fronts) from the run's latency x accuracy points (`recommend.join_points`)."""
     from ..recommend import pareto_front, recommend_all
 
-    recs = [r.to_dict() for r in recommend_all(points, config.target_db, config.baseline)]
+    recs = [r.to_dict() for r in recommend_all(points, target_db, baseline)]
     groups: dict[tuple, list] = {}
     for p in points:
         groups.setdefault((p.variant, p.runtime, p.tokens), []).append(p)
@@ -120,26 +119,27 @@ def recommendations(config: RunConfig, points: Sequence[Point]) -> tuple[list[di
     return recs, pareto
 
 
-def findings(config: RunConfig, ranges: Mapping[str, Any], rows: Sequence[dict], recipes: Sequence[Recipe],
-             model_doc: Mapping[str, Any] | None) -> list[dict]:
-    """The report's findings: crest factor against int8 cost (synthetic family), remedy gains, the model's layers."""
+def findings(ranges: Mapping[str, Any], rows: Sequence[dict], recipes: Sequence[Recipe],
+             model_doc: Mapping[str, Any] | None, *, variants: Sequence[str]) -> list[dict]:
+    """The report's findings: crest factor against int8 cost (synthetic family, the run's `variants`), remedy
+    gains, the model's layers."""
     from ..recommend import crest_cost_finding
 
     out = []
     # the crest/cost relation is a claim about the synthetic family; a real model's layers get their own finding
     crest = {v: ranges["variants"][v]["sites"].get("hidden", {}).get("crest_factor") for v in ranges["variants"]
-             if v in config.variants}
+             if v in variants}
     crest = {v: c for v, c in crest.items() if c is not None}
     plain_static = next((r for r in recipes if r.scheme in STATIC_INT8 and not r.has_remedies), None)
     if plain_static is not None:
         sq = {r["variant"]: r["sqnr_db"] for r in rows if r["scheme"] == plain_static.name and r["sqnr_db"] is not None
-              and r["variant"] in config.variants}
+              and r["variant"] in variants}
         f = crest_cost_finding(crest, sq, scheme=plain_static.label)
         if f is not None:
             out.append(f)
     out += remedy_findings(rows, recipes)
     if model_doc is not None:
-        f = model_finding(model_doc, rows, recipes, config.variants, ranges["variants"])
+        f = model_finding(model_doc, rows, recipes, variants, ranges["variants"])
         if f is not None:
             out.append(f)
     return out
