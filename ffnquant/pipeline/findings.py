@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
-from typing import Any, Callable, Mapping, Sequence
+import time  # noqa: F401 - the clock timing.time_calls reads; tests replace its perf_counter through this module
+from typing import Any, Mapping, Sequence
 
 from ..recipe import Recipe
 from ..recommend import Point
@@ -71,20 +71,12 @@ def activation_time_claim(model: Any, tokens: Any, repeats: int = 7) -> dict[str
     import torch
 
     from ..latency import timing_suspect
-
-    def timed(fn: Callable[[], Any]) -> list[float]:
-        fn()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return samples
+    from ..timing import time_calls
 
     with torch.no_grad():
         pre = (model.w_gate if model.w_gate is not None else model.w_up)(tokens)
-        act = timed(lambda: model.activation(pre))
-        ffn = timed(lambda: model(tokens))
+        act = time_calls(lambda: model.activation(pre), repeats, warmup=1)
+        ffn = time_calls(lambda: model(tokens), repeats, warmup=1)
     t_act, t_ffn = statistics.median(act), statistics.median(ffn)
     (act_lo, act_hi), (ffn_lo, ffn_hi) = np.percentile(act, [10, 90]), np.percentile(ffn, [10, 90])
     share = t_act / t_ffn
