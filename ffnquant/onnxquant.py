@@ -411,13 +411,9 @@ def ort_latency_ms(
     exact_weight_only: bool = True, threads: int | None = None,
 ) -> float:
     """Median wall time (ms) of one session.run on a [1, tokens, d_model] input, CPU provider."""
+    from .timing import time_calls
+
     session = ort_session(path, threads=threads, exact_weight_only=exact_weight_only)
     x = np.random.default_rng(0).standard_normal((1, tokens, d_model)).astype(np.float16 if dtype == "fp16" else np.float32)
-    for _ in range(warmup):
-        session.run(None, {"input": x})
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        session.run(None, {"input": x})
-        times.append(time.perf_counter() - t0)
+    times = time_calls(lambda: session.run(None, {"input": x}), repeats, warmup=warmup)
     return float(np.median(times) * 1e3)

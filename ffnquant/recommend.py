@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_TARGET_DB",
     "Point",
     "Recommendation",
+    "join_points",
     "pareto_front",
     "beats",
     "recommend",
@@ -85,6 +86,37 @@ class Point:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Point":
+        """The point `to_dict` wrote (as stored in a run report's `timing.points`)."""
+        return cls(**dict(data))
+
+
+def join_points(cases: Iterable[Mapping[str, Any]], rows: Iterable[Mapping[str, Any]], baseline: str) -> list[Point]:
+    """The latency cases that ran, each paired with the accuracy row of its (variant, scheme): one Point per case.
+
+    The baseline is exact (SQNR None); a case without an accuracy figure is left out. Where a case disagrees
+    with the reference and carries its own SQNR (a saturating int8 kernel computes something other than the
+    recipe), what that runtime delivers is its own figure, not the recipe's.
+    """
+    acc = {(r["variant"], r["scheme"]): r for r in rows}
+    points = []
+    for c in cases:
+        if c.get("error") is not None or not c.get("median_s"):
+            continue
+        row = acc.get((c["variant"], c["scheme"]))
+        if c["scheme"] == baseline:
+            sqnr = None
+        elif row is not None and row.get("status") == "ok" and row.get("sqnr_db") is not None:
+            own = c.get("sqnr_db") if c.get("disagrees_with_reference") else None
+            sqnr = float(row["sqnr_db"] if own is None else own)
+        else:
+            continue
+        points.append(Point(c["variant"], c["scheme"], c["runtime"], c["tokens"], float(c["median_s"]), sqnr,
+                            row["label"] if row else c["scheme"], p10_s=c.get("p10_s") or None,
+                            p90_s=c.get("p90_s") or None, suspect=c.get("suspect")))
+    return points
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 if TYPE_CHECKING:
     from .runtimes.base import Loaded, Runtime
 
-__all__ = ["Timer", "WallTimer", "CudaEventTimer", "default_timer", "TimerFactory", "measure_copy_bandwidth"]
+__all__ = ["Timer", "WallTimer", "CudaEventTimer", "default_timer", "TimerFactory", "time_calls", "measure_copy_bandwidth"]
 
 
 # --- timers -------------------------------------------------------------------------------
@@ -66,6 +66,22 @@ def default_timer(runtime: "Runtime", loaded: "Loaded") -> Timer:
 
 
 TimerFactory = Callable[["Runtime", "Loaded"], Timer]
+
+
+def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 0, timer: Timer | None = None) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn` after `warmup` untimed ones (wall time unless `timer` is given).
+
+    The fixed-count loop beside `bench.measure`'s budgeted one, for callers outside the runtime adapters
+    (an onnxruntime session, a torch module, rounds interleaved across sessions)."""
+    timer = timer if timer is not None else WallTimer()
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        timer.start()
+        fn()
+        samples.append(timer.stop())
+    return samples
 
 
 # --- the roofline's bandwidth where no peak is tabled ---------------------------------------

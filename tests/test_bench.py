@@ -144,6 +144,26 @@ def test_wall_timer_synchronises_around_the_call():
     assert timer.stop() >= 0.0 and events == ["sync", "sync"]
 
 
+def test_time_calls_warms_up_untimed_then_times_each_call():
+    """The fixed-count loop the timings outside the runtime adapters share: warm-up calls are not timed."""
+    from ffnquant.timing import time_calls
+
+    events = []
+
+    class Recording:
+        def start(self):
+            events.append("start")
+
+        def stop(self):
+            events.append("stop")
+            return 0.5
+
+    samples = time_calls(lambda: events.append("call"), 2, warmup=1, timer=Recording())
+    assert samples == [0.5, 0.5]
+    assert events == ["call", "start", "call", "stop", "start", "call", "stop"]
+    assert len(time_calls(lambda: None, 3)) == 3 and all(t >= 0.0 for t in time_calls(lambda: None, 3))
+
+
 # --- roofline ---------------------------------------------------------------------------------
 def test_device_peaks_by_name():
     assert device_peaks("NVIDIA H200").name == "H200"

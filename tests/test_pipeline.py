@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from ffnquant import FFNSpec
 from ffnquant.errors import FFNQuantError
 from ffnquant.pipeline import RunConfig, load_config, run
+from ffnquant.report import validate_report
 from ffnquant.schemes import weight_bytes
 from ffnquant.recipe import Recipe
 
@@ -81,13 +84,14 @@ def test_recommendations_use_the_cases_spread(p90_ms, choice):
     """The run hands each case's p10/p90 to the recommender: a lower median inside the baseline's
     spread is no speedup (it used to read them from a key the cases do not have, and compared medians)."""
     from ffnquant.pipeline.findings import recommendations
+    from ffnquant.recommend import join_points
 
     cfg = RunConfig.tiny(schemes=("fp32", "w8a8"), runtimes=("none",))
     case = dict(variant="relu", runtime="ort-cpu", tokens=1, error=None)
     cases = [dict(case, scheme="fp32", median_s=1e-3, p10_s=0.9e-3, p90_s=1.1e-3),
              dict(case, scheme="w8a8", median_s=0.8e-3, p10_s=0.7e-3, p90_s=p90_ms * 1e-3)]
     rows = [{"variant": "relu", "scheme": "w8a8", "status": "ok", "sqnr_db": 40.0, "label": "w8a8"}]
-    recs, _ = recommendations(cfg, cases, rows)
+    recs, _ = recommendations(join_points(cases, rows, cfg.baseline), target_db=cfg.target_db, baseline=cfg.baseline)
     assert [r["choice"] for r in recs] == [choice]
 
 
@@ -96,14 +100,43 @@ def test_recommendations_use_the_cases_spread(p90_ms, choice):
 def test_recommendations_leave_out_suspect_cases(suspect, choice):
     """A case the bench flagged (too few samples, a ratio beyond the roofline) is never recommended."""
     from ffnquant.pipeline.findings import recommendations
+    from ffnquant.recommend import join_points
 
     cfg = RunConfig.tiny(schemes=("fp32", "w8a8"), runtimes=("none",))
     case = dict(variant="relu", runtime="ort-cpu", tokens=1, error=None)
     cases = [dict(case, scheme="fp32", median_s=1e-3, p10_s=0.9e-3, p90_s=1.1e-3, suspect=None),
              dict(case, scheme="w8a8", median_s=0.5e-3, p10_s=0.45e-3, p90_s=0.55e-3, suspect=suspect)]
     rows = [{"variant": "relu", "scheme": "w8a8", "status": "ok", "sqnr_db": 40.0, "label": "w8a8"}]
-    recs, _ = recommendations(cfg, cases, rows)
+    recs, _ = recommendations(join_points(cases, rows, cfg.baseline), target_db=cfg.target_db, baseline=cfg.baseline)
     assert [r["choice"] for r in recs] == [choice]
+
+
+def test_the_plot_shows_the_sqnr_the_recommendation_used(monkeypatch, tmp_path):
+    """A runtime that computes something other than the recipe (a saturating int8 kernel) is recommended at its
+    own SQNR; the report's accuracy-vs-latency plot re-joined the cases with the recipe's figure instead."""
+    from ffnquant.pipeline import latency as L
+    from ffnquant.report.view import _points
+
+    def fake_latency(*args, **kwargs):
+        case = dict(variant="relu", runtime="ort-cpu", tokens=1, error=None, disagrees_with_reference=None, sqnr_db=None)
+        return {"status": "ok", "reason": None, "primary_tokens": 1, "skipped": [],
+                "runtimes": [{"name": "ort-cpu", "available": True, "reason": "ok", "device": "cpu", "error": None}],
+                "cases": [dict(case, scheme="fp32", median_s=1e-3, p10_s=0.9e-3, p90_s=1.1e-3),
+                          dict(case, scheme="w8a8", median_s=0.4e-3, p10_s=0.35e-3, p90_s=0.45e-3,
+                               disagrees_with_reference=True, sqnr_db=30.5)]}
+
+    monkeypatch.setattr(L, "measure_latency", fake_latency)
+    cfg = RunConfig.tiny(variants=("relu",), schemes=("fp32", "w8a8"), runtimes=("none",), tokens=(1,), onnx=False,
+                         sensitivity=False, out_reports=str(tmp_path / "r"), out_export=str(tmp_path / "e"))
+    doc = run(cfg).document
+    recipe_db = next(r["sqnr_db"] for r in doc["accuracy"]["rows"] if r["scheme"] == "w8a8")
+    assert recipe_db != pytest.approx(30.5)
+    rec = next(r for r in doc["timing"]["recommendations"] if r["runtime"] == "ort-cpu")
+    assert (rec["choice"], rec["sqnr_db"]) == ("w8a8", 30.5)
+    plotted = {p.scheme: p.sqnr_db for p in _points(doc, "ort-cpu", 1, "relu")}
+    assert plotted == {"fp32": None, "w8a8": rec["sqnr_db"]}
+    if importlib.util.find_spec("jsonschema") is not None:
+        validate_report(doc)  # the stored points are in the schema
 
 
 @pytest.mark.parametrize("repeats, act_s, status", [

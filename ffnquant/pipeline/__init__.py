@@ -5,7 +5,8 @@
 - `model`: a real model's FFN layers (captured inputs, per layer, end to end);
 - `latency`: the runtimes' timings of the same recipes;
 - `findings`: range section, recommendations and findings from the measured rows;
-- `document`: the report document; `job`: `run(config)`, the orchestration.
+- `document`: the report document; `job`: `run(config)`, the orchestration and the one reader of the
+  RunConfig (each stage receives the fields it uses, not the config).
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
-from typing import Any, Callable, Mapping, Sequence
+import time  # noqa: F401 - the clock timing.time_calls reads; tests replace its perf_counter through this module
+from typing import Any, Mapping, Sequence
 
 from ..recipe import Recipe
-from .config import RunConfig
+from ..recommend import Point
 
 __all__ = ["range_section", "compact_histogram", "activation_time_claim", "recommendations", "findings",
            "ort_baseline_summary"]
@@ -71,20 +71,12 @@ def activation_time_claim(model: Any, tokens: Any, repeats: int = 7) -> dict[str
     import torch
 
     from ..latency import timing_suspect
-
-    def timed(fn: Callable[[], Any]) -> list[float]:
-        fn()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return samples
+    from ..timing import time_calls
 
     with torch.no_grad():
         pre = (model.w_gate if model.w_gate is not None else model.w_up)(tokens)
-        act = timed(lambda: model.activation(pre))
-        ffn = timed(lambda: model(tokens))
+        act = time_calls(lambda: model.activation(pre), repeats, warmup=1)
+        ffn = time_calls(lambda: model(tokens), repeats, warmup=1)
     t_act, t_ffn = statistics.median(act), statistics.median(ffn)
     (act_lo, act_hi), (ffn_lo, ffn_hi) = np.percentile(act, [10, 90]), np.percentile(ffn, [10, 90])
     share = t_act / t_ffn
@@ -106,30 +98,11 @@ def activation_time_claim(model: Any, tokens: Any, repeats: int = 7) -> dict[str
     }
 
 
-def recommendations(config: RunConfig, cases: Sequence[dict], rows: Sequence[dict]) -> tuple[list[dict], list[dict]]:
-    """(recommendations, Pareto fronts) from the latency cases paired with the accuracy rows of the same recipe."""
-    from ..recommend import Point, pareto_front, recommend_all
+def recommendations(points: Sequence[Point], *, target_db: float, baseline: str) -> tuple[list[dict], list[dict]]:
+    """(recommendations, Pareto fronts) from the run's latency x accuracy points (`recommend.join_points`)."""
+    from ..recommend import pareto_front, recommend_all
 
-    acc_index = {(r["variant"], r["scheme"]): r for r in rows}
-    points = []
-    for c in cases:
-        if c.get("error") is not None or not c.get("median_s"):
-            continue
-        row = acc_index.get((c["variant"], c["scheme"]))
-        if c["scheme"] == config.baseline:
-            sqnr = None
-        elif row is not None and row["status"] == "ok" and row["sqnr_db"] is not None:
-            sqnr = row["sqnr_db"]
-            if c.get("disagrees_with_reference") and c.get("sqnr_db") is not None:
-                # this runtime computes something else than the recipe here (a saturating int8 kernel, its note
-                # says): what it delivers is its own figure, not the reference's
-                sqnr = c["sqnr_db"]
-        else:
-            continue
-        points.append(Point(c["variant"], c["scheme"], c["runtime"], c["tokens"], c["median_s"], sqnr,
-                            row["label"] if row else c["scheme"], p10_s=c.get("p10_s") or None,
-                            p90_s=c.get("p90_s") or None, suspect=c.get("suspect")))
-    recs = [r.to_dict() for r in recommend_all(points, config.target_db, config.baseline)]
+    recs = [r.to_dict() for r in recommend_all(points, target_db, baseline)]
     groups: dict[tuple, list] = {}
     for p in points:
         groups.setdefault((p.variant, p.runtime, p.tokens), []).append(p)
@@ -138,26 +111,27 @@ def recommendations(config: RunConfig, cases: Sequence[dict], rows: Sequence[dic
     return recs, pareto
 
 
-def findings(config: RunConfig, ranges: Mapping[str, Any], rows: Sequence[dict], recipes: Sequence[Recipe],
-             model_doc: Mapping[str, Any] | None) -> list[dict]:
-    """The report's findings: crest factor against int8 cost (synthetic family), remedy gains, the model's layers."""
+def findings(ranges: Mapping[str, Any], rows: Sequence[dict], recipes: Sequence[Recipe],
+             model_doc: Mapping[str, Any] | None, *, variants: Sequence[str]) -> list[dict]:
+    """The report's findings: crest factor against int8 cost (synthetic family, the run's `variants`), remedy
+    gains, the model's layers."""
     from ..recommend import crest_cost_finding
 
     out = []
     # the crest/cost relation is a claim about the synthetic family; a real model's layers get their own finding
     crest = {v: ranges["variants"][v]["sites"].get("hidden", {}).get("crest_factor") for v in ranges["variants"]
-             if v in config.variants}
+             if v in variants}
     crest = {v: c for v, c in crest.items() if c is not None}
     plain_static = next((r for r in recipes if r.scheme in STATIC_INT8 and not r.has_remedies), None)
     if plain_static is not None:
         sq = {r["variant"]: r["sqnr_db"] for r in rows if r["scheme"] == plain_static.name and r["sqnr_db"] is not None
-              and r["variant"] in config.variants}
+              and r["variant"] in variants}
         f = crest_cost_finding(crest, sq, scheme=plain_static.label)
         if f is not None:
             out.append(f)
     out += remedy_findings(rows, recipes)
     if model_doc is not None:
-        f = model_finding(model_doc, rows, recipes, config.variants, ranges["variants"])
+        f = model_finding(model_doc, rows, recipes, variants, ranges["variants"])
         if f is not None:
             out.append(f)
     return out

@@ -27,28 +27,37 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     from ..data import calibration_and_eval
     from ..model import build
     from ..observe import profile
+    from ..recommend import join_points
     from ..report import write_report
     from . import findings as F
-    from .latency import measure_latency, select_runtimes
-    from .model import check_model, model_layers
-    from .variants import score_recipes
+    from .latency import LatencySettings, measure_latency, select_runtimes
+    from .model import ModelSettings, check_model, model_layers
+    from .variants import Scoring, score_recipes
 
     t_start = time.perf_counter()
     stages = Stages()
     missing: list[dict[str, str]] = []
     command = command or "ffnquant.run(RunConfig(...))"
 
-    # --- validate everything first --------------------------------------------------------
+    # --- the one place that reads the config: each stage gets the fields it uses -----------
     specs = config.specs()
     recipes = config.recipes
+    scoring = Scoring(seed=config.seed, baseline=config.baseline, sensitivity=config.sensitivity)
+    timing = LatencySettings(runtimes=config.runtimes, tokens=config.tokens, budget_s=config.budget_s, seed=config.seed)
+    model_settings = None if config.model is None else ModelSettings(
+        model=config.model, layers=config.layers, text=config.text, eval_text=config.eval_text, plan=config.plan,
+        calib_tokens=config.calib_tokens, eval_tokens=config.eval_tokens, bins=config.bins,
+        batch_size=config.batch_size)
+
+    # --- validate everything first --------------------------------------------------------
     for spec in specs:
         for recipe in recipes:
             recipe.check_fits(spec)
-    runtimes = select_runtimes(config)
+    runtimes = select_runtimes(config.runtimes)
     source = config.token_source()
     calib_source, eval_tokens = calibration_and_eval(source, config.calib_tokens, config.eval_tokens, config.d_model)
     calib_source.available(config.d_model)  # reads and validates a token file now, before writing anything
-    model_info = check_model(config) if config.model is not None else None
+    model_info = check_model(model_settings) if model_settings is not None else None
     # The whole output set is staged beside its folders and moved into place only once every file is
     # written: a failure, a full disk or Ctrl-C leaves the reports and artifacts folders as they were,
     # and an earlier file is replaced only by this run's file of the same name.
@@ -87,7 +96,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
             stages.add("profile", time.perf_counter() - t0)
             tick(f"{v}: profiled")
             t0 = time.perf_counter()
-            res = score_recipes(spec, model, recipes, config, calib_tokens, eval_tokens, out_export, tick)
+            res = score_recipes(spec, model, recipes, scoring, calib_tokens, eval_tokens, out_export, tick)
             rows += res.rows
             artifacts += res.artifacts
             ort_baselines += [res.ort_baseline] if res.ort_baseline is not None else []
@@ -98,8 +107,9 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
 
         # --- the real model's layers ------------------------------------------------------------
         model_part: ModelPart | None = None
-        if model_info is not None:
-            model_part = model_layers(config, model_info[0], recipes, out_export, runtimes, tick, progress, stages)
+        if model_info is not None and model_settings is not None:
+            model_part = model_layers(model_settings, scoring, timing, model_info[0], recipes, out_export, runtimes, tick,
+                                      progress, stages)
             tables.update(model_part.tables)
             rows += model_part.rows
             artifacts += model_part.artifacts
@@ -109,7 +119,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
 
         # --- latency ------------------------------------------------------------------------------
         t0 = time.perf_counter()
-        latency = measure_latency(config, specs, recipes, models, onnx_paths, runtimes, missing, progress)
+        latency = measure_latency(timing, specs, recipes, models, onnx_paths, runtimes, missing, progress)
         stages.add("latency", time.perf_counter() - t0)
         if model_part is not None and model_part.latency["cases"]:
             latency["cases"] += model_part.latency["cases"]
@@ -119,16 +129,18 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
                     r["error"] = f"{model_part.latency['layer']}: {errors[r['name']]}"
 
         # --- recommendations, findings and the document ---------------------------------------------
-        recs, pareto = F.recommendations(config, latency["cases"], rows)
+        # the one latency x accuracy join: stored in the document, the report renders these points
+        points = join_points(latency["cases"], rows, config.baseline)
+        recs, pareto = F.recommendations(points, target_db=config.target_db, baseline=config.baseline)
         model_doc = model_part.doc if model_part is not None else None
-        found = F.findings(config, ranges, rows, recipes, model_doc)
+        found = F.findings(ranges, rows, recipes, model_doc, variants=config.variants)
         for a in artifacts:  # the paths the files will have once moved into place
             a["path"] = display_path(tx.final(a["path"]))
         from .document import build_document
 
-        doc = build_document(config, command, source, model_doc, ranges, claims, rows, ort_baselines, artifacts,
-                             found, missing, latency, recs, pareto, timed_claims, stages.seconds,
-                             time.perf_counter() - t_start)
+        doc = build_document(config.to_dict(), specs, recipes, config.calib_tokens, config.eval_tokens, command, source,
+                             model_doc, ranges, claims, rows, ort_baselines, artifacts, found, missing, latency, points,
+                             recs, pareto, timed_claims, stages.seconds, time.perf_counter() - t_start)
         paths = write_report(doc, out_reports)
         paths["config"] = write_text(out_reports / "run.toml", config.to_toml())
         paths = {k: tx.final(p) for k, p in paths.items()}

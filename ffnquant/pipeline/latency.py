@@ -3,37 +3,59 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
 from ..spec import FFNSpec
-from .config import RunConfig
 from .results import Progress
 
-__all__ = ["select_runtimes", "measure_latency"]
+__all__ = ["LatencySettings", "select_runtimes", "measure_latency"]
 
 
-def select_runtimes(config: RunConfig) -> list[tuple[str, Any, Any]]:
-    """[(name, Availability, Runtime)] to measure on. Explicitly named unavailable runtimes are an error."""
+@dataclass(frozen=True)
+class LatencySettings:
+    """What the latency stage reads of a run's config: the runtimes asked for (names, or 'available' or
+    'none' alone), the token counts, the time budget per case and the seed of the timed inputs."""
+
+    runtimes: tuple[str, ...]
+    tokens: tuple[int, ...]
+    budget_s: float
+    seed: int
+
+    def __post_init__(self) -> None:
+        if not self.runtimes or not self.tokens:
+            raise FFNQuantError(f"latency settings need runtimes and token counts, got {self.runtimes!r}, {self.tokens!r}")
+
+    @property
+    def none(self) -> bool:
+        """No runtime requested: accuracy only."""
+        return self.runtimes == ("none",)
+
+
+def select_runtimes(requested: Sequence[str]) -> list[tuple[str, Any, Any]]:
+    """[(name, Availability, Runtime)] to measure on, from a config's runtime names ('available' or 'none'
+    alone, or names). Explicitly named unavailable runtimes are an error."""
     from ..runtimes import get_runtime, runtime_names
 
-    if config.runtimes == ("none",):
+    requested = tuple(requested)
+    if requested == ("none",):
         return []
-    names = runtime_names() if config.runtimes == ("available",) else config.runtimes
+    names = runtime_names() if requested == ("available",) else requested
     out = []
     for name in names:
         rt = get_runtime(name)  # unknown names raise, listing the valid ones
         avail = rt.availability()
-        if not avail.available and config.runtimes != ("available",):
+        if not avail.available and requested != ("available",):
             raise FFNQuantError(f"runtime {name!r} is not available here: {avail.reason}")
         out.append((name, avail, rt))
     return out
 
 
 def measure_latency(
-    config: RunConfig, specs: Sequence[FFNSpec], recipes: Sequence[Recipe], models: Mapping[str, Any],
+    settings: LatencySettings, specs: Sequence[FFNSpec], recipes: Sequence[Recipe], models: Mapping[str, Any],
     onnx_paths: Mapping[tuple[str, str], Path], runtimes: Sequence[tuple[str, Any, Any]], missing: list[dict],
     progress: Progress | None,
 ) -> dict[str, Any]:
@@ -48,12 +70,12 @@ def measure_latency(
     from ..runtimes.base import FORMATS
 
     section: dict[str, Any] = {
-        "status": "ok", "reason": None, "primary_tokens": max(config.tokens),
+        "status": "ok", "reason": None, "primary_tokens": max(settings.tokens),
         "runtimes": [{"name": n, "available": bool(a.available), "reason": a.reason, "device": a.device, "error": None}
                      for n, a, _ in runtimes],
         "cases": [], "skipped": [],
     }
-    if config.runtimes == ("none",):
+    if settings.none:
         section.update(status="missing", reason="no runtimes requested (runtimes = none): accuracy only")
         missing.append({"part": "latency and recommendations", "reason": section["reason"]})
         return section
@@ -72,8 +94,8 @@ def measure_latency(
     # One warm-up and a floor of two timed calls: fast cases still repeat until the budget is spent, and the
     # slow ones (torch's CPU int4/int8 weight-only kernels take seconds per 512-token call) stay bounded.
     # The accuracy stage scores every recipe against its reference already: no second reference here.
-    bconf = bench.BenchConfig(tokens=config.tokens, budget_s=config.budget_s, warmup=1, min_repeats=2, seed=config.seed,
-                              reference_check=False)
+    bconf = bench.BenchConfig(tokens=settings.tokens, budget_s=settings.budget_s, warmup=1, min_repeats=2,
+                              seed=settings.seed, reference_check=False)
     sweeper = _Sweeper(bench, bconf, specs, models, onnx_paths, progress)
     runtime_objs = [rt for _, _, rt in runtimes]
     cases: list[dict] = []

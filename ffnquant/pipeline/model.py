@@ -4,49 +4,71 @@ layer, every recipe end to end, latency of one representative layer)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
 from ..render import display_path
-from .config import RunConfig
-from .latency import measure_latency
+from .latency import LatencySettings, measure_latency
 from .results import ModelPart, Progress, Stages
-from .variants import score_recipes
+from .variants import Scoring, score_recipes
 
-__all__ = ["MODEL_E2E_MAX_BYTES", "check_model", "model_layers"]
+__all__ = ["MODEL_E2E_MAX_BYTES", "ModelSettings", "check_model", "model_layers"]
 
 # Quantized copies of every FFN layer under every recipe are kept for the end-to-end model runs;
 # past this many bytes the run leaves the end-to-end numbers out (and says so) rather than swap.
 MODEL_E2E_MAX_BYTES = 2 << 30
 
 
-def check_model(config: RunConfig) -> tuple[Any, list[int]]:
-    """The model folder of `config` inspected (config.json, weights, architecture), its layer selection
+@dataclass(frozen=True)
+class ModelSettings:
+    """What the model stage reads of a run's config: the model folder, its layers ('0-3', '0,5,7'; None = all),
+    the calibration and evaluation texts (None = the shipped samples), an optional plan file, and the token
+    counts, histogram bins and batch size of the calibration."""
+
+    model: str
+    layers: str | None
+    text: str | None
+    eval_text: str | None
+    plan: str | None
+    calib_tokens: int
+    eval_tokens: int
+    bins: int
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        if min(self.calib_tokens, self.eval_tokens, self.bins, self.batch_size) <= 0:
+            raise FFNQuantError(f"model settings need positive token counts, bins and batch size, got {self!r}")
+
+
+def check_model(settings: ModelSettings) -> tuple[Any, list[int]]:
+    """The model folder of `settings` inspected (config.json, weights, architecture), its layer selection
     parsed, transformers and both texts checked: every model error fails before the run starts."""
     from ..hf import inspect_model, parse_layers
     from ..hf.capture import check_tokenizer, require_transformers
 
-    info = inspect_model(config.model)
-    indices = parse_layers(config.layers, info.n_layers)
-    if config.plan is not None:
+    info = inspect_model(settings.model)
+    indices = parse_layers(settings.layers, info.n_layers)
+    if settings.plan is not None:
         from ..planning import load_plan
 
-        missing = sorted(set(indices) - set(load_plan(config.plan, info).layers))
+        missing = sorted(set(indices) - set(load_plan(settings.plan, info).layers))
         if missing:
-            raise FFNQuantError(f"plan {config.plan} has no recipe for layer(s) {', '.join(map(str, missing))} of the "
+            raise FFNQuantError(f"plan {settings.plan} has no recipe for layer(s) {', '.join(map(str, missing))} of the "
                                 "selected layers")
     require_transformers()
     # reads both texts and checks the tokenizer's ids against config.json's vocab_size: a tokenizer
     # that does not belong to the weights fails here, not after the synthetic variants have run
-    check_tokenizer(info, {"calibration": config.text, "evaluation": config.eval_text})
+    check_tokenizer(info, {"calibration": settings.text, "evaluation": settings.eval_text})
     return info, indices
 
 
 def model_layers(
-    config: RunConfig, info: Any, recipes: Sequence[Recipe], out_export: Path | None, runtimes: Sequence[tuple],
-    tick: Callable[..., None], progress: Progress | None, stages: Stages,
+    settings: ModelSettings, scoring: Scoring, timing: LatencySettings, info: Any, recipes: Sequence[Recipe],
+    out_export: Path | None, runtimes: Sequence[tuple], tick: Callable[..., None], progress: Progress | None,
+    stages: Stages,
 ) -> ModelPart:
     """The real model's selected FFN layers, treated as variants keyed '<model_type>:<label>': range tables
     from inputs captured on the calibration text, every recipe quantized per layer on held-out inputs
@@ -55,22 +77,22 @@ def model_layers(
     from ..hf import EvalSettings, calibrate_layers, capture_layer_inputs, load_ffn_layers, model_file_stem
 
     t0 = time.perf_counter()
-    layers = load_ffn_layers(info, config.layers)
-    settings = EvalSettings(max_calib_tokens=config.calib_tokens, max_eval_tokens=config.eval_tokens, bins=config.bins)
-    inputs = capture_layer_inputs(info, layers, text=config.text, eval_text=config.eval_text,
-                                  calib_tokens=config.calib_tokens, eval_tokens=config.eval_tokens, settings=settings)
+    layers = load_ffn_layers(info, settings.layers)
+    evals = EvalSettings(max_calib_tokens=settings.calib_tokens, max_eval_tokens=settings.eval_tokens, bins=settings.bins)
+    inputs = capture_layer_inputs(info, layers, text=settings.text, eval_text=settings.eval_text,
+                                  calib_tokens=settings.calib_tokens, eval_tokens=settings.eval_tokens, settings=evals)
     keys = {layer.label: f"{info.model_type}:{layer.label}" for layer in layers}
-    bs = config.batch_size
+    bs = settings.batch_size
     chunks = ({layer.label: x[i : i + bs]} for layer in layers for x in [inputs.calib[layer.label]]
               for i in range(0, x.shape[0], bs))
-    by_label, _ = calibrate_layers(layers, chunks, config.bins)
+    by_label, _ = calibrate_layers(layers, chunks, settings.bins)
     tables = {keys[label]: table for label, table in by_label.items()}
     stages.add("model capture and profile", time.perf_counter() - t0)
     tick(f"{info.model_type}: inputs captured and profiled")
 
     t0 = time.perf_counter()
     stem = model_file_stem(info)
-    quantized = [r for r in recipes if r.name != config.baseline]
+    quantized = [r for r in recipes if r.name != scoring.baseline]
     e2e_bytes = 4 * sum(layer.spec.n_params for layer in layers) * len(quantized)
     e2e_reason = None
     if e2e_bytes > MODEL_E2E_MAX_BYTES:
@@ -82,7 +104,7 @@ def model_layers(
     baselines: list[dict] = []
     rep_paths: dict[str, Path] = {}
     for n, layer in enumerate(layers):
-        res = score_recipes(layer.spec, layer.ffn, recipes, config, inputs.calib[layer.label], inputs.eval[layer.label],
+        res = score_recipes(layer.spec, layer.ffn, recipes, scoring, inputs.calib[layer.label], inputs.eval[layer.label],
                                out_export, tick, label=keys[layer.label], stem=f"{stem}.{layer.label}",
                                keep=e2e_reason is None)
         for r in res.rows:
@@ -104,7 +126,7 @@ def model_layers(
             entry["layers"].append(r["layer"])
 
     t0 = time.perf_counter()
-    e2e = _end_to_end(info, layers, inputs, settings, quantized, kept, e2e_reason, config.plan)
+    e2e = _end_to_end(info, layers, inputs, evals, quantized, kept, e2e_reason, settings.plan)
     kept.clear()
     tick(f"{info.model_type}: end to end")
     stages.add("model end to end", time.perf_counter() - t0)
@@ -112,14 +134,13 @@ def model_layers(
     # --- latency of one representative layer (all layers share the spec: same shapes, same kernels) ---
     rep = layers[0]
     latency: dict[str, Any] = {"layer": None, "reason": None, "cases": [], "runtimes": []}
-    if config.runtimes == ("none",) or not runtimes:
-        latency["reason"] = "no runtimes requested (runtimes = none)" if config.runtimes == ("none",) \
-            else "no runtime is available"
+    if timing.none or not runtimes:
+        latency["reason"] = "no runtimes requested (runtimes = none)" if timing.none else "no runtime is available"
     else:
         t0 = time.perf_counter()
         ok = {r["scheme"] for r in rows if r["layer"] == rep.label and r["status"] == "ok"}
         v = rep.spec.variant.value
-        section = measure_latency(config, [rep.spec], [r for r in recipes if r.name in ok], {v: rep.ffn},
+        section = measure_latency(timing, [rep.spec], [r for r in recipes if r.name in ok], {v: rep.ffn},
                                   {(v, name): p for name, p in rep_paths.items()}, runtimes, [], progress)
         for c in section["cases"]:
             c["variant"] = keys[rep.label]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -9,12 +10,23 @@ from ..errors import FFNQuantError
 from ..recipe import Recipe
 from ..spec import FFNSpec
 from ..schemes import recipe_weight_bytes
-from .config import RunConfig
 from .results import VariantResult, json_num
 
-__all__ = ["score_recipes"]
+__all__ = ["Scoring", "score_recipes"]
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """What scoring the recipes of one FFN reads of a run's config: the seed, the float baseline's recipe
+    name (exact by definition, not scored) and whether the worst cases get their per-site sensitivity."""
+
+    seed: int
+    baseline: str
+    sensitivity: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sensitivity, bool) or not self.baseline:
+            raise FFNQuantError(f"scoring needs a baseline name and sensitivity true or false, got {self!r}")
 
 
 def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:
@@ -32,7 +44,7 @@ def _row(label: str, recipe: Recipe, spec: FFNSpec) -> dict[str, Any]:
 
 
 def score_recipes(
-    spec: FFNSpec, model: Any, recipes: Sequence[Recipe], config: RunConfig, calib: Any, eval_tokens: Any,
+    spec: FFNSpec, model: Any, recipes: Sequence[Recipe], scoring: Scoring, calib: Any, eval_tokens: Any,
     out_export: Path | None, tick: Callable[[str], None], label: str | None = None, stem: str | None = None,
     keep: bool = False,
 ) -> VariantResult:
@@ -50,7 +62,7 @@ def score_recipes(
     out = VariantResult([], [], {}, None)
     work: dict[str, Any] = {}  # recipe name -> (prepared, QuantResult) for the sensitivity of the worst cases
     outcomes = quantize_each(spec, recipes, collect_errors=True, model=model, calib_tokens=calib,
-                             eval_tokens=eval_tokens, seed=config.seed, name=stem, out_artifacts=out_export,
+                             eval_tokens=eval_tokens, seed=scoring.seed, name=stem, out_artifacts=out_export,
                              onnx=out_export is not None, baseline=out_export is not None)
     for o in outcomes:
         recipe, res, prep = o.recipe, o.result, o.prepared
@@ -62,8 +74,8 @@ def score_recipes(
             row.update(status="not applicable" if bad else "error",
                        reason=str(o.error) if bad else f"{type(o.error).__name__}: {o.error}")
         else:
-            _fill_row(row, recipe, res, prep, recipe.name == config.baseline)
-            if recipe.name != config.baseline:
+            _fill_row(row, recipe, res, prep, recipe.name == scoring.baseline)
+            if recipe.name != scoring.baseline:
                 work[recipe.name] = (prep, res)
                 if keep:
                     out.kept[recipe.name] = res.qmodel
@@ -82,7 +94,7 @@ def score_recipes(
                                     "size_bytes": res.baseline.get("size_bytes")}
         out.rows.append(row)
         tick(f"{v} {recipe.name}")
-    if config.sensitivity:
+    if scoring.sensitivity:
         _worst_sensitivity(out.rows, work)
     return out
 

@@ -11,7 +11,6 @@ damage, so the search's Pareto front drops anything that costs more (`search.par
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 
 from ..atomic import ScratchFolder
 from ..recipe import Recipe
+from ..timing import time_calls
 from .target import Workload
 
 __all__ = ["measure_latency_table", "request_row"]
@@ -80,10 +80,8 @@ def measure_latency_table(layer: Any, recipes: Sequence[Recipe], calib: torch.Te
         for r in range(rounds):
             for key, session in sessions.items():
                 for k, (_, calls) in sizes.items():
-                    for _ in range(calls):
-                        t0 = time.perf_counter()
-                        session.run(None, {"input": inputs[k]})
-                        times[key, k].append((time.perf_counter() - t0) * 1e3)
+                    x = {"input": inputs[k]}
+                    times[key, k] += [1e3 * t for t in time_calls(lambda: session.run(None, x), calls)]
             if progress is not None:
                 progress("latency table: timing rounds", r + 1, rounds)
         del sessions

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..recommend import Point
+from ..recommend import Point, join_points
 
 def _ok_cases(doc: Mapping[str, Any]) -> list[dict]:
     return [c for c in doc["timing"]["latency"]["cases"] if c.get("error") is None and c.get("median_s")]
@@ -47,22 +47,15 @@ def _baseline(doc: Mapping[str, Any]) -> str:
     return str(doc["config"].get("baseline", "fp32"))
 
 
+def _all_points(doc: Mapping[str, Any]) -> list[Point]:
+    """The run's latency x accuracy points as stored in the document; one written before they were stored
+    gets the same join the run makes (`recommend.join_points`), so its figures are those it always showed."""
+    stored = doc["timing"].get("points")
+    if stored is None:
+        return join_points(doc["timing"]["latency"]["cases"], doc["accuracy"]["rows"], _baseline(doc))
+    return [Point.from_dict(p) for p in stored]
+
+
 def _points(doc: Mapping[str, Any], runtime: str, tokens: int, variant: str) -> list[Point]:
     """Latency/accuracy points of one panel; the baseline is exact (SQNR None)."""
-    acc = _accuracy_index(doc)
-    base = _baseline(doc)
-    pts = []
-    for c in _ok_cases(doc):
-        if (c["runtime"], c["tokens"], c["variant"]) != (runtime, tokens, variant):
-            continue
-        row = acc.get((variant, c["scheme"]))
-        if c["scheme"] == base:
-            sqnr = None
-        elif row is not None and row.get("status") == "ok" and row.get("sqnr_db") is not None:
-            sqnr = float(row["sqnr_db"])
-        else:
-            continue
-        pts.append(Point(variant, c["scheme"], runtime, tokens, float(c["median_s"]), sqnr,
-                         row["label"] if row else c["scheme"], p10_s=c.get("p10_s") or None, p90_s=c.get("p90_s") or None,
-                         suspect=c.get("suspect")))
-    return pts
+    return [p for p in _all_points(doc) if (p.runtime, p.tokens, p.variant) == (runtime, tokens, variant)]
