@@ -326,8 +326,9 @@ class Recipe:
         for k in values:
             if k not in by_key:
                 raise unknown_choice(f"recipe {self.scheme!r}: keyword", k, ["scheme", "calibrator", "transforms", *by_key])
+        overridden = {by_key[k] for k in values}
         try:
-            given = [t for t in transforms if type(t) not in {by_key[k] for k in values}]
+            given = [t for t in transforms if type(t) not in overridden]
             given += [t for k, v in values.items() if (t := by_key[k].from_value(v)) is not None]
             set_("transforms", canonical_transforms(given))
         except FFNQuantError as exc:
