@@ -202,11 +202,11 @@ def compare_with_ort(
     fp32 = prep.onnx_file("reference", folder)
     ort = ort_baselines(fp32, prep.calib_batches(), prep.eval, prep.ref_eval(), out_dir=out_dir, methods=methods,
                         stem=prep.stem, run_tokens=run_tokens, threads=threads)
-    preps = {(prep.smooth, prep.rotate): prep}
+    preps = {prep.transforms: prep}
     sqnr, calibrators = {}, {}
     for item in recipes:
         recipe = as_recipe(item)
-        key = (recipe.smooth, recipe.rotate)
+        key = recipe.remedies
         if key not in preps:
             preps[key] = prepare(prep.spec, recipe=recipe, model=prep.reference, calib_tokens=prep.calib,
                                  eval_tokens=prep.eval, name=prep.name)

@@ -23,7 +23,7 @@ from .errors import FFNQuantError
 from .fakequant import QuantizedFFN, SiteRange, input_hessians, quantize_model, search_calibrators
 from .model import FFN
 from .ortcpu import int8_kernels, saturating
-from .recipe import Recipe, as_recipe
+from .recipe import Recipe, Rotate, Smooth, Transform, as_recipe, canonical_transforms, remedy_slug
 from .schemes import Scheme, check_scheme_fits
 
 __all__ = [
@@ -52,7 +52,8 @@ class Prepared:
     `model` is the float model after remedies (what gets quantized), `reference` the original
     float model (what accuracy is measured against), `table` the RangeTable of `model` over the
     calibration tokens, `calib` / `eval` disjoint token sets, `remedies` the remedy records and
-    `smooth` / `rotate` the remedies as a recipe states them (what a recipe must match to use it).
+    `transforms` the remedies as a recipe states them, in the order applied (what a recipe must match
+    to use it; `smooth` / `rotate` read them).
     """
 
     spec: Any
@@ -69,21 +70,30 @@ class Prepared:
     _files: dict = field(default_factory=dict)
     _scratch: Any = None
     name: str | None = None  # file-name stem of the ONNX files (default the spec key)
-    smooth: float | None = None
-    rotate: bool = False
+    transforms: tuple[Transform, ...] = ()
+
+    @property
+    def smooth(self) -> float | None:
+        return next((t.alpha for t in self.transforms if isinstance(t, Smooth)), None)
+
+    @property
+    def rotate(self) -> bool:
+        return any(isinstance(t, Rotate) for t in self.transforms)
 
     @property
     def stem(self) -> str:
         """What ONNX file names start with: `name` (e.g. a real model's layer) or the spec key."""
         return self.name or self.spec.key
 
-    # The remedies as a file-name part ('' or e.g. 'smooth0.5-rotate'): Recipe.remedy_slug itself, which
-    # reads only `smooth` and `rotate`, so the remedied fp32 export and the artifacts share one naming rule.
-    remedy_slug = property(Recipe.remedy_slug.fget)
+    @property
+    def remedy_slug(self) -> str:
+        """The remedies as a file-name part ('' or e.g. 'smooth0.5-rotate'): the rule Recipe.remedy_slug follows,
+        so the remedied fp32 export and the artifacts share one name."""
+        return remedy_slug(self.transforms)
 
     def matches(self, recipe: Recipe) -> bool:
         """True when this calibration was prepared with exactly `recipe`'s remedies."""
-        return (self.smooth, self.rotate) == (recipe.smooth, recipe.rotate)
+        return self.transforms == recipe.remedies
 
     def scratch(self) -> Path:
         """A temporary folder for ONNX files nobody asked to keep (removed with this object)."""
@@ -182,7 +192,9 @@ def prepare(
     if recipe is not None:
         if smooth is not None or rotate:
             raise FFNQuantError(f"prepare: give the remedies once, in the recipe ({recipe}) or as smooth/rotate, not both")
-        smooth, rotate = recipe.smooth, recipe.rotate
+        steps = recipe.remedies
+    else:
+        steps = canonical_transforms(([Smooth(smooth)] if smooth is not None else []) + ([Rotate()] if rotate else []))
     bins = DEFAULT_BINS if bins is None else bins
 
     d = spec.d_model
@@ -205,19 +217,20 @@ def prepare(
         raise FFNQuantError("no evaluation tokens: accuracy is measured on held-out data")
     batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
     work, records = ref, []
-    if smooth is not None:
-        table0 = profile(work, batches, sites=["input", "hidden"], weights=False, bins=bins)
-        sites = tuple(smooth_sites) if smooth_sites else tuple(s for s, ok in R.smooth_exact_for(work).items() if ok)
-        work, rec = R.smooth(work, table0, smooth, sites)
-        if smooth_sites is None and not R.smooth_exact_for(ref)["hidden"]:
-            rec.note = f"hidden not smoothed: {spec.activation.value} is not positively homogeneous (fold would not be exact)"
-        records.append(rec)
-    if rotate:
-        work, rec = R.rotate(work)
+    for step in steps:  # in the recipe's order: smoothing reads the ranges of the model as it is before it
+        if isinstance(step, Smooth):
+            table0 = profile(work, batches, sites=["input", "hidden"], weights=False, bins=bins)
+            sites = tuple(smooth_sites) if smooth_sites else tuple(s for s, ok in R.smooth_exact_for(work).items() if ok)
+            work, rec = R.smooth(work, table0, step.alpha, sites)
+            if smooth_sites is None and not R.smooth_exact_for(ref)["hidden"]:
+                rec.note = f"hidden not smoothed: {spec.activation.value} is not positively homogeneous (fold would not be exact)"
+        elif isinstance(step, Rotate):
+            work, rec = R.rotate(work)
+        else:
+            raise FFNQuantError(f"prepare: remedy {step.text!r} has no step on a float FFN; valid: smooth, rotate")
         records.append(rec)
     table = profile(work, batches, sites=["input", "hidden"], weights=False, bins=bins)
-    return Prepared(spec, ref, work, table, calib, ev, label, records, name=name,
-                    smooth=None if smooth is None else float(smooth), rotate=bool(rotate))
+    return Prepared(spec, ref, work, table, calib, ev, label, records, name=name, transforms=tuple(steps))
 
 
 @dataclass

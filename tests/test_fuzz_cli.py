@@ -465,7 +465,7 @@ CASES = [
     C("run-calib-tokens-1e12", RUN + ["--calib-tokens", "1000000000000"], ("token", "1000000000000")),
     C("run-config-and-tiny", RUN + ["--tiny", "--config", "{in}/run.toml"], ("tiny", "config"),
       setup=config_toml(GOOD_TOML)),
-    # --- the recipe grammar SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate] ------------------
+    # --- the recipe grammar (ffnquant.recipe.GRAMMAR) ---------------------------------------
     C("recipe-empty-calibrator", RUN + ["--schemes", "fp32,w8a8@"], "w8a8@"),
     C("recipe-repeated-remedies", RUN + ["--schemes", "fp32,w8a8+smooth+smooth=0.3+rotate+rotate"], ("twice", "repeat")),
     C("recipe-repeated-rotate", RUN + ["--schemes", "fp32,w8a8+rotate+rotate"], ("twice", "repeat")),

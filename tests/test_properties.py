@@ -1,6 +1,6 @@
 """Property-based cases (hypothesis) of the two input parsers every command relies on (issue 15).
 
-- The recipe grammar `SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate]` (`ffnquant.recipe.Recipe.parse`):
+- The recipe grammar `ffnquant.recipe.GRAMMAR` (`ffnquant.recipe.Recipe.parse`):
   valid recipes round-trip through their text form, and any text either parses or raises
   FFNQuantError with a one-line message, never another exception.
 - The token-file reader (`ffnquant.data.load_tokens`): small arrays of the supported float

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..atomic import OutputTransaction, write_json, write_text
+from ..recipe import GRAMMAR
 from ..render import fmt
 from .bench import add_executor_arguments, executor_from_args
 from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int, text_options, token_notes
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode steps of that request, one token each with the KV cache: the objective is the FFN "
                              f"time of the prefill plus N steps, each measured (default {DECODE_TOKENS}; 0: prefill only)")
     parser.add_argument("--candidates", default="default",
-                        help=f"candidate recipes: a set ({', '.join(CANDIDATE_SETS)}) or a comma-separated list (default default)")
+                        help=f"candidate recipes: a set ({', '.join(CANDIDATE_SETS)}) or a comma-separated list of {GRAMMAR} "
+                             "(default default)")
     parser.add_argument("--format", default=None, metavar="NAME",
                         help="the format the plan will be exported in (`export --format`): onnx or compressed-tensors; "
                              "candidates it cannot write for this model are left out, each listed in plan.md with "

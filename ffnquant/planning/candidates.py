@@ -165,7 +165,7 @@ def score_tasks(executor: Any, layer: Any, recipes: Sequence[Recipe], calib: tor
     in the order the sets first appear; the layer and its inputs are shared once by all of them."""
     groups: dict[tuple, list[Recipe]] = {}
     for recipe in recipes:
-        groups.setdefault((recipe.smooth, recipe.rotate), []).append(recipe)
+        groups.setdefault(recipe.remedies, []).append(recipe)
     handles = [executor.share(v) for v in (layer, calib, held_out, grad)]
     return [ScoreTask(handles[0], tuple(g), *handles[1:], keep=tuple(r for r in keep if r in g), bins=bins)
             for g in groups.values()]

@@ -2,7 +2,7 @@
 
 The file names the model it was made for (architecture, layer count, widths, variant): a plan applied to
 another model is refused with what differs. Layers are keyed by index; each carries a `Recipe` text
-(`SCHEME[@CALIBRATOR][+smooth[=ALPHA]][+rotate][+float=SITE]`), so one layer can keep a site in float.
+(`ffnquant.recipe.GRAMMAR`), so one layer can keep a site in float (`+float=SITE`).
 """
 
 from __future__ import annotations
