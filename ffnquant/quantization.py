@@ -187,7 +187,6 @@ def prepare(
     from .data import TokenSource, calibration_and_eval, parse_source
     from .model import build
     from .observe import DEFAULT_BINS, profile
-    from . import remedies as R
 
     if recipe is not None:
         if smooth is not None or rotate:
@@ -217,17 +216,8 @@ def prepare(
         raise FFNQuantError("no evaluation tokens: accuracy is measured on held-out data")
     batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
     work, records = ref, []
-    for step in steps:  # in the recipe's order: smoothing reads the ranges of the model as it is before it
-        if isinstance(step, Smooth):
-            table0 = profile(work, batches, sites=["input", "hidden"], weights=False, bins=bins)
-            sites = tuple(smooth_sites) if smooth_sites else tuple(s for s, ok in R.smooth_exact_for(work).items() if ok)
-            work, rec = R.smooth(work, table0, step.alpha, sites)
-            if smooth_sites is None and not R.smooth_exact_for(ref)["hidden"]:
-                rec.note = f"hidden not smoothed: {spec.activation.value} is not positively homogeneous (fold would not be exact)"
-        elif isinstance(step, Rotate):
-            work, rec = R.rotate(work)
-        else:
-            raise FFNQuantError(f"prepare: remedy {step.text!r} has no step on a float FFN; valid: smooth, rotate")
+    for step in steps:  # in the recipe's order: each remedy sees the model the steps before it left
+        work, rec = step.apply(work, batches, original=ref, smooth_sites=smooth_sites, bins=bins)
         records.append(rec)
     table = profile(work, batches, sites=["input", "hidden"], weights=False, bins=bins)
     return Prepared(spec, ref, work, table, calib, ev, label, records, name=name, transforms=tuple(steps))
@@ -511,11 +501,11 @@ def quantize_recipes(
         recipe, prep = None, None
         try:
             recipe = as_recipe(item)
-            key = (recipe.smooth, recipe.rotate)
+            key = recipe.remedies
             if key not in preps:
                 preps[key] = prepare(spec, recipe=recipe, **prepare_kw)
-                plain = preps.get((None, False))
-                if plain is not None and key != (None, False):
+                plain = preps.get(())
+                if plain is not None and key != ():
                     preps[key].share_files(plain)
             prep = preps[key]
             res = quantize_spec(spec, recipe, prep, out_artifacts=out_artifacts, onnx=onnx, baseline=baseline,

@@ -11,7 +11,7 @@ handler while the weights are rounded, not applied to the float model beforehand
 
 A new transform is one class: a frozen dataclass subclass of `Transform` declaring its token, grammar
 fragment, rank and text/label/slug/JSON forms, registered with `register_transform`; a remedy
-(`remedy = True`) also needs its step in `quantization.prepare`.
+(`remedy = True`) also says in `apply` how it rewrites the float FFN (`quantization.prepare` calls it).
 """
 
 from __future__ import annotations
@@ -109,6 +109,13 @@ class Transform:
         if self.remedy and scheme.weight_dtype.is_float:
             raise FFNQuantError(f"recipe {recipe.name!r}: remedies apply to quantized schemes, not {recipe.scheme}")
 
+    def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None):
+        """A remedy's exact float rewrite of `model` (the FFN as the steps before it left it; `original` the FFN
+        before any step), profiled on the calibration `batches` where it needs ranges: (new model, its
+        `remedies.RemedyRecord`). `quantization.prepare` calls it for each remedy of a recipe, in order."""
+        raise FFNQuantError(f"remedy {self.text!r} has no step on a float FFN; valid: "
+                            f"{', '.join(c.token for c in TRANSFORMS.values() if c.remedy)}")
+
 
 TRANSFORMS: dict[str, type[Transform]] = {}  # by token, in rank order
 GRAMMAR = ""
@@ -203,6 +210,20 @@ class Smooth(Transform):
     def slug(self) -> str:
         return f"smooth{_exact(self.alpha)}"
 
+    def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None):
+        """Smooth at `alpha` on the sites given, else every site where the fold is exact (a ReLU-family hidden);
+        the ranges are those of `model` as it is before this step."""
+        from . import remedies as R
+        from .observe import profile
+
+        table0 = profile(model, batches, sites=["input", "hidden"], weights=False, bins=bins)
+        sites = tuple(smooth_sites) if smooth_sites else tuple(s for s, ok in R.smooth_exact_for(model).items() if ok)
+        work, rec = R.smooth(model, table0, self.alpha, sites)
+        if smooth_sites is None and not R.smooth_exact_for(original)["hidden"]:
+            act = original.spec.activation.value
+            rec.note = f"hidden not smoothed: {act} is not positively homogeneous (fold would not be exact)"
+        return work, rec
+
 
 @register_transform
 @dataclass(frozen=True)
@@ -217,6 +238,11 @@ class Rotate(Transform):
     absent: ClassVar[Any] = False
     always_in_json: ClassVar[bool] = True
     remedy: ClassVar[bool] = True
+
+    def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None):
+        from . import remedies as R
+
+        return R.rotate(model)
 
 
 @register_transform
