@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -31,7 +30,7 @@ from .atomic import atomic_path
 from .errors import FFNQuantError
 from .model import FFN
 from .backends import ARTIFACT_KINDS, artifact_kind  # the onnx-artifact backend's decision, re-exported
-from .schemes import ActDType, Scheme, WeightDType
+from .schemes import ActDType, WeightDType
 from .atomic import ScratchFolder
 
 if TYPE_CHECKING:  # annotations only: onnxquant reads a QuantizedFFN, it never builds one
