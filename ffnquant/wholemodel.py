@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from .errors import FFNQuantError
 
-__all__ = ["plan", "apply", "save", "PlanRequest", "plan_request", "DeployReport", "DEPLOY_DOC", "format_refusal",
+__all__ = ["plan", "apply", "save", "PlanRequest", "plan_request", "PlanOutcome", "plan_model", "plan_memory_for", "DeployReport", "DEPLOY_DOC", "format_refusal",
            "write_deployment"]
 
 Progress = Callable[[str, int, int], None]
@@ -110,27 +110,78 @@ def plan_request(info: Any, target: str = "ppl+1%", objective: str | None = None
     return PlanRequest(goal, aim, fmt, dtype, left_out)
 
 
+@dataclass
+class PlanOutcome:
+    """What planning one model gives: the `Plan`, its document (`plan.json`'s content: the rounds, the figures,
+    the atlas) and the memory plan it ran under (`hf.memory.MemoryPlan`)."""
+
+    plan: Any
+    result: dict
+    memory: Any
+
+
+def plan_memory_for(info: Any, text: Any, eval_text: Any, settings: Any, *, probe_tokens: int, dtype: Any,
+                    max_memory: Any = None, sequential: bool = False) -> Any:
+    """The memory plan of planning `info`'s model on these texts: the whole model resident, or a decoder layer at a
+    time when it does not fit (or `sequential`); refused with the numbers, before any work, when neither fits."""
+    from .hf.capture import load_tokenizer
+    from .hf.inputs import eval_domain_batches
+    from .hf.memory import plan_memory
+    from .hf.stream import token_batches_of
+    from .planning.source import plan_needs
+
+    calib = token_batches_of(info, text, "calibration", settings, settings.max_calib_tokens)
+    # every held-out domain, as the plan will read them (each up to its token budget)
+    evals = [b for _, bs in eval_domain_batches(info, load_tokenizer(info.path), eval_text, settings,
+                                                settings.max_eval_tokens, True) for b in bs]
+    needs = plan_needs(info, calib_tokens=sum(int(b.numel()) for b in calib),
+                       eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=probe_tokens,
+                       batch_tokens=int(calib[0].numel()), dtype=dtype)
+    return plan_memory(info, needs, max_memory=max_memory, sequential=sequential)
+
+
+def plan_model(info: Any, req: PlanRequest, candidates: Any, *, text: Any, eval_text: Any, settings: Any,
+               probe_tokens: int = 512, rounds: int = 4, ort_floor: bool = True, allow_pickle: bool = False,
+               progress: Progress | None = None, executor: Any = None, max_memory: Any = None,
+               sequential: bool = False, on_memory: Callable[[Any], None] | None = None) -> PlanOutcome:
+    """Plan `info`'s model for the validated request `req` (`plan_request`): the memory plan (`on_memory` hears it
+    before the long work starts), then `planning.make_plan`. `ffnquant.plan` and `ffnquant plan` both run this."""
+    from .planning.job import make_plan
+
+    memory = plan_memory_for(info, text, eval_text, settings, probe_tokens=probe_tokens, dtype=req.dtype,
+                             max_memory=max_memory, sequential=sequential)
+    if on_memory is not None:
+        on_memory(memory)
+    the_plan, result = make_plan(info, req.target, req.objective, candidates, text=text, eval_text=eval_text,
+                                 settings=settings, probe_tokens=probe_tokens, max_rounds=rounds, ort_floor=ort_floor,
+                                 allow_pickle=allow_pickle, progress=progress, executor=executor, memory=memory,
+                                 export_format=req.format, dtype=req.dtype)
+    result["export_format"] = req.format
+    result["memory"] = memory.to_dict()
+    return PlanOutcome(the_plan, result, memory)
+
+
 def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, runtime: str = "ort-cpu",
          tokens: int = 512, decode_tokens: int | None = None, candidates: Any = "default", format: str | None = None,
          text: Any = None, eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096,
          seq_len: int | None = None, probe_tokens: int = 512, rounds: int = 4, compute_dtype: str = "auto",
-         ort_floor: bool = True, tokenizer: Any = None, progress: Progress | None = None):
+         ort_floor: bool = True, tokenizer: Any = None, progress: Progress | None = None, max_memory: Any = None,
+         sequential: bool = False):
     """A recipe per FFN layer of `model` (a folder or a transformers model) meeting `target` ('ppl+1%', 'kld<=0.01',
     'top1>=95%', 'sqnr>=30') at the least `objective` ('latency' on `runtime`, or 'bytes'), verified on held-out text:
     a `planning.Plan` (its `summary` has the verified figures; `Plan.to_toml` is plan.toml). `format`: plan only
-    candidates that format ('compressed-tensors', 'onnx') can write. The other arguments are `ffnquant plan`'s."""
+    candidates that format ('compressed-tensors', 'onnx') can write. `max_memory` / `sequential`: a model that does
+    not fit is read a decoder layer at a time, as `ffnquant plan` does. The other arguments are `ffnquant plan`'s."""
     from .hf.inputs import EvalSettings
-    from .planning.job import make_plan
 
     info, scratch = _model_info(model, tokenizer)
     try:
         req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype)
         settings = EvalSettings(seq_len=_texts(info, text, eval_text, seq_len), max_calib_tokens=calib_tokens,
                                 max_eval_tokens=eval_tokens, ablation=False)
-        result_plan, _ = make_plan(info, req.target, req.objective, candidates, text=text, eval_text=eval_text,
-                                   settings=settings, probe_tokens=probe_tokens, max_rounds=rounds, ort_floor=ort_floor,
-                                   progress=progress, export_format=req.format, dtype=req.dtype)
-        return result_plan
+        return plan_model(info, req, candidates, text=text, eval_text=eval_text, settings=settings,
+                          probe_tokens=probe_tokens, rounds=rounds, ort_floor=ort_floor, progress=progress,
+                          max_memory=max_memory, sequential=sequential).plan
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

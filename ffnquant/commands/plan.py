@@ -77,22 +77,18 @@ def site_overlay(plan) -> dict[int, dict[str, str]]:
 def run(args: argparse.Namespace) -> int:
     from ..envinfo import environment
     from ..hf import EvalSettings, inspect_model
-    from ..hf.capture import load_tokenizer, read_text, require_transformers
-    from ..hf.inputs import eval_domain_batches
-    from ..hf.memory import plan_memory
-    from ..hf.stream import token_batches_of
-    from ..planning.job import final_round, make_plan
-    from ..planning.source import plan_needs
+    from ..hf.capture import read_text, require_transformers
+    from ..planning.job import final_round
     from ..planning.target import Target
     from ..report.plan import domain_lines, plan_markdown
-    from ..wholemodel import plan_request
+    from ..wholemodel import plan_model, plan_request
 
     # every input error before any work: target, objective, model, candidates, texts
     Target.parse(args.target)  # before the model is read: a bad target needs no model
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)
     req = plan_request(info, args.target, args.objective, args.runtime, args.tokens, args.decode_tokens,
                        args.candidates, args.format, args.compute_dtype)
-    target, objective, export_format, dtype, left_out = req.target, req.objective, req.format, req.dtype, req.left_out
+    target, objective, left_out = req.target, req.objective, req.left_out
     require_transformers()
     texts = text_options(args, info)
     read_text(texts.text, "calibration")
@@ -103,30 +99,19 @@ def run(args: argparse.Namespace) -> int:
     bars = StageBars(enabled=not args.no_progress)
     with executor_from_args(args) as executor, OutputTransaction() as tx:
         out = tx.folder(args.out)
-        # the whole model, or a decoder layer at a time when it does not fit (or --sequential): refused with the
-        # numbers before any work when neither fits
-        calib = token_batches_of(info, texts.text, "calibration", settings, texts.calib_tokens)
-        # every held-out domain, as the plan will read them (each up to --eval-tokens)
-        evals = [b for _, bs in eval_domain_batches(info, load_tokenizer(info.path), texts.eval_text, settings,
-                                                    texts.eval_tokens, True) for b in bs]
-        needs = plan_needs(info, calib_tokens=sum(int(b.numel()) for b in calib),
-                           eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=args.probe_tokens,
-                           batch_tokens=int(calib[0].numel()), dtype=dtype)
-        memory = plan_memory(info, needs, max_memory=args.max_memory, sequential=args.sequential)
-        print(f"memory: {memory.summary()}")
         try:
-            plan, result = make_plan(info, target, objective, args.candidates, text=texts.text, eval_text=texts.eval_text,
-                                     settings=settings, probe_tokens=args.probe_tokens, max_rounds=args.rounds,
-                                     ort_floor=not args.no_ort_floor, allow_pickle=args.allow_pickle, progress=bars,
-                                     executor=executor, memory=memory, export_format=export_format, dtype=dtype)
+            outcome = plan_model(info, req, args.candidates, text=texts.text, eval_text=texts.eval_text,
+                                 settings=settings, probe_tokens=args.probe_tokens, rounds=args.rounds,
+                                 ort_floor=not args.no_ort_floor, allow_pickle=args.allow_pickle, progress=bars,
+                                 executor=executor, max_memory=args.max_memory, sequential=args.sequential,
+                                 on_memory=lambda memory: print(f"memory: {memory.summary()}"))
         except BaseException:
             bars.close(ok=False)
             raise
         bars.close()
+        plan, result = outcome.plan, outcome.result
         result["command"] = command
-        result["export_format"] = export_format
         result["environment"] = environment()
-        result["memory"] = memory.to_dict()
         from ..report.atlas import write_atlas
 
         atlas = result.pop("atlas")
@@ -158,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"smoothing/AWQ not chosen on {len(folds)} layer(s) whose input scale cannot fold into a norm "
               f"(plan.md lists why), e.g. L{next(iter(folds))}: {next(iter(folds.values()))}")
     if left_out:
-        print(f"left out for --format {export_format}: {', '.join(s['recipe'] for s in left_out)} (it cannot write them here; "
+        print(f"left out for --format {req.format}: {', '.join(s['recipe'] for s in left_out)} (it cannot write them here; "
               "plan.md says why)")
     for fmt_, why in (result.get("deployment") or {}).items():
         if why:
