@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from . import primitives as P
 from .atomic import atomic_path
 from .errors import FFNQuantError
 from .model import FFN
+from .onnxmatmul import MS_DOMAIN, MatmulRewriter, check_and_save, matmul_kind, nbits_node, write_matmul
 from .backends import ARTIFACT_KINDS, artifact_kind  # the onnx-artifact backend's decision, re-exported
-from .schemes import ActDType, WeightDType
+from .schemes import WeightDType
 from .atomic import ScratchFolder
 
 if TYPE_CHECKING:  # annotations only: onnxquant reads a QuantizedFFN, it never builds one
@@ -49,8 +49,6 @@ __all__ = [
     "ort_latency_ms",
 ]
 
-# The opset of onnxruntime's int4 / bnb4 contrib ops' domain.
-_MS_DOMAIN = "com.microsoft"
 
 
 
@@ -94,15 +92,6 @@ def matmul_weights(proto, names: Sequence[str]) -> dict[str, tuple[Any, Any]]:
     return found
 
 
-def _check_and_save(proto, path: str | os.PathLike) -> Path:
-    import onnx
-
-    onnx.checker.check_model(proto, full_check=True)
-    with atomic_path(path) as tmp:
-        onnx.save_model(proto, str(tmp))
-    return Path(path)
-
-
 def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel: "QuantizedFFN",
               source_model: FFN | None = None) -> Path:
     """An int8 QDQ model: `qmodel`'s int8 codes and grids (its `QuantizedLinear`s) and its calibrated activation
@@ -111,67 +100,53 @@ def write_qdq(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel:
     Nothing is quantized here: the codes are the ones the torch reference decodes (w8a16: weights only).
     `source_model` is not read (kept for callers that pass it).
     """
-    from onnx import TensorProto, helper, numpy_helper
+    kind, why = artifact_kind(qmodel.scheme)
+    if kind != "qdq":
+        raise FFNQuantError(f"scheme {qmodel.scheme.name!r} has no QDQ artifact: {why}")
+    return _write_from_codes(fp32_path, out_path, qmodel)
+
+
+def _write_from_codes(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel: "QuantizedFFN") -> Path:
+    """The FFN matmuls of the fp32 export rewritten from `qmodel`'s codes, grids and input ranges by the one writer
+    of quantized matmuls (`onnxmatmul`, which the whole-model graph uses too); HQQ's float zero points as
+    MatMulNBits' float zero points."""
+    from onnx import helper
 
     scheme = qmodel.scheme
-    kind, why = artifact_kind(scheme)
-    if kind != "qdq":
-        raise FFNQuantError(f"scheme {scheme.name!r} has no QDQ artifact: {why}")
     proto = _load(fp32_path)
     found = matmul_weights(proto, qmodel.spec.weight_names)
-    graph = proto.graph
-    new_inits = []
-    act_dq: dict[str, str] = {}  # activation tensor -> its dequantized name (w_up and w_gate share `input`)
-    qdq_nodes: dict[str, list] = {}  # matmul node name -> nodes to insert before it
-    for name, (node, init) in found.items():
-        pre = []
+    position = {id(n): i for i, n in enumerate(proto.graph.node)}
+    rw = MatmulRewriter(proto.graph)
+    kinds = []
+    # in graph order: a shared input's quantizer goes before its first reader (w_gate or w_up)
+    for name, (node, init) in sorted(found.items(), key=lambda item: position[id(item[1][0])]):
+        ql = qmodel.linears[name] if name in qmodel.quantized_weights else None
         site = qmodel.input_site(name)
-        a = node.input[0]
-        if site in qmodel.quantized_sites:
-            if a not in act_dq:
-                r = qmodel.ranges[site]
-                atype, np_atype = (TensorProto.UINT8, np.uint8) if scheme.act_dtype is ActDType.UINT8 else (TensorProto.INT8, np.int8)
-                s_name, z_name = f"{site}_scale", f"{site}_zero_point"
-                new_inits.append(numpy_helper.from_array(np.array(r.scale, dtype=np.float32), s_name))
-                new_inits.append(numpy_helper.from_array(np.array(r.zero_point, dtype=np_atype), z_name))
-                q_out, dq_out = f"{site}_quantized", f"{site}_dequantized"
-                pre.append(helper.make_node("QuantizeLinear", [a, s_name, z_name], [q_out], name=f"{site}_QuantizeLinear"))
-                pre.append(helper.make_node("DequantizeLinear", [q_out, s_name, z_name], [dq_out], name=f"{site}_DequantizeLinear"))
-                act_dq[a] = dq_out
-            node.input[0] = act_dq[a]
-        if name in qmodel.quantized_weights:
-            ql = qmodel.linears[name]
-            grid = ql.grid
-            if grid is None or grid.kind != "int" or grid.bits != 8 or grid.granularity == "per_group":
-                raise FFNQuantError(f"{name}: int8 QDQ artifacts take per_tensor or per_channel int8 grids, "
-                                    f"the {scheme.method} weights of {scheme.name} have none")
-            # onnxruntime's asymmetric int8 is uint8: codes and zero points shifted alike (no value changes)
-            codes, zp = (ql.codes, grid.zero_point) if grid.symmetric else (ql.unsigned_codes(), grid.zero_point + 128)
-            np_wtype = np.int8 if grid.symmetric else np.uint8
-            qi, si, zi = f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"
-            new_inits.append(numpy_helper.from_array(codes.T.contiguous().numpy().astype(np_wtype), qi))  # [in, out]
-            if grid.granularity == "per_channel":
-                new_inits.append(numpy_helper.from_array(grid.scale.reshape(-1).numpy().astype(np.float32), si))
-                new_inits.append(numpy_helper.from_array(zp.reshape(-1).numpy().astype(np_wtype), zi))
-                attrs = {"axis": 1}  # output channels are the columns of the [in, out] initializer
-            else:
-                new_inits.append(numpy_helper.from_array(np.array(float(grid.scale), dtype=np.float32), si))
-                new_inits.append(numpy_helper.from_array(np.array(int(zp), dtype=np_wtype), zi))
-                attrs = {}
-            pre.append(helper.make_node("DequantizeLinear", [qi, si, zi], [f"{name}_dequantized"], name=f"{name}_DequantizeLinear", **attrs))
-            node.input[1] = f"{name}_dequantized"
-            graph.initializer.remove(init)
-        qdq_nodes[node.name] = pre
-    nodes = list(graph.node)
-    del graph.node[:]
-    for n in nodes:
-        graph.node.extend(qdq_nodes.get(n.name, []))
-        graph.node.append(n)
-    graph.initializer.extend(new_inits)
-    _relu_after_matmul_as_max(graph)
+        mode = None
+        if site in qmodel.quantized_sites and not scheme.act_dtype.is_float:
+            mode = "static" if scheme.static_activations else "dynamic"
+        rng = qmodel.ranges.get(site) if mode == "static" else None
+        if ql is not None and ql.zero_float is not None:  # HQQ: codes 0..15 with float zero points
+            group = ql.codes.shape[1] // ql.scale_float.shape[1]
+            new, inits = nbits_node(node, name, ql.codes, ql.scale_float, ql.zero_float, group, ql.weight.shape[1])
+            rw.removed.add(init.name)
+            rw.replace[id(node)] = [new]
+            rw.inits += inits
+            kinds.append("nbits")
+            continue
+        grid = None if ql is None else ql.grid
+        kind = matmul_kind(scheme, grid, mode, rng, f"{name} ({scheme.name})")
+        write_matmul(rw, node, init, kind, scheme=scheme, grid=grid, codes=None if ql is None else ql.codes,
+                     input_mode=mode, input_range=rng, prefix=name,
+                     in_features=ql.weight.shape[1] if ql is not None else 0)
+        kinds.append(kind)
+    rw.finish()
+    _relu_after_matmul_as_max(proto.graph)
+    if "nbits" in kinds and not any(o.domain == MS_DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     proto.ir_version = min(proto.ir_version, 10)  # onnx.helper writes an IR newer than onnxruntime reads; torch's exporters write 8-10
     helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, "ffnquant_scheme": scheme.name})
-    return _check_and_save(proto, out_path)
+    return check_and_save(proto, out_path)
 
 
 def _relu_after_matmul_as_max(graph) -> None:
@@ -195,53 +170,6 @@ def _relu_after_matmul_as_max(graph) -> None:
             node.input.append(zero)
 
 
-def _nbits_node(node, name: str, codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, group: int, k: int):
-    """A MatMulNBits node and its initializers from unsigned int4 codes [N, K'] (0..15) and scale / zero points
-    [N, K'/g]: integer zero points (0..15, packed two per byte) or HQQ's float ones; None is symmetric (8).
-
-    K' = ceil(k / g) * g (the codes padded to whole blocks, `primitives.int4_group_rtn`); the node's
-    K attribute is the real width k: MatMulNBits reads ceil(K / block_size) blocks per column and
-    ignores the padded codes, as onnxruntime's own quantizer writes it.
-    """
-    from onnx import helper, numpy_helper
-
-    n_out, k_padded = codes.shape
-    blocks = k_padded // group
-    if k_padded != blocks * group or blocks != -(-k // group):
-        raise FFNQuantError(f"{name}: {k_padded} codes are not the {k} inputs padded to blocks of {group}")
-    packed = P.pack_int4(codes.reshape(n_out, blocks, group)).numpy().astype(np.uint8)  # [N, blocks, g/2]
-    inits = [
-        numpy_helper.from_array(packed, f"{name}_Q4"),
-        numpy_helper.from_array(scale.reshape(-1).numpy().astype(np.float32), f"{name}_scales"),
-    ]
-    inputs = [node.input[0], f"{name}_Q4", f"{name}_scales"]
-    if zp is not None and zp.is_floating_point():  # HQQ: one float zero point per block, as its quantizer writes
-        inits.append(numpy_helper.from_array(zp.reshape(-1).numpy().astype(np.float32), f"{name}_zero_points"))
-        inputs.append(f"{name}_zero_points")
-    elif zp is not None:  # zero points packed two per byte along the blocks of each column
-        z = zp.reshape(n_out, blocks).to(torch.int32)
-        if blocks % 2:
-            z = torch.cat([z, torch.zeros(n_out, 1, dtype=torch.int32)], 1)
-        inits.append(numpy_helper.from_array(P.pack_int4(z).numpy().astype(np.uint8).reshape(-1), f"{name}_zero_points"))
-        inputs.append(f"{name}_zero_points")
-    new = helper.make_node(
-        "MatMulNBits", inputs, list(node.output), name=f"{node.name}_Q4", domain=_MS_DOMAIN, K=k, N=n_out, bits=4, block_size=group
-    )
-    return new, inits
-
-
-def _int4_parts(ql: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """(unsigned codes [N, K'], scales [N, blocks], zero points or None, group) of an int4 QuantizedLinear."""
-    if ql.zero_float is not None:  # HQQ
-        group = ql.scheme.group_size if ql.scheme.group_size else ql.codes.shape[1]
-        return ql.codes, ql.scale_float, ql.zero_float, group
-    grid = ql.grid
-    if grid is None or grid.kind != "int" or grid.bits != 4 or grid.group_size is None:
-        raise FFNQuantError(f"{ql.name}: MatMulNBits stores 4-bit group codes; {ql.scheme.name} has none")
-    group = grid.group_size or ql.codes.shape[1]
-    return ql.unsigned_codes(), grid.scale, None if grid.symmetric else grid.zero_point + 8, group
-
-
 def write_nbits(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmodel: "QuantizedFFN") -> Path:
     """A 4-bit weight-only model: MatMulNBits (int4: RTN, GPTQ, AWQ, HQQ) from `qmodel`'s own codes and grids, or
     MatMulBnb4 (nf4, fp4) for the FFN matmuls `qmodel` quantizes (the others stay float MatMuls, as a
@@ -252,38 +180,22 @@ def write_nbits(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmode
     kind, why = artifact_kind(scheme)
     if kind not in ("nbits", "bnb4"):
         raise FFNQuantError(f"scheme {scheme.name!r} has no 4-bit artifact: {why}")
-    proto = _load(fp32_path)
-    found = matmul_weights(proto, qmodel.quantized_weights)
-    if kind == "bnb4":
-        # bitsandbytes' code books: onnxruntime's MatMulBnb4Quantizer computes the same block absmax and code
-        # lookup from the float weight (the reference is bitsandbytes' own quantize_4bit)
-        from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
+    if kind == "nbits":
+        return _write_from_codes(fp32_path, out_path, qmodel)
+    # bitsandbytes' code books: onnxruntime's MatMulBnb4Quantizer computes the same block absmax and code lookup from
+    # the float weight (the reference is bitsandbytes' own quantize_4bit)
+    from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
 
-        ffn_nodes = {node.name for node, _ in found.values()}
-        exclude = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in ffn_nodes]
-        qtype = MatMulBnb4Quantizer.NF4 if scheme.weight_dtype is WeightDType.NF4 else MatMulBnb4Quantizer.FP4
-        quant = MatMulBnb4Quantizer(proto, qtype, scheme.group_size, nodes_to_exclude=exclude)
-        quant.process()
-        out = quant.model.model
-    else:
-        graph = proto.graph
-        replaced: dict[str, Any] = {}
-        for name, (node, init) in found.items():
-            ql = qmodel.linears[name]
-            codes, scale, zp, group = _int4_parts(ql)
-            new, inits = _nbits_node(node, name, codes, scale, zp, group, ql.weight.shape[1])
-            replaced[node.name] = new
-            graph.initializer.remove(init)
-            graph.initializer.extend(inits)
-        nodes = [replaced.get(n.name, n) for n in graph.node]
-        del graph.node[:]
-        graph.node.extend(nodes)
-        if not any(o.domain == _MS_DOMAIN for o in proto.opset_import):
-            proto.opset_import.append(helper.make_opsetid(_MS_DOMAIN, 1))
-        out = proto
+    proto = _load(fp32_path)
+    ffn_nodes = {node.name for node, _ in matmul_weights(proto, qmodel.quantized_weights).values()}
+    exclude = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in ffn_nodes]
+    qtype = MatMulBnb4Quantizer.NF4 if scheme.weight_dtype is WeightDType.NF4 else MatMulBnb4Quantizer.FP4
+    quant = MatMulBnb4Quantizer(proto, qtype, scheme.group_size, nodes_to_exclude=exclude)
+    quant.process()
+    out = quant.model.model
     out.ir_version = min(out.ir_version, 10)
     helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, "ffnquant_scheme": scheme.name})
-    return _check_and_save(out, out_path)
+    return check_and_save(out, out_path)
 
 
 def write_artifact(

@@ -15,7 +15,7 @@ the `ModuleQuant` grids and never quantizes anything again. Per FFN matmul:
   Clip), the codes multiplied in MatMulInteger (exact int32 sums), then scaled per token and per channel.
   onnxruntime's DynamicQuantizeLinear is per tensor, which is not ffnquant's numerics.
 - int8 weights, float input (w8a16): the weight's DequantizeLinear only.
-- 4-bit group weights, float input: MatMulNBits with the grid's codes (`onnxquant._nbits_node`).
+- 4-bit group weights, float input: MatMulNBits with the grid's codes (`onnxmatmul.nbits_node`).
 - a block-Hadamard rotation on the hidden site: a MatMul by the block before w_down (w_down carries it).
 - float weights and input: the exported MatMul, untouched.
 fp8 grids, llm-int8's outlier split and 4-bit weights with quantized inputs are refused with the reason.
