@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
     import triton
 
-    from ffnquant.accuracy import sqnr_db
-    from ffnquant.atomic import write_json, write_text
-    from ffnquant.envinfo import environment
+    from ffnquant.numerics.accuracy import sqnr_db
+    from ffnquant.infra.atomic import write_json, write_text
+    from ffnquant.infra.envinfo import environment
     from ffnquant.model import build
     from ffnquant.spec import FFNSpec
 

@@ -114,7 +114,7 @@ def one_type(model_type: str, folder: Path, work: Path) -> dict:
 
 
 def _markdown(res: dict) -> str:
-    from ffnquant.render import markdown_table
+    from ffnquant.infra.render import markdown_table
 
     commands = [c for c in next(iter(res["types"].values())) if c != "seconds"]
     lines = ["# Architecture matrix: every ffnquant command on each causal-LM type", "",
@@ -144,8 +144,8 @@ def _markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     import transformers as T
 
-    from ffnquant.atomic import write_json, write_text
-    from ffnquant.envinfo import environment
+    from ffnquant.infra.atomic import write_json, write_text
+    from ffnquant.infra.envinfo import environment
     from hf_models import CAUSAL_TYPES, save_causal_tiny, tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

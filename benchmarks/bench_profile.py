@@ -27,11 +27,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from ffnquant import FFNSpec, build  # noqa: E402
-from ffnquant.atomic import write_json, write_text  # noqa: E402
+from ffnquant.infra.atomic import write_json, write_text  # noqa: E402
 from ffnquant.data import TokenSource  # noqa: E402
-from ffnquant.envinfo import environment  # noqa: E402
-from ffnquant.observe import profile  # noqa: E402
-from ffnquant.render import markdown_table  # noqa: E402
+from ffnquant.infra.envinfo import environment  # noqa: E402
+from ffnquant.numerics.observe import profile  # noqa: E402
+from ffnquant.infra.render import markdown_table  # noqa: E402
 
 
 def _vm_hwm_kib() -> int:
@@ -75,7 +75,7 @@ def measure_memory(variant: str, d_model: int, token_counts: list[int], batch_si
 def measure_throughput(variant: str, d_model: int, n_tokens: int, batch_size: int, repeats: int, threads: int | None) -> dict:
     """Forward vs profile over the same batches. With `threads` set, torch runs single/few-threaded
     and process CPU time is the measure (robust on a shared machine); otherwise wall time."""
-    from ffnquant.observe import weight_stats
+    from ffnquant.numerics.observe import weight_stats
 
     saved = torch.get_num_threads()
     if threads:

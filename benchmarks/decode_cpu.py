@@ -54,7 +54,7 @@ def _graphs(model: Path, recipes: list[str], out: Path, before: bool, log) -> tu
     from ffnquant.deploy import build_planned_model
     from ffnquant.deploy.onnx_decoder import export_decoder
     from ffnquant.deploy.onnx_rewrite import quantize_graph
-    from ffnquant.export import DEFAULT_OPSET
+    from ffnquant.onnx.export import DEFAULT_OPSET
     from ffnquant.hf import inspect_model
     from ffnquant.planning.planfile import Plan, model_fingerprint
     from ffnquant.recipe import Recipe
@@ -101,8 +101,8 @@ def _step_growth(path: Path, past: int, folder: Path) -> dict:
 
 
 def measure(paths: dict, contexts: list[int], prefill: int, rounds: int, per_round: int, threads: int | None) -> dict:
-    from ffnquant.latency import latency_stats
-    from ffnquant.onnxquant import ort_session
+    from ffnquant.measure.latency import latency_stats
+    from ffnquant.onnx.onnxquant import ort_session
 
     sessions = {k: ort_session(p, threads=threads) for k, p in paths.items()}
     shapes = {i.name: i.shape for i in sessions["ffnquant fp32"].get_inputs()}
@@ -137,7 +137,7 @@ def measure(paths: dict, contexts: list[int], prefill: int, rounds: int, per_rou
 
 
 def _markdown(doc: dict) -> str:
-    from ffnquant.render import markdown_table
+    from ffnquant.infra.render import markdown_table
 
     rows = doc["latency"]
     base = "ffnquant fp32"
@@ -211,8 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/decode-cpu")
     ap.add_argument("--render", action="store_true", help="only write decode.md again from --out's decode.json")
     args = ap.parse_args(argv)
-    from ffnquant.atomic import write_json, write_text
-    from ffnquant.envinfo import environment
+    from ffnquant.infra.atomic import write_json, write_text
+    from ffnquant.infra.envinfo import environment
 
     if args.render:
         import json

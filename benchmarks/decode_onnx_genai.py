@@ -93,8 +93,8 @@ def _presents(session, outs) -> dict:
 
 
 def side_by_side(paths: dict, contexts, rounds: int, per_round: int, seed: int = 0) -> dict:
-    from ffnquant.latency import latency_stats
-    from ffnquant.onnxquant import ort_session
+    from ffnquant.measure.latency import latency_stats
+    from ffnquant.onnx.onnxquant import ort_session
 
     sessions = {k: ort_session(p) for k, p in paths.items()}
     shapes = {i.name: i.shape for i in next(iter(sessions.values())).get_inputs()}
@@ -128,7 +128,7 @@ def side_by_side(paths: dict, contexts, rounds: int, per_round: int, seed: int =
 
 
 def main(argv=None) -> int:
-    from ffnquant.render import markdown_table
+    from ffnquant.infra.render import markdown_table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a local causal LM folder (default: a small random Llama)")
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
                     "", "Bytes: " + ", ".join(f"{k} {v:,}" for k, v in sizes.items()), ""])
     print(md)
     if args.out:
-        from ffnquant.atomic import write_json, write_text
+        from ffnquant.infra.atomic import write_json, write_text
 
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_json(Path(args.out) / "decode.json", doc)

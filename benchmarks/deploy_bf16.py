@@ -46,7 +46,7 @@ def _export(model: str, plan: str, fmt: str, out: Path, extra: list[str]) -> dic
 
 def _keep_documents(folder: Path, tmp: Path, dest: Path) -> None:
     """The export's own documents (ffnquant-deploy.json/.md) copied to `dest`, its temporary folder named OUT."""
-    from ffnquant.atomic import write_text
+    from ffnquant.infra.atomic import write_text
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("ffnquant-deploy.json", "ffnquant-deploy.md"):
@@ -85,7 +85,7 @@ def _torch_steps(folder: Path, ids: np.ndarray, contexts: list[int]):
 
 
 def _onnx_steps(path: Path, shapes: dict, ids: np.ndarray, contexts: list[int]):
-    from ffnquant.onnxquant import ort_session
+    from ffnquant.onnx.onnxquant import ort_session
 
     s = ort_session(path, threads=1)
     empty = _empty(s, shapes)
@@ -99,7 +99,7 @@ def _onnx_steps(path: Path, shapes: dict, ids: np.ndarray, contexts: list[int]):
 
 def measure(steps: dict, rounds: int, per_round: int) -> dict:
     """p10/p50/p90 ms of each (model, context) step, all timed in the same interleaved rounds."""
-    from ffnquant.latency import latency_stats
+    from ffnquant.measure.latency import latency_stats
 
     times = {k: [] for k in steps}
     for fn in steps.values():  # warm-up: allocation and kernel choice
@@ -123,7 +123,7 @@ def _bytes(paths) -> int:
 
 
 def _markdown(doc: dict) -> str:
-    from ffnquant.render import fmt, markdown_table
+    from ffnquant.infra.render import fmt, markdown_table
 
     ct, ox = doc["compressed_tensors"], doc["onnx"]
     proof, load = ct["proof"], ct["proof"]["load"]
@@ -198,8 +198,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from ffnquant.atomic import write_json, write_text
-    from ffnquant.envinfo import environment
+    from ffnquant.infra.atomic import write_json, write_text
+    from ffnquant.infra.envinfo import environment
     from ffnquant.planning import load_plan
 
     out = Path(args.out)
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
             m, by_n = _torch_steps(folder, ids, contexts)
             kept.append(m)
             steps.update({(name, n): fn for n, fn in by_n.items()})
-        from ffnquant.onnxquant import ort_session
+        from ffnquant.onnx.onnxquant import ort_session
 
         shapes = {i.name: i.shape for i in ort_session(tmp / "onnx" / "model.fp32.onnx").get_inputs()}
         graphs = {"onnx fp32 (ffnquant)": tmp / "onnx" / "model.fp32.onnx", "onnx plan (ffnquant)": tmp / "onnx" / "model.onnx"}

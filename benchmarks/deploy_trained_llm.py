@@ -18,13 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from ffnquant.atomic import write_json, write_text
+from ffnquant.infra.atomic import write_json, write_text
 from ffnquant.cli import main as ffnquant
-from ffnquant.envinfo import environment
+from ffnquant.infra.envinfo import environment
 from ffnquant.hf import inspect_model
 from ffnquant.planning.planfile import Plan, model_fingerprint
 from ffnquant.recipe import Recipe
-from ffnquant.render import fmt, fmt_bytes, markdown_table
+from ffnquant.infra.render import fmt, fmt_bytes, markdown_table
 
 COMMAND = "PYTHONPATH=. python benchmarks/deploy_trained_llm.py"
 

@@ -81,8 +81,8 @@ def markdown(results: list[dict], env: dict, command: str) -> str:
 
 
 def main() -> int:
-    from ffnquant.atomic import write_json, write_text
-    from ffnquant.envinfo import environment
+    from ffnquant.infra.atomic import write_json, write_text
+    from ffnquant.infra.envinfo import environment
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="+")

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from ffnquant.atomic import write_json, write_text
-from ffnquant.envinfo import environment
+from ffnquant.infra.atomic import write_json, write_text
+from ffnquant.infra.envinfo import environment
 from ffnquant.hf.fold import FOLD_TOLERANCE, fold_exactness
-from ffnquant.render import markdown_table
+from ffnquant.infra.render import markdown_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         args.runtime, args.d_model, args.d_ff, args.layers, args.tokens, args.decode_tokens, args.rounds = (
             "torch-cpu", 128, 256, 2, 16, 2, 2)
 
-    from ffnquant.envinfo import environment
+    from ffnquant.infra.envinfo import environment
     from ffnquant.errors import FFNQuantError
     from ffnquant.model import build
     from ffnquant.planning.runtime_latency import check_runtimes, measure_runtime_table
@@ -90,8 +90,8 @@ def main(argv=None) -> int:
            "rows": rows, "gpu": gpu, "environment": env, "seconds": time.perf_counter() - t0}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from ffnquant.atomic import write_json, write_text
-    from ffnquant.render import markdown_table
+    from ffnquant.infra.atomic import write_json, write_text
+    from ffnquant.infra.render import markdown_table
 
     write_json(out / "gpu_plan_latency.json", doc)
     f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731

@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=None, help="folder keeping the float model's figures between runs")
     args = ap.parse_args(argv)
 
-    from ffnquant.atomic import write_json, write_text
-    from ffnquant.envinfo import environment
+    from ffnquant.infra.atomic import write_json, write_text
+    from ffnquant.infra.envinfo import environment
     from ffnquant.hf import EvalSettings, capture_layer_inputs, inspect_model, load_ffn_layers, quantized_layers
     from ffnquant.hf.capture import load_hf_model, load_tokenizer
     from ffnquant.hf.evaluate import end_to_end, float_reference
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         import transformers
 
         from ffnquant.hf.metrics import compare_models
-        from ffnquant.thirdparty import quiet_model_io
+        from ffnquant.infra.thirdparty import quiet_model_io
 
         with quiet_model_io():
             other = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

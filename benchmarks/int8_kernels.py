@@ -37,7 +37,7 @@ def _latency(cases: dict[str, tuple[str, str]], d: int, tokens=(1, 512), rounds:
     """{case: {tokens: median ms}}: each session run once per round at each size, rounds interleaved."""
     import numpy as np
 
-    from ffnquant.onnxquant import ort_session
+    from ffnquant.onnx.onnxquant import ort_session
 
     sessions = {k: _default_session(p) if how == "default" else ort_session(p) for k, (p, how) in cases.items()}
     x = {m: np.random.default_rng(0).standard_normal((1, m, d)).astype(np.float32) for m in tokens}
@@ -65,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ffnquant.accuracy import sqnr_db
-    from ffnquant.atomic import write_json, write_text
-    from ffnquant.envinfo import environment
+    from ffnquant.numerics.accuracy import sqnr_db
+    from ffnquant.infra.atomic import write_json, write_text
+    from ffnquant.infra.envinfo import environment
     from ffnquant.hf import EvalSettings, capture_layer_inputs, inspect_model, load_ffn_layers
-    from ffnquant.onnxquant import ort_session, run_onnx
-    from ffnquant.ortcpu import int8_kernels
+    from ffnquant.onnx.onnxquant import ort_session, run_onnx
+    from ffnquant.onnx.ortcpu import int8_kernels
 
     t0 = time.time()
     kernels = int8_kernels()
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _markdown(res: dict) -> str:
-    from ffnquant.render import markdown_table
+    from ffnquant.infra.render import markdown_table
 
     k, env = res["kernels"], res["environment"]
     f = lambda v: f"{v:.2f}"  # noqa: E731
@@ -131,7 +131,7 @@ def _markdown(res: dict) -> str:
     lines = [
         "# onnxruntime's int8 CPU kernels on this machine", "",
         f"Command: `{res['command']}`", "",
-        f"Probe (`ffnquant.ortcpu.int8_kernels`, a QDQ MatMul with a known answer): u8 activations exact: "
+        f"Probe (`ffnquant.onnx.ortcpu.int8_kernels`, a QDQ MatMul with a known answer): u8 activations exact: "
         f"{k['u8_exact']}; int8 activations exact in a default session: {k['s8_exact_default']}, with "
         f"`session.qdqisint8allowed=1`: {k['s8_exact_int8_allowed']}; CPU flags: {', '.join(k['flags']) or 'unknown'}. "
         f"{k['summary']}.", "",

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from ffnquant.atomic import write_json, write_text
-from ffnquant.envinfo import environment
+from ffnquant.infra.atomic import write_json, write_text
+from ffnquant.infra.envinfo import environment
 from ffnquant.hf.checkpoint import inspect_model, load_ffn_layers
 from ffnquant.hf.inputs import EvalSettings, capture_layer_inputs
-from ffnquant.ortbaseline import ORT_METHODS, compare_with_ort
+from ffnquant.onnx.ortbaseline import ORT_METHODS, compare_with_ort
 from ffnquant.quantization import prepare
-from ffnquant.render import fmt_db, markdown_table
+from ffnquant.infra.render import fmt_db, markdown_table
 
 RECIPES = ("w8a8@search", "w8a8@search+smooth", "w8a8@search+smooth+rotate", "w8a8-dynamic-s8")
 

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scale import ROOT, measure, write_checkpoints  # noqa: E402
 
-from ffnquant.atomic import write_json, write_text  # noqa: E402
-from ffnquant.envinfo import environment  # noqa: E402
-from ffnquant.render import markdown_table  # noqa: E402
-from ffnquant.resources import human_bytes  # noqa: E402
+from ffnquant.infra.atomic import write_json, write_text  # noqa: E402
+from ffnquant.infra.envinfo import environment  # noqa: E402
+from ffnquant.infra.render import markdown_table  # noqa: E402
+from ffnquant.infra.resources import human_bytes  # noqa: E402
 
 # what two runs of the same plan may differ in: how long they took, how they ran, how they were called
 _VOLATILE = ("timings", "memory", "streamed", "command", "environment")

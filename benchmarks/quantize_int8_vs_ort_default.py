@@ -16,12 +16,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ffnquant.atomic import write_json, write_text
-from ffnquant.envinfo import environment
-from ffnquant.onnxquant import ort_latency_ms
+from ffnquant.infra.atomic import write_json, write_text
+from ffnquant.infra.envinfo import environment
+from ffnquant.onnx.onnxquant import ort_latency_ms
 from ffnquant.quantization import prepare, quantize_spec
 from ffnquant.recipe import Recipe
-from ffnquant.render import markdown_table
+from ffnquant.infra.render import markdown_table
 from ffnquant.spec import FFNSpec, parse_variants
 
 RECIPES = (

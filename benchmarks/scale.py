@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from ffnquant.atomic import write_json, write_text
-from ffnquant.envinfo import environment
-from ffnquant.render import markdown_table
-from ffnquant.resources import human_bytes
+from ffnquant.infra.atomic import write_json, write_text
+from ffnquant.infra.envinfo import environment
+from ffnquant.infra.render import markdown_table
+from ffnquant.infra.resources import human_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,13 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from ffnquant.atomic import write_json, write_text
-from ffnquant.envinfo import environment
+from ffnquant.infra.atomic import write_json, write_text
+from ffnquant.infra.envinfo import environment
 from ffnquant.hf import EvalSettings, evaluate_model, inspect_model
 from ffnquant.planning.job import final_round, make_plan
 from ffnquant.planning.target import Objective
 from ffnquant.recipe import Recipe
-from ffnquant.render import markdown_table
+from ffnquant.infra.render import markdown_table
 
 SINGLES = ("w8a8@minmax", "w8a8@search+smooth", "w8a8-dynamic-s8", "w8a16", "w8a8@search+smooth+rotate",
            "w4a16-g128", "w4a16-g128-gptq", "w4a16-g128-awq")

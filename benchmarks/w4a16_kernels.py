@@ -10,7 +10,7 @@ cuBLAS matmul on the concatenated [2 d_ff, d_model] weight, then the activation 
 Each is timed as a CUDA-graph replay with the L2 flushed before each replay (`kernels.tritonenv.time_call`; the first
 call, outside the timing, compiles and tunes). Reported per row: time, speedup over fp16, achieved GB/s
 counting the bytes of weights + scales + x + out once (the logical int4 bytes for both quantized kernels:
-same data, padding not credited) and that rate as a fraction of the device's HBM peak (`ffnquant.latency`).
+same data, padding not credited) and that rate as a fraction of the device's HBM peak (`ffnquant.measure.latency`).
 Every quantized output is checked against `w4a16_reference` / `w4a16_gated_reference` with the derived
 tolerance of the tests (`w4a16_repack.matmul_error_bound` / `gated_error_bound`, u = 2**-23 on CUDA); a kernel
 outside it is marked DIFFERS. The fp16 rows compute another thing (weights rounded to fp16): not checked.
@@ -65,7 +65,7 @@ def run(args) -> dict:
     from ffnquant.kernels.w4a16_pack import dequantize_w4, pack_w4, torch_act, w4a16_gated_reference, w4a16_reference
     from ffnquant.kernels.w4a16_repack import gated_error_bound, matmul_error_bound, repack_w4
     from ffnquant.kernels.tritonenv import time_call
-    from ffnquant.latency import device_peaks
+    from ffnquant.measure.latency import device_peaks
 
     dev = "cpu" if args.dry_run else "cuda"
     dtype = torch.float16
@@ -151,7 +151,7 @@ def _config(kernel: str, x, p, t, gated: bool):
 
 
 def _markdown(res: dict) -> str:
-    from ffnquant.render import markdown_table
+    from ffnquant.infra.render import markdown_table
 
     s = res["settings"]
     env = res["environment"]
@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    from ffnquant.atomic import write_json, write_text
-    from ffnquant.envinfo import environment
+    from ffnquant.infra.atomic import write_json, write_text
+    from ffnquant.infra.envinfo import environment
     from ffnquant.errors import FFNQuantError
 
     t0 = time.time()

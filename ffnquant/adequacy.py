@@ -9,7 +9,7 @@ both measured on B: clip rates and the layer's output SQNR under the static sche
 
 Cheap by construction: one `StreamingHistogram` per sequence and site is built once; a resample's
 histogram is the sum of its sequences' counts folded onto the widest range among them, which is
-exactly the histogram of their concatenated values (the merge rule of `ffnquant.histogram`).
+exactly the histogram of their concatenated values (the merge rule of `ffnquant.numerics.histogram`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .calibrate import Calibrator, Grid, Histogram, calibrate_range, parse_calibrator
+from .numerics.calibrate import Calibrator, Grid, Histogram, calibrate_range, parse_calibrator
 from .errors import FFNQuantError
-from .fakequant import ACT_SITES, QuantizedFFN, quantize_model, site_ranges
-from .histogram import DEFAULT_BINS, StreamingHistogram, as_float_tensor, non_finite_error
+from .numerics.fakequant import ACT_SITES, QuantizedFFN, quantize_model, site_ranges
+from .numerics.histogram import DEFAULT_BINS, StreamingHistogram, as_float_tensor, non_finite_error
 from .schemes import Scheme, check_scheme_fits, get_scheme
 
 __all__ = [
@@ -410,7 +410,7 @@ def _ranges(samples: SiteSamples, site: str, scheme: Scheme, cal: Calibrator):
 
 
 def _sqnr(ref: torch.Tensor, q: Any, x: torch.Tensor) -> float:
-    from .accuracy import sqnr_db
+    from .numerics.accuracy import sqnr_db
 
     with torch.no_grad():
         return sqnr_db(ref, q(x))

@@ -26,7 +26,7 @@ import torch
 from .backends import supports
 from .errors import FFNQuantError
 from .model import FFN
-from .fakequant import QuantizedFFN
+from .numerics.fakequant import QuantizedFFN
 from .quantization import Prepared
 from .recipe import Recipe, as_recipe
 from .spec import FFNSpec
@@ -106,9 +106,9 @@ def export_onnx(q: QuantizedFFN, path: str | os.PathLike) -> Path:
     the FFN matmuls of the (remedied) float model, as `ffnquant quantize` writes them; fp32 / fp16 recipes
     give the float export. A recipe with no onnxruntime artifact (e.g. fp8) raises FFNQuantError saying why.
     """
-    from . import onnxquant as OQ
-    from .atomic import ensure_writable_dir
-    from .export import export_onnx as export_float
+    from .onnx import onnxquant as OQ
+    from .infra.atomic import ensure_writable_dir
+    from .onnx.export import export_onnx as export_float
 
     prep = _prepared(q)
     path = Path(path)
@@ -127,7 +127,7 @@ def export_onnx(q: QuantizedFFN, path: str | os.PathLike) -> Path:
 def evaluate(q: QuantizedFFN, tokens: torch.Tensor | None = None):
     """The `accuracy.Accuracy` (SQNR dB, cosine, relative L2, max abs error) of `q` against its float reference
     (the FFN before remedies) on `tokens` [n, d_model] (default: the held-out tokens of its calibration)."""
-    from .accuracy import accuracy_of, run_batched
+    from .numerics.accuracy import accuracy_of, run_batched
 
     prep = _prepared(q)
     x = prep.eval if tokens is None else _tokens(tokens, q.spec.d_model, "evaluation")
@@ -141,8 +141,8 @@ def profile(model_or_spec: Any, tokens: torch.Tensor | str = "llm_like", *, n_to
     `model_or_spec`: an `FFNSpec` (built with `seed`), an `ffnquant.FFN` or a real model's FFN layer;
     `tokens`: [n, d_model] tokens, or a source name from which `n_tokens` are drawn."""
     from .data import parse_source
-    from .observe import DEFAULT_BINS
-    from .observe import profile as observe_profile
+    from .numerics.observe import DEFAULT_BINS
+    from .numerics.observe import profile as observe_profile
 
     spec, model, _ = _model_of(model_or_spec, seed)
     if isinstance(tokens, str):

@@ -22,7 +22,7 @@ import torch
 
 from .errors import FFNQuantError, unknown_choice
 from .model import FFN
-from .observe import OUTLIER_KS, RangeTable
+from .numerics.observe import OUTLIER_KS, RangeTable
 from .spec import SITES
 
 __all__ = [

@@ -25,14 +25,16 @@ import numpy as np
 
 from .errors import FFNQuantError
 # The pure side (statistics, device peaks and the roofline, the numerics rows, the GPU targets) lives in
-# ffnquant.latency; re-exported here because callers know them as part of the harness.
-from .latency import (DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks, LatencyStats, device_peaks, gpu_targets,
-                      latency_stats, numerics_rows, roofline, roofline_speedup_bound, timing_suspect)
+# ffnquant.measure.latency; re-exported here because callers know them as part of the harness.
+from .measure.latency import (
+    DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks, LatencyStats, device_peaks, gpu_targets, latency_stats,
+    numerics_rows, roofline, roofline_speedup_bound, timing_suspect,
+)
 from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_format, get_runtime, tensor_nbytes
 from .spec import FFNSpec
-# The timers and the copy bandwidth live in ffnquant.timing; re-exported as part of the harness too.
-from .timing import CudaEventTimer, Timer, TimerFactory, WallTimer, default_timer, measure_copy_bandwidth
-from .atomic import ScratchFolder
+# The timers and the copy bandwidth live in ffnquant.measure.timing; re-exported as part of the harness too.
+from .measure.timing import CudaEventTimer, Timer, TimerFactory, WallTimer, default_timer, measure_copy_bandwidth
+from .infra.atomic import ScratchFolder
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "DEFAULT_TOKENS", "REFERENCE_TOLERANCE_DB", "reference_output", "numerics_rows",
@@ -41,7 +43,7 @@ __all__ = [
     "CaseResult", "BenchResult", "measure", "run_benchmark",
 ]
 
-SCHEMA = "ffnquant.latency"
+SCHEMA = "ffnquant.measure.latency"
 SCHEMA_VERSION = 1
 DEFAULT_TOKENS = (1, 16, 512, 2048)  # decode (1, 16) and prefill (512, 2048) tokens per call
 
@@ -281,7 +283,7 @@ def reference_output(model: Any, scheme_name: str, x: np.ndarray, seed: int = 0,
     """
     import torch
 
-    from .fakequant import quantize_model
+    from .numerics.fakequant import quantize_model
     from .runtimes.artifacts import CALIBRATION_TOKENS, gaussian_calibration
     from .schemes import PRESETS
 
@@ -332,8 +334,8 @@ def run_benchmark(
     (spec, runtime, scheme) is a task of `executor` (default: this process, in order); each
     case names its host.
     """
-    from .envinfo import environment as current_environment
-    from .executor import LocalExecutor
+    from .infra.envinfo import environment as current_environment
+    from .measure.executor import LocalExecutor
 
     t_start = time.perf_counter()
     executor = executor if executor is not None else LocalExecutor()
@@ -507,7 +509,7 @@ def _run_case_task(task: _CaseTask) -> _CaseDone:
         return done
     at_home = host == sweep.driver_host
     if not at_home and "env" not in _SWEEP:
-        from .envinfo import environment
+        from .infra.envinfo import environment
 
         _SWEEP["env"] = environment()
     device_name = _device_name(rt, sweep.environment if at_home else _SWEEP["env"])

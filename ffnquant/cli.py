@@ -115,7 +115,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return int(exc.code or 0)
     # Third-party noise stays out of the user's terminal: bitsandbytes asks at import to `pip install
     # kernels`, a package ffnquant does not use, wherever it is imported (runtimes, primitives).
-    from .thirdparty import quiet_bitsandbytes
+    from .infra.thirdparty import quiet_bitsandbytes
 
     quiet_bitsandbytes()
     # The exact command line, for reports that state how they were made.

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .errors import FFNQuantError, unknown_choice
-from .resources import check_memory, os_reason, regular_file
+from .infra.resources import check_memory, os_reason, regular_file
 
 __all__ = [
     "SourceKind",

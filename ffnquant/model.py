@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .atomic import atomic_path
+from .infra.atomic import atomic_path
 from .errors import FFNQuantError
-from .resources import check_memory, regular_file
+from .infra.resources import check_memory, regular_file
 from .spec import Activation, FFNSpec
 
 __all__ = ["ACTIVATIONS", "SiteTap", "FFN", "build", "check_fits", "save_weights", "load_weights"]

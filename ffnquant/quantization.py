@@ -2,8 +2,8 @@
 
 `prepare` builds (or takes) the float FFN, applies a recipe's remedies and profiles the calibration
 tokens; `quantize_spec(spec, recipe, prepared)` quantizes under the recipe's Scheme (torch reference
-numerics from `ffnquant.fakequant`, re-exported here), writes the ONNX artifact `{stem}.{recipe.slug}.onnx`
-(`ffnquant.onnxquant`) and measures both against the float reference; `sensitivity` is the per-site
+numerics from `ffnquant.numerics.fakequant`, re-exported here), writes the ONNX artifact `{stem}.{recipe.slug}.onnx`
+(`ffnquant.onnx.onnxquant`) and measures both against the float reference; `sensitivity` is the per-site
 SQNR of one quantized FFN; `quantize_recipes` runs many recipes on one FFN, calibrating once per
 remedy set.
 """
@@ -17,12 +17,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import onnxquant as OQ
+from .onnx import onnxquant as OQ
 from .backends import supports
 from .errors import FFNQuantError
-from .fakequant import QuantizedFFN, SiteRange, input_hessians, quantize_model, search_calibrators
+from .numerics.fakequant import QuantizedFFN, SiteRange, input_hessians, quantize_model, search_calibrators
 from .model import FFN
-from .ortcpu import int8_kernels, saturating
+from .onnx.ortcpu import int8_kernels, saturating
 from .recipe import Recipe, Rotate, Smooth, Transform, as_recipe, canonical_transforms, remedy_slug
 from .schemes import Scheme, check_scheme_fits
 
@@ -97,7 +97,7 @@ class Prepared:
 
     def scratch(self) -> Path:
         """A temporary folder for ONNX files nobody asked to keep (removed with this object)."""
-        from .atomic import ScratchFolder
+        from .infra.atomic import ScratchFolder
 
         if self._scratch is None:
             self._scratch = ScratchFolder("quantize")
@@ -108,7 +108,7 @@ class Prepared:
 
         Names: `{stem}.fp32.onnx` (reference, and the model without remedies), `{stem}.{remedy_slug}.fp32.onnx`
         (the remedied model), `{stem}.ort-default-static.onnx` (the baseline)."""
-        from .export import export_onnx
+        from .onnx.export import export_onnx
 
         key = (which, str(folder))
         path = self._files.get(key)
@@ -141,7 +141,7 @@ class Prepared:
         return self._hessians
 
     def ref_eval(self) -> torch.Tensor:
-        from .accuracy import run_batched
+        from .numerics.accuracy import run_batched
 
         if self._ref_eval is None:
             self._ref_eval = run_batched(self.reference, self.eval)
@@ -186,7 +186,7 @@ def prepare(
     """
     from .data import TokenSource, calibration_and_eval, parse_source
     from .model import build
-    from .observe import DEFAULT_BINS, profile
+    from .numerics.observe import DEFAULT_BINS, profile
 
     if recipe is not None:
         if smooth is not None or rotate:
@@ -278,8 +278,8 @@ def sensitivity(prep: Prepared, qmodel: QuantizedFFN, hessians: Mapping[str, tor
     the numbers are those of `quantize_model(prep.model, ..., weights=[w])` / `(..., sites=[s])`, a whole copy
     each. AWQ weights (the searched scales folded into a new FFN) are made so, one copy at a time.
     """
-    from .accuracy import run_batched, sqnr_db
-    from .fakequant import quantize_weight
+    from .numerics.accuracy import run_batched, sqnr_db
+    from .numerics.fakequant import quantize_weight
     from .schemes import Method
 
     if hessians is None and qmodel.scheme.needs_hessians and qmodel.quantized_weights:
@@ -340,9 +340,9 @@ def quantize_spec(
     exports `{stem}.fp32.onnx` / `{stem}.{recipe.remedy_slug}.fp32.onnx`. The calibrator 'search' picks
     per site by output SQNR on the calibration tokens (cached per scheme grid in `prepared`).
     """
-    from .accuracy import accuracy_of, run_batched, sqnr_db
-    from .envinfo import environment
-    from .export import export_onnx
+    from .numerics.accuracy import accuracy_of, run_batched, sqnr_db
+    from .infra.envinfo import environment
+    from .onnx.export import export_onnx
 
     recipe = as_recipe(recipe)
     scheme = recipe.resolve()
@@ -442,7 +442,7 @@ def _as_written(path: Path, prep: Prepared, ref: torch.Tensor) -> dict[str, Any]
     The artifact's `accuracy_onnx` is what runs here; `accuracy_onnx_graph` (onnxruntime with no integer
     kernel fused in) is what it computes on an exact kernel: VNNI CPUs, GPUs. Empty where the kernel is exact.
     """
-    from .accuracy import accuracy_of
+    from .numerics.accuracy import accuracy_of
 
     if not saturating(path):
         return {}
@@ -494,7 +494,7 @@ def quantize_recipes(
     exactly) is yielded as its outcome's `error` and the next recipe goes on; a failure to write output
     (full disk) still raises. Without it the first error raises.
     """
-    from .atomic import is_output_failure
+    from .infra.atomic import is_output_failure
 
     preps: dict[tuple, Prepared] = {}
     for item in recipes:

@@ -10,7 +10,7 @@ import enum
 from typing import Any, Mapping, Sequence
 
 from .errors import FFNQuantError
-from .observe import DEFAULT_BINS, RangeTable, profile_spec
+from .numerics.observe import DEFAULT_BINS, RangeTable, profile_spec
 from .spec import SITES, Activation, FFNSpec, Variant
 
 __all__ = [

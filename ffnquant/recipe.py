@@ -213,8 +213,8 @@ class Smooth(Transform):
     def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None):
         """Smooth at `alpha` on the sites given, else every site where the fold is exact (a ReLU-family hidden);
         the ranges are those of `model` as it is before this step."""
-        from . import remedies as R
-        from .observe import profile
+        from .numerics import remedies as R
+        from .numerics.observe import profile
 
         table0 = profile(model, batches, sites=["input", "hidden"], weights=False, bins=bins)
         sites = tuple(smooth_sites) if smooth_sites else tuple(s for s, ok in R.smooth_exact_for(model).items() if ok)
@@ -240,7 +240,7 @@ class Rotate(Transform):
     remedy: ClassVar[bool] = True
 
     def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None):
-        from . import remedies as R
+        from .numerics import remedies as R
 
         return R.rotate(model)
 
@@ -361,7 +361,7 @@ class Recipe:
             raise FFNQuantError(f"recipe {self.scheme!r}: {exc}") from None
         sch = get_scheme(self.scheme)  # an unknown name lists the presets
         if self.calibrator is not None:
-            from .calibrate import parse_calibrator
+            from .numerics.calibrate import parse_calibrator
 
             if not isinstance(self.calibrator, str) or not self.calibrator.strip():
                 raise FFNQuantError(f"recipe {self.scheme!r}: calibrator must be a name, got {self.calibrator!r}")
@@ -452,7 +452,7 @@ class Recipe:
 
     def quantized_parts(self, spec: Any) -> tuple[list[str], list[str]]:
         """(weights, sites) this recipe quantizes on `spec`: the scheme's, less the float site and its matrices."""
-        from .fakequant import ACT_SITES, WEIGHT_INPUT_SITE
+        from .numerics.fakequant import ACT_SITES, WEIGHT_INPUT_SITE
 
         sch = self.resolve()
         weights = [w for w in spec.weight_names if sch.quantizes_weights and WEIGHT_INPUT_SITE[w] != self.keep_float]
@@ -496,7 +496,7 @@ class Recipe:
         if not scheme:
             raise FFNQuantError(f"scheme {raw!r}: no scheme name before '@' or '+'; the form is {GRAMMAR}")
         if at and calibrator is None:
-            from .calibrate import calibrator_names
+            from .numerics.calibrate import calibrator_names
 
             raise FFNQuantError(f"scheme {raw!r}: '@' must be followed by a calibrator; valid: {', '.join(calibrator_names())}")
         transforms: list[Transform] = []

@@ -175,7 +175,7 @@ class Scheme:
     Activations at the matmul inputs (`input`, `hidden`): `act_dtype` (`none` = float),
     `act_mode` static (a calibrated per-tensor range per site) or dynamic (per token),
     `act_symmetric` (uint8 is asymmetric by default, int8 symmetric) and `calibrator`
-    (a name from `ffnquant.calibrate`, used by static integer schemes). `outlier_threshold`
+    (a name from `ffnquant.numerics.calibrate`, used by static integer schemes). `outlier_threshold`
     makes it bitsandbytes' LLM.int8: input columns holding any |x| above it are computed in
     fp16, the rest in per-token int8 (0: the same kernel without the split).
     """
@@ -265,7 +265,7 @@ class Scheme:
         if not isinstance(self.calibrator, str) or not self.calibrator.strip():
             raise FFNQuantError(f"scheme {self.name!r}: calibrator must be a name")
         # checked against the registry lazily (calibrate imports nothing from here)
-        from .calibrate import parse_calibrator
+        from .numerics.calibrate import parse_calibrator
 
         parse_calibrator(self.calibrator)
 
@@ -373,7 +373,7 @@ class Scheme:
 
     @property
     def no_reference_reason(self) -> str | None:
-        """Why ffnquant's fake quantization (`ffnquant.fakequant`) cannot reproduce this scheme; None when it can."""
+        """Why ffnquant's fake quantization (`ffnquant.numerics.fakequant`) cannot reproduce this scheme; None when it can."""
         if self.outlier_threshold:
             return (f"scheme {self.name!r}: bitsandbytes' LLM.int8 outlier split (columns beyond |{self.outlier_threshold:g}| "
                     "in fp16) is a runtime kernel; ffnquant has no fake quantization of it")

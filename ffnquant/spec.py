@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import FFNQuantError, unknown_choice
-from .resources import MAX_ELEMENTS
+from .infra.resources import MAX_ELEMENTS
 
 __all__ = [
     "Variant",

@@ -232,7 +232,7 @@ def save(qmodel: Any, out: str | Path, *, force: bool = False, progress: Progres
     """Write `qmodel` (from `apply`) into the new folder `out` in the format it was applied for, load it back and
     prove it; a `DeployReport` (the folder, `proven`, `weight_bytes`, the whole document). Nothing is
     left half-written; `force` replaces only what an earlier save or export listed in its ffnquant-deploy.json."""
-    from .atomic_folder import check_new_folder, staged_folder
+    from .infra.atomic_folder import check_new_folder, staged_folder
 
     fmt = (getattr(qmodel, "settings", None) or {}).get("format")
     if fmt is None:
@@ -319,11 +319,11 @@ def write_deployment(planned: Any, folder: Path, fmt: str, *, whole: bool, graph
                      progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Write `planned` as `fmt` into `folder` (staged by the caller), prove it, and write the document; returns
     the document. Raises FFNQuantError where the folded norms do not reproduce the original model."""
-    from .atomic import write_json, write_text
-    from .atomic_folder import folder_files
+    from .infra.atomic import write_json, write_text
+    from .infra.atomic_folder import folder_files
     from .deploy import proof
     from .deploy.ctensors import folder_bytes
-    from .envinfo import environment
+    from .infra.envinfo import environment
     from .report.deploy import deploy_markdown
 
     tick = progress or (lambda *a: None)
@@ -369,9 +369,9 @@ def write_deployment(planned: Any, folder: Path, fmt: str, *, whole: bool, graph
 def _write_onnx(planned: Any, folder: Path, doc: dict[str, Any], whole: bool, graph_why: str | None) -> int:
     """manifest.json and, where the model allows, the whole-model graph scored on onnxruntime; the weight bytes of
     what was written (the graph, else the per-layer artifacts the caller had written into `folder`)."""
-    from .atomic import write_json
+    from .infra.atomic import write_json
     from .deploy import onnx_model, proof
-    from .envinfo import environment
+    from .infra.envinfo import environment
 
     write_json(folder / "manifest.json", {"model": doc["model"], "plan": doc["plan"], "plan_file": doc["plan_file"],
                                           "layers": doc["layers"],

@@ -1,4 +1,4 @@
-"""ONNX artifact checks that depend on this CPU's int8 kernels (ffnquant.ortcpu measures them).
+"""ONNX artifact checks that depend on this CPU's int8 kernels (ffnquant.onnx.ortcpu measures them).
 
 On x86 CPUs without VNNI onnxruntime's u8 x s8 kernel saturates 16-bit pair sums: an artifact then
 runs worse than its graph computes. The graph's own figure (`accuracy_onnx_graph`, graph optimizations
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ffnquant.ortcpu import int8_kernels
+from ffnquant.onnx.ortcpu import int8_kernels
 
 
 def graph_db(item: Mapping[str, Any]) -> float:
@@ -28,6 +28,6 @@ def graph_db(item: Mapping[str, Any]) -> float:
 def graph_session(path, activation: str = "uint8"):
     """An onnxruntime CPU session that computes the artifact's graph exactly: ffnquant's own session where
     this CPU's kernel for `activation` is exact, the as-written session (no kernel fused in) where it saturates."""
-    from ffnquant.onnxquant import ort_session
+    from ffnquant.onnx.onnxquant import ort_session
 
     return ort_session(path, as_written=not int8_kernels().exact(activation))

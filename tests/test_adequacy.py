@@ -15,12 +15,12 @@ import torch
 from ffnquant.adequacy import (
     SiteSamples, clip_limits, clip_stats, default_sizes, layer_adequacy, scheme_grid, site_convergence, verdict,
 )
-from ffnquant.calibrate import Grid, calibrate_range, histogram_of
+from ffnquant.numerics.calibrate import Grid, calibrate_range, histogram_of
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
-from ffnquant.histogram import StreamingHistogram
+from ffnquant.numerics.histogram import StreamingHistogram
 from ffnquant.model import build
-from ffnquant.observe import TensorObserver
+from ffnquant.numerics.observe import TensorObserver
 from ffnquant.spec import FFNSpec, Variant
 
 from hf_models import tiny_folders

@@ -11,7 +11,7 @@ import torch
 
 import ffnquant
 from ffnquant.errors import FFNQuantError
-from ffnquant.onnxquant import run_onnx
+from ffnquant.onnx.onnxquant import run_onnx
 from ffnquant.quantization import prepare, quantize_spec
 from ffnquant.recipe import Recipe
 
@@ -46,7 +46,7 @@ def test_synthetic_variant_numbers_are_quantize_spec_numbers(tmp_path):
     path = ffnquant.export_onnx(q, tmp_path / "out" / "swiglu.onnx")
     assert path == tmp_path / "out" / "swiglu.onnx" and sorted(p.name for p in path.parent.iterdir()) == ["swiglu.onnx"]
     x = q.prepared.eval
-    onnx_db = ffnquant.accuracy.sqnr_db(q.prepared.reference(x).detach(), run_onnx(graph_session(path), x))
+    onnx_db = ffnquant.numerics.accuracy.sqnr_db(q.prepared.reference(x).detach(), run_onnx(graph_session(path), x))
     assert abs(onnx_db - acc.sqnr_db) < 0.5
 
 
@@ -78,7 +78,7 @@ def test_a_real_models_ffn_layer(tmp_path):
     assert 10 < acc.sqnr_db < 200 and acc.n_tokens == 200
     path = ffnquant.export_onnx(q, tmp_path / "layer1.onnx")
     assert "MatMulNBits" in {n.op_type for n in onnx.load(str(path)).graph.node}
-    assert abs(ffnquant.accuracy.sqnr_db(layer.ffn(tokens[400:]).detach(), run_onnx(path, tokens[400:])) - acc.sqnr_db) < 0.5
+    assert abs(ffnquant.numerics.accuracy.sqnr_db(layer.ffn(tokens[400:]).detach(), run_onnx(path, tokens[400:])) - acc.sqnr_db) < 0.5
     table = ffnquant.profile(layer, tokens)
     assert table.n_tokens == 600 and "hidden" in table
 

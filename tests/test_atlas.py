@@ -13,7 +13,7 @@ from ffnquant.atlas import PositionTracker, layer_atlas, split_sequences, top_po
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
 from ffnquant.model import build
-from ffnquant.observe import profile
+from ffnquant.numerics.observe import profile
 from ffnquant.report.atlas import ATLAS_FILES, atlas_markdown, plan_grid, render_atlas_plots
 from ffnquant.spec import FFNSpec, parse_variant
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import ffnquant.atomic as atomic
-import ffnquant.atomic_folder as atomic_folder
-from ffnquant.atomic import STAGING_PREFIX, OutputTransaction, atomic_path, sweep_stale, write_bytes, write_text
+import ffnquant.infra.atomic as atomic
+import ffnquant.infra.atomic_folder as atomic_folder
+from ffnquant.infra.atomic import STAGING_PREFIX, OutputTransaction, atomic_path, sweep_stale, write_bytes, write_text
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
 
@@ -635,7 +635,7 @@ def test_a_parent_that_refuses_writes_is_one_line_even_for_root(tmp_path, monkey
 @pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
 def test_staged_folder_gives_every_file_the_umask_mode(tmp_path, umask):
     # transformers' save_pretrained writes model.safetensors 0600; a served folder must follow the user's umask
-    from ffnquant.atomic_folder import staged_folder
+    from ffnquant.infra.atomic_folder import staged_folder
 
     old = os.umask(umask)
     try:
@@ -656,7 +656,7 @@ def test_staged_folder_gives_every_file_the_umask_mode(tmp_path, umask):
 def test_scratch_folder_a_killed_run_leaves_is_removed_by_the_next_run(tmp_path):
     """A run killed (SIGKILL) while it holds a scratch folder leaves it behind, marked as ours: the next run that
     makes one there removes it, and keeps a user's folders of like names."""
-    code = ("import os, signal, sys; from ffnquant.atomic import ScratchFolder; "
+    code = ("import os, signal, sys; from ffnquant.infra.atomic import ScratchFolder; "
             "f = ScratchFolder('bench', dir=sys.argv[1]); open(os.path.join(f.name, 'case.onnx'), 'wb').write(b'x'); "
             "print(f.name, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
@@ -691,7 +691,7 @@ def test_scratch_folder_is_removed_when_done(tmp_path, how):
 
 
 def test_process_scratch_is_one_marked_folder_for_the_process():
-    from ffnquant.atomic import process_scratch
+    from ffnquant.infra.atomic import process_scratch
 
     a, b = process_scratch("test-artifacts"), process_scratch("test-artifacts")
     assert a == b and a.is_dir()

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from ffnquant import FFNSpec, build
-from ffnquant.awq import ALPHA_GRID, AWQRecord, apply_scales, awq_fold, awq_scales, channel_rms, refold, rtn
+from ffnquant.numerics.awq import ALPHA_GRID, AWQRecord, apply_scales, awq_fold, awq_scales, channel_rms, refold, rtn
 from ffnquant.cli import main
 from ffnquant.data import llm_like_tokens
 from ffnquant.errors import FFNQuantError
-from ffnquant.fakequant import input_hessians, quantize_model
-from ffnquant.onnxquant import run_onnx, write_artifact
+from ffnquant.numerics.fakequant import input_hessians, quantize_model
+from ffnquant.onnx.onnxquant import run_onnx, write_artifact
 from ffnquant.quantization import prepare, quantize_spec
 from ffnquant.recipe import Recipe
-from ffnquant.remedies import ChannelScale, rotate, smooth
+from ffnquant.numerics.remedies import ChannelScale, rotate, smooth
 from ffnquant.schemes import PRESETS, Method, Scheme, get_scheme
 
 D = 64
@@ -89,7 +89,7 @@ def test_fold_composes_with_smooth_and_leaves_a_rotated_hidden_alone():
 
 
 def _profile(model):
-    from ffnquant.observe import profile
+    from ffnquant.numerics.observe import profile
 
     return profile(model, [CALIB], sites=["input", "hidden"], weights=False)
 

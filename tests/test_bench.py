@@ -146,7 +146,7 @@ def test_wall_timer_synchronises_around_the_call():
 
 def test_time_calls_warms_up_untimed_then_times_each_call():
     """The fixed-count loop the timings outside the runtime adapters share: warm-up calls are not timed."""
-    from ffnquant.timing import time_calls
+    from ffnquant.measure.timing import time_calls
 
     events = []
 
@@ -228,7 +228,7 @@ def test_sweep_flags_slowdowns_and_derives_figures(spec):
     assert fast.achieved_gb_per_s == pytest.approx(fast.bytes_per_call / 0.001 / 1e9)
     assert fast.sqnr_db is not None and fast.sqnr_db > 100  # the fake runs the float model itself
     doc = result.to_dict()
-    assert doc["schema"] == "ffnquant.latency" and doc["schema_version"] == 1
+    assert doc["schema"] == "ffnquant.measure.latency" and doc["schema_version"] == 1
     json.dumps(doc, allow_nan=False)  # strict JSON: no inf/nan
     md = latency_markdown(doc)
     assert "**SLOWER**" in md and "(2.00x)" in md and "fake-cpu" in md

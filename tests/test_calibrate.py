@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from ffnquant import primitives as P
-from ffnquant.calibrate import CALIBRATORS, Grid, Histogram, calibrate_range, expected_mse, histogram_of, parse_calibrator
+from ffnquant.numerics import primitives as P
+from ffnquant.numerics.calibrate import (
+    CALIBRATORS, Grid, Histogram, calibrate_range, expected_mse, histogram_of, parse_calibrator,
+)
 from ffnquant.errors import FFNQuantError
-from ffnquant.histogram import StreamingHistogram
-from ffnquant.observe import TensorObserver
+from ffnquant.numerics.histogram import StreamingHistogram
+from ffnquant.numerics.observe import TensorObserver
 
 RNG = np.random.default_rng(0)
 DATA = {

@@ -127,7 +127,7 @@ def test_every_help_default_is_the_codes_default(stated, actual):
 
 
 def test_cli_keeps_bitsandbytes_pip_install_kernels_warning_off_stderr(tmp_path):
-    """A 4-bit scheme's reference numerics import bitsandbytes (ffnquant.primitives), which logs at import a
+    """A 4-bit scheme's reference numerics import bitsandbytes (ffnquant.numerics.primitives), which logs at import a
     request to `pip install kernels`, a package ffnquant does not use: the command's stderr has no such line."""
     pytest.importorskip("bitsandbytes")
     proc = subprocess.run(

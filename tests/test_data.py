@@ -271,7 +271,7 @@ def test_mode_000_token_file_is_refused(tmp_path):
 
 @pytest.fixture
 def memory_8gb(monkeypatch):
-    from ffnquant import resources
+    from ffnquant.infra import resources
 
     monkeypatch.setattr(resources, "available_memory", lambda: 8 * 10**9)
 

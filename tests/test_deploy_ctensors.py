@@ -50,8 +50,8 @@ def _module(recipe: str, weight: str = "w_down"):
 
     from ffnquant import build
     from ffnquant.deploy.planned import _module_quants
-    from ffnquant.fakequant import quantize_model
-    from ffnquant.observe import profile
+    from ffnquant.numerics.fakequant import quantize_model
+    from ffnquant.numerics.observe import profile
 
     model = build(FFNSpec(Variant.SWIGLU, 32, 64), seed=0)
     r = Recipe.parse(recipe)
@@ -194,7 +194,7 @@ def test_asymmetric_4bit_groups_are_written_as_blocks_that_transformers_loads(ll
     import transformers
 
     from ffnquant.deploy.planned import ModuleQuant, PlannedModel
-    from ffnquant.fakequant import weight_grid
+    from ffnquant.numerics.fakequant import weight_grid
     from ffnquant.schemes import get_scheme
 
     scheme = get_scheme("w4a16-g32-asym")
@@ -298,7 +298,7 @@ def test_force_replaces_an_earlier_export_only_and_a_failure_leaves_it(llama, tm
 
 @pytest.mark.hf
 def test_a_read_only_destination_is_one_line(llama, tmp_path, monkeypatch, capsys):
-    import ffnquant.atomic as atomic
+    import ffnquant.infra.atomic as atomic
 
     monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)
     plan = _plan(llama, tmp_path, _PLANS["dynamic+w8a16"])

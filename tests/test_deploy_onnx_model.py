@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ffnquant.errors import FFNQuantError
-from ffnquant.latency import REFERENCE_TOLERANCE_DB
+from ffnquant.measure.latency import REFERENCE_TOLERANCE_DB
 
 from hf_models import tiny_folders
 
@@ -51,7 +51,7 @@ def written(llama, tmp_path_factory):
 def test_the_float_graph_is_the_float_model(written):
     from ffnquant.deploy.onnx_decoder import prefill_feed
     from ffnquant.deploy.onnx_model import float_tolerance
-    from ffnquant.onnxquant import ort_session
+    from ffnquant.onnx.onnxquant import ort_session
 
     planned, folder, result = written
     assert result["parity"]["float"]["passed"] and result["parity"]["planned"]["passed"]
@@ -168,8 +168,8 @@ def _real_graph_refusal(text: str) -> str | None:
     from ffnquant import build
     from ffnquant.deploy.onnx_rewrite import module_kind
     from ffnquant.deploy.planned import _module_quants
-    from ffnquant.fakequant import input_hessians, quantize_model
-    from ffnquant.observe import profile
+    from ffnquant.numerics.fakequant import input_hessians, quantize_model
+    from ffnquant.numerics.observe import profile
     from ffnquant.recipe import Recipe
     from ffnquant.spec import FFNSpec, Variant
 
@@ -215,7 +215,7 @@ def test_recipe_refusals_say_what_the_graph_rewrite_says_of_real_grids(text, mon
 
 def test_the_graph_is_a_decoder_in_onnxruntime_genais_layout(written):
     """The names and dims onnxruntime-genai's model builder writes and its genai_config.json names."""
-    from ffnquant.onnxquant import ort_session
+    from ffnquant.onnx.onnxquant import ort_session
 
     planned, folder, result = written
     assert result["decoder"]["status"] == "ok"
@@ -304,7 +304,7 @@ def test_batched_left_padded_generation_equals_each_prompt_alone(written):
     """The loop's mask and positions: left padding changes nothing a row computes (float32 rounding aside, no
     argmax of these prompts lies within it)."""
     from ffnquant.deploy.onnx_decoder import greedy_generate
-    from ffnquant.onnxquant import ort_session
+    from ffnquant.onnx.onnxquant import ort_session
 
     session = ort_session(written[1] / "model.fp32.onnx")
     prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63]]
@@ -382,7 +382,7 @@ def test_greedy_generation_equals_transformers_across_families(family_folders, m
 
     from ffnquant.deploy.onnx_decoder import export_decoder, generation_check
     from ffnquant.hf import inspect_model
-    from ffnquant.onnxquant import ort_session
+    from ffnquant.onnx.onnxquant import ort_session
 
     folder = family_folders(model_type)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

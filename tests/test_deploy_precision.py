@@ -8,8 +8,8 @@ import torch
 from ffnquant import build
 from ffnquant.deploy import precision
 from ffnquant.errors import FFNQuantError
-from ffnquant.fakequant import input_hessians, quantize_model
-from ffnquant.observe import profile
+from ffnquant.numerics.fakequant import input_hessians, quantize_model
+from ffnquant.numerics.observe import profile
 from ffnquant.recipe import Recipe
 from ffnquant.schemes import get_scheme
 from ffnquant.spec import FFNSpec, Variant

@@ -33,7 +33,7 @@ REMOVED_IN_PY312 = frozenset({"asynchat", "asyncore", "imp", "smtpd"})
 OPTIONAL_IMPORTS = {
     "jsonschema": "ffnquant.report.validate_report only (the test extra)",
     "tomli": "Python < 3.11 only; the device has tomllib",
-    "psutil": "ffnquant.resources.available_memory only where /proc/meminfo is absent (not Linux); guarded",
+    "psutil": "ffnquant.infra.resources.available_memory only where /proc/meminfo is absent (not Linux); guarded",
     "compressed_tensors": "export --format compressed-tensors only (the deploy extra); deploy.ctensors says how to install it",
     "ray": "--executor ray only (the ray extra); imported lazily, and its absence is a one-line error",
     "loguru": "compressed-tensors' logger, quieted by thirdparty.quiet_model_io when present; guarded",

@@ -12,7 +12,7 @@ import pytest
 
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
-from ffnquant.executor import EXECUTORS, INSTALL_HINT, LocalExecutor, get_executor
+from ffnquant.measure.executor import EXECUTORS, INSTALL_HINT, LocalExecutor, get_executor
 
 from hf_models import tiny_folders
 

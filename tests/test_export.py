@@ -2,7 +2,7 @@ import onnx
 import pytest
 
 from ffnquant.errors import FFNQuantError
-from ffnquant.export import FP32_TOLERANCE, check_parity, export_onnx, export_spec, fp16_tolerance, onnx_path_for
+from ffnquant.onnx.export import FP32_TOLERANCE, check_parity, export_onnx, export_spec, fp16_tolerance, onnx_path_for
 from ffnquant.model import build
 from ffnquant.spec import FFNSpec, Variant
 
@@ -68,8 +68,8 @@ def _remedied(model, kind):
     """`model` with a remedy in its transform slots (the structures a real model's layers export with)."""
     import torch
 
-    from ffnquant import remedies as R
-    from ffnquant.observe import profile
+    from ffnquant.numerics import remedies as R
+    from ffnquant.numerics.observe import profile
 
     if kind == "plain":
         return model
@@ -84,7 +84,7 @@ def _remedied(model, kind):
 def test_same_structure_reuses_the_graph_with_each_models_own_weights(variant, remedy, dtype, tmp_path, monkeypatch):
     """Layers of one structure export once (torch.onnx.export is the slow part of a real model's run); every
     later file carries its own model's weights: parity against its own model, not the first one's."""
-    import ffnquant.export as E
+    import ffnquant.onnx.export as E
 
     monkeypatch.setattr(E, "_TEMPLATES", {})
     calls = []
@@ -102,7 +102,7 @@ def test_a_graph_whose_tensors_cannot_be_told_apart_is_exported_every_time(tmp_p
     """Equal w_gate and w_up leave the template's mapping ambiguous: no reuse, and each file is still right."""
     import torch
 
-    import ffnquant.export as E
+    import ffnquant.onnx.export as E
 
     monkeypatch.setattr(E, "_TEMPLATES", {})
     calls = []

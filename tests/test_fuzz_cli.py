@@ -970,7 +970,7 @@ def _dead_pid() -> int:
 def _stale_temporaries(root: Path) -> None:
     """Leftovers of killed runs (ffnquant's owned names, a dead pid of this host), two days old, and user files
     like them: names without an owner part are never swept, however old (issue 27)."""
-    from ffnquant import atomic
+    from ffnquant.infra import atomic
 
     old = time.time() - 2 * 86400
     tag = f"{atomic._HOST}-{_dead_pid()}"

@@ -276,7 +276,7 @@ def test_installed_float_ffns_leave_the_model_unchanged(tiny_models, name):
 def test_capture_feeds_observers_like_a_direct_computation(tiny_models, name):
     from ffnquant.hf.capture import iter_captured, load_hf_model, load_tokenizer, read_text, text_batches
     from ffnquant.hf.evaluate import calibrate_layers
-    from ffnquant.observe import TensorObserver
+    from ffnquant.numerics.observe import TensorObserver
 
     folder, _, _ = tiny_models[name]
     info = inspect_model(folder)
@@ -653,7 +653,7 @@ def test_tokenizer_beyond_the_vocabulary_is_refused_before_the_model_loads(tmp_p
 @pytest.mark.hf
 def test_model_too_big_to_load_is_refused_before_transformers_loads_it(tmp_path, monkeypatch):
     pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
-    from ffnquant import resources
+    from ffnquant.infra import resources
     from ffnquant.hf.capture import load_hf_model
 
     _write_llama_like(tmp_path / "m")

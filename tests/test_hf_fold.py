@@ -12,7 +12,7 @@ import torch
 from ffnquant.errors import FFNQuantError
 from ffnquant.hf import inspect_model, load_ffn_layers
 from ffnquant.hf.arch import ARCHITECTURES, NormGain
-from ffnquant.remedies import ChannelScale
+from ffnquant.numerics.remedies import ChannelScale
 
 from hf_models import VOCAB, tiny_folders
 
@@ -204,7 +204,7 @@ def test_every_architecture_names_its_norm_or_why_not():
 
 
 def test_quantized_ffn_folds_with_its_quantizers(tiny_models):
-    from ffnquant.fakequant import QuantizedFFN, quantize_model
+    from ffnquant.numerics.fakequant import QuantizedFFN, quantize_model
     from ffnquant.hf.fold import folded_input_scales
 
     model, info, layers = _loaded(tiny_models, "llama")

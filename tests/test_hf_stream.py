@@ -259,14 +259,14 @@ def test_cli_sequential_writes_the_in_memory_report(tiny, tmp_path, capsys):
                                         ("1.5GiB", 3 * 2**29), ("3e9", 3 * 10**9), ("4096", 4096), ("2 TiB", 2**41)],
                          ids=str)
 def test_memory_sizes(text, size):
-    from ffnquant.resources import parse_size
+    from ffnquant.infra.resources import parse_size
 
     assert parse_size(text) == size
 
 
 @pytest.mark.parametrize("text", ["", "lots", "-1GB", "0", "8XB", "1e400"], ids=repr)
 def test_bad_memory_sizes_are_one_line_errors(text):
-    from ffnquant.resources import parse_size
+    from ffnquant.infra.resources import parse_size
 
     with pytest.raises(FFNQuantError, match="memory size") as err:
         parse_size(text)

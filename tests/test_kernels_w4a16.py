@@ -43,7 +43,7 @@ from ffnquant.kernels.w4a16 import (  # noqa: E402
     w4a16_reference,
 )
 from ffnquant.model import ACTIVATIONS as FFN_ACTIVATIONS  # noqa: E402
-from ffnquant.primitives import int4_group_dequantize, int4_group_rtn  # noqa: E402
+from ffnquant.numerics.primitives import int4_group_dequantize, int4_group_rtn  # noqa: E402
 from ffnquant.spec import Activation  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

@@ -50,7 +50,7 @@ from ffnquant.kernels.w4a16_tiled import (  # noqa: E402
     tiled_gated,
     tiled_matmul,
 )
-from ffnquant.primitives import unpack_int4  # noqa: E402
+from ffnquant.numerics.primitives import unpack_int4  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -115,7 +115,7 @@ def test_repack_round_trip_is_lossless(case, symmetric):
 
 def test_asymmetric_packing_is_the_presets():
     # the w4a16-g*-asym presets' numerics (torch_rt.int4_groupwise_affine): (q - zp) * s, zp spread over 0..15
-    from ffnquant.primitives import int4_group_rtn
+    from ffnquant.numerics.primitives import int4_group_rtn
 
     p = _packed(64, 256, 32, seed=8, scale_dtype=torch.float32, symmetric=False)
     q, scale, zp = int4_group_rtn(_weight(64, 256, seed=8, symmetric=False), 32, symmetric=False)

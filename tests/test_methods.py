@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ffnquant import primitives as P
+from ffnquant.numerics import primitives as P
 from ffnquant.errors import FFNQuantError
 from ffnquant.methods import MethodHandler, QuantizedLinear, WeightGrid, handler_for, method_names, quantize_linear
 from ffnquant.methods import register_method, unregister_method

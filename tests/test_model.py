@@ -116,7 +116,7 @@ GB = 10**9
 @pytest.fixture
 def memory_8gb(monkeypatch):
     """The machine reports 8 GB available, whatever it has: the checks answer the same everywhere."""
-    from ffnquant import resources
+    from ffnquant.infra import resources
 
     monkeypatch.setattr(resources, "available_memory", lambda: 8 * GB)
 
@@ -147,7 +147,7 @@ def test_sizes_that_fit_are_built(memory_8gb):
 
 
 def test_unknown_memory_skips_the_check(monkeypatch):
-    from ffnquant import resources
+    from ffnquant.infra import resources
 
     monkeypatch.setattr(resources, "available_memory", lambda: None)
     resources.check_memory(10**30, "anything", "no hint")  # no estimate: no refusal

@@ -12,14 +12,8 @@ import torch
 from ffnquant import FFNSpec, build
 from ffnquant.data import TokenSource
 from ffnquant.errors import FFNQuantError
-from ffnquant.histogram import StreamingHistogram
-from ffnquant.observe import (
-    RangeTable,
-    TensorObserver,
-    profile,
-    profile_spec,
-    weight_stats,
-)
+from ffnquant.numerics.histogram import StreamingHistogram
+from ffnquant.numerics.observe import RangeTable, TensorObserver, profile, profile_spec, weight_stats
 
 # ------------------------------------------------------------------------------------
 # StreamingHistogram
@@ -217,7 +211,7 @@ def test_observer_errors_and_round_trip():
 def test_a_large_batch_is_observed_a_row_chunk_at_a_time(monkeypatch):
     """update() takes a batch `_CHUNK` elements of rows at a time (bounded scratch memory): exact histogram,
     extremes and counts, moments as when merged; a bad chunk anywhere changes nothing."""
-    from ffnquant import observe
+    from ffnquant.numerics import observe
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1000, 8, generator=gen).exp() * 3 + 100.0

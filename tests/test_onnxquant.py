@@ -8,7 +8,7 @@ import pytest
 
 from ffnquant import FFNSpec
 from ffnquant.cli import main
-from ffnquant.onnxquant import artifact_kind, ort_session
+from ffnquant.onnx.onnxquant import artifact_kind, ort_session
 from ffnquant.quantization import prepare, quantize_spec
 from ffnquant.recipe import Recipe
 from ffnquant.schemes import get_scheme

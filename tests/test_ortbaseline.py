@@ -1,4 +1,4 @@
-"""onnxruntime's best of its own quantizers (ffnquant.ortbaseline): every method scored, the best is the max, a
+"""onnxruntime's best of its own quantizers (ffnquant.onnx.ortbaseline): every method scored, the best is the max, a
 method onnxruntime fails on is recorded (not raised), temporary files are removed, recipes are set against the best."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from ffnquant import FFNSpec
-from ffnquant.accuracy import sqnr_db
+from ffnquant.numerics.accuracy import sqnr_db
 from ffnquant.errors import FFNQuantError
-from ffnquant.onnxquant import run_onnx
-from ffnquant.ortbaseline import ORT_METHODS, _floats_per_token, compare_with_ort, ort_baselines, versus_ort
+from ffnquant.onnx.onnxquant import run_onnx
+from ffnquant.onnx.ortbaseline import ORT_METHODS, _floats_per_token, compare_with_ort, ort_baselines, versus_ort
 from ffnquant.quantization import prepare
 
 D = 64  # swiglu d_ff = 256
@@ -78,7 +78,7 @@ def test_a_method_onnxruntime_fails_on_is_recorded_not_raised(swiglu):
 def test_memory_estimate_and_refusal(swiglu, monkeypatch):
     """The histogram calibrators hold every activation: swiglu has 2 d-wide (input, output) and 5 d_ff-wide float
     activations per token; a machine without room for them records the refusal, MinMax (reductions only) runs."""
-    import ffnquant.resources as resources
+    import ffnquant.infra.resources as resources
 
     prep, fp32, _ = swiglu
     f = prep.spec.d_ff

@@ -8,8 +8,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ffnquant.onnxquant import ort_session
-from ffnquant.ortcpu import INT8_ALLOWED, Int8Kernels, graph_int8_activations, int8_kernels, qdq_matmul, saturating, session_entries
+from ffnquant.onnx.onnxquant import ort_session
+from ffnquant.onnx.ortcpu import (
+    INT8_ALLOWED, Int8Kernels, graph_int8_activations, int8_kernels, qdq_matmul, saturating, session_entries,
+)
 
 
 def _qdq_matmul(path, activation: str, k: int = 64, n: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -84,7 +84,7 @@ def test_recommendations_use_the_cases_spread(p90_ms, choice):
     """The run hands each case's p10/p90 to the recommender: a lower median inside the baseline's
     spread is no speedup (it used to read them from a key the cases do not have, and compared medians)."""
     from ffnquant.pipeline.findings import recommendations
-    from ffnquant.recommend import join_points
+    from ffnquant.measure.recommend import join_points
 
     cfg = RunConfig.tiny(schemes=("fp32", "w8a8"), runtimes=("none",))
     case = dict(variant="relu", runtime="ort-cpu", tokens=1, error=None)
@@ -100,7 +100,7 @@ def test_recommendations_use_the_cases_spread(p90_ms, choice):
 def test_recommendations_leave_out_suspect_cases(suspect, choice):
     """A case the bench flagged (too few samples, a ratio beyond the roofline) is never recommended."""
     from ffnquant.pipeline.findings import recommendations
-    from ffnquant.recommend import join_points
+    from ffnquant.measure.recommend import join_points
 
     cfg = RunConfig.tiny(schemes=("fp32", "w8a8"), runtimes=("none",))
     case = dict(variant="relu", runtime="ort-cpu", tokens=1, error=None)

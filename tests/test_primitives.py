@@ -8,7 +8,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ffnquant import primitives as P
+from ffnquant.numerics import primitives as P
 from ffnquant.errors import FFNQuantError
 
 GRIDS = [
@@ -314,7 +314,7 @@ def test_int8_groups_pad_the_width():
 @pytest.mark.parametrize("scale_shape", [(), (16, 1), (16, 4, 1)], ids=["per-tensor", "per-channel", "per-group"])
 def test_fake_quantize_in_place_is_bit_identical_and_leaves_its_input(scale_shape):
     """The in-place path (one temporary) computes exactly what the chained operations (the autograd path) do."""
-    from ffnquant.primitives import fake_quantize
+    from ffnquant.numerics.primitives import fake_quantize
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 4, 8, generator=g) if len(scale_shape) == 3 else torch.randn(16, 32, generator=g)

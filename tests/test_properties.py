@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ffnquant.calibrate import calibrator_names
+from ffnquant.numerics.calibrate import calibrator_names
 from ffnquant.data import load_tokens
 from ffnquant.errors import FFNQuantError
 from ffnquant.recipe import Recipe, parse_recipe

@@ -12,7 +12,7 @@ from ffnquant import FFNSpec
 from ffnquant.cli import main
 from ffnquant.data import TokenSource
 from ffnquant.errors import FFNQuantError
-from ffnquant.observe import RangeTable, TensorObserver
+from ffnquant.numerics.observe import RangeTable, TensorObserver
 from ffnquant.ranges import claims, findings, profile_variants
 from ffnquant.report.ranges import REPORT_FILES, SCHEMA_VERSION, range_report_markdown, write_range_report
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ffnquant.errors import FFNQuantError
-from ffnquant.recommend import Point, crest_cost_finding, pareto_front, recommend, recommend_all
+from ffnquant.measure.recommend import Point, crest_cost_finding, pareto_front, recommend, recommend_all
 
 
 def pt(scheme, latency, sqnr, runtime="ort-cpu", tokens=512, variant="swiglu", label=""):

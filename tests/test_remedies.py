@@ -6,8 +6,8 @@ import torch
 from ffnquant import FFNSpec, Variant, build
 from ffnquant.data import llm_like_tokens
 from ffnquant.errors import FFNQuantError
-from ffnquant.observe import profile
-from ffnquant.remedies import BlockHadamard, hadamard, hadamard_block_size, rotate, smooth, smooth_exact_for
+from ffnquant.numerics.observe import profile
+from ffnquant.numerics.remedies import BlockHadamard, hadamard, hadamard_block_size, rotate, smooth, smooth_exact_for
 
 D = 64
 X = llm_like_tokens(512, D, 0, 4, 50.0)

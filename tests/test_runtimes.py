@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ffnquant.errors import FFNQuantError
-from ffnquant.export import export_onnx, fp16_tolerance
+from ffnquant.onnx.export import export_onnx, fp16_tolerance
 from ffnquant.model import build
 from ffnquant.runtimes import FORMATS, ModelCase, get_format, get_runtime, parse_formats, runtime_names
 from ffnquant.spec import FFNSpec
@@ -492,7 +492,7 @@ def test_bnb_runtime_keeps_the_pip_install_kernels_warning_off_stderr():
 def test_bnb_noise_filter_passes_other_records():
     import logging
 
-    from ffnquant.thirdparty import quiet_bitsandbytes
+    from ffnquant.infra.thirdparty import quiet_bitsandbytes
 
     quiet_bitsandbytes()
     quiet_bitsandbytes()  # idempotent: one filter

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from ffnquant.bench import REFERENCE_TOLERANCE_DB, BenchConfig, run_benchmark
-from ffnquant.ortcpu import int8_kernels
+from ffnquant.onnx.ortcpu import int8_kernels
 from ffnquant.runtimes.base import FORMATS
 from ffnquant.runtimes import get_runtime
 from ffnquant.spec import FFNSpec
@@ -55,7 +55,7 @@ def test_cpu_kernels_compute_their_presets(monkeypatch, name, spec):
             assert c.scheme == "llm-int8" and "no reference" in c.reference_note, (c.scheme, c.reference_note)
             continue
         if name == "ort-cpu" and "saturate" in (c.reference_note or ""):
-            # this CPU's u8 x s8 kernel saturates 16-bit pair sums (ffnquant.ortcpu): the case says so and is
+            # this CPU's u8 x s8 kernel saturates 16-bit pair sums (ffnquant.onnx.ortcpu): the case says so and is
             # measured as it runs; its graph's exactness is tests/test_onnxquant.py's
             assert not int8_kernels().u8_exact and FORMATS[c.scheme].scheme.act_dtype.value == "uint8", c.reference_note
             continue

@@ -11,7 +11,7 @@ CHECK = """
 import logging
 root = logging.getLogger()
 before = (root.level, list(root.handlers))
-from ffnquant.thirdparty import matmul_nbits_quantizer
+from ffnquant.infra.thirdparty import matmul_nbits_quantizer
 mnq = matmul_nbits_quantizer()
 assert hasattr(mnq, "MatMulNBitsQuantizer")
 assert (root.level, list(root.handlers)) == before, (root.level, root.handlers)

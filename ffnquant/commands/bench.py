@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """--executor and --ray-address (bench and plan)."""
-    from ..executor import EXECUTORS
+    from ..measure.executor import EXECUTORS
 
     parser.add_argument("--executor", default="local", choices=tuple(EXECUTORS),
                         help="where the tasks run (default local): " + "; ".join(f"{k}, {v}" for k, v in EXECUTORS.items())
@@ -61,7 +61,7 @@ def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 
 def executor_from_args(args: argparse.Namespace):
     """The executor the arguments name, started (a Ray cluster reached) before any work."""
-    from ..executor import get_executor
+    from ..measure.executor import get_executor
 
     return get_executor(args.executor, args.ray_address)
 
@@ -147,7 +147,7 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += ["--max-total-s", str(args.max_total_s)]
     if args.executor != "local":
         parts += ["--executor", args.executor] + (["--ray-address", args.ray_address] if args.ray_address else [])
-    from ..render import display_path
+    from ..infra.render import display_path
 
     parts += ["--out", display_path(args.out), "--name", args.name]  # never this machine's absolute layout
     return " ".join(shlex.quote(p) for p in parts)
@@ -169,7 +169,7 @@ def _preset_names(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..atomic import OutputTransaction
+    from ..infra.atomic import OutputTransaction
 
     specs, adapters, schemes, config = plan_from_args(args)
     # Both files are staged in --out and moved into place together at the end: a failure or Ctrl-C
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_and_write(args: argparse.Namespace, out, specs, adapters, schemes, config, executor=None):
     """Run the sweep and write <name>.json and <name>.md into `out`; returns (json path, md path, result)."""
-    from ..atomic import write_json, write_text
+    from ..infra.atomic import write_json, write_text
     from ..bench import run_benchmark
     from ..report.latency import latency_markdown
 

@@ -115,7 +115,7 @@ def add_model_arguments(
 
 def memory_size(text: str) -> int:
     """A size in bytes from '8GB', '512MiB', ... (`resources.parse_size`), as an argparse type."""
-    from ..resources import parse_size
+    from ..infra.resources import parse_size
 
     try:
         return parse_size(text)

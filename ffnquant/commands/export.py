@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..atomic import OutputTransaction
-from ..export import DEFAULT_OPSET, export_spec
-from ..render import text_table
+from ..infra.atomic import OutputTransaction
+from ..onnx.export import DEFAULT_OPSET, export_spec
+from ..infra.render import text_table
 from .common import StageBars, add_spec_arguments, add_text_arguments, specs_from_args, text_options, token_notes
 
 NAME = "export"
@@ -54,7 +54,7 @@ def _export_plan(args: argparse.Namespace) -> int:
     (`ffnquant-deploy.json`/`.md`) that says what was written and what it measures; nothing half-written."""
     import shlex
 
-    from ..atomic_folder import check_new_folder, staged_folder
+    from ..infra.atomic_folder import check_new_folder, staged_folder
     from ..deploy import build_planned_model
     from ..deploy.formats import get_format
     from ..wholemodel import DEPLOY_DOC, format_refusal, write_deployment

@@ -6,10 +6,10 @@ import argparse
 import re
 from pathlib import Path
 
-from ..atomic import OutputTransaction
+from ..infra.atomic import OutputTransaction
 from ..errors import FFNQuantError
 from ..recipe import GRAMMAR
-from ..render import agreement_words, fmt, ppl_change, text_table
+from ..infra.render import agreement_words, fmt, ppl_change, text_table
 from ..report.model import model_eval_markdown, recipe_name
 from .common import TextFiles, positive_int, token_notes
 
@@ -139,8 +139,8 @@ def _slug(path: str) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from ..atomic import write_json, write_text
-    from ..envinfo import environment
+    from ..infra.atomic import write_json, write_text
+    from ..infra.envinfo import environment
     from ..hf.evaluate import EvalSettings, evaluate_model
     from ..recipe import parse_recipe
 
@@ -199,10 +199,10 @@ def _adequacy(args: argparse.Namespace) -> int:
     import shlex
 
     from ..adequacy import model_adequacy
-    from ..atomic import write_json, write_text
-    from ..envinfo import environment
+    from ..infra.atomic import write_json, write_text
+    from ..infra.envinfo import environment
     from ..hf.evaluate import EvalSettings
-    from ..render import display_path
+    from ..infra.render import display_path
     from ..report.adequacy import adequacy_markdown, summary_paragraph
 
     if (args.path is None) == (args.model is None):

@@ -7,9 +7,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..atomic import OutputTransaction, write_json, write_text
+from ..infra.atomic import OutputTransaction, write_json, write_text
 from ..recipe import GRAMMAR
-from ..render import fmt
+from ..infra.render import fmt
 from .bench import add_executor_arguments, executor_from_args
 from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int, text_options, token_notes
 
@@ -75,7 +75,7 @@ def site_overlay(plan) -> dict[int, dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..envinfo import environment
+    from ..infra.envinfo import environment
     from ..hf import EvalSettings, inspect_model
     from ..hf.capture import read_text, require_transformers
     from ..planning.job import final_round

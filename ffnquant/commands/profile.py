@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..atomic import OutputTransaction
+from ..infra.atomic import OutputTransaction
 from ..errors import FFNQuantError
-from ..histogram import StreamingHistogram
-from ..observe import DEFAULT_BINS
-from ..render import fmt, text_table
+from ..numerics.histogram import StreamingHistogram
+from ..numerics.observe import DEFAULT_BINS
+from ..infra.render import fmt, text_table
 from ..spec import SITES
 from .common import (
     add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes,

@@ -6,10 +6,10 @@ import argparse
 import math
 from pathlib import Path
 
-from ..atomic import OutputTransaction, write_json, write_text
+from ..infra.atomic import OutputTransaction, write_json, write_text
 from ..errors import FFNQuantError
 from ..recipe import GRAMMAR, Recipe
-from ..render import agreement_words, fmt, ppl_change, text_table
+from ..infra.render import agreement_words, fmt, ppl_change, text_table
 from ..report.quantize import quantize_markdown, quantize_model_markdown
 from .common import (
     StageBars, add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes,
@@ -32,7 +32,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..calibrate import calibrator_names
+    from ..numerics.calibrate import calibrator_names
     from ..schemes import preset_names
 
     # default swiglu, or none when --model is given (then only the model's layers are quantized)
@@ -87,7 +87,7 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
 
 def _smooth_sites(args: argparse.Namespace, recipe: Recipe, specs: list):
     """The recipe checked against every spec to quantize, and the smooth sites (None: every exact one)."""
-    from ..remedies import SMOOTH_SITES, smooth_exact_for
+    from ..numerics.remedies import SMOOTH_SITES, smooth_exact_for
     from ..model import FFN
 
     for spec in specs:
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _quantize_all(args, recipe, info, specs, sites, source, rows, bars, memory) -> list:
-    from ..envinfo import environment
+    from ..infra.envinfo import environment
     from ..quantization import prepare, quantize_spec
 
     # Artifacts and reports are staged beside their folders and moved into place only when every variant

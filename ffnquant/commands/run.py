@@ -9,7 +9,7 @@ import sys
 
 from ..errors import FFNQuantError
 from ..recipe import GRAMMAR
-from ..render import text_table
+from ..infra.render import text_table
 from .common import add_model_arguments, add_spec_arguments, format_default, positive_int
 
 NAME = "run"
@@ -113,7 +113,7 @@ class _ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..render import display_path
+    from ..infra.render import display_path
     from ..pipeline import run as run_job
 
     config = config_from_args(args)  # every bad option fails here, before anything is written

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..render import text_table
+from ..infra.render import text_table
 from .common import add_spec_arguments, specs_from_args
 
 NAME = "variants"

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..atomic import write_text
+from ..infra.atomic import write_text
 from ..backends import ASYMMETRIC_INT4_MEASURED, CTENSORS_SUPPORTED, ROTATE_WHY, supports
 from ..errors import FFNQuantError
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
@@ -159,7 +159,7 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
-    from ..thirdparty import quiet_model_io
+    from ..infra.thirdparty import quiet_model_io
 
     folder = Path(folder)
     schemes, quantized = _config_groups(planned.modules)
@@ -338,7 +338,7 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     the int8 kernels, rounds x / scale and then adds the zero point: a value within float32 rounding of a half
     step can land on the neighbouring code. Each such tie is one step on one element, so a layer is at parity
     when the two outputs differ by at least 20 dB less than the layer's own quantization noise."""
-    from ..accuracy import sqnr_db
+    from ..numerics.accuracy import sqnr_db
     from ..hf.capture import ffn_input_hooks
     from ..hf import load_ffn_layers
 
@@ -439,7 +439,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     from ..hf import compare_models
     from ..hf.capture import require_transformers
     from ..hf.evaluate import float_reference
-    from ..thirdparty import quiet_model_io
+    from ..infra.thirdparty import quiet_model_io
     from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
 
     transformers = require_transformers()

@@ -224,7 +224,7 @@ def _export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset:
                     ids: torch.Tensor | None) -> dict[str, Any]:
     import onnx
 
-    from ..atomic import atomic_path
+    from ..infra.atomic import atomic_path
 
     model = model.eval()
     layout = cache_layout(model)
@@ -268,7 +268,7 @@ def _export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset:
 
 
 def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[str, Any]:
-    from ..onnxquant import ort_session
+    from ..onnx.onnxquant import ort_session
 
     session = ort_session(path)
     split = max(1, ids.shape[1] // 2)
@@ -422,8 +422,8 @@ def decode_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike,
     token attending to N tokens of context (each N of `contexts`: a past of N - 1, the fp32 graph's presents
     after a prefill of N - 1 random tokens, and the new token; the same inputs for both graphs), batch 1; interleaved rounds as `graph_latency` runs them,
     p10/p50/p90 ms and the speedup (fp32 p50 / quantized p50)."""
-    from ..latency import latency_stats
-    from ..onnxquant import ort_session
+    from ..measure.latency import latency_stats
+    from ..onnx.onnxquant import ort_session
 
     if rounds < 1 or per_round < 1 or warmup < 0 or not contexts or min(contexts) < 1:
         raise FFNQuantError("decode_latency needs rounds >= 1, per_round >= 1, warmup >= 0 and contexts >= 1")
@@ -463,7 +463,7 @@ def decode_step_tensors(path: str | os.PathLike, past: int, folder: str | os.Pat
 
     import onnxruntime as ort
 
-    from ..onnxquant import ort_session
+    from ..onnx.onnxquant import ort_session
 
     plain = ort_session(path, threads=1)
     vocab = plain.get_outputs()[0].shape[-1]

@@ -35,10 +35,10 @@ from torch import nn
 
 from ..backends import register_backend, supports
 from ..errors import FFNQuantError, first_line
-from ..export import DEFAULT_OPSET
+from ..onnx.export import DEFAULT_OPSET
 from .onnx_decoder import compare_outputs, float_tolerance, quiet
 from .onnx_rewrite import module_kind, quantize_graph
-from ..atomic import ScratchFolder
+from ..infra.atomic import ScratchFolder
 
 __all__ = [
     "PPL_TOLERANCE",
@@ -65,7 +65,7 @@ OUTPUTS = ("logits", "last_hidden")
 def graph_refusal(info: Any) -> str | None:
     """Why `info`'s model cannot be written as one ONNX graph here (one line); None when it can."""
     from ..hf.arch import ModelKind
-    from ..resources import available_memory, human_bytes
+    from ..infra.resources import available_memory, human_bytes
     from .planned import deployable_refusal
 
     if info.kind is not ModelKind.CAUSAL_LM:
@@ -118,7 +118,7 @@ def _recipe_modules(recipe: Any, spec: Any) -> list[Any]:
     """The `ModuleQuant`s a layer under `recipe` would get: each weight's grid is what the scheme's method handler
     makes of a small stand-in weight of the layer's input width (`methods.quantize_linear`), the input quantizer
     a stand-in range of the scheme's integer type. FFNQuantError for weights without a grid."""
-    from ..fakequant import WEIGHT_INPUT_SITE, SiteRange
+    from ..numerics.fakequant import WEIGHT_INPUT_SITE, SiteRange
     from ..methods import handler_for, quantize_linear
     from ..schemes import ActMode
     from .planned import ModuleQuant
@@ -174,7 +174,7 @@ class _Prefill(nn.Module):
 
 
 def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[str, Any]:
-    from ..onnxquant import ort_session
+    from ..onnx.onnxquant import ort_session
 
     session = ort_session(path)
     got = session.run(list(OUTPUTS), {"input_ids": ids.numpy().astype(np.int64)})
@@ -187,7 +187,7 @@ def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[
 def _export(model: nn.Module, info: Any, path: str | os.PathLike, opset: int, ids: torch.Tensor | None) -> dict[str, Any]:
     import onnx
 
-    from ..atomic import atomic_path
+    from ..infra.atomic import atomic_path
 
     model = model.eval()
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
@@ -240,8 +240,8 @@ def score_graph(path: str | os.PathLike, planned: Any, cached: bool = True) -> d
     bound is checked on `graph`: the same graph with no integer kernel fused in, what exact kernels compute.
     A cached decoder is also scored through its cache (`cached`: `_cached_score`) when `cached`."""
     from ..hf import compare_models
-    from ..onnxquant import ort_session
-    from ..ortcpu import int8_kernels, saturating
+    from ..onnx.onnxquant import ort_session
+    from ..onnx.ortcpu import int8_kernels, saturating
     from .onnx_decoder import is_decoder, prefill_feed
 
     def figures(session) -> dict[str, Any]:
@@ -304,8 +304,8 @@ def graph_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, 
     """Side-by-side latency of the fp32 and quantized graphs on onnxruntime's CPU provider at batch 1 and each
     token count: interleaved rounds (each graph and size in every round, so machine drift hits all alike),
     p10/p50/p90 ms and the speedup (fp32 p50 / quantized p50). Cheap by default; ask for more rounds to publish."""
-    from ..latency import latency_stats
-    from ..onnxquant import ort_session
+    from ..measure.latency import latency_stats
+    from ..onnx.onnxquant import ort_session
     from .onnx_decoder import interleaved_times, prefill_feed
 
     if rounds < 1 or per_round < 1 or warmup < 0 or not tokens or min(tokens) < 1:
@@ -338,7 +338,7 @@ def _decoder_figures(planned: Any, fp32: Path, quant: Path, *, contexts: Sequenc
                      new_tokens: int) -> dict[str, Any]:
     """The cached graphs' own figures: greedy generation of the fp32 graph against transformers' (and how many
     leading tokens the quantized graph's greedy generation shares with it), per-token decode latency."""
-    from ..onnxquant import ort_session
+    from ..onnx.onnxquant import ort_session
     from .onnx_decoder import decode_latency, generation_check, greedy_generate
 
     chosen = _prompts(planned, prompts)

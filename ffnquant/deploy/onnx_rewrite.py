@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import FFNQuantError
-from ..onnxmatmul import EXACT_WEIGHT_ONLY, MS_DOMAIN, MatmulRewriter, check_and_save, matmul_kind, write_matmul
+from ..onnx.onnxmatmul import EXACT_WEIGHT_ONLY, MS_DOMAIN, MatmulRewriter, check_and_save, matmul_kind, write_matmul
 
 __all__ = ["module_kind", "quantize_graph", "MS_DOMAIN", "EXACT_WEIGHT_ONLY"]
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..errors import FFNQuantError
-from ..fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
-from ..remedies import BlockHadamard
+from ..numerics.fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
+from ..numerics.remedies import BlockHadamard
 from ..schemes import ActMode, Method, Scheme, get_scheme
 
 __all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "loaded_ffn"]

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..fakequant import QuantizedFFN, SiteRange, WeightGrid
+from ..numerics.fakequant import QuantizedFFN, SiteRange, WeightGrid
 from ..model import FFN
 
 __all__ = ["COMPUTE_DTYPES", "compute_dtype", "dtype_name", "rounding_step", "input_args", "in_dtype", "in_dtype_all",

@@ -54,7 +54,7 @@ def input_scale(qffn: Any) -> torch.Tensor | None:
     """The per-channel multiply x * c a layer's recipe put on its FFN input (SmoothQuant's, then AWQ's, composed
     as applied), from its remedy records; None without one. The planned model keeps its QuantizedFFNs with the
     scale folded away (an identity input_transform), so the records are what says what was folded."""
-    from ..awq import AWQRecord
+    from ..numerics.awq import AWQRecord
 
     c = None
     for rec in getattr(qffn, "remedies", ()):
@@ -304,7 +304,7 @@ def unfolded_ffns(planned: Any) -> dict[Any, Any]:
     """The plan's quantized FFNs by LayerInfo, each doing its input multiply itself (unfolded, as measured): what
     installed in the ORIGINAL float model is ffnquant's reference of the plan."""
     from ..hf.fold import with_input_transform
-    from ..remedies import ChannelScale
+    from ..numerics.remedies import ChannelScale
 
     by_label = {layer.label: layer for layer in planned.info.layers}
     ffns = {}

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..atomic import atomic_path, ensure_writable_dir, owned_temp_file
+from ..infra.atomic import atomic_path, ensure_writable_dir, owned_temp_file
 from ..errors import FFNQuantError
-from ..resources import check_memory
+from ..infra.resources import check_memory
 from .arch import Install, ModelKind
 from .checkpoint import LayerInfo, ModelInfo, inspect_model
 from .corpus import (DEFAULT_SEQ_LEN, TextSource, document_text, document_windows, load_documents, shipped_corpus, source_items,

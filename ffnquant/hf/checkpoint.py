@@ -20,8 +20,8 @@ import torch
 
 from ..errors import FFNQuantError
 from ..model import FFN
-from ..resources import non_regular_entries, os_reason, regular_file
-from ..resources import read_text as read_file_text
+from ..infra.resources import non_regular_entries, os_reason, regular_file
+from ..infra.resources import read_text as read_file_text
 from ..spec import FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, hf_activation
 from .validate import check_attention_config, check_other_tensors

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..resources import read_text as read_file_text
+from ..infra.resources import read_text as read_file_text
 
 __all__ = ["DOMAINS", "SPLITS", "DEFAULT_SEQ_LEN", "MIN_WINDOW", "ShippedCorpus", "TextSource", "shipped_corpora",
            "shipped_corpus", "default_source", "source_items", "source_label", "read_documents", "load_documents",

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..errors import FFNQuantError
 from ..model import FFN
-from ..remedies import ChannelScale
+from ..numerics.remedies import ChannelScale
 from .arch import ModelKind, NormGain
 from .checkpoint import LayerInfo, ModelInfo
 
@@ -243,7 +243,7 @@ def _compared(model: nn.Module, info: ModelInfo, ids: torch.Tensor) -> torch.Ten
 def _input_ranges(model: nn.Module, info: ModelInfo, layers: Sequence[Any], batches: Sequence[torch.Tensor],
                   bins: int) -> dict[str, Any]:
     """Each layer's RangeTable of its input site, from the model run on `batches` (the capture path)."""
-    from ..observe import profile
+    from ..numerics.observe import profile
     from .capture import iter_captured
 
     by_label = {layer.label: layer for layer in layers}
@@ -282,7 +282,7 @@ def fold_exactness(
     `folded_vs_unfolded`: what the fold alone changes; `float_ffns`: ffnquant's unsmoothed float FFNs installed,
     the float32 rounding floor of replacing the model's own MLPs at all.
     """
-    from ..remedies import smooth
+    from ..numerics.remedies import smooth
     from .capture import install_ffns, load_hf_model, load_tokenizer, model_text_batches, text_label
     from .checkpoint import inspect_model, load_ffn_layers
     from .inputs import EvalSettings, fit_settings

@@ -36,8 +36,8 @@ def calibrate_layers(
     An expert the router never chose gets the merged table of its layer's other experts
     (same spec), marked in `meta["borrowed_from_layer"]`.
     """
-    from ..observe import profile
-    from ..fakequant import input_hessians
+    from ..numerics.observe import profile
+    from ..numerics.fakequant import input_hessians
 
     by_label = {layer.label: layer for layer in layers}
     tables: dict[str, Any] = {}
@@ -63,7 +63,7 @@ def calibrate_layers(
         merged = siblings[0]
         for t in siblings[1:]:
             merged = merged.merge(t)
-        from ..observe import weight_stats
+        from ..numerics.observe import weight_stats
 
         merged.weights = {n: weight_stats(w, bins) for n, w in layer.ffn.weights().items()}
         merged.meta = dict(merged.meta, borrowed_from_layer=layer.index)

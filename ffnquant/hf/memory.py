@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import FFNQuantError
-from ..resources import human_bytes, memory_limit, process_rss
+from ..infra.resources import human_bytes, memory_limit, process_rss
 from .arch import Install, ModelKind
 from .checkpoint import ModelInfo, _Weights
 

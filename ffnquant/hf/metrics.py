@@ -20,7 +20,7 @@ from .checkpoint import ModelInfo
 __all__ = ["ErrorStats", "SQNR_CAP_DB", "TOP_K", "Reference", "reference_batch", "Agreement", "ratio_interval",
            "t_quantile", "compare_models"]
 
-SQNR_CAP_DB = 200.0  # as ffnquant.accuracy: identical outputs read as 200 dB, not +inf
+SQNR_CAP_DB = 200.0  # as ffnquant.numerics.accuracy: identical outputs read as 200 dB, not +inf
 
 
 class ErrorStats:

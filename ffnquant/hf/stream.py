@@ -39,7 +39,7 @@ from .capture import (
 from .checkpoint import LayerInfo, ModelInfo, _Weights
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
-from ..atomic import ScratchFolder
+from ..infra.atomic import ScratchFolder
 
 __all__ = ["SequentialModel", "token_batches_of"]
 

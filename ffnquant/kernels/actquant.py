@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..primitives import fp8_rowwise, int8_symmetric_rows
+from ..numerics.primitives import fp8_rowwise, int8_symmetric_rows
 from .tritonenv import import_triton, interpreting, jit_per_mode
 from .tritonmath import act, round_to
 from .w4a16_pack import ACTIVATIONS, describe, torch_act

@@ -16,7 +16,7 @@ import copy
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..primitives import fp8_rowwise, int8_symmetric_rows
+from ..numerics.primitives import fp8_rowwise, int8_symmetric_rows
 from .actquant import (
     KINDS,
     _check_device,

@@ -1,6 +1,6 @@
 """Triton W4A16: int4 weights dequantized inside the matmul, in ffnquant's symmetric group numerics.
 
-The numerics are exactly those of `ffnquant.primitives.int4_group_rtn(w, g, symmetric=True)`:
+The numerics are exactly those of `ffnquant.numerics.primitives.int4_group_rtn(w, g, symmetric=True)`:
 codes q in 0..15 with zero point 8, one scale per `group_size` consecutive input features, and
 w = (q - 8) * scale with the scale as stored (float16 by default: the stored scale is the
 numerics of record). The kernels never round a dequantized weight to the activation dtype:

@@ -1,6 +1,6 @@
 """Packed int4 weights for ffnquant's Triton W4A16 kernels, and the torch reference they must match.
 
-`pack_w4` quantizes with `ffnquant.primitives.int4_group_rtn(w, g, symmetric=True)` (codes 0..15, zero
+`pack_w4` quantizes with `ffnquant.numerics.primitives.int4_group_rtn(w, g, symmetric=True)` (codes 0..15, zero
 point 8, one scale per `group_size` input features, stored float16 by default) and packs two codes per
 byte; with `symmetric=False` it quantizes as the `w4a16-g*-asym` presets do (`int4_group_rtn(w, g,
 symmetric=False)`: an integer zero point 0..15 per group, stored as `zero_points`; value (q - zp) * s).
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..primitives import int4_group_rtn, pack_int4, unpack_int4
+from ..numerics.primitives import int4_group_rtn, pack_int4, unpack_int4
 
 __all__ = ["ACTIVATIONS", "SCALE_DTYPES", "PackedW4", "check_group", "pack_w4", "dequantize_w4", "w4a16_reference",
            "w4a16_gated_reference", "torch_act", "describe", "zero_point_values", "KeptDtypes"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import FFNQuantError
-from ..primitives import pack_int4, unpack_int4
+from ..numerics.primitives import pack_int4, unpack_int4
 from .w4a16_pack import PackedW4, dequantize_w4, describe, torch_act, zero_point_values
 
 __all__ = ["BLOCK_KS", "BLOCK_NS", "MAX_KERNEL_BLOCK_N", "TiledW4", "abs_terms", "check_tiles", "default_block_k",

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import primitives as P
+from ..numerics import primitives as P
 from ..errors import FFNQuantError
 from .qlinear import QuantizedLinear, WeightGrid, signed_zero_point
 from .registry import MethodHandler, register_method
@@ -128,7 +128,7 @@ class AWQ(MethodHandler):
                 "round-to-nearest)")
 
     def fold(self, model: Any, scheme: Any, hessians: Mapping[str, Any] | None, weights: list[str]) -> tuple[Any, list]:
-        from ..awq import awq_fold, clip_weights
+        from ..numerics.awq import awq_fold, clip_weights
 
         if hessians is None:
             raise FFNQuantError(f"scheme {scheme.name!r} (awq) needs calibration data for the input Hessians")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # annotations only
-    from ..fakequant import SiteRange
+    from ..numerics.fakequant import SiteRange
 
 __all__ = ["WeightGrid", "QuantizedLinear", "signed_zero_point"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from ..recipe import Recipe
-from ..recommend import Point
+from ..measure.recommend import Point
 from ..report import SCHEMA_NAME, SCHEMA_VERSION
 from ..spec import FFNSpec
 from .findings import ort_baseline_summary
@@ -23,7 +23,7 @@ def build_document(
     """The JSON document `report.write_report` renders (schema `ffnquant-report` v1). `config` is the run's
     config in its written form (`RunConfig.to_dict`), copied as is; the values read here come as arguments."""
     from .. import __version__
-    from ..envinfo import environment
+    from ..infra.envinfo import environment
 
     return {
         "schema": SCHEMA_NAME,

@@ -8,7 +8,7 @@ import time  # noqa: F401 - the clock timing.time_calls reads; tests replace its
 from typing import Any, Mapping, Sequence
 
 from ..recipe import Recipe
-from ..recommend import Point
+from ..measure.recommend import Point
 
 __all__ = ["range_section", "compact_histogram", "activation_time_claim", "recommendations", "findings",
            "ort_baseline_summary"]
@@ -70,8 +70,8 @@ def activation_time_claim(model: Any, tokens: Any, repeats: int = 7) -> dict[str
     import numpy as np
     import torch
 
-    from ..latency import timing_suspect
-    from ..timing import time_calls
+    from ..measure.latency import timing_suspect
+    from ..measure.timing import time_calls
 
     with torch.no_grad():
         pre = (model.w_gate if model.w_gate is not None else model.w_up)(tokens)
@@ -100,7 +100,7 @@ def activation_time_claim(model: Any, tokens: Any, repeats: int = 7) -> dict[str
 
 def recommendations(points: Sequence[Point], *, target_db: float, baseline: str) -> tuple[list[dict], list[dict]]:
     """(recommendations, Pareto fronts) from the run's latency x accuracy points (`recommend.join_points`)."""
-    from ..recommend import pareto_front, recommend_all
+    from ..measure.recommend import pareto_front, recommend_all
 
     recs = [r.to_dict() for r in recommend_all(points, target_db, baseline)]
     groups: dict[tuple, list] = {}
@@ -115,7 +115,7 @@ def findings(ranges: Mapping[str, Any], rows: Sequence[dict], recipes: Sequence[
              model_doc: Mapping[str, Any] | None, *, variants: Sequence[str]) -> list[dict]:
     """The report's findings: crest factor against int8 cost (synthetic family, the run's `variants`), remedy
     gains, the model's layers."""
-    from ..recommend import crest_cost_finding
+    from ..measure.recommend import crest_cost_finding
 
     out = []
     # the crest/cost relation is a claim about the synthetic family; a real model's layers get their own finding

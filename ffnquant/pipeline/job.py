@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..render import display_path
+from ..infra.render import display_path
 from .config import RunConfig
 from .results import ModelPart, Progress, RunResult, Stages
 
@@ -23,11 +23,11 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     """
     import torch
 
-    from ..atomic import OutputTransaction, write_text
+    from ..infra.atomic import OutputTransaction, write_text
     from ..data import calibration_and_eval
     from ..model import build
-    from ..observe import profile
-    from ..recommend import join_points
+    from ..numerics.observe import profile
+    from ..measure.recommend import join_points
     from ..report import write_report
     from . import findings as F
     from .latency import LatencySettings, measure_latency, select_runtimes

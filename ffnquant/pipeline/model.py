@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
-from ..render import display_path
+from ..infra.render import display_path
 from .latency import LatencySettings, measure_latency
 from .results import ModelPart, Progress, Stages
 from .variants import Scoring, score_recipes

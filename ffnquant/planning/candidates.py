@@ -97,7 +97,7 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
     MoE layer (`planning.moe.MoELayer`) is scored on its routed experts' output (`score_moe_layer`)."""
     if isinstance(layer, MoELayer):
         return score_moe_layer(layer, recipes, calib, held_out, grad, keep=keep, bins=bins)
-    from ..accuracy import run_batched
+    from ..numerics.accuracy import run_batched
     from ..schemes import recipe_weight_bytes
 
     if grad.shape != calib.shape:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import FFNQuantError
-from ..atomic import ScratchFolder
+from ..infra.atomic import ScratchFolder
 from ..recipe import Recipe
 from .candidates import candidate_recipes, generalization, run_score_task, score_tasks
 from .moe import MoELayer, moe_table
@@ -120,9 +120,9 @@ def _ort_best(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any
     quantize_dynamic, on the same calibration and held-out inputs): {method, sqnr_db, methods}, or None."""
     from pathlib import Path
 
-    from ..accuracy import run_batched
-    from ..export import export_onnx
-    from ..ortbaseline import ort_baselines
+    from ..numerics.accuracy import run_batched
+    from ..onnx.export import export_onnx
+    from ..onnx.ortbaseline import ort_baselines
 
     with ScratchFolder("plan-ort") as folder:  # marked: a killed run's is swept by the next run
         fp32 = Path(folder) / f"{layer.label}.fp32.onnx"
@@ -263,7 +263,7 @@ def make_plan(
     `export_format` ("compressed-tensors", "onnx"): only the candidates that format can write are chosen from.
     `dtype`: what the deployed model computes in, which the verification rounds compute in (None: float32;
     bf16 for a bf16 checkpoint served by compressed-tensors' runtimes, `deploy.precision.resolve_compute_dtype`)."""
-    from ..executor import LocalExecutor
+    from ..measure.executor import LocalExecutor
     from ..hf import inspect_model
     from ..hf.inputs import EvalSettings, fit_settings
     from .source import PlanSource

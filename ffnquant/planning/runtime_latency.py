@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import FFNQuantError, first_line
 from ..recipe import Recipe
 from ..runtimes import ModelCase, Runtime, get_runtime
-from ..timing import default_timer
+from ..measure.timing import default_timer
 from .target import Workload
 
 __all__ = ["check_runtimes", "runtime_format", "measure_runtime_table"]

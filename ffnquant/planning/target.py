@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import FFNQuantError, unknown_choice
-from ..render import ppl_change
+from ..infra.render import ppl_change
 
 __all__ = ["Target", "Objective", "Workload", "OBJECTIVES", "METRICS", "TARGET_FORMS", "DECODE_TOKENS", "PLAN_RUNTIMES"]
 

@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..atomic import ensure_writable_dir, write_bytes, write_json, write_text
+from ..infra.atomic import ensure_writable_dir, write_bytes, write_json, write_text
 from ..errors import FFNQuantError
 from .html import render_html
 from .markdown import PLOT_DIR, render_markdown

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..render import fmt, fmt_db, markdown_table
+from ..infra.render import fmt, fmt_db, markdown_table
 
 __all__ = ["adequacy_markdown", "summary_paragraph"]
 

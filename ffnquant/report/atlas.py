@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..atomic import ensure_writable_dir, write_bytes, write_text
+from ..infra.atomic import ensure_writable_dir, write_bytes, write_text
 from ..errors import FFNQuantError, unknown_choice
-from ..render import fmt, markdown_table
+from ..infra.render import fmt, markdown_table
 from .plots import png
 
 __all__ = ["ATLAS_FILES", "plan_grid", "render_atlas_plots", "atlas_markdown", "write_atlas"]

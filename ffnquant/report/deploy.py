@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..render import agreement_words, fmt, fmt_bytes, markdown_table, ppl_change
+from ..infra.render import agreement_words, fmt, fmt_bytes, markdown_table, ppl_change
 
 __all__ = ["deploy_markdown", "target_verdict", "fold_line", "gate_rows", "decoder_summary"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..latency import REFERENCE_TOLERANCE_DB, gpu_targets, numerics_rows
-from ..render import fmt_bytes, fmt_db, fmt_ms, markdown_table
+from ..measure.latency import REFERENCE_TOLERANCE_DB, gpu_targets, numerics_rows
+from ..infra.render import fmt_bytes, fmt_db, fmt_ms, markdown_table
 from ..spec import FFNSpec
 
 __all__ = ["latency_markdown"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..render import fmt, fmt_db, fmt_ms, markdown_table
+from ..infra.render import fmt, fmt_db, fmt_ms, markdown_table
 from .plots import _slug
 from .view import _accuracy_index, _baseline, _keys, _ok_cases, _runtimes_with_cases, _scheme_order, _variants
 

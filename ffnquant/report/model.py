@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..render import agreement_words, fmt, markdown_table, ppl_change
+from ..infra.render import agreement_words, fmt, markdown_table, ppl_change
 
 __all__ = ["model_eval_markdown", "recipe_name"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..planning.job import final_round
-from ..render import agreement_words, fmt, fmt_bytes, markdown_table
-from ..resources import human_bytes
+from ..infra.render import agreement_words, fmt, fmt_bytes, markdown_table
+from ..infra.resources import human_bytes
 
 __all__ = ["plan_markdown", "domain_lines"]
 

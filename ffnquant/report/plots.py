@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any, Mapping
 
-from ..recommend import pareto_front
+from ..measure.recommend import pareto_front
 from .view import _keys, _ok_cases, _points, _runtimes_with_cases, _scheme_order, _variants
 
 def png(fig) -> bytes:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..render import agreement_words, fmt, markdown_table, ppl_change
+from ..infra.render import agreement_words, fmt, markdown_table, ppl_change
 
 __all__ = ["quantize_markdown", "quantize_model_markdown"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..recommend import Point, join_points
+from ..measure.recommend import Point, join_points
 
 def _ok_cases(doc: Mapping[str, Any]) -> list[dict]:
     return [c for c in doc["timing"]["latency"]["cases"] if c.get("error") is None and c.get("median_s")]

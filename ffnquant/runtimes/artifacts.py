@@ -1,7 +1,7 @@
 """ONNX artifacts for the onnxruntime adapters: which file a case runs, built once per run folder.
 
-fp32/fp16 come from `ffnquant.export`; the int8 QDQ and 4-bit MatMulNBits models come
-from `ffnquant.onnxquant` (the quantization stage), so latency is measured on the very
+fp32/fp16 come from `ffnquant.onnx.export`; the int8 QDQ and 4-bit MatMulNBits models come
+from `ffnquant.onnx.onnxquant` (the quantization stage), so latency is measured on the very
 files the accuracy figures describe.
 """
 
@@ -11,7 +11,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ..atomic import process_scratch
+from ..infra.atomic import process_scratch
 from ..backends import supports
 from ..errors import FFNQuantError
 from .base import ModelCase
@@ -41,7 +41,7 @@ def onnx_artifact(case: ModelCase) -> Path:
         return path
     model = case.float_model()
     if case.scheme in _FLOAT:
-        from ..export import export_onnx
+        from ..onnx.export import export_onnx
 
         export_onnx(model, path, dtype=case.scheme)
         return path
@@ -49,14 +49,14 @@ def onnx_artifact(case: ModelCase) -> Path:
 
 
 def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
-    """int8 QDQ / MatMulNBits / MatMulBnb4 through `ffnquant.onnxquant`, from this run's fp32 export.
+    """int8 QDQ / MatMulNBits / MatMulBnb4 through `ffnquant.onnx.onnxquant`, from this run's fp32 export.
 
     Static int8 schemes are calibrated on `CALIBRATION_TOKENS` seeded Gaussian tokens:
     latency depends on the graph, not on the scale values, and the accuracy figures of
     record come from the quantization stage's own artifacts (pass them as `onnx_path`).
     """
-    from .. import onnxquant
-    from ..fakequant import quantize_model
+    from ..onnx import onnxquant
+    from ..numerics.fakequant import quantize_model
     from ..schemes import get_scheme
 
     scheme = get_scheme(case.scheme)

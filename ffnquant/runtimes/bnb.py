@@ -16,7 +16,7 @@ import torch
 
 from ..errors import FFNQuantError, first_line
 from ..schemes import PRESETS
-from ..thirdparty import quiet_bitsandbytes
+from ..infra.thirdparty import quiet_bitsandbytes
 from .base import Availability, Loaded, ModelCase
 from .torch_rt import TorchModuleRuntime
 

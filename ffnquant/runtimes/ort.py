@@ -24,10 +24,10 @@ import numpy as np
 
 from ..errors import FFNQuantError
 from ..schemes import ActDType
-from ..ortcpu import int8_kernels, saturating, session_entries
+from ..onnx.ortcpu import int8_kernels, saturating, session_entries
 from .artifacts import onnx_artifact, onnx_weight_bytes
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
-from ..atomic import ScratchFolder, process_scratch
+from ..infra.atomic import ScratchFolder, process_scratch
 
 __all__ = ["OrtRuntime", "PROVIDERS", "ORT_FORMATS", "captured_native_output"]
 

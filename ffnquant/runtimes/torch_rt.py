@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import FFNQuantError
-from ..primitives import FP8_E4M3_MAX, fp8_rowwise, fp8_tensorwise, int4_group_rtn, int8_symmetric_rows
+from ..numerics.primitives import FP8_E4M3_MAX, fp8_rowwise, fp8_tensorwise, int4_group_rtn, int8_symmetric_rows
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
 
 __all__ = [
@@ -449,7 +449,7 @@ _STATIC = ("fp8-e4m3",)
 def _static_act_scales(case: ModelCase) -> dict[str, float]:
     """Each projection's input scale under the case's static preset, calibrated as ffnquant's reference is
     (the same Gaussian calibration the ONNX artifacts and the bench's references use), by weight name."""
-    from ..fakequant import WEIGHT_INPUT_SITE, quantize_model
+    from ..numerics.fakequant import WEIGHT_INPUT_SITE, quantize_model
     from ..schemes import get_scheme
     from .artifacts import gaussian_calibration
 

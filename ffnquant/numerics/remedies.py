@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import FFNQuantError, unknown_choice
-from .model import FFN
-from .spec import Activation
+from ..errors import FFNQuantError, unknown_choice
+from ..model import FFN
+from ..spec import Activation
 
 __all__ = [
     "SMOOTH_SITES",

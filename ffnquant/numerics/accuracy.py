@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .errors import FFNQuantError
+from ..errors import FFNQuantError
 
 __all__ = ["sqnr_db", "cosine", "rel_l2", "max_abs_error", "Accuracy", "accuracy_of", "run_batched"]
 

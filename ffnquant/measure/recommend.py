@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import FFNQuantError
+from ..errors import FFNQuantError
 
 __all__ = [
     "DEFAULT_TARGET_DB",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .atomic import _sigint_deferred, make_staging, sweep_stale
-from .errors import FFNQuantError
+from ..errors import FFNQuantError
 
 __all__ = ["check_not_an_input", "folder_files", "check_new_folder", "staged_folder"]
 

@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from . import primitives as P
-from .errors import FFNQuantError
-from .model import FFN
+from ..errors import FFNQuantError
+from ..model import FFN
 from .remedies import ChannelScale, RemedyRecord, smooth_exact_for
-from .schemes import Granularity, Method, Scheme
+from ..schemes import Granularity, Method, Scheme
 
 __all__ = [
     "ALPHA_GRID",

@@ -11,7 +11,7 @@ import re
 import stat
 from pathlib import Path
 
-from .errors import FFNQuantError
+from ..errors import FFNQuantError
 
 __all__ = [
     "MAX_ELEMENTS",

@@ -17,10 +17,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import primitives as P
-from .atomic import atomic_path
-from .errors import FFNQuantError
-from .schemes import ActDType
+from ..numerics import primitives as P
+from ..infra.atomic import atomic_path
+from ..errors import FFNQuantError
+from ..schemes import ActDType
 
 __all__ = ["MS_DOMAIN", "EXACT_WEIGHT_ONLY", "matmul_kind", "MatmulRewriter", "nbits_node", "write_matmul",
            "check_and_save"]

@@ -15,10 +15,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .atomic import atomic_path, ensure_writable_dir
-from .errors import FFNQuantError
-from .model import FFN, build
-from .spec import FFNSpec
+from ..infra.atomic import atomic_path, ensure_writable_dir
+from ..errors import FFNQuantError
+from ..model import FFN, build
+from ..spec import FFNSpec
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -95,7 +95,7 @@ class ExportResult:
 
 def onnx_path_for(spec: FFNSpec, out_dir: str | os.PathLike, dtype: str) -> Path:
     """Where the export of `spec` at `dtype` ('fp32'/'fp16') goes: `<out_dir>/<spec.key>.<recipe slug>.onnx`."""
-    from .recipe import Recipe
+    from ..recipe import Recipe
 
     return Path(out_dir) / f"{spec.key}.{Recipe(dtype).slug}.onnx"
 
@@ -237,7 +237,7 @@ def export_onnx(
     """Export `model` to `path` as fp32 or fp16 ONNX with dynamic (batch, seq) axes; returns (path, exporter)."""
     import onnx
 
-    from . import __version__
+    from .. import __version__
 
     if dtype not in ("fp32", "fp16"):
         raise FFNQuantError(f"unknown export dtype {dtype!r}; valid: fp32, fp16")
@@ -246,7 +246,7 @@ def export_onnx(
     torch_dtype = torch.float32 if dtype == "fp32" else torch.float16
     spec = model.spec
     work = build(spec)  # a copy, so the caller's module keeps its dtype
-    # remedies (ffnquant.remedies) put a channel scale / rotation in these slots: carry them over
+    # remedies (ffnquant.numerics.remedies) put a channel scale / rotation in these slots: carry them over
     work.input_transform = copy.deepcopy(model.input_transform)
     work.hidden_transform = copy.deepcopy(model.hidden_transform)
     work = work.to(torch_dtype)

@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .atomic import atomic_path
-from .errors import FFNQuantError
-from .model import FFN
+from ..infra.atomic import atomic_path
+from ..errors import FFNQuantError
+from ..model import FFN
 from .onnxmatmul import MS_DOMAIN, MatmulRewriter, check_and_save, matmul_kind, nbits_node, write_matmul
-from .backends import ARTIFACT_KINDS, artifact_kind  # the onnx-artifact backend's decision, re-exported
-from .schemes import WeightDType
-from .atomic import ScratchFolder
+from ..backends import ARTIFACT_KINDS, artifact_kind  # the onnx-artifact backend's decision, re-exported
+from ..schemes import WeightDType
+from ..infra.atomic import ScratchFolder
 
 if TYPE_CHECKING:  # annotations only: onnxquant reads a QuantizedFFN, it never builds one
-    from .fakequant import QuantizedFFN
+    from ..numerics.fakequant import QuantizedFFN
 
 __all__ = [
     "ARTIFACT_KINDS",
@@ -85,7 +85,7 @@ def matmul_weights(proto, names: Sequence[str]) -> dict[str, tuple[Any, Any]]:
     missing = sorted(wanted - set(found))
     if missing:
         raise FFNQuantError(f"could not find the matmul(s) of {missing} in the exported graph: its MatMul nodes carry "
-                            "no pkg.torch.onnx.name_scopes naming them (export with ffnquant.export.export_onnx)")
+                            "no pkg.torch.onnx.name_scopes naming them (export with ffnquant.onnx.export.export_onnx)")
     for i, node in enumerate(proto.graph.node):
         if not node.name:
             node.name = f"node_{node.op_type}_{i}"
@@ -322,7 +322,7 @@ def ort_latency_ms(
     exact_weight_only: bool = True, threads: int | None = None,
 ) -> float:
     """Median wall time (ms) of one session.run on a [1, tokens, d_model] input, CPU provider."""
-    from .timing import time_calls
+    from ..measure.timing import time_calls
 
     session = ort_session(path, threads=threads, exact_weight_only=exact_weight_only)
     x = np.random.default_rng(0).standard_normal((1, tokens, d_model)).astype(np.float16 if dtype == "fp16" else np.float32)

@@ -33,7 +33,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import FFNQuantError
+from ..errors import FFNQuantError
 
 __all__ = [
     "ensure_writable_dir", "atomic_path", "write_bytes", "write_text", "write_json",
@@ -282,7 +282,7 @@ def _sigint_deferred() -> Iterator[_Moves]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if caught:
-            from .errors import Interrupted
+            from ..errors import Interrupted
 
             exc = KeyboardInterrupt() if caught[0] == signal.SIGINT else Interrupted(caught[0])
             exc.outputs_complete = moves.done  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import FFNQuantError
+from ..errors import FFNQuantError
 
 __all__ = [
     "LatencyStats",

@@ -4,8 +4,8 @@ It keeps a fixed number of bins over a symmetric range [-R, R) where R is always
 the smallest one strictly above every |value| seen. When data fall outside, R doubles and adjacent
 bin pairs fold into one, which is exact because the bin grids nest. Hence the histogram depends only
 on the multiset of values, never on batching or order: merging two histograms equals the histogram
-of the concatenated data, bin for bin. The observers (`ffnquant.observe`) and the calibrators
-(`ffnquant.calibrate`) read it.
+of the concatenated data, bin for bin. The observers (`ffnquant.numerics.observe`) and the calibrators
+(`ffnquant.numerics.calibrate`) read it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .errors import FFNQuantError
+from ..errors import FFNQuantError
 
 __all__ = ["DEFAULT_BINS", "Workspace", "StreamingHistogram", "as_float_tensor", "non_finite_error"]
 

@@ -7,7 +7,7 @@ range per site chosen by a calibrator from the RangeTable's histograms, or per t
 time. The result records the range and qparams every site got. nf4/fp4 go through
 bitsandbytes itself; HQQ through onnxruntime's copy of the HQQ routine; GPTQ and AWQ need the
 input Hessians (`input_hessians`; AWQ folds its searched channel scales into the copy first,
-`ffnquant.awq`). The end-to-end measurement (calibrate, quantize under a Recipe, ONNX
+`ffnquant.numerics.awq`). The end-to-end measurement (calibrate, quantize under a Recipe, ONNX
 artifact, accuracy) builds on this in `ffnquant.quantization`.
 """
 
@@ -22,14 +22,14 @@ from torch import nn
 
 from . import primitives as P
 from .calibrate import Grid, calibrate_range, histogram_of, parse_calibrator
-from .errors import FFNQuantError
-from .methods import QuantizedLinear, WeightGrid, handler_for, quantize_linear
-from .model import FFN
-from .schemes import ActDType, ActMode, Scheme, check_scheme_fits, get_scheme
+from ..errors import FFNQuantError
+from ..methods import QuantizedLinear, WeightGrid, handler_for, quantize_linear
+from ..model import FFN
+from ..schemes import ActDType, ActMode, Scheme, check_scheme_fits, get_scheme
 
 if TYPE_CHECKING:  # annotations only: ffnquant.quantization builds on this module, not the other way
-    from .quantization import Prepared
-    from .recipe import Recipe
+    from ..quantization import Prepared
+    from ..recipe import Recipe
 
 __all__ = [
     "ACT_SITES",

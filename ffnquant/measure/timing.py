@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
-    from .runtimes.base import Loaded, Runtime
+    from ..runtimes.base import Loaded, Runtime
 
 __all__ = ["Timer", "WallTimer", "CudaEventTimer", "default_timer", "TimerFactory", "time_calls", "measure_copy_bandwidth"]
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .errors import FFNQuantError, unknown_choice
+from ..errors import FFNQuantError, unknown_choice
 
 __all__ = [
     "Histogram",
