@@ -23,8 +23,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .numerics.calibrate import Calibrator, Grid, Histogram, calibrate_range, parse_calibrator
 from .errors import FFNQuantError
+from .hf.capture import TEXT_SPLITS, default_text_path, iter_captured, load_tokenizer, model_text_batches, text_label
+from .hf.checkpoint import inspect_model, load_ffn_layers
+from .hf.inputs import EvalSettings, fit_settings, token_budget
+from .hf.layerwise import capture_layer_inputs
+from .numerics.accuracy import sqnr_db
+from .numerics.calibrate import Calibrator, Grid, Histogram, calibrate_range, parse_calibrator
 from .numerics.fakequant import ACT_SITES, QuantizedFFN, quantize_model, site_ranges
 from .numerics.histogram import DEFAULT_BINS, StreamingHistogram, as_float_tensor, non_finite_error
 from .schemes import Scheme, check_scheme_fits, get_scheme
@@ -410,8 +415,6 @@ def _ranges(samples: SiteSamples, site: str, scheme: Scheme, cal: Calibrator):
 
 
 def _sqnr(ref: torch.Tensor, q: Any, x: torch.Tensor) -> float:
-    from .numerics.accuracy import sqnr_db
-
     with torch.no_grad():
         return sqnr_db(ref, q(x))
 
@@ -497,8 +500,6 @@ def summarize(layers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def _shift_path(shift_text: str | os.PathLike | None):
     """(path, label) of the shift text: a shipped sample by name ('code'), else the file(s) given."""
-    from .hf.capture import TEXT_SPLITS, default_text_path, text_label
-
     if shift_text is None:
         return None, None
     if isinstance(shift_text, str) and shift_text in TEXT_SPLITS and not os.path.exists(shift_text):
@@ -535,11 +536,6 @@ def model_adequacy(model_dir: str | os.PathLike, layers: str | int | list[int] |
     `shift_text` (another domain: 'code' is the shipped Python sample, None skips the shift). Every option
     and text is checked before the model loads. `progress(message, done, total)` after each batch and layer.
     """
-    from .hf.capture import iter_captured, load_tokenizer, model_text_batches
-    from .hf.checkpoint import inspect_model, load_ffn_layers
-    from .hf.inputs import EvalSettings, fit_settings, token_budget
-    from .hf.layerwise import capture_layer_inputs
-
     t0, c0 = time.perf_counter(), time.process_time()
     cal = _check_options(calibrator, bootstrap, tolerance, seed)
     sch = get_scheme(scheme)

@@ -24,10 +24,17 @@ from typing import Any
 import torch
 
 from .backends import supports
+from .data import parse_source
 from .errors import FFNQuantError
-from .model import FFN
+from .infra.atomic import ensure_writable_dir
+from .model import FFN, build
+from .numerics.accuracy import accuracy_of, run_batched
 from .numerics.fakequant import QuantizedFFN
-from .quantization import Prepared
+from .numerics.observe import DEFAULT_BINS, profile as observe_profile
+from .onnx import onnxquant as OQ
+from .onnx.export import export_onnx as export_float
+from .pipeline import RunConfig
+from .quantization import Prepared, _check_tokens, prepare, quantize_spec
 from .recipe import Recipe, as_recipe
 from .spec import FFNSpec
 
@@ -36,8 +43,6 @@ __all__ = ["QuantizedFFN", "quantize", "export_onnx", "evaluate", "profile", "ru
 
 def _model_of(layer_or_spec: Any, seed: int = 0) -> tuple[FFNSpec, FFN, str | None]:
     """(spec, float FFN, file-name stem) of an FFNSpec (built with `seed`), an FFN or a real model's layer."""
-    from .model import build
-
     if isinstance(layer_or_spec, FFNSpec):
         return layer_or_spec, build(layer_or_spec, seed=seed), None
     if isinstance(layer_or_spec, FFN):
@@ -50,8 +55,6 @@ def _model_of(layer_or_spec: Any, seed: int = 0) -> tuple[FFNSpec, FFN, str | No
 
 
 def _tokens(x: Any, d_model: int, what: str) -> torch.Tensor:
-    from .quantization import _check_tokens
-
     return _check_tokens(x if isinstance(x, torch.Tensor) else torch.as_tensor(x), d_model, what)
 
 
@@ -74,8 +77,6 @@ def quantize(
     prepared held-out set (what `evaluate(q)` measures on without tokens) is `held_out`, or the
     calibration tokens themselves when not given. The numbers are those of `quantization.quantize_spec`.
     """
-    from .quantization import prepare, quantize_spec
-
     recipe = as_recipe(recipe)
     spec, model, name = _model_of(layer_or_spec, seed)
     recipe.check_fits(spec)
@@ -106,10 +107,6 @@ def export_onnx(q: QuantizedFFN, path: str | os.PathLike) -> Path:
     the FFN matmuls of the (remedied) float model, as `ffnquant quantize` writes them; fp32 / fp16 recipes
     give the float export. A recipe with no onnxruntime artifact (e.g. fp8) raises FFNQuantError saying why.
     """
-    from .onnx import onnxquant as OQ
-    from .infra.atomic import ensure_writable_dir
-    from .onnx.export import export_onnx as export_float
-
     prep = _prepared(q)
     path = Path(path)
     support = supports("onnx-artifact", q.scheme)
@@ -127,8 +124,6 @@ def export_onnx(q: QuantizedFFN, path: str | os.PathLike) -> Path:
 def evaluate(q: QuantizedFFN, tokens: torch.Tensor | None = None):
     """The `accuracy.Accuracy` (SQNR dB, cosine, relative L2, max abs error) of `q` against its float reference
     (the FFN before remedies) on `tokens` [n, d_model] (default: the held-out tokens of its calibration)."""
-    from .numerics.accuracy import accuracy_of, run_batched
-
     prep = _prepared(q)
     x = prep.eval if tokens is None else _tokens(tokens, q.spec.d_model, "evaluation")
     return accuracy_of(run_batched(prep.reference, x), run_batched(q, x), x.shape[0])
@@ -140,10 +135,6 @@ def profile(model_or_spec: Any, tokens: torch.Tensor | str = "llm_like", *, n_to
 
     `model_or_spec`: an `FFNSpec` (built with `seed`), an `ffnquant.FFN` or a real model's FFN layer;
     `tokens`: [n, d_model] tokens, or a source name from which `n_tokens` are drawn."""
-    from .data import parse_source
-    from .numerics.observe import DEFAULT_BINS
-    from .numerics.observe import profile as observe_profile
-
     spec, model, _ = _model_of(model_or_spec, seed)
     if isinstance(tokens, str):
         x = parse_source(tokens, seed=seed).tokens(n_tokens, spec.d_model)
@@ -156,7 +147,6 @@ def profile(model_or_spec: Any, tokens: torch.Tensor | str = "llm_like", *, n_to
 def run(config: Any, **kwargs: Any):
     """The whole job of `ffnquant run` on a `pipeline.RunConfig` (or a dict of its fields): profile, quantize,
     export, benchmark and report. Returns the pipeline's `RunResult`."""
-    from .pipeline import RunConfig
     from .pipeline import run as _run
 
     if isinstance(config, dict):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import FFNQuantError, unknown_choice
+from .methods import handler_for
+from .recipe import Recipe, as_recipe
 from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType, get_scheme
 
 __all__ = ["supports_subject", "Support", "Backend", "register_backend", "unregister_backend", "backend_names", "get_backend", "supports", "artifact_kind",
@@ -92,8 +94,6 @@ def get_backend(name: str) -> Backend:
 
 def supports(backend: str, recipe: Any, spec: Any = None) -> Support:
     """Whether `backend` takes `recipe` (a Recipe, its text, a preset name or a Scheme) on an FFN of `spec`."""
-    from .recipe import Recipe, as_recipe
-
     if isinstance(recipe, Scheme):
         subject, text = recipe, recipe.name
     else:
@@ -105,8 +105,6 @@ def supports(backend: str, recipe: Any, spec: Any = None) -> Support:
 
 def supports_subject(subject: Any) -> Any:
     """A Recipe from what `supports` passes a decision (a Scheme becomes the recipe of its preset name)."""
-    from .recipe import Recipe
-
     return Recipe(subject.name) if isinstance(subject, Scheme) else subject
 
 
@@ -121,8 +119,6 @@ ARTIFACT_KINDS = ("fp32", "fp16", "qdq", "nbits", "bnb4")
 
 def artifact_kind(scheme: Scheme) -> tuple[str | None, str]:
     """('qdq' | 'nbits' | 'bnb4' | 'fp16' | 'fp32' | None, reason) for a scheme's ONNX artifact."""
-    from .methods import handler_for
-
     wd = scheme.weight_dtype
     if wd is WeightDType.FP32:
         return "fp32", "the fp32 export itself"

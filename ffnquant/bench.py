@@ -24,17 +24,21 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .errors import FFNQuantError
+from .infra.atomic import ScratchFolder
+from .infra.envinfo import environment as current_environment
+from .measure.executor import LocalExecutor
 # The pure side (statistics, device peaks and the roofline, the numerics rows, the GPU targets) lives in
 # ffnquant.measure.latency; re-exported here because callers know them as part of the harness.
-from .measure.latency import (
-    DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks, LatencyStats, device_peaks, gpu_targets, latency_stats,
-    numerics_rows, roofline, roofline_speedup_bound, timing_suspect,
-)
-from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_format, get_runtime, tensor_nbytes
-from .spec import FFNSpec
+from .measure.latency import (DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks, LatencyStats, device_peaks,
+                              gpu_targets, latency_stats, numerics_rows, roofline, roofline_speedup_bound,
+                              timing_suspect)
 # The timers and the copy bandwidth live in ffnquant.measure.timing; re-exported as part of the harness too.
 from .measure.timing import CudaEventTimer, Timer, TimerFactory, WallTimer, default_timer, measure_copy_bandwidth
-from .infra.atomic import ScratchFolder
+from .numerics.fakequant import quantize_model
+from .runtimes.artifacts import CALIBRATION_TOKENS, gaussian_calibration
+from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_format, get_runtime, tensor_nbytes
+from .schemes import PRESETS
+from .spec import FFNSpec
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "DEFAULT_TOKENS", "REFERENCE_TOLERANCE_DB", "reference_output", "numerics_rows",
@@ -283,10 +287,6 @@ def reference_output(model: Any, scheme_name: str, x: np.ndarray, seed: int = 0,
     """
     import torch
 
-    from .numerics.fakequant import quantize_model
-    from .runtimes.artifacts import CALIBRATION_TOKENS, gaussian_calibration
-    from .schemes import PRESETS
-
     if scheme_name == "fp32":
         return None, "fp32 is the reference itself"
     if scheme_name not in PRESETS:
@@ -334,9 +334,6 @@ def run_benchmark(
     (spec, runtime, scheme) is a task of `executor` (default: this process, in order); each
     case names its host.
     """
-    from .infra.envinfo import environment as current_environment
-    from .measure.executor import LocalExecutor
-
     t_start = time.perf_counter()
     executor = executor if executor is not None else LocalExecutor()
     env = dict(environment) if environment is not None else current_environment()

@@ -12,7 +12,8 @@ import sys
 from typing import Sequence
 
 from . import __version__
-from .errors import FFNQuantError
+from .errors import FFNQuantError, Interrupted
+from .infra.thirdparty import quiet_bitsandbytes
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -53,8 +54,6 @@ def _handle_termination() -> None:
     temporary folders are removed and the output folders stay as they were (the OS default kills at once)."""
     import signal
     import threading
-
-    from .errors import Interrupted
 
     if threading.current_thread() is not threading.main_thread():
         return
@@ -115,7 +114,6 @@ def _main(argv: Sequence[str] | None) -> int:
         return int(exc.code or 0)
     # Third-party noise stays out of the user's terminal: bitsandbytes asks at import to `pip install
     # kernels`, a package ffnquant does not use, wherever it is imported (runtimes, primitives).
-    from .infra.thirdparty import quiet_bitsandbytes
 
     quiet_bitsandbytes()
     # The exact command line, for reports that state how they were made.

@@ -17,14 +17,21 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .onnx import onnxquant as OQ
 from .backends import supports
+from .data import TokenSource, calibration_and_eval, parse_source
 from .errors import FFNQuantError
-from .numerics.fakequant import QuantizedFFN, SiteRange, input_hessians, quantize_model, search_calibrators
-from .model import FFN
+from .infra.atomic import is_output_failure
+from .infra.envinfo import environment
+from .model import FFN, build
+from .numerics.accuracy import accuracy_of, run_batched, sqnr_db
+from .numerics.fakequant import (QuantizedFFN, SiteRange, input_hessians, quantize_model, quantize_weight,
+                                 search_calibrators)
+from .numerics.observe import DEFAULT_BINS, profile
+from .onnx import onnxquant as OQ
+from .onnx.export import export_onnx
 from .onnx.ortcpu import int8_kernels, saturating
 from .recipe import Recipe, Rotate, Smooth, Transform, as_recipe, canonical_transforms, remedy_slug
-from .schemes import Scheme, check_scheme_fits
+from .schemes import Method, Scheme, check_scheme_fits
 
 __all__ = [
     "RESULT_SCHEMA_VERSION",
@@ -184,10 +191,6 @@ def prepare(
     made from it (default the spec key; a real model's layer passes its own). `bins`: histogram bins
     of the range profiles (default observe's).
     """
-    from .data import TokenSource, calibration_and_eval, parse_source
-    from .model import build
-    from .numerics.observe import DEFAULT_BINS, profile
-
     if recipe is not None:
         if smooth is not None or rotate:
             raise FFNQuantError(f"prepare: give the remedies once, in the recipe ({recipe}) or as smooth/rotate, not both")
@@ -278,10 +281,6 @@ def sensitivity(prep: Prepared, qmodel: QuantizedFFN, hessians: Mapping[str, tor
     the numbers are those of `quantize_model(prep.model, ..., weights=[w])` / `(..., sites=[s])`, a whole copy
     each. AWQ weights (the searched scales folded into a new FFN) are made so, one copy at a time.
     """
-    from .numerics.accuracy import run_batched, sqnr_db
-    from .numerics.fakequant import quantize_weight
-    from .schemes import Method
-
     if hessians is None and qmodel.scheme.needs_hessians and qmodel.quantized_weights:
         hessians = prep.hessians()
     out: dict[str, float] = {}
@@ -340,10 +339,6 @@ def quantize_spec(
     exports `{stem}.fp32.onnx` / `{stem}.{recipe.remedy_slug}.fp32.onnx`. The calibrator 'search' picks
     per site by output SQNR on the calibration tokens (cached per scheme grid in `prepared`).
     """
-    from .numerics.accuracy import accuracy_of, run_batched, sqnr_db
-    from .infra.envinfo import environment
-    from .onnx.export import export_onnx
-
     recipe = as_recipe(recipe)
     scheme = recipe.resolve()
     check_scheme_fits(scheme, spec)
@@ -442,8 +437,6 @@ def _as_written(path: Path, prep: Prepared, ref: torch.Tensor) -> dict[str, Any]
     The artifact's `accuracy_onnx` is what runs here; `accuracy_onnx_graph` (onnxruntime with no integer
     kernel fused in) is what it computes on an exact kernel: VNNI CPUs, GPUs. Empty where the kernel is exact.
     """
-    from .numerics.accuracy import accuracy_of
-
     if not saturating(path):
         return {}
     exact = OQ.run_onnx(OQ.ort_session(path, as_written=True), prep.eval)
@@ -494,8 +487,6 @@ def quantize_recipes(
     exactly) is yielded as its outcome's `error` and the next recipe goes on; a failure to write output
     (full disk) still raises. Without it the first error raises.
     """
-    from .infra.atomic import is_output_failure
-
     preps: dict[tuple, Prepared] = {}
     for item in recipes:
         recipe, prep = None, None

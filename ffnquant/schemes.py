@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import FFNQuantError, unknown_choice
+from .methods.registry import get_handler, is_method, method_names
 from .spec import FFNSpec
 
 __all__ = [
@@ -144,7 +145,6 @@ def _method(value: Any) -> "Method | ExtraMethod":
         return Method(key)
     except ValueError:
         pass
-    from .methods.registry import is_method, method_names
 
     if is_method(key):
         return ExtraMethod(key)
@@ -152,8 +152,6 @@ def _method(value: Any) -> "Method | ExtraMethod":
 
 
 def _method_handler(method: Any):
-    from .methods.registry import get_handler
-
     return get_handler(str(method))[0]
 
 

@@ -24,7 +24,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .deploy import build_planned_model, onnx_model, proof
+from .deploy.ctensors import folder_bytes
+from .deploy.formats import get_format
+from .deploy.planned import deployable_refusal
+from .deploy.precision import resolve_compute_dtype
 from .errors import FFNQuantError
+from .hf import inspect_model
+from .hf.capture import load_tokenizer, read_text, require_transformers
+from .hf.corpus import DEFAULT_SEQ_LEN
+from .hf.inputs import EvalSettings, eval_domain_batches, fit_settings
+from .hf.memory import plan_memory
+from .hf.stream import token_batches_of
+from .infra.atomic import write_json, write_text
+from .infra.atomic_folder import check_new_folder, folder_files, staged_folder
+from .infra.envinfo import environment
+from .planning import Plan, load_plan
+from .planning.candidates import candidate_recipes, format_candidates
+from .planning.job import make_plan
+from .planning.planfile import model_fingerprint
+from .planning.runtime_latency import check_runtimes
+from .planning.sensitivity import check_plannable
+from .planning.source import plan_needs
+from .planning.target import DECODE_TOKENS, Objective, Target, Workload
+from .recipe import Recipe, as_recipe
+from .report.deploy import deploy_markdown
 
 __all__ = ["plan", "apply", "save", "PlanRequest", "plan_request", "PlanOutcome", "plan_model", "plan_memory_for", "DeployReport", "DEPLOY_DOC", "format_refusal",
            "write_deployment"]
@@ -34,8 +58,6 @@ Progress = Callable[[str, int, int], None]
 
 def _model_info(model: Any, tokenizer: Any = None) -> tuple[Any, Path | None]:
     """(ModelInfo, the scratch folder a model object was saved to, or None for a folder)."""
-    from .hf import inspect_model
-
     if isinstance(model, (str, Path)):
         return inspect_model(model), None
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
@@ -60,10 +82,6 @@ def _model_info(model: Any, tokenizer: Any = None) -> tuple[Any, Path | None]:
 
 def _texts(info: Any, text: Any, eval_text: Any, seq_len: int | None) -> int:
     """Read both texts now (a missing file is said before any work); the sequence length, capped at the model's."""
-    from .hf.capture import read_text, require_transformers
-    from .hf.corpus import DEFAULT_SEQ_LEN
-    from .hf.inputs import EvalSettings, fit_settings
-
     require_transformers()
     read_text(text, "calibration")
     read_text(eval_text, "evaluation")
@@ -87,13 +105,6 @@ def plan_request(info: Any, target: str = "ppl+1%", objective: str | None = None
                  format: str | None = None, compute_dtype: str = "auto") -> PlanRequest:
     """Every input error of a plan, said before the model is read: target, objective and runtime (a runtime that is
     not here is refused now), format, compute dtype, candidates. `ffnquant.plan` and `ffnquant plan` both call it."""
-    from .deploy.formats import get_format
-    from .deploy.precision import resolve_compute_dtype
-    from .planning.candidates import candidate_recipes, format_candidates
-    from .planning.runtime_latency import check_runtimes
-    from .planning.sensitivity import check_plannable
-    from .planning.target import DECODE_TOKENS, Objective, Target, Workload
-
     goal = Target.parse(target)
     kind = objective or ("bytes" if info.n_experts else "latency")
     aim = Objective(kind, runtime, Workload(tokens, DECODE_TOKENS if decode_tokens is None else decode_tokens))
@@ -124,12 +135,6 @@ def plan_memory_for(info: Any, text: Any, eval_text: Any, settings: Any, *, prob
                     max_memory: Any = None, sequential: bool = False) -> Any:
     """The memory plan of planning `info`'s model on these texts: the whole model resident, or a decoder layer at a
     time when it does not fit (or `sequential`); refused with the numbers, before any work, when neither fits."""
-    from .hf.capture import load_tokenizer
-    from .hf.inputs import eval_domain_batches
-    from .hf.memory import plan_memory
-    from .hf.stream import token_batches_of
-    from .planning.source import plan_needs
-
     calib = token_batches_of(info, text, "calibration", settings, settings.max_calib_tokens)
     # every held-out domain, as the plan will read them (each up to its token budget)
     evals = [b for _, bs in eval_domain_batches(info, load_tokenizer(info.path), eval_text, settings,
@@ -146,8 +151,6 @@ def plan_model(info: Any, req: PlanRequest, candidates: Any, *, text: Any, eval_
                sequential: bool = False, on_memory: Callable[[Any], None] | None = None) -> PlanOutcome:
     """Plan `info`'s model for the validated request `req` (`plan_request`): the memory plan (`on_memory` hears it
     before the long work starts), then `planning.make_plan`. `ffnquant.plan` and `ffnquant plan` both run this."""
-    from .planning.job import make_plan
-
     memory = plan_memory_for(info, text, eval_text, settings, probe_tokens=probe_tokens, dtype=req.dtype,
                              max_memory=max_memory, sequential=sequential)
     if on_memory is not None:
@@ -172,8 +175,6 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
     a `planning.Plan` (its `summary` has the verified figures; `Plan.to_toml` is plan.toml). `format`: plan only
     candidates that format ('compressed-tensors', 'onnx') can write. `max_memory` / `sequential`: a model that does
     not fit is read a decoder layer at a time, as `ffnquant plan` does. The other arguments are `ffnquant plan`'s."""
-    from .hf.inputs import EvalSettings
-
     info, scratch = _model_info(model, tokenizer)
     try:
         req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype)
@@ -193,13 +194,6 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
     """`model` (a folder or a transformers model) quantized as `plan_or_recipe` says (a Plan, a plan.toml path, or
     one recipe such as 'w8a16' for every layer), for `format`: a `deploy.PlannedModel`, the deployable model with
     ffnquant's reference figures on `eval_text`, which `save` writes."""
-    from .deploy import build_planned_model
-    from .deploy.formats import get_format
-    from .deploy.precision import resolve_compute_dtype
-    from .planning import Plan, load_plan
-    from .planning.planfile import model_fingerprint
-    from .recipe import Recipe, as_recipe
-
     fmt = get_format(format)
     info, scratch = _model_info(model, tokenizer)
     try:
@@ -232,8 +226,6 @@ def save(qmodel: Any, out: str | Path, *, force: bool = False, progress: Progres
     """Write `qmodel` (from `apply`) into the new folder `out` in the format it was applied for, load it back and
     prove it; a `DeployReport` (the folder, `proven`, `weight_bytes`, the whole document). Nothing is
     left half-written; `force` replaces only what an earlier save or export listed in its ffnquant-deploy.json."""
-    from .infra.atomic_folder import check_new_folder, staged_folder
-
     fmt = (getattr(qmodel, "settings", None) or {}).get("format")
     if fmt is None:
         raise FFNQuantError(f"save takes the model ffnquant.apply returns, got {type(qmodel).__name__}")
@@ -279,8 +271,6 @@ class DeployReport:
 def format_refusal(info: Any, plan: Any, fmt: str) -> tuple[bool, str | None]:
     """(whether the whole model is written, why the whole-model graph is not) for `fmt`; raises FFNQuantError, in
     one line, where the format cannot take this plan of this model at all."""
-    from .deploy.planned import deployable_refusal
-
     if fmt == "compressed-tensors":
         from .deploy import ctensors
         from .planning.sensitivity import check_plannable
@@ -291,7 +281,6 @@ def format_refusal(info: Any, plan: Any, fmt: str) -> tuple[bool, str | None]:
             if why is not None:
                 raise FFNQuantError(why)
         return True, None
-    from .deploy import onnx_model
 
     graph_why = onnx_model.graph_refusal(info)
     return graph_why is None, graph_why
@@ -319,13 +308,6 @@ def write_deployment(planned: Any, folder: Path, fmt: str, *, whole: bool, graph
                      progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Write `planned` as `fmt` into `folder` (staged by the caller), prove it, and write the document; returns
     the document. Raises FFNQuantError where the folded norms do not reproduce the original model."""
-    from .infra.atomic import write_json, write_text
-    from .infra.atomic_folder import folder_files
-    from .deploy import proof
-    from .deploy.ctensors import folder_bytes
-    from .infra.envinfo import environment
-    from .report.deploy import deploy_markdown
-
     tick = progress or (lambda *a: None)
     t0 = time.perf_counter()
     info, plan = planned.info, planned.plan
@@ -369,10 +351,6 @@ def write_deployment(planned: Any, folder: Path, fmt: str, *, whole: bool, graph
 def _write_onnx(planned: Any, folder: Path, doc: dict[str, Any], whole: bool, graph_why: str | None) -> int:
     """manifest.json and, where the model allows, the whole-model graph scored on onnxruntime; the weight bytes of
     what was written (the graph, else the per-layer artifacts the caller had written into `folder`)."""
-    from .infra.atomic import write_json
-    from .deploy import onnx_model, proof
-    from .infra.envinfo import environment
-
     write_json(folder / "manifest.json", {"model": doc["model"], "plan": doc["plan"], "plan_file": doc["plan_file"],
                                           "layers": doc["layers"],
                                           "end_to_end": {"status": "ok", "reason": None, **planned.reference},

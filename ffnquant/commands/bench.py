@@ -7,7 +7,13 @@ import math
 import re
 import shlex
 
+from ..bench import BenchConfig, run_benchmark
 from ..errors import FFNQuantError
+from ..infra.atomic import OutputTransaction, write_json, write_text
+from ..infra.render import display_path
+from ..measure.executor import EXECUTORS, get_executor
+from ..recipe import Recipe
+from ..runtimes import ModelCase, get_runtime, parse_formats, runtime_names
 from .common import add_spec_arguments, specs_from_args
 
 NAME = "bench"
@@ -50,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """--executor and --ray-address (bench and plan)."""
-    from ..measure.executor import EXECUTORS
-
     parser.add_argument("--executor", default="local", choices=tuple(EXECUTORS),
                         help="where the tasks run (default local): " + "; ".join(f"{k}, {v}" for k, v in EXECUTORS.items())
                         + f"; {what}")
@@ -61,8 +65,6 @@ def add_executor_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 
 def executor_from_args(args: argparse.Namespace):
     """The executor the arguments name, started (a Ray cluster reached) before any work."""
-    from ..measure.executor import get_executor
-
     return get_executor(args.executor, args.ray_address)
 
 
@@ -90,9 +92,6 @@ def check_file_stem(value: str, option: str = "--name") -> str:
 
 def plan_from_args(args: argparse.Namespace):
     """Validate everything before measuring: (specs, runtime adapters, schemes or None, config)."""
-    from ..bench import BenchConfig
-    from ..runtimes import ModelCase, get_runtime, parse_formats, runtime_names
-
     check_file_stem(args.name)  # the outputs go to --out/<name>.json and .md, never elsewhere
     specs = specs_from_args(args)
     tokens = _parse_tokens(args.tokens)
@@ -147,7 +146,6 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += ["--max-total-s", str(args.max_total_s)]
     if args.executor != "local":
         parts += ["--executor", args.executor] + (["--ray-address", args.ray_address] if args.ray_address else [])
-    from ..infra.render import display_path
 
     parts += ["--out", display_path(args.out), "--name", args.name]  # never this machine's absolute layout
     return " ".join(shlex.quote(p) for p in parts)
@@ -156,8 +154,6 @@ def _command_line(args: argparse.Namespace) -> str:
 def _preset_names(text: str) -> list[str]:
     """The schemes of --schemes read in the one recipe grammar; bench times each preset's own kernels, so a
     recipe with a calibrator or remedies is refused with where it can be timed (on its own artifact)."""
-    from ..recipe import Recipe
-
     names = []
     for item in (t for t in text.split(",") if t.strip()):
         recipe = Recipe.parse(item)
@@ -169,8 +165,6 @@ def _preset_names(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..infra.atomic import OutputTransaction
-
     specs, adapters, schemes, config = plan_from_args(args)
     # Both files are staged in --out and moved into place together at the end: a failure or Ctrl-C
     # mid-sweep leaves --out as it was.
@@ -190,8 +184,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_and_write(args: argparse.Namespace, out, specs, adapters, schemes, config, executor=None):
     """Run the sweep and write <name>.json and <name>.md into `out`; returns (json path, md path, result)."""
-    from ..infra.atomic import write_json, write_text
-    from ..bench import run_benchmark
     from ..report.latency import latency_markdown
 
     command = _command_line(args)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FFNQuantError
+from ..hf.corpus import DEFAULT_SEQ_LEN, TextSource, source_items
+from ..infra.resources import parse_size
 from ..spec import FFNSpec, Variant, parse_variants
 
 __all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments",
@@ -115,8 +117,6 @@ def add_model_arguments(
 
 def memory_size(text: str) -> int:
     """A size in bytes from '8GB', '512MiB', ... (`resources.parse_size`), as an argparse type."""
-    from ..infra.resources import parse_size
-
     try:
         return parse_size(text)
     except FFNQuantError as exc:
@@ -143,8 +143,6 @@ def add_text_arguments(parser: Any, calib_help: str, eval_help: str, eval_tokens
     """--text/--eval-text (repeatable, comma-separated files or shipped corpus names), --calib-tokens or
     --calib-samples, --eval-tokens, --seq-len and --chat-template for a command that runs a model on a calibration
     (search) text and a held-out text (`text_options` turns them into what the library takes)."""
-    from ..hf.corpus import DEFAULT_SEQ_LEN
-
     sources = ("a shipped corpus (prose, code; prose:evaluation names the split), a text file (a form feed separates "
                "documents), JSONL ('text' field), parquet or a datasets save_to_disk folder")
     parser.add_argument("--text", default=None, metavar="SOURCE", action=TextFiles,
@@ -180,8 +178,6 @@ class TextOptions:
 
 def text_options(args: argparse.Namespace, info: Any = None) -> TextOptions:
     """The TextOptions of parsed `add_text_arguments` flags; `info` (a ModelInfo) caps --seq-len at its context."""
-    from ..hf.corpus import DEFAULT_SEQ_LEN, TextSource, source_items
-
     seq_len = args.seq_len or DEFAULT_SEQ_LEN
     if info is not None:
         from ..hf.inputs import EvalSettings, fit_settings

@@ -5,9 +5,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..deploy import build_planned_model
+from ..deploy.formats import get_format
+from ..deploy.precision import resolve_compute_dtype
+from ..errors import FFNQuantError
+from ..hf import inspect_model, model_file_stem
+from ..hf.capture import read_text, require_transformers
+from ..hf.corpus import source_items
 from ..infra.atomic import OutputTransaction
-from ..onnx.export import DEFAULT_OPSET, export_spec
+from ..infra.atomic_folder import check_new_folder, staged_folder
 from ..infra.render import text_table
+from ..onnx.export import DEFAULT_OPSET, export_spec
+from ..planning import load_plan
+from ..report.deploy import decoder_summary, fold_line, gate_rows, target_verdict
+from ..wholemodel import DEPLOY_DOC, format_refusal, write_deployment
 from .common import StageBars, add_spec_arguments, add_text_arguments, specs_from_args, text_options, token_notes
 
 NAME = "export"
@@ -40,8 +51,6 @@ def _text_files(texts) -> list[str]:
     """The files among the run's text sources (corpus names are not files)."""
     import os
 
-    from ..hf.corpus import source_items
-
     items = []
     for source in (texts.text, texts.eval_text):
         if source is not None:
@@ -54,15 +63,6 @@ def _export_plan(args: argparse.Namespace) -> int:
     (`ffnquant-deploy.json`/`.md`) that says what was written and what it measures; nothing half-written."""
     import shlex
 
-    from ..infra.atomic_folder import check_new_folder, staged_folder
-    from ..deploy import build_planned_model
-    from ..deploy.formats import get_format
-    from ..wholemodel import DEPLOY_DOC, format_refusal, write_deployment
-    from ..errors import FFNQuantError
-    from ..hf import inspect_model, model_file_stem
-    from ..hf.capture import read_text, require_transformers
-    from ..planning import load_plan
-
     if args.plan is None or args.model is None:
         raise FFNQuantError("--model and --plan go together: export writes a model's FFN layers as its plan says")
     if args.out is None:
@@ -71,7 +71,6 @@ def _export_plan(args: argparse.Namespace) -> int:
     info = inspect_model(args.model)
     plan = load_plan(args.plan, info)
     whole, graph_why = format_refusal(info, plan, fmt)
-    from ..deploy.precision import resolve_compute_dtype
 
     dtype = resolve_compute_dtype(args.compute_dtype, fmt, info)
     require_transformers()
@@ -99,8 +98,6 @@ def _export_plan(args: argparse.Namespace) -> int:
 
 
 def _print_deploy(doc: dict, out: Path) -> None:
-    from ..report.deploy import decoder_summary, fold_line, gate_rows, target_verdict
-
     verdict = target_verdict(doc)
     if verdict:  # the plain answer first, then the details
         print(verdict)
@@ -161,8 +158,6 @@ def _print_deploy(doc: dict, out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import FFNQuantError
-
     if args.model is not None or args.plan is not None:
         return _export_plan(args)
     if args.format is not None or args.force:

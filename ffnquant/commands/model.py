@@ -6,10 +6,15 @@ import argparse
 import re
 from pathlib import Path
 
-from ..infra.atomic import OutputTransaction
+from ..adequacy import model_adequacy
 from ..errors import FFNQuantError
-from ..recipe import GRAMMAR
-from ..infra.render import agreement_words, fmt, ppl_change, text_table
+from ..hf import inspect_model, load_ffn_layers, parse_layers
+from ..hf.evaluate import EvalSettings, evaluate_model
+from ..infra.atomic import OutputTransaction, write_json, write_text
+from ..infra.envinfo import environment
+from ..infra.render import agreement_words, display_path, fmt, ppl_change, text_table
+from ..recipe import GRAMMAR, parse_recipe
+from ..report.adequacy import adequacy_markdown, summary_paragraph
 from ..report.model import model_eval_markdown, recipe_name
 from .common import TextFiles, positive_int, token_notes
 
@@ -93,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ..hf import inspect_model, parse_layers
-
     info = inspect_model(args.path, allow_pickle=args.allow_pickle)
     wanted = set(parse_layers(args.layers, info.n_layers))
     spec = info.spec
@@ -115,7 +118,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    from ..hf import inspect_model, load_ffn_layers
     from ..hf.capture import iter_captured, load_hf_model, load_tokenizer, model_text_batches, save_captured
 
     info = inspect_model(args.path, allow_pickle=args.allow_pickle)
@@ -139,11 +141,6 @@ def _slug(path: str) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from ..infra.atomic import write_json, write_text
-    from ..infra.envinfo import environment
-    from ..hf.evaluate import EvalSettings, evaluate_model
-    from ..recipe import parse_recipe
-
     schemes = [parse_recipe(s) for s in args.schemes.split(",") if s.strip()]  # each recipe parsed once, here
     if not schemes:
         raise FFNQuantError("--schemes is empty")
@@ -197,13 +194,6 @@ def _eval(args: argparse.Namespace) -> int:
 def _adequacy(args: argparse.Namespace) -> int:
     import os
     import shlex
-
-    from ..adequacy import model_adequacy
-    from ..infra.atomic import write_json, write_text
-    from ..infra.envinfo import environment
-    from ..hf.evaluate import EvalSettings
-    from ..infra.render import display_path
-    from ..report.adequacy import adequacy_markdown, summary_paragraph
 
     if (args.path is None) == (args.model is None):
         raise FFNQuantError("give the model folder once: as --model DIR or as the first argument")

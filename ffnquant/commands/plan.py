@@ -7,9 +7,17 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..hf import EvalSettings, inspect_model
+from ..hf.capture import read_text, require_transformers
 from ..infra.atomic import OutputTransaction, write_json, write_text
-from ..recipe import GRAMMAR
+from ..infra.envinfo import environment
 from ..infra.render import fmt
+from ..planning.candidates import CANDIDATE_SETS
+from ..planning.job import final_round
+from ..planning.target import DECODE_TOKENS, OBJECTIVES, PLAN_RUNTIMES, TARGET_FORMS, Target
+from ..recipe import GRAMMAR
+from ..report.plan import domain_lines, plan_markdown
+from ..wholemodel import plan_model, plan_request
 from .bench import add_executor_arguments, executor_from_args
 from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int, text_options, token_notes
 
@@ -20,9 +28,6 @@ __all__ = ["NAME", "HELP", "add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..planning.candidates import CANDIDATE_SETS
-    from ..planning.target import DECODE_TOKENS, OBJECTIVES, PLAN_RUNTIMES, TARGET_FORMS
-
     parser.add_argument("--model", required=True, metavar="DIR", help="a local Hugging Face causal LM folder (safetensors)")
     parser.add_argument("--target", default="ppl+1%", help=f"what must hold end to end: {TARGET_FORMS.replace('%', '%%')} (default ppl+1%%)")
     parser.add_argument("--objective", default=None, choices=OBJECTIVES,
@@ -75,14 +80,6 @@ def site_overlay(plan) -> dict[int, dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..infra.envinfo import environment
-    from ..hf import EvalSettings, inspect_model
-    from ..hf.capture import read_text, require_transformers
-    from ..planning.job import final_round
-    from ..planning.target import Target
-    from ..report.plan import domain_lines, plan_markdown
-    from ..wholemodel import plan_model, plan_request
-
     # every input error before any work: target, objective, model, candidates, texts
     Target.parse(args.target)  # before the model is read: a bad target needs no model
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from ..infra.atomic import OutputTransaction
+from ..atlas import layer_atlas
+from ..data import parse_source
 from ..errors import FFNQuantError
+from ..hf import EvalSettings, ModelKind, calibrate_model, parse_layers
+from ..hf.layerwise import model_top_positions
+from ..hf.memory import plan_memory, profile_needs
+from ..hf.stream import token_batches_of
+from ..infra.atomic import OutputTransaction
+from ..infra.render import fmt, text_table
 from ..numerics.histogram import StreamingHistogram
 from ..numerics.observe import DEFAULT_BINS
-from ..infra.render import fmt, text_table
+from ..ranges import claims, findings, profile_variants
+from ..report.ranges import write_range_report
 from ..spec import SITES
-from .common import (
-    add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes,
-)
+from .common import (add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args,
+                     token_notes)
 
 NAME = "profile"
 HELP = "profile activation ranges at every FFN tensor site and write the range report (JSON, Markdown, plots)"
@@ -67,8 +74,6 @@ def _model_measured(args: argparse.Namespace, tables: dict) -> dict | None:
 
 
 def _settings(args: argparse.Namespace):
-    from ..hf import EvalSettings
-
     return EvalSettings(max_calib_tokens=args.model_tokens, bins=args.bins)
 
 
@@ -80,9 +85,6 @@ def _memory_plan(args: argparse.Namespace, info):
             raise FFNQuantError("--sequential runs the model layer by layer; --captured reads its FFN inputs from "
                                 "files instead: give one of them")
         return None
-    from ..hf import parse_layers
-    from ..hf.memory import plan_memory, profile_needs
-    from ..hf.stream import token_batches_of
 
     settings = _settings(args)
     ids = token_batches_of(info, args.text, "calibration", settings, args.model_tokens)
@@ -95,8 +97,6 @@ def _model_layers(args: argparse.Namespace, info, memory):
     """The model's RangeTables keyed '<model_type>:<label>', its settings, and the top positions measured on the
     way (a causal LM, through the engine) or its layers (the atlas runs their FFNs again to locate the largest
     values: encoders, and FFN inputs from --captured files)."""
-    from ..hf import ModelKind, calibrate_model
-
     settings = _settings(args)
     if memory is not None and info.kind is ModelKind.CAUSAL_LM:
         from ..hf.layerwise import calibrate_layerwise
@@ -115,9 +115,6 @@ def _atlas(args: argparse.Namespace, info, layers, settings, tables: dict) -> tu
     """The layer atlas of the model's tables, with the token positions of the top values when they can be measured
     (`layers` the model's FFN layers, or the (positions, what they were measured on) a streamed run measured);
     and a sentence saying what the positions were measured on (or why not)."""
-    from ..atlas import layer_atlas
-    from ..hf.layerwise import model_top_positions
-
     top: dict = {}
     if args.no_positions:
         note = "not measured (--no-positions)."
@@ -163,10 +160,6 @@ def _atlas_lines(atlas: dict) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import parse_source
-    from ..ranges import claims, findings, profile_variants
-    from ..report.ranges import write_range_report
-
     # Validate everything before profiling or writing anything.
     specs = specs_from_args(args)
     StreamingHistogram(args.bins)

@@ -6,14 +6,26 @@ import argparse
 import math
 from pathlib import Path
 
-from ..infra.atomic import OutputTransaction, write_json, write_text
+from ..data import parse_source
 from ..errors import FFNQuantError
-from ..recipe import GRAMMAR, Recipe
+from ..hf import EvalSettings, capture_layer_inputs, inspect_model, load_ffn_layers, parse_layers
+from ..hf.capture import read_text, require_transformers
+from ..hf.memory import plan_memory, quantize_needs
+from ..hf.stream import token_batches_of
+from ..infra.atomic import OutputTransaction, write_json, write_text
+from ..infra.envinfo import environment
 from ..infra.render import agreement_words, fmt, ppl_change, text_table
+from ..model import FFN
+from ..numerics.calibrate import calibrator_names
+from ..numerics.remedies import SMOOTH_SITES, smooth_exact_for
+from ..planning import load_plan
+from ..planning.planfile import Plan
+from ..quantization import prepare, quantize_spec
+from ..recipe import GRAMMAR, Recipe, as_recipe
 from ..report.quantize import quantize_markdown, quantize_model_markdown
-from .common import (
-    StageBars, add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args, token_notes,
-)
+from ..schemes import preset_names
+from .common import (StageBars, add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int,
+                     specs_from_args, token_notes)
 
 NAME = "quantize"
 HELP = "quantize FFN variants (int8 / 4-bit / fp8) with calibration and remedies; write ONNX artifacts and an accuracy report"
@@ -32,9 +44,6 @@ def _non_negative_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..numerics.calibrate import calibrator_names
-    from ..schemes import preset_names
-
     # default swiglu, or none when --model is given (then only the model's layers are quantized)
     add_spec_arguments(parser, default_variants=None, default_note="default swiglu, or none when --model is given")
     parser.add_argument(
@@ -87,9 +96,6 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
 
 def _smooth_sites(args: argparse.Namespace, recipe: Recipe, specs: list):
     """The recipe checked against every spec to quantize, and the smooth sites (None: every exact one)."""
-    from ..numerics.remedies import SMOOTH_SITES, smooth_exact_for
-    from ..model import FFN
-
     for spec in specs:
         recipe.check_fits(spec)
     sites = None
@@ -112,8 +118,6 @@ def _smooth_sites(args: argparse.Namespace, recipe: Recipe, specs: list):
 
 def _validate(args: argparse.Namespace, recipe: Recipe):
     """Everything that can be wrong with the input, checked before anything is written."""
-    from ..data import parse_source
-
     specs = specs_from_args(args) if args.variants is not None else []
     sites = _smooth_sites(args, recipe, specs)
     scheme = recipe.resolve()
@@ -137,9 +141,6 @@ def _validate(args: argparse.Namespace, recipe: Recipe):
 def _check_model(args: argparse.Namespace, recipe: Recipe | None, info=None):
     """The model folder read and checked (config, weights index, architecture, the scheme against its
     widths, the texts or transformers): every model error fails here, before any work or output."""
-    from ..hf import inspect_model
-    from ..hf.capture import read_text, require_transformers
-
     info = info if info is not None else inspect_model(args.model, allow_pickle=args.allow_pickle)
     if recipe is not None:
         try:
@@ -163,11 +164,6 @@ def _memory_plan(args: argparse.Namespace, info, recipe):
             raise FFNQuantError("--sequential/--no-sequential choose how a --model runs: give --model, without "
                                 "--captured")
         return None
-    from ..hf import EvalSettings, parse_layers
-    from ..hf.memory import plan_memory, quantize_needs
-    from ..hf.stream import token_batches_of
-    from ..planning.planfile import Plan
-    from ..recipe import as_recipe
 
     settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens)
     calib = token_batches_of(info, args.text, "calibration", settings, args.calib_tokens)
@@ -183,8 +179,6 @@ def _memory_plan(args: argparse.Namespace, info, recipe):
 
 def _capture_model(args: argparse.Namespace, info, progress=None):
     """The selected FFN layers and their calibration and held-out inputs (model run or captured files)."""
-    from ..hf import EvalSettings, capture_layer_inputs, load_ffn_layers
-
     layers = load_ffn_layers(info, args.layers, allow_pickle=args.allow_pickle)
     settings = EvalSettings(max_calib_tokens=args.calib_tokens, max_eval_tokens=args.eval_tokens,
                             ablation=not args.no_ablation)
@@ -204,9 +198,6 @@ def _fix_paths(entry_holder: dict, tx: OutputTransaction) -> None:
 
 def _plan_from_args(args: argparse.Namespace):
     """(ModelInfo, Plan) for `--plan`: it needs --model, replaces the one-recipe flags, and must fit the model."""
-    from ..hf import inspect_model
-    from ..planning import load_plan
-
     if not args.model:
         raise FFNQuantError("--plan needs --model: a plan holds a recipe per layer of one model")
     given = [f for f, v in (("--recipe", args.recipe), ("--scheme", args.scheme), ("--calibrator", args.calibrator),
@@ -248,9 +239,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _quantize_all(args, recipe, info, specs, sites, source, rows, bars, memory) -> list:
-    from ..infra.envinfo import environment
-    from ..quantization import prepare, quantize_spec
-
     # Artifacts and reports are staged beside their folders and moved into place only when every variant
     # and layer succeeded: a failure or Ctrl-C leaves both folders as they were.
     with OutputTransaction() as tx:

@@ -8,8 +8,9 @@ import shlex
 import sys
 
 from ..errors import FFNQuantError
+from ..infra.render import display_path, text_table
+from ..pipeline import RunConfig, load_config
 from ..recipe import GRAMMAR
-from ..infra.render import text_table
 from .common import add_model_arguments, add_spec_arguments, format_default, positive_int
 
 NAME = "run"
@@ -29,8 +30,6 @@ _FIELDS = {
 
 def _default(field: str) -> str:
     """RunConfig's default of `field` as the help shows it: the help can never disagree with the code."""
-    from ..pipeline import RunConfig
-
     return format_default(RunConfig.__dataclass_fields__[field].default)
 
 
@@ -71,8 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The RunConfig the arguments describe: --config file or --tiny preset or defaults, then the options given."""
-    from ..pipeline import RunConfig, load_config
-
     if args.config and args.tiny:
         raise FFNQuantError("--config and --tiny are exclusive")
     base = load_config(args.config) if args.config else (RunConfig.tiny() if args.tiny else RunConfig())
@@ -113,7 +110,6 @@ class _ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..infra.render import display_path
     from ..pipeline import run as run_job
 
     config = config_from_args(args)  # every bad option fails here, before anything is written

@@ -28,11 +28,19 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..infra.atomic import write_text
 from ..backends import ASYMMETRIC_INT4_MEASURED, CTENSORS_SUPPORTED, ROTATE_WHY, supports
 from ..errors import FFNQuantError
+from ..hf import compare_models, load_ffn_layers
+from ..hf.capture import ffn_input_hooks, require_transformers
+from ..hf.evaluate import float_reference
+from ..infra.atomic import write_text
+from ..infra.thirdparty import quiet_model_io
+from ..model import FFN
+from ..numerics.accuracy import sqnr_db
+from ..schemes import ActMode
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name, input_args, source_dtype
+from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
 
 __all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ASYMMETRIC_INT4_MEASURED", "ctensors_available",
            "recipe_refusal", "plan_refusal", "module_args", "write_folder", "decompressed_weights", "verify_folder",
@@ -41,7 +49,7 @@ __all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ASYMMETRIC_INT4_MEASUR
 FORMAT_NAME = "compressed-tensors"
 # What this writer stores, said in every refusal (the compressed-tensors backend's declaration).
 SUPPORTED = CTENSORS_SUPPORTED
-# The issue's bound: the loaded folder's perplexity equals the plan's measured one within this, relative.
+# The proof's bound: the loaded folder's perplexity equals the plan's measured one within this, relative.
 LOAD_TOLERANCE = 1e-3
 # Files of a model folder that the writer produces itself (everything else is copied from the source folder).
 _WRITTEN = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
@@ -158,8 +166,6 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
     _require()
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-
-    from ..infra.thirdparty import quiet_model_io
 
     folder = Path(folder)
     schemes, quantized = _config_groups(planned.modules)
@@ -338,10 +344,6 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     the int8 kernels, rounds x / scale and then adds the zero point: a value within float32 rounding of a half
     step can land on the neighbouring code. Each such tie is one step on one element, so a layer is at parity
     when the two outputs differ by at least 20 dB less than the layer's own quantization noise."""
-    from ..numerics.accuracy import sqnr_db
-    from ..hf.capture import ffn_input_hooks
-    from ..hf import load_ffn_layers
-
     info = planned.info
     layers = [layer.info for layer in load_ffn_layers(info, "all")]
     captured: dict[str, torch.Tensor] = {}
@@ -377,16 +379,12 @@ CT_PER_TOKEN_NOTE = ("symmetric per-token int8: compressed-tensors' torch emulat
 
 
 def _symmetric_per_token_int(scheme: Any) -> bool:
-    from ..schemes import ActMode
-
     return scheme.act_mode is ActMode.DYNAMIC and scheme.act_dtype.is_integer and bool(scheme.act_symmetric)
 
 
 def _with_ct_per_token_scale(qffn: Any):
     """ffnquant's quantized FFN with compressed-tensors' symmetric per-token scale (absmax / ((qmax - qmin) / 2))
     at its quantized sites: the same weights and grids, only that convention changed."""
-    from ..model import FFN
-
     ffn = FFN(qffn.model.spec)
     ffn.load_state_dict(qffn.model.state_dict(), strict=False)
     ffn.input_transform = qffn.model.input_transform  # an unfolded FFN's input scale (the state dict skips it)
@@ -436,11 +434,6 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     `proven`: 1-3 hold and every end-to-end gate holds.
     """
     _require()
-    from ..hf import compare_models
-    from ..hf.capture import require_transformers
-    from ..hf.evaluate import float_reference
-    from ..infra.thirdparty import quiet_model_io
-    from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
 
     transformers = require_transformers()
     folder = Path(folder)

@@ -51,6 +51,9 @@ import torch
 from torch import nn
 
 from ..errors import FFNQuantError, first_line
+from ..infra.atomic import atomic_path
+from ..measure.latency import latency_stats
+from ..onnx.onnxquant import ort_session
 
 __all__ = ["CacheLayout", "cache_layout", "export_decoder", "is_decoder", "prefill_feed", "greedy_generate",
            "cached_run", "generation_check", "decode_latency", "decode_step_tensors", "float_tolerance", "PAST", "PRESENT",
@@ -224,8 +227,6 @@ def _export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset:
                     ids: torch.Tensor | None) -> dict[str, Any]:
     import onnx
 
-    from ..infra.atomic import atomic_path
-
     model = model.eval()
     layout = cache_layout(model)
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
@@ -268,8 +269,6 @@ def _export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset:
 
 
 def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[str, Any]:
-    from ..onnx.onnxquant import ort_session
-
     session = ort_session(path)
     split = max(1, ids.shape[1] // 2)
     with torch.no_grad():
@@ -422,9 +421,6 @@ def decode_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike,
     token attending to N tokens of context (each N of `contexts`: a past of N - 1, the fp32 graph's presents
     after a prefill of N - 1 random tokens, and the new token; the same inputs for both graphs), batch 1; interleaved rounds as `graph_latency` runs them,
     p10/p50/p90 ms and the speedup (fp32 p50 / quantized p50)."""
-    from ..measure.latency import latency_stats
-    from ..onnx.onnxquant import ort_session
-
     if rounds < 1 or per_round < 1 or warmup < 0 or not contexts or min(contexts) < 1:
         raise FFNQuantError("decode_latency needs rounds >= 1, per_round >= 1, warmup >= 0 and contexts >= 1")
     sessions = {"float": ort_session(float_path, threads=threads), "quantized": ort_session(quant_path, threads=threads)}
@@ -462,8 +458,6 @@ def decode_step_tensors(path: str | os.PathLike, past: int, folder: str | os.Pat
     import json
 
     import onnxruntime as ort
-
-    from ..onnx.onnxquant import ort_session
 
     plain = ort_session(path, threads=1)
     vocab = plain.get_outputs()[0].shape[-1]

@@ -35,10 +35,20 @@ from torch import nn
 
 from ..backends import register_backend, supports
 from ..errors import FFNQuantError, first_line
+from ..hf import compare_models
+from ..hf.arch import ModelKind
+from ..infra.atomic import ScratchFolder, atomic_path
+from ..measure.latency import latency_stats
+from ..methods import handler_for, quantize_linear
+from ..numerics.fakequant import WEIGHT_INPUT_SITE, SiteRange
 from ..onnx.export import DEFAULT_OPSET
-from .onnx_decoder import compare_outputs, float_tolerance, quiet
+from ..onnx.onnxquant import ort_session
+from ..onnx.ortcpu import int8_kernels, saturating
+from ..schemes import ActMode, Method
+from .onnx_decoder import (cached_run, compare_outputs, decode_latency, export_decoder, float_tolerance,
+                           generation_check, greedy_generate, interleaved_times, is_decoder, prefill_feed, quiet)
 from .onnx_rewrite import module_kind, quantize_graph
-from ..infra.atomic import ScratchFolder
+from .planned import ModuleQuant, deployable_refusal
 
 __all__ = [
     "PPL_TOLERANCE",
@@ -51,7 +61,7 @@ __all__ = [
     "write_model_graph",
 ]
 
-# The issue's requirement: the graph's perplexity within 0.5% (relative) of ffnquant's torch reference.
+# What a written graph must meet: its perplexity within 0.5% (relative) of ffnquant's torch reference.
 PPL_TOLERANCE = 0.005
 # One ONNX file is one protobuf message, which cannot exceed 2 GiB; larger models need external data files,
 # which this writer does not produce (every model it takes fits, so one self-contained file is the format).
@@ -64,9 +74,7 @@ OUTPUTS = ("logits", "last_hidden")
 
 def graph_refusal(info: Any) -> str | None:
     """Why `info`'s model cannot be written as one ONNX graph here (one line); None when it can."""
-    from ..hf.arch import ModelKind
     from ..infra.resources import available_memory, human_bytes
-    from .planned import deployable_refusal
 
     if info.kind is not ModelKind.CAUSAL_LM:
         return f"{info.model_type}: the whole-model graph is written for causal LMs (logits), not {info.kind.value} models"
@@ -118,11 +126,6 @@ def _recipe_modules(recipe: Any, spec: Any) -> list[Any]:
     """The `ModuleQuant`s a layer under `recipe` would get: each weight's grid is what the scheme's method handler
     makes of a small stand-in weight of the layer's input width (`methods.quantize_linear`), the input quantizer
     a stand-in range of the scheme's integer type. FFNQuantError for weights without a grid."""
-    from ..numerics.fakequant import WEIGHT_INPUT_SITE, SiteRange
-    from ..methods import handler_for, quantize_linear
-    from ..schemes import ActMode
-    from .planned import ModuleQuant
-
     scheme = recipe.resolve()
     weights, sites = recipe.quantized_parts(spec)
     out = []
@@ -150,8 +153,6 @@ def _recipe_modules(recipe: Any, spec: Any) -> list[Any]:
 
 
 def _no_grid_why(scheme: Any) -> str:
-    from ..schemes import Method
-
     return "HQQ's float zero points" if scheme.method is Method.HQQ else f"bitsandbytes' {scheme.weight_dtype.value} codes"
 
 
@@ -174,8 +175,6 @@ class _Prefill(nn.Module):
 
 
 def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[str, Any]:
-    from ..onnx.onnxquant import ort_session
-
     session = ort_session(path)
     got = session.run(list(OUTPUTS), {"input_ids": ids.numpy().astype(np.int64)})
     with torch.no_grad():
@@ -186,8 +185,6 @@ def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[
 
 def _export(model: nn.Module, info: Any, path: str | os.PathLike, opset: int, ids: torch.Tensor | None) -> dict[str, Any]:
     import onnx
-
-    from ..infra.atomic import atomic_path
 
     model = model.eval()
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
@@ -239,11 +236,6 @@ def score_graph(path: str | os.PathLike, planned: Any, cached: bool = True) -> d
     Where this CPU's int8 kernel for the graph's activations saturates (`ortcpu`), `onnx` is what ran and the
     bound is checked on `graph`: the same graph with no integer kernel fused in, what exact kernels compute.
     A cached decoder is also scored through its cache (`cached`: `_cached_score`) when `cached`."""
-    from ..hf import compare_models
-    from ..onnx.onnxquant import ort_session
-    from ..onnx.ortcpu import int8_kernels, saturating
-    from .onnx_decoder import is_decoder, prefill_feed
-
     def figures(session) -> dict[str, Any]:
         def run(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             logits, hidden = session.run(list(OUTPUTS), prefill_feed(session, ids))
@@ -275,9 +267,6 @@ def _cached_score(session: Any, planned: Any, once: dict[str, Any], ref_ppl: flo
     against the same graph run at once: the logits may differ by float32 rounding only (attention sums over
     other lengths), so |ln ppl_cached - ln ppl_once| <= 2 x `float_tolerance` of the logits (a token's NLL
     moves by at most twice its largest logit change), and the reference bound holds on the cached figure."""
-    from ..hf import compare_models
-    from .onnx_decoder import cached_run, prefill_feed
-
     info, worst = planned.info, {"diff": 0.0, "absmax": 0.0}
 
     def run(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,10 +293,6 @@ def graph_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, 
     """Side-by-side latency of the fp32 and quantized graphs on onnxruntime's CPU provider at batch 1 and each
     token count: interleaved rounds (each graph and size in every round, so machine drift hits all alike),
     p10/p50/p90 ms and the speedup (fp32 p50 / quantized p50). Cheap by default; ask for more rounds to publish."""
-    from ..measure.latency import latency_stats
-    from ..onnx.onnxquant import ort_session
-    from .onnx_decoder import interleaved_times, prefill_feed
-
     if rounds < 1 or per_round < 1 or warmup < 0 or not tokens or min(tokens) < 1:
         raise FFNQuantError("graph_latency needs rounds >= 1, per_round >= 1, warmup >= 0 and token counts >= 1")
     sessions = {"float": ort_session(float_path, threads=threads), "quantized": ort_session(quant_path, threads=threads)}
@@ -338,9 +323,6 @@ def _decoder_figures(planned: Any, fp32: Path, quant: Path, *, contexts: Sequenc
                      new_tokens: int) -> dict[str, Any]:
     """The cached graphs' own figures: greedy generation of the fp32 graph against transformers' (and how many
     leading tokens the quantized graph's greedy generation shares with it), per-token decode latency."""
-    from ..onnx.onnxquant import ort_session
-    from .onnx_decoder import decode_latency, generation_check, greedy_generate
-
     chosen = _prompts(planned, prompts)
     generation = generation_check(planned.float_model, ort_session(fp32), chosen, new_tokens)
     quant_session = ort_session(quant)
@@ -367,8 +349,6 @@ def write_model_graph(planned: Any, folder: str | os.PathLike, *, opset: int = D
     prefill graphs where the model does not export with a cache (`decoder` says why). Single files:
     `graph_refusal` refuses models whose graph would need external data. The caller stages `folder`."""
     import onnxruntime as ort
-
-    from .onnx_decoder import export_decoder
 
     why = graph_refusal(planned.info)
     if why is not None:

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from ..errors import FFNQuantError
+from ..hf import EvalSettings, capture_layer_inputs, end_to_end, load_ffn_layers, quantized_layers
+from ..hf.capture import _module_for
 from ..numerics.fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
 from ..numerics.remedies import BlockHadamard
 from ..schemes import ActMode, Method, Scheme, get_scheme
@@ -225,8 +227,6 @@ def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: An
     in it on the engine, each layer is quantized as usual on its (float32) inputs, and each quantized FFN then
     computes as the runtime does in that dtype (`deploy.precision.in_dtype`: scales rounded to it, codes kept):
     the reference is measured so."""
-    from ..hf import EvalSettings, capture_layer_inputs, end_to_end, load_ffn_layers, quantized_layers
-    from ..hf.capture import _module_for
     from ..hf.fold import fold_input_scales, fold_refusal
 
     why = deployable_refusal(info, "onnx") if whole_model else None  # a format's own refusals: checked by its caller

@@ -27,8 +27,10 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..numerics.fakequant import QuantizedFFN, SiteRange, WeightGrid
+from ..hf.checkpoint import _Weights
 from ..model import FFN
+from ..numerics.fakequant import QuantizedFFN, SiteRange, WeightGrid
+from ..schemes import ActMode
 
 __all__ = ["COMPUTE_DTYPES", "compute_dtype", "dtype_name", "rounding_step", "input_args", "in_dtype", "in_dtype_all",
            "source_dtype", "resolve_compute_dtype"]
@@ -67,8 +69,6 @@ def rounding_step(dtype: torch.dtype) -> float:
 def source_dtype(info: Any) -> torch.dtype:
     """The floating dtype most of the source checkpoint's tensors are stored in (float32 for a pickled one)."""
     from collections import Counter
-
-    from ..hf.checkpoint import _Weights
 
     if info.weights_format != "safetensors":
         return torch.float32
@@ -161,8 +161,6 @@ def _input_quantizer(scheme: Any, rng: SiteRange | None, dtype: torch.dtype):
     """compressed-tensors' fake quantization of one input site, as the folder's module runs it on `dtype` inputs."""
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
-
-    from ..schemes import ActMode
 
     if scheme.act_dtype.is_float:
         return None

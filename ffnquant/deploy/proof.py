@@ -23,6 +23,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ..hf import compare_models, load_ffn_layers
+from ..hf.arch import ModelKind
+from ..hf.capture import _module_for, ffn_input_hooks, install_ffns
+from ..hf.evaluate import float_reference
+from ..hf.fold import _Diff, with_input_transform
+from ..hf.metrics import ErrorStats, _final_hidden, _run
+from ..numerics.awq import AWQRecord
+from ..numerics.remedies import ChannelScale
 from .precision import dtype_name, rounding_step
 
 __all__ = ["ULP", "FOLD_ULPS", "GATE_FACTOR", "fold_bound", "input_scale", "FoldCheck", "fold_check", "fold_refusal",
@@ -54,8 +62,6 @@ def input_scale(qffn: Any) -> torch.Tensor | None:
     """The per-channel multiply x * c a layer's recipe put on its FFN input (SmoothQuant's, then AWQ's, composed
     as applied), from its remedy records; None without one. The planned model keeps its QuantizedFFNs with the
     scale folded away (an identity input_transform), so the records are what says what was folded."""
-    from ..numerics.awq import AWQRecord
-
     c = None
     for rec in getattr(qffn, "remedies", ()):
         if isinstance(rec, AWQRecord):
@@ -81,9 +87,6 @@ def _divided(ffn: Any, scale: torch.Tensor) -> Any:
 
 def _outputs(model: Any, info: Any, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(logits or None, final hidden state) of one batch."""
-    from ..hf.arch import ModelKind
-    from ..hf.metrics import _final_hidden, _run
-
     out = _run(model, info, ids)
     return (out.logits if info.kind is ModelKind.CAUSAL_LM else None), _final_hidden(info, out)
 
@@ -121,8 +124,6 @@ class FoldCheck:
 
 def _ffn_modules(model: Any, info: Any) -> dict[str, str]:
     """Layer label -> the FFN module's name in the loaded model."""
-    from ..hf.capture import _module_for
-
     names = [n for n, _ in model.named_modules()]
     return {layer.label: _module_for(model, info, layer, names)[0] for layer in info.layers}
 
@@ -153,11 +154,6 @@ def _nearest(name: str, candidates: Sequence[str]) -> tuple[str, ...]:
 def fold_check(planned: Any) -> FoldCheck:
     """The planned model's folded norms with float FFNs (each planned input scale divided out of its input
     columns) against the original float model on the held-out batches; `culprits` measured when over the bound."""
-    from ..hf import load_ffn_layers
-    from ..hf.capture import install_ffns
-    from ..hf.fold import _Diff
-    from ..hf.metrics import ErrorStats
-
     info = planned.info
     order = {layer.label: i for i, layer in enumerate(info.layers)}
     scales = {label: input_scale(q) for label, q in planned.qffns.items()}
@@ -218,8 +214,6 @@ def _reads(model: Any, info: Any, ids: torch.Tensor) -> dict[str, tuple[str, tup
     """Layer label -> (the module whose output is, bit for bit, the FFN's input, its positional inputs, its
     output), leaf modules first; a layer whose FFN reads no module's output (a residual sum, a bare operation)
     is absent."""
-    from ..hf.capture import ffn_input_hooks
-
     d = info.spec.d_model
     got: dict[str, torch.Tensor] = {}
     seen: dict[str, tuple[tuple, torch.Tensor]] = {}
@@ -287,9 +281,6 @@ def _difference(name: str, got: float, ref: float) -> float:
 
 def _run_figures(planned: Any, ffns: Mapping[Any, Any], refs: Sequence[Any], delta: float) -> dict[str, Any]:
     """The original model with `ffns` installed, its first block's input scaled by 1 + delta, scored."""
-    from ..hf import compare_models
-    from ..hf.capture import install_ffns
-
     model = planned.float_model
     hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out: out * (1.0 + delta))
     try:
@@ -303,9 +294,6 @@ def _run_figures(planned: Any, ffns: Mapping[Any, Any], refs: Sequence[Any], del
 def unfolded_ffns(planned: Any) -> dict[Any, Any]:
     """The plan's quantized FFNs by LayerInfo, each doing its input multiply itself (unfolded, as measured): what
     installed in the ORIGINAL float model is ffnquant's reference of the plan."""
-    from ..hf.fold import with_input_transform
-    from ..numerics.remedies import ChannelScale
-
     by_label = {layer.label: layer for layer in planned.info.layers}
     ffns = {}
     for label, q in planned.qffns.items():
@@ -320,8 +308,6 @@ def generation_equality(planned: Any, loaded: Any, prompts: int = 4, prompt_toke
     reference of the plan (the original float model with `unfolded_ffns` installed), on `prompts` prompts cut
     from the held-out batches: the tokens of both, and whether they are equal token for token. `ffns`: the
     `unfolded_ffns` when the caller has them."""
-    from ..hf.capture import install_ffns
-
     ids = torch.cat([b.reshape(-1) for b in planned.evals])
     cuts = [ids[i * prompt_tokens:(i + 1) * prompt_tokens].tolist() for i in range(prompts)
             if (i + 1) * prompt_tokens <= ids.numel()]
@@ -366,8 +352,6 @@ def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
     on the same original model, and `convention_cost` is what it moves the figures from ffnquant's reference.
     `references`: the original model's kept batches (`hf.evaluate.float_reference`), computed when None; `ffns`:
     the `unfolded_ffns` when the caller has them."""
-    from ..hf.evaluate import float_reference
-
     info = planned.info
     step = rounding_step(planned.compute_dtype)
     ffns = ffns if ffns is not None else unfolded_ffns(planned)

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..infra.atomic import atomic_path, ensure_writable_dir, owned_temp_file
+from ..data import load_tokens
 from ..errors import FFNQuantError
+from ..infra.atomic import atomic_path, ensure_writable_dir, owned_temp_file
 from ..infra.resources import check_memory
 from .arch import Install, ModelKind
 from .checkpoint import LayerInfo, ModelInfo, inspect_model
-from .corpus import (DEFAULT_SEQ_LEN, TextSource, document_text, document_windows, load_documents, shipped_corpus, source_items,
-                     source_label, window_batches)
+from .corpus import (DEFAULT_SEQ_LEN, TextSource, document_text, document_windows, load_documents, shipped_corpus,
+                     source_items, source_label, window_batches)
 
 __all__ = [
     "TEXT_SPLITS",
@@ -499,8 +500,6 @@ def iter_captured_files(
     `source` is a folder with <label>.npy or <label>.safetensors per layer (labels as
     `LayerInfo.label`: L0, L1, L3.e2, ...), or one .safetensors file with a tensor per label.
     """
-    from ..data import load_tokens  # validated loading: dtype, rank, d_model, NaN/Inf
-
     src = Path(source)
     if not src.exists():
         raise FFNQuantError(f"captured activations {str(src)!r} do not exist")

@@ -19,11 +19,11 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..errors import FFNQuantError
+from ..infra.resources import non_regular_entries, os_reason, read_text as read_file_text, regular_file
 from ..model import FFN
-from ..infra.resources import non_regular_entries, os_reason, regular_file
-from ..infra.resources import read_text as read_file_text
 from ..spec import FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, hf_activation
+from .discover import arch_for_config
 from .validate import check_attention_config, check_other_tensors
 
 __all__ = [
@@ -410,7 +410,6 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
             "(config.json, weights, tokenizer): replace or remove it"
         )
     cfg_file = str(folder / "config.json")
-    from .discover import arch_for_config
 
     arch = arch_for_config(config, cfg_file)
     d, f = arch.d_model(config, cfg_file), arch.d_ff(config, cfg_file)

@@ -1,7 +1,7 @@
 """Calibrate a real model's FFNs on captured inputs and measure what quantizing them costs end to end.
 
 Calibration streams each captured batch through the layer's ffnquant FFN with observers on
-every site (issue 3's `observe.profile`, merged batch by batch), so memory is one batch.
+every site (`observe.profile`, merged batch by batch), so memory is one batch.
 `quantize_layers` is the one way layers are quantized (each exactly as a synthetic variant:
 `quantization.quantize_recipes` on the layer's captured inputs, `hf.inputs`). Evaluation puts the
 quantized FFNs (torch reference numerics) back into the transformers model and measures what its user notices: perplexity on the
@@ -20,20 +20,17 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import FFNQuantError
+from ..recipe import as_recipe
 from .arch import ModelKind
-from .capture import (
-    ffn_input_hooks, install_ffns, iter_captured, iter_captured_files, load_hf_model, load_tokenizer, model_text_batches,
-)
+from .capture import (ffn_input_hooks, install_ffns, iter_captured, iter_captured_files, load_hf_model, load_tokenizer,
+                      model_text_batches)
 from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers
-from .metrics import Agreement, ErrorStats, Reference, _NLL, _final_hidden, _run, reference_batch
-from .inputs import (  # re-exported: hf.evaluate is where they were
-    EvalSettings, LayerInputs, file_inputs, fit_settings, model_file_stem, token_budget,
-)
-from .layers import (  # re-exported: hf.evaluate is where they were
-    _with_shortfall, _worst, calibrate_layers, end_to_end_figures, model_layers_report, quantize_layers,
-    quantized_layers,
-)
+from .inputs import (EvalSettings, LayerInputs, file_inputs,  # re-exported: hf.evaluate is where they were
+                     fit_settings, model_file_stem, token_budget)
+from .layers import (_with_shortfall, _worst, calibrate_layers,  # re-exported: hf.evaluate is where they were
+                     end_to_end_figures, model_layers_report, quantize_layers, quantized_layers)
 from .layerwise import capture_layer_inputs, end_to_end_layerwise
+from .metrics import _NLL, Agreement, ErrorStats, Reference, _final_hidden, _run, reference_batch
 
 __all__ = [
     "EvalSettings",
@@ -143,8 +140,6 @@ def evaluate_layers_from_files(
 def _recipes(schemes: Sequence[Any], calibrator: str | None) -> list[Any]:
     """Recipes from `schemes` (Recipes or text); `calibrator` given to each static one without its own."""
     from dataclasses import replace
-
-    from ..recipe import as_recipe
 
     out = []
     for s in schemes:

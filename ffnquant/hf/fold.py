@@ -24,14 +24,18 @@ from torch import nn
 
 from ..errors import FFNQuantError
 from ..model import FFN
-from ..numerics.remedies import ChannelScale
+from ..numerics.observe import profile
+from ..numerics.remedies import ChannelScale, smooth
 from .arch import ModelKind, NormGain
-from .checkpoint import LayerInfo, ModelInfo
+from .capture import _module_for, iter_captured, shift_right
+from .checkpoint import LayerInfo, ModelInfo, inspect_model, load_ffn_layers
+from .graph import check_sites, fold_sites
+from .inputs import EvalSettings, fit_settings
 
 __all__ = ["FOLD_TOLERANCE", "fold_refusal", "norm_module", "fold_input_scales", "folded_input_scales",
            "fold_exactness"]
 
-# The issue's requirement: folding changes fp32 logits by at most this, relative (max |a - b| / max |a|).
+# An exact fold: folding changes fp32 logits by at most this, relative (max |a - b| / max |a|).
 FOLD_TOLERANCE = 1e-5
 
 
@@ -86,8 +90,6 @@ def _without_input_scale(obj: Any, layer: LayerInfo) -> Any:
 
 
 def _module_name(model: nn.Module, info: ModelInfo, layer: LayerInfo, names: Sequence[str]) -> str:
-    from .capture import _module_for  # the one lookup of an FFN's module (module_pattern)
-
     return _module_for(model, info, layer, names)[0]
 
 
@@ -127,8 +129,6 @@ class _Fold:
 def _plan(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerInfo, Any]) -> tuple[list[_Fold], dict[LayerInfo, Any]]:
     """Every check before any weight changes: which norm takes which scale (found from the model's graph,
     `hf.graph.fold_sites`), and the FFNs without their scale."""
-    from .graph import check_sites, fold_sites
-
     scales = {layer: _input_scale(obj, layer) for layer, obj in ffns.items()}
     todo = [layer for layer, s in scales.items() if s is not None]
     out = {layer: (obj if scales[layer] is None else None) for layer, obj in ffns.items()}
@@ -230,8 +230,6 @@ class _Diff:
 
 def _compared(model: nn.Module, info: ModelInfo, ids: torch.Tensor) -> torch.Tensor:
     """What the model's user gets: the logits (the final hidden states of an encoder)."""
-    from .capture import shift_right
-
     inputs = {"input_ids": ids}
     if info.kind is ModelKind.SEQ2SEQ:
         inputs["decoder_input_ids"] = shift_right(model, ids)
@@ -243,9 +241,6 @@ def _compared(model: nn.Module, info: ModelInfo, ids: torch.Tensor) -> torch.Ten
 def _input_ranges(model: nn.Module, info: ModelInfo, layers: Sequence[Any], batches: Sequence[torch.Tensor],
                   bins: int) -> dict[str, Any]:
     """Each layer's RangeTable of its input site, from the model run on `batches` (the capture path)."""
-    from ..numerics.observe import profile
-    from .capture import iter_captured
-
     by_label = {layer.label: layer for layer in layers}
     tables: dict[str, Any] = {}
     for batch in iter_captured(model, info, [layer.info for layer in layers], batches):
@@ -282,10 +277,7 @@ def fold_exactness(
     `folded_vs_unfolded`: what the fold alone changes; `float_ffns`: ffnquant's unsmoothed float FFNs installed,
     the float32 rounding floor of replacing the model's own MLPs at all.
     """
-    from ..numerics.remedies import smooth
     from .capture import install_ffns, load_hf_model, load_tokenizer, model_text_batches, text_label
-    from .checkpoint import inspect_model, load_ffn_layers
-    from .inputs import EvalSettings, fit_settings
 
     if isinstance(source, tuple):
         model, info = source
@@ -321,7 +313,6 @@ def fold_exactness(
         unfolded.update(ref, smooth_out)
         fold_only.update(smooth_out, fold_out)
     result = folded.to_dict()
-    from .graph import fold_sites
 
     gains = sorted({str(site.gain) for site in fold_sites(model, info, list(smoothed)).values() if site.gain is not None})
     return {

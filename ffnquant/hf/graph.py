@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import FFNQuantError
 from .arch import Install, ModelKind, NormGain
+from .capture import _first_input, _model_inputs, _module_for
 from .checkpoint import LayerInfo, ModelInfo
 
 __all__ = ["FoldSite", "fold_sites", "check_sites", "first_matrices", "FOLD_RTOL", "check_reproduction", "REPRODUCE_RTOL"]
@@ -93,8 +94,6 @@ def first_matrices(module: nn.Module, info: ModelInfo, layer: LayerInfo) -> list
 
 
 def _output(model: nn.Module, info: ModelInfo, ids: torch.Tensor) -> torch.Tensor:
-    from .capture import _model_inputs
-
     with torch.no_grad():
         out = model(**_model_inputs(info, model, ids))
     return out.last_hidden_state if info.kind is ModelKind.ENCODER else out.logits
@@ -103,8 +102,6 @@ def _output(model: nn.Module, info: ModelInfo, ids: torch.Tensor) -> torch.Tenso
 def _trace(model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], forward: Callable[[], torch.Tensor],
            ffns: Mapping[LayerInfo, tuple[str, nn.Module]]) -> dict[LayerInfo, tuple[str | None, tuple[str, ...]]]:
     """(producer, other readers) of each FFN's input, from one `forward` pass with hooks on every module."""
-    from .capture import _first_input
-
     produced: dict[tuple[int, int], str] = {}
     read: dict[tuple[int, int], list[str]] = {}
     ffn_input: dict[LayerInfo, tuple[int, int]] = {}
@@ -210,8 +207,6 @@ def fold_sites(model: nn.Module, info: ModelInfo, layers: Sequence[LayerInfo], i
     """Each layer's FoldSite (see the module docstring), from the model run on `ids` ([1, 24] tokens by default),
     or from `run()`: a forward through part of `model` (the engine's one decoder layer) whose output the check
     compares."""
-    from .capture import _module_for
-
     if run is None and ids is None:
         vocab = int(getattr(model.get_input_embeddings(), "num_embeddings", 32))
         ids = torch.randint(3, max(vocab, 4), (1, 24), generator=torch.Generator().manual_seed(0))
@@ -290,8 +285,6 @@ def check_reproduction(model: nn.Module, info: Any, layers: Any, ids: torch.Tens
     `ids` (or in `run()`, a forward through part of the model: the engine's one decoder layer), against that
     module's output: {label: relative difference}. Raises, naming every layer beyond REPRODUCE_RTOL with its
     module, before anything is quantized."""
-    from .capture import _first_input, _model_inputs, _module_for
-
     names = [n for n, _ in model.named_modules()]
     arch = info.arch
     seen: dict[str, tuple[tuple, torch.Tensor]] = {}

@@ -18,6 +18,7 @@ from ..errors import FFNQuantError
 from . import capture as _capture
 from .capture import iter_captured, iter_captured_files, load_tokenizer, model_text_batches
 from .checkpoint import HFLayer, ModelInfo
+from .corpus import TextSource, shipped_corpora, source_items
 
 __all__ = ["EvalSettings", "LayerInputs", "capture_whole", "file_inputs", "fit_settings", "model_file_stem",
            "token_budget"]
@@ -210,8 +211,6 @@ def eval_domain_batches(info: ModelInfo, tokenizer: Any, eval_text: Any, setting
     """The evaluation batches as (label, batches) per domain: each evaluation text apart (up to `max_tokens` each)
     with `by_domain`, else one domain of all of them together (up to `max_tokens` in all)."""
     from dataclasses import replace as _replace
-
-    from .corpus import TextSource, shipped_corpora, source_items
 
     settings = fit_settings(info, settings)
     if not by_domain:

@@ -13,6 +13,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ..errors import FFNQuantError
+from ..numerics.fakequant import input_hessians
+from ..numerics.observe import profile
+from ..quantization import quantize_recipes
 from .checkpoint import HFLayer, ModelInfo
 from .inputs import EvalSettings, LayerInputs, model_file_stem
 from .metrics import _NLL, Agreement, ErrorStats
@@ -36,9 +39,6 @@ def calibrate_layers(
     An expert the router never chose gets the merged table of its layer's other experts
     (same spec), marked in `meta["borrowed_from_layer"]`.
     """
-    from ..numerics.observe import profile
-    from ..numerics.fakequant import input_hessians
-
     by_label = {layer.label: layer for layer in layers}
     tables: dict[str, Any] = {}
     hess: dict[str, dict[str, torch.Tensor]] = {}
@@ -100,8 +100,6 @@ def quantize_layers(
     `ffnquant model eval` command (`evaluate_model`, `evaluate_layers_from_files`), `ffnquant quantize
     --model` (`quantize_model_layers`) and `ffnquant run`. `collect_errors`: see `quantize_recipes`.
     """
-    from ..quantization import quantize_recipes
-
     for layer in layers:
         name = f"{file_stem}.{layer.label}" if file_stem else layer.label
         for outcome in quantize_recipes(

@@ -14,14 +14,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..atlas import TOP_FRACTION, PositionTracker, split_sequences
 from ..errors import FFNQuantError
 from .arch import ModelKind
 from .capture import load_tokenizer, model_text_batches, text_label
 from .checkpoint import ModelInfo, iter_ffn_layers, parse_layers
-from .inputs import (
-    EvalSettings, LayerInputs, _fill_unrouted, capture_whole, domain_budgets, domain_spans, eval_domain_batches,
-    fit_settings, token_budget,
-)
+from .inputs import (EvalSettings, LayerInputs, _fill_unrouted, capture_whole, domain_budgets, domain_spans,
+                     eval_domain_batches, fit_settings, token_budget)
 from .layers import calibrate_layers, end_to_end_figures, is_plan, model_layers_report, quantized_layers
 from .metrics import _NLL, Agreement, ErrorStats, reference_batch
 from .stream import Progress, SequentialModel, _spill_folder, _Store, _trim, token_batches_of
@@ -50,8 +49,6 @@ def calibrate_layerwise(info: ModelInfo, layers: str | int | list[int] | None = 
     """The selected layers' RangeTables and the token positions of their largest values, in one pass: (RangeTable
     per layer label, top positions per label ({} without `positions`), what the positions were measured on).
     Experts' positions are left out (the router's choice drops their tokens' places), and named."""
-    from ..atlas import TOP_FRACTION, PositionTracker, split_sequences
-
     settings = fit_settings(info, settings)
     ids = token_batches_of(info, text, "calibration", settings, settings.max_calib_tokens)
     label = text_label(text, "calibration")
@@ -329,11 +326,7 @@ def model_top_positions(info, layers, text=None, settings=None, allow_pickle: bo
     model on the calibration windows `hf.calibrate_model` uses for the same `text` and `settings` (so the very same
     tokens). Returns ({layer label: {site: `PositionTracker.result`}}, what it was measured on). Experts are left
     out: the router's selection drops their tokens' positions. `progress(message, done, total)` after each batch."""
-    from ..atlas import PositionTracker, split_sequences
     from .capture import iter_captured, load_hf_model, load_tokenizer, model_text_batches, text_label
-    from .inputs import EvalSettings, fit_settings
-
-    from ..atlas import TOP_FRACTION
 
     top_fraction = TOP_FRACTION if top_fraction is None else top_fraction
     settings = fit_settings(info, settings if settings is not None else EvalSettings())

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import FFNQuantError
+from .arch import _HEAD_DIM_KEYS, _HEADS_KEYS, _KV_HEADS_KEYS, attention_shape
 
 __all__ = ["check_attention_config", "check_other_tensors"]
 
@@ -19,8 +20,6 @@ _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "s
 def check_attention_config(config: Mapping[str, Any], d: int, cfg_file: str) -> None:
     """Heads, key/value heads and head width consistent with each other and the hidden size, before a model is
     built from them (transformers fails deep in a forward pass, or after pages of output, otherwise)."""
-    from .arch import _HEAD_DIM_KEYS, _HEADS_KEYS, _KV_HEADS_KEYS
-
     def first(keys: tuple[str, ...]) -> tuple[str, Any] | None:
         return next(((k, config[k]) for k in keys if config.get(k) is not None), None)
 
@@ -51,8 +50,6 @@ def check_attention_config(config: Mapping[str, Any], d: int, cfg_file: str) -> 
 def check_other_tensors(weights: Any, config: Mapping[str, Any], d: int) -> None:
     """The tensors beside the FFN as config.json describes them: float dtypes, the token embedding's and the
     attention projections' shapes, and a finite embedding (a NaN there poisons every figure, named here)."""
-    from .arch import attention_shape
-
     attn = attention_shape(config, d)
     vocab = config.get("vocab_size")
     emb_width = config.get("word_embed_proj_dim") or d  # OPT's embedding may be narrower than the model

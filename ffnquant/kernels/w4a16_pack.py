@@ -15,7 +15,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
+from ..model import ACTIVATIONS as FFN_ACTIVATIONS
 from ..numerics.primitives import int4_group_rtn, pack_int4, unpack_int4
+from ..spec import Activation
 
 __all__ = ["ACTIVATIONS", "SCALE_DTYPES", "PackedW4", "check_group", "pack_w4", "dequantize_w4", "w4a16_reference",
            "w4a16_gated_reference", "torch_act", "describe", "zero_point_values", "KeptDtypes"]
@@ -114,9 +116,6 @@ def w4a16_gated_reference(x: torch.Tensor, p_gate: PackedW4, p_up: PackedW4, act
 
 def torch_act(act: str):
     """The FFN's own activation called `act` (ffnquant.model.ACTIVATIONS): what the kernel must match."""
-    from ..model import ACTIVATIONS as FFN_ACTIVATIONS
-    from ..spec import Activation
-
     if act not in ACTIVATIONS:
         raise unknown_choice("activation", act, ACTIVATIONS)
     return FFN_ACTIVATIONS[Activation(act)]

@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
+from .. import __version__
 from ..errors import FFNQuantError, first_line, unknown_choice
 
 __all__ = ["INSTALL_HINT", "Shared", "Executor", "LocalExecutor", "RayExecutor", "EXECUTORS", "get_executor"]
@@ -107,8 +108,6 @@ class _RayShared:
 
 def _ray_task(fn: Callable[[Any], Any], item: Any, version: str) -> Any:
     """One task on a Ray worker: refuse another ffnquant than the driver's (its numbers could differ)."""
-    from .. import __version__
-
     if version != __version__:
         raise FFNQuantError(f"the Ray worker on {socket.gethostname()} has ffnquant {__version__}, the driver "
                             f"{version}: install the same ffnquant on every node")
@@ -227,8 +226,6 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 def _version() -> str:
-    from .. import __version__
-
     return __version__
 
 

@@ -216,7 +216,7 @@ def numerics_rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
-# The GPU targets, checked on the figures of the run itself.
+# The GPU targets the latency report checks, on the figures of the run itself.
 W4A16_DECODE_TARGET = 3.5  # x over fp16 at M = 1, SwiGLU d_model 4096 (4-bit weights: ideal about 3.9x)
 INT8_FP8_PREFILL_TARGET = 1.5  # x over bf16 at M = 2048
 GPU_RUN_TARGET_S = 360.0

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import primitives as P
-from .calibrate import Grid, calibrate_range, histogram_of, parse_calibrator
 from ..errors import FFNQuantError
 from ..methods import QuantizedLinear, WeightGrid, handler_for, quantize_linear
 from ..model import FFN
 from ..schemes import ActDType, ActMode, Scheme, check_scheme_fits, get_scheme
+from . import primitives as P
+from .accuracy import run_batched, sqnr_db
+from .calibrate import CANDIDATES, Grid, calibrate_range, histogram_of, parse_calibrator
 
 if TYPE_CHECKING:  # annotations only: ffnquant.quantization builds on this module, not the other way
     from ..quantization import Prepared
@@ -309,9 +310,6 @@ def search_calibrators(
     since the two sites' errors add up at the output; activation MSE on a histogram cannot
     see that a smoothed channel's error is amplified by its rescaled weight column.
     """
-
-    from .accuracy import run_batched, sqnr_db
-    from .calibrate import CANDIDATES
 
     scheme = get_scheme(scheme)
     if not scheme.static_activations:

@@ -18,10 +18,11 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..data import TokenSource
 from ..errors import FFNQuantError, unknown_choice
-from .histogram import DEFAULT_BINS, StreamingHistogram, Workspace, as_float_tensor, non_finite_error
-from ..model import FFN
+from ..model import FFN, build
 from ..spec import FFNSpec
+from .histogram import DEFAULT_BINS, StreamingHistogram, Workspace, as_float_tensor, non_finite_error
 
 __all__ = [
     "DEFAULT_BINS",
@@ -565,9 +566,6 @@ def profile_spec(
 ) -> RangeTable:
     """Build the FFN for `spec` (weights from `seed`, unless `model` is given) and profile it over
     `n_tokens` tokens streamed from `source` (a `TokenSource`) in batches of `batch_size`."""
-    from ..data import TokenSource
-    from ..model import build
-
     if not isinstance(source, TokenSource):
         raise FFNQuantError(f"source must be a TokenSource, got {type(source).__name__}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens <= 0:

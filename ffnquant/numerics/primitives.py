@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import FFNQuantError
+from ..infra.thirdparty import matmul_nbits_quantizer, quiet_bitsandbytes
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -242,8 +243,6 @@ def hqq_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def hqq_int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HQQ's codes 0..15 [out, K'], float scales and float zero points [out, K'/g] (`hqq_int4`'s numerics)."""
-    from ..infra.thirdparty import matmul_nbits_quantizer
-
     mnq = matmul_nbits_quantizer()
     quantizer = mnq.HQQWeightOnlyQuantizer(mnq.HQQWeightOnlyQuantConfig(block_size=group_size, bits=4))
     q, scale, zero = quantizer.quantize_internal(w.detach().float(), bits=4, group_size=group_size)
@@ -357,8 +356,6 @@ def fp8_per_token_fake(x: torch.Tensor) -> torch.Tensor:
 
 def bnb_4bit_fake(w: torch.Tensor, quant_type: str, blocksize: int) -> torch.Tensor:
     """NF4 / FP4 round trip through bitsandbytes itself (block-wise absmax over the flattened weight)."""
-    from ..infra.thirdparty import quiet_bitsandbytes
-
     quiet_bitsandbytes()  # the Python API imports bitsandbytes here, not through the CLI
     try:
         import bitsandbytes.functional as bnbf

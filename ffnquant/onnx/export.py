@@ -15,9 +15,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..infra.atomic import atomic_path, ensure_writable_dir
+from .. import __version__
 from ..errors import FFNQuantError
+from ..infra.atomic import atomic_path, ensure_writable_dir
 from ..model import FFN, build
+from ..recipe import Recipe
 from ..spec import FFNSpec
 
 __all__ = [
@@ -95,8 +97,6 @@ class ExportResult:
 
 def onnx_path_for(spec: FFNSpec, out_dir: str | os.PathLike, dtype: str) -> Path:
     """Where the export of `spec` at `dtype` ('fp32'/'fp16') goes: `<out_dir>/<spec.key>.<recipe slug>.onnx`."""
-    from ..recipe import Recipe
-
     return Path(out_dir) / f"{spec.key}.{Recipe(dtype).slug}.onnx"
 
 
@@ -236,8 +236,6 @@ def export_onnx(
 ) -> tuple[Path, str]:
     """Export `model` to `path` as fp32 or fp16 ONNX with dynamic (batch, seq) axes; returns (path, exporter)."""
     import onnx
-
-    from .. import __version__
 
     if dtype not in ("fp32", "fp16"):
         raise FFNQuantError(f"unknown export dtype {dtype!r}; valid: fp32, fp16")

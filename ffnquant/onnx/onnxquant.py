@@ -25,13 +25,15 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..infra.atomic import atomic_path
-from ..errors import FFNQuantError
-from ..model import FFN
-from .onnxmatmul import MS_DOMAIN, MatmulRewriter, check_and_save, matmul_kind, nbits_node, write_matmul
 from ..backends import ARTIFACT_KINDS, artifact_kind  # the onnx-artifact backend's decision, re-exported
+from ..errors import FFNQuantError
+from ..infra.atomic import ScratchFolder, atomic_path
+from ..measure.timing import time_calls
+from ..model import FFN
 from ..schemes import WeightDType
-from ..infra.atomic import ScratchFolder
+from .export import export_onnx
+from .onnxmatmul import MS_DOMAIN, MatmulRewriter, check_and_save, matmul_kind, nbits_node, write_matmul
+from .ortcpu import exact_session_options, session_entries
 
 if TYPE_CHECKING:  # annotations only: onnxquant reads a QuantizedFFN, it never builds one
     from ..numerics.fakequant import QuantizedFFN
@@ -221,8 +223,6 @@ def write_artifact(
 def _write_folded(out_path: str | os.PathLike, qmodel: "QuantizedFFN") -> Path:
     """The artifact of a method that folds the whole FFN first (AWQ: its input ChannelScale becomes a Mul before the
     matmuls): `qmodel`'s own folded model exported, then its matmuls replaced by its codes."""
-    from .export import export_onnx
-
     with ScratchFolder("folded") as tmp:
         fp32 = Path(tmp) / "folded.fp32.onnx"
         export_onnx(qmodel.model, fp32)
@@ -252,7 +252,8 @@ def ort_default_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike
     and its calibration method `calibrate` (minmax, its default; percentile, entropy: `ortbaseline`)."""
     import io
 
-    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                          quantize_static)
 
     class Reader(_Reader, CalibrationDataReader):
         pass
@@ -290,8 +291,6 @@ def ort_session(path: str | os.PathLike, threads: int | None = None, exact_weigh
     """
     import onnxruntime as ort
 
-    from .ortcpu import exact_session_options, session_entries
-
     opts = exact_session_options() if as_written else ort.SessionOptions()
     opts.log_severity_level = 3
     for key, value in session_entries().items():
@@ -322,8 +321,6 @@ def ort_latency_ms(
     exact_weight_only: bool = True, threads: int | None = None,
 ) -> float:
     """Median wall time (ms) of one session.run on a [1, tokens, d_model] input, CPU provider."""
-    from ..measure.timing import time_calls
-
     session = ort_session(path, threads=threads, exact_weight_only=exact_weight_only)
     x = np.random.default_rng(0).standard_normal((1, tokens, d_model)).astype(np.float16 if dtype == "fp16" else np.float32)
     times = time_calls(lambda: session.run(None, {"input": x}), repeats, warmup=warmup)

@@ -19,9 +19,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..infra.atomic import atomic_path
+from ..errors import first_line, unknown_choice
+from ..infra.atomic import ScratchFolder, atomic_path, is_output_failure
+from ..infra.resources import check_memory
+from ..numerics.accuracy import accuracy_of
+from ..quantization import prepare, quantize_spec
+from ..recipe import as_recipe
 from .onnxquant import ort_default_static, ort_session, run_onnx
-from ..infra.atomic import ScratchFolder
 
 __all__ = ["ORT_METHODS", "ORT_BASELINE_METHODS", "ort_quantize", "ort_baselines", "versus_ort", "compare_with_ort"]
 
@@ -82,9 +86,6 @@ def ort_quantize(fp32_path: str | os.PathLike, out_path: str | os.PathLike, meth
     """
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from ..errors import unknown_choice
-    from ..infra.resources import check_memory
-
     if method not in ORT_METHODS:
         raise unknown_choice("onnxruntime quantization method", method, ORT_METHODS)
     batches = list(calib_batches)
@@ -127,10 +128,6 @@ def ort_baselines(
     in `out_dir` (stem default: the fp32 file's name less `.fp32.onnx`), else in a temporary folder removed
     before returning.
     """
-    from ..numerics.accuracy import accuracy_of
-    from ..infra.atomic import is_output_failure
-    from ..errors import first_line, unknown_choice
-
     unknown = [m for m in methods if m not in ORT_METHODS]
     if unknown:
         raise unknown_choice("onnxruntime quantization method", unknown[0], ORT_METHODS)
@@ -195,9 +192,6 @@ def compare_with_ort(
     {"ort": ort_baselines(...), "recipes": versus_ort(...) with each recipe's `calibrators` (per site) added}.
     ONNX files go to `out_dir` when given, else to temporary folders.
     """
-    from ..quantization import prepare, quantize_spec
-    from ..recipe import as_recipe
-
     folder = Path(out_dir) if out_dir is not None else prep.scratch()
     fp32 = prep.onnx_file("reference", folder)
     ort = ort_baselines(fp32, prep.calib_batches(), prep.eval, prep.ref_eval(), out_dir=out_dir, methods=methods,

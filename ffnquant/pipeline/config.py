@@ -20,7 +20,7 @@ from ..spec import FFNSpec, Variant, parse_variants
 __all__ = ["CONFIG_VERSION", "DEFAULT_SCHEMES", "DEFAULT_TOKENS", "FLOAT_BASELINES", "RunConfig", "load_config"]
 
 CONFIG_VERSION = 1
-# The issue's default set: float baselines, int8 weight-only, static int8 with the best calibrator
+# The default set: float baselines, int8 weight-only, static int8 with the best calibrator
 # per site, dynamic int8, 4-bit group-wise and bitsandbytes' NF4; smoothed static int8 uses
 # `search` (per site by the FFN's output SQNR), because after smoothing a per-tensor histogram
 # cannot see the rescaled weight columns and `auto` falls behind (swiglu d=512: 28.8 vs 31.1 dB),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..recipe import Recipe
+from .. import __version__
+from ..infra.envinfo import environment
 from ..measure.recommend import Point
+from ..recipe import Recipe
 from ..report import SCHEMA_NAME, SCHEMA_VERSION
 from ..spec import FFNSpec
 from .findings import ort_baseline_summary
@@ -22,9 +24,6 @@ def build_document(
 ) -> dict[str, Any]:
     """The JSON document `report.write_report` renders (schema `ffnquant-report` v1). `config` is the run's
     config in its written form (`RunConfig.to_dict`), copied as is; the values read here come as arguments."""
-    from .. import __version__
-    from ..infra.envinfo import environment
-
     return {
         "schema": SCHEMA_NAME,
         "schema_version": SCHEMA_VERSION,

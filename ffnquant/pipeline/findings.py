@@ -7,8 +7,12 @@ import statistics
 import time  # noqa: F401 - the clock timing.time_calls reads; tests replace its perf_counter through this module
 from typing import Any, Mapping, Sequence
 
+from .. import ranges as R
+from ..measure.latency import timing_suspect
+from ..measure.recommend import Point, crest_cost_finding, pareto_front, recommend_all
+from ..measure.timing import time_calls
 from ..recipe import Recipe
-from ..measure.recommend import Point
+from ..report.ranges import range_report_markdown
 
 __all__ = ["range_section", "compact_histogram", "activation_time_claim", "recommendations", "findings",
            "ort_baseline_summary"]
@@ -40,9 +44,6 @@ def compact_histogram(hist: Any, max_bins: int = 256) -> dict[str, list] | None:
 def range_section(tables: Mapping[str, Any], meta: Mapping[str, Any]) -> tuple[dict, list[dict]]:
     """The report's `ranges` object and the range claims, from the range tables by variant (or layer key);
     `meta` says where the tokens came from and the synthetic weights' seed."""
-    from .. import ranges as R
-    from ..report.ranges import range_report_markdown
-
     variants = {}
     for v, table in tables.items():
         summ = table.summary()
@@ -69,9 +70,6 @@ def activation_time_claim(model: Any, tokens: Any, repeats: int = 7) -> dict[str
     trusted (`latency.timing_suspect`): a busy machine makes it 'not measured', not a flipped verdict."""
     import numpy as np
     import torch
-
-    from ..measure.latency import timing_suspect
-    from ..measure.timing import time_calls
 
     with torch.no_grad():
         pre = (model.w_gate if model.w_gate is not None else model.w_up)(tokens)
@@ -100,8 +98,6 @@ def activation_time_claim(model: Any, tokens: Any, repeats: int = 7) -> dict[str
 
 def recommendations(points: Sequence[Point], *, target_db: float, baseline: str) -> tuple[list[dict], list[dict]]:
     """(recommendations, Pareto fronts) from the run's latency x accuracy points (`recommend.join_points`)."""
-    from ..measure.recommend import pareto_front, recommend_all
-
     recs = [r.to_dict() for r in recommend_all(points, target_db, baseline)]
     groups: dict[tuple, list] = {}
     for p in points:
@@ -115,8 +111,6 @@ def findings(ranges: Mapping[str, Any], rows: Sequence[dict], recipes: Sequence[
              model_doc: Mapping[str, Any] | None, *, variants: Sequence[str]) -> list[dict]:
     """The report's findings: crest factor against int8 cost (synthetic family, the run's `variants`), remedy
     gains, the model's layers."""
-    from ..measure.recommend import crest_cost_finding
-
     out = []
     # the crest/cost relation is a claim about the synthetic family; a real model's layers get their own finding
     crest = {v: ranges["variants"][v]["sites"].get("hidden", {}).get("crest_factor") for v in ranges["variants"]

@@ -6,9 +6,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..data import calibration_and_eval
+from ..infra.atomic import OutputTransaction, write_text
 from ..infra.render import display_path
+from ..measure.recommend import join_points
+from ..model import build
+from ..numerics.observe import profile
+from ..report import write_report
+from . import findings as F
 from .config import RunConfig
+from .model import ModelSettings, check_model, model_layers
 from .results import ModelPart, Progress, RunResult, Stages
+from .variants import Scoring, score_recipes
 
 __all__ = ["run"]
 
@@ -23,16 +32,7 @@ def run(config: RunConfig, progress: Progress | None = None, command: str | None
     """
     import torch
 
-    from ..infra.atomic import OutputTransaction, write_text
-    from ..data import calibration_and_eval
-    from ..model import build
-    from ..numerics.observe import profile
-    from ..measure.recommend import join_points
-    from ..report import write_report
-    from . import findings as F
     from .latency import LatencySettings, measure_latency, select_runtimes
-    from .model import ModelSettings, check_model, model_layers
-    from .variants import Scoring, score_recipes
 
     t_start = time.perf_counter()
     stages = Stages()

@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .. import bench
 from ..errors import FFNQuantError
 from ..recipe import Recipe
+from ..runtimes import get_runtime, runtime_names
+from ..runtimes.base import FORMATS
 from ..spec import FFNSpec
 from .results import Progress
 
@@ -38,8 +41,6 @@ class LatencySettings:
 def select_runtimes(requested: Sequence[str]) -> list[tuple[str, Any, Any]]:
     """[(name, Availability, Runtime)] to measure on, from a config's runtime names ('available' or 'none'
     alone, or names). Explicitly named unavailable runtimes are an error."""
-    from ..runtimes import get_runtime, runtime_names
-
     requested = tuple(requested)
     if requested == ("none",):
         return []
@@ -66,9 +67,6 @@ def measure_latency(
     timed only on the artifact written for it: a runtime that quantizes the float FFN itself, or an
     artifact built without the remedy (no Hadamard MatMul), would time another model under its name.
     """
-    from .. import bench
-    from ..runtimes.base import FORMATS
-
     section: dict[str, Any] = {
         "status": "ok", "reason": None, "primary_tokens": max(settings.tokens),
         "runtimes": [{"name": n, "available": bool(a.available), "reason": a.reason, "device": a.device, "error": None}

@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import FFNQuantError
-from ..recipe import Recipe
+from ..hf import (EvalSettings, calibrate_layers, capture_layer_inputs, end_to_end, float_baseline, inspect_model,
+                  load_ffn_layers, model_file_stem, parse_layers)
+from ..hf.capture import check_tokenizer, require_transformers
 from ..infra.render import display_path
+from ..recipe import Recipe
 from .latency import LatencySettings, measure_latency
 from .results import ModelPart, Progress, Stages
 from .variants import Scoring, score_recipes
@@ -46,9 +49,6 @@ class ModelSettings:
 def check_model(settings: ModelSettings) -> tuple[Any, list[int]]:
     """The model folder of `settings` inspected (config.json, weights, architecture), its layer selection
     parsed, transformers and both texts checked: every model error fails before the run starts."""
-    from ..hf import inspect_model, parse_layers
-    from ..hf.capture import check_tokenizer, require_transformers
-
     info = inspect_model(settings.model)
     indices = parse_layers(settings.layers, info.n_layers)
     if settings.plan is not None:
@@ -74,8 +74,6 @@ def model_layers(
     from inputs captured on the calibration text, every recipe quantized per layer on held-out inputs
     from the evaluation text (artifacts `<model>.<label>.<recipe slug>.onnx`), every quantized recipe put
     back into the model (end to end), and the latency of the first selected layer on the runtimes."""
-    from ..hf import EvalSettings, calibrate_layers, capture_layer_inputs, load_ffn_layers, model_file_stem
-
     t0 = time.perf_counter()
     layers = load_ffn_layers(info, settings.layers)
     evals = EvalSettings(max_calib_tokens=settings.calib_tokens, max_eval_tokens=settings.eval_tokens, bins=settings.bins)
@@ -158,8 +156,6 @@ def _end_to_end(info: Any, layers: Sequence[Any], inputs: Any, settings: Any, qu
                 kept: dict[str, dict[str, Any]], reason: str | None, plan_file: str | None = None) -> dict[str, Any]:
     """Every layer quantized with the same recipe, back in the model, on the held-out text; then, with a plan
     file, every layer with its planned recipe (row 'plan: FILE')."""
-    from ..hf import end_to_end, float_baseline
-
     e2e: dict[str, Any] = {"status": "ok", "reason": None, "evaluation_text": inputs.evaluation_source,
                            "baseline": None, "schemes": []}
     if reason is not None:

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import FFNQuantError
+from ..quantization import quantize_recipes as quantize_each, sensitivity
 from ..recipe import Recipe
-from ..spec import FFNSpec
 from ..schemes import recipe_weight_bytes
+from ..spec import FFNSpec
 from .results import VariantResult, json_num
 
 __all__ = ["Scoring", "score_recipes"]
@@ -31,8 +32,6 @@ class Scoring:
 
 def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:
     """SQNR with one weight or one activation site quantized as in `res`, the rest float (quantize.sensitivity)."""
-    from ..quantization import sensitivity
-
     return {k: json_num(v) for k, v in sensitivity(prep, res.qmodel).items()}
 
 
@@ -56,8 +55,6 @@ def score_recipes(
     model's layer passes its report key as `label` (e.g. 'bert:L0') and its ONNX file stem as `stem`;
     `keep` collects the quantized FFN of every quantized recipe for the end-to-end run.
     """
-    from ..quantization import quantize_recipes as quantize_each
-
     v = label or spec.variant.value
     out = VariantResult([], [], {}, None)
     work: dict[str, Any] = {}  # recipe name -> (prepared, QuantResult) for the sensitivity of the worst cases

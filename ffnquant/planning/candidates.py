@@ -16,8 +16,12 @@ from typing import Any, Sequence
 
 import torch
 
+from ..deploy.formats import recipe_refusals
 from ..errors import FFNQuantError
+from ..numerics.accuracy import run_batched
+from ..quantization import quantize_recipes
 from ..recipe import Recipe
+from ..schemes import recipe_weight_bytes
 from .moe import MoELayer, quantize_moe_layer, score_moe_layer
 from .scores import CandidateScore, db as _db
 from .sensitivity import fisher_noise
@@ -77,16 +81,12 @@ def format_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str
     """`candidate_recipes`' result less the recipes `export --format fmt` cannot write on `info`'s model, which
     join the skipped ones with the format's reason: a plan made for a format never ends in a refused export.
     FFNQuantError when the format refuses the model itself (`deploy.formats.recipe_refusals`)."""
-    from ..deploy.formats import recipe_refusals
-
     refused = recipe_refusals(fmt, info, recipes)
     return ([r for r in recipes if r not in refused],
             list(skipped) + [{"recipe": str(r), "reason": why} for r, why in refused.items()])
 
 
 def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor, bins: int | None):
-    from ..quantization import quantize_recipes
-
     return quantize_recipes(layer.spec, recipes, collect_errors=True, onnx=False, baseline=False, sensitivity=False,
                             model=layer.ffn, calib_tokens=calib, eval_tokens=held_out, name=layer.label, bins=bins)
 
@@ -97,8 +97,6 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
     MoE layer (`planning.moe.MoELayer`) is scored on its routed experts' output (`score_moe_layer`)."""
     if isinstance(layer, MoELayer):
         return score_moe_layer(layer, recipes, calib, held_out, grad, keep=keep, bins=bins)
-    from ..numerics.accuracy import run_batched
-    from ..schemes import recipe_weight_bytes
 
     if grad.shape != calib.shape:
         raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")

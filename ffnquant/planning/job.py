@@ -33,14 +33,27 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ..atlas import layer_atlas
+from ..deploy.planned import deployable_refusal
 from ..errors import FFNQuantError
+from ..hf import inspect_model
+from ..hf.evaluate import calibrate_layers
+from ..hf.inputs import EvalSettings, fit_settings
 from ..infra.atomic import ScratchFolder
+from ..measure.executor import LocalExecutor
+from ..numerics.accuracy import run_batched
+from ..onnx.export import export_onnx
+from ..onnx.ortbaseline import ort_baselines
 from ..recipe import Recipe
+from ..schemes import Method, get_scheme
 from .candidates import candidate_recipes, generalization, run_score_task, score_tasks
+from .latency_table import measure_latency_table
 from .moe import MoELayer, moe_table
 from .planfile import Plan, model_fingerprint
+from .runtime_latency import check_runtimes, measure_runtime_table
 from .search import Option, pareto, solve
 from .sensitivity import check_plannable, fisher_noise
+from .source import PlanSource
 from .target import Objective, Target
 
 __all__ = ["PROBES", "final_round", "make_plan", "next_safety", "worst_domain"]
@@ -120,10 +133,6 @@ def _ort_best(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any
     quantize_dynamic, on the same calibration and held-out inputs): {method, sqnr_db, methods}, or None."""
     from pathlib import Path
 
-    from ..numerics.accuracy import run_batched
-    from ..onnx.export import export_onnx
-    from ..onnx.ortbaseline import ort_baselines
-
     with ScratchFolder("plan-ort") as folder:  # marked: a killed run's is swept by the next run
         fp32 = Path(folder) / f"{layer.label}.fp32.onnx"
         export_onnx(layer.ffn, fp32)
@@ -154,8 +163,6 @@ def _ort_exclude(best: dict[str, Any] | None, recipes: Sequence[Recipe], rows: l
 
 def needs_fold(recipe: Recipe) -> bool:
     """Whether a recipe puts a scale on the FFN input that deployment folds into the norm before the FFN."""
-    from ..schemes import Method, get_scheme
-
     return recipe.smooth is not None or get_scheme(recipe.scheme).method is Method.AWQ
 
 
@@ -172,8 +179,6 @@ def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], cal
                  grad: torch.Tensor, n_probe: int, source: Any, settings: Any, with_ort_floor: bool) -> dict[str, Any]:
     """What one layer's own inputs give, while they are at hand: its scores, each probe's gradient-weighted error
     and noise on the probe tokens (its ablation handed to `source`), the onnxruntime floor, its range table."""
-    from ..hf.evaluate import calibrate_layers
-
     probes = []
     for p, q in kept.items():
         source.ablate(layer, str(p), q)
@@ -263,11 +268,6 @@ def make_plan(
     `export_format` ("compressed-tensors", "onnx"): only the candidates that format can write are chosen from.
     `dtype`: what the deployed model computes in, which the verification rounds compute in (None: float32;
     bf16 for a bf16 checkpoint served by compressed-tensors' runtimes, `deploy.precision.resolve_compute_dtype`)."""
-    from ..measure.executor import LocalExecutor
-    from ..hf import inspect_model
-    from ..hf.inputs import EvalSettings, fit_settings
-    from .source import PlanSource
-
     t_start = time.perf_counter()
     executor = executor if executor is not None else LocalExecutor()
     tick = progress or (lambda *a: None)
@@ -310,10 +310,6 @@ def make_plan(
 def _search_and_verify(source, info, target, objective, recipes, skipped, probes, settings, max_rounds, ort_floor,
                        executor, tick, progress, timings):
     """`make_plan` from its inputs at hand (`source`: in memory or streamed): steps 3-7 of the module docstring."""
-    from ..atlas import layer_atlas
-    from .latency_table import measure_latency_table
-    from .runtime_latency import check_runtimes, measure_runtime_table
-
     latency: dict[str, dict[str, Any]] = {}
     t = time.perf_counter()
     # the onnxruntime floor applies to static int8 candidates only: without any, it is not measured
@@ -451,8 +447,6 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
 def deployment_notes(info: Any, plan: Any = None) -> dict[str, str]:
     """Per export format, why this architecture, or a recipe the plan chose, cannot be written in it ('' when it
     can): the plan says so before the export is run."""
-    from ..deploy.planned import deployable_refusal
-
     out = {fmt: deployable_refusal(info, fmt) or "" for fmt in ("compressed-tensors", "onnx")}
     if plan is not None and not out["compressed-tensors"]:
         try:

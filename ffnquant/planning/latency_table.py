@@ -17,8 +17,10 @@ import numpy as np
 import torch
 
 from ..infra.atomic import ScratchFolder
-from ..recipe import Recipe
 from ..measure.timing import time_calls
+from ..onnx import onnxquant as OQ
+from ..quantization import quantize_recipes
+from ..recipe import Recipe
 from .target import Workload
 
 __all__ = ["measure_latency_table", "request_row"]
@@ -45,8 +47,6 @@ def measure_latency_table(layer: Any, recipes: Sequence[Recipe], calib: torch.Te
     """{recipe text: `request_row` + {kind, provider, onnx_sqnr_db}, or {reason}} for one layer's shape; `tokens`:
     the request (an int: that prompt with the default decode steps, as `Objective` reads it)."""
     workload = tokens if isinstance(tokens, Workload) else Workload(tokens)
-    from ..onnx import onnxquant as OQ
-    from ..quantization import quantize_recipes
 
     table: dict[str, dict[str, Any]] = {}
     sessions: dict[str, Any] = {}

@@ -17,7 +17,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import FFNQuantError
+from ..hf.layers import calibrate_layers
+from ..quantization import quantize_recipes
 from ..recipe import Recipe
+from ..schemes import recipe_weight_bytes
 from .scores import CandidateScore, db
 from .sensitivity import fisher_noise
 
@@ -108,8 +111,6 @@ class QuantizedMoE:
 
 def _quantize_experts(layer: MoELayer, recipe: Recipe, calib: Routed, held: Routed, bins: int | None):
     """Each expert quantized under `recipe` on its routed tokens: (QuantizedMoE, None) or (None, the error)."""
-    from ..quantization import quantize_recipes
-
     qffns = {}
     for e in layer.experts:
         expert = e.info.expert
@@ -135,8 +136,6 @@ def score_moe_layer(layer: MoELayer, recipes: Sequence[Recipe], calib: Routed, h
                     keep: Sequence[Recipe] = (), bins: int | None = None):
     """`planning.candidates.score_layer` for an MoE layer: (scores in recipe order, {recipe: QuantizedMoE} for those in
     `keep`). A recipe is quantized for every expert in turn and scored on the layer's output."""
-    from ..schemes import recipe_weight_bytes
-
     if grad.shape != calib.shape:
         raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
     with torch.no_grad():
@@ -171,8 +170,6 @@ def quantize_moe_layer(layer: MoELayer, recipe: Recipe, calib: Routed, held: Rou
 
 def moe_table(layer: MoELayer, calib: Routed, bins: int) -> Any:
     """The layer's range table: its experts' tables, each on its routed tokens, merged (the atlas's row)."""
-    from ..hf.layers import calibrate_layers
-
     tables, _ = calibrate_layers(layer.experts, ({e.label: calib.tokens_of(e.info.expert)} for e in layer.experts),
                                  bins)
     merged = None

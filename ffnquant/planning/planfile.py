@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
+from .target import Target
 
 __all__ = ["PLAN_VERSION", "Plan", "check_plan_data", "load_plan", "model_fingerprint"]
 
@@ -107,8 +108,6 @@ def check_plan_data(data: Any, where: str = "plan") -> None:
     """The plan file's schema: version, the model's fingerprint, target and objective, one entry per layer index
     with a known recipe. Raises a one-line FFNQuantError naming the first bad entry; a hand-edited file never
     reaches the code that uses it."""
-    from .target import Target
-
     if not isinstance(data, Mapping):
         raise FFNQuantError(f"{where}: a plan is a TOML table, got {type(data).__name__}")
     version = data.get("version")

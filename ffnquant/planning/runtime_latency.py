@@ -17,9 +17,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import FFNQuantError, first_line
+from ..measure.timing import default_timer
 from ..recipe import Recipe
 from ..runtimes import ModelCase, Runtime, get_runtime
-from ..measure.timing import default_timer
+from .latency_table import request_row
 from .target import Workload
 
 __all__ = ["check_runtimes", "runtime_format", "measure_runtime_table"]
@@ -51,8 +52,6 @@ def measure_runtime_table(layer: Any, recipes: Sequence[Recipe], runtimes: Seque
                           rounds: int = 7, per_round: int = 3,
                           progress: Callable[[str, int, int], None] | None = None) -> dict[str, dict[str, Any]]:
     """{recipe text: `latency_table.request_row` + {runtime, kernel, note}, or {reason}} for one layer's shape."""
-    from .latency_table import request_row
-
     table: dict[str, dict[str, Any]] = {}
     loads: dict[tuple[str, str], tuple[Runtime, Any]] = {}  # (runtime, format) -> one load shared by its recipes
     failed: dict[tuple[str, str], str] = {}

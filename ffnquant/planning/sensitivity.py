@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FFNQuantError
+from ..hf.arch import Install, ModelKind
+from ..hf.capture import _module_for
 
 __all__ = ["check_plannable", "fisher_noise", "Ablation", "ablation_terms", "float_terms", "gradient_probe",
            "predicted_tokens", "probe_batches"]
@@ -34,8 +36,6 @@ def check_plannable(info: Any, objective: Any = None) -> None:
     or Linears in the block itself), or layers of routed experts held as transformers' fused expert tensors
     (planned a layer at a time: every expert of a layer under one recipe). The latency objective times one FFN
     at the model's shape, which a layer of routed experts is not: those plan by bytes."""
-    from ..hf.arch import Install, ModelKind
-
     if info.kind is not ModelKind.CAUSAL_LM:
         raise FFNQuantError(f"plan: {info.model_type} is {info.kind}: plans need a causal LM (their promise is its "
                             "perplexity); per-recipe evaluation of this model: ffnquant model eval")
@@ -52,16 +52,12 @@ def check_plannable(info: Any, objective: Any = None) -> None:
 
 def _ffn_names(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, str]:
     """Each layer's FFN module name in the loaded model."""
-    from ..hf.capture import _module_for
-
     names = [n for n, _ in model.named_modules()]
     return {layer.index: _module_for(model, info, layer, names)[0] for layer in layers}
 
 
 def _ffn_modules(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, nn.Module]:
     """The module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear)."""
-    from ..hf.arch import Install
-
     second = info.arch.split_attrs[2] if info.arch.install is Install.SPLIT else ""
     return {i: model.get_submodule(f"{name}.{second}" if second else name)
             for i, name in _ffn_names(model, info, layers).items()}

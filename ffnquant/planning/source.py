@@ -32,6 +32,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..hf.memory import Needs
+from ..hf.metrics import TOP_K
 from ..recipe import Recipe
 from .moe import MoELayer, QuantizedMoE, Routed
 
@@ -51,9 +53,6 @@ def plan_needs(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: 
                dtype: torch.dtype = torch.float32):
     """What `make_plan` holds beside the model's weights (an `hf.memory.Needs` for `hf.memory.plan_memory`);
     verified in a low-precision `dtype`, also the second engine's streams and, resident, its model."""
-    from ..hf.memory import Needs
-    from ..hf.metrics import TOP_K
-
     spec, n = info.spec, info.n_layers
     d, d_ff, vocab = spec.d_model, spec.d_ff, int(info.config.get("vocab_size") or 0)
     c, e, p = calib_tokens, eval_tokens, min(probe_tokens + batch_tokens, calib_tokens)  # whole batches of probes
@@ -144,12 +143,10 @@ class PlanSource:
     # --- pass 1 -----------------------------------------------------------------------------------------------
 
     def _forward(self) -> None:
-        from ..hf.capture import text_label
-        from ..hf.inputs import token_budget
-        from ..hf.metrics import _NLL, reference_batch
-        from ..hf.capture import load_tokenizer
-        from ..hf.inputs import domain_budgets, domain_spans, eval_domain_batches
+        from ..hf.capture import load_tokenizer, text_label
         from ..hf.checkpoint import iter_ffn_layers
+        from ..hf.inputs import domain_budgets, domain_spans, eval_domain_batches, token_budget
+        from ..hf.metrics import _NLL, reference_batch
         from ..hf.stream import SequentialModel, token_batches_of
         from .sensitivity import _ffn_modules, _nll_sum, float_terms, probe_batches
 
@@ -358,7 +355,7 @@ class PlanSource:
         held-out domain ({label: figures}), both texts streamed through every layer once (in the plan's `dtype`)."""
         from ..hf.checkpoint import iter_ffn_layers
         from ..hf.evaluate import end_to_end_figures
-        from ..hf.metrics import Agreement, ErrorStats, _NLL
+        from ..hf.metrics import _NLL, Agreement, ErrorStats
         from ..hf.stream import _trim
         from .candidates import quantize_layer
 

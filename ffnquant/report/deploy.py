@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import FFNQuantError
 from ..infra.render import agreement_words, fmt, fmt_bytes, markdown_table, ppl_change
+from ..planning.target import Target
 
 __all__ = ["deploy_markdown", "target_verdict", "fold_line", "gate_rows", "decoder_summary"]
 
@@ -14,9 +16,6 @@ def target_verdict(doc: dict[str, Any]) -> str | None:
     """The plain sentence first: whether the deployed model meets the plan's target, at its 95% confidence bound,
     on the folder loaded back (compressed-tensors) or on ffnquant's reference of the planned model (ONNX). None
     when the plan names no target or nothing was measured."""
-    from ..errors import FFNQuantError
-    from ..planning.target import Target
-
     text = (doc.get("plan") or {}).get("target")
     if not text:
         return None

@@ -7,11 +7,12 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..infra.atomic import ensure_writable_dir, write_bytes, write_text
 from ..errors import FFNQuantError
+from ..infra.atomic import ensure_writable_dir, write_bytes, write_text
+from ..infra.envinfo import environment
+from ..infra.render import markdown_table
 from ..numerics.observe import RangeTable
 from ..ranges import OUTLIER_K, claims, findings, pct
-from ..infra.render import markdown_table
 from ..spec import SITES
 from .plots import png
 
@@ -41,8 +42,6 @@ def _check_tables(tables: Mapping[str, RangeTable]) -> None:
 def range_report_dict(tables: Mapping[str, RangeTable], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ranges.json content: schema, environment, meta, per-variant summaries, findings, claims,
     and the full mergeable state of every table (reload with `RangeTable.from_dict`)."""
-    from ..infra.envinfo import environment
-
     _check_tables(tables)
     return {
         "schema": SCHEMA,

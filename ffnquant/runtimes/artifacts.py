@@ -11,9 +11,14 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ..infra.atomic import process_scratch
 from ..backends import supports
 from ..errors import FFNQuantError
+from ..infra.atomic import process_scratch
+from ..numerics.fakequant import quantize_model
+from ..onnx import onnxquant
+from ..quantization import prepare
+from ..recipe import Recipe
+from ..schemes import get_scheme
 from .base import ModelCase
 
 __all__ = ["CALIBRATION_TOKENS", "artifact_path", "onnx_artifact", "onnx_weight_bytes"]
@@ -24,8 +29,6 @@ CALIBRATION_TOKENS = 1024
 
 def artifact_path(case: ModelCase, workdir: str | os.PathLike) -> Path:
     """`<workdir>/<spec.key>.s<seed>.<recipe slug>.onnx`."""
-    from ..recipe import Recipe
-
     return Path(workdir) / f"{case.spec.key}.s{case.seed}.{Recipe(case.scheme).slug}.onnx"
 
 
@@ -55,10 +58,6 @@ def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
     latency depends on the graph, not on the scale values, and the accuracy figures of
     record come from the quantization stage's own artifacts (pass them as `onnx_path`).
     """
-    from ..onnx import onnxquant
-    from ..numerics.fakequant import quantize_model
-    from ..schemes import get_scheme
-
     scheme = get_scheme(case.scheme)
     support = supports("onnx-artifact", scheme)
     kind, why = support.kind, support.note
@@ -77,8 +76,6 @@ def _quantized_artifact(case: ModelCase, model, path: Path) -> Path:
 def gaussian_calibration(model, seed: int):
     """The `quantization.Prepared` that static schemes of timed artifacts and of the bench's references are
     calibrated from: `CALIBRATION_TOKENS` seeded Gaussian tokens through `model`."""
-    from ..quantization import prepare
-
     return prepare(model.spec, source="gaussian", calib_tokens=CALIBRATION_TOKENS, eval_tokens=64, seed=seed,
                    model=model)
 

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..errors import FFNQuantError, unknown_choice
-from ..schemes import PRESETS, ActDType, ActMode, Compute, Scheme, WeightDType
+from ..schemes import PRESETS, ActDType, ActMode, Compute, Method, Scheme, WeightDType
 from ..spec import FFNSpec
 
 __all__ = [
@@ -205,8 +205,6 @@ def check_input(x: np.ndarray, spec: FFNSpec) -> np.ndarray:
 def _same_grid(scheme: Any, formats: Sequence[str]) -> str | None:
     """The format storing `scheme`'s grid by plain rounding: GPTQ, AWQ or HQQ choose other codes on the same grid
     (scales, zero points, group), which the same kernel runs; None when no format has that grid."""
-    from ..schemes import Method
-
     grid = lambda s: (s.weight_dtype, s.weight_granularity, s.group_size, s.weight_symmetric, s.act_dtype,  # noqa: E731
                       s.act_mode, s.act_symmetric)
     return next((f for f in formats if f in PRESETS and PRESETS[f].method is Method.RTN

@@ -22,12 +22,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..backends import ARTIFACT_KINDS, artifact_kind
 from ..errors import FFNQuantError
-from ..schemes import ActDType
+from ..infra.atomic import ScratchFolder, process_scratch
 from ..onnx.ortcpu import int8_kernels, saturating, session_entries
+from ..schemes import PRESETS, ActDType, Method
 from .artifacts import onnx_artifact, onnx_weight_bytes
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
-from ..infra.atomic import ScratchFolder, process_scratch
 
 __all__ = ["OrtRuntime", "PROVIDERS", "ORT_FORMATS", "captured_native_output"]
 
@@ -39,9 +40,6 @@ def _ort_formats(provider: str) -> tuple[str, ...]:
     the float exports) by plain rounding (GPTQ, AWQ and HQQ choose other codes on the same grids, which
     `Runtime.serves` maps to these kernels), by artifact kind, symmetric before asymmetric. TensorRT takes
     explicit (QDQ) int8 only with symmetric int8 activations (S8S8), and no contrib ops."""
-    from ..backends import ARTIFACT_KINDS, artifact_kind
-    from ..schemes import PRESETS, Method
-
     rows = []
     for i, (name, scheme) in enumerate(PRESETS.items()):
         kind, _ = artifact_kind(scheme)

@@ -28,8 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import FFNQuantError
+from ..errors import FFNQuantError, unknown_choice
+from ..numerics.fakequant import WEIGHT_INPUT_SITE, quantize_model
 from ..numerics.primitives import FP8_E4M3_MAX, fp8_rowwise, fp8_tensorwise, int4_group_rtn, int8_symmetric_rows
+from ..schemes import get_scheme
+from .artifacts import gaussian_calibration
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
 
 __all__ = [
@@ -449,10 +452,6 @@ _STATIC = ("fp8-e4m3",)
 def _static_act_scales(case: ModelCase) -> dict[str, float]:
     """Each projection's input scale under the case's static preset, calibrated as ffnquant's reference is
     (the same Gaussian calibration the ONNX artifacts and the bench's references use), by weight name."""
-    from ..numerics.fakequant import WEIGHT_INPUT_SITE, quantize_model
-    from ..schemes import get_scheme
-    from .artifacts import gaussian_calibration
-
     prep = gaussian_calibration(case.float_model(), case.seed)
     ranges = quantize_model(prep.model, get_scheme(case.scheme), prep.table).ranges
     return {name: ranges[WEIGHT_INPUT_SITE[name]].scale for name in case.spec.weight_names}
@@ -496,8 +495,6 @@ def unfused_ffn(model, kind: str, device="cpu", dtype: torch.dtype = torch.float
     """A copy of ffnquant's float FFN `model` with each Linear replaced as this runtime replaces it for per-token
     `kind` ("int8": w8a8-dynamic-s8, `Int8DynamicLinear`; "fp8": fp8-e4m3-dynamic, `Fp8RowwiseLinear`): the
     unfused path `kernels.actquant_ffn`'s fused modules reproduce."""
-    from ..errors import unknown_choice
-
     if kind not in _UNFUSED:
         raise unknown_choice("activation quantization kind", kind, tuple(_UNFUSED))
     dev = torch.device(device)
