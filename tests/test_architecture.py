@@ -207,3 +207,12 @@ def test_the_module_map_in_docs_matches_the_package():
     assert listed == actual, f"missing from the map: {sorted(actual - listed)}; not in the package: {sorted(listed - actual)}"
     for path, why in LARGE_MODULES.items():
         assert path.removeprefix("ffnquant/").split("/")[-1] in text, f"the map must say why {path} may be large"
+
+
+def test_comments_explain_the_code_not_the_tracker():
+    """No comment or docstring cites the tracker ('the issue', 'issue 3'): each says what the code means, which
+    stays true when the tracker is gone."""
+    pattern = re.compile(r"\bthe issue\b|\bissue \d+|\bissue's\b", re.I)
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in sorted(PACKAGE.rglob("*.py"))
+           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert not bad, f"comments citing the tracker: {bad}"

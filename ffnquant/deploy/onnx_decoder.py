@@ -40,7 +40,6 @@ import io
 import logging
 import math
 import os
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from torch import nn
 from ..errors import FFNQuantError, first_line
 from ..infra.atomic import atomic_path
 from ..measure.latency import latency_stats
+from ..measure.timing import time_calls
 from ..onnx.onnxquant import ort_session
 
 __all__ = ["CacheLayout", "cache_layout", "export_decoder", "is_decoder", "prefill_feed", "greedy_generate",
@@ -402,15 +402,11 @@ def interleaved_times(sessions: dict[str, Any], feeds: dict[int, dict[str, Any]]
     times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in sessions for n in feeds}
     for session in sessions.values():
         for feed in feeds.values():
-            for _ in range(warmup):
-                session.run(None, feed)
+            time_calls(lambda: session.run(None, feed), 0, warmup=warmup)
     for _ in range(rounds):
         for n, feed in feeds.items():
             for key, session in sessions.items():
-                for _ in range(per_round):
-                    t0 = time.perf_counter()
-                    session.run(None, feed)
-                    times[key, n].append(time.perf_counter() - t0)
+                times[key, n] += time_calls(lambda: session.run(None, feed), per_round)
     return times
 
 

@@ -16,7 +16,8 @@ import copy
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..numerics.primitives import fp8_rowwise, int8_symmetric_rows
+from ..methods import quantize_linear
+from ..schemes import get_scheme
 from .actquant import (
     KINDS,
     _check_device,
@@ -35,6 +36,9 @@ __all__ = [
 ]
 
 _MULTIPLE = {"int8": 8, "fp8": 16}  # cuBLAS int8 / cuBLASLt fp8 dimension multiples
+# the preset whose weights each kind's GEMMs take (per output row), and the codes' storage dtype
+_WEIGHT_SCHEME = {"int8": "w8a8-dynamic-s8", "fp8": "fp8-e4m3-dynamic"}
+_CODE_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -68,12 +72,13 @@ class _FusedQuantFFN(KeptDtypes):
             raise FFNQuantError(f"the {self.kind} GEMMs need d_model and d_ff divisible by {mult}, "
                                 f"got {self.d_model} and {self.d_ff}")
         dev = torch.device(device) if device is not None else down.weight.device
-        # weights quantized from float32 on the CPU, as torch_rt's modules are (per output row: quantizing the
-        # concatenation [Wg; Wu] gives each matrix's own codes and scales)
-        w_in = torch.cat([lin.weight.detach().float().cpu() for lin in ins])
-        quant = int8_symmetric_rows if self.kind == "int8" else fp8_rowwise
-        q_in, s_in = quant(w_in)
-        q_out, s_out = quant(down.weight.detach().float().cpu())
+        # weights quantized from float32 on the CPU by the preset's method handler, as torch_rt's modules are (per
+        # output row: quantizing the concatenation [Wg; Wu] gives each matrix's own codes and scales)
+        scheme = get_scheme(_WEIGHT_SCHEME[self.kind])
+        w_in = quantize_linear(torch.cat([lin.weight.detach().float().cpu() for lin in ins]), scheme)
+        w_down = quantize_linear(down.weight.detach().float().cpu(), scheme)
+        q_in, s_in = w_in.codes.to(_CODE_DTYPE[self.kind]), w_in.grid.scale.float()
+        q_out, s_out = w_down.codes.to(_CODE_DTYPE[self.kind]), w_down.grid.scale.float()
         self.register_buffer("w_in", q_in.to(dev))  # [F or 2F, d], row-major: .t() is the GEMM's column-major mat2
         self.register_buffer("w_out", q_out.to(dev))
         shape = (-1,) if self.kind == "int8" else (1, -1)  # _scaled_mm takes scale_b as [1, N]

@@ -1,8 +1,8 @@
 """Packed int4 weights for ffnquant's Triton W4A16 kernels, and the torch reference they must match.
 
-`pack_w4` quantizes with `ffnquant.numerics.primitives.int4_group_rtn(w, g, symmetric=True)` (codes 0..15, zero
-point 8, one scale per `group_size` input features, stored float16 by default) and packs two codes per
-byte; with `symmetric=False` it quantizes as the `w4a16-g*-asym` presets do (`int4_group_rtn(w, g,
+`pack_w4` quantizes with the `w4a16-g*` preset's method handler (`int4_group_rtn(w, g, symmetric=True)`: codes 0..15,
+zero point 8, one scale per `group_size` input features, stored float16 by default) and packs two codes per
+byte (`pack_linear` packs any int4 group QuantizedLinear as it is); with `symmetric=False` it quantizes as the `w4a16-g*-asym` presets do (`int4_group_rtn(w, g,
 symmetric=False)`: an integer zero point 0..15 per group, stored as `zero_points`; value (q - zp) * s).
 `w4a16_reference` / `w4a16_gated_reference` compute in float32 what the kernels compute up to summation
 order. Pure torch: importable and testable without Triton.
@@ -16,10 +16,12 @@ import torch
 
 from ..errors import FFNQuantError, unknown_choice
 from ..model import ACTIVATIONS as FFN_ACTIVATIONS
-from ..numerics.primitives import int4_group_rtn, pack_int4, unpack_int4
+from ..methods import QuantizedLinear, quantize_linear
+from ..numerics.primitives import pack_int4, unpack_int4
+from ..schemes import PRESETS, Granularity, Scheme, WeightDType
 from ..spec import Activation
 
-__all__ = ["ACTIVATIONS", "SCALE_DTYPES", "PackedW4", "check_group", "pack_w4", "dequantize_w4", "w4a16_reference",
+__all__ = ["ACTIVATIONS", "SCALE_DTYPES", "PackedW4", "check_group", "pack_w4", "pack_linear", "int4_scheme", "dequantize_w4", "w4a16_reference",
            "w4a16_gated_reference", "torch_act", "describe", "zero_point_values", "KeptDtypes"]
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
@@ -76,12 +78,34 @@ def pack_w4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.f
     check_group(k, group_size)
     if not isinstance(symmetric, bool):
         raise FFNQuantError(f"symmetric must be True or False, got {symmetric!r}")
-    q, scale, zp = int4_group_rtn(w.detach(), group_size, symmetric=symmetric)
-    scales = scale.squeeze(-1).to(scale_dtype)
+    return pack_linear(quantize_linear(w.detach(), int4_scheme(group_size, symmetric)), scale_dtype)
+
+
+def int4_scheme(group_size: int, symmetric: bool = True) -> Scheme:
+    """The `w4a16-g{group_size}[-asym]` scheme (a preset's own object where one exists)."""
+    name = f"w4a16-g{group_size}" + ("" if symmetric else "-asym")
+    if name in PRESETS:
+        return PRESETS[name]
+    return Scheme(name, WeightDType.INT4, Granularity.PER_GROUP, group_size=group_size, weight_symmetric=symmetric)
+
+
+def pack_linear(ql: QuantizedLinear, scale_dtype: torch.dtype = torch.float16) -> PackedW4:
+    """Pack the codes and grid of an int4 group QuantizedLinear (its method handler's: RTN, GPTQ, AWQ's share the
+    grid) for the kernels: nothing is quantized here."""
+    grid = ql.grid
+    if grid is None or grid.kind != "int" or grid.bits != 4 or grid.granularity != "per_group":
+        raise FFNQuantError(f"pack_linear takes 4-bit group weights, got {ql.scheme.name}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise unknown_choice("scale dtype", scale_dtype, SCALE_DTYPES)
+    n, k = ql.weight.shape
+    group_size, symmetric = grid.group_size, grid.symmetric
+    check_group(k, group_size)
+    q = ql.unsigned_codes()
+    scales = grid.scale.to(scale_dtype)
     if not torch.isfinite(scales).all():
         raise FFNQuantError(f"a group scale overflows {scale_dtype}; valid: weights with |w| <= 8 * max({scale_dtype}),"
                             " or scale_dtype=torch.float32")
-    zps = None if symmetric else zp.squeeze(-1).to(torch.uint8).contiguous()
+    zps = None if symmetric else (grid.zero_point + 8).to(torch.uint8).contiguous()
     return PackedW4(pack_int4(q).contiguous(), scales.contiguous(), group_size, n, k, zps)
 
 

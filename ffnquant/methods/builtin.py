@@ -47,7 +47,9 @@ class RoundToNearest(MethodHandler):
             amax = w.abs().max() if gran == "per_tensor" else w.abs().amax(dim=1, keepdim=True)
             deq = P.fp8_weight_fake(w, gran)
             scale = torch.where(amax > 0, amax / P.FP8_E4M3_MAX, torch.ones_like(amax))  # as fp8_e4m3_fake uses it
-            return QuantizedLinear(deq, scheme, WeightGrid("fp8", 8, gran, True, scale, None))
+            # the e4m3 codes fp8_e4m3_fake rounds to (saturating at +-448): what an fp8 GEMM multiplies
+            codes = torch.clamp(w / scale, -P.FP8_E4M3_MAX, P.FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+            return QuantizedLinear(deq, scheme, WeightGrid("fp8", 8, gran, True, scale, None), codes)
         bits = 8 if wd == "int8" else 4
         if bits == 4 and gran != "per_tensor":
             # MatMulNBits' grid (per-channel = one group spanning the whole input); a group that does not divide

@@ -57,8 +57,9 @@ class QuantizedLinear:
     """One weight matrix quantized under `scheme` by its method's handler.
 
     - `weight`: [out, in] float32, the values the stored form decodes to (what the fake-quant forward multiplies by).
-    - `grid` and `codes`: the integer (or fp8) grid and the int32 codes on its signed range, [out, in] ([out, K']
-      for groups, the padded columns holding the zero point); None for float weights and code-book formats.
+    - `grid` and `codes`: the integer grid and the int32 codes on its signed range, [out, in] ([out, K'] for
+      groups, the padded columns holding the zero point), or the fp8 grid and its float8_e4m3fn codes; None for
+      float weights and code-book formats.
     - `zero_float`: HQQ's fitted float zero points [out, groups] with unsigned 0..15 `codes` and no integer grid
       (value = (code - zero_float) * scale, `grid` None, the scales in `scale_float`).
     - `name`, `input_site`, `input_mode` ('static', 'dynamic' or None) and `input_range` (the static SiteRange):

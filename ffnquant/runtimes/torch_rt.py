@@ -30,8 +30,9 @@ import torch
 
 from ..errors import FFNQuantError, unknown_choice
 from ..numerics.fakequant import WEIGHT_INPUT_SITE, quantize_model
-from ..numerics.primitives import FP8_E4M3_MAX, fp8_rowwise, fp8_tensorwise, int4_group_rtn, int8_symmetric_rows
-from ..schemes import get_scheme
+from ..methods import QuantizedLinear, quantize_linear
+from ..numerics.primitives import FP8_E4M3_MAX, fp8_rowwise, fp8_tensorwise, int8_symmetric_rows
+from ..schemes import Granularity, Scheme, WeightDType, get_scheme
 from .artifacts import gaussian_calibration
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
 
@@ -58,19 +59,23 @@ _FLOAT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 # --- pure quantization math in the kernels' conventions -------------------------------
-def int4_groupwise_affine(w, group_size: int):
+def int4_groupwise_affine(w, group_size: int, ql: QuantizedLinear | None = None):
     """The `w4a16-g*-asym` preset's 4-bit groups along the input dimension, in tinygemm's convention.
 
     Returns (q int32 in [0, 15] shaped like w, scales [n, k/g], zeros [n, k/g]) with
-    w ~ (q - 8) * scale + zero: the codes and scales of `primitives.int4_group_rtn` (asymmetric)
+    w ~ (q - 8) * scale + zero: the preset's codes and scales (its method handler's, `ql` where given)
     and zero = (8 - zp) * scale, so (q - 8) * scale + zero = (q - zp) * scale, the preset's value.
     """
     n, k = w.shape
     if k % group_size:
         raise FFNQuantError(f"4-bit groups of {group_size} need the input dimension divisible by it, got {k}")
-    q, scale, zp = int4_group_rtn(w.detach().float(), group_size, symmetric=False)  # scale, zp: [n, k/g, 1]
-    zeros = (8.0 - zp.float()) * scale
-    return q.to(torch.int32), scale.reshape(n, -1), zeros.reshape(n, -1)
+    if ql is None:
+        ql = quantize_linear(w.detach().float(), get_scheme(f"w4a16-g{group_size}-asym") if group_size in (32, 64, 128)
+                             else Scheme(f"w4a16-g{group_size}-asym", WeightDType.INT4, Granularity.PER_GROUP,
+                                         group_size=group_size, weight_symmetric=False))
+    scale, zp = ql.grid.scale, (ql.grid.zero_point + 8).float()  # [n, k/g]; the unsigned zero points
+    zeros = (8.0 - zp) * scale
+    return ql.unsigned_codes().to(torch.int32), scale.reshape(n, -1), zeros.reshape(n, -1)
 
 
 def dequantize_int4_groupwise(q, scales, zeros, group_size: int):
@@ -105,12 +110,22 @@ class _QuantLinear(torch.nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
+def _linear_codes(linear, scheme: str) -> QuantizedLinear:
+    """The weight of `linear` quantized by its preset's method handler: the codes and grid every kernel here stores."""
+    return quantize_linear(linear.weight.detach().float().cpu(), get_scheme(scheme))
+
+
+def _int8_rows(ql: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [out, in], float32 scale per output row) of a per-channel symmetric int8 QuantizedLinear."""
+    return ql.codes.to(torch.int8), ql.grid.scale.reshape(-1).float()
+
+
 class Int8DynamicLinear(_QuantLinear):
     """w8a8-dynamic-s8: per-token symmetric int8 activations quantized each call, `torch._int_mm`, float rescale."""
 
     def __init__(self, linear, min_rows: int = 0) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
-        wq, w_scale = int8_symmetric_rows(linear.weight)
+        wq, w_scale = _int8_rows(_linear_codes(linear, "w8a8-dynamic-s8"))
         # _int_mm wants mat2 as [in, out]; the transposed view of a row-major [out, in]
         # weight is the column-major layout cuBLAS's int8 GEMM takes without a copy.
         self.register_buffer("wq", wq)
@@ -133,7 +148,7 @@ class Int8WeightOnlyLinear(_QuantLinear):
 
     def __init__(self, linear) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
-        wq, w_scale = int8_symmetric_rows(linear.weight)
+        wq, w_scale = _int8_rows(_linear_codes(linear, "w8a16"))
         self.register_buffer("wq", wq)
         self.register_buffer("w_scale", w_scale)
 
@@ -167,7 +182,7 @@ class Int4WeightOnlyLinear(_QuantLinear):
 
     def __init__(self, linear, group_size: int, device, act_dtype) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
-        q, scales, zeros = int4_groupwise_affine(linear.weight, group_size)
+        q, scales, zeros = int4_groupwise_affine(linear.weight, group_size, _linear_codes(linear, f"w4a16-g{group_size}-asym"))
         k = linear.in_features
         inner = next((t for t in (8, 4, 2) if k % (t * 16) == 0), 2)
         packed, self._mm = _pack_int4(q, device, inner)
@@ -188,7 +203,8 @@ class Fp8Linear(_QuantLinear):
 
     def __init__(self, linear, act_scale: float) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
-        wq, w_scale = fp8_tensorwise(linear.weight)
+        ql = _linear_codes(linear, "fp8-e4m3")
+        wq, w_scale = ql.codes, ql.grid.scale.float()
         self.register_buffer("wq", wq)  # [out, in] row-major; .t() is the column-major mat2
         self.register_buffer("w_scale", w_scale)
         self.register_buffer("x_scale", torch.tensor(float(act_scale), dtype=torch.float32))
@@ -205,7 +221,8 @@ class Fp8RowwiseLinear(_QuantLinear):
 
     def __init__(self, linear) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
-        wq, w_scale = fp8_rowwise(linear.weight)
+        ql = _linear_codes(linear, "fp8-e4m3-dynamic")
+        wq, w_scale = ql.codes, ql.grid.scale.float()
         self.register_buffer("wq", wq)
         self.register_buffer("w_scale", w_scale.reshape(1, -1).contiguous())  # [1, out], as scale_b wants
 
