@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import FFNQuantError, unknown_choice
 from .methods import handler_for
 from .recipe import Recipe, as_recipe
 from .schemes import ActDType, ActMode, Granularity, Method, Scheme, WeightDType, get_scheme
+
+if TYPE_CHECKING:  # annotations only
+    from .spec import FFNSpec
 
 __all__ = ["supports_subject", "Support", "Backend", "register_backend", "unregister_backend", "backend_names", "get_backend", "supports", "artifact_kind",
            "ARTIFACT_KINDS", "CTENSORS_SUPPORTED", "ASYMMETRIC_INT4_MEASURED", "ASYMMETRIC_INT4_WHY", "ROTATE_WHY"]
@@ -173,7 +176,7 @@ ROTATE_WHY = ("+rotate multiplies the hidden activation by a block-Hadamard at r
                "weight fold, which a compressed-tensors folder loaded by transformers does not run")
 
 
-def _ctensors(subject: Any, spec: Any) -> tuple[str | None, str]:
+def _ctensors(subject: Any, spec: FFNSpec) -> tuple[str | None, str]:
     scheme = get_scheme(subject.scheme) if not isinstance(subject, Scheme) else subject
     why = None
     if getattr(subject, "rotate", False):

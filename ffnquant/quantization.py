@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -32,6 +32,9 @@ from .onnx.export import export_onnx
 from .onnx.ortcpu import int8_kernels, saturating
 from .recipe import Recipe, Rotate, Smooth, Transform, as_recipe, canonical_transforms, remedy_slug
 from .schemes import Method, Scheme, check_scheme_fits
+
+if TYPE_CHECKING:  # annotations only
+    from .spec import FFNSpec
 
 __all__ = [
     "RESULT_SCHEMA_VERSION",
@@ -167,7 +170,7 @@ def _check_tokens(x: torch.Tensor, d_model: int, what: str) -> torch.Tensor:
 
 
 def prepare(
-    spec: Any,
+    spec: FFNSpec,
     source: Any = "llm_like",
     calib_tokens: int | torch.Tensor = 4096,
     eval_tokens: int | torch.Tensor = 2048,
@@ -317,7 +320,7 @@ _PREPARE_KEYS = ("source", "calib_tokens", "eval_tokens", "seed", "smooth_sites"
 
 
 def quantize_spec(
-    spec: Any,
+    spec: FFNSpec,
     recipe: Recipe | str,
     prepared: Prepared | None = None,
     *,
@@ -468,7 +471,7 @@ class RecipeOutcome:
 
 
 def quantize_recipes(
-    spec: Any,
+    spec: FFNSpec,
     recipes: Sequence[Recipe | str],
     *,
     collect_errors: bool = False,

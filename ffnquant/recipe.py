@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
 
 from .errors import FFNQuantError, unknown_choice
+
+if TYPE_CHECKING:  # annotations only
+    from .schemes import Scheme
+    from .spec import FFNSpec
 
 __all__ = ["DEFAULT_SMOOTH_ALPHA", "GRAMMAR", "FLOAT_SITES", "Transform", "Smooth", "Rotate", "KeepFloat",
            "TRANSFORMS", "register_transform", "unregister_transform", "canonical_transforms", "remedy_slug",
@@ -104,7 +108,7 @@ class Transform:
         """Its part of a file name: remedies' parts are joined by '-', any other is a '.'-part of its own."""
         return self.token
 
-    def check(self, recipe: "Recipe", scheme: Any) -> None:
+    def check(self, recipe: "Recipe", scheme: Scheme) -> None:
         """Raise FFNQuantError where it cannot apply to `recipe`'s resolved `scheme`."""
         if self.remedy and scheme.weight_dtype.is_float:
             raise FFNQuantError(f"recipe {recipe.name!r}: remedies apply to quantized schemes, not {recipe.scheme}")
@@ -290,7 +294,7 @@ class KeepFloat(Transform):
     def slug(self) -> str:
         return f"float-{self.site}"
 
-    def check(self, recipe: "Recipe", scheme: Any) -> None:
+    def check(self, recipe: "Recipe", scheme: Scheme) -> None:
         if scheme.weight_dtype.is_float:
             raise FFNQuantError(f"recipe {recipe.name!r}: {recipe.scheme} is float already; {self.grammar} "
                                 "keeps one site of a quantized scheme in float")
@@ -450,7 +454,7 @@ class Recipe:
         against)."""
         return Recipe(self.scheme, self.calibrator, transforms=[t for t in self.transforms if not t.remedy])
 
-    def quantized_parts(self, spec: Any) -> tuple[list[str], list[str]]:
+    def quantized_parts(self, spec: FFNSpec) -> tuple[list[str], list[str]]:
         """(weights, sites) this recipe quantizes on `spec`: the scheme's, less the float site and its matrices."""
         from .numerics.fakequant import ACT_SITES, WEIGHT_INPUT_SITE
 
@@ -459,7 +463,7 @@ class Recipe:
         sites = [s for s in ACT_SITES if sch.quantizes_activations and s != self.keep_float]
         return weights, sites
 
-    def check_fits(self, spec: Any) -> None:
+    def check_fits(self, spec: FFNSpec) -> None:
         """Raise FFNQuantError when the recipe cannot apply to `spec` (group size vs widths)."""
         from .schemes import check_scheme_fits
 

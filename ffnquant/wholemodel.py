@@ -22,7 +22,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .deploy import build_planned_model, onnx_model, proof
 from .deploy.ctensors import folder_bytes
@@ -49,6 +49,10 @@ from .planning.source import plan_needs
 from .planning.target import DECODE_TOKENS, Objective, Target, Workload
 from .recipe import Recipe, as_recipe
 from .report.deploy import deploy_markdown
+
+if TYPE_CHECKING:  # annotations only
+    from .deploy.planned import PlannedModel
+    from .hf.checkpoint import ModelInfo
 
 __all__ = ["plan", "apply", "save", "PlanRequest", "plan_request", "PlanOutcome", "plan_model", "plan_memory_for", "DeployReport", "DEPLOY_DOC", "format_refusal",
            "write_deployment"]
@@ -80,7 +84,7 @@ def _model_info(model: Any, tokenizer: Any = None) -> tuple[Any, Path | None]:
         raise
 
 
-def _texts(info: Any, text: Any, eval_text: Any, seq_len: int | None) -> int:
+def _texts(info: ModelInfo, text: Any, eval_text: Any, seq_len: int | None) -> int:
     """Read both texts now (a missing file is said before any work); the sequence length, capped at the model's."""
     require_transformers()
     read_text(text, "calibration")
@@ -100,7 +104,7 @@ class PlanRequest:
     left_out: list
 
 
-def plan_request(info: Any, target: str = "ppl+1%", objective: str | None = None, runtime: str = "ort-cpu",
+def plan_request(info: ModelInfo, target: str = "ppl+1%", objective: str | None = None, runtime: str = "ort-cpu",
                  tokens: int = 512, decode_tokens: int | None = None, candidates: Any = "default",
                  format: str | None = None, compute_dtype: str = "auto") -> PlanRequest:
     """Every input error of a plan, said before the model is read: target, objective and runtime (a runtime that is
@@ -131,7 +135,7 @@ class PlanOutcome:
     memory: Any
 
 
-def plan_memory_for(info: Any, text: Any, eval_text: Any, settings: Any, *, probe_tokens: int, dtype: Any,
+def plan_memory_for(info: ModelInfo, text: Any, eval_text: Any, settings: Any, *, probe_tokens: int, dtype: Any,
                     max_memory: Any = None, sequential: bool = False) -> Any:
     """The memory plan of planning `info`'s model on these texts: the whole model resident, or a decoder layer at a
     time when it does not fit (or `sequential`); refused with the numbers, before any work, when neither fits."""
@@ -145,7 +149,7 @@ def plan_memory_for(info: Any, text: Any, eval_text: Any, settings: Any, *, prob
     return plan_memory(info, needs, max_memory=max_memory, sequential=sequential)
 
 
-def plan_model(info: Any, req: PlanRequest, candidates: Any, *, text: Any, eval_text: Any, settings: Any,
+def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any, eval_text: Any, settings: Any,
                probe_tokens: int = 512, rounds: int = 4, ort_floor: bool = True, allow_pickle: bool = False,
                progress: Progress | None = None, executor: Any = None, max_memory: Any = None,
                sequential: bool = False, on_memory: Callable[[Any], None] | None = None) -> PlanOutcome:
@@ -268,7 +272,7 @@ class DeployReport:
         return int(self.doc["sizes"]["weights"])
 
 
-def format_refusal(info: Any, plan: Any, fmt: str) -> tuple[bool, str | None]:
+def format_refusal(info: ModelInfo, plan: Plan, fmt: str) -> tuple[bool, str | None]:
     """(whether the whole model is written, why the whole-model graph is not) for `fmt`; raises FFNQuantError, in
     one line, where the format cannot take this plan of this model at all."""
     if fmt == "compressed-tensors":
@@ -286,7 +290,7 @@ def format_refusal(info: Any, plan: Any, fmt: str) -> tuple[bool, str | None]:
     return graph_why is None, graph_why
 
 
-def layer_rows(planned: Any, folder: Path) -> list[dict[str, Any]]:
+def layer_rows(planned: PlannedModel, folder: Path) -> list[dict[str, Any]]:
     """Each layer's recipe, its per-layer artifact in `folder` (if any) and its SQNR figures."""
     rows = []
     for r in planned.rows:
@@ -303,7 +307,7 @@ def layer_rows(planned: Any, folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def write_deployment(planned: Any, folder: Path, fmt: str, *, whole: bool, graph_why: str | None = None,
+def write_deployment(planned: PlannedModel, folder: Path, fmt: str, *, whole: bool, graph_why: str | None = None,
                      command: str | None = None, plan_file: str | None = None,
                      progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Write `planned` as `fmt` into `folder` (staged by the caller), prove it, and write the document; returns
@@ -348,7 +352,7 @@ def write_deployment(planned: Any, folder: Path, fmt: str, *, whole: bool, graph
     return doc
 
 
-def _write_onnx(planned: Any, folder: Path, doc: dict[str, Any], whole: bool, graph_why: str | None) -> int:
+def _write_onnx(planned: PlannedModel, folder: Path, doc: dict[str, Any], whole: bool, graph_why: str | None) -> int:
     """manifest.json and, where the model allows, the whole-model graph scored on onnxruntime; the weight bytes of
     what was written (the graph, else the per-layer artifacts the caller had written into `folder`)."""
     write_json(folder / "manifest.json", {"model": doc["model"], "plan": doc["plan"], "plan_file": doc["plan_file"],

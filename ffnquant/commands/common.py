@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FFNQuantError
 from ..hf.corpus import DEFAULT_SEQ_LEN, TextSource, source_items
 from ..infra.resources import parse_size
 from ..spec import FFNSpec, Variant, parse_variants
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
 
 __all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments",
            "TextFiles", "token_notes", "add_text_arguments", "TextOptions", "text_options", "StageBars", "memory_size", "add_memory_arguments"]
@@ -176,7 +179,7 @@ class TextOptions:
     eval_tokens: int
 
 
-def text_options(args: argparse.Namespace, info: Any = None) -> TextOptions:
+def text_options(args: argparse.Namespace, info: ModelInfo | None = None) -> TextOptions:
     """The TextOptions of parsed `add_text_arguments` flags; `info` (a ModelInfo) caps --seq-len at its context."""
     seq_len = args.seq_len or DEFAULT_SEQ_LEN
     if info is not None:

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -41,6 +41,14 @@ from ..schemes import ActMode
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name, input_args, source_dtype
 from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
+    from ..numerics.fakequant import QuantizedFFN
+    from ..planning.planfile import Plan
+    from ..recipe import Recipe
+    from ..schemes import Scheme
+    from ..spec import FFNSpec
 
 __all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ASYMMETRIC_INT4_MEASURED", "ctensors_available",
            "recipe_refusal", "plan_refusal", "module_args", "write_folder", "decompressed_weights", "verify_folder",
@@ -69,13 +77,13 @@ def _require() -> None:
         raise FFNQuantError(why)
 
 
-def recipe_refusal(recipe: Any, spec: Any) -> str | None:
+def recipe_refusal(recipe: Recipe, spec: FFNSpec) -> str | None:
     """Why this writer cannot store `recipe` on an FFN of `spec` (one line naming the recipe and what is
     supported), None when it can: the compressed-tensors backend's answer (`backends.supports`)."""
     return supports(FORMAT_NAME, recipe, spec).why
 
 
-def plan_refusal(plan: Any, info: Any) -> str | None:
+def plan_refusal(plan: Plan, info: ModelInfo) -> str | None:
     """The first layer whose recipe this writer cannot store, as a one-line reason; None when all can."""
     for index, recipe in plan.layers.items():
         why = recipe_refusal(recipe, info.spec)
@@ -378,11 +386,11 @@ CT_PER_TOKEN_NOTE = ("symmetric per-token int8: compressed-tensors' torch emulat
                      "at parity with ffnquant's numerics under that convention")
 
 
-def _symmetric_per_token_int(scheme: Any) -> bool:
+def _symmetric_per_token_int(scheme: Scheme) -> bool:
     return scheme.act_mode is ActMode.DYNAMIC and scheme.act_dtype.is_integer and bool(scheme.act_symmetric)
 
 
-def _with_ct_per_token_scale(qffn: Any):
+def _with_ct_per_token_scale(qffn: QuantizedFFN):
     """ffnquant's quantized FFN with compressed-tensors' symmetric per-token scale (absmax / ((qmax - qmin) / 2))
     at its quantized sites: the same weights and grids, only that convention changed."""
     ffn = FFN(qffn.model.spec)
@@ -404,7 +412,7 @@ def _with_ct_per_token_scale(qffn: Any):
 CT_PER_TOKEN_CONVENTION = "compressed-tensors' symmetric per-token int8 scale absmax / 127.5 (ffnquant's: absmax / 127)"
 
 
-def _ct_numerics(qffn: Any) -> Any:
+def _ct_numerics(qffn: QuantizedFFN) -> Any:
     """A quantized FFN as the loaded folder computes it: with compressed-tensors' per-token scale where the layer
     quantizes symmetric per-token int8 activations (`CT_PER_TOKEN_NOTE`), as it is otherwise."""
     scheme = getattr(qffn, "scheme", None)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..backends import supports
 from ..errors import FFNQuantError, unknown_choice
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
 
 __all__ = ["FORMATS", "get_format", "recipe_refusals"]
 
@@ -25,7 +28,7 @@ def get_format(name: str) -> str:
     return key
 
 
-def recipe_refusals(fmt: str, info: Any, recipes: Sequence[Any]) -> dict[Any, str]:
+def recipe_refusals(fmt: str, info: ModelInfo, recipes: Sequence[Any]) -> dict[Any, str]:
     """{recipe: why} for each of `recipes` that `export --format fmt` cannot write on `info`'s model (one line
     each, the format's own refusal: the backend registry's answer, `backends.supports`), decided from the recipes
     alone. FFNQuantError when the format refuses the

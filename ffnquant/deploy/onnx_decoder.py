@@ -43,7 +43,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ from ..infra.atomic import atomic_path
 from ..measure.latency import latency_stats
 from ..measure.timing import time_calls
 from ..onnx.onnxquant import ort_session
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
 
 __all__ = ["CacheLayout", "cache_layout", "export_decoder", "is_decoder", "prefill_feed", "greedy_generate",
            "cached_run", "generation_check", "decode_latency", "decode_step_tensors", "float_tolerance", "PAST", "PRESENT",
@@ -202,7 +205,7 @@ def _rename_dims(proto: Any) -> None:
                 d.dim_param = total
 
 
-def export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset: int,
+def export_decoder(model: nn.Module, info: ModelInfo, path: str | os.PathLike, opset: int,
                    ids: torch.Tensor | None = None) -> dict[str, Any]:
     """`model` (a transformers causal LM) as the cached decoder graph of the module docstring at `path`, checked
     on onnxruntime against torch on `ids` (default a random [2, 16] batch): all at once (past 0) against the
@@ -223,7 +226,7 @@ def export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset: 
     return {**parity, "opset": opset, "attention": f"decomposed SDPA: the opset {fast} export failed: {why}"}
 
 
-def _export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset: int,
+def _export_decoder(model: nn.Module, info: ModelInfo, path: str | os.PathLike, opset: int,
                     ids: torch.Tensor | None) -> dict[str, Any]:
     import onnx
 
@@ -268,7 +271,7 @@ def _export_decoder(model: nn.Module, info: Any, path: str | os.PathLike, opset:
     return parity
 
 
-def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[str, Any]:
+def _parity(model: nn.Module, info: ModelInfo, path: Path, ids: torch.Tensor) -> dict[str, Any]:
     session = ort_session(path)
     split = max(1, ids.shape[1] // 2)
     with torch.no_grad():
@@ -281,7 +284,7 @@ def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[
             "compared": list(refs), **compare_outputs(path, info, got, {k: v.numpy() for k, v in refs.items()})}
 
 
-def compare_outputs(path: Any, info: Any, got: dict[str, np.ndarray], refs: dict[str, np.ndarray]) -> dict[str, Any]:
+def compare_outputs(path: Any, info: ModelInfo, got: dict[str, np.ndarray], refs: dict[str, np.ndarray]) -> dict[str, Any]:
     """Each output of a graph against torch's: {name: max abs error, the reference's absmax, the float32 tolerance
     (`float_tolerance`)} and `passed`. A shape that differs is a one-line FFNQuantError naming `path`."""
     width = max(info.spec.d_model, info.spec.d_ff)

@@ -27,7 +27,7 @@ import inspect
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +49,13 @@ from .onnx_decoder import (cached_run, compare_outputs, decode_latency, export_d
                            generation_check, greedy_generate, interleaved_times, is_decoder, prefill_feed, quiet)
 from .onnx_rewrite import module_kind, quantize_graph
 from .planned import ModuleQuant, deployable_refusal
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
+    from ..recipe import Recipe
+    from ..schemes import Scheme
+    from ..spec import FFNSpec
+    from .planned import PlannedModel
 
 __all__ = [
     "PPL_TOLERANCE",
@@ -72,7 +79,7 @@ EXPORT_COPIES = 5
 OUTPUTS = ("logits", "last_hidden")
 
 
-def graph_refusal(info: Any) -> str | None:
+def graph_refusal(info: ModelInfo) -> str | None:
     """Why `info`'s model cannot be written as one ONNX graph here (one line); None when it can."""
     from ..infra.resources import available_memory, human_bytes
 
@@ -94,14 +101,14 @@ def graph_refusal(info: Any) -> str | None:
     return None
 
 
-def recipe_refuser(info: Any) -> Callable[[Any], str | None]:
+def recipe_refuser(info: ModelInfo) -> Callable[[Any], str | None]:
     """recipe -> why `export --format onnx` cannot write it as planned on `info`'s model (one line), None when it
     can; decided from the recipe alone. Where the model gets its whole graph (`graph_refusal` is None), the
     onnx-graph backend's answer (what the graph's rewrite refuses, `module_kind`); where it does not, a recipe
     without a per-layer artifact (the onnx-artifact backend's: its layers would have no file)."""
     graph_why = graph_refusal(info)  # once: it reads the machine's memory
 
-    def refusal(recipe: Any) -> str | None:
+    def refusal(recipe: Recipe) -> str | None:
         if graph_why is not None:
             art = supports("onnx-artifact", recipe)
             return None if art.ok else (f"recipe {recipe} has no per-layer ONNX artifact ({art.note}) and this "
@@ -111,7 +118,7 @@ def recipe_refuser(info: Any) -> Callable[[Any], str | None]:
     return refusal
 
 
-def _graph_support(recipe: Any, spec: Any) -> tuple[str | None, str]:
+def _graph_support(recipe: Recipe, spec: FFNSpec) -> tuple[str | None, str]:
     """The onnx-graph backend's decision: what the rewrite writes for each FFN matmul under `recipe`, or why not."""
     try:
         kinds = {m.weight: module_kind(m) for m in _recipe_modules(recipe, spec)}
@@ -122,7 +129,7 @@ def _graph_support(recipe: Any, spec: Any) -> tuple[str | None, str]:
     return ",".join(sorted(set(kinds.values()))), ", ".join(f"{w}: {k}" for w, k in kinds.items())
 
 
-def _recipe_modules(recipe: Any, spec: Any) -> list[Any]:
+def _recipe_modules(recipe: Recipe, spec: FFNSpec) -> list[Any]:
     """The `ModuleQuant`s a layer under `recipe` would get: each weight's grid is what the scheme's method handler
     makes of a small stand-in weight of the layer's input width (`methods.quantize_linear`), the input quantizer
     a stand-in range of the scheme's integer type. FFNQuantError for weights without a grid."""
@@ -152,7 +159,7 @@ def _recipe_modules(recipe: Any, spec: Any) -> list[Any]:
     return out
 
 
-def _no_grid_why(scheme: Any) -> str:
+def _no_grid_why(scheme: Scheme) -> str:
     return "HQQ's float zero points" if scheme.method is Method.HQQ else f"bitsandbytes' {scheme.weight_dtype.value} codes"
 
 
@@ -174,7 +181,7 @@ class _Prefill(nn.Module):
         return out.logits, out.hidden_states[-1]
 
 
-def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[str, Any]:
+def _parity(model: nn.Module, info: ModelInfo, path: Path, ids: torch.Tensor) -> dict[str, Any]:
     session = ort_session(path)
     got = session.run(list(OUTPUTS), {"input_ids": ids.numpy().astype(np.int64)})
     with torch.no_grad():
@@ -183,7 +190,7 @@ def _parity(model: nn.Module, info: Any, path: Path, ids: torch.Tensor) -> dict[
             **compare_outputs(path, info, dict(zip(OUTPUTS, got)), dict(zip(OUTPUTS, ref)))}
 
 
-def _export(model: nn.Module, info: Any, path: str | os.PathLike, opset: int, ids: torch.Tensor | None) -> dict[str, Any]:
+def _export(model: nn.Module, info: ModelInfo, path: str | os.PathLike, opset: int, ids: torch.Tensor | None) -> dict[str, Any]:
     import onnx
 
     model = model.eval()
@@ -218,7 +225,7 @@ def _export(model: nn.Module, info: Any, path: str | os.PathLike, opset: int, id
     return parity
 
 
-def export_float_graph(model: nn.Module, info: Any, path: str | os.PathLike, opset: int = DEFAULT_OPSET,
+def export_float_graph(model: nn.Module, info: ModelInfo, path: str | os.PathLike, opset: int = DEFAULT_OPSET,
                        ids: torch.Tensor | None = None) -> Path:
     """`model` (a transformers causal LM) as one fp32 ONNX graph: input `input_ids` [batch, seq] (dynamic),
     outputs `logits` and `last_hidden` (hidden_states[-1]); prefill only, no KV cache. Checked on onnxruntime
@@ -229,7 +236,7 @@ def export_float_graph(model: nn.Module, info: Any, path: str | os.PathLike, ops
 
 # --- measurement -------------------------------------------------------------------------------------
 
-def score_graph(path: str | os.PathLike, planned: Any, cached: bool = True) -> dict[str, Any]:
+def score_graph(path: str | os.PathLike, planned: PlannedModel, cached: bool = True) -> dict[str, Any]:
     """The graph on onnxruntime's CPU provider over `planned.evals`, against the float model in torch
     (`hf.compare_models`: perplexity, final-hidden SQNR), beside ffnquant's torch reference of the same plan.
 
@@ -262,7 +269,7 @@ def score_graph(path: str | os.PathLike, planned: Any, cached: bool = True) -> d
             "provider": session.get_providers()[0], "providers": list(session.get_providers())}
 
 
-def _cached_score(session: Any, planned: Any, once: dict[str, Any], ref_ppl: float) -> dict[str, Any]:
+def _cached_score(session: Any, planned: PlannedModel, once: dict[str, Any], ref_ppl: float) -> dict[str, Any]:
     """The same held-out batches through the cache (each row's first half in one call, then a token per call)
     against the same graph run at once: the logits may differ by float32 rounding only (attention sums over
     other lengths), so |ln ppl_cached - ln ppl_once| <= 2 x `float_tolerance` of the logits (a token's NLL
@@ -313,13 +320,13 @@ def graph_latency(float_path: str | os.PathLike, quant_path: str | os.PathLike, 
     return out
 
 
-def _prompts(planned: Any, n: int, length: int = 8) -> list[list[int]]:
+def _prompts(planned: PlannedModel, n: int, length: int = 8) -> list[list[int]]:
     """`n` prompts of `length` tokens from the held-out batches (consecutive slices of their rows)."""
     stream = torch.cat([b.reshape(-1) for b in planned.evals]) if planned.evals else torch.arange(1, 1 + n * length)
     return [stream[i * length:(i + 1) * length].tolist() for i in range(n) if (i + 1) * length <= stream.numel()]
 
 
-def _decoder_figures(planned: Any, fp32: Path, quant: Path, *, contexts: Sequence[int], rounds: int, prompts: int,
+def _decoder_figures(planned: PlannedModel, fp32: Path, quant: Path, *, contexts: Sequence[int], rounds: int, prompts: int,
                      new_tokens: int) -> dict[str, Any]:
     """The cached graphs' own figures: greedy generation of the fp32 graph against transformers' (and how many
     leading tokens the quantized graph's greedy generation shares with it), per-token decode latency."""
@@ -339,7 +346,7 @@ def _decoder_figures(planned: Any, fp32: Path, quant: Path, *, contexts: Sequenc
     return {"generation": generation, "decode_latency": latency}
 
 
-def write_model_graph(planned: Any, folder: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
+def write_model_graph(planned: PlannedModel, folder: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
                       tokens: Sequence[int] = (1, 512), rounds: int = 5, contexts: Sequence[int] = (128, 1024),
                       prompts: int = 3, new_tokens: int = 16) -> dict[str, Any]:
     """The planned model as ONNX in `folder`: `model.fp32.onnx` (the float model, the latency baseline) and

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import FFNQuantError
 from ..onnx.onnxmatmul import EXACT_WEIGHT_ONLY, MS_DOMAIN, MatmulRewriter, check_and_save, matmul_kind, write_matmul
+
+if TYPE_CHECKING:  # annotations only
+    from .planned import PlannedModel
 
 __all__ = ["module_kind", "quantize_graph", "MS_DOMAIN", "EXACT_WEIGHT_ONLY"]
 
@@ -54,7 +57,7 @@ def _codes(m: Any, w: torch.Tensor) -> torch.Tensor:
 
 # --- the rewrite -------------------------------------------------------------------------------------
 
-def _find_matmuls(proto: Any, planned: Any) -> dict[str, tuple[Any, Any]]:
+def _find_matmuls(proto: Any, planned: PlannedModel) -> dict[str, tuple[Any, Any]]:
     """{module: (MatMul node, its [in, out] weight initializer)}, found by name: torch's exporter records on every
     node the modules it came from (`pkg.torch.onnx.name_scopes`, full names under the export wrapper's own
     prefix, e.g. 'model.model.layers.3.mlp.down_proj' for 'model.layers.3.mlp.down_proj')."""
@@ -93,7 +96,7 @@ def _find_matmuls(proto: Any, planned: Any) -> dict[str, tuple[Any, Any]]:
     return found
 
 
-def quantize_graph(float_path: str | os.PathLike, planned: Any, out_path: str | os.PathLike) -> dict[str, Any]:
+def quantize_graph(float_path: str | os.PathLike, planned: PlannedModel, out_path: str | os.PathLike) -> dict[str, Any]:
     """Rewrite the FFN matmuls of `float_path` (the export of `planned.model`) as `planned.modules` say (module
     docstring) into `out_path`. Every module is checked before the graph is read. Returns what was written per
     module, the op counts before and after, and the files' bytes."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
@@ -24,6 +24,12 @@ from ..hf.capture import _module_for
 from ..numerics.fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
 from ..numerics.remedies import BlockHadamard
 from ..schemes import ActMode, Method, Scheme, get_scheme
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
+    from ..numerics.fakequant import QuantizedFFN
+    from ..planning.planfile import Plan
+    from ..recipe import Recipe
 
 __all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "loaded_ffn"]
 
@@ -93,7 +99,7 @@ class PlannedModel:
         return {m.module: m for m in self.modules}
 
 
-def deployable_refusal(info: Any, fmt: str = "compressed-tensors") -> str | None:
+def deployable_refusal(info: ModelInfo, fmt: str = "compressed-tensors") -> str | None:
     """Why a plan for this model cannot be deployed as one model folder (`fmt` "compressed-tensors") or one graph
     ("onnx") (one line); None when it can."""
     arch = info.arch
@@ -112,7 +118,7 @@ def deployable_refusal(info: Any, fmt: str = "compressed-tensors") -> str | None
     return None
 
 
-def _linear_names(ffn_module: str, info: Any) -> dict[str, str]:
+def _linear_names(ffn_module: str, info: ModelInfo) -> dict[str, str]:
     """ffnquant weight name -> full module name of that Linear in the transformers model (a fused gate+up Linear
     is named for both, in the order its rows hold them)."""
     out = {}
@@ -123,7 +129,7 @@ def _linear_names(ffn_module: str, info: Any) -> dict[str, str]:
     return out
 
 
-def loaded_ffn(model: nn.Module, info: Any, ffn_module: str) -> Any:
+def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str) -> Any:
     """The FFN of a (loaded) transformers model as one callable on [..., d_model]: the module itself, or for
     Linears in the block itself (OPT) the first Linear, the activation and the second in turn."""
     module = model.get_submodule(ffn_module)
@@ -169,7 +175,7 @@ def _merge_fused(quants: list[ModuleQuant], names: Mapping[str, str]) -> list[Mo
     return out
 
 
-def _module_quants(label: str, index: int, recipe: Any, qffn: Any, names: Mapping[str, str]) -> list[ModuleQuant]:
+def _module_quants(label: str, index: int, recipe: Recipe, qffn: QuantizedFFN, names: Mapping[str, str]) -> list[ModuleQuant]:
     scheme = qffn.scheme
     ffn = qffn.model
     rotation = ffn.hidden_transform if isinstance(ffn.hidden_transform, BlockHadamard) else None
@@ -211,7 +217,7 @@ def _copy_weights(model: nn.Module, ffn: Any, names: Mapping[str, str]) -> None:
                 dst.bias.copy_(torch.cat([s.bias for s in srcs]).to(dst.bias.dtype))
 
 
-def build_planned_model(info: Any, plan: Any, *, text: Any = None, eval_text: Any = None, calib_tokens: int | None = None,
+def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_text: Any = None, calib_tokens: int | None = None,
                         seq_len: int | None = None,
                         eval_tokens: int | None = None, whole_model: bool = True, out_artifacts: Any = None,
                         file_stem: str | None = None, progress: Any = None,

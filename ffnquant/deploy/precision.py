@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -31,6 +31,10 @@ from ..hf.checkpoint import _Weights
 from ..model import FFN
 from ..numerics.fakequant import QuantizedFFN, SiteRange, WeightGrid
 from ..schemes import ActMode
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
+    from ..schemes import Scheme
 
 __all__ = ["COMPUTE_DTYPES", "compute_dtype", "dtype_name", "rounding_step", "input_args", "in_dtype", "in_dtype_all",
            "source_dtype", "resolve_compute_dtype"]
@@ -66,7 +70,7 @@ def rounding_step(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps)
 
 
-def source_dtype(info: Any) -> torch.dtype:
+def source_dtype(info: ModelInfo) -> torch.dtype:
     """The floating dtype most of the source checkpoint's tensors are stored in (float32 for a pickled one)."""
     from collections import Counter
 
@@ -80,7 +84,7 @@ def source_dtype(info: Any) -> torch.dtype:
     return counts.most_common(1)[0][0] if counts else torch.float32
 
 
-def resolve_compute_dtype(name: str, fmt: str | None, info: Any) -> torch.dtype:
+def resolve_compute_dtype(name: str, fmt: str | None, info: ModelInfo) -> torch.dtype:
     """The dtype a deployed model of `info` computes in, for `--compute-dtype name` and format `fmt` (None: not
     said): "auto" is the checkpoint's own dtype for compressed-tensors (bf16 checkpoints are served in bf16) and
     float32 otherwise; onnx graphs compute in float32 (onnxruntime's CPU kernels), the only one they take. A low
@@ -141,7 +145,7 @@ def _rounded_range(r: SiteRange, dtype: torch.dtype) -> SiteRange:
     return dataclasses.replace(r, scale=float(torch.tensor(r.scale, dtype=torch.float32).to(dtype)))
 
 
-def input_args(scheme: Any, mode: str | None, rng: SiteRange | None) -> Any:
+def input_args(scheme: Scheme, mode: str | None, rng: SiteRange | None) -> Any:
     """compressed-tensors' QuantizationArgs of a matmul's input quantized under `scheme`: `mode` "dynamic" (per
     token) or "static" (one calibrated range `rng`); None for a float input."""
     from compressed_tensors.quantization import QuantizationArgs
@@ -157,7 +161,7 @@ def input_args(scheme: Any, mode: str | None, rng: SiteRange | None) -> Any:
                             dynamic=False)
 
 
-def _input_quantizer(scheme: Any, rng: SiteRange | None, dtype: torch.dtype):
+def _input_quantizer(scheme: Scheme, rng: SiteRange | None, dtype: torch.dtype):
     """compressed-tensors' fake quantization of one input site, as the folder's module runs it on `dtype` inputs."""
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
@@ -177,7 +181,7 @@ def _input_quantizer(scheme: Any, rng: SiteRange | None, dtype: torch.dtype):
     return lambda x: fake_quantize(x, scale, zp, args)
 
 
-def in_dtype(qffn: Any, dtype: torch.dtype) -> Any:
+def in_dtype(qffn: QuantizedFFN, dtype: torch.dtype) -> Any:
     """`qffn` (a QuantizedFFN) as a compressed-tensors runtime computes it in `dtype` (see the module docstring);
     float32 returns `qffn` itself. The copy's grids and ranges carry the rounded scales the folder stores."""
     if dtype is torch.float32:

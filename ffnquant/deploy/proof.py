@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -32,6 +32,11 @@ from ..hf.metrics import ErrorStats, _final_hidden, _run
 from ..numerics.awq import AWQRecord
 from ..numerics.remedies import ChannelScale
 from .precision import dtype_name, rounding_step
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
+    from ..numerics.fakequant import QuantizedFFN
+    from .planned import PlannedModel
 
 __all__ = ["ULP", "FOLD_ULPS", "GATE_FACTOR", "fold_bound", "input_scale", "FoldCheck", "fold_check", "fold_refusal",
            "unfolded_ffns", "generation_equality", "rounding_allowance", "end_to_end_gates"]
@@ -58,7 +63,7 @@ def fold_bound(n_layers: int) -> float:
     return FOLD_ULPS * max(1, n_layers) * ULP
 
 
-def input_scale(qffn: Any) -> torch.Tensor | None:
+def input_scale(qffn: QuantizedFFN) -> torch.Tensor | None:
     """The per-channel multiply x * c a layer's recipe put on its FFN input (SmoothQuant's, then AWQ's, composed
     as applied), from its remedy records; None without one. The planned model keeps its QuantizedFFNs with the
     scale folded away (an identity input_transform), so the records are what says what was folded."""
@@ -85,7 +90,7 @@ def _divided(ffn: Any, scale: torch.Tensor) -> Any:
     return new
 
 
-def _outputs(model: Any, info: Any, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _outputs(model: Any, info: ModelInfo, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(logits or None, final hidden state) of one batch."""
     out = _run(model, info, ids)
     return (out.logits if info.kind is ModelKind.CAUSAL_LM else None), _final_hidden(info, out)
@@ -122,13 +127,13 @@ class FoldCheck:
                 "bound_why": f"2^{int(math.log2(FOLD_ULPS))} float32 roundoffs (2^-24) per block x {self.n_layers} blocks"}
 
 
-def _ffn_modules(model: Any, info: Any) -> dict[str, str]:
+def _ffn_modules(model: Any, info: ModelInfo) -> dict[str, str]:
     """Layer label -> the FFN module's name in the loaded model."""
     names = [n for n, _ in model.named_modules()]
     return {layer.label: _module_for(model, info, layer, names)[0] for layer in info.layers}
 
 
-def _changed_modules(planned: Any, ffn_modules: Sequence[str], original32: Any) -> list[str]:
+def _changed_modules(planned: PlannedModel, ffn_modules: Sequence[str], original32: Any) -> list[str]:
     """The modules outside the FFNs whose parameters the export changed (the norms that took the scales)."""
     original = dict(original32.named_parameters())
     inside = tuple(name + "." for name in ffn_modules)
@@ -151,7 +156,7 @@ def _nearest(name: str, candidates: Sequence[str]) -> tuple[str, ...]:
     return tuple(c for c in candidates if best and shared(c) == best)
 
 
-def fold_check(planned: Any) -> FoldCheck:
+def fold_check(planned: PlannedModel) -> FoldCheck:
     """The planned model's folded norms with float FFNs (each planned input scale divided out of its input
     columns) against the original float model on the held-out batches; `culprits` measured when over the bound."""
     info = planned.info
@@ -187,7 +192,7 @@ def fold_check(planned: Any) -> FoldCheck:
     return dataclasses.replace(check, culprits=_culprits(planned, folded, scales, norms, bound, original))
 
 
-def _culprits(planned: Any, folded: Sequence[str], scales: Mapping[str, torch.Tensor],
+def _culprits(planned: PlannedModel, folded: Sequence[str], scales: Mapping[str, torch.Tensor],
               norms: Mapping[str, tuple[str, ...]], bound: float, original: Any) -> tuple[dict[str, Any], ...]:
     """Per folded layer, with no error carried from earlier layers: the module whose output the FFN reads in the
     original model (`_reads`), fed the input it had there, in the exported model against the original's output
@@ -210,7 +215,7 @@ def _culprits(planned: Any, folded: Sequence[str], scales: Mapping[str, torch.Te
     return tuple(rows)
 
 
-def _reads(model: Any, info: Any, ids: torch.Tensor) -> dict[str, tuple[str, tuple, torch.Tensor]]:
+def _reads(model: Any, info: ModelInfo, ids: torch.Tensor) -> dict[str, tuple[str, tuple, torch.Tensor]]:
     """Layer label -> (the module whose output is, bit for bit, the FFN's input, its positional inputs, its
     output), leaf modules first; a layer whose FFN reads no module's output (a residual sum, a bare operation)
     is absent."""
@@ -241,7 +246,7 @@ def _reads(model: Any, info: Any, ids: torch.Tensor) -> dict[str, tuple[str, tup
     return out
 
 
-def fold_refusal(check: FoldCheck, info: Any) -> str | None:
+def fold_refusal(check: FoldCheck, info: ModelInfo) -> str | None:
     """The one-line refusal of a fold that changes the float model beyond float32 rounding, naming the layers,
     the modules that took their scales and what their FFNs read; None when the fold is exact."""
     if check.exact:
@@ -279,7 +284,7 @@ def _difference(name: str, got: float, ref: float) -> float:
     return abs(got / ref - 1.0) if name == "perplexity_ratio" else abs(got - ref)
 
 
-def _run_figures(planned: Any, ffns: Mapping[Any, Any], refs: Sequence[Any], delta: float) -> dict[str, Any]:
+def _run_figures(planned: PlannedModel, ffns: Mapping[Any, Any], refs: Sequence[Any], delta: float) -> dict[str, Any]:
     """The original model with `ffns` installed, its first block's input scaled by 1 + delta, scored."""
     model = planned.float_model
     hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out: out * (1.0 + delta))
@@ -291,7 +296,7 @@ def _run_figures(planned: Any, ffns: Mapping[Any, Any], refs: Sequence[Any], del
     return {"input_scale": 1.0 + delta, **_figures(fig)}
 
 
-def unfolded_ffns(planned: Any) -> dict[Any, Any]:
+def unfolded_ffns(planned: PlannedModel) -> dict[Any, Any]:
     """The plan's quantized FFNs by LayerInfo, each doing its input multiply itself (unfolded, as measured): what
     installed in the ORIGINAL float model is ffnquant's reference of the plan."""
     by_label = {layer.label: layer for layer in planned.info.layers}
@@ -302,7 +307,7 @@ def unfolded_ffns(planned: Any) -> dict[Any, Any]:
     return ffns
 
 
-def generation_equality(planned: Any, loaded: Any, prompts: int = 4, prompt_tokens: int = 16,
+def generation_equality(planned: PlannedModel, loaded: Any, prompts: int = 4, prompt_tokens: int = 16,
                         new_tokens: int = 24, ffns: Mapping[Any, Any] | None = None) -> dict[str, Any]:
     """Greedy generation with a KV cache (transformers' `generate`) of a loaded deployed model against ffnquant's
     reference of the plan (the original float model with `unfolded_ffns` installed), on `prompts` prompts cut
@@ -334,7 +339,7 @@ def generation_equality(planned: Any, loaded: Any, prompts: int = 4, prompt_toke
             "with_cache": True, "rows": rows}
 
 
-def rounding_allowance(planned: Any, references: Sequence[Any] | None = None,
+def rounding_allowance(planned: PlannedModel, references: Sequence[Any] | None = None,
                        numerics: Callable[[Any], Any] | None = None, numerics_name: str | None = None,
                        ffns: Mapping[Any, Any] | None = None) -> dict[str, Any]:
     """How far rounding alone moves ffnquant's reference figures on this text: the ORIGINAL float model

@@ -279,7 +279,7 @@ def check_sites(sites: Mapping[LayerInfo, FoldSite], wanted: Sequence[LayerInfo]
 REPRODUCE_RTOL = 1e-5
 
 
-def check_reproduction(model: nn.Module, info: Any, layers: Any, ids: torch.Tensor | None = None,
+def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torch.Tensor | None = None,
                        run: Callable[[], Any] | None = None) -> dict[str, float]:
     """Each layer's ffnquant FFN (`HFLayer.ffn`) run on the input the loaded model's own FFN module received for
     `ids` (or in `run()`, a forward through part of the model: the engine's one decoder layer), against that

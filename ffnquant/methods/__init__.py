@@ -7,16 +7,20 @@ method is one such file plus a preset (`schemes.register_preset`), see docs/ARCH
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import builtin  # noqa: F401  (registers the built-in handlers)
 from .qlinear import QuantizedLinear, WeightGrid, signed_zero_point
-from .registry import MethodHandler, get_handler, handler_for, is_method, method_names, register_method, unregister_method
+from .registry import (MethodHandler, get_handler, handler_for, is_method, method_names, register_method,
+                       unregister_method)
+
+if TYPE_CHECKING:  # annotations only
+    from ..schemes import Scheme
 
 __all__ = ["MethodHandler", "QuantizedLinear", "WeightGrid", "signed_zero_point", "register_method",
            "unregister_method", "get_handler", "handler_for", "is_method", "method_names", "quantize_linear"]
 
 
-def quantize_linear(weight: Any, scheme: Any, hessian: Any = None) -> QuantizedLinear:
+def quantize_linear(weight: Any, scheme: Scheme, hessian: Any = None) -> QuantizedLinear:
     """`weight` [out, in] quantized under `scheme` by its method's handler."""
     return handler_for(scheme).quantize(weight, scheme, hessian)

@@ -4,24 +4,27 @@ this one (a `MethodHandler` subclass and `register_method`) plus its Scheme pres
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..numerics import primitives as P
 from ..errors import FFNQuantError
+from ..numerics import primitives as P
 from .qlinear import QuantizedLinear, WeightGrid, signed_zero_point
 from .registry import MethodHandler, register_method
+
+if TYPE_CHECKING:  # annotations only
+    from ..schemes import Scheme
 
 __all__ = ["RoundToNearest", "BitsAndBytes4", "GPTQ", "HQQ", "AWQ"]
 
 
-def _group(scheme: Any, w: torch.Tensor) -> int:
+def _group(scheme: Scheme, w: torch.Tensor) -> int:
     """The group width of a 4-bit grid: the scheme's group, or the whole input (per channel as one group)."""
     return scheme.group_size if str(scheme.weight_granularity) == "per_group" else w.shape[1]
 
 
-def int4_linear(w: torch.Tensor, scheme: Any, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor,
+def int4_linear(w: torch.Tensor, scheme: Scheme, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor,
                 group: int) -> QuantizedLinear:
     """A QuantizedLinear from MatMulNBits-style codes 0..15 [out, K'] with scale / zero point [out, K'/g, 1]."""
     deq = P.int4_group_dequantize(q, scale, zp, w.shape[1])
@@ -36,7 +39,7 @@ class RoundToNearest(MethodHandler):
     method = "rtn"
     describe = "round-to-nearest"
 
-    def quantize(self, weight: torch.Tensor, scheme: Any, hessian: torch.Tensor | None = None) -> QuantizedLinear:
+    def quantize(self, weight: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> QuantizedLinear:
         wd, gran = str(scheme.weight_dtype), str(scheme.weight_granularity)
         w = weight.detach().float()
         if wd == "fp32":
@@ -80,10 +83,10 @@ class BitsAndBytes4(MethodHandler):
     on_grid = False
     describe = "bitsandbytes' block-wise absmax code book"
 
-    def accepts(self, scheme: Any) -> bool:
+    def accepts(self, scheme: Scheme) -> bool:
         return str(scheme.weight_dtype) in ("nf4", "fp4")
 
-    def quantize(self, weight: torch.Tensor, scheme: Any, hessian: torch.Tensor | None = None) -> QuantizedLinear:
+    def quantize(self, weight: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> QuantizedLinear:
         return QuantizedLinear(P.bnb_4bit_fake(weight.detach().float(), str(scheme.weight_dtype), scheme.group_size),
                                scheme)
 
@@ -95,10 +98,10 @@ class GPTQ(MethodHandler):
     needs_hessians = True
     describe = "GPTQ"
 
-    def accepts(self, scheme: Any) -> bool:
+    def accepts(self, scheme: Scheme) -> bool:
         return str(scheme.weight_dtype) == "int4"
 
-    def quantize(self, weight: torch.Tensor, scheme: Any, hessian: torch.Tensor | None = None) -> QuantizedLinear:
+    def quantize(self, weight: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> QuantizedLinear:
         if hessian is None:
             raise FFNQuantError(f"scheme {scheme.name!r} (gptq) needs calibration data for the input Hessians")
         w = weight.detach().float()
@@ -113,7 +116,7 @@ class HQQ(MethodHandler):
     on_grid = False  # float zero points: no integer grid a deployment format stores
     describe = "HQQ-fitted zero points"
 
-    def quantize(self, weight: torch.Tensor, scheme: Any, hessian: torch.Tensor | None = None) -> QuantizedLinear:
+    def quantize(self, weight: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> QuantizedLinear:
         w = weight.detach().float()
         q, scale, zero = P.hqq_int4_codes(w, _group(scheme, w))
         deq = P.int4_group_dequantize(q, scale.unsqueeze(-1), zero.unsqueeze(-1), w.shape[1])
@@ -129,7 +132,7 @@ class AWQ(MethodHandler):
     describe = ("AWQ (activation-aware channel scales searched on calibration data and folded into the FFN, then "
                 "round-to-nearest)")
 
-    def fold(self, model: Any, scheme: Any, hessians: Mapping[str, Any] | None, weights: list[str]) -> tuple[Any, list]:
+    def fold(self, model: Any, scheme: Scheme, hessians: Mapping[str, Any] | None, weights: list[str]) -> tuple[Any, list]:
         from ..numerics.awq import awq_fold, clip_weights
 
         if hessians is None:
@@ -137,7 +140,7 @@ class AWQ(MethodHandler):
         new, record = awq_fold(model, hessians, scheme)
         return clip_weights(new, record, weights), [record]  # AutoAWQ's clipping of the weights about to be rounded
 
-    def quantize(self, weight: torch.Tensor, scheme: Any, hessian: torch.Tensor | None = None) -> QuantizedLinear:
+    def quantize(self, weight: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> QuantizedLinear:
         return _RTN.quantize(weight, scheme)
 
 

@@ -16,6 +16,7 @@ from ..errors import FFNQuantError, unknown_choice
 if TYPE_CHECKING:  # annotations only
     import torch
 
+    from ..schemes import Scheme
     from .qlinear import QuantizedLinear
 
 __all__ = ["MethodHandler", "register_method", "unregister_method", "get_handler", "handler_for",
@@ -41,18 +42,18 @@ class MethodHandler:
     on_grid: bool = True
     describe: str = ""
 
-    def accepts(self, scheme: Any) -> bool:
+    def accepts(self, scheme: Scheme) -> bool:
         return True
 
-    def check(self, scheme: Any) -> str | None:
+    def check(self, scheme: Scheme) -> str | None:
         return None
 
-    def fold(self, model: Any, scheme: Any, hessians: Mapping[str, Any] | None, weights: list[str]) -> tuple[Any, list]:
+    def fold(self, model: Any, scheme: Scheme, hessians: Mapping[str, Any] | None, weights: list[str]) -> tuple[Any, list]:
         import copy
 
         return copy.deepcopy(model), []
 
-    def quantize(self, weight: "torch.Tensor", scheme: Any, hessian: "torch.Tensor | None" = None) -> "QuantizedLinear":
+    def quantize(self, weight: "torch.Tensor", scheme: Scheme, hessian: "torch.Tensor | None" = None) -> "QuantizedLinear":
         raise NotImplementedError
 
 
@@ -101,7 +102,7 @@ def get_handler(name: str) -> list[MethodHandler]:
     return list(_HANDLERS[key])
 
 
-def handler_for(scheme: Any) -> MethodHandler:
+def handler_for(scheme: Scheme) -> MethodHandler:
     """The handler that quantizes `scheme`'s weights: the first of its method's handlers that accepts it."""
     for handler in get_handler(str(scheme.method)):
         if handler.accepts(scheme):

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
-from ..numerics import primitives as P
-from ..infra.atomic import atomic_path
 from ..errors import FFNQuantError
+from ..infra.atomic import atomic_path
+from ..numerics import primitives as P
 from ..schemes import ActDType
+
+if TYPE_CHECKING:  # annotations only
+    from ..methods.qlinear import WeightGrid
+    from ..schemes import Scheme
 
 __all__ = ["MS_DOMAIN", "EXACT_WEIGHT_ONLY", "matmul_kind", "MatmulRewriter", "nbits_node", "write_matmul",
            "check_and_save"]
@@ -30,7 +34,7 @@ MS_DOMAIN = "com.microsoft"
 EXACT_WEIGHT_ONLY = "session.qdq_matmulnbits_accuracy_level"
 
 
-def matmul_kind(scheme: Any, grid: Any, mode: str | None, input_range: Any, where: str) -> str:
+def matmul_kind(scheme: Scheme, grid: WeightGrid, mode: str | None, input_range: Any, where: str) -> str:
     """What one quantized matmul becomes: 'float', 'act-qdq' (a static input, float weights), 'qdq', 'weight-dq',
     'dynamic-int8' (per-token MatMulInteger) or 'nbits'; FFNQuantError (one line starting with `where`) for what
     has no honest onnxruntime graph. `grid` is the weight's (None: float), `mode` the input's ('static',
@@ -118,7 +122,7 @@ class MatmulRewriter:
             self.shared[key] = self.node(consumer, "DequantizeLinear", [q, s, z], f"{x}_dequantized")
         return self.shared[key]
 
-    def weight_dq(self, grid: Any, consumer: Any, q: torch.Tensor, prefix: str) -> str:
+    def weight_dq(self, grid: WeightGrid, consumer: Any, q: torch.Tensor, prefix: str) -> str:
         """int8 codes [out, in] on `grid` (signed) as a DequantizeLinear of an [in, out] initializer."""
         codes = self.const(f"{prefix}_quantized", q.T.contiguous().numpy().astype(np.int8))  # [in, out]
         if grid.granularity == "per_channel":  # output channels are the columns of the [in, out] codes
@@ -129,7 +133,7 @@ class MatmulRewriter:
         z = self.const(f"{prefix}_zero_point", np.array(int(grid.zero_point), np.int8))
         return self.node(consumer, "DequantizeLinear", [codes, s, z], f"{prefix}_dequantized")
 
-    def per_token(self, x: str, consumer: Any, scheme: Any) -> tuple[str, str, str | None]:
+    def per_token(self, x: str, consumer: Any, scheme: Scheme) -> tuple[str, str, str | None]:
         """ffnquant's per-token quantization (`primitives.fake_quantize_per_token`, `choose_qparams`) as ONNX ops:
         (codes, scale [b, s, 1], zero point [b, s, 1] or None when symmetric)."""
         from onnx import TensorProto
@@ -173,7 +177,7 @@ class MatmulRewriter:
         self.shared[key] = (codes, scale, zp)
         return self.shared[key]
 
-    def dynamic_matmul(self, grid: Any, scheme: Any, node: Any, q: torch.Tensor, prefix: str) -> None:
+    def dynamic_matmul(self, grid: WeightGrid, scheme: Scheme, node: Any, q: torch.Tensor, prefix: str) -> None:
         """Per-token codes x int8 weight codes in MatMulInteger (exact int32), then x token scale x channel scale;
         an asymmetric token zero point comes off as zp * (column sums of the codes), exact in int32."""
         from onnx import TensorProto, helper
@@ -240,7 +244,7 @@ def nbits_node(node, name: str, codes: torch.Tensor, scale: torch.Tensor, zp: to
     return new, inits
 
 
-def write_matmul(rw: MatmulRewriter, node: Any, init: Any, kind: str, *, scheme: Any, grid: Any, codes: Any,
+def write_matmul(rw: MatmulRewriter, node: Any, init: Any, kind: str, *, scheme: Scheme, grid: WeightGrid, codes: Any,
                  input_mode: str | None, input_range: Any, prefix: str, in_features: int, rotation: Any = None) -> None:
     """Rewrite one MatMul `node` (weight initializer `init`) as `kind` (`matmul_kind`) from the weight's signed
     `codes` on `grid`: its input rotated and quantized first where asked, then its weight."""

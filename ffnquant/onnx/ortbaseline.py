@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from ..numerics.accuracy import accuracy_of
 from ..quantization import prepare, quantize_spec
 from ..recipe import as_recipe
 from .onnxquant import ort_default_static, ort_session, run_onnx
+
+if TYPE_CHECKING:  # annotations only
+    from ..quantization import Prepared
 
 __all__ = ["ORT_METHODS", "ORT_BASELINE_METHODS", "ort_quantize", "ort_baselines", "versus_ort", "compare_with_ort"]
 
@@ -175,7 +178,7 @@ def versus_ort(baselines: Mapping[str, Any], recipe_sqnr: Mapping[str, float]) -
 
 
 def compare_with_ort(
-    prep: Any,
+    prep: Prepared,
     recipes: Sequence[Any],
     *,
     methods: Sequence[str] = ORT_BASELINE_METHODS,

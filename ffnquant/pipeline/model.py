@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import FFNQuantError
 from ..hf import (EvalSettings, calibrate_layers, capture_layer_inputs, end_to_end, float_baseline, inspect_model,
@@ -17,6 +17,9 @@ from ..recipe import Recipe
 from .latency import LatencySettings, measure_latency
 from .results import ModelPart, Progress, Stages
 from .variants import Scoring, score_recipes
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
 
 __all__ = ["MODEL_E2E_MAX_BYTES", "ModelSettings", "check_model", "model_layers"]
 
@@ -66,7 +69,7 @@ def check_model(settings: ModelSettings) -> tuple[Any, list[int]]:
 
 
 def model_layers(
-    settings: ModelSettings, scoring: Scoring, timing: LatencySettings, info: Any, recipes: Sequence[Recipe],
+    settings: ModelSettings, scoring: Scoring, timing: LatencySettings, info: ModelInfo, recipes: Sequence[Recipe],
     out_export: Path | None, runtimes: Sequence[tuple], tick: Callable[..., None], progress: Progress | None,
     stages: Stages,
 ) -> ModelPart:
@@ -152,7 +155,7 @@ def model_layers(
     return ModelPart(doc, tables, rows, artifacts, baselines, latency)
 
 
-def _end_to_end(info: Any, layers: Sequence[Any], inputs: Any, settings: Any, quantized: Sequence[Recipe],
+def _end_to_end(info: ModelInfo, layers: Sequence[Any], inputs: Any, settings: Any, quantized: Sequence[Recipe],
                 kept: dict[str, dict[str, Any]], reason: str | None, plan_file: str | None = None) -> dict[str, Any]:
     """Every layer quantized with the same recipe, back in the model, on the held-out text; then, with a plan
     file, every layer with its planned recipe (row 'plan: FILE')."""
@@ -193,7 +196,7 @@ def _end_to_end(info: Any, layers: Sequence[Any], inputs: Any, settings: Any, qu
     return e2e
 
 
-def _model_doc(info: Any, layers: Sequence[Any], keys: dict[str, str], inputs: Any, stem: str,
+def _model_doc(info: ModelInfo, layers: Sequence[Any], keys: dict[str, str], inputs: Any, stem: str,
                skipped: dict[str, dict], e2e: dict[str, Any], latency: dict[str, Any]) -> dict[str, Any]:
     """The report's `model` section."""
     doc = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import FFNQuantError
 from ..quantization import quantize_recipes as quantize_each, sensitivity
@@ -12,6 +12,9 @@ from ..recipe import Recipe
 from ..schemes import recipe_weight_bytes
 from ..spec import FFNSpec
 from .results import VariantResult, json_num
+
+if TYPE_CHECKING:  # annotations only
+    from ..quantization import Prepared
 
 __all__ = ["Scoring", "score_recipes"]
 
@@ -30,7 +33,7 @@ class Scoring:
             raise FFNQuantError(f"scoring needs a baseline name and sensitivity true or false, got {self!r}")
 
 
-def _sensitivity(prep: Any, res: Any) -> dict[str, float | None]:
+def _sensitivity(prep: Prepared, res: Any) -> dict[str, float | None]:
     """SQNR with one weight or one activation site quantized as in `res`, the rest float (quantize.sensitivity)."""
     return {k: json_num(v) for k, v in sensitivity(prep, res.qmodel).items()}
 
@@ -96,7 +99,7 @@ def score_recipes(
     return out
 
 
-def _fill_row(row: dict[str, Any], recipe: Recipe, res: Any, prep: Any, is_baseline: bool) -> None:
+def _fill_row(row: dict[str, Any], recipe: Recipe, res: Any, prep: Prepared, is_baseline: bool) -> None:
     acc = res.accuracy
     if is_baseline:
         row.update(sqnr_db=None, cosine=1.0, rel_l2=0.0, max_abs_error=0.0)

@@ -12,7 +12,7 @@ The scoring runs as tasks of an `executor` (`score_tasks`, `run_score_task`): on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -25,6 +25,10 @@ from ..schemes import recipe_weight_bytes
 from .moe import MoELayer, quantize_moe_layer, score_moe_layer
 from .scores import CandidateScore, db as _db
 from .sensitivity import fisher_noise
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
+    from ..spec import FFNSpec
 
 __all__ = ["CANDIDATE_SETS", "candidate_recipes", "format_candidates", "CandidateScore", "generalization", "score_layer",
            "quantize_layer", "ScoreTask", "score_tasks", "run_score_task"]
@@ -53,7 +57,7 @@ CANDIDATE_SETS: dict[str, tuple[str, ...]] = {
 }
 
 
-def candidate_recipes(text: str | Sequence[str], spec: Any) -> tuple[list[Recipe], list[dict[str, str]]]:
+def candidate_recipes(text: str | Sequence[str], spec: FFNSpec) -> tuple[list[Recipe], list[dict[str, str]]]:
     """The recipes of a set name or a comma-separated list that fit `spec`, and the skipped ones with why.
     fp32 is always a candidate: the fallback that makes any target reachable."""
     items = CANDIDATE_SETS.get(text) if isinstance(text, str) else None
@@ -76,7 +80,7 @@ def candidate_recipes(text: str | Sequence[str], spec: Any) -> tuple[list[Recipe
     return recipes, skipped
 
 
-def format_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]], info: Any,
+def format_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]], info: ModelInfo,
                       fmt: str) -> tuple[list[Recipe], list[dict[str, str]]]:
     """`candidate_recipes`' result less the recipes `export --format fmt` cannot write on `info`'s model, which
     join the skipped ones with the format's reason: a plan made for a format never ends in a refused export.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -55,6 +55,9 @@ from .search import Option, pareto, solve
 from .sensitivity import check_plannable, fisher_noise
 from .source import PlanSource
 from .target import Objective, Target
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
 
 __all__ = ["PROBES", "final_round", "make_plan", "next_safety", "worst_domain"]
 
@@ -444,7 +447,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     return plan, result
 
 
-def deployment_notes(info: Any, plan: Any = None) -> dict[str, str]:
+def deployment_notes(info: ModelInfo, plan: Plan | None = None) -> dict[str, str]:
     """Per export format, why this architecture, or a recipe the plan chose, cannot be written in it ('' when it
     can): the plan says so before the export is run."""
     out = {fmt: deployable_refusal(info, fmt) or "" for fmt in ("compressed-tensors", "onnx")}

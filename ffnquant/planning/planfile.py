@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import FFNQuantError
 from ..recipe import Recipe
 from .target import Target
+
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
 
 __all__ = ["PLAN_VERSION", "Plan", "check_plan_data", "load_plan", "model_fingerprint"]
 
@@ -22,7 +25,7 @@ PLAN_VERSION = 1
 _FINGERPRINT = ("model_type", "variant", "n_layers", "d_model", "d_ff")
 
 
-def model_fingerprint(info: Any) -> dict[str, Any]:
+def model_fingerprint(info: ModelInfo) -> dict[str, Any]:
     """What a plan must match in a model: architecture, variant, layer count and FFN widths."""
     return {"model_type": info.model_type, "variant": info.spec.variant.value, "n_layers": int(info.n_layers),
             "d_model": int(info.spec.d_model), "d_ff": int(info.spec.d_ff)}
@@ -60,7 +63,7 @@ class Plan:
         except KeyError:
             raise FFNQuantError(f"plan has no recipe for layer {index}; it covers {_ranges(self.layers)}") from None
 
-    def check_model(self, info: Any) -> None:
+    def check_model(self, info: ModelInfo) -> None:
         """Raise FFNQuantError naming every difference between the plan's model and `info`'s."""
         have = model_fingerprint(info)
         diffs = [f"{k} {self.model[k]!r} (plan) != {have[k]!r} (model)" for k in _FINGERPRINT if self.model[k] != have[k]]

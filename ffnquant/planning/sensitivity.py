@@ -17,7 +17,7 @@ Plans need a causal LM with one FFN per decoder layer (a module, or Linears in t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +27,14 @@ from ..errors import FFNQuantError
 from ..hf.arch import Install, ModelKind
 from ..hf.capture import _module_for
 
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
+
 __all__ = ["check_plannable", "fisher_noise", "Ablation", "ablation_terms", "float_terms", "gradient_probe",
            "predicted_tokens", "probe_batches"]
 
 
-def check_plannable(info: Any, objective: Any = None) -> None:
+def check_plannable(info: ModelInfo, objective: Any = None) -> None:
     """Raise FFNQuantError unless plans support this model: a causal LM with one FFN per decoder layer (a module,
     or Linears in the block itself), or layers of routed experts held as transformers' fused expert tensors
     (planned a layer at a time: every expert of a layer under one recipe). The latency objective times one FFN
@@ -50,13 +53,13 @@ def check_plannable(info: Any, objective: Any = None) -> None:
                                 "--objective bytes")
 
 
-def _ffn_names(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, str]:
+def _ffn_names(model: nn.Module, info: ModelInfo, layers: Sequence[Any]) -> dict[int, str]:
     """Each layer's FFN module name in the loaded model."""
     names = [n for n, _ in model.named_modules()]
     return {layer.index: _module_for(model, info, layer, names)[0] for layer in layers}
 
 
-def _ffn_modules(model: nn.Module, info: Any, layers: Sequence[Any]) -> dict[int, nn.Module]:
+def _ffn_modules(model: nn.Module, info: ModelInfo, layers: Sequence[Any]) -> dict[int, nn.Module]:
     """The module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear)."""
     second = info.arch.split_attrs[2] if info.arch.install is Install.SPLIT else ""
     return {i: model.get_submodule(f"{name}.{second}" if second else name)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -37,19 +37,23 @@ from ..hf.metrics import TOP_K
 from ..recipe import Recipe
 from .moe import MoELayer, QuantizedMoE, Routed
 
+if TYPE_CHECKING:  # annotations only
+    from ..hf.checkpoint import ModelInfo
+    from ..spec import FFNSpec
+
 __all__ = ["PlanSource", "plan_needs"]
 
 Progress = Callable[[str, int, int], None]
 
 
-def _scoring_bytes(spec: Any, tokens: int) -> int:
+def _scoring_bytes(spec: FFNSpec, tokens: int) -> int:
     """A candidate's quantization of one FFN on `tokens` inputs: the FFN x 11 (its copies, the onnxruntime floor's
     export and sessions), the activations of its sites, GPTQ's float64 input Hessians."""
     d, d_ff = spec.d_model, spec.d_ff
     return 11 * spec.n_params * 4 + (2 * d + 3 * d_ff) * tokens * 4 + 8 * (d * d + d_ff * d_ff)
 
 
-def plan_needs(info: Any, *, calib_tokens: int, eval_tokens: int, probe_tokens: int, batch_tokens: int,
+def plan_needs(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, probe_tokens: int, batch_tokens: int,
                dtype: torch.dtype = torch.float32):
     """What `make_plan` holds beside the model's weights (an `hf.memory.Needs` for `hf.memory.plan_memory`);
     verified in a low-precision `dtype`, also the second engine's streams and, resident, its model."""
@@ -106,7 +110,7 @@ class PlanSource:
     layer at a time; a context manager (its temporary folder, when spilling, is removed on exit). Passes 1 and 2
     run on entry."""
 
-    def __init__(self, info: Any, settings: Any, text: Any, eval_text: Any, probe_tokens: int, resident: bool,
+    def __init__(self, info: ModelInfo, settings: Any, text: Any, eval_text: Any, probe_tokens: int, resident: bool,
                  spill: bool, progress: Progress | None, timings: dict[str, float], allow_pickle: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
         self.info, self.settings, self.text, self.eval_text = info, settings, text, eval_text

@@ -12,13 +12,17 @@ import abc
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import FFNQuantError, unknown_choice
 from ..schemes import PRESETS, ActDType, ActMode, Compute, Method, Scheme, WeightDType
 from ..spec import FFNSpec
+
+if TYPE_CHECKING:  # annotations only
+    from ..quantization import Prepared
+    from ..recipe import Recipe
 
 __all__ = [
     "Compute",
@@ -202,7 +206,7 @@ def check_input(x: np.ndarray, spec: FFNSpec) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def _same_grid(scheme: Any, formats: Sequence[str]) -> str | None:
+def _same_grid(scheme: Scheme, formats: Sequence[str]) -> str | None:
     """The format storing `scheme`'s grid by plain rounding: GPTQ, AWQ or HQQ choose other codes on the same grid
     (scales, zero points, group), which the same kernel runs; None when no format has that grid."""
     grid = lambda s: (s.weight_dtype, s.weight_granularity, s.group_size, s.weight_symmetric, s.act_dtype,  # noqa: E731
@@ -239,7 +243,7 @@ class Runtime(abc.ABC):
     def formats(self) -> tuple[str, ...]:
         """Format names this runtime can load (on this machine's backend version)."""
 
-    def serves(self, recipe: Any) -> tuple[str | None, str]:
+    def serves(self, recipe: Recipe) -> tuple[str | None, str]:
         """(the format whose kernel serves `recipe` here, a note) or (None, why this runtime cannot serve it): this
         runtime's answer in the backend registry (`ffnquant.backends.supports`), from the recipe alone.
 
@@ -279,7 +283,7 @@ class Runtime(abc.ABC):
         """Turn a host float32 input into what `run` takes (on the device, in the input dtype)."""
 
     @abc.abstractmethod
-    def run(self, loaded: Loaded, prepared: Any) -> Any:
+    def run(self, loaded: Loaded, prepared: Prepared) -> Any:
         """One forward call; may return before the device finishes (see `synchronize`)."""
 
     def synchronize(self, loaded: Loaded) -> None:

@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from ..onnx.ortcpu import int8_kernels, saturating, session_entries
 from ..schemes import PRESETS, ActDType, Method
 from .artifacts import onnx_artifact, onnx_weight_bytes
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
+
+if TYPE_CHECKING:  # annotations only
+    from ..quantization import Prepared
 
 __all__ = ["OrtRuntime", "PROVIDERS", "ORT_FORMATS", "captured_native_output"]
 
@@ -288,7 +291,7 @@ class OrtRuntime(Runtime):
         binding.bind_ortvalue_output(session.get_outputs()[0].name, y_dev)
         return {"binding": binding, "input": x_dev, "output": y_dev}
 
-    def run(self, loaded: Loaded, prepared: Any) -> Any:
+    def run(self, loaded: Loaded, prepared: Prepared) -> Any:
         if self.provider_key == "cpu":
             return loaded.handle.run(None, prepared)[0]
         loaded.handle.run_with_iobinding(prepared["binding"])

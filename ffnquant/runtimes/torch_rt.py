@@ -23,18 +23,21 @@ device coverage changed across torch 2.4 .. 2.14.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..errors import FFNQuantError, unknown_choice
-from ..numerics.fakequant import WEIGHT_INPUT_SITE, quantize_model
 from ..methods import QuantizedLinear, quantize_linear
+from ..numerics.fakequant import WEIGHT_INPUT_SITE, quantize_model
 from ..numerics.primitives import FP8_E4M3_MAX, fp8_rowwise, fp8_tensorwise, int8_symmetric_rows
 from ..schemes import Granularity, Scheme, WeightDType, get_scheme
 from .artifacts import gaussian_calibration
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
+
+if TYPE_CHECKING:  # annotations only
+    from ..quantization import Prepared
 
 __all__ = [
     "TorchRuntime",
@@ -322,7 +325,7 @@ class TorchModuleRuntime(Runtime):
             return t
         return CapturedCall(loaded.handle, t)
 
-    def run(self, loaded: Loaded, prepared: Any) -> Any:
+    def run(self, loaded: Loaded, prepared: Prepared) -> Any:
         if isinstance(prepared, CapturedCall):
             return prepared.replay()
         with torch.inference_mode():
