@@ -87,8 +87,9 @@ class BitsAndBytes4(MethodHandler):
         return str(scheme.weight_dtype) in ("nf4", "fp4")
 
     def quantize(self, weight: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> QuantizedLinear:
-        return QuantizedLinear(P.bnb_4bit_fake(weight.detach().float(), str(scheme.weight_dtype), scheme.group_size),
-                               scheme)
+        packed, absmax, deq = P.bnb_4bit_codes(weight.detach().float(), str(scheme.weight_dtype), scheme.group_size)
+        # the code book's packed codes and block absmax as bitsandbytes stores them (MatMulBnb4 reads the same)
+        return QuantizedLinear(deq, scheme, None, packed, scale_float=absmax)
 
 
 class GPTQ(MethodHandler):

@@ -62,6 +62,8 @@ class QuantizedLinear:
       float weights and code-book formats.
     - `zero_float`: HQQ's fitted float zero points [out, groups] with unsigned 0..15 `codes` and no integer grid
       (value = (code - zero_float) * scale, `grid` None, the scales in `scale_float`).
+    - bitsandbytes' nf4 / fp4: `codes` its packed uint8 codes over the flattened weight, `scale_float` its block
+      absmax, `grid` None (a code book, not an integer grid).
     - `name`, `input_site`, `input_mode` ('static', 'dynamic' or None) and `input_range` (the static SiteRange):
       the input quantizer of the matmul, set once the FFN's activation ranges are calibrated (`with_input`).
     """

@@ -365,9 +365,19 @@ def bnb_4bit_fake(w: torch.Tensor, quant_type: str, blocksize: int) -> torch.Ten
     # row length is not a multiple of `blocksize` wrongly (blocks of [160, 96]: 12.3 dB instead
     # of 20.7 dB, values beyond the block's absmax). Flat, any size works: blocks run over the
     # row-major weight, the last one partial, as MatMulBnb4 stores it. Same numbers when divisible.
+    return bnb_4bit_codes(w, quant_type, blocksize)[2]
+
+
+def bnb_4bit_codes(w: torch.Tensor, quant_type: str, blocksize: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bitsandbytes' own NF4 / FP4 of a [out, in] weight: (its packed codes, uint8 [ceil(out * in / 2)], two per byte
+    over the flattened row-major weight; its float32 absmax per block; the weight they decode to, [out, in])."""
+    quiet_bitsandbytes()
+    import bitsandbytes.functional as bnbf
+
     wf = w.detach().float().contiguous().reshape(-1)
     packed, state = bnbf.quantize_4bit(wf, blocksize=blocksize, quant_type=quant_type)
-    return bnbf.dequantize_4bit(packed, state).to(torch.float32).reshape(w.shape)
+    deq = bnbf.dequantize_4bit(packed, state).to(torch.float32).reshape(w.shape)
+    return packed.reshape(-1), state.absmax.float().reshape(-1), deq
 
 
 # --- per-row (per-token) and per-tensor quantization in the GPU kernels' conventions ------------------

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # annotations only
     from ..methods.qlinear import WeightGrid
     from ..schemes import Scheme
 
-__all__ = ["MS_DOMAIN", "EXACT_WEIGHT_ONLY", "matmul_kind", "MatmulRewriter", "nbits_node", "write_matmul",
+__all__ = ["MS_DOMAIN", "EXACT_WEIGHT_ONLY", "matmul_kind", "MatmulRewriter", "nbits_node", "bnb4_node", "write_matmul",
            "check_and_save"]
 
 MS_DOMAIN = "com.microsoft"
@@ -242,6 +242,23 @@ def nbits_node(node, name: str, codes: torch.Tensor, scale: torch.Tensor, zp: to
         "MatMulNBits", inputs, list(node.output), name=f"{node.name}_Q4", domain=MS_DOMAIN, K=k, N=n_out, bits=4, block_size=group
     )
     return new, inits
+
+
+# MatMulBnb4's quant_type attribute (onnxruntime's contrib op): FP4 0, NF4 1
+BNB4_TYPES = {"fp4": 0, "nf4": 1}
+
+
+def bnb4_node(rw: MatmulRewriter, node: Any, name: str, ql: Any):
+    """A MatMulBnb4 node from bitsandbytes' own packed nf4/fp4 codes and block absmax (`QuantizedLinear.codes`,
+    `scale_float`): the same layout onnxruntime's bnb4 kernel reads (blocks over the row-major [out, in] weight)."""
+    from onnx import helper
+
+    n_out, k = ql.weight.shape
+    packed = rw.const(f"{name}_Bnb4", ql.codes.numpy().astype(np.uint8))
+    absmax = rw.const(f"{name}_absmax", ql.scale_float.numpy().astype(np.float32))
+    return helper.make_node("MatMulBnb4", [node.input[0], packed, absmax], list(node.output), name=f"{node.name}_Bnb4",
+                            domain=MS_DOMAIN, K=k, N=n_out, block_size=ql.scheme.group_size,
+                            quant_type=BNB4_TYPES[str(ql.scheme.weight_dtype)])
 
 
 def write_matmul(rw: MatmulRewriter, node: Any, init: Any, kind: str, *, scheme: Scheme, grid: WeightGrid, codes: Any,

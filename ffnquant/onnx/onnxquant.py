@@ -9,7 +9,8 @@
   channel scale or Hadamard rotation) in float, exactly as in the reference.
 - 4-bit (`write_nbits`): MatMulNBits nodes from the quantized model's own codes, scales and zero
   points (RTN, GPTQ, HQQ's float zero points, AWQ on its folded model's export, whose scales are a
-  Mul before the matmuls); nf4/fp4 through onnxruntime's MatMulBnb4Quantizer.
+  Mul before the matmuls); nf4/fp4 as MatMulBnb4 from bitsandbytes' own packed codes and block absmax
+  (onnxruntime's bnb4 layout is bitsandbytes': the same bytes, checked by the artifact tests).
 - baseline (`ort_default_static`): `quantize_static` with its defaults (QDQ, MinMax,
   U8 activations / S8 weights) plus per_channel=True, on the same fp32 model and tokens.
 """
@@ -30,9 +31,8 @@ from ..errors import FFNQuantError
 from ..infra.atomic import ScratchFolder, atomic_path
 from ..measure.timing import time_calls
 from ..model import FFN
-from ..schemes import WeightDType
 from .export import export_onnx
-from .onnxmatmul import MS_DOMAIN, MatmulRewriter, check_and_save, matmul_kind, nbits_node, write_matmul
+from .onnxmatmul import MS_DOMAIN, MatmulRewriter, bnb4_node, check_and_save, matmul_kind, nbits_node, write_matmul
 from .ortcpu import exact_session_options, session_entries
 
 if TYPE_CHECKING:  # annotations only: onnxquant reads a QuantizedFFN, it never builds one
@@ -128,6 +128,11 @@ def _write_from_codes(fp32_path: str | os.PathLike, out_path: str | os.PathLike,
         if site in qmodel.quantized_sites and not scheme.act_dtype.is_float:
             mode = "static" if scheme.static_activations else "dynamic"
         rng = qmodel.ranges.get(site) if mode == "static" else None
+        if ql is not None and str(ql.scheme.weight_dtype) in ("nf4", "fp4"):  # bitsandbytes' packed codes
+            rw.removed.add(init.name)
+            rw.replace[id(node)] = [bnb4_node(rw, node, name, ql)]
+            kinds.append("bnb4")
+            continue
         if ql is not None and ql.zero_float is not None:  # HQQ: codes 0..15 with float zero points
             group = ql.codes.shape[1] // ql.scale_float.shape[1]
             new, inits = nbits_node(node, name, ql.codes, ql.scale_float, ql.zero_float, group, ql.weight.shape[1])
@@ -144,7 +149,7 @@ def _write_from_codes(fp32_path: str | os.PathLike, out_path: str | os.PathLike,
         kinds.append(kind)
     rw.finish()
     _relu_after_matmul_as_max(proto.graph)
-    if "nbits" in kinds and not any(o.domain == MS_DOMAIN for o in proto.opset_import):
+    if {"nbits", "bnb4"} & set(kinds) and not any(o.domain == MS_DOMAIN for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     proto.ir_version = min(proto.ir_version, 10)  # onnx.helper writes an IR newer than onnxruntime reads; torch's exporters write 8-10
     helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, "ffnquant_scheme": scheme.name})
@@ -176,28 +181,11 @@ def write_nbits(fp32_path: str | os.PathLike, out_path: str | os.PathLike, qmode
     """A 4-bit weight-only model: MatMulNBits (int4: RTN, GPTQ, AWQ, HQQ) from `qmodel`'s own codes and grids, or
     MatMulBnb4 (nf4, fp4) for the FFN matmuls `qmodel` quantizes (the others stay float MatMuls, as a
     `+float=SITE` recipe has them). `fp32_path` is the export of the float model `qmodel` was quantized from."""
-    from onnx import helper
-
     scheme = qmodel.scheme
     kind, why = artifact_kind(scheme)
     if kind not in ("nbits", "bnb4"):
         raise FFNQuantError(f"scheme {scheme.name!r} has no 4-bit artifact: {why}")
-    if kind == "nbits":
-        return _write_from_codes(fp32_path, out_path, qmodel)
-    # bitsandbytes' code books: onnxruntime's MatMulBnb4Quantizer computes the same block absmax and code lookup from
-    # the float weight (the reference is bitsandbytes' own quantize_4bit)
-    from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
-
-    proto = _load(fp32_path)
-    ffn_nodes = {node.name for node, _ in matmul_weights(proto, qmodel.quantized_weights).values()}
-    exclude = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in ffn_nodes]
-    qtype = MatMulBnb4Quantizer.NF4 if scheme.weight_dtype is WeightDType.NF4 else MatMulBnb4Quantizer.FP4
-    quant = MatMulBnb4Quantizer(proto, qtype, scheme.group_size, nodes_to_exclude=exclude)
-    quant.process()
-    out = quant.model.model
-    out.ir_version = min(out.ir_version, 10)
-    helper.set_model_props(out, {**{p.key: p.value for p in out.metadata_props}, "ffnquant_scheme": scheme.name})
-    return check_and_save(out, out_path)
+    return _write_from_codes(fp32_path, out_path, qmodel)
 
 
 def write_artifact(
