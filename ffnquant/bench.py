@@ -33,7 +33,8 @@ from .measure.latency import (DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks,
                               gpu_targets, latency_stats, numerics_rows, roofline, roofline_speedup_bound,
                               timing_suspect)
 # The timers and the copy bandwidth live in ffnquant.measure.timing; re-exported as part of the harness too.
-from .measure.timing import CudaEventTimer, Timer, TimerFactory, WallTimer, default_timer, measure_copy_bandwidth
+from .measure.timing import (CudaEventTimer, Timer, TimerFactory, WallTimer, default_timer, measure_copy_bandwidth,
+                             time_calls, time_within_budget)
 from .numerics.fakequant import quantize_model
 from .runtimes.artifacts import CALIBRATION_TOKENS, gaussian_calibration
 from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_format, get_runtime, tensor_nbytes
@@ -226,29 +227,13 @@ class BenchResult:
 
 # --- measuring ----------------------------------------------------------------------------------
 def measure(runtime: Runtime, loaded: Loaded, x: np.ndarray, config: BenchConfig, timer: Timer) -> LatencyStats:
-    """Warm up, then time single calls until `config.budget_s` of timed calls (at least `min_repeats`)."""
+    """Warm up, then time single calls until `config.budget_s` of timed calls (at least `min_repeats`):
+    `timing.time_within_budget` on this runtime's call."""
     prepared = runtime.prepare(loaded, x)
-    for _ in range(config.warmup):
-        runtime.run(loaded, prepared)
+    time_calls(lambda: runtime.run(loaded, prepared), 0, warmup=config.warmup)
     runtime.synchronize(loaded)
-    samples: list[float] = []
-    total = 0.0
-    wall0 = time.perf_counter()
-    # The wall cap keeps a case bounded when the timer counts less than the loop costs
-    # (CUDA events exclude launch gaps); the repeat floor keeps percentiles meaningful.
-    wall_cap = 3 * config.budget_s + 1.0
-    while True:
-        timer.start()
-        runtime.run(loaded, prepared)
-        dt = timer.stop()
-        samples.append(dt)
-        total += dt
-        n = len(samples)
-        if n >= config.max_repeats:
-            break
-        if n >= config.min_repeats and (total >= config.budget_s or time.perf_counter() - wall0 >= wall_cap):
-            break
-    return latency_stats(samples)
+    return latency_stats(time_within_budget(lambda: runtime.run(loaded, prepared), config.budget_s,
+                                            config.min_repeats, config.max_repeats, timer))
 
 
 def _error_text(exc: BaseException) -> str:

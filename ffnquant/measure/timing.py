@@ -84,6 +84,32 @@ def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 0, timer: T
     return samples
 
 
+def time_within_budget(fn: Callable[[], object], budget_s: float, min_repeats: int, max_repeats: int,
+                       timer: Timer | None = None) -> list[float]:
+    """Seconds of single calls of `fn`, timed until `budget_s` of timed calls (at least `min_repeats`, at most
+    `max_repeats`): the bench's loop, beside `time_calls`' fixed count.
+
+    A wall-clock cap (3x the budget + 1 s) keeps a case bounded when the timer counts less than the loop costs
+    (CUDA events exclude launch gaps); the repeat floor keeps percentiles meaningful."""
+    timer = timer if timer is not None else WallTimer()
+    samples: list[float] = []
+    total = 0.0
+    wall0 = time.perf_counter()
+    wall_cap = 3 * budget_s + 1.0
+    while True:
+        timer.start()
+        fn()
+        dt = timer.stop()
+        samples.append(dt)
+        total += dt
+        n = len(samples)
+        if n >= max_repeats:
+            break
+        if n >= min_repeats and (total >= budget_s or time.perf_counter() - wall0 >= wall_cap):
+            break
+    return samples
+
+
 # --- the roofline's bandwidth where no peak is tabled ---------------------------------------
 def measure_copy_bandwidth(device: str = "cpu", nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Best-of-`repeats` device copy bandwidth in bytes/s (read + write counted, as STREAM's copy does)."""

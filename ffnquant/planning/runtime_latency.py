@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import FFNQuantError, first_line
-from ..measure.timing import default_timer
+from ..measure.timing import default_timer, time_calls
 from ..recipe import Recipe
 from ..runtimes import ModelCase, Runtime, get_runtime
 from .latency_table import request_row
@@ -89,16 +89,13 @@ def measure_runtime_table(layer: Any, recipes: Sequence[Recipe], runtimes: Seque
         timers = {lk: default_timer(rt, loaded) for lk, (rt, loaded) in loads.items()}
         for (lk, k), p in prepared.items():  # warm-up: first calls compile, tune and allocate
             rt, loaded = loads[lk]
-            for _ in range(3):
-                rt.run(loaded, p)
+            time_calls(lambda: rt.run(loaded, p), 0, warmup=3)
             rt.synchronize(loaded)
         for r in range(rounds):
             for lk, (rt, loaded) in loads.items():
                 for k, (_, calls) in sizes.items():
-                    for _ in range(calls):
-                        timers[lk].start()
-                        rt.run(loaded, prepared[lk, k])
-                        times[lk, k].append(timers[lk].stop() * 1e3)
+                    call = lambda: rt.run(loaded, prepared[lk, k])  # noqa: E731
+                    times[lk, k] += [1e3 * t for t in time_calls(call, calls, timer=timers[lk])]
             if progress is not None:
                 progress("latency table: timing rounds", r + 1, rounds)
     finally:
