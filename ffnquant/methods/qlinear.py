@@ -1,8 +1,8 @@
 """`QuantizedLinear`: one quantized weight matrix, as every consumer reads it.
 
 A method handler (`ffnquant.methods`) makes it once per weight; the fake-quant forward takes its `weight`, the
-per-FFN ONNX writers its `codes` and `grid`, the deployment formats its `grid` (through `QuantizedFFN.weight_grids`),
-so nothing downstream quantizes a weight again or finds it by value.
+ONNX writers (`onnx.onnxmatmul`), the deployment formats (`QuantizedFFN.weight_grids`, `ModuleQuant.codes`) and the
+runtime kernels its `codes` and grid, so nothing downstream quantizes a weight again or finds it by value.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ..errors import FFNQuantError
 
 if TYPE_CHECKING:  # annotations only
     from ..numerics.fakequant import SiteRange
@@ -93,5 +95,6 @@ class QuantizedLinear:
         """The codes on the unsigned range (0..2^bits - 1) with their zero points shifted alike: what onnxruntime's
         asymmetric int8 (uint8) and MatMulNBits (0..15) store."""
         if self.codes is None or self.grid is None:
-            raise ValueError(f"{self.name or 'weight'}: no integer codes ({self.scheme.name})")
+            raise FFNQuantError(f"{self.name or 'weight'}: {self.scheme.name} stores no integer codes (a float weight or a "
+                                "code book)")
         return self.codes + (1 << (self.grid.bits - 1))
