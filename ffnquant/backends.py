@@ -8,7 +8,8 @@ is quantized. `supports(backend, recipe, spec)` asks it.
 
 The artifact writer and compressed-tensors decide here, from the scheme's numbers. The whole-model graph and the
 runtimes decide in their own modules (the graph's rewrite rules, a runtime's probed kernels), which register
-themselves here when imported; `PROVIDERS` names those modules, so that asking imports only what answers.
+themselves here when imported; `PROVIDERS` names those modules, imported the first time a name is asked that is not
+registered yet.
 """
 
 from __future__ import annotations
@@ -58,13 +59,9 @@ class Backend:
 
 
 _BACKENDS: dict[str, Backend] = {}
-# Backends that decide in a higher layer register when their module is imported: name -> that module.
-PROVIDERS = {
-    "onnx-graph": "ffnquant.deploy.onnx_model",
-    **{name: "ffnquant.runtimes" for name in ("ort-cpu", "ort-cuda", "ort-trt", "torch-cpu", "torch-cuda",
-                                              "torch-cuda-graph", "torch-cuda-compile", "triton-cuda", "triton-cpu",
-                                              "bnb-cpu", "bnb-cuda")},
-}
+# The modules that register backends deciding in a higher layer (the whole-model graph, every runtime) when they
+# are imported: imported, in this order, the first time a name is asked that is not registered yet.
+PROVIDERS = ("ffnquant.deploy.onnx_model", "ffnquant.runtimes")
 
 
 def register_backend(name: str, what: str, decide: Callable[[Any, Any], tuple[str | None, str]]) -> Backend:
@@ -80,18 +77,25 @@ def unregister_backend(name: str) -> None:
     _BACKENDS.pop(str(name).strip().lower(), None)
 
 
+def _load_providers() -> None:
+    for module in PROVIDERS:
+        importlib.import_module(module)
+
+
 def backend_names() -> list[str]:
-    """Every backend: those registered and those whose module registers them when asked."""
-    return sorted(set(_BACKENDS) | set(PROVIDERS))
+    """Every backend, those registered by the provider modules included."""
+    _load_providers()
+    return sorted(_BACKENDS)
 
 
 def get_backend(name: str) -> Backend:
-    """The backend called `name` (importing the module that declares it); an unknown name lists them."""
+    """The backend called `name` (importing the modules that declare the others on a miss); an unknown name lists
+    them."""
     key = str(name).strip().lower()
-    if key not in _BACKENDS and key in PROVIDERS:
-        importlib.import_module(PROVIDERS[key])
     if key not in _BACKENDS:
-        raise unknown_choice("backend", name, backend_names())
+        _load_providers()
+    if key not in _BACKENDS:
+        raise unknown_choice("backend", name, sorted(_BACKENDS))
     return _BACKENDS[key]
 
 

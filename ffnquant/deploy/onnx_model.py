@@ -120,6 +120,9 @@ def recipe_refuser(info: ModelInfo) -> Callable[[Any], str | None]:
 
 def _graph_support(recipe: Recipe, spec: FFNSpec) -> tuple[str | None, str]:
     """The onnx-graph backend's decision: what the rewrite writes for each FFN matmul under `recipe`, or why not."""
+    if spec is None:
+        raise FFNQuantError("the onnx-graph backend decides for a model's FFN shape: pass its spec "
+                            "(supports('onnx-graph', recipe, info.spec))")
     try:
         kinds = {m.weight: module_kind(m) for m in _recipe_modules(recipe, spec)}
     except FFNQuantError as exc:
