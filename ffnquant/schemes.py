@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import FFNQuantError, unknown_choice
-from .methods.registry import get_handler, is_method, method_names
+from .methods.registry import handler_for, is_method, method_names
 from .spec import FFNSpec
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "PRESETS",
     "preset_names",
     "register_preset",
+    "int4_group_scheme",
     "unregister_preset",
     "get_scheme",
     "check_scheme_fits",
@@ -151,8 +152,9 @@ def _method(value: Any) -> "Method | ExtraMethod":
     raise unknown_choice("method", value, method_names())
 
 
-def _method_handler(method: Any):
-    return get_handler(str(method))[0]
+def _handler(scheme: "Scheme"):
+    """The method handler that quantizes `scheme`'s weights (`methods.handler_for`)."""
+    return handler_for(scheme)
 
 
 def _enum(cls: type[enum.Enum], value: Any, kind: str):
@@ -228,19 +230,10 @@ class Scheme:
         if wd is WeightDType.FP8_E4M3:
             if gran is Granularity.PER_GROUP or not self.weight_symmetric or method is not Method.RTN:
                 raise FFNQuantError(f"scheme {self.name!r}: fp8_e4m3 weights take per_tensor or per_channel scales, symmetric, rtn")
-        if method is Method.HQQ and (wd is not WeightDType.INT4 or self.weight_symmetric):
-            raise FFNQuantError(f"scheme {self.name!r}: hqq fits a zero point: int4 weights, asymmetric")
-        if method is Method.GPTQ and wd not in (WeightDType.INT4, WeightDType.INT8):
-            raise FFNQuantError(f"scheme {self.name!r}: gptq applies to int4/int8 weights")
-        if method is Method.AWQ and (wd is not WeightDType.INT4 or gran is Granularity.PER_TENSOR):
-            raise FFNQuantError(f"scheme {self.name!r}: awq applies to int4 weights, per_group or per_channel")
-        if method is Method.AWQ and not ad.is_float:
-            # the fold rescales the matmul inputs, so ranges calibrated on the unfolded model would not fit
-            raise FFNQuantError(f"scheme {self.name!r}: awq is weight-only (float activations): its fold rescales the activations after calibration")
-        if isinstance(method, ExtraMethod):
-            why = _method_handler(method).check(self)
-            if why:
-                raise FFNQuantError(f"scheme {self.name!r}: {why}")
+        # the method's own rules (HQQ's fitted zero point, GPTQ's and AWQ's int4 grids...) live in its handler
+        why = _handler(self).check(self)
+        if why:
+            raise FFNQuantError(f"scheme {self.name!r}: {why}")
 
         # --- activations ------------------------------------------------------------
         mode = self.act_mode
@@ -298,9 +291,7 @@ class Scheme:
     @property
     def needs_hessians(self) -> bool:
         """True when the weights are quantized from calibration data: the input Hessians H = sum X^T X (GPTQ, AWQ)."""
-        if isinstance(self.method, ExtraMethod):
-            return _method_handler(self.method).needs_hessians
-        return self.method in (Method.GPTQ, Method.AWQ)
+        return _handler(self).needs_hessians
 
     @property
     def weight_bits(self) -> int:
@@ -352,10 +343,7 @@ class Scheme:
                 else "symmetric"
         else:
             sym = "asymmetric (integer zero point)"
-        method = {Method.RTN: "round-to-nearest", Method.GPTQ: "GPTQ", Method.HQQ: "HQQ-fitted zero points",
-                  Method.AWQ: "AWQ (activation-aware channel scales searched on calibration data and folded into the "
-                              "FFN, then round-to-nearest)"}.get(self.method) or _method_handler(self.method).describe \
-            or str(self.method)
+        method = _handler(self).describe or str(self.method)
         return f"{wd.value} weights, {sym}, {where}, {method}"
 
     def _act_text(self) -> str:
@@ -441,6 +429,15 @@ _BUILTIN_PRESETS = frozenset(PRESETS)
 
 def preset_names() -> list[str]:
     return list(PRESETS)
+
+
+def int4_group_scheme(group_size: int, symmetric: bool = True) -> Scheme:
+    """The `w4a16-g{group_size}[-asym]` scheme: the preset where one exists, else the same numerics for that group
+    (the Triton packer and torch's int4 kernel take any group that divides the width)."""
+    name = f"w4a16-g{group_size}" + ("" if symmetric else "-asym")
+    if name in PRESETS:
+        return PRESETS[name]
+    return Scheme(name, WeightDType.INT4, Granularity.PER_GROUP, group_size=group_size, weight_symmetric=symmetric)
 
 
 def register_preset(scheme: Scheme) -> Scheme:

@@ -18,10 +18,10 @@ from ..errors import FFNQuantError, unknown_choice
 from ..model import ACTIVATIONS as FFN_ACTIVATIONS
 from ..methods import QuantizedLinear, quantize_linear
 from ..numerics.primitives import pack_int4, unpack_int4
-from ..schemes import PRESETS, Granularity, Scheme, WeightDType
+from ..schemes import int4_group_scheme
 from ..spec import Activation
 
-__all__ = ["ACTIVATIONS", "SCALE_DTYPES", "PackedW4", "check_group", "pack_w4", "pack_linear", "int4_scheme", "dequantize_w4", "w4a16_reference",
+__all__ = ["ACTIVATIONS", "SCALE_DTYPES", "PackedW4", "check_group", "pack_w4", "pack_linear", "dequantize_w4", "w4a16_reference",
            "w4a16_gated_reference", "torch_act", "describe", "zero_point_values", "KeptDtypes"]
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
@@ -78,15 +78,7 @@ def pack_w4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.f
     check_group(k, group_size)
     if not isinstance(symmetric, bool):
         raise FFNQuantError(f"symmetric must be True or False, got {symmetric!r}")
-    return pack_linear(quantize_linear(w.detach(), int4_scheme(group_size, symmetric)), scale_dtype)
-
-
-def int4_scheme(group_size: int, symmetric: bool = True) -> Scheme:
-    """The `w4a16-g{group_size}[-asym]` scheme (a preset's own object where one exists)."""
-    name = f"w4a16-g{group_size}" + ("" if symmetric else "-asym")
-    if name in PRESETS:
-        return PRESETS[name]
-    return Scheme(name, WeightDType.INT4, Granularity.PER_GROUP, group_size=group_size, weight_symmetric=symmetric)
+    return pack_linear(quantize_linear(w.detach(), int4_group_scheme(group_size, symmetric)), scale_dtype)
 
 
 def pack_linear(ql: QuantizedLinear, scale_dtype: torch.dtype = torch.float16) -> PackedW4:

@@ -99,8 +99,8 @@ class GPTQ(MethodHandler):
     needs_hessians = True
     describe = "GPTQ"
 
-    def accepts(self, scheme: Scheme) -> bool:
-        return str(scheme.weight_dtype) == "int4"
+    def check(self, scheme: Scheme) -> str | None:
+        return None if str(scheme.weight_dtype) == "int4" else "gptq applies to int4 weights (MatMulNBits' group grid)"
 
     def quantize(self, weight: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> QuantizedLinear:
         if hessian is None:
@@ -117,6 +117,11 @@ class HQQ(MethodHandler):
     on_grid = False  # float zero points: no integer grid a deployment format stores
     describe = "HQQ-fitted zero points"
 
+    def check(self, scheme: Scheme) -> str | None:
+        if str(scheme.weight_dtype) != "int4" or scheme.weight_symmetric:
+            return "hqq fits a zero point: int4 weights, asymmetric"
+        return None
+
     def quantize(self, weight: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> QuantizedLinear:
         w = weight.detach().float()
         q, scale, zero = P.hqq_int4_codes(w, _group(scheme, w))
@@ -132,6 +137,14 @@ class AWQ(MethodHandler):
     needs_hessians = True
     describe = ("AWQ (activation-aware channel scales searched on calibration data and folded into the FFN, then "
                 "round-to-nearest)")
+
+    def check(self, scheme: Scheme) -> str | None:
+        if str(scheme.weight_dtype) != "int4" or str(scheme.weight_granularity) == "per_tensor":
+            return "awq applies to int4 weights, per_group or per_channel"
+        if not scheme.act_dtype.is_float:
+            # the fold rescales the matmul inputs, so ranges calibrated on the unfolded model would not fit
+            return "awq is weight-only (float activations): its fold rescales the activations after calibration"
+        return None
 
     def fold(self, model: Any, scheme: Scheme, hessians: Mapping[str, Any] | None, weights: list[str]) -> tuple[Any, list]:
         from ..numerics.awq import awq_fold, clip_weights

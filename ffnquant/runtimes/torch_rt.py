@@ -32,7 +32,7 @@ from ..errors import FFNQuantError, unknown_choice
 from ..methods import QuantizedLinear, quantize_linear
 from ..numerics.fakequant import WEIGHT_INPUT_SITE, quantize_model
 from ..numerics.primitives import FP8_E4M3_MAX, fp8_rowwise, fp8_tensorwise, int8_symmetric_rows
-from ..schemes import Granularity, Scheme, WeightDType, get_scheme
+from ..schemes import get_scheme, int4_group_scheme
 from .artifacts import gaussian_calibration
 from .base import Availability, Loaded, ModelCase, Runtime, check_input
 
@@ -62,20 +62,17 @@ _FLOAT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 # --- pure quantization math in the kernels' conventions -------------------------------
-def int4_groupwise_affine(w, group_size: int, ql: QuantizedLinear | None = None):
+def int4_groupwise_affine(w, group_size: int):
     """The `w4a16-g*-asym` preset's 4-bit groups along the input dimension, in tinygemm's convention.
 
     Returns (q int32 in [0, 15] shaped like w, scales [n, k/g], zeros [n, k/g]) with
-    w ~ (q - 8) * scale + zero: the preset's codes and scales (its method handler's, `ql` where given)
+    w ~ (q - 8) * scale + zero: the preset's codes and scales (its method handler's)
     and zero = (8 - zp) * scale, so (q - 8) * scale + zero = (q - zp) * scale, the preset's value.
     """
     n, k = w.shape
     if k % group_size:
         raise FFNQuantError(f"4-bit groups of {group_size} need the input dimension divisible by it, got {k}")
-    if ql is None:
-        ql = quantize_linear(w.detach().float(), get_scheme(f"w4a16-g{group_size}-asym") if group_size in (32, 64, 128)
-                             else Scheme(f"w4a16-g{group_size}-asym", WeightDType.INT4, Granularity.PER_GROUP,
-                                         group_size=group_size, weight_symmetric=False))
+    ql = quantize_linear(w.detach().float(), int4_group_scheme(group_size, symmetric=False))
     scale, zp = ql.grid.scale, (ql.grid.zero_point + 8).float()  # [n, k/g]; the unsigned zero points
     zeros = (8.0 - zp) * scale
     return ql.unsigned_codes().to(torch.int32), scale.reshape(n, -1), zeros.reshape(n, -1)
@@ -185,7 +182,7 @@ class Int4WeightOnlyLinear(_QuantLinear):
 
     def __init__(self, linear, group_size: int, device, act_dtype) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
-        q, scales, zeros = int4_groupwise_affine(linear.weight, group_size, _linear_codes(linear, f"w4a16-g{group_size}-asym"))
+        q, scales, zeros = int4_groupwise_affine(linear.weight, group_size)
         k = linear.in_features
         inner = next((t for t in (8, 4, 2) if k % (t * 16) == 0), 2)
         packed, self._mm = _pack_int4(q, device, inner)
