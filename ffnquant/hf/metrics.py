@@ -63,6 +63,16 @@ class ErrorStats:
         return {"sqnr_db": self.sqnr_db, "cosine": self.cosine, "n_tokens": self.n_tokens}
 
 
+def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each position's next-token NLL [sequences * (positions - 1)], float32.
+
+    The log-softmax runs in float32 (its rounding, about 1e-7 of a log-probability, is far below any figure
+    reported; a float64 copy of [tokens, vocabulary] logits cost most of an evaluation's time); the callers sum
+    in float64."""
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none")
+
+
 class _NLL:
     """Streaming negative log-likelihood of next-token prediction."""
 
@@ -71,8 +81,7 @@ class _NLL:
         self.count = 0
 
     def update(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
-        logits = logits[:, :-1].reshape(-1, logits.shape[-1]).double()
-        self.total += float(F.cross_entropy(logits, ids[:, 1:].reshape(-1), reduction="sum"))
+        self.total += float(token_nll(logits, ids).sum(dtype=torch.float64))
         self.count += ids[:, 1:].numel()
 
     def add(self, nll: torch.Tensor) -> None:
@@ -146,9 +155,9 @@ def reference_batch(logits: torch.Tensor | None, ids: torch.Tensor, hidden: torc
         return Reference(torch.zeros(0, dtype=torch.float64), torch.zeros(0), torch.zeros(0, dtype=torch.int32),
                          None if hidden is None else hidden.detach().float())
     nll, top_logp, top_ids = [], [], []
-    for s in range(ids.shape[0]):  # a sequence at a time: [positions, vocabulary] in float64 is ~200 MB at 512 x 49k
-        logp = torch.log_softmax(logits[s, :-1].double(), dim=-1)
-        nll.append(-logp.gather(-1, ids[s, 1:, None]).squeeze(-1))
+    for s in range(ids.shape[0]):  # a sequence at a time (bounded memory at a large vocabulary)
+        logp = torch.log_softmax(logits[s, :-1].float(), dim=-1)  # float32: see token_nll
+        nll.append(-logp.gather(-1, ids[s, 1:, None]).squeeze(-1).double())
         lp, ix = logp.topk(min(k, logp.shape[-1]), dim=-1)
         top_logp.append(lp)
         top_ids.append(ix)
@@ -183,10 +192,10 @@ class Agreement:
     def update(self, ref: Reference, logits: torch.Tensor, ids: torch.Tensor) -> "Agreement":
         kls = []
         for s in range(ids.shape[0]):  # a sequence at a time (see reference_batch)
-            logq = torch.log_softmax(logits[s, :-1].double(), dim=-1)
-            nll = -logq.gather(-1, ids[s, 1:, None]).squeeze(-1)
+            logq = torch.log_softmax(logits[s, :-1].float(), dim=-1)  # float32: see token_nll
+            nll = -logq.gather(-1, ids[s, 1:, None]).squeeze(-1).double()
             top_p_logp = ref.top_logp[s].double()
-            q_top = logq.gather(-1, ref.top_ids[s].long())
+            q_top = logq.gather(-1, ref.top_ids[s].long()).double()
             p_top = top_p_logp.exp()
             kl = (p_top * (top_p_logp - q_top)).sum(-1)
             p_rest = (1.0 - p_top.sum(-1)).clamp(min=0.0)

@@ -21,45 +21,77 @@ __all__ = ["sqnr_db", "cosine", "rel_l2", "max_abs_error", "Accuracy", "accuracy
 SQNR_CAP_DB = 200.0
 
 
-def _pair(ref: Any, got: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    r = torch.as_tensor(np.asarray(ref) if not isinstance(ref, torch.Tensor) else ref).detach().double().reshape(-1)
-    g = torch.as_tensor(np.asarray(got) if not isinstance(got, torch.Tensor) else got).detach().double().reshape(-1)
+def _flat(x: Any) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x).detach().reshape(-1)
+
+
+@dataclass(frozen=True)
+class _Sums:
+    """The float64 sums every figure is made of: ||ref||^2, ||got||^2, <ref, got>, ||ref - got||^2, max |ref - got|."""
+
+    signal: float
+    got_sq: float
+    dot: float
+    noise: float
+    max_err: float
+
+
+def _sums(ref: Any, got: Any, chunk: int = 1 << 20) -> _Sums:
+    """One pass over both outputs in float64 chunks (a whole float64 copy of a large output is never made).
+
+    A finite float32/float64 value squared stays finite in float64 (at most 1.2e77 for float32), so the sums are
+    finite exactly when every value is: the non-finite check costs nothing beyond the sums."""
+    r, g = _flat(ref), _flat(got)
     if r.shape != g.shape:
         raise FFNQuantError(f"reference and quantized outputs differ in size: {r.numel()} vs {g.numel()}")
-    if not (torch.isfinite(r).all() and torch.isfinite(g).all()):
+    signal = got_sq = dot = noise = max_err = 0.0
+    for i in range(0, r.numel(), chunk):
+        rc, gc = r[i : i + chunk].double(), g[i : i + chunk].double()
+        d = rc - gc
+        signal += float(rc.dot(rc))
+        got_sq += float(gc.dot(gc))
+        dot += float(rc.dot(gc))
+        noise += float(d.dot(d))
+        max_err = max(max_err, float(d.abs().max()) if d.numel() else 0.0)
+    if not all(math.isfinite(v) for v in (signal, got_sq, noise, max_err)):
         raise FFNQuantError("non-finite values in the outputs being compared")
-    return r, g
+    return _Sums(signal, got_sq, dot, noise, max_err)
+
+
+def _sqnr(s: _Sums) -> float:
+    if s.noise == 0.0:
+        return SQNR_CAP_DB
+    if s.signal == 0.0:
+        return -SQNR_CAP_DB
+    return min(SQNR_CAP_DB, 10.0 * math.log10(s.signal / s.noise))
+
+
+def _cosine(s: _Sums) -> float:
+    den = math.sqrt(s.signal) * math.sqrt(s.got_sq)
+    return s.dot / den if den > 0 else (1.0 if s.noise == 0 else 0.0)
+
+
+def _rel_l2(s: _Sums) -> float:
+    return math.sqrt(s.noise) / math.sqrt(s.signal) if s.signal > 0 else math.inf
 
 
 def sqnr_db(ref: Any, got: Any) -> float:
     """20 log10(||ref|| / ||ref - got||), capped at 200 dB for identical outputs."""
-    r, g = _pair(ref, got)
-    noise = float(torch.linalg.vector_norm(r - g))
-    signal = float(torch.linalg.vector_norm(r))
-    if noise == 0.0:
-        return SQNR_CAP_DB
-    if signal == 0.0:
-        return -SQNR_CAP_DB
-    return min(SQNR_CAP_DB, 20.0 * math.log10(signal / noise))
+    return _sqnr(_sums(ref, got))
 
 
 def cosine(ref: Any, got: Any) -> float:
     """Cosine similarity of the flattened outputs."""
-    r, g = _pair(ref, got)
-    den = float(torch.linalg.vector_norm(r) * torch.linalg.vector_norm(g))
-    return float(torch.dot(r, g)) / den if den > 0 else (1.0 if float(torch.linalg.vector_norm(r - g)) == 0 else 0.0)
+    return _cosine(_sums(ref, got))
 
 
 def rel_l2(ref: Any, got: Any) -> float:
     """||ref - got|| / ||ref||."""
-    r, g = _pair(ref, got)
-    signal = float(torch.linalg.vector_norm(r))
-    return float(torch.linalg.vector_norm(r - g)) / signal if signal > 0 else math.inf
+    return _rel_l2(_sums(ref, got))
 
 
 def max_abs_error(ref: Any, got: Any) -> float:
-    r, g = _pair(ref, got)
-    return float((r - g).abs().max())
+    return _sums(ref, got).max_err
 
 
 @dataclass(frozen=True)
@@ -86,7 +118,8 @@ def accuracy_of(ref: Any, got: Any, n_tokens: int | None = None) -> Accuracy:
     """All four figures for two output arrays (torch or numpy)."""
     r = torch.as_tensor(np.asarray(ref)) if not isinstance(ref, torch.Tensor) else ref
     n = int(n_tokens if n_tokens is not None else (r.reshape(-1, r.shape[-1]).shape[0] if r.ndim else 1))
-    return Accuracy(sqnr_db(ref, got), cosine(ref, got), rel_l2(ref, got), max_abs_error(ref, got), n)
+    sums = _sums(ref, got)  # one pass for all four figures
+    return Accuracy(_sqnr(sums), _cosine(sums), _rel_l2(sums), sums.max_err, n)
 
 
 def run_batched(fn: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, batch_size: int = 4096) -> torch.Tensor:

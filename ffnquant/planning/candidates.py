@@ -24,7 +24,6 @@ from ..recipe import Recipe
 from ..schemes import recipe_weight_bytes
 from .moe import MoELayer, quantize_moe_layer, score_moe_layer
 from .scores import CandidateScore, db as _db
-from .sensitivity import fisher_noise
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
@@ -106,7 +105,11 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
         raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
     with torch.no_grad():
         ref = run_batched(layer.ffn, calib)
-    signal = float(ref.double().square().sum())
+    # what every candidate is compared with, in float64 once per layer (not once per candidate)
+    ref64 = ref.double()
+    grad_sq = grad.double().square()
+    signal = float(ref64.square().sum())
+    del ref
     scores, kept = [], {}
     for outcome in _outcomes(layer, recipes, calib, held_out, bins):
         recipe = outcome.recipe
@@ -115,12 +118,14 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
             continue
         q = outcome.result.qmodel
         with torch.no_grad():
-            got = run_batched(q, calib)
-        noise = float((got.double() - ref.double()).square().sum())
+            err_sq = (run_batched(q, calib).double() - ref64).square()
+        noise = float(err_sq.sum())
         scores.append(CandidateScore(
             str(recipe), layer_sqnr_db=outcome.result.accuracy.sqnr_db, search_noise=noise,
             search_sqnr_db=_db(signal, noise),
-            fisher=fisher_noise(grad, ref, got), bytes=recipe_weight_bytes(layer.spec, recipe)))
+            # sensitivity.fisher_noise, with the gradients squared once per layer
+            fisher=float((grad_sq * err_sq).sum()), bytes=recipe_weight_bytes(layer.spec, recipe)))
+        del err_sq
         if recipe in keep:
             kept[recipe] = q
     return scores, kept
@@ -136,11 +141,16 @@ def generalization(score: "CandidateScore") -> float:
     return min(100.0, max(0.25, 10 ** ((score.search_sqnr_db - score.layer_sqnr_db) / 10)))
 
 
-def quantize_layer(layer: Any, recipe: Recipe, calib: torch.Tensor, held_out: torch.Tensor, bins: int | None = None):
+def quantize_layer(layer: Any, recipe: Recipe, calib: torch.Tensor, held_out: torch.Tensor, bins: int | None = None,
+                   measure: bool = True):
     """The QuantizedFFN of one layer under one recipe (what `score_layer` scored), and its held-out SQNR (an MoE
-    layer's: a `planning.moe.QuantizedMoE`)."""
+    layer's: a `planning.moe.QuantizedMoE`). `measure=False`: the SQNR is not wanted (None), so it is measured on
+    one held-out row only; the quantizers never read the held-out rows, so the FFN is the same."""
     if isinstance(layer, MoELayer):
         return quantize_moe_layer(layer, recipe, calib, held_out, bins)
+    if not measure:
+        q = quantize_layer(layer, recipe, calib, held_out[:1], bins)[0]
+        return q, None
     outcome = next(iter(_outcomes(layer, [recipe], calib, held_out, bins)))
     if not outcome.ok:
         raise FFNQuantError(f"{layer.label}: {recipe}: {outcome.error}")

@@ -164,6 +164,43 @@ def _ort_exclude(best: dict[str, Any] | None, recipes: Sequence[Recipe], rows: l
                                f"{best['sqnr_db']:.1f} dB, {best['method']})")
 
 
+def _static_int8(recipe: Recipe) -> bool:
+    scheme = recipe.resolve()
+    return scheme.static_activations and scheme.act_dtype.is_integer
+
+
+class _FloorSearch:
+    """`search.solve` with onnxruntime's floor measured only where it can matter.
+
+    A static int8 candidate below onnxruntime's best own quantizer on its layer is left out (`_ort_exclude`).
+    Measuring that floor costs seconds per layer, so it is measured on a layer only once a solution picks a
+    static int8 candidate there; the layer's options are then pruned and the search solved again. The result is
+    the one an eager floor gives: a solution that picks no unmeasured static int8 candidate is optimal with fewer
+    exclusions, so it is also optimal with all of them."""
+
+    def __init__(self, options: dict[int, list[Option]], per_layer: dict[int, dict[str, Any]],
+                 recipes: Sequence[Recipe], measure: Callable[[int], dict[str, Any] | None]) -> None:
+        self.options, self.per_layer, self.recipes, self.measure = options, per_layer, recipes, measure
+        self.static = {str(r) for r in recipes if _static_int8(r)}
+
+    def solve(self, budget: float) -> dict[int, Option] | None:
+        while True:
+            chosen = solve(self.options, budget)
+            if chosen is None:
+                return None
+            todo = [i for i, o in chosen.items()
+                    if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"]
+            if not todo:
+                return chosen
+            for i in todo:
+                entry = self.per_layer[i]
+                entry["ort_best"] = best = self.measure(i)
+                entry["ort_floor"] = "measured"
+                _ort_exclude(best, self.recipes, entry["candidates"])
+                left = {r["recipe"] for r in entry["candidates"] if r.get("error") is None and "excluded" not in r}
+                self.options[i] = [o for o in self.options[i] if o.name in left]
+
+
 def needs_fold(recipe: Recipe) -> bool:
     """Whether a recipe puts a scale on the FFN input that deployment folds into the norm before the FFN."""
     return recipe.smooth is not None or get_scheme(recipe.scheme).method is Method.AWQ
@@ -191,8 +228,10 @@ def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], cal
             ref, got = layer.ffn(x), q(x)
         probes.append({"recipe": str(p), "fisher_per_token": fisher_noise(grad[:n_probe], ref, got) / max(1, x.shape[0]),
                        "noise": float((got.double() - ref.double()).square().sum())})
-    moe = isinstance(layer, MoELayer)  # onnxruntime's quantizers take one FFN, not a layer of routed experts
-    ort = _ort_best(layer, calib, held, settings) if with_ort_floor and not moe else None
+    moe = isinstance(layer, MoELayer)
+    # onnxruntime's floor is measured later, only on layers where the search picks a static int8 candidate
+    # (`_FloorSearch`); onnxruntime's quantizers take one FFN, not a layer of routed experts
+    ort = "pending" if with_ort_floor and not moe else None
     t = time.perf_counter()
     if moe:
         table = moe_table(layer, calib, settings.bins)
@@ -239,9 +278,8 @@ def _finish_layer(local: dict[str, Any], ablations: Mapping[tuple[int, str], Any
     for r in probe_rows:
         r["predicted_kl"] = kappa * r["fisher_per_token"]
         fit_points.append({"layer": local["index"], **r})
-    _ort_exclude(local["ort_best"], recipes, rows)
     return {"label": local["label"], "kappa": kappa, "rho": rho, "probes": probe_rows, "candidates": rows,
-            "ort_best": local["ort_best"]}, fit_points
+            "ort_best": None, "ort_floor": local["ort_best"]}, fit_points
 
 
 def make_plan(
@@ -358,6 +396,17 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
                for i, d in per_layer.items()}
     if any(not opts for opts in options.values()):
         raise FFNQuantError("plan: a layer has no usable candidate (fp32 failed?)")
+    floor_s = [0.0]
+
+    def measure_floor(i: int) -> dict[str, Any] | None:
+        t_floor = time.perf_counter()
+        layer, calib, held = source.layer_inputs(i)
+        best = _ort_best(layer, calib, held, settings)
+        floor_s[0] += time.perf_counter() - t_floor
+        tick(f"onnxruntime floor: {layer.label}", 1, 1)
+        return best
+
+    search = _FloorSearch(options, per_layer, recipes, measure_floor)
 
     t = time.perf_counter()
     # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)
@@ -366,7 +415,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     rounds: list[dict[str, Any]] = []
     safety, met_safety, missed_safety = 1.0, None, None
     for rnd in range(1, max_rounds + 1):
-        chosen = solve(options, target.budget * safety)
+        chosen = search.solve(target.budget * safety)
         if chosen is None:
             raise FFNQuantError(f"plan: no assignment meets {target} even by prediction (fp32 everywhere should): "
                                 "the predicted damage of the float candidate is not zero")
@@ -406,7 +455,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     passing = [r for r in rounds if r["met"]]
     final = min(passing, key=lambda r: r["cost"]) if passing else rounds[-1]
     chosen = {i: next(o for o in options[i] if o.name == name) for i, name in final["layers"].items()}
-    timings["verify_s"] = time.perf_counter() - t
+    timings["verify_s"] = time.perf_counter() - t - floor_s[0]
+    timings["ort_floor_s"] = floor_s[0]
 
     # the layer atlas of the model's FFN ranges (search text), for the plan to be drawn over
     atlas = layer_atlas({f"{info.model_type}:{local[i]['label']}": local[i]["table"] for i in sorted(local)})

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FFNQuantError
 from ..hf.arch import Install, ModelKind
 from ..hf.capture import _module_for
+from ..hf.metrics import token_nll
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
@@ -67,7 +67,7 @@ def _ffn_modules(model: nn.Module, info: ModelInfo, layers: Sequence[Any]) -> di
 
 
 def _nll_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(), ids[:, 1:].reshape(-1), reduction="sum")
+    return token_nll(logits, ids).sum(dtype=torch.float64)  # differentiable: the loss of the backward pass
 
 
 def probe_batches(batches: Sequence[torch.Tensor], probe_tokens: int) -> tuple[list[torch.Tensor], int]:

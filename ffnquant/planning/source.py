@@ -118,6 +118,9 @@ class PlanSource:
         self.probe_tokens, self.resident, self.spill, self.allow_pickle = probe_tokens, resident, spill, allow_pickle
         self.progress, self.timings = progress or (lambda *a: None), timings
         self.ablations: dict[tuple[int, str], Any] = {}
+        # resident: each verification round's quantized FFNs, by (layer, recipe), for the next round to reuse
+        # (the rounds change few layers; the quantizers are deterministic, so a kept FFN is the one made again)
+        self._quantized: dict[tuple[int, str], Any] = {}
 
     def __enter__(self) -> "PlanSource":
         from ..hf.stream import _spill_folder
@@ -344,6 +347,13 @@ class PlanSource:
                     Routed(**self.ffn_eval.get(j)))
         return next(ffns), self.ffn_calib.get(j), self.ffn_eval.get(j)
 
+    def layer_inputs(self, j: int) -> tuple[Any, Any, Any]:
+        """Layer j (an FFN of the plan) with its kept search and held-out inputs, read again after the scoring
+        pass (what the onnxruntime floor measures, `job._FloorSearch`)."""
+        from ..hf.checkpoint import iter_ffn_layers
+
+        return self._layer(j, iter_ffn_layers(self.info, [j], allow_pickle=self.allow_pickle))
+
     def _replacements(self, j: int, q: Any) -> dict[str, Any]:
         """What computes in layer j's FFNs' place, by label: a quantized FFN, or each quantized expert."""
         return q.replacements() if isinstance(q, QuantizedMoE) else {self.model.groups[j][0].label: q}
@@ -367,17 +377,22 @@ class PlanSource:
         m, n = v.model, len(v.model.layers)
         streams = (v.embedded[0].copy("quantized-calibration"), v.embedded[1].copy("quantized-evaluation"))
         quantized = [j for j in self.planned if chosen[j] != "fp32"]
-        ffns = iter_ffn_layers(self.info, quantized, allow_pickle=self.allow_pickle) if quantized else iter(())
+        kept = {key: q for key, q in self._quantized.items() if key[0] in quantized and chosen[key[0]] == key[1]}
+        self._quantized.clear()  # what this round does not use is freed before it quantizes anything
+        fresh = [j for j in quantized if (j, chosen[j]) not in kept]
+        ffns = iter_ffn_layers(self.info, fresh, allow_pickle=self.allow_pickle) if fresh else iter(())
         for j in range(n):
-            q = None
-            if j in quantized:
+            q = kept.pop((j, chosen[j]), None) if j in quantized else None
+            if j in fresh:
                 layer, calib, held = self._layer(j, ffns)
-                q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins)[0]
+                q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins, measure=False)[0]
                 del layer, calib, held
                 if self.dtype is not torch.float32:
                     from ..deploy.precision import in_dtype
 
                     q = in_dtype(q, self.dtype)
+            if q is not None and self.resident:
+                self._quantized[(j, chosen[j])] = q
             with m.layer(j, ffn=q is None):
                 for store, c in zip(streams, v.calls):
                     m.run(j, store, c, ffns=self._replacements(j, q) if q is not None else None)

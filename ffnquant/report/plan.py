@@ -75,7 +75,9 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     lines += [markdown_table(["layer", "recipe", "layer SQNR dB (held-out)", "onnxruntime's best dB", what, "latency",
                               "bytes", "cheapest non-dominated candidates"], rows), "",
               "onnxruntime's best: the best of its quantize_static (MinMax, Percentile, Entropy) and quantize_dynamic "
-              "on the same calibration and held-out inputs; static int8 candidates below it on a layer were left out.", ""]
+              "on the same calibration and held-out inputs, measured on the layers where the search picked a static int8 "
+              "candidate ('-' elsewhere: no static int8 candidate was in question there); static int8 candidates below "
+              "it on a layer were left out and the search solved again.", ""]
     if data.get("atlas"):
         lines += [f"The layer atlas with the plan drawn over it: [{data['atlas']}]({data['atlas']}) "
                   "(crest factor, kurtosis and outlier channels per layer and site, and the recipe each site got).", ""]
