@@ -77,6 +77,7 @@ class Prepared:
     _hessians: dict | None = None
     _ref_eval: torch.Tensor | None = None
     _search: dict = field(default_factory=dict)
+    _folds: dict = field(default_factory=dict)  # the method handlers' fold searches on `model` (AWQ's), per scheme
     _files: dict = field(default_factory=dict)
     _scratch: Any = None
     name: str | None = None  # file-name stem of the ONNX files (default the spec key)
@@ -367,7 +368,7 @@ def quantize_spec(
         cal = prep._search[key]
     weights, sites = recipe.quantized_parts(spec)  # a `+float=SITE` recipe leaves that site and its matrices float
     q = quantize_model(prep.model, scheme, prep.table, calibrator=cal, remedies=prep.remedies, hessians=hessians,
-                       weights=weights, sites=sites)
+                       weights=weights, sites=sites, fold_cache=prep._folds)
     q.recipe = recipe
     ref = prep.ref_eval()
     acc = accuracy_of(ref, run_batched(q, prep.eval), prep.eval.shape[0])

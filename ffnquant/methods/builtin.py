@@ -146,12 +146,20 @@ class AWQ(MethodHandler):
             return "awq is weight-only (float activations): its fold rescales the activations after calibration"
         return None
 
-    def fold(self, model: Any, scheme: Scheme, hessians: Mapping[str, Any] | None, weights: list[str]) -> tuple[Any, list]:
+    def fold(self, model: Any, scheme: Scheme, hessians: Mapping[str, Any] | None, weights: list[str],
+             cache: dict | None = None) -> tuple[Any, list]:
         from ..numerics.awq import awq_fold, clip_weights
 
         if hessians is None:
             raise FFNQuantError(f"scheme {scheme.name!r} (awq) needs calibration data for the input Hessians")
-        new, record = awq_fold(model, hessians, scheme)
+        # the search depends on the model, its Hessians and the scheme's grid only, not on which weights are then
+        # rounded: `-awq` and `-awq+float=hidden` share it
+        key = ("awq", scheme)
+        if cache is None or key not in cache:
+            found = awq_fold(model, hessians, scheme)
+            if cache is not None:
+                cache[key] = found
+        new, record = found if cache is None else cache[key]
         return clip_weights(new, record, weights), [record]  # AutoAWQ's clipping of the weights about to be rounded
 
     def quantize(self, weight: torch.Tensor, scheme: Scheme, hessian: torch.Tensor | None = None) -> QuantizedLinear:

@@ -48,7 +48,11 @@ class MethodHandler:
     def check(self, scheme: Scheme) -> str | None:
         return None
 
-    def fold(self, model: Any, scheme: Scheme, hessians: Mapping[str, Any] | None, weights: list[str]) -> tuple[Any, list]:
+    def fold(self, model: Any, scheme: Scheme, hessians: Mapping[str, Any] | None, weights: list[str],
+             cache: dict | None = None) -> tuple[Any, list]:
+        """The exact float rewrite of the whole FFN before its weights are quantized, and its remedy records (none:
+        a copy). `cache`: a dict the caller keeps for one (model, hessians) pair, where a costly search may keep its
+        result for the next recipe."""
         import copy
 
         return copy.deepcopy(model), []

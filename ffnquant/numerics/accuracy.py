@@ -36,26 +36,29 @@ class _Sums:
     max_err: float
 
 
-def _sums(ref: Any, got: Any, chunk: int = 1 << 20) -> _Sums:
-    """One pass over both outputs in float64 chunks (a whole float64 copy of a large output is never made).
+def _sums(ref: Any, got: Any) -> _Sums:
+    """The sums in float64 (`vector_norm` accumulates float32 values in float64 without a float64 copy).
 
-    A finite float32/float64 value squared stays finite in float64 (at most 1.2e77 for float32), so the sums are
-    finite exactly when every value is: the non-finite check costs nothing beyond the sums."""
+    A finite float32/float64 value squared stays finite in float64, so the sums are finite exactly when every
+    value is: the non-finite check costs nothing beyond the sums. The inner product comes from the polarization
+    identity <r, g> = (|r|^2 + |g|^2 - |r - g|^2) / 2."""
     r, g = _flat(ref), _flat(got)
     if r.shape != g.shape:
         raise FFNQuantError(f"reference and quantized outputs differ in size: {r.numel()} vs {g.numel()}")
-    signal = got_sq = dot = noise = max_err = 0.0
-    for i in range(0, r.numel(), chunk):
-        rc, gc = r[i : i + chunk].double(), g[i : i + chunk].double()
-        d = rc - gc
-        signal += float(rc.dot(rc))
-        got_sq += float(gc.dot(gc))
-        dot += float(rc.dot(gc))
-        noise += float(d.dot(d))
-        max_err = max(max_err, float(d.abs().max()) if d.numel() else 0.0)
-    if not all(math.isfinite(v) for v in (signal, got_sq, noise, max_err)):
+    if r.dtype != g.dtype:
+        r, g = r.double(), g.double()
+    f64 = torch.float64
+    signal = float(torch.linalg.vector_norm(r, dtype=f64)) ** 2
+    got_sq = float(torch.linalg.vector_norm(g, dtype=f64)) ** 2
+    if not (math.isfinite(signal) and math.isfinite(got_sq)):
         raise FFNQuantError("non-finite values in the outputs being compared")
-    return _Sums(signal, got_sq, dot, noise, max_err)
+    diff = r - g
+    noise = float(torch.linalg.vector_norm(diff, dtype=f64)) ** 2
+    if not math.isfinite(noise):  # finite values whose difference overflows their own dtype
+        diff = r.double() - g.double()
+        noise = float(torch.linalg.vector_norm(diff)) ** 2
+    max_err = float(diff.abs().max()) if diff.numel() else 0.0
+    return _Sums(signal, got_sq, (signal + got_sq - noise) / 2, noise, max_err)
 
 
 def _sqnr(s: _Sums) -> float:
@@ -68,7 +71,7 @@ def _sqnr(s: _Sums) -> float:
 
 def _cosine(s: _Sums) -> float:
     den = math.sqrt(s.signal) * math.sqrt(s.got_sq)
-    return s.dot / den if den > 0 else (1.0 if s.noise == 0 else 0.0)
+    return max(-1.0, min(1.0, s.dot / den)) if den > 0 else (1.0 if s.noise == 0 else 0.0)
 
 
 def _rel_l2(s: _Sums) -> float:

@@ -249,6 +249,7 @@ def quantize_model(
     sites: Sequence[str] | None = None,
     hessians: Mapping[str, torch.Tensor] | None = None,
     site_range_cache: Mapping[str, SiteRange] | None = None,
+    fold_cache: dict | None = None,
 ) -> QuantizedFFN:
     """Fake-quantize `model` under `scheme` (weights and matmul-input activations).
 
@@ -260,7 +261,8 @@ def quantize_model(
     (`Scheme.needs_hessians`). Each weight is quantized by the scheme's method handler
     (`ffnquant.methods`), after the handler's fold of the whole FFN: under AWQ the returned model is `model`
     with the searched scales folded in (`awq.awq_fold`, its record appended to `remedies`) and its weights
-    clipped (`awq.clip_weights`) and RTN-quantized.
+    clipped (`awq.clip_weights`) and RTN-quantized. `fold_cache`: a dict the caller keeps for this `model` and
+    `hessians`, where the handler's fold keeps its search for the next scheme sharing it.
     """
     scheme = get_scheme(scheme)
     check_scheme_fits(scheme, model.spec)
@@ -279,7 +281,7 @@ def quantize_model(
         if handler.needs_hessians and hessians is None:
             raise FFNQuantError(f"scheme {scheme.name!r} ({scheme.method}) needs calibration data for the input Hessians")
         # an exact float rewrite of the whole FFN first where the method has one (AWQ's folded channel scales)
-        new, records = handler.fold(model, scheme, hessians, weights)
+        new, records = handler.fold(model, scheme, hessians, weights, cache=fold_cache)
         remedies = [*remedies, *records]
     else:
         new = copy.deepcopy(model)

@@ -46,11 +46,12 @@ from ..onnx.export import export_onnx
 from ..onnx.ortbaseline import ort_baselines
 from ..recipe import Recipe
 from ..schemes import Method, get_scheme
-from .candidates import candidate_recipes, generalization, run_score_task, score_tasks
+from .candidates import HELD_ROWS, candidate_recipes, generalization, run_score_task, score_tasks
 from .latency_table import measure_latency_table
 from .moe import MoELayer, moe_table
 from .planfile import Plan, model_fingerprint
 from .runtime_latency import check_runtimes, measure_runtime_table
+from .scores import CandidateScore
 from .search import Option, pareto, solve
 from .sensitivity import check_plannable, fisher_noise
 from .source import PlanSource
@@ -164,6 +165,25 @@ def _ort_exclude(best: dict[str, Any] | None, recipes: Sequence[Recipe], rows: l
                                f"{best['sqnr_db']:.1f} dB, {best['method']})")
 
 
+def never_chosen(recipes: Sequence[Recipe], latency: Mapping[str, Mapping[str, Any]], where: str) -> dict[str, str]:
+    """The candidates the latency objective can never choose, by recipe text, with why: those not timed, and those
+    no faster than fp32, which costs no accuracy (any assignment using one is beaten by fp32 in its place). Not
+    scoring them changes no plan."""
+    fp32 = (latency.get("fp32") or {}).get("p50_ms")
+    out = {}
+    for recipe in recipes:
+        if recipe.is_float:
+            continue
+        lat = latency.get(str(recipe)) or {}
+        ms = lat.get("p50_ms")
+        if ms is None:
+            out[str(recipe)] = lat.get("reason") or "not timed"
+        elif fp32 is not None and ms >= fp32:
+            out[str(recipe)] = (f"no faster than fp32 on {where} ({ms:.2f} ms against {fp32:.2f} ms), which costs no "
+                                "accuracy: never chosen, so not scored")
+    return out
+
+
 def _static_int8(recipe: Recipe) -> bool:
     scheme = recipe.resolve()
     return scheme.static_activations and scheme.act_dtype.is_integer
@@ -243,7 +263,8 @@ def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], cal
 
 
 def _finish_layer(local: dict[str, Any], ablations: Mapping[tuple[int, str], Any], recipes: Sequence[Recipe],
-                  latency: dict[str, dict[str, Any]], objective: Objective) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                  latency: dict[str, dict[str, Any]], objective: Objective,
+                  unscored: Mapping[str, str] = {}) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One layer's rows: the per-layer fit (kappa, rho) on its probes' ablations, each candidate's predicted
     damage and cost, the onnxruntime floor; (the layer's entry, its probe fit points)."""
     probe_rows = []
@@ -260,7 +281,12 @@ def _finish_layer(local: dict[str, Any], ablations: Mapping[tuple[int, str], Any
     by_recipe = {s.recipe: s for s in local["scores"]}
     rows = []
     for recipe in recipes:
-        s = by_recipe[str(recipe)]
+        s = by_recipe.get(str(recipe))
+        if s is None:  # left out before scoring (`never_chosen`)
+            lat = latency.get(str(recipe), {})
+            rows.append({**CandidateScore(str(recipe)).to_dict(), "latency_ms": lat.get("p50_ms"),
+                         "excluded": unscored[str(recipe)], "scored": False})
+            continue
         row = s.to_dict()
         if s.error is None:
             # KL per token ~ kappa * fisher per token; final NSR ~ rho * noise per token / signal per token;
@@ -356,6 +382,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     # the onnxruntime floor applies to static int8 candidates only: without any, it is not measured
     any_static = any(r.resolve().static_activations and r.resolve().act_dtype.is_integer for r in recipes)
     scored = list(dict.fromkeys(recipes + probes))
+    unscored: dict[str, str] = {}
     local: dict[int, dict[str, Any]] = {}
     n_layers = info.n_layers
     for group in source.groups():
@@ -368,6 +395,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
                 latency = measure_runtime_table(first, recipes, check_runtimes(objective.runtimes), objective.tokens,
                                                 progress=progress)
             timings["latency_table_s"] = time.perf_counter() - t_lat
+            unscored = never_chosen(recipes, latency, ", ".join(objective.runtimes))
+            scored = [r for r in scored if str(r) not in unscored or r in probes]  # the probes fit the prediction
         # each layer is finished as soon as its tasks are in, so its quantized probes are freed early
         for k, scores, kept in _scored(executor, group, scored, probes, settings.bins):
             layer, calib, held, grad = group[k]
@@ -378,7 +407,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     fits: dict[int, list[dict[str, Any]]] = {}
     refusals = source.fold_refusals
     for i in sorted(local):  # in layer order, whatever order the tasks finished in
-        per_layer[i], fits[i] = _finish_layer(local[i], source.ablations, recipes, latency, objective)
+        per_layer[i], fits[i] = _finish_layer(local[i], source.ablations, recipes, latency, objective, unscored)
         _fold_exclude(per_layer[i]["candidates"], refusals.get(i))
     fit_points = [p for i in sorted(fits) for p in fits[i]]
     timings["candidates_s"] = time.perf_counter() - t - timings.get("latency_table_s", 0.0)
@@ -483,9 +512,11 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
         "target": target.name, "budget": target.budget, "objective": objective.name,
         "candidates": [str(r) for r in recipes], "skipped_candidates": skipped, "probes": list(PROBES),
+        "not_scored": unscored,
         "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (planning.search)",
         "calibration": source.texts["calibration"], "evaluation": source.texts["evaluation"],
         "token_budgets": source.texts["token_budgets"], "probe_tokens": source.n_probe,
+        "held_rows_scored": HELD_ROWS,
         "baseline": baseline, "latency_table": latency, "layers": per_layer, "probe_fit": fit_points,
         "rounds": rounds, "final_round": final["round"], "verified": bool(final["met"]), "plan": plan.to_dict(),
         "fp32_cost": fp32_cost, "single_recipes": singles,

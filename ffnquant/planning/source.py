@@ -35,6 +35,7 @@ import torch
 from ..hf.memory import Needs
 from ..hf.metrics import TOP_K
 from ..recipe import Recipe
+from .candidates import held_rows
 from .moe import MoELayer, QuantizedMoE, Routed
 
 if TYPE_CHECKING:  # annotations only
@@ -211,7 +212,7 @@ class PlanSource:
             elif hfs:
                 label = m.groups[j][0].label
                 self.ffn_calib.put(j, torch.cat(cal_x[label]))
-                self.ffn_eval.put(j, torch.cat(ev_x[label]))
+                self.ffn_eval.put(j, held_rows(torch.cat(ev_x[label])))
             del cal_x, ev_x, hfs
             self.progress(f"search and held-out texts: L{j}", j + 1, n)
         # the float figures; the loss gradient at the last layer's output

@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""What a verified plan costs against the peer's oneshot, in one run on one machine.
+
+Times, one after the other on the same machine (each step a subprocess, wall clock):
+  1. `ffnquant plan --model M --target ppl+1%` with every other option at its default (--plan-args adds some);
+  2. `ffnquant export` of that plan (its proof included);
+  3. `ffnquant.apply(M, RECIPE)` + `ffnquant.save(...)` of one recipe (default w8a8-dynamic-s8);
+  4. llm-compressor's W8A8 `oneshot` (SmoothQuant + GPTQ on the FFN Linears, --peer-samples x 512 tokens;
+     benchmarks/peer_llmcompressor.py, run by the interpreter of an environment that has llm-compressor).
+and writes OUT/plan_cost.json and OUT/plan_cost.md: each step's time, the ratios to the peer, the plan's time per
+stage (from its plan.json), its verified figures on each held-out domain and the export's proof. `--before FILE`
+adds an earlier run's plan_cost.json (e.g. of an older checkout, `--source DIR`) as the "before" columns.
+
+Usage:
+  python3 benchmarks/plan_cost.py --model models/smollm2-135m-instruct --peer-python peer-venv/bin/python \
+      --out reports/plan-cost/smollm2-135m
+  # the same steps run by another checkout of ffnquant (PYTHONPATH=DIR), e.g. the one before a change:
+  python3 benchmarks/plan_cost.py --model ... --source /tmp/ffnquant-before --skip-peer --out /tmp/before
+Exit 0 when every step ran (a step that failed is reported, with its last lines, and exits 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+APPLY_SAVE = """
+import sys, time, ffnquant
+model, recipe, out = sys.argv[1:4]
+t = time.perf_counter()
+q = ffnquant.apply(model, recipe)
+t_apply = time.perf_counter() - t
+report = ffnquant.save(q, out)
+print("APPLY_SAVE", t_apply, time.perf_counter() - t, "proven" if report.proven else f"NOT proven ({report.proven})",
+      flush=True)
+"""
+
+# the plan's stages, in the order they run (plan.json's `timings`), with what each is
+STAGES = (
+    ("capture_s", "float reference and captures (texts through every layer, the head's figures)"),
+    ("gradients_s", "loss gradients (one backward pass, layer by layer)"),
+    ("latency_table_s", "latency table (candidates timed at the model's shape)"),
+    ("candidates_s", "candidate scoring and probe ablations"),
+    ("ort_floor_s", "onnxruntime's floor (layers where a static int8 candidate was picked)"),
+    ("verify_s", "verification rounds"),
+    ("low_precision_baseline_s", "the float model in the compute dtype (bf16 plans)"),
+    ("atlas_s", "range atlas"),
+    ("total_s", "total (make_plan)"),
+)
+
+
+def run_step(name: str, cmd: list[str], env: dict[str, str], log: Path) -> dict:
+    """Run one step, its output to `log`; {command, seconds, rc, tail}."""
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    seconds = time.perf_counter() - t
+    tail = log.read_text(errors="replace").splitlines()[-12:]
+    print(f"plan_cost: {name}: {seconds:.0f} s (exit {rc})", flush=True)
+    return {"command": " ".join(shlex.quote(c) for c in cmd), "seconds": seconds, "rc": rc, "tail": tail}
+
+
+def environment(env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", "import json; from ffnquant.infra.envinfo import environment; "
+                          "print(json.dumps(environment()))"], env=env, capture_output=True, text=True, cwd=REPO)
+    return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr.strip().splitlines()[-1:]}
+
+
+def fmt_s(x) -> str:
+    return "-" if x is None else f"{x:,.0f} s"
+
+
+def ratio(a, b) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def render(doc: dict, before: dict | None) -> str:
+    steps, peer = doc["steps"], doc["steps"].get("peer", {}).get("seconds")
+    plan_s = steps["plan"]["seconds"]
+    export_s = steps.get("export", {}).get("seconds")
+    lines = [f"# What a verified plan costs against llm-compressor's oneshot: {doc['model']}", "",
+             f"Measured in one run on one machine ({doc['environment'].get('cpu', '?')}, "
+             f"{doc['environment'].get('cpu_count', '?')} cores, torch threads "
+             f"{doc['environment'].get('torch_threads', '?')}; {doc['environment'].get('timestamp_utc', '')}), "
+             "each step a subprocess, one after the other. Command:", "", "```bash", doc["command"], "```", "",
+             "| step | command | time | against the peer's oneshot |", "|---|---|---:|---:|"]
+    for key, label in (("plan", "default plan to ppl+1%"), ("export", "export of that plan (with its proof)"),
+                       ("apply_save", f"apply + save of {doc['recipe']}"), ("peer", "llm-compressor W8A8 oneshot")):
+        if key in steps:
+            lines.append(f"| {label} | `{steps[key]['command'].replace('|', '/')}` | {fmt_s(steps[key]['seconds'])} | "
+                         f"{ratio(steps[key]['seconds'], peer) if key != 'peer' else '1.00x'} |")
+    if export_s is not None:
+        lines.append(f"| plan + export | | {fmt_s(plan_s + export_s)} | {ratio(plan_s + export_s, peer)} |")
+    lines.append("")
+    if doc.get("apply_save"):
+        a = doc["apply_save"]
+        lines += [f"apply: {a['apply_s']:.0f} s; apply + save: {a['total_s']:.0f} s; proof: {a['verdict']}.", ""]
+    lines += ["## The plan's time per stage", "",
+              "| stage | what | " + ("before | " if before else "") + "now |",
+              "|---|---|" + ("---:|" if before else "") + "---:|"]
+    now_t = doc.get("plan_timings") or {}
+    old_t = (before or {}).get("plan_timings") or {}
+    for key, what in STAGES:
+        if key in now_t or key in old_t:
+            lines.append(f"| {key.removesuffix('_s')} | {what} | " + (f"{fmt_s(old_t.get(key))} | " if before else "")
+                         + f"{fmt_s(now_t.get(key))} |")
+    if before:
+        b = before["steps"]
+        lines += ["", f"Before: {before.get('source_label', 'another checkout')}: plan {fmt_s(b['plan']['seconds'])}"
+                  + (f", export {fmt_s(b['export']['seconds'])}" if 'export' in b else "")
+                  + (f", apply + save {fmt_s(b['apply_save']['seconds'])}" if 'apply_save' in b else "") + "."]
+    v = doc.get("plan_verified")
+    if v:
+        lines += ["", "## What the plan verified", "",
+                  f"Plan: {v['layers']}. Verified: **{'yes' if v['verified'] else 'NO'}** after {v['rounds']} round(s).", "",
+                  "| held-out domain | ppl change | 95% CI | KL mean | top-1 | tokens |", "|---|---:|---|---:|---:|---:|"]
+        for label, fig in v["domains"].items():
+            ci = fig.get("perplexity_ratio_ci") or [None, None]
+            lines.append(f"| {label} | {_pct(fig.get('perplexity_ratio'))} | {_pct(ci[0])}..{_pct(ci[1])} | "
+                         f"{(fig.get('kl') or {}).get('mean', 0):.4f} | {100 * (fig.get('top1_agreement') or 0):.1f}% | "
+                         f"{fig.get('n_predicted', '-')} |")
+    if doc.get("export_proof"):
+        lines += ["", f"Export: {doc['export_proof']}."]
+    failed = [k for k, s in steps.items() if s["rc"] != 0]
+    if failed:
+        lines += ["", "## Steps that failed", ""]
+        for k in failed:
+            lines += [f"- {k} (exit {steps[k]['rc']}):", "", "```", *steps[k]["tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _pct(r) -> str:
+    return "-" if r is None else f"{100 * (r - 1):+.2f}%"
+
+
+def truncated(model: str, n: int, folder: Path) -> str:
+    """A copy of `model` with only its first `n` decoder layers (config and weights), written once."""
+    if (folder / "config.json").exists():
+        return str(folder)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model)
+    config.num_hidden_layers = n
+    for key in ("layer_types",):  # per-layer lists follow the cut
+        if isinstance(getattr(config, key, None), list):
+            setattr(config, key, getattr(config, key)[:n])
+    lm = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=torch.float32)
+    lm.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model).save_pretrained(folder)
+    return str(folder)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True, help="folder for plan_cost.json / plan_cost.md and each step's output")
+    ap.add_argument("--peer-python", default="peer-venv/bin/python", help="an interpreter that has llm-compressor")
+    ap.add_argument("--peer-samples", type=int, default=64)
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--skip-export", action="store_true")
+    ap.add_argument("--skip-apply", action="store_true")
+    ap.add_argument("--recipe", default="w8a8-dynamic-s8", help="the one recipe of the apply + save step")
+    ap.add_argument("--plan-args", default="", help="more arguments of the plan command (default: none)")
+    ap.add_argument("--export-args", default="", help="more arguments of the export command")
+    ap.add_argument("--source", default=None, help="run ffnquant from this checkout (PYTHONPATH) instead of this one")
+    ap.add_argument("--before", default=None, help="an earlier plan_cost.json to show beside this run")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="run on a copy of the model cut to its first N decoder layers (written to OUT/model-first-N; "
+                         "a before/after of the stages at a fraction of the time; not a figure of the whole model)")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    src = Path(args.source).resolve() if args.source else REPO
+    env["PYTHONPATH"] = str(src) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    py = sys.executable
+    model = str(Path(args.model).resolve())
+    if args.layers:
+        model = truncated(model, args.layers, out / f"model-first-{args.layers}")
+    steps: dict[str, dict] = {}
+    plan_dir, export_dir, save_dir = out / "plan", out / "export", out / "apply-save"
+    for d in (plan_dir, export_dir, save_dir):  # this benchmark's own outputs from an earlier run of it
+        subprocess.run(["rm", "-rf", str(d)])
+    steps["plan"] = run_step("plan", [py, "-m", "ffnquant", "plan", "--model", model, "--target", "ppl+1%",
+                                      "--out", str(plan_dir), "--no-progress", *shlex.split(args.plan_args)],
+                             env, out / "plan.log")
+    if not args.skip_export and steps["plan"]["rc"] == 0:
+        steps["export"] = run_step("export", [py, "-m", "ffnquant", "export", "--model", model, "--plan",
+                                              str(plan_dir / "plan.toml"), "--out", str(export_dir), "--no-progress",
+                                              *shlex.split(args.export_args)], env, out / "export.log")
+    apply_save = None
+    if not args.skip_apply:
+        steps["apply_save"] = run_step("apply_save", [py, "-c", APPLY_SAVE, model, args.recipe, str(save_dir)],
+                                       env, out / "apply_save.log")
+        for line in (out / "apply_save.log").read_text(errors="replace").splitlines():
+            if line.startswith("APPLY_SAVE "):
+                _, a, total, verdict = line.split(" ", 3)
+                apply_save = {"apply_s": float(a), "total_s": float(total), "verdict": verdict}
+    if not args.skip_peer:
+        steps["peer"] = run_step("peer", [str(Path(args.peer_python)), str(REPO / "benchmarks/peer_llmcompressor.py"),
+                                          "--model", model, "--samples", str(args.peer_samples), "--output",
+                                          str(out / "peer-folder"), "--provenance", str(out / "peer.provenance.json")],
+                                 env, out / "peer.log")
+    doc = {"model": Path(args.model).name + (f" (first {args.layers} layers)" if args.layers else ""), "recipe": args.recipe, "steps": steps, "apply_save": apply_save,
+           "command": " ".join(shlex.quote(a) for a in [sys.executable, os.path.relpath(__file__, REPO)]
+                               + list(argv if argv is not None else sys.argv[1:])),
+           "source_label": "this checkout" if not args.source else f"checkout {args.source}",
+           "environment": environment(env)}
+    try:
+        plan = json.loads((plan_dir / "plan.json").read_text())
+        final = plan["rounds"][plan["final_round"] - 1]
+        doc["plan_timings"] = plan.get("timings")
+        recipes: dict[str, int] = {}
+        for name in final["layers"].values():
+            recipes[name] = recipes.get(name, 0) + 1
+        doc["plan_verified"] = {"verified": plan["verified"], "rounds": len(plan["rounds"]),
+                                "layers": "; ".join(f"{r}: {n} layer(s)" for r, n in recipes.items()),
+                                "domains": final["domains"]}
+    except (OSError, ValueError, KeyError) as exc:
+        doc["plan_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        dep = json.loads((export_dir / "ffnquant-deploy.json").read_text())
+        from ffnquant.wholemodel import DeployReport  # the same verdict ffnquant.save reports
+
+        proven = DeployReport(export_dir, dep).proven
+        doc["export_proof"] = (f"{dep.get('format')}: " + {True: "proven", False: "NOT proven",
+                                                           None: "nothing to prove (per-layer artifacts)"}[proven])
+    except (OSError, ValueError):
+        pass
+    before = json.loads(Path(args.before).read_text()) if args.before else None
+    if before:
+        doc["before"] = {k: before.get(k) for k in ("steps", "plan_timings", "source_label", "environment")}
+    (out / "plan_cost.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "plan_cost.md").write_text(render(doc, before))
+    print(f"plan_cost: wrote {out / 'plan_cost.md'}")
+    return 0 if all(s["rc"] == 0 for s in steps.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
