@@ -476,3 +476,46 @@ def test_plan_times_its_candidates_on_a_torch_runtime(tiny, tmp_path):
     md = (out / "plan.md").read_text()
     section = md.split("## Latency table")[1]
     assert "| decode step p50 ms | runtime | kernel | note |" in section and "torch-cpu has no kernel for w8a8" in section
+
+
+# --- what the plan leaves unscored, and the onnxruntime floor measured where it matters ----------
+
+def test_never_chosen_leaves_out_what_fp32_beats_and_what_was_not_timed():
+    from ffnquant.planning.job import never_chosen
+
+    recipes = [Recipe.parse(r) for r in ("fp32", "w8a8@minmax", "w8a16", "w4a16-g128", "w8a8-dynamic-s8")]
+    latency = {"fp32": {"p50_ms": 10.0}, "w8a8@minmax": {"p50_ms": 6.0}, "w8a16": {"p50_ms": 12.0},
+               "w4a16-g128": {"p50_ms": 10.0}, "w8a8-dynamic-s8": {"p50_ms": None, "reason": "no per-token QDQ"}}
+    out = never_chosen(recipes, latency, "ort-cpu")
+    assert set(out) == {"w8a16", "w4a16-g128", "w8a8-dynamic-s8"}  # as fast as fp32 is not faster: left out too
+    assert "12.00 ms against 10.00 ms" in out["w8a16"] and out["w8a8-dynamic-s8"] == "no per-token QDQ"
+
+
+@pytest.mark.parametrize("seed", range(6), ids=lambda s: f"seed{s}")
+def test_the_lazy_onnxruntime_floor_finds_the_eager_optimum(seed):
+    from ffnquant.planning.job import _FloorSearch, _ort_exclude
+
+    rng = random.Random(seed)
+    names = ["fp32", "w8a8@minmax", "w8a8@search", "w8a8-dynamic-s8"]
+    recipes = [Recipe.parse(n) for n in names]
+    rows = {i: [{"recipe": n, "layer_sqnr_db": 0.0 if n == "fp32" else rng.uniform(15, 35)} for n in names]
+            for i in range(5)}
+    floors = {i: {"method": "minmax", "sqnr_db": rng.uniform(15, 35)} for i in range(5)}
+    costs = {"fp32": 10.0, "w8a8@minmax": 5.0, "w8a8@search": 5.5, "w8a8-dynamic-s8": 7.0}
+
+    def options(table):
+        return {i: [Option(r["recipe"], 0.0 if r["recipe"] == "fp32" else 10 ** (-r["layer_sqnr_db"] / 10),
+                           costs[r["recipe"]]) for r in table[i] if "excluded" not in r] for i in table}
+
+    eager = {i: [dict(r) for r in rows[i]] for i in rows}
+    for i in eager:
+        _ort_exclude(floors[i], recipes, eager[i])
+    lazy_rows = {i: {"candidates": [dict(r) for r in rows[i]], "ort_floor": "pending"} for i in rows}
+    measured = []
+    lazy = _FloorSearch(options(rows), lazy_rows, recipes, lambda i: measured.append(i) or floors[i])
+    budget = rng.uniform(0.002, 0.05)
+    want, got = solve(options(eager), budget), lazy.solve(budget)
+    assert {i: o.name for i, o in got.items()} == {i: o.name for i, o in want.items()}
+    assert sum(o.cost for o in got.values()) == pytest.approx(sum(o.cost for o in want.values()))
+    static = {i for i, o in got.items() if o.name.startswith("w8a8@")}
+    assert static <= set(measured) and len(measured) == len(set(measured))  # each floor at most once

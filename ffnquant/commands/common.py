@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import FFNQuantError
 from ..hf.corpus import DEFAULT_SEQ_LEN, TextSource, source_items
+from ..infra.progress import StageLines
 from ..infra.resources import parse_size
 from ..spec import FFNSpec, Variant, parse_variants
 
@@ -214,15 +215,14 @@ class StageBars:
         self.enabled = enabled
         self._bar = None
         self._tasks: dict[str, int] = {}
-        # stage -> (start time, quarters printed, last step) without a terminal
-        self._lines: dict[str, tuple[float, int, int]] = {}
+        self._lines = StageLines()  # without a terminal
 
     def __call__(self, message: str, done: int, total: int) -> None:
         if not self.enabled:
             return
         stage, _, detail = message.partition(": ")
         if not sys.stderr.isatty():
-            self._line(stage, detail, done, total)
+            self._lines(message, done, total)
             return
         if self._bar is None:
             from rich.console import Console
@@ -236,22 +236,6 @@ class StageBars:
         if stage not in self._tasks:
             self._tasks[stage] = self._bar.add_task(detail, total=total, stage=stage)
         self._bar.update(self._tasks[stage], completed=done, total=total, description=detail)
-
-    def _line(self, stage: str, detail: str, done: int, total: int) -> None:
-        import time
-
-        now = time.monotonic()
-        start, printed, last = self._lines.get(stage, (now, -1, 0))
-        if done < last:  # the stage runs again (each verification round, say): its own start and quarters
-            start, printed = now, -1
-        quarter = 4 * done // total if total else 4
-        if quarter <= printed:
-            self._lines[stage] = (start, printed, done)
-            return
-        self._lines[stage] = (start, quarter, done)
-        elapsed = now - start
-        left = f", about {elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
-        print(f"{stage}: {done}/{total} ({detail}), {elapsed:.0f} s{left}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StageBars":
         return self
