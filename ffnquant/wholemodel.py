@@ -16,6 +16,7 @@ tokenizer: given, or read from the folder the model was loaded from.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 import time
@@ -36,8 +37,9 @@ from .hf.corpus import DEFAULT_SEQ_LEN
 from .hf.inputs import EvalSettings, eval_domain_batches, fit_settings
 from .hf.memory import plan_memory
 from .hf.stream import token_batches_of
+from .infra import arguments
 from .infra.atomic import write_json, write_text
-from .infra.atomic_folder import check_new_folder, folder_files, staged_folder
+from .infra.atomic_folder import check_new_folder, folder_files, staged_folder, termination_unwinds
 from .infra.envinfo import environment
 from .planning import Plan, load_plan
 from .planning.candidates import candidate_recipes, format_candidates
@@ -54,10 +56,21 @@ if TYPE_CHECKING:  # annotations only
     from .deploy.planned import PlannedModel
     from .hf.checkpoint import ModelInfo
 
-__all__ = ["plan", "apply", "save", "PlanRequest", "plan_request", "PlanOutcome", "plan_model", "plan_memory_for", "DeployReport", "DEPLOY_DOC", "format_refusal",
+__all__ = ["plan", "apply", "save", "check_plan_arguments", "PlanRequest", "plan_request", "PlanOutcome", "plan_model", "plan_memory_for", "DeployReport", "DEPLOY_DOC", "format_refusal",
            "write_deployment"]
 
 Progress = Callable[[str, int, int], None]
+
+
+def _terminable(fn: Callable) -> Callable:
+    """`fn` with SIGTERM/SIGHUP unwinding it like Ctrl-C (`termination_unwinds`): no staging or scratch folder is
+    left behind when a service stops a process inside the API."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with termination_unwinds():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _model_info(model: Any, tokenizer: Any = None) -> tuple[Any, Path | None]:
@@ -90,6 +103,47 @@ def _texts(info: ModelInfo, text: Any, eval_text: Any, seq_len: int | None) -> i
     read_text(text, "calibration")
     read_text(eval_text, "evaluation")
     return fit_settings(info, EvalSettings(seq_len=seq_len or DEFAULT_SEQ_LEN)).seq_len
+
+
+def _check_common(*, text: Any, eval_text: Any, calib_tokens: Any, eval_tokens: Any, seq_len: Any, compute_dtype: Any,
+                  tokenizer: Any, progress: Any) -> None:
+    """The arguments `plan` and `apply` share, each checked as the command line checks it."""
+    from .hf.corpus import TextSource
+
+    arguments.text_source(text, "text", (TextSource,))
+    arguments.text_source(eval_text, "eval_text", (TextSource,))
+    arguments.count(calib_tokens, "calib_tokens")
+    arguments.count(eval_tokens, "eval_tokens")
+    arguments.count(seq_len, "seq_len", optional=True)
+    arguments.one_of_type(compute_dtype, "compute_dtype", (str,), "'auto', 'float32', 'bfloat16' or 'float16'")
+    if tokenizer is not None and not (hasattr(tokenizer, "save_pretrained") and callable(tokenizer)):
+        raise FFNQuantError(f"tokenizer must be None or a transformers tokenizer (AutoTokenizer.from_pretrained), "
+                            f"got {type(tokenizer).__name__}")
+    arguments.callback(progress, "progress")
+
+
+def check_plan_arguments(*, target: Any = "ppl+1%", objective: Any = None, runtime: Any = "ort-cpu", tokens: Any = 512,
+                         decode_tokens: Any = None, candidates: Any = "default", format: Any = None, text: Any = None,
+                         eval_text: Any = None, calib_tokens: Any = 4096, eval_tokens: Any = 4096, seq_len: Any = None,
+                         probe_tokens: Any = 512, rounds: Any = 4, compute_dtype: Any = "auto", ort_floor: Any = True,
+                         tokenizer: Any = None, progress: Any = None, max_memory: Any = None,
+                         sequential: Any = False) -> int | None:
+    """Every argument of `plan` checked by type and range before the model is read (the command line's checks:
+    counts positive, sizes as '8GB'); returns max_memory in bytes."""
+    arguments.one_of_type(target, "target", (str,), "a target text such as 'ppl+1%', 'kld<=0.01' or 'sqnr>=30'")
+    arguments.one_of_type(objective, "objective", (str,), "'latency', 'bytes' or None", optional=True)
+    arguments.one_of_type(runtime, "runtime", (str,), "a runtime name such as 'ort-cpu'")
+    arguments.one_of_type(format, "format", (str,), "'compressed-tensors', 'onnx' or None", optional=True)
+    arguments.count(tokens, "tokens")
+    arguments.count(decode_tokens, "decode_tokens", minimum=0, optional=True)
+    arguments.recipe_list(candidates, "candidates")
+    arguments.count(probe_tokens, "probe_tokens")
+    arguments.count(rounds, "rounds")
+    arguments.flag(ort_floor, "ort_floor")
+    arguments.flag(sequential, "sequential", optional=True)
+    _check_common(text=text, eval_text=eval_text, calib_tokens=calib_tokens, eval_tokens=eval_tokens, seq_len=seq_len,
+                  compute_dtype=compute_dtype, tokenizer=tokenizer, progress=progress)
+    return arguments.size(max_memory, "max_memory")
 
 
 @dataclass(frozen=True)
@@ -168,6 +222,7 @@ def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any,
     return PlanOutcome(the_plan, result, memory)
 
 
+@_terminable
 def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, runtime: str = "ort-cpu",
          tokens: int = 512, decode_tokens: int | None = None, candidates: Any = "default", format: str | None = None,
          text: Any = None, eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096,
@@ -179,6 +234,11 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
     a `planning.Plan` (its `summary` has the verified figures; `Plan.to_toml` is plan.toml). `format`: plan only
     candidates that format ('compressed-tensors', 'onnx') can write. `max_memory` / `sequential`: a model that does
     not fit is read a decoder layer at a time, as `ffnquant plan` does. The other arguments are `ffnquant plan`'s."""
+    max_memory = check_plan_arguments(
+        target=target, objective=objective, runtime=runtime, tokens=tokens, decode_tokens=decode_tokens,
+        candidates=candidates, format=format, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
+        eval_tokens=eval_tokens, seq_len=seq_len, probe_tokens=probe_tokens, rounds=rounds, compute_dtype=compute_dtype,
+        ort_floor=ort_floor, tokenizer=tokenizer, progress=progress, max_memory=max_memory, sequential=sequential)
     info, scratch = _model_info(model, tokenizer)
     try:
         req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype)
@@ -192,12 +252,19 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+@_terminable
 def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors", text: Any = None,
           eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096, seq_len: int | None = None,
           compute_dtype: str = "auto", tokenizer: Any = None, progress: Progress | None = None):
     """`model` (a folder or a transformers model) quantized as `plan_or_recipe` says (a Plan, a plan.toml path, or
     one recipe such as 'w8a16' for every layer), for `format`: a `deploy.PlannedModel`, the deployable model with
     ffnquant's reference figures on `eval_text`, which `save` writes."""
+    arguments.one_of_type(format, "format", (str,), "'compressed-tensors' or 'onnx'")
+    if not isinstance(plan_or_recipe, (Plan, Path, str, Recipe)):
+        raise FFNQuantError(f"plan_or_recipe: expected a Plan, a plan.toml path or a recipe such as 'w8a16', got "
+                            f"{type(plan_or_recipe).__name__}")
+    _check_common(text=text, eval_text=eval_text, calib_tokens=calib_tokens, eval_tokens=eval_tokens, seq_len=seq_len,
+                  compute_dtype=compute_dtype, tokenizer=tokenizer, progress=progress)
     fmt = get_format(format)
     info, scratch = _model_info(model, tokenizer)
     try:
@@ -226,11 +293,16 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
     return planned
 
 
+@_terminable
 def save(qmodel: Any, out: str | Path, *, force: bool = False, progress: Progress | None = None):
     """Write `qmodel` (from `apply`) into the new folder `out` in the format it was applied for, load it back and
     prove it; a `DeployReport` (the folder, `proven`, `weight_bytes`, the whole document). Nothing is
     left half-written; `force` replaces only what an earlier save or export listed in its ffnquant-deploy.json."""
-    fmt = (getattr(qmodel, "settings", None) or {}).get("format")
+    arguments.out_path(out, "out")
+    arguments.flag(force, "force")
+    arguments.callback(progress, "progress")
+    settings = getattr(qmodel, "settings", None)
+    fmt = settings.get("format") if isinstance(settings, dict) else None
     if fmt is None:
         raise FFNQuantError(f"save takes the model ffnquant.apply returns, got {type(qmodel).__name__}")
     if fmt["name"] == "onnx" and not fmt["whole"]:

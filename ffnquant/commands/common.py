@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import FFNQuantError
 from ..hf.corpus import DEFAULT_SEQ_LEN, TextSource, source_items
+from ..infra import arguments
 from ..infra.resources import parse_size
 from ..spec import FFNSpec, Variant, parse_variants
 
@@ -20,13 +21,15 @@ __all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_a
 
 
 def positive_int(text: str) -> int:
+    """A positive count, as an argparse type: the check the Python API makes (`infra.arguments.count`)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    try:
+        return arguments.count(value, "the value")
+    except FFNQuantError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}") from None
 
 
 def add_spec_arguments(
@@ -121,7 +124,7 @@ def add_model_arguments(
 def memory_size(text: str) -> int:
     """A size in bytes from '8GB', '512MiB', ... (`resources.parse_size`), as an argparse type."""
     try:
-        return parse_size(text)
+        return parse_size(text)  # what `infra.arguments.size` reads for the Python API's max_memory
     except FFNQuantError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -8,13 +8,15 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from .atomic import _sigint_deferred, make_staging, sweep_stale
-from ..errors import FFNQuantError
+from ..errors import FFNQuantError, Interrupted
 
-__all__ = ["check_not_an_input", "folder_files", "check_new_folder", "staged_folder"]
+__all__ = ["check_not_an_input", "folder_files", "check_new_folder", "staged_folder", "termination_unwinds"]
 
 
 def check_not_an_input(target: str | os.PathLike, inputs: Sequence[str | os.PathLike | None]) -> None:
@@ -130,3 +132,26 @@ def staged_folder(target: str | os.PathLike, force: bool = False, listing: str |
         shutil.rmtree(staging, ignore_errors=True)
         raise
     shutil.rmtree(staging, ignore_errors=True)  # the marker and the replaced folder
+
+
+@contextlib.contextmanager
+def termination_unwinds() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise `Interrupted` (as Ctrl-C raises KeyboardInterrupt), so the
+    library's staging and scratch folders are removed on the way out; the OS default would end the process at once
+    and leave them. The command line does this for the whole process; the Python API (`ffnquant.save`, `apply`,
+    `plan`) for the time it writes. Only in the main thread (the only one Python lets install a handler), only over
+    the OS default (a caller's own handler or an ignored SIGHUP stays), and the previous handler comes back after."""
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        def raise_interrupted(signum: int, frame: object) -> None:
+            raise Interrupted(signum)
+
+        for name in ("SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, raise_interrupted)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
