@@ -476,3 +476,44 @@ def test_plan_times_its_candidates_on_a_torch_runtime(tiny, tmp_path):
     md = (out / "plan.md").read_text()
     section = md.split("## Latency table")[1]
     assert "| decode step p50 ms | runtime | kernel | note |" in section and "torch-cpu has no kernel for w8a8" in section
+
+
+# --- --out follows export's rules: a new folder, or --force over what an earlier plan listed ------------------------
+_OWN = b"# my own notes on this model, not ffnquant's\n"
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("layout, force, message", [
+    ({"plan.md": _OWN}, False, "exists and is not empty; give another --out or --force"),
+    ({"plan.md": _OWN}, True, "also holds plan.md (it holds no plan.json of an earlier ffnquant command)"),
+    ({"plan.json": json.dumps({"files": ["plan.json", "plan.toml"]}).encode(), "plan.toml": b"", "plan.md": _OWN}, True,
+     "also holds plan.md (not listed in its plan.json)"),
+], ids=["user-plan-md", "user-plan-md-force", "earlier-plan-plus-user-file-force"])
+def test_plan_never_replaces_a_users_file(tiny, tmp_path, capsys, layout, force, message):
+    out = tmp_path / "plan"
+    out.mkdir()
+    for name, data in layout.items():
+        (out / name).write_bytes(data)
+    rc = main(["plan", "--model", str(tiny["llama"]), "--out", str(out), *SMALL, *(["--force"] if force else [])])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and len(err.splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == layout  # as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]  # no staging folder beside it
+
+
+@pytest.mark.hf
+def test_plan_force_replaces_only_what_an_earlier_plan_listed(tiny, tmp_path, capsys):
+    out = tmp_path / "reports" / "plan"  # its parent is made too
+    args = ["plan", "--model", str(tiny["llama"]), "--out", str(out), "--candidates", "fp32,w8a16", "--objective",
+            "bytes", "--target", "ppl+5%", "--rounds", "1", *SMALL]
+    assert main(args) == 0
+    listed = json.loads((out / "plan.json").read_text())["files"]
+    assert {"plan.json", "plan.toml", "plan.md", "atlas/atlas.md"} <= set(listed)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == listed
+    capsys.readouterr()
+    assert main(args) == 2  # a second plan over the first needs --force
+    assert "exists and is not empty" in capsys.readouterr().err
+    (out / "plan.toml").write_text("# stale\n")
+    assert main(args + ["--force"]) == 0
+    assert (out / "plan.toml").read_text() != "# stale\n"
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["plan"]

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
 
 __all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments",
-           "TextFiles", "token_notes", "add_text_arguments", "TextOptions", "text_options", "StageBars", "memory_size", "add_memory_arguments"]
+           "TextFiles", "token_notes", "add_text_arguments", "TextOptions", "text_options", "text_files", "StageBars", "memory_size", "add_memory_arguments"]
 
 
 def positive_int(text: str) -> int:
@@ -195,6 +195,17 @@ def text_options(args: argparse.Namespace, info: ModelInfo | None = None) -> Tex
                  for t, split in zip(texts, ("calibration", "evaluation"))]
     calib = args.calib_samples * seq_len if args.calib_samples else (args.calib_tokens or 4096)
     return TextOptions(texts[0], texts[1], seq_len, calib, args.eval_tokens)
+
+
+def text_files(texts: TextOptions) -> list[str]:
+    """The files among a command's text sources (corpus names are not files): inputs no --out may replace."""
+    import os
+
+    items = []
+    for source in (texts.text, texts.eval_text):
+        if source is not None:
+            items += [i for i in source_items(source, "evaluation") if os.path.exists(i)]
+    return items
 
 
 def format_default(value) -> str:
