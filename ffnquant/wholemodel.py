@@ -190,17 +190,32 @@ class PlanOutcome:
 
 
 def plan_memory_for(info: ModelInfo, text: Any, eval_text: Any, settings: Any, *, probe_tokens: int, dtype: Any,
-                    max_memory: Any = None, sequential: bool = False) -> Any:
+                    max_memory: Any = None, sequential: bool = False, target: Any = None) -> Any:
     """The memory plan of planning `info`'s model on these texts: the whole model resident, or a decoder layer at a
-    time when it does not fit (or `sequential`); refused with the numbers, before any work, when neither fits."""
+    time when it does not fit (or `sequential`); refused with the numbers, before any work, when neither fits. Given
+    the `target`, a held-out text too small to verify it is refused first (`check_resolvable`)."""
     calib = token_batches_of(info, text, "calibration", settings, settings.max_calib_tokens)
     # every held-out domain, as the plan will read them (each up to its token budget)
-    evals = [b for _, bs in eval_domain_batches(info, load_tokenizer(info.path), eval_text, settings,
-                                                settings.max_eval_tokens, True) for b in bs]
+    domains = eval_domain_batches(info, load_tokenizer(info.path), eval_text, settings, settings.max_eval_tokens, True)
+    if target is not None:
+        check_resolvable(domains, target, settings.seq_len)
+    evals = [b for _, bs in domains for b in bs]
     needs = plan_needs(info, calib_tokens=sum(int(b.numel()) for b in calib),
                        eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=probe_tokens,
                        batch_tokens=int(calib[0].numel()), dtype=dtype)
     return plan_memory(info, needs, max_memory=max_memory, sequential=sequential)
+
+
+def check_resolvable(domains: list, target: Any, seq_len: int) -> None:
+    """Refuse, before any work, a held-out domain shorter than one --seq-len window: a handful of tokens samples
+    neither the text's variety nor the positions the plan runs at, so no verdict on it means anything (and with one
+    short sequence there is no interval either). The sqnr target compares hidden states and is refused alike."""
+    for label, batches in domains:
+        n = sum(int(b.numel()) for b in batches)
+        if n < seq_len:
+            raise FFNQuantError(f"not verified: {n:,} tokens of {label} cannot resolve {target}; at least {seq_len:,} "
+                                "are needed (one --seq-len window of every held-out text; more narrow its 95% "
+                                "interval): give a longer --eval-text or a smaller --seq-len")
 
 
 def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any, eval_text: Any, settings: Any,
@@ -210,7 +225,7 @@ def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any,
     """Plan `info`'s model for the validated request `req` (`plan_request`): the memory plan (`on_memory` hears it
     before the long work starts), then `planning.make_plan`. `ffnquant.plan` and `ffnquant plan` both run this."""
     memory = plan_memory_for(info, text, eval_text, settings, probe_tokens=probe_tokens, dtype=req.dtype,
-                             max_memory=max_memory, sequential=sequential)
+                             max_memory=max_memory, sequential=sequential, target=req.target)
     if on_memory is not None:
         on_memory(memory)
     the_plan, result = make_plan(info, req.target, req.objective, candidates, text=text, eval_text=eval_text,

@@ -471,3 +471,21 @@ def test_a_plan_for_a_bf16_checkpoint_is_verified_in_bf16_and_its_export_measure
                  "compressed-tensors", "--out", str(tmp_path / "ct"), *_TOKENS, "--no-progress"]) == 0
     doc = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())
     assert doc["proof"]["proven"] and doc["proof"]["load"]["compute_dtype"] == "bfloat16"
+
+
+@pytest.mark.hf
+def test_a_proof_without_one_generation_prompt_is_not_proven(llama, tmp_path, capsys):
+    """A held-out text of a few tokens gives no generation prompt: 0 of 0 prompts equal is no evidence, so the
+    folder is written but NOT PROVEN, saying why, and export exits 1."""
+    short = tmp_path / "short.txt"
+    short.write_text("Hello there friend")
+    out = tmp_path / "llama-ffnq"
+    rc = main(["export", "--model", str(llama), "--plan", str(_plan(llama, tmp_path, {0: "w8a16", 1: "w8a16"})),
+               "--format", "compressed-tensors", "--out", str(out), "--calib-tokens", "256", "--eval-text", str(short)])
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    assert doc["proof"]["generation"]["prompts"] == 0
+    assert rc == 1 and not doc["proof"]["proven"]
+    assert any("no generation prompt" in why for why in doc["proof"]["unproven"])
+    assert "NOT PROVEN: no generation prompt: the held-out text has" in printed
+    assert "Verdict: NOT PROVEN (no generation prompt" in (out / "ffnquant-deploy.md").read_text()

@@ -107,7 +107,8 @@ def _export_plan(args: argparse.Namespace) -> int:
                                plan_file=str(args.plan), progress=bars)
     _print_deploy(doc, Path(args.out))
     if fmt == "compressed-tensors" and not doc["proof"]["proven"]:
-        print("NOT PROVEN: the folder does not reproduce the measured model (see ffnquant-deploy.md)")
+        why = "; ".join(doc["proof"].get("unproven") or []) or "the folder does not reproduce the measured model"
+        print(f"NOT PROVEN: {why} (see ffnquant-deploy.md)")
         return 1
     return 0
 

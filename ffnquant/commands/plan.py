@@ -158,8 +158,25 @@ def run(args: argparse.Namespace) -> int:
         if why:
             print(f"note: export --format {fmt_} will refuse this model: {why}")
     print(f"wrote {Path(final_dir) / 'plan.toml'} (use: ffnquant quantize --model {args.model} --plan {Path(final_dir) / 'plan.toml'}), plan.json, plan.md")
+    for line in unresolved_lines(final, target):
+        print(line)
     if not result["verified"]:
         print(f"note: the target was missed in {len(result['rounds'])} rounds; the plan file holds the last round's choice",
               file=sys.stderr)
         return 1
     return 0
+
+
+def unresolved_lines(final: dict, target) -> list[str]:
+    """'not verified: N tokens cannot resolve ppl+1%' for each held-out domain whose text is too small for the
+    target's 95% interval to settle it, with about how many tokens would."""
+    out = []
+    for label, fig in (final.get("domains") or {}).items():
+        res = fig.get("resolution") or {}
+        if res.get("met") or res.get("resolved", True):
+            continue
+        need = res.get("tokens_needed")
+        more = (f"; about {need:,} held-out tokens would (a longer --eval-text, more --eval-tokens)" if need
+                else "; give a longer --eval-text")
+        out.append(f"not verified: {fig.get('n_predicted') or 0:,} tokens of {label} cannot resolve {target}{more}")
+    return out
