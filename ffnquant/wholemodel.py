@@ -30,7 +30,7 @@ from .deploy.ctensors import folder_bytes
 from .deploy.formats import get_format
 from .deploy.planned import deployable_refusal
 from .deploy.precision import resolve_compute_dtype
-from .errors import FFNQuantError
+from .errors import FFNQuantError, api_boundary
 from .hf import inspect_model
 from .hf.capture import load_tokenizer, read_text, require_transformers
 from .hf.corpus import DEFAULT_SEQ_LEN
@@ -237,6 +237,7 @@ def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any,
     return PlanOutcome(the_plan, result, memory)
 
 
+@api_boundary
 @_terminable
 def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, runtime: str = "ort-cpu",
          tokens: int = 512, decode_tokens: int | None = None, candidates: Any = "default", format: str | None = None,
@@ -267,6 +268,7 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+@api_boundary
 @_terminable
 def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors", text: Any = None,
           eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096, seq_len: int | None = None,
@@ -308,6 +310,7 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
     return planned
 
 
+@api_boundary
 @_terminable
 def save(qmodel: Any, out: str | Path, *, force: bool = False, progress: Progress | None = None):
     """Write `qmodel` (from `apply`) into the new folder `out` in the format it was applied for, load it back and
