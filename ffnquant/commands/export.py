@@ -29,9 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_spec_arguments(parser)
     parser.add_argument("--out", default=None, help="output folder: export/ if omitted; required with --model")
     # None when not given: a --plan export refuses them rather than ignore them
-    parser.add_argument("--dtypes", default=None, help="comma-separated: fp32, fp16 (default fp32,fp16); not with --plan")
+    parser.add_argument("--dtypes", default=None, help="comma-separated: fp32, fp16 (both when not given); not with --plan")
     parser.add_argument("--opset", type=int, default=None,
-                        help=f"ONNX opset, >= 17 (default {DEFAULT_OPSET}); not with --plan")
+                        help=f"ONNX opset, >= 17 ({DEFAULT_OPSET} when not given); not with --plan")
     group = parser.add_argument_group("a model quantized as planned (ffnquant plan)")
     group.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face model folder; needs --plan")
     group.add_argument("--plan", default=None, metavar="FILE", help="plan.toml from `ffnquant plan`: a recipe per layer")
