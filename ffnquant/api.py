@@ -29,7 +29,7 @@ from .errors import FFNQuantError, api_boundary
 from .infra.atomic import ensure_writable_dir
 from .model import FFN, build
 from .numerics.accuracy import accuracy_of, run_batched
-from .numerics.fakequant import QuantizedFFN
+from .methods.fakequant import QuantizedFFN
 from .numerics.observe import DEFAULT_BINS, profile as observe_profile
 from .onnx import onnxquant as OQ
 from .onnx.export import export_onnx as export_float

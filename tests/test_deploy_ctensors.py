@@ -50,7 +50,7 @@ def _module(recipe: str, weight: str = "w_down"):
 
     from ffnquant import build
     from ffnquant.deploy.planned import _module_quants
-    from ffnquant.numerics.fakequant import quantize_model
+    from ffnquant.methods.fakequant import quantize_model
     from ffnquant.numerics.observe import profile
 
     model = build(FFNSpec(Variant.SWIGLU, 32, 64), seed=0)
@@ -194,7 +194,7 @@ def test_asymmetric_4bit_groups_are_written_as_blocks_that_transformers_loads(ll
     import transformers
 
     from ffnquant.deploy.planned import ModuleQuant, PlannedModel
-    from ffnquant.numerics.fakequant import weight_grid
+    from ffnquant.methods.fakequant import weight_grid
     from ffnquant.schemes import get_scheme
 
     scheme = get_scheme("w4a16-g32-asym")

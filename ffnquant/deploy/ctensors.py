@@ -44,7 +44,7 @@ from .proof import end_to_end_gates, generation_equality, rounding_allowance, un
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
-    from ..numerics.fakequant import QuantizedFFN
+    from ..methods.fakequant import QuantizedFFN
     from ..planning.planfile import Plan
     from ..recipe import Recipe
     from ..schemes import Scheme
