@@ -215,7 +215,8 @@ def check_resolvable(domains: list, target: Any, seq_len: int) -> None:
         if n < seq_len:
             raise FFNQuantError(f"not verified: {n:,} tokens of {label} cannot resolve {target}; at least {seq_len:,} "
                                 "are needed (one --seq-len window of every held-out text; more narrow its 95% "
-                                "interval): give a longer --eval-text or a smaller --seq-len")
+                                "interval): give a longer --eval-text (or eval_text), more --eval-tokens, or a "
+                                "smaller --seq-len")
 
 
 def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any, eval_text: Any, settings: Any,
