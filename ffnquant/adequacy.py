@@ -30,7 +30,7 @@ from .hf.inputs import EvalSettings, fit_settings, token_budget
 from .hf.layerwise import capture_layer_inputs
 from .numerics.accuracy import sqnr_db
 from .numerics.calibrate import Calibrator, Grid, Histogram, calibrate_range, parse_calibrator
-from .numerics.fakequant import ACT_SITES, QuantizedFFN, quantize_model, site_ranges
+from .methods.fakequant import ACT_SITES, QuantizedFFN, quantize_model, site_ranges
 from .numerics.histogram import DEFAULT_BINS, StreamingHistogram, as_float_tensor, non_finite_error
 from .schemes import Scheme, check_scheme_fits, get_scheme
 

@@ -25,11 +25,11 @@ import torch
 
 from .backends import supports
 from .data import parse_source
-from .errors import FFNQuantError
+from .errors import FFNQuantError, api_boundary
 from .infra.atomic import ensure_writable_dir
 from .model import FFN, build
 from .numerics.accuracy import accuracy_of, run_batched
-from .numerics.fakequant import QuantizedFFN
+from .methods.fakequant import QuantizedFFN
 from .numerics.observe import DEFAULT_BINS, profile as observe_profile
 from .onnx import onnxquant as OQ
 from .onnx.export import export_onnx as export_float
@@ -58,6 +58,7 @@ def _tokens(x: Any, d_model: int, what: str) -> torch.Tensor:
     return _check_tokens(x if isinstance(x, torch.Tensor) else torch.as_tensor(x), d_model, what)
 
 
+@api_boundary
 def quantize(
     layer_or_spec: Any,
     recipe: Recipe | str,
@@ -100,6 +101,7 @@ def _prepared(q: Any) -> Prepared:
     return prep
 
 
+@api_boundary
 def export_onnx(q: QuantizedFFN, path: str | os.PathLike) -> Path:
     """Write `q`'s ONNX artifact to `path` (atomically: the file appears complete or not at all) and return it.
 
@@ -121,6 +123,7 @@ def export_onnx(q: QuantizedFFN, path: str | os.PathLike) -> Path:
     return OQ.write_artifact(prep.onnx_file("model", prep.scratch()), path, q, prep.model, hessians)
 
 
+@api_boundary
 def evaluate(q: QuantizedFFN, tokens: torch.Tensor | None = None):
     """The `accuracy.Accuracy` (SQNR dB, cosine, relative L2, max abs error) of `q` against its float reference
     (the FFN before remedies) on `tokens` [n, d_model] (default: the held-out tokens of its calibration)."""
@@ -129,6 +132,7 @@ def evaluate(q: QuantizedFFN, tokens: torch.Tensor | None = None):
     return accuracy_of(run_batched(prep.reference, x), run_batched(q, x), x.shape[0])
 
 
+@api_boundary
 def profile(model_or_spec: Any, tokens: torch.Tensor | str = "llm_like", *, n_tokens: int = 4096, seed: int = 0,
             bins: int | None = None):
     """The `observe.RangeTable` (every site's range and histogram, weight statistics) of a float FFN.
@@ -144,6 +148,7 @@ def profile(model_or_spec: Any, tokens: torch.Tensor | str = "llm_like", *, n_to
     return observe_profile(model, batches, bins=DEFAULT_BINS if bins is None else bins)
 
 
+@api_boundary
 def run(config: Any, **kwargs: Any):
     """The whole job of `ffnquant run` on a `pipeline.RunConfig` (or a dict of its fields): profile, quantize,
     export, benchmark and report. Returns the pipeline's `RunResult`."""

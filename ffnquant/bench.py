@@ -35,7 +35,7 @@ from .measure.latency import (DEVICE_PEAKS, REFERENCE_TOLERANCE_DB, DevicePeaks,
 # The timers and the copy bandwidth live in ffnquant.measure.timing; re-exported as part of the harness too.
 from .measure.timing import (CudaEventTimer, Timer, TimerFactory, WallTimer, default_timer, measure_copy_bandwidth,
                              time_calls, time_within_budget)
-from .numerics.fakequant import quantize_model
+from .methods.fakequant import quantize_model
 from .runtimes.artifacts import CALIBRATION_TOKENS, gaussian_calibration
 from .runtimes.base import FORMATS, Loaded, ModelCase, Runtime, get_format, get_runtime, tensor_nbytes
 from .schemes import PRESETS

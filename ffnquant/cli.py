@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from . import __version__
-from .errors import FFNQuantError, Interrupted
+from .errors import FFNQuantError, Interrupted, debug_enabled, internal_error_line
 from .infra.thirdparty import quiet_bitsandbytes
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -38,6 +38,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ffnquant", description="Quantize and deploy transformer FFN layers.")
     parser.add_argument("--version", action="version", version=f"ffnquant {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an internal error (a bug to report) instead of one line; "
+                             "FFNQUANT_DEBUG=1 does the same")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name in COMMANDS:
@@ -45,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         # argparse %-formats a subcommand's help line (not its description): a literal % must be doubled
         p = sub.add_parser(module.NAME, help=module.HELP.replace("%", "%%"), description=module.HELP)
         module.add_arguments(p)
+        # after the command too (`ffnquant plan ... --debug`); SUPPRESS keeps one given before it
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         p.set_defaults(_run=module.run)
     return parser
 
@@ -132,6 +137,26 @@ def _main(argv: Sequence[str] | None) -> int:
         # stdout is pointed at devnull so that the interpreter's final flush does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except Exception as exc:  # a bug: one line naming the step and the input, the traceback only when asked
+        if args.debug or debug_enabled():
+            import traceback
+
+            traceback.print_exc()
+        else:
+            print(internal_error_line(exc, f"ffnquant {args.command}", _input_of(args)), file=sys.stderr)
+        return INTERNAL_ERROR
+
+
+INTERNAL_ERROR = 3  # exit code of a bug in ffnquant (2 is a user's bad input, 1 a result that misses its target)
+
+
+def _input_of(args: argparse.Namespace) -> str | None:
+    """The input a command was reading, for the internal-error line: the model, plan, config or captured folder."""
+    for name in ("model", "plan", "config", "captured", "path", "variants"):
+        value = getattr(args, name, None)
+        if isinstance(value, (str, os.PathLike)) and str(value):
+            return f"{'--' + name if name != 'path' else 'input'} {str(value)!r}"
+    return None
 
 
 if __name__ == "__main__":

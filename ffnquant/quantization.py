@@ -2,7 +2,7 @@
 
 `prepare` builds (or takes) the float FFN, applies a recipe's remedies and profiles the calibration
 tokens; `quantize_spec(spec, recipe, prepared)` quantizes under the recipe's Scheme (torch reference
-numerics from `ffnquant.numerics.fakequant`, re-exported here), writes the ONNX artifact `{stem}.{recipe.slug}.onnx`
+numerics from `ffnquant.methods.fakequant`, re-exported here), writes the ONNX artifact `{stem}.{recipe.slug}.onnx`
 (`ffnquant.onnx.onnxquant`) and measures both against the float reference; `sensitivity` is the per-site
 SQNR of one quantized FFN; `quantize_recipes` runs many recipes on one FFN, calibrating once per
 remedy set.
@@ -24,7 +24,7 @@ from .infra.atomic import is_output_failure
 from .infra.envinfo import environment
 from .model import FFN, build
 from .numerics.accuracy import accuracy_of, run_batched, sqnr_db
-from .numerics.fakequant import (QuantizedFFN, SiteRange, input_hessians, quantize_model, quantize_weight,
+from .methods.fakequant import (QuantizedFFN, SiteRange, input_hessians, quantize_model, quantize_weight,
                                  search_calibrators)
 from .numerics.observe import DEFAULT_BINS, profile
 from .onnx import onnxquant as OQ

@@ -456,7 +456,7 @@ class Recipe:
 
     def quantized_parts(self, spec: FFNSpec) -> tuple[list[str], list[str]]:
         """(weights, sites) this recipe quantizes on `spec`: the scheme's, less the float site and its matrices."""
-        from .numerics.fakequant import ACT_SITES, WEIGHT_INPUT_SITE
+        from .methods.fakequant import ACT_SITES, WEIGHT_INPUT_SITE
 
         sch = self.resolve()
         weights = [w for w in spec.weight_names if sch.quantizes_weights and WEIGHT_INPUT_SITE[w] != self.keep_float]

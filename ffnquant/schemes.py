@@ -359,7 +359,7 @@ class Scheme:
 
     @property
     def no_reference_reason(self) -> str | None:
-        """Why ffnquant's fake quantization (`ffnquant.numerics.fakequant`) cannot reproduce this scheme; None when it can."""
+        """Why ffnquant's fake quantization (`ffnquant.methods.fakequant`) cannot reproduce this scheme; None when it can."""
         if self.outlier_threshold:
             return (f"scheme {self.name!r}: bitsandbytes' LLM.int8 outlier split (columns beyond |{self.outlier_threshold:g}| "
                     "in fp16) is a runtime kernel; ffnquant has no fake quantization of it")

@@ -16,6 +16,7 @@ tokenizer: given, or read from the folder the model was loaded from.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 import time
@@ -29,16 +30,18 @@ from .deploy.ctensors import folder_bytes
 from .deploy.formats import get_format
 from .deploy.planned import deployable_refusal
 from .deploy.precision import resolve_compute_dtype
-from .errors import FFNQuantError
+from .errors import FFNQuantError, api_boundary
 from .hf import inspect_model
 from .hf.capture import load_tokenizer, read_text, require_transformers
 from .hf.corpus import DEFAULT_SEQ_LEN
 from .hf.inputs import EvalSettings, eval_domain_batches, fit_settings
 from .hf.memory import plan_memory
 from .hf.stream import token_batches_of
+from .infra import arguments
 from .infra.atomic import write_json, write_text
-from .infra.atomic_folder import check_new_folder, folder_files, staged_folder
+from .infra.atomic_folder import check_new_folder, folder_files, staged_folder, termination_unwinds
 from .infra.envinfo import environment
+from .infra.progress import progress_callback
 from .planning import Plan, load_plan
 from .planning.candidates import candidate_recipes, format_candidates
 from .planning.job import make_plan
@@ -54,10 +57,21 @@ if TYPE_CHECKING:  # annotations only
     from .deploy.planned import PlannedModel
     from .hf.checkpoint import ModelInfo
 
-__all__ = ["plan", "apply", "save", "PlanRequest", "plan_request", "PlanOutcome", "plan_model", "plan_memory_for", "DeployReport", "DEPLOY_DOC", "format_refusal",
+__all__ = ["plan", "apply", "save", "check_plan_arguments", "PlanRequest", "plan_request", "PlanOutcome", "plan_model", "plan_memory_for", "DeployReport", "DEPLOY_DOC", "format_refusal",
            "write_deployment"]
 
 Progress = Callable[[str, int, int], None]
+
+
+def _terminable(fn: Callable) -> Callable:
+    """`fn` with SIGTERM/SIGHUP unwinding it like Ctrl-C (`termination_unwinds`): no staging or scratch folder is
+    left behind when a service stops a process inside the API."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with termination_unwinds():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _model_info(model: Any, tokenizer: Any = None) -> tuple[Any, Path | None]:
@@ -90,6 +104,47 @@ def _texts(info: ModelInfo, text: Any, eval_text: Any, seq_len: int | None) -> i
     read_text(text, "calibration")
     read_text(eval_text, "evaluation")
     return fit_settings(info, EvalSettings(seq_len=seq_len or DEFAULT_SEQ_LEN)).seq_len
+
+
+def _check_common(*, text: Any, eval_text: Any, calib_tokens: Any, eval_tokens: Any, seq_len: Any, compute_dtype: Any,
+                  tokenizer: Any, progress: Any) -> None:
+    """The arguments `plan` and `apply` share, each checked as the command line checks it."""
+    from .hf.corpus import TextSource
+
+    arguments.text_source(text, "text", (TextSource,))
+    arguments.text_source(eval_text, "eval_text", (TextSource,))
+    arguments.count(calib_tokens, "calib_tokens")
+    arguments.count(eval_tokens, "eval_tokens")
+    arguments.count(seq_len, "seq_len", optional=True)
+    arguments.one_of_type(compute_dtype, "compute_dtype", (str,), "'auto', 'float32', 'bfloat16' or 'float16'")
+    if tokenizer is not None and not (hasattr(tokenizer, "save_pretrained") and callable(tokenizer)):
+        raise FFNQuantError(f"tokenizer must be None or a transformers tokenizer (AutoTokenizer.from_pretrained), "
+                            f"got {type(tokenizer).__name__}")
+    progress_callback(progress)  # True, False, None or a callable
+
+
+def check_plan_arguments(*, target: Any = "ppl+1%", objective: Any = None, runtime: Any = "ort-cpu", tokens: Any = 512,
+                         decode_tokens: Any = None, candidates: Any = "default", format: Any = None, text: Any = None,
+                         eval_text: Any = None, calib_tokens: Any = 4096, eval_tokens: Any = 4096, seq_len: Any = None,
+                         probe_tokens: Any = 512, rounds: Any = 4, compute_dtype: Any = "auto", ort_floor: Any = True,
+                         tokenizer: Any = None, progress: Any = True, max_memory: Any = None,
+                         sequential: Any = False) -> int | None:
+    """Every argument of `plan` checked by type and range before the model is read (the command line's checks:
+    counts positive, sizes as '8GB'); returns max_memory in bytes."""
+    arguments.one_of_type(target, "target", (str,), "a target text such as 'ppl+1%', 'kld<=0.01' or 'sqnr>=30'")
+    arguments.one_of_type(objective, "objective", (str,), "'latency', 'bytes' or None", optional=True)
+    arguments.one_of_type(runtime, "runtime", (str,), "a runtime name such as 'ort-cpu'")
+    arguments.one_of_type(format, "format", (str,), "'compressed-tensors', 'onnx' or None", optional=True)
+    arguments.count(tokens, "tokens")
+    arguments.count(decode_tokens, "decode_tokens", minimum=0, optional=True)
+    arguments.recipe_list(candidates, "candidates")
+    arguments.count(probe_tokens, "probe_tokens")
+    arguments.count(rounds, "rounds")
+    arguments.flag(ort_floor, "ort_floor")
+    arguments.flag(sequential, "sequential", optional=True)
+    _check_common(text=text, eval_text=eval_text, calib_tokens=calib_tokens, eval_tokens=eval_tokens, seq_len=seq_len,
+                  compute_dtype=compute_dtype, tokenizer=tokenizer, progress=progress)
+    return arguments.size(max_memory, "max_memory")
 
 
 @dataclass(frozen=True)
@@ -136,17 +191,33 @@ class PlanOutcome:
 
 
 def plan_memory_for(info: ModelInfo, text: Any, eval_text: Any, settings: Any, *, probe_tokens: int, dtype: Any,
-                    max_memory: Any = None, sequential: bool = False) -> Any:
+                    max_memory: Any = None, sequential: bool = False, target: Any = None) -> Any:
     """The memory plan of planning `info`'s model on these texts: the whole model resident, or a decoder layer at a
-    time when it does not fit (or `sequential`); refused with the numbers, before any work, when neither fits."""
+    time when it does not fit (or `sequential`); refused with the numbers, before any work, when neither fits. Given
+    the `target`, a held-out text too small to verify it is refused first (`check_resolvable`)."""
     calib = token_batches_of(info, text, "calibration", settings, settings.max_calib_tokens)
     # every held-out domain, as the plan will read them (each up to its token budget)
-    evals = [b for _, bs in eval_domain_batches(info, load_tokenizer(info.path), eval_text, settings,
-                                                settings.max_eval_tokens, True) for b in bs]
+    domains = eval_domain_batches(info, load_tokenizer(info.path), eval_text, settings, settings.max_eval_tokens, True)
+    if target is not None:
+        check_resolvable(domains, target, settings.seq_len)
+    evals = [b for _, bs in domains for b in bs]
     needs = plan_needs(info, calib_tokens=sum(int(b.numel()) for b in calib),
                        eval_tokens=sum(int(b.numel()) for b in evals), probe_tokens=probe_tokens,
                        batch_tokens=int(calib[0].numel()), dtype=dtype)
     return plan_memory(info, needs, max_memory=max_memory, sequential=sequential)
+
+
+def check_resolvable(domains: list, target: Any, seq_len: int) -> None:
+    """Refuse, before any work, a held-out domain shorter than one --seq-len window: a handful of tokens samples
+    neither the text's variety nor the positions the plan runs at, so no verdict on it means anything (and with one
+    short sequence there is no interval either). The sqnr target compares hidden states and is refused alike."""
+    for label, batches in domains:
+        n = sum(int(b.numel()) for b in batches)
+        if n < seq_len:
+            raise FFNQuantError(f"not verified: {n:,} tokens of {label} cannot resolve {target}; at least {seq_len:,} "
+                                "are needed (one --seq-len window of every held-out text; more narrow its 95% "
+                                "interval): give a longer --eval-text (or eval_text), more --eval-tokens, or a "
+                                "smaller --seq-len")
 
 
 def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any, eval_text: Any, settings: Any,
@@ -156,7 +227,7 @@ def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any,
     """Plan `info`'s model for the validated request `req` (`plan_request`): the memory plan (`on_memory` hears it
     before the long work starts), then `planning.make_plan`. `ffnquant.plan` and `ffnquant plan` both run this."""
     memory = plan_memory_for(info, text, eval_text, settings, probe_tokens=probe_tokens, dtype=req.dtype,
-                             max_memory=max_memory, sequential=sequential)
+                             max_memory=max_memory, sequential=sequential, target=req.target)
     if on_memory is not None:
         on_memory(memory)
     the_plan, result = make_plan(info, req.target, req.objective, candidates, text=text, eval_text=eval_text,
@@ -168,36 +239,52 @@ def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any,
     return PlanOutcome(the_plan, result, memory)
 
 
+@api_boundary
+@_terminable
 def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, runtime: str = "ort-cpu",
          tokens: int = 512, decode_tokens: int | None = None, candidates: Any = "default", format: str | None = None,
          text: Any = None, eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096,
          seq_len: int | None = None, probe_tokens: int = 512, rounds: int = 4, compute_dtype: str = "auto",
-         ort_floor: bool = True, tokenizer: Any = None, progress: Progress | None = None, max_memory: Any = None,
+         ort_floor: bool = True, tokenizer: Any = None, progress: Any = True, max_memory: Any = None,
          sequential: bool = False):
     """A recipe per FFN layer of `model` (a folder or a transformers model) meeting `target` ('ppl+1%', 'kld<=0.01',
     'top1>=95%', 'sqnr>=30') at the least `objective` ('latency' on `runtime`, or 'bytes'), verified on held-out text:
     a `planning.Plan` (its `summary` has the verified figures; `Plan.to_toml` is plan.toml). `format`: plan only
     candidates that format ('compressed-tensors', 'onnx') can write. `max_memory` / `sequential`: a model that does
-    not fit is read a decoder layer at a time, as `ffnquant plan` does. The other arguments are `ffnquant plan`'s."""
+    not fit is read a decoder layer at a time, as `ffnquant plan` does. `progress`: a line per stage on stderr with the
+    time left (True), silent (False) or `callable(message, done, total)`. The other arguments are `ffnquant plan`'s."""
+    max_memory = check_plan_arguments(
+        target=target, objective=objective, runtime=runtime, tokens=tokens, decode_tokens=decode_tokens,
+        candidates=candidates, format=format, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
+        eval_tokens=eval_tokens, seq_len=seq_len, probe_tokens=probe_tokens, rounds=rounds, compute_dtype=compute_dtype,
+        ort_floor=ort_floor, tokenizer=tokenizer, progress=progress, max_memory=max_memory, sequential=sequential)
     info, scratch = _model_info(model, tokenizer)
     try:
         req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype)
         settings = EvalSettings(seq_len=_texts(info, text, eval_text, seq_len), max_calib_tokens=calib_tokens,
                                 max_eval_tokens=eval_tokens, ablation=False)
         return plan_model(info, req, candidates, text=text, eval_text=eval_text, settings=settings,
-                          probe_tokens=probe_tokens, rounds=rounds, ort_floor=ort_floor, progress=progress,
-                          max_memory=max_memory, sequential=sequential).plan
+                          probe_tokens=probe_tokens, rounds=rounds, ort_floor=ort_floor,
+                          progress=progress_callback(progress), max_memory=max_memory, sequential=sequential).plan
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+@api_boundary
+@_terminable
 def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors", text: Any = None,
           eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096, seq_len: int | None = None,
-          compute_dtype: str = "auto", tokenizer: Any = None, progress: Progress | None = None):
+          compute_dtype: str = "auto", tokenizer: Any = None, progress: Any = True):
     """`model` (a folder or a transformers model) quantized as `plan_or_recipe` says (a Plan, a plan.toml path, or
     one recipe such as 'w8a16' for every layer), for `format`: a `deploy.PlannedModel`, the deployable model with
-    ffnquant's reference figures on `eval_text`, which `save` writes."""
+    ffnquant's reference figures on `eval_text`, which `save` writes. `progress`: as `plan`'s."""
+    arguments.one_of_type(format, "format", (str,), "'compressed-tensors' or 'onnx'")
+    if not isinstance(plan_or_recipe, (Plan, Path, str, Recipe)):
+        raise FFNQuantError(f"plan_or_recipe: expected a Plan, a plan.toml path or a recipe such as 'w8a16', got "
+                            f"{type(plan_or_recipe).__name__}")
+    _check_common(text=text, eval_text=eval_text, calib_tokens=calib_tokens, eval_tokens=eval_tokens, seq_len=seq_len,
+                  compute_dtype=compute_dtype, tokenizer=tokenizer, progress=progress)
     fmt = get_format(format)
     info, scratch = _model_info(model, tokenizer)
     try:
@@ -215,7 +302,7 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
         dtype = resolve_compute_dtype(compute_dtype, fmt, info)
         planned = build_planned_model(info, the_plan, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
                                       eval_tokens=eval_tokens, seq_len=_texts(info, text, eval_text, seq_len),
-                                      whole_model=whole, progress=progress, dtype=dtype)
+                                      whole_model=whole, progress=progress_callback(progress), dtype=dtype)
     except BaseException:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -226,11 +313,18 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
     return planned
 
 
-def save(qmodel: Any, out: str | Path, *, force: bool = False, progress: Progress | None = None):
+@api_boundary
+@_terminable
+def save(qmodel: Any, out: str | Path, *, force: bool = False, progress: Any = True):
     """Write `qmodel` (from `apply`) into the new folder `out` in the format it was applied for, load it back and
     prove it; a `DeployReport` (the folder, `proven`, `weight_bytes`, the whole document). Nothing is
-    left half-written; `force` replaces only what an earlier save or export listed in its ffnquant-deploy.json."""
-    fmt = (getattr(qmodel, "settings", None) or {}).get("format")
+    left half-written; `force` replaces only what an earlier save or export listed in its ffnquant-deploy.json.
+    `progress`: as `plan`'s."""
+    arguments.out_path(out, "out")
+    arguments.flag(force, "force")
+    progress = progress_callback(progress)
+    settings = getattr(qmodel, "settings", None)
+    fmt = settings.get("format") if isinstance(settings, dict) else None
     if fmt is None:
         raise FFNQuantError(f"save takes the model ffnquant.apply returns, got {type(qmodel).__name__}")
     if fmt["name"] == "onnx" and not fmt["whole"]:

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ffnquant import FFNSpec, build
-from ffnquant.numerics.awq import ALPHA_GRID, AWQRecord, apply_scales, awq_fold, awq_scales, channel_rms, refold, rtn
+from ffnquant.methods.awq import ALPHA_GRID, AWQRecord, apply_scales, awq_fold, awq_scales, channel_rms, refold, rtn
 from ffnquant.cli import main
 from ffnquant.data import llm_like_tokens
 from ffnquant.errors import FFNQuantError
-from ffnquant.numerics.fakequant import input_hessians, quantize_model
+from ffnquant.methods.fakequant import input_hessians, quantize_model
 from ffnquant.onnx.onnxquant import run_onnx, write_artifact
 from ffnquant.quantization import prepare, quantize_spec
 from ffnquant.recipe import Recipe

@@ -222,3 +222,68 @@ def test_main_called_with_arguments_leaves_ctrl_c_alone(capsys):
     handler = signal.getsignal(signal.SIGINT)
     assert main(["variants", "--d-model", "32"]) == 0
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+# --- an unexpected exception is one line naming the step and input; the traceback only when asked ----------------
+_ARGV = {"variants": ["variants"], "export": ["export"], "profile": ["profile"], "quantize": ["quantize"],
+         "plan": ["plan", "--model", "some/model"], "run": ["run"], "bench": ["bench"],
+         "model": ["model", "inspect", "some/model"]}
+
+
+def _inject(monkeypatch, command):
+    import importlib
+
+    def broken_step(args):
+        raise RuntimeError("internal detail\nthat must not reach a user")
+
+    monkeypatch.setattr(importlib.import_module(f"ffnquant.commands.{command}"), "run", broken_step)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_internal_error_in_each_command_is_one_line_with_a_hint_to_report_it(command, monkeypatch, capsys):
+    assert set(_ARGV) == set(COMMANDS)  # a new command gets its case here
+    monkeypatch.delenv("FFNQUANT_DEBUG", raising=False)
+    _inject(monkeypatch, command)
+    assert main(_ARGV[command]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "internal detail" not in err
+    assert err.startswith(f"ffnquant {command} failed")
+    assert "internal error (RuntimeError in ffnquant.cli._main via test_cli.broken_step)" in err
+    assert "please report it" in err and "--debug or FFNQUANT_DEBUG=1" in err
+    if command in ("plan", "model"):
+        assert "'some/model'" in err  # the input it was reading
+
+
+@pytest.mark.parametrize("how", ["flag-before", "flag-after", "environment"])
+def test_debug_shows_the_traceback(how, monkeypatch, capsys):
+    _inject(monkeypatch, "plan")
+    argv = _ARGV["plan"]
+    if how == "environment":
+        monkeypatch.setenv("FFNQUANT_DEBUG", "1")
+    else:
+        monkeypatch.delenv("FFNQUANT_DEBUG", raising=False)
+        argv = ["--debug", *argv] if how == "flag-before" else [*argv, "--debug"]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "internal detail" in err
+
+
+def test_the_api_turns_an_internal_error_into_one_line(monkeypatch):
+    import ffnquant
+    from ffnquant import wholemodel
+    from ffnquant.errors import FFNQuantError
+
+    monkeypatch.delenv("FFNQUANT_DEBUG", raising=False)
+
+    def broken(model, tokenizer=None):
+        raise KeyError("internal detail")
+
+    monkeypatch.setattr(wholemodel, "_model_info", broken)
+    with pytest.raises(FFNQuantError) as info:
+        ffnquant.apply("some/model", "w8a16")
+    text = str(info.value)
+    assert text.startswith("ffnquant.apply failed on 'some/model': an internal error (KeyError in ")
+    assert "internal detail" not in text and "\n" not in text and "please report it" in text
+    monkeypatch.setenv("FFNQUANT_DEBUG", "1")
+    with pytest.raises(KeyError, match="internal detail"):
+        ffnquant.apply("some/model", "w8a16")

@@ -162,3 +162,61 @@ def test_each_shipped_corpus_holds_100k_smollm2_tokens(name):
     n = sum(len(tok(d, add_special_tokens=False)["input_ids"]) for d in read_documents(name))
     assert n >= 100_000
     assert n == next(c for c in corpus.shipped_corpora() if c.name == name).tokens
+
+
+# --- text input hardening: invalid Unicode and odd rows, in every kind of file --------------------------------------
+@pytest.mark.parametrize("line, where", [
+    (json.dumps({"text": "a lone \ud800 surrogate"}), "line 2 holds invalid Unicode: a lone surrogate U+D800 at character 7"),
+    ('{"text": "low \\udfff half"}', "line 2 holds invalid Unicode: a lone surrogate U+DFFF"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi \udbff"}]}), "line 2 holds invalid Unicode"),
+], ids=["high-surrogate", "low-surrogate-escape", "in-a-message"])
+@pytest.mark.parametrize("gz", [False, True], ids=["jsonl", "jsonl.gz"])
+def test_a_lone_surrogate_is_refused_naming_the_file_and_line(tmp_path, line, where, gz):
+    from ffnquant.hf.capture import read_text
+
+    text = json.dumps({"text": "a fine first line"}) + "\n" + line + "\n"
+    path = tmp_path / ("x.jsonl.gz" if gz else "x.jsonl")
+    if gz:
+        path.write_bytes(gzip.compress(text.encode("utf-8")))
+    else:
+        path.write_text(text, encoding="utf-8")
+    for read in (lambda: read_documents(path, "calibration"), lambda: read_text(str(path), "calibration")):
+        with pytest.raises(FFNQuantError) as err:
+            read()
+        assert f"{str(path)!r} {where}" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_surrogate_bytes_in_a_text_file_are_refused_as_not_utf8(tmp_path):
+    path = tmp_path / "x.txt"
+    path.write_bytes(b"fine text \xed\xa0\x80 then more")  # U+D800 encoded as if it were a character
+    with pytest.raises(FFNQuantError, match="x.txt") as err:
+        read_documents(path, "calibration")
+    assert "\n" not in str(err.value)
+
+
+_ROWS = {
+    "text-null": ({"text": [DOCS[0], None]}, "row 1 has no text field 'text'"),
+    "text-a-number": ({"text": [1.5, 2.5]}, "row 0 has no text field 'text'"),
+    "no-text-column": ({"body": DOCS}, "has no column 'text' (nor 'messages'); its columns: body"),
+}
+
+
+@pytest.mark.parametrize("case", list(_ROWS), ids=list(_ROWS))
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "save_to_disk"])
+def test_odd_rows_are_one_line_errors_in_every_kind(tmp_path, case, kind):
+    columns, message = _ROWS[case]
+    n = len(next(iter(columns.values())))
+    if kind == "jsonl":
+        path = tmp_path / "x.jsonl"
+        path.write_text("".join(json.dumps({k: v[i] for k, v in columns.items()}) + "\n" for i in range(n)),
+                        encoding="utf-8")
+        message = message.replace("row 1", "line 2").replace("row 0", "line 1").replace(
+            "has no column 'text' (nor 'messages'); its columns: body", "has no text field 'text'")
+    else:
+        datasets = pytest.importorskip("datasets", reason="datasets not installed (pip install '.[data]')")
+        ds = datasets.Dataset.from_dict(columns)
+        path = tmp_path / ("x.parquet" if kind == "parquet" else "saved")
+        ds.to_parquet(str(path)) if kind == "parquet" else ds.save_to_disk(str(path))
+    with pytest.raises(FFNQuantError) as err:
+        read_documents(path, "calibration")
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -50,7 +50,7 @@ def _module(recipe: str, weight: str = "w_down"):
 
     from ffnquant import build
     from ffnquant.deploy.planned import _module_quants
-    from ffnquant.numerics.fakequant import quantize_model
+    from ffnquant.methods.fakequant import quantize_model
     from ffnquant.numerics.observe import profile
 
     model = build(FFNSpec(Variant.SWIGLU, 32, 64), seed=0)
@@ -194,7 +194,7 @@ def test_asymmetric_4bit_groups_are_written_as_blocks_that_transformers_loads(ll
     import transformers
 
     from ffnquant.deploy.planned import ModuleQuant, PlannedModel
-    from ffnquant.numerics.fakequant import weight_grid
+    from ffnquant.methods.fakequant import weight_grid
     from ffnquant.schemes import get_scheme
 
     scheme = get_scheme("w4a16-g32-asym")
@@ -471,3 +471,21 @@ def test_a_plan_for_a_bf16_checkpoint_is_verified_in_bf16_and_its_export_measure
                  "compressed-tensors", "--out", str(tmp_path / "ct"), *_TOKENS, "--no-progress"]) == 0
     doc = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())
     assert doc["proof"]["proven"] and doc["proof"]["load"]["compute_dtype"] == "bfloat16"
+
+
+@pytest.mark.hf
+def test_a_proof_without_one_generation_prompt_is_not_proven(llama, tmp_path, capsys):
+    """A held-out text of a few tokens gives no generation prompt: 0 of 0 prompts equal is no evidence, so the
+    folder is written but NOT PROVEN, saying why, and export exits 1."""
+    short = tmp_path / "short.txt"
+    short.write_text("Hello there friend")
+    out = tmp_path / "llama-ffnq"
+    rc = main(["export", "--model", str(llama), "--plan", str(_plan(llama, tmp_path, {0: "w8a16", 1: "w8a16"})),
+               "--format", "compressed-tensors", "--out", str(out), "--calib-tokens", "256", "--eval-text", str(short)])
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    assert doc["proof"]["generation"]["prompts"] == 0
+    assert rc == 1 and not doc["proof"]["proven"]
+    assert any("no generation prompt" in why for why in doc["proof"]["unproven"])
+    assert "NOT PROVEN: no generation prompt: the held-out text has" in printed
+    assert "Verdict: NOT PROVEN (no generation prompt" in (out / "ffnquant-deploy.md").read_text()

@@ -168,7 +168,7 @@ def _real_graph_refusal(text: str) -> str | None:
     from ffnquant import build
     from ffnquant.deploy.onnx_rewrite import module_kind
     from ffnquant.deploy.planned import _module_quants
-    from ffnquant.numerics.fakequant import input_hessians, quantize_model
+    from ffnquant.methods.fakequant import input_hessians, quantize_model
     from ffnquant.numerics.observe import profile
     from ffnquant.recipe import Recipe
     from ffnquant.spec import FFNSpec, Variant

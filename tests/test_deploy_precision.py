@@ -8,7 +8,7 @@ import torch
 from ffnquant import build
 from ffnquant.deploy import precision
 from ffnquant.errors import FFNQuantError
-from ffnquant.numerics.fakequant import input_hessians, quantize_model
+from ffnquant.methods.fakequant import input_hessians, quantize_model
 from ffnquant.numerics.observe import profile
 from ffnquant.recipe import Recipe
 from ffnquant.schemes import get_scheme

@@ -101,7 +101,7 @@ def test_the_fold_bound_is_float32_rounding_over_depth():
 
 def test_the_input_scale_is_read_back_exactly_from_the_records():
     from ffnquant import build
-    from ffnquant.numerics.fakequant import input_hessians, quantize_model
+    from ffnquant.methods.fakequant import input_hessians, quantize_model
     from ffnquant.numerics.observe import profile
     from ffnquant.numerics.remedies import smooth
     from ffnquant.spec import FFNSpec, Variant

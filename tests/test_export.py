@@ -119,10 +119,18 @@ def test_a_graph_whose_tensors_cannot_be_told_apart_is_exported_every_time(tmp_p
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--format", "onnx"], "--format and --force apply to --model --plan exports"),
-    (["--force"], "--format and --force apply to --model --plan exports"),
+    (["--format", "onnx"], "--format is an option of --model --plan exports; give --model and --plan"),
+    (["--force"], "--force is an option of --model --plan exports"),
+    (["--eval-text", "prose", "--compute-dtype", "bfloat16"],
+     "--compute-dtype, --eval-text are options of --model --plan exports"),
     (["--model", "m", "--plan", "p.toml"], "--out is required with --model"),
-], ids=["format-without-model", "force-without-model", "model-without-out"])
+    (["--model", "m", "--plan", "p.toml", "--out", "o", "--opset", "5"],
+     "--opset is an option of FFN variant exports, not read by --model --plan exports"),
+    (["--model", "m", "--plan", "p.toml", "--out", "o", "--dtypes", "fp64"], "--dtypes is an option of FFN variant"),
+    (["--model", "m", "--plan", "p.toml", "--out", "o", "--opset", "20", "--d-model", "64"],
+     "--opset, --d-model are options of FFN variant exports"),
+], ids=["format-without-model", "force-without-model", "texts-without-model", "model-without-out",
+        "plan-with-opset", "plan-with-dtypes", "plan-with-opset-and-width"])
 def test_deployment_flags_need_a_model_and_an_out(argv, message, tmp_path, capsys, monkeypatch):
     from ffnquant.cli import main
 

@@ -204,7 +204,7 @@ def test_every_architecture_names_its_norm_or_why_not():
 
 
 def test_quantized_ffn_folds_with_its_quantizers(tiny_models):
-    from ffnquant.numerics.fakequant import QuantizedFFN, quantize_model
+    from ffnquant.methods.fakequant import QuantizedFFN, quantize_model
     from ffnquant.hf.fold import folded_input_scales
 
     model, info, layers = _loaded(tiny_models, "llama")

@@ -163,3 +163,79 @@ def test_the_activation_time_claim_ignores_timings_not_to_trust(monkeypatch, rep
     monkeypatch.setattr(F.time, "perf_counter", lambda: next(clock))
     claim = F.activation_time_claim(model, torch.zeros(4, 16), repeats=repeats)
     assert claim["status"] == status, claim
+
+
+# --- the default run recommends at every token count ---------------------------------------------------------
+def _slow_runtime(seconds: float):
+    """A runtime whose every call takes `seconds` of wall time: slower than the default budget allows two of."""
+    import time
+
+    import torch
+
+    from ffnquant.runtimes.base import Availability, Loaded, Runtime, check_input
+
+    class SlowRuntime(Runtime):
+        name, device, baseline = "slow-cpu", "cpu", "fp32"
+
+        def __init__(self):
+            self.calls = 0
+
+        def _check_availability(self):
+            return Availability(True, "fake", "cpu")
+
+        @property
+        def formats(self):
+            return ("fp32", "fp16")
+
+        def load(self, case):
+            self.check(case)
+            return Loaded(self.name, case, case.float_model(), "cpu", f"slow {case.scheme}", 1000, "float32", "float32")
+
+        def prepare(self, loaded, x):
+            return torch.from_numpy(check_input(x, loaded.spec))
+
+        def run(self, loaded, prepared):
+            self.calls += 1
+            time.sleep(seconds)
+            with torch.no_grad():
+                return loaded.handle(prepared)
+
+        def to_numpy(self, loaded, output):
+            return output.numpy()
+
+    return SlowRuntime()
+
+
+def test_a_slow_case_gets_the_samples_a_recommendation_needs_under_the_default_budget():
+    """At M=512 one call took longer than half the default budget: the budget was a cap and every case stopped
+    at two samples, too few to trust. The budget is a target: each case still gets MIN_TIMED_SAMPLES."""
+    from ffnquant.measure.latency import MIN_TIMED_SAMPLES
+    from ffnquant.pipeline.latency import LatencySettings, measure_latency
+
+    budget = RunConfig().budget_s
+    per_call = budget * 0.6  # two calls spend the budget
+    rt = _slow_runtime(per_call)
+    settings = LatencySettings(runtimes=("slow-cpu",), tokens=(4,), budget_s=budget, seed=0)
+    section = measure_latency(settings, [FFNSpec("relu", d_model=16)], [Recipe.parse("fp32"), Recipe.parse("fp16")],
+                              {}, {}, [("slow-cpu", rt.availability(), rt)], [], None)
+    cases = section["cases"]
+    assert [c["error"] for c in cases] == [None, None]
+    assert [c["n"] for c in cases] == [MIN_TIMED_SAMPLES] * 2
+    assert all(c["suspect"] is None or "fewer than" not in c["suspect"] for c in cases)
+
+
+def test_the_terminal_names_a_recommendation_at_each_token_count_or_says_why_not():
+    from ffnquant.commands.run import recommendation_lines
+
+    cfg = RunConfig.tiny(variants=("relu",), tokens=(1, 512), runtimes=("none",))
+    rec = dict(variant="relu", runtime="ort-cpu", choice="w8a8", label="w8a8 (2.0x)", reason="w8a8: 35 dB")
+    suspect = dict(rec, choice="fp32", label="fp32 (timing suspect)",
+                   reason="fp32: the timings on ort-cpu at M=512 are suspect (fp32: 2 samples (fewer than 5))")
+    lines = recommendation_lines([dict(rec, tokens=1), dict(suspect, tokens=512)], cfg, {"status": "ok"})
+    table = "\n".join(lines[:2])
+    assert "M=1" in table and "M=512" in table and "w8a8 (2.0x)" in table and "fp32 (timing suspect)" in table
+    assert ("M=512: no recommendation for 1 of 1 variant/runtime pairs: relu on ort-cpu: fp32: the timings on "
+            "ort-cpu at M=512 are suspect (fp32: 2 samples (fewer than 5))") in lines
+    assert not any(line.startswith("M=1:") for line in lines)
+    assert recommendation_lines([], cfg, {"status": "missing", "reason": "no runtimes requested"}) == [
+        "No recommendation at any M: no runtimes requested"]

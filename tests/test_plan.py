@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import re
 from pathlib import Path
 from dataclasses import replace
 
@@ -75,10 +76,15 @@ def test_target_met_and_spent_read_the_measurement():
     # top1 is judged at the interval's lower end
     ("top1>=95%", {"top1_agreement": 0.96, "top1_agreement_ci": [0.94, 0.98], "n_predicted": 4_000}, False, False),
     ("top1>=95%", {"top1_agreement": 0.97, "top1_agreement_ci": [0.955, 0.985], "n_predicted": 4_000}, True, True),
-    # no interval (a single sequence): judged on the point
+    # no interval and no KL: judged on the point
     ("ppl+1%", {"perplexity_ratio": 1.005, "perplexity_ratio_ci": None, "n_predicted": 100}, True, True),
+    # a single sequence: the tokens as independent units (variance 2 x KL per token); 2 tokens resolve nothing
+    ("ppl+1%", {"perplexity_ratio": 1.005, "perplexity_ratio_ci": None, "kl": {"mean": 0.01}, "n_predicted": 2},
+     False, False),
+    ("ppl+1%", {"perplexity_ratio": 1.005, "perplexity_ratio_ci": None, "kl": {"mean": 1e-4}, "n_predicted": 5000},
+     True, True),
 ], ids=["ppl-unresolved", "ppl-met", "ppl-missed", "kld-unresolved", "kld-met", "top1-unresolved", "top1-met",
-        "no-interval"])
+        "no-interval", "one-sequence-2-tokens", "one-sequence-5000-tokens"])
 def test_targets_are_met_at_the_confidence_bound(text, measured, met, resolved):
     t = Target.parse(text)
     res = t.resolution(measured)
@@ -90,6 +96,21 @@ def test_targets_are_met_at_the_confidence_bound(text, measured, met, resolved):
         shrunk = half * math.sqrt(measured["n_predicted"] / res["tokens_needed"])
         assert shrunk == pytest.approx(abs(t.value - point), rel=1e-3)
         assert "would resolve it" in res["words"]
+
+
+def test_a_text_too_small_to_resolve_the_target_says_so_with_the_tokens_it_needs():
+    from ffnquant.commands.plan import unresolved_lines
+
+    t = Target.parse("ppl+1%")
+    tiny = {"perplexity_ratio": 1.005, "perplexity_ratio_ci": None, "kl": {"mean": 0.01}, "n_predicted": 2}
+    res = t.resolution(tiny)
+    assert res["tokens_needed"] > 1000 and "would resolve it" in res["words"]
+    final = {"domains": {"prose:evaluation": dict(tiny, resolution=res)}}
+    assert unresolved_lines(final, t) == [
+        f"not verified: 2 tokens of prose:evaluation cannot resolve ppl+1%; about {res['tokens_needed']:,} held-out "
+        "tokens would (a longer --eval-text, more --eval-tokens)"]
+    met = dict(final["domains"]["prose:evaluation"], resolution=t.resolution({"perplexity_ratio": 1.0}))
+    assert unresolved_lines({"domains": {"prose:evaluation": met}}, t) == []
 
 
 # --- search ----------------------------------------------------------------------------------
@@ -476,6 +497,60 @@ def test_plan_times_its_candidates_on_a_torch_runtime(tiny, tmp_path):
     md = (out / "plan.md").read_text()
     section = md.split("## Latency table")[1]
     assert "| decode step p50 ms | runtime | kernel | note |" in section and "torch-cpu has no kernel for w8a8" in section
+
+
+# --- --out follows export's rules: a new folder, or --force over what an earlier plan listed ------------------------
+_OWN = b"# my own notes on this model, not ffnquant's\n"
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("layout, force, message", [
+    ({"plan.md": _OWN}, False, "exists and is not empty; give another --out or --force"),
+    ({"plan.md": _OWN}, True, "also holds plan.md (it holds no plan.json of an earlier ffnquant command)"),
+    ({"plan.json": json.dumps({"files": ["plan.json", "plan.toml"]}).encode(), "plan.toml": b"", "plan.md": _OWN}, True,
+     "also holds plan.md (not listed in its plan.json)"),
+], ids=["user-plan-md", "user-plan-md-force", "earlier-plan-plus-user-file-force"])
+def test_plan_never_replaces_a_users_file(tiny, tmp_path, capsys, layout, force, message):
+    out = tmp_path / "plan"
+    out.mkdir()
+    for name, data in layout.items():
+        (out / name).write_bytes(data)
+    rc = main(["plan", "--model", str(tiny["llama"]), "--out", str(out), *SMALL, *(["--force"] if force else [])])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and len(err.splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == layout  # as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]  # no staging folder beside it
+
+
+@pytest.mark.hf
+def test_plan_force_replaces_only_what_an_earlier_plan_listed(tiny, tmp_path, capsys):
+    out = tmp_path / "reports" / "plan"  # its parent is made too
+    args = ["plan", "--model", str(tiny["llama"]), "--out", str(out), "--candidates", "fp32,w8a16", "--objective",
+            "bytes", "--target", "ppl+5%", "--rounds", "1", *SMALL]
+    assert main(args) == 0
+    listed = json.loads((out / "plan.json").read_text())["files"]
+    assert {"plan.json", "plan.toml", "plan.md", "atlas/atlas.md"} <= set(listed)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == listed
+    capsys.readouterr()
+    assert main(args) == 2  # a second plan over the first needs --force
+    assert "exists and is not empty" in capsys.readouterr().err
+    (out / "plan.toml").write_text("# stale\n")
+    assert main(args + ["--force"]) == 0
+    assert (out / "plan.toml").read_text() != "# stale\n"
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["plan"]
+
+
+@pytest.mark.hf
+def test_a_held_out_text_too_small_to_verify_is_refused_with_the_tokens_needed(tiny, tmp_path, capsys):
+    """Three words of held-out text once made a plan 'verified'; now it is refused before any work, naming the
+    tokens it has and the tokens a verification needs."""
+    short = tmp_path / "short.txt"
+    short.write_text("Hello there friend")
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", str(tiny["llama"]), "--eval-text", str(short), "--out", str(out), *SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(r"not verified: \d tokens of .*short\.txt cannot resolve ppl\+1%; at least \d+ are needed", err)
+    assert len(err.splitlines()) == 1 and not out.exists()
 
 
 # --- what the plan leaves unscored, and the onnxruntime floor measured where it matters ----------

@@ -9,7 +9,7 @@ from ffnquant import FFNSpec, Variant, build
 from ffnquant.numerics.accuracy import accuracy_of, cosine, rel_l2, sqnr_db
 from ffnquant.data import gaussian_tokens
 from ffnquant.errors import FFNQuantError
-from ffnquant.numerics.fakequant import quantize_model, search_calibrators
+from ffnquant.methods.fakequant import quantize_model, search_calibrators
 from ffnquant.quantization import prepare, quantize_spec, sensitivity
 from ffnquant.recipe import Recipe
 
@@ -165,7 +165,7 @@ def test_quantize_weight_any_width_within_half_a_step(scheme):
     """K = 96 with g = 64 (and g = 128 > K): the cropped image has the input's shape and every real
     weight lies within half its group's step (int grids) or inside its block's absmax (nf4/fp4)."""
     from ffnquant.numerics import primitives as P
-    from ffnquant.numerics.fakequant import quantize_weight
+    from ffnquant.methods.fakequant import quantize_weight
     from ffnquant.schemes import Granularity, Scheme, WeightDType, get_scheme
 
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)) * 0.05
@@ -218,7 +218,7 @@ def test_weight_grid_reproduces_the_dequantized_weight_exactly(preset):
     """(code - zero_point) * scale on the grid's signed range gives back quantize_weight's image bit for bit; the
     codes a format derives as round(w / scale) + zero_point are integers on that range (a 200-wide input pads
     the last group of 128 and of 32 is exact)."""
-    from ffnquant.numerics.fakequant import quantize_weight, weight_grid
+    from ffnquant.methods.fakequant import quantize_weight, weight_grid
     from ffnquant.schemes import get_scheme
 
     gen = torch.Generator().manual_seed(0)
@@ -245,7 +245,7 @@ def test_weight_grid_reproduces_the_dequantized_weight_exactly(preset):
 
 @pytest.mark.parametrize("preset", ["fp32", "fp16", "nf4", "w4a16-g32-hqq"])
 def test_formats_without_an_integer_grid_say_so(preset):
-    from ffnquant.numerics.fakequant import weight_grid
+    from ffnquant.methods.fakequant import weight_grid
     from ffnquant.schemes import get_scheme
 
     assert weight_grid(torch.randn(8, 64), get_scheme(preset))[1] is None

@@ -85,3 +85,140 @@ def test_bad_input_is_one_line(llama, call, message):
     with pytest.raises(FFNQuantError, match=re.escape(message)) as info:
         call(llama)
     assert "\n" not in str(info.value)
+
+
+# --- every argument checked before the model is read ------------------------------------------------------------
+@pytest.fixture
+def never_read(monkeypatch):
+    """The model is never read: a check that came after reading it would fail the test here instead."""
+    from ffnquant import wholemodel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was read before the arguments were checked")
+
+    monkeypatch.setattr(wholemodel, "_model_info", refuse)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ffnquant.plan("M", max_memory="8 parsecs"), "max_memory: '8 parsecs' is not a memory size"),
+    (lambda: ffnquant.plan("M", max_memory=[8]), "max_memory must be a size such as '8GB'"),
+    (lambda: ffnquant.plan("M", rounds=0), "rounds must be a positive integer, got 0"),
+    (lambda: ffnquant.plan("M", rounds=2.5), "rounds must be a positive integer, got 2.5"),
+    (lambda: ffnquant.plan("M", probe_tokens=True), "probe_tokens must be a positive integer, got True"),
+    (lambda: ffnquant.plan("M", tokens=-1), "tokens must be a positive integer, got -1"),
+    (lambda: ffnquant.plan("M", decode_tokens=-1), "decode_tokens must be an integer of at least 0, got -1"),
+    (lambda: ffnquant.plan("M", calib_tokens=0), "calib_tokens must be a positive integer, got 0"),
+    (lambda: ffnquant.plan("M", seq_len="32"), "seq_len must be a positive integer, got '32'"),
+    (lambda: ffnquant.plan("M", candidates=["fp32", 3]), "candidates must be a candidate set name, comma-separated "
+                                                         "recipes, or a list of recipe texts or Recipes; it holds int 3"),
+    (lambda: ffnquant.plan("M", candidates=[]), "candidates must be a candidate set name"),
+    (lambda: ffnquant.plan("M", tokenizer="not a tokenizer"), "tokenizer must be None or a transformers tokenizer"),
+    (lambda: ffnquant.plan("M", text=b"some text"), "text must be a file path or shipped corpus name"),
+    (lambda: ffnquant.plan("M", eval_text=["a.txt", None]), "eval_text must be a file path or shipped corpus name"),
+    (lambda: ffnquant.plan("M", target=1.01), "target must be a target text such as 'ppl+1%'"),
+    (lambda: ffnquant.plan("M", format=3), "format must be 'compressed-tensors', 'onnx' or None"),
+    (lambda: ffnquant.plan("M", ort_floor="no"), "ort_floor must be True or False, got 'no'"),
+    (lambda: ffnquant.plan("M", sequential=1), "sequential must be True or False or None, got 1"),
+    (lambda: ffnquant.plan("M", progress="yes"), "progress must be True (lines on stderr), False (silent) or a callable"),
+    (lambda: ffnquant.apply("M", "w8a16", progress=1), "progress must be True (lines on stderr), False (silent) or a callable"),
+    (lambda: ffnquant.apply("M", "w8a16", eval_tokens=0), "eval_tokens must be a positive integer, got 0"),
+    (lambda: ffnquant.apply("M", "w8a16", text=b"x"), "text must be a file path or shipped corpus name"),
+    (lambda: ffnquant.apply("M", "w8a16", tokenizer=42), "tokenizer must be None or a transformers tokenizer"),
+    (lambda: ffnquant.apply("M", "w8a16", format=None), "format must be 'compressed-tensors' or 'onnx'"),
+    (lambda: ffnquant.apply("M", 3.5), "plan_or_recipe: expected a Plan, a plan.toml path or a recipe"),
+    (lambda: ffnquant.save(object(), None), "out must be a folder path (a non-empty str or pathlib.Path), got None"),
+    (lambda: ffnquant.save(object(), ""), "out must be a folder path"),
+    (lambda: ffnquant.save(object(), "x", force="yes"), "force must be True or False, got 'yes'"),
+    (lambda: ffnquant.save(object(), "x", progress=1), "progress must be True (lines on stderr), False (silent)"),
+], ids=["max-memory-unit", "max-memory-list", "rounds-0", "rounds-float", "probe-tokens-bool", "tokens-negative",
+        "decode-tokens-negative", "calib-tokens-0", "seq-len-str", "candidates-int", "candidates-empty",
+        "tokenizer-str", "text-bytes", "eval-text-none-item", "target-float", "format-int", "ort-floor-str",
+        "sequential-int", "plan-progress-str", "apply-progress-int", "apply-eval-tokens-0", "apply-text-bytes",
+        "apply-tokenizer-int", "apply-format-none", "apply-not-a-plan", "save-out-none", "save-out-empty",
+        "save-force-str", "save-progress-int"])
+def test_each_argument_is_refused_in_one_line_before_the_model_is_read(never_read, call, message):
+    with pytest.raises(FFNQuantError, match=re.escape(message)) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_max_memory_takes_the_command_lines_sizes(never_read):
+    from ffnquant.commands.common import memory_size
+    from ffnquant.wholemodel import check_plan_arguments
+
+    assert check_plan_arguments(max_memory="8GB") == memory_size("8GB") == 8 * 10**9
+    assert check_plan_arguments(max_memory="1.5GiB") == int(1.5 * 2**30)
+    assert check_plan_arguments(max_memory=4096) == 4096
+    assert check_plan_arguments() is None
+
+
+# --- SIGTERM inside the API leaves no staging or scratch folder ---------------------------------------------------
+_CHILD = r'''
+import os, signal, sys, tempfile, time
+from pathlib import Path
+import ffnquant
+from ffnquant import wholemodel as W
+
+which, out, source = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+before = signal.getsignal(signal.SIGTERM)
+
+def stall(folder):
+    (Path(folder) / "model.safetensors").write_bytes(b"x" * 4096)
+    print("writing", flush=True)
+    time.sleep(60)
+
+class Info:
+    path = source
+
+class QModel:
+    info = Info()
+    settings = {"format": {"name": "compressed-tensors", "whole": True, "graph_why": None}}
+
+if which == "save":
+    W.write_deployment = lambda planned, folder, *a, **k: stall(folder)
+    call = lambda: ffnquant.save(QModel(), out)
+else:  # apply on a model object: its scratch copy is made first
+    made = []
+
+    def scratch_info(model, tokenizer):
+        made.append(Path(tempfile.mkdtemp(prefix="ffnquant-model-")))
+        return Info(), made[-1]
+    W._model_info = scratch_info
+    W.model_fingerprint = lambda info: stall(made[-1])  # the first step after the copy
+    call = lambda: ffnquant.apply(object(), "w8a16")
+try:
+    call()
+except KeyboardInterrupt as exc:
+    print("interrupted", getattr(exc, "signum", None), signal.getsignal(signal.SIGTERM) == before, flush=True)
+    sys.exit(3)
+'''
+
+
+@pytest.mark.parametrize("which", ["save", "apply"])
+def test_sigterm_inside_the_api_leaves_no_staging_folder(tmp_path, which):
+    """A service stopping the process (SIGTERM) while `save` writes or `apply` holds its scratch copy: the call
+    unwinds like Ctrl-C, nothing is left beside the output or in the temporary folder, the handler is restored."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD, encoding="utf-8")
+    work, tmp, source = tmp_path / "work", tmp_path / "tmp", tmp_path / "source"
+    for d in (work, tmp, source):
+        d.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                                         os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, str(script), which, str(work / "out"), str(source)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, err
+    assert out.strip() == f"interrupted {int(signal.SIGTERM)} True"
+    assert os.listdir(work) == [] and os.listdir(tmp) == []

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import FFNQuantError
 from ..hf.corpus import DEFAULT_SEQ_LEN, TextSource, source_items
+from ..infra import arguments
 from ..infra.progress import StageLines
 from ..infra.resources import parse_size
 from ..spec import FFNSpec, Variant, parse_variants
@@ -17,17 +18,19 @@ if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
 
 __all__ = ["add_spec_arguments", "specs_from_args", "positive_int", "add_model_arguments",
-           "TextFiles", "token_notes", "add_text_arguments", "TextOptions", "text_options", "StageBars", "memory_size", "add_memory_arguments"]
+           "TextFiles", "token_notes", "add_text_arguments", "TextOptions", "text_options", "text_files", "StageBars", "memory_size", "add_memory_arguments"]
 
 
 def positive_int(text: str) -> int:
+    """A positive count, as an argparse type: the check the Python API makes (`infra.arguments.count`)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    try:
+        return arguments.count(value, "the value")
+    except FFNQuantError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}") from None
 
 
 def add_spec_arguments(
@@ -122,7 +125,7 @@ def add_model_arguments(
 def memory_size(text: str) -> int:
     """A size in bytes from '8GB', '512MiB', ... (`resources.parse_size`), as an argparse type."""
     try:
-        return parse_size(text)
+        return parse_size(text)  # what `infra.arguments.size` reads for the Python API's max_memory
     except FFNQuantError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -193,6 +196,17 @@ def text_options(args: argparse.Namespace, info: ModelInfo | None = None) -> Tex
                  for t, split in zip(texts, ("calibration", "evaluation"))]
     calib = args.calib_samples * seq_len if args.calib_samples else (args.calib_tokens or 4096)
     return TextOptions(texts[0], texts[1], seq_len, calib, args.eval_tokens)
+
+
+def text_files(texts: TextOptions) -> list[str]:
+    """The files among a command's text sources (corpus names are not files): inputs no --out may replace."""
+    import os
+
+    items = []
+    for source in (texts.text, texts.eval_text):
+        if source is not None:
+            items += [i for i in source_items(source, "evaluation") if os.path.exists(i)]
+    return items
 
 
 def format_default(value) -> str:

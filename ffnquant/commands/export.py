@@ -11,7 +11,6 @@ from ..deploy.precision import resolve_compute_dtype
 from ..errors import FFNQuantError
 from ..hf import inspect_model, model_file_stem
 from ..hf.capture import read_text, require_transformers
-from ..hf.corpus import source_items
 from ..infra.atomic import OutputTransaction
 from ..infra.atomic_folder import check_new_folder, staged_folder
 from ..infra.render import text_table
@@ -19,7 +18,7 @@ from ..onnx.export import DEFAULT_OPSET, export_spec
 from ..planning import load_plan
 from ..report.deploy import decoder_summary, fold_line, gate_rows, target_verdict
 from ..wholemodel import DEPLOY_DOC, format_refusal, write_deployment
-from .common import StageBars, add_spec_arguments, add_text_arguments, specs_from_args, text_options, token_notes
+from .common import StageBars, add_spec_arguments, add_text_arguments, specs_from_args, text_files, text_options, token_notes
 
 NAME = "export"
 HELP = ("export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, "
@@ -29,8 +28,10 @@ HELP = ("export FFN variants to fp32/fp16 ONNX and check them against torch on o
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_spec_arguments(parser)
     parser.add_argument("--out", default=None, help="output folder: export/ if omitted; required with --model")
-    parser.add_argument("--dtypes", default="fp32,fp16", help="comma-separated: fp32, fp16 (default fp32,fp16)")
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset, >= 17 (default {DEFAULT_OPSET})")
+    # None when not given: a --plan export refuses them rather than ignore them
+    parser.add_argument("--dtypes", default=None, help="comma-separated: fp32, fp16 (both when not given); not with --plan")
+    parser.add_argument("--opset", type=int, default=None,
+                        help=f"ONNX opset, >= 17 ({DEFAULT_OPSET} when not given); not with --plan")
     group = parser.add_argument_group("a model quantized as planned (ffnquant plan)")
     group.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face model folder; needs --plan")
     group.add_argument("--plan", default=None, metavar="FILE", help="plan.toml from `ffnquant plan`: a recipe per layer")
@@ -47,15 +48,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "held-out text the deployed model is checked on", eval_tokens=4096)
 
 
-def _text_files(texts) -> list[str]:
-    """The files among the run's text sources (corpus names are not files)."""
-    import os
+# Options each kind of export reads (flag -> (dest, value when not given)): the other kind refuses them.
+_FFN_ONLY = {"--dtypes": ("dtypes", None), "--opset": ("opset", None), "--variants": ("variants", "all"),
+             "--d-model": ("d_model", 512), "--d-ff": ("d_ff", None), "--multiple-of": ("multiple_of", None),
+             "--ffn-dim-multiplier": ("ffn_dim_multiplier", None), "--bias/--no-bias": ("bias", None),
+             "--seed": ("seed", 0)}
+_PLAN_ONLY = {"--format": ("format", None), "--force": ("force", False), "--compute-dtype": ("compute_dtype", "auto"),
+              "--text": ("text", None), "--eval-text": ("eval_text", None), "--calib-tokens": ("calib_tokens", None),
+              "--calib-samples": ("calib_samples", None), "--eval-tokens": ("eval_tokens", 4096),
+              "--seq-len": ("seq_len", None), "--chat-template": ("chat_template", False),
+              "--no-progress": ("no_progress", False)}
 
-    items = []
-    for source in (texts.text, texts.eval_text):
-        if source is not None:
-            items += [i for i in source_items(source, "evaluation") if os.path.exists(i)]
-    return items
+
+def _given(args: argparse.Namespace, options: dict) -> list[str]:
+    """The options among `options` that were given a value other than their default."""
+    return [flag for flag, (dest, default) in options.items() if getattr(args, dest, default) != default]
+
+
+def _are(flags: list[str]) -> str:
+    return f"{flags[0]} is an option" if len(flags) == 1 else f"{', '.join(flags)} are options"
 
 
 def _export_plan(args: argparse.Namespace) -> int:
@@ -67,6 +78,10 @@ def _export_plan(args: argparse.Namespace) -> int:
         raise FFNQuantError("--model and --plan go together: export writes a model's FFN layers as its plan says")
     if args.out is None:
         raise FFNQuantError("--out is required with --model: the folder the quantized model is written to")
+    unused = _given(args, _FFN_ONLY)
+    if unused:
+        raise FFNQuantError(f"{_are(unused)} of FFN variant exports, not read by --model --plan exports (which "
+                            "write the plan's recipes, at their own opset and dtypes); leave them out")
     fmt = get_format("onnx" if args.format is None else args.format)  # '' is no format name
     info = inspect_model(args.model)
     plan = load_plan(args.plan, info)
@@ -79,7 +94,7 @@ def _export_plan(args: argparse.Namespace) -> int:
     read_text(texts.eval_text, "evaluation")
     # never into the model's own folder, nor over the plan or a text file it reads
     # --force replaces only what an earlier export listed in its ffnquant-deploy.json, never other files
-    check_new_folder(args.out, args.force, inputs=[args.model, args.plan, *_text_files(texts)], listing=DEPLOY_DOC)
+    check_new_folder(args.out, args.force, inputs=[args.model, args.plan, *text_files(texts)], listing=DEPLOY_DOC)
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
     bars = StageBars(enabled=not getattr(args, "no_progress", False))
     with bars, staged_folder(args.out, args.force, listing=DEPLOY_DOC) as folder:
@@ -92,7 +107,8 @@ def _export_plan(args: argparse.Namespace) -> int:
                                plan_file=str(args.plan), progress=bars)
     _print_deploy(doc, Path(args.out))
     if fmt == "compressed-tensors" and not doc["proof"]["proven"]:
-        print("NOT PROVEN: the folder does not reproduce the measured model (see ffnquant-deploy.md)")
+        why = "; ".join(doc["proof"].get("unproven") or []) or "the folder does not reproduce the measured model"
+        print(f"NOT PROVEN: {why} (see ffnquant-deploy.md)")
         return 1
     return 0
 
@@ -160,9 +176,13 @@ def _print_deploy(doc: dict, out: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model is not None or args.plan is not None:
         return _export_plan(args)
-    if args.format is not None or args.force:
-        raise FFNQuantError("--format and --force apply to --model --plan exports")
+    unused = _given(args, _PLAN_ONLY)
+    if unused:
+        raise FFNQuantError(f"{_are(unused)} of --model --plan exports; give --model and --plan, or leave "
+                            f"{'it' if len(unused) == 1 else 'them'} out")
     args.out = args.out or "export"
+    args.dtypes = "fp32,fp16" if args.dtypes is None else args.dtypes
+    args.opset = DEFAULT_OPSET if args.opset is None else args.opset
     specs = specs_from_args(args)  # validate everything before writing anything
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in ("fp32", "fp16")]

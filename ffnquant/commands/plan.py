@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..hf import EvalSettings, inspect_model
 from ..hf.capture import read_text, require_transformers
-from ..infra.atomic import OutputTransaction, write_json, write_text
+from ..infra.atomic import write_json, write_text
+from ..infra.atomic_folder import check_new_folder, folder_files, staged_folder
 from ..infra.envinfo import environment
 from ..infra.render import fmt
 from ..planning.candidates import CANDIDATE_SETS
@@ -19,12 +20,15 @@ from ..recipe import GRAMMAR
 from ..report.plan import domain_lines, plan_markdown
 from ..wholemodel import plan_model, plan_request
 from .bench import add_executor_arguments, executor_from_args
-from .common import StageBars, add_memory_arguments, add_text_arguments, positive_int, text_options, token_notes
+from .common import (StageBars, add_memory_arguments, add_text_arguments, positive_int, text_files, text_options,
+                     token_notes)
 
 NAME = "plan"
 HELP = "choose a recipe per FFN layer that meets an end-to-end target (ppl+1%, sqnr>=30) at the least latency or bytes, and verify it"
 
-__all__ = ["NAME", "HELP", "add_arguments", "run"]
+__all__ = ["NAME", "HELP", "PLAN_DOC", "add_arguments", "run"]
+
+PLAN_DOC = "plan.json"  # the plan's document; its "files" are what --force may replace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_executor_arguments(parser, "each layer's candidates sharing a preparation are one task, carrying the layer and "
                                    "its captured inputs; the plan is the same on every executor")
     add_memory_arguments(parser)
-    parser.add_argument("--out", default="reports/plan", help="folder for plan.toml, plan.json, plan.md (default reports/plan)")
+    parser.add_argument("--out", default="reports/plan",
+                        help="a new (or empty) folder for plan.toml, plan.json, plan.md and atlas/ (default reports/plan)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --out if it holds an earlier plan (only the files its plan.json lists; any other "
+                             "file there, such as your own notes, makes the plan refuse)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     parser.add_argument("--allow-pickle", action="store_true", help="allow a pickle checkpoint (loaded weights-only)")
 
@@ -92,10 +100,13 @@ def run(args: argparse.Namespace) -> int:
     read_text(texts.eval_text, "evaluation")
     settings = EvalSettings(seq_len=texts.seq_len, max_calib_tokens=texts.calib_tokens,
                             max_eval_tokens=texts.eval_tokens, ablation=False)
+    # as export's --out: a new or empty folder, or with --force one holding only what an earlier plan listed; never
+    # the model's folder nor one holding a text it reads
+    check_new_folder(args.out, args.force, inputs=[args.model, *text_files(texts)], listing=PLAN_DOC, make_parents=True)
     command = "ffnquant " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))
     bars = StageBars(enabled=not args.no_progress)
-    with executor_from_args(args) as executor, OutputTransaction() as tx:
-        out = tx.folder(args.out)
+    with executor_from_args(args) as executor, staged_folder(args.out, args.force, listing=PLAN_DOC,
+                                                             make_parents=True) as out:
         try:
             outcome = plan_model(info, req, args.candidates, text=texts.text, eval_text=texts.eval_text,
                                  settings=settings, probe_tokens=args.probe_tokens, rounds=args.rounds,
@@ -116,9 +127,10 @@ def run(args: argparse.Namespace) -> int:
                     meta={"model": str(args.model), "measured_on": "the search (calibration) text", "plan": "plan.toml"})
         result["atlas"] = "atlas/atlas.md"
         write_text(out / "plan.toml", plan.to_toml(command))
-        write_json(out / "plan.json", result)
         write_text(out / "plan.md", plan_markdown(result, command))
-        final_dir = tx.final(out)
+        result["files"] = sorted({*folder_files(out), PLAN_DOC})  # what a later --force may replace
+        write_json(out / PLAN_DOC, result)
+    final_dir = Path(args.out)
     final = final_round(result)
     e = final["end_to_end"]
     unit = plan.summary["objective_unit"]
@@ -146,8 +158,25 @@ def run(args: argparse.Namespace) -> int:
         if why:
             print(f"note: export --format {fmt_} will refuse this model: {why}")
     print(f"wrote {Path(final_dir) / 'plan.toml'} (use: ffnquant quantize --model {args.model} --plan {Path(final_dir) / 'plan.toml'}), plan.json, plan.md")
+    for line in unresolved_lines(final, target):
+        print(line)
     if not result["verified"]:
         print(f"note: the target was missed in {len(result['rounds'])} rounds; the plan file holds the last round's choice",
               file=sys.stderr)
         return 1
     return 0
+
+
+def unresolved_lines(final: dict, target) -> list[str]:
+    """'not verified: N tokens cannot resolve ppl+1%' for each held-out domain whose text is too small for the
+    target's 95% interval to settle it, with about how many tokens would."""
+    out = []
+    for label, fig in (final.get("domains") or {}).items():
+        res = fig.get("resolution") or {}
+        if res.get("met") or res.get("resolved", True):
+            continue
+        need = res.get("tokens_needed")
+        more = (f"; about {need:,} held-out tokens would (a longer --eval-text, more --eval-tokens)" if need
+                else "; give a longer --eval-text")
+        out.append(f"not verified: {fig.get('n_predicted') or 0:,} tokens of {label} cannot resolve {target}{more}")
+    return out

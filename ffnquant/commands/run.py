@@ -123,13 +123,8 @@ def run(args: argparse.Namespace) -> int:
         bar.close(ok=False)
         raise
     bar.close()
-    order = {v: i for i, v in enumerate(config.variants)}
-    recs = sorted((r for r in result.recommendations if r["tokens"] == result.primary_tokens),
-                  key=lambda r: (order.get(r["variant"], len(order)), r["runtime"]))
-    if recs:
-        print(f"Recommendations at M={result.primary_tokens} tokens (SQNR target {config.target_db:g} dB):")
-        print(text_table(["variant", "runtime", "choice", "why"],
-                         [(r["variant"], r["runtime"], r["label"] or "-", r["reason"]) for r in recs]))
+    for line in recommendation_lines(result.recommendations, config, result.document["timing"]["latency"]):
+        print(line)
     for m in result.document["missing"]:
         print(f"not in this report: {m['part']}: {m['reason']}", file=sys.stderr)
     model = result.document.get("model") or {}
@@ -143,3 +138,38 @@ def run(args: argparse.Namespace) -> int:
     for kind in ("json", "md", "html", "config"):
         print(f"{kind}: {result.paths[kind]}")
     return 0
+
+
+def _unrecommended(rec: dict) -> bool:
+    """A recommendation that recommends nothing: no trusted timing, or the baseline kept for suspect timings."""
+    return rec.get("choice") is None or "(timing suspect)" in (rec.get("label") or "")
+
+
+def recommendation_lines(recs: list[dict], config: RunConfig, latency: dict) -> list[str]:
+    """The terminal's recommendations: one column per token count M (variant x runtime rows), then, for every
+    M where some pair has no recommendation, one line saying why; the reasons behind the largest M's choices."""
+    tokens = list(config.tokens)
+    if latency.get("status") == "missing" or not recs:
+        return [f"No recommendation at any M: {latency.get('reason') or 'no latency case was timed'}"]
+    order = {v: i for i, v in enumerate(config.variants)}
+    by_key = {(r["variant"], r["runtime"], r["tokens"]): r for r in recs}
+    pairs = sorted({(r["variant"], r["runtime"]) for r in recs}, key=lambda k: (order.get(k[0], len(order)), k[1]))
+    lines = [f"Recommendations per token count M (SQNR target {config.target_db:g} dB, speedup against "
+             f"{config.baseline} on the same runtime):",
+             text_table(["variant", "runtime"] + [f"M={m}" for m in tokens],
+                        [(v, rt) + tuple((by_key.get((v, rt, m)) or {}).get("label") or "-" for m in tokens)
+                         for v, rt in pairs])]
+    for m in tokens:
+        at = [by_key[(v, rt, m)] for v, rt in pairs if (v, rt, m) in by_key]
+        bad = [r for r in at if _unrecommended(r)]
+        if not at:
+            lines.append(f"M={m}: no recommendation: no case was timed at this token count")
+        elif bad:
+            lines.append(f"M={m}: no recommendation for {len(bad)} of {len(at)} variant/runtime pairs: "
+                         f"{bad[0]['variant']} on {bad[0]['runtime']}: {bad[0]['reason']}")
+    primary = max(tokens)
+    why = [by_key[(v, rt, primary)] for v, rt in pairs if (v, rt, primary) in by_key]
+    if why:
+        lines.append(f"Why, at M={primary}:")
+        lines += [f"- {r['variant']} on {r['runtime']}: {r['reason']}" for r in why]
+    return lines

@@ -44,7 +44,7 @@ from .proof import end_to_end_gates, generation_equality, rounding_allowance, un
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
-    from ..numerics.fakequant import QuantizedFFN
+    from ..methods.fakequant import QuantizedFFN
     from ..planning.planfile import Plan
     from ..recipe import Recipe
     from ..schemes import Scheme
@@ -478,10 +478,15 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     reader = _safetensors_reader(folder)  # the files' tensor index, read once for both checks
     weights = _weights_check(folder, planned, reader)
     inputs = _input_qparams_check(planned, reader)
-    proven = (weights["all_identical"] and inputs["all_equal"] and layers["all_at_parity"]
-              and load["gates"]["met"])
-    return {"proven": proven, "weights": weights, "inputs": inputs, "layers": layers, "load": load,
-            "generation": generation}
+    # a proof needs evidence: a held-out text too short for one generation prompt, or no end-to-end tokens, proves
+    # nothing about the loaded model's generation (0 of 0 prompts is not "all equal")
+    unproven = [why for ok, why in (
+        (weights["all_identical"], "weights differ"), (inputs["all_equal"], "static input qparams differ"),
+        (layers["all_at_parity"], "layers not within rounding ties"), (load["gates"]["met"], "end-to-end gates not met"),
+        (generation["prompts"] > 0, f"no generation prompt: the held-out text has {figures.get('n_tokens') or 0} "
+                                    "tokens, fewer than one 16-token prompt; give a longer --eval-text")) if not ok]
+    return {"proven": not unproven, "unproven": unproven, "weights": weights, "inputs": inputs, "layers": layers,
+            "load": load, "generation": generation}
 
 
 def folder_bytes(folder: str | os.PathLike, weights_only: bool = True) -> int:

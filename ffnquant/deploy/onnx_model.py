@@ -40,7 +40,7 @@ from ..hf.arch import ModelKind
 from ..infra.atomic import ScratchFolder, atomic_path
 from ..measure.latency import latency_stats
 from ..methods import handler_for, quantize_linear
-from ..numerics.fakequant import WEIGHT_INPUT_SITE, SiteRange
+from ..methods.fakequant import WEIGHT_INPUT_SITE, SiteRange
 from ..onnx.export import DEFAULT_OPSET
 from ..onnx.onnxquant import ort_session
 from ..onnx.ortcpu import int8_kernels, saturating

@@ -21,13 +21,13 @@ from torch import nn
 from ..errors import FFNQuantError
 from ..hf import EvalSettings, capture_layer_inputs, end_to_end, load_ffn_layers, quantized_layers
 from ..hf.capture import _module_for
-from ..numerics.fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
+from ..methods.fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
 from ..numerics.remedies import BlockHadamard
 from ..schemes import ActMode, Method, Scheme, get_scheme
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
-    from ..numerics.fakequant import QuantizedFFN
+    from ..methods.fakequant import QuantizedFFN
     from ..planning.planfile import Plan
     from ..recipe import Recipe
 

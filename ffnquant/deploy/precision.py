@@ -29,7 +29,7 @@ import torch
 from ..errors import FFNQuantError, unknown_choice
 from ..hf.checkpoint import _Weights
 from ..model import FFN
-from ..numerics.fakequant import QuantizedFFN, SiteRange, WeightGrid
+from ..methods.fakequant import QuantizedFFN, SiteRange, WeightGrid
 from ..schemes import ActMode
 
 if TYPE_CHECKING:  # annotations only

@@ -29,13 +29,13 @@ from ..hf.capture import _module_for, ffn_input_hooks, install_ffns
 from ..hf.evaluate import float_reference
 from ..hf.fold import _Diff, with_input_transform
 from ..hf.metrics import ErrorStats, _final_hidden, _run
-from ..numerics.awq import AWQRecord
+from ..methods.awq import AWQRecord
 from ..numerics.remedies import ChannelScale
 from .precision import dtype_name, rounding_step
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
-    from ..numerics.fakequant import QuantizedFFN
+    from ..methods.fakequant import QuantizedFFN
     from .planned import PlannedModel
 
 __all__ = ["ULP", "FOLD_ULPS", "GATE_FACTOR", "fold_bound", "input_scale", "FoldCheck", "fold_check", "fold_refusal",

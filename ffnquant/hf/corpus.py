@@ -162,17 +162,29 @@ def datasets_module():
     return datasets
 
 
+def _valid_unicode(text: str, where: str) -> str:
+    """`text` itself, or a one-line refusal naming where it holds a lone surrogate: JSON's \\ud800-style escapes
+    decode to one without its pair, which no UTF-8 tokenizer can read (it failed deep inside the tokenizer)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FFNQuantError(f"{where} holds invalid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character "
+                            f"{exc.start} (an escape such as \\ud800 without its pair); fix or remove it") from None
+    return text
+
+
 def _row_document(row: Any, where: str, text_field: str) -> Document:
     if not isinstance(row, dict):
         raise FFNQuantError(f"{where} is not an object with a {text_field!r} field")
     text = row.get(text_field)
     if isinstance(text, str):
-        return text
+        return _valid_unicode(text, where)
     messages = row.get("messages")
     if isinstance(messages, (list, tuple)) and messages and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
-        return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+        return tuple({"role": _valid_unicode(m["role"], where), "content": _valid_unicode(m["content"], where)}
+                     for m in messages)
     raise FFNQuantError(f"{where} has no text field {text_field!r} (a string) and no 'messages' "
                         f"(a list of role/content objects); its keys: {', '.join(map(str, row)) or 'none'}")
 

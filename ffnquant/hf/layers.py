@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ..errors import FFNQuantError
-from ..numerics.fakequant import input_hessians
+from ..methods.fakequant import input_hessians
 from ..numerics.observe import profile
 from ..quantization import quantize_recipes
 from .checkpoint import HFLayer, ModelInfo

@@ -148,7 +148,7 @@ class AWQ(MethodHandler):
 
     def fold(self, model: Any, scheme: Scheme, hessians: Mapping[str, Any] | None, weights: list[str],
              cache: dict | None = None) -> tuple[Any, list]:
-        from ..numerics.awq import awq_fold, clip_weights
+        from .awq import awq_fold, clip_weights
 
         if hessians is None:
             raise FFNQuantError(f"scheme {scheme.name!r} (awq) needs calibration data for the input Hessians")

@@ -15,7 +15,7 @@ import torch
 from ..errors import FFNQuantError
 
 if TYPE_CHECKING:  # annotations only
-    from ..numerics.fakequant import SiteRange
+    from .fakequant import SiteRange
 
 __all__ = ["WeightGrid", "QuantizedLinear", "signed_zero_point"]
 

@@ -4,11 +4,13 @@ A handler turns one float weight into a `QuantizedLinear` (`ffnquant.methods.qli
 fake-quant forward, the ONNX writers and the deployment formats all read that object, so a method is added
 once, here, and every consumer takes it. This module is the leaf every other one may import: it holds the
 table and the protocol, and imports nothing of ffnquant but its errors (the built-in handlers register
-themselves when the package `ffnquant.methods` is imported, which importing this module does first).
+themselves the first time the table is read: `schemes` finds a scheme's handler here without importing any
+handler, so the handlers, which stand on the math in `numerics`, sit above `schemes` with no import loop).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import FFNQuantError, unknown_choice
@@ -20,7 +22,7 @@ if TYPE_CHECKING:  # annotations only
     from .qlinear import QuantizedLinear
 
 __all__ = ["MethodHandler", "register_method", "unregister_method", "get_handler", "handler_for",
-           "method_names", "is_method"]
+           "method_names", "is_method", "quantize_linear"]
 
 
 class MethodHandler:
@@ -63,6 +65,17 @@ class MethodHandler:
 
 # method name -> handlers in registration order (the first that accepts a scheme serves it)
 _HANDLERS: dict[str, list[MethodHandler]] = {}
+_BUILTIN = "ffnquant.methods.builtin"  # registers the built-in handlers when imported
+_builtin_loaded: list[bool] = []  # [True] once the import of the built-in handlers has started
+
+
+def _with_builtin() -> dict[str, list[MethodHandler]]:
+    """The table, the built-in handlers in it: they are imported by name the first time it is read (or written, so
+    a handler registered by a user comes after them, as it would have at import time)."""
+    if not _builtin_loaded:
+        _builtin_loaded.append(True)
+        importlib.import_module(_BUILTIN)
+    return _HANDLERS
 
 
 
@@ -73,7 +86,7 @@ def register_method(handler: MethodHandler, *, first: bool = False) -> MethodHan
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise FFNQuantError(f"a method handler needs a name of letters, digits, '-' or '_', got {handler.method!r}")
     handler.method = name
-    chain = _HANDLERS.setdefault(name, [])
+    chain = _with_builtin().setdefault(name, [])
     if handler in chain:
         return handler
     chain.insert(0, handler) if first else chain.append(handler)
@@ -82,7 +95,7 @@ def register_method(handler: MethodHandler, *, first: bool = False) -> MethodHan
 
 def unregister_method(handler: MethodHandler) -> None:
     """Remove `handler` (a method with no handler left is no longer a valid name)."""
-    chain = _HANDLERS.get(handler.method, [])
+    chain = _with_builtin().get(handler.method, [])
     if handler in chain:
         chain.remove(handler)
     if not chain:
@@ -91,17 +104,17 @@ def unregister_method(handler: MethodHandler) -> None:
 
 def method_names() -> list[str]:
     """Every registered method name."""
-    return list(_HANDLERS)
+    return list(_with_builtin())
 
 
 def is_method(name: str) -> bool:
-    return str(name).strip().lower() in _HANDLERS
+    return str(name).strip().lower() in _with_builtin()
 
 
 def get_handler(name: str) -> list[MethodHandler]:
     """The handlers of method `name`; an unknown name lists the registered ones."""
     key = str(name).strip().lower()
-    if key not in _HANDLERS:
+    if key not in _with_builtin():
         raise unknown_choice("method", name, list(_HANDLERS))
     return list(_HANDLERS[key])
 
@@ -114,3 +127,6 @@ def handler_for(scheme: Scheme) -> MethodHandler:
     raise FFNQuantError(f"scheme {scheme.name!r}: no {scheme.method} handler takes {scheme.weight_dtype} weights")
 
 
+def quantize_linear(weight: Any, scheme: Scheme, hessian: Any = None) -> QuantizedLinear:
+    """`weight` [out, in] quantized under `scheme` by its method's handler."""
+    return handler_for(scheme).quantize(weight, scheme, hessian)

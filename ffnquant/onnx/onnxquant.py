@@ -36,7 +36,7 @@ from .onnxmatmul import MS_DOMAIN, MatmulRewriter, bnb4_node, check_and_save, ma
 from .ortcpu import exact_session_options, session_entries
 
 if TYPE_CHECKING:  # annotations only: onnxquant reads a QuantizedFFN, it never builds one
-    from ..numerics.fakequant import QuantizedFFN
+    from ..methods.fakequant import QuantizedFFN
 
 __all__ = [
     "ARTIFACT_KINDS",

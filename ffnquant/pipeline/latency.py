@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 
 from .. import bench
 from ..errors import FFNQuantError
+from ..measure.latency import MIN_TIMED_SAMPLES
 from ..recipe import Recipe
 from ..runtimes import get_runtime, runtime_names
 from ..runtimes.base import FORMATS
@@ -89,11 +90,12 @@ def measure_latency(
             extra.append(r)
         else:
             first[r.scheme] = r
-    # One warm-up and a floor of two timed calls: fast cases still repeat until the budget is spent, and the
-    # slow ones (torch's CPU int4/int8 weight-only kernels take seconds per 512-token call) stay bounded.
+    # One warm-up, then timed calls until the budget is spent AND the sample count a recommendation needs
+    # (MIN_TIMED_SAMPLES) is reached: the budget is a target, not a cap. A floor below that count would make a
+    # case slower than budget/5 (every 512-token case at the default budget) suspect and unrecommendable.
     # The accuracy stage scores every recipe against its reference already: no second reference here.
-    bconf = bench.BenchConfig(tokens=settings.tokens, budget_s=settings.budget_s, warmup=1, min_repeats=2,
-                              seed=settings.seed, reference_check=False)
+    bconf = bench.BenchConfig(tokens=settings.tokens, budget_s=settings.budget_s, warmup=1,
+                              min_repeats=MIN_TIMED_SAMPLES, seed=settings.seed, reference_check=False)
     sweeper = _Sweeper(bench, bconf, specs, models, onnx_paths, progress)
     runtime_objs = [rt for _, _, rt in runtimes]
     cases: list[dict] = []

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from ..errors import FFNQuantError, unknown_choice
 from ..infra.render import ppl_change
 
-__all__ = ["Target", "Objective", "Workload", "OBJECTIVES", "METRICS", "TARGET_FORMS", "DECODE_TOKENS", "PLAN_RUNTIMES"]
+__all__ = ["Target", "Objective", "Workload", "token_interval", "OBJECTIVES", "METRICS", "TARGET_FORMS", "DECODE_TOKENS", "PLAN_RUNTIMES"]
 
 TARGET_FORMS = ("ppl+P% (perplexity at most P% above the float model's), kld<=X (mean next-token KL divergence "
                 "from the float model, nats), top1>=Y% (share of tokens whose most likely next token is the float "
@@ -110,6 +110,7 @@ class Target:
         nats for kld, percent for top1, dB for sqnr)."""
         if self.metric == "ppl":
             ratio, ci = measured.get("perplexity_ratio"), measured.get("perplexity_ratio_ci")
+            ci = ci or (None if ratio is None else token_interval(measured, ratio))
             return (None if ratio is None else 100.0 * (ratio - 1.0),
                     None if not ci else [100.0 * (ci[0] - 1.0), 100.0 * (ci[1] - 1.0)])
         if self.metric == "kld":
@@ -183,6 +184,19 @@ class Target:
             return None if top1 is None else self._top1_kl(1.0 - top1)
         sqnr = measured.get("hidden_sqnr_db")
         return None if sqnr is None else 10.0 ** (-sqnr / 10.0)
+
+
+def token_interval(measured: Mapping[str, Any], ratio: float) -> list[float] | None:
+    """A perplexity ratio's 95% interval where the held-out text gave one sequence (no sequence-level interval):
+    each predicted token an independent unit, the per-token log-likelihood ratio's variance about twice the mean KL
+    divergence (its second-order value for a small change). Tokens of a passage are correlated, so this is narrower
+    than the truth: a target this interval cannot resolve is not resolved by the text. None without a KL or tokens."""
+    n = measured.get("n_predicted") or 0
+    kl = (measured.get("kl") or {}).get("mean")
+    if not n or kl is None or ratio <= 0:
+        return None
+    half = 1.96 * math.sqrt(2.0 * max(float(kl), 0.0) / n)
+    return [ratio * math.exp(-half), ratio * math.exp(half)]
 
 
 def _number(text: str, whole: str) -> float:

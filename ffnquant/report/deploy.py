@@ -128,7 +128,8 @@ def _pct(ratio: float | None) -> str:
 def _proof_lines(proof: dict[str, Any]) -> list[str]:
     load, weights, inputs, layers = proof["load"], proof["weights"], proof["inputs"], proof["layers"]
     lines = ["## Proof: the folder is the measured model", "",
-             f"Verdict: {'PROVEN' if proof['proven'] else 'NOT PROVEN'}", "",
+             f"Verdict: {'PROVEN' if proof['proven'] else 'NOT PROVEN'}"
+             + ("" if proof["proven"] or not proof.get("unproven") else f" ({'; '.join(proof['unproven'])})"), "",
              f"1. Weights: {weights['bit_identical']} of {weights['modules']} FFN weights, decompressed by compressed-tensors "
              "from the files (float ones read as stored), equal ffnquant's dequantized reference bit for bit.",
              f"2. Static input ranges: {inputs['static_inputs']} input scales and zero points in the files "

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..backends import supports
 from ..errors import FFNQuantError
 from ..infra.atomic import process_scratch
-from ..numerics.fakequant import quantize_model
+from ..methods.fakequant import quantize_model
 from ..onnx import onnxquant
 from ..quantization import prepare
 from ..recipe import Recipe

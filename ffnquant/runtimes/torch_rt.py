@@ -30,7 +30,7 @@ import torch
 
 from ..errors import FFNQuantError, unknown_choice
 from ..methods import QuantizedLinear, quantize_linear
-from ..numerics.fakequant import WEIGHT_INPUT_SITE, quantize_model
+from ..methods.fakequant import WEIGHT_INPUT_SITE, quantize_model
 from ..numerics.primitives import FP8_E4M3_MAX, fp8_rowwise, fp8_tensorwise, int8_symmetric_rows
 from ..schemes import get_scheme, int4_group_scheme
 from .artifacts import gaussian_calibration

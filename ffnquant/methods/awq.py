@@ -37,10 +37,10 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from . import primitives as P
+from ..numerics import primitives as P
 from ..errors import FFNQuantError
 from ..model import FFN
-from .remedies import ChannelScale, RemedyRecord, smooth_exact_for
+from ..numerics.remedies import ChannelScale, RemedyRecord, smooth_exact_for
 from ..schemes import Granularity, Method, Scheme
 
 __all__ = [

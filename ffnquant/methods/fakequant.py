@@ -7,7 +7,7 @@ range per site chosen by a calibrator from the RangeTable's histograms, or per t
 time. The result records the range and qparams every site got. nf4/fp4 go through
 bitsandbytes itself; HQQ through onnxruntime's copy of the HQQ routine; GPTQ and AWQ need the
 input Hessians (`input_hessians`; AWQ folds its searched channel scales into the copy first,
-`ffnquant.numerics.awq`). The end-to-end measurement (calibrate, quantize under a Recipe, ONNX
+`ffnquant.methods.awq`). The end-to-end measurement (calibrate, quantize under a Recipe, ONNX
 artifact, accuracy) builds on this in `ffnquant.quantization`.
 """
 
@@ -21,12 +21,13 @@ import torch
 from torch import nn
 
 from ..errors import FFNQuantError
-from ..methods import QuantizedLinear, WeightGrid, handler_for, quantize_linear
+from ..numerics import primitives as P
+from ..numerics.accuracy import run_batched, sqnr_db
+from ..numerics.calibrate import CANDIDATES, Grid, calibrate_range, histogram_of, parse_calibrator
 from ..model import FFN
 from ..schemes import ActDType, ActMode, Scheme, check_scheme_fits, get_scheme
-from . import primitives as P
-from .accuracy import run_batched, sqnr_db
-from .calibrate import CANDIDATES, Grid, calibrate_range, histogram_of, parse_calibrator
+from .qlinear import QuantizedLinear, WeightGrid
+from .registry import handler_for, quantize_linear
 
 if TYPE_CHECKING:  # annotations only: ffnquant.quantization builds on this module, not the other way
     from ..quantization import Prepared
