@@ -7,11 +7,13 @@ back to."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 import torch
 
+from ffnquant.deploy.onnx_model import PPL_TOLERANCE
 from ffnquant.errors import FFNQuantError
 from ffnquant.measure.latency import REFERENCE_TOLERANCE_DB
 
@@ -279,8 +281,11 @@ def test_the_rewrite_finds_every_ffn_matmul_of_the_decoder(written):
 
 def test_the_quantized_graph_through_its_cache_scores_as_the_prefill_graph(written, tmp_path):
     """The cached path (half at once, then a token per call) against the same graph at once and against today's
-    prefill graph of the same plan (no cache): the logits differ by float32 summation order only, so the
-    perplexities agree within twice the logits' float32 bound (`_cached_score`), and both meet the 0.5% bound."""
+    prefill graph of the same plan (no cache). The same graph's two paths differ by float32 summation order only
+    (`_cached_score` checks its logits within the float32 bound). The prefill graph is another graph: a float32
+    difference of one unit in front of a static int8 quantizer can move a value across a rounding tie, a whole
+    quantization step, so its perplexity agrees within the graph's 0.5% score bound, not a float32 one (seen here:
+    2.4e-5 in ln ppl on one CPU against a float32 bound of 1.5e-5, within bound on another)."""
     from ffnquant.deploy.onnx_model import export_float_graph, score_graph
     from ffnquant.deploy.onnx_rewrite import quantize_graph
 
@@ -293,9 +298,7 @@ def test_the_quantized_graph_through_its_cache_scores_as_the_prefill_graph(writt
     quantize_graph(prefill, planned, tmp_path / "prefill.onnx")
     old = score_graph(tmp_path / "prefill.onnx", planned)
     assert "cached" not in old  # a prefill graph has no cache to score through
-    # |ln ppl_a - ln ppl_b| <= 2 max |logit_a - logit_b|, each logit within float32 rounding of the other's
-    # (`float_tolerance` of these logits' magnitude, which `_cached_score` recorded)
-    bound = 2.0 * cached["logit_tolerance"]
+    bound = math.log1p(PPL_TOLERANCE)
     assert abs(np.log(cached["perplexity"] / old["onnx"]["perplexity"])) <= bound
     assert abs(np.log(score["onnx"]["perplexity"] / old["onnx"]["perplexity"])) <= bound
 

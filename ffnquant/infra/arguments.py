@@ -6,7 +6,7 @@ argument and what is valid."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import FFNQuantError
 from .resources import parse_size

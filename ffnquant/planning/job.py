@@ -425,14 +425,15 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
                for i, d in per_layer.items()}
     if any(not opts for opts in options.values()):
         raise FFNQuantError("plan: a layer has no usable candidate (fp32 failed?)")
-    floor_s = [0.0]
+    floor_s, measured_floors = [0.0], []
 
     def measure_floor(i: int) -> dict[str, Any] | None:
         t_floor = time.perf_counter()
         layer, calib, held = source.layer_inputs(i)
         best = _ort_best(layer, calib, held, settings)
         floor_s[0] += time.perf_counter() - t_floor
-        tick(f"onnxruntime floor: {layer.label}", 1, 1)
+        measured_floors.append(i)  # at most once per layer: the count runs up to the layers planned
+        tick(f"onnxruntime floor: {layer.label}", len(measured_floors), len(per_layer))
         return best
 
     search = _FloorSearch(options, per_layer, recipes, measure_floor)

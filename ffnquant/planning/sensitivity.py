@@ -71,14 +71,15 @@ def _nll_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def probe_batches(batches: Sequence[torch.Tensor], probe_tokens: int) -> tuple[list[torch.Tensor], int]:
-    """The leading whole batches of `batches` until `probe_tokens` tokens are reached (what the probes are
-    measured on), and their token count."""
+    """The leading whole sequences of `batches` until `probe_tokens` tokens are reached (what the probes are
+    measured on), in their batches (the last one cut to the sequences it needs), and their token count."""
     chosen, n = [], 0
     for ids in batches:
         if n >= probe_tokens:
             break
-        chosen.append(ids)
-        n += int(ids.numel())
+        part = ids[: -(-(probe_tokens - n) // ids.shape[1])]  # whole sequences: ceil(tokens left / sequence)
+        chosen.append(part)
+        n += int(part.numel())
     return chosen, n
 
 
@@ -132,18 +133,28 @@ class Ablation:
         return cls(index, kl / tokens, nll / tokens, noise, signal, tokens)
 
 
-def float_terms(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """What an ablation is measured against, of one batch of the float run: its summed NLL and its next-token
-    log-probabilities (float32)."""
-    return float(_nll_sum(logits, ids)), torch.log_softmax(logits[:, :-1].float(), dim=-1)
+def float_terms(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, torch.Tensor, float]:
+    """What an ablation is measured against, of one batch of the float run: its summed NLL, its next-token
+    probabilities p (float32) and the summed sum(p log p): kept once, each ablation reads them."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    p = logp.exp()
+    return _target_nll(logp, ids), p, float((p * logp).sum(-1).sum(dtype=torch.float64))
+
+
+def _target_nll(logp: torch.Tensor, ids: torch.Tensor) -> float:
+    """The summed NLL of the next tokens under float32 log-probabilities [sequences, positions - 1, vocabulary]
+    (the float run's and an ablation's alike, so their difference carries no rounding bias of either)."""
+    return -float(logp.gather(-1, ids[:, 1:, None]).sum(dtype=torch.float64))
 
 
 def ablation_terms(logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, ref_nll: float,
-                   ref_logp: torch.Tensor, ref_hidden: torch.Tensor) -> tuple[float, float, float, float]:
+                   ref_p: torch.Tensor, ref_plogp: float, ref_hidden: torch.Tensor) -> tuple[float, float, float, float]:
     """One batch of a run with a layer replaced, against the float run's (`float_terms`, final hidden state):
-    (summed KL of the next-token distribution, NLL change, final hidden noise energy, signal energy)."""
+    (summed KL of the next-token distribution, NLL change, final hidden noise energy, signal energy).
+
+    KL = sum p log p - sum p log q, the first kept from the float run; the NLL from the same log q. Each term's
+    float32 rounding is about 1e-7 of a log-probability, as the elementwise p (log p - log q) had."""
     logq = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    kl = float((ref_logp.exp() * (ref_logp - logq)).sum(dtype=torch.float64))
+    kl = ref_plogp - float((ref_p * logq).sum(-1).sum(dtype=torch.float64))  # per token in float32, then float64
     ref = ref_hidden.double()
-    return (kl, float(_nll_sum(logits, ids)) - ref_nll, float((hidden.double() - ref).square().sum()),
-            float(ref.square().sum()))
+    return (kl, _target_nll(logq, ids) - ref_nll, float((hidden.double() - ref).square().sum()), float(ref.square().sum()))

@@ -169,8 +169,9 @@ class PlanSource:
         self.texts = {"calibration": cal_name, "evaluation": ev_name, "token_budgets": {
             "calibration": token_budget("calibration", settings.max_calib_tokens, self.calib_ids, cal_name),
             **domain_budgets(domains, settings.max_eval_tokens, True, ev_name)}}
-        probes, self.n_probe = probe_batches(self.calib_ids, self.probe_tokens)  # the in-memory path's
-        self.n_probe_batches = len(probes)
+        # the probe tokens: the search text's leading whole sequences (their own batches, their own calls)
+        self.probe_ids, self.n_probe = probe_batches(self.calib_ids, self.probe_tokens)
+        self.n_probe_batches = len(self.probe_ids)
         m = self.model = SequentialModel(info, resident=self.resident, allow_pickle=self.allow_pickle)
         # the module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear; a
         # layer of routed experts: its experts module, the weighted sum); the layers a plan covers
@@ -181,6 +182,9 @@ class PlanSource:
         ffns = iter_ffn_layers(info, "all", allow_pickle=self.allow_pickle)
         calib, evals = self._store("calibration"), self._store("evaluation")
         self.ccalls = m.embed(self.calib_ids, calib, self.progress, "embed the search text")
+        embedded = self._store("probe-embedded")
+        self.pcalls = m.embed(self.probe_ids, embedded)  # only the calls: the states come from `calib`
+        embedded.clear()
         self.ecalls = m.embed(self.eval_ids, evals, self.progress, "embed the held-out text")
         m.offload(m.embedding)
         self.embedded = (calib.copy("calibration-embedded"), evals.copy("evaluation-embedded"))
@@ -222,7 +226,7 @@ class PlanSource:
         nll_eval = {label: _NLL() for label, _, _ in self.domains}
         domain_of = [label for label, lo, hi in self.domains for _ in range(lo, hi)]
         self.references: tuple[list, list] = ([], [])  # each batch's float next-token figures (`Reference`)
-        self.ref: list[tuple[float, torch.Tensor]] = []  # the probe batches' float NLL and log-probabilities
+        self.ref: list[tuple[float, torch.Tensor, float]] = []  # the probe batches' float figures (`float_terms`)
         for b, ids in enumerate(self.calib_ids):
             final, logits, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
             self.final[0].put(b, final)
@@ -230,7 +234,8 @@ class PlanSource:
             nll_search.update(logits, ids)
             self.references[0].append(reference_batch(logits, ids))
             if b < self.n_probe_batches:
-                self.ref.append(float_terms(logits, ids))
+                k = self.probe_ids[b].shape[0]
+                self.ref.append(float_terms(logits[:k], ids[:k]))
         calib.clear()
         for b, ids in enumerate(self.eval_ids):
             final, logits = m.head_out(evals.get(b))
@@ -276,7 +281,9 @@ class PlanSource:
                 self.grads.put(j, torch.cat(rows))
             del rows
             # only the probe tokens' inputs are read again (where their ablations start)
-            kept = self.block_in[j].copy(f"probe-block{j}", probe_keys)
+            kept = self._store(f"probe-block{j}")
+            for b in probe_keys:
+                kept.put(b, self.block_in[j].get(b)[: self.probe_ids[b].shape[0]])
             self.block_in[j].clear()
             self.block_in[j] = kept
             self.progress(f"loss gradients (search text): L{j}", n - j, n)
@@ -294,7 +301,7 @@ class PlanSource:
         from .sensitivity import Ablation, ablation_terms, predicted_tokens
 
         m, n = self.model, len(self.model.layers)
-        calls = self.ccalls[: self.n_probe_batches]
+        calls = self.pcalls
         streams: dict[tuple[int, str], Any] = {}
         self._pending: list[tuple[int, str, Any]] = []
         ffns = iter_ffn_layers(self.info, "all", allow_pickle=self.allow_pickle)
@@ -330,12 +337,13 @@ class PlanSource:
                 if j in self.planned:
                     yield group([j])
                 advance(j)
-        tokens = predicted_tokens(self.calib_ids[: self.n_probe_batches])
+        tokens = predicted_tokens(self.probe_ids)
         for k, ((j, name), store) in enumerate(streams.items()):
             terms = []
-            for b, ids in enumerate(self.calib_ids[: self.n_probe_batches]):
+            for b, ids in enumerate(self.probe_ids):
                 hidden, logits = m.head_out(store.get(b))
-                terms.append(ablation_terms(logits, hidden, ids, *self.ref[b], self.final[0].get(b)))
+                terms.append(ablation_terms(logits, hidden, ids, *self.ref[b],
+                                            self.final[0].get(b)[: ids.shape[0]]))
             self.ablations[(j, name)] = Ablation.of(j, terms, tokens)
             store.clear()
             self.progress("probe ablations: the final norm and head", k + 1, len(streams))
