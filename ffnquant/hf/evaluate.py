@@ -253,8 +253,7 @@ def end_to_end(
             out = _run(model, info, ids)
         hidden_all.update(ref.hidden, _final_hidden(info, out))
         if causal:
-            nll_all.update(out.logits, ids)
-            agreement.update(ref, out.logits, ids)
+            agreement.update(ref, out.logits, ids, nll_into=nll_all)
         del out
         if progress is not None:
             progress(f"end to end: batch {b + 1}/{len(evals)}", b + 1, len(evals))

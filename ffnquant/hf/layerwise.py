@@ -305,8 +305,7 @@ def _head_figures(engine: SequentialModel, evals: Sequence[torch.Tensor], float_
             del logits  # a batch's logits at a time: [tokens, vocabulary] each
         hidden, logits = engine.head_out(quant.get(b))
         hidden_all.update(ref.hidden, hidden)
-        nll_all.update(logits, ids)
-        agreement.update(ref, logits, ids)
+        agreement.update(ref, logits, ids, nll_into=nll_all)
         for i, store in ablation.items():
             hidden, logits = engine.head_out(store.get(b))
             abl_hidden[i].update(ref.hidden, hidden)

@@ -198,7 +198,8 @@ class Agreement:
         self.count: list[int] = []
         self.kl_tokens: list[torch.Tensor] = []
 
-    def update(self, ref: Reference, logits: torch.Tensor, ids: torch.Tensor) -> "Agreement":
+    def update(self, ref: Reference, logits: torch.Tensor, ids: torch.Tensor, nll_into: "_NLL | None" = None) -> "Agreement":
+        """One batch; `nll_into` also gets its per-token NLLs (the same figures `_NLL.update` computes, once)."""
         kls = []
         for s in range(ids.shape[0]):  # a sequence at a time (see reference_batch)
             x = logits[s, :-1]
@@ -217,6 +218,8 @@ class Agreement:
             self.kl_seq.append(float(kl.sum()))
             self.top1_seq.append(float(agree.sum()))
             self.count.append(int(nll.numel()))
+            if nll_into is not None:
+                nll_into.add(nll)
             kls.append(kl.float())
         self.kl_tokens.append(torch.cat(kls))
         return self
@@ -293,8 +296,7 @@ def compare_models(reference: Any, candidate: Any, info: ModelInfo, evals: Seque
         hidden.update(ref.hidden, final)
         if causal:
             nll_ref.add(ref.nll)
-            nll.update(logits, ids)
-            agreement.update(ref, logits, ids)
+            agreement.update(ref, logits, ids, nll_into=nll)
     out = {"hidden_sqnr_db": hidden.sqnr_db, "hidden_cosine": hidden.cosine,
            "n_tokens": sum(int(b.numel()) for b in evals)}
     if causal:

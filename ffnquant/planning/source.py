@@ -414,8 +414,7 @@ class PlanSource:
             for b in range(lo, hi):
                 got, logits = m.head_out(store.get(b))
                 hidden.update(final.get(b), got)
-                nll.update(logits, ids_list[b])
-                agreement.update(refs[b], logits, ids_list[b])
+                agreement.update(refs[b], logits, ids_list[b], nll_into=nll)
             return end_to_end_figures(base, hidden, nll, {}, agreement)["end_to_end"]
 
         on_search = figures(streams[0], self.calib_ids, v.final[0], v.references[0], v.search_baseline,
