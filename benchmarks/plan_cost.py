@@ -95,7 +95,10 @@ def render(doc: dict, before: dict | None) -> str:
     for key, label in (("plan", "default plan to ppl+1%"), ("export", "export of that plan (with its proof)"),
                        ("apply_save", f"apply + save of {doc['recipe']}"), ("peer", "llm-compressor W8A8 oneshot")):
         if key in steps:
-            lines.append(f"| {label} | `{steps[key]['command'].replace('|', '/')}` | {fmt_s(steps[key]['seconds'])} | "
+            command = steps[key]["command"]
+            if key == "apply_save":  # a short script: `ffnquant.apply(model, recipe)` then `ffnquant.save(q, out)`
+                command = f"ffnquant.apply(model, {doc['recipe']!r}); ffnquant.save(q, out)"
+            lines.append(f"| {label} | `{command.replace('|', '/')}` | {fmt_s(steps[key]['seconds'])} | "
                          f"{ratio(steps[key]['seconds'], peer) if key != 'peer' else '1.00x'} |")
     if export_s is not None:
         lines.append(f"| plan + export | | {fmt_s(plan_s + export_s)} | {ratio(plan_s + export_s, peer)} |")
@@ -141,6 +144,14 @@ def _pct(r) -> str:
     return "-" if r is None else f"{100 * (r - 1):+.2f}%"
 
 
+def _rel(path: Path) -> Path:
+    """`path` relative to the repository root where it lies inside it (the steps run there)."""
+    try:
+        return path.relative_to(REPO)
+    except ValueError:
+        return path
+
+
 def truncated(model: str, n: int, folder: Path) -> str:
     """A copy of `model` with only its first `n` decoder layers (config and weights), written once."""
     if (folder / "config.json").exists():
@@ -161,8 +172,8 @@ def truncated(model: str, n: int, folder: Path) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True, help="folder for plan_cost.json / plan_cost.md and each step's output")
+    ap.add_argument("--model")
+    ap.add_argument("--out", help="folder for plan_cost.json / plan_cost.md and each step's output")
     ap.add_argument("--peer-python", default="peer-venv/bin/python", help="an interpreter that has llm-compressor")
     ap.add_argument("--peer-samples", type=int, default=64)
     ap.add_argument("--skip-peer", action="store_true")
@@ -176,14 +187,27 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="run on a copy of the model cut to its first N decoder layers (written to OUT/model-first-N; "
                          "a before/after of the stages at a fraction of the time; not a figure of the whole model)")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="only write plan_cost.md again from a plan_cost.json (beside it), running nothing")
     args = ap.parse_args(argv)
-    out = Path(args.out).resolve()
+    if args.render:
+        path = Path(args.render)
+        doc = json.loads(path.read_text())
+        before = ({**doc["before"], "steps": doc["before"]["steps"]} if doc.get("before") else None)
+        (path.parent / "plan_cost.md").write_text(render(doc, before))
+        return 0
+    if not args.model or not args.out:
+        ap.error("--model and --out are required (or --render JSON)")
+    out, model_path = Path(args.out).resolve(), Path(args.model).resolve()
+    before_path = Path(args.before).resolve() if args.before else None
+    os.chdir(REPO)  # every step runs from the repository root, on relative paths: the reports name no folder here
+    out = _rel(out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     src = Path(args.source).resolve() if args.source else REPO
     env["PYTHONPATH"] = str(src) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     py = sys.executable
-    model = str(Path(args.model).resolve())
+    model = str(_rel(model_path))
     if args.layers:
         model = truncated(model, args.layers, out / f"model-first-{args.layers}")
     steps: dict[str, dict] = {}
@@ -236,7 +260,7 @@ def main(argv=None) -> int:
                                                            None: "nothing to prove (per-layer artifacts)"}[proven])
     except (OSError, ValueError):
         pass
-    before = json.loads(Path(args.before).read_text()) if args.before else None
+    before = json.loads(before_path.read_text()) if before_path else None
     if before:
         doc["before"] = {k: before.get(k) for k in ("steps", "plan_timings", "source_label", "environment")}
     (out / "plan_cost.json").write_text(json.dumps(doc, indent=1, default=str))

@@ -78,6 +78,9 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
               "on the same calibration and held-out inputs, measured on the layers where the search picked a static int8 "
               "candidate ('-' elsewhere: no static int8 candidate was in question there); static int8 candidates below "
               "it on a layer were left out and the search solved again.", ""]
+    if data.get("not_scored"):
+        lines += ["Candidates not scored, since the objective can never choose them (the plan is the same without "
+                  "them):", ""] + [f"- {recipe}: {why}" for recipe, why in data["not_scored"].items()] + [""]
     if data.get("atlas"):
         lines += [f"The layer atlas with the plan drawn over it: [{data['atlas']}]({data['atlas']}) "
                   "(crest factor, kurtosis and outlier channels per layer and site, and the recipe each site got).", ""]
