@@ -271,3 +271,48 @@ def test_bad_memory_sizes_are_one_line_errors(text):
     with pytest.raises(FFNQuantError, match="memory size") as err:
         parse_size(text)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name, resident", [("llama", False), ("gemma", False), ("gpt2", True)],
+                         ids=["llama", "gemma-tied", "gpt2-resident"])
+def test_the_head_on_some_tokens_gives_those_tokens_logits(tiny, name, resident):
+    """`head_out(vocab=)` (the probes' ablations) gives the whole head's logits at those tokens, up to the float32
+    rounding of a matrix product of other shape, and leaves the head as it was (a tied head still tied)."""
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.stream import SequentialModel, _Store
+
+    info = inspect_model(tiny[name])
+    engine = SequentialModel(info, resident=resident)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    store = _Store(None, "text")
+    calls = engine.embed([ids], store)
+    for j in range(len(engine.layers)):
+        with engine.layer(j):
+            engine.run(j, store, calls)
+    vocab = torch.tensor([0, 5, 17, 42, 88])
+    final_sub, sub = engine.head_out(store.get(0), vocab=vocab)
+    final, whole = engine.head_out(store.get(0))
+    assert torch.equal(final_sub, final)
+    assert sub.shape == (*whole.shape[:-1], 5)
+    torch.testing.assert_close(sub, whole[..., vocab], rtol=1e-5, atol=1e-5)
+    assert engine.head.weight.shape[0] == whole.shape[-1]
+    if engine.tied:
+        assert engine.head.weight is engine.embedding.weight
+
+
+def test_the_probe_vocabulary_holds_the_likeliest_and_the_next_tokens():
+    from ffnquant.planning.sensitivity import float_terms, probe_vocabulary
+
+    logits = torch.randn(2, 6, 50, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(2))
+    vocab = probe_vocabulary(logits, ids, k=3)
+    top = logits[:, :-1].topk(3, dim=-1).indices
+    assert set(top.reshape(-1).tolist()) | set(ids[:, 1:].reshape(-1).tolist()) == set(vocab.tolist())
+    assert torch.equal(vocab, vocab.sort().values)
+    # on the whole vocabulary the terms are the plain ones: per sequence NLL of the next tokens
+    nll, p, plogp = float_terms(logits, ids)
+    want = -torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1).double().sum(-1)
+    torch.testing.assert_close(nll, want)
+    sub_nll, sub_p, _ = float_terms(logits[..., vocab], ids, vocab)
+    assert sub_p.shape[-1] == vocab.numel() and torch.allclose(sub_p.sum(-1), torch.ones(2, 5))
+    assert torch.all(sub_nll <= nll + 1e-9)  # renormalized on fewer tokens: each next token is no less likely

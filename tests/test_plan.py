@@ -155,29 +155,63 @@ def test_search_says_infeasible_and_counts_negative_damage_as_zero():
     assert [o.name for o in pareto([Option("x", 1, 1), Option("y", 2, 2), Option("z", 0, 3)])] == ["x", "z"]
 
 
-# --- the verification loop's budget factor -----------------------------------------------------
+# --- the verification loop's budget ------------------------------------------------------------
 
-@pytest.mark.parametrize("args, expected", [
-    # met, and the search text shows the plan spending a quarter of the budget: spend up to 3x more
-    (dict(safety=1.0, met=True, spent=0.0, spent_search=0.25, budget=1.0, met_safety=1.0, missed_safety=None), 3.0),
-    # met with some room: by 0.8 x the room seen
-    (dict(safety=1.0, met=True, spent=0.0, spent_search=0.5, budget=1.0, met_safety=1.0, missed_safety=None), 1.6),
-    # met with little room: settled
-    (dict(safety=2.0, met=True, spent=0.9, spent_search=0.8, budget=1.0, met_safety=2.0, missed_safety=None), None),
-    # met, room, but 4x already missed: halfway (geometric) toward it
-    (dict(safety=1.0, met=True, spent=0.2, spent_search=0.2, budget=1.0, met_safety=1.0, missed_safety=4.0), 2.0),
-    # missed with nothing met yet: less in proportion to the overshoot
-    (dict(safety=1.0, met=False, spent=2.0, spent_search=1.5, budget=1.0, met_safety=None, missed_safety=1.0), 0.5),
-    # missed by a little: still at least 30% less
-    (dict(safety=1.0, met=False, spent=1.1, spent_search=0.9, budget=1.0, met_safety=None, missed_safety=1.0), 0.7),
-    # missed after a factor that met: halfway back toward it
-    (dict(safety=9.0, met=False, spent=3.0, spent_search=2.0, budget=1.0, met_safety=1.0, missed_safety=9.0), 3.0),
-], ids=["loosen-capped", "loosen-by-room", "settled", "bisect-up", "tighten-overshoot", "tighten-min", "bisect-down"])
-def test_next_budget_factor(args, expected):
-    from ffnquant.planning.job import next_safety
+def _point(d, met, a=0.8, c=0.05, label="prose"):
+    from ffnquant.planning.job import RoundPoint
 
-    got = next_safety(**args)
+    return RoundPoint(d, met, {label: (a * d, a * d + c * math.sqrt(d))})
+
+
+def test_the_noise_model_recovers_the_slope_and_the_interval_width_of_its_rounds():
+    from ffnquant.planning.job import noise_model
+
+    got = noise_model([_point(0.01, False), _point(0.004, True), _point(0.006, True)])
+    assert got["prose"] == (pytest.approx(0.8), pytest.approx(0.05))
+
+
+def test_before_any_round_the_noise_model_is_the_prior():
+    from ffnquant.planning.job import noise_model
+
+    assert noise_model([], {"prose": 0.1, "code": 0.2}) == {"prose": (1.0, 0.1), "code": (1.0, 0.2)}
+
+
+@pytest.mark.parametrize("points, prior, expected", [
+    # no round, no interval: the budget times AIM
+    ([], {"prose": 0.0}, 0.95),
+    # no round, an interval of width c sqrt(D): D + c sqrt(D) = 0.95 (c = 0.5: sqrt(D) = (-0.5 + sqrt(0.25 + 3.8)) / 2)
+    ([], {"prose": 0.5}, ((-0.5 + math.sqrt(0.25 + 3.8)) / 2) ** 2),
+    # the tightest domain decides
+    ([], {"prose": 0.0, "code": 0.5}, ((-0.5 + math.sqrt(0.25 + 3.8)) / 2) ** 2),
+    # met with room and no interval: toward the budget, at most 3x the last damage
+    ([_point(0.1, True, a=1.0, c=0.0)], None, 0.3),
+    ([_point(0.5, True, a=1.0, c=0.0)], None, 0.95),
+    # met close to the goal: settled
+    ([_point(0.93, True, a=1.0, c=0.0)], None, None),
+    # missed by 2x with nothing met: where the fitted line reaches the goal
+    ([_point(1.0, False, a=2.0, c=0.0)], None, 0.475),
+    # the model asks past a damage that missed: halfway (geometrically) between met and missed
+    ([_point(0.2, True, a=0.5, c=0.0), _point(0.8, False, a=0.5, c=0.0)], None, 0.4),
+    # between a damage that met and one that missed, too close to split: settled
+    ([_point(0.5, True, a=1.0, c=0.0), _point(0.54, False, a=1.0, c=0.5)], None, None),
+], ids=["no-interval", "interval", "worst-domain", "loosen-capped", "loosen-to-goal", "settled", "tighten-by-fit",
+        "bisect", "bracketed-settled"])
+def test_next_damage_budget(points, prior, expected):
+    from ffnquant.planning.job import next_budget
+
+    got = next_budget(points, 1.0, prior)
     assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_the_first_rounds_interval_width_grows_with_the_measured_scatter_and_shrinks_with_tokens():
+    from ffnquant.planning.job import first_noise
+    from ffnquant.planning.target import Target
+
+    ppl = Target.parse("ppl+1%")
+    assert first_noise(ppl, None, {"a": 4096})["a"] == pytest.approx(2 * math.sqrt(2 / 4096))
+    assert first_noise(ppl, 8.0, {"a": 4096})["a"] == pytest.approx(2 * math.sqrt(8 / 4096))
+    assert first_noise(ppl, 8.0, {"a": 16384})["a"] == pytest.approx(first_noise(ppl, 8.0, {"a": 4096})["a"] / 2)
+    assert first_noise(Target.parse("sqnr>=30"), 8.0, {"a": 4096}) == {"a": 0.0}
 
 
 # --- plan.toml -------------------------------------------------------------------------------

@@ -453,12 +453,31 @@ class SequentialModel:
         finally:
             self.layers[j] = original
 
-    def head_out(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_out(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden state, logits) of one batch's last decoder layer output, from the model's own forward
         (final norm, LM head; onloaded on the first call): what `hf.metrics._run` reads as hidden_states[-1] (the
-        base model's last_hidden_state) and logits."""
+        base model's last_hidden_state) and logits. `vocab` (token ids): the logits of those tokens only, in that
+        order, from the LM head's rows of them (what the model does to its logits after the head, such as a soft
+        cap, is elementwise): a fraction of the cost at a large vocabulary."""
         with torch.no_grad():
-            return self._head(hidden)
+            if vocab is None:
+                return self._head(hidden)
+            if self.head.weight.is_meta:
+                self._head(hidden[:, :1])  # onloads the head
+            weight, bias = self.head.weight, getattr(self.head, "bias", None)
+            try:
+                self.head.weight = torch.nn.Parameter(weight[vocab], requires_grad=False)
+                if isinstance(bias, torch.Tensor):
+                    self.head.bias = torch.nn.Parameter(bias[vocab], requires_grad=False)
+                final, logits = self._head(hidden)
+            finally:
+                self.head.weight = weight
+                if isinstance(bias, torch.Tensor):
+                    self.head.bias = bias
+            if logits.shape[-1] != vocab.numel():  # a head that is not one Linear of these rows: the whole one
+                final, logits = self._head(hidden)
+                logits = logits[..., vocab]
+            return final, logits
 
     def head_grad(self, hidden: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor]):
         """`head_out` of one batch with the gradient of `loss(logits)` (a scalar) with respect to `hidden`:

@@ -53,14 +53,14 @@ from .planfile import Plan, model_fingerprint
 from .runtime_latency import check_runtimes, measure_runtime_table
 from .scores import CandidateScore
 from .search import Option, pareto, solve
-from .sensitivity import check_plannable, fisher_noise
+from .sensitivity import check_plannable, fisher_noise, noise_per_kl
 from .source import PlanSource
 from .target import Objective, Target
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
 
-__all__ = ["PROBES", "final_round", "make_plan", "next_safety", "worst_domain"]
+__all__ = ["PROBES", "RoundPoint", "final_round", "first_noise", "make_plan", "next_budget", "noise_model", "worst_domain"]
 
 Progress = Callable[[str, int, int], None]
 # Measured per layer to fit the prediction's scale: a mild and a strong error, both common choices.
@@ -86,23 +86,78 @@ def final_round(result: dict[str, Any]) -> dict[str, Any]:
     return result["rounds"][result["final_round"] - 1]
 
 
-def next_safety(safety: float, met: bool, spent: float | None, spent_search: float | None, budget: float,
-                met_safety: float | None, missed_safety: float | None) -> float | None:
-    """The next verification round's budget factor, or None when the plan is settled.
+# A round aims its predicted damage at this share of the budget: the noise model below is fitted on a few rounds.
+AIM = 0.95
+# Another round is run only when its plan would cost this share less than the cheapest round that met.
+MIN_GAIN = 0.01
 
-    A round that met the target: when the search text (never the held-out one) shows the whole plan spending
-    well under the budget (room >= 1.4: the additive prediction is first order), spend more next round, by the
-    room seen (at most 3x), or halfway (geometrically) back toward a factor that already missed. A round that
-    missed: halfway back toward the last factor that met, or, with none yet, less in proportion to the
-    overshoot (at least 30% less)."""
-    if met:
-        room = budget / max(spent_search or 0.0, budget / 20)
-        if room < 1.4:
-            return None
-        return safety * min(3.0, 0.8 * room) if missed_safety is None else math.sqrt(safety * missed_safety)
-    if met_safety is not None:
-        return math.sqrt(safety * met_safety)
-    return safety * (min(0.7, budget / spent) if spent and spent > 0 else 0.5)
+
+@dataclasses.dataclass(frozen=True)
+class RoundPoint:
+    """What steers the next verification round: a round's predicted damage (the sum over its chosen layers), whether
+    it met the target, and per held-out domain its measured (point, unfavourable bound) in budget units."""
+
+    predicted: float
+    met: bool
+    domains: Mapping[str, tuple[float, float]]
+
+
+def noise_model(points: Sequence[RoundPoint], prior: Mapping[str, float] | None = None) -> dict[str, tuple[float, float]]:
+    """Per domain (a, c) of: measured point = a x D, bound - point = c x sqrt(D), D a round's predicted damage,
+    least squares through the origin over the rounds so far. The point grows with the damage; the interval's
+    half-width grows as its square root (the per-token spread of the log-likelihood ratio is about sqrt(KL)). With
+    no round yet: a = 1 and c from `prior` (`first_noise`). a is kept >= 0.1: a round measured at or below zero
+    says its damage is small, not that more damage is free."""
+    if not points:
+        return {label: (1.0, c) for label, c in (prior or {}).items()}
+    out = {}
+    for label in points[-1].domains:
+        rows = [(pt.predicted, *pt.domains[label]) for pt in points if label in pt.domains and pt.predicted > 0]
+        den = sum(d * d for d, _, _ in rows)
+        a = sum(p * d for d, p, _ in rows) / den if den > 0 else 1.0
+        den_c = sum(d for d, _, _ in rows)
+        c = sum(max(0.0, b - p) * math.sqrt(d) for d, p, b in rows) / den_c if den_c > 0 else 0.0
+        out[label] = (max(0.1, a), max(0.0, c))
+    return out
+
+
+def _largest_damage(a: float, c: float, goal: float) -> float:
+    """The largest D with a x D + c x sqrt(D) <= goal."""
+    s = (-c + math.sqrt(c * c + 4.0 * a * goal)) / (2.0 * a)
+    return s * s
+
+
+def first_noise(target: Target, w: float | None, tokens: Mapping[str, int]) -> dict[str, float]:
+    """The first round's c per held-out domain (`noise_model`): for a ppl target, the half-width of the interval
+    of the mean log-likelihood ratio over N tokens at KL D is about 2 sqrt(w D / N), w measured on the probes'
+    ablations (`sensitivity.noise_per_kl`; 2, independent tokens, without one). The other targets start at c = 0
+    and learn theirs from the first round."""
+    if target.metric != "ppl":
+        return {label: 0.0 for label in tokens}
+    w = 2.0 if w is None else max(w, 2.0)
+    return {label: 2.0 * math.sqrt(w / max(1, n)) for label, n in tokens.items()}
+
+
+def next_budget(points: Sequence[RoundPoint], budget: float, prior: Mapping[str, float] | None = None,
+                aim: float = AIM) -> float | None:
+    """The next round's damage budget, or None when the plan is settled.
+
+    The largest predicted damage whose measured bound, by `noise_model` fitted on every round so far (or `prior`
+    before the first), stays within `aim` x the target's budget on every held-out domain; kept strictly between the
+    largest damage that met (above it) and the smallest that missed (below it). None when that is no more than
+    5% above a damage that already met: the rounds have found the plan."""
+    model = noise_model(points, prior)
+    want = min((_largest_damage(a, c, aim * budget) for a, c in model.values()), default=aim * budget)
+    if not points:
+        return want
+    met = max((pt.predicted for pt in points if pt.met), default=None)
+    missed = min((pt.predicted for pt in points if not pt.met), default=None)
+    if missed is not None and want >= 0.95 * missed:
+        want = math.sqrt(met * missed) if met is not None else 0.7 * missed
+    if met is not None and want <= 1.05 * met:
+        return None
+    last = points[-1].predicted
+    return min(max(want, last / 4.0), 3.0 * last) if last > 0 else want
 
 
 def _fit(points: Sequence[tuple[float, float]]) -> float:
@@ -440,47 +495,52 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
 
     t = time.perf_counter()
     # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)
-    baseline, search_baseline = source.verification_baselines()
+    baseline = source.verification_baselines()
     by_name = {str(r): r for r in recipes}  # the options carry recipe texts; the Recipes were parsed once
     rounds: list[dict[str, Any]] = []
-    safety, met_safety, missed_safety = 1.0, None, None
+    points: list[RoundPoint] = []
+    # the first round already allows for the interval's width on the held-out text (`first_noise`)
+    w = noise_per_kl(source.ablations.values())
+    prior = first_noise(target, w, {label: base.get("n_tokens") or 0 for label, base in baseline["domains"].items()})
+    damage_budget = next_budget(points, target.budget, prior)
+    steering = {"noise_per_kl": w, "first_noise": prior, "aim": AIM, "min_gain": MIN_GAIN}
     for rnd in range(1, max_rounds + 1):
-        chosen = search.solve(target.budget * safety)
+        chosen = search.solve(damage_budget)
         if chosen is None:
             raise FFNQuantError(f"plan: no assignment meets {target} even by prediction (fp32 everywhere should): "
                                 "the predicted damage of the float candidate is not zero")
         names = {i: o.name for i, o in chosen.items()}
-        if rounds and names == rounds[-1]["layers"]:
+        cost = sum(o.cost for o in chosen.values())
+        if any(names == r["layers"] for r in rounds):
             break  # the budget moved but the choice did not: nothing new to verify
-        tick(f"verify round {rnd}: end to end on the search and held-out texts", rnd, max_rounds)
-        # the whole plan on the search text too: how the additive prediction compares with the real sum there
+        passed = [r for r in rounds if r["met"]]
+        if passed and cost > (1.0 - MIN_GAIN) * min(r["cost"] for r in passed):
+            break  # not worth a round: it could save less than MIN_GAIN of the cheapest plan that met
+        tick(f"verify round {rnd}: end to end on the held-out text", rnd, max_rounds)
         if all(name == "fp32" for name in names.values()):
-            on_search = dict(_UNCHANGED, perplexity=search_baseline["perplexity"])
             domains = {label: dict(_UNCHANGED, perplexity=base["perplexity"], n_predicted=base.get("n_tokens"))
                        for label, base in baseline["domains"].items()}
         else:
-            on_search, domains = source.verify(names, by_name)
+            domains = source.verify(names, by_name)
         # the target holds on every held-out domain, each at its confidence bound; the worst one steers the budget
         worst = worst_domain(target, domains)
         e2e = domains[worst]
         predicted = sum(o.damage for o in chosen.values())
-        spent, spent_search = target.spent(e2e), target.spent(on_search)
         met = all(target.met(fig) for fig in domains.values())
-        rounds.append({"round": rnd, "safety": safety, "budget": target.budget * safety, "predicted": predicted,
-                       "measured_search": spent_search, "search_end_to_end": on_search,
-                       "measured": spent, "met": met, "end_to_end": e2e, "worst_domain": worst,
+        rounds.append({"round": rnd, "safety": damage_budget / target.budget, "budget": damage_budget,
+                       "predicted": predicted, "measured": target.spent(e2e), "measured_bound": target.bound_spent(e2e),
+                       "met": met, "end_to_end": e2e, "worst_domain": worst,
                        "domains": {label: dict(fig, resolution=target.resolution(fig)) for label, fig in domains.items()},
-                       "cost": sum(o.cost for o in chosen.values()), "layers": names})
-        if met:
-            met_safety = safety
-        else:
-            missed_safety = safety
+                       "cost": cost, "layers": names})
+        measured = {label: (target.spent(fig), target.bound_spent(fig)) for label, fig in domains.items()}
+        if all(p is not None and b is not None for p, b in measured.values()):
+            points.append(RoundPoint(predicted, met, measured))
         if rnd == max_rounds:
             break
-        step = next_safety(safety, met, spent, spent_search, target.budget, met_safety, missed_safety)
+        step = next_budget(points, target.budget, prior)
         if step is None:
             break
-        safety = step
+        damage_budget = step
     # the cheapest round that met the target on the held-out text (else the last, and the result says so)
     passing = [r for r in rounds if r["met"]]
     final = min(passing, key=lambda r: r["cost"]) if passing else rounds[-1]
@@ -519,7 +579,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "token_budgets": source.texts["token_budgets"], "probe_tokens": source.n_probe,
         "held_rows_scored": HELD_ROWS,
         "baseline": baseline, "latency_table": latency, "layers": per_layer, "probe_fit": fit_points,
-        "rounds": rounds, "final_round": final["round"], "verified": bool(final["met"]), "plan": plan.to_dict(),
+        "rounds": rounds, "steering": steering, "final_round": final["round"], "verified": bool(final["met"]), "plan": plan.to_dict(),
         "fp32_cost": fp32_cost, "single_recipes": singles,
         "pareto_per_layer": {i: [o.name for o in pareto(opts)] for i, opts in options.items()},
         "timings": timings, "atlas": atlas, "executor": executor.describe(),

@@ -17,7 +17,7 @@ Plans need a causal LM with one FFN per decoder layer (a module, or Linears in t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from ..hf.metrics import token_nll
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
 
-__all__ = ["check_plannable", "fisher_noise", "Ablation", "ablation_terms", "float_terms", "gradient_probe",
+__all__ = ["check_plannable", "fisher_noise", "Ablation", "ablation_terms", "float_terms", "gradient_probe", "noise_per_kl", "probe_vocabulary", "PROBE_TOP_K",
            "predicted_tokens", "probe_batches"]
 
 
@@ -111,7 +111,9 @@ class Ablation:
     """One layer replaced, the rest float, on the search text: the mean KL divergence of the next-token
     distribution from the float model's and the mean NLL change (nats per token), and the final hidden
     state's noise and signal energy. The KL is what the plan predicts ppl with: on a few hundred tokens the NLL
-    change of one layer is dominated by chance (it is often negative), the KL is not."""
+    change of one layer is dominated by chance (it is often negative), the KL is not. `sequences`: per probe
+    sequence, (its summed NLL change, its summed KL): how much the NLL change scatters about the KL, which is
+    what the width of a verification round's interval scales with (`noise_per_kl`)."""
 
     index: int
     kl: float
@@ -119,42 +121,84 @@ class Ablation:
     hidden_noise: float
     hidden_signal: float
     tokens: int
+    sequences: tuple[tuple[float, float], ...] = ()
 
     @property
     def hidden_nsr(self) -> float:
         return self.hidden_noise / self.hidden_signal if self.hidden_signal > 0 else float("inf")
 
     @classmethod
-    def of(cls, index: int, terms: Sequence[tuple[float, float, float, float]], tokens: int) -> "Ablation":
+    def of(cls, index: int, terms: Sequence[tuple], tokens: int) -> "Ablation":
         """From each batch's `ablation_terms`, summed in batch order; `tokens`: the predicted tokens of them all."""
-        kl, nll, noise, signal = 0.0, 0.0, 0.0, 0.0
-        for a, b, c, d in terms:
+        kl, nll, noise, signal, seqs = 0.0, 0.0, 0.0, 0.0, []
+        for a, b, c, d, *per_sequence in terms:
             kl, nll, noise, signal = kl + a, nll + b, noise + c, signal + d
-        return cls(index, kl / tokens, nll / tokens, noise, signal, tokens)
+            seqs += per_sequence[0] if per_sequence else []
+        return cls(index, kl / tokens, nll / tokens, noise, signal, tokens, tuple(seqs))
 
 
-def float_terms(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, torch.Tensor, float]:
-    """What an ablation is measured against, of one batch of the float run: its summed NLL, its next-token
-    probabilities p (float32) and the summed sum(p log p): kept once, each ablation reads them."""
+def noise_per_kl(ablations: Iterable[Ablation]) -> float | None:
+    """w in Var(a sequence's summed NLL change) ~ w x (its summed KL), pooled over the probes' ablations (None
+    without sequences): each sequence's NLL change scattered about its KL (their expectations agree to second
+    order). For independent tokens w is about 2 (the per-token variance of the log-likelihood ratio is twice the
+    KL for a small change); the tokens of a passage move together, so a measured w is larger. A verification
+    round's interval half-width on N held-out tokens is then about t x sqrt(w x KL per token / N)."""
+    num = den = 0.0
+    for ab in ablations:
+        for delta, kl in ab.sequences:
+            num += (delta - kl) ** 2
+            den += kl
+    return num / den if den > 0 else None
+
+
+# The probes' ablations take the next-token distribution over the float model's PROBE_TOP_K likeliest tokens at every
+# probe position and the tokens that come next (`probe_vocabulary`): a few thousand of a vocabulary of up to 262k,
+# which hold nearly all of the float model's mass. Their KL (renormalized on those tokens) only fits each layer's
+# scale of the prediction; every verification round measures the whole vocabulary.
+PROBE_TOP_K = 64
+
+
+def probe_vocabulary(logits: torch.Tensor, ids: torch.Tensor, k: int = PROBE_TOP_K) -> torch.Tensor:
+    """The token ids (sorted) a probe batch's ablations are measured over: the float model's `k` likeliest next
+    tokens at every position and the true next tokens."""
+    top = logits[:, :-1].topk(min(k, logits.shape[-1]), dim=-1).indices
+    return torch.unique(torch.cat([top.reshape(-1), ids[:, 1:].reshape(-1)]))
+
+
+def float_terms(logits: torch.Tensor, ids: torch.Tensor, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What an ablation is measured against, of one batch of the float run, per sequence: its summed NLL, its
+    next-token probabilities p (float32) and its summed sum(p log p): kept once, each ablation reads them.
+    `vocab`: `logits` are over those token ids only (`probe_vocabulary`), which the next tokens `ids` are among."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     p = logp.exp()
-    return _target_nll(logp, ids), p, float((p * logp).sum(-1).sum(dtype=torch.float64))
+    return _target_nll(logp, _positions(ids, vocab)), p, (p * logp).sum(-1).sum(-1, dtype=torch.float64)
 
 
-def _target_nll(logp: torch.Tensor, ids: torch.Tensor) -> float:
-    """The summed NLL of the next tokens under float32 log-probabilities [sequences, positions - 1, vocabulary]
-    (the float run's and an ablation's alike, so their difference carries no rounding bias of either)."""
-    return -float(logp.gather(-1, ids[:, 1:, None]).sum(dtype=torch.float64))
+def _positions(ids: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """`ids` as positions in the sorted `vocab` (themselves without one)."""
+    return ids if vocab is None else torch.searchsorted(vocab, ids)
 
 
-def ablation_terms(logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, ref_nll: float,
-                   ref_p: torch.Tensor, ref_plogp: float, ref_hidden: torch.Tensor) -> tuple[float, float, float, float]:
+def _target_nll(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each sequence's summed NLL of its next tokens (float64) under float32 log-probabilities [sequences,
+    positions - 1, vocabulary] (the float run's and an ablation's alike, so their difference carries no rounding
+    bias of either)."""
+    return -logp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(-1, dtype=torch.float64)
+
+
+def ablation_terms(logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, ref_nll: torch.Tensor,
+                   ref_p: torch.Tensor, ref_plogp: torch.Tensor, ref_hidden: torch.Tensor,
+                   vocab: torch.Tensor | None = None) -> tuple:
     """One batch of a run with a layer replaced, against the float run's (`float_terms`, final hidden state):
-    (summed KL of the next-token distribution, NLL change, final hidden noise energy, signal energy).
+    (summed KL of the next-token distribution, NLL change, final hidden noise energy, signal energy, per sequence
+    [(NLL change, KL)]).
 
     KL = sum p log p - sum p log q, the first kept from the float run; the NLL from the same log q. Each term's
-    float32 rounding is about 1e-7 of a log-probability, as the elementwise p (log p - log q) had."""
+    float32 rounding is about 1e-7 of a log-probability, as the elementwise p (log p - log q) had. `vocab`: as in
+    `float_terms`, the same tokens."""
     logq = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    kl = ref_plogp - float((ref_p * logq).sum(-1).sum(dtype=torch.float64))  # per token in float32, then float64
+    kl = ref_plogp - (ref_p * logq).sum(-1).sum(-1, dtype=torch.float64)  # per token in float32, then float64
+    nll = _target_nll(logq, _positions(ids, vocab)) - ref_nll
     ref = ref_hidden.double()
-    return (kl, _target_nll(logq, ids) - ref_nll, float((hidden.double() - ref).square().sum()), float(ref.square().sum()))
+    return (float(kl.sum()), float(nll.sum()), float((hidden.double() - ref).square().sum()),
+            float(ref.square().sum()), list(zip(nll.tolist(), kl.tolist())))

@@ -13,8 +13,8 @@ the layers:
 3. Forward, scoring: each layer's candidates scored on its kept inputs (`make_plan` hands them to the executor),
    and each probe's ablation started as a stream of the probe tokens from that layer on, its FFN replaced; the
    streams already started pass each layer with its float FFN. The head measures every stream at the end.
-4. Each verification round: the search and held-out texts through every layer quantized as chosen (each layer
-   quantized from its kept inputs again: the quantizers are deterministic), scored against the float figures.
+4. Each verification round: the held-out text through every layer quantized as chosen (each layer quantized from
+   its kept inputs again: the quantizers are deterministic), scored against the float figures.
    A plan verified in a low precision (`dtype`: bf16 for a bf16 checkpoint that compressed-tensors will serve)
    runs these rounds on a second engine computing in it, with each quantized FFN as that runtime computes it
    (`deploy.precision.in_dtype`), against the float model's figures in that dtype (measured once, on first use).
@@ -156,7 +156,7 @@ class PlanSource:
         from ..hf.inputs import domain_budgets, domain_spans, eval_domain_batches, token_budget
         from ..hf.metrics import _NLL, reference_batch
         from ..hf.stream import SequentialModel, token_batches_of
-        from .sensitivity import _ffn_modules, _nll_sum, float_terms, probe_batches
+        from .sensitivity import _ffn_modules, _nll_sum, float_terms, probe_batches, probe_vocabulary
 
         info, settings = self.info, self.settings
         self.calib_ids = token_batches_of(info, self.text, "calibration", settings, settings.max_calib_tokens)
@@ -187,7 +187,7 @@ class PlanSource:
         embedded.clear()
         self.ecalls = m.embed(self.eval_ids, evals, self.progress, "embed the held-out text")
         m.offload(m.embedding)
-        self.embedded = (calib.copy("calibration-embedded"), evals.copy("evaluation-embedded"))
+        self.embedded = evals.copy("evaluation-embedded")  # where each verification round starts
         self.block_in: dict[int, Any] = {}
         self.ffn_calib, self.ffn_eval = self._store("ffn-calibration"), self._store("ffn-evaluation")
         n = len(m.layers)
@@ -225,23 +225,27 @@ class PlanSource:
         nll_search = _NLL()
         nll_eval = {label: _NLL() for label, _, _ in self.domains}
         domain_of = [label for label, lo, hi in self.domains for _ in range(lo, hi)]
-        self.references: tuple[list, list] = ([], [])  # each batch's float next-token figures (`Reference`)
-        self.ref: list[tuple[float, torch.Tensor, float]] = []  # the probe batches' float figures (`float_terms`)
+        self.references: list = []  # each held-out batch's float next-token figures (`Reference`)
+        # the probe batches' float figures (`float_terms`)
+        self.ref: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # per probe batch, the tokens its ablations' next-token distributions are taken over (`probe_vocabulary`)
+        self.probe_vocab: list[torch.Tensor] = []
         for b, ids in enumerate(self.calib_ids):
             final, logits, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
             self.final[0].put(b, final)
             self.grad_out.put(b, grad)
             nll_search.update(logits, ids)
-            self.references[0].append(reference_batch(logits, ids))
             if b < self.n_probe_batches:
                 k = self.probe_ids[b].shape[0]
-                self.ref.append(float_terms(logits[:k], ids[:k]))
+                vocab = probe_vocabulary(logits[:k], ids[:k])
+                self.probe_vocab.append(vocab)
+                self.ref.append(float_terms(logits[:k, :, vocab], ids[:k], vocab))
         calib.clear()
         for b, ids in enumerate(self.eval_ids):
             final, logits = m.head_out(evals.get(b))
             self.final[1].put(b, final)
             nll_eval[domain_of[b]].update(logits, ids)
-            self.references[1].append(reference_batch(logits, ids))
+            self.references.append(reference_batch(logits, ids))
         evals.clear()
         self.search_baseline = {"perplexity": nll_search.perplexity,
                                 "n_tokens": sum(int(b.numel()) for b in self.calib_ids)}
@@ -341,9 +345,9 @@ class PlanSource:
         for k, ((j, name), store) in enumerate(streams.items()):
             terms = []
             for b, ids in enumerate(self.probe_ids):
-                hidden, logits = m.head_out(store.get(b))
+                hidden, logits = m.head_out(store.get(b), vocab=self.probe_vocab[b])
                 terms.append(ablation_terms(logits, hidden, ids, *self.ref[b],
-                                            self.final[0].get(b)[: ids.shape[0]]))
+                                            self.final[0].get(b)[: ids.shape[0]], self.probe_vocab[b]))
             self.ablations[(j, name)] = Ablation.of(j, terms, tokens)
             store.clear()
             self.progress("probe ablations: the final norm and head", k + 1, len(streams))
@@ -373,9 +377,9 @@ class PlanSource:
 
     # --- pass 4 -----------------------------------------------------------------------------------------------
 
-    def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> tuple[dict, dict[str, dict]]:
-        """The end-to-end figures of the layers quantized as `chosen` ({index: name}) on the search text and on each
-        held-out domain ({label: figures}), both texts streamed through every layer once (in the plan's `dtype`)."""
+    def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> dict[str, dict]:
+        """The end-to-end figures of the layers quantized as `chosen` ({index: name}) on each held-out domain
+        ({label: figures}), the held-out text streamed through every layer once (in the plan's `dtype`)."""
         from ..hf.checkpoint import iter_ffn_layers
         from ..hf.evaluate import end_to_end_figures
         from ..hf.metrics import _NLL, Agreement, ErrorStats
@@ -384,7 +388,7 @@ class PlanSource:
 
         v = self._verification()
         m, n = v.model, len(v.model.layers)
-        streams = (v.embedded[0].copy("quantized-calibration"), v.embedded[1].copy("quantized-evaluation"))
+        stream = v.embedded.copy("quantized-evaluation")
         quantized = [j for j in self.planned if chosen[j] != "fp32"]
         kept = {key: q for key, q in self._quantized.items() if key[0] in quantized and chosen[key[0]] == key[1]}
         self._quantized.clear()  # what this round does not use is freed before it quantizes anything
@@ -403,42 +407,37 @@ class PlanSource:
             if q is not None and self.resident:
                 self._quantized[(j, chosen[j])] = q
             with m.layer(j, ffn=q is None):
-                for store, c in zip(streams, v.calls):
-                    m.run(j, store, c, ffns=self._replacements(j, q) if q is not None else None)
+                m.run(j, stream, v.calls, ffns=self._replacements(j, q) if q is not None else None)
             del q
             _trim()
             self.progress(f"verify: L{j}", j + 1, n)
 
-        def figures(store, ids_list, final, refs, base, lo, hi):
+        def figures(base, lo, hi):
             hidden, nll, agreement = ErrorStats(), _NLL(), Agreement()
             for b in range(lo, hi):
-                got, logits = m.head_out(store.get(b))
-                hidden.update(final.get(b), got)
-                agreement.update(refs[b], logits, ids_list[b], nll_into=nll)
+                got, logits = m.head_out(stream.get(b))
+                hidden.update(v.final.get(b), got)
+                agreement.update(v.references[b], logits, self.eval_ids[b], nll_into=nll)
             return end_to_end_figures(base, hidden, nll, {}, agreement)["end_to_end"]
 
-        on_search = figures(streams[0], self.calib_ids, v.final[0], v.references[0], v.search_baseline,
-                            0, len(self.calib_ids))
-        streams[0].clear()
-        domains = {label: figures(streams[1], self.eval_ids, v.final[1], v.references[1],
-                                  v.domain_baselines[label], lo, hi) for label, lo, hi in self.domains}
-        streams[1].clear()
-        return on_search, domains
+        domains = {label: figures(v.domain_baselines[label], lo, hi) for label, lo, hi in self.domains}
+        stream.clear()
+        return domains
 
-    def verification_baselines(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(held-out baseline {perplexity: None, n_tokens, domains: {label: figures}}, search-text baseline): the
-        float model's perplexities the verification rounds are measured against, in the plan's dtype."""
+    def verification_baselines(self) -> dict[str, Any]:
+        """The held-out baseline {perplexity: None, n_tokens, domains: {label: figures}}: the float model's
+        perplexities the verification rounds are measured against, in the plan's dtype."""
         v = self._verification()
-        return ({"perplexity": None, "n_tokens": sum(int(b.numel()) for b in self.eval_ids),
-                 "domains": v.domain_baselines}, v.search_baseline)
+        return {"perplexity": None, "n_tokens": sum(int(b.numel()) for b in self.eval_ids),
+                "domains": v.domain_baselines}
 
     def _verification(self) -> "_Verification":
-        """What the verification rounds run on: this source's own engine, streams and float figures; or, for a plan
-        verified in another dtype, the same texts through an engine computing in it, with the float model's
-        figures in that dtype (`_low_precision`, once)."""
+        """What the verification rounds run on: this source's own engine, the held-out text's embedded stream and
+        per-layer calls, and the float figures; or, for a plan verified in another dtype, the same text through an
+        engine computing in it, with the float model's figures in that dtype (`_low_precision`, once)."""
         if self.dtype is torch.float32:
-            return _Verification(self.model, self.embedded, (self.ccalls, self.ecalls), self.final, self.references,
-                                 self.search_baseline, self.domain_baselines)
+            return _Verification(self.model, self.embedded, self.ecalls, self.final[1], self.references,
+                                 self.domain_baselines)
         if self._low is None:
             t = time.perf_counter()
             self._low = self._low_precision()
@@ -451,44 +450,39 @@ class PlanSource:
 
         m = SequentialModel(self.info, resident=self.resident, allow_pickle=self.allow_pickle, dtype=self.dtype)
         name = str(self.dtype).removeprefix("torch.")
-        stores = (self._store(f"{name}-calibration"), self._store(f"{name}-evaluation"))
-        calls = (m.embed(self.calib_ids, stores[0], self.progress, f"embed the search text ({name})"),
-                 m.embed(self.eval_ids, stores[1], self.progress, f"embed the held-out text ({name})"))
+        store = self._store(f"{name}-evaluation")
+        calls = m.embed(self.eval_ids, store, self.progress, f"embed the held-out text ({name})")
         m.offload(m.embedding)
-        embedded = (stores[0].copy(f"{name}-calibration-embedded"), stores[1].copy(f"{name}-evaluation-embedded"))
+        embedded = store.copy(f"{name}-evaluation-embedded")
         n = len(m.layers)
         for j in range(n):
             with m.layer(j):
-                for store, c in zip(stores, calls):
-                    m.run(j, store, c)
+                m.run(j, store, calls)
             self.progress(f"the float model in {name}: L{j}", j + 1, n)
-        final = (self._store(f"{name}-final-calibration"), self._store(f"{name}-final-evaluation"))
-        references: tuple[list, list] = ([], [])
-        nll = [_NLL(), {label: _NLL() for label, _, _ in self.domains}]
+        final = self._store(f"{name}-final-evaluation")
+        references = []
+        nll = {label: _NLL() for label, _, _ in self.domains}
         domain_of = [label for label, lo, hi in self.domains for _ in range(lo, hi)]
-        for k, ids_list in enumerate((self.calib_ids, self.eval_ids)):
-            for b, ids in enumerate(ids_list):
-                hidden, logits = m.head_out(stores[k].get(b))
-                final[k].put(b, hidden)
-                (nll[0] if k == 0 else nll[1][domain_of[b]]).update(logits, ids)
-                references[k].append(reference_batch(logits, ids))
-            stores[k].clear()
-        search = {"perplexity": nll[0].perplexity, "n_tokens": sum(int(b.numel()) for b in self.calib_ids)}
-        domains = {label: {"perplexity": nll[1][label].perplexity,
+        for b, ids in enumerate(self.eval_ids):
+            hidden, logits = m.head_out(store.get(b))
+            final.put(b, hidden)
+            nll[domain_of[b]].update(logits, ids)
+            references.append(reference_batch(logits, ids))
+        store.clear()
+        domains = {label: {"perplexity": nll[label].perplexity,
                            "n_tokens": sum(int(b.numel()) for b in self.eval_ids[lo:hi])}
                    for label, lo, hi in self.domains}
-        return _Verification(m, embedded, calls, final, references, search, domains)
+        return _Verification(m, embedded, calls, final, references, domains)
 
 
 @dataclass
 class _Verification:
-    """An engine and what a verification round reads: the texts' embedded streams and per-layer calls, the float
-    model's final hidden states and next-token figures, and its perplexities (search text; each domain)."""
+    """An engine and what a verification round reads: the held-out text's embedded stream and per-layer calls, the
+    float model's final hidden states and next-token figures, and its perplexity on each domain."""
 
     model: Any
-    embedded: tuple[Any, Any]
-    calls: tuple[Any, Any]
-    final: tuple[Any, Any]
-    references: tuple[list, list]
-    search_baseline: dict[str, Any]
+    embedded: Any
+    calls: Any
+    final: Any
+    references: list
     domain_baselines: dict[str, dict[str, Any]]

@@ -172,6 +172,19 @@ class Target:
             out["words"] = f"{shown}: {verdict} {self.name}"
         return out
 
+    def bound_spent(self, measured: Mapping[str, Any]) -> float | None:
+        """The figure the target is judged on (`bound`) in budget units, as `spent` gives the point."""
+        bound = self.bound(measured)
+        if bound is None:
+            return None
+        if self.metric == "ppl":
+            return math.log1p(bound / 100.0) if bound > -100.0 else -math.inf
+        if self.metric == "kld":
+            return bound
+        if self.metric == "top1":
+            return self._top1_kl(max(0.0, 1.0 - bound / 100.0))
+        return 10.0 ** (-bound / 10.0)
+
     def spent(self, measured: Mapping[str, Any]) -> float | None:
         """The measured damage in budget units (see the class docstring), from the point estimate."""
         if self.metric == "ppl":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..planning.job import final_round
+from ..planning.job import AIM, MIN_GAIN, final_round
 from ..infra.render import agreement_words, fmt, fmt_bytes, markdown_table
 from ..infra.resources import human_bytes
 
@@ -85,23 +85,31 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
         lines += [f"The layer atlas with the plan drawn over it: [{data['atlas']}]({data['atlas']}) "
                   "(crest factor, kurtosis and outlier channels per layer and site, and the recipe each site got).", ""]
     lines += ["## Verification rounds", "",
-              "Each round solves the search with the budget times the safety factor, quantizes every layer as "
-              "chosen, puts them all back into the model and measures on the search text and on the held-out text; "
-              "the plan is the cheapest round that met the target on the held-out text.", ""]
+              "Each round solves the search within a damage budget, quantizes every layer as chosen, puts them all "
+              "back into the model and measures on the held-out text; the plan is the cheapest round that met the "
+              "target there.", ""]
     lines.append(markdown_table(
-        ["round", "safety", "predicted", "measured (search text)", "measured (worst held-out)", "worst held-out text",
-         "its verdict", "cost", "met on all"],
+        ["round", "damage budget (x target)", "predicted", "measured (worst held-out)", "its bound",
+         "worst held-out text", "its verdict", "cost", "met on all"],
         [(r["round"] if r["round"] != data["final_round"] else f"**{r['round']}** (the plan)", r["safety"], r["predicted"],
-          r.get("measured_search"), r["measured"], r.get("worst_domain", "-"),
+          r["measured"], r.get("measured_bound"), r.get("worst_domain", "-"),
           ((r.get("domains") or {}).get(r.get("worst_domain")) or {}).get("resolution", {}).get("words", "-"),
           _cost(r["cost"], unit), "yes" if r["met"] else "no")
          for r in data["rounds"]]))
-    lines += ["", "Predicted and measured are in the target's budget units (nats per token of mean NLL for a ppl "
-              "target, mean KL nats for kld, KL-equivalent nats (top-1 disagreement / 0.4)^2 for top1, final hidden "
-              "noise-to-signal ratio for an SQNR target), measured on the worst held-out text. A round meets the "
-              "target only when every held-out text meets it at the unfavourable end of its 95% confidence interval "
-              "(paired per-sequence differences against the float model). A round that meets the target while "
-              "the search text shows room allows more budget in the next; a round that misses it tightens.", ""]
+    steer = data.get("steering") or {}
+    w = steer.get("noise_per_kl")
+    lines += ["", "Predicted, measured and bound are in the target's budget units (nats per token of mean NLL for a "
+              "ppl target, mean KL nats for kld, KL-equivalent nats (top-1 disagreement / 0.4)^2 for top1, final "
+              "hidden noise-to-signal ratio for an SQNR target), on the worst held-out text; the bound is the "
+              "unfavourable end of its 95% confidence interval (paired per-sequence differences against the float "
+              "model). A round meets the target only when every held-out text meets it at that bound. The next "
+              "round's budget is the largest predicted damage whose bound, by a model fitted on the rounds so far "
+              "(measured = a x predicted, bound - measured = c x sqrt(predicted), per text), stays within "
+              f"{100 * steer.get('aim', AIM):.0f}% of the target; a round is run only if its plan would cost at "
+              f"least {100 * steer.get('min_gain', MIN_GAIN):.0f}% less than the cheapest one that met. The first "
+              "round's interval width comes from the probes' ablations"
+              + (f" (the NLL change of a probe sequence scatters about its KL with variance {w:.3g} x KL)." if w else "."),
+              ""]
     lines += ["", "## Against one recipe on every layer (same measured table)", ""]
     lines.append(markdown_table(["recipe", "FFN stack cost", "vs plan", "predicted damage"],
                                 [(s["recipe"], _cost(s["cost"], unit), f"{s['cost'] / final['cost']:.2f}x" if final["cost"] else "-",
