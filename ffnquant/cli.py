@@ -124,7 +124,12 @@ def _main(argv: Sequence[str] | None) -> int:
     # The exact command line, for reports that state how they were made.
     args._argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return int(args._run(args) or 0)
+        # --device (plan, export, quantize --model, model eval, profile --model): checked before any model is
+        # read, and where the engine computes for the whole command
+        from .infra.device import use_device
+
+        with use_device(getattr(args, "device", None) or "cpu"):
+            return int(args._run(args) or 0)
     except FFNQuantError as exc:
         print(f"ffnquant {args.command}: error: {exc}", file=sys.stderr)
         return 2

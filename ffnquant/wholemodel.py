@@ -30,6 +30,7 @@ from .deploy.ctensors import folder_bytes
 from .deploy.formats import get_format
 from .deploy.planned import deployable_refusal
 from .deploy.precision import resolve_compute_dtype
+from .infra.device import resolve_device, use_device
 from .errors import FFNQuantError, api_boundary
 from .hf import inspect_model
 from .hf.capture import load_tokenizer, read_text, require_transformers
@@ -246,26 +247,30 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
          text: Any = None, eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096,
          seq_len: int | None = None, probe_tokens: int = 512, rounds: int = 4, compute_dtype: str = "auto",
          ort_floor: bool = True, tokenizer: Any = None, progress: Any = True, max_memory: Any = None,
-         sequential: bool = False):
+         sequential: bool = False, device: Any = "auto"):
     """A recipe per FFN layer of `model` (a folder or a transformers model) meeting `target` ('ppl+1%', 'kld<=0.01',
     'top1>=95%', 'sqnr>=30') at the least `objective` ('latency' on `runtime`, or 'bytes'), verified on held-out text:
     a `planning.Plan` (its `summary` has the verified figures; `Plan.to_toml` is plan.toml). `format`: plan only
     candidates that format ('compressed-tensors', 'onnx') can write. `max_memory` / `sequential`: a model that does
     not fit is read a decoder layer at a time, as `ffnquant plan` does. `progress`: a line per stage on stderr with the
-    time left (True), silent (False) or `callable(message, done, total)`. The other arguments are `ffnquant plan`'s."""
+    time left (True), silent (False) or `callable(message, done, total)`. `device`: where the model computes, a
+    decoder layer at a time ('auto', 'cpu', 'cuda', 'cuda:N'; `infra.device`). The other arguments are
+    `ffnquant plan`'s."""
     max_memory = check_plan_arguments(
         target=target, objective=objective, runtime=runtime, tokens=tokens, decode_tokens=decode_tokens,
         candidates=candidates, format=format, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
         eval_tokens=eval_tokens, seq_len=seq_len, probe_tokens=probe_tokens, rounds=rounds, compute_dtype=compute_dtype,
         ort_floor=ort_floor, tokenizer=tokenizer, progress=progress, max_memory=max_memory, sequential=sequential)
+    device = resolve_device(device)  # before the model is read
     info, scratch = _model_info(model, tokenizer)
     try:
-        req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype)
-        settings = EvalSettings(seq_len=_texts(info, text, eval_text, seq_len), max_calib_tokens=calib_tokens,
-                                max_eval_tokens=eval_tokens, ablation=False)
-        return plan_model(info, req, candidates, text=text, eval_text=eval_text, settings=settings,
-                          probe_tokens=probe_tokens, rounds=rounds, ort_floor=ort_floor,
-                          progress=progress_callback(progress), max_memory=max_memory, sequential=sequential).plan
+        with use_device(device):
+            req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype)
+            settings = EvalSettings(seq_len=_texts(info, text, eval_text, seq_len), max_calib_tokens=calib_tokens,
+                                    max_eval_tokens=eval_tokens, ablation=False)
+            return plan_model(info, req, candidates, text=text, eval_text=eval_text, settings=settings,
+                              probe_tokens=probe_tokens, rounds=rounds, ort_floor=ort_floor,
+                              progress=progress_callback(progress), max_memory=max_memory, sequential=sequential).plan
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -275,10 +280,10 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
 @_terminable
 def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors", text: Any = None,
           eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096, seq_len: int | None = None,
-          compute_dtype: str = "auto", tokenizer: Any = None, progress: Any = True):
+          compute_dtype: str = "auto", tokenizer: Any = None, progress: Any = True, device: Any = "auto"):
     """`model` (a folder or a transformers model) quantized as `plan_or_recipe` says (a Plan, a plan.toml path, or
     one recipe such as 'w8a16' for every layer), for `format`: a `deploy.PlannedModel`, the deployable model with
-    ffnquant's reference figures on `eval_text`, which `save` writes. `progress`: as `plan`'s."""
+    ffnquant's reference figures on `eval_text`, which `save` writes. `progress` and `device`: as `plan`'s."""
     arguments.one_of_type(format, "format", (str,), "'compressed-tensors' or 'onnx'")
     if not isinstance(plan_or_recipe, (Plan, Path, str, Recipe)):
         raise FFNQuantError(f"plan_or_recipe: expected a Plan, a plan.toml path or a recipe such as 'w8a16', got "
@@ -286,6 +291,7 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
     _check_common(text=text, eval_text=eval_text, calib_tokens=calib_tokens, eval_tokens=eval_tokens, seq_len=seq_len,
                   compute_dtype=compute_dtype, tokenizer=tokenizer, progress=progress)
     fmt = get_format(format)
+    device = resolve_device(device)  # before the model is read
     info, scratch = _model_info(model, tokenizer)
     try:
         if isinstance(plan_or_recipe, Plan):
@@ -300,9 +306,10 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
             raise FFNQuantError(f"expected a Plan, a plan.toml path or a recipe, got {type(plan_or_recipe).__name__}")
         whole, graph_why = format_refusal(info, the_plan, fmt)
         dtype = resolve_compute_dtype(compute_dtype, fmt, info)
-        planned = build_planned_model(info, the_plan, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
-                                      eval_tokens=eval_tokens, seq_len=_texts(info, text, eval_text, seq_len),
-                                      whole_model=whole, progress=progress_callback(progress), dtype=dtype)
+        with use_device(device):
+            planned = build_planned_model(info, the_plan, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
+                                          eval_tokens=eval_tokens, seq_len=_texts(info, text, eval_text, seq_len),
+                                          whole_model=whole, progress=progress_callback(progress), dtype=dtype)
     except BaseException:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -136,7 +136,11 @@ def test_a_correct_smoothed_plan_proves_with_every_gate_shown(llama, tmp_path, c
     # measured on the original, unfolded model: its plain run is ffnquant's recorded reference again
     assert allowance["reproduces_reference"] and allowance["convention"] is None
     assert allowance["reference"]["hidden_sqnr_db"] == pytest.approx(doc["reference"]["hidden_sqnr_db"], rel=1e-9)
-    assert [r["input_scale"] for r in allowance["runs"]] == [1.0, 1.0 + 2.0 ** -23, 1.0 - 2.0 ** -23]
+    if allowance["spread_measured"]:
+        assert [r["input_scale"] for r in allowance["runs"]] == [1.0, 1.0 + 2.0 ** -23, 1.0 - 2.0 ** -23]
+    else:  # the deployed figures met every gate against the reference itself: a spread would change no verdict
+        assert [r["input_scale"] for r in allowance["runs"]] == [1.0]
+        assert all(g["rounding_spread"] == 0.0 and g["worse_by"] <= g["allowed"] for g in load["gates"]["gates"])
     assert "fold: input scales of 2 layers folded into their norms" in printed and ": exact" in printed
     assert "final hidden SQNR" in printed and "KL mean" in printed
     md = (out / "ffnquant-deploy.md").read_text()

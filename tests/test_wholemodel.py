@@ -130,12 +130,14 @@ def never_read(monkeypatch):
     (lambda: ffnquant.save(object(), ""), "out must be a folder path"),
     (lambda: ffnquant.save(object(), "x", force="yes"), "force must be True or False, got 'yes'"),
     (lambda: ffnquant.save(object(), "x", progress=1), "progress must be True (lines on stderr), False (silent)"),
+    (lambda: ffnquant.plan("M", device="gpu"), "device must be one of auto, cpu, cuda (or cuda:N), got 'gpu'"),
+    (lambda: ffnquant.apply("M", "w8a16", device=3), "device must be one of auto, cpu, cuda (or cuda:N), got 3"),
 ], ids=["max-memory-unit", "max-memory-list", "rounds-0", "rounds-float", "probe-tokens-bool", "tokens-negative",
         "decode-tokens-negative", "calib-tokens-0", "seq-len-str", "candidates-int", "candidates-empty",
         "tokenizer-str", "text-bytes", "eval-text-none-item", "target-float", "format-int", "ort-floor-str",
         "sequential-int", "plan-progress-str", "apply-progress-int", "apply-eval-tokens-0", "apply-text-bytes",
         "apply-tokenizer-int", "apply-format-none", "apply-not-a-plan", "save-out-none", "save-out-empty",
-        "save-force-str", "save-progress-int"])
+        "save-force-str", "save-progress-int", "plan-device-gpu", "apply-device-int"])
 def test_each_argument_is_refused_in_one_line_before_the_model_is_read(never_read, call, message):
     with pytest.raises(FFNQuantError, match=re.escape(message)) as info:
         call()

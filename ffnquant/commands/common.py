@@ -263,3 +263,12 @@ class StageBars:
                 self._bar.live.transient = True  # after an error, its one line is all stderr shows
             self._bar.stop()
             self._bar = None
+
+
+def add_device_argument(parser: Any, what: str = "the model") -> None:
+    """--device: where the engine runs `what` (a decoder layer at a time; `infra.device`)."""
+    from ..infra.device import DEVICES
+
+    parser.add_argument("--device", default="auto", metavar="|".join(DEVICES),
+                        help=f"where {what} computes, a decoder layer at a time (cuda:N for one GPU of several); "
+                             "auto: a CUDA GPU when torch sees one, else the CPU (default auto)")

@@ -18,7 +18,7 @@ from ..onnx.export import DEFAULT_OPSET, export_spec
 from ..planning import load_plan
 from ..report.deploy import decoder_summary, fold_line, gate_rows, target_verdict
 from ..wholemodel import DEPLOY_DOC, format_refusal, write_deployment
-from .common import StageBars, add_spec_arguments, add_text_arguments, specs_from_args, text_files, text_options, token_notes
+from .common import StageBars, add_device_argument, add_spec_arguments, add_text_arguments, specs_from_args, text_files, text_options, token_notes
 
 NAME = "export"
 HELP = ("export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, "
@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "checkpoint is served in bf16) and float32 for onnx (default auto)")
     group.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export (only the files its ffnquant-deploy.json lists)")
     group.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    add_device_argument(group)
     add_text_arguments(group, "calibration text for the static ranges (the plan's)",
                        "held-out text the deployed model is checked on", eval_tokens=4096)
 
@@ -57,7 +58,7 @@ _PLAN_ONLY = {"--format": ("format", None), "--force": ("force", False), "--comp
               "--text": ("text", None), "--eval-text": ("eval_text", None), "--calib-tokens": ("calib_tokens", None),
               "--calib-samples": ("calib_samples", None), "--eval-tokens": ("eval_tokens", 4096),
               "--seq-len": ("seq_len", None), "--chat-template": ("chat_template", False),
-              "--no-progress": ("no_progress", False)}
+              "--no-progress": ("no_progress", False), "--device": ("device", "auto")}
 
 
 def _given(args: argparse.Namespace, options: dict) -> list[str]:

@@ -16,7 +16,7 @@ from ..infra.render import agreement_words, display_path, fmt, ppl_change, text_
 from ..recipe import GRAMMAR, parse_recipe
 from ..report.adequacy import adequacy_markdown, summary_paragraph
 from ..report.model import model_eval_markdown, recipe_name
-from .common import TextFiles, positive_int, token_notes
+from .common import TextFiles, add_device_argument, positive_int, token_notes
 
 NAME = "model"
 HELP = ("FFN layers of a local Hugging Face model: inspect, capture inputs, evaluate schemes end to end, "
@@ -63,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-captured", default=None, help="captured inputs (folder of <label>.npy) instead of running the model")
     p.add_argument("--eval-captured", default=None, help="with --calib-captured: per-layer numbers only, no transformers needed")
     p.add_argument("--no-ablation", action="store_true", help="skip the per-layer end-to-end runs (one model run per layer)")
+    add_device_argument(p)
     p.add_argument("--out", default="reports", help="report folder (default reports/); writes model-<name>.json and .md")
     p.set_defaults(_action=_eval)
 

@@ -20,7 +20,7 @@ from ..recipe import GRAMMAR
 from ..report.plan import domain_lines, plan_markdown
 from ..wholemodel import plan_model, plan_request
 from .bench import add_executor_arguments, executor_from_args
-from .common import (StageBars, add_memory_arguments, add_text_arguments, positive_int, text_files, text_options,
+from .common import (StageBars, add_device_argument, add_memory_arguments, add_text_arguments, positive_int, text_files, text_options,
                      token_notes)
 
 NAME = "plan"
@@ -70,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_executor_arguments(parser, "each layer's candidates sharing a preparation are one task, carrying the layer and "
                                    "its captured inputs; the plan is the same on every executor")
     add_memory_arguments(parser)
+    add_device_argument(parser)
     parser.add_argument("--out", default="reports/plan",
                         help="a new (or empty) folder for plan.toml, plan.json, plan.md and atlas/ (default reports/plan)")
     parser.add_argument("--force", action="store_true",

@@ -18,7 +18,7 @@ from ..numerics.observe import DEFAULT_BINS
 from ..ranges import claims, findings, profile_variants
 from ..report.ranges import write_range_report
 from ..spec import SITES
-from .common import (add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args,
+from .common import (add_device_argument, add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int, specs_from_args,
                      token_notes)
 
 NAME = "profile"
@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: skip the second model run that finds the token positions of each site's "
                              "largest values (the layer atlas then has the range figures only)")
     add_memory_arguments(parser)
+    add_device_argument(parser, "--model's model")
 
 
 def _cell(table, site: str) -> str:

@@ -24,7 +24,7 @@ from ..quantization import prepare, quantize_spec
 from ..recipe import GRAMMAR, Recipe, as_recipe
 from ..report.quantize import quantize_markdown, quantize_model_markdown
 from ..schemes import preset_names
-from .common import (StageBars, add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int,
+from .common import (StageBars, add_device_argument, add_memory_arguments, add_model_arguments, add_spec_arguments, positive_int,
                      specs_from_args, token_notes)
 
 NAME = "quantize"
@@ -77,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="--model: no progress bars on stderr")
     add_model_arguments(parser, model_tokens=False, eval_text=True)
     add_memory_arguments(parser)
+    add_device_argument(parser, "--model's model")
 
 
 def recipe_from_args(args: argparse.Namespace) -> Recipe:

@@ -32,7 +32,6 @@ from ..backends import ASYMMETRIC_INT4_MEASURED, CTENSORS_SUPPORTED, ROTATE_WHY,
 from ..errors import FFNQuantError
 from ..hf import compare_models, load_ffn_layers
 from ..hf.capture import ffn_input_hooks, require_transformers
-from ..hf.evaluate import float_reference
 from ..infra.atomic import write_text
 from ..infra.thirdparty import quiet_model_io
 from ..model import FFN
@@ -445,8 +444,9 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
 
     transformers = require_transformers()
     folder = Path(folder)
-    # the original float model's figures, kept once: the loaded folder and the allowance runs are scored on them
-    _, references = float_reference(planned.float_model, planned.info, planned.evals)
+    # the original float model's figures (kept from the reference's run): the loaded folder and the allowance runs
+    # are scored on them
+    references = planned.references()
     dtype = planned.compute_dtype
     with quiet_model_io():
         loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
@@ -473,7 +473,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     # (a model computed in a low precision already runs compressed-tensors' own quantizers: precision.in_dtype)
     convention = dtype is torch.float32 and any(_ct_numerics(q) is not q for q in planned.qffns.values())
     allowance = rounding_allowance(planned, references, ffns=unfolded, numerics=_ct_numerics if convention else None,
-                                   numerics_name=CT_PER_TOKEN_CONVENTION if convention else None)
+                                   numerics_name=CT_PER_TOKEN_CONVENTION if convention else None,
+                                   deployed=figures, ppl_tolerance=LOAD_TOLERANCE)
     load.update(allowance=allowance, gates=end_to_end_gates(figures, allowance, LOAD_TOLERANCE))
     reader = _safetensors_reader(folder)  # the files' tensor index, read once for both checks
     weights = _weights_check(folder, planned, reader)

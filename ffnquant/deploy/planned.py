@@ -87,6 +87,9 @@ class PlannedModel:
     # what the deployed model computes in: float_model, evals' figures and qffns are in it (`deploy.precision`);
     # `model` stays float32, exact values the writers compress from
     compute_dtype: torch.dtype = torch.float32
+    # the original float model's figures on `evals` (`hf.evaluate.float_reference`'s), kept from the reference's run
+    # for the proof to score the loaded folder against, without running the float model again (None: not kept)
+    float_references: list | None = None
 
     def float32_model(self) -> nn.Module:
         """The original float model in float32 (itself when it computes in float32; else a float32 copy, the
@@ -94,6 +97,15 @@ class PlannedModel:
         if self.compute_dtype is torch.float32:
             return self.float_model
         return copy.deepcopy(self.float_model).float().eval()
+
+    def references(self) -> list:
+        """The original float model's figures on `evals` (`hf.evaluate.float_reference`'s kept batches): those kept
+        from the reference's run, else computed now (and kept)."""
+        if self.float_references is None:
+            from ..hf.evaluate import float_reference
+
+            self.float_references = float_reference(self.float_model, self.info, self.evals)[1]
+        return self.float_references
 
     def by_module(self) -> dict[str, ModuleQuant]:
         return {m.module: m for m in self.modules}
@@ -258,15 +270,17 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
         from .precision import in_dtype_all
 
         qffns = in_dtype_all(qffns, dtype)
+    kept: list = []  # the float model's figures on the held-out batches, for the proof (`float_references`)
     reference = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress,
-                           engine=inputs.engine)
+                           engine=inputs.engine, keep=kept)
+    kept_refs = kept if len(kept) == len(inputs.eval_batches) else None
     float_model = inputs.model
     settings_used = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
                      "calib_tokens": calib_tokens, "eval_tokens": eval_tokens, "token_budgets": inputs.budgets}
     if not whole_model:
         return PlannedModel(info=info, plan=plan, model=float_model, float_model=float_model, modules=[],
                             evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=qffns,
-                            settings=settings_used, compute_dtype=dtype)
+                            settings=settings_used, compute_dtype=dtype, float_references=kept_refs)
     model = copy.deepcopy(float_model).float().eval()  # float32: a low-precision model's values, exactly
     by_label = {layer.label: layer for layer in layers}
     folded = fold_input_scales(model, info, {by_label[k].info: q for k, q in qffns.items()})
@@ -282,4 +296,4 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
         out_qffns[layer.label] = qffn
     return PlannedModel(info=info, plan=plan, model=model, float_model=float_model, modules=modules,
                         evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=out_qffns,
-                        settings=settings_used, compute_dtype=dtype)
+                        settings=settings_used, compute_dtype=dtype, float_references=kept_refs)

@@ -26,7 +26,6 @@ import torch
 from ..hf import compare_models, load_ffn_layers
 from ..hf.arch import ModelKind
 from ..hf.capture import _module_for, ffn_input_hooks, install_ffns
-from ..hf.evaluate import float_reference
 from ..hf.fold import _Diff, with_input_transform
 from ..hf.metrics import ErrorStats, _final_hidden, _run
 from ..methods.awq import AWQRecord
@@ -341,7 +340,8 @@ def generation_equality(planned: PlannedModel, loaded: Any, prompts: int = 4, pr
 
 def rounding_allowance(planned: PlannedModel, references: Sequence[Any] | None = None,
                        numerics: Callable[[Any], Any] | None = None, numerics_name: str | None = None,
-                       ffns: Mapping[Any, Any] | None = None) -> dict[str, Any]:
+                       ffns: Mapping[Any, Any] | None = None, deployed: Mapping[str, Any] | None = None,
+                       ppl_tolerance: float = 0.0) -> dict[str, Any]:
     """How far rounding alone moves ffnquant's reference figures on this text: the ORIGINAL float model
     with the plan's quantized FFNs installed, each doing its input multiply itself (unfolded, as measured), its
     first block's input scaled by 1 and 1 +- one rounding step of the dtype the model computes in
@@ -356,11 +356,13 @@ def rounding_allowance(planned: PlannedModel, references: Sequence[Any] | None =
     stated convention (`numerics_name`); the runs at 1 +- one step and the `reference` are then of that computation
     on the same original model, and `convention_cost` is what it moves the figures from ffnquant's reference.
     `references`: the original model's kept batches (`hf.evaluate.float_reference`), computed when None; `ffns`:
-    the `unfolded_ffns` when the caller has them."""
-    info = planned.info
+    the `unfolded_ffns` when the caller has them. `deployed`: the deployed model's figures (`hf.compare_models`);
+    when they meet every `end_to_end_gates` gate against the reference itself (a spread of 0, perplexity within
+    `ppl_tolerance`), a larger allowance changes no verdict, so the runs at 1 +- one step are not made
+    (`spread_measured` False, the spread 0)."""
     step = rounding_step(planned.compute_dtype)
     ffns = ffns if ffns is not None else unfolded_ffns(planned)
-    refs = references if references is not None else float_reference(planned.float_model, info, planned.evals)[1]
+    refs = references if references is not None else planned.references()
     plain = _run_figures(planned, ffns, refs, 0.0)
     recorded = _figures(planned.reference["end_to_end"])
     gaps = {k: _difference(k, plain[k], recorded[k]) for k in _FIGURES
@@ -379,9 +381,15 @@ def rounding_allowance(planned: PlannedModel, references: Sequence[Any] | None =
                                                               if at_one[k] is not None})
     else:
         at_one = plain
+    if deployed is not None:
+        zero = {**out, "runs": [at_one], "spread": {k: 0.0 for k in _FIGURES if at_one[k] is not None},
+                "reference": {k: v for k, v in at_one.items() if k in _FIGURES}, "spread_measured": False}
+        if end_to_end_gates(deployed, zero, ppl_tolerance)["met"]:
+            return zero
     runs = [at_one] + [_run_figures(planned, ffns, refs, d) for d in (step, -step)]
     spread = {k: max(_difference(k, r[k], at_one[k]) for r in runs[1:]) for k in _FIGURES if at_one[k] is not None}
-    return {**out, "runs": runs, "spread": spread, "reference": {k: v for k, v in at_one.items() if k in _FIGURES}}
+    return {**out, "runs": runs, "spread": spread, "reference": {k: v for k, v in at_one.items() if k in _FIGURES},
+            "spread_measured": True}
 
 
 _WORSE = {  # how a deployed figure is worse than the reference, in the spread's unit

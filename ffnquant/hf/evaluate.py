@@ -204,6 +204,7 @@ def end_to_end(
     progress: Progress | None = None,
     references: Sequence[Reference] | None = None,
     engine: Any = None,
+    keep: list | None = None,
 ) -> dict[str, Any]:
     """What the model's user notices when each FFN in `qffns` (label -> callable on [tokens, d_model], e.g. a
     QuantizedFFN built with remedies) replaces the model's own: final hidden SQNR/cosine, perplexity and its
@@ -218,10 +219,12 @@ def end_to_end(
     batch 2/7') and each ablation run ('ablation: L4, batch 2/7').
 
     `engine`: the causal LM's `hf.stream.SequentialModel` (`LayerInputs.engine`): the same figures, its decoder
-    layers run in turn (`hf.layerwise.end_to_end_layerwise`); `model`'s whole forward runs encoders.
+    layers run in turn (`hf.layerwise.end_to_end_layerwise`); `model`'s whole forward runs encoders. `keep` (with
+    an engine): a list that gets each batch's float `Reference` (`float_reference`'s), for later scorings.
     """
     if engine is not None:
-        return end_to_end_layerwise(engine, layers, qffns, evals, settings, baseline, per_layer, progress, references)
+        return end_to_end_layerwise(engine, layers, qffns, evals, settings, baseline, per_layer, progress, references,
+                                    keep=keep)
     baseline = dict(baseline) if baseline is not None else float_baseline(model, info, evals)
     by_label = {layer.label: layer for layer in layers}
     layer_infos = [layer.info for layer in layers]

@@ -254,9 +254,12 @@ def capture_layerwise(info: ModelInfo, layers: Sequence[Any], text=None, eval_te
 def end_to_end_layerwise(engine: SequentialModel, layers: Sequence[Any], qffns: dict[str, Any],
                          evals: Sequence[torch.Tensor], settings: EvalSettings = EvalSettings(),
                          baseline: dict[str, Any] | None = None, per_layer: dict[str, Any] | None = None,
-                         progress: Progress | None = None, references: Sequence[Any] | None = None) -> dict[str, Any]:
+                         progress: Progress | None = None, references: Sequence[Any] | None = None,
+                         keep: list | None = None) -> dict[str, Any]:
     """`hf.evaluate.end_to_end` through the engine: the held-out batches streamed through the decoder layers float,
-    with every FFN of `qffns` in place, and (`settings.ablation`) with each layer's alone; the same figures."""
+    with every FFN of `qffns` in place, and (`settings.ablation`) with each layer's alone; the same figures.
+    `keep`: a list that gets the float model's `Reference` of each batch, as `hf.evaluate.float_reference` gives
+    them (computed here when `references` is None), for a later scoring against the same float model."""
     by_label = {layer.label: layer for layer in layers}
     indices = sorted({by_label[k].index for k in qffns})
     ablate = settings.ablation and len(indices) > 1
@@ -283,12 +286,13 @@ def end_to_end_layerwise(engine: SequentialModel, layers: Sequence[Any], qffns: 
                         per_layer[label].update(by_label[label].ffn(x), qj[label](x.to(engine.dtype)))
         if progress is not None:
             progress(f"end to end: L{j}", j + 1, len(engine.layers))
-    return _head_figures(engine, evals, float_s, quant, ablation, baseline, references)
+    return _head_figures(engine, evals, float_s, quant, ablation, baseline, references, keep=keep)
 
 
 def _head_figures(engine: SequentialModel, evals: Sequence[torch.Tensor], float_s: _Store, quant: _Store,
                   ablation: dict[int, _Store], baseline: dict[str, Any] | None = None,
-                  references: Sequence[Any] | None = None, progress: Progress | None = None) -> dict[str, Any]:
+                  references: Sequence[Any] | None = None, progress: Progress | None = None,
+                  keep: list | None = None) -> dict[str, Any]:
     """The end-to-end figures (`end_to_end_figures`) of streams at the last layer's output, a batch at a time
     through the model's final norm and head: the quantized stream and each ablation stream against the float
     stream (or the kept `references`), the float perplexity the `baseline` unless given."""
@@ -303,6 +307,8 @@ def _head_figures(engine: SequentialModel, evals: Sequence[torch.Tensor], float_
             nll_base.update(logits, ids)
             ref = reference_batch(logits, ids, ref_hidden)
             del logits  # a batch's logits at a time: [tokens, vocabulary] each
+        if keep is not None:
+            keep.append(ref)
         hidden, logits = engine.head_out(quant.get(b))
         hidden_all.update(ref.hidden, hidden)
         agreement.update(ref, logits, ids, nll_into=nll_all)

@@ -105,6 +105,21 @@ def _glibc(call: str, *args: int) -> None:
         pass
 
 
+_CPU = torch.device("cpu")
+
+
+def _host(value: Any) -> Any:
+    """`value`'s tensors in host memory (itself on the CPU)."""
+    from ..infra.device import to_device
+
+    return to_device(value, _CPU)
+
+
+def _on(ffn: Any, device: torch.device) -> Any:
+    """A replacement FFN (a module) on `device`, to compute where the engine does."""
+    return ffn.to(device) if isinstance(ffn, nn.Module) and device.type != "cpu" else ffn
+
+
 def _trim() -> None:
     """Freed heap memory handed back: each layer's tensors read and converted would leave some behind."""
     _glibc("malloc_trim", 0)
@@ -239,10 +254,18 @@ class SequentialModel:
     memory; otherwise the model is built on the meta device and each layer's tensors are read from the safetensors
     shards as it runs and freed after (`streamable_reason`). The same calls, in the same order, on the same
     arithmetic: the modes differ only in where the weights are between calls. `dtype`: what the model computes
-    in (float32 by default; a low-precision dtype as a runtime serving the checkpoint in it computes)."""
+    in (float32 by default; a low-precision dtype as a runtime serving the checkpoint in it computes).
+
+    `device` (default: `infra.device.current_device()`, what `--device` / `device=` set): where the layers compute.
+    Resident, the whole model is put there; streamed, each layer's tensors are read onto it. Every batch of hidden
+    states, each recorded call and what is captured stay in host memory and go to the device only for the call
+    that reads them, so on the CPU the same code runs with every move a no-op."""
 
     def __init__(self, info: ModelInfo, resident: bool = False, allow_pickle: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+        from ..infra.device import current_device
+
+        self.device = torch.device(device) if device is not None else current_device()
         why = None if resident else streamable_reason(info)
         if info.kind is not ModelKind.CAUSAL_LM or why:
             raise FFNQuantError(f"{info.path}: {why or streamable_reason(info)}")
@@ -266,6 +289,8 @@ class SequentialModel:
                         model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
             except Exception as exc:
                 raise FFNQuantError(f"transformers cannot build {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
+        if resident and self.device.type != "cpu":
+            model = model.to(self.device)
         self.model = model.eval()
         self._tuple_out = False  # whether the model's loop reads its layers' outputs as tuples (`embed` finds out)
         names = [n for n, _ in model.named_modules()]
@@ -315,7 +340,7 @@ class SequentialModel:
                 continue
             owner, _, attr = name.rpartition(".")
             full = f"{prefix}.{name}" if prefix else name
-            tensor = _read(self.weights, self._stored.get(full, full), self.dtype)
+            tensor = _read(self.weights, self._stored.get(full, full), self.dtype).to(self.device)
             setattr(module.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
 
     def offload(self, module: nn.Module) -> None:
@@ -352,14 +377,14 @@ class SequentialModel:
         calls = []
         n = len(self.layers)
         for b, ids in enumerate(batches):
-            record = self._record(ids, n)
+            record = self._record(ids.to(self.device), n)
             if b == 0 and n > 1 and record[1][0].shape != record[0][0].shape:
                 # the model's loop indexes each layer's output (a tuple, as Falcon's layers return): the stand-ins
                 # answer in that form, and the layers' inputs are recorded again
                 self._tuple_out = True
-                record = self._record(ids, n)
-            store.put(b, record[0][0])
-            calls.append([self._no_cache(args, kwargs) for _, args, kwargs in record])
+                record = self._record(ids.to(self.device), n)
+            store.put(b, _host(record[0][0]))
+            calls.append([_host(self._no_cache(args, kwargs)) for _, args, kwargs in record])
             if progress is not None:
                 progress(f"{stage}: batch {b + 1}/{len(batches)}", b + 1, len(batches))
         return calls
@@ -396,21 +421,26 @@ class SequentialModel:
 
         def sink(layer: LayerInfo, x: torch.Tensor) -> None:
             if x.shape[0]:  # float32 whatever the engine computes in (ffn_input_hooks): what calibration reads
-                capture.setdefault(layer.label, []).append(x)
+                capture.setdefault(layer.label, []).append(_host(x))
 
         hooks = ffn_input_hooks(self.model, self.info, group, sink) if capture is not None and group \
             else contextlib.nullcontext()
-        swap = install_ffns(self.model, self.info, {by_label[k]: f for k, f in ffns.items()}) if ffns \
-            else contextlib.nullcontext()
+        swap = install_ffns(self.model, self.info, {by_label[k]: _on(f, self.device) for k, f in ffns.items()}) \
+            if ffns else contextlib.nullcontext()
         with hooks, swap, torch.no_grad():
             for b in sorted(store.items):
                 out = self._block(j, store.get(b), calls[b][j])
                 store.put(b, out)
 
-    def _block(self, j: int, hidden: torch.Tensor, call: tuple[tuple, dict[str, Any]]) -> torch.Tensor:
-        args, kwargs = call
-        out = self.layers[j](hidden, *args, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+    def _block(self, j: int, hidden: torch.Tensor, call: tuple[tuple, dict[str, Any]],
+               device: torch.device | None = None) -> torch.Tensor:
+        """Decoder layer j on one batch, on `device` (the engine's); the output back in host memory."""
+        from ..infra.device import to_device
+
+        device = device or self.device
+        args, kwargs = to_device(call, device)
+        out = self.layers[j](hidden.to(device), *args, **kwargs)
+        return _host(out[0] if isinstance(out, tuple) else out)
 
     def check(self, j: int, store: _Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:
         """ffnquant's FFNs of layer `j` (`hf_layers`, onloaded layer) against the model's own modules on the first
@@ -424,7 +454,7 @@ class SequentialModel:
             hf_layers = [_rounded(layer, self.dtype) for layer in hf_layers]
         with self._in_float32(j):
             return check_reproduction(self.model, self.info, hf_layers,
-                                      run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))
+                                      run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j]), _CPU))
 
     def fold_sites(self, j: int, store: _Store, calls: Sequence) -> dict[LayerInfo, Any]:
         """Where layer `j`'s FFN input scale folds, or why not (`hf.graph.fold_sites`), from the layer (onloaded)
@@ -436,18 +466,19 @@ class SequentialModel:
         b = min(store.items)
         with self._in_float32(j):
             return fold_sites(self.model, self.info, self.groups[j],
-                              run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))
+                              run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j]), _CPU))
 
     @contextlib.contextmanager
     def _in_float32(self, j: int):
         """While active, decoder layer `j` (onloaded) is a float32 copy of itself when the engine computes in
         another dtype: the checks measure ffnquant's FFN and a fold against float32 rounding, whatever the
-        runtime's precision (the inputs are the engine's, converted)."""
-        if self.dtype is torch.float32:
+        runtime's precision (the inputs are the engine's, converted). On another device than the CPU it is a copy in
+        host memory as well: ffnquant's FFNs it is checked against are there."""
+        if self.dtype is torch.float32 and self.device.type == "cpu":
             yield
             return
         original = self.layers[j]
-        self.layers[j] = copy.deepcopy(original).float()
+        self.layers[j] = copy.deepcopy(original).float().to(_CPU)
         try:
             yield
         finally:
@@ -489,6 +520,9 @@ class SequentialModel:
         return final.detach(), logits.detach(), grad
 
     def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden state, logits) in host memory, computed on the engine's device (a gradient flows back to a
+        host `hidden` through the move)."""
+        hidden = hidden.to(self.device)
         if self.head.weight.is_meta:
             self.onload(self.embedding if self.tied else self.head)
             self.head.weight = self.embedding.weight if self.tied else self.head.weight
@@ -503,7 +537,7 @@ class SequentialModel:
                 logits = self.model(inputs_embeds=torch.zeros_like(hidden)).logits
         finally:
             handle.remove()
-        return got[0], logits
+        return _host(got[0]), _host(logits)
 
     @contextlib.contextmanager
     def layer(self, j: int, ffn: bool = True):

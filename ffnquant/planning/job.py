@@ -40,6 +40,7 @@ from ..hf import inspect_model
 from ..hf.evaluate import calibrate_layers
 from ..hf.inputs import EvalSettings, fit_settings
 from ..infra.atomic import ScratchFolder
+from ..infra.device import current_device, describe_device
 from ..measure.executor import LocalExecutor
 from ..numerics.accuracy import run_batched
 from ..onnx.export import export_onnx
@@ -424,6 +425,7 @@ def make_plan(
         plan = dataclasses.replace(plan, summary={**plan.summary, "verified_in": name})
         result["plan"] = plan.to_dict()
     result["verified_in"] = str(dtype).removeprefix("torch.")
+    result["device"] = describe_device(current_device())  # where the engine computed (`--device`)
     result["timings"]["total_s"] = time.perf_counter() - t_start
     result["streamed"] = bool(streamed)
     return plan, result
