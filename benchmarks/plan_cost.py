@@ -119,7 +119,9 @@ def render(doc: dict, before: dict | None) -> str:
         b = before["steps"]
         lines += ["", f"Before: {before.get('source_label', 'another checkout')}: plan {fmt_s(b['plan']['seconds'])}"
                   + (f", export {fmt_s(b['export']['seconds'])}" if 'export' in b else "")
-                  + (f", apply + save {fmt_s(b['apply_save']['seconds'])}" if 'apply_save' in b else "") + "."]
+                  + (f", apply + save {fmt_s(b['apply_save']['seconds'])}" if 'apply_save' in b else "")
+                  + (f"; the peer's oneshot in that run {fmt_s(b['peer']['seconds'])} (the plan "
+                     f"{ratio(b['plan']['seconds'], b['peer']['seconds'])} of it)" if 'peer' in b else "") + "."]
     v = doc.get("plan_verified")
     if v:
         lines += ["", "## What the plan verified", "",

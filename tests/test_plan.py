@@ -158,20 +158,20 @@ def test_search_says_infeasible_and_counts_negative_damage_as_zero():
 # --- the verification loop's budget ------------------------------------------------------------
 
 def _point(d, met, a=0.8, c=0.05, label="prose"):
-    from ffnquant.planning.job import RoundPoint
+    from ffnquant.planning.steering import RoundPoint
 
     return RoundPoint(d, met, {label: (a * d, a * d + c * math.sqrt(d))})
 
 
 def test_the_noise_model_recovers_the_slope_and_the_interval_width_of_its_rounds():
-    from ffnquant.planning.job import noise_model
+    from ffnquant.planning.steering import noise_model
 
     got = noise_model([_point(0.01, False), _point(0.004, True), _point(0.006, True)])
     assert got["prose"] == (pytest.approx(0.8), pytest.approx(0.05))
 
 
 def test_before_any_round_the_noise_model_is_the_prior():
-    from ffnquant.planning.job import noise_model
+    from ffnquant.planning.steering import noise_model
 
     assert noise_model([], {"prose": 0.1, "code": 0.2}) == {"prose": (1.0, 0.1), "code": (1.0, 0.2)}
 
@@ -197,14 +197,14 @@ def test_before_any_round_the_noise_model_is_the_prior():
 ], ids=["no-interval", "interval", "worst-domain", "loosen-capped", "loosen-to-goal", "settled", "tighten-by-fit",
         "bisect", "bracketed-settled"])
 def test_next_damage_budget(points, prior, expected):
-    from ffnquant.planning.job import next_budget
+    from ffnquant.planning.steering import next_budget
 
     got = next_budget(points, 1.0, prior)
     assert got == (pytest.approx(expected) if expected is not None else None)
 
 
 def test_the_first_rounds_interval_width_grows_with_the_measured_scatter_and_shrinks_with_tokens():
-    from ffnquant.planning.job import first_noise
+    from ffnquant.planning.steering import first_noise
     from ffnquant.planning.target import Target
 
     ppl = Target.parse("ppl+1%")

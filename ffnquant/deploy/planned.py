@@ -263,7 +263,8 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
     settings = EvalSettings(**budget, ablation=False)  # None: EvalSettings' defaults
     layers = load_ffn_layers(info, "all")
     inputs = capture_layer_inputs(info, layers, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
-                                  eval_tokens=eval_tokens, settings=settings, progress=progress, dtype=dtype)
+                                  eval_tokens=eval_tokens, settings=settings, progress=progress, dtype=dtype,
+                                  references=True)
     rows, qffns = quantized_layers(info, layers, inputs, plan, onnx=out_artifacts is not None, sensitivity=False,
                                    out_artifacts=out_artifacts, file_stem=file_stem, progress=progress)
     if dtype is not torch.float32:
@@ -271,8 +272,10 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
 
         qffns = in_dtype_all(qffns, dtype)
     kept: list = []  # the float model's figures on the held-out batches, for the proof (`float_references`)
+    # the float figures from the capture's own run of the held-out text, so only the quantized model runs here
     reference = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, progress=progress,
-                           engine=inputs.engine, keep=kept)
+                           engine=inputs.engine, keep=kept, references=inputs.float_references,
+                           baseline=inputs.float_baseline)
     kept_refs = kept if len(kept) == len(inputs.eval_batches) else None
     float_model = inputs.model
     settings_used = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,

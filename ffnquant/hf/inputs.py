@@ -90,6 +90,10 @@ class LayerInputs:
     # a causal LM's engine (`hf.stream.SequentialModel`, the model resident) that captured these inputs: the
     # end-to-end figures run through it too (`hf.evaluate.end_to_end(..., engine=)`)
     engine: Any = None
+    # `capture_layer_inputs(..., references=True)` on the engine: the float model's figures on eval_batches
+    # (`hf.evaluate.float_reference`'s kept batches and baseline), from the capture's own run of the held-out text
+    float_references: list | None = None
+    float_baseline: dict[str, Any] | None = None
 
 
 def fit_settings(info: ModelInfo, settings: EvalSettings) -> EvalSettings:

@@ -189,7 +189,7 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
 def capture_layer_inputs(info: ModelInfo, layers: Sequence[Any], text=None, eval_text=None, captured=None,
                          calib_tokens: int = 4096, eval_tokens: int = 2048, settings: EvalSettings = EvalSettings(),
                          allow_pickle: bool = False, progress: Progress | None = None, by_domain: bool = False,
-                         whole: bool = False, dtype: torch.dtype = torch.float32) -> LayerInputs:
+                         whole: bool = False, dtype: torch.dtype = torch.float32, references: bool = False) -> LayerInputs:
     """Calibration and held-out inputs of each FFN in `layers`, for quantizing them one by one (`LayerInputs`).
 
     A causal LM runs through the engine (`capture_layerwise`: the model resident; the inputs carry it as `engine`
@@ -197,11 +197,14 @@ def capture_layer_inputs(info: ModelInfo, layers: Sequence[Any], text=None, eval
     forward (`hf.inputs.capture_whole`): for a causal LM, the reference the engine is tested against. With
     `by_domain`, each evaluation text is a domain of its own (`eval_domains`), so that a plan can be held to its
     target on each. `progress(message, done, total)` after each stage; nothing prints here. `dtype`: what the
-    causal LM computes in on the engine (the FFN inputs are float32 whatever it is); other paths are float32."""
+    causal LM computes in on the engine (the FFN inputs are float32 whatever it is); other paths are float32.
+    `references` (the engine only): the held-out text, already through every layer, also through the final norm and
+    head: the float model's figures on it (`LayerInputs.float_references`, `float_baseline`), so the end-to-end
+    figures need not run the float model again."""
     if info.kind is ModelKind.CAUSAL_LM and captured is None and not whole:
         return capture_layerwise(info, layers, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
                                  eval_tokens=eval_tokens, settings=settings, allow_pickle=allow_pickle,
-                                 progress=progress, by_domain=by_domain, dtype=dtype)
+                                 progress=progress, by_domain=by_domain, dtype=dtype, references=references)
     if dtype is not torch.float32:
         raise FFNQuantError(f"{info.path}: computing in {str(dtype).removeprefix('torch.')} runs a causal LM on the "
                             "engine; encoders and captured activations are float32")
@@ -213,7 +216,7 @@ def capture_layer_inputs(info: ModelInfo, layers: Sequence[Any], text=None, eval
 def capture_layerwise(info: ModelInfo, layers: Sequence[Any], text=None, eval_text=None, calib_tokens: int = 4096,
                       eval_tokens: int = 2048, settings: EvalSettings = EvalSettings(), allow_pickle: bool = False,
                       progress: Progress | None = None, by_domain: bool = False,
-                      dtype: torch.dtype = torch.float32) -> LayerInputs:
+                      dtype: torch.dtype = torch.float32, references: bool = False) -> LayerInputs:
     """`hf.inputs.capture_layer_inputs` for a causal LM, through the engine with the model resident: each FFN of
     `layers` checked against the model's module and its inputs captured as the calibration and held-out streams
     pass its decoder layer. The LayerInputs carry the engine (`engine`), for `end_to_end_layerwise`."""
@@ -237,6 +240,15 @@ def capture_layerwise(info: ModelInfo, layers: Sequence[Any], text=None, eval_te
         engine.run(j, evals, ecalls, capture=ev_x if hfs else None)
         if progress is not None:
             progress(f"capture inputs: L{j}", j + 1, last + 1)
+    refs, baseline = None, None
+    if references and last + 1 == len(engine.layers):  # the held-out text has passed every layer: the head's turn
+        nll, refs = _NLL(), []
+        for b, ids in enumerate(eval_ids):
+            final, logits = engine.head_out(evals.get(b))
+            nll.update(logits, ids)
+            refs.append(reference_batch(logits, ids, final))
+            del logits
+        baseline = {"perplexity": nll.perplexity, "n_tokens": sum(int(b.numel()) for b in eval_ids)}
     calib_borrowed, borrowed = {}, {}
     calib_in = _inputs(layers, cal_x, "calibration", calib_borrowed)
     eval_in = _inputs(layers, ev_x, "evaluation", borrowed)
@@ -248,7 +260,8 @@ def capture_layerwise(info: ModelInfo, layers: Sequence[Any], text=None, eval_te
     return LayerInputs(calib_in, eval_in, cal_name, ev_name,
                        "different texts: calibration inputs from " + cal_name + ", held-out inputs from " + ev_name,
                        {**calib_borrowed, **borrowed}, eval_ids, engine.model, calib_borrowed=calib_borrowed,
-                       calib_batches=calib_ids, budgets=budgets, eval_domains=domain_spans(domains), engine=engine)
+                       calib_batches=calib_ids, budgets=budgets, eval_domains=domain_spans(domains), engine=engine,
+                       float_references=refs, float_baseline=baseline)
 
 
 def end_to_end_layerwise(engine: SequentialModel, layers: Sequence[Any], qffns: dict[str, Any],

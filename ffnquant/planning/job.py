@@ -27,7 +27,6 @@ every figure are the same.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -56,12 +55,13 @@ from .scores import CandidateScore
 from .search import Option, pareto, solve
 from .sensitivity import check_plannable, fisher_noise, noise_per_kl
 from .source import PlanSource
+from .steering import AIM, MIN_GAIN, RoundPoint, first_noise, next_budget
 from .target import Objective, Target
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
 
-__all__ = ["PROBES", "RoundPoint", "final_round", "first_noise", "make_plan", "next_budget", "noise_model", "worst_domain"]
+__all__ = ["PROBES", "final_round", "make_plan", "worst_domain"]
 
 Progress = Callable[[str, int, int], None]
 # Measured per layer to fit the prediction's scale: a mild and a strong error, both common choices.
@@ -85,80 +85,6 @@ def worst_domain(target: Target, domains: Mapping[str, Mapping[str, Any]]) -> st
 def final_round(result: dict[str, Any]) -> dict[str, Any]:
     """The verification round a `make_plan` result's plan comes from."""
     return result["rounds"][result["final_round"] - 1]
-
-
-# A round aims its predicted damage at this share of the budget: the noise model below is fitted on a few rounds.
-AIM = 0.95
-# Another round is run only when its plan would cost this share less than the cheapest round that met.
-MIN_GAIN = 0.01
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundPoint:
-    """What steers the next verification round: a round's predicted damage (the sum over its chosen layers), whether
-    it met the target, and per held-out domain its measured (point, unfavourable bound) in budget units."""
-
-    predicted: float
-    met: bool
-    domains: Mapping[str, tuple[float, float]]
-
-
-def noise_model(points: Sequence[RoundPoint], prior: Mapping[str, float] | None = None) -> dict[str, tuple[float, float]]:
-    """Per domain (a, c) of: measured point = a x D, bound - point = c x sqrt(D), D a round's predicted damage,
-    least squares through the origin over the rounds so far. The point grows with the damage; the interval's
-    half-width grows as its square root (the per-token spread of the log-likelihood ratio is about sqrt(KL)). With
-    no round yet: a = 1 and c from `prior` (`first_noise`). a is kept >= 0.1: a round measured at or below zero
-    says its damage is small, not that more damage is free."""
-    if not points:
-        return {label: (1.0, c) for label, c in (prior or {}).items()}
-    out = {}
-    for label in points[-1].domains:
-        rows = [(pt.predicted, *pt.domains[label]) for pt in points if label in pt.domains and pt.predicted > 0]
-        den = sum(d * d for d, _, _ in rows)
-        a = sum(p * d for d, p, _ in rows) / den if den > 0 else 1.0
-        den_c = sum(d for d, _, _ in rows)
-        c = sum(max(0.0, b - p) * math.sqrt(d) for d, p, b in rows) / den_c if den_c > 0 else 0.0
-        out[label] = (max(0.1, a), max(0.0, c))
-    return out
-
-
-def _largest_damage(a: float, c: float, goal: float) -> float:
-    """The largest D with a x D + c x sqrt(D) <= goal."""
-    s = (-c + math.sqrt(c * c + 4.0 * a * goal)) / (2.0 * a)
-    return s * s
-
-
-def first_noise(target: Target, w: float | None, tokens: Mapping[str, int]) -> dict[str, float]:
-    """The first round's c per held-out domain (`noise_model`): for a ppl target, the half-width of the interval
-    of the mean log-likelihood ratio over N tokens at KL D is about 2 sqrt(w D / N), w measured on the probes'
-    ablations (`sensitivity.noise_per_kl`; 2, independent tokens, without one). The other targets start at c = 0
-    and learn theirs from the first round."""
-    if target.metric != "ppl":
-        return {label: 0.0 for label in tokens}
-    w = 2.0 if w is None else max(w, 2.0)
-    return {label: 2.0 * math.sqrt(w / max(1, n)) for label, n in tokens.items()}
-
-
-def next_budget(points: Sequence[RoundPoint], budget: float, prior: Mapping[str, float] | None = None,
-                aim: float = AIM) -> float | None:
-    """The next round's damage budget, or None when the plan is settled.
-
-    The largest predicted damage whose measured bound, by `noise_model` fitted on every round so far (or `prior`
-    before the first), stays within `aim` x the target's budget on every held-out domain; kept strictly between the
-    largest damage that met (above it) and the smallest that missed (below it). None when that is no more than
-    5% above a damage that already met: the rounds have found the plan."""
-    model = noise_model(points, prior)
-    want = min((_largest_damage(a, c, aim * budget) for a, c in model.values()), default=aim * budget)
-    if not points:
-        return want
-    met = max((pt.predicted for pt in points if pt.met), default=None)
-    missed = min((pt.predicted for pt in points if not pt.met), default=None)
-    if missed is not None and want >= 0.95 * missed:
-        want = math.sqrt(met * missed) if met is not None else 0.7 * missed
-    if met is not None and want <= 1.05 * met:
-        return None
-    last = points[-1].predicted
-    return min(max(want, last / 4.0), 3.0 * last) if last > 0 else want
 
 
 def _fit(points: Sequence[tuple[float, float]]) -> float:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..planning.job import AIM, MIN_GAIN, final_round
+from ..planning.job import final_round
+from ..planning.steering import AIM, MIN_GAIN
 from ..infra.render import agreement_words, fmt, fmt_bytes, markdown_table
 from ..infra.resources import human_bytes
 
