@@ -82,6 +82,20 @@ def ratio(a, b) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
+def scored_candidates(plan: dict) -> dict:
+    """What a plan.json says about the candidates scored on every layer: {scored: [...], not_scored: {recipe:
+    why}}; under the latency objective which ones are scored depends on that run's latency table."""
+    skipped = plan.get("not_scored") or {}
+    return {"scored": [r for r in plan.get("candidates", []) if r not in skipped] + [p for p in plan.get("probes", [])
+                                                                                   if p in skipped],
+            "not_scored": skipped, "probes": plan.get("probes", [])}
+
+
+def _shown(command: str) -> str:
+    """A step's command as a reader types it: this interpreter's path as `python3`."""
+    return command.replace(sys.executable + " ", "python3 ", 1) if command.startswith(sys.executable + " ") else command
+
+
 def render(doc: dict, before: dict | None) -> str:
     steps, peer = doc["steps"], doc["steps"].get("peer", {}).get("seconds")
     plan_s = steps["plan"]["seconds"]
@@ -90,12 +104,12 @@ def render(doc: dict, before: dict | None) -> str:
              f"Measured in one run on one machine ({doc['environment'].get('cpu', '?')}, "
              f"{doc['environment'].get('cpu_count', '?')} cores, torch threads "
              f"{doc['environment'].get('torch_threads', '?')}; {doc['environment'].get('timestamp_utc', '')}), "
-             "each step a subprocess, one after the other. Command:", "", "```bash", doc["command"], "```", "",
+             "each step a subprocess, one after the other. Command:", "", "```bash", _shown(doc["command"]), "```", "",
              "| step | command | time | against the peer's oneshot |", "|---|---|---:|---:|"]
     for key, label in (("plan", "default plan to ppl+1%"), ("export", "export of that plan (with its proof)"),
                        ("apply_save", f"apply + save of {doc['recipe']}"), ("peer", "llm-compressor W8A8 oneshot")):
         if key in steps:
-            command = steps[key]["command"]
+            command = _shown(steps[key]["command"])
             if key == "apply_save":  # a short script: `ffnquant.apply(model, recipe)` then `ffnquant.save(q, out)`
                 command = f"ffnquant.apply(model, {doc['recipe']!r}); ffnquant.save(q, out)"
             lines.append(f"| {label} | `{command.replace('|', '/')}` | {fmt_s(steps[key]['seconds'])} | "
@@ -115,6 +129,12 @@ def render(doc: dict, before: dict | None) -> str:
         if key in now_t or key in old_t:
             lines.append(f"| {key.removesuffix('_s')} | {what} | " + (f"{fmt_s(old_t.get(key))} | " if before else "")
                          + f"{fmt_s(now_t.get(key))} |")
+    sc, old_sc = doc.get("plan_scored"), (before or {}).get("plan_scored")
+    if sc:
+        lines += ["", f"Scored on every layer: {len(sc['scored'])} candidates ({', '.join(sc['scored'])}; the probes "
+                  f"{', '.join(sc['probes'])} always). Not scored, as the latency table of this run says they can never "
+                  f"be chosen: {', '.join(sc['not_scored']) or 'none'}."
+                  + (f" Before: {len(old_sc['scored'])} scored ({', '.join(old_sc['scored'])})." if old_sc else "")]
     if before:
         b = before["steps"]
         lines += ["", f"Before: {before.get('source_label', 'another checkout')}: plan {fmt_s(b['plan']['seconds'])}"
@@ -245,6 +265,7 @@ def main(argv=None) -> int:
         plan = json.loads((plan_dir / "plan.json").read_text())
         final = plan["rounds"][plan["final_round"] - 1]
         doc["plan_timings"] = plan.get("timings")
+        doc["plan_scored"] = scored_candidates(plan)
         recipes: dict[str, int] = {}
         for name in final["layers"].values():
             recipes[name] = recipes.get(name, 0) + 1
@@ -264,7 +285,7 @@ def main(argv=None) -> int:
         pass
     before = json.loads(before_path.read_text()) if before_path else None
     if before:
-        doc["before"] = {k: before.get(k) for k in ("steps", "plan_timings", "source_label", "environment")}
+        doc["before"] = {k: before.get(k) for k in ("steps", "plan_timings", "plan_scored", "source_label", "environment")}
     (out / "plan_cost.json").write_text(json.dumps(doc, indent=1, default=str))
     (out / "plan_cost.md").write_text(render(doc, before))
     print(f"plan_cost: wrote {out / 'plan_cost.md'}")
