@@ -295,9 +295,10 @@ def test_ablations_and_gradients_are_exact_for_the_float_model(tiny):
 def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
     out = tmp_path / "plan"
     rc = main(["plan", "--model", str(tiny["llama"]), "--target", "ppl+1%", "--candidates", CANDIDATES,
-               "--out", str(out), *SMALL, "--eval-text", str(SHORT_TEXT), "--eval-tokens", "4096"])
+               "--out", str(out), *SMALL, "--eval-text", str(SHORT_TEXT), "--eval-tokens", "4096", "--device", "cpu"])
     assert rc == 0
     data = json.loads((out / "plan.json").read_text())
+    assert data["device"] == "cpu"  # --device: the engine computed there (the path a GPU takes, each move a no-op)
     # the held-out text gave fewer tokens than asked: the terminal says so, not only plan.md
     short = [b for b in data["token_budgets"].values() if b and b.get("short")]
     printed = capsys.readouterr().out
