@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = " ".join(shlex.quote(a) for a in [sys.executable, os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    # relative to where it runs: a report names no folder of this machine
+    command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable), os.path.relpath(sys.argv[0])] + sys.argv[1:])
 
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -63,9 +63,9 @@ def run_step(name: str, cmd: list[str], env: dict[str, str], log: Path) -> dict:
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
     seconds = time.perf_counter() - t
-    tail = log.read_text(errors="replace").splitlines()[-12:]
+    tail = [local(line) for line in log.read_text(errors="replace").splitlines()[-12:]]
     print(f"plan_cost: {name}: {seconds:.0f} s (exit {rc})", flush=True)
-    return {"command": " ".join(shlex.quote(c) for c in cmd), "seconds": seconds, "rc": rc, "tail": tail}
+    return {"command": local(" ".join(shlex.quote(c) for c in cmd)), "seconds": seconds, "rc": rc, "tail": tail}
 
 
 def environment(env: dict[str, str]) -> dict:
@@ -91,9 +91,14 @@ def scored_candidates(plan: dict) -> dict:
             "not_scored": skipped, "probes": plan.get("probes", [])}
 
 
-def _shown(command: str) -> str:
-    """A step's command as a reader types it: this interpreter's path as `python3`."""
-    return command.replace(sys.executable + " ", "python3 ", 1) if command.startswith(sys.executable + " ") else command
+def local(text: str) -> str:
+    """`text` with no path of this machine: this interpreter as `python3`, the repository's own paths relative to it
+    (what the steps run from), another installation's files by their path inside it."""
+    text = text.replace(sys.executable + " ", "python3 ")
+    text = text.replace(str(REPO) + os.sep, "")
+    for prefix in sorted({sys.prefix, sys.base_prefix, str(Path.home())}, key=len, reverse=True):
+        text = text.replace(prefix + os.sep, "<python>" + os.sep if prefix != str(Path.home()) else "~" + os.sep)
+    return text
 
 
 def render(doc: dict, before: dict | None) -> str:
@@ -104,12 +109,12 @@ def render(doc: dict, before: dict | None) -> str:
              f"Measured in one run on one machine ({doc['environment'].get('cpu', '?')}, "
              f"{doc['environment'].get('cpu_count', '?')} cores, torch threads "
              f"{doc['environment'].get('torch_threads', '?')}; {doc['environment'].get('timestamp_utc', '')}), "
-             "each step a subprocess, one after the other. Command:", "", "```bash", _shown(doc["command"]), "```", "",
+             "each step a subprocess, one after the other. Command:", "", "```bash", local(doc["command"]), "```", "",
              "| step | command | time | against the peer's oneshot |", "|---|---|---:|---:|"]
     for key, label in (("plan", "default plan to ppl+1%"), ("export", "export of that plan (with its proof)"),
                        ("apply_save", f"apply + save of {doc['recipe']}"), ("peer", "llm-compressor W8A8 oneshot")):
         if key in steps:
-            command = _shown(steps[key]["command"])
+            command = local(steps[key]["command"])
             if key == "apply_save":  # a short script: `ffnquant.apply(model, recipe)` then `ffnquant.save(q, out)`
                 command = f"ffnquant.apply(model, {doc['recipe']!r}); ffnquant.save(q, out)"
             lines.append(f"| {label} | `{command.replace('|', '/')}` | {fmt_s(steps[key]['seconds'])} | "
@@ -257,8 +262,8 @@ def main(argv=None) -> int:
                                           str(out / "peer-folder"), "--provenance", str(out / "peer.provenance.json")],
                                  env, out / "peer.log")
     doc = {"model": Path(args.model).name + (f" (first {args.layers} layers)" if args.layers else ""), "recipe": args.recipe, "steps": steps, "apply_save": apply_save,
-           "command": " ".join(shlex.quote(a) for a in [sys.executable, os.path.relpath(__file__, REPO)]
-                               + list(argv if argv is not None else sys.argv[1:])),
+           "command": local(" ".join(shlex.quote(a) for a in [sys.executable, os.path.relpath(__file__, REPO)]
+                                     + list(argv if argv is not None else sys.argv[1:]))),
            "source_label": "this checkout" if not args.source else f"checkout {args.source}",
            "environment": environment(env)}
     try:

@@ -139,3 +139,19 @@ def test_deployment_flags_need_a_model_and_an_out(argv, message, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_exported_graph_names_no_file_of_this_machine(tmp_path):
+    """The dynamo exporter writes each op's Python stack trace (source paths) into the node metadata: removed."""
+    import onnx
+
+    from ffnquant.onnx.export import export_onnx
+    from ffnquant.spec import FFNSpec
+    from ffnquant.model import FFN
+
+    path = tmp_path / "f.onnx"
+    export_onnx(FFN(FFNSpec("swiglu", d_model=16)), path)
+    proto = onnx.load(str(path))
+    keys = {p.key for node in proto.graph.node for p in node.metadata_props}
+    assert "pkg.torch.onnx.stack_trace" not in keys
+    assert __file__.rsplit("/tests/", 1)[0] not in path.read_bytes().decode("latin-1")

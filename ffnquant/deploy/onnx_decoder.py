@@ -53,6 +53,7 @@ from ..errors import FFNQuantError, first_line
 from ..infra.atomic import atomic_path
 from ..measure.latency import latency_stats
 from ..measure.timing import time_calls
+from ..onnx.export import without_stack_traces
 from ..onnx.onnxquant import ort_session
 
 if TYPE_CHECKING:  # annotations only
@@ -250,7 +251,7 @@ def _export_decoder(model: nn.Module, info: ModelInfo, path: str | os.PathLike, 
         except Exception as exc:  # the exporter's own (long, multi-line) report
             raise FFNQuantError(f"{info.model_type}: torch.onnx could not export the model with a KV cache: "
                                 f"{first_line(exc)}") from exc
-        proto = program.model_proto
+        proto = without_stack_traces(program.model_proto)  # no path of this machine in the graph
         del program
     _rename_dims(proto)
     proto.ir_version = min(proto.ir_version, 10)  # onnxruntime reads IR <= 10

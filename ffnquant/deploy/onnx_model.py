@@ -41,7 +41,7 @@ from ..infra.atomic import ScratchFolder, atomic_path
 from ..measure.latency import latency_stats
 from ..methods import handler_for, quantize_linear
 from ..methods.fakequant import WEIGHT_INPUT_SITE, SiteRange
-from ..onnx.export import DEFAULT_OPSET
+from ..onnx.export import DEFAULT_OPSET, without_stack_traces
 from ..onnx.onnxquant import ort_session
 from ..onnx.ortcpu import int8_kernels, saturating
 from ..schemes import ActMode, Method
@@ -209,7 +209,7 @@ def _export(model: nn.Module, info: ModelInfo, path: str | os.PathLike, opset: i
                                         output_names=list(OUTPUTS), verbose=False)
         except Exception as exc:  # the exporter's own (long, multi-line) report of an op or pattern it cannot take
             raise FFNQuantError(f"{info.model_type}: torch.onnx could not export the model: {first_line(exc)}") from exc
-        proto = program.model_proto
+        proto = without_stack_traces(program.model_proto)  # no path of this machine in the graph
         del program
     proto.ir_version = min(proto.ir_version, 10)  # onnxruntime reads IR <= 10
     onnx.helper.set_model_props(proto, {"ffnquant_graph": "fp32", "model_type": info.model_type,

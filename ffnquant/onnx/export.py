@@ -10,7 +10,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -100,6 +100,25 @@ def onnx_path_for(spec: FFNSpec, out_dir: str | os.PathLike, dtype: str) -> Path
     return Path(out_dir) / f"{spec.key}.{Recipe(dtype).slug}.onnx"
 
 
+# Per-node metadata the dynamo exporter writes that names this machine's files (each op's Python stack trace, with
+# the paths of ffnquant's and torch's sources): an artifact carries no path of the machine that wrote it.
+_MACHINE_METADATA = ("pkg.torch.onnx.stack_trace",)
+
+
+def without_stack_traces(proto: Any) -> Any:
+    """`proto` (a ModelProto, changed in place) without the exporter's per-node stack traces; returns it."""
+    graphs = [proto.graph] + list(proto.functions)
+    for graph in graphs:
+        for node in graph.node:
+            kept = [p for p in node.metadata_props if p.key not in _MACHINE_METADATA]
+            if len(kept) != len(node.metadata_props):
+                del node.metadata_props[:]
+                node.metadata_props.extend(kept)
+            for attr in node.attribute:  # control flow: subgraphs hold nodes too
+                graphs += ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+    return proto
+
+
 def _export_proto(model: torch.nn.Module, example: torch.Tensor, opset: int):
     """Export to an in-memory ModelProto; dynamo exporter where available, TorchScript otherwise."""
     import onnx
@@ -126,7 +145,7 @@ def _export_proto(model: torch.nn.Module, example: torch.Tensor, opset: int):
                 output_names=["output"],
                 verbose=False,
             )
-            return program.model_proto, "torch.onnx dynamo"
+            return without_stack_traces(program.model_proto), "torch.onnx dynamo"
         except TypeError:
             # torch < 2.5 has no dynamo= keyword: fall back to the TorchScript exporter.
             buf = io.BytesIO()
