@@ -245,8 +245,8 @@ def capture_layerwise(info: ModelInfo, layers: Sequence[Any], text=None, eval_te
         nll, refs = _NLL(), []
         for b, ids in enumerate(eval_ids):
             final, logits = engine.head_out(evals.get(b))
-            nll.update(logits, ids)
             refs.append(reference_batch(logits, ids, final))
+            nll.add(refs[-1].nll)  # its NLLs, not computed again
             del logits
         baseline = {"perplexity": nll.perplexity, "n_tokens": sum(int(b.numel()) for b in eval_ids)}
     calib_borrowed, borrowed = {}, {}

@@ -222,7 +222,6 @@ class PlanSource:
         # the float figures; the loss gradient at the last layer's output
         self.final = (self._store("final-calibration"), self._store("final-evaluation"))
         self.grad_out = self._store("gradient")
-        nll_search = _NLL()
         nll_eval = {label: _NLL() for label, _, _ in self.domains}
         domain_of = [label for label, lo, hi in self.domains for _ in range(lo, hi)]
         self.references: list = []  # each held-out batch's float next-token figures (`Reference`)
@@ -232,10 +231,9 @@ class PlanSource:
         self.probe_vocab: list[torch.Tensor] = []
         for b, ids in enumerate(self.calib_ids):
             final, logits, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
-            self.final[0].put(b, final)
             self.grad_out.put(b, grad)
-            nll_search.update(logits, ids)
-            if b < self.n_probe_batches:
+            if b < self.n_probe_batches:  # what the probes' ablations are measured against
+                self.final[0].put(b, final)
                 k = self.probe_ids[b].shape[0]
                 vocab = probe_vocabulary(logits[:k], ids[:k])
                 self.probe_vocab.append(vocab)
@@ -244,11 +242,10 @@ class PlanSource:
         for b, ids in enumerate(self.eval_ids):
             final, logits = m.head_out(evals.get(b))
             self.final[1].put(b, final)
-            nll_eval[domain_of[b]].update(logits, ids)
-            self.references.append(reference_batch(logits, ids))
+            ref = reference_batch(logits, ids)
+            nll_eval[domain_of[b]].add(ref.nll)  # its NLLs, not computed again
+            self.references.append(ref)
         evals.clear()
-        self.search_baseline = {"perplexity": nll_search.perplexity,
-                                "n_tokens": sum(int(b.numel()) for b in self.calib_ids)}
         self.domain_baselines = {label: {"perplexity": nll_eval[label].perplexity,
                                          "n_tokens": sum(int(b.numel()) for b in self.eval_ids[lo:hi])}
                                  for label, lo, hi in self.domains}
