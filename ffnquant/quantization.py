@@ -140,8 +140,11 @@ class Prepared:
         return path
 
     def share_files(self, other: "Prepared") -> None:
-        """Reuse `other`'s reference export and ORT-default baseline (they do not depend on the remedies)."""
+        """Reuse `other`'s reference export and ORT-default baseline, and its float reference's outputs on the same
+        evaluation tokens (they do not depend on the remedies)."""
         self._files.update({k: p for k, p in other._files.items() if k[0] in ("reference", "baseline")})
+        if self._ref_eval is None and other.reference is self.reference and other.eval is self.eval:
+            self._ref_eval = other._ref_eval
 
     def calib_batches(self, batch_size: int = 1024) -> list[torch.Tensor]:
         return [self.calib[i : i + batch_size] for i in range(0, self.calib.shape[0], batch_size)]
@@ -184,6 +187,7 @@ def prepare(
     *,
     recipe: Recipe | None = None,
     bins: int | None = None,
+    profiles: dict | None = None,
 ) -> Prepared:
     """Build (or take) the FFN, apply remedies, profile `input`/`hidden` over the calibration tokens.
 
@@ -193,7 +197,9 @@ def prepare(
     (smooth strength, rotate) from this Recipe instead of `smooth` / `rotate` (giving both is an
     error); `smooth_sites` still chooses where smoothing applies. `name`: the stem of the ONNX files
     made from it (default the spec key; a real model's layer passes its own). `bins`: histogram bins
-    of the range profiles (default observe's).
+    of the range profiles (default observe's). `profiles`: a dict the calls of one `quantize_recipes` share, of
+    the range profiles already taken by remedy steps done (all calls there prepare the same model on the same
+    tokens: the plain model's profile is the one smoothing reads).
     """
     if recipe is not None:
         if smooth is not None or rotate:
@@ -222,11 +228,21 @@ def prepare(
     if ev.shape[0] == 0:
         raise FFNQuantError("no evaluation tokens: accuracy is measured on held-out data")
     batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
+    def ranges_of(done: tuple, model: FFN):
+        """The range profile of `model` (`ref` after the steps `done`): from `profiles` when it has it."""
+        if profiles is not None and done in profiles:
+            return profiles[done]
+        table = profile(model, batches, sites=["input", "hidden"], weights=False, bins=bins)
+        if profiles is not None:
+            profiles[done] = table
+        return table
+
     work, records = ref, []
-    for step in steps:  # in the recipe's order: each remedy sees the model the steps before it left
-        work, rec = step.apply(work, batches, original=ref, smooth_sites=smooth_sites, bins=bins)
+    for k, step in enumerate(steps):  # in the recipe's order: each remedy sees the model the steps before it left
+        work, rec = step.apply(work, batches, original=ref, smooth_sites=smooth_sites, bins=bins,
+                               ranges=lambda done=tuple(steps[:k]), model=work: ranges_of(done, model))
         records.append(rec)
-    table = profile(work, batches, sites=["input", "hidden"], weights=False, bins=bins)
+    table = ranges_of(tuple(steps), work)
     return Prepared(spec, ref, work, table, calib, ev, label, records, name=name, transforms=tuple(steps))
 
 
@@ -320,6 +336,17 @@ _site_sensitivity = sensitivity  # quantize_spec's `sensitivity` flag shadows th
 _PREPARE_KEYS = ("source", "calib_tokens", "eval_tokens", "seed", "smooth_sites", "model", "name", "bins")
 
 
+# Calibration rows the calibrator search scores its ranges on: evenly strided over the calibration text, so every
+# sequence and position (the first token's massive activations too) is represented, not only the leading sequences.
+SEARCH_ROWS = 512
+
+
+def _search_rows(calib: torch.Tensor, limit: int = SEARCH_ROWS) -> torch.Tensor:
+    if calib.shape[0] <= limit:
+        return calib
+    return calib[:: -(-calib.shape[0] // limit)].contiguous()
+
+
 def quantize_spec(
     spec: FFNSpec,
     recipe: Recipe | str,
@@ -364,7 +391,7 @@ def quantize_spec(
     if scheme.static_activations and scheme.calibrator == "search":
         key = (scheme.act_dtype.value, scheme.act_symmetric, scheme.weight_dtype.value, scheme.weight_granularity.value)
         if key not in prep._search:
-            prep._search[key] = search_calibrators(prep.model, prep.table, scheme, prep.calib[:1024], hessians=hessians)
+            prep._search[key] = search_calibrators(prep.model, prep.table, scheme, _search_rows(prep.calib), hessians=hessians)
         cal = prep._search[key]
     weights, sites = recipe.quantized_parts(spec)  # a `+float=SITE` recipe leaves that site and its matrices float
     q = quantize_model(prep.model, scheme, prep.table, calibrator=cal, remedies=prep.remedies, hessians=hessians,
@@ -492,13 +519,14 @@ def quantize_recipes(
     (full disk) still raises. Without it the first error raises.
     """
     preps: dict[tuple, Prepared] = {}
+    profiles: dict[tuple, Any] = {}  # the range profiles of the model after each remedy prefix (`prepare`)
     for item in recipes:
         recipe, prep = None, None
         try:
             recipe = as_recipe(item)
             key = recipe.remedies
             if key not in preps:
-                preps[key] = prepare(spec, recipe=recipe, **prepare_kw)
+                preps[key] = prepare(spec, recipe=recipe, profiles=profiles, **prepare_kw)
                 plain = preps.get(())
                 if plain is not None and key != ():
                     preps[key].share_files(plain)

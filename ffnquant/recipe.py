@@ -214,13 +214,16 @@ class Smooth(Transform):
     def slug(self) -> str:
         return f"smooth{_exact(self.alpha)}"
 
-    def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None):
+    def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None,
+              ranges: Any = None):
         """Smooth at `alpha` on the sites given, else every site where the fold is exact (a ReLU-family hidden);
-        the ranges are those of `model` as it is before this step."""
+        the ranges are those of `model` as it is before this step (`ranges()`, when given, returns them already
+        profiled: `quantization.prepare` shares one profile between the recipes of a layer)."""
         from .numerics import remedies as R
         from .numerics.observe import profile
 
-        table0 = profile(model, batches, sites=["input", "hidden"], weights=False, bins=bins)
+        table0 = (ranges() if ranges is not None
+                  else profile(model, batches, sites=["input", "hidden"], weights=False, bins=bins))
         sites = tuple(smooth_sites) if smooth_sites else tuple(s for s, ok in R.smooth_exact_for(model).items() if ok)
         work, rec = R.smooth(model, table0, self.alpha, sites)
         if smooth_sites is None and not R.smooth_exact_for(original)["hidden"]:
@@ -243,7 +246,8 @@ class Rotate(Transform):
     always_in_json: ClassVar[bool] = True
     remedy: ClassVar[bool] = True
 
-    def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None):
+    def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None,
+              ranges: Any = None):
         from .numerics import remedies as R
 
         return R.rotate(model)

@@ -90,6 +90,22 @@ def test_a_plan_verified_in_bf16_is_the_same_streamed_or_resident(tiny, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_resident_plans_rounds_reuse_the_scored_ffns(tiny, monkeypatch):
+    """Resident, the candidates a plan could choose stay from the scoring (`planning.job.choosable`), so no round
+    quantizes a layer again; the plan is the streamed one's all the same (the test above), which quantizes each
+    round's layers afresh."""
+    from ffnquant.planning import candidates
+
+    calls = []
+    real = candidates.quantize_layer
+    monkeypatch.setattr(candidates, "quantize_layer", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    data = json.loads(_plan(tiny["llama"], False, ort_floor=True)[1])
+    assert any(name != "fp32" for r in data["rounds"] for name in r["layers"].values())
+    assert calls == []
+    _plan(tiny["llama"], True, ort_floor=True)  # streamed: every round quantizes its layers
+    assert calls
+
+
 def _whole_model_gradients(model, batches):
     """The reference: d(summed next-token NLL)/d(each FFN's output) from one backward pass of the whole model per
     batch, the outputs marked by the plan's own gradient probe."""

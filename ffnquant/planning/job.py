@@ -94,12 +94,12 @@ def _fit(points: Sequence[tuple[float, float]]) -> float:
     return max(0.0, num / den) if den > 0 else 0.0
 
 
-def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], probes: Sequence[Recipe], bins: Any):
+def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], keep: Sequence[Recipe], bins: Any):
     """Each (layer, calib, held, grad) of `group` scored as executor tasks (one per layer and remedy set); yields
-    (position in the group, scores in recipe order, {probe recipe: QuantizedFFN}) as each layer's tasks are in."""
+    (position in the group, scores in recipe order, {recipe of `keep`: QuantizedFFN}) as each layer's tasks are in."""
     tasks, owner = [], []
     for k, (layer, calib, held, grad) in enumerate(group):
-        part = score_tasks(executor, layer, scored, calib, held, grad, keep=probes, bins=bins)
+        part = score_tasks(executor, layer, scored, calib, held, grad, keep=keep, bins=bins)
         tasks += part
         owner += [k] * len(part)
     waiting = {k: owner.count(k) for k in range(len(group))}
@@ -215,6 +215,25 @@ def _fold_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
     for row in rows:
         if row.get("error") is None and "excluded" not in row and needs_fold(Recipe.parse(str(row["recipe"]))):
             row["excluded"] = f"its input scale cannot fold into a norm here: {refusal}"
+
+
+def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[str, Any]], objective: Objective,
+               damage_kind: str, fold_refusal: str | None) -> set[str]:
+    """The recipes a plan could still choose on a layer from its scores alone: the Pareto front of (damage, cost),
+    once over all of them and once without the static int8 ones (which onnxruntime's floor may exclude later).
+    The per-layer factors the probes fit scale every candidate of the layer alike, so they move no candidate on or
+    off the front; a candidate off both fronts is beaten on that layer whatever the target's budget."""
+    options = []
+    for s in scores:
+        if s.error is not None or (fold_refusal and needs_fold(Recipe.parse(s.recipe))):
+            continue
+        noise = s.fisher if damage_kind == "kl" else s.search_noise
+        cost = (latency.get(s.recipe) or {}).get("p50_ms") if objective.kind == "latency" else s.bytes
+        if noise is None or cost is None:
+            continue
+        options.append(Option(s.recipe, noise * generalization(s), cost))
+    names = {o.name for o in pareto(options)}
+    return names | {o.name for o in pareto([o for o in options if not _static_int8(Recipe.parse(o.name))])}
 
 
 def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], calib: torch.Tensor, held: torch.Tensor,
@@ -380,9 +399,17 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
             timings["latency_table_s"] = time.perf_counter() - t_lat
             unscored = never_chosen(recipes, latency, ", ".join(objective.runtimes))
             scored = [r for r in scored if str(r) not in unscored or r in probes]  # the probes fit the prediction
-        # each layer is finished as soon as its tasks are in, so its quantized probes are freed early
-        for k, scores, kept in _scored(executor, group, scored, probes, settings.bins):
+        # each layer is finished as soon as its tasks are in, so its quantized probes are freed early; a resident
+        # model scored in this process keeps the candidates a plan could choose for the verification rounds
+        retain = source.resident and isinstance(executor, LocalExecutor)
+        for k, scores, kept in _scored(executor, group, scored, scored if retain else probes, settings.bins):
             layer, calib, held, grad = group[k]
+            if retain:
+                front = choosable(scores, latency, objective, target.damage_kind, source.fold_refusals.get(layer.index))
+                for recipe, q in kept.items():
+                    if str(recipe) in front and not recipe.is_float:
+                        source.offer(layer.index, str(recipe), q)
+                kept = {p: kept[p] for p in probes if p in kept}
             local[layer.index] = _layer_local(layer, scores, kept, calib, held, grad, source.n_probe, source,
                                               settings, ort_floor and any_static)
             tick(f"candidates: {layer.label}", len(local), n_layers)

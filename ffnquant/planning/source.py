@@ -106,6 +106,19 @@ def _hooked(module: Any, hook: Callable):
         handle.remove()
 
 
+def _nbytes(module: Any) -> int:
+    """The bytes of a module's tensors and of what its `linears` hold beside them (a QuantizedFFN's codes)."""
+    seen, total = set(), 0
+    tensors = list(module.state_dict().values()) if hasattr(module, "state_dict") else []
+    for ql in (getattr(module, "linears", None) or {}).values():
+        tensors += [v for v in vars(ql).values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
 class PlanSource:
     """What `make_plan` reads from the model (see the module docstring), the model `resident` or read a decoder
     layer at a time; a context manager (its temporary folder, when spilling, is removed on exit). Passes 1 and 2
@@ -122,6 +135,10 @@ class PlanSource:
         # resident: each verification round's quantized FFNs, by (layer, recipe), for the next round to reuse
         # (the rounds change few layers; the quantizers are deterministic, so a kept FFN is the one made again)
         self._quantized: dict[tuple[int, str], Any] = {}
+        # resident: the quantized FFNs the candidate scoring made that a round may choose (`offer`), kept for every
+        # round; the same FFNs `quantize_layer` makes again, so a round quantizes only what was not kept
+        self._offered: dict[tuple[int, str], Any] = {}
+        self._offer_budget: int | None = None
 
     def __enter__(self) -> "PlanSource":
         from ..hf.stream import _spill_folder
@@ -141,6 +158,7 @@ class PlanSource:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._offered.clear()
         self._exit.close()
 
     def _store(self, name: str):
@@ -372,6 +390,21 @@ class PlanSource:
         """Layer `layer`'s probe `name` measured with `ffn` in its FFN's place (its stream starts at its layer)."""
         self._pending.append((layer.index, name, ffn))
 
+    def offer(self, index: int, name: str, ffn: Any) -> None:
+        """Layer `index`'s FFN quantized under recipe `name`, as scored: the verification rounds use it instead of
+        quantizing it again (resident models only: a streamed model keeps nothing beyond its layer)."""
+        if not self.resident:
+            return
+        size = _nbytes(ffn)
+        if self._offer_budget is None:
+            from ..infra.resources import available_memory
+
+            # a quarter of the memory free now: what the rounds would otherwise make again is not worth more
+            self._offer_budget = (available_memory() or 0) // 4
+        if size <= self._offer_budget:
+            self._offer_budget -= size
+            self._offered[(index, name)] = ffn
+
     # --- pass 4 -----------------------------------------------------------------------------------------------
 
     def verify(self, chosen: Mapping[int, str], by_name: Mapping[str, Recipe]) -> dict[str, dict]:
@@ -389,11 +422,18 @@ class PlanSource:
         quantized = [j for j in self.planned if chosen[j] != "fp32"]
         kept = {key: q for key, q in self._quantized.items() if key[0] in quantized and chosen[key[0]] == key[1]}
         self._quantized.clear()  # what this round does not use is freed before it quantizes anything
-        fresh = [j for j in quantized if (j, chosen[j]) not in kept]
+        offered = {j for j in quantized if (j, chosen[j]) not in kept and (j, chosen[j]) in self._offered}
+        fresh = [j for j in quantized if (j, chosen[j]) not in kept and j not in offered]
         ffns = iter_ffn_layers(self.info, fresh, allow_pickle=self.allow_pickle) if fresh else iter(())
         for j in range(n):
             q = kept.pop((j, chosen[j]), None) if j in quantized else None
-            if j in fresh:
+            if j in offered:
+                q = self._offered[(j, chosen[j])]
+                if self.dtype is not torch.float32:
+                    from ..deploy.precision import in_dtype
+
+                    q = in_dtype(q, self.dtype)
+            elif j in fresh:
                 layer, calib, held = self._layer(j, ffns)
                 q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins, measure=False)[0]
                 del layer, calib, held
