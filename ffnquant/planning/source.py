@@ -203,6 +203,11 @@ class PlanSource:
         embedded = self._store("probe-embedded")
         self.pcalls = m.embed(self.probe_ids, embedded)  # only the calls: the states come from `calib`
         embedded.clear()
+        # the structural checks (ffnquant's FFN reproduces the layer's, where an input scale folds) run each dense
+        # layer on the search text's first sequence alone: they compare outputs to a relative bound, which a
+        # sequence shows as well as a batch, at a fraction of the layer runs
+        checked = self._store("check")
+        kcalls = m.embed([self.calib_ids[0][:1]], checked)
         self.ecalls = m.embed(self.eval_ids, evals, self.progress, "embed the held-out text")
         m.offload(m.embedding)
         self.embedded = evals.copy("evaluation-embedded")  # where each verification round starts
@@ -215,11 +220,13 @@ class PlanSource:
             ev_x: dict[str, list[torch.Tensor]] = {}
             hfs = [next(ffns) for _ in m.groups[j]]
             moe = j in self.moe
+            # routed experts are checked on the whole first batch: one sequence reaches few of them
+            where = (calib, self.ccalls) if moe else (checked, kcalls)
             with m.layer(j):
-                m.check(j, calib, self.ccalls, hfs)
-                self.fold_refusals.update({layer.index: site.refusal
-                                           for layer, site in m.fold_sites(j, calib, self.ccalls).items()
+                m.check(j, *where, hfs)
+                self.fold_refusals.update({layer.index: site.refusal for layer, site in m.fold_sites(j, *where).items()
                                            if site.refusal})
+                m.run(j, checked, kcalls)
                 if moe:  # what the experts module receives: the tokens, their experts and routing weights
                     with _routed(self.outputs[j], cal_x):
                         m.run(j, calib, self.ccalls)
@@ -257,6 +264,7 @@ class PlanSource:
                 self.probe_vocab.append(vocab)
                 self.ref.append(float_terms(logits[:k, :, vocab], ids[:k], vocab))
         calib.clear()
+        checked.clear()
         for b, ids in enumerate(self.eval_ids):
             final, logits = m.head_out(evals.get(b))
             self.final[1].put(b, final)
