@@ -83,6 +83,25 @@ def test_the_latency_table_times_prefill_and_decode_side_by_side():
     assert "p50_ms" not in table["w8a8-dynamic-s8"] and table["w8a8-dynamic-s8"]["reason"]
 
 
+def test_recipes_with_the_same_graph_are_timed_once():
+    """Two static int8 calibrators make the same graph (other scales, the same operators on the same shapes): one
+    timing serves both, so noise cannot rank them apart; weight-only 4-bit is another graph, timed on its own."""
+    from ffnquant.model import build
+    from ffnquant.planning.latency_table import graph_signature, measure_latency_table
+    from ffnquant.recipe import Recipe
+    from ffnquant.spec import FFNSpec, Variant
+
+    spec = FFNSpec(Variant.SWIGLU, d_model=32, d_ff=64)
+    layer = SimpleNamespace(spec=spec, ffn=build(spec, seed=0), label="L0")
+    gen = torch.Generator().manual_seed(0)
+    calib, held = torch.randn(256, 32, generator=gen), torch.randn(128, 32, generator=gen)
+    recipes = [Recipe.parse(r) for r in ("fp32", "w8a8@minmax", "w8a8@search", "w4a16-g32")]
+    table = measure_latency_table(layer, recipes, calib, held, tokens=Workload(16, 2), rounds=2, per_round=1)
+    assert table["w8a8@search"]["timed_as"] == "w8a8@minmax"
+    assert table["w8a8@search"]["p50_ms"] == table["w8a8@minmax"]["p50_ms"]
+    assert all("timed_as" not in table[k] for k in ("fp32", "w8a8@minmax", "w4a16-g32"))
+
+
 def test_the_objective_takes_a_runtime_or_a_list_of_them():
     assert Objective("latency", "Torch-CUDA-Graph, triton-cuda").runtimes == ("torch-cuda-graph", "triton-cuda")
     assert Objective().runtimes == ("ort-cpu",)

@@ -5,7 +5,9 @@ the plan is made for (`target.Workload`): a prefill of the prompt (one call on `
 All layers of a model share one FFN shape, so one layer's artifacts give the table (latency does not depend
 on the weights' values). Cases are timed in interleaved rounds (every recipe at both sizes once per round) so
 that the machine's drift spreads over all of them alike: the plan compares sums of these times, so ratios
-measured side by side are what matter. A recipe without an onnxruntime artifact has no time and says why; a
+measured side by side are what matter. Recipes whose artifacts are the same graph (the same operators on the
+same shapes and dtypes: `graph_signature`, e.g. a static int8 recipe with another calibrator) are timed once, so
+that noise cannot rank identical kernels apart. A recipe without an onnxruntime artifact has no time and says why; a
 latency objective cannot choose it. A recipe slower than fp32 on the request is never chosen: fp32 predicts no
 damage, so the search's Pareto front drops anything that costs more (`search.pareto`)."""
 
@@ -21,12 +23,17 @@ from ..measure.timing import time_calls
 from ..onnx import onnxquant as OQ
 from ..quantization import quantize_recipes
 from ..recipe import Recipe
+from .candidates import held_rows
 from .target import Workload
 
 __all__ = ["measure_latency_table", "request_row"]
 
 # one-token calls are short: more of them per round for a median as steady as the prefill's
 DECODE_CALLS = 10
+# The artifacts are made from a strided part of the layer's inputs: their time does not depend on the weights' or
+# ranges' values, and their SQNR in the table is informative only (the candidates' own scoring reads every row).
+TABLE_CALIB_ROWS = 1024
+TABLE_HELD_ROWS = 256
 
 
 def request_row(prefill_ms: Sequence[float], decode_ms: Sequence[float], workload: Workload) -> dict[str, Any]:
@@ -50,6 +57,9 @@ def measure_latency_table(layer: Any, recipes: Sequence[Recipe], calib: torch.Te
 
     table: dict[str, dict[str, Any]] = {}
     sessions: dict[str, Any] = {}
+    same: dict[str, str] = {}  # recipe -> the recipe whose identical graph is timed for it
+    by_graph: dict[tuple, str] = {}
+    calib, held_out = held_rows(calib, TABLE_CALIB_ROWS), held_rows(held_out, TABLE_HELD_ROWS)
     with ScratchFolder("plan-latency") as folder:  # marked: a killed run's is swept by the next run
         outcomes = quantize_recipes(layer.spec, recipes, collect_errors=True, onnx=True, baseline=False,
                                     sensitivity=False, out_artifacts=folder, model=layer.ffn, calib_tokens=calib,
@@ -63,10 +73,18 @@ def measure_latency_table(layer: Any, recipes: Sequence[Recipe], calib: torch.Te
             if not art.get("path"):
                 table[key] = {"reason": art.get("note") or "no onnxruntime artifact"}
                 continue
-            session = OQ.ort_session(art["path"])
-            sessions[key] = session
-            table[key] = {"kind": art.get("kind"), "provider": session.get_providers()[0],
-                          "onnx_sqnr_db": (art.get("accuracy_onnx") or {}).get("sqnr_db")}
+            graph = graph_signature(art["path"])
+            if graph in by_graph:
+                same[key] = by_graph[graph]
+                table[key] = {"kind": art.get("kind"), "provider": table[by_graph[graph]]["provider"],
+                              "timed_as": by_graph[graph]}
+            else:
+                by_graph[graph] = key
+                session = OQ.ort_session(art["path"])
+                sessions[key] = session
+                table[key] = {"kind": art.get("kind"), "provider": session.get_providers()[0]}
+            table[key].update(onnx_sqnr_db=(art.get("accuracy_onnx") or {}).get("sqnr_db"),
+                              onnx_sqnr_rows=int(held_out.shape[0]))
             if progress is not None:
                 progress(f"latency table: artifact {key}", n, len(recipes))
         rng = np.random.default_rng(0)
@@ -86,6 +104,32 @@ def measure_latency_table(layer: Any, recipes: Sequence[Recipe], calib: torch.Te
                 progress("latency table: timing rounds", r + 1, rounds)
         del sessions
     for key, row in table.items():
-        if (key, "prefill") in times:
-            row.update(request_row(times[key, "prefill"], times[key, "decode"] or [0.0], workload))
+        timed = same.get(key, key)
+        if (timed, "prefill") in times:
+            row.update(request_row(times[timed, "prefill"], times[timed, "decode"] or [0.0], workload))
     return table
+
+
+def graph_signature(path: Any) -> tuple:
+    """What an ONNX graph's run time depends on: its nodes' operators and attributes in order, and the dtypes and
+    shapes of its inputs, outputs and initializers; not the weights' values, nor any name. Two artifacts with one
+    signature run the same kernels on the same shapes."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(path))
+    g = model.graph
+
+    def attr(a: Any) -> Any:
+        value = helper.get_attribute_value(a)
+        if isinstance(value, onnx.TensorProto):
+            return ("tensor", value.data_type, tuple(value.dims))
+        return (a.name, repr(value))
+
+    def value_info(v: Any) -> tuple:
+        t = v.type.tensor_type
+        return (t.elem_type, tuple(d.dim_value or d.dim_param for d in t.shape.dim))
+
+    return (tuple((n.domain, n.op_type, tuple(attr(a) for a in n.attribute)) for n in g.node),
+            tuple(value_info(v) for v in g.input), tuple(value_info(v) for v in g.output),
+            tuple(sorted((t.data_type, tuple(t.dims)) for t in g.initializer)))

@@ -132,7 +132,9 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
                 ["recipe", "request p10 ms", "request p50 ms", "request p90 ms", "prefill p50 ms", "decode step p50 ms",
                  "artifact", "ONNX SQNR dB", "note"],
                 [(k, v.get("p10_ms"), v.get("p50_ms"), v.get("p90_ms"), v.get("prefill_ms"), v.get("decode_ms"),
-                  v.get("kind", "-"), v.get("onnx_sqnr_db"), v.get("reason", "")) for k, v in table.items()]))
+                  v.get("kind", "-"), v.get("onnx_sqnr_db"),
+                  v.get("reason") or (f"the same graph as {v['timed_as']}: timed once" if v.get("timed_as") else ""))
+                 for k, v in table.items()]))
     fit = data["probe_fit"]
     if fit:
         lines += ["", "## How good the prediction is: probes measured against predicted", "",
