@@ -188,6 +188,7 @@ def prepare(
     recipe: Recipe | None = None,
     bins: int | None = None,
     profiles: dict | None = None,
+    reference_eval: torch.Tensor | None = None,
 ) -> Prepared:
     """Build (or take) the FFN, apply remedies, profile `input`/`hidden` over the calibration tokens.
 
@@ -199,7 +200,8 @@ def prepare(
     made from it (default the spec key; a real model's layer passes its own). `bins`: histogram bins
     of the range profiles (default observe's). `profiles`: a dict the calls of one `quantize_recipes` share, of
     the range profiles already taken by remedy steps done (all calls there prepare the same model on the same
-    tokens: the plain model's profile is the one smoothing reads).
+    tokens: the plain model's profile is the one smoothing reads). `reference_eval`: the float model's outputs on
+    the evaluation tokens, when the caller has them (`run_batched` of the same model on the same tokens).
     """
     if recipe is not None:
         if smooth is not None or rotate:
@@ -243,7 +245,13 @@ def prepare(
                                ranges=lambda done=tuple(steps[:k]), model=work: ranges_of(done, model))
         records.append(rec)
     table = ranges_of(tuple(steps), work)
-    return Prepared(spec, ref, work, table, calib, ev, label, records, name=name, transforms=tuple(steps))
+    prepared = Prepared(spec, ref, work, table, calib, ev, label, records, name=name, transforms=tuple(steps))
+    if reference_eval is not None:
+        if tuple(reference_eval.shape) != (ev.shape[0], spec.d_model):
+            raise FFNQuantError(f"reference_eval is {tuple(reference_eval.shape)}, the evaluation tokens give "
+                                f"{(ev.shape[0], spec.d_model)}")
+        prepared._ref_eval = reference_eval
+    return prepared
 
 
 @dataclass
@@ -333,7 +341,8 @@ def sensitivity(prep: Prepared, qmodel: QuantizedFFN, hessians: Mapping[str, tor
 _site_sensitivity = sensitivity  # quantize_spec's `sensitivity` flag shadows the name inside it
 
 # What `quantize_spec` passes to `prepare` when no `prepared` is given.
-_PREPARE_KEYS = ("source", "calib_tokens", "eval_tokens", "seed", "smooth_sites", "model", "name", "bins")
+_PREPARE_KEYS = ("source", "calib_tokens", "eval_tokens", "seed", "smooth_sites", "model", "name", "bins",
+                 "reference_eval")
 
 
 # Calibration rows the calibrator search scores its ranges on: evenly strided over the calibration text, so every
@@ -508,6 +517,7 @@ def quantize_recipes(
     baseline: bool = True,
     sensitivity: bool = False,
     latency: bool = False,
+    profiles: Mapping[tuple, Any] | None = None,
     **prepare_kw: Any,
 ):
     """Yield a `RecipeOutcome` per recipe, in order: `quantize_spec` on one FFN under each recipe.
@@ -516,10 +526,12 @@ def quantize_recipes(
     that use it; the reference fp32 export and onnxruntime's default baseline are made once (they do not
     depend on the remedies). `collect_errors`: an exception of one recipe (e.g. a remedy that cannot apply
     exactly) is yielded as its outcome's `error` and the next recipe goes on; a failure to write output
-    (full disk) still raises. Without it the first error raises.
+    (full disk) still raises. Without it the first error raises. `profiles`: range profiles already taken, by
+    remedy prefix (`()`: the plain model's, `prepare`'s own).
     """
     preps: dict[tuple, Prepared] = {}
-    profiles: dict[tuple, Any] = {}  # the range profiles of the model after each remedy prefix (`prepare`)
+    # the range profiles of the model after each remedy prefix (`prepare`); a caller may hand the plain one in
+    profiles: dict[tuple, Any] = dict(profiles or {})
     for item in recipes:
         recipe, prep = None, None
         try:

@@ -629,3 +629,26 @@ def test_the_lazy_onnxruntime_floor_finds_the_eager_optimum(seed):
     assert sum(o.cost for o in got.values()) == pytest.approx(sum(o.cost for o in want.values()))
     static = {i for i, o in got.items() if o.name.startswith("w8a8@")}
     assert static <= set(measured) and len(measured) == len(set(measured))  # each floor at most once
+
+
+def test_a_layers_tasks_sharing_its_float_figures_score_as_each_task_alone():
+    """`candidates.score_tasks` computes a layer's float outputs and range profile once for all its remedy sets; the
+    scores, and the smoothed candidates among them (which read the plain profile), are those of tasks computing
+    their own, bit for bit."""
+    from types import SimpleNamespace
+
+    from ffnquant.measure.executor import LocalExecutor
+    from ffnquant.model import build
+    from ffnquant.planning.candidates import run_score_task, score_layer, score_tasks
+    from ffnquant.spec import FFNSpec, Variant
+
+    spec = FFNSpec(Variant.SWIGLU, d_model=32, d_ff=64)
+    layer = SimpleNamespace(spec=spec, ffn=build(spec, seed=0), label="L0")
+    gen = torch.Generator().manual_seed(0)
+    calib, held, grad = (torch.randn(n, 32, generator=gen) for n in (512, 128, 512))
+    recipes = [Recipe.parse(r) for r in ("fp32", "w8a8@search", "w8a8@search+smooth", "w8a8@search+smooth+rotate")]
+    tasks = score_tasks(LocalExecutor(), layer, recipes, calib, held, grad)
+    assert len(tasks) == 3 and all(t.floats is not None for t in tasks)
+    shared = [s for t in tasks for s in run_score_task(t)[0]]
+    alone = score_layer(layer, recipes, calib, held, grad)[0]
+    assert [s.to_dict() for s in shared] == [s.to_dict() for s in alone]

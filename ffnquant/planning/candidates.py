@@ -12,7 +12,7 @@ The scoring runs as tasks of an `executor` (`score_tasks`, `run_score_task`): on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -104,29 +104,51 @@ def format_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str
             list(skipped) + [{"recipe": str(r), "reason": why} for r, why in refused.items()])
 
 
-def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor, bins: int | None):
+def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor, bins: int | None,
+              floats: Mapping[str, Any] | None = None):
+    extra = {} if floats is None else {"profiles": {(): floats["profile"]}, "reference_eval": floats["held"]}
     return quantize_recipes(layer.spec, recipes, collect_errors=True, onnx=False, baseline=False, sensitivity=False,
-                            model=layer.ffn, calib_tokens=calib, eval_tokens=held_out, name=layer.label, bins=bins)
+                            model=layer.ffn, calib_tokens=calib, eval_tokens=held_out, name=layer.label, bins=bins,
+                            **extra)
+
+
+def float_figures(layer: Any, calib: torch.Tensor, held_out: torch.Tensor, bins: int | None = None) -> dict[str, Any]:
+    """What every candidate of a dense layer is compared with, computed once for all of its scoring tasks: the float
+    FFN's outputs on the search and held-out inputs, and its range profile (what `quantization.prepare` takes, the
+    same batches and bins)."""
+    from ..numerics.observe import DEFAULT_BINS, profile
+
+    with torch.no_grad():
+        out = {"calib": run_batched(layer.ffn, calib), "held": run_batched(layer.ffn, held_out)}
+    batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
+    out["profile"] = profile(layer.ffn, batches, sites=["input", "hidden"], weights=False,
+                             bins=DEFAULT_BINS if bins is None else bins)
+    return out
 
 
 def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor,
-                grad: torch.Tensor, keep: Sequence[Recipe] = (), bins: int | None = None):
+                grad: torch.Tensor, keep: Sequence[Recipe] = (), bins: int | None = None,
+                floats: Mapping[str, Any] | None = None):
     """Score every recipe on one layer: (scores in recipe order, {recipe: QuantizedFFN} for those in `keep`). An
-    MoE layer (`planning.moe.MoELayer`) is scored on its routed experts' output (`score_moe_layer`)."""
+    MoE layer (`planning.moe.MoELayer`) is scored on its routed experts' output (`score_moe_layer`). `floats`: the
+    layer's `float_figures`, when its tasks share them."""
     if isinstance(layer, MoELayer):
         return score_moe_layer(layer, recipes, calib, held_out, grad, keep=keep, bins=bins)
 
     if grad.shape != calib.shape:
         raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
-    with torch.no_grad():
-        ref = run_batched(layer.ffn, calib)
+    if floats is not None:
+        ref = floats["calib"]
+    else:
+        with torch.no_grad():
+            ref = run_batched(layer.ffn, calib)
     # what every candidate is compared with, in float64 once per layer (not once per candidate)
     ref64 = ref.double()
     grad_sq = grad.double().square()
     signal = float(ref64.square().sum())
     del ref
     scores, kept = [], {}
-    for outcome in _outcomes(layer, recipes, calib, held_out, bins):
+    for outcome in _outcomes(layer, recipes, calib, held_out, bins, floats):
         recipe = outcome.recipe
         if not outcome.ok:
             scores.append(CandidateScore(str(recipe), error=str(outcome.error).splitlines()[0]))
@@ -184,6 +206,7 @@ class ScoreTask:
     grad: Any  # Shared: loss gradients at the layer's output on the search inputs
     keep: tuple[Recipe, ...] = ()
     bins: int | None = None
+    floats: Any = None  # Shared: the layer's `float_figures` (None: each task computes what it needs)
 
 
 def score_tasks(executor: Any, layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor,
@@ -194,11 +217,14 @@ def score_tasks(executor: Any, layer: Any, recipes: Sequence[Recipe], calib: tor
     for recipe in recipes:
         groups.setdefault(recipe.remedies, []).append(recipe)
     handles = [executor.share(v) for v in (layer, calib, held_out, grad)]
-    return [ScoreTask(handles[0], tuple(g), *handles[1:], keep=tuple(r for r in keep if r in g), bins=bins)
-            for g in groups.values()]
+    # a dense layer's tasks read its float outputs and range profile once, not once per task
+    floats = executor.share(float_figures(layer, calib, held_out, bins)) if len(groups) > 1 and not isinstance(
+        layer, MoELayer) else None
+    return [ScoreTask(handles[0], tuple(g), *handles[1:], keep=tuple(r for r in keep if r in g), bins=bins,
+                      floats=floats) for g in groups.values()]
 
 
 def run_score_task(task: ScoreTask):
     """Run one `ScoreTask`: (scores in its recipe order, {recipe: QuantizedFFN} for those in its `keep`)."""
     return score_layer(task.layer.get(), task.recipes, task.calib.get(), task.held_out.get(), task.grad.get(),
-                       keep=task.keep, bins=task.bins)
+                       keep=task.keep, bins=task.bins, floats=task.floats.get() if task.floats is not None else None)
