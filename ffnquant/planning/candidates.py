@@ -63,6 +63,12 @@ CANDIDATE_SETS: dict[str, tuple[str, ...]] = {
 HELD_ROWS = 2048
 
 
+# Search rows each candidate's output error (raw and gradient-weighted) is summed over: evenly strided, as the
+# held-out rows are. Its per-token mean is what the prediction reads (times a per-layer factor fitted on 512 probe
+# tokens, which bounds the prediction's precision more than 2,048 rows do).
+SCORE_ROWS = 2048
+
+
 def held_rows(x: torch.Tensor, limit: int = HELD_ROWS) -> torch.Tensor:
     """At most `limit` rows of `x`, evenly strided from the first (all of them when there are no more)."""
     if x.shape[0] <= limit:
@@ -119,7 +125,7 @@ def float_figures(layer: Any, calib: torch.Tensor, held_out: torch.Tensor, bins:
     from ..numerics.observe import DEFAULT_BINS, profile
 
     with torch.no_grad():
-        out = {"calib": run_batched(layer.ffn, calib), "held": run_batched(layer.ffn, held_out)}
+        out = {"calib": run_batched(layer.ffn, held_rows(calib, SCORE_ROWS)), "held": run_batched(layer.ffn, held_out)}
     batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
     out["profile"] = profile(layer.ffn, batches, sites=["input", "hidden"], weights=False,
                              bins=DEFAULT_BINS if bins is None else bins)
@@ -137,11 +143,14 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
 
     if grad.shape != calib.shape:
         raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
+    # the output error is summed over a strided part of the search rows (`SCORE_ROWS`); the quantizers calibrate on
+    # all of them
+    rows, grad = held_rows(calib, SCORE_ROWS), held_rows(grad, SCORE_ROWS)
     if floats is not None:
         ref = floats["calib"]
     else:
         with torch.no_grad():
-            ref = run_batched(layer.ffn, calib)
+            ref = run_batched(layer.ffn, rows)
     # what every candidate is compared with, in float64 once per layer (not once per candidate)
     ref64 = ref.double()
     grad_sq = grad.double().square()
@@ -155,13 +164,14 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
             continue
         q = outcome.result.qmodel
         with torch.no_grad():
-            err_sq = (run_batched(q, calib).double() - ref64).square()
+            err_sq = (run_batched(q, rows).double() - ref64).square()
         noise = float(err_sq.sum())
         scores.append(CandidateScore(
             str(recipe), layer_sqnr_db=outcome.result.accuracy.sqnr_db, search_noise=noise,
             search_sqnr_db=_db(signal, noise),
             # sensitivity.fisher_noise, with the gradients squared once per layer
-            fisher=float((grad_sq * err_sq).sum()), bytes=recipe_weight_bytes(layer.spec, recipe)))
+            fisher=float((grad_sq * err_sq).sum()), bytes=recipe_weight_bytes(layer.spec, recipe),
+            search_rows=int(rows.shape[0])))
         del err_sq
         if recipe in keep:
             kept[recipe] = q

@@ -294,8 +294,10 @@ def _finish_layer(local: dict[str, Any], ablations: Mapping[tuple[int, str], Any
             # both scaled by how much worse the layer's error is on held-out inputs than on the search ones
             gen = generalization(s)
             row["generalization"] = gen
-            row["predicted_kl"] = kappa * s.fisher / max(1, n_search) * gen
-            row["predicted_hidden_nsr"] = (rho * gen * s.search_noise / max(1, n_search)) / signal if signal > 0 else None
+            rows_summed = s.search_rows or n_search
+            row["predicted_kl"] = kappa * s.fisher / max(1, rows_summed) * gen
+            row["predicted_hidden_nsr"] = ((rho * gen * s.search_noise / max(1, rows_summed)) / signal if signal > 0
+                                           else None)
         lat = latency.get(str(recipe), {})
         row["latency_ms"] = lat.get("p50_ms")
         if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:

@@ -22,6 +22,7 @@ class CandidateScore:
     fisher: float | None = None  # the same weighted by the squared loss gradient
     bytes: int | None = None
     error: str | None = None
+    search_rows: int | None = None  # the search tokens `search_noise` and `fisher` sum over (None: all of them)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
