@@ -197,6 +197,18 @@ def truncated(model: str, n: int, folder: Path) -> str:
     return str(folder)
 
 
+def _commit_label(checkout: Path) -> str:
+    """'commit abc1234' (and whether the checkout had uncommitted changes to the package), or 'a checkout'."""
+    try:
+        sha = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--", "ffnquant"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "a checkout"
+    return f"commit {sha}" + (" with uncommitted changes to ffnquant/" if dirty else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model")
@@ -264,7 +276,7 @@ def main(argv=None) -> int:
     doc = {"model": Path(args.model).name + (f" (first {args.layers} layers)" if args.layers else ""), "recipe": args.recipe, "steps": steps, "apply_save": apply_save,
            "command": local(" ".join(shlex.quote(a) for a in [sys.executable, os.path.relpath(__file__, REPO)]
                                      + list(argv if argv is not None else sys.argv[1:]))),
-           "source_label": "this checkout" if not args.source else f"checkout {args.source}",
+           "source_label": _commit_label(Path(args.source) if args.source else REPO),
            "environment": environment(env)}
     try:
         plan = json.loads((plan_dir / "plan.json").read_text())
