@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N workers share the cores, torch's threads too
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)))
 
 # numpy versions of the seed texts' formulas, independent of torch.
 _erf = np.vectorize(math.erf)
