@@ -652,3 +652,25 @@ def test_a_layers_tasks_sharing_its_float_figures_score_as_each_task_alone():
     shared = [s for t in tasks for s in run_score_task(t)[0]]
     alone = score_layer(layer, recipes, calib, held, grad)[0]
     assert [s.to_dict() for s in shared] == [s.to_dict() for s in alone]
+
+
+def test_choosable_keeps_both_pareto_fronts_and_drops_what_cannot_be_chosen():
+    """The FFNs kept for the rounds: the front of (gradient-weighted error x generalization, cost), the front
+    without static int8 (onnxruntime's floor may exclude those later), never a failed candidate or one whose input
+    scale cannot fold."""
+    from ffnquant.planning.job import choosable
+    from ffnquant.planning.scores import CandidateScore
+    from ffnquant.planning.target import Objective
+
+    def score(recipe, fisher, cost, **kw):
+        return CandidateScore(recipe, layer_sqnr_db=30.0, search_sqnr_db=30.0, search_noise=fisher, fisher=fisher,
+                              bytes=cost, **kw)
+
+    scores = [score("fp32", 0.0, 100), score("w8a8@search", 1.0, 25), score("w8a8@minmax", 2.0, 25),
+              score("w8a8-dynamic-s8", 1.5, 30), score("w4a16-g128", 5.0, 13),
+              score("w8a8@search+smooth", 0.5, 25), CandidateScore("w4a16-g128-awq", error="failed")]
+    kept = choosable(scores, {}, Objective("bytes"), "kl", None)
+    assert kept == {"fp32", "w8a8@search+smooth", "w4a16-g128", "w8a8-dynamic-s8"}
+    # smoothing cannot fold on this layer: its candidate is gone, and the next static one takes its place
+    assert choosable(scores, {}, Objective("bytes"), "kl", "no norm") == {"fp32", "w8a8@search", "w4a16-g128",
+                                                                          "w8a8-dynamic-s8"}
