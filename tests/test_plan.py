@@ -674,3 +674,22 @@ def test_choosable_keeps_both_pareto_fronts_and_drops_what_cannot_be_chosen():
     # smoothing cannot fold on this layer: its candidate is gone, and the next static one takes its place
     assert choosable(scores, {}, Objective("bytes"), "kl", "no norm") == {"fp32", "w8a8@search", "w4a16-g128",
                                                                           "w8a8-dynamic-s8"}
+
+
+def test_a_round_must_save_more_than_the_latency_table_can_resolve():
+    """`steering.min_gain`: 1% for bytes (exact) and for a steady table; a noisy table's median relative standard
+    error (each recipe's once: a graph timed for another is not counted twice) when that is coarser."""
+    from ffnquant.planning.latency_table import request_row
+    from ffnquant.planning.steering import MIN_GAIN, min_gain
+    from ffnquant.planning.target import Workload
+
+    steady = request_row([10.0] * 21, [1.0] * 21, Workload(16, 0))
+    assert steady["median_rel_se"] == 0.0 and min_gain({"fp32": steady}) == MIN_GAIN
+    assert min_gain(None) == MIN_GAIN and min_gain({}) == MIN_GAIN
+    spread = [float(v) for v in range(5, 26)]  # p10 7, p50 15, p90 23 over 21 samples
+    noisy = request_row(spread, [0.0] * 21, Workload(16, 0))
+    want = math.sqrt(math.pi / 2) * (23 - 7) / 2.5631 / math.sqrt(21) / 15
+    assert noisy["median_rel_se"] == pytest.approx(want)  # about 12%
+    table = {"fp32": noisy, "w8a8@minmax": steady, "w8a8@search": dict(steady, timed_as="w8a8@minmax"),
+             "w4a16-g128": noisy}
+    assert min_gain(table) == pytest.approx(want)

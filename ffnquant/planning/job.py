@@ -55,7 +55,7 @@ from .scores import CandidateScore
 from .search import Option, pareto, solve
 from .sensitivity import check_plannable, fisher_noise, noise_per_kl
 from .source import PlanSource
-from .steering import AIM, MIN_GAIN, RoundPoint, first_noise, next_budget
+from .steering import AIM, RoundPoint, first_noise, min_gain, next_budget
 from .target import Objective, Target
 
 if TYPE_CHECKING:  # annotations only
@@ -460,7 +460,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     w = noise_per_kl(source.ablations.values())
     prior = first_noise(target, w, {label: base.get("n_tokens") or 0 for label, base in baseline["domains"].items()})
     damage_budget = next_budget(points, target.budget, prior)
-    steering = {"noise_per_kl": w, "first_noise": prior, "aim": AIM, "min_gain": MIN_GAIN}
+    least_gain = min_gain(latency if objective.kind == "latency" else None)
+    steering = {"noise_per_kl": w, "first_noise": prior, "aim": AIM, "min_gain": least_gain}
     for rnd in range(1, max_rounds + 1):
         chosen = search.solve(damage_budget)
         if chosen is None:
@@ -471,8 +472,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         if any(names == r["layers"] for r in rounds):
             break  # the budget moved but the choice did not: nothing new to verify
         passed = [r for r in rounds if r["met"]]
-        if passed and cost > (1.0 - MIN_GAIN) * min(r["cost"] for r in passed):
-            break  # not worth a round: it could save less than MIN_GAIN of the cheapest plan that met
+        if passed and cost > (1.0 - least_gain) * min(r["cost"] for r in passed):
+            break  # not worth a round: it could save less than the least gain of the cheapest plan that met
         tick(f"verify round {rnd}: end to end on the held-out text", rnd, max_rounds)
         if all(name == "fp32" for name in names.values()):
             domains = {label: dict(_UNCHANGED, perplexity=base["perplexity"], n_predicted=base.get("n_tokens"))

@@ -13,6 +13,7 @@ damage, so the search's Pareto front drops anything that costs more (`search.par
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -41,7 +42,12 @@ def request_row(prefill_ms: Sequence[float], decode_ms: Sequence[float], workloa
     (`p50_ms`, what the search minimises: `workload.cost` of the two medians; p10/p90 likewise)."""
     pre = {q: float(np.percentile(prefill_ms, q)) for q in (10, 50, 90)}
     dec = {q: float(np.percentile(decode_ms, q)) for q in (10, 50, 90)}
-    return {**{f"p{q}_ms": workload.cost(pre[q], dec[q]) for q in (10, 50, 90)},
+    req = {q: workload.cost(pre[q], dec[q]) for q in (10, 50, 90)}
+    # the median's standard error relative to it: sqrt(pi/2) sigma / sqrt(n), sigma from the p10-p90 span of a normal
+    # (2 x 1.2816 sigma); what the plan's cost can resolve (`steering.min_gain`)
+    rel_se = (math.sqrt(math.pi / 2) * (req[90] - req[10]) / 2.5631 / math.sqrt(len(prefill_ms)) / req[50]
+              if req[50] > 0 and len(prefill_ms) else None)
+    return {**{f"p{q}_ms": req[q] for q in (10, 50, 90)}, "median_rel_se": rel_se,
             "prefill_ms": pre[50], "prefill_p10_ms": pre[10], "prefill_p90_ms": pre[90],
             "decode_ms": dec[50], "decode_p10_ms": dec[10], "decode_p90_ms": dec[90],
             "samples": len(prefill_ms), "decode_samples": len(decode_ms),

@@ -13,16 +13,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .target import Target
 
-__all__ = ["AIM", "MIN_GAIN", "RoundPoint", "noise_model", "first_noise", "next_budget"]
+__all__ = ["AIM", "MIN_GAIN", "RoundPoint", "noise_model", "first_noise", "next_budget", "min_gain"]
 
 # A round aims its predicted damage at this share of the budget: the noise model below is fitted on a few rounds.
 AIM = 0.95
-# Another round is run only when its plan would cost this share less than the cheapest round that met.
+# Another round is run only when its plan would cost this share less than the cheapest round that met, or more when
+# the cost table cannot resolve that (`min_gain`).
 MIN_GAIN = 0.01
+
+
+def min_gain(latency: Mapping[str, Mapping[str, Any]] | None) -> float:
+    """The least saving worth another verification round: MIN_GAIN, or a measured latency table's resolution when
+    coarser (the median over its timed recipes of the relative standard error of each one's median request time,
+    `latency_table.request_row`). A plan that a table times within its own noise of the one that met is not
+    known to be cheaper, and a round costs a whole pass of the held-out text. Bytes (no table) are exact."""
+    errors = sorted(float(row["median_rel_se"]) for row in (latency or {}).values()
+                    if row.get("median_rel_se") is not None and not row.get("timed_as"))
+    return max(MIN_GAIN, errors[len(errors) // 2]) if errors else MIN_GAIN
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,9 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
               "round's budget is the largest predicted damage whose bound, by a model fitted on the rounds so far "
               "(measured = a x predicted, bound - measured = c x sqrt(predicted), per text), stays within "
               f"{100 * steer.get('aim', AIM):.0f}% of the target; a round is run only if its plan would cost at "
-              f"least {100 * steer.get('min_gain', MIN_GAIN):.0f}% less than the cheapest one that met. The first "
+              f"least {100 * steer.get('min_gain', MIN_GAIN):.1f}% less than the cheapest one that met (1%, or the "
+              "latency table's resolution when coarser: the relative standard error of its recipes' median times). "
+              "The first "
               "round's interval width comes from the probes' ablations"
               + (f" (the NLL change of a probe sequence scatters about its KL with variance {w:.3g} x KL)." if w else "."),
               ""]
