@@ -109,7 +109,7 @@ def test_per_token_int8_and_weight_only_int8_score_as_the_reference(llama, tmp_p
     planned = _planned(llama, ["w8a8-dynamic-s8", "w8a16"])
     source = export_float_graph(planned.model, planned.info, tmp_path / "planned.fp32.onnx")
     q = quantize_graph(source, planned, tmp_path / "model.onnx")
-    assert q["kinds"] == {"dynamic-int8": 3, "weight-dq": 3}
+    assert q["kinds"] == {"dynamic-int8": 3, "weight-dq": 3} and q["file"] == "model.onnx"  # no machine path
     assert q["nodes"]["quantized"]["MatMulInteger"] == 3 and "DynamicQuantizeLinear" not in q["nodes"]["quantized"]
     # the file says how a session keeps w8a16's activations float (onnxruntime's default does not)
     props = {p.key: p.value for p in onnx.load(str(tmp_path / "model.onnx")).metadata_props}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -132,7 +133,9 @@ def quantize_graph(float_path: str | os.PathLike, planned: PlannedModel, out_pat
     check_and_save(proto, out_path)
     rows = [{"module": m.module, "layer": m.layer, "weight": m.weight, "recipe": m.recipe, "kind": kinds[m.module],
              "rotation": m.rotation is not None} for m in planned.modules]
-    return {"path": str(out_path), "modules": rows, "kinds": dict(Counter(kinds.values())),
+    # the file's name, not its path: it is written in a staging folder that is renamed, and a report names no
+    # folder of this machine
+    return {"file": Path(out_path).name, "modules": rows, "kinds": dict(Counter(kinds.values())),
             "nodes": {"float": dict(before), "quantized": dict(after)},
             "n_nodes": {"float": sum(before.values()), "quantized": sum(after.values())},
             "bytes": {"source": os.path.getsize(float_path), "quantized": os.path.getsize(out_path)}}
