@@ -10,6 +10,7 @@ remedy set.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +62,7 @@ class Prepared:
 
     `model` is the float model after remedies (what gets quantized), `reference` the original
     float model (what accuracy is measured against), `table` the RangeTable of `model` over the
-    calibration tokens, `calib` / `eval` disjoint token sets, `remedies` the remedy records and
+    calibration tokens (profiled on first use: a scheme with no static activation range never reads it), `calib` / `eval` disjoint token sets, `remedies` the remedy records and
     `transforms` the remedies as a recipe states them, in the order applied (what a recipe must match
     to use it; `smooth` / `rotate` read them).
     """
@@ -69,7 +70,7 @@ class Prepared:
     spec: Any
     reference: FFN
     model: FFN
-    table: Any
+    _table: Any  # a RangeTable, or a function making it (`table`)
     calib: torch.Tensor
     eval: torch.Tensor
     source_label: str
@@ -82,6 +83,13 @@ class Prepared:
     _scratch: Any = None
     name: str | None = None  # file-name stem of the ONNX files (default the spec key)
     transforms: tuple[Transform, ...] = ()
+
+    @property
+    def table(self) -> Any:
+        """The RangeTable of `model` over the calibration tokens, profiled on first use."""
+        if callable(self._table):
+            self._table = self._table()
+        return self._table
 
     @property
     def smooth(self) -> float | None:
@@ -244,7 +252,7 @@ def prepare(
         work, rec = step.apply(work, batches, original=ref, smooth_sites=smooth_sites, bins=bins,
                                ranges=lambda done=tuple(steps[:k]), model=work: ranges_of(done, model))
         records.append(rec)
-    table = ranges_of(tuple(steps), work)
+    table = functools.partial(ranges_of, tuple(steps), work)  # profiled when a static range is first asked for
     prepared = Prepared(spec, ref, work, table, calib, ev, label, records, name=name, transforms=tuple(steps))
     if reference_eval is not None:
         if tuple(reference_eval.shape) != (ev.shape[0], spec.d_model):
@@ -403,7 +411,8 @@ def quantize_spec(
             prep._search[key] = search_calibrators(prep.model, prep.table, scheme, _search_rows(prep.calib), hessians=hessians)
         cal = prep._search[key]
     weights, sites = recipe.quantized_parts(spec)  # a `+float=SITE` recipe leaves that site and its matrices float
-    q = quantize_model(prep.model, scheme, prep.table, calibrator=cal, remedies=prep.remedies, hessians=hessians,
+    # a scheme without static activation ranges reads no range table: none is profiled for it
+    q = quantize_model(prep.model, scheme, prep.table if scheme.static_activations else None, calibrator=cal, remedies=prep.remedies, hessians=hessians,
                        weights=weights, sites=sites, fold_cache=prep._folds)
     q.recipe = recipe
     ref = prep.ref_eval()

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from ffnquant.hf.metrics import Agreement, _NLL, ratio_interval, reference_batch, t_quantile
+from ffnquant.hf import metrics
+from ffnquant.hf.metrics import Agreement, _NLL, log_normalizer, ratio_interval, reference_batch, t_quantile
 
 
 def _logits(seed: int, shape=(4, 33, 200), scale=3.0) -> torch.Tensor:
@@ -30,6 +31,24 @@ def test_kl_over_the_top_k_and_a_rest_bucket_bounds_the_full_kl(k):
     else:  # merging outcomes never increases a KL divergence
         assert got["mean"] <= float(full.mean()) * (1 + 1e-6)
         assert got["mean"] > 0.5 * float(full.mean())
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 1000), (5, 300), (1000,)], ids=["batch", "rows", "one-row"])
+def test_the_normalizer_taken_a_few_rows_at_a_time_is_the_whole_tensors(shape, monkeypatch):
+    # chunks of 2 rows of 1000 logits (most rows share a chunk with another, one ends alone): each row's max, shift,
+    # exp and sum are the same operations on the same row, so the same bits; against float64 arithmetic, the
+    # float32 sum's relative rounding (~1e-7) on a value of order 10
+    monkeypatch.setattr(metrics, "_NORMALIZER_CHUNK", 2000)
+    x = _logits(5, shape=shape, scale=4.0)
+    top = x.amax(dim=-1, keepdim=True)
+    whole = top.squeeze(-1).double() + torch.log(torch.exp(x - top).sum(dim=-1).double())
+    got = log_normalizer(x)
+    assert got.shape == x.shape[:-1] and got.dtype == torch.float64
+    assert torch.equal(got, whole)
+    assert torch.allclose(got, torch.logsumexp(x.double(), -1), rtol=0, atol=1e-5)
+    x.requires_grad_(True)  # a gradient flows through it (the loss of the backward pass): softmax
+    (g,) = torch.autograd.grad(log_normalizer(x).sum(), [x])
+    assert torch.allclose(g.double(), torch.softmax(x.double(), -1), atol=1e-6)
 
 
 def test_identical_models_agree_exactly():

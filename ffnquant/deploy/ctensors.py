@@ -345,7 +345,9 @@ def _input_qparams_check(planned: PlannedModel, reader: Any) -> dict[str, Any]:
 
 def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     """Each FFN of the loaded folder against ffnquant's quantized FFN on the SAME inputs (those the loaded model
-    feeds it on the first held-out batch): bit for bit, or apart by rounding ties only.
+    feeds it on the first held-out sequence: a layer's every output element compared, which one sequence shows as
+    a batch does; routed experts on the first batch, as one sequence reaches few of them): bit for bit, or apart
+    by rounding ties only.
 
     compressed-tensors rounds x / scale + zero_point in float32 where ffnquant, like ONNX QuantizeLinear and
     the int8 kernels, rounds x / scale and then adds the zero point: a value within float32 rounding of a half
@@ -355,7 +357,8 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     layers = [layer.info for layer in load_ffn_layers(info, "all")]
     captured: dict[str, torch.Tensor] = {}
     with torch.no_grad(), ffn_input_hooks(loaded, info, layers, lambda l, x: captured.setdefault(l.label, x)):
-        loaded(planned.evals[0])
+        routed = any(layer.expert is not None for layer in info.layers)
+        loaded(planned.evals[0] if routed else planned.evals[0][:1])
     names = {mq.layer: mq.module.rsplit(".", 1)[0] for mq in planned.modules}
     layer_db = {r["label"]: r["accuracy_torch"]["sqnr_db"] for r in planned.rows}  # each layer's quantization noise
     rows = []

@@ -230,12 +230,19 @@ def capture_layerwise(info: ModelInfo, layers: Sequence[Any], text=None, eval_te
     calib, evals = _Store(None, "calibration"), _Store(None, "evaluation")
     ccalls = engine.embed(calib_ids, calib, progress, "capture calibration inputs: embed")
     ecalls = engine.embed(eval_ids, evals, progress, "capture evaluation inputs: embed")
+    # the reproduction check of a dense layer runs on the calibration text's first sequence alone (it compares
+    # outputs to a relative bound, which one sequence shows as a batch does); routed experts on the first batch,
+    # as one sequence reaches few of them
+    checked = _Store(None, "check")
+    kcalls = engine.embed([calib_ids[0][:1]], checked)
     cal_x: dict[str, list[torch.Tensor]] = {}
     ev_x: dict[str, list[torch.Tensor]] = {}
     last = max(layer.index for layer in layers)
     for j in range(last + 1):
         hfs = [layer for layer in layers if layer.index == j]
-        engine.check(j, calib, ccalls, hfs)
+        moe = any(g.expert is not None for g in engine.groups[j])
+        engine.check(j, *((calib, ccalls) if moe else (checked, kcalls)), hfs)
+        engine.run(j, checked, kcalls)
         engine.run(j, calib, ccalls, capture=cal_x if hfs else None)
         engine.run(j, evals, ecalls, capture=ev_x if hfs else None)
         if progress is not None:
