@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ffnquant.hf import metrics
-from ffnquant.hf.metrics import Agreement, _NLL, log_normalizer, ratio_interval, reference_batch, t_quantile
+from ffnquant.hf.metrics import (Agreement, _NLL, log_normalizer, ratio_interval, reference_batch, summed_nll,
+                                 t_quantile)
 
 
 def _logits(seed: int, shape=(4, 33, 200), scale=3.0) -> torch.Tensor:
@@ -49,6 +50,23 @@ def test_the_normalizer_taken_a_few_rows_at_a_time_is_the_whole_tensors(shape, m
     x.requires_grad_(True)  # a gradient flows through it (the loss of the backward pass): softmax
     (g,) = torch.autograd.grad(log_normalizer(x).sum(), [x])
     assert torch.allclose(g.double(), torch.softmax(x.double(), -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 2.0 ** -8)],
+                         ids=["float32", "bfloat16"])
+def test_the_summed_nll_and_its_written_out_gradient_are_float64_autograds(dtype, atol, monkeypatch):
+    # the gradient is a probability minus 0 or 1: float32 rounding of a value below 1, or bf16's 2^-8 step
+    monkeypatch.setattr(metrics, "_NORMALIZER_CHUNK", 1500)  # chunks of 3 rows of 500
+    x = _logits(6, shape=(3, 9, 500)).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, 500, (3, 9), generator=torch.Generator().manual_seed(7))
+    got = summed_nll(x, ids)
+    (grad,) = torch.autograd.grad(got, [x])
+    ref = x.detach().double().requires_grad_(True)
+    want = -torch.log_softmax(ref[:, :-1], -1).gather(-1, ids[:, 1:, None]).sum()
+    (want_grad,) = torch.autograd.grad(want, [ref])
+    assert got.dtype == torch.float64 and float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
+    assert grad.dtype == dtype and torch.allclose(grad.double(), want_grad, rtol=0, atol=atol)
+    assert not grad[:, -1].any()  # a sequence's last position predicts nothing
 
 
 def test_identical_models_agree_exactly():

@@ -96,6 +96,39 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return log_normalizer(flat) - target.double()
 
 
+class _SummedNLL(torch.autograd.Function):
+    """The summed next-token NLL of logits [sequences, positions, vocabulary] against `ids`, float64 (`token_nll`
+    summed), with its gradient written out: softmax minus the one-hot of the next token at each predicting position,
+    zero at each sequence's last. Both are taken a few rows at a time (`log_normalizer`), so the loss of a
+    backward pass at a 262k vocabulary keeps no autograd graph of [tokens, vocabulary] temporaries."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = logits.detach().float()
+        norm = torch.stack([log_normalizer(x[s, :-1]) for s in range(x.shape[0])])  # [sequences, positions - 1]
+        target = x[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).double()
+        ctx.save_for_backward(x, ids, norm)
+        ctx.dtype = logits.dtype
+        return (norm - target).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, ids, norm = ctx.saved_tensors
+        grad = torch.zeros_like(x)
+        step = max(1, _NORMALIZER_CHUNK // max(1, x.shape[-1]))
+        for s in range(x.shape[0]):
+            rows, out, lse = x[s, :-1], grad[s, :-1], norm[s].float()[:, None]
+            for i in range(0, rows.shape[0], step):
+                torch.sub(rows[i:i + step], lse[i:i + step], out=out[i:i + step]).exp_()
+            out[torch.arange(out.shape[0]), ids[s, 1:]] -= 1.0
+        return grad.mul_(grad_out.float()).to(ctx.dtype), None
+
+
+def summed_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`token_nll(logits, ids).sum()`, float64, differentiable with respect to `logits` (`_SummedNLL`)."""
+    return _SummedNLL.apply(logits, ids)
+
+
 class _NLL:
     """Streaming negative log-likelihood of next-token prediction."""
 

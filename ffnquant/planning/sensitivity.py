@@ -25,7 +25,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from ..hf.arch import Install, ModelKind
 from ..hf.capture import _module_for
-from ..hf.metrics import token_nll
+from ..hf.metrics import summed_nll
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
@@ -67,7 +67,7 @@ def _ffn_modules(model: nn.Module, info: ModelInfo, layers: Sequence[Any]) -> di
 
 
 def _nll_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return token_nll(logits, ids).sum(dtype=torch.float64)  # differentiable: the loss of the backward pass
+    return summed_nll(logits, ids)  # differentiable: the loss of the backward pass
 
 
 def probe_batches(batches: Sequence[torch.Tensor], probe_tokens: int) -> tuple[list[torch.Tensor], int]:
