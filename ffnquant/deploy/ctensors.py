@@ -439,7 +439,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
        (`CT_PER_TOKEN_CONVENTION`, its cost reported). The perplexity against the recorded reference within
        LOAD_TOLERANCE relative (`meets`) and the plan's own recorded figure (`plan_ratio`) are reported too.
     5. `generation`: greedy generation with a KV cache of the loaded folder against ffnquant's reference of the
-       plan (`proof.generation_equality`), token for token: reported, not a gate (a folded norm is rounded once
+       plan (under compressed-tensors' per-token convention where the gates take it: `convention`)
+       (`proof.generation_equality`), token for token: reported, not a gate (a folded norm is rounded once
        more than the unfolded reference, which may turn a near-tie of two tokens).
     `proven`: 1-3 hold and every end-to-end gate holds.
     """
@@ -456,7 +457,15 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
         figures = compare_models(None, loaded, planned.info, planned.evals, references=references)
         layers = _layer_parity(loaded, planned)
         unfolded = unfolded_ffns(planned)  # ffnquant's reference of the plan, for both checks below
-        generation = generation_equality(planned, loaded, ffns=unfolded)
+        # symmetric per-token layers run under compressed-tensors' convention: the folder is gated against
+        # ffnquant's reference computed that way (on the original model), and what the convention costs is reported
+        # beside it (a model computed in a low precision already runs compressed-tensors' own quantizers:
+        # precision.in_dtype); its generation is compared with that reference too, since a convention's rounding
+        # turns near-ties of two tokens as any rounding does
+        convention = dtype is torch.float32 and any(_ct_numerics(q) is not q for q in planned.qffns.values())
+        generation = generation_equality(planned, loaded, ffns={layer: _ct_numerics(q) for layer, q in unfolded.items()}
+                                         if convention else unfolded)
+        generation["convention"] = CT_PER_TOKEN_CONVENTION if convention else None
     del loaded
     reference = planned.reference["end_to_end"]
     ref_ratio = reference.get("perplexity_ratio")
@@ -471,10 +480,6 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
         if plan_ratio is not None:
             plan_rel = abs(figures["perplexity_ratio"] / plan_ratio - 1.0)
             load.update(plan_relative_difference=plan_rel, meets_plan=plan_rel <= LOAD_TOLERANCE)
-    # symmetric per-token layers run under compressed-tensors' convention: the folder is gated against ffnquant's
-    # reference computed that way (on the original model), and what the convention costs is reported beside it
-    # (a model computed in a low precision already runs compressed-tensors' own quantizers: precision.in_dtype)
-    convention = dtype is torch.float32 and any(_ct_numerics(q) is not q for q in planned.qffns.values())
     allowance = rounding_allowance(planned, references, ffns=unfolded, numerics=_ct_numerics if convention else None,
                                    numerics_name=CT_PER_TOKEN_CONVENTION if convention else None,
                                    deployed=figures, ppl_tolerance=LOAD_TOLERANCE)

@@ -310,27 +310,30 @@ def generation_equality(planned: PlannedModel, loaded: Any, prompts: int = 4, pr
                         new_tokens: int = 24, ffns: Mapping[Any, Any] | None = None) -> dict[str, Any]:
     """Greedy generation with a KV cache (transformers' `generate`) of a loaded deployed model against ffnquant's
     reference of the plan (the original float model with `unfolded_ffns` installed), on `prompts` prompts cut
-    from the held-out batches: the tokens of both, and whether they are equal token for token. `ffns`: the
+    from the held-out batches (run as one batch): the tokens of both, and whether they are equal token for token. `ffns`: the
     `unfolded_ffns` when the caller has them."""
     ids = torch.cat([b.reshape(-1) for b in planned.evals])
     cuts = [ids[i * prompt_tokens:(i + 1) * prompt_tokens].tolist() for i in range(prompts)
             if (i + 1) * prompt_tokens <= ids.numel()]
 
-    def generate(model: Any, prompt: list[int]) -> list[int]:
+    def generate(model: Any, prompts: list[list[int]]) -> list[list[int]]:
+        # the prompts as one batch (all `prompt_tokens` long: no padding): one decode step for all of them, where
+        # the per-step cost of a loaded compressed-tensors model is mostly its modules' Python hooks
+        if not prompts:
+            return []
         eos = getattr(model.config, "eos_token_id", None)
         pad = getattr(model.config, "pad_token_id", None)
         pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+        ids = torch.tensor(prompts)
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                                 do_sample=False, num_beams=1, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 pad_token_id=pad)
-        return out[0, len(prompt):].tolist()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
+        return out[:, ids.shape[1]:].tolist()
 
     with install_ffns(planned.float_model, planned.info, ffns if ffns is not None else unfolded_ffns(planned)):
-        refs = [generate(planned.float_model, p) for p in cuts]
+        refs = generate(planned.float_model, cuts)
     rows = []
-    for p, ref in zip(cuts, refs):
-        got = generate(loaded, p)
+    for p, got, ref in zip(cuts, generate(loaded, cuts), refs):
         first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
         rows.append({"prompt": p, "deployed": got, "reference": ref, "equal": got == ref, "first_difference": first})
     return {"prompts": len(rows), "new_tokens": new_tokens, "equal": sum(r["equal"] for r in rows),

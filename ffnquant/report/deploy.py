@@ -159,7 +159,9 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
     if gen:
         lines.append(f"5. Generation: greedy with transformers' KV cache, {gen['prompts']} prompts of the held-out text x "
                      f"{gen['new_tokens']} new tokens: the loaded folder's tokens equal ffnquant's reference of the plan "
-                     f"(the original model with its quantized FFNs) on {gen['equal']} of {gen['prompts']} prompts"
+                     f"(the original model with its quantized FFNs"
+                     + (f", under {gen['convention']}" if gen.get("convention") else "")
+                     + f") on {gen['equal']} of {gen['prompts']} prompts"
                      + ("." if gen["all_equal"] else "; first differences at token " + ", ".join(
                          str(r["first_difference"]) for r in gen["rows"] if not r["equal"]) + "."))
     if load.get("plan_perplexity_ratio") is not None:
