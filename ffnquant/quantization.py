@@ -62,9 +62,9 @@ class Prepared:
 
     `model` is the float model after remedies (what gets quantized), `reference` the original
     float model (what accuracy is measured against), `table` the RangeTable of `model` over the
-    calibration tokens (profiled on first use: a scheme with no static activation range never reads it), `calib` / `eval` disjoint token sets, `remedies` the remedy records and
-    `transforms` the remedies as a recipe states them, in the order applied (what a recipe must match
-    to use it; `smooth` / `rotate` read them).
+    calibration tokens (profiled on first use: a scheme with no static activation range never reads it),
+    `calib` / `eval` disjoint token sets, `remedies` the remedy records and `transforms` the remedies as a
+    recipe states them, in the order applied (what a recipe must match to use it; `smooth` / `rotate` read them).
     """
 
     spec: Any
@@ -411,8 +411,8 @@ def quantize_spec(
             prep._search[key] = search_calibrators(prep.model, prep.table, scheme, _search_rows(prep.calib), hessians=hessians)
         cal = prep._search[key]
     weights, sites = recipe.quantized_parts(spec)  # a `+float=SITE` recipe leaves that site and its matrices float
-    # a scheme without static activation ranges reads no range table: none is profiled for it
-    q = quantize_model(prep.model, scheme, prep.table if scheme.static_activations else None, calibrator=cal, remedies=prep.remedies, hessians=hessians,
+    table = prep.table if scheme.static_activations else None  # no static range read: none is profiled
+    q = quantize_model(prep.model, scheme, table, calibrator=cal, remedies=prep.remedies, hessians=hessians,
                        weights=weights, sites=sites, fold_cache=prep._folds)
     q.recipe = recipe
     ref = prep.ref_eval()

@@ -463,8 +463,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
         # precision.in_dtype); its generation is compared with that reference too, since a convention's rounding
         # turns near-ties of two tokens as any rounding does
         convention = dtype is torch.float32 and any(_ct_numerics(q) is not q for q in planned.qffns.values())
-        generation = generation_equality(planned, loaded, ffns={layer: _ct_numerics(q) for layer, q in unfolded.items()}
-                                         if convention else unfolded)
+        generated_as = {layer: _ct_numerics(q) for layer, q in unfolded.items()} if convention else unfolded
+        generation = generation_equality(planned, loaded, ffns=generated_as)
         generation["convention"] = CT_PER_TOKEN_CONVENTION if convention else None
     del loaded
     reference = planned.reference["end_to_end"]

@@ -310,8 +310,8 @@ def generation_equality(planned: PlannedModel, loaded: Any, prompts: int = 4, pr
                         new_tokens: int = 24, ffns: Mapping[Any, Any] | None = None) -> dict[str, Any]:
     """Greedy generation with a KV cache (transformers' `generate`) of a loaded deployed model against ffnquant's
     reference of the plan (the original float model with `unfolded_ffns` installed), on `prompts` prompts cut
-    from the held-out batches (run as one batch): the tokens of both, and whether they are equal token for token. `ffns`: the
-    `unfolded_ffns` when the caller has them."""
+    from the held-out batches (run as one batch): the tokens of both, and whether they are equal token for token.
+    `ffns`: the `unfolded_ffns` when the caller has them (or those FFNs as a format's convention computes them)."""
     ids = torch.cat([b.reshape(-1) for b in planned.evals])
     cuts = [ids[i * prompt_tokens:(i + 1) * prompt_tokens].tolist() for i in range(prompts)
             if (i + 1) * prompt_tokens <= ids.numel()]

@@ -70,23 +70,24 @@ def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
     float64: a log-probability (x - this) is within about 3e-7 of float64 arithmetic's, against ~1e-5 and a bias
     for float32 `log_softmax` at a 49k vocabulary, at half the time of a float64 copy of [tokens, vocabulary].
     Taken a few rows at a time (`_NORMALIZER_CHUNK` floats): each row's max, shift, exp and sum then read it from
-    the cache, not from memory four times (a 262k vocabulary's logits are 1 MB a row); the same figures."""
-    x = logits.float()
-    if x.requires_grad:  # a gradient flows through it (`_nll_sum`): one expression, as autograd takes it
-        top = x.amax(dim=-1, keepdim=True).detach()  # any constant gives the same value; its gradient is softmax
-        return top.squeeze(-1).double() + torch.log(torch.exp(x - top).sum(dim=-1).double())
-    rows = x.reshape(-1, x.shape[-1])
-    top = torch.empty(rows.shape[0], 1, dtype=x.dtype)
-    total = torch.empty(rows.shape[0], dtype=x.dtype)
-    step = max(1, _NORMALIZER_CHUNK // max(1, rows.shape[1]))
-    for i in range(0, rows.shape[0], step):
+    the cache, not from memory four times (a 262k vocabulary's logits are 1 MB a row); the same figures. No
+    gradient flows through it: `summed_nll` is the differentiable loss."""
+    rows = logits.detach().float().reshape(-1, logits.shape[-1])
+    top = torch.empty(rows.shape[0], 1, dtype=rows.dtype)
+    total = torch.empty(rows.shape[0], dtype=rows.dtype)
+    for i in range(0, rows.shape[0], step := _chunk_rows(rows.shape[1])):
         part = rows[i:i + step]
         torch.amax(part, dim=-1, keepdim=True, out=top[i:i + step])
         torch.sum(torch.sub(part, top[i:i + step]).exp_(), dim=-1, out=total[i:i + step])
-    return (top.squeeze(-1).double() + torch.log(total.double())).reshape(x.shape[:-1])
+    return (top.squeeze(-1).double() + torch.log(total.double())).reshape(logits.shape[:-1])
 
 
 _NORMALIZER_CHUNK = 1 << 21  # floats (8 MB) of logits at a time in `log_normalizer`: within a server CPU's L3 cache
+
+
+def _chunk_rows(width: int) -> int:
+    """How many rows of `width` logits make one `_NORMALIZER_CHUNK` (at least one)."""
+    return max(1, _NORMALIZER_CHUNK // max(1, width))
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -114,8 +115,7 @@ class _SummedNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, ids, norm = ctx.saved_tensors
-        grad = torch.zeros_like(x)
-        step = max(1, _NORMALIZER_CHUNK // max(1, x.shape[-1]))
+        grad, step = torch.zeros_like(x), _chunk_rows(x.shape[-1])
         for s in range(x.shape[0]):
             rows, out, lse = x[s, :-1], grad[s, :-1], norm[s].float()[:, None]
             for i in range(0, rows.shape[0], step):
