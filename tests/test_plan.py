@@ -603,7 +603,7 @@ def test_never_chosen_leaves_out_what_fp32_beats_and_what_was_not_timed():
 
 @pytest.mark.parametrize("seed", range(6), ids=lambda s: f"seed{s}")
 def test_the_lazy_onnxruntime_floor_finds_the_eager_optimum(seed):
-    from ffnquant.planning.job import _FloorSearch, _ort_exclude
+    from ffnquant.planning.floor import FloorSearch, ort_exclude
 
     rng = random.Random(seed)
     names = ["fp32", "w8a8@minmax", "w8a8@search", "w8a8-dynamic-s8"]
@@ -619,10 +619,10 @@ def test_the_lazy_onnxruntime_floor_finds_the_eager_optimum(seed):
 
     eager = {i: [dict(r) for r in rows[i]] for i in rows}
     for i in eager:
-        _ort_exclude(floors[i], recipes, eager[i])
+        ort_exclude(floors[i], recipes, eager[i])
     lazy_rows = {i: {"candidates": [dict(r) for r in rows[i]], "ort_floor": "pending"} for i in rows}
     measured = []
-    lazy = _FloorSearch(options(rows), lazy_rows, recipes, lambda i: measured.append(i) or floors[i])
+    lazy = FloorSearch(options(rows), lazy_rows, recipes, lambda i: measured.append(i) or floors[i])
     budget = rng.uniform(0.002, 0.05)
     want, got = solve(options(eager), budget), lazy.solve(budget)
     assert {i: o.name for i, o in got.items()} == {i: o.name for i, o in want.items()}

@@ -38,21 +38,18 @@ from ..errors import FFNQuantError
 from ..hf import inspect_model
 from ..hf.evaluate import calibrate_layers
 from ..hf.inputs import EvalSettings, fit_settings
-from ..infra.atomic import ScratchFolder
 from ..infra.device import current_device, describe_device
 from ..measure.executor import LocalExecutor
-from ..numerics.accuracy import run_batched
-from ..onnx.export import export_onnx
-from ..onnx.ortbaseline import ort_baselines
 from ..recipe import Recipe
 from ..schemes import Method, get_scheme
+from .floor import FloorSearch, ort_best, static_int8
 from .candidates import HELD_ROWS, candidate_recipes, generalization, run_score_task, score_tasks
 from .latency_table import measure_latency_table
 from .moe import MoELayer, moe_table
 from .planfile import Plan, model_fingerprint
 from .runtime_latency import check_runtimes, measure_runtime_table
 from .scores import CandidateScore
-from .search import Option, pareto, solve
+from .search import Option, pareto
 from .sensitivity import check_plannable, fisher_noise, noise_per_kl
 from .source import PlanSource
 from .steering import AIM, RoundPoint, first_noise, min_gain, next_budget
@@ -114,39 +111,6 @@ def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], kee
         yield k, scores, {r: kept[r] for r in scored if r in kept}
 
 
-def _ort_best(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any) -> dict[str, Any] | None:
-    """onnxruntime's best own quantizer of this layer (quantize_static MinMax / Percentile / Entropy and
-    quantize_dynamic, on the same calibration and held-out inputs): {method, sqnr_db, methods}, or None."""
-    from pathlib import Path
-
-    with ScratchFolder("plan-ort") as folder:  # marked: a killed run's is swept by the next run
-        fp32 = Path(folder) / f"{layer.label}.fp32.onnx"
-        export_onnx(layer.ffn, fp32)
-        with torch.no_grad():
-            ref = run_batched(layer.ffn, held)
-        res = ort_baselines(fp32, [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)], held, ref,
-                            run_tokens=settings.seq_len * settings.batch_size)
-    best = res.get("best")
-    if not best:
-        return None
-    return {"method": best["method"], "sqnr_db": best["sqnr_db"],
-            "methods": {m: v.get("sqnr_db") for m, v in res["methods"].items()}}
-
-
-def _ort_exclude(best: dict[str, Any] | None, recipes: Sequence[Recipe], rows: list[dict[str, Any]]) -> None:
-    """Every static int8 candidate whose held-out layer SQNR falls below onnxruntime's best own quantizer on the
-    layer is excluded: a user would do better with onnxruntime's quantizer alone."""
-    if best is None:
-        return
-    for recipe, row in zip(recipes, rows):
-        if row.get("error") is not None or "excluded" in row:
-            continue
-        scheme = recipe.resolve()
-        if scheme.static_activations and scheme.act_dtype.is_integer and row["layer_sqnr_db"] < best["sqnr_db"]:
-            row["excluded"] = (f"below onnxruntime's best own quantizer on this layer ({row['layer_sqnr_db']:.1f} dB < "
-                               f"{best['sqnr_db']:.1f} dB, {best['method']})")
-
-
 def never_chosen(recipes: Sequence[Recipe], latency: Mapping[str, Mapping[str, Any]], where: str) -> dict[str, str]:
     """The candidates the latency objective can never choose, by recipe text, with why: those not timed, and those
     no faster than fp32, which costs no accuracy (any assignment using one is beaten by fp32 in its place). Not
@@ -164,43 +128,6 @@ def never_chosen(recipes: Sequence[Recipe], latency: Mapping[str, Mapping[str, A
             out[str(recipe)] = (f"no faster than fp32 on {where} ({ms:.2f} ms against {fp32:.2f} ms), which costs no "
                                 "accuracy: never chosen, so not scored")
     return out
-
-
-def _static_int8(recipe: Recipe) -> bool:
-    scheme = recipe.resolve()
-    return scheme.static_activations and scheme.act_dtype.is_integer
-
-
-class _FloorSearch:
-    """`search.solve` with onnxruntime's floor measured only where it can matter.
-
-    A static int8 candidate below onnxruntime's best own quantizer on its layer is left out (`_ort_exclude`).
-    Measuring that floor costs seconds per layer, so it is measured on a layer only once a solution picks a
-    static int8 candidate there; the layer's options are then pruned and the search solved again. The result is
-    the one an eager floor gives: a solution that picks no unmeasured static int8 candidate is optimal with fewer
-    exclusions, so it is also optimal with all of them."""
-
-    def __init__(self, options: dict[int, list[Option]], per_layer: dict[int, dict[str, Any]],
-                 recipes: Sequence[Recipe], measure: Callable[[int], dict[str, Any] | None]) -> None:
-        self.options, self.per_layer, self.recipes, self.measure = options, per_layer, recipes, measure
-        self.static = {str(r) for r in recipes if _static_int8(r)}
-
-    def solve(self, budget: float) -> dict[int, Option] | None:
-        while True:
-            chosen = solve(self.options, budget)
-            if chosen is None:
-                return None
-            todo = [i for i, o in chosen.items()
-                    if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"]
-            if not todo:
-                return chosen
-            for i in todo:
-                entry = self.per_layer[i]
-                entry["ort_best"] = best = self.measure(i)
-                entry["ort_floor"] = "measured"
-                _ort_exclude(best, self.recipes, entry["candidates"])
-                left = {r["recipe"] for r in entry["candidates"] if r.get("error") is None and "excluded" not in r}
-                self.options[i] = [o for o in self.options[i] if o.name in left]
 
 
 def needs_fold(recipe: Recipe) -> bool:
@@ -233,7 +160,7 @@ def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[st
             continue
         options.append(Option(s.recipe, noise * generalization(s), cost))
     names = {o.name for o in pareto(options)}
-    return names | {o.name for o in pareto([o for o in options if not _static_int8(Recipe.parse(o.name))])}
+    return names | {o.name for o in pareto([o for o in options if not static_int8(Recipe.parse(o.name))])}
 
 
 def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], calib: torch.Tensor, held: torch.Tensor,
@@ -251,7 +178,7 @@ def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], cal
                        "noise": float((got.double() - ref.double()).square().sum())})
     moe = isinstance(layer, MoELayer)
     # onnxruntime's floor is measured later, only on layers where the search picks a static int8 candidate
-    # (`_FloorSearch`); onnxruntime's quantizers take one FFN, not a layer of routed experts
+    # (`FloorSearch`); onnxruntime's quantizers take one FFN, not a layer of routed experts
     ort = "pending" if with_ort_floor and not moe else None
     t = time.perf_counter()
     if moe:
@@ -442,13 +369,13 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     def measure_floor(i: int) -> dict[str, Any] | None:
         t_floor = time.perf_counter()
         layer, calib, held = source.layer_inputs(i)
-        best = _ort_best(layer, calib, held, settings)
+        best = ort_best(layer, calib, held, settings)
         floor_s[0] += time.perf_counter() - t_floor
         measured_floors.append(i)  # at most once per layer: the count runs up to the layers planned
         tick(f"onnxruntime floor: {layer.label}", len(measured_floors), len(per_layer))
         return best
 
-    search = _FloorSearch(options, per_layer, recipes, measure_floor)
+    search = FloorSearch(options, per_layer, recipes, measure_floor)
 
     t = time.perf_counter()
     # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)

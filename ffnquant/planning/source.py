@@ -385,7 +385,7 @@ class PlanSource:
 
     def layer_inputs(self, j: int) -> tuple[Any, Any, Any]:
         """Layer j (an FFN of the plan) with its kept search and held-out inputs, read again after the scoring
-        pass (what the onnxruntime floor measures, `job._FloorSearch`)."""
+        pass (what the onnxruntime floor measures, `floor.FloorSearch`)."""
         from ..hf.checkpoint import iter_ffn_layers
 
         return self._layer(j, iter_ffn_layers(self.info, [j], allow_pickle=self.allow_pickle))
