@@ -126,6 +126,12 @@ def test_the_folder_loads_with_transformers_and_is_the_measured_model(llama, tmp
     assert load["gates"]["met"] and len(load["gates"]["gates"]) == 3 and load["allowance"]["reproduces_reference"]
     # symmetric per-token int8 runs under compressed-tensors' absmax / 127.5: the reference is computed that way
     assert (load["gates"]["convention"] is not None) == ("w8a8-dynamic-s8" in recipes.values())
+    # the generation check's reference takes the same convention, and with nothing folded it is the folder's
+    # computation: greedy tokens equal on every prompt
+    generation = doc["proof"]["generation"]
+    assert generation["convention"] == load["gates"]["convention"] and generation["prompts"] == 4
+    if not any("+smooth" in r for r in recipes.values()):
+        assert generation["all_equal"], generation["rows"]
     smoothed = [f"L{i}" for i, r in sorted(recipes.items()) if "+smooth" in r]
     assert doc["fold"]["folded"] == smoothed and doc["fold"]["exact"]
     assert weights["all_identical"] and weights["modules"] == 6
