@@ -50,6 +50,7 @@ STAGES = (
     ("latency_table_s", "latency table (candidates timed at the model's shape)"),
     ("candidates_s", "candidate scoring and probe ablations"),
     ("ort_floor_s", "onnxruntime's floor (layers where a static int8 candidate was picked)"),
+    ("deferred_candidates_s", "deferred candidates (GPTQ, AWQ) scored on the layers where a solution picked one"),
     ("verify_s", "verification rounds"),
     ("low_precision_baseline_s", "the float model in the compute dtype (bf16 plans)"),
     ("atlas_s", "range atlas"),
@@ -86,9 +87,11 @@ def scored_candidates(plan: dict) -> dict:
     """What a plan.json says about the candidates scored on every layer: {scored: [...], not_scored: {recipe:
     why}}; under the latency objective which ones are scored depends on that run's latency table."""
     skipped = plan.get("not_scored") or {}
-    return {"scored": [r for r in plan.get("candidates", []) if r not in skipped] + [p for p in plan.get("probes", [])
-                                                                                   if p in skipped],
-            "not_scored": skipped, "probes": plan.get("probes", [])}
+    later = plan.get("deferred") or {}
+    return {"scored": [r for r in plan.get("candidates", []) if r not in skipped and r not in later]
+            + [p for p in plan.get("probes", []) if p in skipped],
+            "not_scored": skipped, "probes": plan.get("probes", []),
+            "deferred": {r: len(layers) for r, layers in later.items()}, "layers": len(plan.get("layers") or {})}
 
 
 def local(text: str) -> str:
@@ -139,6 +142,9 @@ def render(doc: dict, before: dict | None) -> str:
         lines += ["", f"Scored on every layer: {len(sc['scored'])} candidates ({', '.join(sc['scored'])}; the probes "
                   f"{', '.join(sc['probes'])} always). Not scored, as the latency table of this run says they can never "
                   f"be chosen: {', '.join(sc['not_scored']) or 'none'}."
+                  + (" Scored only on the layers where a solution picked one (deferred): "
+                     + ", ".join(f"{r} on {n} of {sc.get('layers', '?')} layers" for r, n in sc["deferred"].items()) + "."
+                     if sc.get("deferred") else "")
                   + (f" Before: {len(old_sc['scored'])} scored ({', '.join(old_sc['scored'])})." if old_sc else "")]
     if before:
         b = before["steps"]

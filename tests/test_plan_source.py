@@ -68,6 +68,39 @@ def test_the_streamed_plan_is_the_resident_plan(tiny, tmp_path, monkeypatch, nam
     assert list(tmp_path.iterdir()) == []  # the spilled tensors are gone
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+def test_deferred_candidates_give_the_plan_scoring_them_everywhere_gives(tiny, monkeypatch, streamed):
+    """GPTQ and AWQ are scored only on the layers where a solution picks one (`candidates.deferred`); the plan, every
+    round and every scored figure are those of a plan that scores them on every layer first."""
+    import ffnquant.planning.job as job
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.memory import MemoryPlan
+    from ffnquant.planning.target import Objective
+
+    candidates = "fp32,w8a8-dynamic-s8,w4a16-g32-gptq,w4a16-g32-awq"
+
+    def plan():
+        memory = MemoryPlan(True, False, None, 0, 0, 0, 0, 0, 0, "test") if streamed else None
+        p, result = job.make_plan(inspect_model(tiny["llama"]), "ppl+1%", Objective("bytes"), candidates,
+                                  settings=_settings(), probe_tokens=64, memory=memory)
+        return p.to_toml(), result
+
+    lazy_toml, lazy = plan()
+    monkeypatch.setattr(job, "deferred", lambda recipe: False)
+    eager_toml, eager = plan()
+    assert lazy_toml == eager_toml
+    assert set(lazy["deferred"]) == {"w4a16-g32-gptq", "w4a16-g32-awq"} and eager["deferred"] == {}
+    keys = ("round", "budget", "predicted", "measured", "met", "cost", "layers")
+    assert [{k: r[k] for k in keys} for r in lazy["rounds"]] == [{k: r[k] for k in keys} for r in eager["rounds"]]
+    for i, layer in lazy["layers"].items():
+        mine = {r["recipe"]: r for r in eager["layers"][i]["candidates"]}
+        for row in layer["candidates"]:
+            if row.get("scored") is not False:  # what was scored is what scoring everywhere gives, bit for bit
+                assert row == mine[row["recipe"]]
+            else:
+                assert row.get("deferred") and int(i) not in lazy["deferred"][row["recipe"]]
+
+
 def test_a_plan_verified_in_bf16_is_the_same_streamed_or_resident(tiny, tmp_path, monkeypatch):
     """The verification rounds in bf16 (a second engine computing in it) give the same plan and figures whether the
     model is resident or read a layer at a time and spilled; the figures are the bf16 computation's, not the

@@ -158,11 +158,34 @@ def _quiet_transformers(transformers):
             tl.enable_progress_bar()
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """The folder's own tokenizer (local files only)."""
-    transformers = require_transformers()
+# the tokenizers loaded in this process, by folder and its files' (name, size, mtime): a plan reads the same folder's
+# tokenizer three times (the memory planner, the search text, the held-out text), seconds each at a 262k vocabulary
+_TOKENIZERS: dict[tuple, Any] = {}
+
+
+def _tokenizer_key(path: str | os.PathLike) -> tuple:
+    folder = os.path.realpath(path)
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        files = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)
+                             if e.is_file() and not e.name.endswith((".safetensors", ".bin", ".pt", ".gguf"))))
+    except OSError:
+        files = ()
+    return folder, files
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The folder's own tokenizer (local files only); loaded once per process while the folder's files stay the same
+    (callers read it, never change it)."""
+    transformers = require_transformers()
+    key = _tokenizer_key(path)
+    if key in _TOKENIZERS:
+        return _TOKENIZERS[key]
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if len(_TOKENIZERS) >= 4:  # a few models at a time (a plan and its peer model, tests' tiny folders)
+            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+        _TOKENIZERS[key] = tok
+        return tok
     except Exception as exc:
         raise FFNQuantError(
             f"{str(path)!r} has no usable tokenizer ({type(exc).__name__}: {exc}); "

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
     from ..spec import FFNSpec
 
-__all__ = ["CANDIDATE_SETS", "HELD_ROWS", "held_rows", "candidate_recipes", "format_candidates", "CandidateScore", "generalization", "score_layer",
+__all__ = ["CANDIDATE_SETS", "HELD_ROWS", "held_rows", "candidate_recipes", "deferred", "weight_bytes", "format_candidates", "CandidateScore", "generalization", "score_layer",
            "quantize_layer", "ScoreTask", "score_tasks", "run_score_task"]
 
 # Named candidate sets; `--candidates` also takes a comma-separated list of recipes.
@@ -75,6 +75,21 @@ def held_rows(x: torch.Tensor, limit: int = HELD_ROWS) -> torch.Tensor:
         return x
     stride = -(-x.shape[0] // limit)  # ceil: at most `limit` rows
     return x[::stride].contiguous()
+
+
+def deferred(recipe: Recipe) -> bool:
+    """Whether a candidate is scored only on the layers where a solution picks it (`floor.FloorSearch`): its weights
+    are calibrated from second-order statistics (GPTQ's Hessians, AWQ's scale search), seconds per layer where the
+    other candidates take a fraction of one. Its cost (latency or bytes) is known before it is scored."""
+    return not recipe.is_float and recipe.resolve().needs_hessians
+
+
+def weight_bytes(layer: Any, recipe: Recipe) -> int:
+    """The stored bytes of one layer's FFN weights under `recipe` (a layer of routed experts: all its experts'), as
+    its score says them."""
+    if isinstance(layer, MoELayer):
+        return sum(recipe_weight_bytes(e.spec, recipe) for e in layer.experts)
+    return recipe_weight_bytes(layer.spec, recipe)
 
 
 def candidate_recipes(text: str | Sequence[str], spec: FFNSpec) -> tuple[list[Recipe], list[dict[str, str]]]:

@@ -1,6 +1,7 @@
 """onnxruntime's floor under a plan: a static int8 candidate below onnxruntime's best own quantizer on its layer
-(quantize_static MinMax / Percentile / Entropy, quantize_dynamic) is left out, and the floor is measured on a layer
-only once a solution picks a static int8 candidate there (`FloorSearch`)."""
+(quantize_static MinMax / Percentile, quantize_dynamic: `FLOOR_METHODS`) is left out, and the floor is measured on a layer
+only once a solution picks a static int8 candidate there; the deferred candidates are scored the same way, only on
+the layers where a solution picks one (`FloorSearch`)."""
 
 from __future__ import annotations
 
@@ -16,19 +17,24 @@ from ..onnx.ortbaseline import ort_baselines
 from ..recipe import Recipe
 from .search import Option, solve
 
-__all__ = ["ort_best", "ort_exclude", "static_int8", "FloorSearch"]
+__all__ = ["FLOOR_METHODS", "ort_best", "ort_exclude", "static_int8", "FloorSearch"]
+
+# onnxruntime's quantizers the floor runs. Not Entropy: at quantize_static's defaults it histograms all calibration
+# outputs at once, so its one candidate threshold is the whole range and it writes MinMax's model (the same
+# initializers, `tests/test_ortbaseline.py`), at the cost of a histogram calibration per layer.
+FLOOR_METHODS = ("minmax", "percentile", "dynamic")
 
 
 def ort_best(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any) -> dict[str, Any] | None:
-    """onnxruntime's best own quantizer of this layer (quantize_static MinMax / Percentile / Entropy and
-    quantize_dynamic, on the same calibration and held-out inputs): {method, sqnr_db, methods}, or None."""
+    """onnxruntime's best own quantizer of this layer (quantize_static MinMax / Percentile and quantize_dynamic,
+    `FLOOR_METHODS`, on the same calibration and held-out inputs): {method, sqnr_db, methods}, or None."""
     with ScratchFolder("plan-ort") as folder:  # marked: a killed run's is swept by the next run
         fp32 = Path(folder) / f"{layer.label}.fp32.onnx"
         export_onnx(layer.ffn, fp32)
         with torch.no_grad():
             ref = run_batched(layer.ffn, held)
         res = ort_baselines(fp32, [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)], held, ref,
-                            run_tokens=settings.seq_len * settings.batch_size)
+                            run_tokens=settings.seq_len * settings.batch_size, methods=FLOOR_METHODS)
     best = res.get("best")
     if not best:
         return None
@@ -57,32 +63,54 @@ def static_int8(recipe: Recipe) -> bool:
 
 
 class FloorSearch:
-    """`search.solve` with onnxruntime's floor measured only where it can matter.
+    """`search.solve` with what costs seconds per layer measured only on the layers where it can matter.
 
-    A static int8 candidate below onnxruntime's best own quantizer on its layer is left out (`ort_exclude`).
-    Measuring that floor costs seconds per layer, so it is measured on a layer only once a solution picks a
-    static int8 candidate there; the layer's options are then pruned and the search solved again. The result is
-    the one an eager floor gives: a solution that picks no unmeasured static int8 candidate is optimal with fewer
-    exclusions, so it is also optimal with all of them."""
+    - onnxruntime's floor: a static int8 candidate below onnxruntime's best own quantizer on its layer is left out
+      (`ort_exclude`); the floor is measured on a layer once a solution picks a static int8 candidate there.
+    - Deferred candidates (`candidates.deferred`: GPTQ's and AWQ's calibration from second-order statistics) enter
+      the search unscored, at their known cost and a damage of zero; once a solution picks one on a layer, that
+      layer's deferred candidates are scored (`score`).
+    After either, the layer's options are made again from its rows (`options_of`) and the search solved again.
+
+    The result is the one the eager measurement gives: the search as it stands is a relaxation of the eager one
+    (fewer exclusions, and damages no larger than the true ones, at the same costs), so its optimum is at least as
+    cheap; once that optimum picks no unmeasured static int8 candidate and no unscored one, every option it holds
+    carries its true values, so it is feasible, hence optimal, in the eager search too."""
 
     def __init__(self, options: dict[int, list[Option]], per_layer: dict[int, dict[str, Any]],
-                 recipes: Sequence[Recipe], measure: Callable[[int], dict[str, Any] | None]) -> None:
+                 recipes: Sequence[Recipe], measure: Callable[[int], dict[str, Any] | None],
+                 score: Callable[[int], None] | None = None,
+                 options_of: Callable[[int], list[Option]] | None = None) -> None:
         self.options, self.per_layer, self.recipes, self.measure = options, per_layer, recipes, measure
+        self.score, self.options_of = score, options_of
         self.static = {str(r) for r in recipes if static_int8(r)}
+
+    def _unscored(self, i: int) -> set[str]:
+        return {r["recipe"] for r in self.per_layer[i]["candidates"] if r.get("deferred")}
 
     def solve(self, budget: float) -> dict[int, Option] | None:
         while True:
             chosen = solve(self.options, budget)
             if chosen is None:
                 return None
-            todo = [i for i, o in chosen.items()
-                    if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"]
-            if not todo:
+            floors = [i for i, o in chosen.items()
+                      if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"]
+            unscored = [i for i, o in chosen.items() if o.name in self._unscored(i)]
+            if not floors and not unscored:
                 return chosen
-            for i in todo:
+            if unscored and self.score is None:
+                raise ValueError("FloorSearch: deferred candidates without a `score` to score them")
+            for i in unscored:
+                self.score(i)  # the layer's deferred rows replaced by scored ones
+            for i in floors:
                 entry = self.per_layer[i]
                 entry["ort_best"] = best = self.measure(i)
                 entry["ort_floor"] = "measured"
                 ort_exclude(best, self.recipes, entry["candidates"])
-                left = {r["recipe"] for r in entry["candidates"] if r.get("error") is None and "excluded" not in r}
-                self.options[i] = [o for o in self.options[i] if o.name in left]
+            for i in dict.fromkeys(unscored + floors):
+                if self.options_of is not None:
+                    self.options[i] = self.options_of(i)
+                else:
+                    left = {r["recipe"] for r in self.per_layer[i]["candidates"]
+                            if r.get("error") is None and "excluded" not in r}
+                    self.options[i] = [o for o in self.options[i] if o.name in left]

@@ -43,7 +43,8 @@ from ..measure.executor import LocalExecutor
 from ..recipe import Recipe
 from ..schemes import Method, get_scheme
 from .floor import FloorSearch, ort_best, static_int8
-from .candidates import HELD_ROWS, candidate_recipes, generalization, run_score_task, score_tasks
+from .candidates import (HELD_ROWS, candidate_recipes, deferred, generalization, run_score_task, score_tasks,
+                         weight_bytes)
 from .latency_table import measure_latency_table
 from .moe import MoELayer, moe_table
 from .planfile import Plan, model_fingerprint
@@ -164,9 +165,11 @@ def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[st
 
 
 def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], calib: torch.Tensor, held: torch.Tensor,
-                 grad: torch.Tensor, n_probe: int, source: Any, settings: Any, with_ort_floor: bool) -> dict[str, Any]:
+                 grad: torch.Tensor, n_probe: int, source: Any, settings: Any, with_ort_floor: bool,
+                 later: Sequence[Recipe] = ()) -> dict[str, Any]:
     """What one layer's own inputs give, while they are at hand: its scores, each probe's gradient-weighted error
-    and noise on the probe tokens (its ablation handed to `source`), the onnxruntime floor, its range table."""
+    and noise on the probe tokens (its ablation handed to `source`), the onnxruntime floor, its range table, the
+    bytes of the candidates scored `later` (deferred)."""
     probes = []
     for p, q in kept.items():
         source.ablate(layer, str(p), q)
@@ -187,14 +190,16 @@ def _layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], cal
         chunks = ({layer.label: calib[i : i + 1024]} for i in range(0, calib.shape[0], 1024))
         table = calibrate_layers([layer], chunks, settings.bins)[0][layer.label]
     return {"index": layer.index, "label": layer.label, "scores": scores, "probes": probes, "ort_best": ort,
-            "n_search": calib.shape[0], "table": table, "atlas_s": time.perf_counter() - t}
+            "n_search": calib.shape[0], "table": table, "atlas_s": time.perf_counter() - t,
+            "deferred_bytes": {str(r): weight_bytes(layer, r) for r in later}}
 
 
 def _finish_layer(local: dict[str, Any], ablations: Mapping[tuple[int, str], Any], recipes: Sequence[Recipe],
                   latency: dict[str, dict[str, Any]], objective: Objective,
-                  unscored: Mapping[str, str] = {}) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                  unscored: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One layer's rows: the per-layer fit (kappa, rho) on its probes' ablations, each candidate's predicted
-    damage and cost, the onnxruntime floor; (the layer's entry, its probe fit points)."""
+    damage and cost (a deferred one's row unscored), the onnxruntime floor; (the layer's entry, its probe fit
+    points)."""
     probe_rows = []
     for r in local["probes"]:
         abl = ablations[(local["index"], r["recipe"])]
@@ -202,40 +207,50 @@ def _finish_layer(local: dict[str, Any], ablations: Mapping[tuple[int, str], Any
                            "fisher_per_token": r["fisher_per_token"], "noise": r["noise"],
                            "hidden_signal_per_token": abl.hidden_signal / max(1, abl.tokens),
                            "hidden_noise": abl.hidden_noise})
-    kappa = _fit([(r["fisher_per_token"], r["kl"]) for r in probe_rows])
-    rho = _fit([(r["noise"], r["hidden_noise"]) for r in probe_rows])
-    signal = sum(r["hidden_signal_per_token"] for r in probe_rows) / max(1, len(probe_rows))
-    n_search = local["n_search"]
+    entry = {"label": local["label"], "kappa": _fit([(r["fisher_per_token"], r["kl"]) for r in probe_rows]),
+             "rho": _fit([(r["noise"], r["hidden_noise"]) for r in probe_rows]),
+             "hidden_signal_per_token": sum(r["hidden_signal_per_token"] for r in probe_rows) / max(1, len(probe_rows)),
+             "search_tokens": local["n_search"], "probes": probe_rows}
     by_recipe = {s.recipe: s for s in local["scores"]}
     rows = []
     for recipe in recipes:
         s = by_recipe.get(str(recipe))
-        if s is None:  # left out before scoring (`never_chosen`)
-            lat = latency.get(str(recipe), {})
+        lat = latency.get(str(recipe), {})
+        if s is None and str(recipe) in unscored:  # left out before scoring (`never_chosen`)
             rows.append({**CandidateScore(str(recipe)).to_dict(), "latency_ms": lat.get("p50_ms"),
                          "excluded": unscored[str(recipe)], "scored": False})
-            continue
-        row = s.to_dict()
-        if s.error is None:
-            # KL per token ~ kappa * fisher per token; final NSR ~ rho * noise per token / signal per token;
-            # both scaled by how much worse the layer's error is on held-out inputs than on the search ones
-            gen = generalization(s)
-            row["generalization"] = gen
-            rows_summed = s.search_rows or n_search
-            row["predicted_kl"] = kappa * s.fisher / max(1, rows_summed) * gen
-            row["predicted_hidden_nsr"] = ((rho * gen * s.search_noise / max(1, rows_summed)) / signal if signal > 0
-                                           else None)
-        lat = latency.get(str(recipe), {})
-        row["latency_ms"] = lat.get("p50_ms")
-        if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:
-            row["excluded"] = lat.get("reason") or "not timed"
-        rows.append(row)
+        elif s is None:  # deferred: scored once a solution picks it on this layer (`floor.FloorSearch`)
+            rows.append({**CandidateScore(str(recipe), bytes=local["deferred_bytes"][str(recipe)]).to_dict(),
+                         "latency_ms": lat.get("p50_ms"), "deferred": True, "scored": False})
+        else:
+            rows.append(candidate_row(s, entry, latency, objective))
     fit_points = []
     for r in probe_rows:
-        r["predicted_kl"] = kappa * r["fisher_per_token"]
+        r["predicted_kl"] = entry["kappa"] * r["fisher_per_token"]
         fit_points.append({"layer": local["index"], **r})
-    return {"label": local["label"], "kappa": kappa, "rho": rho, "probes": probe_rows, "candidates": rows,
-            "ort_best": None, "ort_floor": local["ort_best"]}, fit_points
+    return {**entry, "candidates": rows, "ort_best": None, "ort_floor": local["ort_best"]}, fit_points
+
+
+def candidate_row(s: CandidateScore, entry: Mapping[str, Any], latency: Mapping[str, Mapping[str, Any]],
+                  objective: Objective) -> dict[str, Any]:
+    """A scored candidate's row on its layer: its scores, predicted damage by the layer's fit (`entry`: kappa, rho,
+    hidden_signal_per_token, search_tokens) and its cost."""
+    row = s.to_dict()
+    if s.error is None:
+        # KL per token ~ kappa * fisher per token; final NSR ~ rho * noise per token / signal per token;
+        # both scaled by how much worse the layer's error is on held-out inputs than on the search ones
+        gen = generalization(s)
+        row["generalization"] = gen
+        rows_summed = s.search_rows or entry["search_tokens"]
+        signal = entry["hidden_signal_per_token"]
+        row["predicted_kl"] = entry["kappa"] * s.fisher / max(1, rows_summed) * gen
+        row["predicted_hidden_nsr"] = ((entry["rho"] * gen * s.search_noise / max(1, rows_summed)) / signal
+                                       if signal > 0 else None)
+    lat = latency.get(s.recipe, {})
+    row["latency_ms"] = lat.get("p50_ms")
+    if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:
+        row["excluded"] = lat.get("reason") or "not timed"
+    return row
 
 
 def make_plan(
@@ -316,6 +331,9 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     unscored: dict[str, str] = {}
     local: dict[int, dict[str, Any]] = {}
     n_layers = info.n_layers
+    # a resident model scored in this process keeps the candidates a plan could choose for the verification rounds
+    retain = source.resident and isinstance(executor, LocalExecutor)
+    later: list[Recipe] = []
     for group in source.groups():
         if objective.kind == "latency" and not latency:  # measured on the first layer, at the model's shape
             t_lat = time.perf_counter()
@@ -328,9 +346,11 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
             timings["latency_table_s"] = time.perf_counter() - t_lat
             unscored = never_chosen(recipes, latency, ", ".join(objective.runtimes))
             scored = [r for r in scored if str(r) not in unscored or r in probes]  # the probes fit the prediction
-        # each layer is finished as soon as its tasks are in, so its quantized probes are freed early; a resident
-        # model scored in this process keeps the candidates a plan could choose for the verification rounds
-        retain = source.resident and isinstance(executor, LocalExecutor)
+        if not local:  # the deferred candidates are scored later, where a solution picks one (`FloorSearch`)
+            later = [r for r in scored if deferred(r) and r not in probes]
+            scored = [r for r in scored if r not in later]
+            source.keep_gradients = set(source.planned) if later else set()
+        # each layer is finished as soon as its tasks are in, so its quantized probes are freed early
         for k, scores, kept in _scored(executor, group, scored, scored if retain else probes, settings.bins):
             layer, calib, held, grad = group[k]
             if retain:
@@ -340,7 +360,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
                         source.offer(layer.index, str(recipe), q)
                 kept = {p: kept[p] for p in probes if p in kept}
             local[layer.index] = _layer_local(layer, scores, kept, calib, held, grad, source.n_probe, source,
-                                              settings, ort_floor and any_static)
+                                              settings, ort_floor and any_static, later)
             tick(f"candidates: {layer.label}", len(local), n_layers)
     per_layer: dict[int, dict[str, Any]] = {}
     fits: dict[int, list[dict[str, Any]]] = {}
@@ -352,6 +372,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     timings["candidates_s"] = time.perf_counter() - t - timings.get("latency_table_s", 0.0)
 
     def damage(row: dict[str, Any]) -> float:
+        if row.get("deferred"):  # not scored yet: a bound no true damage is below (`FloorSearch`)
+            return 0.0
         if target.damage_kind == "kl":
             return row["predicted_kl"]
         return row["predicted_hidden_nsr"] if row["predicted_hidden_nsr"] is not None else float("inf")
@@ -359,9 +381,11 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     def cost(row: dict[str, Any]) -> float:
         return row["latency_ms"] if objective.kind == "latency" else float(row["bytes"])
 
-    options = {i: [Option(r["recipe"], damage(r), cost(r)) for r in d["candidates"]
-                   if r.get("error") is None and "excluded" not in r]
-               for i, d in per_layer.items()}
+    def options_of(i: int) -> list[Option]:
+        return [Option(r["recipe"], damage(r), cost(r)) for r in per_layer[i]["candidates"]
+                if r.get("error") is None and "excluded" not in r]
+
+    options = {i: options_of(i) for i in per_layer}
     if any(not opts for opts in options.values()):
         raise FFNQuantError("plan: a layer has no usable candidate (fp32 failed?)")
     floor_s, measured_floors = [0.0], []
@@ -375,12 +399,31 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         tick(f"onnxruntime floor: {layer.label}", len(measured_floors), len(per_layer))
         return best
 
-    search = FloorSearch(options, per_layer, recipes, measure_floor)
+    by_name = {str(r): r for r in recipes}  # the options carry recipe texts; the Recipes were parsed once
+    deferred_s, scored_later = [0.0], []
+
+    def score_deferred(i: int) -> None:
+        t_later = time.perf_counter()
+        entry = per_layer[i]
+        todo = [by_name[r["recipe"]] for r in entry["candidates"] if r.get("deferred") and "excluded" not in r]
+        layer, calib, held = source.layer_inputs(i)
+        for _, scores, kept in _scored(executor, [(layer, calib, held, source.gradients(i))], todo,
+                                       todo if retain else (), settings.bins):
+            rows = {s.recipe: candidate_row(s, entry, latency, objective) for s in scores}
+            entry["candidates"] = [rows.get(r["recipe"], r) if r.get("deferred") else r for r in entry["candidates"]]
+            _fold_exclude(entry["candidates"], refusals.get(i))
+            for recipe, q in kept.items():
+                source.offer(i, str(recipe), q)
+        del layer, calib, held
+        scored_later.append(i)
+        deferred_s[0] += time.perf_counter() - t_later
+        tick(f"deferred candidates ({', '.join(map(str, todo))}): L{i}", len(scored_later), len(per_layer))
+
+    search = FloorSearch(options, per_layer, recipes, measure_floor, score_deferred, options_of)
 
     t = time.perf_counter()
     # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)
     baseline = source.verification_baselines()
-    by_name = {str(r): r for r in recipes}  # the options carry recipe texts; the Recipes were parsed once
     rounds: list[dict[str, Any]] = []
     points: list[RoundPoint] = []
     # the first round already allows for the interval's width on the held-out text (`first_noise`)
@@ -430,8 +473,15 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     passing = [r for r in rounds if r["met"]]
     final = min(passing, key=lambda r: r["cost"]) if passing else rounds[-1]
     chosen = {i: next(o for o in options[i] if o.name == name) for i, name in final["layers"].items()}
-    timings["verify_s"] = time.perf_counter() - t - floor_s[0]
+    timings["verify_s"] = time.perf_counter() - t - floor_s[0] - deferred_s[0]
     timings["ort_floor_s"] = floor_s[0]
+    if later:
+        timings["deferred_candidates_s"] = deferred_s[0]
+    source.keep_gradients = set()
+    # what a table or the search's summary reads: scored options only (a deferred one left unscored has no damage)
+    for i in per_layer:
+        unscored_here = {r["recipe"] for r in per_layer[i]["candidates"] if r.get("deferred")}
+        options[i] = [o for o in options[i] if o.name not in unscored_here]
 
     # the layer atlas of the model's FFN ranges (search text), for the plan to be drawn over
     atlas = layer_atlas({f"{info.model_type}:{local[i]['label']}": local[i]["table"] for i in sorted(local)})
@@ -459,6 +509,9 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "target": target.name, "budget": target.budget, "objective": objective.name,
         "candidates": [str(r) for r in recipes], "skipped_candidates": skipped, "probes": list(PROBES),
         "not_scored": unscored,
+        "deferred": {str(r): sorted(i for i in per_layer if any(row["recipe"] == str(r) and row.get("scored") is not False
+                                                                   for row in per_layer[i]["candidates"]))
+                     for r in later},
         "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (planning.search)",
         "calibration": source.texts["calibration"], "evaluation": source.texts["evaluation"],
         "token_budgets": source.texts["token_budgets"], "probe_tokens": source.n_probe,

@@ -139,6 +139,8 @@ class PlanSource:
         # round; the same FFNs `quantize_layer` makes again, so a round quantizes only what was not kept
         self._offered: dict[tuple[int, str], Any] = {}
         self._offer_budget: int | None = None
+        # the layers whose loss gradients stay after the scoring pass (`gradients`): candidates scored later there
+        self.keep_gradients: set[int] = set()
 
     def __enter__(self) -> "PlanSource":
         from ..hf.stream import _spill_folder
@@ -348,7 +350,7 @@ class PlanSource:
                         streams[(j, name)] = store = self.block_in[j].copy(f"ablation{j}-{len(streams)}")
                         m.run(j, store, calls, ffns=self._replacements(j, q))
             self._pending = [p for p in self._pending if p[0] != j]
-            if j in self.planned:
+            if j in self.planned and j not in self.keep_gradients:
                 self.grads.pop(j)
             self.block_in.pop(j).clear()
             _trim()
@@ -389,6 +391,11 @@ class PlanSource:
         from ..hf.checkpoint import iter_ffn_layers
 
         return self._layer(j, iter_ffn_layers(self.info, [j], allow_pickle=self.allow_pickle))
+
+    def gradients(self, j: int) -> Any:
+        """The loss gradients at layer j's FFN output on its search inputs, kept after the scoring pass for a layer of
+        `keep_gradients` (what a candidate scored later reads, `floor.FloorSearch`)."""
+        return self.grads.get(j)
 
     def _replacements(self, j: int, q: Any) -> dict[str, Any]:
         """What computes in layer j's FFNs' place, by label: a quantized FFN, or each quantized expert."""

@@ -75,13 +75,20 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     what = "predicted final NSR" if data["target"].startswith("sqnr") else "predicted KL (nats/token)"
     lines += [markdown_table(["layer", "recipe", "layer SQNR dB (held-out)", "onnxruntime's best dB", what, "latency",
                               "bytes", "cheapest non-dominated candidates"], rows), "",
-              "onnxruntime's best: the best of its quantize_static (MinMax, Percentile, Entropy) and quantize_dynamic "
+              "onnxruntime's best: the best of its quantize_static (MinMax, Percentile; Entropy at its defaults writes "
+              "MinMax's model, so it is not run again) and quantize_dynamic "
               "on the same calibration and held-out inputs, measured on the layers where the search picked a static int8 "
               "candidate ('-' elsewhere: no static int8 candidate was in question there); static int8 candidates below "
               "it on a layer were left out and the search solved again.", ""]
     if data.get("not_scored"):
         lines += ["Candidates not scored, since the objective can never choose them (the plan is the same without "
                   "them):", ""] + [f"- {recipe}: {why}" for recipe, why in data["not_scored"].items()] + [""]
+    if data.get("deferred"):
+        n = len(data["layers"])
+        lines += ["Candidates scored only on the layers where a solution picked one (their calibration reads "
+                  "second-order statistics; unscored, they entered the search at their cost and no damage, so the plan "
+                  "is the one scoring them everywhere gives):", ""] + [
+            f"- {recipe}: scored on {len(idx)} of {n} layers" for recipe, idx in data["deferred"].items()] + [""]
     if data.get("atlas"):
         lines += [f"The layer atlas with the plan drawn over it: [{data['atlas']}]({data['atlas']}) "
                   "(crest factor, kurtosis and outlier channels per layer and site, and the recipe each site got).", ""]
