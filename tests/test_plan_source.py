@@ -161,10 +161,13 @@ def _whole_model_gradients(model, batches):
     return {j: torch.cat(v) for j, v in grads.items()}
 
 
-@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed"])
-def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny, resident):
+@pytest.mark.parametrize("resident, score_rows", [(True, None), (False, None), (True, 64), (False, 64)],
+                         ids=["resident", "streamed", "resident-leading-batch", "streamed-leading-batch"])
+def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny, monkeypatch, resident, score_rows):
     """Pass 2 (each decoder layer recomputed on its kept input, the gradient carried back) against one backward
-    pass of the whole model: the same FFN output gradients, exactly."""
+    pass of the whole model: the same FFN output gradients, exactly. With fewer scored rows than search tokens, the
+    gradients are taken on the leading whole batches holding them alone, and are those of the whole model's backward
+    pass of those batches' loss."""
     from ffnquant.hf import inspect_model
     from ffnquant.hf.capture import load_hf_model
     from ffnquant.hf.stream import token_batches_of
@@ -175,8 +178,13 @@ def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny, resident):
     for p in model.parameters():
         p.requires_grad_(False)
     batches = token_batches_of(info, None, "calibration", settings, settings.max_calib_tokens)
+    if score_rows is not None:  # 64 rows: the first batch of 4 x 16 tokens, of the three
+        monkeypatch.setattr("ffnquant.planning.source.SCORE_ROWS", score_rows)
+        assert len(batches) == 3 and batches[0].numel() == score_rows
+        batches = batches[:1]
     want = _whole_model_gradients(model, batches)
     with PlanSource(info, settings, None, None, 64, resident, False, None, {}) as source:
+        assert source.n_grad_batches == len(batches)
         for j in range(info.n_layers):
             assert torch.equal(source.grads.get(j), want[j]), j
         assert not any(p.requires_grad for p in source.model.model.parameters())

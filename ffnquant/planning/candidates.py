@@ -63,9 +63,10 @@ CANDIDATE_SETS: dict[str, tuple[str, ...]] = {
 HELD_ROWS = 2048
 
 
-# Search rows each candidate's output error (raw and gradient-weighted) is summed over: evenly strided, as the
-# held-out rows are. Its per-token mean is what the prediction reads (times a per-layer factor fitted on 512 probe
-# tokens, which bounds the prediction's precision more than 2,048 rows do).
+# Search rows each candidate's output error (raw and gradient-weighted) is summed over: the rows of the search text's
+# leading sequences that the loss gradients cover (`planning.source` takes them on the leading whole batches holding
+# this many tokens), evenly strided when they are more. Its per-token mean is what the prediction reads (times a
+# per-layer factor fitted on 512 probe tokens, which bounds the prediction's precision more than 2,048 rows do).
 SCORE_ROWS = 2048
 
 
@@ -133,14 +134,26 @@ def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_o
                             **extra)
 
 
-def float_figures(layer: Any, calib: torch.Tensor, held_out: torch.Tensor, bins: int | None = None) -> dict[str, Any]:
+def scored_rows(calib: Any, grad: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """The search rows a candidate's output error is summed over, and their loss gradients: the leading rows the
+    gradients cover, evenly strided to at most `SCORE_ROWS` (an MoE layer's routed tokens: the leading ones)."""
+    n = grad.shape[0]
+    if grad.shape[1:] != calib.shape[1:] or n > calib.shape[0]:
+        raise FFNQuantError(f"{tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
+    if not isinstance(calib, torch.Tensor):
+        return calib[:n], grad
+    return held_rows(calib[:n], SCORE_ROWS), held_rows(grad, SCORE_ROWS)
+
+
+def float_figures(layer: Any, calib: torch.Tensor, held_out: torch.Tensor, grad: torch.Tensor,
+                  bins: int | None = None) -> dict[str, Any]:
     """What every candidate of a dense layer is compared with, computed once for all of its scoring tasks: the float
-    FFN's outputs on the search and held-out inputs, and its range profile (what `quantization.prepare` takes, the
-    same batches and bins)."""
+    FFN's outputs on the scored search rows (`scored_rows`) and the held-out inputs, and its range profile (what
+    `quantization.prepare` takes, the same batches and bins)."""
     from ..numerics.observe import DEFAULT_BINS, profile
 
     with torch.no_grad():
-        out = {"calib": run_batched(layer.ffn, held_rows(calib, SCORE_ROWS)), "held": run_batched(layer.ffn, held_out)}
+        out = {"calib": run_batched(layer.ffn, scored_rows(calib, grad)[0]), "held": run_batched(layer.ffn, held_out)}
     batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
     out["profile"] = profile(layer.ffn, batches, sites=["input", "hidden"], weights=False,
                              bins=DEFAULT_BINS if bins is None else bins)
@@ -156,11 +169,10 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
     if isinstance(layer, MoELayer):
         return score_moe_layer(layer, recipes, calib, held_out, grad, keep=keep, bins=bins)
 
-    if grad.shape != calib.shape:
-        raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
-    # the output error is summed over a strided part of the search rows (`SCORE_ROWS`); the quantizers calibrate on
-    # all of them
-    rows, grad = held_rows(calib, SCORE_ROWS), held_rows(grad, SCORE_ROWS)
+    try:  # the output error is summed over the scored rows (`scored_rows`); the quantizers calibrate on all of them
+        rows, grad = scored_rows(calib, grad)
+    except FFNQuantError as exc:
+        raise FFNQuantError(f"{layer.label}: {exc}") from None
     if floats is not None:
         ref = floats["calib"]
     else:
@@ -243,7 +255,7 @@ def score_tasks(executor: Any, layer: Any, recipes: Sequence[Recipe], calib: tor
         groups.setdefault(recipe.remedies, []).append(recipe)
     handles = [executor.share(v) for v in (layer, calib, held_out, grad)]
     # a dense layer's tasks read its float outputs and range profile once, not once per task
-    floats = executor.share(float_figures(layer, calib, held_out, bins)) if len(groups) > 1 and not isinstance(
+    floats = executor.share(float_figures(layer, calib, held_out, grad, bins)) if len(groups) > 1 and not isinstance(
         layer, MoELayer) else None
     return [ScoreTask(handles[0], tuple(g), *handles[1:], keep=tuple(r for r in keep if r in g), bins=bins,
                       floats=floats) for g in groups.values()]

@@ -136,10 +136,14 @@ def score_moe_layer(layer: MoELayer, recipes: Sequence[Recipe], calib: Routed, h
                     keep: Sequence[Recipe] = (), bins: int | None = None):
     """`planning.candidates.score_layer` for an MoE layer: (scores in recipe order, {recipe: QuantizedMoE} for those in
     `keep`). A recipe is quantized for every expert in turn and scored on the layer's output."""
-    if grad.shape != calib.shape:
-        raise FFNQuantError(f"{layer.label}: {tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
+    from .candidates import scored_rows
+
+    try:  # the quantizers calibrate on every routed token; the error is summed over those the gradients cover
+        rows, grad = scored_rows(calib, grad)
+    except FFNQuantError as exc:
+        raise FFNQuantError(f"{layer.label}: {exc}") from None
     with torch.no_grad():
-        ref, ref_held = layer.ffn(calib), layer.ffn(held)
+        ref, ref_held = layer.ffn(rows), layer.ffn(held)
     signal = float(ref.double().square().sum())
     scores, kept = [], {}
     for recipe in recipes:
@@ -148,12 +152,12 @@ def score_moe_layer(layer: MoELayer, recipes: Sequence[Recipe], calib: Routed, h
             scores.append(CandidateScore(str(recipe), error=error))
             continue
         with torch.no_grad():
-            got, got_held = q(calib), q(held)
+            got, got_held = q(rows), q(held)
         noise = float((got.double() - ref.double()).square().sum())
         scores.append(CandidateScore(
             str(recipe), layer_sqnr_db=_sqnr_db(ref_held, got_held), search_noise=noise,
             search_sqnr_db=db(signal, noise), fisher=fisher_noise(grad, ref, got),
-            bytes=sum(recipe_weight_bytes(e.spec, recipe) for e in layer.experts)))
+            bytes=sum(recipe_weight_bytes(e.spec, recipe) for e in layer.experts), search_rows=len(rows)))
         if recipe in keep:
             kept[recipe] = q
     return scores, kept

@@ -35,7 +35,7 @@ import torch
 from ..hf.memory import Needs
 from ..hf.metrics import TOP_K
 from ..recipe import Recipe
-from .candidates import held_rows
+from .candidates import SCORE_ROWS, held_rows
 from .moe import MoELayer, QuantizedMoE, Routed
 
 if TYPE_CHECKING:  # annotations only
@@ -192,6 +192,11 @@ class PlanSource:
         # the probe tokens: the search text's leading whole sequences (their own batches, their own calls)
         self.probe_ids, self.n_probe = probe_batches(self.calib_ids, self.probe_tokens)
         self.n_probe_batches = len(self.probe_ids)
+        # the loss gradients are taken on the search text's leading whole batches that hold the rows a candidate's
+        # error is summed over (`candidates.SCORE_ROWS`) and the probe tokens: the head's forward and backward pass
+        # and the layer-by-layer backward pass run on those alone (the quantizers calibrate on every batch). At a
+        # 262k vocabulary the head is most of a pass.
+        self.n_grad_batches = len(probe_batches(self.calib_ids, max(SCORE_ROWS, self.n_probe))[0])
         m = self.model = SequentialModel(info, resident=self.resident, allow_pickle=self.allow_pickle)
         # the module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear; a
         # layer of routed experts: its experts module, the weighted sum); the layers a plan covers
@@ -256,7 +261,7 @@ class PlanSource:
         self.ref: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # per probe batch, the tokens its ablations' next-token distributions are taken over (`probe_vocabulary`)
         self.probe_vocab: list[torch.Tensor] = []
-        for b, ids in enumerate(self.calib_ids):
+        for b, ids in enumerate(self.calib_ids[: self.n_grad_batches]):
             final, logits, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
             self.grad_out.put(b, grad)
             if b < self.n_probe_batches:  # what the probes' ablations are measured against
@@ -292,7 +297,7 @@ class PlanSource:
             block, rows, found = m.layers[j], [], {}
             probe = _hooked(self.outputs[j], gradient_probe(found, j)) if j in self.outputs else contextlib.nullcontext()
             with m.layer(j), probe, torch.enable_grad():
-                for b in range(len(self.calib_ids)):
+                for b in range(self.n_grad_batches):
                     args, kwargs = self.ccalls[b][j]
                     # the first layer's input is the embedding, which needs no gradient (nor has one in the
                     # whole model's backward pass)
