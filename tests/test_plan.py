@@ -697,6 +697,27 @@ def test_a_layers_tasks_sharing_its_float_figures_score_as_each_task_alone():
     assert [s.to_dict() for s in shared] == [s.to_dict() for s in alone]
 
 
+def test_fp32_is_scored_without_running_it_as_running_it_scores_it():
+    """`score_layer` writes fp32's score down (no output error, 200 dB) instead of quantizing and running the float
+    FFN; running it (asked to keep it) gives the same score."""
+    from types import SimpleNamespace
+
+    from ffnquant.model import build
+    from ffnquant.planning.candidates import score_layer
+    from ffnquant.spec import FFNSpec, Variant
+
+    spec = FFNSpec(Variant.SWIGLU, d_model=32, d_ff=64)
+    layer = SimpleNamespace(spec=spec, ffn=build(spec, seed=0), label="L0")
+    gen = torch.Generator().manual_seed(0)
+    calib, held, grad = (torch.randn(n, 32, generator=gen) for n in (512, 128, 256))
+    recipes = [Recipe.parse(r) for r in ("w8a8-dynamic-s8", "fp32")]
+    written, kept = score_layer(layer, recipes, calib, held, grad)
+    run, kept_run = score_layer(layer, recipes, calib, held, grad, keep=[recipes[1]])
+    assert [s.recipe for s in written] == ["w8a8-dynamic-s8", "fp32"] and not kept and recipes[1] in kept_run
+    assert [s.to_dict() for s in written] == [s.to_dict() for s in run]
+    assert written[1].search_rows == 256  # the rows the gradients cover
+
+
 def test_choosable_keeps_both_pareto_fronts_and_drops_what_cannot_be_chosen():
     """The FFNs kept for the rounds: the front of (gradient-weighted error x generalization, cost), the front
     without static int8 (onnxruntime's floor may exclude those later), never a failed candidate or one whose input

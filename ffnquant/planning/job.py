@@ -351,7 +351,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
             scored = [r for r in scored if r not in later]
             source.keep_gradients = set(source.planned) if later else set()
         # each layer is finished as soon as its tasks are in, so its quantized probes are freed early
-        for k, scores, kept in _scored(executor, group, scored, scored if retain else probes, settings.bins):
+        keep = [r for r in scored if not r.is_float] if retain else probes  # the float FFN is never offered
+        for k, scores, kept in _scored(executor, group, scored, keep, settings.bins):
             layer, calib, held, grad = group[k]
             if retain:
                 front = choosable(scores, latency, objective, target.damage_kind, source.fold_refusals.get(layer.index))
@@ -371,18 +372,18 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     fit_points = [p for i in sorted(fits) for p in fits[i]]
     timings["candidates_s"] = time.perf_counter() - t - timings.get("latency_table_s", 0.0)
 
-    def damage(row: dict[str, Any]) -> float:
+    def damage_of(row: dict[str, Any]) -> float:
         if row.get("deferred"):  # not scored yet: a bound no true damage is below (`FloorSearch`)
             return 0.0
         if target.damage_kind == "kl":
             return row["predicted_kl"]
         return row["predicted_hidden_nsr"] if row["predicted_hidden_nsr"] is not None else float("inf")
 
-    def cost(row: dict[str, Any]) -> float:
+    def cost_of(row: dict[str, Any]) -> float:
         return row["latency_ms"] if objective.kind == "latency" else float(row["bytes"])
 
     def options_of(i: int) -> list[Option]:
-        return [Option(r["recipe"], damage(r), cost(r)) for r in per_layer[i]["candidates"]
+        return [Option(r["recipe"], damage_of(r), cost_of(r)) for r in per_layer[i]["candidates"]
                 if r.get("error") is None and "excluded" not in r]
 
     options = {i: options_of(i) for i in per_layer}
