@@ -23,7 +23,7 @@ from ..quantization import quantize_recipes
 from ..recipe import Recipe
 from ..schemes import recipe_weight_bytes
 from .moe import MoELayer, quantize_moe_layer, score_moe_layer
-from .scores import CandidateScore, db as _db
+from .scores import HELD_ROWS, SCORE_ROWS, CandidateScore, db as _db, held_rows, scored_rows
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
@@ -54,30 +54,6 @@ CANDIDATE_SETS: dict[str, tuple[str, ...]] = {
         "w8a8@search+smooth+float=hidden", "w8a8@search+smooth+float=input", "w8a8-dynamic-s8+float=hidden",
     ),
 }
-
-
-# Held-out rows a layer's candidates are scored on (its held-out SQNR, and onnxruntime's floor beside it): evenly
-# strided over the held-out text, so every domain and every position in a sequence (the first token's massive
-# activations included) stays represented. Measured on SmolLM2-135M's layers 5 and 20 (four recipes, against all
-# 8,192 held-out rows): 2,048 rows within 0.27 dB, 1,024 rows within 0.27 dB (static int8, whose error the few
-# largest rows carry; 0.05 dB for the others): half the rows, no less settled. The prediction's per-layer factor
-# comes from 512 probe tokens, and the end-to-end verification runs on the whole held-out text.
-HELD_ROWS = 1024
-
-
-# Search rows each candidate's output error (raw and gradient-weighted) is summed over: the rows of the search text's
-# leading sequences that the loss gradients cover (`planning.source` takes them on the leading whole batches holding
-# this many tokens), evenly strided when they are more. Its per-token mean is what the prediction reads (times a
-# per-layer factor fitted on 512 probe tokens, which bounds the prediction's precision more than 2,048 rows do).
-SCORE_ROWS = 2048
-
-
-def held_rows(x: torch.Tensor, limit: int = HELD_ROWS) -> torch.Tensor:
-    """At most `limit` rows of `x`, evenly strided from the first (all of them when there are no more)."""
-    if x.shape[0] <= limit:
-        return x
-    stride = -(-x.shape[0] // limit)  # ceil: at most `limit` rows
-    return x[::stride].contiguous()
 
 
 def deferred(recipe: Recipe) -> bool:
@@ -134,17 +110,6 @@ def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_o
     return quantize_recipes(layer.spec, recipes, collect_errors=True, onnx=False, baseline=False, sensitivity=False,
                             model=layer.ffn, calib_tokens=calib, eval_tokens=held_out, name=layer.label, bins=bins,
                             **extra)
-
-
-def scored_rows(calib: Any, grad: torch.Tensor) -> tuple[Any, torch.Tensor]:
-    """The search rows a candidate's output error is summed over, and their loss gradients: the leading rows the
-    gradients cover, evenly strided to at most `SCORE_ROWS` (an MoE layer's routed tokens: the leading ones)."""
-    n = grad.shape[0]
-    if grad.shape[1:] != calib.shape[1:] or n > calib.shape[0]:
-        raise FFNQuantError(f"{tuple(grad.shape)} gradients for {tuple(calib.shape)} search inputs")
-    if not isinstance(calib, torch.Tensor):
-        return calib[:n], grad
-    return held_rows(calib[:n], SCORE_ROWS), held_rows(grad, SCORE_ROWS)
 
 
 def float_figures(layer: Any, calib: torch.Tensor, held_out: torch.Tensor, grad: torch.Tensor,

@@ -21,7 +21,7 @@ from ..hf.layers import calibrate_layers
 from ..quantization import quantize_recipes
 from ..recipe import Recipe
 from ..schemes import recipe_weight_bytes
-from .scores import CandidateScore, db
+from .scores import CandidateScore, db, scored_rows
 from .sensitivity import fisher_noise
 
 __all__ = ["MoELayer", "QuantizedMoE", "Routed", "routed_sum", "score_moe_layer", "quantize_moe_layer"]
@@ -136,8 +136,6 @@ def score_moe_layer(layer: MoELayer, recipes: Sequence[Recipe], calib: Routed, h
                     keep: Sequence[Recipe] = (), bins: int | None = None):
     """`planning.candidates.score_layer` for an MoE layer: (scores in recipe order, {recipe: QuantizedMoE} for those in
     `keep`). A recipe is quantized for every expert in turn and scored on the layer's output."""
-    from .candidates import scored_rows
-
     try:  # the quantizers calibrate on every routed token; the error is summed over those the gradients cover
         rows, grad = scored_rows(calib, grad)
     except FFNQuantError as exc:

@@ -35,7 +35,7 @@ import torch
 from ..hf.memory import Needs
 from ..hf.metrics import TOP_K
 from ..recipe import Recipe
-from .candidates import SCORE_ROWS, held_rows
+from .scores import SCORE_ROWS, held_rows
 from .moe import MoELayer, QuantizedMoE, Routed
 
 if TYPE_CHECKING:  # annotations only
