@@ -155,6 +155,14 @@ def test_search_says_infeasible_and_counts_negative_damage_as_zero():
     assert [o.name for o in pareto([Option("x", 1, 1), Option("y", 2, 2), Option("z", 0, 3)])] == ["x", "z"]
 
 
+def test_a_zero_budget_allows_no_damage():
+    """Budget 0: only the options that predict no damage (it once took one step as 1.0 of damage: any option of
+    damage up to 2,000 fit)."""
+    layers = {0: [Option("q", 1e-5, 1), Option("fp", 0, 5)], 1: [Option("q", 0.5, 1), Option("fp", 0, 5)]}
+    assert {i: o.name for i, o in solve(layers, 0.0).items()} == {0: "fp", 1: "fp"}
+    assert solve({0: [Option("q", 1e-5, 1)]}, 0.0) is None
+
+
 # --- the verification loop's budget ------------------------------------------------------------
 
 def _point(d, met, a=0.8, c=0.05, label="prose"):
@@ -186,6 +194,8 @@ def test_before_any_round_the_noise_model_is_the_prior():
     # met with room and no interval: toward the budget, at most UP_STEP (1.5x) the damage that met
     ([_point(0.1, True, a=1.0, c=0.0)], None, 0.15),
     ([_point(0.7, True, a=1.0, c=0.0)], None, 0.95),
+    # a float plan met (no damage): no cap from it, toward the budget
+    ([_point(0.0, True, a=1.0, c=0.0)], None, 0.95),
     # met close to the goal: settled
     ([_point(0.93, True, a=1.0, c=0.0)], None, None),
     # missed by 2x with nothing met: where the fitted line reaches the goal
@@ -194,7 +204,8 @@ def test_before_any_round_the_noise_model_is_the_prior():
     ([_point(0.2, True, a=0.5, c=0.0), _point(0.8, False, a=0.5, c=0.0)], None, 0.4),
     # between a damage that met and one that missed, too close to split: settled
     ([_point(0.5, True, a=1.0, c=0.0), _point(0.54, False, a=1.0, c=0.5)], None, None),
-], ids=["no-interval", "interval", "worst-domain", "loosen-capped", "loosen-to-goal", "settled", "tighten-by-fit",
+], ids=["no-interval", "interval", "worst-domain", "loosen-capped", "loosen-to-goal", "float-met-uncapped",
+        "settled", "tighten-by-fit",
         "bisect", "bracketed-settled"])
 def test_next_damage_budget(points, prior, expected):
     from ffnquant.planning.steering import next_budget

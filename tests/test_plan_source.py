@@ -101,6 +101,24 @@ def test_deferred_candidates_give_the_plan_scoring_them_everywhere_gives(tiny, m
                 assert row.get("deferred") and int(i) not in lazy["deferred"][row["recipe"]]
 
 
+def test_a_floor_first_picked_in_a_later_round_is_measured_there(tiny, monkeypatch):
+    """Round 1 aimed at almost no damage keeps every layer float; round 2 then picks static int8, so onnxruntime's
+    floor is measured and the search solved again inside the rounds' loop (where a name the loop rebinds once broke
+    that re-solve). Also: a float round steps on toward the budget (it once capped the next at 1.5 x 0), and a
+    budget of 0 allows no damage (`test_plan.py::test_a_zero_budget_allows_no_damage`)."""
+    import ffnquant.planning.job as job
+    from ffnquant.hf import inspect_model
+    from ffnquant.planning.target import Objective
+
+    monkeypatch.setattr(job, "first_noise", lambda target, w, tokens: {label: 1e6 for label in tokens})
+    _, result = job.make_plan(inspect_model(tiny["llama"]), "sqnr>=30", Objective("bytes"),
+                              "fp32,w8a8@search", settings=_settings(), probe_tokens=64, ort_floor=True)
+    first, later = result["rounds"][0], result["rounds"][1:]
+    assert set(first["layers"].values()) == {"fp32"} and later
+    assert any(layer["ort_floor"] == "measured" for layer in result["layers"].values())
+    assert any(name == "w8a8@search" for r in later for name in r["layers"].values())
+
+
 def test_a_plan_verified_in_bf16_is_the_same_streamed_or_resident(tiny, tmp_path, monkeypatch):
     """The verification rounds in bf16 (a second engine computing in it) give the same plan and figures whether the
     model is resident or read a layer at a time and spilled; the figures are the bf16 computation's, not the

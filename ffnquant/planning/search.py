@@ -52,7 +52,11 @@ def solve(layers: Mapping[int, Sequence[Option]], budget: float, resolution: int
     step = budget / resolution if budget > 0 else 1.0
 
     def units(o: Option) -> int:
-        return math.ceil(o.damage / step - 1e-9) if o.damage > 0 else 0
+        if o.damage <= 0:
+            return 0
+        if budget == 0:  # no damage allowed: beyond every step of the table
+            return resolution + 1
+        return math.ceil(o.damage / step - 1e-9)
 
     inf = float("inf")
     # tables[j][b]: least cost of layers order[:j] with damage of exactly b steps (inf: unreachable)

@@ -109,6 +109,6 @@ def next_budget(points: Sequence[RoundPoint], budget: float, prior: Mapping[str,
     if met is not None and want <= 1.05 * met:
         return None
     last = points[-1].predicted
-    if met is not None and missed is None:  # no further than the rounds so far have measured (`UP_STEP`)
+    if met and missed is None:  # no further than the rounds so far have measured (`UP_STEP`; a float plan, 0, says nothing)
         want = min(want, UP_STEP * met)
     return min(max(want, last / 4.0), 3.0 * last) if last > 0 else want
