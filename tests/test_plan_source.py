@@ -92,6 +92,9 @@ def test_deferred_candidates_give_the_plan_scoring_them_everywhere_gives(tiny, m
     assert set(lazy["deferred"]) == {"w4a16-g32-gptq", "w4a16-g32-awq"} and eager["deferred"] == {}
     keys = ("round", "budget", "predicted", "measured", "met", "cost", "layers")
     assert [{k: r[k] for k in keys} for r in lazy["rounds"]] == [{k: r[k] for k in keys} for r in eager["rounds"]]
+    from ffnquant.report.plan import plan_markdown
+
+    assert "Candidates scored only on the layers where a solution picked one" in plan_markdown(lazy)
     for i, layer in lazy["layers"].items():
         mine = {r["recipe"]: r for r in eager["layers"][i]["candidates"]}
         for row in layer["candidates"]:
