@@ -633,7 +633,8 @@ def test_the_lazy_onnxruntime_floor_finds_the_eager_optimum(seed):
         ort_exclude(floors[i], recipes, eager[i])
     lazy_rows = {i: {"candidates": [dict(r) for r in rows[i]], "ort_floor": "pending"} for i in rows}
     measured = []
-    lazy = FloorSearch(options(rows), lazy_rows, recipes, lambda i: measured.append(i) or floors[i])
+    lazy = FloorSearch(lazy_rows, recipes, lambda i: options({i: lazy_rows[i]["candidates"]})[i],
+                       lambda i: measured.append(i) or floors[i])
     budget = rng.uniform(0.002, 0.05)
     want, got = solve(options(eager), budget), lazy.solve(budget)
     assert {i: o.name for i, o in got.items()} == {i: o.name for i, o in want.items()}
@@ -676,8 +677,7 @@ def test_deferred_candidates_scored_where_picked_give_the_eager_optimum(seed):
         scored.append(i)
         rows[i]["candidates"] = [dict(true[i][r["recipe"]]) if r.get("deferred") else r for r in rows[i]["candidates"]]
 
-    lazy = FloorSearch({i: options_of(i) for i in rows}, rows, recipes, lambda i: measured.append(i) or floors[i],
-                       score, options_of)
+    lazy = FloorSearch(rows, recipes, options_of, lambda i: measured.append(i) or floors[i], score)
     budget = rng.uniform(0.002, 0.05)
     want, got = solve(want_options, budget), lazy.solve(budget)
     assert sum(o.cost for o in got.values()) == pytest.approx(sum(o.cost for o in want.values()))

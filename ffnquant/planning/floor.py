@@ -1,6 +1,6 @@
 """onnxruntime's floor under a plan: a static int8 candidate below onnxruntime's best own quantizer on its layer
-(quantize_static MinMax / Percentile, quantize_dynamic: `FLOOR_METHODS`) is left out, and the floor is measured on a layer
-only once a solution picks a static int8 candidate there; the deferred candidates are scored the same way, only on
+(quantize_static MinMax / Percentile, quantize_dynamic: `FLOOR_METHODS`) is left out, and the floor is measured on
+a layer only once a solution picks a static int8 candidate there; the deferred candidates are scored the same way, only on
 the layers where a solution picks one (`FloorSearch`)."""
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ def ort_exclude(best: dict[str, Any] | None, recipes: Sequence[Recipe], rows: li
     for recipe, row in zip(recipes, rows):
         if row.get("error") is not None or "excluded" in row:
             continue
-        scheme = recipe.resolve()
-        if scheme.static_activations and scheme.act_dtype.is_integer and row["layer_sqnr_db"] < best["sqnr_db"]:
+        if static_int8(recipe) and row["layer_sqnr_db"] < best["sqnr_db"]:
             row["excluded"] = (f"below onnxruntime's best own quantizer on this layer ({row['layer_sqnr_db']:.1f} dB < "
                                f"{best['sqnr_db']:.1f} dB, {best['method']})")
 
@@ -77,12 +76,12 @@ class FloorSearch:
     cheap; once that optimum picks no unmeasured static int8 candidate and no unscored one, every option it holds
     carries its true values, so it is feasible, hence optimal, in the eager search too."""
 
-    def __init__(self, options: dict[int, list[Option]], per_layer: dict[int, dict[str, Any]],
-                 recipes: Sequence[Recipe], measure: Callable[[int], dict[str, Any] | None],
-                 score: Callable[[int], None] | None = None,
-                 options_of: Callable[[int], list[Option]] | None = None) -> None:
-        self.options, self.per_layer, self.recipes, self.measure = options, per_layer, recipes, measure
-        self.score, self.options_of = score, options_of
+    def __init__(self, per_layer: dict[int, dict[str, Any]], recipes: Sequence[Recipe],
+                 options_of: Callable[[int], list[Option]], measure: Callable[[int], dict[str, Any] | None],
+                 score: Callable[[int], None] | None = None) -> None:
+        self.per_layer, self.recipes, self.options_of, self.measure, self.score = (per_layer, recipes, options_of,
+                                                                                  measure, score)
+        self.options = {i: options_of(i) for i in per_layer}
         self.static = {str(r) for r in recipes if static_int8(r)}
 
     def _unscored(self, i: int) -> set[str]:
@@ -108,9 +107,4 @@ class FloorSearch:
                 entry["ort_floor"] = "measured"
                 ort_exclude(best, self.recipes, entry["candidates"])
             for i in dict.fromkeys(unscored + floors):
-                if self.options_of is not None:
-                    self.options[i] = self.options_of(i)
-                else:
-                    left = {r["recipe"] for r in self.per_layer[i]["candidates"]
-                            if r.get("error") is None and "excluded" not in r}
-                    self.options[i] = [o for o in self.options[i] if o.name in left]
+                self.options[i] = self.options_of(i)

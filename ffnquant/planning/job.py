@@ -43,10 +43,9 @@ from ..measure.executor import LocalExecutor
 from ..recipe import Recipe
 from ..schemes import Method, get_scheme
 from .floor import FloorSearch, ort_best, static_int8
-from .candidates import (HELD_ROWS, candidate_recipes, deferred, generalization, run_score_task, score_tasks,
-                         weight_bytes)
+from .candidates import HELD_ROWS, candidate_recipes, deferred, generalization, run_score_task, score_tasks
 from .latency_table import measure_latency_table
-from .moe import MoELayer, moe_table
+from .moe import MoELayer, moe_table, weight_bytes
 from .planfile import Plan, model_fingerprint
 from .runtime_latency import check_runtimes, measure_runtime_table
 from .scores import CandidateScore
@@ -326,7 +325,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     latency: dict[str, dict[str, Any]] = {}
     t = time.perf_counter()
     # the onnxruntime floor applies to static int8 candidates only: without any, it is not measured
-    any_static = any(r.resolve().static_activations and r.resolve().act_dtype.is_integer for r in recipes)
+    any_static = any(static_int8(r) for r in recipes)
     scored = list(dict.fromkeys(recipes + probes))
     unscored: dict[str, str] = {}
     local: dict[int, dict[str, Any]] = {}
@@ -386,8 +385,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         return [Option(r["recipe"], damage_of(r), cost_of(r)) for r in per_layer[i]["candidates"]
                 if r.get("error") is None and "excluded" not in r]
 
-    options = {i: options_of(i) for i in per_layer}
-    if any(not opts for opts in options.values()):
+    if any(not options_of(i) for i in per_layer):
         raise FFNQuantError("plan: a layer has no usable candidate (fp32 failed?)")
     floor_s, measured_floors = [0.0], []
 
@@ -420,7 +418,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         deferred_s[0] += time.perf_counter() - t_later
         tick(f"deferred candidates ({', '.join(map(str, todo))}): L{i}", len(scored_later), len(per_layer))
 
-    search = FloorSearch(options, per_layer, recipes, measure_floor, score_deferred, options_of)
+    search = FloorSearch(per_layer, recipes, options_of, measure_floor, score_deferred)
 
     t = time.perf_counter()
     # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)
@@ -473,12 +471,13 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     # the cheapest round that met the target on the held-out text (else the last, and the result says so)
     passing = [r for r in rounds if r["met"]]
     final = min(passing, key=lambda r: r["cost"]) if passing else rounds[-1]
+    options = search.options  # as the rounds left them: onnxruntime's floor applied, the deferred ones scored
     chosen = {i: next(o for o in options[i] if o.name == name) for i, name in final["layers"].items()}
     timings["verify_s"] = time.perf_counter() - t - floor_s[0] - deferred_s[0]
     timings["ort_floor_s"] = floor_s[0]
     if later:
         timings["deferred_candidates_s"] = deferred_s[0]
-    source.keep_gradients = set()
+    source.release_gradients()
     # what a table or the search's summary reads: scored options only (a deferred one left unscored has no damage)
     for i in per_layer:
         unscored_here = {r["recipe"] for r in per_layer[i]["candidates"] if r.get("deferred")}
@@ -510,9 +509,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "target": target.name, "budget": target.budget, "objective": objective.name,
         "candidates": [str(r) for r in recipes], "skipped_candidates": skipped, "probes": list(PROBES),
         "not_scored": unscored,
-        "deferred": {str(r): sorted(i for i in per_layer if any(row["recipe"] == str(r) and row.get("scored") is not False
-                                                                   for row in per_layer[i]["candidates"]))
-                     for r in later},
+        "deferred": {str(r): [i for i in sorted(per_layer) for row in per_layer[i]["candidates"]
+                              if row["recipe"] == str(r) and not row.get("deferred")] for r in later},
         "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (planning.search)",
         "calibration": source.texts["calibration"], "evaluation": source.texts["evaluation"],
         "token_budgets": source.texts["token_budgets"], "probe_tokens": source.n_probe,

@@ -24,7 +24,7 @@ from ..schemes import recipe_weight_bytes
 from .scores import CandidateScore, db, scored_rows
 from .sensitivity import fisher_noise
 
-__all__ = ["MoELayer", "QuantizedMoE", "Routed", "routed_sum", "score_moe_layer", "quantize_moe_layer"]
+__all__ = ["MoELayer", "QuantizedMoE", "Routed", "routed_sum", "score_moe_layer", "quantize_moe_layer", "weight_bytes"]
 
 
 @dataclass
@@ -132,6 +132,14 @@ def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float | None:
     return 200.0 if noise <= 0 else min(200.0, 10 * math.log10(signal / noise))
 
 
+def weight_bytes(layer: Any, recipe: Recipe) -> int:
+    """The stored bytes of one layer's FFN weights under `recipe` (a layer of routed experts: all its experts'), as
+    its score says them."""
+    if isinstance(layer, MoELayer):
+        return sum(recipe_weight_bytes(e.spec, recipe) for e in layer.experts)
+    return recipe_weight_bytes(layer.spec, recipe)
+
+
 def score_moe_layer(layer: MoELayer, recipes: Sequence[Recipe], calib: Routed, held: Routed, grad: torch.Tensor,
                     keep: Sequence[Recipe] = (), bins: int | None = None):
     """`planning.candidates.score_layer` for an MoE layer: (scores in recipe order, {recipe: QuantizedMoE} for those in
@@ -155,7 +163,7 @@ def score_moe_layer(layer: MoELayer, recipes: Sequence[Recipe], calib: Routed, h
         scores.append(CandidateScore(
             str(recipe), layer_sqnr_db=_sqnr_db(ref_held, got_held), search_noise=noise,
             search_sqnr_db=db(signal, noise), fisher=fisher_noise(grad, ref, got),
-            bytes=sum(recipe_weight_bytes(e.spec, recipe) for e in layer.experts), search_rows=len(rows)))
+            bytes=weight_bytes(layer, recipe), search_rows=len(rows)))
         if recipe in keep:
             kept[recipe] = q
     return scores, kept

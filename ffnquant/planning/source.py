@@ -397,6 +397,13 @@ class PlanSource:
 
         return self._layer(j, iter_ffn_layers(self.info, [j], allow_pickle=self.allow_pickle))
 
+    def release_gradients(self) -> None:
+        """Free the loss gradients kept for candidates scored later (`keep_gradients`): the search is done."""
+        for j in self.keep_gradients:
+            if j in self.grads.items:
+                self.grads.pop(j)
+        self.keep_gradients = set()
+
     def gradients(self, j: int) -> Any:
         """The loss gradients at layer j's FFN output on its search inputs, kept after the scoring pass for a layer of
         `keep_gradients` (what a candidate scored later reads, `floor.FloorSearch`)."""

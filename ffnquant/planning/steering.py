@@ -96,8 +96,8 @@ def next_budget(points: Sequence[RoundPoint], budget: float, prior: Mapping[str,
     The largest predicted damage whose measured bound, by `noise_model` fitted on every round so far (or `prior`
     before the first), stays within `aim` x the target's budget on every held-out domain; kept strictly between the
     largest damage that met (above it) and the smallest that missed (below it), and, while none missed, at most
-    `UP_STEP` x the largest damage that met. None when that is no more than 5% above a damage that already met: the rounds have
-    found the plan."""
+    `UP_STEP` x the largest damage that met. None when that is no more than 5% above a damage that already met:
+    the rounds have found the plan."""
     model = noise_model(points, prior)
     want = min((_largest_damage(a, c, aim * budget) for a, c in model.values()), default=aim * budget)
     if not points:
@@ -109,6 +109,6 @@ def next_budget(points: Sequence[RoundPoint], budget: float, prior: Mapping[str,
     if met is not None and want <= 1.05 * met:
         return None
     last = points[-1].predicted
-    if met and missed is None:  # no further than the rounds so far have measured (`UP_STEP`; a float plan, 0, says nothing)
+    if met and missed is None:  # no further than the rounds have measured (`UP_STEP`; a float plan, 0, says nothing)
         want = min(want, UP_STEP * met)
     return min(max(want, last / 4.0), 3.0 * last) if last > 0 else want
