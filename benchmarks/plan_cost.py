@@ -88,8 +88,10 @@ def scored_candidates(plan: dict) -> dict:
     why}}; under the latency objective which ones are scored depends on that run's latency table."""
     skipped = plan.get("not_scored") or {}
     later = plan.get("deferred") or {}
+    only = plan.get("probes_unscored")  # absent: a plan of before they were left unscored, which scored every probe
     return {"scored": [r for r in plan.get("candidates", []) if r not in skipped and r not in later]
-            + [p for p in plan.get("probes", []) if p in skipped],
+            + [p for p in plan.get("probes", []) if p in skipped and p not in (only or ())],
+            "probes_unscored": only or [],
             "not_scored": skipped, "probes": plan.get("probes", []),
             "deferred": {r: len(layers) for r, layers in later.items()}, "layers": len(plan.get("layers") or {})}
 
@@ -139,9 +141,12 @@ def render(doc: dict, before: dict | None) -> str:
                          + f"{fmt_s(now_t.get(key))} |")
     sc, old_sc = doc.get("plan_scored"), (before or {}).get("plan_scored")
     if sc:
-        lines += ["", f"Scored on every layer: {len(sc['scored'])} candidates ({', '.join(sc['scored'])}; the probes "
-                  f"{', '.join(sc['probes'])} always). Not scored, as the latency table of this run says they can never "
-                  f"be chosen: {', '.join(sc['not_scored']) or 'none'}."
+        only = sc.get("probes_unscored") or []
+        lines += ["", f"Scored on every layer: {len(sc['scored'])} candidates ({', '.join(sc['scored'])}"
+                  + (f"; the probes {', '.join(p for p in sc['probes'] if p not in only)} always" if set(sc["probes"]) - set(only)
+                     else "") + "). Not scored, as the latency table of this run says they can never "
+                  f"be chosen: {', '.join(sc['not_scored']) or 'none'}"
+                  + (f" ({', '.join(only)} only quantized, for the probes' ablations)" if only else "") + "."
                   + (" Scored only on the layers where a solution picked one (deferred): "
                      + ", ".join(f"{r} on {n} of {sc.get('layers', '?')} layers" for r, n in sc["deferred"].items()) + "."
                      if sc.get("deferred") else "")

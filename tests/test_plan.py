@@ -729,6 +729,43 @@ def test_fp32_is_scored_without_running_it_as_running_it_scores_it():
     assert written[1].search_rows == 256  # the rows the gradients cover
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["alone", "shared-float-figures"])
+def test_an_unscored_probe_is_the_ffn_scoring_it_keeps(shared):
+    """A probe no solution can choose is only quantized (`score_layer(unscored=...)`): its kept FFN is the one
+    scoring it keeps, bit for bit (the quantizers never read the held-out rows), it has no score row, and the
+    other candidates' scores are unchanged."""
+    from types import SimpleNamespace
+
+    from ffnquant.measure.executor import LocalExecutor
+    from ffnquant.model import build
+    from ffnquant.planning.candidates import run_score_task, score_layer, score_tasks
+    from ffnquant.spec import FFNSpec, Variant
+
+    spec = FFNSpec(Variant.SWIGLU, d_model=32, d_ff=128)
+    layer = SimpleNamespace(spec=spec, ffn=build(spec, seed=0), label="L0")
+    gen = torch.Generator().manual_seed(0)
+    calib, held, grad = (torch.randn(n, 32, generator=gen) for n in (512, 128, 512))
+    recipes = [Recipe.parse(r) for r in ("fp32", "w8a8@search", "w8a8@search+smooth", "w8a8-dynamic-s8", "w4a16-g32")]
+    probes = recipes[3:]
+
+    def run(unscored):
+        if not shared:
+            return score_layer(layer, recipes, calib, held, grad, keep=probes, unscored=unscored)
+        tasks = score_tasks(LocalExecutor(), layer, recipes, calib, held, grad, keep=probes, unscored=unscored)
+        out = [run_score_task(t) for t in tasks]
+        return [s for o in out for s in o[0]], {r: q for o in out for r, q in o[1].items()}
+
+    scored, kept_scored = run(())
+    only, kept_only = run(probes)
+    by_recipe = {s.recipe: s.to_dict() for s in scored}
+    assert sorted(s.recipe for s in only) == ["fp32", "w8a8@search", "w8a8@search+smooth"]
+    assert all(s.to_dict() == by_recipe[s.recipe] for s in only)
+    x = torch.randn(64, 32, generator=gen)
+    for p in probes:
+        with torch.no_grad():
+            assert torch.equal(kept_only[p](x), kept_scored[p](x)), p
+
+
 def test_choosable_keeps_both_pareto_fronts_and_drops_what_cannot_be_chosen():
     """The FFNs kept for the rounds: the front of (gradient-weighted error x generalization, cost), the front
     without static int8 (onnxruntime's floor may exclude those later), never a failed candidate or one whose input

@@ -40,6 +40,7 @@ from .checkpoint import LayerInfo, ModelInfo, _Weights
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
 from ..infra.atomic import ScratchFolder
+from ..infra.blas import fast_linear
 
 __all__ = ["SequentialModel", "token_batches_of"]
 
@@ -262,10 +263,13 @@ class SequentialModel:
     that reads them, so on the CPU the same code runs with every move a no-op."""
 
     def __init__(self, info: ModelInfo, resident: bool = False, allow_pickle: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None, fast_head: bool = False) -> None:
         from ..infra.device import current_device
 
         self.device = torch.device(device) if device is not None else current_device()
+        # the LM head's matmul on the faster BLAS of this CPU (`infra.blas`): figures compared only with each other,
+        # never with transformers' own forward bit for bit (the deployment proof's engine keeps torch's)
+        self.fast_head = fast_head
         why = None if resident else streamable_reason(info)
         if info.kind is not ModelKind.CAUSAL_LM or why:
             raise FFNQuantError(f"{info.path}: {why or streamable_reason(info)}")
@@ -532,7 +536,7 @@ class SequentialModel:
             lambda module, args, out: got.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
         try:
             with self._stand_ins([_StandIn(None, hidden if i == 0 else None, as_tuple=self._tuple_out)
-                                  for i in range(n)]):
+                                  for i in range(n)]), (fast_linear(self.head) if self.fast_head else contextlib.nullcontext()):
                 # inputs_embeds only give the forward its shapes: the first stand-in returns `hidden`
                 logits = self.model(inputs_embeds=torch.zeros_like(hidden)).logits
         finally:

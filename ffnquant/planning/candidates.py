@@ -98,7 +98,9 @@ def format_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str
 
 def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor, bins: int | None,
               floats: Mapping[str, Any] | None = None):
-    extra = {} if floats is None else {"profiles": {(): floats["profile"]}, "reference_eval": floats["held"]}
+    extra = {} if floats is None else {"profiles": {(): floats["profile"]}}
+    if floats is not None and held_out.shape[0] == floats["held"].shape[0]:
+        extra["reference_eval"] = floats["held"]
     return quantize_recipes(layer.spec, recipes, collect_errors=True, onnx=False, baseline=False, sensitivity=False,
                             model=layer.ffn, calib_tokens=calib, eval_tokens=held_out, name=layer.label, bins=bins,
                             **extra)
@@ -121,10 +123,12 @@ def float_figures(layer: Any, calib: torch.Tensor, held_out: torch.Tensor, grad:
 
 def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor,
                 grad: torch.Tensor, keep: Sequence[Recipe] = (), bins: int | None = None,
-                floats: Mapping[str, Any] | None = None):
+                floats: Mapping[str, Any] | None = None, unscored: Sequence[Recipe] = ()):
     """Score every recipe on one layer: (scores in recipe order, {recipe: QuantizedFFN} for those in `keep`). An
     MoE layer (`planning.moe.MoELayer`) is scored on its routed experts' output (`score_moe_layer`). `floats`: the
-    layer's `float_figures`, when its tasks share them."""
+    layer's `float_figures`, when its tasks share them. `unscored`: recipes of `recipes` only quantized and kept
+    (a probe the plan can never choose: its ablation reads the FFN, not its scores); no score row unless its
+    quantizer failed (then its error). An MoE layer scores them all the same."""
     if isinstance(layer, MoELayer):
         return score_moe_layer(layer, recipes, calib, held_out, grad, keep=keep, bins=bins)
 
@@ -150,7 +154,14 @@ def score_layer(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held
         scores.append(CandidateScore(str(recipe), layer_sqnr_db=_db(signal, 0.0), search_noise=0.0,
                                      search_sqnr_db=_db(signal, 0.0), fisher=0.0,
                                      bytes=weight_bytes(layer, recipe), search_rows=int(rows.shape[0])))
-    rest = [r for r in recipes if r not in exact]
+    only = [r for r in recipes if r in unscored and r not in exact]
+    # the quantizers never read the held-out rows: one row is enough for an FFN that is not measured
+    for outcome in (_outcomes(layer, only, calib, held_out[:1], bins, floats) if only else ()):
+        if outcome.ok:
+            kept[outcome.recipe] = outcome.result.qmodel
+        else:
+            scores.append(CandidateScore(str(outcome.recipe), error=str(outcome.error).splitlines()[0]))
+    rest = [r for r in recipes if r not in exact and r not in only]
     for outcome in (_outcomes(layer, rest, calib, held_out, bins, floats) if rest else ()):
         recipe = outcome.recipe
         if not outcome.ok:
@@ -212,12 +223,15 @@ class ScoreTask:
     keep: tuple[Recipe, ...] = ()
     bins: int | None = None
     floats: Any = None  # Shared: the layer's `float_figures` (None: each task computes what it needs)
+    unscored: tuple[Recipe, ...] = ()  # of `recipes`: quantized and kept, not scored (`score_layer`)
 
 
 def score_tasks(executor: Any, layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor,
-                grad: torch.Tensor, keep: Sequence[Recipe] = (), bins: int | None = None) -> list[ScoreTask]:
+                grad: torch.Tensor, keep: Sequence[Recipe] = (), bins: int | None = None,
+                unscored: Sequence[Recipe] = ()) -> list[ScoreTask]:
     """`score_layer`'s work as tasks: one per remedy set (its candidates share a preparation, as in one call),
-    in the order the sets first appear; the layer and its inputs are shared once by all of them."""
+    in the order the sets first appear; the layer and its inputs are shared once by all of them. `unscored`: as
+    `score_layer`'s."""
     groups: dict[tuple, list[Recipe]] = {}
     for recipe in recipes:
         groups.setdefault(recipe.remedies, []).append(recipe)
@@ -226,10 +240,11 @@ def score_tasks(executor: Any, layer: Any, recipes: Sequence[Recipe], calib: tor
     floats = executor.share(float_figures(layer, calib, held_out, grad, bins)) if len(groups) > 1 and not isinstance(
         layer, MoELayer) else None
     return [ScoreTask(handles[0], tuple(g), *handles[1:], keep=tuple(r for r in keep if r in g), bins=bins,
-                      floats=floats) for g in groups.values()]
+                      floats=floats, unscored=tuple(r for r in unscored if r in g)) for g in groups.values()]
 
 
 def run_score_task(task: ScoreTask):
     """Run one `ScoreTask`: (scores in its recipe order, {recipe: QuantizedFFN} for those in its `keep`)."""
     return score_layer(task.layer.get(), task.recipes, task.calib.get(), task.held_out.get(), task.grad.get(),
-                       keep=task.keep, bins=task.bins, floats=task.floats.get() if task.floats is not None else None)
+                       keep=task.keep, bins=task.bins, floats=task.floats.get() if task.floats is not None else None,
+                       unscored=task.unscored)

@@ -91,12 +91,14 @@ def _fit(points: Sequence[tuple[float, float]]) -> float:
     return max(0.0, num / den) if den > 0 else 0.0
 
 
-def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], keep: Sequence[Recipe], bins: Any):
+def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], keep: Sequence[Recipe], bins: Any,
+            unscored: Sequence[Recipe] = ()):
     """Each (layer, calib, held, grad) of `group` scored as executor tasks (one per layer and remedy set); yields
-    (position in the group, scores in recipe order, {recipe of `keep`: QuantizedFFN}) as each layer's tasks are in."""
+    (position in the group, scores in recipe order, {recipe of `keep`: QuantizedFFN}) as each layer's tasks are in.
+    `unscored` (of `scored` and `keep`): only quantized and kept (`candidates.score_layer`)."""
     tasks, owner = [], []
     for k, (layer, calib, held, grad) in enumerate(group):
-        part = score_tasks(executor, layer, scored, calib, held, grad, keep=keep, bins=bins)
+        part = score_tasks(executor, layer, scored, calib, held, grad, keep=keep, bins=bins, unscored=unscored)
         tasks += part
         owner += [k] * len(part)
     waiting = {k: owner.count(k) for k in range(len(group))}
@@ -333,6 +335,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     # a resident model scored in this process keeps the candidates a plan could choose for the verification rounds
     retain = source.resident and isinstance(executor, LocalExecutor)
     later: list[Recipe] = []
+    probe_only: list[Recipe] = []
     for group in source.groups():
         if objective.kind == "latency" and not latency:  # measured on the first layer, at the model's shape
             t_lat = time.perf_counter()
@@ -345,13 +348,16 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
             timings["latency_table_s"] = time.perf_counter() - t_lat
             unscored = never_chosen(recipes, latency, ", ".join(objective.runtimes))
             scored = [r for r in scored if str(r) not in unscored or r in probes]  # the probes fit the prediction
+        # a probe no solution can choose (never chosen, or not a candidate) is quantized for its ablation alone: the
+        # fit reads its FFN on the probe tokens (`_layer_local`), never its scores
+        probe_only = [p for p in probes if p not in recipes or str(p) in unscored]
         if not local:  # the deferred candidates are scored later, where a solution picks one (`FloorSearch`)
             later = [r for r in scored if deferred(r) and r not in probes]
             scored = [r for r in scored if r not in later]
             source.keep_gradients = set(source.planned) if later else set()
         # each layer is finished as soon as its tasks are in, so its quantized probes are freed early
         keep = [r for r in scored if not r.is_float] if retain else probes  # the float FFN is never offered
-        for k, scores, kept in _scored(executor, group, scored, keep, settings.bins):
+        for k, scores, kept in _scored(executor, group, scored, keep, settings.bins, probe_only):
             layer, calib, held, grad = group[k]
             if retain:
                 front = choosable(scores, latency, objective, target.damage_kind, source.fold_refusals.get(layer.index))
@@ -509,6 +515,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "target": target.name, "budget": target.budget, "objective": objective.name,
         "candidates": [str(r) for r in recipes], "skipped_candidates": skipped, "probes": list(PROBES),
         "not_scored": unscored,
+        # the probes quantized for their ablations alone, never scored (no solution can choose them)
+        "probes_unscored": [str(p) for p in probe_only],
         "deferred": {str(r): [i for i in sorted(per_layer) for row in per_layer[i]["candidates"]
                               if row["recipe"] == str(r) and not row.get("deferred")] for r in later},
         "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (planning.search)",

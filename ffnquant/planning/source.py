@@ -197,7 +197,8 @@ class PlanSource:
         # and the layer-by-layer backward pass run on those alone (the quantizers calibrate on every batch). At a
         # 262k vocabulary the head is most of a pass.
         self.n_grad_batches = len(probe_batches(self.calib_ids, max(SCORE_ROWS, self.n_probe))[0])
-        m = self.model = SequentialModel(info, resident=self.resident, allow_pickle=self.allow_pickle)
+        m = self.model = SequentialModel(info, resident=self.resident, allow_pickle=self.allow_pickle,
+                                             fast_head=True)  # figures compared with each other (`infra.blas`)
         # the module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear; a
         # layer of routed experts: its experts module, the weighted sum); the layers a plan covers
         self.outputs = _ffn_modules(m.model, info, info.layers)

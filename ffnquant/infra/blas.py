@@ -1,0 +1,108 @@
+"""A wide float32 matmul (the LM head's) on the faster of the two BLAS libraries this process already has.
+
+torch's CPU wheels compute float32 matmuls with MKL; numpy's wheels ship OpenBLAS. Which is faster depends on the CPU
+and the shape. Measured on a 2-core AMD EPYC (AVX2), 512 rows: Gemma 3's head ([640] -> 262,144 logits) ran at 75
+GFLOP/s in torch and 134 GFLOP/s in numpy; SmolLM2's ([576] -> 49,152) at 105 and 150; the FFN shapes within 20% either
+way. At a 262k vocabulary the head is most of a model pass, so `linear` times both on the call's own operands the first
+time it meets a shape (a few dozen rows, once per process and shape) and uses the faster one from then on.
+
+The two differ only in rounding (the order of the sums): a computation that must reproduce transformers' own forward
+bit for bit (the deployment proof's reference) does not use this; the plan's measurements, which compare figures of
+its own engine with each other, do (`hf.stream.SequentialModel(fast_head=True)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+__all__ = ["MIN_FLOPS", "linear", "numpy_faster", "fast_linear"]
+
+MIN_FLOPS = 4e9  # below this a product is not worth timing: the choice saves less than the timing costs
+_PROBE_ROWS = 64  # the rows timed, of the call's own input
+_MARGIN = 0.9  # numpy is chosen only when it takes under 90% of torch's time: the choice must beat timing noise
+_FASTER: dict[tuple[int, int, torch.dtype], bool] = {}
+
+
+def _numpy_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ w[n, k].T in numpy's BLAS, as a torch tensor (no copy of either operand: w.T is a strided view)."""
+    return torch.from_numpy(np.matmul(x.detach().numpy(), w.detach().numpy().T))
+
+
+def _best_of(fn: Any, runs: int = 2) -> float:
+    fn()  # warm-up: first calls allocate and start threads
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def numpy_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether numpy's BLAS computes `x @ weight.T` faster than torch's on this CPU, timed once per process for the
+    shape (k, n) on up to `_PROBE_ROWS` rows of `x` itself."""
+    key = (int(weight.shape[1]), int(weight.shape[0]), weight.dtype)
+    if key not in _FASTER:
+        rows = x[:_PROBE_ROWS].contiguous()
+        with torch.no_grad():
+            t_torch = _best_of(lambda: torch.nn.functional.linear(rows, weight))
+            t_numpy = _best_of(lambda: _numpy_matmul(rows, weight))
+        _FASTER[key] = t_numpy < _MARGIN * t_torch
+    return _FASTER[key]
+
+
+class _NumpyLinear(torch.autograd.Function):
+    """`torch.nn.functional.linear` with both products in numpy's BLAS; the weight's gradient, when asked, in torch's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        ctx.save_for_backward(flat, weight)
+        ctx.shape, ctx.has_bias = x.shape, bias is not None
+        out = _numpy_matmul(flat, weight)
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        flat, weight = ctx.saved_tensors
+        g = grad.reshape(-1, weight.shape[0]).contiguous()
+        gx = torch.from_numpy(np.matmul(g.numpy(), weight.detach().numpy())).reshape(ctx.shape) \
+            if ctx.needs_input_grad[0] else None
+        gw = g.T @ flat if ctx.needs_input_grad[1] else None
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and x.dim() >= 1 and x.shape[-1] == weight.shape[1] and not weight.is_meta
+            and 2.0 * x.numel() * weight.shape[0] >= MIN_FLOPS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch.nn.functional.linear(x, weight, bias)`, computed by numpy's BLAS where that is faster on this CPU for
+    this shape (`numpy_faster`): float32 on the CPU, at least `MIN_FLOPS`; else by torch. Differentiable."""
+    if _eligible(x, weight) and numpy_faster(x.reshape(-1, x.shape[-1]), weight):
+        return _NumpyLinear.apply(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@contextlib.contextmanager
+def fast_linear(module: Any) -> Iterator[None]:
+    """`module` (an `nn.Linear`, exactly: a subclass may compute otherwise) computing through `linear` while active;
+    anything else is left as it is."""
+    if type(module) is not torch.nn.Linear:
+        yield
+        return
+    module.forward = lambda x: linear(x, module.weight, module.bias)  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del module.forward
