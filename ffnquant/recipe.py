@@ -66,6 +66,8 @@ class Transform:
     absent: ClassVar[Any] = False  # a flag's; a transform with a value is absent as None
     always_in_json: ClassVar[bool] = False
     remedy: ClassVar[bool] = False
+    # whether applying it reads the calibration text (smoothing's activation maxima do; a rotation does not)
+    reads_data: ClassVar[bool] = True
 
     @classmethod
     def parse(cls, value: str) -> "Transform":
@@ -245,6 +247,7 @@ class Rotate(Transform):
     absent: ClassVar[Any] = False
     always_in_json: ClassVar[bool] = True
     remedy: ClassVar[bool] = True
+    reads_data: ClassVar[bool] = False  # a fixed block-Hadamard
 
     def apply(self, model: Any, batches: Any, *, original: Any, smooth_sites: Any = None, bins: int | None = None,
               ranges: Any = None):
@@ -267,6 +270,7 @@ class KeepFloat(Transform):
     key: ClassVar[str] = "keep_float"
     absent: ClassVar[Any] = None
     always_in_json: ClassVar[bool] = False  # the JSON of every recipe without it stays as it was
+    reads_data: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.site not in FLOAT_SITES:
@@ -445,6 +449,16 @@ class Recipe:
     def is_float(self) -> bool:
         """True for the unquantized presets (fp32, fp16): baselines, not quantized recipes."""
         return self.resolve().weight_dtype.is_float
+
+    @property
+    def reads_calibration(self) -> bool:
+        """Whether quantizing under this recipe reads the calibration text: static activation ranges, second-order
+        statistics (GPTQ, AWQ) or a transform computed from data (smoothing). Weight-only rounding and per-token
+        activations quantize to the same model whatever the text."""
+        if self.is_float:
+            return False
+        scheme = self.resolve()
+        return scheme.static_activations or scheme.needs_hessians or any(t.reads_data for t in self.transforms)
 
     def resolve(self):
         """The `Scheme` this recipe quantizes with: the preset, with the calibrator override applied."""

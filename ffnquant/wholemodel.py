@@ -426,7 +426,8 @@ def write_deployment(planned: PlannedModel, folder: Path, fmt: str, *, whole: bo
             raise FFNQuantError(why)
     doc = {"format": fmt, "command": command, "plan_file": plan_file, "plan": plan.to_dict(),
            "model": {k: v for k, v in info.to_dict().items() if k != "layers"},
-           "texts": {k: planned.settings[k] for k in ("calibration", "evaluation")},
+           "texts": {**{k: planned.settings[k] for k in ("calibration", "evaluation")},
+                     "calibration_read": planned.settings.get("calibration_read", True)},
            "token_budgets": planned.settings.get("token_budgets") or {},
            "reference": planned.reference["end_to_end"], "baseline": planned.reference["baseline"],
            "layers": layer_rows(planned, folder)}

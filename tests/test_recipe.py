@@ -82,3 +82,15 @@ def test_the_onnx_artifact_of_a_float_site_recipe_computes_the_torch_reference(t
     assert res.artifact["path"].endswith(Recipe.parse(text).slug + ".onnx")
     # ORT's integer kernels and the float reference differ by rounding only (the same grids)
     assert abs(graph_db(res.artifact) - res.accuracy.sqnr_db) < 1.0
+
+
+@pytest.mark.parametrize("text, reads", [
+    ("fp32", False), ("w8a16", False), ("w4a16-g128", False), ("w8a8-dynamic-s8", False),
+    ("w8a8-dynamic-s8+rotate", False), ("w8a8-dynamic-s8+float=hidden", False),
+    ("w8a8", True), ("w8a8@search", True), ("w4a16-g128-gptq", True), ("w4a16-g128-awq", True),
+    ("w8a16+smooth", True),
+])
+def test_reads_calibration_says_whether_the_text_changes_the_quantized_model(text, reads):
+    """Static ranges, second-order statistics and smoothing read the calibration text; rounding and per-token
+    activations (and a fixed rotation) do not."""
+    assert Recipe.parse(text).reads_calibration is reads

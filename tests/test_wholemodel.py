@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import ffnquant
 from ffnquant.errors import FFNQuantError
@@ -50,6 +51,30 @@ def test_the_readme_example_runs_as_written(llama, tmp_path, capsys):
     doc = json.loads((out / "ffnquant-deploy.json").read_text())
     assert doc["proof"]["proven"] and doc["plan"]["layers"] == scope["plan"].to_dict()["layers"]
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("recipe, reads", [("w8a8-dynamic-s8", False), ("w8a8", True)], ids=["per-token", "static"])
+def test_a_plan_reading_no_calibration_runs_one_sequence_of_it_and_quantizes_the_same(llama, recipe, reads,
+                                                                                      monkeypatch):
+    """`apply` of recipes that read no calibration text (`Recipe.reads_calibration`) runs one sequence of it, not the
+    budget: the quantized FFNs are those a full-budget capture gives (bit for bit); a static recipe reads it all."""
+    from ffnquant.deploy.planned import build_planned_model
+
+    qmodel = ffnquant.apply(llama, recipe, **SMALL, progress=False)
+    budget = qmodel.settings["token_budgets"]["calibration"]
+    assert qmodel.settings["calibration_read"] is reads
+    assert budget["obtained"] == (256 if reads else 32)
+    if reads:
+        return
+    from ffnquant.recipe import Recipe
+
+    monkeypatch.setattr(Recipe, "reads_calibration", property(lambda self: True))  # the whole budget read
+    forced = build_planned_model(qmodel.info, qmodel.plan, calib_tokens=256, eval_tokens=128, seq_len=32)
+    assert forced.settings["token_budgets"]["calibration"]["obtained"] == 256
+    x = torch.randn(16, qmodel.info.spec.d_model, generator=torch.Generator().manual_seed(0))
+    for label, q in qmodel.qffns.items():
+        with torch.no_grad():
+            assert torch.equal(q(x), forced.qffns[label](x)), label
 
 
 def test_a_model_object_and_one_recipe_for_every_layer(llama, tmp_path):

@@ -22,6 +22,7 @@ from ..errors import FFNQuantError
 from ..hf import EvalSettings, capture_layer_inputs, end_to_end, load_ffn_layers, quantized_layers
 from ..hf.capture import _module_for
 from ..methods.fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
+from ..numerics.accuracy import held_rows
 from ..numerics.remedies import BlockHadamard
 from ..schemes import ActMode, Method, Scheme, get_scheme
 
@@ -261,10 +262,19 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
     budget = {k: v for k, v in (("max_calib_tokens", calib_tokens), ("max_eval_tokens", eval_tokens),
                                 ("seq_len", seq_len)) if v is not None}
     settings = EvalSettings(**budget, ablation=False)  # None: EvalSettings' defaults
+    # a plan whose recipes read no calibration text (weight-only rounding, per-token activations) quantizes to the
+    # same model whatever the text: one sequence of it runs, for the range tables, not the whole budget
+    reads = any(r.reads_calibration for r in plan.layers.values())
+    if not reads:
+        calib_tokens = settings.seq_len
+        settings = dataclasses.replace(settings, max_calib_tokens=calib_tokens)
     layers = load_ffn_layers(info, "all")
     inputs = capture_layer_inputs(info, layers, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
                                   eval_tokens=eval_tokens, settings=settings, progress=progress, dtype=dtype,
                                   references=True)
+    # each layer's held-out SQNR (a row of the report; the proof runs end to end) on evenly strided rows, as the plan
+    # scores its candidates (`numerics.accuracy.HELD_ROWS`): the quantizers never read them
+    inputs.eval = {label: held_rows(x) for label, x in inputs.eval.items()}
     rows, qffns = quantized_layers(info, layers, inputs, plan, onnx=out_artifacts is not None, sensitivity=False,
                                    out_artifacts=out_artifacts, file_stem=file_stem, progress=progress)
     if dtype is not torch.float32:
@@ -279,7 +289,8 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
     kept_refs = kept if len(kept) == len(inputs.eval_batches) else None
     float_model = inputs.model
     settings_used = {"calibration": inputs.calibration_source, "evaluation": inputs.evaluation_source,
-                     "calib_tokens": calib_tokens, "eval_tokens": eval_tokens, "token_budgets": inputs.budgets}
+                     "calib_tokens": calib_tokens, "eval_tokens": eval_tokens, "token_budgets": inputs.budgets,
+                     "calibration_read": reads}
     if not whole_model:
         return PlannedModel(info=info, plan=plan, model=float_model, float_model=float_model, modules=[],
                             evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=qffns,

@@ -15,7 +15,25 @@ import torch
 
 from ..errors import FFNQuantError
 
-__all__ = ["sqnr_db", "cosine", "rel_l2", "max_abs_error", "Accuracy", "accuracy_of", "run_batched"]
+__all__ = ["sqnr_db", "cosine", "rel_l2", "max_abs_error", "Accuracy", "accuracy_of", "run_batched", "HELD_ROWS",
+           "held_rows"]
+
+# Held-out rows a layer's candidates are scored on (its held-out SQNR, and onnxruntime's floor beside it): evenly
+# strided over the held-out text, so every domain and every position in a sequence (the first token's massive
+# activations included) stays represented. Measured on SmolLM2-135M's layers 5 and 20 (four recipes, against all
+# 8,192 held-out rows): 2,048 rows within 0.27 dB, 1,024 rows within 0.27 dB (static int8, whose error the few
+# largest rows carry; 0.05 dB for the others): half the rows, no less settled. The prediction's per-layer factor
+# comes from 512 probe tokens, and the end-to-end verification runs on the whole held-out text.
+HELD_ROWS = 1024
+
+
+def held_rows(x: torch.Tensor, limit: int = HELD_ROWS) -> torch.Tensor:
+    """At most `limit` rows of `x`, evenly strided from the first (all of them when there are no more)."""
+    if x.shape[0] <= limit:
+        return x
+    stride = -(-x.shape[0] // limit)  # ceil: at most `limit` rows
+    return x[::stride].contiguous()
+
 
 # Outputs equal to float precision read as this many dB rather than +inf (JSON has no inf).
 SQNR_CAP_DB = 200.0

@@ -10,17 +10,9 @@ from typing import Any
 import torch
 
 from ..errors import FFNQuantError
+from ..numerics.accuracy import HELD_ROWS, held_rows  # noqa: F401  (re-exported: the rows candidates score on)
 
 __all__ = ["CandidateScore", "HELD_ROWS", "SCORE_ROWS", "db", "held_rows", "scored_rows"]
-
-
-# Held-out rows a layer's candidates are scored on (its held-out SQNR, and onnxruntime's floor beside it): evenly
-# strided over the held-out text, so every domain and every position in a sequence (the first token's massive
-# activations included) stays represented. Measured on SmolLM2-135M's layers 5 and 20 (four recipes, against all
-# 8,192 held-out rows): 2,048 rows within 0.27 dB, 1,024 rows within 0.27 dB (static int8, whose error the few
-# largest rows carry; 0.05 dB for the others): half the rows, no less settled. The prediction's per-layer factor
-# comes from 512 probe tokens, and the end-to-end verification runs on the whole held-out text.
-HELD_ROWS = 1024
 
 
 # Search rows each candidate's output error (raw and gradient-weighted) is summed over: the rows of the search text's
@@ -28,14 +20,6 @@ HELD_ROWS = 1024
 # this many tokens), evenly strided when they are more. Its per-token mean is what the prediction reads (times a
 # per-layer factor fitted on 512 probe tokens, which bounds the prediction's precision more than 2,048 rows do).
 SCORE_ROWS = 2048
-
-
-def held_rows(x: torch.Tensor, limit: int = HELD_ROWS) -> torch.Tensor:
-    """At most `limit` rows of `x`, evenly strided from the first (all of them when there are no more)."""
-    if x.shape[0] <= limit:
-        return x
-    stride = -(-x.shape[0] // limit)  # ceil: at most `limit` rows
-    return x[::stride].contiguous()
 
 
 def scored_rows(calib: Any, grad: torch.Tensor) -> tuple[Any, torch.Tensor]:

@@ -295,7 +295,10 @@ def deploy_markdown(doc: dict[str, Any]) -> str:
     lines += [
         f"- plan: {doc['plan_file']} ({len(doc['plan']['layers'])} layers; target {doc['plan'].get('target')})",
         f"- model: {m['model_type']}, {m['n_layers']} layers, {m['variant']} FFN",
-        f"- texts: calibration {doc['texts']['calibration']}; held-out {doc['texts']['evaluation']}",
+        f"- texts: calibration {doc['texts']['calibration']}"
+        + ("" if doc["texts"].get("calibration_read", True) else
+           " (one sequence, for the range tables: no recipe of this plan reads calibration data)")
+        + f"; held-out {doc['texts']['evaluation']}",
         f"- machine: {env.get('cpu', '?')} x{env.get('cpu_count', '?')}, "
         f"{'CUDA' if env.get('cuda_available') else 'no GPU'}; torch {pk.get('torch')}, transformers {pk.get('transformers')}, "
         f"compressed-tensors {pk.get('compressed-tensors')}, onnxruntime {pk.get('onnxruntime') or pk.get('onnxruntime-gpu')}",
