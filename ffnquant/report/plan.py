@@ -83,6 +83,9 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     if data.get("not_scored"):
         lines += ["Candidates not scored, since the objective can never choose them (the plan is the same without "
                   "them):", ""] + [f"- {recipe}: {why}" for recipe, why in data["not_scored"].items()] + [""]
+    if data.get("probes_unscored"):
+        lines += [f"Probes only quantized, for their ablations (no solution can choose them; the prediction's fit reads "
+                  f"their FFN on the probe tokens, not their scores): {', '.join(data['probes_unscored'])}.", ""]
     if data.get("deferred"):
         n = len(data["layers"])
         lines += ["Candidates scored only on the layers where a solution picked one (their calibration reads "
