@@ -7,9 +7,11 @@ back to."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -57,7 +59,9 @@ def test_the_float_graph_is_the_float_model(written):
 
     planned, folder, result = written
     assert result["parity"]["float"]["passed"] and result["parity"]["planned"]["passed"]
-    assert sorted(p.name for p in folder.iterdir()) == ["model.fp32.onnx", "model.onnx"]  # no leftovers
+    # no leftovers: the two graphs and what onnxruntime-genai reads beside them (`deploy.genai`)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["model.fp32.onnx", "model.onnx"]
+                                                              + result["decoder"]["genai"]["files"])
     assert result["files"]["model.fp32.onnx"] == (folder / "model.fp32.onnx").stat().st_size
     # another shape than the export's example and the parity batch: batch and sequence are dynamic
     ids = torch.randint(0, 96, (3, 21), generator=torch.Generator().manual_seed(5))
@@ -331,6 +335,40 @@ def test_decode_latency_is_side_by_side_within_the_models_positions(written):
         assert row["speedup"] == pytest.approx(row["float"]["p50_ms"] / row["quantized"]["p50_ms"])
 
 
+def test_the_folder_has_onnxruntime_genais_config_and_tokenizer(written):
+    """genai_config.json names the quantized decoder, its inputs and outputs as the graph has them, and the cache's
+    shape; the model's tokenizer files lie beside it."""
+    import onnx
+
+    planned, folder, result = written
+    cfg = json.loads((folder / "genai_config.json").read_text())["model"]
+    dec = cfg["decoder"]
+    graph = onnx.load(str(folder / dec["filename"]), load_external_data=False).graph
+    names = {v.name for v in graph.input} | {v.name for v in graph.output}
+    n = dec["num_hidden_layers"]
+    assert dec["filename"] == "model.onnx" and n == planned.float_model.config.num_hidden_layers
+    for key in ("past_key_names", "past_value_names"):
+        assert {dec["inputs"][key] % i for i in range(n)} <= names
+    for key in ("present_key_names", "present_value_names"):
+        assert {dec["outputs"][key] % i for i in range(n)} <= names
+    assert {dec["inputs"][k] for k in ("input_ids", "attention_mask", "position_ids")} | {"logits"} <= names
+    past = next(v for v in graph.input if v.name == dec["inputs"]["past_key_names"] % 0).type.tensor_type.shape.dim
+    assert (past[1].dim_value, past[3].dim_value) == (dec["num_key_value_heads"], dec["head_size"])
+    assert cfg["type"] == "llama" and cfg["vocab_size"] == planned.float_model.config.vocab_size
+    genai = result["decoder"]["genai"]
+    assert set(genai["files"]) >= {"genai_config.json", "tokenizer.json"}
+    assert all((folder / f).is_file() for f in genai["files"]) and set(genai["files"]) <= set(result["files"])
+
+
+def test_onnxruntime_genai_generates_what_ffnquants_loop_generates(written):
+    """onnxruntime-genai's `og.Model` + `Generator` on the folder: greedy tokens equal to ffnquant's loop on the
+    same quantized graph, prompt by prompt (one graph, one arithmetic: equal token for token)."""
+    pytest.importorskip("onnxruntime_genai")
+    genai = written[2]["decoder"]["genai"]
+    assert genai["ran"], genai["reason"]
+    assert genai["equal"] and genai["tokens_compared"] > 0, genai["rows"]
+
+
 def test_the_deploy_document_reports_the_decoder(written):
     from ffnquant.report.deploy import _graph_lines, decoder_summary
 
@@ -340,7 +378,8 @@ def test_the_deploy_document_reports_the_decoder(written):
     assert "- attention: one Attention node per layer, opset 23" in text
     assert "Decode latency per token with the cache" in text and "not measured at 1024 tokens" in text
     lines = decoder_summary(graph["decoder"], graph["score"]["cached"])
-    assert lines[0].startswith("KV-cache decoder: greedy generation equals") and len(lines) == 2 + 2
+    assert lines[0].startswith("KV-cache decoder: greedy generation equals") and len(lines) == 3 + 2
+    assert lines[1].startswith("onnxruntime-genai")
     assert "prefill graph" in decoder_summary({"status": "refused", "reason": "x"}, None)[0]
 
 
@@ -397,3 +436,14 @@ def test_greedy_generation_equals_transformers_across_families(family_folders, m
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29], [1, 30, 31, 32, 33, 34, 35, 36], [1, 70, 60, 50, 40, 30, 20, 10]]
     check = generation_check(model, ort_session(tmp_path / "d.onnx"), prompts, 16)
     assert check["equal"], [(r["onnx"], r["transformers"]) for r in check["rows"] if not r["equal"]]
+
+
+def test_without_onnxruntime_genai_the_files_are_written_and_the_check_says_why(written, monkeypatch):
+    from ffnquant.deploy import genai
+
+    monkeypatch.setattr(genai, "genai_unavailable", lambda: "onnxruntime-genai is not importable (x): pip install it")
+    out = genai.genai_check(written[1], [{"prompt": [3, 4], "tokens": [5]}], 1)
+    assert out == {"ran": False, "reason": "onnxruntime-genai is not importable (x): pip install it"}
+    from ffnquant.report.deploy import genai_line
+
+    assert genai_line(out) == "onnxruntime-genai: not run (onnxruntime-genai is not importable (x): pip install it)"

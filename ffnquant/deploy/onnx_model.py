@@ -336,12 +336,14 @@ def _decoder_figures(planned: PlannedModel, fp32: Path, quant: Path, *, contexts
     chosen = _prompts(planned, prompts)
     generation = generation_check(planned.float_model, ort_session(fp32), chosen, new_tokens)
     quant_session = ort_session(quant)
-    shared = []
+    shared, quantized = [], []
     for row in generation["rows"]:
         q = greedy_generate(quant_session, [row["prompt"]], new_tokens, generation["eos_token_id"],
                             generation["pad_token_id"])[0]
+        quantized.append({"prompt": row["prompt"], "tokens": q})
         shared.append(next((i for i, (a, b) in enumerate(zip(q, row["onnx"])) if a != b), min(len(q), len(row["onnx"]))))
     generation["quantized_leading_tokens_equal"] = shared
+    generation["quantized_rows"] = quantized  # ffnquant's loop on the quantized graph: what genai must reproduce
     limit = int(getattr(planned.float_model.config, "max_position_embeddings", 0) or 0)
     kept = [c for c in contexts if not limit or c <= limit]
     latency = decode_latency(fp32, quant, kept, rounds=rounds) if kept else {"contexts": {}}
@@ -349,11 +351,26 @@ def _decoder_figures(planned: PlannedModel, fp32: Path, quant: Path, *, contexts
     return {"generation": generation, "decode_latency": latency}
 
 
+def _genai(planned: PlannedModel, folder: Path, quant: Path, generation: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    """onnxruntime-genai's files for the quantized decoder (`deploy.genai`) and its greedy tokens against ffnquant's
+    loop on the same graph and prompts (`genai_check`)."""
+    from .genai import genai_check, genai_config, write_genai_files
+    from .onnx_decoder import cache_layout
+
+    model = planned.float_model
+    config = genai_config(model.config, cache_layout(model), quant.name, getattr(model, "generation_config", None))
+    files = write_genai_files(folder, planned.info.path, config)
+    return {"files": files, "type": config["model"]["type"],
+            **genai_check(folder, generation["quantized_rows"], new_tokens)}
+
+
 def write_model_graph(planned: PlannedModel, folder: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
                       tokens: Sequence[int] = (1, 512), rounds: int = 5, contexts: Sequence[int] = (128, 1024),
                       prompts: int = 3, new_tokens: int = 16) -> dict[str, Any]:
     """The planned model as ONNX in `folder`: `model.fp32.onnx` (the float model, the latency baseline) and
-    `model.onnx` (the quantized graph), scored and timed; JSON-able. Both are cached decoders
+    `model.onnx` (the quantized graph), scored and timed, with onnxruntime-genai's genai_config.json and the
+    tokenizer files beside them (`deploy.genai`; `decoder.genai` holds genai's greedy tokens against ffnquant's
+    loop on the quantized graph); JSON-able. Both are cached decoders
     (`deploy.onnx_decoder`: `decoder` holds greedy generation against transformers' on `prompts` held-out
     prompts x `new_tokens`, and decode latency at each context of `contexts` within the model's positions), or
     prefill graphs where the model does not export with a cache (`decoder` says why). Single files:
@@ -385,10 +402,13 @@ def write_model_graph(planned: PlannedModel, folder: str | os.PathLike, *, opset
         written = quantize_graph(planned_fp32, planned, quant)
     score = score_graph(quant, planned)
     latency = graph_latency(fp32, quant, tokens=tokens, rounds=rounds)
+    files = {fp32.name: fp32.stat().st_size, quant.name: quant.stat().st_size}
     if decoder["status"] == "ok":
         decoder.update(_decoder_figures(planned, fp32, quant, contexts=contexts, rounds=rounds, prompts=prompts,
                                         new_tokens=new_tokens))
-    return {"files": {fp32.name: fp32.stat().st_size, quant.name: quant.stat().st_size}, "external_data": False,
+        decoder["genai"] = _genai(planned, folder, quant, decoder["generation"], new_tokens)
+        files.update({name: (folder / name).stat().st_size for name in decoder["genai"]["files"]})
+    return {"files": files, "external_data": False,
             "opset": opset, "parity": {"float": parity, "planned": planned_parity}, "quantize": written,
             "score": score, "latency": latency, "decoder": decoder, "onnxruntime": ort.__version__,
             "providers": score["providers"]}

@@ -9,7 +9,7 @@ from ..errors import FFNQuantError
 from ..infra.render import agreement_words, fmt, fmt_bytes, markdown_table, ppl_change
 from ..planning.target import Target
 
-__all__ = ["deploy_markdown", "target_verdict", "fold_line", "gate_rows", "decoder_summary"]
+__all__ = ["deploy_markdown", "target_verdict", "fold_line", "gate_rows", "decoder_summary", "genai_line"]
 
 
 def target_verdict(doc: dict[str, Any]) -> str | None:
@@ -229,6 +229,9 @@ def decoder_summary(decoder: dict[str, Any], cached: dict[str, Any] | None) -> l
     if gen:
         out.append(f"KV-cache decoder: greedy generation {'equals' if gen['equal'] else 'DIFFERS from'} transformers' "
                    f"on {gen['prompts']} prompts ({gen['tokens_compared']} tokens)")
+    genai = decoder.get("genai")
+    if genai:
+        out.append(genai_line(genai))
     if cached:
         out.append(f"through the cache: perplexity {cached['perplexity']:.4f} ({cached['perplexity_rel_diff_to_once']:+.1e} "
                    f"relative to at once: {'equal' if cached['equals_once'] else 'NOT equal'} within float32 rounding)")
@@ -236,6 +239,15 @@ def decoder_summary(decoder: dict[str, Any], cached: dict[str, Any] | None) -> l
         out.append(f"decode at {n} tokens of context: fp32 graph {r['float']['p50_ms']:.2f} ms/token, quantized "
                    f"{r['quantized']['p50_ms']:.2f} ms/token (p50; {r['speedup']:.2f}x)")
     return out
+
+
+def genai_line(genai: dict[str, Any]) -> str:
+    """onnxruntime-genai on the quantized decoder in one line: its greedy tokens against ffnquant's loop, or why not."""
+    if not genai.get("ran"):
+        return f"onnxruntime-genai: not run ({genai.get('reason')})"
+    return (f"onnxruntime-genai {genai.get('version')} (`og.Model` + `Generator`, type {genai.get('type')!r}): greedy "
+            f"tokens {'equal ffnquant' if genai['equal'] else 'DIFFER from ffnquant'}'s loop on the quantized graph "
+            f"({genai['tokens_compared']} tokens, {len(genai['rows'])} prompts)")
 
 
 def _decoder_lines(decoder: dict[str, Any], cached: dict[str, Any] | None) -> list[str]:
@@ -256,6 +268,9 @@ def _decoder_lines(decoder: dict[str, Any], cached: dict[str, Any] | None) -> li
                      f"(EOS ends one), {gen['tokens_compared']} tokens: "
                      f"{'equal token for token' if gen['equal'] else 'NOT equal'}; the quantized graph's greedy "
                      f"tokens equal the fp32 graph's for the first {', '.join(map(str, gen['quantized_leading_tokens_equal']))}")
+    genai = decoder.get("genai")
+    if genai:
+        lines.append(f"- {genai_line(genai)}; files: {', '.join(genai.get('files') or [])}")
     if cached:
         lines.append(f"- through the cache ({cached['how']}; {cached['provider']}): perplexity {fmt(cached['perplexity'])}, "
                      f"{cached['perplexity_rel_diff_to_once']:+.2e} relative to the same graph at once (logits within "
