@@ -38,6 +38,7 @@ OPTIONAL_IMPORTS = {
     "ray": "--executor ray only (the ray extra); imported lazily, and its absence is a one-line error",
     "loguru": "compressed-tensors' logger, quieted by thirdparty.quiet_model_io when present; guarded",
     "datasets": "parquet / save_to_disk texts only (the data extra); hf.corpus.datasets_module says how to install it",
+    "onnxruntime_genai": "the ONNX export's genai check only; deploy.genai.genai_unavailable says how to install it",
 }
 MARK = "not on the device image"
 LOG_VAR = "DEVICE_IMAGE_BLOCK_LOG"
