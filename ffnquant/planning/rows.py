@@ -1,0 +1,170 @@
+"""A plan's rows per layer: which candidates the objective can never choose or a fold refuses, each layer's probe fit
+(kappa, rho) on its probes' ablations, each candidate's predicted damage and cost (`job.make_plan` reads them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..hf.evaluate import calibrate_layers
+from ..recipe import Recipe
+from ..schemes import Method, get_scheme
+from .candidates import generalization
+from .floor import static_int8
+from .moe import MoELayer, moe_table, weight_bytes
+from .scores import CandidateScore
+from .search import Option, pareto
+from .sensitivity import fisher_noise
+from .target import Objective
+
+__all__ = ["candidate_row", "choosable", "finish_layer", "fold_exclude", "layer_local", "needs_fold", "never_chosen"]
+
+
+def _fit(points: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope through the origin of measured against predicted (>= 0)."""
+    num = sum(m * p for p, m in points)
+    den = sum(p * p for p, m in points)
+    return max(0.0, num / den) if den > 0 else 0.0
+
+
+def never_chosen(recipes: Sequence[Recipe], latency: Mapping[str, Mapping[str, Any]], where: str) -> dict[str, str]:
+    """The candidates the latency objective can never choose, by recipe text, with why: those not timed, and those
+    no faster than fp32, which costs no accuracy (any assignment using one is beaten by fp32 in its place). Not
+    scoring them changes no plan."""
+    fp32 = (latency.get("fp32") or {}).get("p50_ms")
+    out = {}
+    for recipe in recipes:
+        if recipe.is_float:
+            continue
+        lat = latency.get(str(recipe)) or {}
+        ms = lat.get("p50_ms")
+        if ms is None:
+            out[str(recipe)] = lat.get("reason") or "not timed"
+        elif fp32 is not None and ms >= fp32:
+            out[str(recipe)] = (f"no faster than fp32 on {where} ({ms:.2f} ms against {fp32:.2f} ms), which costs no "
+                                "accuracy: never chosen, so not scored")
+    return out
+
+
+def needs_fold(recipe: Recipe) -> bool:
+    """Whether a recipe puts a scale on the FFN input that deployment folds into the norm before the FFN."""
+    return recipe.smooth is not None or get_scheme(recipe.scheme).method is Method.AWQ
+
+
+def fold_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
+    """A recipe whose input scale cannot fold on this layer is not chosen: no deployment could store it."""
+    if not refusal:
+        return
+    for row in rows:
+        if row.get("error") is None and "excluded" not in row and needs_fold(Recipe.parse(str(row["recipe"]))):
+            row["excluded"] = f"its input scale cannot fold into a norm here: {refusal}"
+
+
+def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[str, Any]], objective: Objective,
+               damage_kind: str, fold_refusal: str | None) -> set[str]:
+    """The recipes a plan could still choose on a layer from its scores alone: the Pareto front of (damage, cost),
+    once over all of them and once without the static int8 ones (which onnxruntime's floor may exclude later).
+    The per-layer factors the probes fit scale every candidate of the layer alike, so they move no candidate on or
+    off the front; a candidate off both fronts is beaten on that layer whatever the target's budget."""
+    options = []
+    for s in scores:
+        if s.error is not None or (fold_refusal and needs_fold(Recipe.parse(s.recipe))):
+            continue
+        noise = s.fisher if damage_kind == "kl" else s.search_noise
+        cost = (latency.get(s.recipe) or {}).get("p50_ms") if objective.kind == "latency" else s.bytes
+        if noise is None or cost is None:
+            continue
+        options.append(Option(s.recipe, noise * generalization(s), cost))
+    names = {o.name for o in pareto(options)}
+    return names | {o.name for o in pareto([o for o in options if not static_int8(Recipe.parse(o.name))])}
+
+
+def layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], calib: torch.Tensor, held: torch.Tensor,
+                 grad: torch.Tensor, n_probe: int, source: Any, settings: Any, with_ort_floor: bool,
+                 later: Sequence[Recipe] = ()) -> dict[str, Any]:
+    """What one layer's own inputs give, while they are at hand: its scores, each probe's gradient-weighted error
+    and noise on the probe tokens (its ablation handed to `source`), the onnxruntime floor, its range table, the
+    bytes of the candidates scored `later` (deferred)."""
+    probes = []
+    for p, q in kept.items():
+        source.ablate(layer, str(p), q)
+        # the same prediction restricted to the probe tokens, which lead the search tokens
+        with torch.no_grad():
+            x = calib[:n_probe]
+            ref, got = layer.ffn(x), q(x)
+        probes.append({"recipe": str(p), "fisher_per_token": fisher_noise(grad[:n_probe], ref, got) / max(1, x.shape[0]),
+                       "noise": float((got.double() - ref.double()).square().sum())})
+    moe = isinstance(layer, MoELayer)
+    # onnxruntime's floor is measured later, only on layers where the search picks a static int8 candidate
+    # (`FloorSearch`); onnxruntime's quantizers take one FFN, not a layer of routed experts
+    ort = "pending" if with_ort_floor and not moe else None
+    t = time.perf_counter()
+    if moe:
+        table = moe_table(layer, calib, settings.bins)
+    else:
+        chunks = ({layer.label: calib[i : i + 1024]} for i in range(0, calib.shape[0], 1024))
+        table = calibrate_layers([layer], chunks, settings.bins)[0][layer.label]
+    return {"index": layer.index, "label": layer.label, "scores": scores, "probes": probes, "ort_best": ort,
+            "n_search": calib.shape[0], "table": table, "atlas_s": time.perf_counter() - t,
+            "deferred_bytes": {str(r): weight_bytes(layer, r) for r in later}}
+
+
+def finish_layer(local: dict[str, Any], ablations: Mapping[tuple[int, str], Any], recipes: Sequence[Recipe],
+                  latency: dict[str, dict[str, Any]], objective: Objective,
+                  unscored: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One layer's rows: the per-layer fit (kappa, rho) on its probes' ablations, each candidate's predicted
+    damage and cost (a deferred one's row unscored), the onnxruntime floor; (the layer's entry, its probe fit
+    points)."""
+    probe_rows = []
+    for r in local["probes"]:
+        abl = ablations[(local["index"], r["recipe"])]
+        probe_rows.append({"recipe": r["recipe"], "kl": abl.kl, "nll_delta": abl.nll_delta, "hidden_nsr": abl.hidden_nsr,
+                           "fisher_per_token": r["fisher_per_token"], "noise": r["noise"],
+                           "hidden_signal_per_token": abl.hidden_signal / max(1, abl.tokens),
+                           "hidden_noise": abl.hidden_noise})
+    entry = {"label": local["label"], "kappa": _fit([(r["fisher_per_token"], r["kl"]) for r in probe_rows]),
+             "rho": _fit([(r["noise"], r["hidden_noise"]) for r in probe_rows]),
+             "hidden_signal_per_token": sum(r["hidden_signal_per_token"] for r in probe_rows) / max(1, len(probe_rows)),
+             "search_tokens": local["n_search"], "probes": probe_rows}
+    by_recipe = {s.recipe: s for s in local["scores"]}
+    rows = []
+    for recipe in recipes:
+        s = by_recipe.get(str(recipe))
+        lat = latency.get(str(recipe), {})
+        if s is None and str(recipe) in unscored:  # left out before scoring (`never_chosen`)
+            rows.append({**CandidateScore(str(recipe)).to_dict(), "latency_ms": lat.get("p50_ms"),
+                         "excluded": unscored[str(recipe)], "scored": False})
+        elif s is None:  # deferred: scored once a solution picks it on this layer (`floor.FloorSearch`)
+            rows.append({**CandidateScore(str(recipe), bytes=local["deferred_bytes"][str(recipe)]).to_dict(),
+                         "latency_ms": lat.get("p50_ms"), "deferred": True, "scored": False})
+        else:
+            rows.append(candidate_row(s, entry, latency, objective))
+    fit_points = []
+    for r in probe_rows:
+        r["predicted_kl"] = entry["kappa"] * r["fisher_per_token"]
+        fit_points.append({"layer": local["index"], **r})
+    return {**entry, "candidates": rows, "ort_best": None, "ort_floor": local["ort_best"]}, fit_points
+
+
+def candidate_row(s: CandidateScore, entry: Mapping[str, Any], latency: Mapping[str, Mapping[str, Any]],
+                  objective: Objective) -> dict[str, Any]:
+    """A scored candidate's row on its layer: its scores, predicted damage by the layer's fit (`entry`: kappa, rho,
+    hidden_signal_per_token, search_tokens) and its cost."""
+    row = s.to_dict()
+    if s.error is None:
+        # KL per token ~ kappa * fisher per token; final NSR ~ rho * noise per token / signal per token;
+        # both scaled by how much worse the layer's error is on held-out inputs than on the search ones
+        gen = generalization(s)
+        row["generalization"] = gen
+        rows_summed = s.search_rows or entry["search_tokens"]
+        signal = entry["hidden_signal_per_token"]
+        row["predicted_kl"] = entry["kappa"] * s.fisher / max(1, rows_summed) * gen
+        row["predicted_hidden_nsr"] = ((entry["rho"] * gen * s.search_noise / max(1, rows_summed)) / signal
+                                       if signal > 0 else None)
+    lat = latency.get(s.recipe, {})
+    row["latency_ms"] = lat.get("p50_ms")
+    if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:
+        row["excluded"] = lat.get("reason") or "not timed"
+    return row
