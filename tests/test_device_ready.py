@@ -41,6 +41,8 @@ OPTIONAL_IMPORTS = {
     "onnxruntime_genai": "the ONNX export's genai check only; deploy.genai.genai_unavailable says how to install it",
 }
 MARK = "not on the device image"
+# optional imports of the device's own packages that are not on the device image (tried, and done without there)
+OPTIONAL_OF_ALLOWED = {"kernels"}
 LOG_VAR = "DEVICE_IMAGE_BLOCK_LOG"
 
 
@@ -188,7 +190,10 @@ def test_blocker(restricted_env, statement, ok):
     )
     if ok:
         assert proc.returncode == 0, proc.stderr
-        assert MARK not in proc.stderr
+        # a package may try an optional dependency the device lacks and go on without it, as it does there
+        # (bitsandbytes tries `kernels`, which transformers >= 5.25 installs here): only such a name may be refused
+        refused = set(re.findall(r"'([\w.]+)' \(" + MARK, proc.stderr))
+        assert refused <= OPTIONAL_OF_ALLOWED, proc.stderr
     else:
         assert proc.returncode != 0
         assert "ModuleNotFoundError" in proc.stderr and MARK in proc.stderr, proc.stderr
