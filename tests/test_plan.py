@@ -612,6 +612,26 @@ def test_never_chosen_leaves_out_what_fp32_beats_and_what_was_not_timed():
     assert "12.00 ms against 10.00 ms" in out["w8a16"] and out["w8a8-dynamic-s8"] == "no per-token QDQ"
 
 
+@pytest.mark.parametrize("rel_se, kept", [(None, {"w8a8@minmax", "w8a8@search"}), (0.05, {"w8a8@minmax"})],
+                         ids=["no-spread-min-gain-1pct", "table-resolution-10pct"])
+def test_never_chosen_leaves_out_what_is_not_measurably_faster_than_fp32(rel_se, kept):
+    """A candidate faster than fp32 by less than the table resolves (`steering.min_gain`: twice the median relative
+    standard error, at least 1%) is not known to be faster: noise must not decide whether it is scored."""
+    from ffnquant.planning.rows import never_chosen
+    from ffnquant.planning.steering import min_gain
+
+    recipes = [Recipe.parse(r) for r in ("fp32", "w8a8@minmax", "w8a8@search", "w4a16-g128")]
+    # 20% faster, 5% faster, 0.5% faster
+    latency = {"fp32": {"p50_ms": 10.0}, "w8a8@minmax": {"p50_ms": 8.0}, "w8a8@search": {"p50_ms": 9.5},
+               "w4a16-g128": {"p50_ms": 9.95}}
+    for row in latency.values():
+        row["median_rel_se"] = rel_se
+    assert min_gain(latency) == pytest.approx(0.01 if rel_se is None else 2 * rel_se)
+    out = never_chosen(recipes, latency, "ort-cpu")
+    assert {str(r) for r in recipes if not r.is_float} - set(out) == kept
+    assert "not measurably faster than fp32 on ort-cpu (9.95 ms against 10.00 ms: 0.5% less" in out["w4a16-g128"]
+
+
 @pytest.mark.parametrize("seed", range(6), ids=lambda s: f"seed{s}")
 def test_the_lazy_onnxruntime_floor_finds_the_eager_optimum(seed):
     from ffnquant.planning.floor import FloorSearch, ort_exclude

@@ -9,7 +9,8 @@ measured side by side are what matter. Recipes whose artifacts are the same grap
 same shapes and dtypes: `graph_signature`, e.g. a static int8 recipe with another calibrator) are timed once, so
 that noise cannot rank identical kernels apart. A recipe without an onnxruntime artifact has no time and says why; a
 latency objective cannot choose it. A recipe slower than fp32 on the request is never chosen: fp32 predicts no
-damage, so the search's Pareto front drops anything that costs more (`search.pareto`)."""
+damage, so the search's Pareto front drops anything that costs more (`search.pareto`); nor is one faster by less
+than the table resolves (`rows.never_chosen`)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from .moe import MoELayer, moe_table, weight_bytes
 from .scores import CandidateScore
 from .search import Option, pareto
 from .sensitivity import fisher_noise
+from .steering import min_gain
 from .target import Objective
 
 __all__ = ["candidate_row", "choosable", "finish_layer", "fold_exclude", "layer_local", "needs_fold", "never_chosen"]
@@ -31,9 +32,14 @@ def _fit(points: Sequence[tuple[float, float]]) -> float:
 
 def never_chosen(recipes: Sequence[Recipe], latency: Mapping[str, Mapping[str, Any]], where: str) -> dict[str, str]:
     """The candidates the latency objective can never choose, by recipe text, with why: those not timed, and those
-    no faster than fp32, which costs no accuracy (any assignment using one is beaten by fp32 in its place). Not
-    scoring them changes no plan."""
+    not measurably faster than fp32, which costs no accuracy. "Measurably" is the table's own resolution
+    (`steering.min_gain`: twice the median relative standard error of its medians, at least MIN_GAIN): a candidate
+    timed within it of fp32 is not known to be faster (at about 95%), so it would spend accuracy on a saving the
+    table cannot show; and whether noise put it a hair under or over fp32 must not decide whether the plan scores it
+    (a deferred GPTQ/AWQ candidate costs seconds per layer). Not scoring them changes no plan that this table can
+    tell apart."""
     fp32 = (latency.get("fp32") or {}).get("p50_ms")
+    needed = min_gain(latency)
     out = {}
     for recipe in recipes:
         if recipe.is_float:
@@ -45,6 +51,10 @@ def never_chosen(recipes: Sequence[Recipe], latency: Mapping[str, Mapping[str, A
         elif fp32 is not None and ms >= fp32:
             out[str(recipe)] = (f"no faster than fp32 on {where} ({ms:.2f} ms against {fp32:.2f} ms), which costs no "
                                 "accuracy: never chosen, so not scored")
+        elif fp32 is not None and ms > fp32 * (1.0 - needed):
+            out[str(recipe)] = (f"not measurably faster than fp32 on {where} ({ms:.2f} ms against {fp32:.2f} ms: "
+                                f"{1.0 - ms / fp32:.1%} less, within the table's resolution of {needed:.1%}), which "
+                                "costs no accuracy: never chosen, so not scored")
     return out
 
 
