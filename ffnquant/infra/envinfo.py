@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import os
 import platform
@@ -19,6 +20,11 @@ _PACKAGES = (
 
 def package_versions() -> dict[str, str | None]:
     """Installed versions of the packages that shape the numbers (None where absent)."""
+    return dict(_package_versions())
+
+
+@functools.cache  # read once per process: every quantization result is stamped with them (a plan makes hundreds)
+def _package_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in _PACKAGES:
         try:

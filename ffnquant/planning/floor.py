@@ -6,7 +6,7 @@ the layers where a solution picks one (`FloorSearch`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -17,7 +17,7 @@ from ..onnx.ortbaseline import ort_baselines
 from ..recipe import Recipe
 from .search import Option, solve
 
-__all__ = ["FLOOR_METHODS", "ort_best", "ort_exclude", "static_int8", "FloorSearch"]
+__all__ = ["FLOOR_METHODS", "floor_args", "ort_best", "ort_exclude", "ort_floor", "static_int8", "FloorSearch"]
 
 # onnxruntime's quantizers the floor runs. Not Entropy: at quantize_static's defaults it histograms all calibration
 # outputs at once, so its one candidate threshold is the whole range and it writes MinMax's model (the same
@@ -28,13 +28,25 @@ FLOOR_METHODS = ("minmax", "percentile", "dynamic")
 def ort_best(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any) -> dict[str, Any] | None:
     """onnxruntime's best own quantizer of this layer (quantize_static MinMax / Percentile and quantize_dynamic,
     `FLOOR_METHODS`, on the same calibration and held-out inputs): {method, sqnr_db, methods}, or None."""
+    return ort_floor(*floor_args(layer, calib, held, settings))
+
+
+def floor_args(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any) -> tuple:
+    """`ort_floor`'s arguments for a layer: what a helper process needs of it (the FFN, not the model's layer)."""
+    return layer.label, layer.ffn, calib, held, settings.seq_len * settings.batch_size, FLOOR_METHODS
+
+
+def ort_floor(label: str, ffn: Any, calib: torch.Tensor, held: torch.Tensor, run_tokens: int,
+              methods: Sequence[str] = FLOOR_METHODS) -> dict[str, Any] | None:
+    """`ort_best` of one FFN module (`label` names its files): a module-level function, so a helper process can run
+    it (`infra.sidecar.side_by_side`)."""
     with ScratchFolder("plan-ort") as folder:  # marked: a killed run's is swept by the next run
-        fp32 = Path(folder) / f"{layer.label}.fp32.onnx"
-        export_onnx(layer.ffn, fp32)
+        fp32 = Path(folder) / f"{label}.fp32.onnx"
+        export_onnx(ffn, fp32)
         with torch.no_grad():
-            ref = run_batched(layer.ffn, held)
+            ref = run_batched(ffn, held)
         res = ort_baselines(fp32, [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)], held, ref,
-                            run_tokens=settings.seq_len * settings.batch_size, methods=FLOOR_METHODS)
+                            run_tokens=run_tokens, methods=tuple(methods))
     best = res.get("best")
     if not best:
         return None
@@ -78,9 +90,13 @@ class FloorSearch:
 
     def __init__(self, per_layer: dict[int, dict[str, Any]], recipes: Sequence[Recipe],
                  options_of: Callable[[int], list[Option]], measure: Callable[[int], dict[str, Any] | None],
-                 score: Callable[[int], None] | None = None) -> None:
+                 score: Callable[[int], None] | None = None,
+                 measure_many: Callable[[list[int]], Iterable[tuple[int, dict[str, Any] | None]]] | None = None) -> None:
+        """`measure(i)`: layer i's floor; `measure_many(layers)`, when given, yields (i, floor) for all the layers one
+        solution needs at once (side by side with a helper process, `infra.sidecar`)."""
         self.per_layer, self.recipes, self.options_of, self.measure, self.score = (per_layer, recipes, options_of,
                                                                                   measure, score)
+        self.measure_many = measure_many
         self.options = {i: options_of(i) for i in per_layer}
         self.static = {str(r) for r in recipes if static_int8(r)}
 
@@ -101,9 +117,10 @@ class FloorSearch:
                 raise ValueError("FloorSearch: deferred candidates without a `score` to score them")
             for i in unscored:
                 self.score(i)  # the layer's deferred rows replaced by scored ones
-            for i in floors:
+            measured = self.measure_many(floors) if self.measure_many else ((i, self.measure(i)) for i in floors)
+            for i, best in measured:
                 entry = self.per_layer[i]
-                entry["ort_best"] = best = self.measure(i)
+                entry["ort_best"] = best
                 entry["ort_floor"] = "measured"
                 ort_exclude(best, self.recipes, entry["candidates"])
             for i in dict.fromkeys(unscored + floors):

@@ -38,9 +38,11 @@ from ..errors import FFNQuantError
 from ..hf import inspect_model
 from ..hf.inputs import EvalSettings, fit_settings
 from ..infra.device import current_device, describe_device
+from ..infra.sidecar import side_by_side
 from ..measure.executor import LocalExecutor
 from ..recipe import Recipe
-from .floor import FloorSearch, ort_best, static_int8
+from .floor import FloorSearch, floor_args, static_int8
+from .floor import ort_floor as onnxruntime_floor  # `ort_floor` is make_plan's switch
 from .candidates import HELD_ROWS, candidate_recipes, deferred, run_score_task, score_tasks
 from .latency_table import measure_latency_table
 from .planfile import Plan, model_fingerprint
@@ -245,13 +247,26 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     floor_s, measured_floors = [0.0], []
 
     def measure_floor(i: int) -> dict[str, Any] | None:
+        return next(iter(measure_floors([i])))[1]
+
+    def measure_floors(indices: list[int]):
+        # onnxruntime's quantizer is mostly single-threaded Python: a helper process takes layers from the other
+        # end of the list on the core this one leaves idle (`infra.sidecar`); the same function of the same inputs
         t_floor = time.perf_counter()
-        layer, calib, held = source.layer_inputs(i)
-        best = ort_best(layer, calib, held, settings)
-        floor_s[0] += time.perf_counter() - t_floor
-        measured_floors.append(i)  # at most once per layer: the count runs up to the layers planned
-        tick(f"onnxruntime floor: {layer.label}", len(measured_floors), len(per_layer))
-        return best
+        inputs = {}
+
+        def args_of(i: int) -> tuple:
+            inputs[i] = source.layer_inputs(i)
+            return floor_args(*inputs[i], settings)
+
+        try:
+            for i, best in side_by_side(onnxruntime_floor, indices, args_of):
+                measured_floors.append(i)  # at most once per layer: the count runs up to the layers planned
+                tick(f"onnxruntime floor: {inputs.pop(i)[0].label}", len(measured_floors), len(per_layer))
+                yield i, best
+        finally:
+            inputs.clear()
+            floor_s[0] += time.perf_counter() - t_floor
 
     by_name = {str(r): r for r in recipes}  # the options carry recipe texts; the Recipes were parsed once
     deferred_s, scored_later = [0.0], []
@@ -273,7 +288,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         deferred_s[0] += time.perf_counter() - t_later
         tick(f"deferred candidates ({', '.join(map(str, todo))}): L{i}", len(scored_later), len(per_layer))
 
-    search = FloorSearch(per_layer, recipes, options_of, measure_floor, score_deferred)
+    search = FloorSearch(per_layer, recipes, options_of, measure_floor, score_deferred, measure_many=measure_floors)
 
     t = time.perf_counter()
     # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)
