@@ -62,3 +62,30 @@ def test_the_onnxruntime_floor_is_the_same_in_a_helper():
     alone = dict(side_by_side(ort_floor, range(2), lambda k: layers[k], helper=False))
     shared = dict(side_by_side(ort_floor, range(2), lambda k: layers[k], helper=True))
     assert alone == shared and all(v["methods"] for v in alone.values())
+
+
+def _makes_a_lock(x: int) -> int:
+    import multiprocessing
+
+    global _LOCK  # kept alive in the helper, as a library's module-level lock is (tqdm's)
+    _LOCK = multiprocessing.get_context("spawn").RLock()
+    return x
+
+
+def test_a_finished_helper_leaves_no_semaphore_behind():
+    """The helper exits on its own once the work is done, so what its libraries registered with multiprocessing's
+    resource tracker is released (a killed helper made Python warn of a 'leaked semaphore' at the plan's exit)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys; sys.path[:0] = [{tests!r}, {repo!r}]\n"
+              "from ffnquant.infra.sidecar import side_by_side\n"
+              "from test_sidecar import _makes_a_lock\n"
+              "if __name__ == '__main__':\n"
+              "    print(sorted(side_by_side(_makes_a_lock, [1, 2, 3], lambda x: (x,), helper=True)))\n")
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", script.format(tests=str(here), repo=str(here.parent))],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[(1, 1), (2, 2), (3, 3)]" and "leaked" not in proc.stderr, proc.stderr

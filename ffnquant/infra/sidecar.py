@@ -41,6 +41,7 @@ def side_by_side(fn: Callable[..., Any], items: Sequence[Any], args_of: Callable
             pool = None
     front, back = 0, len(items)
     running: tuple[Any, Any] | None = None  # (item, AsyncResult) of the helper's current item
+    done = False
     try:
         while front < back or running is not None:
             if pool is not None and running is None and front < back:
@@ -55,7 +56,13 @@ def side_by_side(fn: Callable[..., Any], items: Sequence[Any], args_of: Callable
                 item = items[front]
                 front += 1
                 yield item, fn(*args_of(item))
+        done = True
     finally:
         if pool is not None:
-            pool.terminate()  # nothing of it outlives the call, finished or not
+            # finished: the helper exits on its own, running its finalizers (a killed one leaves the semaphores its
+            # libraries made, such as tqdm's lock, for the resource tracker to warn about); else it is killed
+            if done:
+                pool.close()
+            else:
+                pool.terminate()
             pool.join()
