@@ -19,6 +19,11 @@ __all__ = ["side_by_side"]
 
 
 def _init_helper() -> None:
+    # Ctrl-C reaches the whole process group: this process stops the helper (`side_by_side`'s finally), which must
+    # not print a traceback of its own
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # one core's worth of threads: this process computes on the other
     import torch
 
