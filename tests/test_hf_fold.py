@@ -248,3 +248,19 @@ def test_fold_exactness_on_a_tiny_model(tiny_models, name):
     assert r["float_ffns"]["max_rel_diff"] <= TOL and r["unfolded"]["max_rel_diff"] <= TOL
     assert r["mean_rel_diff"] <= TOL and 0 < r["norm_factor_min"] <= r["norm_factor_max"]
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the model is left as given
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 33], ids=lambda n: f"{n}-values")
+def test_the_difference_is_streamed_in_chunks_with_the_whole_tensors_figures(n, monkeypatch):
+    """`_Diff` takes float64 copies a chunk at a time (a batch of a 262k-vocabulary model's logits is gigabytes):
+    its maxima are the whole tensors', its sums theirs up to float64 summation order."""
+    from ffnquant.hf.fold import _Diff
+
+    monkeypatch.setattr(_Diff, "CHUNK", 8)
+    gen = torch.Generator().manual_seed(n)
+    ref, got = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    diff = _Diff()
+    diff.update(ref.reshape(1, -1), got.reshape(1, -1))
+    r, d = ref.double().abs(), (got.double() - ref.double()).abs()
+    assert diff.max_diff == float(d.max()) and diff.max_ref == float(r.max())
+    assert diff.sum_diff == pytest.approx(float(d.sum()), rel=1e-15) and diff.sum_ref == pytest.approx(float(r.sum()), rel=1e-15)
