@@ -1,0 +1,41 @@
+"""benchmarks/serve.py: its table says each folder's speed against the source's, and a refusal with vLLM's reason."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SERVE = Path(__file__).resolve().parent.parent / "benchmarks" / "serve.py"
+
+
+@pytest.fixture(scope="module")
+def serve():
+    spec = importlib.util.spec_from_file_location("serve_benchmark", SERVE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_table_is_against_the_source_and_names_refusals(serve):
+    row = {"load_s": 20.0, "prefill_s": 0.5, "kernels": []}
+    doc = {"model": "m", "vllm": "0.32.0", "command": "python3 benchmarks/serve.py --model m",
+           "environment": {"cpu": "AMD EPYC", "cpu_count": 2, "timestamp_utc": "t"},
+           "settings": {"dtype": "bfloat16", "prompt_tokens": 512, "new_tokens": 64, "concurrent": 8, "repeats": 3},
+           "rows": {"source": {**row, "decode_tok_s_1": 10.0, "decode_tok_s_concurrent": 40.0},
+                    "w8a8": {**row, "decode_tok_s_1": 12.5, "decode_tok_s_concurrent": 30.0,
+                             "kernels": ["Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8"]},
+                    "w8a16": {"error": "ValueError: Failed to find a kernel", "seconds": 20.0}}}
+    text = serve.render(doc)
+    assert "| w8a8 | 20 s | 500 ms | 12.5 tok/s | 30.0 tok/s | 1.25x / 0.75x | Selected CPUInt8ScaledMMLinearKernel" in text
+    assert "| w8a16 | refused: ValueError: Failed to find a kernel |" in text
+    assert "| source |" in text and "1.00x / 1.00x" in text
+
+
+def test_without_vllm_it_stops_with_the_reason(serve, monkeypatch, tmp_path):
+    from ffnquant.deploy import vllm
+
+    monkeypatch.setattr(vllm, "vllm_unavailable", lambda: "vLLM is not installed in this environment")
+    with pytest.raises(SystemExit, match="serve: vLLM is not installed"):
+        serve.main(["--model", "m", "--out", str(tmp_path / "o")])
