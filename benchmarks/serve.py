@@ -19,8 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,25 +80,18 @@ def prompts_of(model: str, count: int, length: int) -> list[list[int]]:
 
 
 def serve_one(folder: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    from ffnquant.deploy.vllm import _KERNEL, refusal_line, vllm_python
+    """One folder's figures (`RUNNER`), or {error: vLLM's reason}."""
+    from ffnquant.deploy.vllm import run_vllm_script
+    from ffnquant.errors import FFNQuantError
 
-    with tempfile.TemporaryDirectory(prefix="ffnquant-serve-") as tmp:
-        runner, inp, out = Path(tmp) / "serve_vllm.py", Path(tmp) / "args.json", Path(tmp) / "out.json"
-        runner.write_text(RUNNER, encoding="utf-8")
-        inp.write_text(json.dumps({"folder": str(Path(folder).resolve()), "dtype": args.dtype, "prompts": prompts,
-                                   "concurrent": args.concurrent, "new_tokens": args.new_tokens,
-                                   "repeats": args.repeats, "max_model_len": args.prompt_tokens + args.new_tokens + 8}))
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-        t = time.perf_counter()
-        proc = subprocess.run([vllm_python(), str(runner), str(inp), str(out)], capture_output=True, text=True,
-                              env=env, cwd=tmp, timeout=args.timeout)
-        log = proc.stdout + "\n" + proc.stderr
-        if proc.returncode != 0 or not out.exists():
-            return {"error": refusal_line(log), "seconds": time.perf_counter() - t}
-        row = json.loads(out.read_text(encoding="utf-8"))
-    row["kernels"] = sorted({m.group(0) for ln in log.splitlines() for m in [_KERNEL.search(ln)] if m})
-    row["seconds"] = time.perf_counter() - t
-    return row
+    try:
+        return run_vllm_script(RUNNER, {"folder": str(Path(folder).resolve()), "dtype": args.dtype, "prompts": prompts,
+                                        "concurrent": args.concurrent, "new_tokens": args.new_tokens,
+                                        "repeats": args.repeats,
+                                        "max_model_len": args.prompt_tokens + args.new_tokens + 8},
+                               timeout=args.timeout, kv_cache_gib=2)[0]
+    except FFNQuantError as exc:
+        return {"error": str(exc).split(": ", 1)[-1]}
 
 
 def render(doc: dict) -> str:

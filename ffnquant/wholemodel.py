@@ -31,7 +31,7 @@ from .deploy.formats import get_format
 from .deploy.planned import deployable_refusal
 from .deploy.precision import resolve_compute_dtype
 from .infra.device import resolve_device, use_device
-from .errors import FFNQuantError, api_boundary, unknown_choice
+from .errors import FFNQuantError, api_boundary
 from .hf import inspect_model
 from .hf.capture import load_tokenizer, read_text, require_transformers
 from .hf.corpus import DEFAULT_SEQ_LEN
@@ -44,7 +44,7 @@ from .infra.atomic_folder import check_new_folder, folder_files, staged_folder, 
 from .infra.envinfo import environment
 from .infra.progress import progress_callback
 from .planning import Plan, load_plan
-from .planning.candidates import candidate_recipes, format_candidates, serve_candidates
+from .planning.candidates import candidate_recipes, format_candidates, serve_candidates, serve_target
 from .planning.job import make_plan
 from .planning.planfile import model_fingerprint
 from .planning.runtime_latency import check_runtimes
@@ -138,10 +138,7 @@ def check_plan_arguments(*, target: Any = "ppl+1%", objective: Any = None, runti
     arguments.one_of_type(format, "format", (str,), "'compressed-tensors', 'onnx' or None", optional=True)
     arguments.one_of_type(serve, "serve", (str,), "'vllm-cpu' or None", optional=True)
     if serve is not None:
-        from .planning.candidates import SERVE_TARGETS
-
-        if serve.strip().lower() not in SERVE_TARGETS:
-            raise unknown_choice("server (serve)", serve, SERVE_TARGETS)
+        serve_target(serve)
     arguments.count(tokens, "tokens")
     arguments.count(decode_tokens, "decode_tokens", minimum=0, optional=True)
     arguments.recipe_list(candidates, "candidates")
@@ -182,11 +179,7 @@ def plan_request(info: ModelInfo, target: str = "ppl+1%", objective: str | None 
         check_runtimes(aim.runtimes)  # no CUDA here: said now, before the model is read
     fmt = None if format is None else get_format(format)
     if serve is not None:
-        from .planning.candidates import SERVE_TARGETS
-
-        serve = str(serve).strip().lower()
-        if serve not in SERVE_TARGETS:
-            raise unknown_choice("server (--serve)", serve, SERVE_TARGETS)
+        serve = serve_target(serve)
         if fmt not in (None, "compressed-tensors"):
             raise FFNQuantError(f"--serve {serve} serves compressed-tensors folders, not --format {fmt}")
         fmt = "compressed-tensors"

