@@ -8,7 +8,10 @@ Each folder is served by vLLM in its own child process (`deploy.vllm`'s interpre
 same dtype (--dtype, default bfloat16: what vLLM's CPU build computes in, and the only one its 4-bit kernel has).
 Per folder: the time to load, the prefill of a --prompt-tokens prompt (one request, one new token), decode tokens per
 second of one request and of --concurrent requests generating --new-tokens each (greedy, EOS ignored), each the
-median of --repeats runs after a warm-up, and the quantized linear kernels vLLM's log names. The prompts are the
+median of --repeats runs after a warm-up, and the quantized linear kernels vLLM's log names. Then the FFN share: the
+modules vLLM names `*.mlp` timed one call at a time on vLLM's own kernels (`deploy.vllm.FFN_TIMER`), summed over
+the layers, at one decode step (1 and --concurrent rows) and at the prefill's tokens, against the measured step and
+prefill times. The prompts are the
 first sequences of the shipped held-out corpora, the same for every folder. Writes serve.json and serve.md to --out.
 """
 
@@ -25,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 RUNNER = r'''
-import json, statistics, sys, time
+import functools, json, statistics, sys, time
 
 
 def main():
@@ -49,7 +52,16 @@ def main():
     one = statistics.median(timed(prompts[:1], a["new_tokens"]) for _ in range(a["repeats"]))
     many = statistics.median(timed(prompts[: a["concurrent"]], a["new_tokens"]) for _ in range(a["repeats"]))
     n = a["new_tokens"]
-    out = {"load_s": load_s, "prefill_s": prefill,
+    # each FFN timed on vLLM's own modules at the decode steps' and the prefill's token counts (after the timed
+    # runs, so they are not disturbed): the FFN share of the time
+    from ffnquant_vllm_ffn import time_ffns
+
+    counts = [1, a["concurrent"], len(a["prompts"][0])]
+    ffn = llm.apply_model(functools.partial(time_ffns, tokens=counts, dtype=a["dtype"]))[0]
+    ffn_ms = {t: sum(statistics.median(c) for c in calls) for t, calls in ffn["ms"].items()}
+    out = {"ffn_modules": len(ffn["modules"]), "ffn_classes": ffn["classes"],
+           "ffn_ms_1": ffn_ms.get("1"), "ffn_ms_concurrent": ffn_ms.get(str(a["concurrent"])),
+           "ffn_ms_prefill": ffn_ms.get(str(counts[2])),"load_s": load_s, "prefill_s": prefill,
            # the decode rate: the request's new tokens after the first, over its time less the prefill's
            "decode_tok_s_1": (n - 1) / max(1e-9, one - prefill),
            "decode_tok_s_concurrent": a["concurrent"] * (n - 1) / max(1e-9, many - prefill),
@@ -94,6 +106,24 @@ def serve_one(folder: str, args: argparse.Namespace, prompts: list[list[int]]) -
         return {"error": str(exc).split(": ", 1)[-1]}
 
 
+def _share(ffn_ms: float | None, total_ms: float) -> str:
+    return f"{100 * ffn_ms / total_ms:.0f}%" if ffn_ms is not None and total_ms > 0 else "-"
+
+
+def ffn_shares(row: dict, concurrent: int) -> tuple[float | None, float | None]:
+    """The FFNs' share of one decode step at 1 and at `concurrent` requests: their summed time at that many rows
+    over the step's time (1 / tokens per second of one request; `concurrent` / the rate of `concurrent`)."""
+    one = row.get("ffn_ms_1"), 1e3 / row["decode_tok_s_1"] if row.get("decode_tok_s_1") else None
+    many = row.get("ffn_ms_concurrent"), (1e3 * concurrent / row["decode_tok_s_concurrent"]
+                                          if row.get("decode_tok_s_concurrent") else None)
+    return tuple(f / t if f is not None and t else None for f, t in (one, many))
+
+
+def _shares(row: dict, concurrent: int) -> str:
+    a, b = ffn_shares(row, concurrent)
+    return " / ".join("-" if x is None else f"{100 * x:.0f}%" for x in (a, b))
+
+
 def render(doc: dict) -> str:
     s = doc["settings"]
     lines = [f"# Serving speed in vLLM: {doc['model']}", "",
@@ -103,18 +133,20 @@ def render(doc: dict) -> str:
              f"{s['new_tokens']} new tokens per request, greedy; medians of {s['repeats']} runs after a warm-up. Command:",
              "", "```bash", doc["command"], "```", "",
              f"| folder | load | prefill {s['prompt_tokens']} tokens | decode, 1 request | decode, {s['concurrent']} requests "
-             f"| against the source (1 / {s['concurrent']}) | vLLM's quantized linear kernels |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             f"| against the source (1 / {s['concurrent']}) | FFN share of decode (1 / {s['concurrent']}) "
+             "| FFN share of prefill | vLLM's quantized linear kernels |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     base = doc["rows"].get("source") or {}
     for name, r in doc["rows"].items():
         if "error" in r:
-            lines.append(f"| {name} | refused: {r['error']} | | | | | |")
+            lines.append(f"| {name} | refused: {r['error']} | | | | | | | |")
             continue
         ratio = (f"{r['decode_tok_s_1'] / base['decode_tok_s_1']:.2f}x / "
                  f"{r['decode_tok_s_concurrent'] / base['decode_tok_s_concurrent']:.2f}x"
                  if base.get("decode_tok_s_1") else "")
         lines.append(f"| {name} | {r['load_s']:.0f} s | {1e3 * r['prefill_s']:.0f} ms | {r['decode_tok_s_1']:.1f} tok/s "
-                     f"| {r['decode_tok_s_concurrent']:.1f} tok/s | {ratio} | {', '.join(r['kernels']) or 'none named'} |")
+                     f"| {r['decode_tok_s_concurrent']:.1f} tok/s | {ratio} | {_shares(r, s['concurrent'])} "
+                     f"| {_share(r.get('ffn_ms_prefill'), 1e3 * r['prefill_s'])} | {', '.join(r['kernels']) or 'none named'} |")
     return "\n".join(lines) + "\n"
 
 

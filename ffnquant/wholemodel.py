@@ -178,6 +178,10 @@ def plan_request(info: ModelInfo, target: str = "ppl+1%", objective: str | None 
             raise FFNQuantError(f"runtime {runtime} applies to the latency objective; the objective here is {aim.kind}")
         check_runtimes(aim.runtimes)  # no CUDA here: said now, before the model is read
     fmt = None if format is None else get_format(format)
+    if aim.kind == "latency" and aim.runtimes == ("vllm-cpu",):
+        if serve not in (None, "vllm-cpu"):
+            raise FFNQuantError(f"--runtime vllm-cpu times the plan in vLLM's CPU build; --serve {serve} names another")
+        serve = "vllm-cpu"  # timed where it is served: only what vLLM's CPU build runs is a candidate
     if serve is not None:
         serve = serve_target(serve)
         if fmt not in (None, "compressed-tensors"):

@@ -24,13 +24,25 @@ def test_the_table_is_against_the_source_and_names_refusals(serve):
            "environment": {"cpu": "AMD EPYC", "cpu_count": 2, "timestamp_utc": "t"},
            "settings": {"dtype": "bfloat16", "prompt_tokens": 512, "new_tokens": 64, "concurrent": 8, "repeats": 3},
            "rows": {"source": {**row, "decode_tok_s_1": 10.0, "decode_tok_s_concurrent": 40.0},
-                    "w8a8": {**row, "decode_tok_s_1": 12.5, "decode_tok_s_concurrent": 30.0,
+                    "w8a8": {**row, "decode_tok_s_1": 12.5, "decode_tok_s_concurrent": 30.0, "ffn_ms_1": 40.0,
+                             "ffn_ms_concurrent": 160.0, "ffn_ms_prefill": 250.0,
                              "kernels": ["Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8"]},
                     "w8a16": {"error": "ValueError: Failed to find a kernel", "seconds": 20.0}}}
     text = serve.render(doc)
-    assert "| w8a8 | 20 s | 500 ms | 12.5 tok/s | 30.0 tok/s | 1.25x / 0.75x | Selected CPUInt8ScaledMMLinearKernel" in text
+    # a step of one request takes 1000 / 12.5 = 80 ms (FFNs 40 ms: 50%); of 8, 8000 / 30 = 267 ms (160 ms: 60%)
+    assert ("| w8a8 | 20 s | 500 ms | 12.5 tok/s | 30.0 tok/s | 1.25x / 0.75x | 50% / 60% | 50% "
+            "| Selected CPUInt8ScaledMMLinearKernel") in text
+    assert "| source | 20 s | 500 ms | 10.0 tok/s | 40.0 tok/s | 1.00x / 1.00x | - / - | - |" in text
     assert "| w8a16 | refused: ValueError: Failed to find a kernel |" in text
-    assert "| source |" in text and "1.00x / 1.00x" in text
+
+
+@pytest.mark.parametrize("row, want", [
+    ({"decode_tok_s_1": 20.0, "decode_tok_s_concurrent": 80.0, "ffn_ms_1": 25.0, "ffn_ms_concurrent": 50.0}, (0.5, 0.5)),
+    ({"decode_tok_s_1": 20.0, "decode_tok_s_concurrent": 80.0}, (None, None)),
+], ids=["timed", "not-timed"])
+def test_the_ffn_share_is_their_time_over_the_step(serve, row, want):
+    got = serve.ffn_shares(row, 8)
+    assert got == pytest.approx(want) if want[0] is not None else got == want
 
 
 def test_without_vllm_it_stops_with_the_reason(serve, monkeypatch, tmp_path):

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "FFN the latency table can time)")
     parser.add_argument("--runtime", default="ort-cpu", metavar="NAME[,NAME]",
                         help="where the latency objective times the candidates: ort-cpu (the ONNX artifacts on "
-                             "onnxruntime's CPU provider) or a comma list of torch-module runtimes, each candidate "
+                             "onnxruntime's CPU provider), vllm-cpu (the model's FFNs in vLLM's CPU build, from a "
+                             "compressed-tensors folder it loads; implies --serve vllm-cpu) or a comma list of torch-module runtimes, each candidate "
                              "timed on the first with a kernel for it, e.g. triton-cuda,torch-cuda-graph for a GPU "
                              f"deployment; valid: {', '.join(PLAN_RUNTIMES)} (default ort-cpu)")
     parser.add_argument("--tokens", type=positive_int, default=512,

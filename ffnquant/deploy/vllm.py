@@ -31,8 +31,8 @@ from ..backends import register_backend, supports
 from ..errors import FFNQuantError
 from ..schemes import ActDType, ActMode, Granularity, Scheme, WeightDType, get_scheme
 
-__all__ = ["VLLM_CPU_MEASURED", "vllm_cpu_decision", "TIE_NATS", "vllm_python", "vllm_unavailable", "run_vllm_script", "vllm_generate", "tokens_agree", "transformers_greedy",
-           "vllm_check", "refusal_line"]
+__all__ = ["VLLM_CPU_MEASURED", "vllm_cpu_decision", "TIE_NATS", "vllm_python", "vllm_unavailable", "run_vllm_script",
+           "vllm_generate", "vllm_ffn_times", "tokens_agree", "transformers_greedy", "vllm_check", "refusal_line"]
 
 # Two candidates within this many nats of each other at a step are a near-tie whose order the runtimes' rounding
 # may decide: bf16 logits carry ~2^-8 relative error, which at logits of magnitude ~20 is ~0.08 nats.
@@ -65,6 +65,61 @@ def main():
         rows.append({"tokens": list(c.token_ids), "margins": margins})
     with open(sys.argv[2], "w", encoding="utf-8") as fh:
         json.dump({"rows": rows, "load_s": load_s, "generate_s": generate_s}, fh)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+# A module beside every runner script (importable in vLLM's engine process, which unpickles `LLM.apply_model`'s
+# function by reference): each FFN module of the loaded model timed eagerly at given token counts, on vLLM's own
+# modules and kernels. The FFNs are the modules vLLM names `*.mlp` (its decoder layers' feed-forward blocks).
+FFN_TIMER = r'''
+import statistics, time
+
+
+def time_ffns(model, tokens, dtype, reps=15):
+    """{modules, classes, ms: {tokens: [[ms per call] per FFN]}}: each FFN called on random rows of its width."""
+    import torch
+
+    mlps = [(name, m) for name, m in model.named_modules() if name.endswith(".mlp")]
+    out = {"modules": [name for name, _ in mlps], "classes": sorted({type(m).__name__ for _, m in mlps}), "ms": {}}
+    if not mlps:
+        return out
+    width = next(c.input_size for c in mlps[0][1].modules() if hasattr(c, "input_size"))
+    with torch.inference_mode():
+        for t in tokens:
+            x = torch.randn(int(t), width, dtype=getattr(torch, dtype))
+            per = []
+            for _, m in mlps:
+                m(x)  # warm-up: first calls pack weights and start threads
+                calls = []
+                for _ in range(reps if t <= 64 else max(3, reps // 4)):
+                    s = time.perf_counter()
+                    m(x)
+                    calls.append(1e3 * (time.perf_counter() - s))
+                per.append(calls)
+            out["ms"][str(int(t))] = per
+    return out
+'''
+
+_FFN_RUNNER = r'''
+import functools, json, os, sys, time
+
+
+def main():
+    args = json.loads(open(sys.argv[1], encoding="utf-8").read())
+    t = time.perf_counter()
+    from vllm import LLM
+    from ffnquant_vllm_ffn import time_ffns
+
+    llm = LLM(model=args["folder"], dtype=args["dtype"], max_model_len=args["max_model_len"], seed=0,
+              skip_tokenizer_init=True)
+    load_s = time.perf_counter() - t
+    out = llm.apply_model(functools.partial(time_ffns, tokens=args["tokens"], dtype=args["dtype"]))[0]
+    with open(sys.argv[2], "w", encoding="utf-8") as fh:
+        json.dump({**out, "load_s": load_s}, fh)
 
 
 if __name__ == "__main__":
@@ -133,9 +188,13 @@ def run_vllm_script(script: str, args: dict[str, Any], timeout: float = 900,
     with tempfile.TemporaryDirectory(prefix="ffnquant-vllm-") as tmp:
         runner, inp, out = Path(tmp) / "run_vllm.py", Path(tmp) / "args.json", Path(tmp) / "out.json"
         runner.write_text(script, encoding="utf-8")
+        (Path(tmp) / "ffnquant_vllm_ffn.py").write_text(FFN_TIMER, encoding="utf-8")
         inp.write_text(json.dumps(args), encoding="utf-8")
+        # PYTHONPATH: the engine process imports the timer module (`FFN_TIMER`) to run `LLM.apply_model`; vLLM sends
+        # that function to its engine only with pickling allowed, which is safe here: both ends are this child's
+        path = os.pathsep.join(p for p in (tmp, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib)),
-                   TOKENIZERS_PARALLELISM="false")
+                   TOKENIZERS_PARALLELISM="false", PYTHONPATH=path, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         t = time.perf_counter()
         try:
             proc = subprocess.run([vllm_python(), str(runner), str(inp), str(out)], capture_output=True, text=True,
@@ -159,6 +218,16 @@ def vllm_generate(folder: str | Path, prompts: Sequence[Sequence[int]], new_toke
     args = {"folder": str(Path(folder).resolve()), "prompts": [list(map(int, p)) for p in prompts],
             "new_tokens": int(new_tokens), "dtype": dtype, "max_model_len": int(max_model_len)}
     return run_vllm_script(_RUNNER, args, timeout)[0]
+
+
+def vllm_ffn_times(folder: str | Path, tokens: Sequence[int], *, dtype: str = "bfloat16", max_model_len: int = 1024,
+                   timeout: float = 1800) -> dict[str, Any]:
+    """Each FFN of `folder` as vLLM loads it, timed on its own kernels at each token count of `tokens` (one call:
+    a prefill of that many tokens, or a decode step of that many requests): {modules, classes, ms: {tokens: [[ms
+    per call] per FFN]}, load_s, kernels}. FFNQuantError with vLLM's reason when it cannot load the folder."""
+    args = {"folder": str(Path(folder).resolve()), "tokens": [int(t) for t in tokens], "dtype": dtype,
+            "max_model_len": int(max_model_len)}
+    return run_vllm_script(_FFN_RUNNER, args, timeout)[0]
 
 
 def tokens_agree(a: Sequence[int], b: Sequence[int], margins_a: Sequence[float | None],

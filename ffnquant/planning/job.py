@@ -145,6 +145,8 @@ def make_plan(
         from .runtime_latency import check_runtimes
 
         check_runtimes(objective.runtimes)  # an absent GPU is said before any work
+    if objective.kind == "latency" and objective.runtimes == ("vllm-cpu",):
+        serve = serve or "vllm-cpu"  # timed in vLLM's CPU build: only what it runs is a candidate
     recipes, skipped = candidate_recipes(candidates, info.spec)
     if export_format is not None:  # a plan made for a format never ends in a refused export
         from .candidates import format_candidates
@@ -199,6 +201,10 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
             first, calib, held, _ = group[0]
             if objective.runtimes == ("ort-cpu",):
                 latency = measure_latency_table(first, recipes, calib, held, tokens=objective.tokens, progress=progress)
+            elif objective.runtimes == ("vllm-cpu",):
+                from .vllm_latency import measure_vllm_table
+
+                latency = measure_vllm_table(info, recipes, objective.tokens, progress=progress)
             else:
                 latency = measure_runtime_table(first, recipes, check_runtimes(objective.runtimes), objective.tokens,
                                                 progress=progress)

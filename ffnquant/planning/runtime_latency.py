@@ -33,6 +33,13 @@ def check_runtimes(names: Sequence[str]) -> list[Runtime]:
     """The runtimes called `names`, each available here; else one error naming the first that is not and why."""
     out = []
     for name in names:
+        if name == "vllm-cpu":  # not a module runtime: its table is measured in vLLM (`planning.vllm_latency`)
+            from ..deploy.vllm import vllm_unavailable
+
+            why = vllm_unavailable()
+            if why is not None:
+                raise FFNQuantError(f"plan runtime {name} is not available here: {why}")
+            continue
         runtime = get_runtime(name)
         avail = runtime.availability()
         if not avail.available:

@@ -19,8 +19,9 @@ OBJECTIVES = ("latency", "bytes")
 # Where the latency objective can time candidates (`ffnquant.runtimes` names): onnxruntime's CPU provider on the
 # ONNX artifacts, or the torch-module runtimes on their kernels (a comma list: each candidate on the first one with
 # a kernel for it). Left out: ort-cuda / ort-trt (the table times artifacts on the CPU provider only) and
-# triton-cpu (Triton's interpreter: numerics, not latency).
-PLAN_RUNTIMES = ("ort-cpu", "torch-cpu", "torch-cuda", "torch-cuda-graph", "torch-cuda-compile", "triton-cuda",
+# triton-cpu (Triton's interpreter: numerics, not latency). vllm-cpu: vLLM's CPU build on a compressed-tensors folder
+# of the model (`planning.vllm_latency`).
+PLAN_RUNTIMES = ("ort-cpu", "vllm-cpu", "torch-cpu", "torch-cuda", "torch-cuda-graph", "torch-cuda-compile", "triton-cuda",
                  "bnb-cpu", "bnb-cuda")
 # decode steps per request the latency objective counts by default: a short chat reply to a 512-token prompt;
 # on a CPU each step reads every weight, so at this count decode is most of a request's FFN time
@@ -267,10 +268,11 @@ class Objective:
         for name in names:
             if name not in PLAN_RUNTIMES:
                 raise unknown_choice("plan runtime", name, PLAN_RUNTIMES)
-        if "ort-cpu" in names and len(names) > 1:
-            # two measurement paths (ONNX artifacts vs torch modules) would put two clocks in one table
-            raise FFNQuantError(f"plan runtime {self.runtime!r}: ort-cpu times the ONNX artifacts and cannot be "
-                                "listed with torch-module runtimes; give ort-cpu alone or a list of the others")
+        for alone, what in (("ort-cpu", "the ONNX artifacts"), ("vllm-cpu", "a folder served by vLLM")):
+            if alone in names and len(names) > 1:
+                # two measurement paths would put two clocks in one table
+                raise FFNQuantError(f"plan runtime {self.runtime!r}: {alone} times {what} and cannot be listed "
+                                    f"with other runtimes; give {alone} alone or a list of torch-module runtimes")
         if len(set(names)) != len(names):
             raise FFNQuantError(f"plan runtime {self.runtime!r} names a runtime twice")
         object.__setattr__(self, "runtime", ",".join(names))
