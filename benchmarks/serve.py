@@ -244,8 +244,10 @@ def render(doc: dict) -> str:
     if doc["rows"]:
         lines += [f"## vLLM {doc['vllm']} ({s['dtype']})", "",
                   "The FFN share: vLLM's own FFN modules (`*.mlp`) timed one call at a time on its kernels, summed over "
-                  "the layers, over the measured decode step (1 / tokens per second of one request) and prefill. vLLM's "
-                  "prefix cache is off.", "",
+                  "the layers, over the measured decode step (1 / tokens per second of one request) and prefill. The "
+                  "modules run eagerly there, while vLLM serves them in its compiled graph: at one row the per-call "
+                  "dispatch of a quantized layer's extra operators (the per-token quantization) is part of the eager "
+                  "time, so the decode share is an upper bound. vLLM's prefix cache is off.", "",
                   f"| folder | load | prefill {s['prompt_tokens']} tokens | decode, 1 request | decode, {s['concurrent']} "
                   f"requests | against the source (1 / {s['concurrent']}) | FFN share of decode (1 / {s['concurrent']}) "
                   "| FFN share of prefill | vLLM's quantized linear kernels |",
