@@ -356,7 +356,7 @@ def test_plan_meets_its_target_and_quantize_applies_it(tiny, tmp_path, capsys):
     (["--objective", "speed"], "invalid choice"),
     (["--max-memory", "1MB"], "over the 1.0 MB memory budget"),  # refused with the numbers before any work
     (["--runtime", "tpu"], "valid: ort-cpu, torch-cpu"),
-    (["--runtime", "ort-cpu,torch-cpu"], "cannot be listed with torch-module runtimes"),
+    (["--runtime", "ort-cpu,torch-cpu"], "cannot be listed with other runtimes"),
     (["--objective", "bytes", "--runtime", "torch-cpu"], "runtime torch-cpu applies to the latency objective"),
 ], ids=["target", "candidate", "objective", "memory", "runtime-unknown", "runtime-mixed", "runtime-with-bytes"])
 def test_plan_refuses_bad_input_in_one_line(tiny, tmp_path, capsys, args, message):

@@ -21,8 +21,8 @@ OBJECTIVES = ("latency", "bytes")
 # a kernel for it). Left out: ort-cuda / ort-trt (the table times artifacts on the CPU provider only) and
 # triton-cpu (Triton's interpreter: numerics, not latency). vllm-cpu: vLLM's CPU build on a compressed-tensors folder
 # of the model (`planning.vllm_latency`).
-PLAN_RUNTIMES = ("ort-cpu", "vllm-cpu", "torch-cpu", "torch-cuda", "torch-cuda-graph", "torch-cuda-compile", "triton-cuda",
-                 "bnb-cpu", "bnb-cuda")
+PLAN_RUNTIMES = ("ort-cpu", "torch-cpu", "torch-cuda", "torch-cuda-graph", "torch-cuda-compile", "triton-cuda",
+                 "bnb-cpu", "bnb-cuda", "vllm-cpu")
 # decode steps per request the latency objective counts by default: a short chat reply to a 512-token prompt;
 # on a CPU each step reads every weight, so at this count decode is most of a request's FFN time
 DECODE_TOKENS = 128

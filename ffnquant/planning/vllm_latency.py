@@ -61,7 +61,8 @@ def _kernel_scheme(name: str) -> str:
 def _timing_folder(info: Any, groups: Sequence[str], folder: Path) -> dict[int, str]:
     """`info`'s model with each group's representative on some of its layers (round robin), saved as compressed-tensors
     in `folder`: {layer index: group}."""
-    from ..wholemodel import apply, save
+    from ..deploy.ctensors import write_folder
+    from ..deploy.planned import build_planned_model
     from .planfile import Plan, model_fingerprint
 
     layers = [layer.index for layer in info.layers]
@@ -70,8 +71,9 @@ def _timing_folder(info: Any, groups: Sequence[str], folder: Path) -> dict[int, 
                             "each at least; plan with fewer candidates (--candidates)")
     assigned = {index: groups[k % len(groups)] for k, index in enumerate(layers)}
     plan = Plan(model_fingerprint(info), {i: Recipe.parse(g) for i, g in assigned.items()})
-    # the weights' values do not change a kernel's time: few tokens calibrate the static scales
-    save(apply(info.path, plan, calib_tokens=512, eval_tokens=256, progress=False), folder, progress=False)
+    # the weights' values do not change a kernel's time: few tokens calibrate the static scales, and the folder (a
+    # scratch copy vLLM only times) is written without the deployment proof
+    write_folder(build_planned_model(info, plan, calib_tokens=512, eval_tokens=256), folder)
     return assigned
 
 
