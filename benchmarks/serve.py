@@ -234,6 +234,12 @@ def _ratio(r: dict, base: dict) -> str:
             f"{r['decode_tok_s_concurrent'] / base['decode_tok_s_concurrent']:.2f}x")
 
 
+def _speed(r: dict, base: dict, load: str) -> str:
+    """The cells both tables share: load, prefill, decode at 1 and at the concurrent requests, against `base`."""
+    return (f"{r['load_s']:{load}} s | {1e3 * r['prefill_s']:.0f} ms | {r['decode_tok_s_1']:.1f} tok/s "
+            f"| {r['decode_tok_s_concurrent']:.1f} tok/s | {_ratio(r, base)}")
+
+
 def render(doc: dict) -> str:
     s, env = doc["settings"], doc["environment"]
     lines = [f"# Serving speed in vLLM and onnxruntime-genai: {doc['model']}", "",
@@ -257,9 +263,7 @@ def render(doc: dict) -> str:
             if "error" in r:
                 lines.append(f"| {name} | refused: {r['error']} | | | | | | | |")
                 continue
-            lines.append(f"| {name} | {r['load_s']:.0f} s | {1e3 * r['prefill_s']:.0f} ms | {r['decode_tok_s_1']:.1f} "
-                         f"tok/s | {r['decode_tok_s_concurrent']:.1f} tok/s | {_ratio(r, base)} "
-                         f"| {_shares(r, s['concurrent'])} | {_share(r.get('ffn_ms_prefill'), 1e3 * r['prefill_s'])} "
+            lines.append(f"| {name} | {_speed(r, base, '.0f')} | {_shares(r, s['concurrent'])} | {_share(r.get('ffn_ms_prefill'), 1e3 * r['prefill_s'])} "
                          f"| {', '.join(r['kernels']) or 'none named'} |")
         lines.append("")
     if doc.get("genai_rows"):
@@ -276,9 +280,7 @@ def render(doc: dict) -> str:
             if "error" in r:
                 lines.append(f"| {name} | failed: {r['error']} | | | | | |")
                 continue
-            lines.append(f"| {name} | {r['load_s']:.1f} s | {1e3 * r['prefill_s']:.0f} ms | {r['decode_tok_s_1']:.1f} "
-                         f"tok/s | {r['decode_tok_s_concurrent']:.1f} tok/s | {_ratio(r, base)} "
-                         f"| {', '.join(r['kernels']) or 'none'} |")
+            lines.append(f"| {name} | {_speed(r, base, '.1f')} | {', '.join(r['kernels']) or 'none'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -133,3 +133,17 @@ def save_causal_tiny(T, model_type: str, folder: Path, tok=None) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     (tok if tok is not None else tokenizer(T)).save_pretrained(folder)
     return folder
+
+
+def write_vllm_llama(folder, layers: int = 4):
+    """A tiny bf16 Llama vLLM's CPU kernels take (hidden 128, head_dim 64), with the word-level tokenizer."""
+    import torch
+    import transformers as T
+
+    config = T.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer(T).save_pretrained(folder)
+    return folder

@@ -98,22 +98,16 @@ needs_vllm = pytest.mark.skipif(vllm.vllm_unavailable() is not None, reason=str(
 def served(tmp_path_factory):
     """A tiny Llama vLLM's CPU kernels take (head_dim 64) and ffnquant's compressed-tensors folders of it: a mixed
     per-layer plan of three schemes vLLM runs, and one recipe it refuses."""
-    T = pytest.importorskip("transformers")
-    import torch
+    pytest.importorskip("transformers")
 
     import ffnquant
     from ffnquant.planning.planfile import Plan, model_fingerprint
     from ffnquant.hf import inspect_model
     from ffnquant.recipe import Recipe
-    from hf_models import tokenizer
+    from hf_models import write_vllm_llama
 
     root = tmp_path_factory.mktemp("vllm")
-    config = T.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
-                           bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(root / "src")
-    tokenizer(T).save_pretrained(root / "src")
+    write_vllm_llama(root / "src", layers=4)
     info = inspect_model(root / "src")
     mixed = Plan(model_fingerprint(info), {0: Recipe.parse("w8a8"), 1: Recipe.parse("w8a8-dynamic-s8"),
                                            2: Recipe.parse("w4a16-g64"), 3: Recipe.parse("fp32")})

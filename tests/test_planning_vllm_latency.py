@@ -94,17 +94,10 @@ needs_vllm = pytest.mark.skipif(vllm.vllm_unavailable() is not None, reason=str(
 @needs_vllm
 def test_vllm_times_each_ffn_of_a_folder(tmp_path):
     """vLLM's own FFN modules of a tiny Llama, timed at a prefill and a decode step: one list of calls per layer."""
-    T = pytest.importorskip("transformers")
-    import torch
+    pytest.importorskip("transformers")
+    from hf_models import write_vllm_llama
 
-    from hf_models import tokenizer
-
-    config = T.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
-                           bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
-    tokenizer(T).save_pretrained(tmp_path / "src")
+    write_vllm_llama(tmp_path / "src", layers=3)
     got = vllm.vllm_ffn_times(tmp_path / "src", [32, 1], max_model_len=64)
     assert got["modules"] == [f"model.layers.{i}.mlp" for i in range(3)]
     assert set(got["ms"]) == {"32", "1"} and all(len(calls) >= 3 and min(calls) > 0 for calls in got["ms"]["1"])
