@@ -289,9 +289,12 @@ class PlanSource:
     # --- pass 2 -----------------------------------------------------------------------------------------------
 
     def _backward(self) -> None:
+        from ..hf.stream import _host
+        from ..infra.device import to_device
         from .sensitivity import gradient_probe
 
         m, n = self.model, len(self.model.layers)
+        device = m.device  # each batch, its call and its gradient go to the engine's device; what is kept comes back
         self.grads = self._store("ffn-gradient")
         probe_keys = range(self.n_probe_batches)
         for j in reversed(range(n)):
@@ -299,18 +302,18 @@ class PlanSource:
             probe = _hooked(self.outputs[j], gradient_probe(found, j)) if j in self.outputs else contextlib.nullcontext()
             with m.layer(j), probe, torch.enable_grad():
                 for b in range(self.n_grad_batches):
-                    args, kwargs = self.ccalls[b][j]
+                    args, kwargs = to_device(self.ccalls[b][j], device)
                     # the first layer's input is the embedding, which needs no gradient (nor has one in the
                     # whole model's backward pass)
-                    x = self.block_in[j].get(b).detach().requires_grad_(j > 0)
+                    x = self.block_in[j].get(b).to(device).detach().requires_grad_(j > 0)
                     out = block(x, *args, **kwargs)
                     out = out[0] if isinstance(out, tuple) else out
                     wrt = ([found[j]] if j in found else []) + ([x] if j > 0 else [])
-                    got = torch.autograd.grad(out, wrt, grad_outputs=self.grad_out.get(b)) if wrt else ()
+                    got = torch.autograd.grad(out, wrt, grad_outputs=self.grad_out.get(b).to(device)) if wrt else ()
                     if j in found:
-                        rows.append(got[0].detach().reshape(-1, got[0].shape[-1]).float())
+                        rows.append(_host(got[0].detach().reshape(-1, got[0].shape[-1]).float()))
                     if j > 0:
-                        self.grad_out.put(b, got[-1].detach())
+                        self.grad_out.put(b, _host(got[-1].detach()))
                     found.pop(j, None)
             if rows:
                 self.grads.put(j, torch.cat(rows))
