@@ -105,6 +105,27 @@ def test_quantize_rows_matches_torch(interpret, kind, dtype, m, k):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_quantize_rows_scale_on_a_gpu_is_torchs_cuda_division(interpret, kind):
+    """On a GPU torch divides by the Python scalar 127 (448) as a product with its float32 reciprocal, so the
+    kernel does too there (RECIP, set from the tensors' device): that path, run in the interpreter, against torch's
+    product on the CPU. Rows whose IEEE quotient and reciprocal product differ in their last bit are included."""
+    from ffnquant.kernels.actquant import _inv_q, _kernels
+
+    fp8 = kind == "fp8"
+    inv = _inv_q(fp8)
+    x = _x(256, 48, torch.float32, seed=11)
+    x[:, 0] = torch.linspace(20.0, 440.0, 256)  # each row's absmax: about 5% of such scales differ in the last bit
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = (amax * inv).clamp(min=1e-12) if fp8 else amax.clamp(min=1e-12) * inv
+    assert not torch.equal(scale, (amax / (448.0 if fp8 else 127.0)).clamp(min=1e-12)), "no row tells the two apart"
+    codes = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn) if fp8 else torch.round(x / scale).to(torch.int8)
+    q = torch.empty_like(codes).view(torch.uint8) if fp8 else torch.empty_like(codes)
+    s = torch.empty(256, dtype=torch.float32)
+    _kernels(True).rows[(256,)](x, q, s, 256, 48, x.stride(0), q.stride(0), inv, FP8=fp8, RECIP=True, BLOCK=64)
+    _assert_same(q.view(torch.float8_e4m3fn) if fp8 else q, s.unsqueeze(-1), codes, scale)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_quantize_rows_pads_rows_and_takes_strided_input(interpret, kind):
     x = _x(40, 5, torch.float16).T  # [5, 40], stride (1, 5)
     q, s = quantize_rows(x, kind, pad_to=16, min_rows=17)  # max(16, 17) rows
@@ -172,6 +193,7 @@ def _boundary_distance(v: torch.Tensor, kind: str) -> torch.Tensor:
         vals = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
         b = (vals[1:] + vals[:-1]) / 2
     a = v.double().abs().reshape(-1)
+    b = b.to(a.device)
     i = torch.searchsorted(b, a).clamp(1, b.numel() - 1)
     return torch.minimum((a - b[i - 1]).abs(), (a - b[i]).abs()).reshape(v.shape)
 

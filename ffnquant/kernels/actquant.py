@@ -4,8 +4,9 @@ The numerics are those of the unfused torch path (`runtimes.torch_rt`: `Int8Dyna
 and `Fp8RowwiseLinear`, fp8-e4m3-dynamic), bit for bit:
 - `quantize_rows(x, kind)`: one program per row of x, pass 1 the row's absmax, pass 2 the codes (the second
   read of the row normally hits in L2). Scales in float32 exactly as `int8_symmetric_rows` (max(absmax, 1e-12) / 127)
-  and `fp8_rowwise` (max(absmax / 448, 1e-12)), with IEEE division (`div_rn`; Triton's `/` is approximate on
-  GPU); int8 codes rounded half-even by the 1.5 * 2**23 add; e4m3fn codes built from the float32 bits
+  and `fp8_rowwise` (max(absmax / 448, 1e-12)) as torch computes them where the tensors are: on a GPU torch
+  divides by the Python scalar as a product with its float32 reciprocal, on the CPU (the interpreter) with an IEEE
+  division (`div_rn`; Triton's `/` is approximate on GPU); the codes q = v / scale by IEEE division; int8 codes rounded half-even by the 1.5 * 2**23 add; e4m3fn codes built from the float32 bits
   (round-to-nearest-even on the mantissa, subnormals as round(|v| * 512), sign bit 0x80), so they do not depend
   on the hardware's or the interpreter's fp8 conversion. Rows past M (padding for the GEMM) get code 0, scale 1.
 - `act_mul_quantize`: the gated FFN's hidden from the gate|up GEMM output (int32 `_int_mm` accumulators with
@@ -68,7 +69,7 @@ _KERNELS: dict[bool, SimpleNamespace] = {}
 def _kernels(interpret: bool) -> SimpleNamespace:
     # decorated per mode on first use, with the helpers the kernels call (`tritonenv.jit_per_mode`)
     if interpret not in _KERNELS:
-        jit = jit_per_mode(_triton(), globals(), (round_to, _encode, act, _epilogue))
+        jit = jit_per_mode(_triton(), globals(), (round_to, _encode, act, _epilogue, _row_scale))
         # M (valid rows) varies per call: not specialized (M == 1 would otherwise be another compile)
         _KERNELS[interpret] = SimpleNamespace(rows=jit(_rows_kernel, do_not_specialize=["M"]),
                                               hidden=jit(_hidden_kernel, do_not_specialize=["M"]),
@@ -112,7 +113,25 @@ def _epilogue(y_row, sx, sw_ptr, b_ptr, cols, ok, SRC_INT: tl.constexpr, HAS_BIA
     return v
 
 
-def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, FP8: tl.constexpr, BLOCK: tl.constexpr):
+def _row_scale(m, inv_q, FP8: tl.constexpr, RECIP: tl.constexpr):
+    # the row's float32 scale from its absmax m, as torch computes it on the device the kernel runs on: torch's
+    # CUDA division by a Python scalar is a product with its float32 reciprocal (inv_q = fl(1/127) or fl(1/448)),
+    # its CPU division (the interpreter's tensors) an IEEE division
+    if RECIP:
+        if FP8:
+            scale = tl.maximum(m * inv_q, 1e-12)
+        else:
+            scale = tl.maximum(m, 1e-12) * inv_q
+    else:
+        if FP8:
+            scale = tl.maximum(tl.math.div_rn(m, 448.0), 1e-12)
+        else:
+            scale = tl.math.div_rn(tl.maximum(m, 1e-12), 127.0)
+    return scale
+
+
+def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, inv_q, FP8: tl.constexpr, RECIP: tl.constexpr,
+                BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     q_row = q_ptr + row.to(tl.int64) * stride_qm
@@ -128,10 +147,7 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, FP8: tl.conste
             amax = tl.maximum(amax, tl.abs(v))
         # tl.reduce with a standard combiner, not tl.max (likewise tl.full, not tl.zeros): see w4a16's comment
         m = tl.reduce(amax, 0, tl.standard._elementwise_max)
-        if FP8:
-            scale = tl.maximum(tl.math.div_rn(m, 448.0), 1e-12)
-        else:
-            scale = tl.math.div_rn(tl.maximum(m, 1e-12), 127.0)
+        scale = _row_scale(m, inv_q, FP8, RECIP)
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             v = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
@@ -139,8 +155,9 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, FP8: tl.conste
 
 
 def _hidden_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, q_ptr, s_ptr, M, F, stride_ym, stride_qm,
-                   SRC_INT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                   DKIND: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+                   inv_q, SRC_INT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                   DKIND: tl.constexpr, FP8: tl.constexpr, RECIP: tl.constexpr, BLOCK: tl.constexpr,
+                   STAGES: tl.constexpr):
     # one row of the hidden: columns [0, F) of y are the gate (or the up projection, ungated), [F, 2F) the up
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -159,10 +176,7 @@ def _hidden_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, q_ptr, s_ptr, M, F, stride_ym, 
         for ps in tl.static_range(2):  # pass 0: the row's absmax; pass 1: recompute h and store its codes
             if ps == 1:
                 m = tl.reduce(amax, 0, tl.standard._elementwise_max)
-                if FP8:
-                    scale = tl.maximum(tl.math.div_rn(m, 448.0), 1e-12)
-                else:
-                    scale = tl.math.div_rn(tl.maximum(m, 1e-12), 127.0)
+                scale = _row_scale(m, inv_q, FP8, RECIP)
                 tl.store(s_ptr + row, scale)
             for k0 in tl.range(0, F, BLOCK, num_stages=STAGES):  # STAGES > 1: loads pipelined (cp.async)
                 cols = k0 + offs
@@ -302,6 +316,12 @@ def _block(n: int, programs: int, interpret: bool, decode_block: int = 2048) -> 
 # Unchecked launchers: the public functions below validate, the fused modules call these with their own buffers.
 
 
+def _inv_q(fp8: bool) -> float:
+    """The reciprocal torch's CUDA division by the scalar 448 or 127 multiplies with: 1/q in double, rounded to
+    float32 (a Python float holding exactly that float32 value)."""
+    return float(torch.tensor(1.0 / (448.0 if fp8 else 127.0), dtype=torch.float64).float())
+
+
 def _launch_rows(x, fp8: bool, rows: int):
     m, k = x.shape
     codes, raw, scales = _codes(rows, k, fp8, x.device)
@@ -311,8 +331,8 @@ def _launch_rows(x, fp8: bool, rows: int):
             x = x.contiguous()
         # a decode row of up to 4096 is one step (the second pass then re-reads it from L2)
         block, warps, _ = _block(k, rows, interpret, decode_block=4096)
-        _kernels(interpret).rows[(rows,)](x, raw, scales, m, k, x.stride(0), raw.stride(0), FP8=fp8, BLOCK=block,
-                                          num_warps=warps, enable_fp_fusion=False)
+        _kernels(interpret).rows[(rows,)](x, raw, scales, m, k, x.stride(0), raw.stride(0), _inv_q(fp8), FP8=fp8,
+                                          RECIP=x.is_cuda, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
     return codes, scales
 
 
@@ -328,9 +348,9 @@ def _launch_hidden(y, fp8: bool, act: str, gated: bool, row_scale, col_scale, bi
         dummy = scales  # never read: a pointer for the absent scales and bias
         _kernels(interpret).hidden[(out_rows,)](
             y, row_scale if src_int else dummy, col_scale if src_int else dummy, dummy if bias is None else bias,
-            raw, scales, rows, f, y.stride(0), raw.stride(0), SRC_INT=src_int, HAS_BIAS=bias is not None,
-            GATED=bool(gated), ACT=_ACT_CODE[act], DKIND=_DKIND[dtype], FP8=fp8, BLOCK=block, STAGES=stages,
-            num_warps=warps, enable_fp_fusion=False)
+            raw, scales, rows, f, y.stride(0), raw.stride(0), _inv_q(fp8), SRC_INT=src_int,
+            HAS_BIAS=bias is not None, GATED=bool(gated), ACT=_ACT_CODE[act], DKIND=_DKIND[dtype], FP8=fp8,
+            RECIP=y.is_cuda, BLOCK=block, STAGES=stages, num_warps=warps, enable_fp_fusion=False)
     return codes, scales
 
 
