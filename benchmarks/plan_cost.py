@@ -16,6 +16,10 @@ Usage:
       --out reports/plan-cost/smollm2-135m
   # the same steps run by another checkout of ffnquant (PYTHONPATH=DIR), e.g. the one before a change:
   python3 benchmarks/plan_cost.py --model ... --source /tmp/ffnquant-before --skip-peer --out /tmp/before
+  # on a GPU: the default plan of a random-weight bf16 model at Llama-3-8B's shapes built at run time, stopped at
+  # a limit (scripts/gpu_session.sh's plan_8b stage):
+  python3 benchmarks/plan_cost.py --random-model llama3-8b --skip-peer --skip-apply --skip-export --progress \
+      --step-limit-s 600 --plan-args "--device cuda --runtime triton-cuda,torch-cuda-graph" --out OUT/plan-8b
 Exit 0 when every step ran (a step that failed is reported, with its last lines, and exits 1).
 """
 
@@ -27,6 +31,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,15 +63,47 @@ STAGES = (
 )
 
 
-def run_step(name: str, cmd: list[str], env: dict[str, str], log: Path) -> dict:
-    """Run one step, its output to `log`; {command, seconds, rc, tail}."""
+def run_step(name: str, cmd: list[str], env: dict[str, str], log: Path, limit_s: float | None = None,
+             gpu_memory: bool = False) -> dict:
+    """Run one step, its output to `log` with each line's elapsed seconds; {command, seconds, rc, tail}. Past
+    `limit_s` the step gets SIGTERM (ffnquant leaves its output folders as they were) and rc 124; with `gpu_memory`
+    the GPU's used memory is sampled each second (nvidia-smi) and its peak recorded."""
     t = time.perf_counter()
+    peak = {"mib": None}
+    stop = threading.Event()
+
+    def sample() -> None:  # the device's used memory, all processes: the step is the only one on it
+        while not stop.wait(1.0):
+            q = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)
+            if q.returncode == 0 and q.stdout.strip():
+                peak["mib"] = max(peak["mib"] or 0, int(q.stdout.split()[0]))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if gpu_memory:
+        sampler.start()
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, text=True,
+                                errors="replace")
+        timer = threading.Timer(limit_s, proc.terminate) if limit_s else None
+        if timer:
+            timer.start()
+        for line in proc.stdout:  # one line per stage when not a terminal: where a step that timed out had got to
+            f.write(f"[{time.perf_counter() - t:7.1f} s] {line}")
+            f.flush()
+        rc = proc.wait()
+        timed_out = bool(timer) and not timer.is_alive() and rc != 0
+        if timer:
+            timer.cancel()
+    stop.set()
     seconds = time.perf_counter() - t
+    rc = 124 if timed_out else rc
     tail = [local(line) for line in log.read_text(errors="replace").splitlines()[-12:]]
-    print(f"plan_cost: {name}: {seconds:.0f} s (exit {rc})", flush=True)
-    return {"command": local(" ".join(shlex.quote(c) for c in cmd)), "seconds": seconds, "rc": rc, "tail": tail}
+    print(f"plan_cost: {name}: {seconds:.0f} s (exit {rc}{', stopped at the limit' if timed_out else ''})", flush=True)
+    out = {"command": local(" ".join(shlex.quote(c) for c in cmd)), "seconds": seconds, "rc": rc, "tail": tail}
+    if gpu_memory:
+        out["gpu_memory_peak_mib"] = peak["mib"]
+    return out
 
 
 def environment(env: dict[str, str]) -> dict:
@@ -113,8 +150,11 @@ def render(doc: dict, before: dict | None) -> str:
     lines = [f"# What a verified plan costs against llm-compressor's oneshot: {doc['model']}", "",
              f"Measured in one run on one machine ({doc['environment'].get('cpu', '?')}, "
              f"{doc['environment'].get('cpu_count', '?')} cores, torch threads "
-             f"{doc['environment'].get('torch_threads', '?')}; {doc['environment'].get('timestamp_utc', '')}), "
+             f"{doc['environment'].get('torch_threads', '?')}" + _gpu_label(doc['environment'])
+             + f"; {doc['environment'].get('timestamp_utc', '')}), "
              "each step a subprocess, one after the other. Command:", "", "```bash", local(doc["command"]), "```", "",
+             *([f"The checkpoint was built at run time in {fmt_s(doc['random_model_build_s'])} (not counted in any "
+                "step).", ""] if doc.get("random_model_build_s") is not None else []),
              "| step | command | time | against the peer's oneshot |", "|---|---|---:|---:|"]
     for key, label in (("plan", "default plan to ppl+1%"), ("export", "export of that plan (with its proof)"),
                        ("apply_save", f"apply + save of {doc['recipe']}"), ("peer", "llm-compressor W8A8 oneshot")):
@@ -122,11 +162,16 @@ def render(doc: dict, before: dict | None) -> str:
             command = local(steps[key]["command"])
             if key == "apply_save":  # a short script: `ffnquant.apply(model, recipe)` then `ffnquant.save(q, out)`
                 command = f"ffnquant.apply(model, {doc['recipe']!r}); ffnquant.save(q, out)"
-            lines.append(f"| {label} | `{command.replace('|', '/')}` | {fmt_s(steps[key]['seconds'])} | "
+            stopped = " (stopped at the limit, unfinished)" if steps[key]["rc"] == 124 else ""
+            lines.append(f"| {label} | `{command.replace('|', '/')}` | {fmt_s(steps[key]['seconds'])}{stopped} | "
                          f"{ratio(steps[key]['seconds'], peer) if key != 'peer' else '1.00x'} |")
     if export_s is not None:
         lines.append(f"| plan + export | | {fmt_s(plan_s + export_s)} | {ratio(plan_s + export_s, peer)} |")
     lines.append("")
+    gpu_peaks = {k: s["gpu_memory_peak_mib"] for k, s in steps.items() if s.get("gpu_memory_peak_mib") is not None}
+    if gpu_peaks:
+        lines += ["GPU memory in use at its peak (nvidia-smi, sampled each second): "
+                  + ", ".join(f"{k} {v / 1024:.1f} GiB" for k, v in gpu_peaks.items()) + ".", ""]
     if doc.get("apply_save"):
         a = doc["apply_save"]
         lines += [f"apply: {a['apply_s']:.0f} s; apply + save: {a['total_s']:.0f} s; proof: {a['verdict']}.", ""]
@@ -178,6 +223,22 @@ def render(doc: dict, before: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _gpu_label(env: dict) -> str:
+    gpu = env.get("gpu")
+    return f"; GPU {gpu['name']} ({gpu['memory_gib']} GiB, CUDA {gpu['cuda']})" if gpu else "; no GPU"
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _shape_label(shape: dict) -> str:
+    return (f"{shape['layers']} layers, d_model {shape['d']}, d_ff {shape['f']}, {shape['heads']} heads "
+            f"({shape['kv_heads']} KV), vocab {shape['vocab']}")
+
+
 def _pct(r) -> str:
     return "-" if r is None else f"{100 * (r - 1):+.2f}%"
 
@@ -206,6 +267,27 @@ def truncated(model: str, n: int, folder: Path) -> str:
     lm.save_pretrained(folder)
     AutoTokenizer.from_pretrained(model).save_pretrained(folder)
     return str(folder)
+
+
+# --random-model: checkpoints built at run time, random weights in bf16 (latency and cost do not depend on the values;
+# the device has no checkpoint). llama3-8b is Llama-3-8B's shapes; tiny is the same code path in seconds.
+RANDOM_MODELS = {
+    "llama3-8b": dict(layers=32, d=4096, f=14336, heads=32, kv_heads=8, vocab=128256, layers_per_shard=4),
+    "tiny": dict(layers=4, d=128, f=448, heads=4, kv_heads=2, vocab=4096, layers_per_shard=2),
+}
+
+
+def random_model(name: str, root: Path, device: str) -> tuple[str, float]:
+    """Write the random-weight Llama `name` (RANDOM_MODELS) under `root`, its weights drawn on `device`: (folder,
+    seconds)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from scale import write_checkpoints
+
+    t = time.perf_counter()
+    shape = RANDOM_MODELS[name]
+    folder = write_checkpoints(root, shape["layers"], shape["d"], shape["f"], shape["heads"], shape["kv_heads"],
+                               shape["vocab"], shape["layers_per_shard"], device=device)[shape["layers"]]
+    return str(folder), time.perf_counter() - t
 
 
 def _commit_label(checkout: Path) -> str:
@@ -237,6 +319,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="run on a copy of the model cut to its first N decoder layers (written to OUT/model-first-N; "
                          "a before/after of the stages at a fraction of the time; not a figure of the whole model)")
+    ap.add_argument("--random-model", choices=sorted(RANDOM_MODELS), default=None,
+                    help="plan a random-weight bf16 Llama built at run time instead of --model (llama3-8b: Llama-3-8B's "
+                         "shapes; tiny: the same code path in seconds), its weights drawn on a GPU where there is one")
+    ap.add_argument("--step-limit-s", type=float, default=None,
+                    help="stop a step past this many seconds (SIGTERM; reported as stopped, with how far it got)")
+    ap.add_argument("--progress", action="store_true",
+                    help="keep the plan's progress lines in its log (one per stage), each with its elapsed seconds")
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="only write plan_cost.md again from a plan_cost.json (beside it), running nothing")
     args = ap.parse_args(argv)
@@ -246,9 +335,21 @@ def main(argv=None) -> int:
         before = ({**doc["before"], "steps": doc["before"]["steps"]} if doc.get("before") else None)
         (path.parent / "plan_cost.md").write_text(render(doc, before))
         return 0
-    if not args.model or not args.out:
-        ap.error("--model and --out are required (or --render JSON)")
-    out, model_path = Path(args.out).resolve(), Path(args.model).resolve()
+    if not (args.model or args.random_model) or not args.out:
+        ap.error("--model (or --random-model) and --out are required (or --render JSON)")
+    out = Path(args.out).resolve()
+    random_root = None
+    if args.random_model:
+        import tempfile
+
+        import torch
+
+        random_root = Path(tempfile.mkdtemp(prefix="ffnquant-random-model-"))
+        where = "cuda" if torch.cuda.is_available() else "cpu"
+        print(f"plan_cost: writing the random-weight {args.random_model} checkpoint (drawn on {where}) ...", flush=True)
+        args.model, build_s = random_model(args.random_model, random_root, where)
+        print(f"plan_cost: checkpoint written in {build_s:.0f} s", flush=True)
+    model_path = Path(args.model).resolve()
     before_path = Path(args.before).resolve() if args.before else None
     os.chdir(REPO)  # every step runs from the repository root, on relative paths: the reports name no folder here
     out = _rel(out)
@@ -264,13 +365,16 @@ def main(argv=None) -> int:
     plan_dir, export_dir, save_dir = out / "plan", out / "export", out / "apply-save"
     for d in (plan_dir, export_dir, save_dir):  # this benchmark's own outputs from an earlier run of it
         subprocess.run(["rm", "-rf", str(d)])
+    gpu = "cuda" in args.plan_args or (args.random_model is not None and _has_cuda())
     steps["plan"] = run_step("plan", [py, "-m", "ffnquant", "plan", "--model", model, "--target", "ppl+1%",
-                                      "--out", str(plan_dir), "--no-progress", *shlex.split(args.plan_args)],
-                             env, out / "plan.log")
+                                      "--out", str(plan_dir), *([] if args.progress else ["--no-progress"]),
+                                      *shlex.split(args.plan_args)],
+                             env, out / "plan.log", limit_s=args.step_limit_s, gpu_memory=gpu)
     if not args.skip_export and steps["plan"]["rc"] == 0:
         steps["export"] = run_step("export", [py, "-m", "ffnquant", "export", "--model", model, "--plan",
                                               str(plan_dir / "plan.toml"), "--out", str(export_dir), "--no-progress",
-                                              *shlex.split(args.export_args)], env, out / "export.log")
+                                              *shlex.split(args.export_args)], env, out / "export.log",
+                                     limit_s=args.step_limit_s, gpu_memory=gpu)
     apply_save = None
     if not args.skip_apply:
         steps["apply_save"] = run_step("apply_save", [py, "-c", APPLY_SAVE, model, args.recipe, str(save_dir)],
@@ -284,7 +388,9 @@ def main(argv=None) -> int:
                                           "--model", model, "--samples", str(args.peer_samples), "--output",
                                           str(out / "peer-folder"), "--provenance", str(out / "peer.provenance.json")],
                                  env, out / "peer.log")
-    doc = {"model": Path(args.model).name + (f" (first {args.layers} layers)" if args.layers else ""), "recipe": args.recipe, "steps": steps, "apply_save": apply_save,
+    label = (f"random-weight bf16 Llama, {args.random_model} shapes ({_shape_label(RANDOM_MODELS[args.random_model])})"
+             if args.random_model else Path(args.model).name + (f" (first {args.layers} layers)" if args.layers else ""))
+    doc = {"model": label, "recipe": args.recipe, "steps": steps, "apply_save": apply_save,
            "command": local(" ".join(shlex.quote(a) for a in [sys.executable, os.path.relpath(__file__, REPO)]
                                      + list(argv if argv is not None else sys.argv[1:]))),
            "source_label": _commit_label(Path(args.source) if args.source else REPO),
@@ -314,6 +420,9 @@ def main(argv=None) -> int:
     before = json.loads(before_path.read_text()) if before_path else None
     if before:
         doc["before"] = {k: before.get(k) for k in ("steps", "plan_timings", "plan_scored", "source_label", "environment")}
+    if random_root is not None:
+        doc["random_model_build_s"] = build_s
+        subprocess.run(["rm", "-rf", str(random_root)])  # this run's own checkpoint
     (out / "plan_cost.json").write_text(json.dumps(doc, indent=1, default=str))
     (out / "plan_cost.md").write_text(render(doc, before))
     print(f"plan_cost: wrote {out / 'plan_cost.md'}")

@@ -43,7 +43,7 @@ def _config(layers: int, d: int, f: int, heads: int, kv_heads: int, vocab: int) 
 
 def _layer_tensors(i: int, d: int, f: int, kv: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     def rand(*shape: int) -> torch.Tensor:  # Llama's initializer_range, stored as bf16
-        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+        return _randn(gen, *shape)
 
     p = f"model.layers.{i}"
     return {f"{p}.self_attn.q_proj.weight": rand(d, d), f"{p}.self_attn.k_proj.weight": rand(kv, d),
@@ -52,6 +52,12 @@ def _layer_tensors(i: int, d: int, f: int, kv: int, gen: torch.Generator) -> dic
             f"{p}.mlp.down_proj.weight": rand(d, f),
             f"{p}.input_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
             f"{p}.post_attention_layernorm.weight": torch.ones(d, dtype=torch.bfloat16)}
+
+
+def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Llama's initializer (std 0.02) in bf16 on the CPU, drawn on the generator's device (a GPU draws an 8B model's
+    weights in seconds where a CPU takes minutes)."""
+    return (torch.randn(*shape, generator=gen, device=gen.device) * 0.02).to(torch.bfloat16).cpu()
 
 
 def _tokenizer(vocab: int):
@@ -70,13 +76,13 @@ def _tokenizer(vocab: int):
 
 
 def write_checkpoints(root: Path, layers: int, d: int, f: int, heads: int, kv_heads: int, vocab: int,
-                      layers_per_shard: int) -> dict[int, Path]:
+                      layers_per_shard: int, device: str = "cpu") -> dict[int, Path]:
     """The full model and the half-depth one, {layers: folder}: shards of `layers_per_shard` layers, the embedding
     and the head in shards of their own, so the half model links the first half's shards."""
     from safetensors.torch import save_file
 
     kv = kv_heads * (d // heads)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     full, half = root / f"llama-{layers}L", root / f"llama-{layers // 2}L"
     full.mkdir(parents=True)
     shards: list[tuple[str, list[str], int]] = []  # (file, tensor names, last layer + 1 it needs)
@@ -85,7 +91,7 @@ def write_checkpoints(root: Path, layers: int, d: int, f: int, heads: int, kv_he
         save_file(tensors, str(full / name), metadata={"format": "pt"})
         shards.append((name, list(tensors), needs))
 
-    save("embed.safetensors", {"model.embed_tokens.weight": (torch.randn(vocab, d, generator=gen) * 0.02).to(torch.bfloat16)}, 0)
+    save("embed.safetensors", {"model.embed_tokens.weight": _randn(gen, vocab, d)}, 0)
     for start in range(0, layers, layers_per_shard):
         stop = min(layers, start + layers_per_shard)
         tensors: dict[str, torch.Tensor] = {}
@@ -94,7 +100,7 @@ def write_checkpoints(root: Path, layers: int, d: int, f: int, heads: int, kv_he
         save(f"layers-{start:03d}-{stop - 1:03d}.safetensors", tensors, stop)
         del tensors
     save("head.safetensors", {"model.norm.weight": torch.ones(d, dtype=torch.bfloat16),
-                              "lm_head.weight": (torch.randn(vocab, d, generator=gen) * 0.02).to(torch.bfloat16)}, 0)
+                              "lm_head.weight": _randn(gen, vocab, d)}, 0)
     tok = _tokenizer(vocab)
     out = {}
     for folder, n in ((full, layers), (half, layers // 2)):

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_LIST = REPO / "scripts" / "device_image_packages.txt"
@@ -26,6 +27,10 @@ CARRIED = ("bitsandbytes", "tomli-w", "ffnquant")
 # Here onnxruntime is imported from the onnxruntime-gpu distribution; the device has the CPU
 # `onnxruntime` distribution, which is imported under the same name.
 ALLOWED_IMPORTS = frozenset({"onnxruntime"})
+# Distributions on the image whose version here is newer and needs packages the image's version does not: their
+# own requirements (as installed here, transitively) are theirs, not ffnquant's. huggingface_hub 2.x (here, under
+# transformers 5.25) speaks HTTP through httpx2/httpcore2/truststore; the image's 1.x uses httpx.
+NEWER_HERE = ("huggingface-hub",)
 # This machine runs an older Python than the device's 3.12, whose stdlib dropped these.
 # (distutils is left alone: setuptools' shim provides it on 3.12 too.)
 REMOVED_IN_PY312 = frozenset({"asynchat", "asyncore", "imp", "smtpd"})
@@ -61,9 +66,30 @@ def device_distributions() -> set[str]:
     return {_norm(n) for n in names}
 
 
+def _requirements_closure(dists: tuple[str, ...]) -> set[str]:
+    """Normalised names of what `dists`, as installed here, require, transitively (extras left out)."""
+    seen, todo = set(), [_norm(d) for d in dists]
+    while todo:
+        name = todo.pop()
+        try:
+            reqs = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for text in reqs:
+            req = Requirement(text)
+            # the device's Python 3.12, no extras
+            if req.marker is not None and not req.marker.evaluate({"python_version": "3.12", "extra": ""}):
+                continue
+            dep = _norm(req.name)
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
 def blocked_imports() -> set[str]:
     """Top-level import names that only distributions missing from the device provide."""
-    allowed = device_distributions()
+    allowed = device_distributions() | _requirements_closure(NEWER_HERE)
     blocked = set(REMOVED_IN_PY312) if sys.version_info < (3, 12) else set()
     for module, dists in importlib.metadata.packages_distributions().items():
         if module in sys.stdlib_module_names or module in ALLOWED_IMPORTS:
@@ -253,8 +279,9 @@ def test_gpu_bench_dry_run_imports_only_what_the_device_has(restricted_env, tmp_
 
 @pytest.mark.slow
 def test_gpu_session_dry_run_runs_every_stage_under_the_device_packages(restricted_env, tmp_path):
-    """`scripts/gpu_session.sh --dry-run`: the kernel benchmarks (Triton's interpreter) and the plan's latency table
-    (torch-cpu) run to their reports under the device's packages; the sweep's dry run is the test above."""
+    """`scripts/gpu_session.sh --dry-run`: a tiny random model planned by the engine (--device cpu), the kernel
+    benchmarks (Triton's interpreter) and the plan's latency table (torch-cpu) run to their reports under the
+    device's packages; the sweep's dry run is the test above."""
     out = tmp_path / "out"
     env = {**restricted_env, "OUT": str(out), "SKIP_SWEEP": "1"}
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_session.sh"), "--dry-run"],
@@ -265,10 +292,10 @@ def test_gpu_session_dry_run_runs_every_stage_under_the_device_packages(restrict
     detail = f"\n--- blocked ---\n{blocked}\n--- output ---\n{output[-4000:]}{logs}"
     assert proc.returncode == 0, detail
     session = (out / "session.log").read_text(encoding="utf-8")
-    for stage in ("w4a16_kernels", "actquant_kernels", "gpu_plan_latency"):
+    for stage in ("engine_cuda", "w4a16_kernels", "actquant_kernels", "gpu_plan_latency"):
         assert re.search(rf"{stage}: exit 0 after \d+ s", session), f"{stage} failed{detail}"
     assert MARK not in output + logs, f"a stage needed a package the device image lacks{detail}"
-    for report in ("w4a16-kernels", "actquant-kernels", "gpu-plan-latency"):
+    for report in ("engine-cuda", "w4a16-kernels", "actquant-kernels", "gpu-plan-latency"):
         folder = out / report
         assert any(folder.glob("*.json")) and any(folder.glob("*.md")), f"no report in {folder}{detail}"
     assert "session: " in session
