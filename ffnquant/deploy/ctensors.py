@@ -453,7 +453,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     references = planned.references()
     dtype = planned.compute_dtype
     with quiet_model_io():
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype,
+                                                                   use_kernels=False).eval()  # its own modules
         figures = compare_models(None, loaded, planned.info, planned.evals, references=references)
         layers = _layer_parity(loaded, planned)
         unfolded = unfolded_ffns(planned)  # ffnquant's reference of the plan, for both checks below

@@ -249,7 +249,7 @@ def transformers_greedy(folder: str | Path, prompts: Sequence[Sequence[int]], ne
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32, use_kernels=False).eval()
     eos = getattr(model.config, "eos_token_id", None)
     pad = getattr(model.config, "pad_token_id", None)
     pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)

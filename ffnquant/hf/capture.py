@@ -127,7 +127,11 @@ def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = Fals
         ModelKind.ENCODER: transformers.AutoModel,
         ModelKind.SEQ2SEQ: transformers.AutoModelForSeq2SeqLM,
     }[info.kind]
-    kwargs: dict[str, Any] = {"local_files_only": True, "use_safetensors": info.weights_format == "safetensors"}
+    # use_kernels=False: the model's own PyTorch modules, never layers swapped for Hub kernels (transformers >= 5.2x
+    # kernelizes by default and refuses to load without the `kernels` package): ffnquant measures and reproduces
+    # that forward bit for bit
+    kwargs: dict[str, Any] = {"local_files_only": True, "use_safetensors": info.weights_format == "safetensors",
+                              "use_kernels": False}
     try:
         with _quiet_transformers(transformers):
             try:
