@@ -144,3 +144,33 @@ def test_the_artifact_stores_the_handlers_codes_and_nothing_quantizes_twice(pres
     # where this CPU's int8 kernel saturates (ortcpu), the graph's own value is the one the codes decide
     onnx = res.artifact.get("accuracy_onnx_graph") or res.artifact["accuracy_onnx"]
     assert abs(onnx["sqnr_db"] - res.accuracy.sqnr_db) < 1e-3
+
+
+@pytest.mark.parametrize("recipe", ["w8a8@search+smooth+rotate", "w4a16-g32-gptq", "w8a16", "fp8-e4m3"])
+def test_a_quantized_ffn_moves_whole_to_a_device(recipe):
+    """`quantized_ffn_to` moves the module and every tensor its `QuantizedLinear`s and grids hold (what a deployment
+    writer reads), so a copy quantized on a GPU comes back to host memory whole; `nn.Module.to` moves the module
+    only. The meta device stands in for a GPU: after the move no tensor is left behind."""
+    from ffnquant.methods.fakequant import quantized_ffn_to
+    from ffnquant.model import build
+    from ffnquant.quantization import quantize_spec
+    from ffnquant.spec import FFNSpec, Variant
+
+    spec = FFNSpec(Variant.SWIGLU, d_model=32, d_ff=64)
+    gen = torch.Generator().manual_seed(0)
+    q = quantize_spec(spec, recipe, model=build(spec, seed=0), calib_tokens=torch.randn(256, 32, generator=gen),
+                      eval_tokens=torch.randn(64, 32, generator=gen), onnx=False).qmodel
+
+    def tensors():
+        out = list(q.state_dict().values())
+        for ql in q.linears.values():
+            out += [v for v in vars(ql).values() if isinstance(v, torch.Tensor)]
+            if ql.grid is not None:
+                out += [t for t in (ql.grid.scale, ql.grid.zero_point) if t is not None]
+        for grid in q.weight_grids.values():
+            out += [t for t in (grid.scale, grid.zero_point) if t is not None]
+        return out
+
+    assert q.linears and all(t.device.type == "cpu" for t in tensors())
+    assert quantized_ffn_to(q, "meta") is q
+    assert all(t.device.type == "meta" for t in tensors())

@@ -825,3 +825,38 @@ def test_a_round_must_save_more_than_the_latency_table_can_resolve():
     table = {"fp32": noisy, "w8a8@minmax": steady, "w8a8@search": dict(steady, timed_as="w8a8@minmax"),
              "w4a16-g128": noisy}
     assert min_gain(table) == pytest.approx(2 * want)
+
+
+def test_a_layer_scored_on_a_device_copy_scores_as_in_place(monkeypatch):
+    """Under `--device cuda` a dense layer's tasks take a copy of its FFN and inputs on the device (`_OnDevice`:
+    made by the first task, with the float figures, dropped after the last) and bring what they keep back to host
+    memory. Run with the CPU standing in for the device, the scores and the kept FFNs are those of scoring in
+    place, bit for bit, and nothing is left on the holder."""
+    from types import SimpleNamespace
+
+    from ffnquant.measure.executor import LocalExecutor
+    from ffnquant.model import build
+    from ffnquant.planning import candidates
+    from ffnquant.spec import FFNSpec, Variant
+
+    spec = FFNSpec(Variant.SWIGLU, d_model=32, d_ff=64)
+    layer = SimpleNamespace(spec=spec, ffn=build(spec, seed=0), label="L0")
+    gen = torch.Generator().manual_seed(0)
+    calib, held, grad = (torch.randn(n, 32, generator=gen) for n in (512, 128, 512))
+    recipes = [Recipe.parse(r) for r in ("fp32", "w8a8@search", "w8a8@search+smooth", "w4a16-g32-gptq",
+                                         "w4a16-g32-awq", "w8a8-dynamic-s8+rotate")]
+    keep = recipes[1:]
+    alone, kept_alone = candidates.score_layer(layer, recipes, calib, held, grad, keep=keep)
+    monkeypatch.setattr(candidates, "_moves", lambda device: True)
+    tasks = candidates.score_tasks(LocalExecutor(), layer, recipes, calib, held, grad, keep=keep)
+    assert all(t.device is not None and t.floats is None for t in tasks)
+    out = [candidates.run_score_task(t) for t in tasks]
+    assert tasks[0].device.get().value is None and tasks[0].device.get().left == 0
+    assert sorted((s.to_dict() for o in out for s in o[0]), key=str) == sorted((s.to_dict() for s in alone), key=str)
+    kept = {r: q for o in out for r, q in o[1].items()}
+    x = torch.randn(16, 32, generator=gen)
+    for r in keep:
+        assert kept[r] is not kept_alone[r]
+        with torch.no_grad():
+            assert torch.equal(kept[r](x), kept_alone[r](x)), r
+    assert layer.ffn.w_up.weight.data_ptr() != kept[recipes[1]].model.w_up.weight.data_ptr()  # the source untouched

@@ -168,6 +168,20 @@ def test_a_resident_plans_rounds_reuse_the_scored_ffns(tiny, monkeypatch):
     assert calls
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+def test_a_plan_scoring_on_device_copies_is_the_plan_scoring_in_place(tiny, monkeypatch, streamed):
+    """Under `--device cuda` each dense layer's candidates are scored on a copy of the layer and its inputs on the
+    device, and the FFNs quantized for the rounds are made there too (`candidates._OnDevice`); with the CPU standing
+    in for the device, the plan and every figure are those of scoring in place."""
+    from ffnquant.planning import candidates
+
+    in_place = _plan(tiny["llama"], streamed, ort_floor=True)
+    moved = []
+    monkeypatch.setattr(candidates, "_moves", lambda device: moved.append(device) or True)
+    assert _plan(tiny["llama"], streamed, ort_floor=True) == in_place
+    assert moved
+
+
 def _whole_model_gradients(model, batches):
     """The reference: d(summed next-token NLL)/d(each FFN's output) from one backward pass of the whole model per
     batch, the outputs marked by the plan's own gradient probe."""

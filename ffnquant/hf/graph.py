@@ -327,6 +327,10 @@ def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torc
     out: dict[str, float] = {}
     bad = []
     for name, group in blocks.items():
+        # the module ran where the model computes (a GPU under --device cuda); ffnquant's FFN is compared where it is
+        where = next(group[0].ffn.parameters()).device
+        seen.update({key: (tuple(t.to(where) for t in args), want.to(where)) for key, (args, want) in seen.items()
+                     if key.startswith(name)})
         with torch.no_grad():
             if arch.install is Install.SPLIT:
                 x, want = seen[name + ":in"][0][0], seen[name + ":out"][1]

@@ -458,7 +458,7 @@ class SequentialModel:
             hf_layers = [_rounded(layer, self.dtype) for layer in hf_layers]
         with self._in_float32(j):
             return check_reproduction(self.model, self.info, hf_layers,
-                                      run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j]), _CPU))
+                                      run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))
 
     def fold_sites(self, j: int, store: _Store, calls: Sequence) -> dict[LayerInfo, Any]:
         """Where layer `j`'s FFN input scale folds, or why not (`hf.graph.fold_sites`), from the layer (onloaded)
@@ -470,19 +470,19 @@ class SequentialModel:
         b = min(store.items)
         with self._in_float32(j):
             return fold_sites(self.model, self.info, self.groups[j],
-                              run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j]), _CPU))
+                              run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))
 
     @contextlib.contextmanager
     def _in_float32(self, j: int):
         """While active, decoder layer `j` (onloaded) is a float32 copy of itself when the engine computes in
         another dtype: the checks measure ffnquant's FFN and a fold against float32 rounding, whatever the
-        runtime's precision (the inputs are the engine's, converted). On another device than the CPU it is a copy in
-        host memory as well: ffnquant's FFNs it is checked against are there."""
-        if self.dtype is torch.float32 and self.device.type == "cpu":
+        runtime's precision (the inputs are the engine's, converted). The copy is on the engine's device, where the
+        checks run (`graph.check_reproduction` compares on the device of ffnquant's FFN)."""
+        if self.dtype is torch.float32:
             yield
             return
         original = self.layers[j]
-        self.layers[j] = copy.deepcopy(original).float().to(_CPU)
+        self.layers[j] = copy.deepcopy(original).float()
         try:
             yield
         finally:

@@ -100,7 +100,7 @@ def awq_scales(stat: torch.Tensor, alpha: float) -> torch.Tensor:
     stat = stat.detach().double()
     top = float(stat.max()) if stat.numel() else 0.0
     if alpha == 0.0 or not top > 0.0:
-        return torch.ones(stat.shape, dtype=torch.float32)
+        return torch.ones(stat.shape, dtype=torch.float32, device=stat.device)
     s = stat.pow(alpha)
     s = s.clamp_min(float(s.max()) / MAX_SCALE_SPREAD)
     s = s / torch.sqrt(s.max() * s.min())
@@ -172,10 +172,10 @@ def clip_search(w: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetr
     blocks = torch.stack([hp[i * group_size:(i + 1) * group_size, i * group_size:(i + 1) * group_size]
                           for i in range(groups)])  # [G, g, g]
     wg = _grouped(w, group_size)
-    best_err = torch.full((n_out, groups), float("inf"), dtype=torch.float64)
-    best = torch.ones(n_out, groups)
+    best_err = torch.full((n_out, groups), float("inf"), dtype=torch.float64, device=w.device)
+    best = torch.ones(n_out, groups, device=w.device)
     for r in ratios:
-        ratio = torch.full((n_out, groups), float(r))
+        ratio = torch.full((n_out, groups), float(r), device=w.device)
         dw = wg - _grouped(rtn(clip_groups(w, ratio, group_size), group_size, symmetric), group_size)
         err = torch.einsum("ngi,gij,ngj->ng", dw, blocks, dw).double()
         better = err < best_err
@@ -319,7 +319,8 @@ def awq_fold(model: FFN, hessians: Mapping[str, torch.Tensor], scheme: Scheme) -
     clips: dict[str, torch.Tensor] = {}
     for name in spec.weight_names:
         site = _READS[name]
-        s = scales.get(site, torch.ones(getattr(model, name).in_features))
+        weight = getattr(model, name).weight
+        s = scales.get(site, torch.ones(weight.shape[1], device=weight.device))
         h = hessians[name].double() / (s.double()[:, None] * s.double()[None, :])
         ratios, after, before = clip_search(getattr(model, name).weight.detach().float() * s[None, :], h,
                                             _group(scheme, s.shape[0]), sym)

@@ -38,6 +38,7 @@ __all__ = [
     "WEIGHT_INPUT_SITE",
     "SiteRange",
     "QuantizedFFN",
+    "quantized_ffn_to",
     "QuantizedLinear",
     "WeightGrid",
     "quantize_weight",
@@ -138,9 +139,17 @@ def _act_fn(scheme: Scheme, rng: SiteRange | None):
     assert rng is not None
     if ad is ActDType.FP8_E4M3:
         return lambda x: P.fp8_e4m3_fake(x, rng.scale)
-    scale = torch.tensor(rng.scale, dtype=torch.float32)
-    zp = torch.tensor(rng.zero_point, dtype=torch.int32)
-    return lambda x: P.fake_quantize(x, scale, zp, rng.qmin, rng.qmax)
+    # on x's device, made once per device: a CPU scale would make torch's CUDA division a product with its
+    # reciprocal, off by an ulp from the CPU's IEEE division at some inputs
+    qparams: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fake(x: torch.Tensor) -> torch.Tensor:
+        if x.device not in qparams:
+            qparams[x.device] = (torch.tensor(rng.scale, dtype=torch.float32, device=x.device),
+                                 torch.tensor(rng.zero_point, dtype=torch.int32, device=x.device))
+        return P.fake_quantize(x, *qparams[x.device], rng.qmin, rng.qmax)
+
+    return fake
 
 
 class QuantizedFFN(nn.Module):
@@ -211,6 +220,28 @@ class QuantizedFFN(nn.Module):
             "ranges": {s: r.to_dict() for s, r in self.ranges.items()},
             "remedies": [r.to_dict() for r in self.remedies],
         }
+
+
+def quantized_ffn_to(q: QuantizedFFN, device: torch.device | str) -> QuantizedFFN:
+    """`q` with everything it holds on `device`, in place: its module (`nn.Module.to`) and each `QuantizedLinear`'s
+    tensors and grid (what the deployment writers read); returns `q`. `nn.Module.to` alone moves the module only
+    (what a forward pass needs), so a quantized copy made on a GPU comes back to host memory through this."""
+    import dataclasses
+
+    def move(value):
+        return value.to(device) if isinstance(value, torch.Tensor) else value
+
+    def grid_to(grid):
+        return None if grid is None else dataclasses.replace(grid, scale=move(grid.scale),
+                                                             zero_point=move(grid.zero_point))
+
+    q.to(device)
+    q.linears = {name: dataclasses.replace(ql, weight=move(ql.weight), codes=move(ql.codes),
+                                           zero_float=move(ql.zero_float), scale_float=move(ql.scale_float),
+                                           grid=grid_to(ql.grid))
+                 for name, ql in q.linears.items()}
+    q.weight_grids = {name: grid_to(grid) for name, grid in q.weight_grids.items()}
+    return q
 
 
 def input_hessians(model: FFN, batches: Iterable[torch.Tensor]) -> dict[str, torch.Tensor]:

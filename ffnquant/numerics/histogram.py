@@ -59,14 +59,17 @@ class Workspace:
     __slots__ = ("_buffers",)
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+        """A scratch tensor of `shape` on `device` (the device of the data it is written from)."""
         numel = math.prod(shape)
-        buf = self._buffers.get((name, dtype))
+        key = (name, dtype, torch.device(device))
+        buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype)
-            self._buffers[(name, dtype)] = buf
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buf
         return buf[:numel].view(shape)
 
     def nbytes(self) -> int:
@@ -160,12 +163,12 @@ class StreamingHistogram:
         # across an edge; the integer offset is added after the floor for the same reason.
         inv_width = math.ldexp(1.0, -self._exp) * half
         ws = workspace if workspace is not None else Workspace()
-        scaled = torch.mul(x, inv_width, out=ws.get("hist_f", tuple(x.shape)))
+        scaled = torch.mul(x, inv_width, out=ws.get("hist_f", tuple(x.shape), device=x.device))
         # floor(y) is an integer with |floor(y)| <= half < 2**24, so adding half is exact in float32.
         scaled.floor_().add_(half)
-        idx = ws.get("hist_i", tuple(x.shape), torch.int32)
+        idx = ws.get("hist_i", tuple(x.shape), torch.int32, device=x.device)
         idx.copy_(scaled)
-        self.counts += torch.bincount(idx, minlength=self.n_bins).numpy()
+        self.counts += torch.bincount(idx, minlength=self.n_bins).cpu().numpy()
         return self
 
     def merge(self, other: "StreamingHistogram") -> "StreamingHistogram":

@@ -83,10 +83,10 @@ def _batch_moments(x: torch.Tensor, ws: Workspace) -> tuple[int, float, float, f
     n = x.numel()
     rows = x.shape[0]
     centre = x[:64].mean()
-    d = torch.sub(x, centre, out=ws.get("d", tuple(x.shape)))
-    d2 = torch.mul(d, d, out=ws.get("d2", tuple(x.shape)))
-    t = ws.get("t", tuple(x.shape))
-    row_sums = ws.get("rows", (4, rows))
+    d = torch.sub(x, centre, out=ws.get("d", tuple(x.shape), device=x.device))
+    d2 = torch.mul(d, d, out=ws.get("d2", tuple(x.shape), device=x.device))
+    t = ws.get("t", tuple(x.shape), device=x.device)
+    row_sums = ws.get("rows", (4, rows), device=x.device)
     torch.sum(d, dim=-1, out=row_sums[0])
     torch.sum(d2, dim=-1, out=row_sums[1])
     torch.sum(torch.mul(d2, d, out=t), dim=-1, out=row_sums[2])
@@ -279,7 +279,7 @@ class TensorObserver:
     @property
     def channel_ever_nonzero(self) -> np.ndarray:
         """[channels] bool: whether the channel was ever non-zero."""
-        return self._nonzero.numpy().copy() if self._nonzero is not None else np.zeros(0, dtype=bool)
+        return self._nonzero.cpu().numpy().copy() if self._nonzero is not None else np.zeros(0, dtype=bool)
 
     @property
     def dead_units(self) -> int:
@@ -295,7 +295,7 @@ class TensorObserver:
 
     @staticmethod
     def _channel(t: torch.Tensor | None) -> np.ndarray:
-        return t.to(torch.float64).numpy().copy() if t is not None else np.zeros(0)
+        return t.to(torch.float64).cpu().numpy().copy() if t is not None else np.zeros(0)
 
     def nbytes(self) -> int:
         """Size of the accumulated state in bytes (independent of how many tokens were seen)."""

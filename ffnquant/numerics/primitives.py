@@ -278,11 +278,11 @@ def gptq_int4_codes(
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     damp = percdamp * torch.mean(torch.diag(H))
-    H += damp * torch.eye(in_f, dtype=H.dtype)
+    H += damp * torch.eye(in_f, dtype=H.dtype, device=H.device)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
-    codes = torch.zeros(W.shape, dtype=torch.int32)
-    scales = torch.zeros(out_f, n_groups, 1)
-    zps = torch.zeros(out_f, n_groups, 1, dtype=torch.int32)
+    codes = torch.zeros(W.shape, dtype=torch.int32, device=W.device)
+    scales = torch.zeros(out_f, n_groups, 1, device=W.device)
+    zps = torch.zeros(out_f, n_groups, 1, dtype=torch.int32, device=W.device)
     scale = zp = None
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
@@ -315,7 +315,7 @@ def gptq_int4_codes(
 
 def fp8_e4m3_fake(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """Round x / scale to float8_e4m3fn (saturating at +-448) and back, times scale."""
-    scale = torch.as_tensor(scale, dtype=torch.float32)
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = torch.clamp(x.float() / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
     return (y.to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)

@@ -103,8 +103,9 @@ def smooth_exact_for(model: FFN) -> dict[str, bool]:
 
 def smooth_scales(act_absmax: np.ndarray | torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
     """SmoothQuant's s_j = max|X_j|^alpha / max|W_j|^(1-alpha), with zero channels left at 1."""
-    a = torch.as_tensor(np.asarray(act_absmax, dtype=np.float64)).double()
     w = weight_absmax.detach().double()
+    # the activation statistics are host-side (numpy); the scales go where the weights are
+    a = torch.as_tensor(np.asarray(act_absmax, dtype=np.float64)).double().to(w.device)
     s = a.clamp_min(1e-12).pow(alpha) / w.clamp_min(1e-12).pow(1.0 - alpha)
     dead = (a <= 0) | (w <= 0) | ~torch.isfinite(s)
     return torch.where(dead, torch.ones_like(s), s).float()
@@ -210,7 +211,7 @@ def rotate(model: FFN, max_block: int | None = 256) -> tuple[FFN, RemedyRecord]:
     if not isinstance(model.hidden_transform, nn.Identity):
         raise FFNQuantError("the hidden is already transformed (rotated twice?)")
     new = copy.deepcopy(model)
-    rot = BlockHadamard(d_ff, block)
+    rot = BlockHadamard(d_ff, block).to(model.w_down.weight.device)  # where the model computes
     new.hidden_transform = rot
     with torch.no_grad():
         w = new.w_down.weight  # [d, f]

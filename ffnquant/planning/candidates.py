@@ -6,11 +6,14 @@ stored bytes. Quantized copies are not kept (a 30-layer model times 15 recipes w
 `quantize_layer` makes the chosen ones again, deterministically, for the verification.
 
 The scoring runs as tasks of an `executor` (`score_tasks`, `run_score_task`): one per layer and remedy set
-(the candidates that share one preparation), each carrying the layer's float FFN and captured inputs.
+(the candidates that share one preparation), each carrying the layer's float FFN and captured inputs. Tasks that
+run in this process compute where the engine does (`--device`): a dense layer's FFN and inputs go to that device
+with its first task and are dropped after its last, and what a task keeps comes back to host memory.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -18,6 +21,8 @@ import torch
 
 from ..deploy.formats import recipe_refusals
 from ..errors import FFNQuantError, unknown_choice
+from ..infra.device import current_device
+from ..methods.fakequant import quantized_ffn_to
 from ..numerics.accuracy import run_batched
 from ..quantization import quantize_recipes
 from ..recipe import Recipe
@@ -232,10 +237,47 @@ def quantize_layer(layer: Any, recipe: Recipe, calib: torch.Tensor, held_out: to
     if not measure:
         q = quantize_layer(layer, recipe, calib, held_out[:1], bins)[0]
         return q, None
+    device = current_device()
+    on = _OnDevice(device, 1) if _moves(device) else None
+    if on is not None:  # computed on the engine's device, the copy kept in host memory
+        layer, calib, held_out, _, _ = on.take(layer, calib, held_out, None, bins, floats=False)
     outcome = next(iter(_outcomes(layer, [recipe], calib, held_out, bins)))
     if not outcome.ok:
         raise FFNQuantError(f"{layer.label}: {recipe}: {outcome.error}")
-    return outcome.result.qmodel, outcome.result.accuracy.sqnr_db
+    q = outcome.result.qmodel
+    return (quantized_ffn_to(q, _CPU) if on is not None else q), outcome.result.accuracy.sqnr_db
+
+
+_CPU = torch.device("cpu")
+
+
+def _moves(device: torch.device) -> bool:
+    """Whether a dense layer's candidates are computed on a copy on `device` (any device but the CPU)."""
+    return device.type != "cpu"
+
+
+class _OnDevice:
+    """A dense layer's FFN and inputs on `device` for its `tasks` scoring tasks: copied there by the first task
+    that takes them (with the float figures its tasks share), dropped after the last, so one layer's copies are on
+    the device at a time however many layers' tasks are queued."""
+
+    def __init__(self, device: torch.device, tasks: int) -> None:
+        self.device, self.left, self.value = device, tasks, None
+
+    def take(self, layer: Any, calib: torch.Tensor, held_out: torch.Tensor, grad: torch.Tensor | None,
+             bins: int | None, floats: bool) -> tuple:
+        if self.value is None:
+            moved = copy.copy(layer)  # the layer's record, its FFN a copy on the device
+            moved.ffn = copy.deepcopy(layer.ffn).to(self.device)
+            calib, held_out = calib.to(self.device), held_out.to(self.device)
+            grad = None if grad is None else grad.to(self.device)
+            shared = float_figures(moved, calib, held_out, grad, bins) if floats else None
+            self.value = (moved, calib, held_out, grad, shared)
+        value = self.value
+        self.left -= 1
+        if self.left <= 0:
+            self.value = None
+        return value
 
 
 @dataclass(frozen=True)
@@ -252,6 +294,7 @@ class ScoreTask:
     bins: int | None = None
     floats: Any = None  # Shared: the layer's `float_figures` (None: each task computes what it needs)
     unscored: tuple[Recipe, ...] = ()  # of `recipes`: quantized and kept, not scored (`score_layer`)
+    device: Any = None  # Shared `_OnDevice`: the layer computes on the engine's device (None: where it runs)
 
 
 def score_tasks(executor: Any, layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor,
@@ -264,15 +307,29 @@ def score_tasks(executor: Any, layer: Any, recipes: Sequence[Recipe], calib: tor
     for recipe in recipes:
         groups.setdefault(recipe.remedies, []).append(recipe)
     handles = [executor.share(v) for v in (layer, calib, held_out, grad)]
+    dense = not isinstance(layer, MoELayer)
+    device = current_device()
+    if dense and executor.in_process and _moves(device):
+        # on the engine's device: the first task moves the layer and computes the shared float figures there
+        on = executor.share(_OnDevice(device, len(groups)))
+        return [ScoreTask(handles[0], tuple(g), *handles[1:], keep=tuple(r for r in keep if r in g), bins=bins,
+                          unscored=tuple(r for r in unscored if r in g), device=on) for g in groups.values()]
     # a dense layer's tasks read its float outputs and range profile once, not once per task
-    floats = executor.share(float_figures(layer, calib, held_out, grad, bins)) if len(groups) > 1 and not isinstance(
-        layer, MoELayer) else None
+    floats = executor.share(float_figures(layer, calib, held_out, grad, bins)) if len(groups) > 1 and dense else None
     return [ScoreTask(handles[0], tuple(g), *handles[1:], keep=tuple(r for r in keep if r in g), bins=bins,
                       floats=floats, unscored=tuple(r for r in unscored if r in g)) for g in groups.values()]
 
 
 def run_score_task(task: ScoreTask):
-    """Run one `ScoreTask`: (scores in its recipe order, {recipe: QuantizedFFN} for those in its `keep`)."""
+    """Run one `ScoreTask`: (scores in its recipe order, {recipe: QuantizedFFN} for those in its `keep`, in host
+    memory)."""
+    if task.device is not None:
+        layer, calib, held, grad, floats = task.device.get().take(task.layer.get(), task.calib.get(),
+                                                                  task.held_out.get(), task.grad.get(), task.bins,
+                                                                  floats=True)
+        scores, kept = score_layer(layer, task.recipes, calib, held, grad, keep=task.keep, bins=task.bins,
+                                   floats=floats, unscored=task.unscored)
+        return scores, {r: quantized_ffn_to(q, _CPU) for r, q in kept.items()}
     return score_layer(task.layer.get(), task.recipes, task.calib.get(), task.held_out.get(), task.grad.get(),
                        keep=task.keep, bins=task.bins, floats=task.floats.get() if task.floats is not None else None,
                        unscored=task.unscored)
