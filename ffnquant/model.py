@@ -34,6 +34,11 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    # transformers' ReLUSquaredActivation, operation for operation: relu, then square (bit for bit the same)
+    return torch.square(F.relu(x))
+
+
 ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     Activation.RELU: F.relu,
     Activation.GELU: F.gelu,
@@ -41,6 +46,7 @@ ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     Activation.SILU: F.silu,
     Activation.SIGMOID: torch.sigmoid,
     Activation.IDENTITY: _identity,
+    Activation.RELU2: _relu2,
 }
 
 

@@ -55,6 +55,7 @@ class Activation(str, enum.Enum):
     SILU = "silu"
     SIGMOID = "sigmoid"
     IDENTITY = "identity"
+    RELU2 = "relu2"  # relu(x)^2 (Primer; Nemotron, Arcee): never a variant's own, an override of RELU or REGLU
 
     def __str__(self) -> str:
         return self.value
@@ -91,6 +92,7 @@ _ACT_OPS = {
     Activation.SILU: 1,
     Activation.SIGMOID: 1,
     Activation.IDENTITY: 0,
+    Activation.RELU2: 2,
 }
 
 

@@ -56,6 +56,25 @@ def test_hf_activation_names_match_transformers(name):
     torch.testing.assert_close(acts.ACT2FN[name](x), ours, rtol=0, atol=1e-9)
 
 
+def test_relu_squared_is_transformers_bit_for_bit():
+    """Nemotron's and Arcee's ReLU^2 (transformers' `relu2`, ReLUSquaredActivation): the same two operations, so the
+    same float32 bits; a dense FFN with it is ReLU's variant with the override, a gated one ReGLU's."""
+    acts = pytest.importorskip("transformers.activations", reason="transformers not installed")
+    from ffnquant.model import ACTIVATIONS, build
+    from ffnquant.spec import FFNSpec
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(acts.ACT2FN["relu2"](x), ACTIVATIONS[Activation.RELU2](x))
+    assert ffn_variant(Activation.RELU2, gated=False, where="x") == (Variant.RELU, Activation.RELU2)
+    assert ffn_variant(Activation.RELU2, gated=True, where="x")[0] is Variant.REGLU
+    spec = FFNSpec("relu", d_model=8, d_ff=32, activation_override="relu2")
+    assert spec.activation is Activation.RELU2 and FFNSpec.from_dict(spec.to_dict()) == spec
+    model = build(spec, seed=0)
+    h = torch.randn(5, 8)
+    want = model.w_down(torch.relu(model.w_up(h)) ** 2)
+    torch.testing.assert_close(model(h), want, rtol=1e-6, atol=1e-6)
+
+
 def test_unrepresentable_activation_is_named():
     with pytest.raises(FFNQuantError, match="'quick_gelu' cannot be represented"):
         hf_activation("quick_gelu", "config.json")

@@ -34,7 +34,7 @@ EXPECTED = {
     "starcoder2": ("gelu_tanh", "module"), "gpt_neox": ("gelu", "module"), "falcon": ("gelu", "module"),
     "phi": ("gelu_tanh", "module"), "smollm3": ("swiglu", "module"), "glm": ("swiglu", "module"),
     "exaone4": ("swiglu", "module"), "qwen2_moe": ("swiglu", "experts"), "qwen3_moe": ("swiglu", "experts"),
-    "deepseek_v3": ("swiglu", "experts"),
+    "deepseek_v3": ("swiglu", "experts"), "nemotron": ("relu", "module"), "arcee": ("relu", "module"),
 }
 # why a smoothed layer's input scale cannot fold there, as the graph shows it
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",

@@ -90,6 +90,7 @@ HF_ACTIVATIONS: Mapping[str, Activation] = {
     "swish": Activation.SILU,
     "sigmoid": Activation.SIGMOID,
     "linear": Activation.IDENTITY,
+    "relu2": Activation.RELU2,  # ReLUSquaredActivation
 }
 
 _GATED_VARIANT = {
@@ -99,12 +100,14 @@ _GATED_VARIANT = {
     Activation.RELU: Variant.REGLU,
     Activation.SIGMOID: Variant.GLU,
     Activation.IDENTITY: Variant.BILINEAR,
+    Activation.RELU2: Variant.REGLU,  # with activation_override=relu2
 }
 _DENSE_VARIANT = {
     Activation.RELU: Variant.RELU,
     Activation.GELU: Variant.GELU,
     Activation.GELU_TANH: Variant.GELU_TANH,
     Activation.SILU: Variant.SWISH,
+    Activation.RELU2: Variant.RELU,  # with activation_override=relu2
 }
 
 

@@ -34,7 +34,7 @@ __all__ = ["FoundFFN", "Discovery", "discover", "discover_config", "arch_for_con
 # the transformers activation name each ffnquant Activation is reported (and re-read, `hf_activation`) as
 ACTIVATION_NAMES: Mapping[Activation, str] = {
     Activation.RELU: "relu", Activation.GELU: "gelu", Activation.GELU_TANH: "gelu_pytorch_tanh",
-    Activation.SILU: "silu", Activation.SIGMOID: "sigmoid", Activation.IDENTITY: "linear",
+    Activation.SILU: "silu", Activation.SIGMOID: "sigmoid", Activation.IDENTITY: "linear", Activation.RELU2: "relu2",
 }
 _ACT_FN = {
     Activation.RELU: torch.relu,
@@ -43,6 +43,7 @@ _ACT_FN = {
     Activation.SILU: nn.functional.silu,
     Activation.SIGMOID: torch.sigmoid,
     Activation.IDENTITY: lambda x: x,
+    Activation.RELU2: lambda x: torch.square(torch.relu(x)),
 }
 # a reproduction is accepted within this many float32 ulps of the output's scale: the module and ffnquant may
 # sum in another order (addmm vs matmul + add), never more than a few roundings per output element
