@@ -144,6 +144,17 @@ class HFLayer:
         return self.info.label
 
 
+# transformers writes a non-finite float of a config as {"__float__": "Infinity"} (JSON has no Infinity) and reads it
+# back as the float; so does ffnquant, which hands config.json's values to transformers' config classes
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_float(obj: dict[str, Any]) -> Any:
+    if len(obj) == 1 and isinstance(obj.get("__float__"), str) and obj["__float__"] in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[obj["__float__"]]
+    return obj
+
+
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """config.json of a model folder, with a one-line error if absent or unreadable."""
     folder = Path(path)
@@ -158,7 +169,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         raise FFNQuantError(f"{str(cfg)!r} is missing: a Hugging Face model folder needs config.json")
     text = read_file_text(cfg, "model config")
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_hook=_special_float)
     except json.JSONDecodeError as exc:
         raise FFNQuantError(f"{str(cfg)!r} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
