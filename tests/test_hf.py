@@ -813,3 +813,42 @@ def test_load_hf_model_keeps_transformers_loading_bar_off_stderr(tiny_models, ca
     load_hf_model(tiny_models["llama"][0])
     assert "Loading weights" not in capsys.readouterr().err
     assert tl.is_progress_bar_enabled()  # the caller's setting is restored
+
+
+def test_a_config_with_transformers_encoded_infinity_reads_as_the_float(tmp_path):
+    """transformers writes a non-finite config value as {"__float__": "Infinity"} (JSON has none) and reads it back
+    as the float (Falcon-H1's time_step_limit); so does `read_config`, which hands the values to transformers."""
+    import json
+    import math
+
+    from ffnquant.hf.checkpoint import read_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"time_step_limit": [0.0, {"__float__": "Infinity"}],
+                                                      "low": {"__float__": "-Infinity"}, "x": {"__float__": "NaN"},
+                                                      "kept": {"__float__": "many"}}))
+    config = read_config(tmp_path)
+    assert config["time_step_limit"] == [0.0, math.inf] and config["low"] == -math.inf and math.isnan(config["x"])
+    assert config["kept"] == {"__float__": "many"}  # not transformers' encoding: left as it is
+
+
+def test_an_mlp_that_adds_the_residual_is_found_and_replaced_with_it():
+    """BLOOM's and MPT's MLP forward(x, residual) returns FFN(x) + residual: discovery runs it with a zero residual,
+    checks the residual is added as it is, and what replaces the module adds it the same way."""
+    from torch import nn
+
+    from ffnquant.hf.capture import _input_only
+    from ffnquant.hf.discover import takes_residual
+
+    class AddsResidual(nn.Module):
+        def forward(self, hidden_states, residual):
+            return hidden_states * 2 + residual
+
+    class Plain(nn.Module):
+        def forward(self, hidden_states, residual=None):
+            return hidden_states
+
+    assert takes_residual(AddsResidual()) and not takes_residual(Plain()) and not takes_residual(nn.Linear(2, 2))
+    x, r = torch.randn(3, 4), torch.randn(3, 4)
+    forward = _input_only(lambda h: h * 2, residual=True)
+    assert torch.equal(forward(x, r), AddsResidual()(x, r)) and torch.equal(forward(x, residual=r), x * 2 + r)
+    assert torch.equal(_input_only(lambda h: h * 2)(x, r), x * 2)

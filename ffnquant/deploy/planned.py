@@ -149,6 +149,8 @@ def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str) -> Any:
     if info.arch.install is info.arch.install.SPLIT:
         first, act, second = (module.get_submodule(a) for a in info.arch.split_attrs)
         return lambda x: second(act(first(x)))
+    if info.arch.residual_arg:  # the module adds the block's residual (BLOOM, MPT): a zero one leaves the FFN
+        return lambda x: module(x, torch.zeros_like(x))
     return module
 
 

@@ -259,6 +259,9 @@ class Arch:
     # {stack} are filled in. For SPLIT, also the attribute names (first linear, act, second).
     module_pattern: str = ""
     split_attrs: tuple[str, str, str] = ("", "", "")
+    # the FFN module's forward takes the block's residual as its second argument and adds it to its output (BLOOM,
+    # MPT; found by `hf.discover`): a replacement adds it too, and checks compare the output less the residual
+    residual_arg: bool = False
     # the norm whose output is the FFN's input and ONLY the FFN's input (regex, fullmatch, on module names of
     # the loaded model; {layer}, {stack}, {ffn} (the FFN module's name) and {ffn_parent} (its parent's) are
     # filled in, the names regex-escaped): where an input scale folds (hf.fold). How it applies its gain:

@@ -446,7 +446,7 @@ def install_ffns(
                 module = module[layer.expert] if isinstance(module, nn.ModuleList) else getattr(module, str(layer.expert))
             # A plain function as instance attribute shadows the class's forward; a Module assigned
             # there would only be registered as a child named "forward" and never called.
-            object.__setattr__(module, "forward", _input_only(replacement))
+            object.__setattr__(module, "forward", _input_only(replacement, info.arch.residual_arg))
             undo.append(lambda m=module: delattr(m, "forward"))
         for module, reps in fused.values():
             object.__setattr__(module, "forward", _experts_forward(module, reps))
@@ -457,9 +457,11 @@ def install_ffns(
             step()
 
 
-def _input_only(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _input_only(fn: Callable[[torch.Tensor], torch.Tensor], residual: bool = False) -> Callable[..., torch.Tensor]:
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return fn(_first_input(args, kwargs))
+        out = fn(_first_input(args, kwargs))
+        # a module that adds the block's residual (`Arch.residual_arg`): its replacement adds it alike
+        return out + (args[1] if len(args) > 1 else kwargs["residual"]) if residual else out
 
     return forward
 

@@ -17,6 +17,7 @@ The result is an `Arch` (`hf.arch`) like the hand-written ones, so every command
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -69,6 +70,9 @@ class FoundFFN:
     activation: Activation | None = None
     act_attr: str = ""  # the activation module's attribute (SPLIT: the block's)
     linear_class: str = "Linear"  # the class of its matrices' modules (FalconLinear, Conv1D, ...)
+    # the module's forward takes the block's residual as its second argument and returns FFN(x) + residual (BLOOM,
+    # MPT): checked by running it; what replaces it adds the residual the same way
+    residual: bool = False
 
     def key(self) -> tuple:
         return (self.path, self.install, tuple(sorted(self.roles.items())), self.d_model, self.d_ff, self.experts)
@@ -102,7 +106,7 @@ class Discovery:
             name=self.model_type, kind=ModelKind.CAUSAL_LM, d_model_keys=("hidden_size",), d_ff_keys=("intermediate_size",),
             activation=lambda c, w: (act, gated), roles=dict(ffn.roles), transposed=ffn.transposed,
             module_pattern=module_pattern, fixed=fixed, discovered=True, float_parts=self.float_parts,
-            linear_class=ffn.linear_class if ffn.install is not Install.EXPERTS else "",
+            linear_class=ffn.linear_class if ffn.install is not Install.EXPERTS else "", residual_arg=ffn.residual,
             # the norm before each FFN is found when the model runs (`hf.fold`), from who produces its input
             norm_pattern="", norm_from_graph=True)
         roles = tuple(sorted(ffn.roles))
@@ -328,8 +332,22 @@ def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mappin
     return lin(down, _ACT_FN[act](lin(by_role["w_up"], x)))
 
 
-def _module_output(probe: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: str) -> torch.Tensor:
+def takes_residual(module: nn.Module) -> bool:
+    """Whether a module's forward takes a second required argument named `residual` (BLOOM's and MPT's MLPs add the
+    block's residual stream to their output)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return (len(params) >= 2 and params[1].name == "residual" and params[1].default is inspect.Parameter.empty
+            and params[1].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+
+
+def _module_output(probe: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: str,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():
+        if residual is not None:  # the module adds it: FFN(x) + residual
+            return probe(x, residual)
         if ffn.install is Install.EXPERTS:
             index = torch.zeros(x.shape[0], 1, dtype=torch.long)
             return probe(x, index, torch.ones(x.shape[0], 1))
@@ -352,11 +370,19 @@ def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
     if n_full <= _PROBE_FULL_MAX:
         attempts.append((ffn.d_model, ffn.d_ff))
     last = "no assignment of gate, up and activation reproduces it"
+    residual = ffn.install is Install.MODULE and takes_residual(module)
     for d, f in attempts:
         try:
             probe = _shrunk_copy(module, ffn, d, f, gen)
             x = torch.randn(7, d, generator=gen) * 1.5
-            y = _module_output(probe, ffn, x, act_attr)
+            y = _module_output(probe, ffn, x, act_attr, torch.zeros_like(x) if residual else None)
+            if residual:  # what it adds is the residual itself, exactly: FFN(x) + r, whatever r
+                r = torch.randn(7, d, generator=gen)
+                added = _module_output(probe, ffn, x, act_attr, r)
+                if not torch.equal(added, y + r):
+                    last = ("its second argument 'residual' is not added to its output as it is (the output "
+                            f"moves by {float((added - y - r).abs().max()):.3g} beside the residual)")
+                    continue
         except Exception as exc:  # a module that reads its configured width: try the real widths
             last = f"running a copy of it failed ({type(exc).__name__}: {str(exc)[:120]})"
             continue
@@ -371,7 +397,7 @@ def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
                     mine = _ffnquant_output(mats, roles, act, x)
                 if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
                     return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
-                                    ffn.bias, ffn.experts, act, act_attr, ffn.linear_class)
+                                    ffn.bias, ffn.experts, act, act_attr, ffn.linear_class, residual)
     acts = [type(c).__name__ for c in module.children() if not any(True for _ in c.parameters())
             and not isinstance(c, nn.Dropout)]
     seen = f" (its parameterless parts: {', '.join(acts)})" if acts else ""

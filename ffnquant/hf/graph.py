@@ -295,7 +295,10 @@ def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torc
             if key not in seen:
                 x = _first_input(args, kwargs)
                 extra = tuple(a.detach().clone() for a in args[1:3]) if arch.install is Install.EXPERTS else ()
-                seen[key] = ((x.detach().clone(), *extra), (out[0] if isinstance(out, tuple) else out).detach().clone())
+                y = out[0] if isinstance(out, tuple) else out
+                if arch.residual_arg:  # the module returned FFN(x) + residual: the FFN's part is compared
+                    y = y - (args[1] if len(args) > 1 else kwargs["residual"])
+                seen[key] = ((x.detach().clone(), *extra), y.detach().clone())
         return hook
 
     def keep_split(key: str, part: str):
