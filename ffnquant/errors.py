@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import functools
 import os
 from typing import Any, Callable, Iterable
@@ -34,9 +36,13 @@ def unknown_choice(kind: str, value: object, valid: Iterable[object]) -> FFNQuan
     return FFNQuantError(f"unknown {kind} {value!r}; valid: {names}")
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour codes some libraries put in their messages
+
+
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type name when it has none): for availability reasons."""
-    text = str(exc).strip()
+    """The first line of an exception's message, without terminal colour codes (its type name when it has none):
+    for availability reasons."""
+    text = _ANSI.sub("", str(exc)).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 

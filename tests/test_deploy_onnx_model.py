@@ -470,3 +470,28 @@ def test_the_serving_benchmark_runs_the_folder_in_genais_loop(written):
                                                         "QuantizeLinear", "DynamicQuantizeMatMul",
                                                         "MatMulIntegerToFloat", "QLinearMatMul",
                                                         "GatherBlockQuantized"} for k in row["kernels"])
+
+
+def test_a_graph_that_fixed_its_input_shape_is_named():
+    """torch.export may specialise a dimension (a hybrid model's state-space path): such a graph runs on one input
+    shape only, so the whole-model export refuses it with the dimension, rather than fail in onnxruntime."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from ffnquant.deploy.onnx_model import _fixed_input_dims
+
+    def graph(dims):
+        inp = helper.make_tensor_value_info("input_ids", TensorProto.INT64, dims)
+        out = helper.make_tensor_value_info("y", TensorProto.INT64, dims)
+        return helper.make_model(helper.make_graph([helper.make_node("Identity", ["input_ids"], ["y"])], "g", [inp], [out]))
+
+    assert _fixed_input_dims(graph(["batch", "seq"])) == []
+    assert _fixed_input_dims(graph(["batch", 7])) == [("seq", 7)]
+    assert isinstance(graph([2, 7]), onnx.ModelProto) and _fixed_input_dims(graph([2, 7])) == [("batch", 2), ("seq", 7)]
+
+
+def test_a_library_error_reaches_the_user_without_terminal_colour_codes():
+    from ffnquant.errors import first_line
+
+    assert first_line(RuntimeError("Failed to export. \x1b[96mThis is\x1b[0m a hint\nsecond line")) == \
+        "Failed to export. This is a hint"

@@ -193,6 +193,16 @@ def _parity(model: nn.Module, info: ModelInfo, path: Path, ids: torch.Tensor) ->
             **compare_outputs(path, info, dict(zip(OUTPUTS, got)), dict(zip(OUTPUTS, ref)))}
 
 
+def _fixed_input_dims(proto: Any) -> list[tuple[str, int]]:
+    """The input_ids dimensions an exported graph fixed to a number: [(batch|seq, size)], empty when both are
+    symbolic."""
+    for value in proto.graph.input:
+        if value.name == "input_ids":
+            dims = value.type.tensor_type.shape.dim
+            return [(axis, d.dim_value) for axis, d in zip(("batch", "seq"), dims) if d.HasField("dim_value")]
+    return []
+
+
 def _export(model: nn.Module, info: ModelInfo, path: str | os.PathLike, opset: int, ids: torch.Tensor | None) -> dict[str, Any]:
     import onnx
 
@@ -211,6 +221,11 @@ def _export(model: nn.Module, info: ModelInfo, path: str | os.PathLike, opset: i
             raise FFNQuantError(f"{info.model_type}: torch.onnx could not export the model: {first_line(exc)}") from exc
         proto = without_stack_traces(program.model_proto)  # no path of this machine in the graph
         del program
+    fixed = _fixed_input_dims(proto)
+    if fixed:  # torch.export specialised a dimension (a hybrid's state-space path, say): the graph takes one shape
+        raise FFNQuantError(f"{info.model_type}: torch.onnx fixed the graph's input_ids dimension(s) "
+                            f"{', '.join(f'{axis} to {n}' for axis, n in fixed)} (the example's), so the graph would run "
+                            "only on inputs of that shape; the model's forward is not exportable with dynamic shapes")
     proto.ir_version = min(proto.ir_version, 10)  # onnxruntime reads IR <= 10
     onnx.helper.set_model_props(proto, {"ffnquant_graph": "fp32", "model_type": info.model_type,
                                         "exporter": "torch.onnx dynamo"})
