@@ -35,7 +35,11 @@ EXPECTED = {
     "phi": ("gelu_tanh", "module"), "smollm3": ("swiglu", "module"), "glm": ("swiglu", "module"),
     "exaone4": ("swiglu", "module"), "qwen2_moe": ("swiglu", "experts"), "qwen3_moe": ("swiglu", "experts"),
     "deepseek_v3": ("swiglu", "experts"), "nemotron": ("relu", "module"), "arcee": ("relu", "module"),
+    # BLOOM's and MPT's MLPs take the block's residual and add it (`Arch.residual_arg`); Falcon-H1 is a hybrid of
+    # attention, a state-space mixer and a SwiGLU MLP, its config holding an Infinity
+    "bloom": ("gelu_tanh", "module"), "mpt": ("gelu", "module"), "falcon_h1": ("swiglu", "module"),
 }
+RESIDUAL_ARG = ("bloom", "mpt")
 # why a smoothed layer's input scale cannot fold there, as the graph shows it
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
@@ -43,6 +47,9 @@ NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # planned by bytes; no export format stores experts
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
 TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
+# plan and export read whole windows of the held-out text: 128 tokens (a model without a context length, ALiBi's
+# BLOOM and MPT, would take 512-token windows, more than the 128 held-out tokens)
+WINDOW = ["--seq-len", "128"]
 
 
 def test_the_matrix_covers_the_named_types():
@@ -76,9 +83,12 @@ def test_discovered_ffns_reproduce_the_model(folders, model_type):
     names = [n for n, _ in model.named_modules()]
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    assert info.arch.residual_arg is (model_type in RESIDUAL_ARG)
+
     def keep(label):
         def hook(module, args, out):  # returns None: the output passes unchanged
-            seen.setdefault(label, (args[0].detach().clone(), out.detach().clone()))  # falcon adds into it in place
+            ffn_out = out - args[1] if info.arch.residual_arg else out  # what the module adds is the residual
+            seen.setdefault(label, (args[0].detach().clone(), ffn_out.detach().clone()))  # falcon adds in place
         return hook
 
     handles = [_module_for(model, info, layer, names)[1].register_forward_hook(keep(layer.label)) for layer in info.layers]
@@ -113,7 +123,8 @@ def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, mo
     # bytes: the latency table times one FFN shape, not an architecture (tests/test_plan_objective.py times it)
     assert main(["plan", "--model", str(folder), "--target", "ppl+5%", "--objective", "bytes",
                  "--candidates", "fp32,w8a8@search+smooth,w4a16-g32",
-                 "--out", str(tmp_path / "p"), *TOKENS, "--probe-tokens", "128", "--tokens", "16", "--no-progress"]) == 0
+                 "--out", str(tmp_path / "p"), *TOKENS, *WINDOW, "--probe-tokens", "128", "--tokens", "16",
+                 "--no-progress"]) == 0
     data = json.loads((tmp_path / "p" / "plan.json").read_text())
     if model_type in NO_FOLD:  # the plan knew: smoothing left out where it cannot fold
         assert data["fold_refusals"] and all(r["recipe"] != "w8a8@search+smooth" for r in data["plan"]["layers"])
@@ -127,12 +138,12 @@ def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, mo
                      "--no-progress", "--no-onnx", "--out-reports", str(tmp_path / "qp")]) == 0
         capsys.readouterr()
         assert main(["export", "--model", str(folder), "--plan", str(tmp_path / "p" / "plan.toml"), "--format",
-                     "compressed-tensors", *TOKENS, "--out", str(tmp_path / "ct")]) == 2
+                     "compressed-tensors", *TOKENS, *WINDOW, "--out", str(tmp_path / "ct")]) == 2
         assert "mixture-of-experts" in capsys.readouterr().err and not (tmp_path / "ct").exists()
         return
     capsys.readouterr()
     smoothed = _plan(folder, ["w8a8@search+smooth", "w4a16-g32"], tmp_path / "smoothed.toml")
-    argv = ["export", "--model", str(folder), "--format", "compressed-tensors", *TOKENS]
+    argv = ["export", "--model", str(folder), "--format", "compressed-tensors", *TOKENS, *WINDOW]
     rc = main([*argv, "--plan", str(smoothed), "--out", str(tmp_path / "ct")])
     err = capsys.readouterr().err
     if model_type in NO_CT:
