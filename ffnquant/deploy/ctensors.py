@@ -358,7 +358,7 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     captured: dict[str, torch.Tensor] = {}
     with torch.no_grad(), ffn_input_hooks(loaded, info, layers, lambda l, x: captured.setdefault(l.label, x)):
         routed = any(layer.expert is not None for layer in info.layers)
-        loaded(planned.evals[0] if routed else planned.evals[0][:1])
+        loaded(planned.evals[0] if routed else planned.evals[0][:1], use_cache=False)
     names = {mq.layer: mq.module.rsplit(".", 1)[0] for mq in planned.modules}
     layer_db = {r["label"]: r["accuracy_torch"]["sqnr_db"] for r in planned.rows}  # each layer's quantization noise
     rows = []

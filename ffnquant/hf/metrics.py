@@ -313,6 +313,8 @@ def _run(model, info: ModelInfo, ids: torch.Tensor):
     inputs: dict[str, torch.Tensor] = {"input_ids": ids}
     if info.kind is ModelKind.SEQ2SEQ:
         inputs["decoder_input_ids"] = shift_right(model, ids)
+    if info.kind is ModelKind.CAUSAL_LM:  # one pass over whole sequences: no KV cache to build (nor to size a mask)
+        inputs["use_cache"] = False
     with torch.no_grad():
         return model(**inputs, output_hidden_states=True)
 

@@ -398,7 +398,9 @@ class SequentialModel:
         stand_ins = [_StandIn(record, stop=i == n - 1, as_tuple=self._tuple_out) for i in range(n)]
         with self._stand_ins(stand_ins), torch.no_grad():
             try:
-                self.base(input_ids=ids)
+                # no KV cache: the calls are recorded without one anyway (`_no_cache`), and a cache of linear-attention
+                # layers alone (a hybrid cut to a few layers) cannot size an attention mask
+                self.base(input_ids=ids, use_cache=False)
             except _Stop:
                 pass
         return record
@@ -538,7 +540,7 @@ class SequentialModel:
             with self._stand_ins([_StandIn(None, hidden if i == 0 else None, as_tuple=self._tuple_out)
                                   for i in range(n)]), (fast_linear(self.head) if self.fast_head else contextlib.nullcontext()):
                 # inputs_embeds only give the forward its shapes: the first stand-in returns `hidden`
-                logits = self.model(inputs_embeds=torch.zeros_like(hidden)).logits
+                logits = self.model(inputs_embeds=torch.zeros_like(hidden), use_cache=False).logits
         finally:
             handle.remove()
         return _host(got[0]), _host(logits)
