@@ -643,7 +643,7 @@ CASES = [
       setup=tokenized_model_with(embedding=lambda: torch.zeros(90, 32))),
     C("model-capture-embedding-int8", CAPTURE, ("embed_tokens", "I8", "dtype"),
       setup=tokenized_model_with(embedding=lambda: torch.zeros(96, 32, dtype=torch.int8))),
-    C("model-inspect-q-proj-wrong-shape", ["model", "inspect", M], ("q_proj", "heads"),
+    C("model-inspect-q-proj-wrong-shape", ["model", "inspect", M], ("q_proj", "[16, 32]", "[32, 32]"),
       setup=chain(tokenized_model_with(), lambda r: _add_tensor(r / "in/m", "model.layers.0.self_attn.q_proj.weight",
                                                                 torch.zeros(16, 32)))),
     C("model-capture-seq-len-1", CAPTURE + ["--seq-len", "1"], "seq", setup=tokenized_model(96)),

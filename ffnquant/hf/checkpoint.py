@@ -434,7 +434,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     groups = _group_tensors(arch, sorted(weights.file_of))
     where = weights.files[0] if len(weights.files) == 1 else "model.safetensors.index.json"
     where = str(folder / where)
-    check_other_tensors(weights, config, d)
+    check_other_tensors(weights, config, d, (arch.fixed or {}).get("shapes"))
 
     if any(g.fused for g in groups.values()):
         groups = _expand_fused(groups, n_experts or 0, where)

@@ -17,6 +17,7 @@ The result is an `Arch` (`hf.arch`) like the hand-written ones, so every command
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import re
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class Discovery:
     ffn: FoundFFN
     blocks: tuple[int, ...]
     float_parts: tuple[str, ...] = field(default=())  # "L0 mlp (dense, d_ff 64): reason"
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # the built model's tensors, by name
 
     def arch(self) -> Arch:
         """The `hf.arch.Arch` of this model: checkpoint and module patterns built from the names found."""
@@ -100,7 +102,7 @@ class Discovery:
         act = ACTIVATION_NAMES[ffn.activation] if ffn.activation is not None else "linear"
         gated = ffn.gated
         fixed = {"d_model": ffn.d_model, "d_ff": ffn.d_ff, "n_layers": self.n_blocks, "n_experts": ffn.experts,
-                 "blocks": self.blocks}
+                 "blocks": self.blocks, "shapes": self.shapes}
         module_pattern = r"(?:.+\.)?" + tail + r"\.{layer}" + rel
         common: dict[str, Any] = dict(
             name=self.model_type, kind=ModelKind.CAUSAL_LM, d_model_keys=("hidden_size",), d_ff_keys=("intermediate_size",),
@@ -505,6 +507,9 @@ def discover_config(config: Mapping[str, Any], where: str) -> Discovery:
                             f"({type(exc).__name__}: {str(exc)[:160]}); ffnquant finds the FFNs of causal LMs "
                             "(and of bert and t5 by their names)") from exc
     found = discover(model, str(config.get("model_type") or ""), where)
+    # the shape of every tensor of the model transformers builds: what a checkpoint's tensors are checked against
+    # (`validate.check_other_tensors`), whatever its attention's layout
+    found = dataclasses.replace(found, shapes={name: tuple(t.shape) for name, t in model.state_dict().items()})
     _CACHE[key] = found
     return found
 

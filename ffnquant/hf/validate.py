@@ -47,10 +47,14 @@ def check_attention_config(config: Mapping[str, Any], d: int, cfg_file: str) -> 
                             "is given")
 
 
-def check_other_tensors(weights: Any, config: Mapping[str, Any], d: int) -> None:
-    """The tensors beside the FFN as config.json describes them: float dtypes, the token embedding's and the
-    attention projections' shapes, and a finite embedding (a NaN there poisons every figure, named here)."""
-    attn = attention_shape(config, d)
+def check_other_tensors(weights: Any, config: Mapping[str, Any], d: int,
+                        shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """The tensors beside the FFN as config.json describes them: float dtypes, the token embedding's shape and a
+    finite embedding (a NaN there poisons every figure, named here), and every tensor's shape against `shapes`, the
+    model transformers builds from config.json (`hf.discover`), whatever its attention's layout (gated queries,
+    latent attention, per-layer head widths). Without them (an architecture known by name), the attention
+    projections against heads x head width."""
+    attn = None if shapes else attention_shape(config, d)
     vocab = config.get("vocab_size")
     emb_width = config.get("word_embed_proj_dim") or d  # OPT's embedding may be narrower than the model
     for name, file in weights.file_of.items():
@@ -73,6 +77,10 @@ def check_other_tensors(weights: Any, config: Mapping[str, Any], d: int) -> None
                 value = float(table[row][bad[row]][0])
                 raise FFNQuantError(f"{str(file)!r}: tensor {name!r} (the token embedding) holds {value} for token id "
                                     f"{row} ({int(bad.sum())} non-finite value(s)); every figure would be NaN")
+        want_shape = shapes.get(name) if shapes else None
+        if want_shape is not None and tuple(shape) != tuple(want_shape):
+            raise FFNQuantError(f"{str(file)!r}: tensor {name!r} has shape {list(shape)}, but the model transformers "
+                                f"builds from config.json has {list(want_shape)} there")
         if attn is not None and ".self_attn." in name and role[-1] == "weight" and len(shape) == 2:
             q, kv = attn["n_heads"] * attn["head_dim"], attn["n_kv_heads"] * attn["head_dim"]
             want = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}.get(role[0])
