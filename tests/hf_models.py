@@ -104,7 +104,8 @@ def tiny_folders(tmp_path_factory, names=None) -> dict[str, tuple[Path, str, str
 # today, dense and mixture-of-experts, gated and not, Linear and Conv1D, parallel and sequential blocks.
 CAUSAL_TYPES = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "opt", "mixtral", "qwen3", "gemma2", "gemma3_text",
                 "olmo2", "granite", "cohere", "stablelm", "starcoder2", "gpt_neox", "falcon", "phi", "smollm3", "glm",
-                "exaone4", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron", "arcee", "bloom", "mpt", "falcon_h1")
+                "exaone4", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron", "arcee", "bloom", "mpt", "falcon_h1",
+                "qwen3_next", "qwen3_5_text", "deepseek_v2")
 
 # Tiny widths under every name a config class may use for them; each config takes the ones it has.
 _TINY = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_layers=2, num_attention_heads=4,
@@ -121,9 +122,15 @@ def causal_config(T, model_type: str):
     base = T.AutoConfig.for_model(model_type)
     settable = lambda k: hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)  # noqa: E731
     kwargs = {k: v for k, v in _TINY.items() if settable(k) or k == "ffn_hidden_size" and model_type == "falcon"}
-    if model_type == "deepseek_v3":  # multi-head latent attention: as many key/value heads as query heads
+    if model_type in ("deepseek_v2", "deepseek_v3"):  # multi-head latent attention: as many key/value heads as query heads
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
-    return T.AutoConfig.for_model(model_type, **kwargs)
+    config = T.AutoConfig.for_model(model_type, **kwargs)
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and "linear_attention" in types and "full_attention" not in types:
+        # a hybrid (Qwen3-Next, Qwen3.5) cut to two layers keeps one of full attention, as a real one has every few
+        # layers: with linear attention alone transformers cannot size a KV cache's mask, nor generate
+        config.layer_types = ["linear_attention", "full_attention"]
+    return config
 
 
 def save_causal_tiny(T, model_type: str, folder: Path, tok=None) -> Path:

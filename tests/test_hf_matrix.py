@@ -38,13 +38,16 @@ EXPECTED = {
     # BLOOM's and MPT's MLPs take the block's residual and add it (`Arch.residual_arg`); Falcon-H1 is a hybrid of
     # attention, a state-space mixer and a SwiGLU MLP, its config holding an Infinity
     "bloom": ("gelu_tanh", "module"), "mpt": ("gelu", "module"), "falcon_h1": ("swiglu", "module"),
+    # hybrids of linear and full attention (Qwen3-Next with routed experts, Qwen3.5), gated queries (q_proj twice
+    # as wide), and DeepSeek-V2's latent attention: the attention's layout is transformers' business
+    "qwen3_next": ("swiglu", "experts"), "qwen3_5_text": ("swiglu", "module"), "deepseek_v2": ("swiglu", "experts"),
 }
 RESIDUAL_ARG = ("bloom", "mpt")
 # why a smoothed layer's input scale cannot fold there, as the graph shows it
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
            "exaone4": "no module produces the FFN's input"}
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # planned by bytes; no export format stores experts
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2")  # planned by bytes; no export format stores experts
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
 TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
 # plan and export read whole windows of the held-out text: 128 tokens (a model without a context length, ALiBi's
@@ -195,7 +198,7 @@ def test_the_engine_equals_the_whole_forward(folders, model_type):
     inputs = capture_layer_inputs(info, layers, calib_tokens=128, eval_tokens=64, settings=settings, whole=True)
     want = quantize_model_layers(info, layers, inputs, Recipe.parse("w8a8"), onnx=False, settings=settings)
     modes = [True] + ([False] if streamable_reason(info) is None else [])
-    assert (len(modes) == 1) == (model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"))
+    assert (len(modes) == 1) == (model_type in MOE)
     for resident in modes:
         got = quantize_layerwise(info, Recipe.parse("w8a8"), calib_tokens=128, eval_tokens=64, settings=settings,
                                  onnx=False, resident=resident)
