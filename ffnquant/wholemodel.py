@@ -17,6 +17,7 @@ tokenizer: given, or read from the folder the model was loaded from.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import tempfile
 import time
@@ -58,7 +59,7 @@ if TYPE_CHECKING:  # annotations only
     from .deploy.planned import PlannedModel
     from .hf.checkpoint import ModelInfo
 
-__all__ = ["plan", "apply", "save", "check_plan_arguments", "PlanRequest", "plan_request", "PlanOutcome", "plan_model", "plan_memory_for", "DeployReport", "DEPLOY_DOC", "format_refusal",
+__all__ = ["plan", "apply", "save", "check_plan_arguments", "PlanRequest", "plan_request", "PlanOutcome", "plan_model", "plan_memory_for", "DeployReport", "DEPLOY_DOC", "NOT_PROVEN_SUFFIX", "set_aside_unproven", "format_refusal",
            "write_deployment"]
 
 Progress = Callable[[str, int, int], None]
@@ -360,7 +361,30 @@ def save(qmodel: Any, out: str | Path, *, force: bool = False, progress: Any = T
     with staged_folder(out, force, listing=DEPLOY_DOC) as folder:
         doc = write_deployment(qmodel, folder, fmt["name"], whole=fmt["whole"], graph_why=fmt["graph_why"],
                                command="ffnquant.save", progress=progress)
-    return DeployReport(Path(out), doc)
+    report = DeployReport(Path(out), doc)
+    if report.proven is False:  # never left where a deployment is expected (`set_aside_unproven`)
+        report = DeployReport(set_aside_unproven(Path(out)), doc)
+    return report
+
+
+NOT_PROVEN_SUFFIX = ".not-proven"
+
+
+def set_aside_unproven(folder: Path) -> Path:
+    """A written folder whose proof failed, renamed to the first free `FOLDER.not-proven` (`-2`, `-3`, ...): kept as
+    the evidence the proof read, under a name that says it is not a deployment; the new path."""
+    n = 1
+    while True:
+        target = folder.with_name(folder.name + NOT_PROVEN_SUFFIX + ("" if n == 1 else f"-{n}"))
+        if not os.path.lexists(target):
+            break
+        n += 1
+    try:
+        os.replace(folder, target)
+    except OSError as exc:
+        raise FFNQuantError(f"the export in {str(folder)!r} is NOT PROVEN and could not be renamed to "
+                            f"{str(target)!r} ({exc.strerror or exc}): do not deploy it") from None
+    return target
 
 
 # --- writing a planned model: one place for ffnquant.save and `ffnquant export --plan` ------------

@@ -489,9 +489,12 @@ def test_a_proof_without_one_generation_prompt_is_not_proven(llama, tmp_path, ca
     rc = main(["export", "--model", str(llama), "--plan", str(_plan(llama, tmp_path, {0: "w8a16", 1: "w8a16"})),
                "--format", "compressed-tensors", "--out", str(out), "--calib-tokens", "256", "--eval-text", str(short)])
     printed = capsys.readouterr().out
-    doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    # nothing deployable-looking at --out: the folder is kept under a name that says it is not proven
+    kept = tmp_path / "llama-ffnq.not-proven"
+    assert not out.exists() and kept.is_dir() and f"the folder is kept as {kept}" in printed
+    doc = json.loads((kept / "ffnquant-deploy.json").read_text())
     assert doc["proof"]["generation"]["prompts"] == 0
     assert rc == 1 and not doc["proof"]["proven"]
     assert any("no generation prompt" in why for why in doc["proof"]["unproven"])
     assert "NOT PROVEN: no generation prompt: the held-out text has" in printed
-    assert "Verdict: NOT PROVEN (no generation prompt" in (out / "ffnquant-deploy.md").read_text()
+    assert "Verdict: NOT PROVEN (no generation prompt" in (kept / "ffnquant-deploy.md").read_text()

@@ -157,7 +157,8 @@ def test_without_the_fold_check_the_gates_still_refuse_the_wrong_fold(llama, tmp
     out = tmp_path / "out"
     assert _export(llama, _plan(llama, tmp_path, SMOOTHED), out) == 1
     assert "NOT PROVEN" in capsys.readouterr().out
-    p = json.loads((out / "ffnquant-deploy.json").read_text())["proof"]
+    assert not out.exists()  # set aside: the evidence under a name that says so
+    p = json.loads((out.with_name("out.not-proven") / "ffnquant-deploy.json").read_text())["proof"]
     assert p["weights"]["all_identical"] and p["inputs"]["all_equal"] and p["layers"]["all_at_parity"]
     gates = {g["figure"]: g for g in p["load"]["gates"]["gates"]}
     assert not gates["hidden_sqnr_db"]["met"] and gates["hidden_sqnr_db"]["worse_by"] > 10  # dB
@@ -186,3 +187,18 @@ def _one_error_line(err: str) -> bool:
     """The error is one line, the last: the progress lines of the stages that ran before it stand above it."""
     lines = err.splitlines()
     return bool(lines) and sum("error" in line for line in lines) == 1 and "error" in lines[-1]
+
+
+def test_an_unproven_folder_is_set_aside_under_a_free_name(tmp_path):
+    """A folder whose proof failed is renamed to FOLDER.not-proven (then -2, -3, ...: an earlier one, or a user's
+    file of that name, is never replaced), so nothing at the requested path looks like a deployment."""
+    from ffnquant.wholemodel import set_aside_unproven
+
+    (tmp_path / "out.not-proven").mkdir()
+    (tmp_path / "out.not-proven" / "mine.txt").write_text("kept")
+    for expected in ("out.not-proven-2", "out.not-proven-3"):
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "ffnquant-deploy.json").write_text("{}")
+        assert set_aside_unproven(tmp_path / "out") == tmp_path / expected
+        assert not (tmp_path / "out").exists() and (tmp_path / expected / "ffnquant-deploy.json").exists()
+    assert (tmp_path / "out.not-proven" / "mine.txt").read_text() == "kept"

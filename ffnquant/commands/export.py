@@ -17,7 +17,7 @@ from ..infra.render import text_table
 from ..onnx.export import DEFAULT_OPSET, export_spec
 from ..planning import load_plan
 from ..report.deploy import decoder_summary, fold_line, gate_rows, target_verdict
-from ..wholemodel import DEPLOY_DOC, format_refusal, write_deployment
+from ..wholemodel import DEPLOY_DOC, format_refusal, set_aside_unproven, write_deployment
 from .common import StageBars, add_device_argument, add_spec_arguments, add_text_arguments, specs_from_args, text_files, text_options, token_notes
 
 NAME = "export"
@@ -109,7 +109,9 @@ def _export_plan(args: argparse.Namespace) -> int:
     _print_deploy(doc, Path(args.out))
     if fmt == "compressed-tensors" and not doc["proof"]["proven"]:
         why = "; ".join(doc["proof"].get("unproven") or []) or "the folder does not reproduce the measured model"
-        print(f"NOT PROVEN: {why} (see ffnquant-deploy.md)")
+        kept = set_aside_unproven(Path(args.out))  # nothing deployable-looking is left at --out
+        print(f"NOT PROVEN: {why}; the folder is kept as {kept} (the evidence, not a deployment: see its "
+              "ffnquant-deploy.md)")
         return 1
     return 0
 
