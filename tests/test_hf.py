@@ -873,3 +873,23 @@ def test_a_checkpoint_transformers_renames_as_it_loads_is_refused_naming_the_ren
     with pytest.raises(FFNQuantError, match=r"stores '.*block_sparse_moe\.input_linear\.weight', which transformers "
                                             r"renames to .* as it loads"):
         inspect_model(folder)
+
+
+@pytest.mark.parametrize("model_type, part", [("bitnet", r"ffn_sub_norm\.weight \[\d+\] \(BitNetRMSNorm\)"),
+                                              ("apertus", r"act_fn\.alpha_p \[1\] \(XIELUActivation\)")])
+def test_an_mlp_with_a_part_ffnquant_does_not_compute_is_refused_naming_it(tmp_path, model_type, part):
+    """BitNet's MLP normalises its hidden (a sub-norm between the matrices), Apertus' activation has learned
+    parameters (xIELU): the refusal names those parameters, the cause, rather than only a failed run or no match."""
+    T = pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hf_models import save_causal_tiny, tokenizer
+
+    try:
+        folder = save_causal_tiny(T, model_type, tmp_path / "m", tokenizer(T))
+    except Exception as exc:  # a transformers without the type
+        pytest.skip(f"{model_type} not buildable here: {exc}")
+    with pytest.raises(FFNQuantError, match=r"cannot reproduce this FFN's output.*parameters beside the FFN's "
+                                            r"matrices that ffnquant's FFN does not compute: " + part):
+        inspect_model(folder)

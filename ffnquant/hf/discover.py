@@ -403,8 +403,15 @@ def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
     acts = [type(c).__name__ for c in module.children() if not any(True for _ in c.parameters())
             and not isinstance(c, nn.Dropout)]
     seen = f" (its parameterless parts: {', '.join(acts)})" if acts else ""
-    raise FFNQuantError(f"{where}: ffnquant cannot reproduce this FFN's output{seen}: {last}; activations ffnquant "
-                        f"computes: {', '.join(a.value for a in Activation)}")
+    # parameters beside the FFN's matrices (a norm inside the MLP, an activation with learned parameters): a part
+    # ffnquant's FFN does not compute, the likely cause, named first
+    matrices = {f"{name}.{p}" for name in ffn.roles for p in ("weight", "bias")} | set(ffn.roles)
+    others = [f"{n} {list(p.shape)} ({type(module.get_submodule(n.rpartition('.')[0])).__name__})"
+              if "." in n else f"{n} {list(p.shape)}" for n, p in module.named_parameters() if n not in matrices]
+    beside = (f"; it holds parameters beside the FFN's matrices that ffnquant's FFN does not compute: "
+              f"{', '.join(others[:3])}{' and more' if len(others) > 3 else ''}") if others else ""
+    raise FFNQuantError(f"{where}: ffnquant cannot reproduce this FFN's output{seen}{beside}: {last}; activations "
+                        f"ffnquant computes: {', '.join(a.value for a in Activation)}")
 
 
 def _label(path: str) -> str:
