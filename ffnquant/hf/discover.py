@@ -466,6 +466,12 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     if not per_block:
         if refused:  # FFN-shaped, but nothing ffnquant computes reproduces it: the most FFN-like one's reason
             raise FFNQuantError(max(refused, key=lambda r: ("mlp" in r, "reproduce" in r)))
+        # expert tensors in a layout ffnquant does not read ([E, d, 2f] and [E, f, d]: gpt-oss), named as found
+        stacked = [f"{name} {list(p.shape)}" for name, p in blocks[0].named_parameters() if p.dim() == 3]
+        if stacked:
+            raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): its experts' "
+                                f"tensors {', '.join(stacked[:4])} are not laid out as ffnquant reads routed experts "
+                                f"([experts, 2f or f, {d}] and [experts, {d}, f], each row an output)")
         raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): no matrices map the "
                             f"width {d} to another width and back")
     groups: dict[tuple, list[int]] = {}
