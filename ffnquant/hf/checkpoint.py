@@ -23,7 +23,7 @@ from ..infra.resources import non_regular_entries, os_reason, read_text as read_
 from ..model import FFN
 from ..spec import FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, hf_activation
-from .discover import arch_for_config
+from .discover import arch_for_config, renaming_hint
 from .validate import check_attention_config, check_other_tensors
 
 __all__ = [
@@ -406,27 +406,6 @@ def _expected_shape(arch: Arch, weight: str, kind: str, d: int, f: int) -> tuple
     return (n_in, n_out) if arch.transposed else (n_out, n_in)
 
 
-def _renaming_hint(model_type: str, names: Any) -> str:
-    """Where transformers' conversion mapping renames this checkpoint's tensors as it loads (GraniteMoE's
-    block_sparse_moe.input_linear.weight -> ...experts.gate_up_proj): a clause saying so, naming one; else ''."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        mapping = get_checkpoint_conversion_mapping(model_type) or []
-    except Exception:  # no transformers, or one without conversion mappings
-        return ""
-    for conv in mapping:
-        if type(conv).__name__ != "WeightRenaming":
-            continue
-        for source, target in zip(getattr(conv, "source_patterns", []) or [], getattr(conv, "target_patterns", []) or []):
-            stored = next((n for n in names if re.search(source, n)), None)
-            if stored is not None:
-                return (f"; the checkpoint stores {stored!r}, which transformers renames to {target!r} as it loads "
-                        "(its conversion mapping for this model type); ffnquant reads the checkpoint's own names and "
-                        "does not apply that renaming yet")
-    return ""
-
-
 def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelInfo:
     """Detect architecture, variant, sizes and every FFN layer of a model folder, and check that config.json and
     the tensors agree (heads, shapes, dtypes, a finite embedding); reads no tensor data but the embedding's."""
@@ -497,7 +476,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
                         f"{where}: no {arch.name} FFN tensors for {where_stack}{what}{hint}; expected "
                         + (f"{', '.join(expected)} (gated={gated} from config.json)" if expected else
                            "the tensors of the modules the model's FFN is made of")
-                        + _renaming_hint(arch.name, weights.file_of)
+                        + renaming_hint(arch.name, weights.file_of)
                     )
                 tensors = dict(found.tensors)
                 needed = arch.fused_expert_roles if found.fused else arch.needed_roles(gated)
