@@ -457,11 +457,16 @@ def install_ffns(
             step()
 
 
+def _residual_input(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """The block's residual an FFN module of `Arch.residual_arg` receives beside its input (BLOOM, MPT)."""
+    return args[1] if len(args) > 1 else kwargs["residual"]
+
+
 def _input_only(fn: Callable[[torch.Tensor], torch.Tensor], residual: bool = False) -> Callable[..., torch.Tensor]:
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = fn(_first_input(args, kwargs))
         # a module that adds the block's residual (`Arch.residual_arg`): its replacement adds it alike
-        return out + (args[1] if len(args) > 1 else kwargs["residual"]) if residual else out
+        return out + _residual_input(args, kwargs) if residual else out
 
     return forward
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import FFNQuantError
 from .arch import Install, ModelKind, NormGain
-from .capture import _first_input, _model_inputs, _module_for
+from .capture import _first_input, _model_inputs, _module_for, _residual_input
 from .checkpoint import LayerInfo, ModelInfo
 
 __all__ = ["FoldSite", "fold_sites", "check_sites", "first_matrices", "FOLD_RTOL", "check_reproduction", "REPRODUCE_RTOL"]
@@ -297,7 +297,7 @@ def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torc
                 extra = tuple(a.detach().clone() for a in args[1:3]) if arch.install is Install.EXPERTS else ()
                 y = out[0] if isinstance(out, tuple) else out
                 if arch.residual_arg:  # the module returned FFN(x) + residual: the FFN's part is compared
-                    y = y - (args[1] if len(args) > 1 else kwargs["residual"])
+                    y = y - _residual_input(args, kwargs)
                 seen[key] = ((x.detach().clone(), *extra), y.detach().clone())
         return hook
 
@@ -329,11 +329,10 @@ def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torc
             h.remove()
     out: dict[str, float] = {}
     bad = []
+    # the modules ran where the model computes (a GPU under --device cuda); ffnquant's FFNs are compared where they are
+    where = next(layers[0].ffn.parameters()).device if layers else torch.device("cpu")
+    seen = {key: (tuple(t.to(where) for t in args), want.to(where)) for key, (args, want) in seen.items()}
     for name, group in blocks.items():
-        # the module ran where the model computes (a GPU under --device cuda); ffnquant's FFN is compared where it is
-        where = next(group[0].ffn.parameters()).device
-        seen.update({key: (tuple(t.to(where) for t in args), want.to(where)) for key, (args, want) in seen.items()
-                     if key.startswith(name)})
         with torch.no_grad():
             if arch.install is Install.SPLIT:
                 x, want = seen[name + ":in"][0][0], seen[name + ":out"][1]

@@ -14,7 +14,7 @@ artifact, accuracy) builds on this in `ffnquant.quantization`.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
@@ -226,19 +226,15 @@ def quantized_ffn_to(q: QuantizedFFN, device: torch.device | str) -> QuantizedFF
     """`q` with everything it holds on `device`, in place: its module (`nn.Module.to`) and each `QuantizedLinear`'s
     tensors and grid (what the deployment writers read); returns `q`. `nn.Module.to` alone moves the module only
     (what a forward pass needs), so a quantized copy made on a GPU comes back to host memory through this."""
-    import dataclasses
-
     def move(value):
         return value.to(device) if isinstance(value, torch.Tensor) else value
 
     def grid_to(grid):
-        return None if grid is None else dataclasses.replace(grid, scale=move(grid.scale),
-                                                             zero_point=move(grid.zero_point))
+        return None if grid is None else replace(grid, scale=move(grid.scale), zero_point=move(grid.zero_point))
 
     q.to(device)
-    q.linears = {name: dataclasses.replace(ql, weight=move(ql.weight), codes=move(ql.codes),
-                                           zero_float=move(ql.zero_float), scale_float=move(ql.scale_float),
-                                           grid=grid_to(ql.grid))
+    q.linears = {name: replace(ql, weight=move(ql.weight), codes=move(ql.codes), zero_float=move(ql.zero_float),
+                               scale_float=move(ql.scale_float), grid=grid_to(ql.grid))
                  for name, ql in q.linears.items()}
     q.weight_grids = {name: grid_to(grid) for name, grid in q.weight_grids.items()}
     return q

@@ -238,14 +238,14 @@ def quantize_layer(layer: Any, recipe: Recipe, calib: torch.Tensor, held_out: to
         q = quantize_layer(layer, recipe, calib, held_out[:1], bins)[0]
         return q, None
     device = current_device()
-    on = _OnDevice(device, 1) if _moves(device) else None
-    if on is not None:  # computed on the engine's device, the copy kept in host memory
-        layer, calib, held_out, _, _ = on.take(layer, calib, held_out, None, bins, floats=False)
+    moves = _moves(device)
+    if moves:  # computed on the engine's device, the copy kept in host memory
+        layer, calib, held_out = _layer_on(layer, device), calib.to(device), held_out.to(device)
     outcome = next(iter(_outcomes(layer, [recipe], calib, held_out, bins)))
     if not outcome.ok:
         raise FFNQuantError(f"{layer.label}: {recipe}: {outcome.error}")
     q = outcome.result.qmodel
-    return (quantized_ffn_to(q, _CPU) if on is not None else q), outcome.result.accuracy.sqnr_db
+    return (quantized_ffn_to(q, _CPU) if moves else q), outcome.result.accuracy.sqnr_db
 
 
 _CPU = torch.device("cpu")
@@ -256,6 +256,13 @@ def _moves(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def _layer_on(layer: Any, device: torch.device) -> Any:
+    """A dense layer's record with its FFN a copy on `device` (the layer itself is left where it is)."""
+    moved = copy.copy(layer)
+    moved.ffn = copy.deepcopy(layer.ffn).to(device)
+    return moved
+
+
 class _OnDevice:
     """A dense layer's FFN and inputs on `device` for its `tasks` scoring tasks: copied there by the first task
     that takes them (with the float figures its tasks share), dropped after the last, so one layer's copies are on
@@ -264,15 +271,12 @@ class _OnDevice:
     def __init__(self, device: torch.device, tasks: int) -> None:
         self.device, self.left, self.value = device, tasks, None
 
-    def take(self, layer: Any, calib: torch.Tensor, held_out: torch.Tensor, grad: torch.Tensor | None,
-             bins: int | None, floats: bool) -> tuple:
+    def take(self, layer: Any, calib: torch.Tensor, held_out: torch.Tensor, grad: torch.Tensor,
+             bins: int | None) -> tuple:
         if self.value is None:
-            moved = copy.copy(layer)  # the layer's record, its FFN a copy on the device
-            moved.ffn = copy.deepcopy(layer.ffn).to(self.device)
-            calib, held_out = calib.to(self.device), held_out.to(self.device)
-            grad = None if grad is None else grad.to(self.device)
-            shared = float_figures(moved, calib, held_out, grad, bins) if floats else None
-            self.value = (moved, calib, held_out, grad, shared)
+            moved = _layer_on(layer, self.device)
+            calib, held_out, grad = (t.to(self.device) for t in (calib, held_out, grad))
+            self.value = (moved, calib, held_out, grad, float_figures(moved, calib, held_out, grad, bins))
         value = self.value
         self.left -= 1
         if self.left <= 0:
@@ -325,8 +329,7 @@ def run_score_task(task: ScoreTask):
     memory)."""
     if task.device is not None:
         layer, calib, held, grad, floats = task.device.get().take(task.layer.get(), task.calib.get(),
-                                                                  task.held_out.get(), task.grad.get(), task.bins,
-                                                                  floats=True)
+                                                                  task.held_out.get(), task.grad.get(), task.bins)
         scores, kept = score_layer(layer, task.recipes, calib, held, grad, keep=task.keep, bins=task.bins,
                                    floats=floats, unscored=task.unscored)
         return scores, {r: quantized_ffn_to(q, _CPU) for r, q in kept.items()}
