@@ -63,6 +63,33 @@ STAGES = (
 )
 
 
+# runs `python -m MODULE ARGS...` with a daemon thread writing every other thread's Python stack to a file every S
+# seconds (sys._current_frames holds the GIL; faulthandler's watchdog reads frames without it and can crash the run)
+_SAMPLED = """
+import runpy, sys, threading, time, traceback
+out, every = open(sys.argv[1], "w"), float(sys.argv[2])
+sys.argv = sys.argv[3:]
+def sample():
+    t0 = time.monotonic()
+    while True:
+        time.sleep(every)
+        me = threading.get_ident()
+        stacks = [f"thread {i}:\\n" + "".join(traceback.format_stack(f))
+                  for i, f in sys._current_frames().items() if i != me]
+        out.write(f"--- {time.monotonic() - t0:.0f} s\\n" + "".join(stacks))
+        out.flush()
+threading.Thread(target=sample, daemon=True).start()
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def sampled(cmd: list[str], every_s: float, path: Path) -> list[str]:
+    """`cmd` ([python, -m, module, args...]) with its Python stacks written to `path` every `every_s` seconds."""
+    if cmd[1:2] != ["-m"]:
+        raise ValueError(f"not a `python -m` command: {cmd[:3]}")
+    return [cmd[0], "-c", _SAMPLED, str(path), str(every_s), *cmd[2:]]
+
+
 def run_step(name: str, cmd: list[str], env: dict[str, str], log: Path, limit_s: float | None = None,
              gpu_memory: bool = False) -> dict:
     """Run one step, its output to `log` with each line's elapsed seconds; {command, seconds, rc, tail}. Past
@@ -326,6 +353,9 @@ def main(argv=None) -> int:
                     help="stop a step past this many seconds (SIGTERM; reported as stopped, with how far it got)")
     ap.add_argument("--progress", action="store_true",
                     help="keep the plan's progress lines in its log (one per stage), each with its elapsed seconds")
+    ap.add_argument("--stacks-every", type=float, default=None, metavar="S",
+                    help="write the plan's Python stacks every S seconds to OUT/plan.stacks (faulthandler): where a "
+                         "slow stage spends its time, on a machine without a profiler")
     ap.add_argument("--render", default=None, metavar="JSON",
                     help="only write plan_cost.md again from a plan_cost.json (beside it), running nothing")
     args = ap.parse_args(argv)
@@ -366,10 +396,11 @@ def main(argv=None) -> int:
     for d in (plan_dir, export_dir, save_dir):  # this benchmark's own outputs from an earlier run of it
         subprocess.run(["rm", "-rf", str(d)])
     gpu = "cuda" in args.plan_args or (args.random_model is not None and _has_cuda())
-    steps["plan"] = run_step("plan", [py, "-m", "ffnquant", "plan", "--model", model, "--target", "ppl+1%",
-                                      "--out", str(plan_dir), *([] if args.progress else ["--no-progress"]),
-                                      *shlex.split(args.plan_args)],
-                             env, out / "plan.log", limit_s=args.step_limit_s, gpu_memory=gpu)
+    plan_cmd = [py, "-m", "ffnquant", "plan", "--model", model, "--target", "ppl+1%", "--out", str(plan_dir),
+                *([] if args.progress else ["--no-progress"]), *shlex.split(args.plan_args)]
+    if args.stacks_every:
+        plan_cmd = sampled(plan_cmd, args.stacks_every, out / "plan.stacks")
+    steps["plan"] = run_step("plan", plan_cmd, env, out / "plan.log", limit_s=args.step_limit_s, gpu_memory=gpu)
     if not args.skip_export and steps["plan"]["rc"] == 0:
         steps["export"] = run_step("export", [py, "-m", "ffnquant", "export", "--model", model, "--plan",
                                               str(plan_dir / "plan.toml"), "--out", str(export_dir), "--no-progress",

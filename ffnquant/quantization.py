@@ -25,6 +25,7 @@ from .infra.atomic import is_output_failure
 from .infra.envinfo import environment
 from .model import FFN, build
 from .numerics.accuracy import accuracy_of, run_batched, sqnr_db
+from .numerics.primitives import all_finite
 from .methods.fakequant import (QuantizedFFN, SiteRange, input_hessians, quantize_model, quantize_weight,
                                  search_calibrators)
 from .numerics.observe import DEFAULT_BINS, profile
@@ -175,7 +176,7 @@ def _check_tokens(x: torch.Tensor, d_model: int, what: str) -> torch.Tensor:
     if x.ndim < 2 or x.shape[-1] != d_model:
         raise FFNQuantError(f"{what} tokens have shape {tuple(x.shape)}; expected (..., {d_model})")
     x = x.reshape(-1, d_model)
-    if not torch.isfinite(x).all():
+    if not all_finite(x):
         n_bad = int((~torch.isfinite(x)).sum())
         raise FFNQuantError(f"{what} tokens contain {n_bad} NaN/Inf values")
     return x

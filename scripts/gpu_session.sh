@@ -9,7 +9,8 @@
 #   4. the FFN latency sweep of every runtime (scripts/gpu_bench.sh)          -> $OUT/latency_gpu.{json,md}
 #   5. the GPU-marked tests (every kernel against its reference on CUDA)     -> $OUT/gpu_tests.log
 #   6. only with PLAN_8B_LIMIT_S set: the default plan of a random-weight bf16 model at Llama-3-8B's shapes, planned
-#      to ppl+1% on the GPU (benchmarks/plan_cost.py --random-model llama3-8b), stopped at that limit -> $OUT/plan-8b/
+#      to ppl+1% on the GPU (benchmarks/plan_cost.py --random-model llama3-8b), stopped at that limit, its Python
+#      stacks sampled every STACKS_EVERY_S (20) seconds into plan.stacks -> $OUT/plan-8b/
 # STAGES=a,b,... runs only the stages named (engine_cuda, w4a16_kernels, actquant_kernels, gpu_plan_latency,
 # gpu_bench, gpu_tests, plan_8b).
 # Each stage has its own time limit and a failed stage does not stop the next; every stage's exit code is in
@@ -65,6 +66,7 @@ if [[ -n "${PLAN_8B_LIMIT_S:-}" ]]; then  # the model is written at run time (16
     if [[ -z "$DRY" ]]; then MODEL8=llama3-8b; ARGS8="--device cuda --runtime triton-cuda,torch-cuda-graph";
     else MODEL8=tiny; ARGS8="--device cpu --runtime torch-cpu"; fi
     stage plan_8b "$(( PLAN_8B_LIMIT_S + 240 ))" "$PY" benchmarks/plan_cost.py --random-model "$MODEL8" --skip-peer \
-        --skip-apply --skip-export --progress --step-limit-s "$PLAN_8B_LIMIT_S" --plan-args "$ARGS8" --out "$OUT/plan-8b"
+        --skip-apply --skip-export --progress --step-limit-s "$PLAN_8B_LIMIT_S" --stacks-every "${STACKS_EVERY_S:-20}" \
+        --plan-args "$ARGS8" --out "$OUT/plan-8b"
 fi
 echo "session: $(( $(date +%s) - t_start )) s in all" | tee -a "$LOG"

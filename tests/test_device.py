@@ -8,7 +8,7 @@ import torch
 
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
-from ffnquant.infra.device import current_device, resolve_device, to_device, use_device
+from ffnquant.infra.device import current_device, module_copy, resolve_device, to_device, use_device
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -42,6 +42,18 @@ def test_use_device_sets_the_engines_device_for_its_duration_only():
         with use_device("gpu"):
             pass
     assert current_device().type == "cpu"
+
+
+def test_module_copy_is_a_copy_with_the_same_values_and_grad_flags_and_leaves_the_module():
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    module[0].bias.requires_grad_(False)
+    copied = module_copy(module, torch.device("cpu"))
+    for (name, a), (_, b) in zip(module.state_dict(keep_vars=True).items(), copied.state_dict(keep_vars=True).items()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name
+        assert a.requires_grad == b.requires_grad, name
+    with torch.no_grad():
+        copied[0].weight.zero_()
+    assert module[0].weight.abs().sum() > 0
 
 
 def test_to_device_moves_every_tensor_in_nested_calls_and_keeps_the_rest():

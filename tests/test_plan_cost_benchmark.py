@@ -29,6 +29,15 @@ def test_a_step_within_its_limit_keeps_its_exit_code(tmp_path):
     assert step["rc"] == 3
 
 
+def test_a_sampled_step_runs_its_module_and_writes_its_stacks(tmp_path):
+    (tmp_path / "slowmod.py").write_text("import sys, time\ntime.sleep(1.5)\nraise SystemExit(len(sys.argv))\n")
+    cmd = plan_cost.sampled([sys.executable, "-m", "slowmod", "a", "b"], 0.3, tmp_path / "run.stacks")
+    step = plan_cost.run_step("sampled", cmd, {"PYTHONPATH": str(tmp_path)}, tmp_path / "s.log", limit_s=60.0)
+    assert step["rc"] == 3  # the module ran as __main__ with its own arguments
+    stacks = (tmp_path / "run.stacks").read_text()
+    assert stacks.startswith("--- ") and "slowmod.py" in stacks and "time.sleep" in stacks
+
+
 @pytest.mark.parametrize("name", ["tiny", "llama3-8b"])
 def test_random_models_have_the_shapes_they_name(name):
     shape = plan_cost.RANDOM_MODELS[name]

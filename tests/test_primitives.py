@@ -324,3 +324,18 @@ def test_fake_quantize_in_place_is_bit_identical_and_leaves_its_input(scale_shap
     fast = fake_quantize(x, scale, zp, 0, 255)
     chained = fake_quantize(x.clone().requires_grad_(), scale, zp, 0, 255)
     assert torch.equal(fast, chained.detach()) and torch.equal(x, before)
+
+
+@pytest.mark.parametrize("value, dtype, want", [
+    (1.0, torch.float32, True), (float("nan"), torch.float32, False), (float("inf"), torch.float32, False),
+    (float("-inf"), torch.bfloat16, False), (float("nan"), torch.float16, False), (2.0, torch.bfloat16, True),
+], ids=["finite", "nan", "inf", "minus-inf-bf16", "nan-fp16", "finite-bf16"])
+def test_all_finite_finds_any_non_finite_value(value, dtype, want):
+    x = torch.randn(64, 33).to(dtype)
+    x[17, 5] = value
+    assert P.all_finite(x) is want
+
+
+@pytest.mark.parametrize("x", [torch.empty(0, 4), torch.arange(6)], ids=["empty", "integer"])
+def test_all_finite_holds_for_empty_and_integer_tensors(x):
+    assert P.all_finite(x) is True

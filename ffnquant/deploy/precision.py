@@ -203,12 +203,10 @@ def in_dtype(qffn: QuantizedFFN, dtype: torch.dtype) -> Any:
                     linears[name] = dataclasses.replace(ql, weight=weights[name].float(), grid=grids[name])
             else:
                 weights[name] = w.to(dtype)
-        ffn = FFN(src.spec, dtype=dtype)
-        for name, w in weights.items():
-            lin, old = getattr(ffn, name), getattr(src, name)
-            lin.weight.copy_(w)
-            if lin.bias is not None:
-                lin.bias.copy_(old.bias.to(dtype))
+        state = {f"{name}.weight": w.contiguous() for name, w in weights.items()}
+        state.update({f"{name}.bias": getattr(src, name).bias.to(dtype) for name in weights
+                      if getattr(src, name).bias is not None})
+        ffn = FFN.from_state(src.spec, state, dtype)  # where `src` is (the verification engine's device)
     ffn.input_transform = copy.deepcopy(src.input_transform)  # each casts to its input's dtype
     ffn.hidden_transform = copy.deepcopy(src.hidden_transform)
     ranges = {site: _rounded_range(r, dtype) for site, r in qffn.ranges.items()}

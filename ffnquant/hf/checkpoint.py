@@ -21,6 +21,7 @@ import torch
 from ..errors import FFNQuantError
 from ..infra.resources import non_regular_entries, os_reason, read_text as read_file_text, regular_file
 from ..model import FFN
+from ..numerics.primitives import all_finite
 from ..spec import FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, hf_activation
 from .discover import arch_for_config, renaming_hint
@@ -557,7 +558,7 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
         tensor = tensor.detach().to(torch.float32)
         if arch.transposed and kind == "weight":
             tensor = tensor.t()
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise FFNQuantError(f"{str(weights.file_of[name])!r}: tensor {name!r} holds NaN or infinite values")
         if target in ("w_gate+w_up", "w_up+w_gate"):
             first, second = tensor.chunk(2, dim=0)  # gate first, as Phi3MLP / MixtralExperts chunk it
@@ -565,11 +566,10 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
             state[f"w_gate.{kind}"], state[f"w_up.{kind}"] = gate, up
         else:
             state[f"{target}.{kind}"] = tensor
-    ffn = FFN(spec)
     if spec.bias:  # a checkpoint may bias only some projections; the missing ones are zero
         for wname in spec.weight_names:
-            state.setdefault(f"{wname}.bias", torch.zeros_like(getattr(ffn, wname).bias))
-    ffn.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True)
+            state.setdefault(f"{wname}.bias", torch.zeros(spec.d_model if wname == "w_down" else spec.d_ff))
+    ffn = FFN.from_state(spec, {k: v.contiguous() for k, v in state.items()})
     return HFLayer(layer.index, layer.expert, layer.name, ffn.eval(), spec, info.hf_activation, layer,
                    block=info.block_params())
 

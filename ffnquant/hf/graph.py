@@ -177,6 +177,7 @@ def _check(model: nn.Module, info: ModelInfo, layer: LayerInfo, ffn: nn.Module, 
     first matrices its inverse (1.0 when the scale makes the output non-finite)."""
     gen = torch.Generator().manual_seed(1234 + layer.index)
     c = torch.exp(torch.empty(norm.weight.shape[0], dtype=torch.float64).uniform_(-0.7, 0.7, generator=gen))
+    c = c.to(norm.weight.device)  # drawn on the host: the same scale wherever the layer is
     saved = [(t, t.detach().clone()) for t in [norm.weight, getattr(norm, "bias", None)] if isinstance(t, torch.Tensor)]
     mats = first_matrices(ffn, info, layer)
     saved += [(w, w.detach().clone()) for w, _ in mats]

@@ -41,6 +41,7 @@ from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
 from ..infra.atomic import ScratchFolder
 from ..infra.blas import fast_linear
+from ..infra.device import current_device, module_copy, to_device
 
 __all__ = ["SequentialModel", "token_batches_of"]
 
@@ -111,8 +112,6 @@ _CPU = torch.device("cpu")
 
 def _host(value: Any) -> Any:
     """`value`'s tensors in host memory (itself on the CPU)."""
-    from ..infra.device import to_device
-
     return to_device(value, _CPU)
 
 
@@ -264,7 +263,6 @@ class SequentialModel:
 
     def __init__(self, info: ModelInfo, resident: bool = False, allow_pickle: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None, fast_head: bool = False) -> None:
-        from ..infra.device import current_device
 
         self.device = torch.device(device) if device is not None else current_device()
         # the LM head's matmul on the faster BLAS of this CPU (`infra.blas`): figures compared only with each other,
@@ -441,7 +439,6 @@ class SequentialModel:
     def _block(self, j: int, hidden: torch.Tensor, call: tuple[tuple, dict[str, Any]],
                device: torch.device | None = None) -> torch.Tensor:
         """Decoder layer j on one batch, on `device` (the engine's); the output back in host memory."""
-        from ..infra.device import to_device
 
         device = device or self.device
         args, kwargs = to_device(call, device)
@@ -458,6 +455,8 @@ class SequentialModel:
         b = min(store.items)
         if self.dtype is not torch.float32:  # ffnquant's FFNs with the weights the model holds in its dtype
             hf_layers = [_rounded(layer, self.dtype) for layer in hf_layers]
+        if self.device.type != "cpu":  # compared where the layer ran: the check computes on its FFNs' device
+            hf_layers = [dataclasses.replace(layer, ffn=module_copy(layer.ffn, self.device)) for layer in hf_layers]
         with self._in_float32(j):
             return check_reproduction(self.model, self.info, hf_layers,
                                       run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from typing import Any, Iterator
 
 import torch
 
 from ..errors import FFNQuantError
 
-__all__ = ["DEVICES", "resolve_device", "use_device", "current_device", "to_device", "describe_device"]
+__all__ = ["DEVICES", "resolve_device", "use_device", "current_device", "to_device", "module_copy", "describe_device"]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -66,6 +67,17 @@ def use_device(device: Any) -> Iterator[torch.device]:
         yield resolved
     finally:
         _CURRENT.reset(token)
+
+
+def module_copy(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A copy of `module` whose parameters and buffers are copies on `device`, made there in one step (no copy in
+    host memory first: an 8B model's FFN is 0.7 GB); `module` is left as it is."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to(device, copy=True), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = b.to(device, copy=True)
+    return copy.deepcopy(module, memo)
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -21,7 +21,7 @@ import torch
 
 from ..deploy.formats import recipe_refusals
 from ..errors import FFNQuantError, unknown_choice
-from ..infra.device import current_device
+from ..infra.device import current_device, module_copy
 from ..methods.fakequant import quantized_ffn_to
 from ..numerics.accuracy import run_batched
 from ..quantization import quantize_recipes
@@ -259,7 +259,7 @@ def _moves(device: torch.device) -> bool:
 def _layer_on(layer: Any, device: torch.device) -> Any:
     """A dense layer's record with its FFN a copy on `device` (the layer itself is left where it is)."""
     moved = copy.copy(layer)
-    moved.ffn = copy.deepcopy(layer.ffn).to(device)
+    moved.ffn = module_copy(layer.ffn, device)
     return moved
 
 
