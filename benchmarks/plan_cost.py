@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def sampled(cmd: list[str], every_s: float, path: Path) -> list[str]:
 
 
 def run_step(name: str, cmd: list[str], env: dict[str, str], log: Path, limit_s: float | None = None,
-             gpu_memory: bool = False) -> dict:
+             gpu_memory: bool = False, shown: str | None = None) -> dict:
     """Run one step, its output to `log` with each line's elapsed seconds; {command, seconds, rc, tail}. Past
     `limit_s` the step gets SIGTERM (ffnquant leaves its output folders as they were) and rc 124; with `gpu_memory`
     the GPU's used memory is sampled each second (nvidia-smi) and its peak recorded."""
@@ -127,7 +128,8 @@ def run_step(name: str, cmd: list[str], env: dict[str, str], log: Path, limit_s:
     rc = 124 if timed_out else rc
     tail = [local(line) for line in log.read_text(errors="replace").splitlines()[-12:]]
     print(f"plan_cost: {name}: {seconds:.0f} s (exit {rc}{', stopped at the limit' if timed_out else ''})", flush=True)
-    out = {"command": local(" ".join(shlex.quote(c) for c in cmd)), "seconds": seconds, "rc": rc, "tail": tail}
+    out = {"command": local(shown or " ".join(shlex.quote(c) for c in cmd)), "seconds": seconds, "rc": rc,
+           "tail": tail}
     if gpu_memory:
         out["gpu_memory_peak_mib"] = peak["mib"]
     return out
@@ -164,6 +166,7 @@ def local(text: str) -> str:
     """`text` with no path of this machine: this interpreter as `python3`, the repository's own paths relative to it
     (what the steps run from), another installation's files by their path inside it."""
     text = text.replace(sys.executable + " ", "python3 ")
+    text = re.sub(r"\S*/ffnquant-random-model-[^/\s]+", "<random-model>", text)  # this run's own checkpoint
     text = text.replace(str(REPO) + os.sep, "")
     for prefix in sorted({sys.prefix, sys.base_prefix, str(Path.home())}, key=len, reverse=True):
         text = text.replace(prefix + os.sep, "<python>" + os.sep if prefix != str(Path.home()) else "~" + os.sep)
@@ -398,9 +401,12 @@ def main(argv=None) -> int:
     gpu = "cuda" in args.plan_args or (args.random_model is not None and _has_cuda())
     plan_cmd = [py, "-m", "ffnquant", "plan", "--model", model, "--target", "ppl+1%", "--out", str(plan_dir),
                 *([] if args.progress else ["--no-progress"]), *shlex.split(args.plan_args)]
-    if args.stacks_every:
+    shown = None
+    if args.stacks_every:  # the command as a user runs it; the sampler is this benchmark's
+        shown = " ".join(shlex.quote(c) for c in plan_cmd) + f"  # its stacks sampled every {args.stacks_every:g} s"
         plan_cmd = sampled(plan_cmd, args.stacks_every, out / "plan.stacks")
-    steps["plan"] = run_step("plan", plan_cmd, env, out / "plan.log", limit_s=args.step_limit_s, gpu_memory=gpu)
+    steps["plan"] = run_step("plan", plan_cmd, env, out / "plan.log", limit_s=args.step_limit_s, gpu_memory=gpu,
+                             shown=shown)
     if not args.skip_export and steps["plan"]["rc"] == 0:
         steps["export"] = run_step("export", [py, "-m", "ffnquant", "export", "--model", model, "--plan",
                                               str(plan_dir / "plan.toml"), "--out", str(export_dir), "--no-progress",

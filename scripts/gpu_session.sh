@@ -68,5 +68,8 @@ if [[ -n "${PLAN_8B_LIMIT_S:-}" ]]; then  # the model is written at run time (16
     stage plan_8b "$(( PLAN_8B_LIMIT_S + 240 ))" "$PY" benchmarks/plan_cost.py --random-model "$MODEL8" --skip-peer \
         --skip-apply --skip-export --progress --step-limit-s "$PLAN_8B_LIMIT_S" --stacks-every "${STACKS_EVERY_S:-20}" \
         --plan-args "$ARGS8" --out "$OUT/plan-8b"
+    # a plan killed outright (the kernel's OOM killer) leaves its staging folder: more files than a device call
+    # brings back, which would keep the logs from coming back too
+    rm -rf "$OUT"/plan-8b/plan/.ffnquant-staging-* "$OUT"/plan-8b/.ffnquant-staging-*
 fi
 echo "session: $(( $(date +%s) - t_start )) s in all" | tee -a "$LOG"
