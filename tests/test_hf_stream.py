@@ -215,6 +215,54 @@ def test_the_budget_chooses_whole_streamed_or_spilled(tiny, monkeypatch):
         _plan(info, monkeypatch, max_memory=p.streamed, sequential=False)
 
 
+def _on_gpu(info, monkeypatch, free, **kw):
+    """The plan for a CUDA engine with `free` bytes free on the device (no GPU needed: only the estimates)."""
+    from ffnquant.hf import memory
+
+    monkeypatch.setattr(memory, "device_free_memory", lambda device: free)
+    return _plan(info, monkeypatch, device="cuda", **kw)
+
+
+def test_on_a_gpu_the_model_is_counted_on_the_device_and_the_kept_tensors_on_the_host(tiny, monkeypatch):
+    from ffnquant.hf import inspect_model
+
+    info = inspect_model(tiny["llama"])
+    cpu = _plan(info, monkeypatch, max_memory=10**12)
+    gpu = _on_gpu(info, monkeypatch, 10**12, max_memory=10**12)
+    assert (gpu.sequential, gpu.spill, gpu.device) == (False, False, "cuda")
+    assert cpu.device_peak is None and gpu.device_peak == gpu.device_in_memory >= info.n_params_total * 4
+    # the host holds the kept hidden states, or the model while it loads: never both
+    assert gpu.in_memory <= cpu.in_memory and gpu.in_memory >= 100 * 10**6 + info.n_params_total * 4
+    assert "on cuda" in gpu.summary() and "in host memory" in gpu.summary()
+    assert gpu.to_dict()["device_peak"] == gpu.device_in_memory
+
+
+def test_on_a_gpu_too_small_for_the_whole_model_it_streams_and_says_why(tiny, monkeypatch):
+    from ffnquant.hf import inspect_model
+
+    info = inspect_model(tiny["llama"])
+    full = _on_gpu(info, monkeypatch, 10**12, max_memory=10**12)
+    between = (full.device_streamed + full.device_in_memory) // 2
+    p = _on_gpu(info, monkeypatch, between, max_memory=10**12)
+    assert p.sequential and not p.spill and p.device_peak == full.device_streamed and "on cuda" in p.reason
+    with pytest.raises(FFNQuantError, match=r"free there.*use --device cpu or leave out --no-sequential") as err:
+        _on_gpu(info, monkeypatch, between, max_memory=10**12, sequential=False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(FFNQuantError, match=r"layer by layer this run needs about .* on cuda .* free there: pass fewer "
+                                            r"--calib-tokens/--eval-tokens or use --device cpu"):
+        _on_gpu(info, monkeypatch, full.device_streamed - 1, max_memory=10**12)
+
+
+@pytest.mark.parametrize("limit, peak, want", [(None, 5, None), (100, 40, 30), (100, 120, 0)],
+                         ids=["no-budget", "half-the-headroom", "over-budget"])
+def test_the_rounds_keep_quantized_ffns_within_half_the_plans_headroom(limit, peak, want):
+    from ffnquant.hf.memory import MemoryPlan
+    from ffnquant.planning.job import offer_budget
+
+    memory = MemoryPlan(False, False, limit, peak, 0, 0, 0, 0, 0, "test")
+    assert offer_budget(memory) == want and offer_budget(None) is None
+
+
 def test_models_that_cannot_stream_say_why(tiny, monkeypatch):
     from ffnquant.hf import inspect_model
 

@@ -13,7 +13,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
 from ..errors import FFNQuantError
+from ..infra.device import current_device, device_free_memory
 from ..infra.resources import human_bytes, memory_limit, process_rss
 from .arch import Install, ModelKind
 from .checkpoint import ModelInfo, _Weights
@@ -64,20 +67,37 @@ class MemoryPlan:
     calibration: int  # hidden states of the calibration batches: tokens x d_model x 4
     evaluation: int  # hidden states of the held-out batches, every stream (float, quantized, one per ablated layer)
     reason: str
+    # where the engine computes (`infra.device`); on a GPU its own budget and estimates: the resident model(s) and
+    # a layer's work there, while the host holds what is kept (and the model while it loads); None on the CPU
+    device: str = "cpu"
+    device_limit: int | None = None  # the device's free memory
+    device_in_memory: int | None = None  # estimated device peak, whole model resident
+    device_streamed: int | None = None  # estimated device peak, layer by layer (spilled or not)
 
     @property
     def peak(self) -> int:
+        """The estimated peak of host memory in the chosen mode."""
         return self.spilled if self.spill else self.streamed if self.sequential else self.in_memory
 
+    @property
+    def device_peak(self) -> int | None:
+        """The estimated peak of the device's memory in the chosen mode (None on the CPU)."""
+        return self.device_streamed if self.sequential else self.device_in_memory
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "peak": self.peak}
+        return {**asdict(self), "peak": self.peak, "device_peak": self.device_peak}
 
     def summary(self) -> str:
-        """One line for the terminal: the mode, why, and the estimate against the budget."""
-        mode = "whole model in memory" if not self.sequential else (
+        """One line for the terminal: the mode, why, and the estimates against the budgets."""
+        where = "in memory" if self.device_peak is None else f"on {self.device}"
+        mode = f"whole model {where}" if not self.sequential else (
             "layer by layer, hidden states spilled to disk" if self.spill else "layer by layer")
         limit = f" of {human_bytes(self.limit)}" if self.limit is not None else ""
-        return f"{mode} ({self.reason}); estimated peak {human_bytes(self.peak)}{limit}"
+        text = f"{mode} ({self.reason}); estimated peak {human_bytes(self.peak)}{limit}"
+        if self.device_peak is not None:
+            dev = f" of {human_bytes(self.device_limit)}" if self.device_limit is not None else ""
+            text += f" in host memory, {human_bytes(self.device_peak)}{dev} on {self.device}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,7 @@ class Needs:
     batch_tokens: int
     tokens_flag: str = "--calib-tokens/--eval-tokens"
     resident_extra: int = 0  # held only when the model is resident (a plan then scores every layer at once)
+    resident_models: int = 0  # other copies of the model beside a resident one (where the engine computes)
 
 
 def profile_needs(info: ModelInfo, *, calib_tokens: int, n_layers: int, batch_tokens: int = 512) -> Needs:
@@ -124,13 +145,16 @@ def quantize_needs(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, n_la
 
 
 def plan_memory(info: ModelInfo, needs: Needs, *, max_memory: int | None = None, sequential: bool | None = None,
-                spill: bool | None = None, spill_dir: str | os.PathLike | None = None) -> MemoryPlan:
-    """How `hf.stream.SequentialModel` runs `info` for a task that holds `needs`, under `max_memory` bytes (default:
-    what this process holds plus what the machine has available): the whole model resident, or a decoder layer at
-    a time with the kept tensors in memory or spilled to disk. The engine's own stages (the embedding read, one
-    layer on a batch, the head with a batch's logits) join the task's. `sequential` None streams only when the
-    whole model does not fit; `spill` None spills only when the kept tensors do not fit. Raises a one-line
-    FFNQuantError with the numbers when nothing fits, suggesting fewer tokens by `needs.tokens_flag`."""
+                spill: bool | None = None, spill_dir: str | os.PathLike | None = None,
+                device: Any = None) -> MemoryPlan:
+    """How `hf.stream.SequentialModel` runs `info` for a task that holds `needs`, under `max_memory` bytes of host
+    memory (default: what this process holds plus what the machine has available): the whole model resident, or a
+    decoder layer at a time with the kept tensors in memory or spilled to disk. The engine's own stages (the
+    embedding read, one layer on a batch, the head with a batch's logits) join the task's. On a GPU (`device`,
+    default `infra.device.current_device()`) the model and those stages are counted against the device's free
+    memory, and the host holds what is kept. `sequential` None streams only when the whole model does not fit;
+    `spill` None spills only when the kept tensors do not fit. Raises a one-line FFNQuantError with the numbers
+    when nothing fits, suggesting fewer tokens by `needs.tokens_flag`."""
     # Estimates from the shapes, with factors measured on benchmarks/scale.py's 3B Llama (reports/scale/).
     d, vocab_size = info.spec.d_model, int(info.config.get("vocab_size") or 0)
     base = process_rss() + _RUNTIME_BYTES
@@ -145,16 +169,29 @@ def plan_memory(info: ModelInfo, needs: Needs, *, max_memory: int | None = None,
     streamed_peak = max(vocab + min(vocab // 2, _READ_BYTES) + batch, layer + beside_layer, vocab + logits, task)
     resident_peak = max(beside_layer, logits, task)  # beside the whole model
     kept = needs.calibration + needs.evaluation
-    streamed = base + streamed_peak + needs.resident + kept
-    spilled = base + streamed_peak + needs.resident
-    in_memory = base + info.n_params_total * 4 + resident_peak + needs.resident + kept + needs.resident_extra
+    model = info.n_params_total * 4
+    device = torch.device(device) if device is not None else current_device()
+    dev: dict[str, Any] = {}
+    if device.type == "cpu":
+        streamed = base + streamed_peak + needs.resident + kept
+        spilled = base + streamed_peak + needs.resident
+        in_memory = base + model + resident_peak + needs.resident + kept + needs.resident_extra + needs.resident_models
+    else:  # the model(s) and every stage's work on the device; kept tensors in host memory, where each tensor
+        # read is converted before it moves (the embedding a chunk at a time), and where transformers loads a
+        # resident model before it moves (its float32 copy is freed before anything is kept)
+        read = min(vocab, _READ_BYTES) + layer // 4
+        streamed = base + read + needs.resident + kept
+        spilled = base + read + needs.resident
+        in_memory = base + max(model, needs.resident + kept + needs.resident_extra)
+        dev = dict(device=str(device), device_limit=device_free_memory(device),
+                   device_in_memory=model + needs.resident_models + resident_peak, device_streamed=streamed_peak)
     largest = max([("the embedding", vocab), ("one decoder layer", layer + beside_layer), ("the head", vocab + logits),
                    *needs.stages.items()], key=lambda kv: kv[1])
     detail = (f"{human_bytes(layer)} for one decoder layer in float32, {human_bytes(largest[1])} for its largest "
               f"stage ({largest[0]})" + (f", {human_bytes(needs.resident)} kept in memory" if needs.resident else "")
               + f", {human_bytes(base)} runtime")
     return choose_memory_plan(info, MemoryPlan(False, False, limit, in_memory, streamed, spilled, layer,
-                                               needs.calibration, needs.evaluation, ""),
+                                               needs.calibration, needs.evaluation, "", **dev),
                               max_memory=max_memory, sequential=sequential, spill=spill, spill_dir=spill_dir,
                               tokens_flag=needs.tokens_flag, detail=detail, spill_bytes=kept + batch)
 
@@ -185,8 +222,16 @@ def choose_memory_plan(info: ModelInfo, estimate: MemoryPlan, *, max_memory: int
         return replace(estimate, sequential=seq, spill=spl, reason=reason)
 
     why_not = streamable_reason(info)
-    fits = limit is None or in_memory <= limit
+    dev_limit, on = estimate.device_limit, estimate.device
+    dev_fits = dev_limit is None or estimate.device_in_memory is None or estimate.device_in_memory <= dev_limit
+    fits = (limit is None or in_memory <= limit) and dev_fits
     if sequential is False or (sequential is None and (fits or why_not)):
+        if not dev_fits and (sequential is False or why_not):
+            hint = f" ({why_not})" if why_not else (f"; streamed layer by layer it would need "
+                                                    f"{human_bytes(estimate.device_streamed)} there")
+            raise FFNQuantError(f"{info.path}: the whole model in float32 and its work need about "
+                                f"{human_bytes(estimate.device_in_memory)} on {on}, over the {human_bytes(dev_limit)} "
+                                f"free there{hint}: use --device cpu" + ("" if why_not else " or leave out --no-sequential"))
         if not fits and (sequential is False or max_memory is not None):
             hint = f"; streamed layer by layer it would need {human_bytes(streamed)}" if not why_not else f" ({why_not})"
             raise FFNQuantError(f"{info.path}: the whole model in float32 needs about {human_bytes(in_memory)}, over "
@@ -195,7 +240,13 @@ def choose_memory_plan(info: ModelInfo, estimate: MemoryPlan, *, max_memory: int
         return plan(False, False, "--no-sequential" if sequential is False else "it fits")
     if why_not:
         raise FFNQuantError(f"{info.path}: --sequential: {why_not}")
-    reason = "--sequential" if sequential else f"the whole model needs about {human_bytes(in_memory)}"
+    if dev_limit is not None and estimate.device_streamed is not None and estimate.device_streamed > dev_limit:
+        raise FFNQuantError(f"{info.path}: layer by layer this run needs about {human_bytes(estimate.device_streamed)} "
+                            f"on {on} ({detail}), over the {human_bytes(dev_limit)} free there: pass fewer "
+                            f"{tokens_flag} or use --device cpu")
+    reason = "--sequential" if sequential else (
+        f"the whole model needs about {human_bytes(estimate.device_in_memory)} on {on}" if not dev_fits
+        else f"the whole model needs about {human_bytes(in_memory)}")
     if spill is not True and (limit is None or streamed <= limit):
         return plan(True, False, reason)
     if limit is not None and spilled > limit:

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import FFNQuantError
 
-__all__ = ["DEVICES", "resolve_device", "use_device", "current_device", "to_device", "module_copy", "describe_device"]
+__all__ = ["DEVICES", "resolve_device", "use_device", "current_device", "to_device", "module_copy", "device_free_memory", "describe_device"]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -78,6 +78,15 @@ def module_copy(module: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     for b in module.buffers():
         memo[id(b)] = b.to(device, copy=True)
     return copy.deepcopy(module, memo)
+
+
+def device_free_memory(device: torch.device) -> int | None:
+    """The bytes free on a CUDA `device` (what the memory planner may use there); None for the CPU, whose budget
+    is the host's (`infra.resources.memory_limit`)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -105,6 +105,15 @@ def _scored(executor: Any, group: Sequence[tuple], scored: Sequence[Recipe], kee
         yield k, scores, {r: kept[r] for r in scored if r in kept}
 
 
+def offer_budget(memory: Any) -> int | None:
+    """The host memory the verification rounds' kept quantized FFNs may take (`PlanSource.offer`): half of what the
+    memory plan leaves under its budget beside its estimated peak (an estimate, not a measurement); None (a quarter
+    of what is free when the first is kept) without a plan or a budget."""
+    if memory is None or memory.limit is None:
+        return None
+    return max(0, memory.limit - memory.peak) // 2
+
+
 def make_plan(
     model_dir: Any,
     target: Target | str,
@@ -166,7 +175,7 @@ def make_plan(
     dtype = torch.float32 if dtype is None else dtype
     with PlanSource(info, settings, text, eval_text, probe_tokens, resident=not streamed,
                     spill=bool(memory is not None and memory.spill), progress=progress, timings=timings,
-                    allow_pickle=allow_pickle, dtype=dtype) as source:
+                    allow_pickle=allow_pickle, dtype=dtype, offer_budget=offer_budget(memory)) as source:
         plan, result = _search_and_verify(source, info, target, objective, recipes, skipped, probes, settings,
                                           max_rounds, ort_floor, executor, tick, progress, timings)
     if dtype is not torch.float32:  # said where the verified figures are read

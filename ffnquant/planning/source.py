@@ -76,8 +76,9 @@ def plan_needs(info: ModelInfo, *, calib_tokens: int, eval_tokens: int, probe_to
                  {"its FFN inputs": (c + e) * d * 4, "a backward pass through it": 2 * batch_tokens * (8 * d + 4 * d_ff) * 4},
                  batch_tokens, "--calib-tokens/--eval-tokens/--probe-tokens",
                  # resident, every layer is scored at once: a float copy of each FFN and its two probes' quantized
-                 # copies wait for their ablations
-                 resident_extra=3 * len(info.layers) * spec.n_params * 4 + info.n_params_total * low)
+                 # copies wait for their ablations (in host memory); the verification engine's model in `dtype`
+                 # beside the resident one (where the engine computes)
+                 resident_extra=3 * len(info.layers) * spec.n_params * 4, resident_models=info.n_params_total * low)
 
 
 @contextlib.contextmanager
@@ -126,7 +127,7 @@ class PlanSource:
 
     def __init__(self, info: ModelInfo, settings: Any, text: Any, eval_text: Any, probe_tokens: int, resident: bool,
                  spill: bool, progress: Progress | None, timings: dict[str, float], allow_pickle: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, offer_budget: int | None = None) -> None:
         self.info, self.settings, self.text, self.eval_text = info, settings, text, eval_text
         self.dtype, self._low = dtype, None
         self.probe_tokens, self.resident, self.spill, self.allow_pickle = probe_tokens, resident, spill, allow_pickle
@@ -138,7 +139,7 @@ class PlanSource:
         # resident: the quantized FFNs the candidate scoring made that a round may choose (`offer`), kept for every
         # round; the same FFNs `quantize_layer` makes again, so a round quantizes only what was not kept
         self._offered: dict[tuple[int, str], Any] = {}
-        self._offer_budget: int | None = None
+        self._offer_budget: int | None = offer_budget  # bytes; None: a quarter of what is free at the first offer
         # the layers whose loss gradients stay after the scoring pass (`gradients`): candidates scored later there
         self.keep_gradients: set[int] = set()
 
