@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..hf.evaluate import calibrate_layers
+from ..infra.device import current_device
+from ..methods.fakequant import quantized_ffn_to
 from ..recipe import Recipe
 from ..schemes import Method, get_scheme
+from . import candidates
 from .candidates import generalization
 from .floor import static_int8
 from .moe import MoELayer, moe_table, weight_bytes
@@ -91,6 +95,19 @@ def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[st
     return names | {o.name for o in pareto([o for o in options if not static_int8(Recipe.parse(o.name))])}
 
 
+@contextlib.contextmanager
+def _visiting(q: Any, device: torch.device | None):
+    """While active, the kept quantized FFN `q` is on `device` (None: where it is); back in host memory after."""
+    if device is None:
+        yield
+        return
+    quantized_ffn_to(q, device)
+    try:
+        yield
+    finally:
+        quantized_ffn_to(q, candidates._CPU)
+
+
 def layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], calib: torch.Tensor, held: torch.Tensor,
                  grad: torch.Tensor, n_probe: int, source: Any, settings: Any, with_ort_floor: bool,
                  later: Sequence[Recipe] = ()) -> dict[str, Any]:
@@ -98,24 +115,30 @@ def layer_local(layer: Any, scores: Sequence[Any], kept: dict[Recipe, Any], cali
     and noise on the probe tokens (its ablation handed to `source`), the onnxruntime floor, its range table, the
     bytes of the candidates scored `later` (deferred)."""
     probes = []
+    moe = isinstance(layer, MoELayer)
+    # a dense layer's probes and range table computed on the engine's device, as its scoring was
+    device = current_device()
+    moves = not moe and candidates._moves(device)
+    on = candidates._layer_on(layer, device) if moves else layer
+    x = calib[:n_probe].to(device) if moves else calib[:n_probe]  # the probe tokens lead the search tokens
+    with torch.no_grad():
+        ref = on.ffn(x)
     for p, q in kept.items():
         source.ablate(layer, str(p), q)
-        # the same prediction restricted to the probe tokens, which lead the search tokens
-        with torch.no_grad():
-            x = calib[:n_probe]
-            ref, got = layer.ffn(x), q(x)
-        probes.append({"recipe": str(p), "fisher_per_token": fisher_noise(grad[:n_probe], ref, got) / max(1, x.shape[0]),
-                       "noise": float((got.double() - ref.double()).square().sum())})
-    moe = isinstance(layer, MoELayer)
+        # the same prediction restricted to the probe tokens
+        with torch.no_grad(), _visiting(q, device if moves else None):
+            got = q(x)
+        probes.append({"recipe": str(p), "fisher_per_token": fisher_noise(grad[:n_probe], ref.cpu(), got.cpu())
+                       / max(1, x.shape[0]), "noise": float((got.double() - ref.double()).square().sum())})
     # onnxruntime's floor is measured later, only on layers where the search picks a static int8 candidate
     # (`FloorSearch`); onnxruntime's quantizers take one FFN, not a layer of routed experts
     ort = "pending" if with_ort_floor and not moe else None
     t = time.perf_counter()
     if moe:
         table = moe_table(layer, calib, settings.bins)
-    else:
+    else:  # profile moves each chunk to the FFN's device
         chunks = ({layer.label: calib[i : i + 1024]} for i in range(0, calib.shape[0], 1024))
-        table = calibrate_layers([layer], chunks, settings.bins)[0][layer.label]
+        table = calibrate_layers([on], chunks, settings.bins)[0][layer.label]
     return {"index": layer.index, "label": layer.label, "scores": scores, "probes": probes, "ort_best": ort,
             "n_search": calib.shape[0], "table": table, "atlas_s": time.perf_counter() - t,
             "deferred_bytes": {str(r): weight_bytes(layer, r) for r in later}}
