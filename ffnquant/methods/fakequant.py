@@ -326,6 +326,10 @@ def quantize_model(
     return QuantizedFFN(new.eval(), scheme, rng, weights, sites, remedies, linears=linears)
 
 
+class _AtHidden(Exception):
+    """Raised by `search_calibrators`' hook once an FFN's hidden activations are seen: the rest is not needed."""
+
+
 def search_calibrators(
     model: FFN,
     table: Any,
@@ -365,14 +369,22 @@ def search_calibrators(
     # hidden ranges, then every input range again at that hidden range. 6 + 2 x 6 down projections instead of
     # 6 x 6, and (minmax, minmax) among the pairs tried, so the pick is never worse than minmax on these tokens.
     hidden_of: dict[str, torch.Tensor] = {}
+
+    def grab_hidden(mod, inp, out):  # the hidden tap's output kept, and the down projection not run (a third of it)
+        seen.append(out.detach())
+        raise _AtHidden
+
     for input_cal in per_site["input"].values():
         q = QuantizedFFN(net, scheme, {"input": ranges[("input", input_cal)]}, weights_only.quantized_weights, ["input"])
         seen: list[torch.Tensor] = []
-        grab = net.taps["hidden"].register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
+        grab = net.taps["hidden"].register_forward_hook(grab_hidden)
         try:
             with torch.no_grad():
                 for i in range(0, tokens.shape[0], 4096):
-                    q(tokens[i : i + 4096])
+                    try:
+                        q(tokens[i : i + 4096])
+                    except _AtHidden:
+                        pass
         finally:
             grab.remove()
             q.remove_hooks()
