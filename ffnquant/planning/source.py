@@ -219,7 +219,10 @@ class PlanSource:
         kcalls = m.embed([self.calib_ids[0][:1]], checked)
         self.ecalls = m.embed(self.eval_ids, evals, self.progress, "embed the held-out text")
         m.offload(m.embedding)
-        self.embedded = evals.copy("evaluation-embedded")  # where each verification round starts
+        # a plan verified in float32 reads the held-out figures of this pass (each round starts from the embedded
+        # stream); one verified in another dtype reads those of an engine computing in it (`_low_precision`)
+        self.float_rounds = self.dtype is torch.float32
+        self.embedded = evals.copy("evaluation-embedded") if self.float_rounds else None
         self.block_in: dict[int, Any] = {}
         self.ffn_calib, self.ffn_eval = self._store("ffn-calibration"), self._store("ffn-evaluation")
         n = len(m.layers)
@@ -274,7 +277,8 @@ class PlanSource:
                 self.ref.append(float_terms(logits[:k, :, vocab], ids[:k], vocab))
         calib.clear()
         checked.clear()
-        for b, ids in enumerate(self.eval_ids):
+        # the held-out figures only where the rounds read them: the head at a 262k vocabulary is most of a pass
+        for b, ids in enumerate(self.eval_ids if self.float_rounds else ()):
             final, logits = m.head_out(evals.get(b))
             self.final[1].put(b, final)
             ref = reference_batch(logits, ids)
@@ -283,9 +287,7 @@ class PlanSource:
         evals.clear()
         self.domain_baselines = {label: {"perplexity": nll_eval[label].perplexity,
                                          "n_tokens": sum(int(b.numel()) for b in self.eval_ids[lo:hi])}
-                                 for label, lo, hi in self.domains}
-        self.baseline = {"perplexity": None, "n_tokens": sum(int(b.numel()) for b in self.eval_ids),
-                         "domains": self.domain_baselines}
+                                 for label, lo, hi in self.domains} if self.float_rounds else {}
 
     # --- pass 2 -----------------------------------------------------------------------------------------------
 
