@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Mapping, Sequence
 
@@ -36,13 +37,15 @@ def _fit(points: Sequence[tuple[float, float]]) -> float:
 
 def never_chosen(recipes: Sequence[Recipe], latency: Mapping[str, Mapping[str, Any]], where: str) -> dict[str, str]:
     """The candidates the latency objective can never choose, by recipe text, with why: those not timed, and those
-    not measurably faster than fp32, which costs no accuracy. "Measurably" is the table's own resolution
-    (`steering.min_gain`: twice the median relative standard error of its medians, at least MIN_GAIN): a candidate
-    timed within it of fp32 is not known to be faster (at about 95%), so it would spend accuracy on a saving the
-    table cannot show; and whether noise put it a hair under or over fp32 must not decide whether the plan scores it
-    (a deferred GPTQ/AWQ candidate costs seconds per layer). Not scoring them changes no plan that this table can
-    tell apart."""
-    fp32 = (latency.get("fp32") or {}).get("p50_ms")
+    not measurably faster than fp32, which costs no accuracy. "Measurably": by more than the table's own resolution
+    (`steering.min_gain`: twice the median relative standard error of its medians, at least MIN_GAIN) and by more
+    than twice the standard error of the difference of the two medians (each row's `median_rel_se`: a noisy fp32
+    row resolves less than the table does). A candidate timed within that of fp32 is not known to be faster (at
+    about 95%), so it would spend accuracy on a saving the table cannot show; and whether noise put it a hair under
+    or over fp32 must not decide whether the plan scores it (a deferred GPTQ/AWQ candidate costs seconds per layer).
+    Not scoring them changes no plan that this table can tell apart."""
+    base = latency.get("fp32") or {}
+    fp32 = base.get("p50_ms")
     needed = min_gain(latency)
     out = {}
     for recipe in recipes:
@@ -55,10 +58,13 @@ def never_chosen(recipes: Sequence[Recipe], latency: Mapping[str, Mapping[str, A
         elif fp32 is not None and ms >= fp32:
             out[str(recipe)] = (f"no faster than fp32 on {where} ({ms:.2f} ms against {fp32:.2f} ms), which costs no "
                                 "accuracy: never chosen, so not scored")
-        elif fp32 is not None and ms > fp32 * (1.0 - needed):
-            out[str(recipe)] = (f"not measurably faster than fp32 on {where} ({ms:.2f} ms against {fp32:.2f} ms: "
-                                f"{1.0 - ms / fp32:.1%} less, within the table's resolution of {needed:.1%}), which "
-                                "costs no accuracy: never chosen, so not scored")
+        elif fp32 is not None:
+            spread = 2.0 * math.hypot((base.get("median_rel_se") or 0.0) * fp32, (lat.get("median_rel_se") or 0.0) * ms)
+            margin = max(fp32 * needed, spread)
+            if fp32 - ms <= margin:
+                out[str(recipe)] = (f"not measurably faster than fp32 on {where} ({ms:.2f} ms against {fp32:.2f} ms: "
+                                    f"{1.0 - ms / fp32:.1%} less, within the table's resolution of {margin / fp32:.1%}"
+                                    "), which costs no accuracy: never chosen, so not scored")
     return out
 
 
