@@ -105,7 +105,7 @@ def tiny_folders(tmp_path_factory, names=None) -> dict[str, tuple[Path, str, str
 CAUSAL_TYPES = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "opt", "mixtral", "qwen3", "gemma2", "gemma3_text",
                 "olmo2", "granite", "cohere", "stablelm", "starcoder2", "gpt_neox", "falcon", "phi", "smollm3", "glm",
                 "exaone4", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron", "arcee", "bloom", "mpt", "falcon_h1",
-                "qwen3_next", "qwen3_5_text", "deepseek_v2")
+                "qwen3_next", "qwen3_5_text", "deepseek_v2", "granitemoe")
 
 # Tiny widths under every name a config class may use for them; each config takes the ones it has.
 _TINY = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_layers=2, num_attention_heads=4,

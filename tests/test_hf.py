@@ -856,10 +856,10 @@ def test_an_mlp_that_adds_the_residual_is_found_and_replaced_with_it():
     assert torch.equal(_input_only(lambda h: h * 2)(x, r), x * 2)
 
 
-def test_a_checkpoint_transformers_renames_as_it_loads_is_refused_naming_the_renaming(tmp_path):
+def test_experts_stored_under_names_transformers_renames_are_read_as_it_loads_them(tmp_path):
     """GraniteMoE's checkpoint stores its experts as block_sparse_moe.input_linear/output_linear, which transformers'
-    conversion mapping renames to experts.gate_up_proj/down_proj at load: ffnquant, which reads the checkpoint's own
-    names, says that is why it finds no FFN tensors (not an empty 'expected')."""
+    conversion mapping renames to experts.gate_up_proj/down_proj at load: ffnquant reads the stored tensors under
+    the loaded names, and each expert's matrices are the loaded model's own."""
     T = pytest.importorskip("transformers")
     import sys
 
@@ -870,9 +870,15 @@ def test_a_checkpoint_transformers_renames_as_it_loads_is_refused_naming_the_ren
         folder = save_causal_tiny(T, "granitemoe", tmp_path / "m", tokenizer(T))
     except Exception as exc:  # a transformers without the type
         pytest.skip(f"granitemoe not buildable here: {exc}")
-    with pytest.raises(FFNQuantError, match=r"stores '.*block_sparse_moe\.input_linear\.weight', which transformers "
-                                            r"renames to .* as it loads"):
-        inspect_model(folder)
+    info = inspect_model(folder)
+    assert info.n_experts == 4 and len(info.layers) == 2 * 4
+    assert info.layers[0].tensors["gate_up_proj"] == "model.layers.0.block_sparse_moe.experts.gate_up_proj"
+    model = T.AutoModelForCausalLM.from_pretrained(folder)
+    for layer in load_ffn_layers(info, [1]):
+        experts = model.model.layers[1].block_sparse_moe.experts
+        gate, up = experts.gate_up_proj[layer.expert].chunk(2, dim=0)
+        assert torch.equal(layer.ffn.w_gate.weight, gate) and torch.equal(layer.ffn.w_up.weight, up)
+        assert torch.equal(layer.ffn.w_down.weight, experts.down_proj[layer.expert])
 
 
 @pytest.mark.parametrize("model_type, part", [

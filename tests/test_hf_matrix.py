@@ -41,13 +41,15 @@ EXPECTED = {
     # hybrids of linear and full attention (Qwen3-Next with routed experts, Qwen3.5), gated queries (q_proj twice
     # as wide), and DeepSeek-V2's latent attention: the attention's layout is transformers' business
     "qwen3_next": ("swiglu", "experts"), "qwen3_5_text": ("swiglu", "module"), "deepseek_v2": ("swiglu", "experts"),
+    # GraniteMoE's checkpoint stores its experts under names transformers renames as it loads
+    "granitemoe": ("swiglu", "experts"),
 }
 RESIDUAL_ARG = ("bloom", "mpt")
 # why a smoothed layer's input scale cannot fold there, as the graph shows it
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
            "exaone4": "no module produces the FFN's input"}
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2")  # planned by bytes; no export format stores experts
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe")  # planned by bytes; no export format stores experts
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
 TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
 # plan and export read whole windows of the held-out text: 128 tokens (a model without a context length, ALiBi's

@@ -13,19 +13,20 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
 
 from ..errors import FFNQuantError
-from ..infra.resources import non_regular_entries, os_reason, read_text as read_file_text, regular_file
+from ..infra.resources import non_regular_entries, os_reason, read_text as read_file_text
 from ..model import FFN
 from ..numerics.primitives import all_finite
 from ..spec import FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, hf_activation
 from .discover import arch_for_config, renaming_hint
 from .validate import check_attention_config, check_other_tensors
+from .weights import _Weights  # read here, and from here by other modules
 
 __all__ = [
     "LayerInfo",
@@ -38,7 +39,6 @@ __all__ = [
     "load_ffn_layers",
 ]
 
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
@@ -209,164 +209,6 @@ def parse_layers(selection: str | int | list[int] | None, n_layers: int) -> list
 # --- tensor access ------------------------------------------------------------------
 
 
-def _first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's text, for one-line messages."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[0] if lines else type(exc).__name__
-
-
-def _weights_only_reason(exc: BaseException) -> str:
-    """' (the blocked global)' from torch's multi-line weights-only refusal, or '' when it names none.
-
-    The rest of torch's text is advice to load with weights_only=False, which is the danger refused here.
-    """
-    text = str(exc)
-    m = re.search(r"WeightsUnpickler error: (.*?)(?:\. |\.?$)", text, re.MULTILINE) or \
-        re.search(r"^\s*(Trying to load unsupported .*?)\.?$", text, re.MULTILINE)
-    return f" ({m.group(1).strip()})" if m else ""
-
-
-def _check_inside(index: Path, shard: str) -> None:
-    """Refuse a shard name that leaves the model folder (absolute, or with '..' climbing out).
-
-    Checked on the name, not with resolve(): the Hugging Face cache links each file of a snapshot
-    folder to a blob outside it, and those links are the folder's own files.
-    """
-    pure = PurePosixPath(shard.replace("\\", "/"))
-    if not shard or pure.is_absolute() or PureWindowsPath(shard).drive or ".." in pure.parts:
-        raise FFNQuantError(
-            f"{str(index)!r} names shard {shard!r}, which is not a file name inside the model folder; "
-            "shards must be files in the folder, named relative to it"
-        )
-
-
-
-class _Weights:
-    """Tensor name -> file index over safetensors (single or sharded) or opted-in pickles; lazy reads."""
-
-    def __init__(self, folder: Path, allow_pickle: bool) -> None:
-        self.folder = folder
-        self.format = "safetensors"
-        self.file_of: dict[str, Path] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self._dtypes: dict[str, str] = {}
-        self._pickles: dict[Path, Mapping[str, torch.Tensor]] = {}
-        index = folder / "model.safetensors.index.json"
-        single = folder / "model.safetensors"
-        # lexists, not is_file: a FIFO or unreadable file of these names is refused by name when read,
-        # rather than skipped in favour of some other file
-        if os.path.lexists(index):
-            self._from_index(index)
-        elif os.path.lexists(single):
-            self._scan_safetensors([single])
-        elif sorted(folder.glob("*.safetensors")):
-            self._scan_safetensors(sorted(folder.glob("*.safetensors")))
-        else:
-            pickles = sorted(p for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES and not p.is_dir())
-            if not pickles:
-                raise FFNQuantError(
-                    f"{str(folder)!r} has no weights: expected model.safetensors or model.safetensors.index.json"
-                )
-            if not allow_pickle:
-                raise FFNQuantError(
-                    f"{str(pickles[0])!r} is a pickled PyTorch checkpoint and unpickling can run arbitrary code; "
-                    "ffnquant reads safetensors only: convert it to safetensors, or, if you trust the file, pass "
-                    "allow_pickle=True (CLI --allow-pickle) to read it with torch.load(weights_only=True)"
-                )
-            self.format = "pickle"
-            self._scan_pickles(pickles)
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return tuple(sorted({p.name for p in self.file_of.values()}))
-
-    def _from_index(self, index: Path) -> None:
-        text = read_file_text(index, "safetensors index")
-        try:
-            data = json.loads(text)
-            weight_map = data["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-            if not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError("a weight_map value is not a file name")
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise FFNQuantError(f"{str(index)!r} is not a valid safetensors index: {exc}") from exc
-        shards = sorted(set(weight_map.values()))
-        for shard in shards:
-            _check_inside(index, shard)
-            if not os.path.lexists(self.folder / shard):
-                raise FFNQuantError(f"{str(index)!r} names shard {shard!r}, which is missing from {str(self.folder)!r}")
-        self._scan_safetensors([self.folder / s for s in shards])
-        for name, shard in weight_map.items():
-            if name not in self.file_of:
-                raise FFNQuantError(f"{str(index)!r} maps tensor {name!r} to {shard!r}, which does not hold it")
-
-    def _scan_safetensors(self, files: list[Path]) -> None:
-        from safetensors import safe_open
-
-        for path in files:
-            regular_file(path, "weights file")  # a FIFO would block safe_open forever
-            try:
-                with safe_open(str(path), framework="pt") as fh:
-                    for name in fh.keys():
-                        self.file_of[name] = path
-                        sl = fh.get_slice(name)
-                        self._shapes[name] = tuple(sl.get_shape())
-                        self._dtypes[name] = str(sl.get_dtype())
-            except Exception as exc:  # safetensors raises its own error types for corrupt headers
-                raise FFNQuantError(f"cannot read safetensors file {str(path)!r}: {exc}") from exc
-
-    def _scan_pickles(self, files: list[Path]) -> None:
-        import pickle
-
-        for path in files:
-            regular_file(path, "weights file")
-            try:
-                # weights_only: tensors and plain containers only, no arbitrary objects; mmap keeps it lazy
-                state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-            except pickle.UnpicklingError as exc:
-                # torch's own text spans several lines and advises weights_only=False, which is the danger
-                raise FFNQuantError(
-                    f"{str(path)!r} holds objects that weights-only loading refuses{_weights_only_reason(exc)}, so it "
-                    "is not a plain state dict of tensors and is not read; use a safetensors copy of the weights"
-                ) from exc
-            except Exception as exc:
-                raise FFNQuantError(
-                    f"cannot read {str(path)!r} with torch.load(weights_only=True): {_first_line(exc)}"
-                ) from exc
-            if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-                state = state["state_dict"]
-            if not isinstance(state, dict):
-                raise FFNQuantError(f"{str(path)!r} does not hold a state dict of tensors")
-            self._pickles[path] = state
-            for name, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    self.file_of[name] = path
-                    self._shapes[name] = tuple(value.shape)
-                    self._dtypes[name] = str(value.dtype).removeprefix("torch.")
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
-
-    def dtype(self, name: str) -> str | None:
-        return self._dtypes.get(name)
-
-    def get(self, name: str) -> torch.Tensor:
-        path = self.file_of[name]
-        if self.format == "pickle":
-            return self._pickles[path][name]
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                return fh.get_tensor(name)
-        except Exception as exc:
-            raise FFNQuantError(f"cannot read tensor {name!r} from {str(path)!r}: {exc}") from exc
-
-
-# --- layout discovery -----------------------------------------------------------------
-
-
 @dataclass
 class _Found:
     prefix: str
@@ -433,6 +275,8 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     check_attention_config(config, d, cfg_file)
     weights = _Weights(folder, allow_pickle)
     groups = _group_tensors(arch, sorted(weights.file_of))
+    if not groups and weights.rename_as_loaded(arch.name):  # stored under names transformers renames as it loads
+        groups = _group_tensors(arch, weights.names)
     where = weights.files[0] if len(weights.files) == 1 else "model.safetensors.index.json"
     where = str(folder / where)
     check_other_tensors(weights, config, d, (arch.fixed or {}).get("shapes"))
@@ -477,7 +321,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
                         f"{where}: no {arch.name} FFN tensors for {where_stack}{what}{hint}; expected "
                         + (f"{', '.join(expected)} (gated={gated} from config.json)" if expected else
                            "the tensors of the modules the model's FFN is made of")
-                        + renaming_hint(arch.name, weights.file_of)
+                        + ("" if weights.renamed else renaming_hint(arch.name, weights.file_of))
                     )
                 tensors = dict(found.tensors)
                 needed = arch.fused_expert_roles if found.fused else arch.needed_roles(gated)
@@ -500,7 +344,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
                         got = weights.shape(name)
                         if got != want:
                             raise FFNQuantError(
-                                f"{str(weights.file_of[name])!r}: tensor {name!r} has shape {list(got)}, but config.json "
+                                f"{str(weights.path_of(name))!r}: tensor {name!r} has shape {list(got)}, but config.json "
                                 f"(d_model={d}, d_ff={f}) implies {list(want)}"
                             )
                 layers.append(LayerInfo(index, stack, block, expert, found.prefix, tensors, found.fused))
@@ -547,7 +391,7 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
             want = (info.n_experts, d, f) if down else (info.n_experts, 2 * f if spec.gated else f, d)
             if tuple(tensor.shape) != want:
                 raise FFNQuantError(
-                    f"{str(weights.file_of[name])!r}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
+                    f"{str(weights.path_of(name))!r}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
                     f"(experts={info.n_experts}, d_model={d}, d_ff={f}) implies {list(want)}"
                 )
             tensor = tensor[layer.expert]
@@ -559,7 +403,7 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
         if arch.transposed and kind == "weight":
             tensor = tensor.t()
         if not all_finite(tensor):
-            raise FFNQuantError(f"{str(weights.file_of[name])!r}: tensor {name!r} holds NaN or infinite values")
+            raise FFNQuantError(f"{str(weights.path_of(name))!r}: tensor {name!r} holds NaN or infinite values")
         if target in ("w_gate+w_up", "w_up+w_gate"):
             first, second = tensor.chunk(2, dim=0)  # gate first, as Phi3MLP / MixtralExperts chunk it
             gate, up = (first, second) if target == "w_gate+w_up" else (second, first)
@@ -581,6 +425,8 @@ def iter_ffn_layers(
     info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
     wanted = set(parse_layers(layers, info.n_layers))
     weights = _Weights(info.path, allow_pickle or info.weights_format == "pickle")
+    if any(name not in weights.file_of for layer in info.layers[:1] for name in layer.tensors.values()):
+        weights.rename_as_loaded(info.arch.name)  # found under the names transformers loads them as (`inspect_model`)
     for layer in info.layers:
         if layer.index in wanted:
             yield _load_layer(info, weights, layer)

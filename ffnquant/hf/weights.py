@@ -1,0 +1,211 @@
+"""The tensors of a local model folder by name: safetensors (single or sharded, through their index) opened lazily
+with `safetensors.safe_open`, or, only when the caller opts in, pickled checkpoints read with
+`torch.load(weights_only=True)`; and the names transformers loads them under where it only renames them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Mapping
+
+import torch
+
+from ..errors import FFNQuantError
+from ..infra.resources import read_text as read_file_text, regular_file
+
+__all__ = ["_Weights", "_PICKLE_SUFFIXES"]
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text, for one-line messages."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _weights_only_reason(exc: BaseException) -> str:
+    """' (the blocked global)' from torch's multi-line weights-only refusal, or '' when it names none.
+
+    The rest of torch's text is advice to load with weights_only=False, which is the danger refused here.
+    """
+    text = str(exc)
+    m = re.search(r"WeightsUnpickler error: (.*?)(?:\. |\.?$)", text, re.MULTILINE) or \
+        re.search(r"^\s*(Trying to load unsupported .*?)\.?$", text, re.MULTILINE)
+    return f" ({m.group(1).strip()})" if m else ""
+
+
+def _check_inside(index: Path, shard: str) -> None:
+    """Refuse a shard name that leaves the model folder (absolute, or with '..' climbing out).
+
+    Checked on the name, not with resolve(): the Hugging Face cache links each file of a snapshot
+    folder to a blob outside it, and those links are the folder's own files.
+    """
+    pure = PurePosixPath(shard.replace("\\", "/"))
+    if not shard or pure.is_absolute() or PureWindowsPath(shard).drive or ".." in pure.parts:
+        raise FFNQuantError(
+            f"{str(index)!r} names shard {shard!r}, which is not a file name inside the model folder; "
+            "shards must be files in the folder, named relative to it"
+        )
+
+
+
+class _Weights:
+    """Tensor name -> file index over safetensors (single or sharded) or opted-in pickles; lazy reads."""
+
+    def __init__(self, folder: Path, allow_pickle: bool) -> None:
+        self.folder = folder
+        self.format = "safetensors"
+        self.file_of: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
+        self._pickles: dict[Path, Mapping[str, torch.Tensor]] = {}
+        self._alias: dict[str, str] = {}  # a name as transformers loads it -> the stored name (`rename_as_loaded`)
+        self.renamed = False  # whether `rename_as_loaded` renamed any
+        index = folder / "model.safetensors.index.json"
+        single = folder / "model.safetensors"
+        # lexists, not is_file: a FIFO or unreadable file of these names is refused by name when read,
+        # rather than skipped in favour of some other file
+        if os.path.lexists(index):
+            self._from_index(index)
+        elif os.path.lexists(single):
+            self._scan_safetensors([single])
+        elif sorted(folder.glob("*.safetensors")):
+            self._scan_safetensors(sorted(folder.glob("*.safetensors")))
+        else:
+            pickles = sorted(p for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES and not p.is_dir())
+            if not pickles:
+                raise FFNQuantError(
+                    f"{str(folder)!r} has no weights: expected model.safetensors or model.safetensors.index.json"
+                )
+            if not allow_pickle:
+                raise FFNQuantError(
+                    f"{str(pickles[0])!r} is a pickled PyTorch checkpoint and unpickling can run arbitrary code; "
+                    "ffnquant reads safetensors only: convert it to safetensors, or, if you trust the file, pass "
+                    "allow_pickle=True (CLI --allow-pickle) to read it with torch.load(weights_only=True)"
+                )
+            self.format = "pickle"
+            self._scan_pickles(pickles)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(sorted({p.name for p in self.file_of.values()}))
+
+    def _from_index(self, index: Path) -> None:
+        text = read_file_text(index, "safetensors index")
+        try:
+            data = json.loads(text)
+            weight_map = data["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+            if not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("a weight_map value is not a file name")
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise FFNQuantError(f"{str(index)!r} is not a valid safetensors index: {exc}") from exc
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            _check_inside(index, shard)
+            if not os.path.lexists(self.folder / shard):
+                raise FFNQuantError(f"{str(index)!r} names shard {shard!r}, which is missing from {str(self.folder)!r}")
+        self._scan_safetensors([self.folder / s for s in shards])
+        for name, shard in weight_map.items():
+            if name not in self.file_of:
+                raise FFNQuantError(f"{str(index)!r} maps tensor {name!r} to {shard!r}, which does not hold it")
+
+    def _scan_safetensors(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        for path in files:
+            regular_file(path, "weights file")  # a FIFO would block safe_open forever
+            try:
+                with safe_open(str(path), framework="pt") as fh:
+                    for name in fh.keys():
+                        self.file_of[name] = path
+                        sl = fh.get_slice(name)
+                        self._shapes[name] = tuple(sl.get_shape())
+                        self._dtypes[name] = str(sl.get_dtype())
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise FFNQuantError(f"cannot read safetensors file {str(path)!r}: {exc}") from exc
+
+    def _scan_pickles(self, files: list[Path]) -> None:
+        import pickle
+
+        for path in files:
+            regular_file(path, "weights file")
+            try:
+                # weights_only: tensors and plain containers only, no arbitrary objects; mmap keeps it lazy
+                state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError as exc:
+                # torch's own text spans several lines and advises weights_only=False, which is the danger
+                raise FFNQuantError(
+                    f"{str(path)!r} holds objects that weights-only loading refuses{_weights_only_reason(exc)}, so it "
+                    "is not a plain state dict of tensors and is not read; use a safetensors copy of the weights"
+                ) from exc
+            except Exception as exc:
+                raise FFNQuantError(
+                    f"cannot read {str(path)!r} with torch.load(weights_only=True): {_first_line(exc)}"
+                ) from exc
+            if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+                state = state["state_dict"]
+            if not isinstance(state, dict):
+                raise FFNQuantError(f"{str(path)!r} does not hold a state dict of tensors")
+            self._pickles[path] = state
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    self.file_of[name] = path
+                    self._shapes[name] = tuple(value.shape)
+                    self._dtypes[name] = str(value.dtype).removeprefix("torch.")
+
+    def rename_as_loaded(self, model_type: str) -> bool:
+        """Also answer to the names transformers loads the stored tensors under, where its checkpoint conversion
+        mapping only renames them (GraniteMoE's block_sparse_moe.input_linear.weight is its
+        block_sparse_moe.experts.gate_up_proj, the same tensor): `names` lists those, `get`/`shape`/`path_of` read
+        the stored tensor. Whether any name changed."""
+        try:
+            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+            renamings = [t for t in get_checkpoint_conversion_mapping(model_type) or []
+                         if type(t).__name__ == "WeightRenaming"]
+        except Exception:  # no transformers, or one without conversion mappings: the stored names only
+            return False
+        for stored in self.file_of:
+            name = stored
+            for t in renamings:
+                name = t.rename_source_key(name)[0]
+            if name != stored and name not in self.file_of:
+                self._alias[name] = stored
+        self.renamed = bool(self._alias)
+        return self.renamed
+
+    @property
+    def names(self) -> list[str]:
+        """Every tensor's name, a renamed one (`rename_as_loaded`) instead of its stored name."""
+        renamed = set(self._alias.values())
+        return sorted([n for n in self.file_of if n not in renamed] + list(self._alias))
+
+    def path_of(self, name: str) -> Path:
+        return self.file_of[self._alias.get(name, name)]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[self._alias.get(name, name)]
+
+    def dtype(self, name: str) -> str | None:
+        return self._dtypes.get(self._alias.get(name, name))
+
+    def get(self, name: str) -> torch.Tensor:
+        name = self._alias.get(name, name)
+        path = self.file_of[name]
+        if self.format == "pickle":
+            return self._pickles[path][name]
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                return fh.get_tensor(name)
+        except Exception as exc:
+            raise FFNQuantError(f"cannot read tensor {name!r} from {str(path)!r}: {exc}") from exc
+
+
+# --- layout discovery -----------------------------------------------------------------
