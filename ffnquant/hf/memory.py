@@ -42,8 +42,10 @@ def streamable_reason(info: ModelInfo) -> str | None:
         return (f"the layer-by-layer engine runs decoder-only causal LMs; {info.model_type} is {info.kind}: it runs "
                 "whole")
     if info.arch.install is Install.EXPERTS:
-        return (f"{info.model_type}'s checkpoint stores each expert's matrices apart, which transformers fuses into "
-                "3-D tensors as it loads: the model runs whole")
+        # their checkpoints store them per expert (fused into 3-D tensors as transformers loads them), fused, or
+        # under names transformers renames: read by transformers, whole
+        return (f"the layer-by-layer engine does not read routed experts from the checkpoint's shards; "
+                f"{info.model_type} has them: the model runs whole")
     if info.weights_format != "safetensors":
         return "reading a decoder layer at a time needs safetensors; this checkpoint is pickled: the model runs whole"
     return None
