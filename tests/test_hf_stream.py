@@ -10,6 +10,7 @@ per-layer SQNR, perplexities. The reference is the whole-model path encoders sti
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,6 +158,18 @@ def test_only_one_decoder_layer_is_ever_in_memory(tiny):
     with whole.layer(0, ffn=False):
         whole.offload(whole.embedding)
     assert not any(p.is_meta for p in whole.model.parameters())
+
+
+def test_a_checkpoint_transformers_does_not_rename_keeps_its_stored_names(tiny):
+    """`_Weights.rename_as_loaded` adds names only where transformers' conversion mapping renames a stored tensor:
+    a Llama's names are its own, and every read answers as before."""
+    from ffnquant.hf.weights import _Weights
+
+    weights = _Weights(Path(tiny["llama"]), False)
+    assert weights.rename_as_loaded("llama") is False and not weights.renamed
+    assert weights.names == sorted(weights.file_of)
+    name = weights.names[0]
+    assert weights.path_of(name) == weights.file_of[name] and weights.shape(name) == tuple(weights.get(name).shape)
 
 
 def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatch):
