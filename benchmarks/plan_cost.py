@@ -117,7 +117,7 @@ def run_step(name: str, cmd: list[str], env: dict[str, str], log: Path, limit_s:
         if timer:
             timer.start()
         for line in proc.stdout:  # one line per stage when not a terminal: where a step that timed out had got to
-            f.write(f"[{time.perf_counter() - t:7.1f} s] {line}")
+            f.write(f"[{time.perf_counter() - t:7.1f} s] {local(line)}")
             f.flush()
         rc = proc.wait()
         timed_out = bool(timer) and not timer.is_alive() and rc != 0
@@ -162,10 +162,17 @@ def scored_candidates(plan: dict) -> dict:
             "deferred": {r: len(layers) for r, layers in later.items()}, "layers": len(plan.get("layers") or {})}
 
 
+# this run's --out when it lies outside the repository (written OUT in what the reports say)
+_OUT: list[str] = []
+
+
 def local(text: str) -> str:
     """`text` with no path of this machine: this interpreter as `python3`, the repository's own paths relative to it
-    (what the steps run from), another installation's files by their path inside it."""
+    (what the steps run from), this run's output folder outside it as OUT, another installation's files by their
+    path inside it."""
     text = text.replace(sys.executable + " ", "python3 ")
+    for folder in _OUT:
+        text = text.replace(folder, "OUT")
     text = re.sub(r"\S*/ffnquant-random-model-[^/\s]+", "<random-model>", text)  # this run's own checkpoint
     text = text.replace(str(REPO) + os.sep, "")
     for prefix in sorted({sys.prefix, sys.base_prefix, str(Path.home())}, key=len, reverse=True):
@@ -271,6 +278,12 @@ def _shape_label(shape: dict) -> str:
 
 def _pct(r) -> str:
     return "-" if r is None else f"{100 * (r - 1):+.2f}%"
+
+
+def _localise(path: Path) -> None:
+    """A text file this run wrote, with no path of this machine in it (`local`)."""
+    if path.exists():
+        path.write_text(local(path.read_text(errors="replace")))
 
 
 def _rel(path: Path) -> Path:
@@ -387,6 +400,8 @@ def main(argv=None) -> int:
     os.chdir(REPO)  # every step runs from the repository root, on relative paths: the reports name no folder here
     out = _rel(out)
     out.mkdir(parents=True, exist_ok=True)
+    if out.is_absolute():
+        _OUT[:] = [str(out)]
     env = dict(os.environ)
     src = Path(args.source).resolve() if args.source else REPO
     env["PYTHONPATH"] = str(src) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -407,6 +422,8 @@ def main(argv=None) -> int:
         plan_cmd = sampled(plan_cmd, args.stacks_every, out / "plan.stacks")
     steps["plan"] = run_step("plan", plan_cmd, env, out / "plan.log", limit_s=args.step_limit_s, gpu_memory=gpu,
                              shown=shown)
+    for name in ("plan.stacks", "plan/plan.md", "plan/plan.toml", "plan/plan.json"):  # they name its --out
+        _localise(out / name)
     if not args.skip_export and steps["plan"]["rc"] == 0:
         steps["export"] = run_step("export", [py, "-m", "ffnquant", "export", "--model", model, "--plan",
                                               str(plan_dir / "plan.toml"), "--out", str(export_dir), "--no-progress",
@@ -425,6 +442,7 @@ def main(argv=None) -> int:
                                           "--model", model, "--samples", str(args.peer_samples), "--output",
                                           str(out / "peer-folder"), "--provenance", str(out / "peer.provenance.json")],
                                  env, out / "peer.log")
+        _localise(out / "peer.provenance.json")  # it names the paths it was given
     label = (f"random-weight bf16 Llama, {args.random_model} shapes ({_shape_label(RANDOM_MODELS[args.random_model])})"
              if args.random_model else Path(args.model).name + (f" (first {args.layers} layers)" if args.layers else ""))
     doc = {"model": label, "recipe": args.recipe, "steps": steps, "apply_save": apply_save,
@@ -462,7 +480,7 @@ def main(argv=None) -> int:
         subprocess.run(["rm", "-rf", str(random_root)])  # this run's own checkpoint
     (out / "plan_cost.json").write_text(json.dumps(doc, indent=1, default=str))
     (out / "plan_cost.md").write_text(render(doc, before))
-    print(f"plan_cost: wrote {out / 'plan_cost.md'}")
+    print(f"plan_cost: wrote {local(str(out / 'plan_cost.md'))}")
     return 0 if all(s["rc"] == 0 for s in steps.values()) else 1
 
 

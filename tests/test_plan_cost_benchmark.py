@@ -38,6 +38,14 @@ def test_a_sampled_step_runs_its_module_and_writes_its_stacks(tmp_path):
     assert stacks.startswith("--- ") and "slowmod.py" in stacks and "time.sleep" in stacks
 
 
+def test_what_a_step_logs_names_no_path_of_this_machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_cost, "_OUT", [str(tmp_path)])
+    code = f"import sys; print(sys.prefix + '/lib/x.py', {str(tmp_path)!r} + '/plan/plan.toml', {str(plan_cost.REPO)!r} + '/ffnquant/cli.py')"
+    plan_cost.run_step("paths", [sys.executable, "-c", code], {}, tmp_path / "p.log", limit_s=60.0)
+    line = (tmp_path / "p.log").read_text().split("] ", 1)[1].strip()
+    assert line == "<python>/lib/x.py OUT/plan/plan.toml ffnquant/cli.py"
+
+
 @pytest.mark.parametrize("name", ["tiny", "llama3-8b"])
 def test_random_models_have_the_shapes_they_name(name):
     shape = plan_cost.RANDOM_MODELS[name]
