@@ -24,7 +24,7 @@ PY="${PYTHON:-python3}"
 DRY=""
 [[ "${1:-}" == "--dry-run" ]] && DRY="--dry-run"
 mkdir -p "$OUT"
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="${SITE:-/tmp/site}:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # SITE: where .whl/ was installed
 LOG="$OUT/session.log"
 : > "$LOG"
 t_start=$(date +%s)
