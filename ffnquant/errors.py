@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import functools
 import os
+import re
 from typing import Any, Callable, Iterable
 
 __all__ = ["FFNQuantError", "Interrupted", "unknown_choice", "first_line", "debug_enabled", "internal_error_line",

@@ -24,7 +24,7 @@ from ..model import FFN
 from ..numerics.primitives import all_finite
 from ..spec import FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, hf_activation
-from .discover import arch_for_config, renaming_hint
+from .discover import arch_for_config
 from .validate import check_attention_config, check_other_tensors
 from .weights import _Weights  # read here, and from here by other modules
 
@@ -321,7 +321,6 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
                         f"{where}: no {arch.name} FFN tensors for {where_stack}{what}{hint}; expected "
                         + (f"{', '.join(expected)} (gated={gated} from config.json)" if expected else
                            "the tensors of the modules the model's FFN is made of")
-                        + ("" if weights.renamed else renaming_hint(arch.name, weights.file_of))
                     )
                 tensors = dict(found.tensors)
                 needed = arch.fused_expert_roles if found.fused else arch.needed_roles(gated)

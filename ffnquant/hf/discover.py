@@ -31,8 +31,7 @@ from ..spec import Activation
 from .arch import ARCHITECTURES, Arch, Install, ModelKind
 from .validate import check_attention_config
 
-__all__ = ["FoundFFN", "Discovery", "discover", "discover_config", "arch_for_config", "ACTIVATION_NAMES", "probe_activation",
-           "renaming_hint"]
+__all__ = ["FoundFFN", "Discovery", "discover", "discover_config", "arch_for_config", "ACTIVATION_NAMES", "probe_activation"]
 
 # the transformers activation name each ffnquant Activation is reported (and re-read, `hf_activation`) as
 ACTIVATION_NAMES: Mapping[Activation, str] = {
@@ -164,27 +163,6 @@ def _expert_sources(model_type: str, ffn: FoundFFN) -> tuple[dict[str, str], lis
         if len(names) == len(parts):
             per_expert.update(zip(names, parts))
     return per_expert, renames
-
-
-def renaming_hint(model_type: str, names: Any) -> str:
-    """Where transformers' conversion mapping renames this checkpoint's tensors as it loads (GraniteMoE's
-    block_sparse_moe.input_linear.weight -> ...experts.gate_up_proj): a clause saying so, naming one; else ''."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        mapping = get_checkpoint_conversion_mapping(model_type) or []
-    except Exception:  # no transformers, or one without conversion mappings
-        return ""
-    for conv in mapping:
-        if type(conv).__name__ != "WeightRenaming":
-            continue
-        for source, target in zip(getattr(conv, "source_patterns", []) or [], getattr(conv, "target_patterns", []) or []):
-            stored = next((n for n in names if re.search(source, n)), None)
-            if stored is not None:
-                return (f"; the checkpoint stores {stored!r}, which transformers renames to {target!r} as it loads "
-                        "(its conversion mapping for this model type); ffnquant reads the checkpoint's own names and "
-                        "does not apply that renaming yet")
-    return ""
 
 
 def _with_renames(path_re: str, renames: list[tuple[str, str]]) -> str:

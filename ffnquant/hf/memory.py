@@ -179,9 +179,10 @@ def plan_memory(info: ModelInfo, needs: Needs, *, max_memory: int | None = None,
         spilled = base + streamed_peak + needs.resident
         in_memory = base + model + resident_peak + needs.resident + kept + needs.resident_extra + needs.resident_models
     else:  # the model(s) and every stage's work on the device; kept tensors in host memory, where each tensor
-        # read is converted before it moves (the embedding a chunk at a time), and where transformers loads a
-        # resident model before it moves (its float32 copy is freed before anything is kept)
-        read = min(vocab, _READ_BYTES) + layer // 4
+        # read is converted before it moves (the embedding a chunk at a time; a layer's largest tensor, an FFN
+        # matrix, under a third of the layer), and where transformers loads a resident model before it moves (its
+        # float32 copy is freed before anything is kept)
+        read = min(vocab, _READ_BYTES) + layer // 3
         streamed = base + read + needs.resident + kept
         spilled = base + read + needs.resident
         in_memory = base + max(model, needs.resident + kept + needs.resident_extra)

@@ -37,6 +37,7 @@ from .capture import (
     require_transformers,
 )
 from .checkpoint import LayerInfo, ModelInfo, _Weights
+from .weights import loaded_names
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
 from ..infra.atomic import ScratchFolder
@@ -223,17 +224,9 @@ def _stored_names(model: nn.Module, keys) -> dict[str, str]:
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        renamings = [t for t in get_model_conversion_mapping(model) if type(t).__name__ == "WeightRenaming"]
+        return loaded_names(keys, get_model_conversion_mapping(model))
     except Exception:  # a transformers without conversion mappings loads checkpoints by their own names
         return {}
-    out = {}
-    for key in keys:
-        name = key
-        for t in renamings:
-            name = t.rename_source_key(name)[0]
-        if name != key:
-            out[name] = key
-    return out
 
 
 def _decoder_list(model: nn.Module, module_name: str) -> tuple[str, int]:
@@ -263,7 +256,6 @@ class SequentialModel:
 
     def __init__(self, info: ModelInfo, resident: bool = False, allow_pickle: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None, fast_head: bool = False) -> None:
-
         self.device = torch.device(device) if device is not None else current_device()
         # the LM head's matmul on the faster BLAS of this CPU (`infra.blas`): figures compared only with each other,
         # never with transformers' own forward bit for bit (the deployment proof's engine keeps torch's)
@@ -439,7 +431,6 @@ class SequentialModel:
     def _block(self, j: int, hidden: torch.Tensor, call: tuple[tuple, dict[str, Any]],
                device: torch.device | None = None) -> torch.Tensor:
         """Decoder layer j on one batch, on `device` (the engine's); the output back in host memory."""
-
         device = device or self.device
         args, kwargs = to_device(call, device)
         out = self.layers[j](hidden.to(device), *args, **kwargs)

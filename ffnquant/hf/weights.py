@@ -8,16 +8,30 @@ import json
 import os
 import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
 from ..errors import FFNQuantError
 from ..infra.resources import read_text as read_file_text, regular_file
 
-__all__ = ["_Weights", "_PICKLE_SUFFIXES"]
+__all__ = ["_Weights", "_PICKLE_SUFFIXES", "loaded_names"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def loaded_names(keys: Any, transforms: Any) -> dict[str, str]:
+    """{name transformers loads a stored tensor as: its stored name} for the `keys` its conversion mapping's
+    renamings (`WeightRenaming` among `transforms`) rename; a key they leave alone is not listed."""
+    renamings = [t for t in transforms if type(t).__name__ == "WeightRenaming"]
+    out = {}
+    for key in keys:
+        name = key
+        for t in renamings:
+            name = t.rename_source_key(name)[0]
+        if name != key:
+            out[name] = key
+    return out
 
 
 def _first_line(exc: BaseException) -> str:
@@ -63,7 +77,6 @@ class _Weights:
         self._dtypes: dict[str, str] = {}
         self._pickles: dict[Path, Mapping[str, torch.Tensor]] = {}
         self._alias: dict[str, str] = {}  # a name as transformers loads it -> the stored name (`rename_as_loaded`)
-        self.renamed = False  # whether `rename_as_loaded` renamed any
         index = folder / "model.safetensors.index.json"
         single = folder / "model.safetensors"
         # lexists, not is_file: a FIFO or unreadable file of these names is refused by name when read,
@@ -166,18 +179,17 @@ class _Weights:
         try:
             from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-            renamings = [t for t in get_checkpoint_conversion_mapping(model_type) or []
-                         if type(t).__name__ == "WeightRenaming"]
+            mapping = get_checkpoint_conversion_mapping(model_type) or []
         except Exception:  # no transformers, or one without conversion mappings: the stored names only
             return False
-        for stored in self.file_of:
-            name = stored
-            for t in renamings:
-                name = t.rename_source_key(name)[0]
-            if name != stored and name not in self.file_of:
-                self._alias[name] = stored
-        self.renamed = bool(self._alias)
+        self._alias = {name: stored for name, stored in loaded_names(self.file_of, mapping).items()
+                       if name not in self.file_of}
         return self.renamed
+
+    @property
+    def renamed(self) -> bool:
+        """Whether `rename_as_loaded` gave any tensor another name."""
+        return bool(self._alias)
 
     @property
     def names(self) -> list[str]:

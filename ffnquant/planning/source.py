@@ -221,8 +221,8 @@ class PlanSource:
         m.offload(m.embedding)
         # a plan verified in float32 reads the held-out figures of this pass (each round starts from the embedded
         # stream); one verified in another dtype reads those of an engine computing in it (`_low_precision`)
-        self.float_rounds = self.dtype is torch.float32
-        self.embedded = evals.copy("evaluation-embedded") if self.float_rounds else None
+        float_rounds = self.dtype is torch.float32
+        self.embedded = evals.copy("evaluation-embedded") if float_rounds else None
         self.block_in: dict[int, Any] = {}
         self.ffn_calib, self.ffn_eval = self._store("ffn-calibration"), self._store("ffn-evaluation")
         n = len(m.layers)
@@ -278,7 +278,7 @@ class PlanSource:
         calib.clear()
         checked.clear()
         # the held-out figures only where the rounds read them: the head at a 262k vocabulary is most of a pass
-        for b, ids in enumerate(self.eval_ids if self.float_rounds else ()):
+        for b, ids in enumerate(self.eval_ids if float_rounds else ()):
             final, logits = m.head_out(evals.get(b))
             self.final[1].put(b, final)
             ref = reference_batch(logits, ids)
@@ -287,7 +287,7 @@ class PlanSource:
         evals.clear()
         self.domain_baselines = {label: {"perplexity": nll_eval[label].perplexity,
                                          "n_tokens": sum(int(b.numel()) for b in self.eval_ids[lo:hi])}
-                                 for label, lo, hi in self.domains} if self.float_rounds else {}
+                                 for label, lo, hi in self.domains} if float_rounds else {}
 
     # --- pass 2 -----------------------------------------------------------------------------------------------
 
