@@ -720,6 +720,36 @@ def test_deferred_candidates_scored_where_picked_give_the_eager_optimum(seed):
     assert {i for i, o in got.items() if o.name in later} <= set(scored) and len(scored) == len(set(scored))
 
 
+@pytest.mark.parametrize("least_gain, scores", [(0.10, False), (0.02, True)], ids=["saving-within-resolution",
+                                                                                    "saving-resolved"])
+def test_deferred_candidates_are_scored_only_when_they_could_save_more_than_the_cost_table_resolves(least_gain, scores):
+    """Four layers where the search wants fp32 (cost 10); a deferred candidate at cost 9.5 could save at most 5% of
+    the plan even at no damage: not worth scoring at a table resolution of 10%, scored at 2%."""
+    from ffnquant.planning.floor import FloorSearch
+
+    recipes = [Recipe.parse(r) for r in ("fp32", "w4a16-g128-gptq")]
+    true_damage = {"fp32": 0.0, "w4a16-g128-gptq": 1.0}  # far over the budget once scored
+    rows = {i: {"candidates": [{"recipe": "fp32"}, {"recipe": "w4a16-g128-gptq", "deferred": True}],
+                "ort_floor": None} for i in range(4)}
+    scored = []
+
+    def options_of(i):
+        return [Option(r["recipe"], 0.0 if r.get("deferred") else true_damage[r["recipe"]],
+                       10.0 if r["recipe"] == "fp32" else 9.5) for r in rows[i]["candidates"]]
+
+    def score(i):
+        scored.append(i)
+        rows[i]["candidates"] = [{"recipe": r["recipe"]} for r in rows[i]["candidates"]]
+
+    search = FloorSearch(rows, recipes, options_of, lambda i: None, score, least_gain=least_gain)
+    got = search.solve(0.01)
+    assert {o.name for o in got.values()} == {"fp32"}  # the same plan either way: scored, the candidate is too bad
+    assert bool(scored) is scores
+    assert (search.deferred_skipped is None) is scores
+    if not scores:
+        assert "5.0%" in search.deferred_skipped and "10.0%" in search.deferred_skipped
+
+
 def test_a_layers_tasks_sharing_its_float_figures_score_as_each_task_alone():
     """`candidates.score_tasks` computes a layer's float outputs and range profile once for all its remedy sets; the
     scores, and the smoothed candidates among them (which read the plain profile), are those of tasks computing

@@ -23,7 +23,7 @@ from .inputs import (EvalSettings, LayerInputs, _fill_unrouted, capture_whole, d
                      eval_domain_batches, fit_settings, token_budget)
 from .layers import calibrate_layers, end_to_end_figures, is_plan, model_layers_report, quantized_layers
 from .metrics import _NLL, Agreement, ErrorStats, reference_batch
-from .stream import Progress, SequentialModel, _spill_folder, _Store, _trim, token_batches_of
+from .stream import Progress, SequentialModel, _spill_folder, _Store, token_batches_of
 
 __all__ = ["calibrate_layerwise", "capture_layer_inputs", "capture_layerwise", "end_to_end_layerwise",
            "model_top_positions", "quantize_layerwise"]
@@ -88,7 +88,7 @@ def calibrate_layerwise(info: ModelInfo, layers: str | int | list[int] | None = 
                     top[hf.label] = tracker.result()
                     del tracker  # it holds the FFN
                 del hfs, captured
-                _trim()
+                model.release()
             if progress is not None:
                 progress(f"layers: L{j}", j + 1, max(wanted) + 1)
     return tables, top, measured
@@ -168,7 +168,7 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
                 layer_rows, qffns = quantized_layers(info, hfs, inputs, recipe_j, progress=report, **kw)
                 rows += layer_rows
                 del hfs, inputs
-                _trim()
+                model.release()
                 # read again (from the page cache, usually) for the quantized streams; its float FFN only for the
                 # ablation streams of the layers before, which pass it unquantized
                 with model.layer(j, ffn=any(i != j for i in ablation)):

@@ -133,6 +133,16 @@ def _trim() -> None:
 # run to run (benchmarks/scale.py --trace).
 _MMAP_THRESHOLD = 4 * 2**20
 
+# glibc's policy while a model is resident (it fits, with room to spare): freed blocks are kept for the next ones.
+# A tensor of up to 32 MB (the largest M_MMAP_THRESHOLD glibc takes) comes from the heap, and what is freed at the
+# heap's top is handed back only beyond 1 GB (M_TRIM_THRESHOLD). On this project's 2-core VM a page the process
+# touches for the first time costs 0.5-2 s of kernel time per GB; a plan of Gemma 3 270M, whose layers' work
+# allocates and frees its 4-32 MB tensors thousands of times, faulted 7.5 M pages in (54 s of system time, 20% of
+# its CPU time) with glibc's defaults and its per-layer trims (`benchmarks/plan_cost.py`).
+_RESIDENT_MMAP_THRESHOLD = 32 * 2**20
+_RESIDENT_TRIM_THRESHOLD = 2**30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+
 
 
 def _read(weights: _Weights, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -268,12 +278,15 @@ class SequentialModel:
         if resident:
             from . import capture as _capture
 
+            _glibc("mallopt", _M_MMAP_THRESHOLD, _RESIDENT_MMAP_THRESHOLD)  # for the rest of the process
+            _glibc("mallopt", _M_TRIM_THRESHOLD, _RESIDENT_TRIM_THRESHOLD)
+
             model = _capture.load_hf_model(info, allow_pickle=allow_pickle, dtype=dtype)  # looked up at call time
             for p in model.parameters():  # as onloaded weights: a backward pass computes no weight gradients
                 p.requires_grad_(False)
             config = model.config
         else:
-            _glibc("mallopt", -3, _MMAP_THRESHOLD)  # M_MMAP_THRESHOLD, for the rest of the process
+            _glibc("mallopt", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD)  # for the rest of the process
             try:
                 config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
                 with _quiet_transformers(transformers), _parameters_on_meta():
@@ -336,6 +349,12 @@ class SequentialModel:
             full = f"{prefix}.{name}" if prefix else name
             tensor = _read(self.weights, self._stored.get(full, full), self.dtype).to(self.device)
             setattr(module.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+
+    def release(self) -> None:
+        """Freed heap memory handed back to the system between layers when streamed (each layer's tensors read and
+        converted would leave some behind); resident, kept for the next layer's work (`_RESIDENT_TRIM_THRESHOLD`)."""
+        if not self.resident:
+            _trim()
 
     def offload(self, module: nn.Module) -> None:
         """`module`'s parameters back on the meta device: their memory is freed (buffers are kept). Resident: kept."""

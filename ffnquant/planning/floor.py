@@ -86,28 +86,55 @@ class FloorSearch:
     The result is the one the eager measurement gives: the search as it stands is a relaxation of the eager one
     (fewer exclusions, and damages no larger than the true ones, at the same costs), so its optimum is at least as
     cheap; once that optimum picks no unmeasured static int8 candidate and no unscored one, every option it holds
-    carries its true values, so it is feasible, hence optimal, in the eager search too."""
+    carries its true values, so it is feasible, hence optimal, in the eager search too.
+
+    With `least_gain` (a share of the cost, > 0), the deferred candidates are scored only when they could save
+    more: when the optimum with them unscored (a lower bound of what scoring them can give) costs at least
+    (1 - least_gain) of the optimum without them, the latter is taken and none is scored (`deferred_skipped` says
+    why). A latency table cannot tell two plans that close apart (`steering.min_gain`), so the result is then the
+    eager one's up to a saving it cannot resolve."""
 
     def __init__(self, per_layer: dict[int, dict[str, Any]], recipes: Sequence[Recipe],
                  options_of: Callable[[int], list[Option]], measure: Callable[[int], dict[str, Any] | None],
                  score: Callable[[int], None] | None = None,
-                 measure_many: Callable[[list[int]], Iterable[tuple[int, dict[str, Any] | None]]] | None = None) -> None:
+                 measure_many: Callable[[list[int]], Iterable[tuple[int, dict[str, Any] | None]]] | None = None,
+                 least_gain: float = 0.0) -> None:
         """`measure(i)`: layer i's floor; `measure_many(layers)`, when given, yields (i, floor) for all the layers one
         solution needs at once (side by side with a helper process, `infra.sidecar`)."""
         self.per_layer, self.recipes, self.options_of, self.measure, self.score = (per_layer, recipes, options_of,
                                                                                   measure, score)
         self.measure_many = measure_many
+        self.least_gain = least_gain
+        self.deferred_skipped: str | None = None
         self.options = {i: options_of(i) for i in per_layer}
         self.static = {str(r) for r in recipes if static_int8(r)}
 
     def _unscored(self, i: int) -> set[str]:
         return {r["recipe"] for r in self.per_layer[i]["candidates"] if r.get("deferred")}
 
+    def _worth_scoring(self, chosen: dict[int, Option], budget: float) -> dict[int, Option]:
+        """`chosen` (an optimum picking unscored candidates), or the optimum without any unscored candidate when
+        `chosen`'s cost, a bound no scoring can beat, saves less than `least_gain` of that one's."""
+        if self.least_gain <= 0:
+            return chosen
+        without = solve({i: [o for o in opts if o.name not in self._unscored(i)] for i, opts in self.options.items()},
+                        budget)
+        if without is None:
+            return chosen
+        bound, cost = sum(o.cost for o in chosen.values()), sum(o.cost for o in without.values())
+        if cost <= 0 or bound < (1.0 - self.least_gain) * cost:
+            return chosen
+        self.deferred_skipped = (f"not scored: even at no damage they could save {1.0 - bound / cost:.1%} of the "
+                                 f"plan's cost, within the cost table's resolution of {self.least_gain:.1%}")
+        return without
+
     def solve(self, budget: float) -> dict[int, Option] | None:
         while True:
             chosen = solve(self.options, budget)
             if chosen is None:
                 return None
+            if any(o.name in self._unscored(i) for i, o in chosen.items()):
+                chosen = self._worth_scoring(chosen, budget)
             floors = [i for i, o in chosen.items()
                       if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"]
             unscored = [i for i, o in chosen.items() if o.name in self._unscored(i)]

@@ -309,7 +309,10 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         deferred_s[0] += time.perf_counter() - t_later
         tick(f"deferred candidates ({', '.join(map(str, todo))}): L{i}", len(scored_later), len(per_layer))
 
-    search = FloorSearch(per_layer, recipes, options_of, measure_floor, score_deferred, measure_many=measure_floors)
+    # the least saving a cost table resolves: another round, or scoring the deferred candidates, must promise more
+    least_gain = min_gain(latency if objective.kind == "latency" else None)
+    search = FloorSearch(per_layer, recipes, options_of, measure_floor, score_deferred, measure_many=measure_floors,
+                         least_gain=least_gain)
 
     t = time.perf_counter()
     # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)
@@ -320,7 +323,6 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     w = noise_per_kl(source.ablations.values())
     prior = first_noise(target, w, {label: base.get("n_tokens") or 0 for label, base in baseline["domains"].items()})
     damage_budget = next_budget(points, target.budget, prior)
-    least_gain = min_gain(latency if objective.kind == "latency" else None)
     steering = {"noise_per_kl": w, "first_noise": prior, "aim": AIM, "min_gain": least_gain}
     for rnd in range(1, max_rounds + 1):
         chosen = search.solve(damage_budget)
@@ -404,6 +406,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "probes_unscored": [str(p) for p in probe_only],
         "deferred": {str(r): [i for i in sorted(per_layer) for row in per_layer[i]["candidates"]
                               if row["recipe"] == str(r) and not row.get("deferred")] for r in later},
+        "deferred_skipped": search.deferred_skipped if not scored_later else None,
         "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (planning.search)",
         "calibration": source.texts["calibration"], "evaluation": source.texts["evaluation"],
         "token_budgets": source.texts["token_budgets"], "probe_tokens": source.n_probe,

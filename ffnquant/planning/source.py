@@ -338,7 +338,6 @@ class PlanSource:
         time as the stream reaches it. The probes' ablations handed over by `ablate` are run from their layer on,
         the streams passing the layers in order, and measured at the end: the same operations either way."""
         from ..hf.checkpoint import iter_ffn_layers
-        from ..hf.stream import _trim
         from .sensitivity import Ablation, ablation_terms, predicted_tokens
 
         m, n = self.model, len(self.model.layers)
@@ -365,7 +364,7 @@ class PlanSource:
             if j in self.planned and j not in self.keep_gradients:
                 self.grads.pop(j)
             self.block_in.pop(j).clear()
-            _trim()
+            m.release()
             if streams:
                 self.progress(f"probe ablations: streams through L{j}", j + 1, n)
 
@@ -447,7 +446,6 @@ class PlanSource:
         from ..hf.checkpoint import iter_ffn_layers
         from ..hf.evaluate import end_to_end_figures
         from ..hf.metrics import _NLL, Agreement, ErrorStats
-        from ..hf.stream import _trim
         from .candidates import quantize_layer
 
         v = self._verification()
@@ -480,7 +478,7 @@ class PlanSource:
             with m.layer(j, ffn=q is None):
                 m.run(j, stream, v.calls, ffns=self._replacements(j, q) if q is not None else None)
             del q
-            _trim()
+            m.release()
             self.progress(f"verify: L{j}", j + 1, n)
 
         def figures(base, lo, hi):

@@ -92,6 +92,8 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
                   "second-order statistics; unscored, they entered the search at their cost and no damage, so the plan "
                   "is the one scoring them everywhere gives):", ""] + [
             f"- {recipe}: scored on {len(idx)} of {n} layers" for recipe, idx in data["deferred"].items()] + [""]
+        if data.get("deferred_skipped"):
+            lines += [f"They were {data['deferred_skipped']}: the plan is the one without them.", ""]
     if data.get("atlas"):
         lines += [f"The layer atlas with the plan drawn over it: [{data['atlas']}]({data['atlas']}) "
                   "(crest factor, kurtosis and outlier channels per layer and site, and the recipe each site got).", ""]
