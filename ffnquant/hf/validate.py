@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import FFNQuantError
+from ..numerics.primitives import all_finite
 from .arch import _HEAD_DIM_KEYS, _HEADS_KEYS, _KV_HEADS_KEYS, attention_shape
 
 __all__ = ["check_attention_config", "check_other_tensors"]
@@ -71,8 +72,8 @@ def check_other_tensors(weights: Any, config: Mapping[str, Any], d: int,
                 raise FFNQuantError(f"{str(file)!r}: tensor {name!r} has shape {list(shape)}, but config.json "
                                     f"(vocab_size={vocab}, hidden size={emb_width}) implies {[vocab, emb_width]}")
             table = weights.get(name)
-            bad = ~torch.isfinite(table)
-            if bool(bad.any()):
+            if not all_finite(table):  # one reduction; the mask below only to name the token
+                bad = ~torch.isfinite(table)
                 row = int(bad.any(dim=1).nonzero()[0, 0])
                 value = float(table[row][bad[row]][0])
                 raise FFNQuantError(f"{str(file)!r}: tensor {name!r} (the token embedding) holds {value} for token id "
