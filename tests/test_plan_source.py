@@ -68,6 +68,28 @@ def test_the_streamed_plan_is_the_resident_plan(tiny, tmp_path, monkeypatch, nam
     assert list(tmp_path.iterdir()) == []  # the spilled tensors are gone
 
 
+def test_deferred_candidates_that_could_not_pay_are_never_scored(tiny, monkeypatch):
+    """With a cost table resolving no saving under 99% (patched), GPTQ and AWQ could never save enough to be worth
+    scoring: none is scored, the plan is the one made without them, and plan.md says why."""
+    import ffnquant.planning.job as job
+    from ffnquant.hf import inspect_model
+    from ffnquant.planning.target import Objective
+    from ffnquant.report.plan import plan_markdown
+
+    monkeypatch.setattr(job, "min_gain", lambda latency: 0.99)
+
+    def plan(candidates):
+        p, result = job.make_plan(inspect_model(tiny["llama"]), "ppl+1%", Objective("bytes"), candidates,
+                                  settings=_settings(), probe_tokens=64)
+        return p.to_toml(), result
+
+    with_them, result = plan("fp32,w8a8-dynamic-s8,w4a16-g32-gptq,w4a16-g32-awq")
+    without, _ = plan("fp32,w8a8-dynamic-s8")
+    assert result["deferred_skipped"] and result["deferred"] == {"w4a16-g32-gptq": [], "w4a16-g32-awq": []}
+    assert with_them == without
+    assert "They were not scored: even at no damage they could save" in plan_markdown(result)
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
 def test_deferred_candidates_give_the_plan_scoring_them_everywhere_gives(tiny, monkeypatch, streamed):
     """GPTQ and AWQ are scored only on the layers where a solution picks one (`candidates.deferred`); the plan, every
