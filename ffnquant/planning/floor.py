@@ -32,19 +32,27 @@ def ort_best(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any)
 
 
 def floor_args(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any) -> tuple:
-    """`ort_floor`'s arguments for a layer: what a helper process needs of it (the FFN, not the model's layer)."""
-    return layer.label, layer.ffn, calib, held, settings.seq_len * settings.batch_size, FLOOR_METHODS
+    """`ort_floor`'s arguments for a layer: what a helper process needs of it. The FFN's fp32 ONNX graph (as bytes)
+    and its float outputs on the held-out rows are made here, where the exporter is warm (its graph template is
+    cached per FFN structure, `onnx.export`): a helper would otherwise import torch's ONNX exporter and trace the FFN
+    itself (about 5 s) before its first layer."""
+    with ScratchFolder("plan-ort") as folder:  # marked: a killed run's is swept by the next run
+        fp32 = Path(folder) / f"{layer.label}.fp32.onnx"
+        export_onnx(layer.ffn, fp32)
+        graph = fp32.read_bytes()
+    with torch.no_grad():
+        ref = run_batched(layer.ffn, held)
+    return layer.label, graph, calib, held, ref, settings.seq_len * settings.batch_size, FLOOR_METHODS
 
 
-def ort_floor(label: str, ffn: Any, calib: torch.Tensor, held: torch.Tensor, run_tokens: int,
+def ort_floor(label: str, graph: bytes, calib: torch.Tensor, held: torch.Tensor, ref: torch.Tensor, run_tokens: int,
               methods: Sequence[str] = FLOOR_METHODS) -> dict[str, Any] | None:
-    """`ort_best` of one FFN module (`label` names its files): a module-level function, so a helper process can run
-    it (`infra.sidecar.side_by_side`)."""
+    """`ort_best` of one FFN, given as its fp32 ONNX graph's bytes and its float outputs `ref` on `held` (`label`
+    names its files): a module-level function of plain data, so a helper process can run it
+    (`infra.sidecar.side_by_side`)."""
     with ScratchFolder("plan-ort") as folder:  # marked: a killed run's is swept by the next run
         fp32 = Path(folder) / f"{label}.fp32.onnx"
-        export_onnx(ffn, fp32)
-        with torch.no_grad():
-            ref = run_batched(ffn, held)
+        fp32.write_bytes(graph)
         res = ort_baselines(fp32, [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)], held, ref,
                             run_tokens=run_tokens, methods=tuple(methods))
     best = res.get("best")
