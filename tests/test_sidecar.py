@@ -51,17 +51,22 @@ def test_the_onnxruntime_floor_is_the_same_in_a_helper():
     """`planning.floor.ort_floor` in a helper process gives this process's figures exactly: the same function of the
     same FFN and inputs (the floor's side-by-side measurement changes only the time)."""
     pytest.importorskip("onnxruntime")
+    from types import SimpleNamespace
+
     from ffnquant.model import build
-    from ffnquant.planning.floor import ort_floor
+    from ffnquant.planning.floor import floor_args, ort_best, ort_floor
     from ffnquant.spec import FFNSpec, Variant
 
     spec = FFNSpec(Variant.SWIGLU, d_model=32, d_ff=64)
     gen = torch.Generator().manual_seed(0)
-    layers = [(f"L{k}", build(spec, seed=k), torch.randn(512, 32, generator=gen), torch.randn(128, 32, generator=gen), 256)
-              for k in range(2)]
-    alone = dict(side_by_side(ort_floor, range(2), lambda k: layers[k], helper=False))
-    shared = dict(side_by_side(ort_floor, range(2), lambda k: layers[k], helper=True))
+    settings = SimpleNamespace(seq_len=64, batch_size=4)
+    layers = [(SimpleNamespace(label=f"L{k}", ffn=build(spec, seed=k)), torch.randn(512, 32, generator=gen),
+               torch.randn(128, 32, generator=gen)) for k in range(2)]
+    args = [floor_args(*layer, settings) for layer in layers]  # made in this process, as the plan does
+    alone = dict(side_by_side(ort_floor, range(2), lambda k: args[k], helper=False))
+    shared = dict(side_by_side(ort_floor, range(2), lambda k: args[k], helper=True))
     assert alone == shared and all(v["methods"] for v in alone.values())
+    assert alone == {k: ort_best(*layers[k], settings) for k in range(2)}
 
 
 def _makes_a_lock(x: int) -> int:
