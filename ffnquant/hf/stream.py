@@ -141,6 +141,7 @@ _MMAP_THRESHOLD = 4 * 2**20
 # its CPU time) with glibc's defaults and its per-layer trims (`benchmarks/plan_cost.py`).
 _RESIDENT_MMAP_THRESHOLD = 32 * 2**20
 _RESIDENT_TRIM_THRESHOLD = 2**30
+_TRIM_THRESHOLD = 128 * 2**10  # glibc's default, which a streamed model restores after a resident one in the process
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 
 
@@ -287,6 +288,7 @@ class SequentialModel:
             config = model.config
         else:
             _glibc("mallopt", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD)  # for the rest of the process
+            _glibc("mallopt", _M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
             try:
                 config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
                 with _quiet_transformers(transformers), _parameters_on_meta():

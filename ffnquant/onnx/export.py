@@ -30,6 +30,7 @@ __all__ = [
     "ParityCheck",
     "ExportResult",
     "export_onnx",
+    "onnx_proto",
     "check_parity",
     "export_spec",
     "onnx_path_for",
@@ -256,6 +257,17 @@ def export_onnx(
     """Export `model` to `path` as fp32 or fp16 ONNX with dynamic (batch, seq) axes; returns (path, exporter)."""
     import onnx
 
+    proto, exporter = onnx_proto(model, dtype, opset, extra_metadata)
+    with atomic_path(path) as tmp:
+        onnx.save_model(proto, str(tmp))
+    return Path(path), exporter
+
+
+def onnx_proto(model: FFN, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
+               extra_metadata: dict[str, str] | None = None) -> tuple[Any, str]:
+    """`export_onnx`'s checked ModelProto and exporter name, in memory (a caller that hands the graph on as bytes)."""
+    import onnx
+
     if dtype not in ("fp32", "fp16"):
         raise FFNQuantError(f"unknown export dtype {dtype!r}; valid: fp32, fp16")
     if opset < 17:
@@ -283,9 +295,7 @@ def export_onnx(
     del proto.metadata_props[:]
     onnx.helper.set_model_props(proto, meta)
     onnx.checker.check_model(proto, full_check=True)
-    with atomic_path(path) as tmp:
-        onnx.save_model(proto, str(tmp))
-    return Path(path), exporter
+    return proto, exporter
 
 
 def check_parity(

@@ -12,7 +12,7 @@ import torch
 
 from ..infra.atomic import ScratchFolder
 from ..numerics.accuracy import run_batched
-from ..onnx.export import export_onnx
+from ..onnx.export import onnx_proto
 from ..onnx.ortbaseline import ort_baselines
 from ..recipe import Recipe
 from .search import Option, solve
@@ -32,14 +32,11 @@ def ort_best(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any)
 
 
 def floor_args(layer: Any, calib: torch.Tensor, held: torch.Tensor, settings: Any) -> tuple:
-    """`ort_floor`'s arguments for a layer: what a helper process needs of it. The FFN's fp32 ONNX graph (as bytes)
-    and its float outputs on the held-out rows are made here, where the exporter is warm (its graph template is
-    cached per FFN structure, `onnx.export`): a helper would otherwise import torch's ONNX exporter and trace the FFN
-    itself (about 5 s) before its first layer."""
-    with ScratchFolder("plan-ort") as folder:  # marked: a killed run's is swept by the next run
-        fp32 = Path(folder) / f"{layer.label}.fp32.onnx"
-        export_onnx(layer.ffn, fp32)
-        graph = fp32.read_bytes()
+    """`ort_floor`'s arguments for a layer: what a helper process needs of it. The FFN's fp32 ONNX graph (as bytes,
+    `onnx.export.onnx_proto`) and its float outputs on the held-out rows are made here, where the exporter is warm
+    (its graph template is cached per FFN structure): a helper would otherwise import torch's ONNX exporter and
+    trace the FFN itself (about 5 s) before its first layer."""
+    graph = onnx_proto(layer.ffn)[0].SerializeToString()
     with torch.no_grad():
         ref = run_batched(layer.ffn, held)
     return layer.label, graph, calib, held, ref, settings.seq_len * settings.batch_size, FLOOR_METHODS
@@ -108,12 +105,14 @@ class FloorSearch:
                  measure_many: Callable[[list[int]], Iterable[tuple[int, dict[str, Any] | None]]] | None = None,
                  least_gain: float = 0.0) -> None:
         """`measure(i)`: layer i's floor; `measure_many(layers)`, when given, yields (i, floor) for all the layers one
-        solution needs at once (side by side with a helper process, `infra.sidecar`)."""
+        solution needs at once (side by side with a helper process, `infra.sidecar`). `deferred_skipped`: why no
+        deferred candidate was scored, while none has been."""
         self.per_layer, self.recipes, self.options_of, self.measure, self.score = (per_layer, recipes, options_of,
                                                                                   measure, score)
         self.measure_many = measure_many
         self.least_gain = least_gain
         self.deferred_skipped: str | None = None
+        self._scored_any = False
         self.options = {i: options_of(i) for i in per_layer}
         self.static = {str(r) for r in recipes if static_int8(r)}
 
@@ -125,15 +124,16 @@ class FloorSearch:
         `chosen`'s cost, a bound no scoring can beat, saves less than `least_gain` of that one's."""
         if self.least_gain <= 0:
             return chosen
-        without = solve({i: [o for o in opts if o.name not in self._unscored(i)] for i, opts in self.options.items()},
-                        budget)
+        unscored = {i: self._unscored(i) for i in self.options}
+        without = solve({i: [o for o in opts if o.name not in unscored[i]] for i, opts in self.options.items()}, budget)
         if without is None:
             return chosen
         bound, cost = sum(o.cost for o in chosen.values()), sum(o.cost for o in without.values())
         if cost <= 0 or bound < (1.0 - self.least_gain) * cost:
             return chosen
-        self.deferred_skipped = (f"not scored: even at no damage they could save {1.0 - bound / cost:.1%} of the "
-                                 f"plan's cost, within the cost table's resolution of {self.least_gain:.1%}")
+        if not self._scored_any:
+            self.deferred_skipped = (f"not scored: even at no damage they could save {1.0 - bound / cost:.1%} of "
+                                     f"the plan's cost, within the cost table's resolution of {self.least_gain:.1%}")
         return without
 
     def solve(self, budget: float) -> dict[int, Option] | None:
@@ -141,15 +141,19 @@ class FloorSearch:
             chosen = solve(self.options, budget)
             if chosen is None:
                 return None
-            if any(o.name in self._unscored(i) for i, o in chosen.items()):
+            unscored = [i for i, o in chosen.items() if o.name in self._unscored(i)]
+            if unscored:
                 chosen = self._worth_scoring(chosen, budget)
+                unscored = [i for i, o in chosen.items() if o.name in self._unscored(i)]
             floors = [i for i, o in chosen.items()
                       if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"]
-            unscored = [i for i, o in chosen.items() if o.name in self._unscored(i)]
             if not floors and not unscored:
                 return chosen
             if unscored and self.score is None:
                 raise ValueError("FloorSearch: deferred candidates without a `score` to score them")
+            if unscored:
+                self.deferred_skipped = None  # some are scored: "none was" no longer holds
+                self._scored_any = True
             for i in unscored:
                 self.score(i)  # the layer's deferred rows replaced by scored ones
             measured = self.measure_many(floors) if self.measure_many else ((i, self.measure(i)) for i in floors)

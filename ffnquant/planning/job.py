@@ -406,7 +406,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "probes_unscored": [str(p) for p in probe_only],
         "deferred": {str(r): [i for i in sorted(per_layer) for row in per_layer[i]["candidates"]
                               if row["recipe"] == str(r) and not row.get("deferred")] for r in later},
-        "deferred_skipped": search.deferred_skipped if not scored_later else None,
+        "deferred_skipped": search.deferred_skipped,
         "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (planning.search)",
         "calibration": source.texts["calibration"], "evaluation": source.texts["evaluation"],
         "token_budgets": source.texts["token_budgets"], "probe_tokens": source.n_probe,

@@ -86,14 +86,15 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     if data.get("probes_unscored"):
         lines += [f"Probes only quantized, for their ablations (no solution can choose them; the prediction's fit reads "
                   f"their FFN on the probe tokens, not their scores): {', '.join(data['probes_unscored'])}.", ""]
-    if data.get("deferred"):
+    if data.get("deferred_skipped"):
+        lines += [f"Candidates whose calibration reads second-order statistics ({', '.join(data['deferred'])}) were "
+                  f"{data['deferred_skipped']}: the plan is the one without them.", ""]
+    elif data.get("deferred"):
         n = len(data["layers"])
         lines += ["Candidates scored only on the layers where a solution picked one (their calibration reads "
                   "second-order statistics; unscored, they entered the search at their cost and no damage, so the plan "
                   "is the one scoring them everywhere gives):", ""] + [
             f"- {recipe}: scored on {len(idx)} of {n} layers" for recipe, idx in data["deferred"].items()] + [""]
-        if data.get("deferred_skipped"):
-            lines += [f"They were {data['deferred_skipped']}: the plan is the one without them.", ""]
     if data.get("atlas"):
         lines += [f"The layer atlas with the plan drawn over it: [{data['atlas']}]({data['atlas']}) "
                   "(crest factor, kurtosis and outlier channels per layer and site, and the recipe each site got).", ""]
