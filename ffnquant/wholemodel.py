@@ -183,6 +183,12 @@ def plan_request(info: ModelInfo, target: str = "ppl+1%", objective: str | None 
         if serve not in (None, "vllm-cpu"):
             raise FFNQuantError(f"--runtime vllm-cpu times the plan in vLLM's CPU build; --serve {serve} names another")
         serve = "vllm-cpu"  # timed where it is served: only what vLLM's CPU build runs is a candidate
+    if aim.kind == "latency" and aim.runtimes == ("genai-cpu",):
+        if serve is not None or fmt not in (None, "onnx"):
+            given = f"--serve {serve}" if serve is not None else f"--format {fmt}"
+            raise FFNQuantError(f"--runtime genai-cpu times the plan on its ONNX decoder in onnxruntime-genai; {given} "
+                                "names a compressed-tensors deployment (give --format onnx or leave it out)")
+        fmt = "onnx"  # timed where it is served: only what the ONNX decoder writes is a candidate
     if serve is not None:
         serve = serve_target(serve)
         if fmt not in (None, "compressed-tensors"):

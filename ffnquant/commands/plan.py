@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime", default="ort-cpu", metavar="NAME[,NAME]",
                         help="where the latency objective times the candidates: ort-cpu (the ONNX artifacts on "
                              "onnxruntime's CPU provider), vllm-cpu (the model's FFNs in vLLM's CPU build, from a "
-                             "compressed-tensors folder it loads; implies --serve vllm-cpu) or a comma list of torch-module runtimes, each candidate "
+                             "compressed-tensors folder it loads; implies --serve vllm-cpu), genai-cpu (the model's FFNs in "
+                             "onnxruntime-genai's generate loop on its ONNX decoder, profiled; implies --format onnx) "
+                             "or a comma list of torch-module runtimes, each candidate "
                              "timed on the first with a kernel for it, e.g. triton-cuda,torch-cuda-graph for a GPU "
                              f"deployment; valid: {', '.join(PLAN_RUNTIMES)} (default ort-cpu)")
     parser.add_argument("--tokens", type=positive_int, default=512,

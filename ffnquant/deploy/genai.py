@@ -21,7 +21,7 @@ from ..errors import first_line
 from ..infra.atomic import write_text
 from .onnx_decoder import PAST, PRESENT
 
-__all__ = ["GENAI_CONFIG", "TOKENIZER_FILES", "genai_config", "write_genai_files", "genai_unavailable",
+__all__ = ["GENAI_CONFIG", "TOKENIZER_FILES", "session_config", "genai_config", "write_genai_files", "genai_unavailable",
            "genai_generate", "genai_check"]
 
 GENAI_CONFIG = "genai_config.json"
@@ -38,10 +38,23 @@ def _one_id(value: Any) -> Any:
     return value[0] if isinstance(value, (list, tuple)) and value else value
 
 
+def session_config() -> dict[str, str]:
+    """The session config entries every ffnquant CPU session sets (`onnx.onnxquant.ort_session`), for genai's session
+    to compute what the proof measured: a weight-only DequantizeLinear -> MatMul kept at accuracy level 0 (onnxruntime's
+    default fuses it into MatMulNBits at level 4, which quantizes the activations on the fly), and the int8 entries
+    this CPU needs for exact int8 activations (`onnx.ortcpu.session_entries`). genai passes a session option it does
+    not know to onnxruntime as a config entry."""
+    from ..onnx.onnxmatmul import EXACT_WEIGHT_ONLY
+    from ..onnx.ortcpu import session_entries
+
+    return {EXACT_WEIGHT_ONLY: "0", **session_entries()}
+
+
 def genai_config(config: Any, layout: Any, filename: str, generation: Any = None) -> dict[str, Any]:
     """genai_config.json's content for the cached decoder `filename` of a model with transformers `config` and cache
     `layout` (`onnx_decoder.CacheLayout`: kv heads and head size per layer). `generation`: the model's
-    GenerationConfig (its EOS ids, which may be several), else the config's."""
+    GenerationConfig (its EOS ids, which may be several), else the config's. The session carries
+    `session_config()`."""
     text = _text_config(config)
     kv_heads, head_size = layout.keys[0]
     eos = getattr(generation, "eos_token_id", None) if generation is not None else None
@@ -54,7 +67,7 @@ def genai_config(config: Any, layout: Any, filename: str, generation: Any = None
             "bos_token_id": getattr(text, "bos_token_id", None),
             "context_length": context,
             "decoder": {
-                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": [], **session_config()},
                 "filename": filename,
                 "head_size": int(head_size),
                 "hidden_size": int(text.hidden_size),

@@ -109,6 +109,7 @@ def quantize_graph(float_path: str | os.PathLike, planned: PlannedModel, out_pat
     before = Counter(n.op_type for n in proto.graph.node)
     found = _find_matmuls(proto, planned)
     position = {id(n): i for i, n in enumerate(proto.graph.node)}
+    ends = {module: (node.input[0], node.output[0]) for module, (node, _) in found.items()}
     rw = MatmulRewriter(proto.graph)
     # in graph order: a shared input's quantizer goes before its first reader (w_gate or w_up)
     for m in sorted(planned.modules, key=lambda m: position[id(found[m.module][0])]):
@@ -131,8 +132,10 @@ def quantize_graph(float_path: str | os.PathLike, planned: PlannedModel, out_pat
     helper.set_model_props(proto, props)
     after = Counter(n.op_type for n in proto.graph.node)
     check_and_save(proto, out_path)
-    rows = [{"module": m.module, "layer": m.layer, "weight": m.weight, "recipe": m.recipe, "kind": kinds[m.module],
-             "rotation": m.rotation is not None} for m in planned.modules]
+    # the tensors each matmul reads and writes keep their names through the rewrite: where its FFN lies in the graph
+    rows = [{"module": m.module, "layer": m.layer, "index": m.index, "weight": m.weight, "recipe": m.recipe,
+             "kind": kinds[m.module], "rotation": m.rotation is not None,
+             "tensors": {"input": ends[m.module][0], "output": ends[m.module][1]}} for m in planned.modules]
     # the file's name, not its path: it is written in a staging folder that is renamed, and a report names no
     # folder of this machine
     return {"file": Path(out_path).name, "modules": rows, "kinds": dict(Counter(kinds.values())),

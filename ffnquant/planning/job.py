@@ -156,6 +156,8 @@ def make_plan(
         check_runtimes(objective.runtimes)  # an absent GPU is said before any work
     if objective.kind == "latency" and objective.runtimes == ("vllm-cpu",):
         serve = serve or "vllm-cpu"  # timed in vLLM's CPU build: only what it runs is a candidate
+    if objective.kind == "latency" and objective.runtimes == ("genai-cpu",):
+        export_format = export_format or "onnx"  # timed on the ONNX decoder: only what that graph writes is a candidate
     recipes, skipped = candidate_recipes(candidates, info.spec)
     if export_format is not None:  # a plan made for a format never ends in a refused export
         from .candidates import format_candidates
@@ -214,6 +216,10 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
                 from .vllm_latency import measure_vllm_table
 
                 latency = measure_vllm_table(info, recipes, objective.tokens, progress=progress)
+            elif objective.runtimes == ("genai-cpu",):
+                from .genai_latency import measure_genai_table
+
+                latency = measure_genai_table(info, recipes, objective.tokens, progress=progress)
             else:
                 latency = measure_runtime_table(first, recipes, check_runtimes(objective.runtimes), objective.tokens,
                                                 progress=progress)

@@ -40,6 +40,13 @@ def check_runtimes(names: Sequence[str]) -> list[Runtime]:
             if why is not None:
                 raise FFNQuantError(f"plan runtime {name} is not available here: {why}")
             continue
+        if name == "genai-cpu":  # nor this one: its table is measured in genai's loop (`planning.genai_latency`)
+            from ..deploy.genai import genai_unavailable
+
+            why = genai_unavailable()
+            if why is not None:
+                raise FFNQuantError(f"plan runtime {name} is not available here: {why}")
+            continue
         runtime = get_runtime(name)
         avail = runtime.availability()
         if not avail.available:

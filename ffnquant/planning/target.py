@@ -20,9 +20,10 @@ OBJECTIVES = ("latency", "bytes")
 # ONNX artifacts, or the torch-module runtimes on their kernels (a comma list: each candidate on the first one with
 # a kernel for it). Left out: ort-cuda / ort-trt (the table times artifacts on the CPU provider only) and
 # triton-cpu (Triton's interpreter: numerics, not latency). vllm-cpu: vLLM's CPU build on a compressed-tensors folder
-# of the model (`planning.vllm_latency`).
+# of the model (`planning.vllm_latency`); genai-cpu: onnxruntime-genai's generate loop on the model's ONNX decoder
+# (`planning.genai_latency`).
 PLAN_RUNTIMES = ("ort-cpu", "torch-cpu", "torch-cuda", "torch-cuda-graph", "torch-cuda-compile", "triton-cuda",
-                 "bnb-cpu", "bnb-cuda", "vllm-cpu")
+                 "bnb-cpu", "bnb-cuda", "vllm-cpu", "genai-cpu")
 # decode steps per request the latency objective counts by default: a short chat reply to a 512-token prompt;
 # on a CPU each step reads every weight, so at this count decode is most of a request's FFN time
 DECODE_TOKENS = 128
@@ -268,7 +269,8 @@ class Objective:
         for name in names:
             if name not in PLAN_RUNTIMES:
                 raise unknown_choice("plan runtime", name, PLAN_RUNTIMES)
-        for alone, what in (("ort-cpu", "the ONNX artifacts"), ("vllm-cpu", "a folder served by vLLM")):
+        for alone, what in (("ort-cpu", "the ONNX artifacts"), ("vllm-cpu", "a folder served by vLLM"),
+                            ("genai-cpu", "the ONNX decoder in onnxruntime-genai")):
             if alone in names and len(names) > 1:
                 # two measurement paths would put two clocks in one table
                 raise FFNQuantError(f"plan runtime {self.runtime!r}: {alone} times {what} and cannot be listed "

@@ -24,7 +24,7 @@ from ..schemes import PRESETS, Method, get_scheme
 from .latency_table import request_row
 from .target import Workload
 
-__all__ = ["VLLM_DTYPE", "kernel_groups", "measure_vllm_table"]
+__all__ = ["VLLM_DTYPE", "kernel_groups", "kernel_scheme", "measure_vllm_table"]
 
 VLLM_DTYPE = "bfloat16"  # what vLLM's CPU build computes in, and the only dtype of its 4-bit kernel
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -40,7 +40,7 @@ def kernel_groups(recipes: Sequence[Recipe], spec: Any) -> tuple[dict[str, list[
         if kernel is None:
             refused[str(recipe)] = note
             continue
-        rep = Recipe(_kernel_scheme(recipe.scheme), keep_float=recipe.keep_float) if not recipe.is_float else recipe
+        rep = Recipe(kernel_scheme(recipe.scheme), keep_float=recipe.keep_float) if not recipe.is_float else recipe
         groups.setdefault(str(rep), []).append(recipe)
     return groups, refused
 
@@ -49,7 +49,7 @@ _STORED = ("weight_dtype", "weight_granularity", "group_size", "weight_symmetric
            "act_symmetric")
 
 
-def _kernel_scheme(name: str) -> str:
+def kernel_scheme(name: str) -> str:
     """The round-to-nearest preset stored like scheme `name` (GPTQ's and AWQ's weights are stored and served like
     RTN's): what a folder timing its kernel needs, at a fraction of the quantization cost."""
     scheme = get_scheme(name)
