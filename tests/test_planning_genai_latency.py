@@ -4,7 +4,6 @@ per run, and a real table of a tiny Llama timed in genai; deploy.genai's session
 
 from __future__ import annotations
 
-
 import pytest
 
 from ffnquant.deploy import genai
