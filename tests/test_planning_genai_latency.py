@@ -1,6 +1,6 @@
 """planning.genai_latency: the latency table measured in onnxruntime-genai's generate loop (`plan --runtime
 genai-cpu`): the groups of recipes that write the same graph, each FFN's nodes in the decoder graph, the profile read
-per run, and a real table of a tiny Llama timed in genai; deploy.genai's session entries."""
+per run, and a real table of a tiny Llama timed in genai."""
 
 from __future__ import annotations
 
@@ -135,51 +135,3 @@ def test_genai_times_each_group_on_its_own_layers(llama4):
     assert {row["graph"] for row in table.values()} == {"fp32", "w8a8", "w8a8-dynamic-s8"}
     # per-token int8 quantizes each input with a chain of small operators: more nodes than the float matmuls
     assert table["w8a8-dynamic-s8"]["nodes"] > table["fp32"]["nodes"] == 6
-
-
-@pytest.mark.hf
-@needs_genai
-def test_genai_computes_a_weight_only_graph_as_ffnquants_session_does(tmp_path, llama4):
-    """w8a16: onnxruntime's default fuses DequantizeLinear -> MatMul into MatMulNBits at accuracy level 4, which
-    quantizes the activations; genai_config.json carries ffnquant's session entries, so genai's logits are those of
-    ffnquant's own session on the same graph, bit for bit."""
-    import numpy as np
-    import onnxruntime_genai as og
-    import torch
-
-    from ffnquant.deploy import build_planned_model
-    from ffnquant.deploy.onnx_decoder import cache_layout, export_decoder, float_tolerance, prefill_feed
-    from ffnquant.deploy.onnx_rewrite import quantize_graph
-    from ffnquant.hf import inspect_model
-    from ffnquant.onnx.onnxquant import ort_session
-    from ffnquant.planning import Plan
-    from ffnquant.planning.planfile import model_fingerprint
-
-    info = inspect_model(llama4)
-    plan = Plan(model_fingerprint(info), {i: Recipe.parse("w8a16") for i in range(4)}, "ppl+1%", "latency")
-    planned = build_planned_model(info, plan, calib_tokens=256, eval_tokens=128)
-    export_decoder(planned.model, info, tmp_path / "planned.fp32.onnx", 17)
-    quantize_graph(tmp_path / "planned.fp32.onnx", planned, tmp_path / "model.onnx")
-    (tmp_path / "planned.fp32.onnx").unlink()
-    config = genai.genai_config(planned.float_model.config, cache_layout(planned.float_model), "model.onnx")
-    assert config["model"]["decoder"]["session_options"]["session.qdq_matmulnbits_accuracy_level"] == "0"
-    genai.write_genai_files(tmp_path, llama4, config)
-    ids = [[1, 5, 9, 13, 17, 21, 3, 4, 7, 8, 11, 12, 40, 41, 42, 43]]
-    session = ort_session(tmp_path / "model.onnx")
-    ours = session.run(["logits"], prefill_feed(session, torch.tensor(ids)))[0][0, -1]
-
-    def genai_logits(level):
-        config["model"]["decoder"]["session_options"]["session.qdq_matmulnbits_accuracy_level"] = level
-        genai.write_genai_files(tmp_path, llama4, config)
-        model = og.Model(str(tmp_path))
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=32, batch_size=1)
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        return np.asarray(generator.get_output("logits"))[0, -1]
-
-    # the two sessions differ in float32 summation order only (threads, the attention kernel's mask)
-    tol = float_tolerance(float(np.abs(ours).max()), 4, 256)
-    assert np.abs(genai_logits("0") - ours).max() <= tol
-    # onnxruntime's default, quantized activations: far outside that (the test tells the two apart)
-    assert np.abs(genai_logits("4") - ours).max() > 10 * tol
