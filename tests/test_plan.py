@@ -465,6 +465,22 @@ def test_candidate_sets_start_with_fp32_and_a_list_is_checked():
         candidate_recipes(" , ", spec)
 
 
+@pytest.mark.parametrize("d_model, d_ff, group", [(640, 2048, 128), (576, 1536, 64), (96, 224, 32), (100, 300, 128)],
+                         ids=["gemma3-270m-g128", "smollm2-135m-g64", "g32", "none-divides-as-listed"])
+def test_a_sets_4bit_recipes_take_the_largest_group_that_divides_both_widths(d_model, d_ff, group):
+    """A group that divides neither width pads it (SmolLM2's 576 in groups of 128 is 640 columns) and servers with
+    whole-group kernels refuse it; a set offers its 4-bit recipes at the largest group of 128/64/32 dividing both,
+    keeping method and transforms. A list the user typed is taken as written."""
+    from ffnquant.planning.candidates import candidate_recipes
+    from ffnquant.spec import FFNSpec
+
+    spec = FFNSpec("swiglu", d_model=d_model, d_ff=d_ff)
+    four_bit = [str(r) for r in candidate_recipes("default", spec)[0] if r.scheme.startswith("w4")]
+    assert four_bit == [f"w4a16-g{group}", f"w4a16-g{group}-gptq", f"w4a16-g{group}-awq",
+                        f"w4a16-g{group}-awq+float=hidden"]
+    assert [str(r) for r in candidate_recipes("w4a16-g128", spec)[0]] == ["fp32", "w4a16-g128"]
+
+
 @pytest.mark.parametrize("search_db, held_db, expected", [
     (30.0, 30.0, 1.0), (30.0, 27.0, 10 ** 0.3), (40.0, 10.0, 100.0), (20.0, 40.0, 0.25),
 ], ids=["same", "3db-worse-held-out", "capped-high", "capped-low"])

@@ -117,8 +117,9 @@ def test_every_plan_runtime_is_a_registered_runtime():
     from ffnquant.planning.target import PLAN_RUNTIMES
     from ffnquant.runtimes import runtime_names
 
-    # vllm-cpu is timed in vLLM itself (`planning.vllm_latency`), not through a runtime adapter
-    assert set(PLAN_RUNTIMES) - {"vllm-cpu"} <= set(runtime_names())
+    # vllm-cpu and genai-cpu are timed where they serve (`planning.vllm_latency`, `planning.genai_latency`), not
+    # through a runtime adapter
+    assert set(PLAN_RUNTIMES) - {"vllm-cpu", "genai-cpu"} <= set(runtime_names())
 
 
 def _fake_runtime(device: str, formats: tuple[str, ...]):

@@ -14,6 +14,7 @@ with its first task and are dropped after its last, and what a task keeps comes 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
     from ..spec import FFNSpec
 
-__all__ = ["CANDIDATE_SETS", "HELD_ROWS", "held_rows", "candidate_recipes", "deferred", "format_candidates",
+__all__ = ["CANDIDATE_SETS", "SET_GROUPS", "fitted_group", "HELD_ROWS", "held_rows", "candidate_recipes", "deferred", "format_candidates",
            "CandidateScore", "generalization", "score_layer", "quantize_layer", "ScoreTask", "score_tasks",
            "run_score_task"]
 
@@ -68,10 +69,34 @@ def deferred(recipe: Recipe) -> bool:
     return not recipe.is_float and recipe.resolve().needs_hessians
 
 
+# the group sizes a set's 4-bit recipe may take, largest first: each has a preset of every 4-bit method
+SET_GROUPS = (128, 64, 32)
+_GROUP = re.compile(r"-g(\d+)(?=-|$)")
+
+
+def fitted_group(item: str, spec: FFNSpec) -> str:
+    """A set's recipe text with its 4-bit group size set to the largest of `SET_GROUPS` that divides both FFN widths,
+    where the set's own does not: a group that does not divide a width pads it with zero columns (stored, computed
+    and read for nothing: SmolLM2's 576 in groups of 128 is 640), and servers whose kernels need whole groups refuse
+    it (vLLM's CPU build). Unchanged where the set's group divides both, or no listed group does."""
+    head, *mods = item.split("+")
+    match = _GROUP.search(head)
+    if match is None or not isinstance(spec.d_model, int) or not isinstance(spec.d_ff, int):
+        return item
+    fits = [g for g in SET_GROUPS if spec.d_model % g == 0 and spec.d_ff % g == 0]
+    group = int(match.group(1))
+    if group in fits or not fits:
+        return item
+    return "+".join([head[:match.start()] + f"-g{fits[0]}" + head[match.end():], *mods])
+
+
 def candidate_recipes(text: str | Sequence[str], spec: FFNSpec) -> tuple[list[Recipe], list[dict[str, str]]]:
     """The recipes of a set name or a comma-separated list that fit `spec`, and the skipped ones with why.
-    fp32 is always a candidate: the fallback that makes any target reachable."""
+    fp32 is always a candidate: the fallback that makes any target reachable. A set's 4-bit recipes take the
+    group size that fits the widths (`fitted_group`); a list is taken as written."""
     items = CANDIDATE_SETS.get(text) if isinstance(text, str) else None
+    if items is not None:
+        items = tuple(fitted_group(i, spec) for i in items)
     if items is None:
         items = tuple(t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip())
         if not items:
