@@ -133,5 +133,7 @@ def test_genai_times_each_group_on_its_own_layers(llama4):
     assert table["w8a8@search+smooth"]["p50_ms"] == table["w8a8@minmax"]["p50_ms"]
     assert table["w8a8@search+smooth"]["timed_as"] == "w8a8@minmax" and "timed_as" not in table["w8a8@minmax"]
     assert {row["graph"] for row in table.values()} == {"fp32", "w8a8", "w8a8-dynamic-s8"}
+    # what the graph writes for each, as plan.md's table shows it
+    assert [table[r]["kernel"] for r in ("fp32", "w8a8@minmax", "w8a8-dynamic-s8")] == ["float", "qdq", "dynamic-int8"]
     # per-token int8 quantizes each input with a chain of small operators: more nodes than the float matmuls
     assert table["w8a8-dynamic-s8"]["nodes"] > table["fp32"]["nodes"] == 6

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from ..backends import supports
 from ..errors import FFNQuantError
 from ..recipe import Recipe, Smooth
 from .latency_table import request_row
@@ -215,6 +216,8 @@ def measure_genai_table(info: Any, recipes: Sequence[Recipe], workload: Workload
     lookup = next((n.name for n in nodes if "input_ids" in n.input and n.op_type.startswith("Gather")), "")
     samples = profile_samples(events, regions, lookup, {n.name for n in nodes})
     timed = [r for r in samples["runs"] if r["request"] >= 1]  # request 0 is the warm-up
+    # what the whole-model graph writes for each group's FFN matmuls (`backends.supports('onnx-graph', ...)`)
+    kinds = {g: "float" if Recipe.parse(g).is_float else supports("onnx-graph", g, info.spec).kind or "-" for g in names}
     for group in names:
         layers = sorted(i for i, g in assigned.items() if g == group)
         prefill = [r["ffn"][i] for r in timed if r["tokens"] > 1 for i in layers]
@@ -229,6 +232,9 @@ def measure_genai_table(info: Any, recipes: Sequence[Recipe], workload: Workload
             # `timed_as` on the others only: one row per measurement counts in the table's resolution (`min_gain`)
             same = {"timed_as": first} if str(recipe) != first else {}
             table[str(recipe)] = {**row, **same, "runtime": GENAI_RUNTIME, "graph": group, "layers": layers,
+                                  "kernel": kinds[group],
+                                  "note": f"timed as {group} on layers {', '.join(map(str, layers))}: "
+                                          f"{len(regions[layers[0]])} graph nodes per FFN",
                                   "prompt_timed": prompt_len, "nodes": len(regions[layers[0]]),
                                   "unattributed_share": samples["unattributed_share"]}
     if progress:
