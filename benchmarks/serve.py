@@ -120,6 +120,16 @@ def main():
            "decode_tok_s_1": (n - 1) / statistics.median(d for _, d in one),
            "decode_tok_s_concurrent": a["concurrent"] * (n - 1) / statistics.median(d for _, d in many),
            "kernels": [], "genai": og.__version__}
+    if a.get("profile"):  # after the timed runs: one more request with onnxruntime's profiler on (the FFN share)
+        import gc
+
+        del model
+        config = og.Config(a["folder"])
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"enable_profiling": a["profile"]}}}}))
+        model = og.Model(config)
+        timed(a["prompts"][:1])
+        del model
+        gc.collect()
     with open(sys.argv[2], "w", encoding="utf-8") as fh:
         json.dump(out, fh)
 
@@ -137,7 +147,7 @@ def genai_one(folder: str, args: argparse.Namespace, prompts: list[list[int]]) -
         runner.write_text(GENAI_RUNNER, encoding="utf-8")
         inp.write_text(json.dumps({"folder": str(Path(folder).resolve()), "prompts": prompts,
                                    "concurrent": args.concurrent, "new_tokens": args.new_tokens,
-                                   "repeats": args.repeats}), encoding="utf-8")
+                                   "repeats": args.repeats, "profile": str(Path(tmp) / "profile")}), encoding="utf-8")
         try:
             run = subprocess.run([sys.executable, str(runner), str(inp), str(out)], capture_output=True, text=True,
                                  timeout=args.timeout)
@@ -147,16 +157,66 @@ def genai_one(folder: str, args: argparse.Namespace, prompts: list[list[int]]) -
             lines = (run.stderr or run.stdout).strip().splitlines()
             return {"error": lines[-1] if lines else f"exit {run.returncode}"}
         row = json.loads(out.read_text(encoding="utf-8"))
+        profiles = sorted(Path(tmp).glob("profile*.json"))
+        row.update(genai_ffn_share(folder, profiles[-1]) if profiles else {"ffn_share_note": "no profile written"})
     row["kernels"] = graph_operators(folder)
     return row
 
 
-def graph_operators(folder: str) -> list[str]:
-    """The quantized operators of the decoder graph genai_config.json names (what onnxruntime runs them with)."""
+def _decoder_graph(folder: str):
     import onnx
 
     config = json.loads((Path(folder) / "genai_config.json").read_text(encoding="utf-8"))
-    graph = onnx.load(str(Path(folder) / config["model"]["decoder"]["filename"]), load_external_data=False).graph
+    return onnx.load(str(Path(folder) / config["model"]["decoder"]["filename"]), load_external_data=False).graph
+
+
+def ffn_nodes(folder: str, graph) -> tuple[dict[int, set[str]], str]:
+    """{layer: its FFN's node names} of a decoder graph and how they were found: for ffnquant's folders, the nodes
+    between each FFN's input and output tensors (`ffnquant-deploy.json` names them); for genai's builder output,
+    the nodes its builder names `/model/layers.N/mlp/...`."""
+    import re
+
+    from ffnquant.planning.genai_latency import ffn_regions
+
+    deploy = Path(folder) / "ffnquant-deploy.json"
+    modules = json.loads(deploy.read_text(encoding="utf-8")).get("graph", {}).get("quantize", {}).get("modules", []) \
+        if deploy.exists() else []
+    if modules and all("tensors" in m for m in modules):
+        bounds: dict[int, tuple[list, list]] = {}
+        for m in modules:
+            ins, outs = bounds.setdefault(m["index"], ([], []))
+            (outs if m["weight"] == "w_down" else ins).append(m["tensors"]["output" if m["weight"] == "w_down" else "input"])
+        return ffn_regions(list(graph.node), bounds), "the nodes between each FFN's input and output tensors"
+    regions: dict[int, set[str]] = {}
+    for node in graph.node:
+        if (m := re.search(r"/layers\.(\d+)/mlp/", node.name)):
+            regions.setdefault(int(m.group(1)), set()).add(node.name)
+    return regions, "the nodes genai's builder names /model/layers.N/mlp/"
+
+
+def genai_ffn_share(folder: str, profile: Path) -> dict:
+    """The FFNs' share of a profiled request's prefill and of its median decode step: their nodes' kernel time over
+    the run's (`planning.genai_latency.profile_samples`); what lies between nodes counts in the run only."""
+    import statistics
+
+    from ffnquant.planning.genai_latency import profile_samples
+
+    graph = _decoder_graph(folder)
+    regions, how = ffn_nodes(folder, graph)
+    if not regions:
+        return {"ffn_share_note": "no FFN node found in the graph"}
+    lookup = next((n.name for n in graph.node if "input_ids" in n.input and n.op_type.startswith("Gather")), "")
+    got = profile_samples(json.loads(profile.read_text(encoding="utf-8")), regions, lookup, {n.name for n in graph.node})
+    share = {kind: [sum(r["ffn"].values()) / r["ms"] for r in got["runs"] if (r["tokens"] > 1) == (kind == "prefill")
+                    and r["ms"] > 0] for kind in ("prefill", "decode")}
+    return {"ffn_share_prefill": statistics.median(share["prefill"]) if share["prefill"] else None,
+            "ffn_share_decode": statistics.median(share["decode"]) if share["decode"] else None,
+            "ffn_layers": len(regions), "ffn_share_how": how, "unattributed_share": got["unattributed_share"]}
+
+
+def graph_operators(folder: str) -> list[str]:
+    """The quantized operators of the decoder graph genai_config.json names (what onnxruntime runs them with)."""
+    graph = _decoder_graph(folder)
     quantized = {"MatMulNBits", "MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "QuantizeLinear",
                  "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "GatherBlockQuantized"}
     counts: dict[str, int] = {}
@@ -272,15 +332,23 @@ def render(doc: dict) -> str:
                   "Each ONNX decoder folder run by genai's own generate loop (`og.Model` + `Generator`, a batch of 1 or "
                   f"{s['concurrent']} prompts). Against genai's own builder output of the source in float32 where it "
                   "was built. " + " ".join(f"{k}: `{v}`." for k, v in doc.get("genai_builder", {}).items()), "",
+                  "The FFN share: one more request of one prompt with onnxruntime's profiler on (after the timed "
+                  "runs), the FFN nodes' kernel time over the prefill's run and over the median decode step's run "
+                  "(ffnquant's graphs: the nodes between each FFN's input and output tensors; genai's builder graphs: "
+                  "the nodes it names /model/layers.N/mlp/).", "",
                   f"| folder | load | prefill {s['prompt_tokens']} tokens | decode, 1 request | decode, {s['concurrent']} "
-                  f"requests | against genai's fp32 (1 / {s['concurrent']}) | quantized operators in the graph |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+                  f"requests | against genai's fp32 (1 / {s['concurrent']}) | FFN share of decode / prefill | "
+                  "quantized operators in the graph |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
         base = doc["genai_rows"].get("genai-builder-fp32") or {}
         for name, r in doc["genai_rows"].items():
             if "error" in r:
-                lines.append(f"| {name} | failed: {r['error']} | | | | | |")
+                lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
                 continue
-            lines.append(f"| {name} | {_speed(r, base, '.1f')} | {', '.join(r['kernels']) or 'none'} |")
+            share = (f"{r['ffn_share_decode']:.0%} / {r['ffn_share_prefill']:.0%}"
+                     if r.get("ffn_share_decode") is not None and r.get("ffn_share_prefill") is not None
+                     else r.get("ffn_share_note", "-"))
+            lines.append(f"| {name} | {_speed(r, base, '.1f')} | {share} | {', '.join(r['kernels']) or 'none'} |")
     return "\n".join(lines) + "\n"
 
 

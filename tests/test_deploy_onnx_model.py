@@ -463,9 +463,18 @@ def test_the_serving_benchmark_runs_the_folder_in_genais_loop(written):
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
     args = argparse.Namespace(concurrent=2, new_tokens=4, repeats=1, timeout=300)
-    row = serve.genai_one(str(written[1]), args, [[1, 5, 9, 13, 17, 21], [1, 30, 31, 32, 33, 34]])
+    # export writes the graph's result into ffnquant-deploy.json: where each FFN lies in the graph
+    deploy = written[1] / "ffnquant-deploy.json"
+    deploy.write_text(json.dumps({"graph": written[2]}, default=str))
+    try:
+        row = serve.genai_one(str(written[1]), args, [[1, 5, 9, 13, 17, 21], [1, 30, 31, 32, 33, 34]])
+    finally:
+        deploy.unlink()
     assert "error" not in row, row
     assert row["prefill_s"] > 0 and row["decode_tok_s_1"] > 0 and row["decode_tok_s_concurrent"] > 0
+    # a profiled request: both FFNs found, a share of each run between 0 and 1, every node named by the graph
+    assert row["ffn_layers"] == 2 and 0 < row["ffn_share_decode"] < 1 and 0 < row["ffn_share_prefill"] < 1, row
+    assert row["unattributed_share"] == 0.0
     assert row["kernels"] and all(k.split(" x")[0] in {"MatMulNBits", "MatMulInteger", "DynamicQuantizeLinear",
                                                         "QuantizeLinear", "DynamicQuantizeMatMul",
                                                         "MatMulIntegerToFloat", "QLinearMatMul",

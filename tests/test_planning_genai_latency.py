@@ -88,6 +88,7 @@ def test_the_profile_is_read_per_run_and_a_prefill_starts_a_request():
         (0, 4, pytest.approx(0.42)), (0, 1, pytest.approx(0.12)), (1, 4, pytest.approx(0.42)), (1, 1, pytest.approx(0.12))]
     # 10 us of 'mystery' in each of 4 runs, of 485 us of node time per prefill and 185 per decode step
     assert got["unattributed_share"] == pytest.approx(4 * 10 / (2 * (485 + 185)))
+    assert [r["ms"] for r in got["runs"]] == [pytest.approx(0.3)] * 4
 
 
 def test_without_genai_a_genai_plan_is_refused_before_the_model_is_read(monkeypatch, tmp_path):

@@ -24,7 +24,8 @@ def test_the_table_is_against_the_source_and_names_refusals(serve):
            "genai_rows": {"genai-builder-fp32": {**row, "decode_tok_s_1": 20.0, "decode_tok_s_concurrent": 60.0,
                                                  "genai": "0.18.0"},
                           "w8a8-onnx": {**row, "decode_tok_s_1": 25.0, "decode_tok_s_concurrent": 90.0, "genai": "0.18.0",
-                                        "kernels": ["MatMulInteger x60"]},
+                                        "kernels": ["MatMulInteger x60"], "ffn_share_decode": 0.25,
+                                        "ffn_share_prefill": 0.6},
                           "broken": {"error": "RuntimeError: unknown model type"}}, "command": "python3 benchmarks/serve.py --model m",
            "environment": {"cpu": "AMD EPYC", "cpu_count": 2, "timestamp_utc": "t"},
            "settings": {"dtype": "bfloat16", "prompt_tokens": 512, "new_tokens": 64, "concurrent": 8, "repeats": 3},
@@ -39,7 +40,8 @@ def test_the_table_is_against_the_source_and_names_refusals(serve):
             "| Selected CPUInt8ScaledMMLinearKernel") in text
     assert "| source | 20 s | 500 ms | 10.0 tok/s | 40.0 tok/s | 1.00x / 1.00x | - / - | - |" in text
     # genai's rows against genai's own float32 build
-    assert "| w8a8-onnx | 20.0 s | 500 ms | 25.0 tok/s | 90.0 tok/s | 1.25x / 1.50x | MatMulInteger x60 |" in text
+    assert "| w8a8-onnx | 20.0 s | 500 ms | 25.0 tok/s | 90.0 tok/s | 1.25x / 1.50x | 25% / 60% | MatMulInteger x60 |" in text
+    assert "| genai-builder-fp32 | 20.0 s | 500 ms | 20.0 tok/s | 60.0 tok/s | 1.00x / 1.00x | - | none |" in text
     assert "| broken | failed: RuntimeError: unknown model type |" in text
     assert "| w8a16 | refused: ValueError: Failed to find a kernel |" in text
 

@@ -85,7 +85,8 @@ def ffn_regions(nodes: Sequence[Any], bounds: Mapping[int, tuple[Sequence[str], 
 
 def profile_samples(events: Sequence[Mapping[str, Any]], regions: Mapping[int, set[str]], lookup: str,
                     graph_nodes: set[str]) -> dict[str, Any]:
-    """Per-FFN times (ms) of one profiled genai session: {"runs": [{request, tokens, ffn: {layer: ms}}] in order,
+    """Per-FFN times (ms) of one profiled genai session: {"runs": [{request, tokens, ms, ffn: {layer: ms}}] in order
+    (`ms` the whole run's),
     "unattributed_share": the share of node time no node of the graph names}. `events`: onnxruntime's profile
     (Chrome trace events); `lookup`: the embedding node that reads `input_ids`, whose input shape says how many
     tokens a run took. A run of more than one token is a prefill and starts a request."""
@@ -95,7 +96,7 @@ def profile_samples(events: Sequence[Mapping[str, Any]], regions: Mapping[int, s
                    if e.get("cat") == "Session" and e.get("name") == "model_run")
     starts = [a for a, _ in spans]
     owner = {name: layer for layer, names in regions.items() for name in names}
-    runs = [{"tokens": 0, "ffn": dict.fromkeys(regions, 0.0)} for _ in spans]
+    runs = [{"tokens": 0, "ms": (b - a) / 1000.0, "ffn": dict.fromkeys(regions, 0.0)} for a, b in spans]
     unknown = total = 0.0
     for e in events:
         if e.get("cat") != "Node":
