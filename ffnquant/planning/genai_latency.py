@@ -28,7 +28,7 @@ from ..errors import FFNQuantError
 from ..recipe import Recipe, Smooth
 from .latency_table import request_row
 from .target import Workload
-from .vllm_latency import kernel_scheme
+from .vllm_latency import kernel_scheme, round_robin_model
 
 __all__ = ["GENAI_RUNTIME", "graph_groups", "ffn_regions", "profile_samples", "measure_genai_table"]
 
@@ -130,19 +130,9 @@ def _timing_folder(info: Any, groups: Sequence[str], folder: Path, profile: Path
     from ..deploy.genai import genai_config, write_genai_files
     from ..deploy.onnx_decoder import cache_layout, export_decoder
     from ..deploy.onnx_rewrite import quantize_graph
-    from ..deploy.planned import build_planned_model
     from ..onnx.export import DEFAULT_OPSET
-    from .planfile import Plan, model_fingerprint
 
-    layers = [layer.index for layer in info.layers]
-    if len(layers) < len(groups):
-        raise FFNQuantError(f"the genai latency table times {len(groups)} graphs on {len(layers)} FFN layers: a layer "
-                            "each at least; plan with fewer candidates (--candidates)")
-    assigned = {index: groups[k % len(groups)] for k, index in enumerate(layers)}
-    plan = Plan(model_fingerprint(info), {i: Recipe.parse(g) for i, g in assigned.items()})
-    # the weights' values do not change an operator's time: few tokens calibrate the static scales, and the graph (a
-    # scratch copy genai only times) is written without the deployment proof
-    planned = build_planned_model(info, plan, calib_tokens=512, eval_tokens=256)
+    assigned, planned = round_robin_model(info, groups, "genai", "graphs")
     float_graph = folder / "planned.fp32.onnx"
     export_decoder(planned.model, info, float_graph, DEFAULT_OPSET)
     written = quantize_graph(float_graph, planned, folder / "model.onnx")

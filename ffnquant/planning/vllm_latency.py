@@ -24,7 +24,7 @@ from ..schemes import PRESETS, Method, get_scheme
 from .latency_table import request_row
 from .target import Workload
 
-__all__ = ["VLLM_DTYPE", "kernel_groups", "kernel_scheme", "measure_vllm_table"]
+__all__ = ["VLLM_DTYPE", "kernel_groups", "kernel_scheme", "round_robin_model", "measure_vllm_table"]
 
 VLLM_DTYPE = "bfloat16"  # what vLLM's CPU build computes in, and the only dtype of its 4-bit kernel
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -58,22 +58,30 @@ def kernel_scheme(name: str) -> str:
     return name if not same or scheme.method is Method.RTN else min(same, key=lambda p: len(p.name)).name
 
 
-def _timing_folder(info: Any, groups: Sequence[str], folder: Path) -> dict[int, str]:
-    """`info`'s model with each group's representative on some of its layers (round robin), saved as compressed-tensors
-    in `folder`: {layer index: group}."""
-    from ..deploy.ctensors import write_folder
+def round_robin_model(info: Any, groups: Sequence[str], runtime: str, unit: str) -> tuple[dict[int, str], Any]:
+    """({layer index: group}, the planned model): `info`'s model with each group's representative recipe on some of
+    its layers, round robin, as the table of a serving `runtime` times it (`unit`: what a group is there)."""
     from ..deploy.planned import build_planned_model
     from .planfile import Plan, model_fingerprint
 
     layers = [layer.index for layer in info.layers]
     if len(layers) < len(groups):
-        raise FFNQuantError(f"the vLLM latency table times {len(groups)} kernels on {len(layers)} FFN layers: a layer "
-                            "each at least; plan with fewer candidates (--candidates)")
+        raise FFNQuantError(f"the {runtime} latency table times {len(groups)} {unit} on {len(layers)} FFN layers: a "
+                            "layer each at least; plan with fewer candidates (--candidates)")
     assigned = {index: groups[k % len(groups)] for k, index in enumerate(layers)}
     plan = Plan(model_fingerprint(info), {i: Recipe.parse(g) for i, g in assigned.items()})
-    # the weights' values do not change a kernel's time: few tokens calibrate the static scales, and the folder (a
-    # scratch copy vLLM only times) is written without the deployment proof
-    write_folder(build_planned_model(info, plan, calib_tokens=512, eval_tokens=256), folder)
+    # the weights' values do not change a kernel's time: few tokens calibrate the static scales, and what is written
+    # (a scratch copy the runtime only times) goes without the deployment proof
+    return assigned, build_planned_model(info, plan, calib_tokens=512, eval_tokens=256)
+
+
+def _timing_folder(info: Any, groups: Sequence[str], folder: Path) -> dict[int, str]:
+    """`info`'s model with each group's representative on some of its layers (round robin), saved as compressed-tensors
+    in `folder`: {layer index: group}."""
+    from ..deploy.ctensors import write_folder
+
+    assigned, planned = round_robin_model(info, groups, "vLLM", "kernels")
+    write_folder(planned, folder)
     return assigned
 
 
