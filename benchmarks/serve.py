@@ -294,6 +294,11 @@ def _ratio(r: dict, base: dict) -> str:
             f"{r['decode_tok_s_concurrent'] / base['decode_tok_s_concurrent']:.2f}x")
 
 
+# the genai rows' baseline, the first of these that ran: genai's builder's float32 graph, else a folder of
+# ffnquant's own float32 graph named so (`--genai fp32-graph=FOLDER`)
+GENAI_BASELINES = ("genai-builder-fp32", "fp32-graph")
+
+
 def _speed(r: dict, base: dict, load: str) -> str:
     """The cells both tables share: load, prefill, decode at 1 and at the concurrent requests, against `base`."""
     return (f"{r['load_s']:{load}} s | {1e3 * r['prefill_s']:.0f} ms | {r['decode_tok_s_1']:.1f} tok/s "
@@ -328,19 +333,23 @@ def render(doc: dict) -> str:
         lines.append("")
     if doc.get("genai_rows"):
         versions = sorted({r["genai"] for r in doc["genai_rows"].values() if "genai" in r})
+        # the float graph the others are against: genai's builder's, else ffnquant's own (the export's model.fp32.onnx)
+        base_name = next((n for n in GENAI_BASELINES if "decode_tok_s_1" in doc["genai_rows"].get(n, {})), "-")
+        base = doc["genai_rows"].get(base_name) or {}
         lines += [f"## onnxruntime-genai {', '.join(versions)} (CPU, float32 graphs with quantized operators)", "",
                   "Each ONNX decoder folder run by genai's own generate loop (`og.Model` + `Generator`, a batch of 1 or "
-                  f"{s['concurrent']} prompts). Against genai's own builder output of the source in float32 where it "
-                  "was built. " + " ".join(f"{k}: `{v}`." for k, v in doc.get("genai_builder", {}).items()), "",
+                  f"{s['concurrent']} prompts). Against {base_name}" + (
+                      ": genai's own builder output of the source in float32." if base_name == GENAI_BASELINES[0] else
+                      " (genai's builder did not build the source's float32 graph)." if base else ": none ran.")
+                  + " " + " ".join(f"{k}: `{v}`." for k, v in doc.get("genai_builder", {}).items()), "",
                   "The FFN share: one more request of one prompt with onnxruntime's profiler on (after the timed "
                   "runs), the FFN nodes' kernel time over the prefill's run and over the median decode step's run "
                   "(ffnquant's graphs: the nodes between each FFN's input and output tensors; genai's builder graphs: "
                   "the nodes it names /model/layers.N/mlp/).", "",
                   f"| folder | load | prefill {s['prompt_tokens']} tokens | decode, 1 request | decode, {s['concurrent']} "
-                  f"requests | against genai's fp32 (1 / {s['concurrent']}) | FFN share of decode / prefill | "
+                  f"requests | against {base_name} (1 / {s['concurrent']}) | FFN share of decode / prefill | "
                   "quantized operators in the graph |",
                   "|---|---:|---:|---:|---:|---:|---:|---|"]
-        base = doc["genai_rows"].get("genai-builder-fp32") or {}
         for name, r in doc["genai_rows"].items():
             if "error" in r:
                 lines.append(f"| {name} | failed: {r['error']} | | | | | | |")

@@ -69,3 +69,19 @@ def test_genai_rows_without_genai_stop_with_the_reason(serve, monkeypatch, tmp_p
     monkeypatch.setattr(genai, "genai_unavailable", lambda: "onnxruntime-genai is not installed")
     with pytest.raises(SystemExit, match="serve: onnxruntime-genai is not installed"):
         serve.main(["--model", "m", "--no-vllm", "--genai", "a=b", "--out", str(tmp_path / "o")])
+
+
+def test_without_genais_float_build_the_genai_rows_are_against_ffnquants_float_graph(serve):
+    """genai's builder may not build the source (Gemma 3: KeyError 'rope_type'): the rows are then against ffnquant's
+    own float32 decoder (`--genai fp32-graph=FOLDER`), and the table says so."""
+    row = {"load_s": 2.0, "prefill_s": 1.0, "kernels": [], "genai": "0.18.0"}
+    doc = {"model": "m", "vllm": None, "rows": {}, "command": "python3 benchmarks/serve.py --model m --no-vllm",
+           "genai_builder": {"genai-builder-fp32": "python -m builder -p fp32"},
+           "environment": {"cpu": "AMD EPYC", "cpu_count": 2, "timestamp_utc": "t"},
+           "settings": {"dtype": "bfloat16", "prompt_tokens": 512, "new_tokens": 64, "concurrent": 8, "repeats": 3},
+           "genai_rows": {"genai-builder-fp32": {"error": "the builder failed: KeyError: 'rope_type'"},
+                          "fp32-graph": {**row, "decode_tok_s_1": 10.0, "decode_tok_s_concurrent": 40.0},
+                          "plan": {**row, "decode_tok_s_1": 15.0, "decode_tok_s_concurrent": 60.0}}}
+    text = serve.render(doc)
+    assert "Against fp32-graph (genai's builder did not build the source's float32 graph)." in text
+    assert "| against fp32-graph (1 / 8) |" in text and "| 1.50x / 1.50x |" in text
