@@ -138,3 +138,14 @@ def test_genai_times_each_group_on_its_own_layers(llama4):
     assert [table[r]["kernel"] for r in ("fp32", "w8a8@minmax", "w8a8-dynamic-s8")] == ["float", "qdq", "dynamic-int8"]
     # per-token int8 quantizes each input with a chain of small operators: more nodes than the float matmuls
     assert table["w8a8-dynamic-s8"]["nodes"] > table["fp32"]["nodes"] == 6
+
+
+@pytest.mark.hf
+@needs_genai
+def test_a_run_that_wrote_no_profile_is_said(llama4, monkeypatch):
+    from ffnquant.hf import inspect_model
+
+    monkeypatch.setattr(genai_latency, "_profiled_requests", lambda *a, **k: None)
+    with pytest.raises(FFNQuantError, match="wrote no profile"):
+        genai_latency.measure_genai_table(inspect_model(llama4), [Recipe.parse("fp32")], Workload(32, 8), requests=1,
+                                          decode_steps=2)

@@ -168,6 +168,12 @@ def _profiled_requests(folder: Path, prompt: Sequence[int], steps: int, requests
     gc.collect()
 
 
+def _genai_version() -> str:
+    import onnxruntime_genai as og
+
+    return og.__version__
+
+
 def measure_genai_table(info: Any, recipes: Sequence[Recipe], workload: Workload = Workload(),
                         progress: Callable[[str, int, int], None] | None = None, requests: int = REQUESTS,
                         decode_steps: int = DECODE_STEPS) -> dict[str, dict[str, Any]]:
@@ -201,7 +207,11 @@ def measure_genai_table(info: Any, recipes: Sequence[Recipe], workload: Workload
             progress("latency table in onnxruntime-genai: profile its generate loop", 1, 2)
         _profiled_requests(folder, prompt, decode_steps, requests)
         proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-        events = json.loads(next(Path(tmp).glob("profile*.json")).read_text())
+        profiles = sorted(Path(tmp).glob("profile*.json"))
+        if not profiles:
+            raise FFNQuantError("plan runtime genai-cpu: onnxruntime-genai ran the timing graph but wrote no profile "
+                                f"(its enable_profiling session option); onnxruntime-genai {_genai_version()}")
+        events = json.loads(profiles[-1].read_text())
     nodes = list(proto.graph.node)
     regions = ffn_regions(nodes, bounds)
     lookup = next((n.name for n in nodes if "input_ids" in n.input and n.op_type.startswith("Gather")), "")
