@@ -176,17 +176,13 @@ def ffn_nodes(folder: str, graph) -> tuple[dict[int, set[str]], str]:
     the nodes its builder names `/model/layers.N/mlp/...`."""
     import re
 
-    from ffnquant.planning.genai_latency import ffn_regions
+    from ffnquant.planning.genai_latency import ffn_bounds, ffn_regions
 
     deploy = Path(folder) / "ffnquant-deploy.json"
     modules = json.loads(deploy.read_text(encoding="utf-8")).get("graph", {}).get("quantize", {}).get("modules", []) \
         if deploy.exists() else []
     if modules and all("tensors" in m for m in modules):
-        bounds: dict[int, tuple[list, list]] = {}
-        for m in modules:
-            ins, outs = bounds.setdefault(m["index"], ([], []))
-            (outs if m["weight"] == "w_down" else ins).append(m["tensors"]["output" if m["weight"] == "w_down" else "input"])
-        return ffn_regions(list(graph.node), bounds), "the nodes between each FFN's input and output tensors"
+        return ffn_regions(list(graph.node), ffn_bounds(modules)), "the nodes between each FFN's input and output tensors"
     regions: dict[int, set[str]] = {}
     for node in graph.node:
         if (m := re.search(r"/layers\.(\d+)/mlp/", node.name)):
@@ -199,14 +195,14 @@ def genai_ffn_share(folder: str, profile: Path) -> dict:
     the run's (`planning.genai_latency.profile_samples`); what lies between nodes counts in the run only."""
     import statistics
 
-    from ffnquant.planning.genai_latency import profile_samples
+    from ffnquant.planning.genai_latency import profile_samples, token_lookup
 
     graph = _decoder_graph(folder)
     regions, how = ffn_nodes(folder, graph)
     if not regions:
         return {"ffn_share_note": "no FFN node found in the graph"}
-    lookup = next((n.name for n in graph.node if "input_ids" in n.input and n.op_type.startswith("Gather")), "")
-    got = profile_samples(json.loads(profile.read_text(encoding="utf-8")), regions, lookup, {n.name for n in graph.node})
+    got = profile_samples(json.loads(profile.read_text(encoding="utf-8")), regions, token_lookup(graph.node),
+                          {n.name for n in graph.node})
     share = {kind: [sum(r["ffn"].values()) / r["ms"] for r in got["runs"] if (r["tokens"] > 1) == (kind == "prefill")
                     and r["ms"] > 0] for kind in ("prefill", "decode")}
     return {"ffn_share_prefill": statistics.median(share["prefill"]) if share["prefill"] else None,

@@ -65,6 +65,15 @@ def test_an_ffn_is_the_nodes_between_its_input_and_its_output():
     assert regions == {0: {"quant", "gate", "up", "act", "down"}}
 
 
+def test_an_ffns_bounds_are_what_its_first_matmuls_read_and_its_last_writes():
+    rows = [{"index": 3, "weight": w, "tensors": {"input": f"in_{w}", "output": f"out_{w}"}}
+            for w in ("w_up", "w_gate", "w_down")]
+    assert genai_latency.ffn_bounds(rows) == {3: (["in_w_up", "in_w_gate"], ["out_w_down"])}
+    lookup = [_node("norm", ["h"], ["x"]), _node("embed", ["table", "input_ids"], ["h"])]
+    lookup[1].op_type = "Gather"
+    assert genai_latency.token_lookup(lookup) == "embed"
+
+
 def _event(name, ts, dur, cat="Node", tokens=None):
     e = {"cat": cat, "name": name if cat != "Node" else f"{name}_kernel_time", "ts": ts, "dur": dur, "args": {}}
     if tokens is not None:

@@ -30,7 +30,8 @@ from .latency_table import request_row
 from .target import Workload
 from .vllm_latency import kernel_scheme, round_robin_model
 
-__all__ = ["GENAI_RUNTIME", "graph_groups", "ffn_regions", "profile_samples", "measure_genai_table"]
+__all__ = ["GENAI_RUNTIME", "graph_groups", "ffn_bounds", "ffn_regions", "token_lookup", "profile_samples",
+           "measure_genai_table"]
 
 GENAI_RUNTIME = "genai-cpu"
 REQUESTS = 3  # timed requests after one warm-up: each a prefill and `DECODE_STEPS` decode steps
@@ -81,6 +82,25 @@ def ffn_regions(nodes: Sequence[Any], bounds: Mapping[int, tuple[Sequence[str], 
                 todo += [producer[x] for x in n.input if x in producer]
         regions[layer] = above
     return regions
+
+
+def ffn_bounds(modules: Sequence[Mapping[str, Any]]) -> dict[int, tuple[list[str], list[str]]]:
+    """{layer: (input tensors, output tensors)} of each FFN in a rewritten decoder graph, from `quantize_graph`'s
+    module rows: what its first matmuls read and what its last matmul writes (`ffn_regions`' bounds)."""
+    bounds: dict[int, tuple[list[str], list[str]]] = {}
+    for row in modules:
+        ins, outs = bounds.setdefault(row["index"], ([], []))
+        if row["weight"] == "w_down":
+            outs.append(row["tensors"]["output"])
+        else:
+            ins.append(row["tensors"]["input"])
+    return bounds
+
+
+def token_lookup(nodes: Sequence[Any]) -> str:
+    """The name of the decoder graph's embedding lookup (the Gather reading `input_ids`), or '': the node whose
+    input shape tells `profile_samples` how many tokens a run took."""
+    return next((n.name for n in nodes if "input_ids" in n.input and n.op_type.startswith("Gather")), "")
 
 
 def profile_samples(events: Sequence[Mapping[str, Any]], regions: Mapping[int, set[str]], lookup: str,
@@ -137,10 +157,7 @@ def _timing_folder(info: Any, groups: Sequence[str], folder: Path, profile: Path
     export_decoder(planned.model, info, float_graph, DEFAULT_OPSET)
     written = quantize_graph(float_graph, planned, folder / "model.onnx")
     float_graph.unlink()
-    bounds: dict[int, Any] = {}
-    for row in written["modules"]:
-        ins, outs = bounds.setdefault(row["index"], ([], []))
-        (outs if row["weight"] == "w_down" else ins).append(row["tensors"]["output" if row["weight"] == "w_down" else "input"])
+    bounds = ffn_bounds(written["modules"])
     model = planned.float_model
     config = genai_config(model.config, cache_layout(model), "model.onnx", getattr(model, "generation_config", None))
     config["model"]["decoder"]["session_options"]["enable_profiling"] = str(profile)
@@ -214,8 +231,7 @@ def measure_genai_table(info: Any, recipes: Sequence[Recipe], workload: Workload
         events = json.loads(profiles[-1].read_text())
     nodes = list(proto.graph.node)
     regions = ffn_regions(nodes, bounds)
-    lookup = next((n.name for n in nodes if "input_ids" in n.input and n.op_type.startswith("Gather")), "")
-    samples = profile_samples(events, regions, lookup, {n.name for n in nodes})
+    samples = profile_samples(events, regions, token_lookup(nodes), {n.name for n in nodes})
     timed = [r for r in samples["runs"] if r["request"] >= 1]  # request 0 is the warm-up
     # what the whole-model graph writes for each group's FFN matmuls (`backends.supports('onnx-graph', ...)`)
     kinds = {g: "float" if Recipe.parse(g).is_float else supports("onnx-graph", g, info.spec).kind or "-" for g in names}
