@@ -3,9 +3,10 @@ each, found from the model itself (`hf.discover`) and taken as far as ffnquant t
 
 Each type runs `plan`, and either `export --format compressed-tensors` -> load with exact weights (the export's
 proof), or is refused one named feature with its reason: smoothing where the input scale cannot fold (parallel
-blocks, a residual-stream FFN input, a router reading the norm), compressed-tensors for Conv1D and FalconLinear,
-both export formats for routed experts (their layers plan, every expert of a layer under one recipe, and
-`quantize --plan` applies them).
+blocks, a residual-stream FFN input, a router reading the norm), compressed-tensors for Conv1D and FalconLinear
+and for experts a checkpoint stores fused, the whole-model ONNX graph for routed experts (their layers plan, every
+expert of a layer under one recipe; a plan for compressed-tensors gives all of them one, and its folder stores
+each expert under its on-disk name, proven: `tests/test_deploy_experts.py`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ RESIDUAL_ARG = ("bloom", "mpt")
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
            "exaone4": "no module produces the FFN's input"}
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe")  # planned by bytes; no export format stores experts
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe")  # planned by bytes
+FUSED_EXPERTS = ("granitemoe",)  # its checkpoint stores the experts as 3-D tensors: compressed-tensors refuses it
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
 TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
 # plan and export read whole windows of the held-out text: 128 tokens (a model without a context length, ALiBi's
@@ -138,13 +140,20 @@ def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, mo
     if model_type in MOE:  # every layer planned; the plan says what the exports refuse, and quantize applies it
         assert data["objective"] == "weight bytes" and len(data["plan"]["layers"]) == len({l.index for l in
                                                                                       inspect_model(folder).layers})
-        assert all("mixture-of-experts" in data["deployment"][f] for f in ("compressed-tensors", "onnx"))
+        assert "routed experts" in data["deployment"]["onnx"]
         assert main(["quantize", "--model", str(folder), "--plan", str(tmp_path / "p" / "plan.toml"), *TOKENS,
                      "--no-progress", "--no-onnx", "--out-reports", str(tmp_path / "qp")]) == 0
         capsys.readouterr()
-        assert main(["export", "--model", str(folder), "--plan", str(tmp_path / "p" / "plan.toml"), "--format",
-                     "compressed-tensors", *TOKENS, *WINDOW, "--out", str(tmp_path / "ct")]) == 2
-        assert "mixture-of-experts" in capsys.readouterr().err and not (tmp_path / "ct").exists()
+        tied = _plan(folder, ["w4a16-g32"], tmp_path / "tied.toml")  # one recipe for every layer of experts
+        rc = main(["export", "--model", str(folder), "--plan", str(tied), "--format", "compressed-tensors", *TOKENS,
+                   *WINDOW, "--out", str(tmp_path / "ct")])
+        err = capsys.readouterr().err
+        if model_type in FUSED_EXPERTS:
+            assert rc == 2 and "stores the routed experts fused" in err and not (tmp_path / "ct").exists()
+            return
+        assert rc == 0, err
+        proof = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())["proof"]
+        assert proof["proven"] and proof["weights"]["all_identical"] and proof["layers"]["all_at_parity"]
         return
     capsys.readouterr()
     smoothed = _plan(folder, ["w8a8@search+smooth", "w4a16-g32"], tmp_path / "smoothed.toml")
@@ -229,4 +238,7 @@ def test_the_plan_names_what_each_export_format_cannot_store(folders):
     notes = deployment_notes(info, plan)
     assert "layer L0" in notes["compressed-tensors"] and "rotate" in notes["compressed-tensors"] and not notes["onnx"]
     assert deployment_notes(inspect_model(folders["gpt2"]))["onnx"].startswith("gpt2: its MLP weights are transformers' Conv1D")
-    assert "mixture-of-experts" in deployment_notes(inspect_model(folders["qwen3_moe"]))["compressed-tensors"]
+    moe = inspect_model(folders["qwen3_moe"])
+    assert "routed experts" in deployment_notes(moe)["onnx"] and not deployment_notes(moe)["compressed-tensors"]
+    mixed = Plan(model_fingerprint(moe), {0: Recipe.parse("w4a16-g32"), 1: Recipe.parse("w8a16")}, "ppl+1%", "bytes")
+    assert "2 recipes (L0 w4a16-g32, L1 w8a16)" in deployment_notes(moe, mixed)["compressed-tensors"]

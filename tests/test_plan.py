@@ -140,6 +140,34 @@ def test_search_finds_the_brute_force_optimum(seed):
         assert sum(o.cost for o in got.values()) == pytest.approx(best)
 
 
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"seed{s}")
+def test_tied_layers_take_one_candidate_at_the_brute_force_optimum(seed):
+    """A compressed-tensors folder stores its routed experts under one recipe: the tied layers choose the same name,
+    at the least cost any such choice has (brute force over the choices that agree on the tied layers)."""
+    rng = random.Random(seed)
+    for _ in range(30):
+        names = ["fp32", "a", "b", "c"]
+        layers = {i: [Option(n, 0.0 if n == "fp32" else rng.random() * 0.3, 10.0 if n == "fp32" else rng.random() * 10)
+                      for n in names] for i in range(4)}
+        tied = (0, 2, 3)
+        budget = rng.random() * 0.8
+        got = solve(layers, budget, resolution=4000, tied=tied)
+        best = None
+        for combo in itertools.product(*[layers[i] for i in sorted(layers)]):
+            if len({combo[i].name for i in tied}) == 1 and sum(o.damage for o in combo) <= budget:
+                c = sum(o.cost for o in combo)
+                best = c if best is None or c < best else best
+        assert best is not None  # fp32 everywhere has no damage
+        assert len({got[i].name for i in tied}) == 1 and sorted(got) == [0, 1, 2, 3]
+        assert sum(o.damage for o in got.values()) <= budget
+        assert sum(o.cost for o in got.values()) == pytest.approx(best)
+
+
+def test_tied_layers_with_no_candidate_in_common_are_one_line():
+    with pytest.raises(FFNQuantError, match="layers 0, 1 must take one candidate and have none in common"):
+        solve({0: [Option("a", 0, 1)], 1: [Option("b", 0, 1)]}, 1.0, tied=(0, 1))
+
+
 def test_search_is_not_fooled_by_a_non_convex_front():
     # greedy by benefit per cost takes 'mid' first and then cannot afford 'cheap' on the other layer
     layers = {0: [Option("fp", 0, 10), Option("mid", 0.5, 6), Option("cheap", 1.0, 0)],

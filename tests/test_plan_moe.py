@@ -74,7 +74,7 @@ def test_an_moe_plan_is_what_quantize_measures(moe, tmp_path, capsys):
                  "--out", str(tmp_path / "p"), *TOKENS, "--eval-text", "prose", "--probe-tokens", "128",
                  "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "export --format compressed-tensors will refuse this model" in printed
+    assert "export --format onnx will refuse this model" in printed and "routed experts" in printed
     data = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert data["verified"] and data["objective"] == "weight bytes"
     assert all(row["recipe"] != "fp32" for row in data["plan"]["layers"])  # 5% is room for quantizing something

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -37,6 +38,7 @@ from ..infra.thirdparty import quiet_model_io
 from ..model import FFN
 from ..numerics.accuracy import sqnr_db
 from ..schemes import ActMode
+from .experts import has_experts, plan_experts_refusal, write_experts
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name, input_args, source_dtype
 from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
@@ -83,12 +85,13 @@ def recipe_refusal(recipe: Recipe, spec: FFNSpec) -> str | None:
 
 
 def plan_refusal(plan: Plan, info: ModelInfo) -> str | None:
-    """The first layer whose recipe this writer cannot store, as a one-line reason; None when all can."""
+    """The first layer whose recipe this writer cannot store, as a one-line reason; None when all can (routed
+    experts: `experts.plan_experts_refusal`)."""
     for index, recipe in plan.layers.items():
         why = recipe_refusal(recipe, info.spec)
         if why is not None:
             return f"layer L{index}: {why}"
-    return None
+    return plan_experts_refusal(plan, info) if has_experts(info) else None
 
 
 def module_args(mq: ModuleQuant) -> tuple[Any, Any]:
@@ -175,7 +178,8 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
     folder = Path(folder)
-    schemes, quantized = _config_groups(planned.modules)
+    experts = [m for m in planned.modules if m.expert is not None]  # stored per expert after the save
+    schemes, quantized = _config_groups([m for m in planned.modules if m.expert is None])
     model = copy.deepcopy(planned.model)  # compressed in place; planned.model stays the reference
     # a model computed in a low precision is stored in it (the runtime loads every parameter in it anyway);
     # one computed in float32 keeps the source's dtype where that is lossless
@@ -195,6 +199,7 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
         model.save_pretrained(folder)
         if schemes:
             compressor.update_config(str(folder))
+        routed = write_experts(folder, planned, experts, _set_params, module_args, dtype) if experts else None
     copied = _copy_side_files(Path(planned.info.path), folder)
     config = json.loads((folder / "config.json").read_text())
     if dtype is not torch.float32:  # served in the source's dtype, as the source checkpoint is
@@ -202,9 +207,10 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
         config.update({"dtype": name, "torch_dtype": name})
         write_text(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     qc = config.get("quantization_config", {})
-    floats = [m.module for m in planned.modules if m.module not in quantized]
-    return {"format": FORMAT_NAME, "compression_format": qc.get("format"), "config_groups": len(schemes),
-            "quantized_modules": len(quantized), "float_ffn_modules": floats, "ignore": qc.get("ignore", []),
+    floats = [m.module for m in planned.modules if m.module not in quantized and m.grid is None]
+    return {"format": FORMAT_NAME, "compression_format": qc.get("format"),
+            "config_groups": len(qc.get("config_groups") or {}), "routed_experts": routed,
+            "quantized_modules": len(quantized) + ((routed or {}).get("quantized") or 0), "float_ffn_modules": floats, "ignore": qc.get("ignore", []),
             "copied": copied, "files": _files(folder),
             "float_dtype": {"source": str(source_dtype(planned.info)).removeprefix("torch."),
                             "stored": str(dtype).removeprefix("torch."),
@@ -294,13 +300,17 @@ def decompressed_weights(folder: str | os.PathLike, reader: Any = None) -> dict[
     config = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k in known})
     where, read = reader or _safetensors_reader(folder)
     out: dict[str, torch.Tensor] = {}
+    stored = {k.rsplit(".", 1)[0] for k in where}  # every module that has a tensor in the files
     for scheme in config.config_groups.values():
         fmt = scheme.format or config.format
         compressor = BaseCompressor.get_value_from_registry(fmt)
-        for name in scheme.targets:
-            prefix = name + "."
-            state = {k[len(prefix):]: read(k) for k in where if k.startswith(prefix)}
-            out[name] = compressor.decompress(state, scheme)["weight"]
+        for target in scheme.targets:
+            # a `re:` target (the routed experts') names every stored module it matches
+            names = sorted(n for n in stored if re.match(target[3:], n)) if target.startswith("re:") else [target]
+            for name in names:
+                prefix = name + "."
+                state = {k[len(prefix):]: read(k) for k in where if k.startswith(prefix)}
+                out[name] = compressor.decompress(state, scheme)["weight"]
     return out
 
 
@@ -308,13 +318,17 @@ def _weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str
     """Every FFN weight as compressed-tensors decompresses it from the files (float ones as stored) against
     ffnquant's dequantized reference, bit for bit."""
     stored = decompressed_weights(folder, reader)
-    _, read = reader
+    where, read = reader
     dtype = planned.compute_dtype
     rows, equal = [], 0
     for mq in planned.modules:
-        ref = planned.model.get_submodule(mq.module).weight.detach()
+        ref = planned.weight_of(mq)
         got = stored.get(mq.module)
         how = "decompressed by compressed-tensors"
+        if got is None and mq.module + ".weight" not in where:  # a runtime would initialise it at random
+            rows.append({"module": mq.module, "how": "missing from the files", "bit_identical": False,
+                         "max_abs_diff": None})
+            continue
         if got is None:
             got, how = read(mq.module + ".weight"), "stored float"
         # in the dtype the runtime computes in (a bf16 model's decompressed weights are bf16 values)
@@ -359,7 +373,7 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     with torch.no_grad(), ffn_input_hooks(loaded, info, layers, lambda l, x: captured.setdefault(l.label, x)):
         routed = any(layer.expert is not None for layer in info.layers)
         loaded(planned.evals[0] if routed else planned.evals[0][:1], use_cache=False)
-    names = {mq.layer: mq.module.rsplit(".", 1)[0] for mq in planned.modules}
+    names = {mq.layer: (mq.fused or mq.module.rsplit(".", 1)[0], mq.expert) for mq in planned.modules}
     layer_db = {r["label"]: r["accuracy_torch"]["sqnr_db"] for r in planned.rows}  # each layer's quantization noise
     rows = []
     for label, x in captured.items():
@@ -368,7 +382,7 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
         x = x.reshape(1, -1, x.shape[-1]).to(planned.compute_dtype)  # captured as float32: the model's values
         with torch.no_grad():
             ours = q(x)
-            theirs = loaded_ffn(loaded, info, names[label])(x)
+            theirs = loaded_ffn(loaded, info, *names[label])(x)
         parity_db, noise_db = sqnr_db(ours, theirs), layer_db[label]
         exact = bool(torch.equal(ours, theirs))
         row = {"layer": label, "bit_identical": exact, "parity_sqnr_db": parity_db, "layer_sqnr_db": noise_db,

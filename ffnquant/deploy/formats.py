@@ -42,7 +42,12 @@ def recipe_refusals(fmt: str, info: ModelInfo, recipes: Sequence[Any]) -> dict[A
         why = deployable_refusal(info, fmt) or (None if ok else missing)
         if why is not None:
             raise FFNQuantError(f"format {fmt}: {why}")
-        refusal = lambda recipe: supports(fmt, recipe, info.spec).why  # noqa: E731
+        from .experts import experts_refusal, has_experts
+
+        routed = has_experts(info)
+
+        def refusal(recipe: Any) -> str | None:  # routed experts store fewer recipes (`deploy.experts`)
+            return supports(fmt, recipe, info.spec).why or (experts_refusal(recipe) if routed else None)
     else:
         from .onnx_model import recipe_refuser
 

@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # annotations only
     from ..planning.planfile import Plan
     from ..recipe import Recipe
 
-__all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "loaded_ffn"]
+__all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "loaded_ffn", "expert_rows",
+           "expert_linear_names"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class ModuleQuant:
     # the integer codes on `grid` (signed int32, [out, in] or [out, K'] for groups), as the method handler made them
     # (`QuantizedLinear.codes`): what the writers store, never derived again; None for float and fp8 weights
     codes: torch.Tensor | None = None
+    # a routed expert: its id, and the model's fused experts module holding its weight (`module` is then the
+    # expert's Linear as the checkpoint names it on disk, e.g. "model.layers.3.mlp.experts.7.gate_proj")
+    expert: int | None = None
+    fused: str | None = None
 
     @property
     def quantized(self) -> bool:
@@ -111,13 +116,41 @@ class PlannedModel:
     def by_module(self) -> dict[str, ModuleQuant]:
         return {m.module: m for m in self.modules}
 
+    def weight_of(self, mq: ModuleQuant) -> torch.Tensor:
+        """The weight `model` holds for `mq` ([out, in], float32): its Linear's, or a routed expert's rows of
+        the fused experts tensors (`expert_rows`)."""
+        if mq.expert is None:
+            return self.model.get_submodule(mq.module).weight.detach()
+        return expert_rows(self.model.get_submodule(mq.fused), mq.expert, mq.weight).detach()
+
+
+def expert_rows(module: nn.Module, expert: int, weight: str) -> torch.Tensor:
+    """One routed expert's `weight` ("w_gate", "w_up", "w_down", [out, in]) as a view of a fused experts module's
+    tensors (gate_up_proj [E, 2f, d], gate rows first; down_proj [E, d, f]: `hf.capture.expert_forward`)."""
+    if weight == "w_down":
+        return module.down_proj[expert]
+    gate, up = module.gate_up_proj[expert].chunk(2, dim=0)
+    return gate if weight == "w_gate" else up
+
 
 def deployable_refusal(info: ModelInfo, fmt: str = "compressed-tensors") -> str | None:
     """Why a plan for this model cannot be deployed as one model folder (`fmt` "compressed-tensors") or one graph
     ("onnx") (one line); None when it can."""
     arch = info.arch
     if arch.install is arch.install.EXPERTS:
-        return f"{info.model_type}: its FFNs are mixture-of-experts tensors; deployment writes one FFN per block"
+        if fmt == "onnx":
+            return (f"{info.model_type}: its FFNs are routed experts, which ffnquant's whole-model ONNX graph does not "
+                    "store (it rewrites one FFN's matmuls per block, and writes no onnxruntime MoE/QMoE operator); "
+                    "the compressed-tensors folder and per-layer ONNX artifacts do")
+        fused = next((layer for layer in info.layers if layer.fused_expert_tensors), None)
+        if fused is not None:
+            return (f"{info.model_type}: its checkpoint stores the routed experts fused ({', '.join(fused.tensors.values())}); "
+                    "transformers loads quantized experts only from per-expert tensors (experts.N.<projection>), so a "
+                    "compressed-tensors folder of it would not load")
+        if info.spec.bias:
+            return (f"{info.model_type}: its routed experts have biases, which compressed-tensors' per-expert layout "
+                    "(transformers' loader of quantized experts) does not carry")
+        return None
     if arch.transposed:
         if fmt == "onnx":
             return (f"{info.model_type}: its MLP weights are transformers' Conv1D ([in, out]); the graph's FFN matmuls "
@@ -142,10 +175,15 @@ def _linear_names(ffn_module: str, info: ModelInfo) -> dict[str, str]:
     return out
 
 
-def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str) -> Any:
+def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str, expert: int | None = None) -> Any:
     """The FFN of a (loaded) transformers model as one callable on [..., d_model]: the module itself, or for
-    Linears in the block itself (OPT) the first Linear, the activation and the second in turn."""
+    Linears in the block itself (OPT) the first Linear, the activation and the second in turn; a routed `expert`
+    of the fused experts module `ffn_module` (`hf.capture.expert_forward`)."""
     module = model.get_submodule(ffn_module)
+    if expert is not None:
+        from ..hf.capture import expert_forward
+
+        return expert_forward(module, expert)
     if info.arch.install is info.arch.install.SPLIT:
         first, act, second = (module.get_submodule(a) for a in info.arch.split_attrs)
         return lambda x: second(act(first(x)))
@@ -232,6 +270,38 @@ def _copy_weights(model: nn.Module, ffn: Any, names: Mapping[str, str]) -> None:
                 dst.bias.copy_(torch.cat([s.bias for s in srcs]).to(dst.bias.dtype))
 
 
+def expert_linear_names(info: ModelInfo, layer: Any) -> dict[str, str]:
+    """ffnquant weight name -> the routed expert's Linear as its checkpoint names it on disk (the tensor name less
+    ".weight", e.g. "model.layers.3.mlp.experts.7.gate_proj"): what compressed-tensors stores it under."""
+    out = {}
+    for role, name in layer.tensors.items():
+        base, _, kind = role.rpartition(".")
+        if kind == "weight" and info.arch.roles.get(base) in ("w_gate", "w_up", "w_down"):
+            out[info.arch.roles[base]] = name.rsplit(".", 1)[0]
+    return out
+
+
+def _expert_quants(model: nn.Module, info: ModelInfo, layer: Any, ffn_module: str, recipe: Recipe,
+                   qffn: QuantizedFFN) -> list[ModuleQuant]:
+    """A routed expert's dequantized weights put into its rows of the model's fused experts tensors, and one
+    ModuleQuant per weight under the expert's on-disk Linear names (`expert_linear_names`)."""
+    names = expert_linear_names(info, layer.info)
+    wanted = set(qffn.model.spec.weight_names)
+    if set(names) != wanted:
+        raise FFNQuantError(f"layer {layer.label}: the checkpoint names {sorted(names)} of the expert's projections, "
+                            f"its FFN has {sorted(wanted)}")
+    fused = model.get_submodule(ffn_module)
+    with torch.no_grad():
+        for weight in names:
+            dst, src = expert_rows(fused, layer.info.expert, weight), getattr(qffn.model, weight).weight
+            if tuple(dst.shape) != tuple(src.shape):
+                raise FFNQuantError(f"{ffn_module}: expert {layer.info.expert}'s {weight} is {tuple(dst.shape)} in "
+                                    f"the model, {tuple(src.shape)} in ffnquant's FFN")
+            dst.copy_(src.to(dst.dtype))
+    return [dataclasses.replace(mq, expert=layer.info.expert, fused=ffn_module)
+            for mq in _module_quants(layer.label, layer.index, recipe, qffn, names)]
+
+
 def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_text: Any = None, calib_tokens: int | None = None,
                         seq_len: int | None = None,
                         eval_tokens: int | None = None, whole_model: bool = True, out_artifacts: Any = None,
@@ -250,7 +320,9 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
     the reference is measured so."""
     from ..hf.fold import fold_input_scales, fold_refusal
 
-    why = deployable_refusal(info, "onnx") if whole_model else None  # a format's own refusals: checked by its caller
+    # a format's own refusals are checked by its caller; routed experts are built for the one format storing them
+    experts = info.arch.install is info.arch.install.EXPERTS
+    why = deployable_refusal(info, "compressed-tensors" if experts else "onnx") if whole_model else None
     if why is not None:
         raise FFNQuantError(why)
     missing = [layer.index for layer in info.layers if layer.index not in plan.layers]
@@ -306,9 +378,13 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
     for layer in layers:
         qffn = folded[layer.info]
         ffn_module = _module_for(model, info, layer.info, names)[0]
-        linear = _linear_names(ffn_module, info)
-        _copy_weights(model, qffn.model, linear)
-        modules += _merge_fused(_module_quants(layer.label, layer.index, plan.recipe_for(layer.index), qffn, linear), linear)
+        recipe = plan.recipe_for(layer.index)
+        if layer.info.expert is not None:
+            modules += _expert_quants(model, info, layer, ffn_module, recipe, qffn)
+        else:
+            linear = _linear_names(ffn_module, info)
+            _copy_weights(model, qffn.model, linear)
+            modules += _merge_fused(_module_quants(layer.label, layer.index, recipe, qffn, linear), linear)
         out_qffns[layer.label] = qffn
     return PlannedModel(info=info, plan=plan, model=model, float_model=float_model, modules=modules,
                         evals=list(inputs.eval_batches), reference=reference, rows=rows, qffns=out_qffns,

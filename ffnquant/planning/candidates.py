@@ -150,8 +150,15 @@ def serve_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]
     never chooses a scheme that server refuses to load."""
     from ..backends import supports
 
+    from ..deploy.experts import has_experts
+
     answers = {r: supports(serve_target(serve), r, info.spec) for r in recipes if not r.is_float}
-    return _leave_out(recipes, skipped, {r: a.why for r, a in answers.items() if not a.ok})
+    refused = {r: a.why for r, a in answers.items() if not a.ok}
+    if serve_target(serve) == "vllm-cpu" and has_experts(info):  # measured: `deploy.vllm.EXPERTS_WHY`
+        from ..deploy.vllm import EXPERTS_WHY
+
+        refused.update({r: EXPERTS_WHY for r in answers if r not in refused})
+    return _leave_out(recipes, skipped, refused)
 
 
 def _outcomes(layer: Any, recipes: Sequence[Recipe], calib: torch.Tensor, held_out: torch.Tensor, bins: int | None,

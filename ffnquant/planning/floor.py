@@ -103,14 +103,15 @@ class FloorSearch:
                  options_of: Callable[[int], list[Option]], measure: Callable[[int], dict[str, Any] | None],
                  score: Callable[[int], None] | None = None,
                  measure_many: Callable[[list[int]], Iterable[tuple[int, dict[str, Any] | None]]] | None = None,
-                 least_gain: float = 0.0) -> None:
+                 least_gain: float = 0.0, tied: Sequence[int] = ()) -> None:
         """`measure(i)`: layer i's floor; `measure_many(layers)`, when given, yields (i, floor) for all the layers one
         solution needs at once (side by side with a helper process, `infra.sidecar`). `deferred_skipped`: why no
-        deferred candidate was scored, while none has been."""
+        deferred candidate was scored, while none has been. `tied`: layers that take one candidate (`search.tie`)."""
         self.per_layer, self.recipes, self.options_of, self.measure, self.score = (per_layer, recipes, options_of,
                                                                                   measure, score)
         self.measure_many = measure_many
         self.least_gain = least_gain
+        self.tied = tuple(tied)
         self.deferred_skipped: str | None = None
         self._scored_any = False
         self.options = {i: options_of(i) for i in per_layer}
@@ -125,7 +126,8 @@ class FloorSearch:
         if self.least_gain <= 0:
             return chosen
         unscored = {i: self._unscored(i) for i in self.options}
-        without = solve({i: [o for o in opts if o.name not in unscored[i]] for i, opts in self.options.items()}, budget)
+        without = solve({i: [o for o in opts if o.name not in unscored[i]] for i, opts in self.options.items()}, budget,
+                        tied=self.tied)
         if without is None:
             return chosen
         bound, cost = sum(o.cost for o in chosen.values()), sum(o.cost for o in without.values())
@@ -138,7 +140,7 @@ class FloorSearch:
 
     def solve(self, budget: float) -> dict[int, Option] | None:
         while True:
-            chosen = solve(self.options, budget)
+            chosen = solve(self.options, budget, tied=self.tied)
             if chosen is None:
                 return None
             unscored = [i for i, o in chosen.items() if o.name in self._unscored(i)]

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from ..atlas import layer_atlas
+from ..deploy.experts import tied_layers
 from ..deploy.planned import deployable_refusal
 from ..errors import FFNQuantError
 from ..hf import inspect_model
@@ -179,7 +180,10 @@ def make_plan(
                     spill=bool(memory is not None and memory.spill), progress=progress, timings=timings,
                     allow_pickle=allow_pickle, dtype=dtype, offer_budget=offer_budget(memory)) as source:
         plan, result = _search_and_verify(source, info, target, objective, recipes, skipped, probes, settings,
-                                          max_rounds, ort_floor, executor, tick, progress, timings)
+                                          max_rounds, ort_floor, executor, tick, progress, timings,
+                                          # a compressed-tensors folder stores its routed experts under one recipe
+                                          # (`deploy.experts`): their layers choose one
+                                          tied=tied_layers(info) if export_format == "compressed-tensors" else ())
     if dtype is not torch.float32:  # said where the verified figures are read
         name = str(dtype).removeprefix("torch.")
         plan = dataclasses.replace(plan, summary={**plan.summary, "verified_in": name})
@@ -192,7 +196,7 @@ def make_plan(
 
 
 def _search_and_verify(source, info, target, objective, recipes, skipped, probes, settings, max_rounds, ort_floor,
-                       executor, tick, progress, timings):
+                       executor, tick, progress, timings, tied=()):
     """`make_plan` from its inputs at hand (`source`: in memory or streamed): steps 3-7 of the module docstring."""
     latency: dict[str, dict[str, Any]] = {}
     t = time.perf_counter()
@@ -318,7 +322,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     # the least saving a cost table resolves: another round, or scoring the deferred candidates, must promise more
     least_gain = min_gain(latency if objective.kind == "latency" else None)
     search = FloorSearch(per_layer, recipes, options_of, measure_floor, score_deferred, measure_many=measure_floors,
-                         least_gain=least_gain)
+                         least_gain=least_gain, tied=tied)
 
     t = time.perf_counter()
     # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)

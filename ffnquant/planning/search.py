@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import FFNQuantError
 
-__all__ = ["Option", "solve", "pareto"]
+__all__ = ["Option", "solve", "pareto", "tie"]
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,33 @@ def pareto(options: Sequence[Option]) -> list[Option]:
     return front
 
 
-def solve(layers: Mapping[int, Sequence[Option]], budget: float, resolution: int = 2000) -> dict[int, Option] | None:
+def tie(layers: Mapping[int, Sequence[Option]], tied: Sequence[int]) -> dict[int, list[Option]]:
+    """`layers` with the layers of `tied` made one, under the first of them: one option per name every tied layer
+    has, its damage and cost summed over them (each damage counted from zero, as `solve` counts it). A format that
+    stores one scheme for all of them (a folder's routed experts, `deploy.ctensors`) is planned so."""
+    tied = sorted(set(tied) & set(layers))
+    if len(tied) < 2:
+        return {i: list(opts) for i, opts in layers.items()}
+    names = [o.name for o in layers[tied[0]] if all(any(p.name == o.name for p in layers[i]) for i in tied[1:])]
+    if not names:
+        raise FFNQuantError(f"layers {', '.join(map(str, tied))} must take one candidate and have none in common")
+    by = {i: {o.name: o for o in layers[i]} for i in tied}
+    joint = [Option(n, sum(max(0.0, by[i][n].damage) for i in tied), sum(by[i][n].cost for i in tied)) for n in names]
+    return {i: opts for i, opts in ((i, list(o)) for i, o in layers.items() if i not in tied[1:])} | {tied[0]: joint}
+
+
+def solve(layers: Mapping[int, Sequence[Option]], budget: float, resolution: int = 2000,
+          tied: Sequence[int] = ()) -> dict[int, Option] | None:
     """The choice per layer minimising the summed cost with summed damage <= `budget`; None when even the least
-    damaging choice per layer exceeds it. Damages below zero count as zero (a measurement cannot promise gain)."""
+    damaging choice per layer exceeds it. Damages below zero count as zero (a measurement cannot promise gain).
+    The layers of `tied` take one candidate, the same name in each (`tie`)."""
+    if len(set(tied) & set(layers)) > 1:
+        joint = sorted(set(tied) & set(layers))
+        chosen = solve(tie(layers, joint), budget, resolution)
+        if chosen is None:
+            return None
+        name = chosen[joint[0]].name
+        return {i: (next(o for o in layers[i] if o.name == name) if i in joint else chosen[i]) for i in sorted(layers)}
     if budget < 0 or not math.isfinite(budget):
         raise FFNQuantError(f"search budget must be a finite number >= 0, got {budget!r}")
     if any(not opts for opts in layers.values()):

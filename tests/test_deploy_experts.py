@@ -1,0 +1,189 @@
+"""deploy.experts: routed experts written to a compressed-tensors folder under their on-disk per-expert names.
+
+A plan made for the format gives every routed expert one weight-only symmetric recipe (transformers' loader reads
+the experts under one scheme, from `weight_packed`); the folder holds what llm-compressor writes for the same
+model (`experts.N.<projection>.weight_packed`, `weight_scale`, `weight_shape`), loads in transformers, and its
+proof is exact in both directions: the folder as written passes, and a folder whose experts are wrong fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from ffnquant.cli import main
+from ffnquant.errors import FFNQuantError
+from ffnquant.planning.planfile import Plan, model_fingerprint
+from ffnquant.recipe import Recipe
+from hf_models import save_causal_tiny, tokenizer
+
+pytestmark = pytest.mark.hf
+pytest.importorskip("compressed_tensors", reason="compressed-tensors not installed (pip install '.[deploy]')")
+
+TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128", "--seq-len", "128"]
+# the on-disk name of each type's expert projections, as transformers saves them
+PROJECTIONS = {"qwen3_moe": r"mlp\.experts\.\d+\.(gate|up|down)_proj", "mixtral": r"block_sparse_moe\.experts\.\d+\.w[123]"}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+    T.logging.set_verbosity_error()
+    root, tok = tmp_path_factory.mktemp("experts"), tokenizer(T)
+    return {t: save_causal_tiny(T, t, root / t, tok) for t in PROJECTIONS}
+
+
+def _plan(folder, recipes, path):
+    from ffnquant.hf import inspect_model
+
+    info = inspect_model(folder)
+    path.write_text(Plan(model_fingerprint(info), {i: Recipe.parse(r) for i, r in recipes.items()}, "ppl+1%",
+                         "bytes").to_toml())
+    return path
+
+
+@pytest.mark.parametrize("recipe, why", [
+    ("w8a8-dynamic-s8", "it quantizes activations"),
+    ("w4a16-g32-asym", "asymmetric"),
+    ("w4a16-g32-awq", "asymmetric"),
+    ("fp8-e4m3", "quantizes activations"),
+], ids=["activations", "asymmetric", "awq", "fp8"])
+def test_recipes_routed_experts_cannot_take_are_refused_with_the_loaders_reason(recipe, why):
+    from ffnquant.deploy.experts import EXPERTS_WHY, experts_refusal
+
+    message = experts_refusal(Recipe.parse(recipe))
+    assert why in message and EXPERTS_WHY in message and "\n" not in message
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "w4a16-g32", "w4a16-g32-gptq", "w8a16"])
+def test_recipes_routed_experts_take(recipe):
+    from ffnquant.deploy.experts import experts_refusal
+
+    assert experts_refusal(Recipe.parse(recipe)) is None
+
+
+def test_a_plan_giving_the_experts_two_recipes_is_refused_naming_them(moe, tmp_path, capsys):
+    from ffnquant.deploy.experts import plan_experts_refusal
+    from ffnquant.hf import inspect_model
+    from ffnquant.planning.planfile import load_plan
+
+    folder = moe["qwen3_moe"]
+    path = _plan(folder, {0: "w4a16-g32", 1: "fp32"}, tmp_path / "mixed.toml")
+    why = plan_experts_refusal(load_plan(path, inspect_model(folder)), inspect_model(folder))
+    assert "2 recipes (L0 w4a16-g32, L1 fp32)" in why and "--format compressed-tensors" in why
+    assert main(["export", "--model", str(folder), "--plan", str(path), "--format", "compressed-tensors", *TOKENS,
+                 "--out", str(tmp_path / "ct")]) == 2
+    assert "2 recipes (L0 w4a16-g32, L1 fp32)" in capsys.readouterr().err and not (tmp_path / "ct").exists()
+
+
+@pytest.mark.parametrize("model_type", list(PROJECTIONS))
+def test_a_plan_for_the_format_ties_the_experts_and_its_folder_is_llm_compressors_layout(moe, model_type, tmp_path,
+                                                                                         capsys):
+    """plan --format compressed-tensors: one recipe for every layer of routed experts; the export stores each
+    expert's projections packed under their on-disk names (no float copy left), one `re:` config group naming the
+    experts, and is proven: every expert's weight decompressed bit for bit, every expert's output in the loaded
+    model equal to ffnquant's."""
+    from safetensors import safe_open
+
+    folder = moe[model_type]
+    assert main(["plan", "--model", str(folder), "--format", "compressed-tensors", "--objective", "bytes",
+                 "--target", "ppl+5%", "--candidates", "fp32,w8a8-dynamic-s8,w4a16-g32,w8a16", *TOKENS,
+                 "--probe-tokens", "128", "--no-progress", "--out", str(tmp_path / "p")]) == 0
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert len({row["recipe"] for row in plan["plan"]["layers"]}) == 1
+    assert any(s["recipe"] == "w8a8-dynamic-s8" and "quantizes activations" in s["reason"]
+               for s in plan["skipped_candidates"])
+    capsys.readouterr()
+    tied = _plan(folder, {0: "w4a16-g32", 1: "w4a16-g32"}, tmp_path / "tied.toml")  # quantized, whatever was chosen
+    out = tmp_path / "ct"
+    assert main(["export", "--model", str(folder), "--plan", str(tied), "--format", "compressed-tensors", *TOKENS,
+                 "--no-progress", "--out", str(out)]) == 0
+    doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    proof = doc["proof"]
+    assert proof["proven"] and proof["weights"]["all_identical"] and proof["weights"]["modules"] == 2 * 4 * 3
+    assert proof["layers"]["layers"] == 8 and proof["layers"]["all_at_parity"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    experts = [k for k in keys if ".experts." in k]
+    pattern = re.compile(rf"model\.layers\.[01]\.{PROJECTIONS[model_type]}\.weight_(packed|scale|shape)")
+    assert len(experts) == 2 * 4 * 3 * 3 and all(pattern.fullmatch(k) for k in experts), experts[:4]
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["routed_experts"]
+    assert group["format"] == "pack-quantized" and group["weights"]["num_bits"] == 4
+    assert group["targets"][0].startswith("re:") and "experts" in group["targets"][0]
+    assert doc["written"]["routed_experts"]["quantized"] == 24
+
+
+def test_the_proof_fails_a_folder_whose_experts_are_wrong(moe, tmp_path):
+    """The proof is exact in both directions: the folder as written passes; one expert's codes changed, or one
+    layer's experts missing (transformers initialises them at random), fail it, each saying why."""
+    from safetensors.torch import load_file, save_file
+
+    from ffnquant.deploy import build_planned_model, ctensors
+    from ffnquant.hf import inspect_model
+
+    folder = moe["qwen3_moe"]
+    info = inspect_model(folder)
+    plan = Plan(model_fingerprint(info), {0: Recipe.parse("w4a16-g32"), 1: Recipe.parse("w4a16-g32")}, "ppl+1%", "bytes")
+    planned = build_planned_model(info, plan, calib_tokens=256, eval_tokens=128, seq_len=128)
+    good = tmp_path / "good"
+    good.mkdir()
+    ctensors.write_folder(planned, good)
+    assert ctensors.verify_folder(good, planned)["proven"]
+
+    def planted(name, edit):
+        bad = tmp_path / name
+        bad.mkdir()
+        for f in good.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        state = load_file(str(bad / "model.safetensors"))
+        edit(state)
+        save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+        return ctensors.verify_folder(bad, planned)
+
+    def flip_codes(state):  # every code of one expert's gate moved by one step of its 4-bit grid
+        key = "model.layers.1.mlp.experts.2.gate_proj.weight_packed"
+        state[key] = state[key] ^ torch.full_like(state[key], 0x11111111)
+
+    proof = planted("codes", flip_codes)
+    assert not proof["proven"] and "weights differ" in proof["unproven"]
+    wrong = [r["module"] for r in proof["weights"]["rows"] if not r["bit_identical"]]
+    assert wrong == ["model.layers.1.mlp.experts.2.gate_proj"]
+
+    def drop_layer(state):
+        for key in [k for k in state if k.startswith("model.layers.0.mlp.experts.")]:
+            del state[key]
+
+    proof = planted("missing", drop_layer)
+    assert not proof["proven"] and "weights differ" in proof["unproven"]
+    assert {r["how"] for r in proof["weights"]["rows"] if not r["bit_identical"]} == {"missing from the files"}
+    assert "layers not within rounding ties" in proof["unproven"]
+
+
+def test_the_onnx_graph_and_vllms_cpu_build_refuse_routed_experts_with_their_reasons(moe):
+    from ffnquant.deploy.planned import deployable_refusal
+    from ffnquant.hf import inspect_model
+    from ffnquant.planning.candidates import candidate_recipes, serve_candidates
+
+    info = inspect_model(moe["qwen3_moe"])
+    assert deployable_refusal(info, "compressed-tensors") is None
+    assert "no onnxruntime MoE/QMoE operator" in deployable_refusal(info, "onnx")
+    recipes, _ = candidate_recipes("fp32,w4a16-g32", info.spec)
+    kept, left = serve_candidates(recipes, [], info, "vllm-cpu")
+    assert [str(r) for r in kept] == ["fp32"] and "No WNA16 MoE backend" in left[0]["reason"]
+
+
+def test_a_checkpoint_with_fused_experts_is_refused_in_one_line(tmp_path):
+    """GraniteMoE's checkpoint stores its experts as 3-D tensors: transformers reads quantized experts only from
+    per-expert names, so the format refuses the model before anything is read."""
+    import transformers
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.planning.candidates import candidate_recipes, format_candidates
+
+    info = inspect_model(save_causal_tiny(transformers, "granitemoe", tmp_path / "granitemoe"))
+    recipes, _ = candidate_recipes("fp32,w4a16-g32", info.spec)
+    with pytest.raises(FFNQuantError, match="checkpoint stores the routed experts fused"):
+        format_candidates(recipes, [], info, "compressed-tensors")
