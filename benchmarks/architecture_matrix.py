@@ -53,6 +53,15 @@ def _why(message: str, folder: Path) -> str:
     return message.split("error: ", 1)[-1].replace(str(folder), folder.name)[:220]
 
 
+def _routed(folder: Path) -> bool:
+    from ffnquant.hf import inspect_model
+
+    try:
+        return any(layer.expert is not None for layer in inspect_model(folder).layers)
+    except Exception:  # noqa: BLE001 - the inspect cell says why
+        return False
+
+
 def one_type(model_type: str, folder: Path, work: Path) -> dict:
     """Every command on one model folder: {command: {"rc", "result"}}."""
     row: dict[str, dict] = {}
@@ -85,8 +94,11 @@ def one_type(model_type: str, folder: Path, work: Path) -> dict:
         chosen = sorted({row["recipe"] for row in data["plan"]["layers"]})
         return f"{'verified' if data['verified'] else 'NOT verified'}: {', '.join(chosen)}"
 
+    # routed experts: planned for the one format that stores them, which gives all of them one recipe (`deploy.experts`)
+    fmt = ["--format", "compressed-tensors"] if row["inspect"]["rc"] == 0 and _routed(folder) else []
     rc = cell("plan", ["plan", "--model", str(folder), "--target", "ppl+5%", "--candidates", CANDIDATES, "--objective",
-                       "bytes", *TOKENS, *WINDOW, "--probe-tokens", "128", "--no-progress", "--out", str(plan)], planned)
+                       "bytes", *fmt, *TOKENS, *WINDOW, "--probe-tokens", "128", "--no-progress", "--out", str(plan)],
+              planned)
     for fmt in ("compressed-tensors", "onnx"):
         out = work / f"export-{fmt}"
 
@@ -116,21 +128,52 @@ def one_type(model_type: str, folder: Path, work: Path) -> dict:
     return row
 
 
+COMMANDS = ("inspect", "profile", "quantize", "quantize --sequential", "model eval", "plan", "export compressed-tensors",
+            "export onnx")
+
+
+def verdict(row: dict) -> str:
+    """One word for a type's row: what a user gets end to end."""
+    if "build" in row:
+        return "tiny model does not build"
+    if any((row.get(c) or {}).get("rc") == 3 for c in COMMANDS):
+        return "internal error"
+    if row["inspect"]["rc"] != 0:
+        return "refused whole"
+    ct = row.get("export compressed-tensors") or {}
+    if ct.get("rc") == 0 and ct.get("result") == "proven":
+        return "exported and proven"
+    if ct.get("rc") == 1:
+        return "NOT PROVEN"
+    if row["plan"]["rc"] != 0:
+        return "plans no"
+    return "one feature refused"
+
+
 def _markdown(res: dict) -> str:
     from ffnquant.infra.render import markdown_table
 
-    commands = [c for c in next(iter(res["types"].values())) if c != "seconds"]
     lines = ["# Architecture matrix: every ffnquant command on each causal-LM type", "",
              f"Command: `{res['command']}`", "",
              "A tiny random-weight model of each type (2 decoder layers, d_model 32; `tests/hf_models.py`), built by "
-             "the installed transformers. A cell is `ok` with what the command measured or wrote, or the command's "
-             "one-line refusal (exit 2). Random weights: the figures show that each command runs and what it "
-             "measures, not what a trained model of the type would give.", ""]
+             f"the installed transformers ({res['transformers']}). A cell is `ok` with what the command measured or "
+             "wrote, or the command's one-line refusal (exit 2). Random weights: the figures show that each command "
+             "runs and what it measures, not what a trained model of the type would give. Models of routed experts "
+             "are planned with `--format compressed-tensors` (one recipe for all their experts).", ""]
+    counts: dict[str, list[str]] = {}
+    for model_type, row in res["types"].items():
+        counts.setdefault(verdict(row), []).append(model_type)
+    lines += ["## Summary", "", markdown_table(["verdict", "types", "which"],
+                                               [[v, len(t), ", ".join(t)] for v, t in sorted(counts.items())]), ""]
     rows = []
     for model_type, row in res["types"].items():
+        if "build" in row:
+            rows.append([model_type, f"tiny model does not build: {row['build']}", *[""] * (len(COMMANDS) - 1),
+                         f"{row['seconds']:.0f} s"])
+            continue
         cells = []
-        for c in commands:
-            r = row[c]
+        for c in COMMANDS:
+            r = row.get(c) or {"rc": None, "result": "not run"}
             if r["rc"] == 0:
                 cells.append("ok" + (f": {r['result']}" if r["result"] else ""))
             elif r["rc"] is None:
@@ -138,35 +181,80 @@ def _markdown(res: dict) -> str:
             else:
                 cells.append(f"refused (exit {r['rc']}): {r['result']}")
         rows.append([model_type, *cells, f"{row['seconds']:.0f} s"])
-    lines += [markdown_table(["type", *commands, "time"], rows), ""]
+    lines += ["## Every type", "", markdown_table(["type", *COMMANDS, "time"], rows), ""]
     env = res["environment"]
     lines += ["## Environment", "", "```", json.dumps(env, indent=1, default=str)[:3000], "```", ""]
     return "\n".join(lines)
 
 
+def _one(model_type: str, out: Path) -> int:
+    """One type in this process (what `main` runs in a child per type): its row as JSON at `out`."""
+    import transformers as T
+
+    from ffnquant.infra.atomic import write_json
+    from hf_models import save_causal_tiny, tokenizer
+
+    T.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        try:
+            folder = save_causal_tiny(T, model_type, Path(tmp) / model_type, tokenizer(T))
+        except Exception as exc:  # noqa: BLE001 - transformers' own failure to build its tiny config, said
+            row = {"build": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:220],
+                   "seconds": time.perf_counter() - t0}
+        else:
+            row = one_type(model_type, folder, Path(tmp) / f"{model_type}-work")
+    write_json(out, row)
+    return 0
+
+
+def all_types() -> list[str]:
+    """Every model type transformers maps to a causal-LM class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import subprocess
+
     import transformers as T
 
     from ffnquant.infra.atomic import write_json, write_text
     from ffnquant.infra.envinfo import environment
-    from hf_models import CAUSAL_TYPES, save_causal_tiny, tokenizer
+    from hf_models import CAUSAL_TYPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="reports/architecture-matrix")
-    ap.add_argument("--types", default=",".join(CAUSAL_TYPES))
+    ap.add_argument("--types", default=",".join(CAUSAL_TYPES),
+                    help="comma list of model types, or 'all': every causal-LM type of the installed transformers")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per type (default 900)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one type, in a child process
+    ap.add_argument("--row", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    T.logging.set_verbosity_error()
+    if args.one:
+        return _one(args.one, Path(args.row))
     res = {"command": "PYTHONPATH=.:tests python benchmarks/architecture_matrix.py "
                       + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
            "transformers": T.__version__, "types": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        root, tok = Path(tmp), tokenizer(T)
-        for model_type in args.types.split(","):
-            folder = save_causal_tiny(T, model_type, root / model_type, tok)
-            res["types"][model_type] = one_type(model_type, folder, root / f"{model_type}-work")
-            print(model_type, {k: v["rc"] for k, v in res["types"][model_type].items() if k != "seconds"}, flush=True)
-    res["environment"] = environment()
+    types = all_types() if args.types == "all" else args.types.split(",")
     out = Path(args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, model_type in enumerate(types, 1):
+            row_path = Path(tmp) / f"{model_type}.json"
+            t0 = time.perf_counter()
+            # each type in its own process: a type that hangs or exhausts memory costs its row, not the matrix
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--one", model_type, "--row", str(row_path)],
+                                      capture_output=True, text=True, timeout=args.timeout)
+                failed = None if row_path.exists() else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            except subprocess.TimeoutExpired:
+                failed = f"did not finish in {args.timeout:.0f} s"
+            row = json.loads(row_path.read_text()) if failed is None else {
+                "build": f"the matrix's child process failed: {failed}"[:220], "seconds": time.perf_counter() - t0}
+            res["types"][model_type] = row
+            print(f"[{k}/{len(types)}] {model_type}: {verdict(row)} ({row['seconds']:.0f} s)", flush=True)
+    res["environment"] = environment()
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "matrix.json", res)
     write_text(out / "matrix.md", _markdown(res))

@@ -126,7 +126,8 @@ def causal_config(T, model_type: str):
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     config = T.AutoConfig.for_model(model_type, **kwargs)
     types = getattr(config, "layer_types", None)
-    if isinstance(types, list) and "linear_attention" in types and "full_attention" not in types:
+    settable_types = not isinstance(getattr(type(config), "layer_types", None), property)
+    if settable_types and isinstance(types, list) and "linear_attention" in types and "full_attention" not in types:
         # a hybrid (Qwen3-Next, Qwen3.5) cut to two layers keeps one of full attention, as a real one has every few
         # layers: with linear attention alone transformers cannot size a KV cache's mask, nor generate
         config.layer_types = ["linear_attention", "full_attention"]
