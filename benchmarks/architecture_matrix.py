@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default=",".join(CAUSAL_TYPES),
                     help="comma list of model types, or 'all': every causal-LM type of the installed transformers")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per type (default 900)")
+    ap.add_argument("--jobs", type=int, default=1, help="types run side by side, each on cores / jobs threads")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one type, in a child process
     ap.add_argument("--row", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -239,21 +240,32 @@ def main(argv: list[str] | None = None) -> int:
            "transformers": T.__version__, "types": {}}
     types = all_types() if args.types == "all" else args.types.split(",")
     out = Path(args.out)
-    with tempfile.TemporaryDirectory() as tmp:
-        for k, model_type in enumerate(types, 1):
-            row_path = Path(tmp) / f"{model_type}.json"
-            t0 = time.perf_counter()
-            # each type in its own process: a type that hangs or exhausts memory costs its row, not the matrix
-            try:
-                proc = subprocess.run([sys.executable, __file__, "--one", model_type, "--row", str(row_path)],
-                                      capture_output=True, text=True, timeout=args.timeout)
-                failed = None if row_path.exists() else (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            except subprocess.TimeoutExpired:
-                failed = f"did not finish in {args.timeout:.0f} s"
-            row = json.loads(row_path.read_text()) if failed is None else {
-                "build": f"the matrix's child process failed: {failed}"[:220], "seconds": time.perf_counter() - t0}
-            res["types"][model_type] = row
-            print(f"[{k}/{len(types)}] {model_type}: {verdict(row)} ({row['seconds']:.0f} s)", flush=True)
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = str(max(1, (os.cpu_count() or 1) // max(1, args.jobs)))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    done = [0]
+
+    def one(model_type: str, tmp: str) -> tuple[str, dict]:
+        row_path = Path(tmp) / f"{model_type}.json"
+        t0 = time.perf_counter()
+        # each type in its own process: a type that hangs or exhausts memory costs its row, not the matrix
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--one", model_type, "--row", str(row_path)],
+                                  capture_output=True, text=True, timeout=args.timeout, env=env)
+            failed = None if row_path.exists() else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        except subprocess.TimeoutExpired:
+            failed = f"did not finish in {args.timeout:.0f} s"
+        row = json.loads(row_path.read_text()) if failed is None else {
+            "build": f"the matrix's child process failed: {failed}"[:220], "seconds": time.perf_counter() - t0}
+        done[0] += 1
+        print(f"[{done[0]}/{len(types)}] {model_type}: {verdict(row)} ({row['seconds']:.0f} s)", flush=True)
+        return model_type, row
+
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        rows = dict(pool.map(lambda t: one(t, tmp), types))
+    res["types"] = {t: rows[t] for t in types}
     res["environment"] = environment()
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "matrix.json", res)

@@ -122,8 +122,8 @@ def causal_config(T, model_type: str):
     base = T.AutoConfig.for_model(model_type)
     settable = lambda k: hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)  # noqa: E731
     kwargs = {k: v for k, v in _TINY.items() if settable(k) or k == "ffn_hidden_size" and model_type == "falcon"}
-    if model_type in ("deepseek_v2", "deepseek_v3"):  # multi-head latent attention: as many key/value heads as query heads
-        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    if hasattr(base, "kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3 and kin): as many key/value
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # heads as query heads, as real ones have
     config = T.AutoConfig.for_model(model_type, **kwargs)
     types = getattr(config, "layer_types", None)
     settable_types = not isinstance(getattr(type(config), "layer_types", None), property)

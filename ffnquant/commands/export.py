@@ -137,7 +137,9 @@ def _print_deploy(doc: dict, out: Path) -> None:
               f"{lay['bit_identical']}/{lay['layers']} bit-identical, "
               f"{'all' if lay['all_at_parity'] else 'NOT all'} within rounding ties")
         gen = proof.get("generation") or {}
-        if gen:
+        if gen.get("skipped"):
+            print(f"generation not compared: {gen['skipped']}")
+        elif gen:
             print(f"generation with transformers' KV cache: {gen['equal']}/{gen['prompts']} prompts x {gen['new_tokens']} "
                   "tokens equal to ffnquant's reference")
         dtype = load.get("compute_dtype", "float32")

@@ -507,7 +507,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     unproven = [why for ok, why in (
         (weights["all_identical"], "weights differ"), (inputs["all_equal"], "static input qparams differ"),
         (layers["all_at_parity"], "layers not within rounding ties"), (load["gates"]["met"], "end-to-end gates not met"),
-        (generation["prompts"] > 0, f"no generation prompt: the held-out text has {figures.get('n_tokens') or 0} "
+        # transformers failing to generate with the model class at all is said in `generation["skipped"]`
+        (generation["prompts"] > 0 or generation.get("skipped"), f"no generation prompt: the held-out text has {figures.get('n_tokens') or 0} "
                                     "tokens, fewer than one 16-token prompt; give a longer --eval-text")) if not ok]
     return {"proven": not unproven, "unproven": unproven, "weights": weights, "inputs": inputs, "layers": layers,
             "load": load, "generation": generation}

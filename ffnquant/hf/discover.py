@@ -472,6 +472,21 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
             raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): its experts' "
                                 f"tensors {', '.join(stacked[:4])} are not laid out as ffnquant reads routed experts "
                                 f"([experts, 2f or f, {d}] and [experts, {d}, f], each row an output)")
+        out = {n: tuple(p.shape) for n, p in blocks[0].named_parameters() if p.dim() == 2 and p.shape[1] == d != p.shape[0]}
+        back = {n: tuple(p.shape) for n, p in blocks[0].named_parameters() if p.dim() == 2 and p.shape[0] == d != p.shape[1]
+                and any(shape[0] == p.shape[1] for shape in out.values())}
+        if out and back:  # out and back, but across modules (BERT's intermediate.dense, output.dense), none an FFN
+            first, second = next(iter(out)), next(iter(back))
+
+            def owner(param: str) -> str:  # the class of the module holding the Linear that holds `param`
+                linear = param.rpartition(".")[0]
+                return type(blocks[0].get_submodule(linear.rpartition(".")[0] or linear)).__name__
+
+            raise FFNQuantError(
+                f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): {first} {list(out[first])} maps the "
+                f"width {d} out and {second} {list(back[second])} back, but in different modules ({owner(first)}, "
+                f"{owner(second)}), the second one's forward taking more than the FFN (the residual, a norm); ffnquant "
+                "replaces an FFN that is one module or the block's own Linears")
         raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): no matrices map the "
                             f"width {d} to another width and back")
     groups: dict[tuple, list[int]] = {}

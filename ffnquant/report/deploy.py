@@ -156,7 +156,9 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
                      f"(bound {load['tolerance']:.0e}: {'met' if load['meets'] else 'not met'}).")
     lines += _gate_lines(load)
     gen = proof.get("generation")
-    if gen:
+    if gen and gen.get("skipped"):
+        lines.append(f"5. Generation: not compared: {gen['skipped']}.")
+    elif gen:
         lines.append(f"5. Generation: greedy with transformers' KV cache, {gen['prompts']} prompts of the held-out text x "
                      f"{gen['new_tokens']} new tokens: the loaded folder's tokens equal ffnquant's reference of the plan "
                      f"(the original model with its quantized FFNs"
