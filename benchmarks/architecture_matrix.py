@@ -69,7 +69,12 @@ def one_type(model_type: str, folder: Path, work: Path) -> dict:
 
     def cell(name: str, argv: list[str], result=None) -> int:
         rc, err = _run(argv)
-        row[name] = {"rc": rc, "result": (result() if result else "") if rc == 0 else _why(err, folder)}
+        if rc == 0 and result is not None:
+            try:
+                text = result()
+            except Exception as exc:  # noqa: BLE001 - a figure the matrix reads that this command did not write
+                text = f"(its report has no {exc!r})"
+        row[name] = {"rc": rc, "result": (text if result else "") if rc == 0 else _why(err, folder)}
         return rc
 
     cell("inspect", ["model", "inspect", str(folder)])

@@ -105,11 +105,12 @@ def tiny_folders(tmp_path_factory, names=None) -> dict[str, tuple[Path, str, str
 CAUSAL_TYPES = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "opt", "mixtral", "qwen3", "gemma2", "gemma3_text",
                 "olmo2", "granite", "cohere", "stablelm", "starcoder2", "gpt_neox", "falcon", "phi", "smollm3", "glm",
                 "exaone4", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron", "arcee", "bloom", "mpt", "falcon_h1",
-                "qwen3_next", "qwen3_5_text", "deepseek_v2", "granitemoe")
+                "qwen3_next", "qwen3_5_text", "deepseek_v2", "granitemoe", "roberta")
 
 # Tiny widths under every name a config class may use for them; each config takes the ones it has.
+# max_position_embeddings 136: RoBERTa's positions start past its padding id, so 128-token windows take 130
 _TINY = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, head_dim=8, n_embd=D, n_layer=2, n_head=4, n_inner=F_,
+             num_key_value_heads=2, max_position_embeddings=136, head_dim=8, n_embd=D, n_layer=2, n_head=4, n_inner=F_,
              n_positions=128, ffn_dim=F_, ffn_hidden_size=F_, moe_intermediate_size=F_, shared_expert_intermediate_size=F_,
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
              n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
@@ -125,6 +126,8 @@ def causal_config(T, model_type: str):
     if hasattr(base, "kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3 and kin): as many key/value
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # heads as query heads, as real ones have
     config = T.AutoConfig.for_model(model_type, **kwargs)
+    if not getattr(config, "is_encoder_decoder", False):  # an encoder class used as a causal LM (BERT's) masks as one
+        config.is_decoder = True
     types = getattr(config, "layer_types", None)
     settable_types = not isinstance(getattr(type(config), "layer_types", None), property)
     if settable_types and isinstance(types, list) and "linear_attention" in types and "full_attention" not in types:

@@ -44,12 +44,15 @@ EXPECTED = {
     "qwen3_next": ("swiglu", "experts"), "qwen3_5_text": ("swiglu", "module"), "deepseek_v2": ("swiglu", "experts"),
     # GraniteMoE's checkpoint stores its experts under names transformers renames as it loads
     "granitemoe": ("swiglu", "experts"),
+    # an encoder class as a causal LM: its FFN's two Linears in two modules (intermediate.dense, output.dense, whose
+    # module adds the residual and normalises), installed Linear by Linear; positions start past the padding id
+    "roberta": ("gelu", "split"),
 }
 RESIDUAL_ARG = ("bloom", "mpt")
 # why a smoothed layer's input scale cannot fold there, as the graph shows it
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
-           "exaone4": "no module produces the FFN's input"}
+           "exaone4": "no module produces the FFN's input", "roberta": r"also read by .*layer\.0\.output"}
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe")  # planned by bytes
 FUSED_EXPERTS = ("granitemoe",)  # its checkpoint stores the experts as 3-D tensors: compressed-tensors refuses it
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}

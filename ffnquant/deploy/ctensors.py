@@ -373,7 +373,13 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     with torch.no_grad(), ffn_input_hooks(loaded, info, layers, lambda l, x: captured.setdefault(l.label, x)):
         routed = any(layer.expert is not None for layer in info.layers)
         loaded(planned.evals[0] if routed else planned.evals[0][:1], use_cache=False)
-    names = {mq.layer: (mq.fused or mq.module.rsplit(".", 1)[0], mq.expert) for mq in planned.modules}
+    roles = sorted(info.arch.roles, key=len, reverse=True)  # a role may be dotted (BERT's intermediate.dense)
+
+    def ffn_module(mq: ModuleQuant) -> str:
+        role = next((r for r in roles if mq.module.endswith("." + r)), mq.module.rsplit(".", 1)[1])
+        return mq.module[: -len(role) - 1]
+
+    names = {mq.layer: (mq.fused or ffn_module(mq), mq.expert) for mq in planned.modules}
     layer_db = {r["label"]: r["accuracy_torch"]["sqnr_db"] for r in planned.rows}  # each layer's quantization noise
     rows = []
     for label, x in captured.items():

@@ -201,9 +201,13 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return max(lists, key=lambda item: size(item[1]))
 
 
-def _activation_child(module: nn.Module) -> str:
-    """The attribute of `module`'s one parameterless child that is an activation (probed on numbers), or ''."""
+def _activation_child(module: nn.Module, first: str = "") -> str:
+    """The attribute of `module`'s one parameterless child that is an activation (probed on numbers), or ''; where
+    it has none, the one beside the FFN's first Linear `first` (BERT's intermediate.intermediate_act_fn)."""
     found = [n for n, c in module.named_children() if not any(True for _ in c.parameters()) and probe_activation(c)]
+    parent = first.rpartition(".")[0]
+    if not found and parent:
+        return next((f"{parent}.{n}" for n in [_activation_child(module.get_submodule(parent))] if n), "")
     return found[0] if len(found) == 1 else ""
 
 
@@ -259,6 +263,26 @@ def _candidates(block: nn.Module, d: int) -> list[FoundFFN]:
             elif len(full) == 1 and not fused:
                 out.append(FoundFFN(path, install, {full[0]: "w_up", down: "w_down"}, d, f, False, transposed, bias,
                                     linear_class=cls))
+    if not out:
+        out += _split_across_children(block, d)
+    return out
+
+
+def _split_across_children(block: nn.Module, d: int) -> list[FoundFFN]:
+    """An FFN whose two Linears sit in two children of the block (BERT's intermediate.dense, d -> f, then the
+    activation; output.dense, f -> d, whose module then adds the residual and normalises): the block's own FFN,
+    installed Linear by Linear (`Install.SPLIT`, dotted attributes)."""
+    nested = {f"{c}.{n}": _linear_shape(m) for c, child in block.named_children() for n, m in child.named_children()}
+    nested = {n: s for n, s in nested.items() if s is not None}
+    out = []
+    for down, (i, o, transposed) in nested.items():
+        if o != d or i == d:
+            continue
+        ups = [n for n, (a, b, _) in nested.items() if a == d and b == i and n.split(".")[0] != down.split(".")[0]]
+        if len(ups) == 1:
+            bias = any(getattr(block.get_submodule(n), "bias", None) is not None for n in (ups[0], down))
+            out.append(FoundFFN("", Install.SPLIT, {ups[0]: "w_up", down: "w_down"}, d, i, False, transposed, bias,
+                                linear_class=type(block.get_submodule(down)).__name__))
     return out
 
 
@@ -363,7 +387,8 @@ def _module_output(probe: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: s
 def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
     """Settle a candidate's roles and activation by reproducing its module's output (see the module docstring)."""
     gen = torch.Generator().manual_seed(0)
-    act_attr = _activation_child(module) if ffn.install is Install.SPLIT else ""
+    first = next((n for n, r in ffn.roles.items() if r != "w_down"), "")
+    act_attr = _activation_child(module, first) if ffn.install is Install.SPLIT else ""
     if ffn.install is Install.SPLIT and not act_attr:
         raise FFNQuantError(f"{where}: the block's FFN Linears have no activation module beside them that ffnquant "
                             f"can compute ({', '.join(a.value for a in Activation)})")

@@ -20,6 +20,7 @@ per batch, when they do not fit the budget.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import copy
 import dataclasses
 import math
@@ -30,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..errors import FFNQuantError
+from ..errors import FFNQuantError, first_line
 from .arch import Install, ModelKind
 from .capture import (
     _module_for, _quiet_transformers, ffn_input_hooks, install_ffns, load_tokenizer, model_text_batches,
@@ -191,6 +192,33 @@ class _Stop(Exception):
     """Raised by the last stand-in: the model's forward has recorded what it builds for every layer."""
 
 
+def _base_of(model: nn.Module, list_name: str) -> nn.Module:
+    """The module whose forward embeds the token ids and runs the decoder layers `list_name`: the list's parent
+    (LlamaModel), or the first ancestor taking `input_ids` (BertModel, whose encoder takes hidden states)."""
+    parts = list_name.split(".")[:-1]
+    while parts:
+        module = model.get_submodule(".".join(parts))
+        try:
+            if "input_ids" in inspect.signature(module.forward).parameters:
+                return module
+        except (TypeError, ValueError):
+            pass
+        parts.pop()
+    return model
+
+
+def _beside(base: nn.Module, layers: nn.Module) -> list[nn.Module]:
+    """The modules of `base` outside the decoder layers, as large as can be (BertModel's embeddings and pooler, and
+    its encoder's parts beside the layers)."""
+    out = []
+    for child in base.children():
+        if child is layers:
+            continue
+        holds = any(m is layers for m in child.modules())
+        out += _beside(child, layers) if holds else [child]
+    return out
+
+
 class _StandIn(nn.Module):
     """Stands in for a decoder layer while the model's own forward runs: records the arguments it is given,
     returns `hidden` (or its input unchanged) and, with `stop`, ends the forward there."""
@@ -199,6 +227,16 @@ class _StandIn(nn.Module):
                  as_tuple: bool = False) -> None:
         super().__init__()
         self.record, self.hidden, self.stop, self.as_tuple = record, hidden, stop, as_tuple
+
+    def __getattr__(self, name: str) -> Any:
+        # what the model's forward asks of its layers beside calling them (BigBird's set_attention_type): the layer's
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layer = self.__dict__.get("_layer")
+            if layer is None:
+                raise
+            return getattr(layer, name)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.record is not None:
@@ -216,11 +254,17 @@ def _parameters_on_meta():
     memory, while its buffers (rotary frequencies, embedding scales) are computed as usual. Linear and
     Embedding allocate their weight with torch.empty first, which touches no page."""
     register = nn.Module.register_parameter
+    moved: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # a Parameter registered twice stays one (RoBERTa's
+    # lm_head.decoder.bias is its lm_head.bias)
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            if id(param) not in moved or moved[id(param)][0] is not param:
+                meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                moved[id(param)] = (param, meta)
+                moved[id(meta)] = (meta, meta)  # registered again under another name (the tie): itself
+            module._parameters[name] = moved[id(param)][1]
 
     nn.Module.register_parameter = on_meta
     try:
@@ -311,7 +355,7 @@ class SequentialModel:
             raise FFNQuantError(f"{info.path}: the FFNs of the transformers model are not one per decoder layer "
                                 f"{list_name}.0, .1, ... in layer order")
         self.layers = model.get_submodule(list_name)
-        self.base = model.get_submodule(list_name.rsplit(".", 1)[0]) if "." in list_name else model
+        self.base = _base_of(model, list_name)
         # each decoder layer's FFNs (none where an FFN of another shape stays float; every expert of an MoE layer)
         self.groups: list[list[LayerInfo]] = [[] for _ in range(len(self.layers))]
         for layer in info.layers:
@@ -328,29 +372,41 @@ class SequentialModel:
             return
         self.weights = _Weights(info.path, False)
         self._stored = _stored_names(model, self.weights.file_of)
+        # one Parameter under two names (RoBERTa's lm_head.bias and lm_head.decoder.bias): stored under one of them
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
         for name, p in model.named_parameters(remove_duplicate=False):
             if self.tied and name == self._names[id(self.head)] + ".weight":
                 continue  # the embedding's, as from_pretrained ties it
             stored = self._stored.get(name, name)
+            if stored not in self.weights.file_of:
+                found = [self._stored.get(a, a) for a in aliases[id(p)] if self._stored.get(a, a) in self.weights.file_of]
+                if found:
+                    self._stored[name] = stored = found[0]
             if stored not in self.weights.file_of or tuple(self.weights.shape(stored)) != tuple(p.shape):
                 raise FFNQuantError(f"{info.path}: tensor {name!r} {list(p.shape)} of the transformers model is not in "
                                     "the checkpoint with that shape; reading a layer at a time reads every module's "
                                     "tensors by name: run it whole (--no-sequential)")
 
-    def onload(self, module: nn.Module, skip: nn.Module | None = None) -> None:
-        """`module`'s parameters read from the shards in the engine's dtype, one tensor at a time (those of its submodule
-        `skip` left on the meta device)."""
+    def onload(self, module: nn.Module, skip: nn.Module | Sequence[nn.Module] | None = None) -> None:
+        """`module`'s parameters read from the shards in the engine's dtype, one tensor at a time (those of its
+        submodule(s) `skip` left as they are)."""
         if self.resident:
             return
         prefix = self._names[id(module)]
-        skipped = {id(p) for p in skip.parameters()} if skip is not None else set()
-        for name, p in list(module.named_parameters()):
+        skips = [skip] if isinstance(skip, nn.Module) else list(skip or ())
+        skipped = {id(p) for s in skips for p in s.parameters()}
+        read: dict[int, nn.Parameter] = {}  # a Parameter under two names is read once and stays one Parameter
+        for name, p in list(module.named_parameters(remove_duplicate=False)):
             if id(p) in skipped:
                 continue
             owner, _, attr = name.rpartition(".")
-            full = f"{prefix}.{name}" if prefix else name
-            tensor = _read(self.weights, self._stored.get(full, full), self.dtype).to(self.device)
-            setattr(module.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+            if id(p) not in read:
+                full = f"{prefix}.{name}" if prefix else name
+                tensor = _read(self.weights, self._stored.get(full, full), self.dtype).to(self.device)
+                read[id(p)] = nn.Parameter(tensor, requires_grad=False)
+            setattr(module.get_submodule(owner), attr, read[id(p)])
 
     def release(self) -> None:
         """Freed heap memory handed back to the system between layers when streamed (each layer's tensors read and
@@ -372,6 +428,7 @@ class SequentialModel:
     def _stand_ins(self, stand_ins: Sequence[nn.Module]):
         originals = list(self.layers)
         for i, module in enumerate(stand_ins):
+            module.__dict__["_layer"] = originals[i]  # not a submodule: its attributes only
             self.layers[i] = module
         try:
             yield
@@ -386,9 +443,8 @@ class SequentialModel:
         The modules outside the decoder layers are onloaded on the first call; `offload(embedding)` frees the
         largest of them once every text is embedded."""
         if self.embedding.weight.is_meta:
-            for module in self.base.children():
-                if module is not self.layers:
-                    self.onload(module)
+            for module in _beside(self.base, self.layers):
+                self.onload(module)
         calls = []
         n = len(self.layers)
         for b, ids in enumerate(batches):
@@ -414,6 +470,9 @@ class SequentialModel:
                 self.base(input_ids=ids, use_cache=False)
             except _Stop:
                 pass
+            except ValueError as exc:  # transformers' own refusal of the call (X-MOD: no default language set)
+                raise FFNQuantError(f"{self.info.path}: transformers' forward of the model refuses a plain call with "
+                                    f"token ids: {first_line(exc)}") from None
         return record
 
     def _no_cache(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -543,6 +602,15 @@ class SequentialModel:
         if self.head.weight.is_meta:
             self.onload(self.embedding if self.tied else self.head)
             self.head.weight = self.embedding.weight if self.tied else self.head.weight
+        bias = getattr(self.head, "bias", None)
+        if isinstance(bias, torch.Tensor) and bias.is_meta:  # a tied head's own bias (ELECTRA's generator head)
+            full = f"{self._names[id(self.head)]}.bias"
+            self.head.bias = nn.Parameter(_read(self.weights, self._stored.get(full, full), self.dtype).to(self.device),
+                                          requires_grad=False)
+        # the forward's other parts (ELECTRA's embedding projection and the dense + norm before its head)
+        for module in _beside(self.model, self.layers):
+            if module not in (self.embedding, self.head) and any(p.is_meta for p in module.parameters()):
+                self.onload(module, skip=[m for m in module.modules() if m is self.embedding or m is self.head])
         got: list[torch.Tensor] = []
         n = len(self.layers)
         handle = self.base.register_forward_hook(
@@ -551,7 +619,9 @@ class SequentialModel:
             with self._stand_ins([_StandIn(None, hidden if i == 0 else None, as_tuple=self._tuple_out)
                                   for i in range(n)]), (fast_linear(self.head) if self.fast_head else contextlib.nullcontext()):
                 # inputs_embeds only give the forward its shapes: the first stand-in returns `hidden`
-                logits = self.model(inputs_embeds=torch.zeros_like(hidden), use_cache=False).logits
+                # as wide as the token embedding (ELECTRA's and RemBERT's are narrower, projected to the model)
+                shape = (*hidden.shape[:-1], getattr(self.embedding, "embedding_dim", hidden.shape[-1]))
+                logits = self.model(inputs_embeds=hidden.new_zeros(shape), use_cache=False).logits
         finally:
             handle.remove()
         return _host(got[0]), _host(logits)

@@ -57,7 +57,10 @@ def check_other_tensors(weights: Any, config: Mapping[str, Any], d: int,
     projections against heads x head width."""
     attn = None if shapes else attention_shape(config, d)
     vocab = config.get("vocab_size")
-    emb_width = config.get("word_embed_proj_dim") or d  # OPT's embedding may be narrower than the model
+    # the embedding may be narrower than the model, projected to it (OPT's word_embed_proj_dim, ELECTRA's
+    # embedding_size, RemBERT's input_embedding_size)
+    emb_width = next((config[k] for k in ("word_embed_proj_dim", "embedding_size", "input_embedding_size")
+                      if isinstance(config.get(k), int) and not isinstance(config.get(k), bool)), d)
     for name, file in weights.file_of.items():
         shape = weights.shape(name)
         dtype = weights.dtype(name)
