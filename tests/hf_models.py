@@ -118,11 +118,29 @@ _TINY = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_l
              sliding_window=16, num_kv_heads=2)
 
 
+# what a type's config needs beside `_TINY` to build at that size (its own validators)
+_TYPE_TINY = {"bamba": {"mamba_n_heads": 4, "mamba_d_head": 16}, "granitemoehybrid": {"mamba_n_heads": 4},
+              "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16}}
+
+
 def causal_config(T, model_type: str):
     """A tiny config of any causal-LM model type of the installed transformers (the widths of `_TINY` it has)."""
     base = T.AutoConfig.for_model(model_type)
-    settable = lambda k: hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)  # noqa: E731
+    known = set(base.to_dict())
+
+    def settable(k: str) -> bool:
+        try:
+            has = hasattr(base, k)
+        except Exception:  # noqa: BLE001 - a per-layer attribute of a heterogeneous config (Gemma 4's head_dim)
+            has = k in known
+        return has and not isinstance(getattr(type(base), k, None), property)
+
     kwargs = {k: v for k, v in _TINY.items() if settable(k) or k == "ffn_hidden_size" and model_type == "falcon"}
+    kwargs.update(_TYPE_TINY.get(model_type, {}))
+    for name, sub in base.to_dict().items():  # a multimodal model's text, vision and audio configs: tiny too
+        if isinstance(sub, dict) and "model_type" in sub and name not in kwargs:
+            kwargs[name] = {k: v for k, v in sub.items() if k != "layer_types"} | \
+                {k: v for k, v in _TINY.items() if k in sub and k != "vocab_size" or k == "vocab_size" and k in sub}
     if hasattr(base, "kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3 and kin): as many key/value
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # heads as query heads, as real ones have
     config = T.AutoConfig.for_model(model_type, **kwargs)

@@ -266,8 +266,12 @@ def _files(folder: Path) -> dict[str, int]:
 
 
 def _safetensors_reader(folder: Path):
-    """name -> tensor over the folder's safetensors files (one or several shards)."""
+    """name -> tensor over the folder's safetensors files (one or several shards), each tensor also under the name
+    transformers loads it as (a checkpoint saved under legacy names, EXAONE's transformer.h.N.mlp.c_fc_0, is read
+    by the model's module names, model.layers.N.mlp.gate_proj)."""
     from safetensors import safe_open
+
+    from ..hf.weights import loaded_names
 
     handles = {}
     where: dict[str, Path] = {}
@@ -275,12 +279,22 @@ def _safetensors_reader(folder: Path):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 where[key] = path
+    stored: dict[str, str] = {}
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
+        stored = loaded_names(list(where), get_checkpoint_conversion_mapping(model_type) or [])
+    except Exception:  # noqa: BLE001 - a transformers without conversion mappings: the stored names only
+        stored = {}
+    stored = {loaded: key for loaded, key in stored.items() if loaded not in where}
+    where.update({loaded: where[key] for loaded, key in stored.items()})
 
     def read(name: str) -> torch.Tensor:
         path = where[name]
         if path not in handles:
             handles[path] = safe_open(str(path), framework="pt")
-        return handles[path].get_tensor(name)
+        return handles[path].get_tensor(stored.get(name, name))
 
     return where, read
 

@@ -103,7 +103,8 @@ class Discovery:
         gated = ffn.gated
         fixed = {"d_model": ffn.d_model, "d_ff": ffn.d_ff, "n_layers": self.n_blocks, "n_experts": ffn.experts,
                  "blocks": self.blocks, "shapes": self.shapes}
-        module_pattern = r"(?:.+\.)?" + tail + r"\.{layer}" + rel
+        # the whole path of the blocks' list: a multimodal model's vision tower has its own `layers.N.mlp`
+        module_pattern = r"(?:.+\.)?" + re.escape(self.layers_path) + r"\.{layer}" + rel
         common: dict[str, Any] = dict(
             name=self.model_type, kind=ModelKind.CAUSAL_LM, d_model_keys=("hidden_size",), d_ff_keys=("intermediate_size",),
             activation=lambda c, w: (act, gated), roles=dict(ffn.roles), transposed=ffn.transposed,
@@ -245,6 +246,11 @@ def _candidates(block: nn.Module, d: int) -> list[FoundFFN]:
         linears = {n: _linear_shape(c) for n, c in module.named_children()}
         linears = {n: s for n, s in linears.items() if s is not None}
         downs = [n for n, (i, o, _) in linears.items() if o == d and i != d]
+        if path and downs and not any(i == d and o != d for i, o, _ in linears.values()):
+            # the first matrices one level down (CPM-Ant's w_in.w_0, w_in.w_1 beside its w_out)
+            deeper = {f"{c}.{n}": _linear_shape(m) for c, child in module.named_children() if c not in linears
+                      for n, m in child.named_children()}
+            linears.update({n: s for n, s in deeper.items() if s is not None and s[0] == d and s[1] != d})
         for down in downs:
             f = linears[down][0]
             ups = [n for n, (i, o, _) in linears.items() if i == d and o in (f, 2 * f) and n != down]
