@@ -356,6 +356,10 @@ class SequentialModel:
                                 f"{list_name}.0, .1, ... in layer order")
         self.layers = model.get_submodule(list_name)
         self.base = _base_of(model, list_name)
+        try:
+            self._takes_embeds = "inputs_embeds" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            self._takes_embeds = True
         # each decoder layer's FFNs (none where an FFN of another shape stays float; every expert of an MoE layer)
         self.groups: list[list[LayerInfo]] = [[] for _ in range(len(self.layers))]
         for layer in info.layers:
@@ -618,10 +622,17 @@ class SequentialModel:
         try:
             with self._stand_ins([_StandIn(None, hidden if i == 0 else None, as_tuple=self._tuple_out)
                                   for i in range(n)]), (fast_linear(self.head) if self.fast_head else contextlib.nullcontext()):
-                # inputs_embeds only give the forward its shapes: the first stand-in returns `hidden`
-                # as wide as the token embedding (ELECTRA's and RemBERT's are narrower, projected to the model)
-                shape = (*hidden.shape[:-1], getattr(self.embedding, "embedding_dim", hidden.shape[-1]))
-                logits = self.model(inputs_embeds=hidden.new_zeros(shape), use_cache=False).logits
+                # inputs_embeds only give the forward its shapes, [batch, tokens, the token embedding's width]
+                # (ELECTRA's is narrower, DeepSeek-V4's hidden states have a hyper-connection axis): the first
+                # stand-in returns `hidden`; a forward without inputs_embeds (CPM-Ant's) takes token ids
+                shape = (*hidden.shape[:2], getattr(self.embedding, "embedding_dim", hidden.shape[-1]))
+                if self._takes_embeds:
+                    logits = self.model(inputs_embeds=hidden.new_zeros(shape), use_cache=False).logits
+                else:
+                    if self.embedding.weight.is_meta:
+                        self.onload(self.embedding)
+                    ids = torch.zeros(shape[:2], dtype=torch.long, device=hidden.device)
+                    logits = self.model(input_ids=ids, use_cache=False).logits
         finally:
             handle.remove()
         return _host(got[0]), _host(logits)
