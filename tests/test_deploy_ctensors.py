@@ -498,3 +498,26 @@ def test_a_proof_without_one_generation_prompt_is_not_proven(llama, tmp_path, ca
     assert any("no generation prompt" in why for why in doc["proof"]["unproven"])
     assert "NOT PROVEN: no generation prompt: the held-out text has" in printed
     assert "Verdict: NOT PROVEN (no generation prompt" in (kept / "ffnquant-deploy.md").read_text()
+
+
+@pytest.mark.hf
+def test_transformers_failing_to_generate_with_the_model_class_is_said_not_a_crash(llama, monkeypatch):
+    """BartForCausalLM's own `generate` fails in transformers (its cache holds no layers): the generation check says
+    so and compares nothing, instead of an internal error; it was never a gate of the proof."""
+    import transformers
+
+    from ffnquant.deploy import build_planned_model
+    from ffnquant.deploy.proof import generation_equality
+    from ffnquant.hf import inspect_model
+
+    info = inspect_model(llama)
+    plan = Plan(model_fingerprint(info), {0: Recipe.parse("w8a16"), 1: Recipe.parse("w8a16")}, "ppl+1%", "bytes")
+    planned = build_planned_model(info, plan, calib_tokens=256, eval_tokens=128)
+
+    def broken(*args, **kwargs):
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(type(planned.float_model), "generate", broken)
+    got = generation_equality(planned, transformers.AutoModelForCausalLM.from_pretrained(str(llama)))
+    assert got["prompts"] == 0 and got["rows"] == []
+    assert got["skipped"] == "transformers' generate fails on the original model: IndexError: list index out of range"
