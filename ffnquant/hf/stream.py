@@ -458,6 +458,11 @@ class SequentialModel:
                 # answer in that form, and the layers' inputs are recorded again
                 self._tuple_out = True
                 record = self._record(ids.to(self.device), n)
+            if tuple(record[0][0].shape[:2]) != tuple(ids.shape[:2]):
+                # Gemma 3n's AltUp stacks its predictions ahead of the batch: [inputs, batch, tokens, width]
+                raise FFNQuantError(f"{self.info.path}: its decoder layers take hidden states of shape "
+                                    f"{list(record[0][0].shape)} for token ids {list(ids.shape)}; the engine runs "
+                                    "layers on [batch, tokens, ...], split and joined by batch")
             store.put(b, _host(record[0][0]))
             calls.append([_host(self._no_cache(args, kwargs)) for _, args, kwargs in record])
             if progress is not None:
