@@ -581,7 +581,10 @@ def arch_for_config(config: Mapping[str, Any], where: str) -> Arch:
 
     key = str(config.get("model_type") or "").strip().lower()
     known = ARCHITECTURES.get(key)
-    if known is not None and known.kind is not ModelKind.CAUSAL_LM:
+    # BERT's class as a causal LM (BertLMHeadModel, is_decoder): found as any causal LM is, not as the encoder
+    causal = bool(config.get("is_decoder")) and any(str(a).endswith(("LMHeadModel", "ForCausalLM"))
+                                                     for a in config.get("architectures") or ())
+    if known is not None and known.kind is not ModelKind.CAUSAL_LM and not causal:
         return known
     # sizes checked before transformers builds anything from them (it fails deep inside, or divides by zero)
     sizes = {"hidden_size": ("hidden_size", "n_embd", "d_model"), "num_hidden_layers": ("num_hidden_layers", "n_layer")}
