@@ -157,10 +157,14 @@ def causal_config(T, model_type: str):
     return config
 
 
-def save_causal_tiny(T, model_type: str, folder: Path, tok=None) -> Path:
-    """A tiny random-weight causal LM of `model_type` saved with save_pretrained (safetensors) and a tokenizer."""
+def save_causal_tiny(T, model_type: str, folder: Path, tok=None, **overrides) -> Path:
+    """A tiny random-weight causal LM of `model_type` saved with save_pretrained (safetensors) and a tokenizer;
+    `overrides`: config values set beside `_TINY`'s."""
     torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(causal_config(T, model_type))
+    config = causal_config(T, model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = T.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder, safe_serialization=True)
     (tok if tok is not None else tokenizer(T)).save_pretrained(folder)
     return folder

@@ -25,7 +25,8 @@ def moe(tmp_path_factory):
     T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
     T.logging.set_verbosity_error()
     root, tok = tmp_path_factory.mktemp("moe"), tokenizer(T)
-    return {t: save_causal_tiny(T, t, root / t, tok) for t in ("qwen2_moe", "deepseek_v3")}
+    # 128 positions: the held-out text's 128 tokens are one window of every command
+    return {t: save_causal_tiny(T, t, root / t, tok, max_position_embeddings=128) for t in ("qwen2_moe", "deepseek_v3")}
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3"])

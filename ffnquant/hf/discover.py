@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import FFNQuantError
 from ..spec import Activation
+from .conversions import expert_sources, with_renames
 from .arch import ARCHITECTURES, Arch, Install, ModelKind
 from .validate import check_attention_config
 
@@ -116,8 +117,8 @@ class Discovery:
         if ffn.install is Install.EXPERTS:
             # checkpoints often keep one 2-D tensor per expert and matrix, which transformers fuses at load time:
             # its own conversion mapping names them, and the order in which it concatenates gate and up
-            per_expert, renames = _expert_sources(self.model_type, ffn)
-            path = _with_renames(self.layers_path.rpartition(".")[2] + r"\.(?P<layer>\d+)" + rel, renames)
+            per_expert, renames = expert_sources(self.model_type, ffn)
+            path = with_renames(self.layers_path.rpartition(".")[2] + r"\.(?P<layer>\d+)" + rel, renames)
             expert_prefix = r"(?P<prefix>(?:.+\.)?" + path + r"\.(?P<expert>\d+))"
             fused_prefix = r"(?P<prefix>(?:.+\.)?" + path + ")"
             expert_re = "|".join(re.escape(r) for r in sorted(per_expert)) or r"(?!)"
@@ -134,44 +135,6 @@ class Discovery:
             split = (up, ffn.act_attr, down)
         return Arch(**common, tensor_pattern=pattern, gated_roles=roles, dense_roles=roles, install=ffn.install,
                     split_attrs=split)
-
-
-def _expert_sources(model_type: str, ffn: FoundFFN) -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """From transformers' checkpoint conversion mapping for `model_type`: the per-expert tensor names that make up
-    each fused expert parameter (-> ffnquant weight, in the concatenation order) and the module renamings."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        mapping = get_checkpoint_conversion_mapping(model_type) or []
-    except Exception:  # an older or newer transformers without it: only fused checkpoints are read
-        return {}, []
-    per_expert: dict[str, str] = {}
-    renames: list[tuple[str, str]] = []
-    for conv in mapping:
-        sources = list(getattr(conv, "source_patterns", []) or [])
-        targets = list(getattr(conv, "target_patterns", []) or [])
-        if type(conv).__name__ == "WeightRenaming":
-            renames += [(a.strip("."), b.strip(".")) for a, b in zip(sources, targets)]
-            continue
-        if len(targets) != 1:
-            continue
-        param = targets[0].rpartition(".")[2]
-        role = ffn.roles.get(param)
-        names = [m.group(1) for m in (re.search(r"\*\.([A-Za-z0-9_]+)\.weight$", src) for src in sources) if m]
-        if role is None or len(names) != len(sources):
-            continue
-        parts = role.split("+")
-        if len(names) == len(parts):
-            per_expert.update(zip(names, parts))
-    return per_expert, renames
-
-
-def _with_renames(path_re: str, renames: list[tuple[str, str]]) -> str:
-    """`path_re` (a regex of module names) also matching the checkpoint's names before transformers' renamings."""
-    for old, new in renames:
-        if re.fullmatch(r"[A-Za-z0-9_.]+", old) and re.fullmatch(r"[A-Za-z0-9_.]+", new):
-            path_re = path_re.replace(re.escape(new), "(?:" + re.escape(new) + "|" + re.escape(old) + ")")
-    return path_re
 
 
 def _config_int(config: Any, *names: str) -> int | None:

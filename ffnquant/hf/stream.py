@@ -38,7 +38,7 @@ from .capture import (
     require_transformers,
 )
 from .checkpoint import LayerInfo, ModelInfo, _Weights
-from .weights import loaded_names
+from .skeleton import StandIn, Stop, base_of, beside, decoder_list, parameters_on_meta, stored_names
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
 from ..infra.atomic import ScratchFolder
@@ -188,112 +188,6 @@ def _float32(value: Any) -> Any:
     return value
 
 
-class _Stop(Exception):
-    """Raised by the last stand-in: the model's forward has recorded what it builds for every layer."""
-
-
-def _base_of(model: nn.Module, list_name: str) -> nn.Module:
-    """The module whose forward embeds the token ids and runs the decoder layers `list_name`: the list's parent
-    (LlamaModel), or the first ancestor taking `input_ids` (BertModel, whose encoder takes hidden states)."""
-    parts = list_name.split(".")[:-1]
-    while parts:
-        module = model.get_submodule(".".join(parts))
-        try:
-            if "input_ids" in inspect.signature(module.forward).parameters:
-                return module
-        except (TypeError, ValueError):
-            pass
-        parts.pop()
-    return model
-
-
-def _beside(base: nn.Module, layers: nn.Module) -> list[nn.Module]:
-    """The modules of `base` outside the decoder layers, as large as can be (BertModel's embeddings and pooler, and
-    its encoder's parts beside the layers)."""
-    out = []
-    for child in base.children():
-        if child is layers:
-            continue
-        holds = any(m is layers for m in child.modules())
-        out += _beside(child, layers) if holds else [child]
-    return out
-
-
-class _StandIn(nn.Module):
-    """Stands in for a decoder layer while the model's own forward runs: records the arguments it is given,
-    returns `hidden` (or its input unchanged) and, with `stop`, ends the forward there."""
-
-    def __init__(self, record: list | None, hidden: torch.Tensor | None = None, stop: bool = False,
-                 as_tuple: bool = False) -> None:
-        super().__init__()
-        self.record, self.hidden, self.stop, self.as_tuple = record, hidden, stop, as_tuple
-
-    def __getattr__(self, name: str) -> Any:
-        # what the model's forward asks of its layers beside calling them (BigBird's set_attention_type): the layer's
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            layer = self.__dict__.get("_layer")
-            if layer is None:
-                raise
-            return getattr(layer, name)
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if self.record is not None:
-            self.record.append((hidden_states, args, kwargs))
-        if self.stop:
-            raise _Stop
-        out = self.hidden if self.hidden is not None else hidden_states
-        # in the form the model's loop reads its layers' outputs: (hidden, attention weights) for Falcon's
-        return (out, None) if self.as_tuple else out
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """While active, every parameter a module registers moves to the meta device: a model's skeleton costs no
-    memory, while its buffers (rotary frequencies, embedding scales) are computed as usual. Linear and
-    Embedding allocate their weight with torch.empty first, which touches no page."""
-    register = nn.Module.register_parameter
-    moved: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # a Parameter registered twice stays one (RoBERTa's
-    # lm_head.decoder.bias is its lm_head.bias)
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None:
-            if id(param) not in moved or moved[id(param)][0] is not param:
-                meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-                moved[id(param)] = (param, meta)
-                moved[id(meta)] = (meta, meta)  # registered again under another name (the tie): itself
-            module._parameters[name] = moved[id(param)][1]
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def _stored_names(model: nn.Module, keys) -> dict[str, str]:
-    """The model's parameter name -> the checkpoint's tensor name, where transformers renames a key as it loads
-    (its checkpoint conversion mapping's renamings: GPT-NeoX's `embed_out` is the class's `lm_head`)."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-
-        return loaded_names(keys, get_model_conversion_mapping(model))
-    except Exception:  # a transformers without conversion mappings loads checkpoints by their own names
-        return {}
-
-
-def _decoder_list(model: nn.Module, module_name: str) -> tuple[str, int]:
-    """(name of the ModuleList of decoder layers, index) holding the module `module_name`: the first
-    `<list>.<i>` on its path whose `<list>` is a ModuleList (model.layers.3.mlp.experts.1 -> model.layers, 3)."""
-    parts = module_name.split(".")
-    for i in range(1, len(parts)):
-        if parts[i].isdigit() and isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
-            return ".".join(parts[:i]), int(parts[i])
-    raise FFNQuantError(f"the FFN module {module_name!r} is not inside a list of decoder layers")
-
-
 class SequentialModel:
     """The one engine every command runs a causal LM through: the model's own transformers class, its decoder
     layers run one at a time over batches of hidden states (`embed`, `run`, `head_out`).
@@ -335,7 +229,7 @@ class SequentialModel:
             _glibc("mallopt", _M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
             try:
                 config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
-                with _quiet_transformers(transformers), _parameters_on_meta():
+                with _quiet_transformers(transformers), parameters_on_meta():
                     try:
                         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
                     except TypeError:  # transformers < 4.56 names it torch_dtype
@@ -348,14 +242,14 @@ class SequentialModel:
         self._tuple_out = False  # whether the model's loop reads its layers' outputs as tuples (`embed` finds out)
         names = [n for n, _ in model.named_modules()]
         found = {layer: _module_for(model, info, layer, names) for layer in info.layers}  # (name, module) per FFN
-        lists = {_decoder_list(model, name) for name, _ in found.values()}
+        lists = {decoder_list(model, name) for name, _ in found.values()}
         list_name = next(iter(lists))[0]
         if any(name != list_name for name, _ in lists) or any(
-                _decoder_list(model, name)[1] != layer.index for layer, (name, _) in found.items()):
+                decoder_list(model, name)[1] != layer.index for layer, (name, _) in found.items()):
             raise FFNQuantError(f"{info.path}: the FFNs of the transformers model are not one per decoder layer "
                                 f"{list_name}.0, .1, ... in layer order")
         self.layers = model.get_submodule(list_name)
-        self.base = _base_of(model, list_name)
+        self.base = base_of(model, list_name)
         try:
             self._takes_embeds = "inputs_embeds" in inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
@@ -375,7 +269,7 @@ class SequentialModel:
         if resident:
             return
         self.weights = _Weights(info.path, False)
-        self._stored = _stored_names(model, self.weights.file_of)
+        self._stored = stored_names(model, self.weights.file_of)
         # one Parameter under two names (RoBERTa's lm_head.bias and lm_head.decoder.bias): stored under one of them
         aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -447,7 +341,7 @@ class SequentialModel:
         The modules outside the decoder layers are onloaded on the first call; `offload(embedding)` frees the
         largest of them once every text is embedded."""
         if self.embedding.weight.is_meta:
-            for module in _beside(self.base, self.layers):
+            for module in beside(self.base, self.layers):
                 self.onload(module)
         calls = []
         n = len(self.layers)
@@ -471,13 +365,13 @@ class SequentialModel:
 
     def _record(self, ids: torch.Tensor, n: int) -> list:
         record: list = []
-        stand_ins = [_StandIn(record, stop=i == n - 1, as_tuple=self._tuple_out) for i in range(n)]
+        stand_ins = [StandIn(record, stop=i == n - 1, as_tuple=self._tuple_out) for i in range(n)]
         with self._stand_ins(stand_ins), torch.no_grad():
             try:
                 # no KV cache: the calls are recorded without one anyway (`_no_cache`), and a cache of linear-attention
                 # layers alone (a hybrid cut to a few layers) cannot size an attention mask
                 self.base(input_ids=ids, use_cache=False)
-            except _Stop:
+            except Stop:
                 pass
             except ValueError as exc:  # transformers' own refusal of the call (X-MOD: no default language set)
                 raise FFNQuantError(f"{self.info.path}: transformers' forward of the model refuses a plain call with "
@@ -617,7 +511,7 @@ class SequentialModel:
             self.head.bias = nn.Parameter(_read(self.weights, self._stored.get(full, full), self.dtype).to(self.device),
                                           requires_grad=False)
         # the forward's other parts (ELECTRA's embedding projection and the dense + norm before its head)
-        for module in _beside(self.model, self.layers):
+        for module in beside(self.model, self.layers):
             if module not in (self.embedding, self.head) and any(p.is_meta for p in module.parameters()):
                 self.onload(module, skip=[m for m in module.modules() if m is self.embedding or m is self.head])
         got: list[torch.Tensor] = []
@@ -625,7 +519,7 @@ class SequentialModel:
         handle = self.base.register_forward_hook(
             lambda module, args, out: got.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
         try:
-            with self._stand_ins([_StandIn(None, hidden if i == 0 else None, as_tuple=self._tuple_out)
+            with self._stand_ins([StandIn(None, hidden if i == 0 else None, as_tuple=self._tuple_out)
                                   for i in range(n)]), (fast_linear(self.head) if self.fast_head else contextlib.nullcontext()):
                 # inputs_embeds only give the forward its shapes, [batch, tokens, the token embedding's width]
                 # (ELECTRA's is narrower, DeepSeek-V4's hidden states have a hyper-connection axis): the first

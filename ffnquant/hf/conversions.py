@@ -1,0 +1,48 @@
+"""What transformers' checkpoint conversion mapping says of a model type, for reading its checkpoint by the names
+it has on disk: the per-expert tensors it fuses into each 3-D expert parameter (`expert_sources`) and the module
+renamings (`with_renames`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["expert_sources", "with_renames"]
+
+
+def expert_sources(model_type: str, ffn: Any) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """From transformers' checkpoint conversion mapping for `model_type`: the per-expert tensor names that make up
+    each fused expert parameter (-> ffnquant weight, in the concatenation order) and the module renamings."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        mapping = get_checkpoint_conversion_mapping(model_type) or []
+    except Exception:  # an older or newer transformers without it: only fused checkpoints are read
+        return {}, []
+    per_expert: dict[str, str] = {}
+    renames: list[tuple[str, str]] = []
+    for conv in mapping:
+        sources = list(getattr(conv, "source_patterns", []) or [])
+        targets = list(getattr(conv, "target_patterns", []) or [])
+        if type(conv).__name__ == "WeightRenaming":
+            renames += [(a.strip("."), b.strip(".")) for a, b in zip(sources, targets)]
+            continue
+        if len(targets) != 1:
+            continue
+        param = targets[0].rpartition(".")[2]
+        role = ffn.roles.get(param)
+        names = [m.group(1) for m in (re.search(r"\*\.([A-Za-z0-9_]+)\.weight$", src) for src in sources) if m]
+        if role is None or len(names) != len(sources):
+            continue
+        parts = role.split("+")
+        if len(names) == len(parts):
+            per_expert.update(zip(names, parts))
+    return per_expert, renames
+
+
+def with_renames(path_re: str, renames: list[tuple[str, str]]) -> str:
+    """`path_re` (a regex of module names) also matching the checkpoint's names before transformers' renamings."""
+    for old, new in renames:
+        if re.fullmatch(r"[A-Za-z0-9_.]+", old) and re.fullmatch(r"[A-Za-z0-9_.]+", new):
+            path_re = path_re.replace(re.escape(new), "(?:" + re.escape(new) + "|" + re.escape(old) + ")")
+    return path_re
