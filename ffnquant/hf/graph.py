@@ -296,7 +296,7 @@ def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torc
             if key not in seen:
                 x = _first_input(args, kwargs)
                 extra = tuple(a.detach().clone() for a in args[1:3]) if arch.install is Install.EXPERTS else ()
-                y = out[0] if isinstance(out, tuple) else out
+                y = out[0] if isinstance(out, (tuple, list)) else out
                 if arch.residual_arg:  # the module returned FFN(x) + residual: the FFN's part is compared
                     y = y - _residual_input(args, kwargs)
                 seen[key] = ((x.detach().clone(), *extra), y.detach().clone())

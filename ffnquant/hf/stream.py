@@ -417,7 +417,7 @@ class SequentialModel:
         device = device or self.device
         args, kwargs = to_device(call, device)
         out = self.layers[j](hidden.to(device), *args, **kwargs)
-        return _host(out[0] if isinstance(out, tuple) else out)
+        return _host(out[0] if isinstance(out, (tuple, list)) else out)  # OpenAI GPT's blocks return a list
 
     def check(self, j: int, store: _Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:
         """ffnquant's FFNs of layer `j` (`hf_layers`, onloaded layer) against the model's own modules on the first
