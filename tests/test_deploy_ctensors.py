@@ -521,3 +521,28 @@ def test_transformers_failing_to_generate_with_the_model_class_is_said_not_a_cra
     got = generation_equality(planned, transformers.AutoModelForCausalLM.from_pretrained(str(llama)))
     assert got["prompts"] == 0 and got["rows"] == []
     assert got["skipped"] == "transformers' generate fails on the original model: IndexError: list index out of range"
+
+
+@pytest.mark.hf
+def test_a_folder_transformers_cannot_load_is_not_proven_with_the_loaders_reason(llama, tmp_path, monkeypatch, capsys):
+    """GPT-BigCode's model init reads .weight of a compressed Linear, so transformers cannot load its folder: the
+    export says so as the reason, checks the files alone, exits 1 and keeps the folder aside, not a crash."""
+    import transformers
+
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def refuse(path, *args, **kwargs):  # the written folder only; the source model loads as usual
+        if ".ffnquant-staging" in str(path):
+            raise AttributeError("'Linear' object has no attribute 'weight'")
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    out = tmp_path / "llama-ffnq"
+    rc = main(["export", "--model", str(llama), "--plan", str(_plan(llama, tmp_path, {0: "w8a16", 1: "w8a16"})),
+               "--format", "compressed-tensors", "--out", str(out), *_TOKENS])
+    printed = capsys.readouterr().out
+    why = "transformers cannot load the folder: AttributeError: 'Linear' object has no attribute 'weight'"
+    assert rc == 1 and not out.exists() and f"NOT PROVEN: {why}" in printed
+    doc = json.loads((tmp_path / "llama-ffnq.not-proven" / "ffnquant-deploy.json").read_text())
+    assert doc["proof"]["unproven"] == [why] and doc["proof"]["weights"]["all_identical"]
+    assert f"Verdict: NOT PROVEN ({why})" in (tmp_path / "llama-ffnq.not-proven" / "ffnquant-deploy.md").read_text()

@@ -129,7 +129,9 @@ def _print_deploy(doc: dict, out: Path) -> None:
           f"final hidden SQNR {ref['hidden_sqnr_db']:.2f} dB")
     if doc.get("fold"):
         print(fold_line(doc["fold"]))
-    if doc.get("proof"):
+    if doc.get("proof") and doc["proof"].get("not_loaded"):
+        print(doc["proof"]["not_loaded"])
+    elif doc.get("proof"):
         proof = doc["proof"]
         load, w, lay = proof["load"], proof["weights"], proof["layers"]
         print(f"weights: {w['bit_identical']}/{w['modules']} FFN weights decompressed bit-identical; static input "

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 
 from ..backends import ASYMMETRIC_INT4_MEASURED, CTENSORS_SUPPORTED, ROTATE_WHY, supports
-from ..errors import FFNQuantError
+from ..errors import FFNQuantError, first_line
 from ..hf import compare_models, load_ffn_layers
 from ..hf.capture import ffn_input_hooks, require_transformers
 from ..infra.atomic import write_text
@@ -486,9 +486,17 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     # are scored on them
     references = planned.references()
     dtype = planned.compute_dtype
+    try:
+        with quiet_model_io():
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype,
+                                                                       use_kernels=False).eval()  # its own modules
+    except Exception as exc:  # noqa: BLE001 - transformers' loader refusing the folder (GPT-BigCode's init reads
+        # .weight of a compressed Linear): no deployment, said with its reason; the files are still checked
+        reader = _safetensors_reader(folder)
+        why = f"transformers cannot load the folder: {type(exc).__name__}: {first_line(exc)}"
+        return {"proven": False, "unproven": [why], "not_loaded": why, "weights": _weights_check(folder, planned, reader),
+                "inputs": _input_qparams_check(planned, reader)}
     with quiet_model_io():
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype,
-                                                                   use_kernels=False).eval()  # its own modules
         figures = compare_models(None, loaded, planned.info, planned.evals, references=references)
         layers = _layer_parity(loaded, planned)
         unfolded = unfolded_ffns(planned)  # ffnquant's reference of the plan, for both checks below

@@ -131,6 +131,12 @@ def _pct(ratio: float | None) -> str:
 
 
 def _proof_lines(proof: dict[str, Any]) -> list[str]:
+    if proof.get("not_loaded"):  # transformers refused the folder: only the files were checked
+        weights = proof["weights"]
+        return ["## Proof: the folder is the measured model", "", f"Verdict: NOT PROVEN ({proof['not_loaded']})", "",
+                f"1. Weights: {weights['bit_identical']} of {weights['modules']} FFN weights, decompressed by "
+                "compressed-tensors from the files, equal ffnquant's dequantized reference bit for bit.",
+                "2-5. Not run: the folder does not load.", ""]
     load, weights, inputs, layers = proof["load"], proof["weights"], proof["inputs"], proof["layers"]
     lines = ["## Proof: the folder is the measured model", "",
              f"Verdict: {'PROVEN' if proof['proven'] else 'NOT PROVEN'}"
