@@ -296,6 +296,7 @@ def _safetensors_reader(folder: Path):
             handles[path] = safe_open(str(path), framework="pt")
         return handles[path].get_tensor(stored.get(name, name))
 
+    read.aliases = stored  # the loaded names added beside the stored ones
     return where, read
 
 
@@ -315,6 +316,8 @@ def decompressed_weights(folder: str | os.PathLike, reader: Any = None) -> dict[
     where, read = reader or _safetensors_reader(folder)
     out: dict[str, torch.Tensor] = {}
     stored = {k.rsplit(".", 1)[0] for k in where}  # every module that has a tensor in the files
+    aliases = getattr(read, "aliases", {})
+    on_disk = {k.rsplit(".", 1)[0] for k in where if k not in aliases}  # under the files' own names
     for scheme in config.config_groups.values():
         fmt = scheme.format or config.format
         compressor = BaseCompressor.get_value_from_registry(fmt)
@@ -322,10 +325,24 @@ def decompressed_weights(folder: str | os.PathLike, reader: Any = None) -> dict[
             # a `re:` target (the routed experts') names every stored module it matches
             names = sorted(n for n in stored if re.match(target[3:], n)) if target.startswith("re:") else [target]
             for name in names:
-                prefix = name + "."
+                prefix = (name if name in stored else _stored_as(name, on_disk)) + "."
                 state = {k[len(prefix):]: read(k) for k in where if k.startswith(prefix)}
                 out[name] = compressor.decompress(state, scheme)["weight"]
     return out
+
+
+def _stored_as(module: str, stored: set[str]) -> str:
+    """The stored module name of `module` where the files name it otherwise (a multimodal model's checkpoint keeps
+    `language_model.model.layers.N...` for the module `model.language_model.layers.N...`): the one stored name
+    sharing its longest tail of components; `module` itself when none or several do. A wrong match cannot pass:
+    the weight read is compared with the reference bit for bit."""
+    parts = module.split(".")
+    for k in range(len(parts) - 1, 1, -1):
+        tail = "." + ".".join(parts[-k:])
+        hits = [n for n in stored if n.endswith(tail) or n == tail[1:]]
+        if len(hits) == 1:
+            return hits[0]
+    return module
 
 
 def _weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str, Any]:
@@ -339,12 +356,14 @@ def _weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str
         ref = planned.weight_of(mq)
         got = stored.get(mq.module)
         how = "decompressed by compressed-tensors"
-        if got is None and mq.module + ".weight" not in where:  # a runtime would initialise it at random
+        module = mq.module if mq.module + ".weight" in where else _stored_as(
+            mq.module, {k.rsplit(".", 1)[0] for k in where if k not in getattr(read, "aliases", {})})
+        if got is None and module + ".weight" not in where:  # a runtime would initialise it at random
             rows.append({"module": mq.module, "how": "missing from the files", "bit_identical": False,
                          "max_abs_diff": None})
             continue
         if got is None:
-            got, how = read(mq.module + ".weight"), "stored float"
+            got, how = read(module + ".weight"), "stored float"
         # in the dtype the runtime computes in (a bf16 model's decompressed weights are bf16 values)
         same = bool(got.shape == ref.shape and torch.equal(got.to(dtype), ref.to(dtype)))
         equal += same
