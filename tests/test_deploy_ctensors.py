@@ -546,3 +546,17 @@ def test_a_folder_transformers_cannot_load_is_not_proven_with_the_loaders_reason
     doc = json.loads((tmp_path / "llama-ffnq.not-proven" / "ffnquant-deploy.json").read_text())
     assert doc["proof"]["unproven"] == [why] and doc["proof"]["weights"]["all_identical"]
     assert f"Verdict: NOT PROVEN ({why})" in (tmp_path / "llama-ffnq.not-proven" / "ffnquant-deploy.md").read_text()
+
+
+@pytest.mark.parametrize("module, stored, want", [
+    ("model.language_model.layers.0.mlp.gate_proj",
+     {"language_model.model.layers.0.mlp.gate_proj", "vision_tower.encoder.layers.0.mlp.fc1"},
+     "language_model.model.layers.0.mlp.gate_proj"),
+    ("model.layers.0.mlp.up_proj", {"a.layers.0.mlp.up_proj", "b.layers.0.mlp.up_proj"}, "model.layers.0.mlp.up_proj"),
+], ids=["multimodal-renamed", "ambiguous-kept"])
+def test_a_module_is_read_under_the_one_stored_name_sharing_its_longest_tail(module, stored, want):
+    """Gemma 3's files keep language_model.model.layers.N for the module model.language_model.layers.N: the one
+    stored name with the longest shared tail; two such names leave the module's own (the bit-for-bit check decides)."""
+    from ffnquant.deploy.ctensors import _stored_as
+
+    assert _stored_as(module, stored) == want
