@@ -346,7 +346,13 @@ class SequentialModel:
         calls = []
         n = len(self.layers)
         for b, ids in enumerate(batches):
-            record = self._record(ids.to(self.device), n)
+            try:
+                record = self._record(ids.to(self.device), n)
+            except IndexError:  # the loop indexed a plain tensor's output down to a scalar (MVP's 12 layers)
+                if b or self._tuple_out:
+                    raise
+                self._tuple_out = True
+                record = self._record(ids.to(self.device), n)
             if b == 0 and n > 1 and record[1][0].shape != record[0][0].shape:
                 # the model's loop indexes each layer's output (a tuple, as Falcon's layers return): the stand-ins
                 # answer in that form, and the layers' inputs are recorded again
