@@ -162,7 +162,13 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     if not lists:
         raise FFNQuantError(f"{type(model).__name__}: no list of decoder blocks (nn.ModuleList) in the model")
     size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    return max(lists, key=lambda item: size(item[1]))
+    try:  # a multimodal model's language decoder (transformers' get_decoder), whatever its vision tower weighs
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    except Exception:  # noqa: BLE001 - a model without one
+        decoder = None
+    inside = [(n, m) for n, m in lists if decoder is not None and decoder is not model
+              and any(m is x for x in decoder.modules())]
+    return max(inside or lists, key=lambda item: size(item[1]))
 
 
 def _activation_child(module: nn.Module, first: str = "") -> str:
