@@ -221,7 +221,9 @@ def test_asymmetric_4bit_groups_are_written_as_blocks_that_transformers_loads(ll
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     (group,) = config["config_groups"].values()
     assert group["weights"]["strategy"] == "block" and group["weights"]["block_structure"] == [1, 32]
-    zero_point = ctensors._safetensors_reader(out)[1](name + ".weight_zero_point")
+    from ffnquant.deploy.ctfiles import safetensors_reader
+
+    zero_point = safetensors_reader(out)[1](name + ".weight_zero_point")
     assert tuple(zero_point.shape) == tuple(grid.scale.shape)  # unpacked: [out, groups]
     # compressed-tensors' q = round(w / s) + z, (q - z) * s is ffnquant's signed grid: the same codes, bit for bit
     assert torch.equal(ctensors.decompressed_weights(out)[name], deq)
@@ -557,6 +559,6 @@ def test_a_folder_transformers_cannot_load_is_not_proven_with_the_loaders_reason
 def test_a_module_is_read_under_the_one_stored_name_sharing_its_longest_tail(module, stored, want):
     """Gemma 3's files keep language_model.model.layers.N for the module model.language_model.layers.N: the one
     stored name with the longest shared tail; two such names leave the module's own (the bit-for-bit check decides)."""
-    from ffnquant.deploy.ctensors import _stored_as
+    from ffnquant.deploy.ctfiles import stored_as as _stored_as
 
     assert _stored_as(module, stored) == want

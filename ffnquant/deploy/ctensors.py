@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -38,6 +37,7 @@ from ..infra.thirdparty import quiet_model_io
 from ..model import FFN
 from ..numerics.accuracy import sqnr_db
 from ..schemes import ActMode
+from .ctfiles import decompressed_weights, input_qparams_check, safetensors_reader, weights_check
 from .experts import has_experts, plan_experts_refusal, write_experts
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name, input_args, source_dtype
@@ -265,131 +265,6 @@ def _files(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def _safetensors_reader(folder: Path):
-    """name -> tensor over the folder's safetensors files (one or several shards), each tensor also under the name
-    transformers loads it as (a checkpoint saved under legacy names, EXAONE's transformer.h.N.mlp.c_fc_0, is read
-    by the model's module names, model.layers.N.mlp.gate_proj)."""
-    from safetensors import safe_open
-
-    from ..hf.weights import loaded_names
-
-    handles = {}
-    where: dict[str, Path] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                where[key] = path
-    stored: dict[str, str] = {}
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
-        stored = loaded_names(list(where), get_checkpoint_conversion_mapping(model_type) or [])
-    except Exception:  # noqa: BLE001 - a transformers without conversion mappings: the stored names only
-        stored = {}
-    stored = {loaded: key for loaded, key in stored.items() if loaded not in where}
-    where.update({loaded: where[key] for loaded, key in stored.items()})
-
-    def read(name: str) -> torch.Tensor:
-        path = where[name]
-        if path not in handles:
-            handles[path] = safe_open(str(path), framework="pt")
-        return handles[path].get_tensor(stored.get(name, name))
-
-    read.aliases = stored  # the loaded names added beside the stored ones
-    return where, read
-
-
-def decompressed_weights(folder: str | os.PathLike, reader: Any = None) -> dict[str, torch.Tensor]:
-    """Every quantized module's weight decompressed from the folder's files by compressed-tensors itself
-    (the format's own compressor per scheme, no transformers involved), by module name."""
-    _require()
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-
-    folder = Path(folder)
-    qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
-    if not qc:
-        return {}
-    known = set(QuantizationConfig.model_fields)
-    config = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k in known})
-    where, read = reader or _safetensors_reader(folder)
-    out: dict[str, torch.Tensor] = {}
-    stored = {k.rsplit(".", 1)[0] for k in where}  # every module that has a tensor in the files
-    aliases = getattr(read, "aliases", {})
-    on_disk = {k.rsplit(".", 1)[0] for k in where if k not in aliases}  # under the files' own names
-    for scheme in config.config_groups.values():
-        fmt = scheme.format or config.format
-        compressor = BaseCompressor.get_value_from_registry(fmt)
-        for target in scheme.targets:
-            # a `re:` target (the routed experts') names every stored module it matches
-            names = sorted(n for n in stored if re.match(target[3:], n)) if target.startswith("re:") else [target]
-            for name in names:
-                prefix = (name if name in stored else _stored_as(name, on_disk)) + "."
-                state = {k[len(prefix):]: read(k) for k in where if k.startswith(prefix)}
-                out[name] = compressor.decompress(state, scheme)["weight"]
-    return out
-
-
-def _stored_as(module: str, stored: set[str]) -> str:
-    """The stored module name of `module` where the files name it otherwise (a multimodal model's checkpoint keeps
-    `language_model.model.layers.N...` for the module `model.language_model.layers.N...`): the one stored name
-    sharing its longest tail of components; `module` itself when none or several do. A wrong match cannot pass:
-    the weight read is compared with the reference bit for bit."""
-    parts = module.split(".")
-    for k in range(len(parts) - 1, 1, -1):
-        tail = "." + ".".join(parts[-k:])
-        hits = [n for n in stored if n.endswith(tail) or n == tail[1:]]
-        if len(hits) == 1:
-            return hits[0]
-    return module
-
-
-def _weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str, Any]:
-    """Every FFN weight as compressed-tensors decompresses it from the files (float ones as stored) against
-    ffnquant's dequantized reference, bit for bit."""
-    stored = decompressed_weights(folder, reader)
-    where, read = reader
-    dtype = planned.compute_dtype
-    rows, equal = [], 0
-    for mq in planned.modules:
-        ref = planned.weight_of(mq)
-        got = stored.get(mq.module)
-        how = "decompressed by compressed-tensors"
-        module = mq.module if mq.module + ".weight" in where else _stored_as(
-            mq.module, {k.rsplit(".", 1)[0] for k in where if k not in getattr(read, "aliases", {})})
-        if got is None and module + ".weight" not in where:  # a runtime would initialise it at random
-            rows.append({"module": mq.module, "how": "missing from the files", "bit_identical": False,
-                         "max_abs_diff": None})
-            continue
-        if got is None:
-            got, how = read(module + ".weight"), "stored float"
-        # in the dtype the runtime computes in (a bf16 model's decompressed weights are bf16 values)
-        same = bool(got.shape == ref.shape and torch.equal(got.to(dtype), ref.to(dtype)))
-        equal += same
-        rows.append({"module": mq.module, "how": how, "bit_identical": same,
-                     "max_abs_diff": None if same or got.shape != ref.shape else float((got.float() - ref).abs().max())})
-    return {"modules": len(rows), "bit_identical": equal, "all_identical": equal == len(rows), "rows": rows}
-
-
-def _input_qparams_check(planned: PlannedModel, reader: Any) -> dict[str, Any]:
-    """Every static input scale and zero point in the files against the range ffnquant calibrated, exactly."""
-    where, read = reader
-    checked, wrong = 0, []
-    for mq in planned.modules:
-        if mq.input_mode != "static":
-            continue
-        r = mq.input_range
-        scale = read(mq.module + ".input_scale").float()
-        zp_name = mq.module + ".input_zero_point"
-        zp = read(zp_name).to(torch.int32) if zp_name in where else torch.zeros_like(scale, dtype=torch.int32)
-        want_zp = r.zero_point - 128 if r.qmin == 0 and r.qmax == 255 else r.zero_point
-        checked += 1
-        if not (torch.equal(scale, torch.full_like(scale, r.scale)) and bool((zp == want_zp).all())):
-            wrong.append(mq.module)
-    return {"static_inputs": checked, "all_equal": not wrong, "differ": wrong}
-
-
 def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     """Each FFN of the loaded folder against ffnquant's quantized FFN on the SAME inputs (those the loaded model
     feeds it on the first held-out sequence: a layer's every output element compared, which one sequence shows as
@@ -511,10 +386,10 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
                                                                        use_kernels=False).eval()  # its own modules
     except Exception as exc:  # noqa: BLE001 - transformers' loader refusing the folder (GPT-BigCode's init reads
         # .weight of a compressed Linear): no deployment, said with its reason; the files are still checked
-        reader = _safetensors_reader(folder)
+        reader = safetensors_reader(folder)
         why = f"transformers cannot load the folder: {type(exc).__name__}: {first_line(exc)}"
-        return {"proven": False, "unproven": [why], "not_loaded": why, "weights": _weights_check(folder, planned, reader),
-                "inputs": _input_qparams_check(planned, reader)}
+        return {"proven": False, "unproven": [why], "not_loaded": why, "weights": weights_check(folder, planned, reader),
+                "inputs": input_qparams_check(planned, reader)}
     with quiet_model_io():
         figures = compare_models(None, loaded, planned.info, planned.evals, references=references)
         layers = _layer_parity(loaded, planned)
@@ -546,9 +421,9 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
                                    numerics_name=CT_PER_TOKEN_CONVENTION if convention else None,
                                    deployed=figures, ppl_tolerance=LOAD_TOLERANCE)
     load.update(allowance=allowance, gates=end_to_end_gates(figures, allowance, LOAD_TOLERANCE))
-    reader = _safetensors_reader(folder)  # the files' tensor index, read once for both checks
-    weights = _weights_check(folder, planned, reader)
-    inputs = _input_qparams_check(planned, reader)
+    reader = safetensors_reader(folder)  # the files' tensor index, read once for both checks
+    weights = weights_check(folder, planned, reader)
+    inputs = input_qparams_check(planned, reader)
     # a proof needs evidence: a held-out text too short for one generation prompt, or no end-to-end tokens, proves
     # nothing about the loaded model's generation (0 of 0 prompts is not "all equal")
     unproven = [why for ok, why in (

@@ -153,29 +153,30 @@ def write_experts(folder: Path, planned: PlannedModel, modules: Sequence[ModuleQ
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from .ctfiles import safetensors_reader
+
     quantized = [mq for mq in modules if mq.grid is not None]
     if not quantized:
         return {"routed_experts": len(modules), "quantized": 0}
     state, scheme, compressor = _compressed(planned, quantized, set_params, module_args)
     low = dtype is not torch.float32
-    shards = sorted(folder.glob("*.safetensors"))
-    where: dict[str, Path] = {}
-    for path in shards:
-        with safe_open(str(path), framework="pt") as f:
-            where.update({key: path for key in f.keys()})
+    where, _ = safetensors_reader(folder)
+    by_module: dict[str, list[str]] = {}  # the compressed tensors of each expert Linear, grouped once
+    for key in state:
+        by_module.setdefault(key.rsplit(".", 1)[0], []).append(key)
     edits: dict[Path, dict[str, Any]] = {}
     for mq in quantized:
         name = mq.module + ".weight"
         if name not in where:
             raise FFNQuantError(f"transformers saved no tensor {name!r}: the checkpoint's expert names do not map to "
                                 "the model's fused experts as ffnquant reads them")
-        edit = edits.setdefault(where[name], {"drop": set(), "add": {}})
+        edit = edits.setdefault(where[name], {"drop": set(), "add": {}, "expect": {}})
         edit["drop"].add(name)
-        edit["expect"] = {**edit.get("expect", {}), name: planned.weight_of(mq)}
-        for key, value in state.items():
-            if key.startswith(mq.module + "."):
-                # scales computed in a low precision are values of it (`precision.in_dtype`): stored in it
-                edit["add"][key] = value.to(dtype) if low and value.is_floating_point() else value
+        edit["expect"][name] = planned.weight_of(mq)
+        for key in by_module.get(mq.module, ()):
+            value = state[key]
+            # scales computed in a low precision are values of it (`precision.in_dtype`): stored in it
+            edit["add"][key] = value.to(dtype) if low and value.is_floating_point() else value
     for path, edit in edits.items():
         with safe_open(str(path), framework="pt") as f:
             tensors = {key: f.get_tensor(key) for key in f.keys()}

@@ -1,0 +1,150 @@
+"""What a compressed-tensors folder's files hold, read back without transformers: its tensors by the names stored
+and the names transformers loads them as (`safetensors_reader`), every quantized module's weight decompressed by
+compressed-tensors itself (`decompressed_weights`), and the proof's two checks on the files: every FFN weight
+against ffnquant's dequantized reference bit for bit (`weights_check`), every static input range exactly
+(`input_qparams_check`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import FFNQuantError
+
+if TYPE_CHECKING:  # annotations only
+    from .planned import PlannedModel
+
+__all__ = ["safetensors_reader", "decompressed_weights", "stored_as", "weights_check", "input_qparams_check"]
+
+
+def safetensors_reader(folder: Path):
+    """name -> tensor over the folder's safetensors files (one or several shards), each tensor also under the name
+    transformers loads it as (a checkpoint saved under legacy names, EXAONE's transformer.h.N.mlp.c_fc_0, is read
+    by the model's module names, model.layers.N.mlp.gate_proj)."""
+    from safetensors import safe_open
+
+    from ..hf.weights import loaded_names
+
+    handles = {}
+    where: dict[str, Path] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                where[key] = path
+    stored: dict[str, str] = {}
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
+        stored = loaded_names(list(where), get_checkpoint_conversion_mapping(model_type) or [])
+    except Exception:  # noqa: BLE001 - a transformers without conversion mappings: the stored names only
+        stored = {}
+    stored = {loaded: key for loaded, key in stored.items() if loaded not in where}
+    where.update({loaded: where[key] for loaded, key in stored.items()})
+
+    def read(name: str) -> torch.Tensor:
+        path = where[name]
+        if path not in handles:
+            handles[path] = safe_open(str(path), framework="pt")
+        return handles[path].get_tensor(stored.get(name, name))
+
+    read.aliases = stored  # the loaded names added beside the stored ones
+    return where, read
+
+
+def decompressed_weights(folder: str | os.PathLike, reader: Any = None) -> dict[str, torch.Tensor]:
+    """Every quantized module's weight decompressed from the folder's files by compressed-tensors itself
+    (the format's own compressor per scheme, no transformers involved), by module name."""
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError as exc:
+        raise FFNQuantError(f"compressed-tensors is not installed ({exc}); pip install '.[deploy]' from the ffnquant checkout") from None
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    folder = Path(folder)
+    qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    if not qc:
+        return {}
+    known = set(QuantizationConfig.model_fields)
+    config = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k in known})
+    where, read = reader or safetensors_reader(folder)
+    out: dict[str, torch.Tensor] = {}
+    stored = {k.rsplit(".", 1)[0] for k in where}  # every module that has a tensor in the files
+    aliases = getattr(read, "aliases", {})
+    on_disk = {k.rsplit(".", 1)[0] for k in where if k not in aliases}  # under the files' own names
+    for scheme in config.config_groups.values():
+        fmt = scheme.format or config.format
+        compressor = BaseCompressor.get_value_from_registry(fmt)
+        for target in scheme.targets:
+            # a `re:` target (the routed experts') names every stored module it matches
+            names = sorted(n for n in stored if re.match(target[3:], n)) if target.startswith("re:") else [target]
+            for name in names:
+                prefix = (name if name in stored else stored_as(name, on_disk)) + "."
+                state = {k[len(prefix):]: read(k) for k in where if k.startswith(prefix)}
+                out[name] = compressor.decompress(state, scheme)["weight"]
+    return out
+
+
+def stored_as(module: str, stored: set[str]) -> str:
+    """The stored module name of `module` where the files name it otherwise (a multimodal model's checkpoint keeps
+    `language_model.model.layers.N...` for the module `model.language_model.layers.N...`): the one stored name
+    sharing its longest tail of components; `module` itself when none or several do. A wrong match cannot pass:
+    the weight read is compared with the reference bit for bit."""
+    parts = module.split(".")
+    for k in range(len(parts) - 1, 1, -1):
+        tail = "." + ".".join(parts[-k:])
+        hits = [n for n in stored if n.endswith(tail) or n == tail[1:]]
+        if len(hits) == 1:
+            return hits[0]
+    return module
+
+
+def weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str, Any]:
+    """Every FFN weight as compressed-tensors decompresses it from the files (float ones as stored) against
+    ffnquant's dequantized reference, bit for bit."""
+    stored = decompressed_weights(folder, reader)
+    where, read = reader
+    dtype = planned.compute_dtype
+    rows, equal = [], 0
+    for mq in planned.modules:
+        ref = planned.weight_of(mq)
+        got = stored.get(mq.module)
+        how = "decompressed by compressed-tensors"
+        module = mq.module if mq.module + ".weight" in where else stored_as(
+            mq.module, {k.rsplit(".", 1)[0] for k in where if k not in getattr(read, "aliases", {})})
+        if got is None and module + ".weight" not in where:  # a runtime would initialise it at random
+            rows.append({"module": mq.module, "how": "missing from the files", "bit_identical": False,
+                         "max_abs_diff": None})
+            continue
+        if got is None:
+            got, how = read(module + ".weight"), "stored float"
+        # in the dtype the runtime computes in (a bf16 model's decompressed weights are bf16 values)
+        same = bool(got.shape == ref.shape and torch.equal(got.to(dtype), ref.to(dtype)))
+        equal += same
+        rows.append({"module": mq.module, "how": how, "bit_identical": same,
+                     "max_abs_diff": None if same or got.shape != ref.shape else float((got.float() - ref).abs().max())})
+    return {"modules": len(rows), "bit_identical": equal, "all_identical": equal == len(rows), "rows": rows}
+
+
+def input_qparams_check(planned: PlannedModel, reader: Any) -> dict[str, Any]:
+    """Every static input scale and zero point in the files against the range ffnquant calibrated, exactly."""
+    where, read = reader
+    checked, wrong = 0, []
+    for mq in planned.modules:
+        if mq.input_mode != "static":
+            continue
+        r = mq.input_range
+        scale = read(mq.module + ".input_scale").float()
+        zp_name = mq.module + ".input_zero_point"
+        zp = read(zp_name).to(torch.int32) if zp_name in where else torch.zeros_like(scale, dtype=torch.int32)
+        want_zp = r.zero_point - 128 if r.qmin == 0 and r.qmax == 255 else r.zero_point
+        checked += 1
+        if not (torch.equal(scale, torch.full_like(scale, r.scale)) and bool((zp == want_zp).all())):
+            wrong.append(mq.module)
+    return {"static_inputs": checked, "all_equal": not wrong, "differ": wrong}
