@@ -29,6 +29,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from ..spec import Activation
 from .conversions import expert_sources, with_renames
+from .ffn_candidates import FoundFFN, candidates
 from .arch import ARCHITECTURES, Arch, Install, ModelKind
 from .validate import check_attention_config
 
@@ -53,31 +54,6 @@ _ACT_FN = {
 _REPRODUCE_RTOL = 64 * torch.finfo(torch.float32).eps
 _PROBE_D, _PROBE_F = 24, 40  # a probe's widths, when the module computes at any width
 _PROBE_FULL_MAX = 64_000_000  # parameters: a probe at the real widths above this is refused (memory)
-
-
-@dataclass(frozen=True)
-class FoundFFN:
-    """One FFN shape of a block: where it is (relative to the block, '' = the block's own Linears), how it is
-    installed, its matrices by attribute name (-> "w_gate", "w_up", "w_down", "w_gate+w_up" or "w_up+w_gate")."""
-
-    path: str
-    install: Install
-    roles: Mapping[str, str]
-    d_model: int
-    d_ff: int
-    gated: bool
-    transposed: bool = False
-    bias: bool = False
-    experts: int | None = None
-    activation: Activation | None = None
-    act_attr: str = ""  # the activation module's attribute (SPLIT: the block's)
-    linear_class: str = "Linear"  # the class of its matrices' modules (FalconLinear, Conv1D, ...)
-    # the module's forward takes the block's residual as its second argument and returns FFN(x) + residual (BLOOM,
-    # MPT): checked by running it; what replaces it adds the residual the same way
-    residual: bool = False
-
-    def key(self) -> tuple:
-        return (self.path, self.install, tuple(sorted(self.roles.items())), self.d_model, self.d_ff, self.experts)
 
 
 @dataclass(frozen=True)
@@ -145,18 +121,6 @@ def _config_int(config: Any, *names: str) -> int | None:
     return None
 
 
-def _linear_shape(module: nn.Module) -> tuple[int, int, bool] | None:
-    """(in, out, transposed) of a Linear-like module: nn.Linear (and subclasses) or transformers' Conv1D."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return None
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features, False
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return int(weight.shape[0]), int(weight.shape[1]), True
-    return None
-
-
 def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
@@ -195,70 +159,6 @@ def probe_activation(fn: Any) -> Activation | None:
         if torch.allclose(y.float(), f(x), rtol=0.0, atol=1e-6):
             return act
     return None
-
-
-def _candidates(block: nn.Module, d: int) -> list[FoundFFN]:
-    """Every FFN-shaped set of matrices in a block (structure only; roles of gated pairs not yet known)."""
-    out: list[FoundFFN] = []
-    for path, module in block.named_modules():
-        params3 = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
-        if len(params3) == 2:  # fused experts: [E, 2f or f, d] and [E, d, f]
-            (na, a), (nb, b) = sorted(params3.items(), key=lambda kv: kv[1].shape[1] == d)
-            e, fa, din = a.shape
-            if b.shape[0] == e and din == d and b.shape[1] == d:
-                f = int(b.shape[2])
-                gated = fa == 2 * f
-                if gated or fa == f:
-                    roles = {na: "w_gate+w_up" if gated else "w_up", nb: "w_down"}
-                    out.append(FoundFFN(path, Install.EXPERTS, roles, d, f, gated, experts=int(e)))
-            continue
-        linears = {n: _linear_shape(c) for n, c in module.named_children()}
-        linears = {n: s for n, s in linears.items() if s is not None}
-        downs = [n for n, (i, o, _) in linears.items() if o == d and i != d]
-        if path and downs and not any(i == d and o != d for i, o, _ in linears.values()):
-            # the first matrices one level down (CPM-Ant's w_in.w_0, w_in.w_1 beside its w_out)
-            deeper = {f"{c}.{n}": _linear_shape(m) for c, child in module.named_children() if c not in linears
-                      for n, m in child.named_children()}
-            linears.update({n: s for n, s in deeper.items() if s is not None and s[0] == d and s[1] != d})
-        for down in downs:
-            f = linears[down][0]
-            ups = [n for n, (i, o, _) in linears.items() if i == d and o in (f, 2 * f) and n != down]
-            full = [n for n in ups if linears[n][1] == f]
-            fused = [n for n in ups if linears[n][1] == 2 * f]
-            transposed = linears[down][2]
-            bias = any(getattr(module.get_submodule(n), "bias", None) is not None for n in [down, *ups])
-            install = Install.MODULE if path else Install.SPLIT
-            cls = type(module.get_submodule(down)).__name__
-            if len(full) == 2 and not fused:
-                roles = {full[0]: "w_gate", full[1]: "w_up", down: "w_down"}  # order settled by the probe
-                out.append(FoundFFN(path, install, roles, d, f, True, transposed, bias, linear_class=cls))
-            elif len(fused) == 1 and not full:
-                out.append(FoundFFN(path, install, {fused[0]: "w_gate+w_up", down: "w_down"}, d, f, True, transposed, bias,
-                                    linear_class=cls))
-            elif len(full) == 1 and not fused:
-                out.append(FoundFFN(path, install, {full[0]: "w_up", down: "w_down"}, d, f, False, transposed, bias,
-                                    linear_class=cls))
-    if not out:
-        out += _split_across_children(block, d)
-    return out
-
-
-def _split_across_children(block: nn.Module, d: int) -> list[FoundFFN]:
-    """An FFN whose two Linears sit in two children of the block (BERT's intermediate.dense, d -> f, then the
-    activation; output.dense, f -> d, whose module then adds the residual and normalises): the block's own FFN,
-    installed Linear by Linear (`Install.SPLIT`, dotted attributes)."""
-    nested = {f"{c}.{n}": _linear_shape(m) for c, child in block.named_children() for n, m in child.named_children()}
-    nested = {n: s for n, s in nested.items() if s is not None}
-    out = []
-    for down, (i, o, transposed) in nested.items():
-        if o != d or i == d:
-            continue
-        ups = [n for n, (a, b, _) in nested.items() if a == d and b == i and n.split(".")[0] != down.split(".")[0]]
-        if len(ups) == 1:
-            bias = any(getattr(block.get_submodule(n), "bias", None) is not None for n in (ups[0], down))
-            out.append(FoundFFN("", Install.SPLIT, {ups[0]: "w_up", down: "w_down"}, d, i, False, transposed, bias,
-                                linear_class=type(block.get_submodule(down)).__name__))
-    return out
 
 
 def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Generator) -> nn.Module:
@@ -427,7 +327,7 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     if d is None:
         raise FFNQuantError(f"{where}: the config names no model width (hidden_size)")
     layers_path, blocks = _blocks(model)
-    found: dict[int, list[FoundFFN]] = {i: _candidates(block, d) for i, block in enumerate(blocks)}
+    found: dict[int, list[FoundFFN]] = {i: candidates(block, d) for i, block in enumerate(blocks)}
     # every FFN-shaped candidate is probed once per structure: what does not reproduce is not an FFN (an attention
     # whose heads make another width maps d -> h -> d too, but it is no function of its input alone)
     probed: dict[tuple, FoundFFN | str] = {}
