@@ -128,20 +128,27 @@ def _compressed(planned: PlannedModel, modules: Sequence[ModuleQuant], set_param
     args = {json.dumps(module_args(mq)[0].model_dump(mode="json"), sort_keys=True) for mq in modules}
     if len(args) != 1 or any(mq.input_mode is not None for mq in modules):
         raise FFNQuantError(f"the routed experts are quantized {len(args)} ways; {EXPERTS_WHY}")
-    container = nn.Module()
-    for mq in modules:
-        weight = planned.weight_of(mq).float()
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        linear.weight.data = weight.clone()
-        _attach(container, mq.module, linear)
     scheme = QuantizationScheme(targets=[experts_target(modules)], weights=module_args(modules[0])[0])
-    apply_quantization_config(container, QuantizationConfig(config_groups={GROUP_NAME: scheme},
-                                                            quantization_status="frozen"), show_progress=False)
+    by_layer: dict[str, list[ModuleQuant]] = {}
     for mq in modules:
-        set_params(container.get_submodule(mq.module), mq)
-    compressor = ModelCompressor.from_pretrained_model(container)
-    compressor.compress_model(container)
-    state = {k: v.detach() for k, v in container.state_dict().items()}
+        by_layer.setdefault(mq.fused, []).append(mq)
+    state: dict[str, torch.Tensor] = {}
+    compressor = None
+    for layer in by_layer.values():  # a decoder layer's experts at a time: one float copy of one layer alive
+        container = nn.Module()
+        for mq in layer:
+            weight = planned.weight_of(mq).float()
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            linear.weight.data = weight.clone()
+            _attach(container, mq.module, linear)
+        apply_quantization_config(container, QuantizationConfig(config_groups={GROUP_NAME: scheme},
+                                                                quantization_status="frozen"), show_progress=False)
+        for mq in layer:
+            set_params(container.get_submodule(mq.module), mq)
+        compressor = ModelCompressor.from_pretrained_model(container)
+        compressor.compress_model(container)
+        state.update({k: v.detach() for k, v in container.state_dict().items()})
+        del container
     return state, scheme, compressor
 
 
