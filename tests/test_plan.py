@@ -764,6 +764,84 @@ def test_deferred_candidates_scored_where_picked_give_the_eager_optimum(seed):
     assert {i for i, o in got.items() if o.name in later} <= set(scored) and len(scored) == len(set(scored))
 
 
+def _deferred_layers(rng, n_layers, ratio_of):
+    """Rows of `n_layers` layers: fp32, static int8, the 4-bit probe (round to nearest) scored, GPTQ and AWQ deferred,
+    their true damage `ratio_of(name, i)` x the probe's on the layer; costs of a latency table where 4-bit undercuts
+    the float FFN but not int8."""
+    names = ["fp32", "w8a8@search", "w4a16-g128", "w4a16-g128-gptq", "w4a16-g128-awq"]
+    costs = {"fp32": 10.0, "w8a8@search": 4.0, "w4a16-g128": 6.0, "w4a16-g128-gptq": 6.0, "w4a16-g128-awq": 6.2}
+    true = {}
+    for i in range(n_layers):
+        rtn = rng.uniform(0.01, 0.05) * (10 if rng.random() < 0.15 else 1)  # a layer where rounding fails now and then
+        true[i] = {"fp32": 0.0, "w8a8@search": rng.uniform(0.0005, 0.006), "w4a16-g128": rtn,
+                   "w4a16-g128-gptq": ratio_of("w4a16-g128-gptq", i) * rtn,
+                   "w4a16-g128-awq": ratio_of("w4a16-g128-awq", i) * rtn}
+    later = {"w4a16-g128-gptq", "w4a16-g128-awq"}
+    rows = {i: {"candidates": [{"recipe": n, "deferred": True} if n in later else {"recipe": n, "damage": true[i][n]}
+                               for n in names], "ort_floor": None} for i in true}
+    return names, costs, true, later, rows
+
+
+def _lazy_search(names, costs, true, rows, learn=True):
+    from ffnquant.planning.floor import FloorSearch
+
+    def damage(r):
+        return r.get("damage_bound", 0.0) if r.get("deferred") else r["damage"]
+
+    def options_of(i):
+        return [Option(r["recipe"], damage(r), costs[r["recipe"]]) for r in rows[i]["candidates"]]
+
+    scored = []
+
+    def score(i):
+        scored.append(i)
+        rows[i]["candidates"] = [{"recipe": r["recipe"], "damage": true[i][r["recipe"]]} for r in rows[i]["candidates"]]
+
+    recipes = [Recipe.parse(n) for n in names]
+    return FloorSearch(rows, recipes, options_of, lambda i: None, score, damage=damage if learn else None), scored
+
+
+@pytest.mark.parametrize("seed", range(8), ids=lambda s: f"seed{s}")
+def test_deferred_candidates_with_learned_bounds_give_the_eager_optimum(seed):
+    """A deferred candidate's damage bound, learned from the layers it was scored on (`floor.BOUND_MARGIN` x the least
+    ratio to round to nearest's damage seen), holds wherever the ratios on other layers are within a factor of two of
+    each other: the lazy search then gives the plan and cost of everything scored first."""
+    rng = random.Random(seed)
+    base = {"w4a16-g128-gptq": rng.uniform(0.2, 0.8), "w4a16-g128-awq": rng.uniform(0.1, 0.6)}
+    ratios = {(name, i): base[name] * rng.uniform(1.0, 1.99) for name in base for i in range(12)}
+    names, costs, true, later, rows = _deferred_layers(rng, 12, lambda name, i: ratios[name, i])
+    budget = rng.uniform(0.005, 0.06)
+    want = solve({i: [Option(n, true[i][n], costs[n]) for n in names] for i in true}, budget)
+    lazy, scored = _lazy_search(names, costs, true, rows)
+    got = lazy.solve(budget)
+    assert sum(o.cost for o in got.values()) == pytest.approx(sum(o.cost for o in want.values()))
+    assert {i for i, o in got.items() if o.name in later} <= set(scored) and len(scored) == len(set(scored))
+
+
+def test_deferred_candidates_too_damaging_everywhere_are_scored_on_a_sample_of_layers():
+    """Gemma 3 270M's case: 4-bit undercuts the float FFN on the latency table but damages every layer far more than
+    int8. At a bound of zero a solution picks it on every layer and every layer is scored; with the learned bound it
+    is scored on the sampled layers only, for the same plan."""
+    from ffnquant.planning.floor import BOUND_MARGIN, SAMPLE_LAYERS
+
+    rng = random.Random(0)
+    names, costs, true, later, rows = _deferred_layers(rng, 18, lambda name, i: 0.5)
+    budget = 0.01
+    want = solve({i: [Option(n, true[i][n], costs[n]) for n in names] for i in true}, budget)
+    eager_rows = {i: {"candidates": [dict(r) for r in e["candidates"]], "ort_floor": None} for i, e in rows.items()}
+    zero, scored_at_zero = _lazy_search(names, costs, true, eager_rows, learn=False)
+    assert sum(o.cost for o in zero.solve(budget).values()) == pytest.approx(sum(o.cost for o in want.values()))
+    lazy, scored = _lazy_search(names, costs, true, rows)
+    got = lazy.solve(budget)
+    assert {i: o.name for i, o in got.items()} == {i: o.name for i, o in want.items()}
+    assert not any(o.name in later for o in got.values())
+    assert len(scored) == SAMPLE_LAYERS < len(scored_at_zero)
+    assert lazy.bounds["w4a16-g128-gptq"] == {"least_ratio": pytest.approx(0.5), "share": pytest.approx(BOUND_MARGIN * 0.5),
+                                              "layers": SAMPLE_LAYERS}
+    bound_rows = [r for e in rows.values() for r in e["candidates"] if r.get("deferred")]
+    assert bound_rows and all(r["damage_bound"] > 0 for r in bound_rows)
+
+
 @pytest.mark.parametrize("least_gain, scores", [(0.10, False), (0.02, True)], ids=["saving-within-resolution",
                                                                                     "saving-resolved"])
 def test_deferred_candidates_are_scored_only_when_they_could_save_more_than_the_cost_table_resolves(least_gain, scores):

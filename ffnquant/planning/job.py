@@ -260,8 +260,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     timings["candidates_s"] = time.perf_counter() - t - timings.get("latency_table_s", 0.0)
 
     def damage_of(row: dict[str, Any]) -> float:
-        if row.get("deferred"):  # not scored yet: a bound no true damage is below (`FloorSearch`)
-            return 0.0
+        if row.get("deferred"):  # not scored yet: a bound of its true damage, learned on the model (`FloorSearch`)
+            return row.get("damage_bound", 0.0)
         if target.damage_kind == "kl":
             return row["predicted_kl"]
         return row["predicted_hidden_nsr"] if row["predicted_hidden_nsr"] is not None else float("inf")
@@ -322,7 +322,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     # the least saving a cost table resolves: another round, or scoring the deferred candidates, must promise more
     least_gain = min_gain(latency if objective.kind == "latency" else None)
     search = FloorSearch(per_layer, recipes, options_of, measure_floor, score_deferred, measure_many=measure_floors,
-                         least_gain=least_gain, tied=tied)
+                         least_gain=least_gain, tied=tied, damage=damage_of)
 
     t = time.perf_counter()
     # the float model's figures in the dtype the rounds compute in (a bf16 plan's float model in bf16)
@@ -417,6 +417,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         "deferred": {str(r): [i for i in sorted(per_layer) for row in per_layer[i]["candidates"]
                               if row["recipe"] == str(r) and not row.get("deferred")] for r in later},
         "deferred_skipped": search.deferred_skipped,
+        # what the deferred candidates' bounds on the layers they were not scored on were learned from
+        "deferred_bounds": search.bounds,
         "search": "exact multiple-choice knapsack by dynamic programming over the damage budget (planning.search)",
         "calibration": source.texts["calibration"], "evaluation": source.texts["evaluation"],
         "token_budgets": source.texts["token_budgets"], "probe_tokens": source.n_probe,
