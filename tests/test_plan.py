@@ -764,6 +764,37 @@ def test_deferred_candidates_scored_where_picked_give_the_eager_optimum(seed):
     assert {i for i, o in got.items() if o.name in later} <= set(scored) and len(scored) == len(set(scored))
 
 
+@pytest.mark.parametrize("picked_db, measured", [(34.0, False), (24.0, True)],
+                         ids=["clears-plain-int8-not-measured", "near-plain-int8-measured"])
+def test_the_floor_is_measured_only_where_the_picked_int8_is_near_the_plain_int8(picked_db, measured):
+    """onnxruntime's quantizers compute the plain static int8 grid (no transform), within a few dB of ffnquant's own
+    plain int8 calibration; a picked candidate `FLOOR_CLEARANCE_DB` above that cannot fall below their best, so its
+    floor is not measured and the layer says why. One nearer is measured as before."""
+    from ffnquant.planning.floor import FLOOR_CLEARANCE_DB, FloorSearch
+
+    names = ["fp32", "w8a8@search", "w8a8@search+smooth+float=hidden"]
+    recipes = [Recipe.parse(n) for n in names]
+    sqnr = {"fp32": 200.0, "w8a8@search": 20.0, "w8a8@search+smooth+float=hidden": picked_db}
+    rows = {0: {"candidates": [{"recipe": n, "layer_sqnr_db": sqnr[n]} for n in names], "ort_floor": "pending"}}
+    costs = {"fp32": 10.0, "w8a8@search": 3.0, "w8a8@search+smooth+float=hidden": 5.0}
+
+    def options_of(i):  # the plain int8 damages too much for the budget: the float-hidden one is picked
+        return [Option(r["recipe"], {"fp32": 0.0, "w8a8@search": 1.0}.get(r["recipe"], 0.001), costs[r["recipe"]])
+                for r in rows[i]["candidates"] if "excluded" not in r]
+
+    floors = []
+    search = FloorSearch(rows, recipes, options_of, lambda i: floors.append(i) or {"method": "dynamic", "sqnr_db": 21.0})
+    got = search.solve(0.01)
+    assert got[0].name == "w8a8@search+smooth+float=hidden"
+    assert (floors == [0]) is measured
+    assert picked_db - 20.0 >= FLOOR_CLEARANCE_DB or measured
+    if measured:
+        assert rows[0]["ort_floor"] == "measured" and "ort_cleared" not in rows[0]
+    else:
+        assert rows[0]["ort_floor"] == "pending" and "clears the layer's plain static int8 (w8a8@search, 20.0 dB) by " \
+            "14.0 dB" in rows[0]["ort_cleared"]
+
+
 def _deferred_layers(rng, n_layers, ratio_of):
     """Rows of `n_layers` layers: fp32, static int8, the 4-bit probe (round to nearest) scored, GPTQ and AWQ deferred,
     their true damage `ratio_of(name, i)` x the probe's on the layer; costs of a latency table where 4-bit undercuts

@@ -15,6 +15,7 @@ import torch
 
 from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
+from ffnquant.recipe import Recipe
 
 from hf_models import tiny_folders
 
@@ -300,3 +301,29 @@ def test_plan_sequential_on_the_command_line(tiny, tmp_path, capsys):
     assert set(load_plan(out / "plan.toml").layers) == {0, 1}
     # --sequential and --no-sequential exclude each other
     assert main(argv + ["--sequential", "--no-sequential"]) == 2
+
+
+@pytest.mark.parametrize("first, second", [
+    ({0: "w8a8-dynamic-s8", 1: "fp32"}, {0: "w8a8-dynamic-s8", 1: "w4a16-g32"}),
+    ({0: "fp32", 1: "w4a16-g32"}, {0: "w8a8-dynamic-s8", 1: "w4a16-g32"}),
+    ({0: "w4a16-g32", 1: "fp32"}, {0: "w4a16-g32", 1: "fp32"})],
+    ids=["second-layer-changed", "first-layer-changed", "unchanged"])
+def test_a_round_starting_at_its_first_changed_layer_gives_the_figures_of_a_whole_round(tiny, first, second):
+    """A resident source keeps each round's held-out stream after every layer; the next round starts at the first
+    layer whose choice changed. Its figures are those of a source that runs that round alone, bit for bit."""
+    from ffnquant.hf import inspect_model
+    from ffnquant.planning.source import PlanSource
+
+    info, settings = inspect_model(tiny["llama"]), _settings()
+    by_name = {n: Recipe.parse(n) for n in ("w8a8-dynamic-s8", "w4a16-g32")}
+    progress = []
+    with PlanSource(info, settings, None, None, 64, True, False, lambda *a: progress.append(a[0]), {}) as source:
+        source.verify(first, by_name)
+        progress.clear()
+        got = source.verify(second, by_name)
+    reused = [line for line in progress if "(as the last round)" in line]
+    changed = [j for j in first if first[j] != second[j]]
+    assert len(reused) == (min(changed) if changed else info.n_layers - 1)
+    with PlanSource(info, settings, None, None, 64, True, False, None, {}) as fresh:
+        want = fresh.verify(second, by_name)
+    assert json.dumps(got, default=str) == json.dumps(want, default=str)

@@ -20,13 +20,20 @@ from ..recipe import Recipe
 from .candidates import deferred
 from .search import Option, solve
 
-__all__ = ["BOUND_MARGIN", "FLOOR_METHODS", "SAMPLE_LAYERS", "floor_args", "ort_best", "ort_exclude", "ort_floor",
+__all__ = ["BOUND_MARGIN", "FLOOR_CLEARANCE_DB", "FLOOR_METHODS", "SAMPLE_LAYERS", "floor_args", "ort_best", "ort_exclude", "ort_floor",
            "rtn_counterpart", "static_int8", "FloorSearch"]
 
 # onnxruntime's quantizers the floor runs. Not Entropy: at quantize_static's defaults it histograms all calibration
 # outputs at once, so its one candidate threshold is the whole range and it writes MinMax's model (the same
 # initializers, `tests/test_ortbaseline.py`), at the cost of a histogram calibration per layer.
 FLOOR_METHODS = ("minmax", "percentile", "dynamic")
+
+# A static int8 candidate this far above the best plain static int8 of its layer (ffnquant's own int8 weights and
+# activations, no transform: `w8a8@minmax`, `w8a8@search`) is not below onnxruntime's best there, whose quantizers
+# compute the same int8 grid with no transform: over the 103 layers of SmolLM2-135M and Gemma 3 270M where the floor was
+# measured, onnxruntime's best was 3.1 dB below to 2.1 dB above that plain int8. The floor is not measured for it
+# (`FloorSearch`; the layer says so): the candidates a plan picks keep a float site or rotate, 8-14 dB above.
+FLOOR_CLEARANCE_DB = 6.0
 
 # A deferred candidate's damage bound on a layer where it is not scored, learned on the model (`FloorSearch`): this
 # share of the least ratio of its scored damage to its round-to-nearest counterpart's (`rtn_counterpart`) seen so
@@ -111,7 +118,9 @@ class FloorSearch:
     """`search.solve` with what costs seconds per layer measured only on the layers where it can matter.
 
     - onnxruntime's floor: a static int8 candidate below onnxruntime's best own quantizer on its layer is left out
-      (`ort_exclude`); the floor is measured on a layer once a solution picks a static int8 candidate there.
+      (`ort_exclude`); the floor is measured on a layer once a solution picks a static int8 candidate there, unless
+      that candidate clears the layer's plain static int8 by `FLOOR_CLEARANCE_DB` (`cleared`: the layer's
+      `ort_cleared` says by how much).
     - Deferred candidates (`candidates.deferred`: GPTQ's and AWQ's calibration from second-order statistics) enter
       the search unscored, at their known cost and a damage of zero; once a solution picks one on a layer, that
       layer's deferred candidates are scored (`score`).
@@ -165,6 +174,22 @@ class FloorSearch:
 
     def _unscored(self, i: int) -> set[str]:
         return {r["recipe"] for r in self.per_layer[i]["candidates"] if r.get("deferred")}
+
+    def cleared(self, i: int, name: str) -> str | None:
+        """Why the floor need not be measured for static int8 candidate `name` on layer i (it clears the layer's best
+        plain static int8 by `FLOOR_CLEARANCE_DB`), or None."""
+        rows = self.per_layer[i]["candidates"]
+        plain = [(r["layer_sqnr_db"], r["recipe"]) for r in rows
+                 if r["recipe"] in self.static and r.get("error") is None and r.get("layer_sqnr_db") is not None
+                 and not self._recipes[r["recipe"]].transforms]
+        mine = next((r.get("layer_sqnr_db") for r in rows if r["recipe"] == name and r.get("error") is None), None)
+        if not plain or mine is None or name == max(plain)[1]:
+            return None
+        db, best = max(plain)
+        if mine < db + FLOOR_CLEARANCE_DB:
+            return None
+        return (f"{name} at {mine:.1f} dB clears the layer's plain static int8 ({best}, {db:.1f} dB) by "
+                f"{mine - db:.1f} dB (>= {FLOOR_CLEARANCE_DB:g} dB): not measured")
 
     def _counterpart(self, i: int, name: str) -> float | None:
         row = rtn_counterpart(self._recipes[name], self.per_layer[i]["candidates"])
@@ -256,9 +281,16 @@ class FloorSearch:
             if unscored:
                 chosen = self._worth_scoring(chosen, budget)
                 unscored = [i for i, o in chosen.items() if o.name in self._unscored(i)]
-            floors = [i for i, o in chosen.items()
-                      if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"]
+            pending = [i for i, o in chosen.items()
+                       if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"]
+            floors = [i for i in pending if self.cleared(i, chosen[i].name) is None]
             if not floors and not unscored:
+                for i in self.per_layer:  # what the solution stands on where the floor was not measured
+                    why = self.cleared(i, chosen[i].name) if i in pending else None
+                    if why:
+                        self.per_layer[i]["ort_cleared"] = why
+                    else:
+                        self.per_layer[i].pop("ort_cleared", None)
                 return chosen
             if unscored and self.score is None:
                 raise ValueError("FloorSearch: deferred candidates without a `score` to score them")

@@ -142,6 +142,9 @@ class PlanSource:
         self._offer_budget: int | None = offer_budget  # bytes; None: a quarter of what is free at the first offer
         # the layers whose loss gradients stay after the scoring pass (`gradients`): candidates scored later there
         self.keep_gradients: set[int] = set()
+        # resident: the last round's choice and its held-out stream after each layer, so that the next round starts
+        # at the first layer it changes (rounds differ in a few layers; the stream before them is the same)
+        self._last_round: tuple[dict[int, str], dict[int, Any]] | None = None
 
     def __enter__(self) -> "PlanSource":
         from ..hf.stream import _spill_folder
@@ -162,6 +165,7 @@ class PlanSource:
 
     def __exit__(self, *exc: Any) -> None:
         self._offered.clear()
+        self._last_round = None
         self._exit.close()
 
     def _store(self, name: str):
@@ -450,14 +454,22 @@ class PlanSource:
 
         v = self._verification()
         m, n = v.model, len(v.model.layers)
-        stream = v.embedded.copy("quantized-evaluation")
+        start, states = self._resume(chosen, n)
+        stream = states[start - 1].copy("quantized-evaluation") if start else v.embedded.copy("quantized-evaluation")
         quantized = [j for j in self.planned if chosen[j] != "fp32"]
         kept = {key: q for key, q in self._quantized.items() if key[0] in quantized and chosen[key[0]] == key[1]}
         self._quantized.clear()  # what this round does not use is freed before it quantizes anything
-        offered = {j for j in quantized if (j, chosen[j]) not in kept and (j, chosen[j]) in self._offered}
-        fresh = [j for j in quantized if (j, chosen[j]) not in kept and j not in offered]
+        offered = {j for j in quantized if j >= start and (j, chosen[j]) not in kept and (j, chosen[j]) in self._offered}
+        fresh = [j for j in quantized if j >= start and (j, chosen[j]) not in kept and j not in offered]
         ffns = iter_ffn_layers(self.info, fresh, allow_pickle=self.allow_pickle) if fresh else iter(())
+        keep_states = self._keeps_states(stream, n)
         for j in range(n):
+            if j < start:  # the last round's stream after this layer is this round's: its FFN stays for the next
+                q = kept.pop((j, chosen[j]), None) if j in quantized else None
+                if q is not None:
+                    self._quantized[(j, chosen[j])] = q
+                self.progress(f"verify: L{j} (as the last round)", j + 1, n)
+                continue
             q = kept.pop((j, chosen[j]), None) if j in quantized else None
             if j in offered:
                 q = self._offered[(j, chosen[j])]
@@ -479,7 +491,10 @@ class PlanSource:
                 m.run(j, stream, v.calls, ffns=self._replacements(j, q) if q is not None else None)
             del q
             m.release()
+            if keep_states:
+                states[j] = stream.copy(f"after-L{j}")  # shares the tensors the next layer replaces
             self.progress(f"verify: L{j}", j + 1, n)
+        self._last_round = (dict(chosen), states) if keep_states else None
 
         def figures(base, lo, hi):
             hidden, nll, agreement = ErrorStats(), _NLL(), Agreement()
@@ -492,6 +507,30 @@ class PlanSource:
         domains = {label: figures(v.domain_baselines[label], lo, hi) for label, lo, hi in self.domains}
         stream.clear()
         return domains
+
+    def _resume(self, chosen: Mapping[int, str], n: int) -> tuple[int, dict[int, Any]]:
+        """(the first layer this round computes, the last round's stream after each layer before it): the first
+        planned layer whose choice differs from the last round's (0 without a kept last round)."""
+        if self._last_round is None:
+            return 0, {}
+        last, states = self._last_round
+        self._last_round = None
+        changed = [j for j in self.planned if last.get(j) != chosen.get(j)]
+        start = min(changed) if changed else n
+        start = min(start, n - 1)  # the last layer is always run: its stream is what the figures read
+        if start and start - 1 not in states:
+            return 0, {}
+        return start, {j: states[j] for j in range(start)}
+
+    def _keeps_states(self, stream: Any, n: int) -> bool:
+        """Whether this round keeps its stream after each layer for the next: in memory, and the layers' states
+        within a quarter of the memory available (a few hundred MB for a 270M model's 8k held-out tokens)."""
+        if not self.resident or stream.folder is not None:
+            return False
+        from ..infra.resources import available_memory
+
+        per_layer = sum(int(t.numel()) * t.element_size() for t in stream.items.values() if torch.is_tensor(t))
+        return per_layer * n <= (available_memory() or 0) // 4
 
     def verification_baselines(self) -> dict[str, Any]:
         """The held-out baseline {perplexity: None, n_tokens, domains: {label: figures}}: the float model's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..planning.floor import FLOOR_CLEARANCE_DB
 from ..planning.job import final_round
 from ..planning.steering import AIM, MIN_GAIN
 from ..infra.render import agreement_words, fmt, fmt_bytes, markdown_table
@@ -69,7 +70,8 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
         damage = row["predicted_hidden_nsr"] if data["target"].startswith("sqnr") else row["predicted_kl"]
         ort = layer.get("ort_best") or {}
         rows.append((layer["label"], chosen, row["layer_sqnr_db"],
-                     f"{fmt(ort.get('sqnr_db'))} ({ort['method']})" if ort else "-", damage,
+                     f"{fmt(ort.get('sqnr_db'))} ({ort['method']})" if ort else
+                     ("cleared" if layer.get("ort_cleared") else "-"), damage,
                      _cost(row.get("latency_ms"), "ms"), fmt_bytes(row["bytes"]),
                      " > ".join(data["pareto_per_layer"][idx][:4])))
     what = "predicted final NSR" if data["target"].startswith("sqnr") else "predicted KL (nats/token)"
@@ -78,7 +80,9 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
               "onnxruntime's best: the best of its quantize_static (MinMax, Percentile; Entropy at its defaults writes "
               "MinMax's model, so it is not run again) and quantize_dynamic "
               "on the same calibration and held-out inputs, measured on the layers where the search picked a static int8 "
-              "candidate ('-' elsewhere: no static int8 candidate was in question there); static int8 candidates below "
+              "candidate ('-' elsewhere: no static int8 candidate was in question there; 'cleared': the one picked "
+              f"clears the layer's plain static int8 calibration, which onnxruntime's quantizers compute on the same "
+              f"grid, by {FLOOR_CLEARANCE_DB:g} dB or more, so the floor was not measured); static int8 candidates below "
               "it on a layer were left out and the search solved again.", ""]
     if data.get("not_scored"):
         lines += ["Candidates not scored, since the objective can never choose them (the plan is the same without "
