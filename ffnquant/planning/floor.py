@@ -32,7 +32,7 @@ FLOOR_METHODS = ("minmax", "percentile", "dynamic")
 # activations, no transform: `w8a8@minmax`, `w8a8@search`) is not below onnxruntime's best there, whose quantizers
 # compute the same int8 grid with no transform: over the 103 layers of SmolLM2-135M and Gemma 3 270M where the floor was
 # measured, onnxruntime's best was 3.1 dB below to 2.1 dB above that plain int8. The floor is not measured for it
-# (`FloorSearch`; the layer says so): the candidates a plan picks keep a float site or rotate, 8-14 dB above.
+# (`FloorSearch`; the layer says so): the candidates a plan picks keep a float site or rotate, mostly 10-25 dB above.
 FLOOR_CLEARANCE_DB = 6.0
 
 # A deferred candidate's damage bound on a layer where it is not scored, learned on the model (`FloorSearch`): this
