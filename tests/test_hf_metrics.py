@@ -49,6 +49,19 @@ def test_the_normalizer_taken_a_few_rows_at_a_time_is_the_whole_tensors(shape, m
     assert torch.allclose(got, torch.logsumexp(x.double(), -1), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(3, 7, 1000), (5, 300), (1000,)], ids=["batch", "rows", "one-row"])
+def test_the_normalizer_and_argmax_in_one_pass_are_the_two_taken_apart(shape, monkeypatch):
+    """`Agreement` reads each row's argmax from the normalizer's own max reduction: the same index as `argmax`, ties
+    (planted) to the first, and the same normalizer bits as `log_normalizer`."""
+    monkeypatch.setattr(metrics, "_NORMALIZER_CHUNK", 2000)
+    x = _logits(6, shape=shape, scale=4.0)
+    flat = x.reshape(-1, x.shape[-1])
+    flat[0, 17] = flat[0, 200] = flat[0].max() + 1.0  # a tie: the first index wins
+    norm, best = metrics.normalizer_and_argmax(x)
+    assert torch.equal(best, x.argmax(-1)) and int(best.reshape(-1)[0]) == 17
+    assert torch.equal(norm, log_normalizer(x))
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 2.0 ** -8)],
                          ids=["float32", "bfloat16"])
 def test_the_summed_nll_and_its_written_out_gradient_are_float64_autograds(dtype, atol, monkeypatch):
