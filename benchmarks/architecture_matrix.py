@@ -35,7 +35,8 @@ CANDIDATES = "fp32,w8a8@search+smooth,w8a8-dynamic-s8,w4a16-g32"
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
-    """`ffnquant ARGV` in this process: (exit code, the last line of stderr when it failed)."""
+    """`ffnquant ARGV` in this process: (exit code, when it failed the last line of stderr, else of stdout: an
+    export NOT PROVEN says why on stdout)."""
     from ffnquant.cli import main
 
     err, out = io.StringIO(), io.StringIO()
@@ -44,7 +45,8 @@ def _run(argv: list[str]) -> tuple[int, str]:
             rc = main(argv)
         except SystemExit as exc:
             rc = int(exc.code or 0)
-    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()] or \
+        [ln for ln in out.getvalue().splitlines() if ln.strip()]
     return rc, (lines[-1] if rc and lines else "")
 
 

@@ -120,7 +120,7 @@ _TINY = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_l
 
 # what a type's config needs beside `_TINY` to build at that size (its own validators)
 _TYPE_TINY = {"bamba": {"mamba_n_heads": 4, "mamba_d_head": 16}, "granitemoehybrid": {"mamba_n_heads": 4},
-              "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16}, "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8},
+              "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2}, "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8},
               "gemma3n_text": {"num_kv_shared_layers": 0, "layer_types": ["sliding_attention", "full_attention"],
                                "activation_sparsity_pattern": [0.0, 0.0]}}
 

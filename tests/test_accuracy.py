@@ -29,6 +29,18 @@ def test_identical_and_zero_outputs_are_capped():
     assert cosine(torch.zeros(3), torch.zeros(3)) == 1.0
 
 
+def test_an_all_zero_reference_has_no_relative_error_where_the_outputs_agree_and_writes_as_json():
+    """An FFN whose output matrix is zero (xLSTM's initialisation): its outputs agree exactly (relative error 0), or
+    differ with no relative scale (infinite, written as null so a report stays valid JSON)."""
+    import json
+
+    same = accuracy_of(torch.zeros(2, 4), torch.zeros(2, 4))
+    assert same.rel_l2 == 0.0 and same.sqnr_db == SQNR_CAP_DB
+    off = accuracy_of(torch.zeros(2, 4), torch.ones(2, 4))
+    assert off.rel_l2 == math.inf and off.to_dict()["rel_l2"] is None
+    json.dumps(off.to_dict(), allow_nan=False)
+
+
 @pytest.mark.parametrize("chunk_crossing", [False, True], ids=["small", "a million values"])
 def test_matches_a_float64_reference(chunk_crossing):
     gen = torch.Generator().manual_seed(0)

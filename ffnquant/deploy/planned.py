@@ -126,9 +126,14 @@ class PlannedModel:
 
 def expert_rows(module: nn.Module, expert: int, weight: str) -> torch.Tensor:
     """One routed expert's `weight` ("w_gate", "w_up", "w_down", [out, in]) as a view of a fused experts module's
-    tensors (gate_up_proj [E, 2f, d], gate rows first; down_proj [E, d, f]: `hf.capture.expert_forward`)."""
+    tensors (gate_up_proj [E, 2f, d], gate rows first, or without a gate up_proj [E, f, d]; down_proj [E, d, f]:
+    `hf.capture.expert_forward`)."""
     if weight == "w_down":
         return module.down_proj[expert]
+    if not hasattr(module, "gate_up_proj"):
+        if weight != "w_up":
+            raise FFNQuantError(f"{type(module).__name__} has no gate: its experts have no {weight}")
+        return module.up_proj[expert]
     gate, up = module.gate_up_proj[expert].chunk(2, dim=0)
     return gate if weight == "w_gate" else up
 

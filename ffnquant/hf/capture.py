@@ -396,8 +396,15 @@ def iter_captured(
 
 def expert_forward(module: nn.Module, expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """One expert of a fused experts module (MixtralExperts' math: gate_up_proj [E, 2f, d], gate rows first, and
-    down_proj [E, d, f]) as a callable on its tokens [tokens, d_model]."""
+    down_proj [E, d, f]; or, without a gate, NemotronHExperts': up_proj [E, f, d] through the activation) as a
+    callable on its tokens [tokens, d_model]."""
     act = module.act_fn
+
+    if not hasattr(module, "gate_up_proj"):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(act(nn.functional.linear(x, module.up_proj[expert])), module.down_proj[expert])
+
+        return forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         gate, up = nn.functional.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)

@@ -93,7 +93,11 @@ def _cosine(s: _Sums) -> float:
 
 
 def _rel_l2(s: _Sums) -> float:
-    return math.sqrt(s.noise) / math.sqrt(s.signal) if s.signal > 0 else math.inf
+    # an all-zero reference (an FFN whose output matrix is zero: xLSTM's initialisation) has no relative error: none
+    # where the outputs agree, an infinite one where they do not (`Accuracy.to_dict` writes that as null)
+    if s.signal > 0:
+        return math.sqrt(s.noise) / math.sqrt(s.signal)
+    return 0.0 if s.noise == 0.0 else math.inf
 
 
 def sqnr_db(ref: Any, got: Any) -> float:
@@ -129,7 +133,7 @@ class Accuracy:
         return {
             "sqnr_db": self.sqnr_db,
             "cosine": self.cosine,
-            "rel_l2": self.rel_l2,
+            "rel_l2": self.rel_l2 if math.isfinite(self.rel_l2) else None,  # JSON has no infinity
             "max_abs_error": self.max_abs_error,
             "n_tokens": self.n_tokens,
         }
