@@ -187,3 +187,23 @@ def test_a_checkpoint_with_fused_experts_is_refused_in_one_line(tmp_path):
     recipes, _ = candidate_recipes("fp32,w4a16-g32", info.spec)
     with pytest.raises(FFNQuantError, match="checkpoint stores the routed experts fused"):
         format_candidates(recipes, [], info, "compressed-tensors")
+
+
+def test_experts_without_a_gate_are_written_and_proven(tmp_path):
+    """NemotronH's experts have no gate (up_proj [E, f, d] through ReLU², down_proj [E, d, f]): each expert's two
+    projections are written packed under their on-disk names and the folder is proven, expert by expert."""
+    from safetensors import safe_open
+
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+    T.logging.set_verbosity_error()
+    folder = save_causal_tiny(T, "nemotron_h", tmp_path / "nemotron_h", tokenizer(T))
+    plan = _plan(folder, {1: "w4a16-g32"}, tmp_path / "plan.toml")  # L1 is the block of routed experts
+    out = tmp_path / "ct"
+    assert main(["export", "--model", str(folder), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
+                 "--no-progress", "--out", str(out)]) == 0
+    doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    assert doc["proof"]["proven"] and doc["proof"]["weights"]["all_identical"] and doc["proof"]["weights"]["modules"] == 8
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        experts = [k for k in f.keys() if ".experts." in k]
+    pattern = re.compile(r"backbone\.layers\.1\.mixer\.experts\.\d\.(up|down)_proj\.weight_(packed|scale|shape)")
+    assert len(experts) == 4 * 2 * 3 and all(pattern.fullmatch(k) for k in experts), experts[:4]
