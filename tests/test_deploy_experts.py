@@ -207,3 +207,35 @@ def test_experts_without_a_gate_are_written_and_proven(tmp_path):
         experts = [k for k in f.keys() if ".experts." in k]
     pattern = re.compile(r"backbone\.layers\.1\.mixer\.experts\.\d\.(up|down)_proj\.weight_(packed|scale|shape)")
     assert len(experts) == 4 * 2 * 3 and all(pattern.fullmatch(k) for k in experts), experts[:4]
+
+
+def test_experts_transformers_saves_fused_are_written_per_expert_and_a_folder_left_fused_fails(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """Llama 4 stores its routed experts fused (gate_up_proj [E, d, 2f], down_proj [E, f, d]) and transformers saves
+    them so, but loads a compressed-tensors folder's experts per expert (SequentialLlama4TextExperts): the folder
+    holds them per expert and is proven. Left fused, transformers initialises them at random: the proof fails,
+    naming the tensors missing from the files."""
+    from safetensors import safe_open
+
+    import ffnquant.deploy.ctensors as ctensors
+
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+    T.logging.set_verbosity_error()
+    folder = save_causal_tiny(T, "llama4_text", tmp_path / "llama4", tokenizer(T))
+    plan = _plan(folder, {0: "w4a16-g32", 1: "w4a16-g32"}, tmp_path / "plan.toml")  # the shared experts
+    out = tmp_path / "ct"
+    assert main(["export", "--model", str(folder), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
+                 "--no-progress", "--out", str(out)]) == 0
+    doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    assert doc["proof"]["proven"] and doc["proof"]["missing_from_files"] == []
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.feed_forward.experts.gate_up_proj" not in keys
+    assert {f"model.layers.1.feed_forward.experts.3.{p}_proj.weight" for p in ("gate", "up", "down")} <= keys
+    capsys.readouterr()
+    monkeypatch.setattr(ctensors, "unfused_for_loader", lambda folder, model: [])
+    assert main(["export", "--model", str(folder), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
+                 "--no-progress", "--out", str(tmp_path / "fused")]) == 1
+    said = capsys.readouterr()
+    assert "NOT PROVEN" in said.out + said.err and "missing from the files" in said.out + said.err
+    assert "feed_forward.experts" in said.out + said.err and not (tmp_path / "fused").exists()

@@ -150,7 +150,8 @@ def _print_deploy(doc: dict, out: Path) -> None:
         gates = load.get("gates")
         if gates:
             print("end-to-end gates, each against ffnquant's reference on the original float model; allowed: twice "
-                  f"what {dtype} rounding alone moves it (the original, unfolded model)")
+                  f"what {dtype} rounding alone moves it (the original, unfolded model), or {load['tolerance']:.0e} "
+                  "relative")
             print(text_table(["gate", "deployed", "reference", "worse by", "allowed", "met"], gate_rows(gates)))
             if gates.get("convention"):
                 print(f"  reference computed with {gates['convention']}, as the folder runs it")

@@ -38,7 +38,7 @@ from ..model import FFN
 from ..numerics.accuracy import sqnr_db
 from ..schemes import ActMode
 from .ctfiles import decompressed_weights, input_qparams_check, safetensors_reader, weights_check
-from .experts import has_experts, plan_experts_refusal, write_experts
+from .experts import has_experts, plan_experts_refusal, unfused_for_loader, write_experts
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name, input_args, source_dtype
 from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
@@ -200,6 +200,9 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
         if schemes:
             compressor.update_config(str(folder))
         routed = write_experts(folder, planned, experts, _set_params, module_args, dtype) if experts else None
+        # experts transformers saves fused but loads per expert from a compressed-tensors folder, rewritten so
+        unfused = (unfused_for_loader(folder, model)
+                   if "quantization_config" in json.loads((folder / "config.json").read_text()) else [])
     copied = _copy_side_files(Path(planned.info.path), folder)
     config = json.loads((folder / "config.json").read_text())
     if dtype is not torch.float32:  # served in the source's dtype, as the source checkpoint is
@@ -210,6 +213,7 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
     floats = [m.module for m in planned.modules if m.module not in quantized and m.grid is None]
     return {"format": FORMAT_NAME, "compression_format": qc.get("format"),
             "config_groups": len(qc.get("config_groups") or {}), "routed_experts": routed,
+            "experts_written_per_expert": unfused,
             "quantized_modules": len(quantized) + ((routed or {}).get("quantized") or 0), "float_ffn_modules": floats, "ignore": qc.get("ignore", []),
             "copied": copied, "files": _files(folder),
             "float_dtype": {"source": str(source_dtype(planned.info)).removeprefix("torch."),
@@ -382,8 +386,9 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     dtype = planned.compute_dtype
     try:
         with quiet_model_io():
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype,
-                                                                       use_kernels=False).eval()  # its own modules
+            loaded, loading = transformers.AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=dtype, use_kernels=False, output_loading_info=True)  # its own modules
+            loaded.eval()
     except Exception as exc:  # noqa: BLE001 - transformers' loader refusing the folder (GPT-BigCode's init reads
         # .weight of a compressed Linear): no deployment, said with its reason; the files are still checked
         reader = safetensors_reader(folder)
@@ -426,14 +431,18 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     inputs = input_qparams_check(planned, reader)
     # a proof needs evidence: a held-out text too short for one generation prompt, or no end-to-end tokens, proves
     # nothing about the loaded model's generation (0 of 0 prompts is not "all equal")
+    # tensors the loaded model wanted and the folder lacks were initialised at random by transformers: said by name
+    missing = sorted(loading.get("missing_keys") or [])
     unproven = [why for ok, why in (
+        (not missing, f"transformers initialised {len(missing)} tensor(s) at random, missing from the files "
+                      f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"),
         (weights["all_identical"], "weights differ"), (inputs["all_equal"], "static input qparams differ"),
         (layers["all_at_parity"], "layers not within rounding ties"), (load["gates"]["met"], "end-to-end gates not met"),
         # transformers failing to generate with the model class at all is said in `generation["skipped"]`
         (generation["prompts"] > 0 or generation.get("skipped"), f"no generation prompt: the held-out text has {figures.get('n_tokens') or 0} "
                                     "tokens, fewer than one 16-token prompt; give a longer --eval-text")) if not ok]
     return {"proven": not unproven, "unproven": unproven, "weights": weights, "inputs": inputs, "layers": layers,
-            "load": load, "generation": generation}
+            "load": load, "generation": generation, "missing_from_files": missing}
 
 
 def folder_bytes(folder: str | os.PathLike, weights_only: bool = True) -> int:

@@ -157,9 +157,6 @@ def write_experts(folder: Path, planned: PlannedModel, modules: Sequence[ModuleQ
     """Replace each quantized routed expert's float tensor in the saved folder's safetensors with its
     compressed-tensors data (`set_params`, `module_args`: how the writer puts ffnquant's grid into a module and
     names its scheme), and add the experts' config group to config.json; returns what was written."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from .ctfiles import safetensors_reader
 
     quantized = [mq for mq in modules if mq.grid is not None]
@@ -184,6 +181,18 @@ def write_experts(folder: Path, planned: PlannedModel, modules: Sequence[ModuleQ
             value = state[key]
             # scales computed in a low precision are values of it (`precision.in_dtype`): stored in it
             edit["add"][key] = value.to(dtype) if low and value.is_floating_point() else value
+    _rewrite_shards(folder, edits)
+    _add_group(folder, scheme, compressor)
+    return {"routed_experts": len(modules), "quantized": len(quantized), "target": scheme.targets[0],
+            "compression_format": str(compressor.quantization_config.format)}
+
+
+def _rewrite_shards(folder: Path, edits: dict[Path, dict[str, Any]]) -> None:
+    """Each safetensors file of `edits` rewritten: its `drop` tensors removed, its `add` ones added, after checking
+    that each `expect` tensor is in it as given; the shards' index follows."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     for path, edit in edits.items():
         with safe_open(str(path), framework="pt") as f:
             tensors = {key: f.get_tensor(key) for key in f.keys()}
@@ -205,9 +214,73 @@ def write_experts(folder: Path, planned: PlannedModel, modules: Sequence[ModuleQ
                 doc["weight_map"].pop(name, None)
             doc["weight_map"].update({key: path.name for key in edit["add"]})
         write_text(index, json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    _add_group(folder, scheme, compressor)
-    return {"routed_experts": len(modules), "quantized": len(quantized), "target": scheme.targets[0],
-            "compression_format": str(compressor.quantization_config.format)}
+
+
+def _llama4_experts(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Llama4TextExperts' fused tensors (gate_up_proj [E, d, 2f], gate columns first; down_proj [E, f, d], both
+    applied as x @ W) as the per-expert Linear weights of transformers' SequentialLlama4TextExperts ([out, in])."""
+    f = gate_up.shape[-1] // 2
+    out = {}
+    for e in range(gate_up.shape[0]):
+        out[f"{e}.gate_proj.weight"] = gate_up[e, :, :f].T.contiguous()
+        out[f"{e}.up_proj.weight"] = gate_up[e, :, f:].T.contiguous()
+        out[f"{e}.down_proj.weight"] = down[e].T.contiguous()
+    return out
+
+
+# Fused experts modules transformers' loader replaces, for a compressed-tensors folder, by a list of per-expert MLPs
+# read from per-expert tensors (`transformers.quantizers.base.MODULES_TO_PATCH_FOR_QUANTIZATION`), while its own
+# save writes them fused: how each one's fused tensors split into those. Measured with transformers 5.25: a Llama 4
+# folder left fused loads with its routed experts initialised at random ("MISSING ... experts.N.gate_proj.weight").
+_LOADER_SPLITS = {"Llama4TextExperts": (("gate_up_proj", "down_proj"), _llama4_experts)}
+
+
+def _loader_patched() -> set[str]:
+    """The experts classes transformers' loader replaces by per-expert modules for a compressed-tensors folder."""
+    try:
+        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+    except ImportError:  # a transformers without that table patches nothing
+        return set()
+    return {name for name, entry in MODULES_TO_PATCH_FOR_QUANTIZATION.items()
+            if any(str(getattr(m, "value", m)) == "compressed-tensors" for m in entry.get("quantization_methods", ()))}
+
+
+def unfused_for_loader(folder: Path, model: nn.Module) -> list[str]:
+    """The fused float experts transformers saved in `folder` rewritten as the per-expert tensors its loader reads
+    for a compressed-tensors folder (`_LOADER_SPLITS`); returns the modules rewritten. A class the loader replaces
+    that ffnquant cannot split is refused in one line (a folder left fused would load with random experts)."""
+    from safetensors import safe_open
+
+    from .ctfiles import safetensors_reader
+
+    patched = _loader_patched()
+    found = {name: type(m).__name__ for name, m in model.named_modules() if type(m).__name__ in patched}
+    if not found:
+        return []
+    unknown = sorted({cls for cls in found.values() if cls not in _LOADER_SPLITS})
+    if unknown:
+        raise FFNQuantError(f"transformers loads {', '.join(unknown)} from a compressed-tensors folder as per-expert "
+                            "modules, and ffnquant does not know how its fused tensors split into them: the folder "
+                            "would load with those experts at random; export --format onnx, or a plan without "
+                            "--format compressed-tensors' folder, is what remains")
+    where, _ = safetensors_reader(folder)
+    edits: dict[Path, dict[str, Any]] = {}
+    for name, cls in found.items():
+        roles, split = _LOADER_SPLITS[cls]
+        keys = [f"{name}.{role}" for role in roles]
+        missing = [k for k in keys if k not in where]
+        if missing:
+            raise FFNQuantError(f"transformers saved no tensor {missing[0]!r} for {cls} {name}: ffnquant cannot write "
+                                "the per-expert tensors its loader reads for a compressed-tensors folder")
+        tensors = []
+        for k in keys:
+            with safe_open(str(where[k]), framework="pt") as f:
+                tensors.append(f.get_tensor(k))
+            edits.setdefault(where[k], {"drop": set(), "add": {}, "expect": {}})["drop"].add(k)
+        # the per-expert tensors go to the file that held the first fused one
+        edits[where[keys[0]]]["add"].update({f"{name}.{suffix}": t for suffix, t in split(*tensors).items()})
+    _rewrite_shards(folder, edits)
+    return sorted(found)
 
 
 def _add_group(folder: Path, scheme: Any, compressor: Any) -> None:

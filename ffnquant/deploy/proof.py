@@ -414,7 +414,8 @@ def end_to_end_gates(figures: Mapping[str, Any], allowance: Mapping[str, Any], p
     """Each end-to-end figure of a deployed model (`hf.compare_models` against the original float model) against
     the reference `rounding_allowance` measured on the original model (ffnquant's reference of the plan, or its
     stated convention): perplexity ratio within `ppl_tolerance` relative or twice its rounding spread; final
-    hidden SQNR no more than twice its spread lower; mean KL no more than twice its spread higher. `met`: every
+    hidden SQNR no more than twice its spread lower or its noise energy `ppl_tolerance` relative larger; mean KL no
+    more than twice its spread or `ppl_tolerance` relative higher. `met`: every
     gate holds and the allowance's plain run reproduced ffnquant's recorded reference."""
     got, ref = _figures(figures), allowance["reference"]
     rows = []
@@ -423,8 +424,16 @@ def end_to_end_gates(figures: Mapping[str, Any], allowance: Mapping[str, Any], p
             continue
         spread = allowance["spread"].get(name, 0.0)
         allowed = GATE_FACTOR * spread
+        # the same relative tolerance for every figure as for the perplexity: a deployment's arithmetic flips the
+        # static codes at a rounding tie (a folded norm, another kernel's order of sums), which one-step perturbations
+        # of the reference may not reach (a tiny Gemma 2 on an Intel Xeon: 0.00024 dB of final hidden SQNR against a
+        # measured spread of 1e-6 dB); a folder that is wrong moves the figures by orders more (random experts: 13 dB)
         if name == "perplexity_ratio":
             allowed = max(ppl_tolerance, allowed)
+        elif name == "hidden_sqnr_db":
+            allowed = max(10.0 * math.log10(1.0 + ppl_tolerance), allowed)  # the noise energy 1e-3 relative larger
+        else:
+            allowed = max(ppl_tolerance * abs(ref[name]), allowed)
         worse = _WORSE[name](got[name], ref[name])
         rows.append({"figure": name, "deployed": got[name], "reference": ref[name], "worse_by": worse,
                      "rounding_spread": spread, "allowed": allowed, "met": worse <= allowed})
