@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .arch import ModelKind
 from .capture import shift_right
