@@ -904,3 +904,16 @@ def test_an_mlp_with_a_part_ffnquant_does_not_compute_is_refused_naming_it(tmp_p
         pytest.skip(f"{model_type} not buildable here: {exc}")
     with pytest.raises(FFNQuantError, match=part):
         inspect_model(folder)
+
+
+def test_an_ffn_of_another_form_than_the_main_one_is_named_float_with_what_differs(tmp_path):
+    """NemotronH: routed experts in some blocks (the main FFN, most parameters), a dense ReLU² MLP in another of the
+    same width: the MLP stays float, said as what it is (a dense MLP, not routed experts), not as another shape."""
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+    from hf_models import save_causal_tiny, tokenizer
+
+    T.logging.set_verbosity_error()
+    info = inspect_model(save_causal_tiny(T, "nemotron_h", tmp_path / "m", tokenizer(T)))
+    part = next(p for p in info.arch.float_parts if p.startswith("L3 "))
+    assert "a dense MLP, not routed experts" in part and "main FFN is mixer.experts" in part
+    assert "another shape" not in part and "\n" not in part

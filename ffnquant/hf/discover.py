@@ -408,12 +408,25 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     for i, c in sorted(per_block.items()):
         if c.key() != main_key:
             float_parts.append(f"L{i} {_label(c.path)} (d_ff {c.d_ff}{', ' + str(c.experts) + ' experts' if c.experts else ''}): "
-                               f"stays float, another FFN shape than the model's main one ({_label(ffn.path)}, d_ff {ffn.d_ff})")
+                               f"stays float, {_differs(c, ffn)}: the model's main FFN is {_label(ffn.path)} "
+                               f"(d_ff {ffn.d_ff}{', ' + str(ffn.experts) + ' experts' if ffn.experts else ''}), and "
+                               "ffnquant plans one FFN form per model")
     for i in range(len(blocks)):
         if i not in per_block:
             float_parts.append(f"L{i}: no FFN in this block")
     return Discovery(model_type or str(getattr(config, "model_type", "")), type(model).__name__, layers_path,
                      len(blocks), ffn, kept, tuple(sorted(float_parts, key=lambda s: (len(s.split()[0]), s))))
+
+
+def _differs(c: FoundFFN, main: FoundFFN) -> str:
+    """What sets an FFN apart from the model's main one, in words (`FoundFFN.key`'s fields)."""
+    if bool(c.experts) != bool(main.experts):
+        return "a dense MLP, not routed experts" if main.experts else "routed experts, not a dense MLP"
+    if (c.d_model, c.d_ff, c.experts) != (main.d_model, main.d_ff, main.experts):
+        return "another shape"
+    if dict(c.roles) != dict(main.roles) or c.install is not main.install:
+        return "its matrices laid out otherwise"
+    return "at another place in its block"
 
 
 _CACHE: dict[str, Discovery] = {}
