@@ -171,6 +171,7 @@ class FloorSearch:
         # per deferred candidate, its scored damage over its round-to-nearest counterpart's, on each layer scored
         self.ratios: dict[str, list[float]] = {}
         self._median: dict[str, float | None] = {}
+        self._base: dict[tuple[int, str], float | None] = {}  # `_counterpart`'s, once per layer and candidate
 
     def _unscored(self, i: int) -> set[str]:
         return {r["recipe"] for r in self.per_layer[i]["candidates"] if r.get("deferred")}
@@ -192,15 +193,22 @@ class FloorSearch:
                 f"{mine - db:.1f} dB (>= {FLOOR_CLEARANCE_DB:g} dB): not measured")
 
     def _counterpart(self, i: int, name: str) -> float | None:
-        row = rtn_counterpart(self._recipes[name], self.per_layer[i]["candidates"])
-        value = None if row is None or self.damage is None else self.damage(row)
-        return value if value is not None and math.isfinite(value) and value > 0 else None
+        """The damage of `name`'s round-to-nearest counterpart on layer i (a scored row: it does not change), or None."""
+        if (i, name) not in self._base:
+            row = rtn_counterpart(self._recipes[name], self.per_layer[i]["candidates"])
+            value = None if row is None or self.damage is None else self.damage(row)
+            self._base[i, name] = value if value is not None and math.isfinite(value) and value > 0 else None
+        return self._base[i, name]
 
     def _typical(self, layers: list[int], name: str) -> list[int]:
         """`layers` ordered by how close their counterpart's damage is to the median layer's (unknown ones last)."""
         median = self._median_of(name)
-        return sorted(layers, key=lambda i: (abs(math.log(self._counterpart(i, name) / median))
-                                             if median and self._counterpart(i, name) else math.inf))
+
+        def distance(i: int) -> float:
+            base = self._counterpart(i, name)
+            return abs(math.log(base / median)) if median and base else math.inf
+
+        return sorted(layers, key=distance)
 
     def _median_of(self, name: str) -> float | None:
         if name not in self._median:
@@ -281,16 +289,15 @@ class FloorSearch:
             if unscored:
                 chosen = self._worth_scoring(chosen, budget)
                 unscored = [i for i, o in chosen.items() if o.name in self._unscored(i)]
-            pending = [i for i, o in chosen.items()
-                       if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"]
-            floors = [i for i in pending if self.cleared(i, chosen[i].name) is None]
+            clear = {i: self.cleared(i, o.name) for i, o in chosen.items()
+                     if o.name in self.static and self.per_layer[i].get("ort_floor") == "pending"}
+            floors = [i for i, why in clear.items() if why is None]
             if not floors and not unscored:
-                for i in self.per_layer:  # what the solution stands on where the floor was not measured
-                    why = self.cleared(i, chosen[i].name) if i in pending else None
-                    if why:
-                        self.per_layer[i]["ort_cleared"] = why
+                for i, entry in self.per_layer.items():  # what the solution stands on where the floor was not measured
+                    if clear.get(i):
+                        entry["ort_cleared"] = clear[i]
                     else:
-                        self.per_layer[i].pop("ort_cleared", None)
+                        entry.pop("ort_cleared", None)
                 return chosen
             if unscored and self.score is None:
                 raise ValueError("FloorSearch: deferred candidates without a `score` to score them")

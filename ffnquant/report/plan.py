@@ -96,20 +96,16 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     elif data.get("deferred"):
         n = len(data["layers"])
         bounds = data.get("deferred_bounds") or {}
-        if bounds:
-            lines += ["Candidates scored only on the layers where a solution picked one (their calibration reads "
-                      "second-order statistics). Unscored, they entered the search at their cost and a damage bound "
-                      "learned on this model: half the least ratio of their scored damage to round to nearest's on "
-                      "the same layer, times round to nearest's damage there (at most the median layer's); the plan is "
-                      "the one scoring them everywhere gives wherever no layer's ratio is below that bound:", ""] + [
-                f"- {recipe}: scored on {len(idx)} of {n} layers"
-                + (f"; least ratio {bounds[recipe]['least_ratio']:.2f} on {bounds[recipe]['layers']} layers"
-                   if recipe in bounds else "") for recipe, idx in data["deferred"].items()] + [""]
-        else:
-            lines += ["Candidates scored only on the layers where a solution picked one (their calibration reads "
-                      "second-order statistics; unscored, they entered the search at their cost and no damage, so "
-                      "the plan is the one scoring them everywhere gives):", ""] + [
-                f"- {recipe}: scored on {len(idx)} of {n} layers" for recipe, idx in data["deferred"].items()] + [""]
+        how = ("entered the search at their cost and a damage bound learned on this model: half the least ratio of "
+               "their scored damage to round to nearest's on the same layer, times round to nearest's damage there "
+               "(at most the median layer's); the plan is the one scoring them everywhere gives wherever no layer's "
+               "ratio is below that bound" if bounds else
+               "entered the search at their cost and no damage, so the plan is the one scoring them everywhere gives")
+        lines += [f"Candidates scored only on the layers where a solution picked one (their calibration reads "
+                  f"second-order statistics). Unscored, they {how}:", ""] + [
+            f"- {recipe}: scored on {len(idx)} of {n} layers"
+            + (f"; least ratio {bounds[recipe]['least_ratio']:.2f} on {bounds[recipe]['layers']} layers"
+               if recipe in bounds else "") for recipe, idx in data["deferred"].items()] + [""]
     if data.get("atlas"):
         lines += [f"The layer atlas with the plan drawn over it: [{data['atlas']}]({data['atlas']}) "
                   "(crest factor, kurtosis and outlier channels per layer and site, and the recipe each site got).", ""]
