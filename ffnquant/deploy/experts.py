@@ -261,8 +261,7 @@ def unfused_for_loader(folder: Path, model: nn.Module) -> list[str]:
     if unknown:
         raise FFNQuantError(f"transformers loads {', '.join(unknown)} from a compressed-tensors folder as per-expert "
                             "modules, and ffnquant does not know how its fused tensors split into them: the folder "
-                            "would load with those experts at random; export --format onnx, or a plan without "
-                            "--format compressed-tensors' folder, is what remains")
+                            "would load with those experts at random, so none is written")
     where, _ = safetensors_reader(folder)
     edits: dict[Path, dict[str, Any]] = {}
     for name, cls in found.items():
