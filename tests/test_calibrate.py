@@ -140,3 +140,67 @@ def test_expected_mse_grows_with_clipping():
     h = _hist(DATA["gaussian"])
     g = GRIDS["int8-sym"]
     assert expected_mse(h, g, -1.0, 1.0) > expected_mse(h, g, -4.0, 4.0)
+
+
+def _entropy_kl_scan(hist, i, n_quant):
+    """TensorRT's entropy calibration for one threshold, written as the loop it describes: the reference the
+    vectorised `_entropy_kls` is held to."""
+    ref = hist[:i].copy()
+    ref[i - 1] += hist[i:].sum()
+    src = hist[:i]
+    nz = src > 0
+    idx = (np.arange(i) * n_quant) // i
+    level_mass = np.bincount(idx, weights=src, minlength=n_quant)
+    level_nz = np.bincount(idx, weights=nz.astype(float), minlength=n_quant)
+    q = np.where(nz, level_mass[idx] / np.maximum(level_nz[idx], 1), 0.0)
+    if q.sum() <= 0:
+        return math.nan
+    pp, qq = ref / ref.sum(), q / q.sum()
+    m = pp > 0
+    if np.any(m & (qq <= 0)):
+        return math.inf
+    return float(np.sum(pp[m] * np.log(pp[m] / qq[m])))
+
+
+ENTROPY_CASES = {
+    "heavy-t3-outliers": np.concatenate([RNG.standard_t(3, 20_000), [90.0, -120.0]]),
+    "sparse-relu": np.maximum(RNG.standard_normal(20_000), 0.0) * (RNG.random(20_000) < 0.1),
+    "few-levels": RNG.integers(-3, 4, 2_000) * 0.25,
+    "gaussian": RNG.standard_normal(20_000),
+}
+
+
+@pytest.mark.parametrize("bins", [2048, 300, 129], ids=lambda b: f"{b}bins")
+@pytest.mark.parametrize("n_quant", [128, 8], ids=lambda q: f"{q}levels")
+@pytest.mark.parametrize("data", ENTROPY_CASES, ids=str)
+def test_the_vectorised_entropy_kls_are_the_loops(data, n_quant, bins):
+    from ffnquant.numerics.calibrate import _entropy_kls
+
+    hist, _ = np.histogram(np.abs(ENTROPY_CASES[data]), bins=bins)
+    hist = hist.astype(np.float64)
+    if hist.size <= n_quant:
+        pytest.skip("no threshold to try")
+    cuts = np.arange(n_quant, hist.size + 1, max(1, (hist.size - n_quant) // 512))
+    got = _entropy_kls(hist, cuts, n_quant)
+    want = np.array([_entropy_kl_scan(hist, int(i), n_quant) for i in cuts])
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    # the two sum the same terms in another order: float64 rounding, relative to the divergences' size
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_empty_bins_add_nothing_to_the_expected_error(grid):
+    """`_mse_curve` reads the bins holding mass only: the same histogram with and without empty bins between."""
+    x = DATA["heavy-t3"]
+    counts, edges = np.histogram(x, bins=64)
+    wide = Histogram(counts, edges)
+    # split every bin in two, the mass on the first half: half the bins empty, the same centres of mass
+    fine_edges = np.sort(np.concatenate([edges, 0.5 * (edges[:-1] + edges[1:])]))
+    fine = np.zeros(2 * counts.size)
+    fine[0::2] = counts
+    split = Histogram(fine, fine_edges)
+    for lo, hi in [(wide.lo, wide.hi), (wide.lo / 3, wide.hi / 3)]:
+        dense = Histogram(fine + 1e-300, fine_edges)  # every bin "reached", at no mass
+        assert expected_mse(split, GRIDS[grid], lo, hi) == pytest.approx(expected_mse(dense, GRIDS[grid], lo, hi),
+                                                                        rel=1e-12)
