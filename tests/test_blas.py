@@ -80,3 +80,17 @@ def test_fast_linear_routes_a_linear_while_active_and_leaves_others(numpy_path, 
     with blas.fast_linear(sub):
         assert torch.equal(sub(x), 2 * torch.nn.functional.linear(x, sub.weight, sub.bias))
     assert not seen
+
+
+def test_bf16_products_switch_onednn_and_restore_it(monkeypatch):
+    from ffnquant.infra import blas
+
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    monkeypatch.setitem(blas._BF16, "cpu", True)
+    with blas.bf16_products() as on:
+        assert on and matmul.fp32_precision == "bf16"
+    assert matmul.fp32_precision == before
+    monkeypatch.setitem(blas._BF16, "cpu", False)  # a CPU without native bf16: float32 products, untouched
+    with blas.bf16_products() as on:
+        assert not on and matmul.fp32_precision == before

@@ -233,10 +233,13 @@ def _whole_model_gradients(model, batches):
                          ids=["resident", "streamed", "resident-leading-batch", "streamed-leading-batch"])
 def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny, monkeypatch, resident, score_rows):
     """Pass 2 (each decoder layer recomputed on its kept input, the gradient carried back) against one backward
-    pass of the whole model: the same FFN output gradients, exactly. With fewer scored rows than search tokens, the
-    gradients are taken on the leading whole batches holding them alone, and are those of the whole model's backward
-    pass of those batches' loss."""
+    pass of the whole model: the same FFN output gradients, exactly, in float32 products (bf16 ones are held to
+    their rounding below). With fewer scored rows than search tokens, the gradients are taken on the leading whole
+    batches holding them alone, and are those of the whole model's backward pass of those batches' loss."""
+    from ffnquant.infra import blas
     from ffnquant.hf import inspect_model
+
+    monkeypatch.setitem(blas._BF16, "cpu", False)
     from ffnquant.hf.capture import load_hf_model
     from ffnquant.hf.stream import token_batches_of
     from ffnquant.planning.source import PlanSource
@@ -256,6 +259,25 @@ def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny, monkeypatch
         for j in range(info.n_layers):
             assert torch.equal(source.grads.get(j), want[j]), j
         assert not any(p.requires_grad for p in source.model.model.parameters())
+
+
+def test_the_gradients_in_bf16_products_are_the_float32_ones_within_bf16_rounding(tiny, monkeypatch):
+    """Where the CPU multiplies bf16 natively, pass 2 and the head's backward product multiply in bf16 (the
+    gradients only weigh the candidates' errors): each FFN's output gradient within a few bf16 roundings (2^-8
+    relative each, a handful of products deep in this 2-layer model) of the float32 one, in L2 norm."""
+    from ffnquant.infra import blas
+    from ffnquant.hf import inspect_model
+    from ffnquant.planning.source import PlanSource
+
+    info, settings = inspect_model(tiny["llama"]), _settings()
+    grads = {}
+    for native in (False, True):
+        monkeypatch.setitem(blas._BF16, "cpu", native)
+        with PlanSource(info, settings, None, None, 64, True, False, None, {}) as source:
+            grads[native] = {j: source.grads.get(j) for j in range(info.n_layers)}
+    for j, want in grads[False].items():
+        rel = float((grads[True][j] - want).norm() / want.norm())
+        assert rel <= 8 * 2.0 ** -8, (j, rel)
 
 
 def test_the_plan_memory_estimate_chooses_whole_streamed_or_spilled(tiny, monkeypatch):
@@ -327,3 +349,4 @@ def test_a_round_starting_at_its_first_changed_layer_gives_the_figures_of_a_whol
     with PlanSource(info, settings, None, None, 64, True, False, None, {}) as fresh:
         want = fresh.verify(second, by_name)
     assert json.dumps(got, default=str) == json.dumps(want, default=str)
+

@@ -42,7 +42,7 @@ from .skeleton import StandIn, Stop, base_of, beside, decoder_list, parameters_o
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
 from ..infra.atomic import ScratchFolder
-from ..infra.blas import fast_linear
+from ..infra.blas import bf16_products, fast_linear
 from ..infra.device import current_device, module_copy, to_device
 
 __all__ = ["SequentialModel", "token_batches_of"]
@@ -497,11 +497,14 @@ class SequentialModel:
 
     def head_grad(self, hidden: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor]):
         """`head_out` of one batch with the gradient of `loss(logits)` (a scalar) with respect to `hidden`:
-        (final hidden state, logits, gradient), all detached."""
+        (final hidden state, logits, gradient), all detached. The logits in float32; the gradient's products in bf16
+        where this CPU has them (`infra.blas.bf16_products`): it only weighs the candidates' errors."""
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             final, logits = self._head(x)
-            (grad,) = torch.autograd.grad(loss(logits), [x])
+            value = loss(logits)
+            with bf16_products():
+                (grad,) = torch.autograd.grad(value, [x])
         return final.detach(), logits.detach(), grad
 
     def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
