@@ -38,7 +38,9 @@ if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
     from ..spec import FFNSpec
 
-__all__ = ["PlanSource", "plan_needs"]
+__all__ = ["PlanSource", "plan_needs", "CHECK_TOKENS"]
+
+CHECK_TOKENS = 128  # the leading tokens of the search text's first sequence the structural checks run on
 
 Progress = Callable[[str, int, int], None]
 
@@ -213,10 +215,11 @@ class PlanSource(VerificationRounds):
         self.pcalls = m.embed(self.probe_ids, embedded)  # only the calls: the states come from `calib`
         embedded.clear()
         # the structural checks (ffnquant's FFN reproduces the layer's, where an input scale folds) run each dense
-        # layer on the search text's first sequence alone: they compare outputs to a relative bound, which a
-        # sequence shows as well as a batch, at a fraction of the layer runs
+        # layer on the leading `CHECK_TOKENS` of the search text's first sequence alone: they compare outputs to a
+        # relative bound, which 128 x d_model values show as well as a batch, at a fraction of the layer runs (four
+        # runs a layer: 4 s of a 270M model's plan on its 512-token sequences)
         checked = self._store("check")
-        kcalls = m.embed([self.calib_ids[0][:1]], checked)
+        kcalls = m.embed([self.calib_ids[0][:1, :CHECK_TOKENS]], checked)
         self.ecalls = m.embed(self.eval_ids, evals, self.progress, "embed the held-out text")
         m.offload(m.embedding)
         # a plan verified in float32 reads the held-out figures of this pass (each round starts from the embedded
@@ -293,6 +296,7 @@ class PlanSource(VerificationRounds):
 
     def _backward(self) -> None:
         from ..hf.stream import _host
+        from ..infra.blas import bf16_products
         from ..infra.device import to_device
         from .sensitivity import gradient_probe
 
@@ -303,7 +307,8 @@ class PlanSource(VerificationRounds):
         for j in reversed(range(n)):
             block, rows, found = m.layers[j], [], {}
             probe = _hooked(self.outputs[j], gradient_probe(found, j)) if j in self.outputs else contextlib.nullcontext()
-            with m.layer(j), probe, torch.enable_grad():
+            # the gradients only weigh the candidates' errors: their products in bf16 where the CPU has them
+            with m.layer(j), probe, torch.enable_grad(), bf16_products():
                 for b in range(self.n_grad_batches):
                     args, kwargs = to_device(self.ccalls[b][j], device)
                     # the first layer's input is the embedding, which needs no gradient (nor has one in the
