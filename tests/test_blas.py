@@ -94,3 +94,27 @@ def test_bf16_products_switch_onednn_and_restore_it(monkeypatch):
     monkeypatch.setitem(blas._BF16, "cpu", False)  # a CPU without native bf16: float32 products, untouched
     with blas.bf16_products() as on:
         assert not on and matmul.fp32_precision == before
+
+
+@pytest.mark.parametrize("numpy_side", [False, True], ids=["torch", "numpy"])
+def test_linear_into_a_kept_buffer_is_linear(monkeypatch, numpy_side):
+    """With `out`, the product is written into the buffer `out(shape)` gives (no fresh allocation to fault in), the
+    same figures up to the sums' rounding; a product a gradient is taken through computes as without it."""
+    monkeypatch.setattr(blas, "MIN_FLOPS", 0.0)
+    monkeypatch.setattr(blas, "numpy_faster", lambda x, w: numpy_side)
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 5, 16, generator=gen), torch.randn(33, 16, generator=gen), torch.randn(33, generator=gen)
+    buffer = torch.full((400,), float("nan"))
+    shapes = []
+
+    def into(shape):
+        shapes.append(shape)
+        return buffer[: 2 * 5 * 33].view(shape)
+
+    got = blas.linear(x, w, b, out=into)
+    assert shapes == [(2, 5, 33)] and got.data_ptr() == buffer.data_ptr()
+    want = torch.nn.functional.linear(x, w, b)
+    assert bool(((got - want).abs() <= _bound(x, w.T) + 1e-6).all())
+    w.requires_grad_(True)
+    traced = blas.linear(x, w, b, out=into)
+    assert shapes == [(2, 5, 33)] and traced.requires_grad  # not written into the buffer

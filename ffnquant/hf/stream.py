@@ -209,6 +209,7 @@ class SequentialModel:
         # the LM head's matmul on the faster BLAS of this CPU (`infra.blas`): figures compared only with each other,
         # never with transformers' own forward bit for bit (the deployment proof's engine keeps torch's)
         self.fast_head = fast_head
+        self._logits: torch.Tensor | None = None  # `head_out(reuse=True)`'s buffer
         why = None if resident else streamable_reason(info)
         if info.kind is not ModelKind.CAUSAL_LM or why:
             raise FFNQuantError(f"{info.path}: {why or streamable_reason(info)}")
@@ -469,15 +470,18 @@ class SequentialModel:
         finally:
             self.layers[j] = original
 
-    def head_out(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_out(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None,
+                 reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden state, logits) of one batch's last decoder layer output, from the model's own forward
         (final norm, LM head; onloaded on the first call): what `hf.metrics._run` reads as hidden_states[-1] (the
         base model's last_hidden_state) and logits. `vocab` (token ids): the logits of those tokens only, in that
         order, from the LM head's rows of them (what the model does to its logits after the head, such as a soft
-        cap, is elementwise): a fraction of the cost at a large vocabulary."""
+        cap, is elementwise): a fraction of the cost at a large vocabulary. `reuse`: the fast head's logits written
+        into one buffer the engine keeps (`release_logits` frees it), valid until the next such call: for a caller
+        that reads each batch's logits before the next."""
         with torch.no_grad():
             if vocab is None:
-                return self._head(hidden)
+                return self._head(hidden, reuse)
             if self.head.weight.is_meta:
                 self._head(hidden[:, :1])  # onloads the head
             weight, bias = self.head.weight, getattr(self.head, "bias", None)
@@ -507,9 +511,21 @@ class SequentialModel:
                 (grad,) = torch.autograd.grad(value, [x])
         return final.detach(), logits.detach(), grad
 
-    def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def release_logits(self) -> None:
+        """Free the buffer `head_out(reuse=True)` writes the logits into."""
+        self._logits = None
+
+    def _logits_into(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A [shape] view of the kept logits buffer (the engine's dtype), grown when a batch needs more."""
+        n = math.prod(shape)
+        if self._logits is None or self._logits.numel() < n:
+            self._logits = None  # the old one freed before the new one is taken
+            self._logits = torch.empty(n, dtype=self.dtype, device=self.device)
+        return self._logits[:n].view(shape)
+
+    def _head(self, hidden: torch.Tensor, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden state, logits) in host memory, computed on the engine's device (a gradient flows back to a
-        host `hidden` through the move)."""
+        host `hidden` through the move); `reuse`: see `head_out`."""
         hidden = hidden.to(self.device)
         if self.head.weight.is_meta:
             self.onload(self.embedding if self.tied else self.head)
@@ -529,7 +545,8 @@ class SequentialModel:
             lambda module, args, out: got.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
         try:
             with self._stand_ins([StandIn(None, hidden if i == 0 else None, as_tuple=self._tuple_out)
-                                  for i in range(n)]), (fast_linear(self.head) if self.fast_head else contextlib.nullcontext()):
+                                  for i in range(n)]), (fast_linear(self.head, self._logits_into if reuse else None)
+                                                        if self.fast_head else contextlib.nullcontext()):
                 # inputs_embeds only give the forward its shapes, [batch, tokens, the token embedding's width]
                 # (ELECTRA's is narrower, DeepSeek-V4's hidden states have a hyper-connection axis): the first
                 # stand-in returns `hidden`; a forward without inputs_embeds (CPM-Ant's) takes token ids

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -88,9 +88,26 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and 2.0 * x.numel() * weight.shape[0] >= MIN_FLOPS)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> torch.Tensor:
     """`torch.nn.functional.linear(x, weight, bias)`, computed by numpy's BLAS where that is faster on this CPU for
-    this shape (`numpy_faster`): float32 on the CPU, at least `MIN_FLOPS`; else by torch. Differentiable."""
+    this shape (`numpy_faster`): float32 on the CPU, at least `MIN_FLOPS`; else by torch. Differentiable.
+
+    `out(shape)`: a tensor the result is written into, where no gradient is taken (a buffer kept between calls: a
+    262k vocabulary's logits of 2,048 tokens are 2 GB, whose pages a fresh allocation faults in each time, about 0.5 s
+    of kernel time a call on a 2-core VM)."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if out is not None and not grad and x.dtype == weight.dtype and x.device == weight.device:
+        flat = x.reshape(-1, x.shape[-1])
+        result = out((*x.shape[:-1], weight.shape[0]))
+        into = result.view(-1, weight.shape[0])
+        if _eligible(x, weight) and numpy_faster(flat, weight):
+            np.matmul(flat.detach().numpy(), weight.detach().numpy().T, out=into.numpy())
+        else:
+            torch.mm(flat, weight.t(), out=into)
+        if bias is not None:
+            into += bias
+        return result
     if _eligible(x, weight) and numpy_faster(x.reshape(-1, x.shape[-1]), weight):
         return _NumpyLinear.apply(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
@@ -128,13 +145,13 @@ def bf16_products() -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def fast_linear(module: Any) -> Iterator[None]:
-    """`module` (an `nn.Linear`, exactly: a subclass may compute otherwise) computing through `linear` while active;
-    anything else is left as it is."""
+def fast_linear(module: Any, out: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> Iterator[None]:
+    """`module` (an `nn.Linear`, exactly: a subclass may compute otherwise) computing through `linear` while active
+    (into `out(shape)` where given: see `linear`); anything else is left as it is."""
     if type(module) is not torch.nn.Linear:
         yield
         return
-    module.forward = lambda x: linear(x, module.weight, module.bias)  # an instance attribute shadows the method
+    module.forward = lambda x: linear(x, module.weight, module.bias, out)  # an instance attribute shadows the method
     try:
         yield
     finally:

@@ -75,12 +75,14 @@ class VerificationRounds:
         def figures(base, lo, hi):
             hidden, nll, agreement = ErrorStats(), _NLL(), Agreement()
             for b in range(lo, hi):
-                got, logits = m.head_out(stream.get(b))
+                got, logits = m.head_out(stream.get(b), reuse=True)  # read before the next batch's
                 hidden.update(v.final.get(b), got)
                 agreement.update(v.references[b], logits, self.eval_ids[b], nll_into=nll)
+                del logits
             return end_to_end_figures(base, hidden, nll, {}, agreement)["end_to_end"]
 
         domains = {label: figures(v.domain_baselines[label], lo, hi) for label, lo, hi in self.domains}
+        m.release_logits()
         stream.clear()
         return domains
 

@@ -282,11 +282,13 @@ class PlanSource(VerificationRounds):
         checked.clear()
         # the held-out figures only where the rounds read them: the head at a 262k vocabulary is most of a pass
         for b, ids in enumerate(self.eval_ids if float_rounds else ()):
-            final, logits = m.head_out(evals.get(b))
+            final, logits = m.head_out(evals.get(b), reuse=True)  # read before the next batch's
             self.final[1].put(b, final)
             ref = reference_batch(logits, ids)
             nll_eval[domain_of[b]].add(ref.nll)  # its NLLs, not computed again
             self.references.append(ref)
+            del logits
+        m.release_logits()
         evals.clear()
         self.domain_baselines = {label: {"perplexity": nll_eval[label].perplexity,
                                          "n_tokens": sum(int(b.numel()) for b in self.eval_ids[lo:hi])}
