@@ -819,14 +819,15 @@ def _lazy_search(names, costs, true, rows, learn=True):
     def damage(r):
         return r.get("damage_bound", 0.0) if r.get("deferred") else r["damage"]
 
-    def options_of(i):
-        return [Option(r["recipe"], damage(r), costs[r["recipe"]]) for r in rows[i]["candidates"]]
+    def options_of(i):  # as the plan's: a row left out is no option
+        return [Option(r["recipe"], damage(r), costs[r["recipe"]]) for r in rows[i]["candidates"] if "excluded" not in r]
 
     scored = []
 
     def score(i):
         scored.append(i)
-        rows[i]["candidates"] = [{"recipe": r["recipe"], "damage": true[i][r["recipe"]]} for r in rows[i]["candidates"]]
+        rows[i]["candidates"] = [{"recipe": r["recipe"], "damage": true[i][r["recipe"]]} if "excluded" not in r else r
+                                 for r in rows[i]["candidates"]]
 
     recipes = [Recipe.parse(n) for n in names]
     return FloorSearch(rows, recipes, options_of, lambda i: None, score, damage=damage if learn else None), scored
@@ -871,6 +872,28 @@ def test_deferred_candidates_too_damaging_everywhere_are_scored_on_a_sample_of_l
                                               "layers": SAMPLE_LAYERS}
     bound_rows = [r for e in rows.values() for r in e["candidates"] if r.get("deferred")]
     assert bound_rows and all(r["damage_bound"] > 0 for r in bound_rows)
+
+
+def test_deferred_candidates_without_a_scored_round_to_nearest_row_are_scored_where_picked():
+    """A run whose latency table says the 4-bit probe can never be chosen quantizes it for its ablation only: its row
+    is unscored (`"scored": False`, no damage). It is no counterpart to learn a bound from (reading its damage raised
+    a KeyError in a plan of Gemma 3 270M): the deferred candidates are scored where a solution picks them."""
+    rng = random.Random(3)
+    names, costs, true, later, rows = _deferred_layers(rng, 6, lambda name, i: 0.5)
+    for entry in rows.values():
+        for r in entry["candidates"]:
+            if r["recipe"] == "w4a16-g128":
+                r.pop("damage")
+                r.update(scored=False, excluded="the latency table says it can never be chosen")
+    names = [n for n in names if n != "w4a16-g128"]
+    for entry in rows.values():
+        entry["candidates"] = [r for r in entry["candidates"] if r["recipe"] != "w4a16-g128"] + \
+            [r for r in entry["candidates"] if r["recipe"] == "w4a16-g128"]
+    lazy, scored = _lazy_search(names, costs, true, rows)
+    got = lazy.solve(0.01)
+    want = solve({i: [Option(n, true[i][n], costs[n]) for n in names] for i in true}, 0.01)
+    assert sum(o.cost for o in got.values()) == pytest.approx(sum(o.cost for o in want.values()))
+    assert lazy.bounds == {} and scored  # nothing learned; scored where picked
 
 
 @pytest.mark.parametrize("least_gain, scores", [(0.10, False), (0.02, True)], ids=["saving-within-resolution",

@@ -95,10 +95,11 @@ def ort_exclude(best: dict[str, Any] | None, recipes: Sequence[Recipe], rows: li
 def rtn_counterpart(recipe: Recipe, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The scored row of `rows` (one layer's candidates) that rounds `recipe`'s weights to nearest: weight-only, the
     same weight dtype, no transform, no second-order calibration (the plan's 4-bit probe, `job.PROBES`); None where
-    none was scored."""
+    none was scored (a probe the latency table says can never be chosen is quantized for its ablation, not scored:
+    `"scored": False`)."""
     want = recipe.resolve()
     for row in rows:
-        if row.get("deferred") or row.get("error") is not None or row["recipe"] == str(recipe):
+        if not _scored(row) or row["recipe"] == str(recipe):
             continue
         other = Recipe.parse(row["recipe"])
         scheme = other.resolve()
@@ -106,6 +107,11 @@ def rtn_counterpart(recipe: Recipe, rows: Sequence[dict[str, Any]]) -> dict[str,
                 and scheme.act_dtype == want.act_dtype and scheme.weight_dtype == want.weight_dtype):
             return row
     return None
+
+
+def _scored(row: dict[str, Any]) -> bool:
+    """Whether a candidate row holds scores (not deferred, not left out unscored, not failed)."""
+    return not row.get("deferred") and row.get("scored") is not False and row.get("error") is None
 
 
 def static_int8(recipe: Recipe) -> bool:
@@ -221,9 +227,7 @@ class FloorSearch:
         for i in layers:
             for row in self.per_layer[i]["candidates"]:
                 name = row["recipe"]
-                if name not in self._recipes or row.get("deferred") or row.get("error") is not None:
-                    continue
-                if not deferred(self._recipes[name]):
+                if name not in self._recipes or not _scored(row) or not deferred(self._recipes[name]):
                     continue
                 base, value = self._counterpart(i, name), self.damage(row)
                 if base is not None and value is not None and math.isfinite(value):
