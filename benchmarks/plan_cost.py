@@ -180,6 +180,30 @@ def local(text: str) -> str:
     return text
 
 
+def _verified(plan_dir: Path):
+    """Whether the plan in `plan_dir` was verified (None where it wrote no plan.json)."""
+    try:
+        return bool(json.loads((plan_dir / "plan.json").read_text())["verified"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _pair_lines(pairs: list[dict]) -> list[str]:
+    """The plan/peer pairs' table and their median ratio (more than one pair)."""
+    if len(pairs) < 2:
+        return []
+    rows = [f"| {k} | {p['first']} | {fmt_s(p['plan_s'])} | {fmt_s(p['peer_s'])} | {ratio(p['plan_s'], p['peer_s'])} | "
+            f"{ {True: 'yes', False: 'NO', None: '-'}[p['verified']] } |" for k, p in enumerate(pairs, 1)]
+    ratios = sorted(p["plan_s"] / p["peer_s"] for p in pairs if p["plan_s"] and p["peer_s"])
+    median = ratios[len(ratios) // 2] if len(ratios) % 2 else 0.5 * (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2])
+    return ["## Plan and peer, in pairs", "",
+            "Each pair: the default plan and the peer's oneshot right after each other, the order alternating (the "
+            "machine is shared; its speed drifts over minutes).", "",
+            "| pair | first | plan | peer | plan / peer | plan verified |", "|---:|---|---:|---:|---:|---|", *rows, "",
+            f"Median of the {len(ratios)} pairs' ratios: **{median:.2f}x** (range {ratios[0]:.2f}x..{ratios[-1]:.2f}x).",
+            ""]
+
+
 def render(doc: dict, before: dict | None) -> str:
     steps, peer = doc["steps"], doc["steps"].get("peer", {}).get("seconds")
     plan_s = steps["plan"]["seconds"]
@@ -205,6 +229,7 @@ def render(doc: dict, before: dict | None) -> str:
     if export_s is not None:
         lines.append(f"| plan + export | | {fmt_s(plan_s + export_s)} | {ratio(plan_s + export_s, peer)} |")
     lines.append("")
+    lines += _pair_lines(doc.get("pairs") or [])
     gpu_peaks = {k: s["gpu_memory_peak_mib"] for k, s in steps.items() if s.get("gpu_memory_peak_mib") is not None}
     if gpu_peaks:
         lines += ["GPU memory in use at its peak (nvidia-smi, sampled each second): "
@@ -359,6 +384,10 @@ def main(argv=None) -> int:
     ap.add_argument("--export-args", default="", help="more arguments of the export command")
     ap.add_argument("--source", default=None, help="run ffnquant from this checkout (PYTHONPATH) instead of this one")
     ap.add_argument("--before", default=None, help="an earlier plan_cost.json to show beside this run")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="plan and peer runs, in pairs right after each other, the order alternating (plan first, "
+                         "then peer first, ...): on a shared machine whose speed drifts, each pair's ratio and "
+                         "their median (default 1)")
     ap.add_argument("--layers", type=int, default=None,
                     help="run on a copy of the model cut to its first N decoder layers (written to OUT/model-first-N; "
                          "a before/after of the stages at a fraction of the time; not a figure of the whole model)")
@@ -424,6 +453,33 @@ def main(argv=None) -> int:
                              shown=shown)
     for name in ("plan.stacks", "plan/plan.md", "plan/plan.toml", "plan/plan.json"):  # they name its --out
         _localise(out / name)
+
+    def peer_cmd(folder: str) -> list[str]:
+        return [str(Path(args.peer_python)), str(REPO / "benchmarks/peer_llmcompressor.py"), "--model", model,
+                "--samples", str(args.peer_samples), "--output", str(out / folder), "--provenance",
+                str(out / "peer.provenance.json")]
+
+    pairs = []
+    if not args.skip_peer:  # right after the plan: the two timed on the machine as it is then
+        steps["peer"] = run_step("peer", peer_cmd("peer-folder"), env, out / "peer.log")
+        _localise(out / "peer.provenance.json")  # it names the paths it was given
+        pairs.append({"plan_s": steps["plan"]["seconds"], "peer_s": steps["peer"]["seconds"], "first": "plan",
+                      "verified": _verified(plan_dir)})
+        for k in range(2, args.pairs + 1):
+            folder = out / f"plan-pair{k}"
+            subprocess.run(["rm", "-rf", str(folder)])
+            cmd = [py, "-m", "ffnquant", "plan", "--model", model, "--target", "ppl+1%", "--out", str(folder),
+                   "--no-progress", *shlex.split(args.plan_args)]
+            order = ["peer", "plan"] if k % 2 == 0 else ["plan", "peer"]
+            got = {}
+            for name in order:
+                got[name] = (run_step(f"peer_pair{k}", peer_cmd(f"peer-folder-pair{k}"), env, out / f"peer-pair{k}.log")
+                             if name == "peer" else
+                             run_step(f"plan_pair{k}", cmd, env, out / f"plan-pair{k}.log", limit_s=args.step_limit_s))
+                steps[f"{name}_pair{k}"] = got[name]
+            subprocess.run(["rm", "-rf", str(out / f"peer-folder-pair{k}")])  # the peer's folder: its time is the point
+            pairs.append({"plan_s": got["plan"]["seconds"], "peer_s": got["peer"]["seconds"], "first": order[0],
+                          "verified": _verified(folder)})
     if not args.skip_export and steps["plan"]["rc"] == 0:
         steps["export"] = run_step("export", [py, "-m", "ffnquant", "export", "--model", model, "--plan",
                                               str(plan_dir / "plan.toml"), "--out", str(export_dir), "--no-progress",
@@ -437,15 +493,9 @@ def main(argv=None) -> int:
             if line.startswith("APPLY_SAVE "):
                 _, a, total, verdict = line.split(" ", 3)
                 apply_save = {"apply_s": float(a), "total_s": float(total), "verdict": verdict}
-    if not args.skip_peer:
-        steps["peer"] = run_step("peer", [str(Path(args.peer_python)), str(REPO / "benchmarks/peer_llmcompressor.py"),
-                                          "--model", model, "--samples", str(args.peer_samples), "--output",
-                                          str(out / "peer-folder"), "--provenance", str(out / "peer.provenance.json")],
-                                 env, out / "peer.log")
-        _localise(out / "peer.provenance.json")  # it names the paths it was given
     label = (f"random-weight bf16 Llama, {args.random_model} shapes ({_shape_label(RANDOM_MODELS[args.random_model])})"
              if args.random_model else Path(args.model).name + (f" (first {args.layers} layers)" if args.layers else ""))
-    doc = {"model": label, "recipe": args.recipe, "steps": steps, "apply_save": apply_save,
+    doc = {"model": label, "recipe": args.recipe, "steps": steps, "apply_save": apply_save, "pairs": pairs,
            "command": local(" ".join(shlex.quote(a) for a in [sys.executable, os.path.relpath(__file__, REPO)]
                                      + list(argv if argv is not None else sys.argv[1:]))),
            "source_label": _commit_label(Path(args.source) if args.source else REPO),

@@ -63,3 +63,16 @@ def test_the_tiny_random_model_is_a_checkpoint_transformers_loads(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     ids = transformers.AutoTokenizer.from_pretrained(folder)("the cat sat", return_tensors="pt").input_ids
     assert model(ids).logits.shape[-1] == shape["vocab"] and seconds >= 0
+
+
+def test_pairs_are_rendered_with_their_median_ratio():
+    """More than one plan/peer pair: each pair's ratio in a table and the median of them (an even count: the mean of
+    the middle two)."""
+    pairs = [{"plan_s": 100.0, "peer_s": 200.0, "first": "plan", "verified": True},
+             {"plan_s": 150.0, "peer_s": 100.0, "first": "peer", "verified": True},
+             {"plan_s": 90.0, "peer_s": 100.0, "first": "plan", "verified": None},
+             {"plan_s": 100.0, "peer_s": 100.0, "first": "peer", "verified": False}]
+    text = "\n".join(plan_cost._pair_lines(pairs))
+    assert "| 2 | peer | 150 s | 100 s | 1.50x | yes |" in text and "| 4 | peer | 100 s | 100 s | 1.00x | NO |" in text
+    assert "Median of the 4 pairs' ratios: **0.95x** (range 0.50x..1.50x)" in text
+    assert plan_cost._pair_lines(pairs[:1]) == []
