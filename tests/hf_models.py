@@ -118,38 +118,104 @@ _TINY = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=F_, num_hidden_l
              sliding_window=16, num_kv_heads=2)
 
 
-# what a type's config needs beside `_TINY` to build at that size (its own validators)
-_TYPE_TINY = {"bamba": {"mamba_n_heads": 4, "mamba_d_head": 16}, "granitemoehybrid": {"mamba_n_heads": 4},
-              "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2}, "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8},
-              "gemma3n_text": {"num_kv_shared_layers": 0, "layer_types": ["sliding_attention", "full_attention"],
-                               "activation_sparsity_pattern": [0.0, 0.0]}}
+# what a type's config needs beside `_TINY` to build at that size (its own validators); a dict under a sub-config's
+# name (text_config, vision_config, ...) is laid over that sub-config's tiny values
+_PER_LAYER_INPUT = {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8}  # not 262k x 256
+_GEMMA3N_TEXT = {"num_kv_shared_layers": 0, "layer_types": ["sliding_attention", "full_attention"],
+                 "activation_sparsity_pattern": [0.0, 0.0]} | _PER_LAYER_INPUT
+_INKLING2_TEXT = {"unpadded_vocab_size": VOCAB, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+                  "swa_head_dim": 8, "layer_types": ["hybrid_sliding", "hybrid"]}
+_DOTS3_TEXT = {"index_n_heads": 4, "index_head_dim": 16}  # its sparse-attention indexer
+_TYPE_TINY = {
+    "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16, "attn_layer_indices": [1]},
+    "granitemoehybrid": {"mamba_n_heads": 4},
+    "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2},
+    "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8},
+    "gemma3n_text": _GEMMA3N_TEXT, "gemma3n": {"text_config": _GEMMA3N_TEXT},
+    # RoPE per layer type, M-RoPE's three sections over head_dim 8's four frequencies
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "mrope_section": [2, 1, 1]}}},
+    # DbrxAttention reads attn_config.rope_theta: a real checkpoint's attn_config holds it (the class has no field)
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0},
+             "ffn_config": {"ffn_hidden_size": F_, "moe_num_experts": 4, "moe_top_k": 2}},
+    # the vision tower dense (no per-layer experts), the adapters as wide as the towers and the text
+    "dots3_note": {"vision_config": {"mlp_layer_types": ["dense", "dense"], "adapter_in_dim": D, "adapter_out_dim": D},
+                   "audio_config": {"adapter_input_size": D, "adapter_out_dim": D},
+                   "text_config": _DOTS3_TEXT | {"num_key_value_heads": 4}},  # latent attention: kv heads = heads
+    "dots3_note_text": _DOTS3_TEXT,
+    # a draft model reading every layer's keys and values from its target: all its layers share (0: derived afresh)
+    # (its defaults fail its own validator: a text model without per-layer inputs)
+    "gemma4_assistant": {"backbone_hidden_size": D, "text_config": {"num_kv_shared_layers": 0,
+                                                                   "hidden_size_per_layer_input": 0,
+                                                                   "vocab_size_per_layer_input": 0}},
+    "gemma4_unified_assistant": {"backbone_hidden_size": D, "text_config": {"num_kv_shared_layers": 0}},
+    "gemma4": {"text_config": _PER_LAYER_INPUT},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "inkling2_text": _INKLING2_TEXT,
+    "inkling2_loop_text": _INKLING2_TEXT | {"n_layers_per_attn_res_block": 1, "loop_layer_index_start": 1,
+                                            "loop_layer_index_end": 2, "loop_num_passes": 2, "loop_gate_rank": 8},
+    # NVFP4 keys need head_dim % 16; an indexed layer after a sliding one; experts in layer 1
+    "kolibri1_1": {"head_dim": 16, "index_num_heads": 2, "layer_types": ["sliding_attention", "indexed_attention"],
+                   "mlp_only_layers": [0], "mlp_only_intermediate_size": F_},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "mamba2": {"num_heads": 8, "n_groups": 2, "state_size": 16},
+    "plbart": {"decoder_attention_heads": 4, "decoder_ffn_dim": F_, "encoder_ffn_dim": F_, "decoder_layers": 2},
+    "whisper": {"decoder_attention_heads": 4, "decoder_ffn_dim": F_, "encoder_ffn_dim": F_, "decoder_layers": 2,
+                "decoder_start_token_id": 1, "begin_suppress_tokens": None},
+    # an indexed (QSA) layer after a GatedDeltaNet one, as the real model alternates them
+    "qwen4_exp_text": {"layer_types": ["linear_attention", "indexed_attention"], "indexer_n_heads": 4,
+                       "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 16, "indexer_compress_ratio": 4},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "reformer": {"attn_layers": ["local", "lsh"], "axial_pos_embds_dim": [16, 16], "attention_head_size": 8,
+                 "feed_forward_size": F_},
+    # d_head: the alias hidden_size sets d_model only after __post_init__ derived d_head from the default width
+    "xlnet": {"d_head": 8, "d_inner": F_},
+    # head_dim (the alias of attention_head_dim) as wide as each derives it: 2 * hidden_size / heads
+    # (Zamba ties every hybrid layer's shared transformer to the first's: two of them, each with its Mamba mixer)
+    "zamba": {"layers_block_type": ["hybrid", "hybrid"], "head_dim": 16},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"], "head_dim": 16},
+    "zaya": {"num_experts_per_tok": 1},
+}
 
 
 def causal_config(T, model_type: str):
     """A tiny config of any causal-LM model type of the installed transformers (the widths of `_TINY` it has)."""
-    base = T.AutoConfig.for_model(model_type)
+    extra = _TYPE_TINY.get(model_type, {})
+    try:
+        base = T.AutoConfig.for_model(model_type)
+    except Exception:  # noqa: BLE001 - defaults its own validator refuses (Gemma 4 Assistant's): with the type's extras
+        base = T.AutoConfig.for_model(model_type, **extra)
     known = set(base.to_dict())
 
-    def settable(k: str) -> bool:
+    def has(k: str) -> bool:
         try:
-            has = hasattr(base, k)
-        except Exception:  # noqa: BLE001 - a per-layer attribute of a heterogeneous config (Gemma 4's head_dim)
-            has = k in known
-        return has and not isinstance(getattr(type(base), k, None), property)
+            return hasattr(base, k)
+        except Exception:  # noqa: BLE001 - a per-layer attribute of a heterogeneous config
+            return k in known  # (Gemma 4's head_dim, Dots 3's kv_lora_rank)
+
+    def settable(k: str) -> bool:
+        return has(k) and not isinstance(getattr(type(base), k, None), property)
 
     kwargs = {k: v for k, v in _TINY.items() if settable(k) or k == "ffn_hidden_size" and model_type == "falcon"}
-    kwargs.update(_TYPE_TINY.get(model_type, {}))
+    kwargs.update(extra)
     for name, sub in base.to_dict().items():  # a multimodal model's text, vision and audio configs: tiny too
-        if isinstance(sub, dict) and "model_type" in sub and name not in kwargs:
-            kwargs[name] = {k: v for k, v in sub.items() if k != "layer_types"} | \
-                {k: v for k, v in _TINY.items() if k in sub and k != "vocab_size" or k == "vocab_size" and k in sub}
-    if hasattr(base, "kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3 and kin): as many key/value
+        if isinstance(sub, dict) and "model_type" in sub and (name not in kwargs or isinstance(extra.get(name), dict)):
+            # its per-layer values (layer types, per-layer overrides, lists of one entry per layer) derived afresh
+            n = sub.get("num_hidden_layers")
+            per_layer = {k for k, v in sub.items() if k in ("layer_types", "per_layer_config")
+                         or isinstance(v, list) and isinstance(n, int) and n > 2 and len(v) == n}
+            kwargs[name] = {k: v for k, v in sub.items() if k not in per_layer} | \
+                {k: v for k, v in _TINY.items() if k in sub and k != "vocab_size" or k == "vocab_size" and k in sub} | \
+                extra.get(name, {})
+    if has("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3 and kin): as many key/value
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # heads as query heads, as real ones have
     config = T.AutoConfig.for_model(model_type, **kwargs)
     if not getattr(config, "is_encoder_decoder", False):  # an encoder class used as a causal LM (BERT's) masks as one
         config.is_decoder = True
     types = getattr(config, "layer_types", None)
-    settable_types = not isinstance(getattr(type(config), "layer_types", None), property)
+    attr = type(config).attribute_map.get("layer_types", "layer_types")  # Bamba's, Zamba's: layers_block_type
+    settable_types = not isinstance(getattr(type(config), attr, None), property) and \
+        not {"layer_types", attr} & set(extra)  # a type's own layer types (`_TYPE_TINY`) are kept
     if settable_types and isinstance(types, list) and "linear_attention" in types and "full_attention" not in types:
         # a hybrid (Qwen3-Next, Qwen3.5) cut to two layers keeps one of full attention, as a real one has every few
         # layers: with linear attention alone transformers cannot size a KV cache's mask, nor generate
