@@ -125,6 +125,7 @@ _GEMMA3N_TEXT = {"num_kv_shared_layers": 0, "layer_types": ["sliding_attention",
                  "activation_sparsity_pattern": [0.0, 0.0]} | _PER_LAYER_INPUT
 _INKLING2_TEXT = {"unpadded_vocab_size": VOCAB, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
                   "swa_head_dim": 8, "layer_types": ["hybrid_sliding", "hybrid"]}
+_MEDIA_TOKENS = {"image_token_id": 1, "video_token_id": 1, "audio_token_id": 1}
 _DOTS3_TEXT = {"index_n_heads": 4, "index_head_dim": 16}  # its sparse-attention indexer
 _TYPE_TINY = {
     "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16, "attn_layer_indices": [1]},
@@ -149,7 +150,10 @@ _TYPE_TINY = {
                                                                    "hidden_size_per_layer_input": 0,
                                                                    "vocab_size_per_layer_input": 0}},
     "gemma4_unified_assistant": {"backbone_hidden_size": D, "text_config": {"num_kv_shared_layers": 0}},
-    "gemma4": {"text_config": _PER_LAYER_INPUT},
+    # the image/video/audio placeholders inside the tiny vocabulary (given inputs_embeds, the forward looks their
+    # 258k ids up in its 96-row embedding): <s> (1), which the word-level tokenizer never puts in a text
+    "gemma4": {"text_config": _PER_LAYER_INPUT} | _MEDIA_TOKENS,
+    "gemma4_unified": _MEDIA_TOKENS,
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "inkling2_text": _INKLING2_TEXT,
     "inkling2_loop_text": _INKLING2_TEXT | {"n_layers_per_attn_res_block": 1, "loop_layer_index_start": 1,
