@@ -126,7 +126,7 @@ _GEMMA3N_TEXT = {"num_kv_shared_layers": 0, "layer_types": ["sliding_attention",
 _INKLING2_TEXT = {"unpadded_vocab_size": VOCAB, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
                   "swa_head_dim": 8, "layer_types": ["hybrid_sliding", "hybrid"]}
 _MEDIA_TOKENS = {"image_token_id": 1, "video_token_id": 1, "audio_token_id": 1}
-_DOTS3_TEXT = {"index_n_heads": 4, "index_head_dim": 16}  # its sparse-attention indexer
+_DOTS3_TEXT = {"index_n_heads": 4, "index_head_dim": 16, "shared_experts_intermediate_size": F_}  # indexer, shared
 _TYPE_TINY = {
     "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16, "attn_layer_indices": [1]},
     "granitemoehybrid": {"mamba_n_heads": 4},
