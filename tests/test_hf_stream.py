@@ -397,3 +397,27 @@ def test_the_probe_vocabulary_holds_the_likeliest_and_the_next_tokens():
     sub_nll, sub_p, _ = float_terms(logits[..., vocab], ids, vocab)
     assert sub_p.shape[-1] == vocab.numel() and torch.allclose(sub_p.sum(-1), torch.ones(2, 5))
     assert torch.all(sub_nll <= nll + 1e-9)  # renormalized on fewer tokens: each next token is no less likely
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["one-sequence", "three-sequences"])
+def test_a_loop_that_unpacks_each_layers_output_is_answered_as_a_tuple(tmp_path, batch):
+    """Bamba's forward unpacks each decoder layer's output as (hidden, attention weights): the stand-ins' plain
+    tensor then unpacks to one value for a batch of one (three for three) and the loop raised a ValueError, which read
+    as transformers refusing the call. The engine answers in tuples instead and records every layer's call, with the
+    embeddings transformers' own forward computes."""
+    import transformers as T
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.stream import SequentialModel, _Store
+    from hf_models import save_causal_tiny
+
+    folder = save_causal_tiny(T, "bamba", tmp_path / "bamba")
+    info = inspect_model(folder)
+    engine = SequentialModel(info, resident=True)
+    ids = torch.randint(3, 90, (batch, 16), generator=torch.Generator().manual_seed(0))
+    store = _Store(None, "embedded")
+    calls = engine.embed([ids], store)
+    assert engine._tuple_out and len(calls[0]) == info.n_layers
+    with torch.no_grad():
+        want = T.AutoModelForCausalLM.from_pretrained(folder).model.embed_tokens(ids)
+    assert torch.equal(store.get(0), want)

@@ -188,6 +188,10 @@ def _float32(value: Any) -> Any:
     return value
 
 
+class _Unpacked(Exception):
+    """The model's loop unpacked a stand-in's plain tensor as (hidden, attention weights)."""
+
+
 class SequentialModel:
     """The one engine every command runs a causal LM through: the model's own transformers class, its decoder
     layers run one at a time over batches of hidden states (`embed`, `run`, `head_out`).
@@ -349,7 +353,11 @@ class SequentialModel:
         for b, ids in enumerate(batches):
             try:
                 record = self._record(ids.to(self.device), n)
-            except IndexError:  # the loop indexed a plain tensor's output down to a scalar (MVP's 12 layers)
+            except (IndexError, _Unpacked) as exc:  # the loop indexed a plain tensor's output down to a scalar
+                # (MVP's 12 layers), or unpacked it as (hidden, attention weights) (Bamba's: a batch of one is one value)
+                if (b or self._tuple_out) and isinstance(exc, _Unpacked):
+                    raise FFNQuantError(f"{self.info.path}: its forward unpacks each decoder layer's output in a form "
+                                        "the engine's stand-ins do not answer") from None
                 if b or self._tuple_out:
                     raise
                 self._tuple_out = True
@@ -381,6 +389,8 @@ class SequentialModel:
             except Stop:
                 pass
             except ValueError as exc:  # transformers' own refusal of the call (X-MOD: no default language set)
+                if "values to unpack" in str(exc) and not self._tuple_out and record:
+                    raise _Unpacked from None  # the loop unpacks each layer's output: answered as a tuple
                 raise FFNQuantError(f"{self.info.path}: transformers' forward of the model refuses a plain call with "
                                     f"token ids: {first_line(exc)}") from None
         return record
