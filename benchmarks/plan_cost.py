@@ -443,8 +443,11 @@ def main(argv=None) -> int:
     for d in (plan_dir, export_dir, save_dir):  # this benchmark's own outputs from an earlier run of it
         subprocess.run(["rm", "-rf", str(d)])
     gpu = "cuda" in args.plan_args or (args.random_model is not None and _has_cuda())
-    plan_cmd = [py, "-m", "ffnquant", "plan", "--model", model, "--target", "ppl+1%", "--out", str(plan_dir),
-                *([] if args.progress else ["--no-progress"]), *shlex.split(args.plan_args)]
+    def plan_command(folder: Path, progress: bool = False) -> list[str]:
+        return [py, "-m", "ffnquant", "plan", "--model", model, "--target", "ppl+1%", "--out", str(folder),
+                *([] if progress else ["--no-progress"]), *shlex.split(args.plan_args)]
+
+    plan_cmd = plan_command(plan_dir, args.progress)
     shown = None
     if args.stacks_every:  # the command as a user runs it; the sampler is this benchmark's
         shown = " ".join(shlex.quote(c) for c in plan_cmd) + f"  # its stacks sampled every {args.stacks_every:g} s"
@@ -468,8 +471,7 @@ def main(argv=None) -> int:
         for k in range(2, args.pairs + 1):
             folder = out / f"plan-pair{k}"
             subprocess.run(["rm", "-rf", str(folder)])
-            cmd = [py, "-m", "ffnquant", "plan", "--model", model, "--target", "ppl+1%", "--out", str(folder),
-                   "--no-progress", *shlex.split(args.plan_args)]
+            cmd = plan_command(folder)
             order = ["peer", "plan"] if k % 2 == 0 else ["plan", "peer"]
             got = {}
             for name in order:
