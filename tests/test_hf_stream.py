@@ -421,3 +421,28 @@ def test_a_loop_that_unpacks_each_layers_output_is_answered_as_a_tuple(tmp_path,
     with torch.no_grad():
         want = T.AutoModelForCausalLM.from_pretrained(folder).model.embed_tokens(ids)
     assert torch.equal(store.get(0), want)
+
+
+def test_a_layer_that_transformers_refuses_to_run_on_token_ids_alone_is_named_not_an_internal_error(tmp_path):
+    """Gemma 4's assistant (a draft model) reads its target model's key/value states in its layers' attention: run
+    from token ids alone, transformers' own layer raised a KeyError, reported as a bug of ffnquant. Now one line
+    naming the layer and transformers' exception; an exception from ffnquant's own code stays what it is."""
+    import transformers as T
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.stream import SequentialModel, _raised_in_transformers, _Store
+    from hf_models import save_causal_tiny
+
+    folder = save_causal_tiny(T, "gemma4_assistant", tmp_path / "gemma4_assistant")
+    info = inspect_model(folder)
+    engine = SequentialModel(info, resident=True)
+    ids = torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(0))
+    store = _Store(None, "embedded")
+    calls = engine.embed([ids], store)
+    with pytest.raises(FFNQuantError, match=r"decoder layer 0 \(\w+\) fails on the inputs its model's forward passes "
+                                            r"it for token ids alone \(KeyError: 'sliding_attention'\)"):
+        engine.run(0, store, calls)
+    try:
+        {}["ffnquant's own"]
+    except KeyError as exc:
+        assert not _raised_in_transformers(exc)

@@ -112,6 +112,19 @@ def _glibc(call: str, *args: int) -> None:
 _CPU = torch.device("cpu")
 
 
+
+def _raised_in_transformers(exc: BaseException) -> bool:
+    """Whether transformers' code, not ffnquant's (an FFN installed in the layer), is the last of the two in the
+    exception's traceback."""
+    last = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if "/transformers/" in name or "/ffnquant/" in name:
+            last = name
+        tb = tb.tb_next
+    return "/transformers/" in last
+
 def _host(value: Any) -> Any:
     """`value`'s tensors in host memory (itself on the CPU)."""
     return to_device(value, _CPU)
@@ -433,7 +446,18 @@ class SequentialModel(LMHead):
         """Decoder layer j on one batch, on `device` (the engine's); the output back in host memory."""
         device = device or self.device
         args, kwargs = to_device(call, device)
-        out = self.layers[j](hidden.to(device), *args, **kwargs)
+        try:
+            out = self.layers[j](hidden.to(device), *args, **kwargs)
+        except Exception as exc:
+            if not _raised_in_transformers(exc):
+                raise
+            # the model's own layer refuses what its own forward passed it for token ids alone (Gemma 4's draft
+            # model reads its target model's key/value states): a model ffnquant cannot run, not a bug of ffnquant
+            raise FFNQuantError(
+                f"{self.info.path}: transformers' decoder layer {j} ({type(self.layers[j]).__name__}) fails on the "
+                f"inputs its model's forward passes it for token ids alone ({type(exc).__name__}: {first_line(exc)}); "
+                "ffnquant runs a causal LM from token ids, and this one needs more (a draft model's target states, "
+                "images, ...)") from None
         return _host(out[0] if isinstance(out, (tuple, list)) else out)  # OpenAI GPT's blocks return a list
 
     def check(self, j: int, store: _Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:
