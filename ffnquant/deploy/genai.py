@@ -61,7 +61,9 @@ def genai_config(config: Any, layout: Any, filename: str, generation: Any = None
     eos = eos if eos is not None else getattr(text, "eos_token_id", None)
     pad = getattr(text, "pad_token_id", None)
     pad = pad if pad is not None else _one_id(eos)
-    context = int(getattr(text, "max_position_embeddings", 0) or 2048)
+    from ..hf.inputs import position_limit
+
+    context = position_limit(text.to_dict()) or 2048
     return {
         "model": {
             "bos_token_id": getattr(text, "bos_token_id", None),

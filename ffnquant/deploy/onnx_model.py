@@ -37,6 +37,7 @@ from ..backends import register_backend, supports
 from ..errors import FFNQuantError, first_line
 from ..hf import compare_models
 from ..hf.arch import ModelKind
+from ..hf.inputs import position_limit
 from ..infra.atomic import ScratchFolder, atomic_path
 from ..measure.latency import latency_stats
 from ..methods import handler_for, quantize_linear
@@ -359,7 +360,7 @@ def _decoder_figures(planned: PlannedModel, fp32: Path, quant: Path, *, contexts
         shared.append(next((i for i, (a, b) in enumerate(zip(q, row["onnx"])) if a != b), min(len(q), len(row["onnx"]))))
     generation["quantized_leading_tokens_equal"] = shared
     generation["quantized_rows"] = quantized  # ffnquant's loop on the quantized graph: what genai must reproduce
-    limit = int(getattr(planned.float_model.config, "max_position_embeddings", 0) or 0)
+    limit = position_limit(planned.info.config) or 0
     kept = [c for c in contexts if not limit or c <= limit]
     latency = decode_latency(fp32, quant, kept, rounds=rounds) if kept else {"contexts": {}}
     latency["beyond_max_positions"] = [c for c in contexts if c not in kept]
@@ -417,7 +418,7 @@ def write_model_graph(planned: PlannedModel, folder: str | os.PathLike, *, opset
         written = quantize_graph(planned_fp32, planned, quant)
     score = score_graph(quant, planned)
     # no prompt longer than the model's positions (a tiny model's 128): its embedding has no row for more
-    limit = int(getattr(planned.float_model.config, "max_position_embeddings", 0) or 0)
+    limit = position_limit(planned.info.config) or 0
     latency = graph_latency(fp32, quant, tokens=sorted({min(t, limit) if limit else t for t in tokens}), rounds=rounds)
     files = {fp32.name: fp32.stat().st_size, quant.name: quant.stat().st_size}
     if decoder["status"] == "ok":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -96,15 +96,25 @@ class LayerInputs:
     float_baseline: dict[str, Any] | None = None
 
 
-def fit_settings(info: ModelInfo, settings: EvalSettings) -> EvalSettings:
-    """`settings` with seq_len no longer than the model's learned positions (config.json's
-    max_position_embeddings / n_positions), so windows never index past the position table."""
-    limits = [info.config.get(k) for k in ("max_position_embeddings", "n_positions")]
+# config.json's keys for the number of positions the decoder has learned (Whisper's decoder: max_target_positions)
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_target_positions")
+
+
+def position_limit(config: Mapping[str, Any]) -> int | None:
+    """The most tokens the model's learned positions cover (the least of config.json's `POSITION_KEYS`), or None."""
+    limits = [config.get(k) for k in POSITION_KEYS]
     limits = [int(v) for v in limits if isinstance(v, int) and not isinstance(v, bool) and v >= 2]
-    if limits and settings.seq_len > min(limits):
+    return min(limits) if limits else None
+
+
+def fit_settings(info: ModelInfo, settings: EvalSettings) -> EvalSettings:
+    """`settings` with seq_len no longer than the model's learned positions (`position_limit`), so windows never
+    index past the position table."""
+    limit = position_limit(info.config)
+    if limit is not None and settings.seq_len > limit:
         from dataclasses import replace
 
-        return replace(settings, seq_len=min(limits))
+        return replace(settings, seq_len=limit)
     return settings
 
 

@@ -201,6 +201,7 @@ def measure_genai_table(info: Any, recipes: Sequence[Recipe], workload: Workload
 
     from ..deploy.genai import genai_unavailable
     from ..deploy.onnx_model import graph_refusal
+    from ..hf.inputs import position_limit
 
     why = genai_unavailable() or graph_refusal(info)
     if why is not None:
@@ -211,7 +212,7 @@ def measure_genai_table(info: Any, recipes: Sequence[Recipe], workload: Workload
         return table
     names = list(groups)
     vocab = int(info.config.get("vocab_size") or 2)
-    positions = int(info.config.get("max_position_embeddings") or 0) or workload.prompt + decode_steps
+    positions = position_limit(info.config) or workload.prompt + decode_steps
     prompt_len = max(2, min(workload.prompt, positions - decode_steps))
     prompt = [(7 + 31 * k) % vocab for k in range(prompt_len)]  # any ids: the time does not depend on them
     with tempfile.TemporaryDirectory(prefix="ffnquant-genai-table-") as tmp:
