@@ -136,9 +136,10 @@ _TYPE_TINY = {
     # RoPE per layer type, M-RoPE's three sections over head_dim 8's four frequencies
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
                                                                   "mrope_section": [2, 1, 1]}}},
-    # DbrxAttention reads attn_config.rope_theta: a real checkpoint's attn_config holds it (the class has no field)
+    # DbrxAttention reads attn_config.rope_theta: a real checkpoint's attn_config holds it (the class has no field);
+    # its experts' width is ffn_config.hidden_size, the model's in a real checkpoint
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0},
-             "ffn_config": {"ffn_hidden_size": F_, "moe_num_experts": 4, "moe_top_k": 2}},
+             "ffn_config": {"hidden_size": D, "ffn_hidden_size": F_, "moe_num_experts": 4, "moe_top_k": 2}},
     # the vision tower dense (no per-layer experts), the adapters as wide as the towers and the text
     "dots3_note": {"vision_config": {"mlp_layer_types": ["dense", "dense"], "adapter_in_dim": D, "adapter_out_dim": D},
                    "audio_config": {"adapter_input_size": D, "adapter_out_dim": D},
@@ -169,7 +170,8 @@ _TYPE_TINY = {
     # an indexed (QSA) layer after a GatedDeltaNet one, as the real model alternates them
     "qwen4_exp_text": {"layer_types": ["linear_attention", "indexed_attention"], "indexer_n_heads": 4,
                        "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 16, "indexer_compress_ratio": 4},
-    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    # its MLP is intermediate_size // 2 wide: at the harness's 64 as wide as the model, which is no FFN shape
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "intermediate_size": 2 * F_},
     "reformer": {"attn_layers": ["local", "lsh"], "axial_pos_embds_dim": [16, 16], "attention_head_size": 8,
                  "feed_forward_size": F_},
     # d_head: the alias hidden_size sets d_model only after __post_init__ derived d_head from the default width

@@ -887,11 +887,19 @@ def test_experts_stored_under_names_transformers_renames_are_read_as_it_loads_th
     ("apertus", r"cannot reproduce this FFN's output.*parameters beside the FFN's matrices that ffnquant's FFN does "
                 r"not compute: act_fn\.alpha_p \[1\] \(XIELUActivation\)"),
     ("gpt_oss", r"its experts' tensors mlp\.experts\.gate_up_proj \[4, 32, 128\].* are not laid out as ffnquant "
-                r"reads routed experts")])
+                r"reads routed experts"),
+    ("dbrx", r"the matrices that hold the width 32 are parameters of their module, not Linear modules' weights: "
+             r"ffn\.experts\.mlp\.w1 \[256, 32\] \(DbrxExpertGLU\)"),
+    # its token-shift mixes are two 3-D tensors [1, 1, d]: not experts, and its Linears still probed
+    ("rwkv", r"feed_forward: ffnquant cannot reproduce this FFN's output.*parameters beside the FFN's matrices that "
+             r"ffnquant's FFN does not compute: time_mix_key \[1, 1, 32\]"),
+    # a convolution's [C, 1, K] is not called an experts' tensor
+    ("mamba2", r"no FFN found in its 2 blocks \(backbone\.layers\): no matrices map the width 32")])
 def test_an_mlp_with_a_part_ffnquant_does_not_compute_is_refused_naming_it(tmp_path, model_type, part):
     """BitNet's MLP normalises its hidden (a sub-norm between the matrices), Apertus' activation has learned
-    parameters (xIELU), gpt-oss stores its experts input-major: the refusal names what it found, the cause, rather
-    than only a failed run, no match, or "no matrices map the width"."""
+    parameters (xIELU), gpt-oss stores its experts input-major, DBRX its experts as plain [experts x f, d] parameters,
+    RWKV's feed-forward mixes the previous token: the refusal names what it found, the cause, rather than only a
+    failed run, no match, "no matrices map the width", or a convolution called an expert."""
     T = pytest.importorskip("transformers")
     import sys
 

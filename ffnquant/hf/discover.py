@@ -29,7 +29,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from ..spec import Activation
 from .conversions import expert_sources, with_renames
-from .ffn_candidates import FoundFFN, candidates
+from .ffn_candidates import FoundFFN, candidates, linear_shape
 from .arch import ARCHITECTURES, Arch, Install, ModelKind
 from .validate import check_attention_config
 
@@ -366,12 +366,25 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     if not per_block:
         if refused:  # FFN-shaped, but nothing ffnquant computes reproduces it: the most FFN-like one's reason
             raise FFNQuantError(max(refused, key=lambda r: ("mlp" in r, "reproduce" in r)))
-        # expert tensors in a layout ffnquant does not read ([E, d, 2f] and [E, f, d]: gpt-oss), named as found
-        stacked = [f"{name} {list(p.shape)}" for name, p in blocks[0].named_parameters() if p.dim() == 3]
+        # expert-like tensors in a layout ffnquant does not read ([E, d, 2f] and [E, f, d]: gpt-oss), named as found:
+        # several matrices stacked, one of their two matrix axes the model width (a convolution's [C, 1, K] or
+        # a recurrence's per-head blocks are not)
+        stacked = [f"{name} {list(p.shape)}" for name, p in blocks[0].named_parameters()
+                   if p.dim() == 3 and p.shape[0] > 1 and d in p.shape[1:]]
         if stacked:
             raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): its experts' "
                                 f"tensors {', '.join(stacked[:4])} are not laid out as ffnquant reads routed experts "
                                 f"([experts, 2f or f, {d}] and [experts, {d}, f], each row an output)")
+        # matrices that are no Linear's weight (DBRX's experts: [experts x f, d] each, sliced in the forward)
+        loose = [f"{name} {list(p.shape)} ({type(blocks[0].get_submodule(name.rpartition('.')[0])).__name__})"
+                 for name, p in blocks[0].named_parameters() if p.dim() == 2 and d in p.shape and p.shape[0] != p.shape[1]
+                 and linear_shape(blocks[0].get_submodule(name.rpartition(".")[0])) is None]
+        if loose:
+            raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): the matrices that "
+                                f"hold the width {d} are parameters of their module, not Linear modules' weights: "
+                                f"{', '.join(loose[:3])}{' and more' if len(loose) > 3 else ''}; ffnquant reads an FFN "
+                                f"from Linear (or Conv1D) modules, and routed experts from 3-D tensors [experts, 2f "
+                                f"or f, {d}] and [experts, {d}, f]")
         out = {n: tuple(p.shape) for n, p in blocks[0].named_parameters() if p.dim() == 2 and p.shape[1] == d != p.shape[0]}
         back = {n: tuple(p.shape) for n, p in blocks[0].named_parameters() if p.dim() == 2 and p.shape[0] == d != p.shape[1]
                 and any(shape[0] == p.shape[1] for shape in out.values())}

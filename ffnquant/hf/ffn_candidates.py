@@ -68,7 +68,8 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
                 if gated or fa == f:
                     roles = {na: "w_gate+w_up" if gated else "w_up", nb: "w_down"}
                     out.append(FoundFFN(path, Install.EXPERTS, roles, d, f, gated, experts=int(e)))
-            continue
+                    continue
+            # two 3-D tensors of another kind (RWKV's token-shift mixes [1, 1, d]): the module's Linears still count
         linears = {n: linear_shape(c) for n, c in module.named_children()}
         linears = {n: s for n, s in linears.items() if s is not None}
         downs = [n for n, (i, o, _) in linears.items() if o == d and i != d]
