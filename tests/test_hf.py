@@ -881,6 +881,28 @@ def test_experts_stored_under_names_transformers_renames_are_read_as_it_loads_th
         assert torch.equal(layer.ffn.w_down.weight, experts.down_proj[layer.expert])
 
 
+def test_experts_stored_per_expert_under_a_mapping_keyed_by_class_name_are_read(tmp_path):
+    """Dots 3's checkpoint keeps experts.N.{gate,up,down}_proj, fused at load by the conversion mapping transformers
+    keys by its text model's class name (Dots3NoteTextModel), not its model_type: ffnquant looks the mapping up as
+    transformers does, and reads each expert's matrices as the loaded model's own."""
+    T = pytest.importorskip("transformers")
+    from hf_models import save_causal_tiny, tokenizer
+
+    try:
+        folder = save_causal_tiny(T, "dots3_note_text", tmp_path / "m", tokenizer(T))
+    except Exception as exc:  # a transformers without the type
+        pytest.skip(f"dots3_note_text not buildable here: {exc}")
+    info = inspect_model(folder)
+    layer = next(layer for layer in info.layers if layer.expert == 2)
+    assert layer.tensors["gate_proj.weight"] == f"model.layers.{layer.block}.mlp.experts.2.gate_proj.weight"
+    model = T.AutoModelForCausalLM.from_pretrained(folder)
+    loaded = next(x for x in load_ffn_layers(info, [layer.block]) if x.expert == 2)
+    experts = model.model.layers[layer.block].mlp.experts
+    gate, up = experts.gate_up_proj[2].chunk(2, dim=0)
+    assert torch.equal(loaded.ffn.w_gate.weight, gate) and torch.equal(loaded.ffn.w_up.weight, up)
+    assert torch.equal(loaded.ffn.w_down.weight, experts.down_proj[2])
+
+
 @pytest.mark.parametrize("model_type, part", [
     ("bitnet", r"cannot reproduce this FFN's output.*parameters beside the FFN's matrices that ffnquant's FFN does "
                r"not compute: ffn_sub_norm\.weight \[\d+\] \(BitNetRMSNorm\)"),

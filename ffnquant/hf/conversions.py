@@ -5,18 +5,20 @@ renamings (`with_renames`)."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = ["expert_sources", "with_renames"]
 
 
-def expert_sources(model_type: str, ffn: Any) -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """From transformers' checkpoint conversion mapping for `model_type`: the per-expert tensor names that make up
-    each fused expert parameter (-> ffnquant weight, in the concatenation order) and the module renamings."""
+def expert_sources(model_type: str, ffn: Any, class_names: Sequence[str] = ()) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """From transformers' checkpoint conversion mapping for the model: the per-expert tensor names that make up
+    each fused expert parameter (-> ffnquant weight, in the concatenation order) and the module renamings.
+    transformers keys a mapping by a model class's name before its model_type (Dots 3's is its text model's class,
+    `class_names`: the model's PreTrainedModel classes, outermost first) and so is it looked up here."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-        mapping = get_checkpoint_conversion_mapping(model_type) or []
+        mapping = next((m for m in map(get_checkpoint_conversion_mapping, [*class_names, model_type]) if m), None) or []
     except Exception:  # an older or newer transformers without it: only fused checkpoints are read
         return {}, []
     per_expert: dict[str, str] = {}

@@ -68,6 +68,8 @@ class Discovery:
     blocks: tuple[int, ...]
     float_parts: tuple[str, ...] = field(default=())  # "L0 mlp (dense, d_ff 64): reason"
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # the built model's tensors, by name
+    # the classes of the model's PreTrainedModel modules, outermost first: transformers' conversion mapping keys
+    model_classes: tuple[str, ...] = field(default=())
 
     def arch(self) -> Arch:
         """The `hf.arch.Arch` of this model: checkpoint and module patterns built from the names found."""
@@ -93,7 +95,7 @@ class Discovery:
         if ffn.install is Install.EXPERTS:
             # checkpoints often keep one 2-D tensor per expert and matrix, which transformers fuses at load time:
             # its own conversion mapping names them, and the order in which it concatenates gate and up
-            per_expert, renames = expert_sources(self.model_type, ffn)
+            per_expert, renames = expert_sources(self.model_type, ffn, self.model_classes)
             path = with_renames(self.layers_path.rpartition(".")[2] + r"\.(?P<layer>\d+)" + rel, renames)
             expert_prefix = r"(?P<prefix>(?:.+\.)?" + path + r"\.(?P<expert>\d+))"
             fused_prefix = r"(?P<prefix>(?:.+\.)?" + path + ")"
@@ -427,8 +429,11 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     for i in range(len(blocks)):
         if i not in per_block:
             float_parts.append(f"L{i}: no FFN in this block")
+    classes = tuple(dict.fromkeys(type(m).__name__ for m in model.modules() if hasattr(m, "config")
+                                  and hasattr(m, "base_model_prefix")))
     return Discovery(model_type or str(getattr(config, "model_type", "")), type(model).__name__, layers_path,
-                     len(blocks), ffn, kept, tuple(sorted(float_parts, key=lambda s: (len(s.split()[0]), s))))
+                     len(blocks), ffn, kept, tuple(sorted(float_parts, key=lambda s: (len(s.split()[0]), s))),
+                     model_classes=classes)
 
 
 def _differs(c: FoundFFN, main: FoundFFN) -> str:
