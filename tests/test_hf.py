@@ -947,3 +947,28 @@ def test_an_ffn_of_another_form_than_the_main_one_is_named_float_with_what_diffe
     part = next(p for p in info.arch.float_parts if p.startswith("L3 "))
     assert "a dense MLP, not routed experts" in part and "main FFN is mixer.experts" in part
     assert "another shape" not in part and "\n" not in part
+
+
+@pytest.mark.parametrize("model_type", ["mllama", "emu3"])
+def test_a_text_model_saved_by_its_own_class_is_built_by_the_class_its_config_names(tmp_path, model_type):
+    """Mllama's and Emu3's causal LMs save config.json with a model_type (mllama_text_model) that
+    AutoModelForCausalLM does not map: the class config.json's `architectures` names builds it, for discovery
+    and for the engine, and the embedding's extra rows (Mllama's image tokens) are checked against the model that
+    class builds, not against vocab_size."""
+    T = pytest.importorskip("transformers")
+    from ffnquant.hf.capture import load_hf_model
+    from ffnquant.hf.skeleton import causal_lm_class
+    from hf_models import save_causal_tiny, tokenizer
+
+    try:
+        folder = save_causal_tiny(T, model_type, tmp_path / "m", tokenizer(T))
+    except Exception as exc:  # a transformers without the type
+        pytest.skip(f"{model_type} not buildable here: {exc}")
+    config = T.AutoConfig.from_pretrained(folder)
+    assert type(config) not in T.AutoModelForCausalLM._model_mapping
+    assert causal_lm_class(T, config).__name__ == config.architectures[0]
+    assert causal_lm_class(T, T.LlamaConfig()) is T.AutoModelForCausalLM
+    info = inspect_model(folder)
+    assert len(info.layers) == 2
+    model = load_hf_model(info)
+    assert type(model).__name__ == config.architectures[0]

@@ -32,6 +32,7 @@ from ..backends import ASYMMETRIC_INT4_MEASURED, CTENSORS_SUPPORTED, ROTATE_WHY,
 from ..errors import FFNQuantError, first_line
 from ..hf import compare_models, load_ffn_layers
 from ..hf.capture import ffn_input_hooks, require_transformers
+from ..hf.skeleton import causal_lm_class
 from ..infra.atomic import write_text
 from ..infra.thirdparty import quiet_model_io
 from ..model import FFN
@@ -387,7 +388,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     dtype = planned.compute_dtype
     try:
         with quiet_model_io():
-            loaded, loading = transformers.AutoModelForCausalLM.from_pretrained(
+            causal = causal_lm_class(transformers, transformers.AutoConfig.from_pretrained(str(folder)))
+            loaded, loading = causal.from_pretrained(
                 str(folder), dtype=dtype, use_kernels=False, output_loading_info=True)  # its own modules
             loaded.eval()
     except Exception as exc:  # noqa: BLE001 - transformers' loader refusing the folder (GPT-BigCode's init reads
@@ -412,7 +414,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     del loaded
     reference = planned.reference["end_to_end"]
     ref_ratio = reference.get("perplexity_ratio")
-    load = {"loaded_with": f"transformers {transformers.__version__} AutoModelForCausalLM ({dtype_name(dtype)})",
+    load = {"loaded_with": f"transformers {transformers.__version__} {causal.__name__} ({dtype_name(dtype)})",
             "compute_dtype": dtype_name(dtype), **figures,
             "reference_perplexity_ratio": ref_ratio, "reference_hidden_sqnr_db": reference.get("hidden_sqnr_db"),
             "reference_kl_mean": (reference.get("kl") or {}).get("mean"),

@@ -247,9 +247,12 @@ def transformers_greedy(folder: str | Path, prompts: Sequence[Sequence[int]], ne
     """transformers' greedy continuation of each prompt from `folder` as it loads it (compressed-tensors decompressed),
     with each step's top-2 log-probability margin: [{tokens, margins}]."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32, use_kernels=False).eval()
+    from ..hf.skeleton import causal_lm_class
+
+    causal = causal_lm_class(transformers, transformers.AutoConfig.from_pretrained(str(folder)))
+    model = causal.from_pretrained(str(folder), dtype=dtype or torch.float32, use_kernels=False).eval()
     eos = getattr(model.config, "eos_token_id", None)
     pad = getattr(model.config, "pad_token_id", None)
     pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)

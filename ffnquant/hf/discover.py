@@ -29,6 +29,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from ..spec import Activation
 from .conversions import expert_sources, with_renames
+from .skeleton import causal_lm_from_config
 from .ffn_candidates import FoundFFN, candidates, linear_shape
 from .arch import ARCHITECTURES, Arch, Install, ModelKind
 from .validate import check_attention_config
@@ -469,7 +470,7 @@ def discover_config(config: Mapping[str, Any], where: str) -> Discovery:
                             f"{config.get('model_type')!r} ({type(exc).__name__}: {str(exc)[:160]})") from exc
     try:
         with torch.device("meta"):  # the skeleton only: no memory, no weights read
-            model = transformers.AutoModelForCausalLM.from_config(cfg)
+            model = causal_lm_from_config(transformers, cfg)
     except Exception as exc:
         raise FFNQuantError(f"{where}: transformers has no causal LM class for model_type {config.get('model_type')!r} "
                             f"({type(exc).__name__}: {str(exc)[:160]}); ffnquant finds the FFNs of causal LMs "

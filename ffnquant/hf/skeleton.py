@@ -15,7 +15,31 @@ from torch import nn
 from ..errors import FFNQuantError
 from .weights import loaded_names
 
-__all__ = ["Stop", "StandIn", "base_of", "beside", "parameters_on_meta", "stored_names", "decoder_list"]
+__all__ = ["Stop", "StandIn", "base_of", "beside", "causal_lm_class", "causal_lm_from_config", "parameters_on_meta",
+           "stored_names", "decoder_list"]
+
+
+def causal_lm_class(transformers: Any, config: Any) -> Any:
+    """The causal-LM class that builds a model of `config`: transformers' AutoModelForCausalLM where it maps the
+    config's type, else the class config.json's `architectures` names (Mllama's and Emu3's text models are saved
+    by their own ForCausalLM class under a model_type the auto mapping does not list), else AutoModelForCausalLM
+    (whose error then says why)."""
+    auto = transformers.AutoModelForCausalLM
+    if type(config) in getattr(auto, "_model_mapping", {}):
+        return auto
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type) and str(name).endswith(("ForCausalLM", "LMHeadModel")) \
+                and isinstance(config, getattr(cls, "config_class", None) or ()):
+            return cls
+    return auto
+
+
+def causal_lm_from_config(transformers: Any, config: Any, **kwargs: Any) -> nn.Module:
+    """A causal LM built from `config` by `causal_lm_class` (a model class builds with `_from_config`)."""
+    cls = causal_lm_class(transformers, config)
+    return cls.from_config(config, **kwargs) if cls is transformers.AutoModelForCausalLM \
+        else cls._from_config(config, **kwargs)
 
 
 class Stop(Exception):

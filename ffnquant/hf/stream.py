@@ -38,7 +38,8 @@ from .capture import (
     require_transformers,
 )
 from .checkpoint import LayerInfo, ModelInfo, _Weights
-from .skeleton import StandIn, Stop, base_of, beside, decoder_list, parameters_on_meta, stored_names
+from .skeleton import (StandIn, Stop, base_of, beside, causal_lm_from_config, decoder_list, parameters_on_meta,
+                       stored_names)
 from .head import LMHead
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
@@ -249,9 +250,9 @@ class SequentialModel(LMHead):
                 config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
                 with _quiet_transformers(transformers), parameters_on_meta():
                     try:
-                        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+                        model = causal_lm_from_config(transformers, config, dtype=dtype)
                     except TypeError:  # transformers < 4.56 names it torch_dtype
-                        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+                        model = causal_lm_from_config(transformers, config, torch_dtype=dtype)
             except Exception as exc:
                 raise FFNQuantError(f"transformers cannot build {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
         if resident and self.device.type != "cpu":
