@@ -72,10 +72,22 @@ class Discovery:
     # the classes of the model's PreTrainedModel modules, outermost first: transformers' conversion mapping keys
     model_classes: tuple[str, ...] = field(default=())
 
+    def list_suffix(self) -> str:
+        """The shortest tail of the blocks' list path that names no other list of the model: checkpoints are read
+        by it whatever prefix they store ('layers' mostly; HRM's 'H_module.layers' beside its 'L_module.layers')."""
+        parts = self.layers_path.split(".")
+        lists = {".".join(name.split(".")[:i]) for name in self.shapes
+                 for i, part in enumerate(name.split(".")) if part.isdigit()}
+        for k in range(1, len(parts) + 1):
+            suffix = ".".join(parts[-k:])
+            if len({p for p in lists if p == suffix or p.endswith("." + suffix)}) <= 1:
+                return suffix
+        return self.layers_path
+
     def arch(self) -> Arch:
         """The `hf.arch.Arch` of this model: checkpoint and module patterns built from the names found."""
         ffn = self.ffn
-        tail = re.escape(self.layers_path.rpartition(".")[2])
+        tail = re.escape(self.list_suffix())
         rel = (r"\." + re.escape(ffn.path)) if ffn.path else ""
         prefix = r"(?P<prefix>(?:.+\.)?" + tail + r"\.(?P<layer>\d+)" + rel + ")"
         roles_re = "|".join(re.escape(r) for r in sorted(ffn.roles))
@@ -97,7 +109,7 @@ class Discovery:
             # checkpoints often keep one 2-D tensor per expert and matrix, which transformers fuses at load time:
             # its own conversion mapping names them, and the order in which it concatenates gate and up
             per_expert, renames = expert_sources(self.model_type, ffn, self.model_classes)
-            path = with_renames(self.layers_path.rpartition(".")[2] + r"\.(?P<layer>\d+)" + rel, renames)
+            path = with_renames(self.list_suffix() + r"\.(?P<layer>\d+)" + rel, renames)
             expert_prefix = r"(?P<prefix>(?:.+\.)?" + path + r"\.(?P<expert>\d+))"
             fused_prefix = r"(?P<prefix>(?:.+\.)?" + path + ")"
             expert_re = "|".join(re.escape(r) for r in sorted(per_expert)) or r"(?!)"
@@ -135,7 +147,10 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
         decoder = None
     inside = [(n, m) for n, m in lists if decoder is not None and decoder is not model
               and any(m is x for x in decoder.modules())]
-    return max(inside or lists, key=lambda item: size(item[1]))
+    if inside:  # the decoder's own stack is its shallowest list: a tower it embeds (Phi-4's audio encoder, GIT's
+        # image encoder) sits deeper, whatever it weighs
+        return min(inside, key=lambda item: (item[0].count("."), -size(item[1])))
+    return max(lists, key=lambda item: size(item[1]))
 
 
 def _activation_child(module: nn.Module, first: str = "") -> str:
@@ -303,6 +318,9 @@ def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
                 if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
                     return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
                                     ffn.bias, ffn.experts, act, act_attr, ffn.linear_class, residual)
+    split = _as_split(module, ffn, gen) if ffn.install is Install.MODULE and not ffn.gated else None
+    if split is not None:
+        return split
     acts = [type(c).__name__ for c in module.children() if not any(True for _ in c.parameters())
             and not isinstance(c, nn.Dropout)]
     seen = f" (its parameterless parts: {', '.join(acts)})" if acts else ""
@@ -315,6 +333,50 @@ def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
               f"{', '.join(others[:3])}{' and more' if len(others) > 3 else ''}") if others else ""
     raise FFNQuantError(f"{where}: ffnquant cannot reproduce this FFN's output{seen}{beside}: {last}; activations "
                         f"ffnquant computes: {', '.join(a.value for a in Activation)}")
+
+
+def _as_split(module: nn.Module, ffn: FoundFFN, gen: torch.Generator) -> FoundFFN | None:
+    """A dense FFN module whose forward does more around its Linears (XLNet's adds the residual and normalises):
+    the FFN is its first Linear, activation and second Linear, replaced Linear by Linear (`Install.SPLIT`) where
+    the module's output with the first Linear computing the whole chain (the activation and second Linear then
+    identities) is its own output, bit for bit; else None."""
+    up = next(n for n, r in ffn.roles.items() if r != "w_down")
+    down = next(n for n, r in ffn.roles.items() if r == "w_down")
+    act_attr = _activation_child(module, up)
+    if not act_attr or "." in up or "." in down:
+        return None
+    split = dataclasses.replace(ffn, install=Install.SPLIT, act_attr=act_attr)
+    # at the model's widths: what the module does around the Linears (a norm) is as wide as the model
+    if sum(p.numel() for p in module.parameters()) > _PROBE_FULL_MAX:
+        return None
+    d, f = ffn.d_model, ffn.d_ff
+    try:
+        probe = _shrunk_copy(module, split, d, f, gen)
+        x = torch.randn(7, d, generator=gen) * 1.5
+        with torch.no_grad():
+            own = probe(x)
+            chain = _module_output(probe, split, x, act_attr)
+            act = probe_activation(probe.get_submodule(act_attr))
+            setattr(probe, up, _Const(chain))
+            setattr(probe, act_attr, nn.Identity())
+            setattr(probe, down, nn.Identity())
+            replaced = probe(x)
+    except Exception:  # noqa: BLE001 - a module that does not run so: not this form
+        return None
+    if act is None or not isinstance(own, torch.Tensor) or not torch.equal(own, replaced):
+        return None
+    return dataclasses.replace(split, activation=act)
+
+
+class _Const(nn.Module):
+    """Returns a fixed tensor whatever its input: the whole FFN's output in place of its first Linear's."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.value
 
 
 def _label(path: str) -> str:

@@ -1,0 +1,74 @@
+"""ffnquant.hf.discover: the decoder's own stack, the FFN inside a module that does more than the FFN, and the
+checkpoint names read by the shortest tail of the stack's path that is the model's alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from ffnquant.hf import inspect_model
+from ffnquant.hf.arch import Install
+from ffnquant.hf.discover import Discovery, discover_config
+
+T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+
+
+def _folder(tmp_path, model_type):
+    from hf_models import save_causal_tiny, tokenizer
+
+    T.logging.set_verbosity_error()
+    try:
+        return save_causal_tiny(T, model_type, tmp_path / model_type, tokenizer(T))
+    except Exception as exc:  # a transformers without the type
+        pytest.skip(f"{model_type} not buildable here: {exc}")
+
+
+@pytest.mark.parametrize("model_type, stack", [
+    ("phi4_multimodal", "model.layers"),  # not the 24-layer audio encoder its decoder embeds, heavier at tiny sizes
+    ("git", "git.encoder.layer"),  # not the image encoder's layers
+], ids=["phi4-audio-tower", "git-image-tower"])
+def test_the_blocks_are_the_decoders_own_stack_not_a_tower_it_embeds(tmp_path, model_type, stack):
+    info = inspect_model(_folder(tmp_path, model_type))
+    assert info.layers and all(layer.name.startswith(f"{stack}.") for layer in info.layers)
+
+
+def test_an_mlp_that_adds_the_residual_and_normalises_is_its_linears_replaced_one_by_one(tmp_path):
+    """XLNet's feed-forward returns LayerNorm(x + down(gelu(up(x)))): its output is no FFN's, yet its Linears and
+    activation are one, replaced Linear by Linear; the module run so is its own output bit for bit."""
+    import json
+
+    folder = _folder(tmp_path, "xlnet")
+    found = discover_config(json.loads((folder / "config.json").read_text()), "xlnet")
+    assert found.ffn.install is Install.SPLIT and found.ffn.path == "ff"
+    assert found.arch().split_attrs == ("layer_1", "activation_function", "layer_2")
+    assert str(found.ffn.activation) == "gelu"
+
+
+def test_a_module_whose_output_the_linears_do_not_make_alone_is_not_split(tmp_path):
+    """BitNet normalises between its matrices: replacing the first Linear by the whole chain would skip that norm,
+    and the module's output differs, so it is still refused with what it holds (a gated FFN is never split)."""
+    from ffnquant.errors import FFNQuantError
+
+    with pytest.raises(FFNQuantError, match=r"ffn_sub_norm"):
+        inspect_model(_folder(tmp_path, "bitnet"))
+
+
+def _discovery(layers_path, names):
+    import dataclasses
+
+    from ffnquant.hf.ffn_candidates import FoundFFN
+
+    ffn = FoundFFN("mlp", Install.MODULE, {"up_proj": "w_up", "down_proj": "w_down"}, 4, 8, False)
+    d = Discovery("x", "X", layers_path, 2, ffn, (0, 1))
+    return dataclasses.replace(d, shapes={n: (1,) for n in names})
+
+
+@pytest.mark.parametrize("layers_path, names, want", [
+    ("model.layers", ["model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"], "layers"),
+    ("model.H_module.layers", ["model.H_module.layers.0.mlp.up_proj.weight", "model.L_module.layers.0.mlp.up_proj.weight"],
+     "H_module.layers"),
+    # experts' lists inside the blocks are other paths, not another 'layers'
+    ("model.layers", ["model.layers.0.mlp.experts.3.up_proj.weight"], "layers"),
+    ("model.layers", [], "layers"),
+], ids=["one-stack", "two-stacks", "experts-inside", "no-shapes"])
+def test_checkpoint_names_are_read_by_the_shortest_tail_no_other_list_has(layers_path, names, want):
+    assert _discovery(layers_path, names).list_suffix() == want
