@@ -164,6 +164,8 @@ _TYPE_TINY = {
                    "mlp_only_layers": [0], "mlp_only_intermediate_size": F_},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "mamba2": {"num_heads": 8, "n_groups": 2, "state_size": 16},
+    # its MLP is ffn_dim // 2 wide: at the harness's 64 as wide as the model, which is no FFN shape
+    "moshi": {"ffn_dim": 2 * F_},
     "plbart": {"decoder_attention_heads": 4, "decoder_ffn_dim": F_, "encoder_ffn_dim": F_, "decoder_layers": 2},
     "whisper": {"decoder_attention_heads": 4, "decoder_ffn_dim": F_, "encoder_ffn_dim": F_, "decoder_layers": 2,
                 "decoder_start_token_id": 1, "begin_suppress_tokens": None},

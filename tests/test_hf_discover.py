@@ -72,3 +72,25 @@ def _discovery(layers_path, names):
 ], ids=["one-stack", "two-stacks", "experts-inside", "no-shapes"])
 def test_checkpoint_names_are_read_by_the_shortest_tail_no_other_list_has(layers_path, names, want):
     assert _discovery(layers_path, names).list_suffix() == want
+
+
+def test_an_ffn_whose_linears_sit_in_wrappers_behind_a_norm_is_found(tmp_path):
+    """Reformer's feed_forward normalises, then runs dense.dense, dense.act_fn and output.dense (each Linear in a
+    wrapper module): found one level down, and replaced Linear by Linear after the model's own norm."""
+    import json
+
+    folder = _folder(tmp_path, "reformer")
+    found = discover_config(json.loads((folder / "config.json").read_text()), "reformer")
+    assert found.ffn.install is Install.SPLIT and found.ffn.path == "feed_forward"
+    assert found.arch().split_attrs == ("dense.dense", "dense.act_fn", "output.dense")
+
+
+def test_a_gating_mlp_that_reads_batch_and_tokens_is_probed_on_a_sequence(tmp_path):
+    """Moshi's MLP views fc1's output per batch and token into its gate and value halves: it fails on [tokens,
+    width] and is probed on one sequence [1, tokens, width], found as a fused gate+up (SiLU)."""
+    import json
+
+    folder = _folder(tmp_path, "moshi")
+    found = discover_config(json.loads((folder / "config.json").read_text()), "moshi")
+    assert found.ffn.install is Install.MODULE and dict(found.ffn.roles) == {"fc1": "w_gate+w_up", "fc2": "w_down"}
+    assert str(found.ffn.activation) == "silu"

@@ -446,3 +446,21 @@ def test_a_layer_that_transformers_refuses_to_run_on_token_ids_alone_is_named_no
         {}["ffnquant's own"]
     except KeyError as exc:
         assert not _raised_in_transformers(exc)
+
+
+def test_a_loop_that_reads_each_layers_output_as_a_structure_is_refused_in_one_line(tmp_path):
+    """Reformer's reversible layers return an output object (attn_output, hidden_states) that its loop reads by
+    attribute: the engine's stand-ins answer with the hidden states alone, so the model is refused naming that,
+    not reported as an internal error."""
+    import transformers as T
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.stream import SequentialModel, _Store
+    from hf_models import save_causal_tiny
+
+    folder = save_causal_tiny(T, "reformer", tmp_path / "reformer")
+    engine = SequentialModel(inspect_model(folder), resident=True)
+    ids = torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(FFNQuantError, match=r"its forward reads each decoder layer's output as more than the hidden "
+                                            r"states \(AttributeError: 'Tensor' object has no attribute 'attn_output'\)"):
+        engine.embed([ids], _Store(None, "embedded"))

@@ -274,7 +274,11 @@ def _module_output(probe: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: s
             up = next(n for n, r in ffn.roles.items() if r != "w_down")
             down = next(n for n, r in ffn.roles.items() if r == "w_down")
             return probe.get_submodule(down)(probe.get_submodule(act_attr)(probe.get_submodule(up)(x)))
-        return probe(x)
+        try:
+            return probe(x)
+        except Exception:  # noqa: BLE001 - a forward that reads [batch, tokens, width] (Moshi's views its gate
+            # and value halves per batch and token): the tokens as one sequence
+            return probe(x.unsqueeze(0)).squeeze(0)
 
 
 def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
@@ -336,14 +340,14 @@ def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
 
 
 def _as_split(module: nn.Module, ffn: FoundFFN, gen: torch.Generator) -> FoundFFN | None:
-    """A dense FFN module whose forward does more around its Linears (XLNet's adds the residual and normalises):
-    the FFN is its first Linear, activation and second Linear, replaced Linear by Linear (`Install.SPLIT`) where
-    the module's output with the first Linear computing the whole chain (the activation and second Linear then
-    identities) is its own output, bit for bit; else None."""
+    """A dense FFN module whose forward does more around its Linears (XLNet's adds the residual and normalises,
+    Reformer's normalises first): the FFN is its first Linear, activation and second Linear, replaced Linear by
+    Linear (`Install.SPLIT`) where the module's output with the first Linear computing the whole chain (the
+    activation and second Linear then identities) is its own output, bit for bit; else None."""
     up = next(n for n, r in ffn.roles.items() if r != "w_down")
     down = next(n for n, r in ffn.roles.items() if r == "w_down")
     act_attr = _activation_child(module, up)
-    if not act_attr or "." in up or "." in down:
+    if not act_attr:
         return None
     split = dataclasses.replace(ffn, install=Install.SPLIT, act_attr=act_attr)
     # at the model's widths: what the module does around the Linears (a norm) is as wide as the model
@@ -355,11 +359,11 @@ def _as_split(module: nn.Module, ffn: FoundFFN, gen: torch.Generator) -> FoundFF
         x = torch.randn(7, d, generator=gen) * 1.5
         with torch.no_grad():
             own = probe(x)
-            chain = _module_output(probe, split, x, act_attr)
-            act = probe_activation(probe.get_submodule(act_attr))
-            setattr(probe, up, _Const(chain))
-            setattr(probe, act_attr, nn.Identity())
-            setattr(probe, down, nn.Identity())
+            first, fn, second = (probe.get_submodule(a) for a in (up, act_attr, down))
+            act = probe_activation(fn)
+            for dotted, new in ((up, _Chain(first, fn, second)), (act_attr, nn.Identity()), (down, nn.Identity())):
+                parent, _, attr = dotted.rpartition(".")
+                setattr(probe.get_submodule(parent) if parent else probe, attr, new)
             replaced = probe(x)
     except Exception:  # noqa: BLE001 - a module that does not run so: not this form
         return None
@@ -368,15 +372,17 @@ def _as_split(module: nn.Module, ffn: FoundFFN, gen: torch.Generator) -> FoundFF
     return dataclasses.replace(split, activation=act)
 
 
-class _Const(nn.Module):
-    """Returns a fixed tensor whatever its input: the whole FFN's output in place of its first Linear's."""
+class _Chain(nn.Module):
+    """The whole FFN in place of its first Linear: first Linear, activation, second Linear on what it is given."""
 
-    def __init__(self, value: torch.Tensor) -> None:
+    def __init__(self, *parts: nn.Module) -> None:
         super().__init__()
-        self.value = value
+        self.parts = nn.ModuleList(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.value
+        for part in self.parts:
+            x = part(x)
+        return x
 
 
 def _label(path: str) -> str:

@@ -402,6 +402,14 @@ class SequentialModel(LMHead):
                 self.base(input_ids=ids, use_cache=False)
             except Stop:
                 pass
+            except AttributeError as exc:
+                if not _raised_in_transformers(exc) or "'Tensor' object has no attribute" not in str(exc):
+                    raise
+                # the model's loop reads each layer's output as a structure (Reformer's reversible layers: an
+                # output object with attn_output and hidden_states), not as hidden states
+                raise FFNQuantError(f"{self.info.path}: its forward reads each decoder layer's output as more than "
+                                    f"the hidden states ({type(exc).__name__}: {first_line(exc)}); the engine runs "
+                                    "a model whose layers each take and return its hidden states") from None
             except ValueError as exc:  # transformers' own refusal of the call (X-MOD: no default language set)
                 if "values to unpack" in str(exc) and not self._tuple_out and record:
                     raise _Unpacked from None  # the loop unpacks each layer's output: answered as a tuple
