@@ -94,3 +94,14 @@ def test_a_gating_mlp_that_reads_batch_and_tokens_is_probed_on_a_sequence(tmp_pa
     found = discover_config(json.loads((folder / "config.json").read_text()), "moshi")
     assert found.ffn.install is Install.MODULE and dict(found.ffn.roles) == {"fc1": "w_gate+w_up", "fc2": "w_down"}
     assert str(found.ffn.activation) == "silu"
+
+
+def test_an_ffn_whose_weights_several_blocks_share_is_refused_naming_both(tmp_path):
+    """Zamba's hybrid layers each run a shared transformer whose weights are one set of Parameters, stored once
+    (under layer 0): quantized per block from each block's inputs it would be two FFNs, so it is refused naming
+    the blocks, not reported as tensors missing from the checkpoint."""
+    from ffnquant.errors import FFNQuantError
+
+    with pytest.raises(FFNQuantError, match=r"model\.layers\.1\.shared_transf\.feed_forward holds the same weights as "
+                                            r"model\.layers\.0\.shared_transf\.feed_forward"):
+        inspect_model(_folder(tmp_path, "zamba"))

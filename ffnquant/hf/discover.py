@@ -399,6 +399,7 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
         raise FFNQuantError(f"{where}: the config names no model width (hidden_size)")
     layers_path, blocks = _blocks(model)
     found: dict[int, list[FoundFFN]] = {i: candidates(block, d) for i, block in enumerate(blocks)}
+    _refuse_shared(blocks, found, where, layers_path)
     # every FFN-shaped candidate is probed once per structure: what does not reproduce is not an FFN (an attention
     # whose heads make another width maps d -> h -> d too, but it is no function of its input alone)
     probed: dict[tuple, FoundFFN | str] = {}
@@ -503,6 +504,25 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     return Discovery(model_type or str(getattr(config, "model_type", "")), type(model).__name__, layers_path,
                      len(blocks), ffn, kept, tuple(sorted(float_parts, key=lambda s: (len(s.split()[0]), s))),
                      model_classes=classes)
+
+
+def _refuse_shared(blocks: nn.ModuleList, found: Mapping[int, list[FoundFFN]], where: str, layers_path: str) -> None:
+    """Refuse an FFN whose matrices are one Parameter in several blocks (Zamba's shared transformer, tied and
+    stored once): ffnquant quantizes each block's FFN from that block's inputs and installs it per block, which
+    weights run by several blocks would contradict."""
+    first: dict[int, tuple[int, str]] = {}
+    for i, cands in found.items():
+        for c in cands:
+            module = blocks[i].get_submodule(c.path) if c.path else blocks[i]
+            name = next(iter(c.roles))
+            held = getattr(module.get_submodule(name), "weight", None) if c.install is not Install.EXPERTS \
+                else getattr(module, name, None)
+            seen = first.setdefault(id(held if held is not None else module), (i, c.path))
+            if seen[0] != i:
+                raise FFNQuantError(f"{where}: {layers_path}.{i}.{_label(c.path)} holds the same weights as "
+                                    f"{layers_path}.{seen[0]}.{_label(seen[1])} (one FFN shared by several blocks, "
+                                    "its weights stored once): "
+                                    "ffnquant quantizes and installs each block's own FFN")
 
 
 def _differs(c: FoundFFN, main: FoundFFN) -> str:

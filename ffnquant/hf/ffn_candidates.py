@@ -73,11 +73,14 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
         linears = {n: linear_shape(c) for n, c in module.named_children()}
         linears = {n: s for n, s in linears.items() if s is not None}
         if path and not any(d in (i, o) for i, o, _ in linears.values()):
-            # no Linear of the model's width of its own: its FFN's Linears one level down, in wrappers (Reformer's
-            # feed_forward.dense.dense and .output.dense, its activation beside the first)
-            deeper = {f"{c}.{n}": linear_shape(m) for c, child in module.named_children()
-                      for n, m in child.named_children()}
-            linears.update({n: s for n, s in deeper.items() if s is not None})
+            # no Linear of the model's width of its own: its FFN's Linears one level down, in wrappers of one
+            # Linear each (Reformer's feed_forward.dense.dense and .output.dense, its activation beside the first);
+            # a child holding several is a candidate by itself (an attention, an MLP)
+            for c, child in module.named_children():
+                inner = {f"{c}.{n}": linear_shape(m) for n, m in child.named_children()}
+                inner = {n: s for n, s in inner.items() if s is not None}
+                if len(inner) == 1:
+                    linears.update(inner)
         downs = [n for n, (i, o, _) in linears.items() if o == d and i != d]
         if path and downs and not any(i == d and o != d for i, o, _ in linears.values()):
             # the first matrices one level down (CPM-Ant's w_in.w_0, w_in.w_1 beside its w_out)
