@@ -239,3 +239,30 @@ def test_experts_transformers_saves_fused_are_written_per_expert_and_a_folder_le
     said = capsys.readouterr()
     assert "NOT PROVEN" in said.out + said.err and "missing from the files" in said.out + said.err
     assert "feed_forward.experts" in said.out + said.err and not (tmp_path / "fused").exists()
+
+
+def test_experts_saved_under_names_transformers_renames_are_written_under_them_and_proven(tmp_path):
+    """DeepSeek-V4 saves its experts as layers.N.ffn.experts.M.w{1,2,3}, loaded as .mlp. (a WeightRenaming): the
+    compressed tensors replace the float ones under the names the file keeps (an internal error read them under
+    the loaded names), and transformers loads the folder as proven."""
+    from safetensors import safe_open
+
+    from ffnquant.hf import inspect_model
+
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+    T.logging.set_verbosity_error()
+    try:
+        folder = save_causal_tiny(T, "deepseek_v4", tmp_path / "dsv4", tokenizer(T))
+    except Exception as exc:  # a transformers without the type
+        pytest.skip(f"deepseek_v4 not buildable here: {exc}")
+    info = inspect_model(folder)
+    plan = _plan(folder, {i: "w4a16-g32" for i in range(info.n_layers)}, tmp_path / "plan.toml")
+    out = tmp_path / "ct"
+    assert main(["export", "--model", str(folder), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
+                 "--no-progress", "--out", str(out)]) == 0
+    assert json.loads((out / "ffnquant-deploy.json").read_text())["proof"]["proven"]
+    with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.ffn.experts.0.w1.weight_packed" in keys
+    assert not any(k.startswith("model.layers.0.mlp.experts.") for k in keys)
+    assert "model.layers.0.ffn.experts.0.w1.weight" not in keys

@@ -164,7 +164,7 @@ def write_experts(folder: Path, planned: PlannedModel, modules: Sequence[ModuleQ
         return {"routed_experts": len(modules), "quantized": 0}
     state, scheme, compressor = _compressed(planned, quantized, set_params, module_args)
     low = dtype is not torch.float32
-    where, _ = safetensors_reader(folder)
+    where, read = safetensors_reader(folder)
     by_module: dict[str, list[str]] = {}  # the compressed tensors of each expert Linear, grouped once
     for key in state:
         by_module.setdefault(key.rsplit(".", 1)[0], []).append(key)
@@ -174,13 +174,17 @@ def write_experts(folder: Path, planned: PlannedModel, modules: Sequence[ModuleQ
         if name not in where:
             raise FFNQuantError(f"transformers saved no tensor {name!r}: the checkpoint's expert names do not map to "
                                 "the model's fused experts as ffnquant reads them")
+        # the name the file keeps (DeepSeek-V4 saves layers.N.ffn.experts, loaded as .mlp.): the compressed
+        # tensors go under it too, renamed at load as the float ones were
+        stored = read.aliases.get(name, name)
         edit = edits.setdefault(where[name], {"drop": set(), "add": {}, "expect": {}})
-        edit["drop"].add(name)
-        edit["expect"][name] = planned.weight_of(mq)
+        edit["drop"].add(stored)
+        edit["expect"][stored] = planned.weight_of(mq)
+        prefix = stored[: -len(".weight")]
         for key in by_module.get(mq.module, ()):
             value = state[key]
             # scales computed in a low precision are values of it (`precision.in_dtype`): stored in it
-            edit["add"][key] = value.to(dtype) if low and value.is_floating_point() else value
+            edit["add"][prefix + key[len(mq.module):]] = value.to(dtype) if low and value.is_floating_point() else value
     _rewrite_shards(folder, edits)
     _add_group(folder, scheme, compressor)
     return {"routed_experts": len(modules), "quantized": len(quantized), "target": scheme.targets[0],

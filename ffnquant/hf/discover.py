@@ -76,8 +76,16 @@ class Discovery:
         """The shortest tail of the blocks' list path that names no other list of the model: checkpoints are read
         by it whatever prefix they store ('layers' mostly; HRM's 'H_module.layers' beside its 'L_module.layers')."""
         parts = self.layers_path.split(".")
-        lists = {".".join(name.split(".")[:i]) for name in self.shapes
-                 for i, part in enumerate(name.split(".")) if part.isdigit()}
+        # the lists whose blocks hold tensors under the FFN's names (Gemma 3's vision tower's layers hold fc1/fc2:
+        # never read for its language model's mlp.gate_proj)
+        rel = (self.ffn.path + ".") if self.ffn.path else ""
+        heads = tuple(rel + role for role in self.ffn.roles)
+        lists = set()
+        for name in self.shapes:
+            pieces = name.split(".")
+            for i, part in enumerate(pieces):
+                if part.isdigit() and ".".join(pieces[i + 1:]).startswith(heads):
+                    lists.add(".".join(pieces[:i]))
         for k in range(1, len(parts) + 1):
             suffix = ".".join(parts[-k:])
             if len({p for p in lists if p == suffix or p.endswith("." + suffix)}) <= 1:
