@@ -27,3 +27,21 @@ def test_the_quantizer_import_does_not_turn_on_info_logging():
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "must not be printed" not in out.stderr and "[INFO]" not in out.stderr
+
+
+def test_a_loaders_report_is_kept_off_the_terminal_and_its_error_line_on_the_exception(capsys):
+    """transformers prints why a conversion failed in its loading report (through its logger's handler, which holds
+    the process's stderr) and raises a RuntimeError pointing 'above': inside quiet_model_io the report stays off
+    the terminal, and its 'Error:' line is what the caller can say."""
+    import logging
+
+    from ffnquant.infra.thirdparty import captured_detail, quiet_model_io
+
+    logger = logging.getLogger("transformers.core_model_loading")
+    with pytest.raises(RuntimeError) as caught:
+        with quiet_model_io():
+            logger.error("Key | Status\nError: Concatenate on tensors destined for x.conv1d.weight. Ckpt contains: 0")
+            raise RuntimeError("look at the CONVERSION entries of the above report!")
+    assert captured_detail(caught.value) == "Concatenate on tensors destined for x.conv1d.weight. Ckpt contains: 0"
+    assert "Concatenate" not in capsys.readouterr().err
+    assert captured_detail(RuntimeError("raised elsewhere")) == ""

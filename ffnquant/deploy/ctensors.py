@@ -34,7 +34,7 @@ from ..hf import compare_models, load_ffn_layers
 from ..hf.capture import ffn_input_hooks, require_transformers
 from ..hf.skeleton import causal_lm_class
 from ..infra.atomic import write_text
-from ..infra.thirdparty import quiet_model_io
+from ..infra.thirdparty import captured_detail, quiet_model_io
 from ..model import FFN
 from ..numerics.accuracy import sqnr_db
 from ..schemes import ActMode
@@ -395,7 +395,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     except Exception as exc:  # noqa: BLE001 - transformers' loader refusing the folder (GPT-BigCode's init reads
         # .weight of a compressed Linear): no deployment, said with its reason; the files are still checked
         reader = safetensors_reader(folder)
-        why = f"transformers cannot load the folder: {type(exc).__name__}: {first_line(exc)}"
+        # transformers' own words for a failed conversion, printed in its loading report, not in the exception
+        why = f"transformers cannot load the folder: {type(exc).__name__}: {captured_detail(exc) or first_line(exc)}"
         return {"proven": False, "unproven": [why], "not_loaded": why, "weights": weights_check(folder, planned, reader),
                 "inputs": input_qparams_check(planned, reader)}
     with quiet_model_io():

@@ -8,7 +8,7 @@ import io
 import logging
 from typing import Iterator
 
-__all__ = ["quiet_bitsandbytes", "matmul_nbits_quantizer", "quiet_model_io"]
+__all__ = ["captured_detail", "quiet_bitsandbytes", "matmul_nbits_quantizer", "quiet_model_io"]
 
 
 # bitsandbytes' CPU backend logs a warning at import when the optional `kernels` package (a Hub
@@ -82,11 +82,31 @@ def quiet_model_io() -> Iterator[None]:
         loguru_logger = None
     if loguru_logger is not None:
         loguru_logger.disable("compressed_tensors")
+    captured = io.StringIO()
+    # transformers' logger writes through a handler holding the process's stderr: its records (a loading report)
+    # go to the capture instead, the terminal kept clear
+    handler = logging.StreamHandler(captured)
+    tlogger = logging.getLogger("transformers")
+    handlers, tlogger.handlers = tlogger.handlers, [handler]
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(captured):
             yield
+    except Exception as exc:
+        # what the library printed before raising (transformers' loading report names the tensors a conversion
+        # failed on): kept on the exception for the caller's one line (`captured_detail`)
+        exc.ffnquant_stderr = captured.getvalue()  # type: ignore[attr-defined]
+        raise
     finally:
+        tlogger.handlers = handlers
         if tl is not None and restore_bar:
             tl.enable_progress_bar()
         if loguru_logger is not None:
             loguru_logger.enable("compressed_tensors")
+
+
+def captured_detail(exc: BaseException) -> str:
+    """The first 'Error: ...' line a library printed before raising `exc` inside `quiet_model_io` (transformers'
+    loading report: "Concatenate on tensors destined for ... Ckpt contains: 0"), or ''."""
+    text = getattr(exc, "ffnquant_stderr", "") or ""
+    return next((line.strip()[len("Error:"):].strip() for line in text.splitlines()
+                 if line.strip().startswith("Error:")), "")
