@@ -202,3 +202,31 @@ def test_an_unproven_folder_is_set_aside_under_a_free_name(tmp_path):
         assert set_aside_unproven(tmp_path / "out") == tmp_path / expected
         assert not (tmp_path / "out").exists() and (tmp_path / expected / "ffnquant-deploy.json").exists()
     assert (tmp_path / "out.not-proven" / "mine.txt").read_text() == "kept"
+
+
+def test_transformers_generate_is_compared_as_plain_greedy_whatever_the_generation_config(tmp_path):
+    """PLBart's generation_config forces EOS at the last step: transformers' generate() then ended every row with
+    EOS, and the ONNX graph's greedy loop (and ffnquant's, and vLLM's) read as different. Compared under
+    PLAIN_GREEDY, generate() is the argmax loop itself."""
+    import transformers as T
+
+    from ffnquant.deploy.proof import PLAIN_GREEDY
+    from hf_models import save_causal_tiny
+
+    T.logging.set_verbosity_error()
+    model = T.AutoModelForCausalLM.from_pretrained(save_causal_tiny(T, "llama", tmp_path / "llama")).eval()
+    assert all(hasattr(T.GenerationConfig(), key) for key in PLAIN_GREEDY)
+    model.generation_config.forced_eos_token_id = 2
+    model.generation_config.repetition_penalty = 5.0
+    ids = torch.tensor([[5, 9, 11, 5]])
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1, max_new_tokens=6,
+                             min_new_tokens=6, pad_token_id=0, **PLAIN_GREEDY)[0, 4:].tolist()
+        want, seq = [], ids
+        for _ in range(6):
+            logits = model(seq).logits[0, -1]
+            logits[model.generation_config.eos_token_id] = -float("inf")  # min_new_tokens holds EOS back
+            token = int(logits.argmax())
+            want.append(token)
+            seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
+    assert got == want

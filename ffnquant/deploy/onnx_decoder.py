@@ -384,6 +384,8 @@ def greedy_generate(session: Any, prompts: Sequence[Sequence[int]], new_tokens: 
 def generation_check(model: nn.Module, session: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
     """`greedy_generate` on the graph against transformers' `generate(do_sample=False)` on `model`, prompt by
     prompt (batch 1 each: no padding on either side): the tokens of both and whether they are equal."""
+    from .proof import PLAIN_GREEDY
+
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     eos = eos if eos is not None else getattr(model.config, "eos_token_id", None)
@@ -394,7 +396,7 @@ def generation_check(model: nn.Module, session: Any, prompts: Sequence[Sequence[
         with torch.no_grad():
             ref = model.generate(torch.tensor([list(p)]), attention_mask=torch.ones(1, len(p), dtype=torch.int64),
                                  do_sample=False, num_beams=1, max_new_tokens=new_tokens, min_new_tokens=0,
-                                 eos_token_id=eos, pad_token_id=pad)[0, len(p):].tolist()
+                                 eos_token_id=eos, pad_token_id=pad, **PLAIN_GREEDY)[0, len(p):].tolist()
         got = greedy_generate(session, [p], new_tokens, eos, pad)[0]
         rows.append({"prompt": list(map(int, p)), "onnx": got, "transformers": ref, "equal": got == ref})
     return {"prompts": len(rows), "new_tokens": new_tokens, "equal": all(r["equal"] for r in rows),

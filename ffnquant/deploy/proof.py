@@ -39,9 +39,15 @@ if TYPE_CHECKING:  # annotations only
     from .planned import PlannedModel
 
 __all__ = ["ULP", "FOLD_ULPS", "GATE_FACTOR", "fold_bound", "input_scale", "FoldCheck", "fold_check", "fold_refusal",
-           "unfolded_ffns", "generation_equality", "rounding_allowance", "end_to_end_gates"]
+           "unfolded_ffns", "generation_equality", "rounding_allowance", "end_to_end_gates", "PLAIN_GREEDY"]
 
 ULP = 2.0 ** -24  # float32's unit roundoff
+# transformers' generate() as plain greedy decoding, whatever the model's generation_config.json adds (PLBart
+# forces EOS at the last step; others penalise repeats or suppress tokens): what every greedy loop compared
+# with it computes
+PLAIN_GREEDY = {"forced_eos_token_id": None, "forced_bos_token_id": None, "repetition_penalty": 1.0,
+                "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None,
+                "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None}
 # Fold bound: float32 roundoffs per block (see fold_bound for the measured figures behind it).
 FOLD_ULPS = 2.0 ** 10
 # A deployed figure may be worse than the reference by this many times the rounding spread (two independent
@@ -328,7 +334,8 @@ def generation_equality(planned: PlannedModel, loaded: Any, prompts: int = 4, pr
         ids = torch.tensor(prompts)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
+                                 **PLAIN_GREEDY)
         return out[:, ids.shape[1]:].tolist()
 
     try:  # transformers' own generate may fail on a model class (BartForCausalLM's cache): then nothing is compared

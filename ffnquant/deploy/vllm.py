@@ -250,6 +250,7 @@ def transformers_greedy(folder: str | Path, prompts: Sequence[Sequence[int]], ne
     import transformers
 
     from ..hf.skeleton import causal_lm_class
+    from .proof import PLAIN_GREEDY
 
     causal = causal_lm_class(transformers, transformers.AutoConfig.from_pretrained(str(folder)))
     model = causal.from_pretrained(str(folder), dtype=dtype or torch.float32, use_kernels=False).eval()
@@ -262,7 +263,7 @@ def transformers_greedy(folder: str | Path, prompts: Sequence[Sequence[int]], ne
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
-                                 output_scores=True, return_dict_in_generate=True)
+                                 output_scores=True, return_dict_in_generate=True, **PLAIN_GREEDY)
         margins = []
         for scores in out.scores:
             top = torch.log_softmax(scores[0].double(), -1).topk(2).values
