@@ -839,7 +839,7 @@ def test_an_mlp_that_adds_the_residual_is_found_and_replaced_with_it():
     from torch import nn
 
     from ffnquant.hf.capture import _input_only
-    from ffnquant.hf.discover import takes_residual
+    from ffnquant.hf.probe import takes_residual
 
     class AddsResidual(nn.Module):
         def forward(self, hidden_states, residual):

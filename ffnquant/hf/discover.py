@@ -16,9 +16,7 @@ The result is an `Arch` (`hf.arch`) like the hand-written ones, so every command
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -32,6 +30,7 @@ from .conversions import expert_sources, with_renames
 from .skeleton import causal_lm_from_config
 from .ffn_candidates import FoundFFN, candidates, linear_shape
 from .arch import ARCHITECTURES, Arch, Install, ModelKind
+from .probe import probe, probe_activation
 from .validate import check_attention_config
 
 __all__ = ["FoundFFN", "Discovery", "discover", "discover_config", "arch_for_config", "ACTIVATION_NAMES", "probe_activation"]
@@ -41,20 +40,6 @@ ACTIVATION_NAMES: Mapping[Activation, str] = {
     Activation.RELU: "relu", Activation.GELU: "gelu", Activation.GELU_TANH: "gelu_pytorch_tanh",
     Activation.SILU: "silu", Activation.SIGMOID: "sigmoid", Activation.IDENTITY: "linear", Activation.RELU2: "relu2",
 }
-_ACT_FN = {
-    Activation.RELU: torch.relu,
-    Activation.GELU: lambda x: nn.functional.gelu(x),
-    Activation.GELU_TANH: lambda x: nn.functional.gelu(x, approximate="tanh"),
-    Activation.SILU: nn.functional.silu,
-    Activation.SIGMOID: torch.sigmoid,
-    Activation.IDENTITY: lambda x: x,
-    Activation.RELU2: lambda x: torch.square(torch.relu(x)),
-}
-# a reproduction is accepted within this many float32 ulps of the output's scale: the module and ffnquant may
-# sum in another order (addmm vs matmul + add), never more than a few roundings per output element
-_REPRODUCE_RTOL = 64 * torch.finfo(torch.float32).eps
-_PROBE_D, _PROBE_F = 24, 40  # a probe's widths, when the module computes at any width
-_PROBE_FULL_MAX = 64_000_000  # parameters: a probe at the real widths above this is refused (memory)
 
 
 @dataclass(frozen=True)
@@ -161,238 +146,6 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return max(lists, key=lambda item: size(item[1]))
 
 
-def _activation_child(module: nn.Module, first: str = "") -> str:
-    """The attribute of `module`'s one parameterless child that is an activation (probed on numbers), or ''; where
-    it has none, the one beside the FFN's first Linear `first` (BERT's intermediate.intermediate_act_fn)."""
-    found = [n for n, c in module.named_children() if not any(True for _ in c.parameters()) and probe_activation(c)]
-    parent = first.rpartition(".")[0]
-    if not found and parent:
-        return next((f"{parent}.{n}" for n in [_activation_child(module.get_submodule(parent))] if n), "")
-    return found[0] if len(found) == 1 else ""
-
-
-def probe_activation(fn: Any) -> Activation | None:
-    """The ffnquant Activation that `fn` computes (elementwise, on numbers from -6 to 6), or None."""
-    x = torch.linspace(-6.0, 6.0, 241)
-    try:
-        with torch.no_grad():
-            y = fn(x)
-    except Exception:
-        return None
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-        return None
-    for act, f in _ACT_FN.items():
-        if torch.allclose(y.float(), f(x), rtol=0.0, atol=1e-6):
-            return act
-    return None
-
-
-def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Generator) -> nn.Module:
-    """A copy of the (meta) FFN module with its FFN matrices at widths d, f, everything materialised in float32 on
-    the CPU with seeded random values (the matrices are swapped while still on the meta device, so a module of a
-    very wide model costs only the probe's widths)."""
-    probe = copy.deepcopy(module)
-    for name, role in ffn.roles.items():
-        n_in = f if role == "w_down" else d
-        n_out = d if role == "w_down" else (2 * f if "+" in role else f)
-        if ffn.install is Install.EXPERTS:
-            setattr(probe, name, nn.Parameter(torch.empty(1, n_out, n_in, device="meta")))
-            continue
-        old = probe.get_submodule(name)
-        if ffn.transposed:
-            new = copy.deepcopy(old)
-            new.weight = nn.Parameter(torch.empty(n_in, n_out, device="meta"))
-            new.bias = nn.Parameter(torch.empty(n_out, device="meta"))
-            new.nf = n_out
-        else:
-            new = nn.Linear(n_in, n_out, bias=getattr(old, "bias", None) is not None, device="meta")
-        parent, _, attr = name.rpartition(".")
-        setattr(probe.get_submodule(parent) if parent else probe, attr, new)
-    if ffn.install is Install.EXPERTS:
-        for attr, value in (("num_experts", 1), ("hidden_dim", d), ("intermediate_dim", f)):
-            if isinstance(getattr(probe, attr, None), int):
-                setattr(probe, attr, value)
-    probe = probe.to_empty(device="cpu").float()
-    with torch.no_grad():
-        for p in probe.parameters():  # unit-scale outputs: the activations' shapes are told apart on them
-            fan_in = p.shape[-1] if p.dim() >= 2 else 1
-            p.copy_(torch.randn(p.shape, generator=gen) * (1.5 * fan_in ** -0.5 if p.dim() >= 2 else 0.5))
-    return probe.eval()
-
-
-def _matrices(probe: nn.Module, ffn: FoundFFN) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """role attribute -> (weight [out, in], bias) of the probe."""
-    out = {}
-    for name in ffn.roles:
-        if ffn.install is Install.EXPERTS:
-            out[name] = (getattr(probe, name)[0], None)
-            continue
-        m = probe.get_submodule(name)
-        w = m.weight.t() if ffn.transposed else m.weight
-        out[name] = (w, getattr(m, "bias", None))
-    return out
-
-
-def _assignments(ffn: FoundFFN) -> list[dict[str, str]]:
-    roles = dict(ffn.roles)
-    if not ffn.gated:
-        return [roles]
-    fused = [n for n, r in roles.items() if "+" in r]
-    if fused:
-        return [roles, {**roles, fused[0]: "w_up+w_gate"}]
-    a, b = [n for n, r in roles.items() if r != "w_down"]
-    return [roles, {**roles, a: "w_up", b: "w_gate"}]
-
-
-def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mapping[str, str], act: Activation,
-                     x: torch.Tensor) -> torch.Tensor:
-    lin = lambda name, h: nn.functional.linear(h, *mats[name])  # noqa: E731
-    by_role = {r: n for n, r in roles.items()}
-    down = by_role["w_down"]
-    if "w_gate+w_up" in by_role or "w_up+w_gate" in by_role:
-        both = by_role.get("w_gate+w_up") or by_role["w_up+w_gate"]
-        first, second = lin(both, x).chunk(2, dim=-1)
-        gate, up = (first, second) if both == by_role.get("w_gate+w_up") else (second, first)
-        return lin(down, _ACT_FN[act](gate) * up)
-    if "w_gate" in by_role:
-        return lin(down, _ACT_FN[act](lin(by_role["w_gate"], x)) * lin(by_role["w_up"], x))
-    return lin(down, _ACT_FN[act](lin(by_role["w_up"], x)))
-
-
-def takes_residual(module: nn.Module) -> bool:
-    """Whether a module's forward takes a second required argument named `residual` (BLOOM's and MPT's MLPs add the
-    block's residual stream to their output)."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return (len(params) >= 2 and params[1].name == "residual" and params[1].default is inspect.Parameter.empty
-            and params[1].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
-
-
-def _module_output(probe: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: str,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    with torch.no_grad():
-        if residual is not None:  # the module adds it: FFN(x) + residual
-            return probe(x, residual)
-        if ffn.install is Install.EXPERTS:
-            index = torch.zeros(x.shape[0], 1, dtype=torch.long)
-            return probe(x, index, torch.ones(x.shape[0], 1))
-        if ffn.install is Install.SPLIT:  # the block's own Linears: first, activation, second
-            up = next(n for n, r in ffn.roles.items() if r != "w_down")
-            down = next(n for n, r in ffn.roles.items() if r == "w_down")
-            return probe.get_submodule(down)(probe.get_submodule(act_attr)(probe.get_submodule(up)(x)))
-        try:
-            return probe(x)
-        except Exception:  # noqa: BLE001 - a forward that reads [batch, tokens, width] (Moshi's views its gate
-            # and value halves per batch and token): the tokens as one sequence
-            return probe(x.unsqueeze(0)).squeeze(0)
-
-
-def _probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
-    """Settle a candidate's roles and activation by reproducing its module's output (see the module docstring)."""
-    gen = torch.Generator().manual_seed(0)
-    first = next((n for n, r in ffn.roles.items() if r != "w_down"), "")
-    act_attr = _activation_child(module, first) if ffn.install is Install.SPLIT else ""
-    if ffn.install is Install.SPLIT and not act_attr:
-        raise FFNQuantError(f"{where}: the block's FFN Linears have no activation module beside them that ffnquant "
-                            f"can compute ({', '.join(a.value for a in Activation)})")
-    attempts = [(min(ffn.d_model, _PROBE_D), min(ffn.d_ff, _PROBE_F))]
-    n_full = sum(p.numel() for p in module.parameters())
-    if n_full <= _PROBE_FULL_MAX:
-        attempts.append((ffn.d_model, ffn.d_ff))
-    last = "no assignment of gate, up and activation reproduces it"
-    residual = ffn.install is Install.MODULE and takes_residual(module)
-    for d, f in attempts:
-        try:
-            probe = _shrunk_copy(module, ffn, d, f, gen)
-            x = torch.randn(7, d, generator=gen) * 1.5
-            y = _module_output(probe, ffn, x, act_attr, torch.zeros_like(x) if residual else None)
-            if residual:  # what it adds is the residual itself, exactly: FFN(x) + r, whatever r
-                r = torch.randn(7, d, generator=gen)
-                added = _module_output(probe, ffn, x, act_attr, r)
-                if not torch.equal(added, y + r):
-                    last = ("its second argument 'residual' is not added to its output as it is (the output "
-                            f"moves by {float((added - y - r).abs().max()):.3g} beside the residual)")
-                    continue
-        except Exception as exc:  # a module that reads its configured width: try the real widths
-            last = f"running a copy of it failed ({type(exc).__name__}: {str(exc)[:120]})"
-            continue
-        if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0], d):
-            last = f"its output has shape {getattr(y, 'shape', None)}, not [tokens, {d}]"
-            continue
-        mats = _matrices(probe, ffn)
-        scale = float(y.abs().max()) or 1.0
-        for roles in _assignments(ffn):
-            for act in Activation:
-                with torch.no_grad():
-                    mine = _ffnquant_output(mats, roles, act, x)
-                if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
-                    return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
-                                    ffn.bias, ffn.experts, act, act_attr, ffn.linear_class, residual)
-    split = _as_split(module, ffn, gen) if ffn.install is Install.MODULE and not ffn.gated else None
-    if split is not None:
-        return split
-    acts = [type(c).__name__ for c in module.children() if not any(True for _ in c.parameters())
-            and not isinstance(c, nn.Dropout)]
-    seen = f" (its parameterless parts: {', '.join(acts)})" if acts else ""
-    # parameters beside the FFN's matrices (a norm inside the MLP, an activation with learned parameters): a part
-    # ffnquant's FFN does not compute, the likely cause, named first
-    matrices = {f"{name}.{p}" for name in ffn.roles for p in ("weight", "bias")} | set(ffn.roles)
-    others = [f"{n} {list(p.shape)} ({type(module.get_submodule(n.rpartition('.')[0])).__name__})"
-              if "." in n else f"{n} {list(p.shape)}" for n, p in module.named_parameters() if n not in matrices]
-    beside = (f"; it holds parameters beside the FFN's matrices that ffnquant's FFN does not compute: "
-              f"{', '.join(others[:3])}{' and more' if len(others) > 3 else ''}") if others else ""
-    raise FFNQuantError(f"{where}: ffnquant cannot reproduce this FFN's output{seen}{beside}: {last}; activations "
-                        f"ffnquant computes: {', '.join(a.value for a in Activation)}")
-
-
-def _as_split(module: nn.Module, ffn: FoundFFN, gen: torch.Generator) -> FoundFFN | None:
-    """A dense FFN module whose forward does more around its Linears (XLNet's adds the residual and normalises,
-    Reformer's normalises first): the FFN is its first Linear, activation and second Linear, replaced Linear by
-    Linear (`Install.SPLIT`) where the module's output with the first Linear computing the whole chain (the
-    activation and second Linear then identities) is its own output, bit for bit; else None."""
-    up = next(n for n, r in ffn.roles.items() if r != "w_down")
-    down = next(n for n, r in ffn.roles.items() if r == "w_down")
-    act_attr = _activation_child(module, up)
-    if not act_attr:
-        return None
-    split = dataclasses.replace(ffn, install=Install.SPLIT, act_attr=act_attr)
-    # at the model's widths: what the module does around the Linears (a norm) is as wide as the model
-    if sum(p.numel() for p in module.parameters()) > _PROBE_FULL_MAX:
-        return None
-    d, f = ffn.d_model, ffn.d_ff
-    try:
-        probe = _shrunk_copy(module, split, d, f, gen)
-        x = torch.randn(7, d, generator=gen) * 1.5
-        with torch.no_grad():
-            own = probe(x)
-            first, fn, second = (probe.get_submodule(a) for a in (up, act_attr, down))
-            act = probe_activation(fn)
-            for dotted, new in ((up, _Chain(first, fn, second)), (act_attr, nn.Identity()), (down, nn.Identity())):
-                parent, _, attr = dotted.rpartition(".")
-                setattr(probe.get_submodule(parent) if parent else probe, attr, new)
-            replaced = probe(x)
-    except Exception:  # noqa: BLE001 - a module that does not run so: not this form
-        return None
-    if act is None or not isinstance(own, torch.Tensor) or not torch.equal(own, replaced):
-        return None
-    return dataclasses.replace(split, activation=act)
-
-
-class _Chain(nn.Module):
-    """The whole FFN in place of its first Linear: first Linear, activation, second Linear on what it is given."""
-
-    def __init__(self, *parts: nn.Module) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for part in self.parts:
-            x = part(x)
-        return x
-
-
 def _label(path: str) -> str:
     return path or "the block's own Linears"
 
@@ -416,7 +169,7 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
         if c.key() not in probed:
             module = blocks[i].get_submodule(c.path) if c.path else blocks[i]
             try:
-                probed[c.key()] = _probe(module, c, f"{where}: {layers_path}.{i}.{_label(c.path)}")
+                probed[c.key()] = probe(module, c, f"{where}: {layers_path}.{i}.{_label(c.path)}")
             except FFNQuantError as exc:
                 probed[c.key()] = str(exc)
         return probed[c.key()]
