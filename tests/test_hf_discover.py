@@ -105,3 +105,32 @@ def test_an_ffn_whose_weights_several_blocks_share_is_refused_naming_both(tmp_pa
     with pytest.raises(FFNQuantError, match=r"model\.layers\.1\.shared_transf\.feed_forward holds the same weights as "
                                             r"model\.layers\.0\.shared_transf\.feed_forward"):
         inspect_model(_folder(tmp_path, "zamba"))
+
+
+def test_a_probe_fills_its_buffers_so_its_verdict_is_the_same_every_run():
+    """A module built on the meta device has its buffers (xIELU's beta and eps) as meta too: materialised with
+    to_empty they held whatever memory did, and a probe's verdict could change from run to run. Filled from the
+    seeded generator, two probes of one module are equal, buffers included."""
+    import torch
+    from torch import nn
+
+    from ffnquant.hf.ffn_candidates import FoundFFN
+    from ffnquant.hf.probe import _shrunk_copy
+
+    class WithBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+            self.register_buffer("beta", torch.tensor(0.5))
+            self.register_buffer("steps", torch.tensor([3]))
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)) * self.beta)
+
+    with torch.device("meta"):
+        module = WithBuffer()
+    ffn = FoundFFN("", Install.MODULE, {"up": "w_up", "down": "w_down"}, 4, 8, False)
+    first, second = (_shrunk_copy(module, ffn, 4, 8, torch.Generator().manual_seed(0)) for _ in range(2))
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert int(first.steps) == 0

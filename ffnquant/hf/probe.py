@@ -93,6 +93,10 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
         for p in probe.parameters():  # unit-scale outputs: the activations' shapes are told apart on them
             fan_in = p.shape[-1] if p.dim() >= 2 else 1
             p.copy_(torch.randn(p.shape, generator=gen) * (1.5 * fan_in ** -0.5 if p.dim() >= 2 else 0.5))
+        # buffers too: to_empty leaves them as whatever memory held (xIELU's beta and eps), and a probe must give
+        # the same verdict every run
+        for b in probe.buffers():
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.5 if b.is_floating_point() else torch.zeros_like(b))
     return probe.eval()
 
 
