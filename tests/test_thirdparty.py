@@ -38,10 +38,17 @@ def test_a_loaders_report_is_kept_off_the_terminal_and_its_error_line_on_the_exc
     from ffnquant.infra.thirdparty import captured_detail, quiet_model_io
 
     logger = logging.getLogger("transformers.core_model_loading")
-    with pytest.raises(RuntimeError) as caught:
-        with quiet_model_io():
-            logger.error("Key | Status\nError: Concatenate on tensors destined for x.conv1d.weight. Ckpt contains: 0")
-            raise RuntimeError("look at the CONVERSION entries of the above report!")
+    top = logging.getLogger("transformers")
+    before = top.level
+    top.setLevel(logging.ERROR)  # a caller's verbosity (the harness sets errors only): the warning is still read
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            with quiet_model_io():
+                logger.warning("Key | Status\nError: Concatenate on tensors destined for x.conv1d.weight. Ckpt contains: 0")
+                raise RuntimeError("look at the CONVERSION entries of the above report!")
+        assert top.level == logging.ERROR
+    finally:
+        top.setLevel(before)
     assert captured_detail(caught.value) == "Concatenate on tensors destined for x.conv1d.weight. Ckpt contains: 0"
     assert "Concatenate" not in capsys.readouterr().err
     assert captured_detail(RuntimeError("raised elsewhere")) == ""

@@ -88,6 +88,9 @@ def quiet_model_io() -> Iterator[None]:
     handler = logging.StreamHandler(captured)
     tlogger = logging.getLogger("transformers")
     handlers, tlogger.handlers = tlogger.handlers, [handler]
+    # at warning level while captured, whatever verbosity the caller set: the report is read, never shown
+    level = tlogger.level
+    tlogger.setLevel(min(level or logging.WARNING, logging.WARNING))
     try:
         with contextlib.redirect_stderr(captured):
             yield
@@ -98,6 +101,7 @@ def quiet_model_io() -> Iterator[None]:
         raise
     finally:
         tlogger.handlers = handlers
+        tlogger.setLevel(level)
         if tl is not None and restore_bar:
             tl.enable_progress_bar()
         if loguru_logger is not None:
