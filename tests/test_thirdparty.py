@@ -37,6 +37,7 @@ def test_a_loaders_report_is_kept_off_the_terminal_and_its_error_line_on_the_exc
 
     from ffnquant.infra.thirdparty import captured_detail, quiet_model_io
 
+    pytest.importorskip("transformers")  # its logging sets up the library's logger once, on first import
     logger = logging.getLogger("transformers.core_model_loading")
     top = logging.getLogger("transformers")
     before = top.level
