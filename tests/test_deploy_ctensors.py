@@ -562,3 +562,34 @@ def test_a_module_is_read_under_the_one_stored_name_sharing_its_longest_tail(mod
     from ffnquant.deploy.ctfiles import stored_as as _stored_as
 
     assert _stored_as(module, stored) == want
+
+
+def test_tensors_transformers_concatenates_at_load_are_written_concatenated_and_the_folder_is_proven(tmp_path):
+    """OLMo hybrid's checkpoint keeps linear_attn.{q,k,v}_conv1d, which transformers concatenates into conv1d as it
+    loads; with a quantization config present its loader found none of them ("Ckpt contains: 0") and every such
+    folder ended NOT PROVEN. They are written concatenated under the loaded name, and the folder is proven."""
+    from safetensors import safe_open
+
+    from ffnquant.hf import inspect_model
+    from hf_models import save_causal_tiny, tokenizer
+
+    T = pytest.importorskip("transformers")
+    T.logging.set_verbosity_error()
+    try:
+        folder = save_causal_tiny(T, "olmo_hybrid", tmp_path / "olmo_hybrid", tokenizer(T))
+    except Exception as exc:  # a transformers without the type
+        pytest.skip(f"olmo_hybrid not buildable here: {exc}")
+    info = inspect_model(folder)
+    plan = tmp_path / "plan.toml"
+    plan.write_text(Plan(model_fingerprint(info), {i: Recipe.parse("w4a16-g32") for i in range(info.n_layers)},
+                         "ppl+1%", "bytes").to_toml())
+    out = tmp_path / "ct"
+    assert main(["export", "--model", str(folder), "--plan", str(plan), "--format", "compressed-tensors",
+                 "--calib-tokens", "256", "--eval-tokens", "128", "--seq-len", "128", "--no-progress",
+                 "--out", str(out)]) == 0
+    doc = json.loads((out / "ffnquant-deploy.json").read_text())
+    assert doc["proof"]["proven"]
+    with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
+        keys = set(f.keys())
+    assert any(k.endswith("linear_attn.conv1d.weight") for k in keys)
+    assert not any(k.endswith("linear_attn.q_conv1d.weight") for k in keys)

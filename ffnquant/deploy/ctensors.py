@@ -39,7 +39,7 @@ from ..model import FFN
 from ..numerics.accuracy import sqnr_db
 from ..schemes import ActMode
 from .ctfiles import decompressed_weights, input_qparams_check, safetensors_reader, weights_check
-from .experts import has_experts, plan_experts_refusal, unfused_for_loader, write_experts
+from .experts import concatenated_for_loader, has_experts, plan_experts_refusal, unfused_for_loader, write_experts
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name, input_args, source_dtype
 from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
@@ -202,8 +202,10 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
             compressor.update_config(str(folder))
         routed = write_experts(folder, planned, experts, _set_params, module_args, dtype) if experts else None
         # experts transformers saves fused but loads per expert from a compressed-tensors folder, rewritten so
-        unfused = (unfused_for_loader(folder, model)
-                   if "quantization_config" in json.loads((folder / "config.json").read_text()) else [])
+        quantized_folder = "quantization_config" in json.loads((folder / "config.json").read_text())
+        unfused = unfused_for_loader(folder, model) if quantized_folder else []
+        # float tensors its loader concatenates, which it cannot find once a quantization config is present
+        concatenated = concatenated_for_loader(folder, model) if quantized_folder else []
     copied = _copy_side_files(Path(planned.info.path), folder)
     config = json.loads((folder / "config.json").read_text())
     if dtype is not torch.float32:  # served in the source's dtype, as the source checkpoint is
@@ -214,7 +216,7 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
     floats = [m.module for m in planned.modules if m.module not in quantized and m.grid is None]
     return {"format": FORMAT_NAME, "compression_format": qc.get("format"),
             "config_groups": len(qc.get("config_groups") or {}), "routed_experts": routed,
-            "experts_written_per_expert": unfused,
+            "experts_written_per_expert": unfused, "written_concatenated": concatenated,
             "quantized_modules": len(quantized) + ((routed or {}).get("quantized") or 0), "float_ffn_modules": floats, "ignore": qc.get("ignore", []),
             "copied": copied, "files": _files(folder),
             "float_dtype": {"source": str(source_dtype(planned.info)).removeprefix("torch."),

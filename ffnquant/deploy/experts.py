@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # annotations only
     from ..planning.planfile import Plan
     from .planned import ModuleQuant, PlannedModel
 
-__all__ = ["EXPERTS_WHY", "has_experts", "tied_layers", "experts_refusal", "plan_experts_refusal", "experts_target",
+__all__ = ["EXPERTS_WHY", "concatenated_for_loader", "has_experts", "tied_layers", "experts_refusal", "plan_experts_refusal", "experts_target",
            "write_experts"]
 
 EXPERTS_WHY = ("transformers loads a folder's routed experts decompressed from compressed-tensors' pack-quantized "
@@ -284,6 +284,50 @@ def unfused_for_loader(folder: Path, model: nn.Module) -> list[str]:
         edits[where[keys[0]]]["add"].update({f"{name}.{suffix}": t for suffix, t in split(*tensors).items()})
     _rewrite_shards(folder, edits)
     return sorted(found)
+
+
+def concatenated_for_loader(folder: Path, model: nn.Module) -> list[str]:
+    """Float tensors transformers concatenates as it loads (Kimi Linear's and OLMo hybrid's q/k/v_conv1d into
+    conv1d, a `WeightConverter` of one Concatenate) written concatenated under the loaded name, as the model holds
+    them; returns the names written. Measured with transformers 5.25: with a quantization config, its loader finds
+    none of the sources ("Concatenate on tensors destined for ...conv1d.weight. Ckpt contains: 0") and refuses the
+    folder, while it reads the concatenated tensor under the loaded name as any other."""
+    from safetensors import safe_open
+
+    from ..hf.conversions import conversion_mapping
+    from .ctfiles import safetensors_reader
+
+    where, read = safetensors_reader(folder)
+    stored = {k: v for k, v in where.items() if k not in read.aliases}  # the names the files hold, not the loaded
+    edits: dict[Path, dict[str, Any]] = {}
+    written = []
+    for conv in conversion_mapping(model):
+        ops = list(getattr(conv, "operations", []) or [])
+        sources = [str(s) for s in getattr(conv, "source_patterns", []) or []]
+        targets = [str(t) for t in getattr(conv, "target_patterns", []) or []]
+        if (type(conv).__name__ != "WeightConverter" or len(ops) != 1 or type(ops[0]).__name__ != "Concatenate"
+                or len(targets) != 1 or len(sources) < 2 or not all(re.fullmatch(r"[A-Za-z0-9_.]+", s) for s in sources)):
+            continue
+        for key in list(stored):
+            if not key.endswith(sources[0]) or not (key == sources[0] or key[: -len(sources[0])].endswith(".")):
+                continue
+            base = key[: -len(sources[0])]  # under the file's own naming: renamed at load as the rest
+            names = [base + s for s in sources]
+            if not all(n in stored and stored[n] == stored[key] for n in names):
+                continue
+            tensors = []
+            with safe_open(str(where[key]), framework="pt") as f:
+                for n in names:
+                    tensors.append(f.get_tensor(n))
+            if not all(t.is_floating_point() for t in tensors):
+                continue
+            edit = edits.setdefault(where[key], {"drop": set(), "add": {}, "expect": {}})
+            edit["drop"].update(names)
+            edit["add"][base + targets[0]] = torch.cat(tensors, dim=int(getattr(ops[0], "dim", 0)))
+            written.append(base + targets[0])
+    if edits:
+        _rewrite_shards(folder, edits)
+    return sorted(written)
 
 
 def _add_group(folder: Path, scheme: Any, compressor: Any) -> None:

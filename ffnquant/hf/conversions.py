@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-__all__ = ["expert_sources", "with_renames"]
+__all__ = ["conversion_mapping", "expert_sources", "with_renames"]
 
 
 def expert_sources(model_type: str, ffn: Any, class_names: Sequence[str] = ()) -> tuple[dict[str, str], list[tuple[str, str]]]:
@@ -48,3 +48,15 @@ def with_renames(path_re: str, renames: list[tuple[str, str]]) -> str:
         if re.fullmatch(r"[A-Za-z0-9_.]+", old) and re.fullmatch(r"[A-Za-z0-9_.]+", new):
             path_re = path_re.replace(re.escape(new), "(?:" + re.escape(new) + "|" + re.escape(old) + ")")
     return path_re
+
+
+def conversion_mapping(model: Any) -> list[Any]:
+    """transformers' checkpoint conversion mapping of a built model, looked up as transformers does: by the
+    classes of its PreTrainedModel modules, outermost first, then its model_type; [] without one."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except Exception:  # an older or newer transformers without it
+        return []
+    classes = [type(m).__name__ for m in model.modules() if hasattr(m, "config") and hasattr(m, "base_model_prefix")]
+    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    return next((m for m in map(get_checkpoint_conversion_mapping, [*dict.fromkeys(classes), model_type]) if m), None) or []
