@@ -244,6 +244,17 @@ def save_causal_tiny(T, model_type: str, folder: Path, tok=None, **overrides) ->
     return folder
 
 
+def tiny_or_skip(model_type: str, folder: Path) -> Path:
+    """`save_causal_tiny` of `model_type` with the word-level tokenizer, transformers' logs at errors only; the
+    test skipped where transformers is missing or cannot build the type."""
+    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+    T.logging.set_verbosity_error()
+    try:
+        return save_causal_tiny(T, model_type, folder, tokenizer(T))
+    except Exception as exc:  # noqa: BLE001 - a transformers without the type
+        pytest.skip(f"{model_type} not buildable here: {exc}")
+
+
 def write_vllm_llama(folder, layers: int = 4):
     """A tiny bf16 Llama vLLM's CPU kernels take (hidden 128, head_dim 64), with the word-level tokenizer."""
     import torch

@@ -248,13 +248,9 @@ def test_experts_saved_under_names_transformers_renames_are_written_under_them_a
     from safetensors import safe_open
 
     from ffnquant.hf import inspect_model
+    from hf_models import tiny_or_skip
 
-    T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
-    T.logging.set_verbosity_error()
-    try:
-        folder = save_causal_tiny(T, "deepseek_v4", tmp_path / "dsv4", tokenizer(T))
-    except Exception as exc:  # a transformers without the type
-        pytest.skip(f"deepseek_v4 not buildable here: {exc}")
+    folder = tiny_or_skip("deepseek_v4", tmp_path / "dsv4")
     info = inspect_model(folder)
     plan = _plan(folder, {i: "w4a16-g32" for i in range(info.n_layers)}, tmp_path / "plan.toml")
     out = tmp_path / "ct"

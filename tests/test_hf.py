@@ -885,13 +885,10 @@ def test_experts_stored_per_expert_under_a_mapping_keyed_by_class_name_are_read(
     """Dots 3's checkpoint keeps experts.N.{gate,up,down}_proj, fused at load by the conversion mapping transformers
     keys by its text model's class name (Dots3NoteTextModel), not its model_type: ffnquant looks the mapping up as
     transformers does, and reads each expert's matrices as the loaded model's own."""
-    T = pytest.importorskip("transformers")
-    from hf_models import save_causal_tiny, tokenizer
+    from hf_models import tiny_or_skip
 
-    try:
-        folder = save_causal_tiny(T, "dots3_note_text", tmp_path / "m", tokenizer(T))
-    except Exception as exc:  # a transformers without the type
-        pytest.skip(f"dots3_note_text not buildable here: {exc}")
+    folder = tiny_or_skip("dots3_note_text", tmp_path / "m")
+    T = pytest.importorskip("transformers")
     info = inspect_model(folder)
     layer = next(layer for layer in info.layers if layer.expert == 2)
     assert layer.tensors["gate_proj.weight"] == f"model.layers.{layer.block}.mlp.experts.2.gate_proj.weight"
@@ -955,15 +952,12 @@ def test_a_text_model_saved_by_its_own_class_is_built_by_the_class_its_config_na
     AutoModelForCausalLM does not map: the class config.json's `architectures` names builds it, for discovery
     and for the engine, and the embedding's extra rows (Mllama's image tokens) are checked against the model that
     class builds, not against vocab_size."""
-    T = pytest.importorskip("transformers")
     from ffnquant.hf.capture import load_hf_model
     from ffnquant.hf.skeleton import causal_lm_class
-    from hf_models import save_causal_tiny, tokenizer
+    from hf_models import tiny_or_skip
 
-    try:
-        folder = save_causal_tiny(T, model_type, tmp_path / "m", tokenizer(T))
-    except Exception as exc:  # a transformers without the type
-        pytest.skip(f"{model_type} not buildable here: {exc}")
+    folder = tiny_or_skip(model_type, tmp_path / "m")
+    T = pytest.importorskip("transformers")
     config = T.AutoConfig.from_pretrained(folder)
     assert type(config) not in T.AutoModelForCausalLM._model_mapping
     assert causal_lm_class(T, config).__name__ == config.architectures[0]

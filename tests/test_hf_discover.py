@@ -13,13 +13,9 @@ T = pytest.importorskip("transformers", reason="transformers not installed (pip 
 
 
 def _folder(tmp_path, model_type):
-    from hf_models import save_causal_tiny, tokenizer
+    from hf_models import tiny_or_skip
 
-    T.logging.set_verbosity_error()
-    try:
-        return save_causal_tiny(T, model_type, tmp_path / model_type, tokenizer(T))
-    except Exception as exc:  # a transformers without the type
-        pytest.skip(f"{model_type} not buildable here: {exc}")
+    return tiny_or_skip(model_type, tmp_path / model_type)
 
 
 @pytest.mark.parametrize("model_type, stack", [
