@@ -129,4 +129,9 @@ def test_a_probe_fills_its_buffers_so_its_verdict_is_the_same_every_run():
     first, second = (_shrunk_copy(module, ffn, 4, 8, torch.Generator().manual_seed(0)) for _ in range(2))
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
         assert torch.equal(a, b), name
+    # the buffers are the generator's next draws after the parameters' (not left-over memory that may repeat)
+    gen = torch.Generator().manual_seed(0)
+    for p in first.parameters():
+        torch.randn(p.shape, generator=gen)
+    assert torch.equal(first.beta, torch.randn((), generator=gen) * 0.5)
     assert int(first.steps) == 0

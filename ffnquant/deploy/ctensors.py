@@ -38,8 +38,8 @@ from ..infra.thirdparty import captured_detail, quiet_model_io
 from ..model import FFN
 from ..numerics.accuracy import sqnr_db
 from ..schemes import ActMode
-from .ctfiles import decompressed_weights, input_qparams_check, safetensors_reader, weights_check
-from .experts import concatenated_for_loader, has_experts, plan_experts_refusal, unfused_for_loader, write_experts
+from .ctfiles import concatenated_for_loader, decompressed_weights, input_qparams_check, safetensors_reader, weights_check
+from .experts import has_experts, plan_experts_refusal, unfused_for_loader, write_experts
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name, input_args, source_dtype
 from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
@@ -390,7 +390,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     dtype = planned.compute_dtype
     try:
         with quiet_model_io():
-            causal = causal_lm_class(transformers, transformers.AutoConfig.from_pretrained(str(folder)))
+            causal = causal_lm_class(transformers, folder)
             loaded, loading = causal.from_pretrained(
                 str(folder), dtype=dtype, use_kernels=False, output_loading_info=True)  # its own modules
             loaded.eval()

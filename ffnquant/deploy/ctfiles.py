@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import FFNQuantError
+from ..infra.atomic import write_text
 
 if TYPE_CHECKING:  # annotations only
     from .planned import PlannedModel
 
-__all__ = ["safetensors_reader", "decompressed_weights", "stored_as", "weights_check", "input_qparams_check"]
+__all__ = ["safetensors_reader", "rewrite_shards", "concatenated_for_loader", "decompressed_weights", "stored_as",
+           "weights_check", "input_qparams_check"]
 
 
 def safetensors_reader(folder: Path):
@@ -55,6 +57,76 @@ def safetensors_reader(folder: Path):
 
     read.aliases = stored  # the loaded names added beside the stored ones
     return where, read
+
+
+def rewrite_shards(folder: Path, edits: dict[Path, dict[str, Any]]) -> None:
+    """Each safetensors file of `edits` rewritten: its `drop` tensors removed, its `add` ones added, after checking
+    that each `expect` tensor is in it as given; the shards' index follows."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path, edit in edits.items():
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+            metadata = f.metadata()
+        for name, want in edit["expect"].items():
+            if not torch.equal(tensors[name].float(), want.float()):
+                raise FFNQuantError(f"transformers saved {name!r} as another tensor than ffnquant's expert weight: the "
+                                    "checkpoint's expert names do not map to the model's fused experts as ffnquant "
+                                    "reads them")
+        for name in edit["drop"]:
+            del tensors[name]
+        tensors.update(edit["add"])
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        doc = json.loads(index.read_text())
+        for path, edit in edits.items():
+            for name in edit["drop"]:
+                doc["weight_map"].pop(name, None)
+            doc["weight_map"].update({key: path.name for key in edit["add"]})
+        write_text(index, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def concatenated_for_loader(folder: Path, model: Any) -> list[str]:
+    """Float tensors transformers concatenates as it loads (Kimi Linear's and OLMo hybrid's q/k/v_conv1d into
+    conv1d, a `WeightConverter` of one Concatenate) written concatenated under the loaded name, as the model holds
+    them; returns the names written. Measured with transformers 5.25: with a quantization config, its loader finds
+    none of the sources ("Concatenate on tensors destined for ...conv1d.weight. Ckpt contains: 0") and refuses the
+    folder, while it reads the concatenated tensor under the loaded name as any other."""
+    from safetensors import safe_open
+
+    from ..hf.conversions import conversion_mapping
+
+    where, read = safetensors_reader(folder)
+    stored = {k: v for k, v in where.items() if k not in read.aliases}  # the names the files hold, not the loaded
+    edits: dict[Path, dict[str, Any]] = {}
+    written = []
+    for conv in conversion_mapping(model):
+        ops = list(getattr(conv, "operations", []) or [])
+        sources = [str(s) for s in getattr(conv, "source_patterns", []) or []]
+        targets = [str(t) for t in getattr(conv, "target_patterns", []) or []]
+        if (type(conv).__name__ != "WeightConverter" or len(ops) != 1 or type(ops[0]).__name__ != "Concatenate"
+                or len(targets) != 1 or len(sources) < 2 or not all(re.fullmatch(r"[A-Za-z0-9_.]+", s) for s in sources)):
+            continue
+        for key in list(stored):
+            if not key.endswith(sources[0]) or not (key == sources[0] or key[: -len(sources[0])].endswith(".")):
+                continue
+            base = key[: -len(sources[0])]  # under the file's own naming: renamed at load as the rest
+            names = [base + s for s in sources]
+            if not all(n in stored and stored[n] == stored[key] for n in names):
+                continue
+            with safe_open(str(where[key]), framework="pt") as f:
+                tensors = [f.get_tensor(n) for n in names]
+            if not all(t.is_floating_point() for t in tensors):
+                continue
+            edit = edits.setdefault(where[key], {"drop": set(), "add": {}, "expect": {}})
+            edit["drop"].update(names)
+            edit["add"][base + targets[0]] = torch.cat(tensors, dim=int(getattr(ops[0], "dim", 0)))
+            written.append(base + targets[0])
+    if edits:
+        rewrite_shards(folder, edits)
+    return sorted(written)
 
 
 def decompressed_weights(folder: str | os.PathLike, reader: Any = None) -> dict[str, torch.Tensor]:

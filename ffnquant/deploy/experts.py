@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # annotations only
     from ..planning.planfile import Plan
     from .planned import ModuleQuant, PlannedModel
 
-__all__ = ["EXPERTS_WHY", "concatenated_for_loader", "has_experts", "tied_layers", "experts_refusal", "plan_experts_refusal", "experts_target",
+__all__ = ["EXPERTS_WHY", "has_experts", "tied_layers", "experts_refusal", "plan_experts_refusal", "experts_target",
            "write_experts"]
 
 EXPERTS_WHY = ("transformers loads a folder's routed experts decompressed from compressed-tensors' pack-quantized "
@@ -157,7 +157,7 @@ def write_experts(folder: Path, planned: PlannedModel, modules: Sequence[ModuleQ
     """Replace each quantized routed expert's float tensor in the saved folder's safetensors with its
     compressed-tensors data (`set_params`, `module_args`: how the writer puts ffnquant's grid into a module and
     names its scheme), and add the experts' config group to config.json; returns what was written."""
-    from .ctfiles import safetensors_reader
+    from .ctfiles import rewrite_shards, safetensors_reader
 
     quantized = [mq for mq in modules if mq.grid is not None]
     if not quantized:
@@ -185,39 +185,11 @@ def write_experts(folder: Path, planned: PlannedModel, modules: Sequence[ModuleQ
             value = state[key]
             # scales computed in a low precision are values of it (`precision.in_dtype`): stored in it
             edit["add"][prefix + key[len(mq.module):]] = value.to(dtype) if low and value.is_floating_point() else value
-    _rewrite_shards(folder, edits)
+    rewrite_shards(folder, edits)
     _add_group(folder, scheme, compressor)
     return {"routed_experts": len(modules), "quantized": len(quantized), "target": scheme.targets[0],
             "compression_format": str(compressor.quantization_config.format)}
 
-
-def _rewrite_shards(folder: Path, edits: dict[Path, dict[str, Any]]) -> None:
-    """Each safetensors file of `edits` rewritten: its `drop` tensors removed, its `add` ones added, after checking
-    that each `expect` tensor is in it as given; the shards' index follows."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    for path, edit in edits.items():
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-            metadata = f.metadata()
-        for name, want in edit["expect"].items():
-            if not torch.equal(tensors[name].float(), want.float()):
-                raise FFNQuantError(f"transformers saved {name!r} as another tensor than ffnquant's expert weight: the "
-                                    "checkpoint's expert names do not map to the model's fused experts as ffnquant "
-                                    "reads them")
-        for name in edit["drop"]:
-            del tensors[name]
-        tensors.update(edit["add"])
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        doc = json.loads(index.read_text())
-        for path, edit in edits.items():
-            for name in edit["drop"]:
-                doc["weight_map"].pop(name, None)
-            doc["weight_map"].update({key: path.name for key in edit["add"]})
-        write_text(index, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 def _llama4_experts(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -255,7 +227,7 @@ def unfused_for_loader(folder: Path, model: nn.Module) -> list[str]:
     that ffnquant cannot split is refused in one line (a folder left fused would load with random experts)."""
     from safetensors import safe_open
 
-    from .ctfiles import safetensors_reader
+    from .ctfiles import rewrite_shards, safetensors_reader
 
     patched = _loader_patched()
     found = {name: type(m).__name__ for name, m in model.named_modules() if type(m).__name__ in patched}
@@ -282,52 +254,8 @@ def unfused_for_loader(folder: Path, model: nn.Module) -> list[str]:
             edits.setdefault(where[k], {"drop": set(), "add": {}, "expect": {}})["drop"].add(k)
         # the per-expert tensors go to the file that held the first fused one
         edits[where[keys[0]]]["add"].update({f"{name}.{suffix}": t for suffix, t in split(*tensors).items()})
-    _rewrite_shards(folder, edits)
+    rewrite_shards(folder, edits)
     return sorted(found)
-
-
-def concatenated_for_loader(folder: Path, model: nn.Module) -> list[str]:
-    """Float tensors transformers concatenates as it loads (Kimi Linear's and OLMo hybrid's q/k/v_conv1d into
-    conv1d, a `WeightConverter` of one Concatenate) written concatenated under the loaded name, as the model holds
-    them; returns the names written. Measured with transformers 5.25: with a quantization config, its loader finds
-    none of the sources ("Concatenate on tensors destined for ...conv1d.weight. Ckpt contains: 0") and refuses the
-    folder, while it reads the concatenated tensor under the loaded name as any other."""
-    from safetensors import safe_open
-
-    from ..hf.conversions import conversion_mapping
-    from .ctfiles import safetensors_reader
-
-    where, read = safetensors_reader(folder)
-    stored = {k: v for k, v in where.items() if k not in read.aliases}  # the names the files hold, not the loaded
-    edits: dict[Path, dict[str, Any]] = {}
-    written = []
-    for conv in conversion_mapping(model):
-        ops = list(getattr(conv, "operations", []) or [])
-        sources = [str(s) for s in getattr(conv, "source_patterns", []) or []]
-        targets = [str(t) for t in getattr(conv, "target_patterns", []) or []]
-        if (type(conv).__name__ != "WeightConverter" or len(ops) != 1 or type(ops[0]).__name__ != "Concatenate"
-                or len(targets) != 1 or len(sources) < 2 or not all(re.fullmatch(r"[A-Za-z0-9_.]+", s) for s in sources)):
-            continue
-        for key in list(stored):
-            if not key.endswith(sources[0]) or not (key == sources[0] or key[: -len(sources[0])].endswith(".")):
-                continue
-            base = key[: -len(sources[0])]  # under the file's own naming: renamed at load as the rest
-            names = [base + s for s in sources]
-            if not all(n in stored and stored[n] == stored[key] for n in names):
-                continue
-            tensors = []
-            with safe_open(str(where[key]), framework="pt") as f:
-                for n in names:
-                    tensors.append(f.get_tensor(n))
-            if not all(t.is_floating_point() for t in tensors):
-                continue
-            edit = edits.setdefault(where[key], {"drop": set(), "add": {}, "expect": {}})
-            edit["drop"].update(names)
-            edit["add"][base + targets[0]] = torch.cat(tensors, dim=int(getattr(ops[0], "dim", 0)))
-            written.append(base + targets[0])
-    if edits:
-        _rewrite_shards(folder, edits)
-    return sorted(written)
 
 
 def _add_group(folder: Path, scheme: Any, compressor: Any) -> None:

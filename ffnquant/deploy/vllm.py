@@ -252,7 +252,7 @@ def transformers_greedy(folder: str | Path, prompts: Sequence[Sequence[int]], ne
     from ..hf.skeleton import causal_lm_class
     from .proof import PLAIN_GREEDY
 
-    causal = causal_lm_class(transformers, transformers.AutoConfig.from_pretrained(str(folder)))
+    causal = causal_lm_class(transformers, folder)
     model = causal.from_pretrained(str(folder), dtype=dtype or torch.float32, use_kernels=False).eval()
     eos = getattr(model.config, "eos_token_id", None)
     pad = getattr(model.config, "pad_token_id", None)

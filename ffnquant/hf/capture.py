@@ -131,12 +131,8 @@ def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = Fals
     if info.kind is ModelKind.CAUSAL_LM:  # the class config.json names where the auto mapping lacks its type
         from .skeleton import causal_lm_class
 
-        try:
-            with _quiet_transformers(transformers):
-                auto = causal_lm_class(transformers, transformers.AutoConfig.from_pretrained(str(info.path),
-                                                                                             local_files_only=True))
-        except Exception:  # noqa: BLE001 - a config transformers cannot read: from_pretrained below says why
-            pass
+        with _quiet_transformers(transformers):
+            auto = causal_lm_class(transformers, info.path)
     # use_kernels=False: the model's own PyTorch modules, never layers swapped for Hub kernels (transformers >= 5.2x
     # kernelizes by default and refuses to load without the `kernels` package): ffnquant measures and reproduces
     # that forward bit for bit

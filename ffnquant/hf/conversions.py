@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-__all__ = ["conversion_mapping", "expert_sources", "with_renames"]
+__all__ = ["conversion_mapping", "expert_sources", "mapping_for", "pretrained_classes", "with_renames"]
 
 
 def expert_sources(model_type: str, ffn: Any, class_names: Sequence[str] = ()) -> tuple[dict[str, str], list[tuple[str, str]]]:
@@ -15,12 +15,7 @@ def expert_sources(model_type: str, ffn: Any, class_names: Sequence[str] = ()) -
     each fused expert parameter (-> ffnquant weight, in the concatenation order) and the module renamings.
     transformers keys a mapping by a model class's name before its model_type (Dots 3's is its text model's class,
     `class_names`: the model's PreTrainedModel classes, outermost first) and so is it looked up here."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        mapping = next((m for m in map(get_checkpoint_conversion_mapping, [*class_names, model_type]) if m), None) or []
-    except Exception:  # an older or newer transformers without it: only fused checkpoints are read
-        return {}, []
+    mapping = mapping_for(model_type, class_names)
     per_expert: dict[str, str] = {}
     renames: list[tuple[str, str]] = []
     for conv in mapping:
@@ -50,13 +45,24 @@ def with_renames(path_re: str, renames: list[tuple[str, str]]) -> str:
     return path_re
 
 
-def conversion_mapping(model: Any) -> list[Any]:
-    """transformers' checkpoint conversion mapping of a built model, looked up as transformers does: by the
-    classes of its PreTrainedModel modules, outermost first, then its model_type; [] without one."""
+def pretrained_classes(model: Any) -> tuple[str, ...]:
+    """The class names of a model's PreTrainedModel modules, outermost first, each once."""
+    return tuple(dict.fromkeys(type(m).__name__ for m in model.modules()
+                               if hasattr(m, "config") and hasattr(m, "base_model_prefix")))
+
+
+def mapping_for(model_type: str, class_names: Sequence[str] = ()) -> list[Any]:
+    """transformers' checkpoint conversion mapping looked up as transformers does: by a model class's name first
+    (`class_names`, outermost first), then by `model_type`; [] without one (or without transformers' table)."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        return next((m for m in map(get_checkpoint_conversion_mapping, [*class_names, model_type]) if m), None) or []
     except Exception:  # an older or newer transformers without it
         return []
-    classes = [type(m).__name__ for m in model.modules() if hasattr(m, "config") and hasattr(m, "base_model_prefix")]
+
+
+def conversion_mapping(model: Any) -> list[Any]:
+    """`mapping_for` a built model: its PreTrainedModel classes, then its config's model_type."""
     model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
-    return next((m for m in map(get_checkpoint_conversion_mapping, [*dict.fromkeys(classes), model_type]) if m), None) or []
+    return mapping_for(model_type, pretrained_classes(model))

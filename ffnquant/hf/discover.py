@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import FFNQuantError
 from ..spec import Activation
-from .conversions import expert_sources, with_renames
+from .conversions import expert_sources, pretrained_classes, with_renames
 from .skeleton import causal_lm_from_config
 from .ffn_candidates import FoundFFN, candidates, linear_shape
 from .arch import ARCHITECTURES, Arch, Install, ModelKind
@@ -80,7 +80,8 @@ class Discovery:
     def arch(self) -> Arch:
         """The `hf.arch.Arch` of this model: checkpoint and module patterns built from the names found."""
         ffn = self.ffn
-        tail = re.escape(self.list_suffix())
+        suffix = self.list_suffix()
+        tail = re.escape(suffix)
         rel = (r"\." + re.escape(ffn.path)) if ffn.path else ""
         prefix = r"(?P<prefix>(?:.+\.)?" + tail + r"\.(?P<layer>\d+)" + rel + ")"
         roles_re = "|".join(re.escape(r) for r in sorted(ffn.roles))
@@ -102,7 +103,7 @@ class Discovery:
             # checkpoints often keep one 2-D tensor per expert and matrix, which transformers fuses at load time:
             # its own conversion mapping names them, and the order in which it concatenates gate and up
             per_expert, renames = expert_sources(self.model_type, ffn, self.model_classes)
-            path = with_renames(self.list_suffix() + r"\.(?P<layer>\d+)" + rel, renames)
+            path = with_renames(suffix + r"\.(?P<layer>\d+)" + rel, renames)
             expert_prefix = r"(?P<prefix>(?:.+\.)?" + path + r"\.(?P<expert>\d+))"
             fused_prefix = r"(?P<prefix>(?:.+\.)?" + path + ")"
             expert_re = "|".join(re.escape(r) for r in sorted(per_expert)) or r"(?!)"
@@ -260,11 +261,9 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     for i in range(len(blocks)):
         if i not in per_block:
             float_parts.append(f"L{i}: no FFN in this block")
-    classes = tuple(dict.fromkeys(type(m).__name__ for m in model.modules() if hasattr(m, "config")
-                                  and hasattr(m, "base_model_prefix")))
     return Discovery(model_type or str(getattr(config, "model_type", "")), type(model).__name__, layers_path,
                      len(blocks), ffn, kept, tuple(sorted(float_parts, key=lambda s: (len(s.split()[0]), s))),
-                     model_classes=classes)
+                     model_classes=pretrained_classes(model))
 
 
 def _refuse_shared(blocks: nn.ModuleList, found: Mapping[int, list[FoundFFN]], where: str, layers_path: str) -> None:

@@ -67,14 +67,14 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
     """A copy of the (meta) FFN module with its FFN matrices at widths d, f, everything materialised in float32 on
     the CPU with seeded random values (the matrices are swapped while still on the meta device, so a module of a
     very wide model costs only the probe's widths)."""
-    probe = copy.deepcopy(module)
+    small = copy.deepcopy(module)
     for name, role in ffn.roles.items():
         n_in = f if role == "w_down" else d
         n_out = d if role == "w_down" else (2 * f if "+" in role else f)
         if ffn.install is Install.EXPERTS:
-            setattr(probe, name, nn.Parameter(torch.empty(1, n_out, n_in, device="meta")))
+            setattr(small, name, nn.Parameter(torch.empty(1, n_out, n_in, device="meta")))
             continue
-        old = probe.get_submodule(name)
+        old = small.get_submodule(name)
         if ffn.transposed:
             new = copy.deepcopy(old)
             new.weight = nn.Parameter(torch.empty(n_in, n_out, device="meta"))
@@ -83,31 +83,31 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
         else:
             new = nn.Linear(n_in, n_out, bias=getattr(old, "bias", None) is not None, device="meta")
         parent, _, attr = name.rpartition(".")
-        setattr(probe.get_submodule(parent) if parent else probe, attr, new)
+        setattr(small.get_submodule(parent) if parent else small, attr, new)
     if ffn.install is Install.EXPERTS:
         for attr, value in (("num_experts", 1), ("hidden_dim", d), ("intermediate_dim", f)):
-            if isinstance(getattr(probe, attr, None), int):
-                setattr(probe, attr, value)
-    probe = probe.to_empty(device="cpu").float()
+            if isinstance(getattr(small, attr, None), int):
+                setattr(small, attr, value)
+    small = small.to_empty(device="cpu").float()
     with torch.no_grad():
-        for p in probe.parameters():  # unit-scale outputs: the activations' shapes are told apart on them
+        for p in small.parameters():  # unit-scale outputs: the activations' shapes are told apart on them
             fan_in = p.shape[-1] if p.dim() >= 2 else 1
             p.copy_(torch.randn(p.shape, generator=gen) * (1.5 * fan_in ** -0.5 if p.dim() >= 2 else 0.5))
         # buffers too: to_empty leaves them as whatever memory held (xIELU's beta and eps), and a probe must give
         # the same verdict every run
-        for b in probe.buffers():
+        for b in small.buffers():
             b.copy_(torch.randn(b.shape, generator=gen) * 0.5 if b.is_floating_point() else torch.zeros_like(b))
-    return probe.eval()
+    return small.eval()
 
 
-def _matrices(probe: nn.Module, ffn: FoundFFN) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """role attribute -> (weight [out, in], bias) of the probe."""
+def _matrices(small: nn.Module, ffn: FoundFFN) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """role attribute -> (weight [out, in], bias) of the copy."""
     out = {}
     for name in ffn.roles:
         if ffn.install is Install.EXPERTS:
-            out[name] = (getattr(probe, name)[0], None)
+            out[name] = (getattr(small, name)[0], None)
             continue
-        m = probe.get_submodule(name)
+        m = small.get_submodule(name)
         w = m.weight.t() if ffn.transposed else m.weight
         out[name] = (w, getattr(m, "bias", None))
     return out
@@ -150,23 +150,23 @@ def takes_residual(module: nn.Module) -> bool:
             and params[1].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
 
 
-def _module_output(probe: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: str,
+def _module_output(small: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: str,
                    residual: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():
         if residual is not None:  # the module adds it: FFN(x) + residual
-            return probe(x, residual)
+            return small(x, residual)
         if ffn.install is Install.EXPERTS:
             index = torch.zeros(x.shape[0], 1, dtype=torch.long)
-            return probe(x, index, torch.ones(x.shape[0], 1))
+            return small(x, index, torch.ones(x.shape[0], 1))
         if ffn.install is Install.SPLIT:  # the block's own Linears: first, activation, second
             up = next(n for n, r in ffn.roles.items() if r != "w_down")
             down = next(n for n, r in ffn.roles.items() if r == "w_down")
-            return probe.get_submodule(down)(probe.get_submodule(act_attr)(probe.get_submodule(up)(x)))
+            return small.get_submodule(down)(small.get_submodule(act_attr)(small.get_submodule(up)(x)))
         try:
-            return probe(x)
+            return small(x)
         except Exception:  # noqa: BLE001 - a forward that reads [batch, tokens, width] (Moshi's views its gate
             # and value halves per batch and token): the tokens as one sequence
-            return probe(x.unsqueeze(0)).squeeze(0)
+            return small(x.unsqueeze(0)).squeeze(0)
 
 
 def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
@@ -185,12 +185,12 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
     residual = ffn.install is Install.MODULE and takes_residual(module)
     for d, f in attempts:
         try:
-            probe = _shrunk_copy(module, ffn, d, f, gen)
+            small = _shrunk_copy(module, ffn, d, f, gen)
             x = torch.randn(7, d, generator=gen) * 1.5
-            y = _module_output(probe, ffn, x, act_attr, torch.zeros_like(x) if residual else None)
+            y = _module_output(small, ffn, x, act_attr, torch.zeros_like(x) if residual else None)
             if residual:  # what it adds is the residual itself, exactly: FFN(x) + r, whatever r
                 r = torch.randn(7, d, generator=gen)
-                added = _module_output(probe, ffn, x, act_attr, r)
+                added = _module_output(small, ffn, x, act_attr, r)
                 if not torch.equal(added, y + r):
                     last = ("its second argument 'residual' is not added to its output as it is (the output "
                             f"moves by {float((added - y - r).abs().max()):.3g} beside the residual)")
@@ -201,7 +201,7 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
         if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0], d):
             last = f"its output has shape {getattr(y, 'shape', None)}, not [tokens, {d}]"
             continue
-        mats = _matrices(probe, ffn)
+        mats = _matrices(small, ffn)
         scale = float(y.abs().max()) or 1.0
         for roles in _assignments(ffn):
             for act in Activation:
@@ -243,16 +243,16 @@ def _as_split(module: nn.Module, ffn: FoundFFN, gen: torch.Generator) -> FoundFF
         return None
     d, f = ffn.d_model, ffn.d_ff
     try:
-        probe = _shrunk_copy(module, split, d, f, gen)
+        small = _shrunk_copy(module, split, d, f, gen)
         x = torch.randn(7, d, generator=gen) * 1.5
         with torch.no_grad():
-            own = probe(x)
-            first, fn, second = (probe.get_submodule(a) for a in (up, act_attr, down))
+            own = small(x)
+            first, fn, second = (small.get_submodule(a) for a in (up, act_attr, down))
             act = probe_activation(fn)
             for dotted, new in ((up, _Chain(first, fn, second)), (act_attr, nn.Identity()), (down, nn.Identity())):
                 parent, _, attr = dotted.rpartition(".")
-                setattr(probe.get_submodule(parent) if parent else probe, attr, new)
-            replaced = probe(x)
+                setattr(small.get_submodule(parent) if parent else small, attr, new)
+            replaced = small(x)
     except Exception:  # noqa: BLE001 - a module that does not run so: not this form
         return None
     if act is None or not isinstance(own, torch.Tensor) or not torch.equal(own, replaced):

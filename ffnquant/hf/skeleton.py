@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from typing import Any
 
 import torch
@@ -20,11 +21,16 @@ __all__ = ["Stop", "StandIn", "base_of", "beside", "causal_lm_class", "causal_lm
 
 
 def causal_lm_class(transformers: Any, config: Any) -> Any:
-    """The causal-LM class that builds a model of `config`: transformers' AutoModelForCausalLM where it maps the
-    config's type, else the class config.json's `architectures` names (Mllama's and Emu3's text models are saved
-    by their own ForCausalLM class under a model_type the auto mapping does not list), else AutoModelForCausalLM
-    (whose error then says why)."""
+    """The causal-LM class that builds a model of `config` (a config, or a model folder whose config.json is read):
+    transformers' AutoModelForCausalLM where it maps the config's type, else the class config.json's
+    `architectures` names (Mllama's and Emu3's text models are saved by their own ForCausalLM class under a
+    model_type the auto mapping does not list), else AutoModelForCausalLM (whose error then says why)."""
     auto = transformers.AutoModelForCausalLM
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(config), local_files_only=True)
+        except Exception:  # noqa: BLE001 - a config transformers cannot read: the loader's own error says why
+            return auto
     if type(config) in getattr(auto, "_model_mapping", {}):
         return auto
     for name in getattr(config, "architectures", None) or ():
