@@ -9,6 +9,7 @@ identities in a plain FFN and vanish from the exported graph.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from pathlib import Path
@@ -23,7 +24,7 @@ from .errors import FFNQuantError
 from .infra.resources import check_memory, regular_file
 from .spec import Activation, FFNSpec
 
-__all__ = ["ACTIVATIONS", "SiteTap", "FFN", "build", "check_fits", "save_weights", "load_weights"]
+__all__ = ["ACTIVATIONS", "SiteTap", "UnloadedActivation", "FFN", "build", "check_fits", "save_weights", "load_weights"]
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +51,14 @@ ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+class UnloadedActivation(nn.Module):
+    """Stands for a model's own activation (`Activation.OWN`) in an FFN built without it: running it refuses."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise FFNQuantError("this FFN computes its model's own activation module (activation 'own'), which it was "
+                            "built without: load the layer from its model (hf.load_ffn_layers) or pass activation=")
+
+
 class SiteTap(nn.Identity):
     """An identity marking a named tensor site; hooks on it observe or replace the tensor."""
 
@@ -64,15 +73,22 @@ class SiteTap(nn.Identity):
 class FFN(nn.Module):
     """Position-wise FFN: dense `down(act(up(x)))` or gated `down(act(gate(x)) * up(x))`."""
 
-    def __init__(self, spec: FFNSpec, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, spec: FFNSpec, dtype: torch.dtype = torch.float32, activation: nn.Module | None = None) -> None:
+        """`activation`: the model's own activation module, for a spec whose activation is `Activation.OWN` (a
+        submodule, so its learned parameters move, copy and cast with the FFN's)."""
         super().__init__()
+        if activation is not None and spec.activation is not Activation.OWN:
+            raise FFNQuantError(f"an FFN takes an activation module only where its spec's activation is 'own' "
+                                f"(this one's is {spec.activation.value!r})")
         check_fits(spec, spec.n_params * _itemsize(dtype))
         self.spec = spec
         d, f, bias = spec.d_model, spec.d_ff, bool(spec.bias)
         self.w_up = nn.Linear(d, f, bias=bias, dtype=dtype)
         self.w_gate = nn.Linear(d, f, bias=bias, dtype=dtype) if spec.gated else None
         self.w_down = nn.Linear(f, d, bias=bias, dtype=dtype)
-        self.activation = ACTIVATIONS[spec.activation]
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = (
+            activation if activation is not None
+            else UnloadedActivation() if spec.activation is Activation.OWN else ACTIVATIONS[spec.activation])
         self.input_transform: nn.Module = nn.Identity()
         self.hidden_transform: nn.Module = nn.Identity()
         self.taps = nn.ModuleDict({s: SiteTap(s) for s in spec.sites})
@@ -91,13 +107,22 @@ class FFN(nn.Module):
         return self.taps["output"](self.w_down(hidden))  # (..., d)
 
     @classmethod
-    def from_state(cls, spec: FFNSpec, state: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> "FFN":
+    def from_state(cls, spec: FFNSpec, state: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                   activation: nn.Module | None = None) -> "FFN":
         """The FFN of `spec` holding `state`'s tensors themselves (every parameter, as `state_dict` names them), on
-        their device: no random initialisation of weights about to be replaced (~1 s a layer at 8B shapes)."""
+        their device: no random initialisation of weights about to be replaced (~1 s a layer at 8B shapes).
+        `activation` (`Activation.OWN`): the model's own module, its tensors as they are (not in `state`)."""
         with torch.device("meta"):
             ffn = cls(spec, dtype=dtype)
         ffn.load_state_dict(dict(state), strict=True, assign=True)
+        if activation is not None:
+            ffn.activation = activation
         return ffn
+
+    def own_activation(self) -> nn.Module | None:
+        """A copy of the model's own activation module this FFN computes (`Activation.OWN`), else None: what a new
+        FFN made from this one's spec and weights is given (`FFN.from_state(..., activation=)`)."""
+        return copy.deepcopy(self.activation) if self.spec.activation is Activation.OWN else None
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weight matrices by site name (w_up, [w_gate,] w_down), [out, in] layout."""

@@ -56,6 +56,9 @@ class Activation(str, enum.Enum):
     SIGMOID = "sigmoid"
     IDENTITY = "identity"
     RELU2 = "relu2"  # relu(x)^2 (Primer; Nemotron, Arcee): never a variant's own, an override of RELU or REGLU
+    # the model's own elementwise activation module, with its learned parameters per layer (Apertus' xIELU): found
+    # by `hf.discover`, read from each layer's checkpoint; only an FFN loaded from a model computes it
+    OWN = "own"
 
     def __str__(self) -> str:
         return self.value
@@ -93,6 +96,7 @@ _ACT_OPS = {
     Activation.SIGMOID: 1,
     Activation.IDENTITY: 0,
     Activation.RELU2: 2,
+    Activation.OWN: 1,  # unknown: charged as one op, like a transcendental
 }
 
 

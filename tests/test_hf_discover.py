@@ -135,3 +135,129 @@ def test_a_probe_fills_its_buffers_so_its_verdict_is_the_same_every_run():
         torch.randn(p.shape, generator=gen)
     assert torch.equal(first.beta, torch.randn((), generator=gen) * 0.5)
     assert int(first.steps) == 0
+
+
+def _apertus_with_learned_activations(tmp_path):
+    """A tiny Apertus whose xIELU parameters differ per layer (as trained ones do), saved as transformers saves it."""
+    import torch
+
+    folder = _folder(tmp_path, "apertus")
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.act_fn.alpha_p.fill_(0.3 + 0.4 * i)
+            layer.mlp.act_fn.alpha_n.fill_(-0.5 + 0.7 * i)
+            layer.mlp.act_fn.beta.fill_(0.25 + 0.5 * i)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+def test_an_activation_with_learned_parameters_is_the_models_own_module_read_per_layer(tmp_path):
+    """Apertus' xIELU has learned parameters per layer: no named activation reproduces the MLP, its own module does.
+    Each layer's FFN computes with that layer's parameters from the checkpoint: its output is the model's MLP's."""
+    import torch
+
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.spec import Activation
+
+    folder, model = _apertus_with_learned_activations(tmp_path)
+    info = inspect_model(folder)
+    assert info.spec.activation is Activation.OWN and info.hf_activation == "own (XIELUActivation)"
+    assert info.arch.activation_attr == "act_fn"
+    layers = load_ffn_layers(info, "all")
+    assert len(layers) == len(model.model.layers) == 2
+    x = torch.randn(9, info.spec.d_model, generator=torch.Generator().manual_seed(1)) * 3
+    for layer in layers:
+        mlp = model.model.layers[layer.info.block].mlp
+        assert torch.equal(layer.ffn.activation.alpha_p.detach(), mlp.act_fn.alpha_p.detach())  # this layer's, not the init's
+        with torch.no_grad():
+            ours, theirs = layer.ffn(x), mlp(x)
+        # the same operations on the same float32 values: summation order at most
+        assert torch.allclose(ours, theirs, rtol=0, atol=64 * torch.finfo(torch.float32).eps * float(theirs.abs().max()))
+    with torch.no_grad():  # and the two layers do differ: the parameters are really read per layer
+        assert not torch.equal(layers[0].ffn.activation(x), layers[1].ffn.activation(x))
+
+
+def test_an_own_activations_missing_tensor_is_refused_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ffnquant.errors import FFNQuantError
+
+    folder, _ = _apertus_with_learned_activations(tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.mlp.act_fn.alpha_n"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(FFNQuantError, match=r"tensor 'model\.layers\.1\.mlp\.act_fn\.alpha_n' is missing: the "
+                                            r"model's own activation \(XIELUActivation"):
+        inspect_model(folder)
+
+
+def test_an_ffn_with_its_models_own_activation_exports_to_onnx_as_it_computes(tmp_path):
+    """The per-layer ONNX graph of an FFN computing its model's own activation carries that layer's parameters."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.onnx.export import onnx_proto
+
+    folder, _ = _apertus_with_learned_activations(tmp_path)
+    x = np.random.default_rng(0).normal(size=(1, 5, 32)).astype(np.float32)
+    for layer in load_ffn_layers(inspect_model(folder), "all"):
+        proto, _ = onnx_proto(layer.ffn)
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = session.run(None, {session.get_inputs()[0].name: x})[0]
+        with torch.no_grad():
+            want = layer.ffn(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("module, elementwise", [
+    ("silu", True), ("per-channel-scale", True), ("softmax", False), ("two-inputs", False)])
+def test_only_an_elementwise_module_is_taken_as_the_models_own_activation(module, elementwise):
+    import torch
+    from torch import nn
+
+    from ffnquant.hf.probe import _elementwise
+
+    class PerChannel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.linspace(0.5, 2.0, 16))
+
+        def forward(self, x):
+            return torch.tanh(x) * self.scale
+
+    class TwoInputs(nn.Module):
+        def forward(self, gate, up):
+            return gate * up
+
+    made = {"silu": nn.SiLU(), "per-channel-scale": PerChannel(), "softmax": nn.Softmax(dim=-1),
+            "two-inputs": TwoInputs()}[module]
+    assert _elementwise(made, 16, torch.Generator().manual_seed(0)) is elementwise
+
+
+def test_an_activation_no_named_one_reproduces_is_the_models_own_even_without_parameters(tmp_path):
+    """A Llama with transformers' quick_gelu (x * sigmoid(1.702 x)): no activation ffnquant names computes it, the
+    model's own parameterless module does, and the FFN computes with it what the model's MLP computes."""
+    import json
+
+    import torch
+
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.spec import Activation
+    from hf_models import write_llama_like
+
+    folder = tmp_path / "m"
+    write_llama_like(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, hidden_act="quick_gelu")))
+    info = inspect_model(folder)
+    assert info.spec.activation is Activation.OWN and info.hf_activation == "own (QuickGELUActivation)"
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    x = torch.randn(5, info.spec.d_model, generator=torch.Generator().manual_seed(2))
+    for layer in load_ffn_layers(info, "all"):
+        with torch.no_grad():
+            theirs = model.model.layers[layer.info.block].mlp(x)
+            assert torch.allclose(layer.ffn(x), theirs, rtol=0,
+                                  atol=64 * torch.finfo(torch.float32).eps * float(theirs.abs().max()))

@@ -186,3 +186,37 @@ def test_weights_file_that_is_a_fifo_is_refused(tmp_path):
     os.mkfifo(tmp_path / "w.safetensors")  # safe_open would block on it forever
     with pytest.raises(FFNQuantError, match=r"weights file '.*w\.safetensors' is a FIFO, not a regular file"):
         load_weights(tmp_path / "w.safetensors")
+
+
+def test_an_ffn_of_a_models_own_activation_computes_with_the_module_it_is_given():
+    """Activation 'own' (a model's activation module, learned parameters per layer): the FFN computes with the
+    module given, carries it in its state and copies; built without one it refuses to run, by name."""
+    from torch import nn
+
+    from ffnquant.spec import Activation
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.alpha = nn.Parameter(torch.tensor([1.5]))
+
+        def forward(self, x):
+            return torch.tanh(x) * self.alpha
+
+    spec = FFNSpec("relu", d_model=8, d_ff=16, bias=False, activation_override="own")
+    assert spec.activation is Activation.OWN
+    ffn = FFN(spec, activation=Scaled())
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = ffn.w_down(torch.tanh(ffn.w_up(x)) * 1.5)
+        assert torch.equal(ffn(x), want)
+    assert "activation.alpha" in ffn.state_dict()
+    copy_ = ffn.own_activation()
+    assert copy_ is not ffn.activation and torch.equal(copy_.alpha, ffn.activation.alpha)
+    state = {k: v for k, v in ffn.state_dict().items() if not k.startswith("activation.")}
+    with torch.no_grad():
+        assert torch.equal(FFN.from_state(spec, state, activation=copy_)(x), want)
+    with pytest.raises(FFNQuantError, match="own activation module .* which it was built without"):
+        FFN(spec)(x)
+    with pytest.raises(FFNQuantError, match="activation module only where its spec's activation is 'own'"):
+        FFN(FFNSpec("relu", d_model=8), activation=Scaled())

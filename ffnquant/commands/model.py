@@ -14,6 +14,7 @@ from ..infra.atomic import OutputTransaction, write_json, write_text
 from ..infra.envinfo import environment
 from ..infra.render import agreement_words, display_path, fmt, ppl_change, text_table
 from ..recipe import GRAMMAR, parse_recipe
+from ..spec import Activation
 from ..report.adequacy import adequacy_markdown, summary_paragraph
 from ..report.model import model_eval_markdown, recipe_name
 from .common import TextFiles, add_device_argument, positive_int, token_notes
@@ -105,7 +106,10 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"model: {info.path}  ({info.model_type}, {info.kind.value}, {info.weights_format}: {', '.join(info.weight_files)})")
     source = ("found from the model: its modules, the activation settled by reproducing the module's output"
               if info.arch.discovered else f"from config {info.hf_activation!r}")
-    print(f"FFN: {spec.variant.value} (activation {spec.activation.value}, {source}), "
+    # the model's own activation module has no ffnquant variant: the FFN's form and the module's class are said
+    form = (f"{'gated' if spec.gated else 'dense'} (activation {info.hf_activation}, the model's own module"
+            if spec.activation is Activation.OWN else f"{spec.variant.value} (activation {spec.activation.value}")
+    print(f"FFN: {form}, {source}), "
           f"d_model {spec.d_model}, d_ff {spec.d_ff}, bias {fmt(spec.bias)}, "
           f"{fmt(spec.n_params)} parameters per FFN")
     for part in info.arch.float_parts:

@@ -330,7 +330,7 @@ def _symmetric_per_token_int(scheme: Scheme) -> bool:
 def _with_ct_per_token_scale(qffn: QuantizedFFN):
     """ffnquant's quantized FFN with compressed-tensors' symmetric per-token scale (absmax / ((qmax - qmin) / 2))
     at its quantized sites: the same weights and grids, only that convention changed."""
-    ffn = FFN(qffn.model.spec)
+    ffn = FFN(qffn.model.spec, activation=qffn.model.own_activation())
     ffn.load_state_dict(qffn.model.state_dict(), strict=False)
     ffn.input_transform = qffn.model.input_transform  # an unfolded FFN's input scale (the state dict skips it)
     ffn.eval()

@@ -210,7 +210,9 @@ def in_dtype(qffn: QuantizedFFN, dtype: torch.dtype) -> Any:
         state = {f"{name}.weight": w.contiguous() for name, w in weights.items()}
         state.update({f"{name}.bias": getattr(src, name).bias.to(dtype) for name in weights
                       if getattr(src, name).bias is not None})
-        ffn = FFN.from_state(src.spec, state, dtype)  # where `src` is (the verification engine's device)
+        own = src.own_activation()  # the model's own activation module computes in `dtype` too
+        # where `src` is (the verification engine's device)
+        ffn = FFN.from_state(src.spec, state, dtype, activation=None if own is None else own.to(dtype))
     ffn.input_transform = copy.deepcopy(src.input_transform)  # each casts to its input's dtype
     ffn.hidden_transform = copy.deepcopy(src.hidden_transform)
     ranges = {site: _rounded_range(r, dtype) for site, r in qffn.ranges.items()}

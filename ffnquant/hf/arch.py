@@ -101,6 +101,7 @@ _GATED_VARIANT = {
     Activation.SIGMOID: Variant.GLU,
     Activation.IDENTITY: Variant.BILINEAR,
     Activation.RELU2: Variant.REGLU,  # with activation_override=relu2
+    Activation.OWN: Variant.REGLU,  # with activation_override=own: the model's module computes it
 }
 _DENSE_VARIANT = {
     Activation.RELU: Variant.RELU,
@@ -108,6 +109,7 @@ _DENSE_VARIANT = {
     Activation.GELU_TANH: Variant.GELU_TANH,
     Activation.SILU: Variant.SWISH,
     Activation.RELU2: Variant.RELU,  # with activation_override=relu2
+    Activation.OWN: Variant.RELU,  # with activation_override=own
 }
 
 
@@ -279,6 +281,11 @@ class Arch:
     # the roles of fused 3-D expert tensors (fused_experts_pattern)
     fused_expert_roles: tuple[str, ...] = ("gate_up_proj", "down_proj")
     linear_class: str = "Linear"  # the class of the FFN's matrix modules in the loaded model
+    # `Activation.OWN` (found by `hf.discover`): the model's own activation module, as built on the meta device,
+    # and its attribute in the FFN's module; each layer's copy is filled from the checkpoint's
+    # `<ffn prefix>.<activation_attr>.<tensor>` (`hf.checkpoint`)
+    activation_template: Any = None
+    activation_attr: str = ""
 
     def d_model(self, config: Mapping[str, Any], where: str) -> int:
         if self.fixed is not None:

@@ -8,6 +8,7 @@ with `torch.load(weights_only=True)`, which unpickles tensors only.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -17,12 +18,13 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
+from torch import nn
 
 from ..errors import FFNQuantError
 from ..infra.resources import non_regular_entries, os_reason, read_text as read_file_text
 from ..model import FFN
 from ..numerics.primitives import all_finite
-from ..spec import FFNSpec
+from ..spec import Activation, FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, hf_activation
 from .discover import arch_for_config
 from .validate import check_attention_config, check_other_tensors
@@ -268,7 +270,10 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     arch = arch_for_config(config, cfg_file)
     d, f = arch.d_model(config, cfg_file), arch.d_ff(config, cfg_file)
     act_name, gated = arch.activation(config, cfg_file)
-    activation = hf_activation(act_name, cfg_file)
+    if arch.activation_template is not None:  # the model's own activation module (`Activation.OWN`)
+        activation, act_name = Activation.OWN, f"own ({type(arch.activation_template).__name__})"
+    else:
+        activation = hf_activation(act_name, cfg_file)
     variant, override = ffn_variant(activation, gated, cfg_file)
     per_stack = arch.n_layers(config, cfg_file)
     n_experts = arch.n_experts(config, cfg_file)
@@ -350,6 +355,14 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
             index += 1
     if not layers:
         raise FFNQuantError(f"{where}: no {arch.name} FFN tensors found")
+    if arch.activation_template is not None:
+        for layer in layers:
+            for name in _own_activation_names(arch, layer).values():
+                if name not in weights.file_of and weights._alias.get(name) not in weights.file_of:
+                    raise FFNQuantError(
+                        f"{where}: tensor {name!r} is missing: the model's own activation "
+                        f"({type(arch.activation_template).__name__}, its {arch.activation_attr!r}) holds it per "
+                        f"layer, and ffnquant computes the FFN with it")
     return ModelInfo(
         path=folder,
         model_type=str(config.get("model_type")),
@@ -412,9 +425,31 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
     if spec.bias:  # a checkpoint may bias only some projections; the missing ones are zero
         for wname in spec.weight_names:
             state.setdefault(f"{wname}.bias", torch.zeros(spec.d_model if wname == "w_down" else spec.d_ff))
-    ffn = FFN.from_state(spec, {k: v.contiguous() for k, v in state.items()})
+    activation = _own_activation(info, weights, layer) if spec.activation is Activation.OWN else None
+    ffn = FFN.from_state(spec, {k: v.contiguous() for k, v in state.items()}, activation=activation)
     return HFLayer(layer.index, layer.expert, layer.name, ffn.eval(), spec, info.hf_activation, layer,
                    block=info.block_params())
+
+
+def _own_activation_names(arch: Arch, layer: LayerInfo) -> dict[str, str]:
+    """The checkpoint names of one layer's own activation module's tensors, by their name in the module."""
+    return {key: f"{layer.name}.{arch.activation_attr}.{key}" for key in arch.activation_template.state_dict()}
+
+
+def _own_activation(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> nn.Module:
+    """A layer's copy of the model's own activation module (`Arch.activation_template`), its learned parameters and
+    buffers read from the checkpoint, in float32 (the FFN's computing dtype)."""
+    module = copy.deepcopy(info.arch.activation_template).to_empty(device="cpu")
+    state = {}
+    for key, name in _own_activation_names(info.arch, layer).items():
+        tensor = weights.get(name)
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch.float32)
+            if not all_finite(tensor):
+                raise FFNQuantError(f"{str(weights.path_of(name))!r}: tensor {name!r} holds NaN or infinite values")
+        state[key] = tensor
+    module.load_state_dict(state, strict=True)
+    return module.float().eval()
 
 
 def iter_ffn_layers(

@@ -39,6 +39,7 @@ __all__ = ["FoundFFN", "Discovery", "discover", "discover_config", "arch_for_con
 ACTIVATION_NAMES: Mapping[Activation, str] = {
     Activation.RELU: "relu", Activation.GELU: "gelu", Activation.GELU_TANH: "gelu_pytorch_tanh",
     Activation.SILU: "silu", Activation.SIGMOID: "sigmoid", Activation.IDENTITY: "linear", Activation.RELU2: "relu2",
+    Activation.OWN: "own",  # the model's own module (`Arch.activation_template`), no transformers name
 }
 
 
@@ -97,7 +98,8 @@ class Discovery:
             module_pattern=module_pattern, fixed=fixed, discovered=True, float_parts=self.float_parts,
             linear_class=ffn.linear_class if ffn.install is not Install.EXPERTS else "", residual_arg=ffn.residual,
             # the norm before each FFN is found when the model runs (`hf.fold`), from who produces its input
-            norm_pattern="", norm_from_graph=True)
+            norm_pattern="", norm_from_graph=True,
+            activation_template=ffn.act_module, activation_attr=ffn.act_attr if ffn.act_module is not None else "")
         roles = tuple(sorted(ffn.roles))
         if ffn.install is Install.EXPERTS:
             # checkpoints often keep one 2-D tensor per expert and matrix, which transformers fuses at load time:

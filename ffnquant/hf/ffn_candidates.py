@@ -5,8 +5,8 @@ each by running it; what is found is a `FoundFFN`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ class FoundFFN:
     # the module's forward takes the block's residual as its second argument and returns FFN(x) + residual (BLOOM,
     # MPT): checked by running it; what replaces it adds the residual the same way
     residual: bool = False
+    # `Activation.OWN`: a copy of the model's own activation module (on the meta device, as the model was built),
+    # which each layer's checkpoint fills (`hf.checkpoint`); `act_attr` is where it sits in the FFN's module
+    act_module: Any = field(default=None, compare=False, repr=False)
 
     def key(self) -> tuple:
         return (self.path, self.install, tuple(sorted(self.roles.items())), self.d_model, self.d_ff, self.experts)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -124,8 +124,8 @@ def _assignments(ffn: FoundFFN) -> list[dict[str, str]]:
     return [roles, {**roles, a: "w_up", b: "w_gate"}]
 
 
-def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mapping[str, str], act: Activation,
-                     x: torch.Tensor) -> torch.Tensor:
+def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mapping[str, str],
+                     act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     lin = lambda name, h: nn.functional.linear(h, *mats[name])  # noqa: E731
     by_role = {r: n for n, r in roles.items()}
     down = by_role["w_down"]
@@ -133,10 +133,44 @@ def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mappin
         both = by_role.get("w_gate+w_up") or by_role["w_up+w_gate"]
         first, second = lin(both, x).chunk(2, dim=-1)
         gate, up = (first, second) if both == by_role.get("w_gate+w_up") else (second, first)
-        return lin(down, _ACT_FN[act](gate) * up)
+        return lin(down, act(gate) * up)
     if "w_gate" in by_role:
-        return lin(down, _ACT_FN[act](lin(by_role["w_gate"], x)) * lin(by_role["w_up"], x))
-    return lin(down, _ACT_FN[act](lin(by_role["w_up"], x)))
+        return lin(down, act(lin(by_role["w_gate"], x)) * lin(by_role["w_up"], x))
+    return lin(down, act(lin(by_role["w_up"], x)))
+
+
+def _elementwise(fn: nn.Module, width: int, gen: torch.Generator) -> bool:
+    """Whether a module computes an elementwise function on [tokens, width]: its output has the input's shape and
+    changing one element changes that element's output alone."""
+    z = torch.randn(5, width, generator=gen) * 2.0
+    try:
+        with torch.no_grad():
+            y = fn(z)
+            z2 = z.clone()
+            z2[2, width // 2] += 1.0
+            y2 = fn(z2)
+    except Exception:  # noqa: BLE001 - a module that takes other inputs (a two-input gate): not an activation
+        return False
+    if not (isinstance(y, torch.Tensor) and isinstance(y2, torch.Tensor) and y.shape == z.shape == y2.shape):
+        return False
+    moved = y2 != y
+    moved[2, width // 2] = False
+    return not bool(moved.any())
+
+
+def _own_activations(small: nn.Module, ffn: FoundFFN) -> list[str]:
+    """The submodules of a probe's copy other than its matrices that may be the model's own activation (every
+    state it holds stored with the model: learned parameters and persistent buffers), nearest first."""
+    matrices = set(ffn.roles)
+    out = []
+    for name, child in small.named_modules():
+        if not name or name in matrices or any(name.startswith(m + ".") for m in matrices) or isinstance(
+                child, (nn.Dropout, nn.ModuleList, nn.ModuleDict)):
+            continue
+        stored = set(child.state_dict())
+        if all(n in stored for n, _ in child.named_buffers()):
+            out.append(name)
+    return sorted(out, key=lambda n: n.count("."))
 
 
 def takes_residual(module: nn.Module) -> bool:
@@ -176,7 +210,7 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
     act_attr = _activation_child(module, first) if ffn.install is Install.SPLIT else ""
     if ffn.install is Install.SPLIT and not act_attr:
         raise FFNQuantError(f"{where}: the block's FFN Linears have no activation module beside them that ffnquant "
-                            f"can compute ({', '.join(a.value for a in Activation)})")
+                            f"can compute ({', '.join(a.value for a in _ACT_FN)})")
     attempts = [(min(ffn.d_model, _PROBE_D), min(ffn.d_ff, _PROBE_F))]
     n_full = sum(p.numel() for p in module.parameters())
     if n_full <= _PROBE_FULL_MAX:
@@ -203,13 +237,19 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
             continue
         mats = _matrices(small, ffn)
         scale = float(y.abs().max()) or 1.0
-        for roles in _assignments(ffn):
-            for act in Activation:
-                with torch.no_grad():
-                    mine = _ffnquant_output(mats, roles, act, x)
-                if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
-                    return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
-                                    ffn.bias, ffn.experts, act, act_attr, ffn.linear_class, residual)
+        named = [(act, _ACT_FN[act], act_attr) for act in Activation if act in _ACT_FN]
+        # else the model's own activation module (learned parameters and all), where it is elementwise
+        own = [(Activation.OWN, small.get_submodule(n), n) for n in _own_activations(small, ffn)
+               if ffn.install is not Install.SPLIT and _elementwise(small.get_submodule(n), f, gen)]
+        # a named activation under any assignment first; the module's own only where none reproduces
+        tries = [(roles, *c) for group in (named, own) for roles in _assignments(ffn) for c in group]
+        for roles, act, fn, attr in tries:
+            with torch.no_grad():
+                mine = _ffnquant_output(mats, roles, fn, x)
+            if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
+                template = copy.deepcopy(module.get_submodule(attr)) if act is Activation.OWN else None
+                return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
+                                ffn.bias, ffn.experts, act, attr, ffn.linear_class, residual, template)
     split = _as_split(module, ffn, gen) if ffn.install is Install.MODULE and not ffn.gated else None
     if split is not None:
         return split
@@ -224,7 +264,8 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
     beside = (f"; it holds parameters beside the FFN's matrices that ffnquant's FFN does not compute: "
               f"{', '.join(others[:3])}{' and more' if len(others) > 3 else ''}") if others else ""
     raise FFNQuantError(f"{where}: ffnquant cannot reproduce this FFN's output{seen}{beside}: {last}; activations "
-                        f"ffnquant computes: {', '.join(a.value for a in Activation)}")
+                        f"ffnquant computes: {', '.join(a.value for a in _ACT_FN)}, or the model's own elementwise "
+                        f"activation module")
 
 
 def _as_split(module: nn.Module, ffn: FoundFFN, gen: torch.Generator) -> FoundFFN | None:

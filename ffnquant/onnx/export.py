@@ -278,6 +278,9 @@ def onnx_proto(model: FFN, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
     # remedies (ffnquant.numerics.remedies) put a channel scale / rotation in these slots: carry them over
     work.input_transform = copy.deepcopy(model.input_transform)
     work.hidden_transform = copy.deepcopy(model.hidden_transform)
+    own = model.own_activation()
+    if own is not None:  # the model's own activation module: exported as torch traces it, its tensors with it
+        work.activation = own
     work = work.to(torch_dtype)
     work.load_state_dict({k: v.to(torch_dtype) for k, v in model.state_dict().items()})
     example = torch.randn(2, 3, spec.d_model, dtype=torch_dtype)
