@@ -24,7 +24,7 @@ from .errors import FFNQuantError
 from .infra.resources import check_memory, regular_file
 from .spec import Activation, FFNSpec
 
-__all__ = ["ACTIVATIONS", "SiteTap", "UnloadedActivation", "FFN", "build", "check_fits", "save_weights", "load_weights"]
+__all__ = ["ACTIVATIONS", "OWN_ACTIVATIONS", "SiteTap", "UnloadedActivation", "FFN", "build", "check_fits", "save_weights", "load_weights"]
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -51,10 +51,14 @@ ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class UnloadedActivation(nn.Module):
-    """Stands for a model's own activation (`Activation.OWN`) in an FFN built without it: running it refuses."""
+# computed by the model's own module, which an FFN loaded from the model is given (`FFN(..., activation=)`)
+OWN_ACTIVATIONS = frozenset({Activation.OWN, Activation.OWN_GATE})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+
+class UnloadedActivation(nn.Module):
+    """Stands for a model's own activation (`OWN_ACTIVATIONS`) in an FFN built without it: running it refuses."""
+
+    def forward(self, *x: torch.Tensor) -> torch.Tensor:
         raise FFNQuantError("this FFN computes its model's own activation module (activation 'own'), which it was "
                             "built without: load the layer from its model (hf.load_ffn_layers) or pass activation=")
 
@@ -71,15 +75,18 @@ class SiteTap(nn.Identity):
 
 
 class FFN(nn.Module):
-    """Position-wise FFN: dense `down(act(up(x)))` or gated `down(act(gate(x)) * up(x))`."""
+    """Position-wise FFN: dense `down(act(up(x)))` or gated `down(act(gate(x)) * up(x))`; with a model's own gate
+    function (`Activation.OWN_GATE`), `down(fn(gate(x), up(x)))`."""
 
     def __init__(self, spec: FFNSpec, dtype: torch.dtype = torch.float32, activation: nn.Module | None = None) -> None:
         """`activation`: the model's own activation module, for a spec whose activation is `Activation.OWN` (a
         submodule, so its learned parameters move, copy and cast with the FFN's)."""
         super().__init__()
-        if activation is not None and spec.activation is not Activation.OWN:
-            raise FFNQuantError(f"an FFN takes an activation module only where its spec's activation is 'own' "
-                                f"(this one's is {spec.activation.value!r})")
+        if activation is not None and spec.activation not in OWN_ACTIVATIONS:
+            raise FFNQuantError(f"an FFN takes an activation module only where its spec's activation is 'own' or "
+                                f"'own_gate' (this one's is {spec.activation.value!r})")
+        if spec.activation is Activation.OWN_GATE and not spec.gated:
+            raise FFNQuantError("activation 'own_gate' is a function of gate and up: a gated FFN's only")
         check_fits(spec, spec.n_params * _itemsize(dtype))
         self.spec = spec
         d, f, bias = spec.d_model, spec.d_ff, bool(spec.bias)
@@ -88,7 +95,7 @@ class FFN(nn.Module):
         self.w_down = nn.Linear(f, d, bias=bias, dtype=dtype)
         self.activation: Callable[[torch.Tensor], torch.Tensor] = (
             activation if activation is not None
-            else UnloadedActivation() if spec.activation is Activation.OWN else ACTIVATIONS[spec.activation])
+            else UnloadedActivation() if spec.activation in OWN_ACTIVATIONS else ACTIVATIONS[spec.activation])
         self.input_transform: nn.Module = nn.Identity()
         self.hidden_transform: nn.Module = nn.Identity()
         self.taps = nn.ModuleDict({s: SiteTap(s) for s in spec.sites})
@@ -98,8 +105,11 @@ class FFN(nn.Module):
         up = self.taps["up"](self.w_up(x))  # (..., f)
         if self.w_gate is not None:
             gate_pre = self.taps["gate_pre"](self.w_gate(x))  # (..., f)
-            act = self.taps["act"](self.activation(gate_pre))  # (..., f)
-            hidden = act * up  # (..., f)
+            if self.spec.activation is Activation.OWN_GATE:  # the model's own function of both (`OWN_GATE`)
+                hidden = act = self.taps["act"](self.activation(gate_pre, up))  # (..., f)
+            else:
+                act = self.taps["act"](self.activation(gate_pre))  # (..., f)
+                hidden = act * up  # (..., f)
         else:
             act = self.taps["act"](self.activation(up))  # (..., f)
             hidden = act
@@ -122,7 +132,7 @@ class FFN(nn.Module):
     def own_activation(self) -> nn.Module | None:
         """A copy of the model's own activation module this FFN computes (`Activation.OWN`), else None: what a new
         FFN made from this one's spec and weights is given (`FFN.from_state(..., activation=)`)."""
-        return copy.deepcopy(self.activation) if self.spec.activation is Activation.OWN else None
+        return copy.deepcopy(self.activation) if self.spec.activation in OWN_ACTIVATIONS else None
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weight matrices by site name (w_up, [w_gate,] w_down), [out, in] layout."""

@@ -59,6 +59,9 @@ class Activation(str, enum.Enum):
     # the model's own elementwise activation module, with its learned parameters per layer (Apertus' xIELU): found
     # by `hf.discover`, read from each layer's checkpoint; only an FFN loaded from a model computes it
     OWN = "own"
+    # the model's own gate function of gate and up together, hidden = fn(gate, up) (clamped or soft-capped SwiGLU:
+    # MiniMax-M3, Inkling 2): the act site is its output; gated FFNs loaded from a model only
+    OWN_GATE = "own_gate"
 
     def __str__(self) -> str:
         return self.value
@@ -97,6 +100,7 @@ _ACT_OPS = {
     Activation.IDENTITY: 0,
     Activation.RELU2: 2,
     Activation.OWN: 1,  # unknown: charged as one op, like a transcendental
+    Activation.OWN_GATE: 1,
 }
 
 

@@ -876,6 +876,36 @@ def test_experts_stored_under_names_transformers_renames_are_read_as_it_loads_th
         assert torch.equal(layer.ffn.w_down.weight, experts.down_proj[layer.expert])
 
 
+@pytest.mark.parametrize("model_type, loaded", [
+    ("inkling2_text", "mlp.experts.gate_up_proj"),  # stored interleaved as w13_weight (Interleave)
+    ("hrm_text", "mlp.gate_proj.weight"),  # stored as one gate_up_proj, chunked (Chunk)
+], ids=["interleaved", "chunked"])
+def test_a_tensor_transformers_converts_as_it_loads_is_read_as_it_loads(tmp_path, model_type, loaded):
+    """Inkling 2 stores its experts' gate and up rows interleaved (w13_weight), HRM its dense gate and up as one
+    gate_up_proj: transformers reorders or splits them as it loads, and ffnquant reads each FFN matrix as the loaded
+    model's own, bit for bit."""
+    from hf_models import tiny_or_skip
+
+    folder = tiny_or_skip(model_type, tmp_path / "m")
+    T = pytest.importorskip("transformers")
+    info = inspect_model(folder)
+    layer = info.layers[-1]
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ffn = next(x for x in load_ffn_layers(info, [layer.index]) if x.expert == layer.expert).ffn
+    module = model.get_submodule(layer.name)
+    if info.n_experts:
+        gate, up = module.gate_up_proj[layer.expert].chunk(2, dim=0)
+        down = module.down_proj[layer.expert]
+    else:
+        gate, up, down = module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:  # stored under no such name
+        assert not any(name.endswith(loaded) for name in fh.keys())
+    assert torch.equal(ffn.w_gate.weight, gate) and torch.equal(ffn.w_up.weight, up)
+    assert torch.equal(ffn.w_down.weight, down)
+
+
 def test_experts_stored_per_expert_under_a_mapping_keyed_by_class_name_are_read(tmp_path):
     """Dots 3's checkpoint keeps experts.N.{gate,up,down}_proj, fused at load by the conversion mapping transformers
     keys by its text model's class name (Dots3NoteTextModel), not its model_type: ffnquant looks the mapping up as
@@ -906,7 +936,10 @@ def test_experts_stored_per_expert_under_a_mapping_keyed_by_class_name_are_read(
     ("rwkv", r"feed_forward: ffnquant cannot reproduce this FFN's output.*parameters beside the FFN's matrices that "
              r"ffnquant's FFN does not compute: time_mix_key \[1, 1, 32\]"),
     # a convolution's [C, 1, K] is not called an experts' tensor
-    ("mamba2", r"no FFN found in its 2 blocks \(backbone\.layers\): no matrices map the width 32")])
+    ("mamba2", r"no FFN found in its 2 blocks \(backbone\.layers\): no matrices map the width 32"),
+    # experts stored quantized (NVFP4), dequantized by transformers from four tensors each as it loads
+    ("inkling2_loop_text", r"stores its FFN's tensors in a form transformers converts as it loads, by operations "
+                           r"ffnquant does not apply: mlp\.experts\.w13_weight \+ mlp\.experts\.w13_weight_scale")])
 def test_an_mlp_with_a_part_ffnquant_does_not_compute_is_refused_naming_it(tmp_path, model_type, part):
     """BitNet's MLP normalises its hidden (a sub-norm between the matrices), gpt-oss stores its experts input-major, DBRX its experts as plain [experts x f, d] parameters,
     RWKV's feed-forward mixes the previous token: the refusal names what it found, the cause, rather than only a

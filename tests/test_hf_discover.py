@@ -261,3 +261,29 @@ def test_an_activation_no_named_one_reproduces_is_the_models_own_even_without_pa
             theirs = model.model.layers[layer.info.block].mlp(x)
             assert torch.allclose(layer.ffn(x), theirs, rtol=0,
                                   atol=64 * torch.finfo(torch.float32).eps * float(theirs.abs().max()))
+
+
+@pytest.mark.parametrize("model_type, owner", [
+    ("minimax_m3_vl_text", "MiniMaxM3VLExperts"),  # clamped SwiGLU: (clamp(up) + 1) * glu(clamp(gate))
+    ("inkling2_text", "Inkling2Experts"),  # soft-capped gate and up beside sigmoid(gate)
+], ids=["minimax-m3-clamped", "inkling2-softcapped"])
+def test_an_experts_own_gate_function_of_gate_and_up_is_computed_as_the_model_does(tmp_path, model_type, owner):
+    """Experts whose gate is a function of gate and up together (no act(gate) * up reproduces them): the experts
+    module's own gate function (`Activation.OWN_GATE`); each expert's FFN is the module's output for tokens routed
+    to that expert alone."""
+    import torch
+
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.spec import Activation
+
+    folder = _folder(tmp_path, model_type)
+    info = inspect_model(folder)
+    assert info.spec.activation is Activation.OWN_GATE and info.hf_activation == f"own_gate ({owner})"
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    x = torch.randn(6, info.spec.d_model, generator=torch.Generator().manual_seed(3)) * 4  # past the caps and clamps
+    for layer in load_ffn_layers(info, [info.layers[-1].index]):
+        experts = model.get_submodule(layer.info.name)
+        with torch.no_grad():
+            theirs = experts(x, torch.full((6, 1), layer.expert), torch.ones(6, 1))
+            ours = layer.ffn(x)
+        assert torch.allclose(ours, theirs, rtol=0, atol=64 * torch.finfo(torch.float32).eps * float(theirs.abs().max()))

@@ -220,3 +220,26 @@ def test_an_ffn_of_a_models_own_activation_computes_with_the_module_it_is_given(
         FFN(spec)(x)
     with pytest.raises(FFNQuantError, match="activation module only where its spec's activation is 'own'"):
         FFN(FFNSpec("relu", d_model=8), activation=Scaled())
+
+
+def test_an_ffn_of_a_models_own_gate_function_computes_it_of_gate_and_up():
+    """Activation 'own_gate': hidden = fn(gate, up), the model's function of both (a clamped SwiGLU); the act site
+    sees its output; a dense FFN cannot have one."""
+    from torch import nn
+
+    class Clamped(nn.Module):
+        def forward(self, gate, up):
+            return torch.sigmoid(gate.clamp(max=1.0)) * (up.clamp(-1.0, 1.0) + 1)
+
+    spec = FFNSpec("reglu", d_model=8, d_ff=16, activation_override="own_gate")
+    ffn = FFN(spec, activation=Clamped())
+    seen = {}
+    ffn.taps["act"].register_forward_hook(lambda m, i, o: seen.setdefault("act", o))
+    x = torch.randn(4, 8) * 3
+    with torch.no_grad():
+        gate, up = ffn.w_gate(x), ffn.w_up(x)
+        want_hidden = torch.sigmoid(gate.clamp(max=1.0)) * (up.clamp(-1.0, 1.0) + 1)
+        assert torch.equal(ffn(x), ffn.w_down(want_hidden))
+    assert torch.equal(seen["act"], want_hidden)
+    with pytest.raises(FFNQuantError, match="own_gate' is a function of gate and up: a gated FFN's only"):
+        FFN(FFNSpec("relu", d_model=8, activation_override="own_gate"), activation=Clamped())

@@ -14,7 +14,7 @@ from ..infra.atomic import OutputTransaction, write_json, write_text
 from ..infra.envinfo import environment
 from ..infra.render import agreement_words, display_path, fmt, ppl_change, text_table
 from ..recipe import GRAMMAR, parse_recipe
-from ..spec import Activation
+from ..model import OWN_ACTIVATIONS
 from ..report.adequacy import adequacy_markdown, summary_paragraph
 from ..report.model import model_eval_markdown, recipe_name
 from .common import TextFiles, add_device_argument, positive_int, token_notes
@@ -108,7 +108,7 @@ def _inspect(args: argparse.Namespace) -> int:
               if info.arch.discovered else f"from config {info.hf_activation!r}")
     # the model's own activation module has no ffnquant variant: the FFN's form and the module's class are said
     form = (f"{'gated' if spec.gated else 'dense'} (activation {info.hf_activation}, the model's own module"
-            if spec.activation is Activation.OWN else f"{spec.variant.value} (activation {spec.activation.value}")
+            if spec.activation in OWN_ACTIVATIONS else f"{spec.variant.value} (activation {spec.activation.value}")
     print(f"FFN: {form}, {source}), "
           f"d_model {spec.d_model}, d_ff {spec.d_ff}, bias {fmt(spec.bias)}, "
           f"{fmt(spec.n_params)} parameters per FFN")

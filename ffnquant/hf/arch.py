@@ -102,6 +102,7 @@ _GATED_VARIANT = {
     Activation.IDENTITY: Variant.BILINEAR,
     Activation.RELU2: Variant.REGLU,  # with activation_override=relu2
     Activation.OWN: Variant.REGLU,  # with activation_override=own: the model's module computes it
+    Activation.OWN_GATE: Variant.REGLU,  # with activation_override=own_gate: fn(gate, up), the model's module
 }
 _DENSE_VARIANT = {
     Activation.RELU: Variant.RELU,
@@ -281,7 +282,7 @@ class Arch:
     # the roles of fused 3-D expert tensors (fused_experts_pattern)
     fused_expert_roles: tuple[str, ...] = ("gate_up_proj", "down_proj")
     linear_class: str = "Linear"  # the class of the FFN's matrix modules in the loaded model
-    # `Activation.OWN` (found by `hf.discover`): the model's own activation module, as built on the meta device,
+    # `Activation.OWN`/`OWN_GATE` (found by `hf.discover`): the model's own activation module, built on the meta device,
     # and its attribute in the FFN's module; each layer's copy is filled from the checkpoint's
     # `<ffn prefix>.<activation_attr>.<tensor>` (`hf.checkpoint`)
     activation_template: Any = None

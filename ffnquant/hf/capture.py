@@ -401,9 +401,9 @@ def iter_captured(
 
 def expert_forward(module: nn.Module, expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """One expert of a fused experts module (MixtralExperts' math: gate_up_proj [E, 2f, d], gate rows first, and
-    down_proj [E, d, f]; or, without a gate, NemotronHExperts': up_proj [E, f, d] through the activation) as a
+    down_proj [E, d, f]; its own `_apply_gate` of the gate_up product where it has one; or, without a gate, NemotronHExperts': up_proj [E, f, d] through the activation) as a
     callable on its tokens [tokens, d_model]."""
-    act = module.act_fn
+    act = getattr(module, "act_fn", None)
 
     if not hasattr(module, "gate_up_proj"):
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -412,7 +412,10 @@ def expert_forward(module: nn.Module, expert: int) -> Callable[[torch.Tensor], t
         return forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        gate, up = nn.functional.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)
+        gate_up = nn.functional.linear(x, module.gate_up_proj[expert])
+        if callable(getattr(module, "_apply_gate", None)):  # its own gate function of both halves (MiniMax-M3)
+            return nn.functional.linear(module._apply_gate(gate_up), module.down_proj[expert])
+        gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.linear(act(gate) * up, module.down_proj[expert])
 
     return forward

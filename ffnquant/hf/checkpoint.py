@@ -26,6 +26,7 @@ from ..model import FFN
 from ..numerics.primitives import all_finite
 from ..spec import Activation, FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, hf_activation
+from .conversions import unread_conversions
 from .discover import arch_for_config
 from .validate import check_attention_config, check_other_tensors
 from .weights import _Weights  # read here, and from here by other modules
@@ -270,8 +271,8 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     arch = arch_for_config(config, cfg_file)
     d, f = arch.d_model(config, cfg_file), arch.d_ff(config, cfg_file)
     act_name, gated = arch.activation(config, cfg_file)
-    if arch.activation_template is not None:  # the model's own activation module (`Activation.OWN`)
-        activation, act_name = Activation.OWN, f"own ({type(arch.activation_template).__name__})"
+    if arch.activation_template is not None:  # the model's own activation module ("own" or "own_gate")
+        activation, act_name = Activation(act_name), f"{act_name} ({_own_class(arch)})"
     else:
         activation = hf_activation(act_name, cfg_file)
     variant, override = ffn_variant(activation, gated, cfg_file)
@@ -280,7 +281,11 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     check_attention_config(config, d, cfg_file)
     weights = _Weights(folder, allow_pickle)
     groups = _group_tensors(arch, sorted(weights.file_of))
-    if not groups and weights.rename_as_loaded(arch.name):  # stored under names transformers renames as it loads
+    needed_now = arch.needed_roles(gated)
+    partial = any(not g.fused and any(f"{r}.weight" not in g.tensors for r in needed_now) for g in groups.values())
+    # stored under names transformers renames or converts as it loads (HRM's gate_up_proj, chunked into gate_proj
+    # and up_proj): read by those names
+    if (not groups or partial) and weights.rename_as_loaded(arch.name):
         groups = _group_tensors(arch, weights.names)
     where = weights.files[0] if len(weights.files) == 1 else "model.safetensors.index.json"
     where = str(folder / where)
@@ -318,6 +323,13 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
             for expert in experts:
                 found = groups.get((stack, block, expert))
                 if found is None:
+                    unread = unread_conversions(arch.name, sorted(arch.roles)) if arch.discovered else []
+                    if unread:  # made by transformers as it loads, from stored tensors ffnquant cannot convert
+                        raise FFNQuantError(
+                            f"{where}: {arch.name} stores its FFN's tensors in a form transformers converts as it "
+                            f"loads, by operations ffnquant does not apply: {unread[0]}"
+                            f"{f' (and {len(unread) - 1} more)' if len(unread) > 1 else ''}; ffnquant reads stored "
+                            "tensors that transformers renames, reorders (Interleave) or splits (Chunk)")
                     hint = f" (e.g. under {template!r} for another layer)" if template else ""
                     what = f"layer {block}" + (f" expert {expert}" if expert is not None else "")
                     where_stack = f"{stack} " if stack else ""
@@ -361,7 +373,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
                 if name not in weights.file_of and weights._alias.get(name) not in weights.file_of:
                     raise FFNQuantError(
                         f"{where}: tensor {name!r} is missing: the model's own activation "
-                        f"({type(arch.activation_template).__name__}, its {arch.activation_attr!r}) holds it per "
+                        f"({_own_class(arch)}{f', its {arch.activation_attr!r}' if arch.activation_attr else ''}) holds it per "
                         f"layer, and ffnquant computes the FFN with it")
     return ModelInfo(
         path=folder,
@@ -425,21 +437,31 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
     if spec.bias:  # a checkpoint may bias only some projections; the missing ones are zero
         for wname in spec.weight_names:
             state.setdefault(f"{wname}.bias", torch.zeros(spec.d_model if wname == "w_down" else spec.d_ff))
-    activation = _own_activation(info, weights, layer) if spec.activation is Activation.OWN else None
+    activation = _own_activation(info, weights, layer) if info.arch.activation_template is not None else None
     ffn = FFN.from_state(spec, {k: v.contiguous() for k, v in state.items()}, activation=activation)
     return HFLayer(layer.index, layer.expert, layer.name, ffn.eval(), spec, info.hf_activation, layer,
                    block=info.block_params())
 
 
+def _own_class(arch: Arch) -> str:
+    """The class of the model's module that computes its own activation (a gate function's owner, by name)."""
+    template = arch.activation_template
+    return type(getattr(template, "stored", template)).__name__
+
+
 def _own_activation_names(arch: Arch, layer: LayerInfo) -> dict[str, str]:
-    """The checkpoint names of one layer's own activation module's tensors, by their name in the module."""
-    return {key: f"{layer.name}.{arch.activation_attr}.{key}" for key in arch.activation_template.state_dict()}
+    """The checkpoint names of one layer's own activation module's tensors, by their name in the module (a gate
+    function's: in the module that owns it, `stored`)."""
+    template = arch.activation_template
+    stored = getattr(template, "stored", template)
+    return {key: ".".join(p for p in (layer.name, arch.activation_attr, key) if p) for key in stored.state_dict()}
 
 
 def _own_activation(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> nn.Module:
     """A layer's copy of the model's own activation module (`Arch.activation_template`), its learned parameters and
     buffers read from the checkpoint, in float32 (the FFN's computing dtype)."""
-    module = copy.deepcopy(info.arch.activation_template).to_empty(device="cpu")
+    own = copy.deepcopy(info.arch.activation_template).to_empty(device="cpu")
+    module = getattr(own, "stored", own)
     state = {}
     for key, name in _own_activation_names(info.arch, layer).items():
         tensor = weights.get(name)
@@ -449,7 +471,7 @@ def _own_activation(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> nn.
                 raise FFNQuantError(f"{str(weights.path_of(name))!r}: tensor {name!r} holds NaN or infinite values")
         state[key] = tensor
     module.load_state_dict(state, strict=True)
-    return module.float().eval()
+    return own.float().eval()
 
 
 def iter_ffn_layers(

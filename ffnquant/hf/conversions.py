@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-__all__ = ["conversion_mapping", "expert_sources", "mapping_for", "pretrained_classes", "with_renames"]
+__all__ = ["conversion_mapping", "expert_sources", "mapping_for", "pretrained_classes", "unread_conversions", "with_renames"]
 
 
 def expert_sources(model_type: str, ffn: Any, class_names: Sequence[str] = ()) -> tuple[dict[str, str], list[tuple[str, str]]]:
@@ -66,3 +66,28 @@ def conversion_mapping(model: Any) -> list[Any]:
     """`mapping_for` a built model: its PreTrainedModel classes, then its config's model_type."""
     model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
     return mapping_for(model_type, pretrained_classes(model))
+
+
+
+def _plain(pattern: Any) -> str:
+    """A conversion pattern as the name it matches (its regex escapes removed)."""
+    return re.sub(r"\\(.)", r"\1", str(pattern))
+
+
+def unread_conversions(model_type: str, roles: Sequence[str], class_names: Sequence[str] = ()) -> list[str]:
+    """transformers' conversions that make one of the FFN's tensors (`roles`, its attribute names) from stored tensors
+    by operations ffnquant does not apply as it reads (several stored tensors, a dequantization: Inkling 2 Loop's
+    NVFP4 experts), each as 'sources -> targets (operations)'; [] where there are none. What it applies:
+    `hf.weights.converted_names` (one stored tensor, reordered or split)."""
+    out = []
+    for conv in mapping_for(model_type, class_names):
+        if type(conv).__name__ != "WeightConverter":
+            continue
+        targets = [_plain(t) for t in getattr(conv, "target_patterns", []) or []]
+        if not any(t == role or t.endswith("." + role) or f".{role}." in f".{t}." for t in targets for role in roles):
+            continue
+        sources = [_plain(p) for p in getattr(conv, "source_patterns", []) or []]
+        ops = [type(op).__name__ for op in getattr(conv, "operations", []) or []]
+        if len(sources) > 1 or any(op not in ("Interleave", "Chunk") for op in ops):
+            out.append(f"{' + '.join(sources)} -> {', '.join(targets)} ({', '.join(ops)})")
+    return out

@@ -39,7 +39,8 @@ __all__ = ["FoundFFN", "Discovery", "discover", "discover_config", "arch_for_con
 ACTIVATION_NAMES: Mapping[Activation, str] = {
     Activation.RELU: "relu", Activation.GELU: "gelu", Activation.GELU_TANH: "gelu_pytorch_tanh",
     Activation.SILU: "silu", Activation.SIGMOID: "sigmoid", Activation.IDENTITY: "linear", Activation.RELU2: "relu2",
-    Activation.OWN: "own",  # the model's own module (`Arch.activation_template`), no transformers name
+    # the model's own module (`Arch.activation_template`), no transformers name
+    Activation.OWN: "own", Activation.OWN_GATE: "own_gate",
 }
 
 

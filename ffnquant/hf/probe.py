@@ -19,7 +19,7 @@ from ..spec import Activation
 from .arch import Install
 from .ffn_candidates import FoundFFN
 
-__all__ = ["probe", "probe_activation", "takes_residual"]
+__all__ = ["OwnGate", "probe", "probe_activation", "takes_residual"]
 
 _ACT_FN = {
     Activation.RELU: torch.relu,
@@ -125,37 +125,74 @@ def _assignments(ffn: FoundFFN) -> list[dict[str, str]]:
 
 
 def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mapping[str, str],
-                     act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+                     act: Callable[..., torch.Tensor], x: torch.Tensor, of_both: bool = False) -> torch.Tensor:
+    """What ffnquant's FFN computes with these matrices, roles and activation (`of_both`: a gate function of gate
+    and up, `Activation.OWN_GATE`)."""
     lin = lambda name, h: nn.functional.linear(h, *mats[name])  # noqa: E731
     by_role = {r: n for n, r in roles.items()}
     down = by_role["w_down"]
-    if "w_gate+w_up" in by_role or "w_up+w_gate" in by_role:
+    if "w_up" not in by_role:  # a fused gate+up matrix
         both = by_role.get("w_gate+w_up") or by_role["w_up+w_gate"]
         first, second = lin(both, x).chunk(2, dim=-1)
         gate, up = (first, second) if both == by_role.get("w_gate+w_up") else (second, first)
-        return lin(down, act(gate) * up)
-    if "w_gate" in by_role:
-        return lin(down, act(lin(by_role["w_gate"], x)) * lin(by_role["w_up"], x))
-    return lin(down, act(lin(by_role["w_up"], x)))
+    elif "w_gate" in by_role:
+        gate, up = lin(by_role["w_gate"], x), lin(by_role["w_up"], x)
+    else:
+        return lin(down, act(lin(by_role["w_up"], x)))
+    return lin(down, act(gate, up) if of_both else act(gate) * up)
 
 
-def _elementwise(fn: nn.Module, width: int, gen: torch.Generator) -> bool:
-    """Whether a module computes an elementwise function on [tokens, width]: its output has the input's shape and
-    changing one element changes that element's output alone."""
-    z = torch.randn(5, width, generator=gen) * 2.0
+def _elementwise(fn: Callable[..., torch.Tensor], width: int, gen: torch.Generator, inputs: int = 1) -> bool:
+    """Whether `fn` computes an elementwise function of `inputs` tensors [tokens, width]: its output has their shape
+    and changing one element of any input changes that element's output alone."""
+    zs = [torch.randn(5, width, generator=gen) * 2.0 for _ in range(inputs)]
     try:
         with torch.no_grad():
-            y = fn(z)
-            z2 = z.clone()
-            z2[2, width // 2] += 1.0
-            y2 = fn(z2)
+            y = fn(*zs)
+            for i in range(inputs):
+                changed = [z.clone() for z in zs]
+                changed[i][2, width // 2] += 1.0
+                y2 = fn(*changed)
+                if not _moved_alone(y, y2, zs[0].shape, (2, width // 2)):
+                    return False
     except Exception:  # noqa: BLE001 - a module that takes other inputs (a two-input gate): not an activation
         return False
-    if not (isinstance(y, torch.Tensor) and isinstance(y2, torch.Tensor) and y.shape == z.shape == y2.shape):
+    return True
+
+
+def _moved_alone(y: Any, y2: Any, shape: torch.Size, where: tuple[int, int]) -> bool:
+    if not (isinstance(y, torch.Tensor) and isinstance(y2, torch.Tensor) and y.shape == shape == y2.shape):
         return False
     moved = y2 != y
-    moved[2, width // 2] = False
+    moved[where] = False
     return not bool(moved.any())
+
+
+class OwnGate(nn.Module):
+    """An experts module's own gate function as fn(gate, up) (`Activation.OWN_GATE`): its `_apply_gate(gate_up)`,
+    transformers' name for a gate that is not act(gate) * up (clamped, soft-capped), on the two halves concatenated
+    in the order its fused matrix stores them. `stored`: the module that owns it, without its matrices (what else it
+    holds, a learned cap say, is read from each layer's checkpoint)."""
+
+    def __init__(self, stored: nn.Module, gate_first: bool) -> None:
+        super().__init__()
+        self.stored = stored
+        self.gate_first = gate_first
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.stored._apply_gate(torch.cat([gate, up] if self.gate_first else [up, gate], dim=-1))
+
+
+def _own_gate(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str]) -> OwnGate | None:
+    """`module`'s own gate function under a fused gate+up assignment `roles`, without the FFN's matrices; None where
+    it has none."""
+    fused = next((r for r in roles.values() if "+" in r), "")
+    if not fused or not callable(getattr(module, "_apply_gate", None)):
+        return None
+    stored = copy.deepcopy(module)
+    for name in ffn.roles:
+        stored._parameters.pop(name, None)
+    return OwnGate(stored, fused == "w_gate+w_up")
 
 
 def _own_activations(small: nn.Module, ffn: FoundFFN) -> list[str]:
@@ -241,13 +278,17 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
         # else the model's own activation module (learned parameters and all), where it is elementwise
         own = [(Activation.OWN, small.get_submodule(n), n) for n in _own_activations(small, ffn)
                if ffn.install is not Install.SPLIT and _elementwise(small.get_submodule(n), f, gen)]
-        # a named activation under any assignment first; the module's own only where none reproduces
+        # a named activation under any assignment first; the module's own only where none reproduces; then its own
+        # gate function of gate and up together
         tries = [(roles, *c) for group in (named, own) for roles in _assignments(ffn) for c in group]
+        tries += [(roles, Activation.OWN_GATE, gate, "") for roles in _assignments(ffn)
+                  for gate in [_own_gate(small, ffn, roles)] if gate is not None and _elementwise(gate, f, gen, 2)]
         for roles, act, fn, attr in tries:
             with torch.no_grad():
-                mine = _ffnquant_output(mats, roles, fn, x)
+                mine = _ffnquant_output(mats, roles, fn, x, act is Activation.OWN_GATE)
             if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
-                template = copy.deepcopy(module.get_submodule(attr)) if act is Activation.OWN else None
+                template = (copy.deepcopy(module.get_submodule(attr)) if act is Activation.OWN
+                            else _own_gate(module, ffn, roles) if act is Activation.OWN_GATE else None)
                 return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
                                 ffn.bias, ffn.experts, act, attr, ffn.linear_class, residual, template)
     split = _as_split(module, ffn, gen) if ffn.install is Install.MODULE and not ffn.gated else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Mapping
 
@@ -15,7 +16,7 @@ import torch
 from ..errors import FFNQuantError
 from ..infra.resources import read_text as read_file_text, regular_file
 
-__all__ = ["_Weights", "_PICKLE_SUFFIXES", "loaded_names"]
+__all__ = ["_Weights", "_PICKLE_SUFFIXES", "Converted", "converted_names", "loaded_names"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
@@ -31,6 +32,65 @@ def loaded_names(keys: Any, transforms: Any) -> dict[str, str]:
             name = t.rename_source_key(name)[0]
         if name != key:
             out[name] = key
+    return out
+
+
+# transformers' conversion operations that turn one stored tensor into one or several loaded ones by a fixed
+# reordering or split (Inkling 2's interleaved w13_weight, HRM's gate_up_proj chunked into gate_proj and up_proj)
+_TENSOR_OPS = ("Interleave", "Chunk")
+
+
+@dataclass(frozen=True)
+class Converted:
+    """A loaded tensor that transformers makes from one stored tensor by its conversion operations: the stored
+    name, the converter (its patterns and operations), and which of its outputs this is."""
+
+    stored: str
+    converter: Any
+    index: int
+    count: int
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This output of the converter's operations on the stored tensor, as transformers computes it."""
+        conv = self.converter
+        sources, targets = list(conv.source_patterns), list(conv.target_patterns)
+        state: dict[str, Any] = {sources[0]: [tensor]}
+        for op in conv.operations:
+            state = op.convert(state, source_patterns=sources, target_patterns=targets)
+        return list(state.values())[self.index]
+
+    def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        """The loaded shape from the stored one (a Chunk divides its dimension by the number of outputs)."""
+        shape = list(stored)
+        for op in self.converter.operations:
+            if type(op).__name__ == "Chunk":
+                shape[op.dim] //= self.count
+        return tuple(shape)
+
+
+def converted_names(keys: Any, transforms: Any) -> dict[str, Converted]:
+    """{name transformers loads: Converted} for the `keys` that one of its conversion mapping's `WeightConverter`s
+    turns, after its renamings, by reordering or splitting one stored tensor (`_TENSOR_OPS`) into as many as it
+    has targets; converters of several stored tensors or of other operations are not listed."""
+    renamings = [t for t in transforms if type(t).__name__ == "WeightRenaming"]
+    converters = [t for t in transforms if type(t).__name__ == "WeightConverter"
+                  and len(getattr(t, "source_patterns", ())) == 1 and getattr(t, "operations", None)
+                  and all(type(op).__name__ in _TENSOR_OPS and getattr(op, "num_shards_attribute", None) is None
+                          for op in t.operations)]
+    out = {}
+    for key in keys:
+        name = key
+        for t in renamings:
+            name = t.rename_source_key(name)[0]
+        for conv in converters:
+            first, matched = conv.rename_source_key(name)
+            if matched is None:
+                continue
+            targets = list(conv.target_patterns)
+            for i, target in enumerate(targets):  # the others named as transformers expands a one-to-many
+                loaded = first if i == 0 else first.replace(targets[0], target, 1)
+                out[loaded] = Converted(key, conv, i, len(targets))
+            break
     return out
 
 
@@ -77,6 +137,7 @@ class _Weights:
         self._dtypes: dict[str, str] = {}
         self._pickles: dict[Path, Mapping[str, torch.Tensor]] = {}
         self._alias: dict[str, str] = {}  # a name as transformers loads it -> the stored name (`rename_as_loaded`)
+        self._converted: dict[str, Converted] = {}  # a name transformers loads by converting a stored tensor
         index = folder / "model.safetensors.index.json"
         single = folder / "model.safetensors"
         # lexists, not is_file: a FIFO or unreadable file of these names is refused by name when read,
@@ -184,6 +245,10 @@ class _Weights:
             return False
         self._alias = {name: stored for name, stored in loaded_names(self.file_of, mapping).items()
                        if name not in self.file_of}
+        self._converted = {name: c for name, c in converted_names(self.file_of, mapping).items()
+                           if name not in self.file_of}
+        for name, c in self._converted.items():  # read, shaped and placed as the stored tensor
+            self._alias[name] = c.stored
         return self.renamed
 
     @property
@@ -201,13 +266,18 @@ class _Weights:
         return self.file_of[self._alias.get(name, name)]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[self._alias.get(name, name)]
+        shape = self._shapes[self._alias.get(name, name)]
+        return self._converted[name].shape(shape) if name in self._converted else shape
 
     def dtype(self, name: str) -> str | None:
         return self._dtypes.get(self._alias.get(name, name))
 
     def get(self, name: str) -> torch.Tensor:
-        name = self._alias.get(name, name)
+        if name in self._converted:  # as transformers converts the stored tensor when it loads it
+            return self._converted[name].apply(self._stored(self._converted[name].stored))
+        return self._stored(self._alias.get(name, name))
+
+    def _stored(self, name: str) -> torch.Tensor:
         path = self.file_of[name]
         if self.format == "pickle":
             return self._pickles[path][name]
