@@ -41,11 +41,11 @@ def test_an_mlp_that_adds_the_residual_and_normalises_is_its_linears_replaced_on
 
 def test_a_module_whose_output_the_linears_do_not_make_alone_is_not_split(tmp_path):
     """BitNet normalises between its matrices: replacing the first Linear by the whole chain would skip that norm,
-    and the module's output differs, so it is still refused with what it holds (a gated FFN is never split)."""
-    from ffnquant.errors import FFNQuantError
+    so it is not split Linear by Linear (a gated FFN never is): its module stays whole and computes the norm."""
+    from ffnquant.spec import Activation
 
-    with pytest.raises(FFNQuantError, match=r"ffn_sub_norm"):
-        inspect_model(_folder(tmp_path, "bitnet"))
+    info = inspect_model(_folder(tmp_path, "bitnet"))
+    assert info.arch.install is Install.MODULE and info.spec.activation is Activation.OWN_GATE
 
 
 def _discovery(layers_path, names):
@@ -212,13 +212,13 @@ def test_an_ffn_with_its_models_own_activation_exports_to_onnx_as_it_computes(tm
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("module, elementwise", [
+@pytest.mark.parametrize("module, expected", [
     ("silu", True), ("per-channel-scale", True), ("softmax", False), ("two-inputs", False)])
-def test_only_an_elementwise_module_is_taken_as_the_models_own_activation(module, elementwise):
+def test_only_an_elementwise_module_is_taken_as_the_models_own_activation(module, expected):
     import torch
     from torch import nn
 
-    from ffnquant.hf.probe import _elementwise
+    from ffnquant.hf.own import elementwise, rowwise
 
     class PerChannel(nn.Module):
         def __init__(self):
@@ -234,7 +234,9 @@ def test_only_an_elementwise_module_is_taken_as_the_models_own_activation(module
 
     made = {"silu": nn.SiLU(), "per-channel-scale": PerChannel(), "softmax": nn.Softmax(dim=-1),
             "two-inputs": TwoInputs()}[module]
-    assert _elementwise(made, 16, torch.Generator().manual_seed(0)) is elementwise
+    assert elementwise(made, 16, torch.Generator().manual_seed(0)) is expected
+    # per token: a softmax over each token's values mixes that token's alone
+    assert rowwise(made, 16, torch.Generator().manual_seed(0)) is (expected or module == "softmax")
 
 
 def test_an_activation_no_named_one_reproduces_is_the_models_own_even_without_parameters(tmp_path):
@@ -286,4 +288,34 @@ def test_an_experts_own_gate_function_of_gate_and_up_is_computed_as_the_model_do
         with torch.no_grad():
             theirs = experts(x, torch.full((6, 1), layer.expert), torch.ones(6, 1))
             ours = layer.ffn(x)
+        assert torch.allclose(ours, theirs, rtol=0, atol=64 * torch.finfo(torch.float32).eps * float(theirs.abs().max()))
+
+
+@pytest.mark.parametrize("model_type, owner, state", [
+    ("bitnet", "BitNetMLP", "ffn_sub_norm.weight"),  # RMSNorm of act(gate) * up, before down_proj
+    ("dory", "DoryMLP", "suv_gate"),  # learned gate and up scales, an L2 norm of the hidden
+], ids=["bitnet-sub-norm", "dory-scales-and-l2-norm"])
+def test_an_mlp_computing_more_between_its_linears_is_computed_by_its_own_module(tmp_path, model_type, owner, state):
+    """What a dense MLP computes between its Linears beyond act(gate) * up (a norm of the hidden, learned scales)
+    is the MLP's own module run with its Linears replaced by slices of gate and up (`hf.own.OwnMiddle`): each
+    layer's parameters read from its checkpoint, the FFN's output the model's MLP's."""
+    import torch
+
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.spec import Activation
+
+    folder = _folder(tmp_path, model_type)
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():  # per-layer values, as trained ones have: read per layer, not the init's
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.get_parameter(state).copy_(torch.linspace(0.5, 1.5 + i, layer.mlp.get_parameter(state).numel()))
+    model.save_pretrained(folder, safe_serialization=True)
+    info = inspect_model(folder)
+    assert info.spec.activation is Activation.OWN_GATE and info.hf_activation == f"own_gate ({owner})"
+    x = torch.randn(2, 5, info.spec.d_model, generator=torch.Generator().manual_seed(4))
+    for layer in load_ffn_layers(info, "all"):
+        mlp = model.model.layers[layer.info.block].mlp
+        assert torch.equal(layer.ffn.activation.stored.get_parameter(state), mlp.get_parameter(state))
+        with torch.no_grad():
+            ours, theirs = layer.ffn(x), mlp(x)
         assert torch.allclose(ours, theirs, rtol=0, atol=64 * torch.finfo(torch.float32).eps * float(theirs.abs().max()))

@@ -18,8 +18,9 @@ from ..errors import FFNQuantError
 from ..spec import Activation
 from .arch import Install
 from .ffn_candidates import FoundFFN
+from .own import elementwise, own_activations, own_gate, own_middle, rowwise
 
-__all__ = ["OwnGate", "probe", "probe_activation", "takes_residual"]
+__all__ = ["probe", "probe_activation", "takes_residual"]
 
 _ACT_FN = {
     Activation.RELU: torch.relu,
@@ -142,74 +143,6 @@ def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mappin
     return lin(down, act(gate, up) if of_both else act(gate) * up)
 
 
-def _elementwise(fn: Callable[..., torch.Tensor], width: int, gen: torch.Generator, inputs: int = 1) -> bool:
-    """Whether `fn` computes an elementwise function of `inputs` tensors [tokens, width]: its output has their shape
-    and changing one element of any input changes that element's output alone."""
-    zs = [torch.randn(5, width, generator=gen) * 2.0 for _ in range(inputs)]
-    try:
-        with torch.no_grad():
-            y = fn(*zs)
-            for i in range(inputs):
-                changed = [z.clone() for z in zs]
-                changed[i][2, width // 2] += 1.0
-                y2 = fn(*changed)
-                if not _moved_alone(y, y2, zs[0].shape, (2, width // 2)):
-                    return False
-    except Exception:  # noqa: BLE001 - a module that takes other inputs (a two-input gate): not an activation
-        return False
-    return True
-
-
-def _moved_alone(y: Any, y2: Any, shape: torch.Size, where: tuple[int, int]) -> bool:
-    if not (isinstance(y, torch.Tensor) and isinstance(y2, torch.Tensor) and y.shape == shape == y2.shape):
-        return False
-    moved = y2 != y
-    moved[where] = False
-    return not bool(moved.any())
-
-
-class OwnGate(nn.Module):
-    """An experts module's own gate function as fn(gate, up) (`Activation.OWN_GATE`): its `_apply_gate(gate_up)`,
-    transformers' name for a gate that is not act(gate) * up (clamped, soft-capped), on the two halves concatenated
-    in the order its fused matrix stores them. `stored`: the module that owns it, without its matrices (what else it
-    holds, a learned cap say, is read from each layer's checkpoint)."""
-
-    def __init__(self, stored: nn.Module, gate_first: bool) -> None:
-        super().__init__()
-        self.stored = stored
-        self.gate_first = gate_first
-
-    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.stored._apply_gate(torch.cat([gate, up] if self.gate_first else [up, gate], dim=-1))
-
-
-def _own_gate(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str]) -> OwnGate | None:
-    """`module`'s own gate function under a fused gate+up assignment `roles`, without the FFN's matrices; None where
-    it has none."""
-    fused = next((r for r in roles.values() if "+" in r), "")
-    if not fused or not callable(getattr(module, "_apply_gate", None)):
-        return None
-    stored = copy.deepcopy(module)
-    for name in ffn.roles:
-        stored._parameters.pop(name, None)
-    return OwnGate(stored, fused == "w_gate+w_up")
-
-
-def _own_activations(small: nn.Module, ffn: FoundFFN) -> list[str]:
-    """The submodules of a probe's copy other than its matrices that may be the model's own activation (every
-    state it holds stored with the model: learned parameters and persistent buffers), nearest first."""
-    matrices = set(ffn.roles)
-    out = []
-    for name, child in small.named_modules():
-        if not name or name in matrices or any(name.startswith(m + ".") for m in matrices) or isinstance(
-                child, (nn.Dropout, nn.ModuleList, nn.ModuleDict)):
-            continue
-        stored = set(child.state_dict())
-        if all(n in stored for n, _ in child.named_buffers()):
-            out.append(name)
-    return sorted(out, key=lambda n: n.count("."))
-
-
 def takes_residual(module: nn.Module) -> bool:
     """Whether a module's forward takes a second required argument named `residual` (BLOOM's and MPT's MLPs add the
     block's residual stream to their output)."""
@@ -274,23 +207,32 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
             continue
         mats = _matrices(small, ffn)
         scale = float(y.abs().max()) or 1.0
-        named = [(act, _ACT_FN[act], act_attr) for act in Activation if act in _ACT_FN]
-        # else the model's own activation module (learned parameters and all), where it is elementwise
-        own = [(Activation.OWN, small.get_submodule(n), n) for n in _own_activations(small, ffn)
-               if ffn.install is not Install.SPLIT and _elementwise(small.get_submodule(n), f, gen)]
-        # a named activation under any assignment first; the module's own only where none reproduces; then its own
-        # gate function of gate and up together
-        tries = [(roles, *c) for group in (named, own) for roles in _assignments(ffn) for c in group]
-        tries += [(roles, Activation.OWN_GATE, gate, "") for roles in _assignments(ffn)
-                  for gate in [_own_gate(small, ffn, roles)] if gate is not None and _elementwise(gate, f, gen, 2)]
-        for roles, act, fn, attr in tries:
+        # (roles, activation, its function on the probe, its attribute, its template from the meta module)
+        tries: list[tuple[Mapping[str, str], Activation, Any, str, Callable[[], Any]]] = [
+            (roles, act, _ACT_FN[act], act_attr, lambda: None) for roles in _assignments(ffn)
+            for act in Activation if act in _ACT_FN]
+        # else the model's own activation module (learned parameters and all), where it is elementwise; then an
+        # experts module's own gate function of gate and up; then all a dense MLP computes between its Linears
+        own_acts = [n for n in own_activations(small, ffn)
+                    if ffn.install is not Install.SPLIT and elementwise(small.get_submodule(n), f, gen)]
+        for roles in _assignments(ffn):
+            tries += [(roles, Activation.OWN, small.get_submodule(n), n,
+                       lambda n=n: copy.deepcopy(module.get_submodule(n))) for n in own_acts]
+        n_in = 2 if ffn.gated else 1
+        for roles in _assignments(ffn):
+            gate = own_gate(small, ffn, roles)
+            if gate is not None and elementwise(gate, f, gen, 2):
+                tries.append((roles, Activation.OWN_GATE, gate, "", lambda r=roles: own_gate(module, ffn, r)))
+            middle = own_middle(small, ffn, roles) if ffn.install is Install.MODULE and not residual else None
+            if middle is not None and rowwise(middle, f, gen, n_in):
+                tries.append((roles, Activation.OWN_GATE if ffn.gated else Activation.OWN, middle, "",
+                              lambda r=roles: own_middle(module, ffn, r)))
+        for roles, act, fn, attr, template in tries:
             with torch.no_grad():
                 mine = _ffnquant_output(mats, roles, fn, x, act is Activation.OWN_GATE)
             if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
-                template = (copy.deepcopy(module.get_submodule(attr)) if act is Activation.OWN
-                            else _own_gate(module, ffn, roles) if act is Activation.OWN_GATE else None)
                 return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
-                                ffn.bias, ffn.experts, act, attr, ffn.linear_class, residual, template)
+                                ffn.bias, ffn.experts, act, attr, ffn.linear_class, residual, template())
     split = _as_split(module, ffn, gen) if ffn.install is Install.MODULE and not ffn.gated else None
     if split is not None:
         return split

@@ -1,0 +1,150 @@
+"""The model's own functions an FFN computes with where no activation ffnquant names reproduces its module (`hf.probe`
+finds them; `model.FFN` computes with them, `hf.checkpoint` fills each layer's copy from its checkpoint):
+
+- an elementwise activation module of the MLP, learned parameters and all (Apertus' xIELU): `Activation.OWN`;
+- an experts module's gate function of gate and up (`_apply_gate`: MiniMax-M3's clamped, Inkling 2's soft-capped
+  SwiGLU): `OwnGate`, `Activation.OWN_GATE`;
+- everything a dense MLP module computes between its Linears (BitNet's and Dory's norm of the hidden, Dory's
+  learned gate and up scales): the module itself run with its Linears replaced by slices of its input (`OwnMiddle`),
+  a function of gate and up (`OWN_GATE`) or of up alone (`OWN`).
+
+Each is a module whose `stored` (where it has one) is the model's module that holds its state, under the names
+the checkpoint keeps them by."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from .ffn_candidates import FoundFFN
+
+__all__ = ["OwnGate", "OwnMiddle", "own_activations", "own_gate", "own_middle", "elementwise", "rowwise"]
+
+
+def elementwise(fn: Callable[..., torch.Tensor], width: int, gen: torch.Generator, inputs: int = 1,
+                per_token: bool = False) -> bool:
+    """Whether `fn` computes an elementwise function of `inputs` tensors [tokens, width]: its output has their shape
+    and changing one element of any input changes that element's output alone (`per_token`: that token's outputs
+    alone, a norm of the hidden say)."""
+    zs = [torch.randn(5, width, generator=gen) * 2.0 for _ in range(inputs)]
+    try:
+        with torch.no_grad():
+            y = fn(*zs)
+            for i in range(inputs):
+                changed = [z.clone() for z in zs]
+                changed[i][2, width // 2] += 1.0
+                y2 = fn(*changed)
+                if not _moved_only(y, y2, zs[0].shape, (2,) if per_token else (2, width // 2)):
+                    return False
+    except Exception:  # noqa: BLE001 - a module that takes other inputs (a two-input gate): not an activation
+        return False
+    return True
+
+
+def _moved_only(y: Any, y2: Any, shape: torch.Size, where: tuple[int, ...]) -> bool:
+    """Whether y2 differs from y (both of `shape`) at `where` alone (an element, or a row)."""
+    if not (isinstance(y, torch.Tensor) and isinstance(y2, torch.Tensor) and y.shape == shape == y2.shape):
+        return False
+    moved = y2 != y
+    moved[where] = False
+    return not bool(moved.any())
+
+
+class OwnGate(nn.Module):
+    """An experts module's own gate function as fn(gate, up) (`Activation.OWN_GATE`): its `_apply_gate(gate_up)`,
+    transformers' name for a gate that is not act(gate) * up (clamped, soft-capped), on the two halves concatenated
+    in the order its fused matrix stores them. `stored`: the module that owns it, without its matrices (what else it
+    holds, a learned cap say, is read from each layer's checkpoint)."""
+
+    def __init__(self, stored: nn.Module, gate_first: bool) -> None:
+        super().__init__()
+        self.stored = stored
+        self.gate_first = gate_first
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.stored._apply_gate(torch.cat([gate, up] if self.gate_first else [up, gate], dim=-1))
+
+
+def own_gate(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str]) -> OwnGate | None:
+    """`module`'s own gate function under a fused gate+up assignment `roles`, without the FFN's matrices; None where
+    it has none."""
+    fused = next((r for r in roles.values() if "+" in r), "")
+    if not fused or not callable(getattr(module, "_apply_gate", None)):
+        return None
+    stored = copy.deepcopy(module)
+    for name in ffn.roles:
+        stored._parameters.pop(name, None)
+    return OwnGate(stored, fused == "w_gate+w_up")
+
+
+def own_activations(small: nn.Module, ffn: FoundFFN) -> list[str]:
+    """The submodules of a probe's copy other than its matrices that may be the model's own activation (every
+    state it holds stored with the model: learned parameters and persistent buffers), nearest first."""
+    matrices = set(ffn.roles)
+    out = []
+    for name, child in small.named_modules():
+        if not name or name in matrices or any(name.startswith(m + ".") for m in matrices) or isinstance(
+                child, (nn.Dropout, nn.ModuleList, nn.ModuleDict)):
+            continue
+        stored = set(child.state_dict())
+        if all(n in stored for n, _ in child.named_buffers()):
+            out.append(name)
+    return sorted(out, key=lambda n: n.count("."))
+
+
+def rowwise(fn: Callable[..., torch.Tensor], width: int, gen: torch.Generator, inputs: int = 1) -> bool:
+    """Whether `fn` computes each token's output from that token's inputs alone (`elementwise` per token)."""
+    return elementwise(fn, width, gen, inputs, per_token=True)
+
+
+class _Parts(nn.Module):
+    """Stands for one of an MLP's Linears in `OwnMiddle`: the parts of its input (gate, up, ... side by side) that
+    the Linear's output would be, in order."""
+
+    def __init__(self, *parts: int, n: int) -> None:
+        super().__init__()
+        self.parts, self.n = parts, n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1] // self.n
+        return torch.cat([x[..., i * width:(i + 1) * width] for i in self.parts], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"parts={self.parts}, n={self.n}"
+
+
+class OwnMiddle(nn.Module):
+    """What a dense MLP module computes between its Linears, as a function of gate and up (or up alone): the module
+    (`stored`, its other parameters and submodules its own) run on gate and up side by side, its first Linears
+    replaced by the slices their outputs are and its last by the identity."""
+
+    def __init__(self, stored: nn.Module) -> None:
+        super().__init__()
+        self.stored = stored
+
+    def forward(self, *parts: torch.Tensor) -> torch.Tensor:
+        return self.stored(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
+
+
+def own_middle(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str]) -> OwnMiddle | None:
+    """`module` (a dense MLP, its Linears modules) as `OwnMiddle` under the assignment `roles`; None for experts."""
+    if any(not isinstance(_get(module, name), nn.Module) for name in roles):
+        return None
+    n = 2 if ffn.gated else 1
+    slices = {"w_gate": (0,), "w_up": (1,) if ffn.gated else (0,), "w_gate+w_up": (0, 1), "w_up+w_gate": (1, 0)}
+    stored = copy.deepcopy(module)
+    for name, role in roles.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(stored.get_submodule(parent) if parent else stored, attr,
+                nn.Identity() if role == "w_down" else _Parts(*slices[role], n=n))
+    return OwnMiddle(stored)
+
+
+def _get(module: nn.Module, dotted: str) -> Any:
+    try:
+        return module.get_submodule(dotted)
+    except AttributeError:
+        return getattr(module, dotted, None)
