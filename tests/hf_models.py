@@ -132,6 +132,9 @@ _TYPE_TINY = {
     "granitemoehybrid": {"mamba_n_heads": 4},
     "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2},
     "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8},
+    # Dory's attention masks a sequence longer than its sliding window wrongly in transformers 5.25 (its output
+    # fails on 100 tokens at a window of 16 or 64, runs at 256): a window as long as a real checkpoint's
+    "dory": {"sliding_window": 256},
     "gemma3n_text": _GEMMA3N_TEXT, "gemma3n": {"text_config": _GEMMA3N_TEXT},
     # RoPE per layer type, M-RoPE's three sections over head_dim 8's four frequencies
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,

@@ -464,3 +464,38 @@ def test_a_loop_that_reads_each_layers_output_as_a_structure_is_refused_in_one_l
     with pytest.raises(FFNQuantError, match=r"its forward reads each decoder layer's output as more than the hidden "
                                             r"states \(AttributeError: 'Tensor' object has no attribute 'attn_output'\)"):
         engine.embed([ids], _Store(None, "embedded"))
+
+
+@pytest.mark.parametrize("model_type, calls", [("dory", 4), ("hrm_text", 12)], ids=["dory-recurrent", "hrm-cycles"])
+def test_a_forward_that_loops_over_its_layers_is_refused_not_measured_as_another_model(tmp_path, model_type, calls):
+    """Dory runs its recurrent section several times, HRM cycles its stacks: the engine runs each decoder layer once,
+    in order, so it would measure another model (Dory's proof then failed on 'gates not met'); refused, naming it."""
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.stream import SequentialModel, _Store
+    from hf_models import tiny_or_skip
+
+    info = inspect_model(tiny_or_skip(model_type, tmp_path / model_type))
+    engine = SequentialModel(info, resident=True)  # HRM's stored tensors are converted as transformers loads them
+    with pytest.raises(FFNQuantError, match=rf"calls decoder layers 0, 1 more than once \({calls} calls for 2 "
+                                            r"layers: a looped depth\); the engine runs each decoder layer once"):
+        engine.embed([torch.randint(3, 90, (1, 12))], _Store(None, "text"))
+
+
+def test_a_forward_that_changes_the_hidden_states_between_layers_is_refused(tiny):
+    """A model's loop that computes on the hidden states between two layers (here: doubles them): the engine, which
+    hands each layer the previous one's output, would compute another model; refused, naming the two layers."""
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.stream import SequentialModel, _Store
+
+    engine = SequentialModel(inspect_model(tiny["llama"]), resident=True)
+
+    def forward(input_ids=None, **kwargs):
+        h = engine.embedding(input_ids)
+        for i, layer in enumerate(engine.layers):
+            out = layer(h * 2 if i else h)
+            h = out[0] if isinstance(out, tuple) else out
+        return h
+
+    object.__setattr__(engine.base, "forward", forward)
+    with pytest.raises(FFNQuantError, match="changes the hidden states between decoder layers 0 and 1"):
+        engine.embed([torch.randint(3, 90, (1, 12))], _Store(None, "text"))

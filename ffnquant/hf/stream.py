@@ -202,6 +202,18 @@ def _float32(value: Any) -> Any:
     return value
 
 
+class _Tally(StandIn):
+    """A stand-in that logs its layer's index and the hidden states it is given, and returns them (`_check_one_pass`)."""
+
+    def __init__(self, log: list, index: int, as_tuple: bool) -> None:
+        super().__init__(None, as_tuple=as_tuple)
+        self.log, self.index = log, index
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.log.append((self.index, hidden_states))
+        return super().forward(hidden_states, *args, **kwargs)
+
+
 class _Unpacked(Exception):
     """The model's loop unpacked a stand-in's plain tensor as (hidden, attention weights)."""
 
@@ -381,6 +393,8 @@ class SequentialModel(LMHead):
                 # answer in that form, and the layers' inputs are recorded again
                 self._tuple_out = True
                 record = self._record(ids.to(self.device), n)
+            if b == 0:
+                self._check_one_pass(ids.to(self.device), n)
             if tuple(record[0][0].shape[:2]) != tuple(ids.shape[:2]):
                 # Gemma 3n's AltUp stacks its predictions ahead of the batch: [inputs, batch, tokens, width]
                 raise FFNQuantError(f"{self.info.path}: its decoder layers take hidden states of shape "
@@ -391,6 +405,33 @@ class SequentialModel(LMHead):
             if progress is not None:
                 progress(f"{stage}: batch {b + 1}/{len(batches)}", b + 1, len(batches))
         return calls
+
+    def _check_one_pass(self, ids: torch.Tensor, n: int) -> None:
+        """Refuse a model whose forward calls a decoder layer more than once or out of order (looped depth: Dory's
+        recurrent section, HRM's cycles), or changes the hidden states between two layers: the engine runs each
+        layer once, in order, on the previous one's output, and would measure another model. Checked on one whole
+        forward with every layer a stand-in that returns its input; a forward that cannot end so is not judged."""
+        log: list[tuple[int, torch.Tensor]] = []
+        with self._stand_ins([_Tally(log, i, self._tuple_out) for i in range(n)]), torch.no_grad():
+            try:
+                self.base(input_ids=ids, use_cache=False)
+            except Exception:  # noqa: BLE001 - a model whose later parts need its layers' real outputs
+                return
+        order = [i for i, _ in log]
+        where = f"{self.info.path}: its forward"
+        if order != list(range(n)):
+            repeated = sorted({i for i in order if order.count(i) > 1})
+            what = (f"calls decoder layers {', '.join(map(str, repeated[:6]))} more than once ({len(order)} calls "
+                    f"for {n} layers: a looped depth)" if repeated else f"calls its decoder layers in the order "
+                    f"{order[:8]}")
+            raise FFNQuantError(f"{where} {what}; the engine runs each decoder layer once, in order, on the previous "
+                                "one's output, and would measure another model")
+        for k in range(1, n):
+            before, after = log[k - 1][1], log[k][1]
+            if before.shape != after.shape or not torch.equal(before, after):
+                raise FFNQuantError(f"{where} changes the hidden states between decoder layers {k - 1} and {k} "
+                                    "(beyond what the layers compute); the engine runs each decoder layer on the "
+                                    "previous one's output, and would measure another model")
 
     def _record(self, ids: torch.Tensor, n: int) -> list:
         record: list = []
