@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from typing import Any, Callable, Mapping
+import itertools
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -207,26 +208,10 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
             continue
         mats = _matrices(small, ffn)
         scale = float(y.abs().max()) or 1.0
-        # (roles, activation, its function on the probe, its attribute, its template from the meta module)
-        tries: list[tuple[Mapping[str, str], Activation, Any, str, Callable[[], Any]]] = [
-            (roles, act, _ACT_FN[act], act_attr, lambda: None) for roles in _assignments(ffn)
-            for act in Activation if act in _ACT_FN]
-        # else the model's own activation module (learned parameters and all), where it is elementwise; then an
-        # experts module's own gate function of gate and up; then all a dense MLP computes between its Linears
-        own_acts = [n for n in own_activations(small, ffn)
-                    if ffn.install is not Install.SPLIT and elementwise(small.get_submodule(n), f, gen)]
-        for roles in _assignments(ffn):
-            tries += [(roles, Activation.OWN, small.get_submodule(n), n,
-                       lambda n=n: copy.deepcopy(module.get_submodule(n))) for n in own_acts]
-        n_in = 2 if ffn.gated else 1
-        for roles in _assignments(ffn):
-            gate = own_gate(small, ffn, roles)
-            if gate is not None and elementwise(gate, f, gen, 2):
-                tries.append((roles, Activation.OWN_GATE, gate, "", lambda r=roles: own_gate(module, ffn, r)))
-            middle = own_middle(small, ffn, roles) if ffn.install is Install.MODULE and not residual else None
-            if middle is not None and rowwise(middle, f, gen, n_in):
-                tries.append((roles, Activation.OWN_GATE if ffn.gated else Activation.OWN, middle, "",
-                              lambda r=roles: own_middle(module, ffn, r)))
+        named = ((roles, act, _ACT_FN[act], act_attr, lambda: None) for roles in _assignments(ffn)
+                 for act in Activation if act in _ACT_FN)
+        # the model's own functions only where no named activation reproduces it (built then: they run the module)
+        tries = itertools.chain(named, _own_tries(module, small, ffn, f, gen, residual))
         for roles, act, fn, attr, template in tries:
             with torch.no_grad():
                 mine = _ffnquant_output(mats, roles, fn, x, act is Activation.OWN_GATE)
@@ -249,6 +234,27 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
     raise FFNQuantError(f"{where}: ffnquant cannot reproduce this FFN's output{seen}{beside}: {last}; activations "
                         f"ffnquant computes: {', '.join(a.value for a in _ACT_FN)}, or the model's own elementwise "
                         f"activation module")
+
+
+def _own_tries(module: nn.Module, small: nn.Module, ffn: FoundFFN, f: int, gen: torch.Generator,
+               residual: bool) -> Iterator[tuple[Mapping[str, str], Activation, Any, str, Callable[[], Any]]]:
+    """(roles, activation, its function on the probe's copy `small`, its attribute, its template from the meta
+    `module`) of the model's own functions (`hf.own`), in order: an elementwise activation module (learned
+    parameters and all), an experts module's gate function of gate and up, all a dense MLP computes between its
+    Linears."""
+    own_acts = [n for n in own_activations(small, ffn)
+                if ffn.install is not Install.SPLIT and elementwise(small.get_submodule(n), f, gen)]
+    for roles in _assignments(ffn):
+        for n in own_acts:
+            yield roles, Activation.OWN, small.get_submodule(n), n, lambda n=n: copy.deepcopy(module.get_submodule(n))
+    for roles in _assignments(ffn):
+        gate = own_gate(small, ffn, roles)
+        if gate is not None and elementwise(gate, f, gen, 2):
+            yield roles, Activation.OWN_GATE, gate, "", lambda r=roles: own_gate(module, ffn, r)
+        middle = own_middle(small, ffn, roles) if ffn.install is Install.MODULE and not residual else None
+        if middle is not None and rowwise(middle, f, gen, 2 if ffn.gated else 1):
+            yield (roles, Activation.OWN_GATE if ffn.gated else Activation.OWN, middle, "",
+                   lambda r=roles: own_middle(module, ffn, r))
 
 
 def _as_split(module: nn.Module, ffn: FoundFFN, gen: torch.Generator) -> FoundFFN | None:
