@@ -319,3 +319,13 @@ def test_an_mlp_computing_more_between_its_linears_is_computed_by_its_own_module
         with torch.no_grad():
             ours, theirs = layer.ffn(x), mlp(x)
         assert torch.allclose(ours, theirs, rtol=0, atol=64 * torch.finfo(torch.float32).eps * float(theirs.abs().max()))
+
+
+def test_routed_experts_in_a_layout_ffnquant_does_not_read_are_named_float_never_skipped(tmp_path):
+    """Llama 4 keeps its routed experts input-major (gate_up_proj [E, d, 2f], down_proj [E, f, d]) beside a shared
+    expert: the shared expert is quantized, and the routed experts are said to stay float, with their layout."""
+    info = inspect_model(_folder(tmp_path, "llama4_text"))
+    assert all(layer.name.endswith("feed_forward.shared_expert") for layer in info.layers)
+    parts = [p for p in info.arch.float_parts if "feed_forward.experts" in p]
+    assert len(parts) == 2 and all("routed experts gate_up_proj [4, 32, 128], down_proj [4, 64, 32]: not laid out "
+                                   "as ffnquant reads routed experts" in p and "stay float" in p for p in parts)

@@ -47,14 +47,21 @@ EXPECTED = {
     # an encoder class as a causal LM: its FFN's two Linears in two modules (intermediate.dense, output.dense, whose
     # module adds the residual and normalises), installed Linear by Linear; positions start past the padding id
     "roberta": ("gelu", "split"),
+    # the model's own functions (`hf.own`), no named activation reproducing them: Apertus' xIELU with learned
+    # parameters per layer (a dense FFN, activation own), BitNet's norm of the hidden (its MLP run with its Linears
+    # replaced), MiniMax-M3's clamped SwiGLU of gate and up (its experts' own gate function)
+    "apertus": ("relu", "module"), "bitnet": ("reglu", "module"), "minimax_m3_vl_text": ("reglu", "experts"),
 }
+OWN = {"apertus": "own", "bitnet": "own_gate", "minimax_m3_vl_text": "own_gate"}
 RESIDUAL_ARG = ("bloom", "mpt")
 # why a smoothed layer's input scale cannot fold there, as the graph shows it
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
            "exaone4": "no module produces the FFN's input", "roberta": r"also read by .*layer\.0\.output"}
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe")  # planned by bytes
-FUSED_EXPERTS = ("granitemoe",)  # its checkpoint stores the experts as 3-D tensors: compressed-tensors refuses it
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe",
+       "minimax_m3_vl_text")  # planned by bytes
+# their checkpoints store the experts as 3-D tensors: compressed-tensors refuses them
+FUSED_EXPERTS = ("granitemoe", "minimax_m3_vl_text")
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
 TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
 # plan and export read whole windows of the held-out text: 128 tokens (a model without a context length, ALiBi's
@@ -84,6 +91,8 @@ def test_discovered_ffns_reproduce_the_model(folders, model_type):
     info = inspect_model(folders[model_type])
     variant, install = EXPECTED[model_type]
     assert (info.spec.variant.value, str(info.arch.install)) == (variant, install)
+    assert info.spec.activation.value == OWN.get(model_type, info.spec.activation.value)
+    assert (info.arch.activation_template is not None) == (model_type in OWN)
     assert info.arch.discovered and all(layer.index in info.arch.fixed["blocks"] for layer in info.layers)
     if info.n_experts:
         assert any("router stays float" in part for part in info.arch.float_parts)

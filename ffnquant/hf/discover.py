@@ -150,6 +150,21 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return max(lists, key=lambda item: size(item[1]))
 
 
+def _unread_experts(block: nn.Module, d: int, cands: list[FoundFFN], settle: Any, i: int) -> list[str]:
+    """A block's routed experts that are not kept: candidates whose probe refused them (with its reason), or
+    stacked 3-D expert tensors in a layout ffnquant does not read (Llama 4's input-major [E, d, 2f], [E, f, d])."""
+    out = [f"{_label(c.path)} (routed experts: {str(settle(i, c)).rpartition(': ')[2]})" for c in cands
+           if c.install is Install.EXPERTS and not isinstance(settle(i, c), FoundFFN)]
+    seen = {c.path for c in cands if c.install is Install.EXPERTS}
+    for path, module in block.named_modules():
+        stacked = [f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False)
+                   if p.dim() == 3 and p.shape[0] > 1 and d in p.shape[1:]]
+        if len(stacked) >= 2 and path not in seen:
+            out.append(f"{_label(path)} (routed experts {', '.join(stacked[:3])}: not laid out as ffnquant reads "
+                       f"routed experts, [experts, 2f or f, {d}] and [experts, {d}, f])")
+    return out
+
+
 def _label(path: str) -> str:
     return path or "the block's own Linears"
 
@@ -194,6 +209,9 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
             if other is not pick:
                 float_parts.append(f"L{i} {_label(other.path)} (d_ff {other.d_ff}): stays float, ffnquant quantizes "
                                    f"one FFN per block ({_label(pick.path)} here)")
+        if not experts:  # routed experts beside the FFN kept, which ffnquant does not read: said, never skipped
+            float_parts += [f"L{i} {part}: stay float, ffnquant quantizes {_label(pick.path)} here"
+                            for part in _unread_experts(blocks[i], d, cands, settle, i)]
         if experts:
             for name, mod in blocks[i].named_modules():
                 w = getattr(mod, "weight", None)
