@@ -926,8 +926,6 @@ def test_experts_stored_per_expert_under_a_mapping_keyed_by_class_name_are_read(
 
 
 @pytest.mark.parametrize("model_type, part", [
-    ("gpt_oss", r"its experts' tensors mlp\.experts\.gate_up_proj \[4, 32, 128\].* are not laid out as ffnquant "
-                r"reads routed experts"),
     ("dbrx", r"the matrices that hold the width 32 are parameters of their module, not Linear modules' weights: "
              r"ffn\.experts\.mlp\.w1 \[256, 32\] \(DbrxExpertGLU\)"),
     # its token-shift mixes are two 3-D tensors [1, 1, d]: not experts, and its Linears still probed
@@ -939,7 +937,7 @@ def test_experts_stored_per_expert_under_a_mapping_keyed_by_class_name_are_read(
     ("inkling2_loop_text", r"stores its FFN's tensors in a form transformers converts as it loads, by operations "
                            r"ffnquant does not apply: mlp\.experts\.w13_weight \+ mlp\.experts\.w13_weight_scale")])
 def test_an_mlp_with_a_part_ffnquant_does_not_compute_is_refused_naming_it(tmp_path, model_type, part):
-    """gpt-oss stores its experts input-major, DBRX its experts as plain [experts x f, d] parameters,
+    """DBRX stores its experts as plain [experts x f, d] parameters,
     RWKV's feed-forward mixes the previous token: the refusal names what it found, the cause, rather than only a
     failed run, no match, "no matrices map the width", or a convolution called an expert."""
     T = pytest.importorskip("transformers")

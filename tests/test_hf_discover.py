@@ -322,10 +322,102 @@ def test_an_mlp_computing_more_between_its_linears_is_computed_by_its_own_module
 
 
 def test_routed_experts_in_a_layout_ffnquant_does_not_read_are_named_float_never_skipped(tmp_path):
-    """Llama 4 keeps its routed experts input-major (gate_up_proj [E, d, 2f], down_proj [E, f, d]) beside a shared
-    expert: the shared expert is quantized, and the routed experts are said to stay float, with their layout."""
+    """Llama 4's routed experts take tokens already sorted per expert (forward(hidden_states) alone, its MoE block
+    routes), beside a shared expert: the shared expert is quantized, and the routed experts are said to stay float,
+    with the reason, not skipped."""
     info = inspect_model(_folder(tmp_path, "llama4_text"))
     assert all(layer.name.endswith("feed_forward.shared_expert") for layer in info.layers)
     parts = [p for p in info.arch.float_parts if "feed_forward.experts" in p]
-    assert len(parts) == 2 and all("routed experts gate_up_proj [4, 32, 128], down_proj [4, 64, 32]: not laid out "
-                                   "as ffnquant reads routed experts" in p and "stay float" in p for p in parts)
+    assert len(parts) == 2 and all("(routed experts: ffnquant cannot reproduce this FFN's output" in p and
+                                   "Llama4TextExperts.forward() takes 2 positional arguments" in p and
+                                   p.endswith("stay float, ffnquant quantizes feed_forward.shared_expert here")
+                                   for p in parts)
+
+
+def test_input_major_biased_interleaved_experts_are_read_and_computed_as_the_model_does(tmp_path):
+    """gpt-oss keeps its experts input-major (gate_up_proj [E, d, 2f], down_proj [E, f, d]) with biases, gate and up
+    columns alternating, and a clamped gate function of both (`_apply_gate`): each expert's FFN is read with its
+    biases, gate and up de-interleaved, and computes the module's output for the tokens routed to it, bit for bit."""
+    import torch
+
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.spec import Activation
+
+    folder = _folder(tmp_path, "gpt_oss")
+    info = inspect_model(folder)
+    arch = info.arch
+    assert arch.install is Install.EXPERTS and arch.transposed and arch.interleaved and info.spec.bias
+    assert info.spec.activation is Activation.OWN_GATE and info.hf_activation == "own_gate (GptOssExperts)"
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    x = torch.randn(6, info.spec.d_model, generator=torch.Generator().manual_seed(5)) * 4
+    for layer in load_ffn_layers(info, [info.layers[-1].index]):
+        experts = model.get_submodule(layer.info.name)
+        # gate and up: every other column of the stored [d, 2f], as the model's own gate function reads them
+        assert torch.equal(layer.ffn.w_gate.weight, experts.gate_up_proj[layer.expert][:, 0::2].t())
+        assert torch.equal(layer.ffn.w_up.bias, experts.gate_up_proj_bias[layer.expert][1::2])
+        with torch.no_grad():
+            theirs = experts(x, torch.full((6, 1), layer.expert), torch.ones(6, 1))
+            assert torch.equal(layer.ffn(x), theirs)
+
+
+def test_input_major_biased_experts_replaced_in_the_model_compute_the_model(tmp_path):
+    """gpt-oss' experts replaced by ffnquant's FFNs (here the float ones; the experts not replaced computed
+    input-major with their biases) leave the model's logits as they were, and the inputs captured per expert are
+    the tokens routed to it."""
+    import torch
+
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.hf.capture import ffn_input_hooks, install_ffns
+
+    folder = _folder(tmp_path, "gpt_oss")
+    info = inspect_model(folder)
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(6))
+    layers = load_ffn_layers(info, "all")
+    seen: dict[str, int] = {}
+    with torch.no_grad():
+        want = model(ids).logits
+        with install_ffns(model, info, {layer.info: layer.ffn for layer in layers}):
+            got = model(ids).logits
+        with ffn_input_hooks(model, info, [layer.info for layer in layers],
+                             lambda layer, x: seen.__setitem__(layer.label, seen.get(layer.label, 0) + x.shape[0])):
+            model(ids)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    k = model.config.num_experts_per_tok
+    assert sum(n for label, n in seen.items() if label.startswith("L0.")) == 10 * k  # every token to k experts
+
+
+@pytest.mark.parametrize("layout, expected", [("interleaved", True), ("side-by-side", False), ("mixing", None)])
+def test_an_experts_gate_function_tells_how_it_reads_gate_and_up(layout, expected):
+    import torch
+    from torch import nn
+
+    from ffnquant.hf.own import gate_interleaved
+
+    class Experts(nn.Module):
+        def _apply_gate(self, gate_up):
+            if layout == "interleaved":
+                return torch.sigmoid(gate_up[..., ::2]) * gate_up[..., 1::2]
+            if layout == "side-by-side":
+                gate, up = gate_up.chunk(2, dim=-1)
+                return torch.sigmoid(gate) * up
+            return gate_up.sum(dim=-1, keepdim=True).expand(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    assert gate_interleaved(Experts(), 8, torch.Generator().manual_seed(0)) is expected
+
+
+def test_a_routed_call_is_read_whether_its_arguments_come_by_position_or_by_name():
+    """A MoE block may call its experts module with the routing by keyword, under the module's own names."""
+    import torch
+    from torch import nn
+
+    from ffnquant.hf.capture import routed_call
+
+    class Experts(nn.Module):
+        def forward(self, hidden_states, router_indices=None, routing_weights=None):
+            return hidden_states
+
+    h, i, w = torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+    for args, kwargs in (((h, i, w), {}), ((h,), {"routing_weights": w, "router_indices": i})):
+        got = routed_call(Experts(), args, kwargs)
+        assert got[0] is h and got[1] is i and got[2] is w

@@ -216,7 +216,7 @@ def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str, expert: int |
     if expert is not None:
         from ..hf.capture import expert_forward
 
-        return expert_forward(module, expert)
+        return expert_forward(module, expert, info.arch.transposed)
     if info.arch.install is info.arch.install.SPLIT:
         first, act, second = (module.get_submodule(a) for a in info.arch.split_attrs)
         return lambda x: second(act(first(x)))

@@ -287,6 +287,8 @@ class Arch:
     # `<ffn prefix>.<activation_attr>.<tensor>` (`hf.checkpoint`)
     activation_template: Any = None
     activation_attr: str = ""
+    # a fused gate+up matrix whose gate and up rows alternate (gpt-oss' experts, read so by their own gate function)
+    interleaved: bool = False
 
     def d_model(self, config: Mapping[str, Any], where: str) -> int:
         if self.fixed is not None:

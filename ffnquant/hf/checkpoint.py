@@ -234,7 +234,7 @@ def _group_tensors(arch: Arch, names: list[str]) -> dict[tuple[str, int, int | N
         gd = m.groupdict()
         expert = int(gd["expert"]) if gd.get("expert") is not None else None
         key = (gd.get("stack") or "", int(gd["layer"]), expert)
-        role = gd["role"] + ("" if is_fused else "." + gd["kind"])
+        role = gd["role"] + (("." + gd["kind"]) if not is_fused else ".bias" if gd.get("bias") else "")
         found = groups.setdefault(key, _Found(gd["prefix"], {}, is_fused))
         if found.prefix != gd["prefix"]:
             raise FFNQuantError(
@@ -410,9 +410,12 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
     for role, name in layer.tensors.items():
         tensor = weights.get(name)
         if layer.fused_expert_tensors:
-            base, kind = role, "weight"
+            base, _, kind = role.partition(".")  # "gate_up_proj", or "gate_up_proj.bias" for gate_up_proj_bias
+            kind = kind or "weight"
             down = arch.roles.get(base) == "w_down" if arch.discovered else base == "down_proj"
-            want = (info.n_experts, d, f) if down else (info.n_experts, 2 * f if spec.gated else f, d)
+            n_in, n_out = (f, d) if down else (d, 2 * f if spec.gated else f)
+            want = ((info.n_experts, n_out) if kind == "bias" else (info.n_experts, n_in, n_out) if arch.transposed
+                    else (info.n_experts, n_out, n_in))  # input-major experts (gpt-oss') hold [E, in, out]
             if tuple(tensor.shape) != want:
                 raise FFNQuantError(
                     f"{str(weights.path_of(name))!r}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
@@ -429,7 +432,8 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
         if not all_finite(tensor):
             raise FFNQuantError(f"{str(weights.path_of(name))!r}: tensor {name!r} holds NaN or infinite values")
         if target in ("w_gate+w_up", "w_up+w_gate"):
-            first, second = tensor.chunk(2, dim=0)  # gate first, as Phi3MLP / MixtralExperts chunk it
+            # gate first, as Phi3MLP / MixtralExperts chunk it; alternating rows where the model reads them so
+            first, second = (tensor[0::2], tensor[1::2]) if arch.interleaved else tensor.chunk(2, dim=0)
             gate, up = (first, second) if target == "w_gate+w_up" else (second, first)
             state[f"w_gate.{kind}"], state[f"w_up.{kind}"] = gate, up
         else:

@@ -112,7 +112,9 @@ class Discovery:
             expert_re = "|".join(re.escape(r) for r in sorted(per_expert)) or r"(?!)"
             common["roles"] = {**per_expert, **ffn.roles}
             return Arch(**common, tensor_pattern=expert_prefix + r"\.(?P<role>" + expert_re + r")\.(?P<kind>weight|bias)",
-                        fused_experts_pattern=fused_prefix + r"\.(?P<role>" + roles_re + ")",
+                        # each fused tensor's biases under <name>_bias (gpt-oss')
+                        fused_experts_pattern=fused_prefix + r"\.(?P<role>" + roles_re + ")(?P<bias>_bias)?",
+                        interleaved=bool(getattr(ffn.act_module, "interleaved", False)),
                         gated_roles=tuple(sorted(per_expert)), dense_roles=tuple(sorted(per_expert)),
                         fused_expert_roles=roles, install=Install.EXPERTS, n_experts_key="num_experts")
         pattern = prefix + r"\.(?P<role>" + roles_re + r")\.(?P<kind>weight|bias)"
@@ -153,7 +155,7 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 def _unread_experts(block: nn.Module, d: int, cands: list[FoundFFN], settle: Any, i: int) -> list[str]:
     """A block's routed experts that are not kept: candidates whose probe refused them (with its reason), or
     stacked 3-D expert tensors in a layout ffnquant does not read (Llama 4's input-major [E, d, 2f], [E, f, d])."""
-    out = [f"{_label(c.path)} (routed experts: {str(settle(i, c)).rpartition(': ')[2]})" for c in cands
+    out = [f"{_label(c.path)} (routed experts: {_why(str(settle(i, c)))})" for c in cands
            if c.install is Install.EXPERTS and not isinstance(settle(i, c), FoundFFN)]
     seen = {c.path for c in cands if c.install is Install.EXPERTS}
     for path, module in block.named_modules():
@@ -163,6 +165,12 @@ def _unread_experts(block: nn.Module, d: int, cands: list[FoundFFN], settle: Any
             out.append(f"{_label(path)} (routed experts {', '.join(stacked[:3])}: not laid out as ffnquant reads "
                        f"routed experts, [experts, 2f or f, {d}] and [experts, {d}, f])")
     return out
+
+
+def _why(refusal: str) -> str:
+    """A probe's refusal without the module's path before it and the list of activations after it."""
+    text = refusal[refusal.find("ffnquant cannot"):] if "ffnquant cannot" in refusal else refusal
+    return text.split("; activations ffnquant computes")[0]
 
 
 def _label(path: str) -> str:

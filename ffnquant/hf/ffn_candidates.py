@@ -62,16 +62,11 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
     out: list[FoundFFN] = []
     for path, module in block.named_modules():
         params3 = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
-        if len(params3) == 2:  # fused experts: [E, 2f or f, d] and [E, d, f]
-            (na, a), (nb, b) = sorted(params3.items(), key=lambda kv: kv[1].shape[1] == d)
-            e, fa, din = a.shape
-            if b.shape[0] == e and din == d and b.shape[1] == d:
-                f = int(b.shape[2])
-                gated = fa == 2 * f
-                if gated or fa == f:
-                    roles = {na: "w_gate+w_up" if gated else "w_up", nb: "w_down"}
-                    out.append(FoundFFN(path, Install.EXPERTS, roles, d, f, gated, experts=int(e)))
-                    continue
+        if len(params3) == 2:
+            experts = _fused_experts(path, module, params3, d)
+            if experts is not None:
+                out.append(experts)
+                continue
             # two 3-D tensors of another kind (RWKV's token-shift mixes [1, 1, d]): the module's Linears still count
         linears = {n: linear_shape(c) for n, c in module.named_children()}
         linears = {n: s for n, s in linears.items() if s is not None}
@@ -111,6 +106,27 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
     if not out:
         out += _split_across_children(block, d)
     return out
+
+
+def _fused_experts(path: str, module: nn.Module, params3: Mapping[str, torch.Tensor], d: int) -> FoundFFN | None:
+    """Two 3-D parameters holding every expert's matrices: output-major [E, 2f or f, d] and [E, d, f] (Mixtral's,
+    each row an output), or input-major [E, d, 2f or f] and [E, f, d] (gpt-oss', `transposed`); each with an
+    optional `<name>_bias` [E, out] (gpt-oss'). None when they are not that."""
+    na, nb = params3
+    for first, down, transposed in ((na, nb, False), (nb, na, False), (na, nb, True), (nb, na, True)):
+        w1, w2 = params3[first], params3[down]
+        if w1.shape[0] != w2.shape[0]:
+            return None
+        out1, in1 = (w1.shape[2], w1.shape[1]) if transposed else (w1.shape[1], w1.shape[2])
+        out2, in2 = (w2.shape[2], w2.shape[1]) if transposed else (w2.shape[1], w2.shape[2])
+        if in1 != d or out2 != d or out1 not in (in2, 2 * in2):
+            continue
+        f, gated = int(in2), out1 == 2 * in2
+        biases = [getattr(module, f"{n}_bias", None) for n in (first, down)]
+        bias = any(isinstance(t, torch.Tensor) and t.dim() == 2 for t in biases)
+        roles = {first: "w_gate+w_up" if gated else "w_up", down: "w_down"}
+        return FoundFFN(path, Install.EXPERTS, roles, d, f, gated, transposed, bias, experts=int(w1.shape[0]))
+    return None
 
 
 def _split_across_children(block: nn.Module, d: int) -> list[FoundFFN]:

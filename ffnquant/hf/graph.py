@@ -79,7 +79,7 @@ def first_matrices(module: nn.Module, info: ModelInfo, layer: LayerInfo) -> list
     if arch.install is Install.EXPERTS:
         for name in arch.fused_expert_roles:
             if arch.roles.get(name, "w_down") != "w_down" and isinstance(getattr(module, name, None), torch.Tensor):
-                out.append((getattr(module, name), 2))  # [experts, out, in]
+                out.append((getattr(module, name), 1 if arch.transposed else 2))  # [experts, out, in] or [.., in, out]
         if not out:  # experts as modules (ModuleList)
             expert = module[layer.expert] if isinstance(module, nn.ModuleList) else getattr(module, str(layer.expert))
             for role, weight in arch.roles.items():

@@ -21,7 +21,8 @@ from torch import nn
 
 from .ffn_candidates import FoundFFN
 
-__all__ = ["OwnGate", "OwnMiddle", "own_activations", "own_gate", "own_middle", "elementwise", "rowwise"]
+__all__ = ["OwnGate", "OwnMiddle", "own_activations", "own_gate", "own_middle", "elementwise", "gate_interleaved",
+           "rowwise"]
 
 
 def elementwise(fn: Callable[..., torch.Tensor], width: int, gen: torch.Generator, inputs: int = 1,
@@ -55,20 +56,27 @@ def _moved_only(y: Any, y2: Any, shape: torch.Size, where: tuple[int, ...]) -> b
 
 class OwnGate(nn.Module):
     """An experts module's own gate function as fn(gate, up) (`Activation.OWN_GATE`): its `_apply_gate(gate_up)`,
-    transformers' name for a gate that is not act(gate) * up (clamped, soft-capped), on the two halves concatenated
-    in the order its fused matrix stores them. `stored`: the module that owns it, without its matrices (what else it
-    holds, a learned cap say, is read from each layer's checkpoint)."""
+    transformers' name for a gate that is not act(gate) * up (clamped, soft-capped), on the two halves put back in
+    the order its fused matrix stores them: side by side, or `interleaved` column by column (gpt-oss'). `stored`:
+    the module that owns it, without its matrices and their biases (what else it holds, a learned cap say, is read
+    from each layer's checkpoint)."""
 
-    def __init__(self, stored: nn.Module, gate_first: bool) -> None:
+    def __init__(self, stored: nn.Module, gate_first: bool, interleaved: bool = False) -> None:
         super().__init__()
         self.stored = stored
-        self.gate_first = gate_first
+        self.gate_first, self.interleaved = gate_first, interleaved
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.stored._apply_gate(torch.cat([gate, up] if self.gate_first else [up, gate], dim=-1))
+        first, second = (gate, up) if self.gate_first else (up, gate)
+        both = (torch.stack([first, second], dim=-1).flatten(-2) if self.interleaved
+                else torch.cat([first, second], dim=-1))
+        return self.stored._apply_gate(both)
+
+    def extra_repr(self) -> str:
+        return f"gate_first={self.gate_first}, interleaved={self.interleaved}"
 
 
-def own_gate(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str]) -> OwnGate | None:
+def own_gate(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str], interleaved: bool = False) -> OwnGate | None:
     """`module`'s own gate function under a fused gate+up assignment `roles`, without the FFN's matrices; None where
     it has none."""
     fused = next((r for r in roles.values() if "+" in r), "")
@@ -77,7 +85,22 @@ def own_gate(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str]) -> OwnG
     stored = copy.deepcopy(module)
     for name in ffn.roles:
         stored._parameters.pop(name, None)
-    return OwnGate(stored, fused == "w_gate+w_up")
+        stored._parameters.pop(f"{name}_bias", None)
+    return OwnGate(stored, fused == "w_gate+w_up", interleaved)
+
+
+def gate_interleaved(small: nn.Module, width: int, gen: torch.Generator) -> bool | None:
+    """Whether an experts module's `_apply_gate` reads its two halves interleaved column by column (True: moving
+    input column 1 moves output 0) or side by side (False: it moves output 1); None when neither."""
+    base = torch.randn(3, 2 * width, generator=gen)
+    moved = base.clone()
+    moved[:, 1] += 1.0
+    try:
+        with torch.no_grad():
+            changed = (small._apply_gate(moved) != small._apply_gate(base)).any(dim=0).nonzero().flatten().tolist()
+    except Exception:  # noqa: BLE001 - not a function of the fused product alone
+        return None
+    return {(0,): True, (1,): False}.get(tuple(changed))
 
 
 def own_activations(small: nn.Module, ffn: FoundFFN) -> list[str]:

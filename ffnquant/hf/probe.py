@@ -19,7 +19,7 @@ from ..errors import FFNQuantError
 from ..spec import Activation
 from .arch import Install
 from .ffn_candidates import FoundFFN
-from .own import elementwise, own_activations, own_gate, own_middle, rowwise
+from .own import elementwise, gate_interleaved, own_activations, own_gate, own_middle, rowwise
 
 __all__ = ["probe", "probe_activation", "takes_residual"]
 
@@ -73,8 +73,11 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
     for name, role in ffn.roles.items():
         n_in = f if role == "w_down" else d
         n_out = d if role == "w_down" else (2 * f if "+" in role else f)
-        if ffn.install is Install.EXPERTS:
-            setattr(small, name, nn.Parameter(torch.empty(1, n_out, n_in, device="meta")))
+        if ffn.install is Install.EXPERTS:  # input-major experts (gpt-oss') hold [E, in, out], biases [E, out]
+            shape = (1, n_in, n_out) if ffn.transposed else (1, n_out, n_in)
+            setattr(small, name, nn.Parameter(torch.empty(*shape, device="meta")))
+            if isinstance(getattr(small, f"{name}_bias", None), torch.Tensor):
+                setattr(small, f"{name}_bias", nn.Parameter(torch.empty(1, n_out, device="meta")))
             continue
         old = small.get_submodule(name)
         if ffn.transposed:
@@ -92,8 +95,10 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
                 setattr(small, attr, value)
     small = small.to_empty(device="cpu").float()
     with torch.no_grad():
+        input_major = {id(getattr(small, n)) for n in ffn.roles} if ffn.install is Install.EXPERTS and ffn.transposed \
+            else set()
         for p in small.parameters():  # unit-scale outputs: the activations' shapes are told apart on them
-            fan_in = p.shape[-1] if p.dim() >= 2 else 1
+            fan_in = (p.shape[-2] if id(p) in input_major else p.shape[-1]) if p.dim() >= 2 else 1
             p.copy_(torch.randn(p.shape, generator=gen) * (1.5 * fan_in ** -0.5 if p.dim() >= 2 else 0.5))
         # buffers too: to_empty leaves them as whatever memory held (xIELU's beta and eps), and a probe must give
         # the same verdict every run
@@ -107,7 +112,8 @@ def _matrices(small: nn.Module, ffn: FoundFFN) -> dict[str, tuple[torch.Tensor, 
     out = {}
     for name in ffn.roles:
         if ffn.install is Install.EXPERTS:
-            out[name] = (getattr(small, name)[0], None)
+            w, b = getattr(small, name)[0], getattr(small, f"{name}_bias", None)
+            out[name] = (w.t() if ffn.transposed else w, b[0] if isinstance(b, torch.Tensor) else None)
             continue
         m = small.get_submodule(name)
         w = m.weight.t() if ffn.transposed else m.weight
@@ -135,7 +141,10 @@ def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mappin
     down = by_role["w_down"]
     if "w_up" not in by_role:  # a fused gate+up matrix
         both = by_role.get("w_gate+w_up") or by_role["w_up+w_gate"]
-        first, second = lin(both, x).chunk(2, dim=-1)
+        product = lin(both, x)
+        # a gate function that reads the halves interleaved (gpt-oss'): gate and up are every other column
+        first, second = ((product[..., 0::2], product[..., 1::2]) if getattr(act, "interleaved", False)
+                         else product.chunk(2, dim=-1))
         gate, up = (first, second) if both == by_role.get("w_gate+w_up") else (second, first)
     elif "w_gate" in by_role:
         gate, up = lin(by_role["w_gate"], x), lin(by_role["w_up"], x)
@@ -247,10 +256,11 @@ def _own_tries(module: nn.Module, small: nn.Module, ffn: FoundFFN, f: int, gen: 
     for roles in _assignments(ffn):
         for n in own_acts:
             yield roles, Activation.OWN, small.get_submodule(n), n, lambda n=n: copy.deepcopy(module.get_submodule(n))
+    layout = gate_interleaved(small, f, gen) if callable(getattr(small, "_apply_gate", None)) else None
     for roles in _assignments(ffn):
-        gate = own_gate(small, ffn, roles)
+        gate = own_gate(small, ffn, roles, bool(layout)) if layout is not None else None
         if gate is not None and elementwise(gate, f, gen, 2):
-            yield roles, Activation.OWN_GATE, gate, "", lambda r=roles: own_gate(module, ffn, r)
+            yield roles, Activation.OWN_GATE, gate, "", lambda r=roles: own_gate(module, ffn, r, bool(layout))
         middle = own_middle(small, ffn, roles) if ffn.install is Install.MODULE and not residual else None
         if middle is not None and rowwise(middle, f, gen, 2 if ffn.gated else 1):
             yield (roles, Activation.OWN_GATE if ffn.gated else Activation.OWN, middle, "",
