@@ -27,6 +27,7 @@ from ..infra.atomic import atomic_path, ensure_writable_dir, owned_temp_file
 from ..infra.resources import check_memory
 from .arch import Install, ModelKind
 from .checkpoint import LayerInfo, ModelInfo, inspect_model
+from .probe import takes_sorted_tokens
 from .corpus import (DEFAULT_SEQ_LEN, TextSource, document_text, document_windows, load_documents, shipped_corpus,
                      source_items, source_label, window_batches)
 
@@ -327,6 +328,13 @@ def ffn_input_hooks(
 
     def experts_hook(group: list[LayerInfo]):
         def hook(module, args, kwargs):
+            if takes_sorted_tokens(module):  # each expert's block of rows, zero where a token is not routed to it
+                rows = _first_input(args, kwargs).detach().float()
+                per_expert = rows.reshape(module.num_experts, -1, rows.shape[-1])
+                for layer in group:
+                    x = per_expert[layer.expert]
+                    sink(layer, x[(x != 0).any(dim=-1)])
+                return
             hidden, top_k_index, _ = routed_call(module, args, kwargs)
             hidden = hidden.detach().reshape(-1, hidden.shape[-1]).float()
             for layer in group:
@@ -443,6 +451,11 @@ def _experts_forward(module: nn.Module, replacements: Mapping[int, Callable[[tor
     """A forward for a fused experts module (MixtralExperts' math) with some experts replaced."""
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if takes_sorted_tokens(module):  # every expert on its own block of rows (Llama 4's)
+            rows = _first_input(args, kwargs)
+            per_expert = rows.reshape(module.num_experts, -1, rows.shape[-1])
+            return torch.cat([(replacements[e] if e in replacements else expert_forward(module, e, transposed))(
+                per_expert[e]).to(rows.dtype) for e in range(module.num_experts)])
         hidden_states, top_k_index, top_k_weights = routed_call(module, args, kwargs)
         out = torch.zeros_like(hidden_states)
         for expert in range(module.num_experts):

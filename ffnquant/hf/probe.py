@@ -21,7 +21,7 @@ from .arch import Install
 from .ffn_candidates import FoundFFN
 from .own import elementwise, gate_interleaved, own_activations, own_gate, own_middle, rowwise
 
-__all__ = ["probe", "probe_activation", "takes_residual"]
+__all__ = ["probe", "probe_activation", "takes_residual", "takes_sorted_tokens"]
 
 _ACT_FN = {
     Activation.RELU: torch.relu,
@@ -164,12 +164,27 @@ def takes_residual(module: nn.Module) -> bool:
             and params[1].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
 
 
+def takes_sorted_tokens(module: nn.Module) -> bool:
+    """Whether a fused experts module's forward takes the hidden states alone, every expert's rows stacked
+    ([experts x tokens, d], Llama 4's: its MoE block scales each token by its router score, zero where it is not
+    routed), rather than the tokens with their top-k experts and weights (Mixtral's)."""
+    try:
+        params = [p for p in inspect.signature(type(module).forward).parameters.values()][1:]
+    except (TypeError, ValueError):
+        return False
+    # one parameter in all: gpt-oss' forward(hidden_states, router_indices=None, routing_weights=None) routes
+    return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
 def _module_output(small: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: str,
                    residual: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():
         if residual is not None:  # the module adds it: FFN(x) + residual
             return small(x, residual)
         if ffn.install is Install.EXPERTS:
+            if takes_sorted_tokens(small):  # one expert: its rows are the tokens (Llama 4's)
+                return small(x)
             index = torch.zeros(x.shape[0], 1, dtype=torch.long)
             return small(x, index, torch.ones(x.shape[0], 1))
         if ffn.install is Install.SPLIT:  # the block's own Linears: first, activation, second
