@@ -211,10 +211,11 @@ def test_experts_without_a_gate_are_written_and_proven(tmp_path):
 
 def test_experts_transformers_saves_fused_are_written_per_expert_and_a_folder_left_fused_fails(tmp_path, monkeypatch,
                                                                                               capsys):
-    """Llama 4 stores its routed experts fused (gate_up_proj [E, d, 2f], down_proj [E, f, d]) and transformers saves
-    them so, but loads a compressed-tensors folder's experts per expert (SequentialLlama4TextExperts): the folder
-    holds them per expert and is proven. Left fused, transformers initialises them at random: the proof fails,
-    naming the tensors missing from the files."""
+    """Llama 4 stores its routed experts fused and input-major (gate_up_proj [E, d, 2f], down_proj [E, f, d]) and
+    transformers saves them so, but loads a compressed-tensors folder's experts per expert
+    (SequentialLlama4TextExperts): each quantized expert is written packed under experts.N.<projection>, llm-
+    compressor's layout, and the folder is proven expert by expert. Left fused, there is no per-expert tensor to
+    replace: refused in one line, no folder left."""
     from safetensors import safe_open
 
     import ffnquant.deploy.ctensors as ctensors
@@ -222,23 +223,26 @@ def test_experts_transformers_saves_fused_are_written_per_expert_and_a_folder_le
     T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
     T.logging.set_verbosity_error()
     folder = save_causal_tiny(T, "llama4_text", tmp_path / "llama4", tokenizer(T))
-    plan = _plan(folder, {0: "w4a16-g32", 1: "w4a16-g32"}, tmp_path / "plan.toml")  # the shared experts
+    plan = _plan(folder, {0: "w4a16-g32", 1: "w4a16-g32"}, tmp_path / "plan.toml")  # its routed experts
     out = tmp_path / "ct"
     assert main(["export", "--model", str(folder), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
                  "--no-progress", "--out", str(out)]) == 0
     doc = json.loads((out / "ffnquant-deploy.json").read_text())
-    assert doc["proof"]["proven"] and doc["proof"]["missing_from_files"] == []
+    proof = doc["proof"]
+    assert proof["proven"] and proof["missing_from_files"] == [] and proof["weights"]["all_identical"]
+    assert proof["weights"]["modules"] == 2 * 4 * 3  # two layers of four experts, three projections each
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.feed_forward.experts.gate_up_proj" not in keys
-    assert {f"model.layers.1.feed_forward.experts.3.{p}_proj.weight" for p in ("gate", "up", "down")} <= keys
+    assert {f"model.layers.1.feed_forward.experts.3.{p}_proj.weight_{k}" for p in ("gate", "up", "down")
+            for k in ("packed", "scale", "shape")} <= keys
     capsys.readouterr()
     monkeypatch.setattr(ctensors, "unfused_for_loader", lambda folder, model: [])
     assert main(["export", "--model", str(folder), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
-                 "--no-progress", "--out", str(tmp_path / "fused")]) == 1
+                 "--no-progress", "--out", str(tmp_path / "fused")]) == 2
     said = capsys.readouterr()
-    assert "NOT PROVEN" in said.out + said.err and "missing from the files" in said.out + said.err
-    assert "feed_forward.experts" in said.out + said.err and not (tmp_path / "fused").exists()
+    assert "transformers saved no tensor 'model.layers.0.feed_forward.experts.0." in said.err
+    assert not (tmp_path / "fused").exists()
 
 
 def test_experts_saved_under_names_transformers_renames_are_written_under_them_and_proven(tmp_path):

@@ -321,17 +321,53 @@ def test_an_mlp_computing_more_between_its_linears_is_computed_by_its_own_module
         assert torch.allclose(ours, theirs, rtol=0, atol=64 * torch.finfo(torch.float32).eps * float(theirs.abs().max()))
 
 
-def test_routed_experts_in_a_layout_ffnquant_does_not_read_are_named_float_never_skipped(tmp_path):
-    """Llama 4's routed experts take tokens already sorted per expert (forward(hidden_states) alone, its MoE block
-    routes), beside a shared expert: the shared expert is quantized, and the routed experts are said to stay float,
-    with the reason, not skipped."""
-    info = inspect_model(_folder(tmp_path, "llama4_text"))
-    assert all(layer.name.endswith("feed_forward.shared_expert") for layer in info.layers)
-    parts = [p for p in info.arch.float_parts if "feed_forward.experts" in p]
-    assert len(parts) == 2 and all("(routed experts: ffnquant cannot reproduce this FFN's output" in p and
-                                   "Llama4TextExperts.forward() takes 2 positional arguments" in p and
-                                   p.endswith("stay float, ffnquant quantizes feed_forward.shared_expert here")
-                                   for p in parts)
+def test_routed_experts_ffnquant_cannot_run_are_named_float_never_skipped():
+    """Routed experts whose module ffnquant cannot run as a model's MoE block does (here: a forward taking a
+    routing object of its own) beside a dense MLP: the MLP is quantized, the experts are said to stay float, with
+    the probe's reason, not skipped."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from ffnquant.hf.discover import discover
+
+    d, f, n_experts = 8, 16, 4
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(n_experts, 2 * f, d))
+            self.down_proj = nn.Parameter(torch.randn(n_experts, d, f))
+
+        def forward(self, hidden_states, routing):  # a protocol of its own
+            return routing.combine(hidden_states)
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f), nn.Linear(d, f), nn.Linear(f, d)
+
+        def forward(self, x):
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.experts = MLP(), Experts()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = types.SimpleNamespace(hidden_size=d, model_type="toy")
+            self.layers = nn.ModuleList([Block(), Block()])
+
+    found = discover(Model(), "toy")
+    assert found.ffn.path == "mlp"
+    parts = [p for p in found.float_parts if " experts (routed experts: " in p]
+    assert len(parts) == 2 and all("ffnquant cannot reproduce this FFN's output" in p and "running a copy of it "
+                                   "failed" in p and p.endswith("stay float, ffnquant quantizes mlp here")
+                                   for p in parts), parts
 
 
 def test_input_major_biased_interleaved_experts_are_read_and_computed_as_the_model_does(tmp_path):

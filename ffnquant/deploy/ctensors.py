@@ -200,10 +200,12 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
         model.save_pretrained(folder)
         if schemes:
             compressor.update_config(str(folder))
-        routed = write_experts(folder, planned, experts, _set_params, module_args, dtype) if experts else None
         # experts transformers saves fused but loads per expert from a compressed-tensors folder, rewritten so
-        quantized_folder = "quantization_config" in json.loads((folder / "config.json").read_text())
+        # (first: the quantized ones then replace their per-expert float tensors)
+        quantized_folder = any(mq.grid is not None for mq in experts or ()) or \
+            "quantization_config" in json.loads((folder / "config.json").read_text())
         unfused = unfused_for_loader(folder, model) if quantized_folder else []
+        routed = write_experts(folder, planned, experts, _set_params, module_args, dtype) if experts else None
         # float tensors its loader concatenates, which it cannot find once a quantization config is present
         concatenated = concatenated_for_loader(folder, model) if quantized_folder else []
     copied = _copy_side_files(Path(planned.info.path), folder)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # annotations only
     from .planned import ModuleQuant, PlannedModel
 
 __all__ = ["EXPERTS_WHY", "has_experts", "tied_layers", "experts_refusal", "plan_experts_refusal", "experts_target",
-           "write_experts"]
+           "loader_expert_names", "write_experts"]
 
 EXPERTS_WHY = ("transformers loads a folder's routed experts decompressed from compressed-tensors' pack-quantized "
                "tensors, all under one scheme: every routed expert takes one weight-only symmetric int4/int8 recipe "
@@ -209,6 +209,16 @@ def _llama4_experts(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torc
 # save writes them fused: how each one's fused tensors split into those. Measured with transformers 5.25: a Llama 4
 # folder left fused loads with its routed experts initialised at random ("MISSING ... experts.N.gate_proj.weight").
 _LOADER_SPLITS = {"Llama4TextExperts": (("gate_up_proj", "down_proj"), _llama4_experts)}
+# the per-expert Linears of each (`_llama4_experts`' names), by ffnquant weight
+_LOADER_NAMES = {"Llama4TextExperts": {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}}
+
+
+def loader_expert_names(arch: Any) -> dict[str, str]:
+    """ffnquant weight -> the per-expert Linear name transformers' loader reads a fused experts module of `arch` as
+    from a compressed-tensors folder (Llama 4's experts.N.gate_proj), where it does and ffnquant splits it; {}
+    otherwise (a fused checkpoint then cannot carry quantized experts)."""
+    cls = getattr(arch, "experts_class", "")
+    return dict(_LOADER_NAMES.get(cls, {})) if cls in _LOADER_SPLITS and cls in _loader_patched() else {}
 
 
 def _loader_patched() -> set[str]:

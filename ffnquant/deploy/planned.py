@@ -121,20 +121,22 @@ class PlannedModel:
         the fused experts tensors (`expert_rows`)."""
         if mq.expert is None:
             return self.model.get_submodule(mq.module).weight.detach()
-        return expert_rows(self.model.get_submodule(mq.fused), mq.expert, mq.weight).detach()
+        return expert_rows(self.model.get_submodule(mq.fused), mq.expert, mq.weight,
+                           self.info.arch.transposed).detach()
 
 
-def expert_rows(module: nn.Module, expert: int, weight: str) -> torch.Tensor:
+def expert_rows(module: nn.Module, expert: int, weight: str, transposed: bool = False) -> torch.Tensor:
     """One routed expert's `weight` ("w_gate", "w_up", "w_down", [out, in]) as a view of a fused experts module's
     tensors (gate_up_proj [E, 2f, d], gate rows first, or without a gate up_proj [E, f, d]; down_proj [E, d, f]:
-    `hf.capture.expert_forward`)."""
+    `hf.capture.expert_forward`); `transposed`: input-major tensors ([E, d, 2f], [E, f, d]: Llama 4's)."""
+    view = (lambda t: t.t()) if transposed else (lambda t: t)  # noqa: E731
     if weight == "w_down":
-        return module.down_proj[expert]
+        return view(module.down_proj[expert])
     if not hasattr(module, "gate_up_proj"):
         if weight != "w_up":
             raise FFNQuantError(f"{type(module).__name__} has no gate: its experts have no {weight}")
-        return module.up_proj[expert]
-    gate, up = module.gate_up_proj[expert].chunk(2, dim=0)
+        return view(module.up_proj[expert])
+    gate, up = view(module.gate_up_proj[expert]).chunk(2, dim=0)
     return gate if weight == "w_gate" else up
 
 
@@ -170,7 +172,9 @@ def deployable_refusal(info: ModelInfo, fmt: str = "compressed-tensors") -> str 
                     "store (it rewrites one FFN's matmuls per block, and writes no onnxruntime MoE/QMoE operator); "
                     "the compressed-tensors folder and per-layer ONNX artifacts do")
         fused = next((layer for layer in info.layers if layer.fused_expert_tensors), None)
-        if fused is not None:
+        from .experts import loader_expert_names
+
+        if fused is not None and not loader_expert_names(arch):
             return (f"{info.model_type}: its checkpoint stores the routed experts fused ({', '.join(fused.tensors.values())}); "
                     "transformers loads quantized experts only from per-expert tensors (experts.N.<projection>), so a "
                     "compressed-tensors folder of it would not load")
@@ -216,6 +220,8 @@ def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str, expert: int |
     if expert is not None:
         from ..hf.capture import expert_forward
 
+        if isinstance(module, nn.ModuleList):  # a loader's per-expert modules (Llama 4's from a compressed folder)
+            return module[expert]
         return expert_forward(module, expert, info.arch.transposed)
     if info.arch.install is info.arch.install.SPLIT:
         first, act, second = (module.get_submodule(a) for a in info.arch.split_attrs)
@@ -306,6 +312,10 @@ def _copy_weights(model: nn.Module, ffn: Any, names: Mapping[str, str]) -> None:
 def expert_linear_names(info: ModelInfo, layer: Any) -> dict[str, str]:
     """ffnquant weight name -> the routed expert's Linear as its checkpoint names it on disk (the tensor name less
     ".weight", e.g. "model.layers.3.mlp.experts.7.gate_proj"): what compressed-tensors stores it under."""
+    from .experts import loader_expert_names
+
+    if layer.fused_expert_tensors:  # stored fused: the per-expert names transformers' loader reads (Llama 4's)
+        return {w: f"{layer.name}.{layer.expert}.{proj}" for w, proj in loader_expert_names(info.arch).items()}
     out = {}
     for role, name in layer.tensors.items():
         base, _, kind = role.rpartition(".")
@@ -326,7 +336,7 @@ def _expert_quants(model: nn.Module, info: ModelInfo, layer: Any, ffn_module: st
     fused = model.get_submodule(ffn_module)
     with torch.no_grad():
         for weight in names:
-            dst, src = expert_rows(fused, layer.info.expert, weight), getattr(qffn.model, weight).weight
+            dst, src = expert_rows(fused, layer.info.expert, weight, info.arch.transposed), getattr(qffn.model, weight).weight
             if tuple(dst.shape) != tuple(src.shape):
                 raise FFNQuantError(f"{ffn_module}: expert {layer.info.expert}'s {weight} is {tuple(dst.shape)} in "
                                     f"the model, {tuple(src.shape)} in ffnquant's FFN")

@@ -289,6 +289,7 @@ class Arch:
     activation_attr: str = ""
     # a fused gate+up matrix whose gate and up rows alternate (gpt-oss' experts, read so by their own gate function)
     interleaved: bool = False
+    experts_class: str = ""  # the class of a fused experts module (Llama4TextExperts: its loader's per-expert split)
 
     def d_model(self, config: Mapping[str, Any], where: str) -> int:
         if self.fixed is not None:

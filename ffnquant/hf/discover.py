@@ -114,7 +114,7 @@ class Discovery:
             return Arch(**common, tensor_pattern=expert_prefix + r"\.(?P<role>" + expert_re + r")\.(?P<kind>weight|bias)",
                         # each fused tensor's biases under <name>_bias (gpt-oss')
                         fused_experts_pattern=fused_prefix + r"\.(?P<role>" + roles_re + ")(?P<bias>_bias)?",
-                        interleaved=bool(getattr(ffn.act_module, "interleaved", False)),
+                        interleaved=bool(getattr(ffn.act_module, "interleaved", False)), experts_class=ffn.linear_class,
                         gated_roles=tuple(sorted(per_expert)), dense_roles=tuple(sorted(per_expert)),
                         fused_expert_roles=roles, install=Install.EXPERTS, n_experts_key="num_experts")
         pattern = prefix + r"\.(?P<role>" + roles_re + r")\.(?P<kind>weight|bias)"

@@ -125,7 +125,8 @@ def _fused_experts(path: str, module: nn.Module, params3: Mapping[str, torch.Ten
         biases = [getattr(module, f"{n}_bias", None) for n in (first, down)]
         bias = any(isinstance(t, torch.Tensor) and t.dim() == 2 for t in biases)
         roles = {first: "w_gate+w_up" if gated else "w_up", down: "w_down"}
-        return FoundFFN(path, Install.EXPERTS, roles, d, f, gated, transposed, bias, experts=int(w1.shape[0]))
+        return FoundFFN(path, Install.EXPERTS, roles, d, f, gated, transposed, bias, experts=int(w1.shape[0]),
+                        linear_class=type(module).__name__)
     return None
 
 
