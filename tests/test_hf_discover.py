@@ -447,7 +447,7 @@ def test_a_routed_call_is_read_whether_its_arguments_come_by_position_or_by_name
     import torch
     from torch import nn
 
-    from ffnquant.hf.capture import routed_call
+    from ffnquant.hf.routed import routed_call
 
     class Experts(nn.Module):
         def forward(self, hidden_states, router_indices=None, routing_weights=None):

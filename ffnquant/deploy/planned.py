@@ -128,7 +128,7 @@ class PlannedModel:
 def expert_rows(module: nn.Module, expert: int, weight: str, transposed: bool = False) -> torch.Tensor:
     """One routed expert's `weight` ("w_gate", "w_up", "w_down", [out, in]) as a view of a fused experts module's
     tensors (gate_up_proj [E, 2f, d], gate rows first, or without a gate up_proj [E, f, d]; down_proj [E, d, f]:
-    `hf.capture.expert_forward`); `transposed`: input-major tensors ([E, d, 2f], [E, f, d]: Llama 4's)."""
+    `hf.routed.expert_forward`); `transposed`: input-major tensors ([E, d, 2f], [E, f, d]: Llama 4's)."""
     view = (lambda t: t.t()) if transposed else (lambda t: t)  # noqa: E731
     if weight == "w_down":
         return view(module.down_proj[expert])
@@ -215,10 +215,10 @@ def _linear_names(ffn_module: str, info: ModelInfo) -> dict[str, str]:
 def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str, expert: int | None = None) -> Any:
     """The FFN of a (loaded) transformers model as one callable on [..., d_model]: the module itself, or for
     Linears in the block itself (OPT) the first Linear, the activation and the second in turn; a routed `expert`
-    of the fused experts module `ffn_module` (`hf.capture.expert_forward`)."""
+    of the fused experts module `ffn_module` (`hf.routed.expert_forward`)."""
     module = model.get_submodule(ffn_module)
     if expert is not None:
-        from ..hf.capture import expert_forward
+        from ..hf.routed import expert_forward
 
         if isinstance(module, nn.ModuleList):  # a loader's per-expert modules (Llama 4's from a compressed folder)
             return module[expert]

@@ -28,8 +28,9 @@ from torch import nn
 
 from ..errors import FFNQuantError
 from .arch import Install, ModelKind, NormGain
-from .capture import _first_input, _model_inputs, _module_for, _residual_input, routed_call
+from .capture import _first_input, _model_inputs, _module_for, _residual_input
 from .probe import takes_sorted_tokens
+from .routed import routed_call
 from .checkpoint import LayerInfo, ModelInfo
 
 __all__ = ["FoldSite", "fold_sites", "check_sites", "first_matrices", "FOLD_RTOL", "check_reproduction", "REPRODUCE_RTOL"]

@@ -63,7 +63,7 @@ class Routed:
 
 def routed_sum(routed: Routed, experts: Mapping[int, Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
     """The experts module's output: each token's chosen experts (`experts` by id) weighted and summed, in the
-    order and arithmetic of transformers' fused experts (`hf.capture._experts_forward`)."""
+    order and arithmetic of transformers' fused experts (`hf.routed.experts_forward`)."""
     x, out = routed.x, torch.zeros_like(routed.x)
     for expert in sorted(experts):
         token, slot = torch.where(routed.index == expert)

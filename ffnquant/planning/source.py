@@ -84,7 +84,7 @@ def _routed(experts: Any, sink: dict[str, list]):
     """While active, each call of an experts module appends what it receives (tokens, experts, routing weights) as
     a `planning.moe.Routed` to `sink["routed"]`."""
     def hook(module, args, kwargs):  # returns None: the call's arguments stay as they are
-        from ..hf.capture import routed_call
+        from ..hf.routed import routed_call
         from ..hf.probe import takes_sorted_tokens
 
         if takes_sorted_tokens(module):  # Llama 4's: every expert its own block of rows, scaled by its router score
