@@ -59,8 +59,9 @@ class Activation(str, enum.Enum):
     # the model's own elementwise activation module, with its learned parameters per layer (Apertus' xIELU): found
     # by `hf.discover`, read from each layer's checkpoint; only an FFN loaded from a model computes it
     OWN = "own"
-    # the model's own gate function of gate and up together, hidden = fn(gate, up) (clamped or soft-capped SwiGLU:
-    # MiniMax-M3, Inkling 2): the act site is its output; gated FFNs loaded from a model only
+    # the model's own function of gate and up together, hidden = fn(gate, up): an experts module's gate function
+    # (MiniMax-M3's clamped, Inkling 2's soft-capped SwiGLU, gpt-oss'), or all a dense MLP computes between its
+    # Linears (BitNet's, Dory's norms); the act site is its output; gated FFNs loaded from a model only
     OWN_GATE = "own_gate"
 
     def __str__(self) -> str:
