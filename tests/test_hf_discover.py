@@ -443,11 +443,12 @@ def test_an_experts_gate_function_tells_how_it_reads_gate_and_up(layout, expecte
 
 
 def test_a_routed_call_is_read_whether_its_arguments_come_by_position_or_by_name():
-    """A MoE block may call its experts module with the routing by keyword, under the module's own names."""
+    """A MoE block may call its experts module with the routing by keyword, under the module's own names; a module
+    that takes every expert's rows stacked (Llama 4's) hands each row to its one expert, weight 1."""
     import torch
     from torch import nn
 
-    from ffnquant.hf.routed import routed_call
+    from ffnquant.hf.routed import routed_rows
 
     class Experts(nn.Module):
         def forward(self, hidden_states, router_indices=None, routing_weights=None):
@@ -455,5 +456,15 @@ def test_a_routed_call_is_read_whether_its_arguments_come_by_position_or_by_name
 
     h, i, w = torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
     for args, kwargs in (((h, i, w), {}), ((h,), {"routing_weights": w, "router_indices": i})):
-        got = routed_call(Experts(), args, kwargs)
-        assert got[0] is h and got[1] is i and got[2] is w
+        got = routed_rows(Experts(), args, kwargs)
+        assert torch.equal(got[0], h) and got[1] is i and got[2] is w
+
+    class Stacked(nn.Module):
+        num_experts = 3
+
+        def forward(self, hidden_states):
+            return hidden_states
+
+    rows = torch.randn(6, 4)
+    x, index, weights = routed_rows(Stacked(), (rows,), {})
+    assert torch.equal(x, rows) and index.flatten().tolist() == [0, 0, 1, 1, 2, 2] and torch.equal(weights, torch.ones(6, 1))

@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from ..hf import EvalSettings, capture_layer_inputs, end_to_end, load_ffn_layers, quantized_layers
 from ..hf.capture import _module_for
+from ..hf.routed import expert_forward, expert_weight
 from ..methods.fakequant import WEIGHT_INPUT_SITE, SiteRange, WeightGrid
 from ..numerics.accuracy import held_rows
 from ..numerics.remedies import BlockHadamard
@@ -32,7 +33,7 @@ if TYPE_CHECKING:  # annotations only
     from ..planning.planfile import Plan
     from ..recipe import Recipe
 
-__all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "loaded_ffn", "expert_rows",
+__all__ = ["ModuleQuant", "PlannedModel", "deployable_refusal", "build_planned_model", "loaded_ffn",
            "expert_linear_names"]
 
 
@@ -118,26 +119,10 @@ class PlannedModel:
 
     def weight_of(self, mq: ModuleQuant) -> torch.Tensor:
         """The weight `model` holds for `mq` ([out, in], float32): its Linear's, or a routed expert's rows of
-        the fused experts tensors (`expert_rows`)."""
+        the fused experts tensors (`hf.routed.expert_weight`)."""
         if mq.expert is None:
             return self.model.get_submodule(mq.module).weight.detach()
-        return expert_rows(self.model.get_submodule(mq.fused), mq.expert, mq.weight,
-                           self.info.arch.transposed).detach()
-
-
-def expert_rows(module: nn.Module, expert: int, weight: str, transposed: bool = False) -> torch.Tensor:
-    """One routed expert's `weight` ("w_gate", "w_up", "w_down", [out, in]) as a view of a fused experts module's
-    tensors (gate_up_proj [E, 2f, d], gate rows first, or without a gate up_proj [E, f, d]; down_proj [E, d, f]:
-    `hf.routed.expert_forward`); `transposed`: input-major tensors ([E, d, 2f], [E, f, d]: Llama 4's)."""
-    view = (lambda t: t.t()) if transposed else (lambda t: t)  # noqa: E731
-    if weight == "w_down":
-        return view(module.down_proj[expert])
-    if not hasattr(module, "gate_up_proj"):
-        if weight != "w_up":
-            raise FFNQuantError(f"{type(module).__name__} has no gate: its experts have no {weight}")
-        return view(module.up_proj[expert])
-    gate, up = view(module.gate_up_proj[expert]).chunk(2, dim=0)
-    return gate if weight == "w_gate" else up
+        return expert_weight(self.model.get_submodule(mq.fused), mq.expert, mq.weight, self.info.arch).detach()
 
 
 def _split_on_load(info: ModelInfo) -> str:
@@ -218,8 +203,6 @@ def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str, expert: int |
     of the fused experts module `ffn_module` (`hf.routed.expert_forward`)."""
     module = model.get_submodule(ffn_module)
     if expert is not None:
-        from ..hf.routed import expert_forward
-
         if isinstance(module, nn.ModuleList):  # a loader's per-expert modules (Llama 4's from a compressed folder)
             return module[expert]
         return expert_forward(module, expert, info.arch.transposed)
@@ -336,7 +319,7 @@ def _expert_quants(model: nn.Module, info: ModelInfo, layer: Any, ffn_module: st
     fused = model.get_submodule(ffn_module)
     with torch.no_grad():
         for weight in names:
-            dst, src = expert_rows(fused, layer.info.expert, weight, info.arch.transposed), getattr(qffn.model, weight).weight
+            dst, src = expert_weight(fused, layer.info.expert, weight, info.arch), getattr(qffn.model, weight).weight
             if tuple(dst.shape) != tuple(src.shape):
                 raise FFNQuantError(f"{ffn_module}: expert {layer.info.expert}'s {weight} is {tuple(dst.shape)} in "
                                     f"the model, {tuple(src.shape)} in ffnquant's FFN")

@@ -27,8 +27,7 @@ from ..infra.atomic import atomic_path, ensure_writable_dir, owned_temp_file
 from ..infra.resources import check_memory
 from .arch import Install, ModelKind
 from .checkpoint import LayerInfo, ModelInfo, inspect_model
-from .probe import takes_sorted_tokens
-from .routed import experts_forward, routed_call
+from .routed import experts_forward, routed_rows
 from .corpus import (DEFAULT_SEQ_LEN, TextSource, document_text, document_windows, load_documents, shipped_corpus,
                      source_items, source_label, window_batches)
 
@@ -328,18 +327,12 @@ def ffn_input_hooks(
 
     def experts_hook(group: list[LayerInfo]):
         def hook(module, args, kwargs):
-            if takes_sorted_tokens(module):  # each expert's block of rows, zero where a token is not routed to it
-                rows = _first_input(args, kwargs).detach().float()
-                per_expert = rows.reshape(module.num_experts, -1, rows.shape[-1])
-                for layer in group:
-                    x = per_expert[layer.expert]
-                    sink(layer, x[(x != 0).any(dim=-1)])
-                return
-            hidden, top_k_index, _ = routed_call(module, args, kwargs)
-            hidden = hidden.detach().reshape(-1, hidden.shape[-1]).float()
+            hidden, top_k_index, _ = routed_rows(module, args, kwargs)
+            hidden = hidden.detach().float()
+            # the rows routed to each expert; a zero row is a token not routed there (Llama 4's stacked rows)
+            nonzero = (hidden != 0).any(dim=-1)
             for layer in group:
-                routed = (top_k_index == layer.expert).any(dim=-1)
-                sink(layer, hidden[routed])
+                sink(layer, hidden[(top_k_index == layer.expert).any(dim=-1) & nonzero])
 
         return hook
 

@@ -29,8 +29,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from .arch import Install, ModelKind, NormGain
 from .capture import _first_input, _model_inputs, _module_for, _residual_input
-from .probe import takes_sorted_tokens
-from .routed import routed_call
+from .routed import routed_rows
 from .checkpoint import LayerInfo, ModelInfo
 
 __all__ = ["FoldSite", "fold_sites", "check_sites", "first_matrices", "FOLD_RTOL", "check_reproduction", "REPRODUCE_RTOL"]
@@ -296,14 +295,13 @@ def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torc
     def keep(key: str):
         def hook(module, args, kwargs, out):  # returns None: the output passes unchanged
             if key not in seen:
-                x = _first_input(args, kwargs)
-                # routed experts: the call's top-k indices and weights (none where every expert takes its own rows)
-                extra = tuple(a.detach().clone() for a in routed_call(module, args, kwargs)[1:]) \
-                    if arch.install is Install.EXPERTS and not takes_sorted_tokens(module) else ()
+                # routed experts: what the call hands each expert, with its experts and weights
+                inputs = (routed_rows(module, args, kwargs) if arch.install is Install.EXPERTS
+                          else (_first_input(args, kwargs),))
                 y = out[0] if isinstance(out, (tuple, list)) else out
                 if arch.residual_arg:  # the module returned FFN(x) + residual: the FFN's part is compared
                     y = y - _residual_input(args, kwargs)
-                seen[key] = ((x.detach().clone(), *extra), y.detach().clone())
+                seen[key] = (tuple(t.detach().clone() for t in inputs), y.detach().clone())
         return hook
 
     def keep_split(key: str, part: str):
@@ -342,11 +340,6 @@ def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torc
             if arch.install is Install.SPLIT:
                 x, want = seen[name + ":in"][0][0], seen[name + ":out"][1]
                 got = group[0].ffn(x.reshape(-1, x.shape[-1])).reshape(want.shape)
-            elif arch.install is Install.EXPERTS and len(seen[name][0]) == 1:  # Llama 4's: each expert its rows
-                (x,), want = seen[name]
-                by_expert = {layer.info.expert: layer for layer in group}
-                rows = x.reshape(len(by_expert), -1, x.shape[-1])
-                got = torch.cat([by_expert[e].ffn(rows[e]) for e in sorted(by_expert)]).reshape(want.shape)
             elif arch.install is Install.EXPERTS:
                 (x, index, weights), want = seen[name]
                 x = x.reshape(-1, x.shape[-1])

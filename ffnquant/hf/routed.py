@@ -1,7 +1,7 @@
-"""Routed experts held as 3-D tensors in one module, as transformers (>= 5) computes them: one expert's FFN
-(`expert_forward`: output-major or input-major tensors, biases, the module's own gate function), the arguments of a
-call however the MoE block passes them (`routed_call`), and the module's forward with some experts replaced
-(`experts_forward`: tokens with their top-k experts and weights, or every expert on its own block of rows)."""
+"""Routed experts held as 3-D tensors in one module, as transformers (>= 5) computes them: one expert's matrix
+(`expert_weight`) and FFN (`expert_forward`) in any of its layouts (output- or input-major, biased, gate and up side
+by side or interleaved, the module's own gate function); what a call of the module hands each expert, however the
+MoE block passes it (`routed_rows`); and the module's forward with some experts replaced (`experts_forward`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,27 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from ..errors import FFNQuantError
 from .probe import takes_sorted_tokens
 
-__all__ = ["expert_forward", "experts_forward", "routed_call"]
+__all__ = ["expert_forward", "expert_weight", "experts_forward", "routed_rows"]
+
+
+def expert_weight(module: nn.Module, expert: int, weight: str, arch: Any) -> torch.Tensor:
+    """One routed expert's `weight` ("w_gate", "w_up", "w_down", [out, in]) as a view of the fused experts module's
+    tensors, in the layout `arch` read them in (`hf.checkpoint`): gate_up_proj [E, 2f, d] or input-major [E, d, 2f]
+    (`arch.transposed`), gate and up side by side (gate first) or alternating (`arch.interleaved`); without a gate,
+    up_proj; down_proj [E, d, f] or [E, f, d]. A view: writing into it writes the module's tensor."""
+    view = (lambda t: t.t()) if arch.transposed else (lambda t: t)  # noqa: E731
+    if weight == "w_down":
+        return view(module.down_proj[expert])
+    if not hasattr(module, "gate_up_proj"):
+        if weight != "w_up":
+            raise FFNQuantError(f"{type(module).__name__} has no gate: its experts have no {weight}")
+        return view(module.up_proj[expert])
+    both = view(module.gate_up_proj[expert])
+    gate, up = (both[0::2], both[1::2]) if arch.interleaved else both.chunk(2, dim=0)
+    return gate if weight == "w_gate" else up
 
 
 def expert_forward(module: nn.Module, expert: int, transposed: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -44,37 +62,43 @@ def expert_forward(module: nn.Module, expert: int, transposed: bool = False) -> 
     return forward
 
 
-def routed_call(module: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden states, top-k expert indices, top-k weights) of a call to a fused experts module, however its MoE
-    block passes them (positionally, or by its own names: gpt-oss' router_indices and routing_weights)."""
+def routed_rows(module: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a call of a fused experts module hands its experts: rows [n, d], each row's experts [n, k] and the
+    weights of their outputs [n, k]. Tokens with their top-k experts and weights, however the MoE block passes them
+    (positionally, or by the module's own names: gpt-oss' router_indices and routing_weights); or, for a module that
+    takes every expert's rows stacked (Llama 4's, `probe.takes_sorted_tokens`), each row with its one expert and
+    weight 1 (its MoE block scaled the row by the router already, zero where the token is not routed there)."""
+    if takes_sorted_tokens(module):
+        rows = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+        rows = rows.reshape(-1, rows.shape[-1])
+        experts = torch.arange(module.num_experts, device=rows.device)
+        index = experts.repeat_interleave(rows.shape[0] // module.num_experts)[:, None]
+        return rows, index, torch.ones(index.shape, dtype=rows.dtype, device=rows.device)
     try:
         bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+        hidden, index, weights = list(bound.arguments.values())[1:4]
     except TypeError:
-        return tuple((list(args) + list(kwargs.values()))[:3])  # type: ignore[return-value]
-    return tuple(list(bound.arguments.values())[1:4])  # type: ignore[return-value]
+        hidden, index, weights = (list(args) + list(kwargs.values()))[:3]
+    return hidden.reshape(-1, hidden.shape[-1]), index, weights
 
 
 def experts_forward(module: nn.Module, replacements: Mapping[int, Callable[[torch.Tensor], torch.Tensor]],
-                     transposed: bool = False):
-    """A forward for a fused experts module (MixtralExperts' math) with some experts replaced."""
+                    transposed: bool = False):
+    """A forward for a fused experts module with some experts replaced: each row through its experts, weighted
+    and summed per row (`routed_rows`), in transformers' order and arithmetic (MixtralExperts')."""
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if takes_sorted_tokens(module):  # every expert on its own block of rows (Llama 4's)
-            rows = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-            per_expert = rows.reshape(module.num_experts, -1, rows.shape[-1])
-            return torch.cat([(replacements[e] if e in replacements else expert_forward(module, e, transposed))(
-                per_expert[e]).to(rows.dtype) for e in range(module.num_experts)])
-        hidden_states, top_k_index, top_k_weights = routed_call(module, args, kwargs)
-        out = torch.zeros_like(hidden_states)
+        shape = (args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))).shape
+        rows, top_k_index, top_k_weights = routed_rows(module, args, kwargs)
+        out = torch.zeros_like(rows)
         for expert in range(module.num_experts):
-            top_k_pos_mask = top_k_index == expert  # [tokens, k]; an expert appears at most once per token
-            token_idx, top_k_pos = torch.where(top_k_pos_mask)
+            token_idx, top_k_pos = torch.where(top_k_index == expert)  # an expert appears at most once per row
             if token_idx.numel() == 0:
                 continue
-            x = hidden_states[token_idx]
-            y = (replacements[expert] if expert in replacements else expert_forward(module, expert, transposed))(x)
+            y = (replacements[expert] if expert in replacements else expert_forward(module, expert, transposed))(
+                rows[token_idx])
             y = y * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
+        return out.reshape(shape)
 
     return forward

@@ -84,21 +84,12 @@ def _routed(experts: Any, sink: dict[str, list]):
     """While active, each call of an experts module appends what it receives (tokens, experts, routing weights) as
     a `planning.moe.Routed` to `sink["routed"]`."""
     def hook(module, args, kwargs):  # returns None: the call's arguments stay as they are
-        from ..hf.routed import routed_call
-        from ..hf.probe import takes_sorted_tokens
+        from ..hf.routed import routed_rows
 
-        if takes_sorted_tokens(module):  # Llama 4's: every expert its own block of rows, scaled by its router score
-            rows = (args[0] if args else next(iter(kwargs.values()))).detach().float()
-            rows = rows.reshape(-1, rows.shape[-1])
-            index = torch.arange(module.num_experts, device=rows.device).repeat_interleave(
-                rows.shape[0] // module.num_experts)[:, None]
-            # every row, as the module computes it (a token not routed to an expert is a zero row there: zero out,
-            # float or quantized), so the rows stay those of the gradients at its output
-            sink.setdefault("routed", []).append(Routed(rows, index, torch.ones(rows.shape[0], 1)))
-            return
-        x, index, weights = routed_call(module, args, kwargs)
-        sink.setdefault("routed", []).append(Routed(x.detach().reshape(-1, x.shape[-1]).float(), index.detach(),
-                                                    weights.detach().float()))
+        # every row, as the module computes it (Llama 4's stacked rows keep their zero rows: tokens not routed to
+        # that expert compute nothing, float or quantized), so the rows stay those of the gradients at its output
+        x, index, weights = routed_rows(module, args, kwargs)
+        sink.setdefault("routed", []).append(Routed(x.detach().float(), index.detach(), weights.detach().float()))
 
     handle = experts.register_forward_pre_hook(hook, with_kwargs=True)
     try:
