@@ -30,6 +30,7 @@ def safetensors_reader(folder: Path):
     by the model's module names, model.layers.N.mlp.gate_proj)."""
     from safetensors import safe_open
 
+    from ..hf.conversions import mapping_for
     from ..hf.weights import loaded_names
 
     handles = {}
@@ -38,15 +39,10 @@ def safetensors_reader(folder: Path):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 where[key] = path
-    stored: dict[str, str] = {}
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
-        stored = loaded_names(list(where), get_checkpoint_conversion_mapping(model_type) or [])
-    except Exception:  # noqa: BLE001 - a transformers without conversion mappings: the stored names only
-        stored = {}
-    stored = {loaded: key for loaded, key in stored.items() if loaded not in where}
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
+    # without transformers' conversion mappings, the stored names only
+    stored = {loaded: key for loaded, key in loaded_names(list(where), mapping_for(model_type)).items()
+              if loaded not in where}
     where.update({loaded: where[key] for loaded, key in stored.items()})
 
     def read(name: str) -> torch.Tensor:

@@ -370,7 +370,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     if arch.activation_template is not None:
         for layer in layers:
             for name in _own_activation_names(arch, layer).values():
-                if name not in weights.file_of and weights._alias.get(name) not in weights.file_of:
+                if not weights.has(name):
                     raise FFNQuantError(
                         f"{where}: tensor {name!r} is missing: the model's own activation "
                         f"({_own_class(arch)}{f', its {arch.activation_attr!r}' if arch.activation_attr else ''}) holds it per "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-__all__ = ["conversion_mapping", "expert_sources", "mapping_for", "pretrained_classes", "unread_conversions", "with_renames"]
+__all__ = ["TENSOR_OPS", "conversion_mapping", "expert_sources", "mapping_for", "pretrained_classes", "unread_conversions", "with_renames"]
 
 
 def expert_sources(model_type: str, ffn: Any, class_names: Sequence[str] = ()) -> tuple[dict[str, str], list[tuple[str, str]]]:
@@ -68,6 +68,11 @@ def conversion_mapping(model: Any) -> list[Any]:
     return mapping_for(model_type, pretrained_classes(model))
 
 
+# transformers' conversion operations that turn one stored tensor into one or several loaded ones by a fixed
+# reordering or split, which ffnquant applies as it reads (`hf.weights.converted_names`: Inkling 2's interleaved
+# w13_weight, HRM's gate_up_proj chunked into gate_proj and up_proj)
+TENSOR_OPS = ("Interleave", "Chunk")
+
 
 def _plain(pattern: Any) -> str:
     """A conversion pattern as the name it matches (its regex escapes removed)."""
@@ -88,6 +93,6 @@ def unread_conversions(model_type: str, roles: Sequence[str], class_names: Seque
             continue
         sources = [_plain(p) for p in getattr(conv, "source_patterns", []) or []]
         ops = [type(op).__name__ for op in getattr(conv, "operations", []) or []]
-        if len(sources) > 1 or any(op not in ("Interleave", "Chunk") for op in ops):
+        if len(sources) > 1 or any(op not in TENSOR_OPS for op in ops):
             out.append(f"{' + '.join(sources)} -> {', '.join(targets)} ({', '.join(ops)})")
     return out

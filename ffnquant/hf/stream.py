@@ -271,6 +271,7 @@ class SequentialModel(LMHead):
             model = model.to(self.device)
         self.model = model.eval()
         self._tuple_out = False  # whether the model's loop reads its layers' outputs as tuples (`embed` finds out)
+        self._one_pass_checked = False  # whether its forward runs each layer once, in order (`_check_one_pass`)
         names = [n for n, _ in model.named_modules()]
         found = {layer: _module_for(model, info, layer, names) for layer in info.layers}  # (name, module) per FFN
         lists = {decoder_list(model, name) for name, _ in found.values()}
@@ -393,8 +394,9 @@ class SequentialModel(LMHead):
                 # answer in that form, and the layers' inputs are recorded again
                 self._tuple_out = True
                 record = self._record(ids.to(self.device), n)
-            if b == 0:
+            if not self._one_pass_checked:  # once per engine: the model's loop, not the text, decides it
                 self._check_one_pass(ids.to(self.device), n)
+                self._one_pass_checked = True
             if tuple(record[0][0].shape[:2]) != tuple(ids.shape[:2]):
                 # Gemma 3n's AltUp stacks its predictions ahead of the batch: [inputs, batch, tokens, width]
                 raise FFNQuantError(f"{self.info.path}: its decoder layers take hidden states of shape "

@@ -15,29 +15,27 @@ import torch
 
 from ..errors import FFNQuantError
 from ..infra.resources import read_text as read_file_text, regular_file
+from .conversions import TENSOR_OPS, mapping_for
 
 __all__ = ["_Weights", "_PICKLE_SUFFIXES", "Converted", "converted_names", "loaded_names"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
+def _renamed(key: str, transforms: Any) -> str:
+    """`key` after every `WeightRenaming` among `transforms`, in turn, as transformers applies them."""
+    for t in transforms:
+        if type(t).__name__ == "WeightRenaming":
+            key = t.rename_source_key(key)[0]
+    return key
+
+
 def loaded_names(keys: Any, transforms: Any) -> dict[str, str]:
     """{name transformers loads a stored tensor as: its stored name} for the `keys` its conversion mapping's
     renamings (`WeightRenaming` among `transforms`) rename; a key they leave alone is not listed."""
-    renamings = [t for t in transforms if type(t).__name__ == "WeightRenaming"]
-    out = {}
-    for key in keys:
-        name = key
-        for t in renamings:
-            name = t.rename_source_key(name)[0]
-        if name != key:
-            out[name] = key
-    return out
+    return {name: key for key in keys for name in [_renamed(key, transforms)] if name != key}
 
 
-# transformers' conversion operations that turn one stored tensor into one or several loaded ones by a fixed
-# reordering or split (Inkling 2's interleaved w13_weight, HRM's gate_up_proj chunked into gate_proj and up_proj)
-_TENSOR_OPS = ("Interleave", "Chunk")
 
 
 @dataclass(frozen=True)
@@ -50,14 +48,15 @@ class Converted:
     index: int
     count: int
 
-    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This output of the converter's operations on the stored tensor, as transformers computes it."""
+    def outputs(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every output of the converter's operations on the stored tensor, in its targets' order, as transformers
+        computes them (this one is `[index]`)."""
         conv = self.converter
         sources, targets = list(conv.source_patterns), list(conv.target_patterns)
         state: dict[str, Any] = {sources[0]: [tensor]}
         for op in conv.operations:
             state = op.convert(state, source_patterns=sources, target_patterns=targets)
-        return list(state.values())[self.index]
+        return list(state.values())
 
     def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
         """The loaded shape from the stored one (a Chunk divides its dimension by the number of outputs)."""
@@ -70,18 +69,15 @@ class Converted:
 
 def converted_names(keys: Any, transforms: Any) -> dict[str, Converted]:
     """{name transformers loads: Converted} for the `keys` that one of its conversion mapping's `WeightConverter`s
-    turns, after its renamings, by reordering or splitting one stored tensor (`_TENSOR_OPS`) into as many as it
+    turns, after its renamings, by reordering or splitting one stored tensor (`TENSOR_OPS`) into as many as it
     has targets; converters of several stored tensors or of other operations are not listed."""
-    renamings = [t for t in transforms if type(t).__name__ == "WeightRenaming"]
     converters = [t for t in transforms if type(t).__name__ == "WeightConverter"
                   and len(getattr(t, "source_patterns", ())) == 1 and getattr(t, "operations", None)
-                  and all(type(op).__name__ in _TENSOR_OPS and getattr(op, "num_shards_attribute", None) is None
+                  and all(type(op).__name__ in TENSOR_OPS and getattr(op, "num_shards_attribute", None) is None
                           for op in t.operations)]
     out = {}
     for key in keys:
-        name = key
-        for t in renamings:
-            name = t.rename_source_key(name)[0]
+        name = _renamed(key, transforms)
         for conv in converters:
             first, matched = conv.rename_source_key(name)
             if matched is None:
@@ -138,6 +134,7 @@ class _Weights:
         self._pickles: dict[Path, Mapping[str, torch.Tensor]] = {}
         self._alias: dict[str, str] = {}  # a name as transformers loads it -> the stored name (`rename_as_loaded`)
         self._converted: dict[str, Converted] = {}  # a name transformers loads by converting a stored tensor
+        self._last_converted: tuple[Any, list[torch.Tensor]] = (None, [])  # the last stored tensor's outputs
         index = folder / "model.safetensors.index.json"
         single = folder / "model.safetensors"
         # lexists, not is_file: a FIFO or unreadable file of these names is refused by name when read,
@@ -237,12 +234,7 @@ class _Weights:
         mapping only renames them (GraniteMoE's block_sparse_moe.input_linear.weight is its
         block_sparse_moe.experts.gate_up_proj, the same tensor): `names` lists those, `get`/`shape`/`path_of` read
         the stored tensor. Whether any name changed."""
-        try:
-            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-            mapping = get_checkpoint_conversion_mapping(model_type) or []
-        except Exception:  # no transformers, or one without conversion mappings: the stored names only
-            return False
+        mapping = mapping_for(model_type)  # [] without transformers or its mappings: the stored names only
         self._alias = {name: stored for name, stored in loaded_names(self.file_of, mapping).items()
                        if name not in self.file_of}
         self._converted = {name: c for name, c in converted_names(self.file_of, mapping).items()
@@ -262,6 +254,10 @@ class _Weights:
         renamed = set(self._alias.values())
         return sorted([n for n in self.file_of if n not in renamed] + list(self._alias))
 
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds `name`, stored so or under the name transformers loads it as."""
+        return name in self.file_of or self._alias.get(name) in self.file_of
+
     def path_of(self, name: str) -> Path:
         return self.file_of[self._alias.get(name, name)]
 
@@ -274,7 +270,12 @@ class _Weights:
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._converted:  # as transformers converts the stored tensor when it loads it
-            return self._converted[name].apply(self._stored(self._converted[name].stored))
+            conv = self._converted[name]
+            # a split's outputs are read one after the other (HRM's gate_proj, then up_proj): the stored tensor
+            # is read and converted once for all of them
+            if self._last_converted[0] != (conv.stored, conv.converter):
+                self._last_converted = ((conv.stored, conv.converter), conv.outputs(self._stored(conv.stored)))
+            return self._last_converted[1][conv.index]
         return self._stored(self._alias.get(name, name))
 
     def _stored(self, name: str) -> torch.Tensor:
