@@ -589,18 +589,3 @@ def test_tensors_transformers_concatenates_at_load_are_written_concatenated_and_
     assert any(k.endswith("linear_attn.conv1d.weight") for k in keys)
     assert not any(k.endswith("linear_attn.q_conv1d.weight") for k in keys)
 
-
-def test_a_model_whose_stored_weight_transformers_splits_at_load_is_refused_before_a_folder_is_written(tmp_path):
-    """HRM stores its attention's gate, q, k and v as one gqkv_proj (and its MLP's gate and up as one), split by
-    transformers as it loads: with a quantization config its loader asks the split for the weight's quantization
-    parameters too and refuses it, whatever the folder holds (transformers 5.25). The format says so up front."""
-    from hf_models import tiny_or_skip
-
-    from ffnquant.deploy.planned import deployable_refusal
-    from ffnquant.hf import inspect_model
-
-    info = inspect_model(tiny_or_skip("hrm_text", tmp_path / "hrm"))
-    why = deployable_refusal(info, "compressed-tensors")
-    assert why is not None and "transformers splits a stored tensor into several as it loads" in why
-    assert "mlp.gate_up_proj.weight -> mlp.gate_proj.weight, mlp.up_proj.weight" in why
-    assert deployable_refusal(info, "onnx") is None

@@ -125,28 +125,6 @@ class PlannedModel:
         return expert_weight(self.model.get_submodule(mq.fused), mq.expert, mq.weight, self.info.arch).detach()
 
 
-def _split_on_load(info: ModelInfo) -> str:
-    """A conversion of transformers' mapping for this model that splits one stored weight into several (HRM's
-    attn.gqkv_proj.weight) and that its loader cannot extend to a weight's quantization parameters, as
-    'source -> targets'; '' where there is none. Asked of transformers itself: the conversion copied with a
-    companion source, as its quantizer copies it (quantizers.base.update_weight_conversions)."""
-    from ..hf.conversions import mapping_for
-
-    for conv in mapping_for(info.model_type):
-        sources = list(getattr(conv, "_original_source_patterns", []) or [])
-        targets = list(getattr(conv, "_original_target_patterns", []) or [])
-        if type(conv).__name__ != "WeightConverter" or len(targets) < 2 or not all(
-                str(src).endswith(".weight") for src in sources):
-            continue
-        try:
-            conv.copy([*sources, *(f"{src}_scale" for src in sources)], targets, operations=list(conv.operations))
-        except ValueError:
-            return f"{sources[0]} -> {', '.join(map(str, targets))}"
-        except Exception:  # noqa: BLE001 - another transformers: nothing known against it
-            continue
-    return ""
-
-
 def deployable_refusal(info: ModelInfo, fmt: str = "compressed-tensors") -> str | None:
     """Why a plan for this model cannot be deployed as one model folder (`fmt` "compressed-tensors") or one graph
     ("onnx") (one line); None when it can."""
@@ -173,12 +151,6 @@ def deployable_refusal(info: ModelInfo, fmt: str = "compressed-tensors") -> str 
                     "are rewritten from nn.Linear modules; per-layer ONNX artifacts still apply")
         return (f"{info.model_type}: its MLP weights are transformers' Conv1D ([in, out]), which compressed-tensors "
                 "does not quantize (it targets nn.Linear); per-layer ONNX artifacts and `quantize --model` still apply")
-    split = _split_on_load(info) if fmt != "onnx" else ""
-    if split:
-        return (f"{info.model_type}: transformers splits a stored tensor into several as it loads ({split}), and with "
-                "a quantization config its loader asks that conversion for the tensor's quantization parameters too, "
-                "which it refuses (\"you can only have one to many, one to one or many to one\"): a "
-                "compressed-tensors folder of it would not load; `quantize --model` and the ONNX graph still apply")
     if fmt != "onnx" and arch.linear_class not in ("Linear", ""):
         return (f"{info.model_type}: its FFN matrices are {arch.linear_class}, a subclass of nn.Linear that transformers "
                 "cannot load back from a compressed-tensors folder (its weight initialisation reads .weight, which "
