@@ -154,7 +154,7 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def _unread_experts(block: nn.Module, d: int, cands: list[FoundFFN], settle: Any, i: int) -> list[str]:
     """A block's routed experts that are not kept: candidates whose probe refused them (with its reason), or
-    stacked 3-D expert tensors in a layout ffnquant does not read (Llama 4's input-major [E, d, 2f], [E, f, d])."""
+    stacked 3-D expert tensors in a layout ffnquant does not read."""
     out = [f"{_label(c.path)} (routed experts: {_why(str(settle(i, c)))})" for c in cands
            if c.install is Install.EXPERTS and not isinstance(settle(i, c), FoundFFN)]
     seen = {c.path for c in cands if c.install is Install.EXPERTS}
@@ -163,8 +163,13 @@ def _unread_experts(block: nn.Module, d: int, cands: list[FoundFFN], settle: Any
                    if p.dim() == 3 and p.shape[0] > 1 and d in p.shape[1:]]
         if len(stacked) >= 2 and path not in seen:
             out.append(f"{_label(path)} (routed experts {', '.join(stacked[:3])}: not laid out as ffnquant reads "
-                       f"routed experts, [experts, 2f or f, {d}] and [experts, {d}, f])")
+                       f"routed experts, {_expert_layouts(d)})")
     return out
+
+
+def _expert_layouts(d: int) -> str:
+    """The layouts of routed experts' 3-D tensors ffnquant reads (`ffn_candidates`), at model width d."""
+    return f"[experts, 2f or f, {d}] and [experts, {d}, f], or input-major [experts, {d}, 2f or f] and [experts, f, {d}]"
 
 
 def _why(refusal: str) -> str:
@@ -229,7 +234,7 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     if not per_block:
         if refused:  # FFN-shaped, but nothing ffnquant computes reproduces it: the most FFN-like one's reason
             raise FFNQuantError(max(refused, key=lambda r: ("mlp" in r, "reproduce" in r)))
-        # expert-like tensors in a layout ffnquant does not read ([E, d, 2f] and [E, f, d]: gpt-oss), named as found:
+        # expert-like tensors in a layout ffnquant does not read, named as found:
         # several matrices stacked, one of their two matrix axes the model width (a convolution's [C, 1, K] or
         # a recurrence's per-head blocks are not)
         stacked = [f"{name} {list(p.shape)}" for name, p in blocks[0].named_parameters()
@@ -237,7 +242,7 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
         if stacked:
             raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): its experts' "
                                 f"tensors {', '.join(stacked[:4])} are not laid out as ffnquant reads routed experts "
-                                f"([experts, 2f or f, {d}] and [experts, {d}, f], each row an output)")
+                                f"({_expert_layouts(d)})")
         # matrices that are no Linear's weight (DBRX's experts: [experts x f, d] each, sliced in the forward)
         loose = [f"{name} {list(p.shape)} ({type(blocks[0].get_submodule(name.rpartition('.')[0])).__name__})"
                  for name, p in blocks[0].named_parameters() if p.dim() == 2 and d in p.shape and p.shape[0] != p.shape[1]
