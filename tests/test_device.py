@@ -85,7 +85,8 @@ def test_the_engine_on_an_explicit_cpu_device_computes_what_the_default_does(tmp
     from hf_models import tiny_folders
 
     from ffnquant.hf import inspect_model
-    from ffnquant.hf.stream import SequentialModel, _Store
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
 
     folder = tiny_folders(tmp_path_factory, ("llama",))["llama"][0]
     info = inspect_model(folder)

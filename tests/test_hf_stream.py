@@ -109,7 +109,8 @@ def test_a_bf16_engine_computes_what_transformers_computes_in_bf16(tiny, name, r
     checks on each layer pass, as they run on a float32 copy of it."""
     from ffnquant.hf import inspect_model, load_ffn_layers
     from ffnquant.hf.capture import ffn_input_hooks, load_hf_model
-    from ffnquant.hf.stream import SequentialModel, _Store
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
 
     info = inspect_model(tiny[name])
     engine = SequentialModel(info, resident=resident, dtype=torch.bfloat16)
@@ -135,7 +136,8 @@ def test_a_bf16_engine_computes_what_transformers_computes_in_bf16(tiny, name, r
 
 def test_only_one_decoder_layer_is_ever_in_memory(tiny):
     from ffnquant.hf import inspect_model
-    from ffnquant.hf.stream import SequentialModel, _Store
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
 
     info = inspect_model(tiny["llama"])
     model = SequentialModel(info)
@@ -166,10 +168,10 @@ def test_freed_memory_is_kept_for_the_next_layer_only_when_the_model_is_resident
     kernel time on every first touch. Streamed, blocks from 4 MB up are mapped on their own, glibc's default trim
     threshold holds again (a resident model may have raised it earlier in the process), and each layer's freed
     memory is handed back (`release`), which bounds the peak."""
-    from ffnquant.hf import inspect_model, stream
+    from ffnquant.hf import inspect_model, spill, stream
 
     calls = []
-    monkeypatch.setattr(stream, "_glibc", lambda call, *args: calls.append((call, *args)))
+    monkeypatch.setattr(spill, "_glibc", lambda call, *args: calls.append((call, *args)))
     model = stream.SequentialModel(inspect_model(tiny["llama"]), resident=resident)
     set_up = [c for c in calls if c[0] == "mallopt"]
     calls.clear()
@@ -360,7 +362,8 @@ def test_the_head_on_some_tokens_gives_those_tokens_logits(tiny, name, resident)
     """`head_out(vocab=)` (the probes' ablations) gives the whole head's logits at those tokens, up to the float32
     rounding of a matrix product of other shape, and leaves the head as it was (a tied head still tied)."""
     from ffnquant.hf import inspect_model
-    from ffnquant.hf.stream import SequentialModel, _Store
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
 
     info = inspect_model(tiny[name])
     engine = SequentialModel(info, resident=resident)
@@ -408,7 +411,8 @@ def test_a_loop_that_unpacks_each_layers_output_is_answered_as_a_tuple(tmp_path,
     import transformers as T
 
     from ffnquant.hf import inspect_model
-    from ffnquant.hf.stream import SequentialModel, _Store
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
     from hf_models import save_causal_tiny
 
     folder = save_causal_tiny(T, "bamba", tmp_path / "bamba")
@@ -430,7 +434,8 @@ def test_a_layer_that_transformers_refuses_to_run_on_token_ids_alone_is_named_no
     import transformers as T
 
     from ffnquant.hf import inspect_model
-    from ffnquant.hf.stream import SequentialModel, _raised_in_transformers, _Store
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel, _raised_in_transformers
     from hf_models import save_causal_tiny
 
     folder = save_causal_tiny(T, "gemma4_assistant", tmp_path / "gemma4_assistant")
@@ -455,7 +460,8 @@ def test_a_loop_that_reads_each_layers_output_as_a_structure_is_refused_in_one_l
     import transformers as T
 
     from ffnquant.hf import inspect_model
-    from ffnquant.hf.stream import SequentialModel, _Store
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
     from hf_models import save_causal_tiny
 
     folder = save_causal_tiny(T, "reformer", tmp_path / "reformer")
@@ -471,7 +477,8 @@ def test_a_forward_that_loops_over_its_layers_is_refused_not_measured_as_another
     """Dory runs its recurrent section several times, HRM cycles its stacks: the engine runs each decoder layer once,
     in order, so it would measure another model (Dory's proof then failed on 'gates not met'); refused, naming it."""
     from ffnquant.hf import inspect_model
-    from ffnquant.hf.stream import SequentialModel, _Store
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
     from hf_models import tiny_or_skip
 
     info = inspect_model(tiny_or_skip(model_type, tmp_path / model_type))
@@ -485,7 +492,8 @@ def test_a_forward_that_changes_the_hidden_states_between_layers_is_refused(tiny
     """A model's loop that computes on the hidden states between two layers (here: doubles them): the engine, which
     hands each layer the previous one's output, would compute another model; refused, naming the two layers."""
     from ffnquant.hf import inspect_model
-    from ffnquant.hf.stream import SequentialModel, _Store
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
 
     engine = SequentialModel(inspect_model(tiny["llama"]), resident=True)
 

@@ -23,7 +23,8 @@ from .inputs import (EvalSettings, LayerInputs, _fill_unrouted, capture_whole, d
                      eval_domain_batches, fit_settings, token_budget)
 from .layers import calibrate_layers, end_to_end_figures, is_plan, model_layers_report, quantized_layers
 from .metrics import _NLL, Agreement, ErrorStats, reference_batch
-from .stream import Progress, SequentialModel, _spill_folder, _Store, token_batches_of
+from .spill import Store, spill_folder
+from .stream import Progress, SequentialModel, token_batches_of
 
 __all__ = ["calibrate_layerwise", "capture_layer_inputs", "capture_layerwise", "end_to_end_layerwise",
            "model_top_positions", "quantize_layerwise"]
@@ -61,8 +62,8 @@ def calibrate_layerwise(info: ModelInfo, layers: str | int | list[int] | None = 
     ffns = iter_ffn_layers(info, wanted, allow_pickle=allow_pickle)
     model = SequentialModel(info, resident=resident, allow_pickle=allow_pickle)
     tables, top = {}, {}
-    with _spill_folder(spill, spill_dir) as folder:
-        store = _Store(folder, "calibration")
+    with spill_folder(spill, spill_dir) as folder:
+        store = Store(folder, "calibration")
         calls = model.embed(ids, store, progress)
         model.offload(model.embedding)
         for j in range(max(wanted) + 1):
@@ -124,13 +125,13 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
     rows: list[dict[str, Any]] = []
     kw = dict(smooth_sites=smooth_sites, out_artifacts=out_artifacts, onnx=onnx, latency=latency,
               sensitivity=sensitivity, file_stem=file_stem)
-    with _spill_folder(spill, spill_dir) as folder:
-        calib, float_eval = _Store(folder, "calibration"), _Store(folder, "evaluation")
+    with spill_folder(spill, spill_dir) as folder:
+        calib, float_eval = Store(folder, "calibration"), Store(folder, "evaluation")
         ccalls = model.embed(calib_ids, calib, progress, "embed calibration")
         ecalls = model.embed(eval_ids, float_eval, progress, "embed evaluation")
         model.offload(model.embedding)
         quant = float_eval.copy("quantized")
-        ablation: dict[int, _Store] = {}
+        ablation: dict[int, Store] = {}
         e2e_seconds = 0.0  # the quantized and ablation streams, then the head
 
         def downstream(j: int, qffns: dict[str, Any] | None) -> None:  # the quantized and ablation streams
@@ -227,13 +228,13 @@ def capture_layerwise(info: ModelInfo, layers: Sequence[Any], text=None, eval_te
     domains = eval_domain_batches(info, tokenizer, eval_text, settings, eval_tokens, by_domain)
     eval_ids = [b for _, batches in domains for b in batches]
     engine = SequentialModel(info, resident=True, allow_pickle=allow_pickle, dtype=dtype)
-    calib, evals = _Store(None, "calibration"), _Store(None, "evaluation")
+    calib, evals = Store(None, "calibration"), Store(None, "evaluation")
     ccalls = engine.embed(calib_ids, calib, progress, "capture calibration inputs: embed")
     ecalls = engine.embed(eval_ids, evals, progress, "capture evaluation inputs: embed")
     # the reproduction check of a dense layer runs on the calibration text's first sequence alone (it compares
     # outputs to a relative bound, which one sequence shows as a batch does); routed experts on the first batch,
     # as one sequence reaches few of them
-    checked = _Store(None, "check")
+    checked = Store(None, "check")
     kcalls = engine.embed([calib_ids[0][:1]], checked)
     cal_x: dict[str, list[torch.Tensor]] = {}
     ev_x: dict[str, list[torch.Tensor]] = {}
@@ -283,11 +284,11 @@ def end_to_end_layerwise(engine: SequentialModel, layers: Sequence[Any], qffns: 
     by_label = {layer.label: layer for layer in layers}
     indices = sorted({by_label[k].index for k in qffns})
     ablate = settings.ablation and len(indices) > 1
-    float_s = _Store(None, "float")
+    float_s = Store(None, "float")
     calls = engine.embed(evals, float_s)
     run_float = references is None or per_layer is not None or baseline is None or ablate
     quant = float_s.copy("quantized")
-    ablation: dict[int, _Store] = {}
+    ablation: dict[int, Store] = {}
     for j in range(len(engine.layers)):
         qj = {k: q for k, q in qffns.items() if by_label[k].index == j}
         if ablate and j in indices:
@@ -309,8 +310,8 @@ def end_to_end_layerwise(engine: SequentialModel, layers: Sequence[Any], qffns: 
     return _head_figures(engine, evals, float_s, quant, ablation, baseline, references, keep=keep)
 
 
-def _head_figures(engine: SequentialModel, evals: Sequence[torch.Tensor], float_s: _Store, quant: _Store,
-                  ablation: dict[int, _Store], baseline: dict[str, Any] | None = None,
+def _head_figures(engine: SequentialModel, evals: Sequence[torch.Tensor], float_s: Store, quant: Store,
+                  ablation: dict[int, Store], baseline: dict[str, Any] | None = None,
                   references: Sequence[Any] | None = None, progress: Progress | None = None,
                   keep: list | None = None) -> dict[str, Any]:
     """The end-to-end figures (`end_to_end_figures`) of streams at the last layer's output, a batch at a time

@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import math
 import os
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -43,7 +42,7 @@ from .skeleton import (StandIn, Stop, base_of, beside, causal_lm_from_config, de
 from .head import LMHead
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
-from ..infra.atomic import ScratchFolder
+from .spill import Store, set_allocator, trim
 from ..infra.device import current_device, module_copy, to_device
 
 __all__ = ["SequentialModel", "token_batches_of"]
@@ -51,63 +50,7 @@ __all__ = ["SequentialModel", "token_batches_of"]
 Progress = Callable[[str, int, int], None]
 
 
-# --- hidden states ---------------------------------------------------------------------------------------
-
-
-class _Store:
-    """One stream's tensors by key (a batch's hidden states [batch, seq, d_model], a layer's inputs), in memory or
-    a file per key."""
-
-    def __init__(self, folder: Path | None, name: str, items: Mapping[int, Any] | None = None) -> None:
-        self.folder, self.name, self.items = folder, name, dict(items or {})
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def get(self, key: int) -> torch.Tensor:
-        item = self.items[key]
-        return torch.load(item, weights_only=True) if isinstance(item, Path) else item
-
-    def put(self, key: int, x: torch.Tensor) -> None:
-        if self.folder is not None:
-            path = self.folder / f"{self.name}.{key}.pt"
-            torch.save(x, path)
-            x = path
-        self.items[key] = x
-
-    def pop(self, key: int) -> None:
-        """The tensor of `key` dropped (its file deleted)."""
-        item = self.items.pop(key)
-        if isinstance(item, Path):
-            item.unlink()
-
-    def clear(self) -> None:
-        for key in list(self.items):
-            self.pop(key)
-
-    def copy(self, name: str, keys: Sequence[int] | None = None) -> "_Store":
-        """A new stream starting from these tensors (those of `keys`, default all): shared until replaced in
-        memory, files copied on disk."""
-        keys = list(self.items) if keys is None else list(keys)
-        if self.folder is None:
-            return _Store(None, name, {k: self.items[k] for k in keys})
-        out = _Store(self.folder, name)
-        for k in keys:
-            out.put(k, self.get(k))
-        return out
-
-
 # --- the model, a layer at a time -----------------------------------------------------------------------
-
-
-def _glibc(call: str, *args: int) -> None:
-    """glibc's malloc `call(*args)`; elsewhere nothing: that allocator's own policy stands."""
-    try:
-        import ctypes
-
-        getattr(ctypes.CDLL("libc.so.6"), call)(*args)
-    except (OSError, AttributeError):
-        pass
 
 
 _CPU = torch.device("cpu")
@@ -134,31 +77,6 @@ def _host(value: Any) -> Any:
 def _on(ffn: Any, device: torch.device) -> Any:
     """A replacement FFN (a module) on `device`, to compute where the engine does."""
     return ffn.to(device) if isinstance(ffn, nn.Module) and device.type != "cpu" else ffn
-
-
-def _trim() -> None:
-    """Freed heap memory handed back: each layer's tensors read and converted would leave some behind."""
-    _glibc("malloc_trim", 0)
-
-
-# glibc's mmap threshold once a model streams (M_MMAP_THRESHOLD, fixed: it also stops the trim threshold growing):
-# blocks from it up are mapped on their own and unmapped when freed. Left to glibc, the threshold rises to 32 MB as
-# large blocks are freed; the many 4-32 MB tensors of a layer's work (activations, observer chunks, chunks read)
-# are then carved from the heap, where what they leave stays resident: 0.1-0.2 GB more at the peak, varying from
-# run to run (benchmarks/scale.py --trace).
-_MMAP_THRESHOLD = 4 * 2**20
-
-# glibc's policy while a model is resident (it fits, with room to spare): freed blocks are kept for the next ones.
-# A tensor of up to 32 MB (the largest M_MMAP_THRESHOLD glibc takes) comes from the heap, and what is freed at the
-# heap's top is handed back only beyond 1 GB (M_TRIM_THRESHOLD). On this project's 2-core VM a page the process
-# touches for the first time costs 0.5-2 s of kernel time per GB; a plan of Gemma 3 270M, whose layers' work
-# allocates and frees its 4-32 MB tensors thousands of times, faulted 7.5 M pages in (54 s of system time, 20% of
-# its CPU time) with glibc's defaults and its per-layer trims (`benchmarks/plan_cost.py`).
-_RESIDENT_MMAP_THRESHOLD = 32 * 2**20
-_RESIDENT_TRIM_THRESHOLD = 2**30
-_TRIM_THRESHOLD = 128 * 2**10  # glibc's default, which a streamed model restores after a resident one in the process
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
-
 
 
 def _read(weights: _Weights, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -248,16 +166,14 @@ class SequentialModel(LMHead):
         if resident:
             from . import capture as _capture
 
-            _glibc("mallopt", _M_MMAP_THRESHOLD, _RESIDENT_MMAP_THRESHOLD)  # for the rest of the process
-            _glibc("mallopt", _M_TRIM_THRESHOLD, _RESIDENT_TRIM_THRESHOLD)
+            set_allocator(resident=True)  # for the rest of the process
 
             model = _capture.load_hf_model(info, allow_pickle=allow_pickle, dtype=dtype)  # looked up at call time
             for p in model.parameters():  # as onloaded weights: a backward pass computes no weight gradients
                 p.requires_grad_(False)
             config = model.config
         else:
-            _glibc("mallopt", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD)  # for the rest of the process
-            _glibc("mallopt", _M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+            set_allocator(resident=False)  # for the rest of the process
             try:
                 config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
                 with _quiet_transformers(transformers), parameters_on_meta():
@@ -340,9 +256,9 @@ class SequentialModel(LMHead):
 
     def release(self) -> None:
         """Freed heap memory handed back to the system between layers when streamed (each layer's tensors read and
-        converted would leave some behind); resident, kept for the next layer's work (`_RESIDENT_TRIM_THRESHOLD`)."""
+        converted would leave some behind); resident, kept for the next layer's work (`spill.set_allocator`)."""
         if not self.resident:
-            _trim()
+            trim()
 
     def offload(self, module: nn.Module) -> None:
         """`module`'s parameters back on the meta device: their memory is freed (buffers are kept). Resident: kept."""
@@ -352,7 +268,7 @@ class SequentialModel(LMHead):
             owner, _, attr = name.rpartition(".")
             setattr(module.get_submodule(owner), attr, nn.Parameter(torch.empty_like(p, device="meta"),
                                                                     requires_grad=False))
-        _trim()
+        trim()
 
     @contextlib.contextmanager
     def _stand_ins(self, stand_ins: Sequence[nn.Module]):
@@ -366,7 +282,7 @@ class SequentialModel(LMHead):
             for i, module in enumerate(originals):
                 self.layers[i] = module
 
-    def embed(self, batches: Sequence[torch.Tensor], store: _Store, progress: Progress | None = None,
+    def embed(self, batches: Sequence[torch.Tensor], store: Store, progress: Progress | None = None,
               stage: str = "embed") -> list[list[tuple[tuple, dict[str, Any]]]]:
         """Each batch's embeddings [batch, seq, d_model] put into `store`; returns per batch each layer's (args,
         kwargs) as the model's forward passes them (its KV cache left out: every window is a whole sequence).
@@ -472,7 +388,7 @@ class SequentialModel(LMHead):
             out["use_cache"] = False
         return tuple(drop(a) for a in args), out
 
-    def run(self, j: int, store: _Store, calls: Sequence, capture: dict[str, list] | None = None,
+    def run(self, j: int, store: Store, calls: Sequence, capture: dict[str, list] | None = None,
             ffns: Mapping[str, Any] | None = None) -> None:
         """Decoder layer `j` (onloaded) over every batch of `store`, outputs replacing inputs. `capture`: each of
         its FFNs' inputs [tokens, d_model] appended under the FFN's label (an expert's: the tokens the router sent
@@ -512,7 +428,7 @@ class SequentialModel(LMHead):
                 "images, ...)") from None
         return _host(out[0] if isinstance(out, (tuple, list)) else out)  # OpenAI GPT's blocks return a list
 
-    def check(self, j: int, store: _Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:
+    def check(self, j: int, store: Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:
         """ffnquant's FFNs of layer `j` (`hf_layers`, onloaded layer) against the model's own modules on the first
         batch's inputs (`hf.graph.check_reproduction`): raises, naming the layer, before anything is quantized."""
         from .graph import check_reproduction
@@ -528,7 +444,7 @@ class SequentialModel(LMHead):
             return check_reproduction(self.model, self.info, hf_layers,
                                       run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))
 
-    def fold_sites(self, j: int, store: _Store, calls: Sequence) -> dict[LayerInfo, Any]:
+    def fold_sites(self, j: int, store: Store, calls: Sequence) -> dict[LayerInfo, Any]:
         """Where layer `j`'s FFN input scale folds, or why not (`hf.graph.fold_sites`), from the layer (onloaded)
         run on the first batch of `store`: the check compares the layer's output, which is all a fold can change."""
         from .graph import fold_sites
@@ -576,10 +492,3 @@ def token_batches_of(info: ModelInfo, text, split: str, settings: EvalSettings, 
     settings = fit_settings(info, settings)
     return model_text_batches(info, load_tokenizer(info.path), text, split, settings.seq_len, settings.batch_size,
                               max_tokens)
-
-
-@contextlib.contextmanager
-def _spill_folder(spill: bool, spill_dir: str | os.PathLike | None):
-    with ScratchFolder("stream", dir=spill_dir) if spill else \
-            contextlib.nullcontext() as folder:
-        yield Path(folder) if folder else None

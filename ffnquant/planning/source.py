@@ -148,10 +148,10 @@ class PlanSource(VerificationRounds):
         self._last_round: tuple[dict[int, str], dict[int, Any]] | None = None
 
     def __enter__(self) -> "PlanSource":
-        from ..hf.stream import _spill_folder
+        from ..hf.spill import spill_folder
 
         self._exit = contextlib.ExitStack()
-        self.folder = self._exit.enter_context(_spill_folder(self.spill, None))  # in the temporary directory
+        self.folder = self._exit.enter_context(spill_folder(self.spill, None))  # in the temporary directory
         try:
             t = time.perf_counter()
             self._forward()
@@ -170,9 +170,9 @@ class PlanSource(VerificationRounds):
         self._exit.close()
 
     def _store(self, name: str):
-        from ..hf.stream import _Store
+        from ..hf.spill import Store
 
-        return _Store(self.folder, name)
+        return Store(self.folder, name)
 
     # --- pass 1 -----------------------------------------------------------------------------------------------
 
