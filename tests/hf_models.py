@@ -106,7 +106,7 @@ CAUSAL_TYPES = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "opt", "mi
                 "olmo2", "granite", "cohere", "stablelm", "starcoder2", "gpt_neox", "falcon", "phi", "smollm3", "glm",
                 "exaone4", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron", "arcee", "bloom", "mpt", "falcon_h1",
                 "qwen3_next", "qwen3_5_text", "deepseek_v2", "granitemoe", "roberta", "apertus", "bitnet",
-                "minimax_m3_vl_text")
+                "minimax_m3_vl_text", "dbrx")
 
 # Tiny widths under every name a config class may use for them; each config takes the ones it has.
 # max_position_embeddings 136: RoBERTa's positions start past its padding id, so 128-token windows take 130
@@ -142,7 +142,10 @@ _TYPE_TINY = {
                                                                   "mrope_section": [2, 1, 1]}}},
     # DbrxAttention reads attn_config.rope_theta: a real checkpoint's attn_config holds it (the class has no field);
     # its experts' width is ffn_config.hidden_size, the model's in a real checkpoint
-    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0},
+    # d_model by its own name: given as hidden_size (an alias), DbrxConfig copies its default 2048 into the experts'
+    # ffn_config.hidden_size before the alias is applied, and the model's experts do not match its width
+    # (clip_qkv as DBRX's checkpoints set it: transformers' attention clamps with both bounds None otherwise, and fails)
+    "dbrx": {"d_model": D, "attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0, "clip_qkv": 8.0},
              "ffn_config": {"hidden_size": D, "ffn_hidden_size": F_, "moe_num_experts": 4, "moe_top_k": 2}},
     # the vision tower dense (no per-layer experts), the adapters as wide as the towers and the text
     "dots3_note": {"vision_config": {"mlp_layer_types": ["dense", "dense"], "adapter_in_dim": D, "adapter_out_dim": D},

@@ -468,3 +468,52 @@ def test_a_routed_call_is_read_whether_its_arguments_come_by_position_or_by_name
     rows = torch.randn(6, 4)
     x, index, weights = routed_rows(Stacked(), (rows,), {})
     assert torch.equal(x, rows) and index.flatten().tolist() == [0, 0, 1, 1, 2, 2] and torch.equal(weights, torch.ones(6, 1))
+
+
+def test_flat_experts_with_separate_gate_and_up_are_read_and_computed_as_the_model_does(tmp_path):
+    """DBRX holds its experts flat in a child module (experts.mlp.w1, v1, w2: [E x f, d] each; w1 and v1 rows are
+    gate and up outputs, w2's rows are down's inputs): which tensor is down and which is the gate is settled by the
+    probe; each expert's FFN is read as views of those tensors and computes the module's output bit for bit."""
+    import torch
+
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.hf.routed import expert_weight
+
+    folder = _folder(tmp_path, "dbrx")
+    info = inspect_model(folder)
+    arch = info.arch
+    assert arch.install is Install.EXPERTS and arch.flat_experts and not arch.transposed
+    assert arch.input_major == ("mlp.w2",) and {arch.roles["mlp.w1"], arch.roles["mlp.v1"]} == {"w_gate", "w_up"}
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    x = torch.randn(6, info.spec.d_model, generator=torch.Generator().manual_seed(5)) * 4
+    f = info.spec.d_ff
+    for layer in load_ffn_layers(info, [info.layers[-1].index]):
+        experts = model.get_submodule(layer.info.name)
+        rows = slice(layer.expert * f, (layer.expert + 1) * f)
+        assert torch.equal(layer.ffn.w_gate.weight, experts.mlp.w1[rows])
+        assert torch.equal(layer.ffn.w_down.weight, experts.mlp.w2[rows].t())
+        view = expert_weight(experts, layer.expert, "w_down", arch)
+        assert view.data_ptr() == experts.mlp.w2[rows].data_ptr()  # a view: quantized weights written in place
+        with torch.no_grad():
+            theirs = experts(x, torch.full((6, 1), layer.expert), torch.ones(6, 1)).reshape(x.shape)
+            assert torch.equal(layer.ffn(x), theirs)
+
+
+@pytest.mark.parametrize("shapes, want", [
+    ({"gate_up_proj": (4, 16, 8), "down_proj": (4, 8, 8)}, []),  # d == f: no down reads f -> d
+    ({"gate_up_proj": (4, 32, 8), "down_proj": (4, 8, 16)}, [((), "gate_up_proj")]),  # Mixtral's
+    ({"gate_up_proj": (4, 8, 32), "down_proj": (4, 16, 8)}, [(("gate_up_proj", "down_proj"), "gate_up_proj")]),
+    ({"w1": (4, 16, 8), "v1": (4, 16, 8), "w2": (4, 16, 8)},  # DBRX's: any of the three may be down, input-major
+     [(("w2",), "w1"), (("v1",), "w1"), (("w1",), "v1")]),
+], ids=["square", "output-major", "input-major", "three-alike"])
+def test_every_reading_of_expert_tensors_as_an_ffn_is_a_candidate(shapes, want):
+    """Expert tensors are read by shape alone into every FFN they can be (the probe keeps the one the module
+    computes): which one is down, and which are stored input-major."""
+    from torch import nn
+
+    from ffnquant.hf.ffn_candidates import _expert_tensors
+
+    found = _expert_tensors("experts", nn.Module(), shapes, 8, False)
+    got = sorted((f.input_major, next(n for n, r in f.roles.items() if r != "w_down")) for f in found)
+    assert got == sorted(want)
+    assert all(f.d_ff == 16 and f.experts == 4 for f in found)

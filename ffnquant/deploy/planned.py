@@ -177,7 +177,7 @@ def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str, expert: int |
     if expert is not None:
         if isinstance(module, nn.ModuleList):  # a loader's per-expert modules (Llama 4's from a compressed folder)
             return module[expert]
-        return expert_forward(module, expert, info.arch.transposed)
+        return expert_forward(module, expert, info.arch)
     if info.arch.install is info.arch.install.SPLIT:
         first, act, second = (module.get_submodule(a) for a in info.arch.split_attrs)
         return lambda x: second(act(first(x)))

@@ -289,6 +289,10 @@ class Arch:
     activation_attr: str = ""
     # a fused gate+up matrix whose gate and up rows alternate (gpt-oss' experts, read so by their own gate function)
     interleaved: bool = False
+    # fused experts' tensors holding each expert's matrix [in, out] (all: `transposed`), and whether they are flat
+    # [experts x rows, cols] (DBRX's); `hf.routed.expert_matrices`
+    input_major: tuple[str, ...] = ()
+    flat_experts: bool = False
     experts_class: str = ""  # the class of a fused experts module (Llama4TextExperts: its loader's per-expert split)
 
     def d_model(self, config: Mapping[str, Any], where: str) -> int:

@@ -433,7 +433,7 @@ def install_ffns(
             object.__setattr__(module, "forward", _input_only(replacement, info.arch.residual_arg))
             undo.append(lambda m=module: delattr(m, "forward"))
         for module, reps in fused.values():
-            object.__setattr__(module, "forward", experts_forward(module, reps, info.arch.transposed))
+            object.__setattr__(module, "forward", experts_forward(module, reps, info.arch))
             undo.append(lambda m=module: delattr(m, "forward"))
         yield
     finally:

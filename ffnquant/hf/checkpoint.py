@@ -28,6 +28,7 @@ from ..spec import Activation, FFNSpec
 from .arch import Arch, ModelKind, ffn_variant, hf_activation
 from .conversions import unread_conversions
 from .discover import arch_for_config
+from .ffn_candidates import expert_matrices, input_major
 from .validate import check_attention_config, check_other_tensors
 from .weights import _Weights  # read here, and from here by other modules
 
@@ -410,25 +411,29 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
     for role, name in layer.tensors.items():
         tensor = weights.get(name)
         if layer.fused_expert_tensors:
-            base, _, kind = role.partition(".")  # "gate_up_proj", or "gate_up_proj.bias" for gate_up_proj_bias
-            kind = kind or "weight"
+            # "gate_up_proj", or "gate_up_proj.bias" for gate_up_proj_bias; a dotted name (DBRX's mlp.w1) as it is
+            base, kind = (role[:-len(".bias")], "bias") if role.endswith(".bias") else (role, "weight")
             down = arch.roles.get(base) == "w_down" if arch.discovered else base == "down_proj"
-            n_in, n_out = (f, d) if down else (d, 2 * f if spec.gated else f)
-            want = ((info.n_experts, n_out) if kind == "bias" else (info.n_experts, n_in, n_out) if arch.transposed
-                    else (info.n_experts, n_out, n_in))  # input-major experts (gpt-oss') hold [E, in, out]
+            both = (arch.roles.get(base) or ("w_gate+w_up" if base == "gate_up_proj" else "")) in ("w_gate+w_up", "w_up+w_gate")
+            n_in, n_out = (f, d) if down else (d, 2 * f if both else f)
+            rows, cols = (n_in, n_out) if input_major(arch, base) else (n_out, n_in)
+            # output-major [E, out, in], input-major [E, in, out] (gpt-oss'), or flat [E x rows, cols] (DBRX's)
+            want = ((info.n_experts, n_out) if kind == "bias" else (info.n_experts * rows, cols) if arch.flat_experts
+                    else (info.n_experts, rows, cols))
             if tuple(tensor.shape) != want:
                 raise FFNQuantError(
                     f"{str(weights.path_of(name))!r}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
                     f"(experts={info.n_experts}, d_model={d}, d_ff={f}) implies {list(want)}"
                 )
-            tensor = tensor[layer.expert]
+            tensor = tensor[layer.expert] if kind == "bias" else \
+                expert_matrices(tensor, base, arch, info.n_experts)[layer.expert]  # [out, in]
             target = arch.roles.get(base) or ("w_gate+w_up" if base == "gate_up_proj" else "w_down")
         else:
             base, kind = role.rsplit(".", 1)
             target = arch.roles[base]
+            if arch.transposed and kind == "weight":
+                tensor = tensor.t()
         tensor = tensor.detach().to(torch.float32)
-        if arch.transposed and kind == "weight":
-            tensor = tensor.t()
         if not all_finite(tensor):
             raise FFNQuantError(f"{str(weights.path_of(name))!r}: tensor {name!r} holds NaN or infinite values")
         if target in ("w_gate+w_up", "w_up+w_gate"):

@@ -115,6 +115,7 @@ class Discovery:
                         # each fused tensor's biases under <name>_bias (gpt-oss')
                         fused_experts_pattern=fused_prefix + r"\.(?P<role>" + roles_re + ")(?P<bias>_bias)?",
                         interleaved=bool(getattr(ffn.act_module, "interleaved", False)), experts_class=ffn.linear_class,
+                        input_major=ffn.input_major, flat_experts=ffn.flat_experts,
                         gated_roles=tuple(sorted(per_expert)), dense_roles=tuple(sorted(per_expert)),
                         fused_expert_roles=roles, install=Install.EXPERTS, n_experts_key="num_experts")
         pattern = prefix + r"\.(?P<role>" + roles_re + r")\.(?P<kind>weight|bias)"
@@ -168,8 +169,10 @@ def _unread_experts(block: nn.Module, d: int, cands: list[FoundFFN], settle: Any
 
 
 def _expert_layouts(d: int) -> str:
-    """The layouts of routed experts' 3-D tensors ffnquant reads (`ffn_candidates`), at model width d."""
-    return f"[experts, 2f or f, {d}] and [experts, {d}, f], or input-major [experts, {d}, 2f or f] and [experts, f, {d}]"
+    """The layouts of routed experts' tensors ffnquant reads (`ffn_candidates`), at model width d."""
+    return (f"[experts, 2f or f, {d}] (or gate and up apart) and [experts, {d}, f], each tensor output-major as "
+            f"these or input-major ([experts, {d}, 2f or f], [experts, f, {d}]), 3-D or flat ([experts x rows, cols] "
+            "in a module with num_experts)")
 
 
 def _why(refusal: str) -> str:

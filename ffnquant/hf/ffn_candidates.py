@@ -5,6 +5,7 @@ each by running it; what is found is a `FoundFFN`."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -14,7 +15,7 @@ from torch import nn
 from ..spec import Activation
 from .arch import Install
 
-__all__ = ["FoundFFN", "candidates", "linear_shape"]
+__all__ = ["FoundFFN", "candidates", "expert_matrices", "input_major", "linear_shape"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class FoundFFN:
     # `Activation.OWN`: a copy of the model's own activation module (on the meta device, as the model was built),
     # which each layer's checkpoint fills (`hf.checkpoint`); `act_attr` is where it sits in the FFN's module
     act_module: Any = field(default=None, compare=False, repr=False)
+    # routed experts: the tensors holding each expert's matrix [in, out] (all of them: `transposed`; DBRX's w2
+    # alone), and whether they are flat [experts x rows, cols] rather than 3-D (DBRX's); `hf.routed.expert_matrices`
+    input_major: tuple[str, ...] = ()
+    flat_experts: bool = False
 
     def key(self) -> tuple:
         return (self.path, self.install, tuple(sorted(self.roles.items())), self.d_model, self.d_ff, self.experts)
@@ -57,17 +62,37 @@ def linear_shape(module: nn.Module) -> tuple[int, int, bool] | None:
     return None
 
 
+def input_major(layout: Any, name: str) -> bool:
+    """Whether the experts tensor `name` holds each expert's matrix [in, out] (gpt-oss' all of them, `transposed`;
+    DBRX's w2 alone, `input_major`) rather than [out, in]. `layout`: a `FoundFFN` or an `Arch`."""
+    return bool(layout.transposed) or name in tuple(getattr(layout, "input_major", ()) or ())
+
+
+def expert_matrices(tensor: torch.Tensor, name: str, layout: Any, n_experts: int) -> torch.Tensor:
+    """Every expert's matrix of one fused experts tensor as a view [experts, out, in]: a 3-D tensor [E, out, in]
+    or [E, in, out] (`input_major`), or a flat 2-D one holding the experts' matrices stacked [E x rows, cols]
+    (DBRX's, `flat_experts`). A view: writing into it writes the tensor."""
+    t = tensor if tensor.dim() == 3 else tensor.view(n_experts, -1, tensor.shape[-1])
+    return t.transpose(1, 2) if input_major(layout, name) else t
+
+
 def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
     """Every FFN-shaped set of matrices in a block (structure only; roles of gated pairs not yet known)."""
     out: list[FoundFFN] = []
     for path, module in block.named_modules():
         params3 = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
-        if len(params3) == 2:
-            experts = _fused_experts(path, module, params3, d)
-            if experts is not None:
-                out.append(experts)
+        if len(params3) in (2, 3):
+            experts = _expert_tensors(path, module, {n: tuple(p.shape) for n, p in params3.items()}, d, False)
+            if experts:
+                out += experts
                 continue
-            # two 3-D tensors of another kind (RWKV's token-shift mixes [1, 1, d]): the module's Linears still count
+            # 3-D tensors of another kind (RWKV's token-shift mixes [1, 1, d]): the module's Linears still count
+        flat = _flat_experts(module) if not params3 else {}
+        if flat:
+            experts = _expert_tensors(path, module, flat, d, True)
+            if experts:
+                out += experts
+                continue
         linears = {n: linear_shape(c) for n, c in module.named_children()}
         linears = {n: s for n, s in linears.items() if s is not None}
         if path and not any(d in (i, o) for i, o, _ in linears.values()):
@@ -108,26 +133,50 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
     return out
 
 
-def _fused_experts(path: str, module: nn.Module, params3: Mapping[str, torch.Tensor], d: int) -> FoundFFN | None:
-    """Two 3-D parameters holding every expert's matrices: output-major [E, 2f or f, d] and [E, d, f] (Mixtral's,
-    each row an output), or input-major [E, d, 2f or f] and [E, f, d] (gpt-oss', `transposed`); each with an
-    optional `<name>_bias` [E, out] (gpt-oss'). None when they are not that."""
-    na, nb = params3
-    for first, down, transposed in ((na, nb, False), (nb, na, False), (na, nb, True), (nb, na, True)):
-        w1, w2 = params3[first], params3[down]
-        if w1.shape[0] != w2.shape[0]:
-            return None
-        out1, in1 = (w1.shape[2], w1.shape[1]) if transposed else (w1.shape[1], w1.shape[2])
-        out2, in2 = (w2.shape[2], w2.shape[1]) if transposed else (w2.shape[1], w2.shape[2])
-        if in1 != d or out2 != d or out1 not in (in2, 2 * in2):
+def _flat_experts(module: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """A module of `num_experts` experts (an int attribute) holding their matrices as flat 2-D parameters, each
+    expert's rows stacked [experts x rows, cols], in it or its children (DBRX's experts.mlp.w1, v1, w2): name ->
+    (experts, rows, cols); {} when it holds no such set of two or three."""
+    n = getattr(module, "num_experts", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2 or any(p.dim() == 3 for p in module.parameters()):
+        return {}
+    linears = {name for name, m in module.named_modules() if linear_shape(m) is not None}
+    flat = {name: (n, int(p.shape[0]) // n, int(p.shape[1])) for name, p in module.named_parameters()
+            if p.dim() == 2 and p.shape[0] % n == 0 and p.shape[0] > n and name.rpartition(".")[0] not in linears}
+    return flat if len(flat) in (2, 3) else {}
+
+
+def _expert_tensors(path: str, module: nn.Module, shapes: Mapping[str, tuple[int, int, int]], d: int,
+                    flat: bool) -> list[FoundFFN]:
+    """Two or three tensors holding every expert's matrices (`shapes`: name -> experts, rows, cols), each
+    output-major [E, out, in] (Mixtral's: each row an output) or input-major [E, in, out] (gpt-oss' all, DBRX's
+    down alone), each with an optional `<name>_bias` [E, out] (gpt-oss'): every reading of them as one expert's FFN
+    (a down matrix f -> d beside a fused gate+up d -> 2f, an up d -> f, or a gate and an up d -> f); the probe keeps
+    the one the module computes. [] when they read as none."""
+    names = list(shapes)
+    if len({s[0] for s in shapes.values()}) != 1:
+        return []
+    out = []
+    for majors in itertools.product((False, True), repeat=len(names)):
+        dims = {n: (shapes[n][2], shapes[n][1]) if m else (shapes[n][1], shapes[n][2]) for n, m in zip(names, majors)}
+        downs = [n for n, (o, i) in dims.items() if o == d and i != d]
+        if len(downs) != 1:
             continue
-        f, gated = int(in2), out1 == 2 * in2
-        biases = [getattr(module, f"{n}_bias", None) for n in (first, down)]
+        down, f = downs[0], dims[downs[0]][1]
+        firsts = [n for n in names if n != down]
+        widths = sorted(dims[n][0] for n in firsts)
+        if any(dims[n][1] != d for n in firsts) or widths not in ([f], [2 * f], [f, f]):
+            continue
+        roles = ({firsts[0]: "w_up"} if widths == [f] else {firsts[0]: "w_gate+w_up"} if widths == [2 * f]
+                 else {firsts[0]: "w_gate", firsts[1]: "w_up"})  # gate or up: settled by the probe
+        roles[down] = "w_down"
+        input_major = tuple(n for n, m in zip(names, majors) if m)
+        biases = [getattr(module, f"{n}_bias", None) for n in names]
         bias = any(isinstance(t, torch.Tensor) and t.dim() == 2 for t in biases)
-        roles = {first: "w_gate+w_up" if gated else "w_up", down: "w_down"}
-        return FoundFFN(path, Install.EXPERTS, roles, d, f, gated, transposed, bias, experts=int(w1.shape[0]),
-                        linear_class=type(module).__name__)
-    return None
+        out.append(FoundFFN(path, Install.EXPERTS, roles, d, f, widths != [f], all(majors), bias,
+                            experts=shapes[names[0]][0], linear_class=type(module).__name__, input_major=input_major,
+                            flat_experts=flat))
+    return out
 
 
 def _split_across_children(block: nn.Module, d: int) -> list[FoundFFN]:

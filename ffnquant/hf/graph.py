@@ -29,6 +29,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from .arch import Install, ModelKind, NormGain
 from .capture import _first_input, _model_inputs, _module_for, _residual_input
+from .ffn_candidates import input_major
 from .routed import routed_rows
 from .checkpoint import LayerInfo, ModelInfo
 
@@ -73,14 +74,23 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _parameter(module: nn.Module, name: str) -> torch.Tensor | None:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
+
+
 def first_matrices(module: nn.Module, info: ModelInfo, layer: LayerInfo) -> list[tuple[torch.Tensor, int]]:
     """The FFN's matrices that read its input, each with the dimension indexing the input channel."""
     arch = info.arch
     out = []
     if arch.install is Install.EXPERTS:
         for name in arch.fused_expert_roles:
-            if arch.roles.get(name, "w_down") != "w_down" and isinstance(getattr(module, name, None), torch.Tensor):
-                out.append((getattr(module, name), 1 if arch.transposed else 2))  # [experts, out, in] or [.., in, out]
+            tensor = _parameter(module, name)
+            if arch.roles.get(name, "w_down") != "w_down" and tensor is not None:
+                # [experts, out, in], input-major [.., in, out], flat [experts x out, in]
+                out.append((tensor, tensor.dim() - (2 if input_major(arch, name) else 1)))
         if not out:  # experts as modules (ModuleList)
             expert = module[layer.expert] if isinstance(module, nn.ModuleList) else getattr(module, str(layer.expert))
             for role, weight in arch.roles.items():

@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from ..spec import Activation
 from .arch import Install
-from .ffn_candidates import FoundFFN
+from .ffn_candidates import FoundFFN, expert_matrices, input_major
 from .own import elementwise, gate_interleaved, own_activations, own_gate, own_middle, rowwise
 
 __all__ = ["probe", "probe_activation", "takes_residual", "takes_sorted_tokens"]
@@ -73,11 +73,14 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
     for name, role in ffn.roles.items():
         n_in = f if role == "w_down" else d
         n_out = d if role == "w_down" else (2 * f if "+" in role else f)
-        if ffn.install is Install.EXPERTS:  # input-major experts (gpt-oss') hold [E, in, out], biases [E, out]
-            shape = (1, n_in, n_out) if ffn.transposed else (1, n_out, n_in)
-            setattr(small, name, nn.Parameter(torch.empty(*shape, device="meta")))
-            if isinstance(getattr(small, f"{name}_bias", None), torch.Tensor):
-                setattr(small, f"{name}_bias", nn.Parameter(torch.empty(1, n_out, device="meta")))
+        if ffn.install is Install.EXPERTS:  # one expert: [1, out, in], input-major [1, in, out], flat [rows, cols]
+            major = input_major(ffn, name)
+            shape = (n_in, n_out) if major else (n_out, n_in)
+            parent, _, attr = name.rpartition(".")
+            owner = small.get_submodule(parent) if parent else small
+            setattr(owner, attr, nn.Parameter(torch.empty(*((1,) if not ffn.flat_experts else ()), *shape, device="meta")))
+            if isinstance(getattr(owner, f"{attr}_bias", None), torch.Tensor):
+                setattr(owner, f"{attr}_bias", nn.Parameter(torch.empty(1, n_out, device="meta")))
             continue
         old = small.get_submodule(name)
         if ffn.transposed:
@@ -90,15 +93,13 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
         parent, _, attr = name.rpartition(".")
         setattr(small.get_submodule(parent) if parent else small, attr, new)
     if ffn.install is Install.EXPERTS:
-        for attr, value in (("num_experts", 1), ("hidden_dim", d), ("intermediate_dim", f)):
-            if isinstance(getattr(small, attr, None), int):
-                setattr(small, attr, value)
+        _shrink_sizes(small, {ffn.experts: 1, ffn.d_model: d, ffn.d_ff: f})
     small = small.to_empty(device="cpu").float()
     with torch.no_grad():
-        input_major = {id(getattr(small, n)) for n in ffn.roles} if ffn.install is Install.EXPERTS and ffn.transposed \
-            else set()
+        majors = {id(small.get_parameter(n)) for n in ffn.roles if input_major(ffn, n)} \
+            if ffn.install is Install.EXPERTS else set()
         for p in small.parameters():  # unit-scale outputs: the activations' shapes are told apart on them
-            fan_in = (p.shape[-2] if id(p) in input_major else p.shape[-1]) if p.dim() >= 2 else 1
+            fan_in = (p.shape[-2] if id(p) in majors else p.shape[-1]) if p.dim() >= 2 else 1
             p.copy_(torch.randn(p.shape, generator=gen) * (1.5 * fan_in ** -0.5 if p.dim() >= 2 else 0.5))
         # buffers too: to_empty leaves them as whatever memory held (xIELU's beta and eps), and a probe must give
         # the same verdict every run
@@ -107,13 +108,26 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
     return small.eval()
 
 
+def _shrink_sizes(small: nn.Module, sizes: Mapping[Any, int]) -> None:
+    """Set the size attributes of an experts module and its children to the probe's: every int attribute holding
+    the model's number of experts, width or FFN width (MixtralExperts' num_experts, hidden_dim, intermediate_dim;
+    DBRX's hidden_size, ffn_hidden_size, whatever their names), where those three differ."""
+    if len(set(sizes)) != len(sizes) or None in sizes:
+        return
+    for module in small.modules():
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, int) and not isinstance(value, bool) and value in sizes:
+                setattr(module, attr, sizes[value])
+
+
 def _matrices(small: nn.Module, ffn: FoundFFN) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """role attribute -> (weight [out, in], bias) of the copy."""
     out = {}
     for name in ffn.roles:
         if ffn.install is Install.EXPERTS:
-            w, b = getattr(small, name)[0], getattr(small, f"{name}_bias", None)
-            out[name] = (w.t() if ffn.transposed else w, b[0] if isinstance(b, torch.Tensor) else None)
+            w = expert_matrices(small.get_parameter(name), name, ffn, 1)[0]
+            b = getattr(small, f"{name}_bias", None) if "." not in name else None
+            out[name] = (w, b[0] if isinstance(b, torch.Tensor) else None)
             continue
         m = small.get_submodule(name)
         w = m.weight.t() if ffn.transposed else m.weight
@@ -186,7 +200,9 @@ def _module_output(small: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: s
             if takes_sorted_tokens(small):  # one expert: its rows are the tokens (Llama 4's)
                 return small(x)
             index = torch.zeros(x.shape[0], 1, dtype=torch.long)
-            return small(x, index, torch.ones(x.shape[0], 1))
+            y = small(x, index, torch.ones(x.shape[0], 1))
+            # as its rows, whatever leading shape it gives them (DBRX's: [rows, 1, d] for rows taken as a batch)
+            return y.reshape(x.shape) if isinstance(y, torch.Tensor) and y.numel() == x.numel() else y
         if ffn.install is Install.SPLIT:  # the block's own Linears: first, activation, second
             up = next(n for n, r in ffn.roles.items() if r != "w_down")
             down = next(n for n, r in ffn.roles.items() if r == "w_down")
@@ -240,8 +256,8 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
             with torch.no_grad():
                 mine = _ffnquant_output(mats, roles, fn, x, act is Activation.OWN_GATE)
             if float((mine - y).abs().max()) <= _REPRODUCE_RTOL * scale * max(d, f) ** 0.5:
-                return FoundFFN(ffn.path, ffn.install, roles, ffn.d_model, ffn.d_ff, ffn.gated, ffn.transposed,
-                                ffn.bias, ffn.experts, act, attr, ffn.linear_class, residual, template())
+                return dataclasses.replace(ffn, roles=roles, activation=act, act_attr=attr, residual=residual,
+                                           act_module=template())
     split = _as_split(module, ffn, gen) if ffn.install is Install.MODULE and not ffn.gated else None
     if split is not None:
         return split

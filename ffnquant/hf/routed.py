@@ -12,52 +12,101 @@ import torch
 from torch import nn
 
 from ..errors import FFNQuantError
+from .ffn_candidates import expert_matrices, input_major
 from .probe import takes_sorted_tokens
 
-__all__ = ["expert_forward", "expert_weight", "experts_forward", "routed_rows"]
+__all__ = ["expert_forward", "expert_matrices", "expert_weight", "experts_forward", "input_major", "routed_rows"]
+
+
+def _n_experts(module: nn.Module, layout: Any) -> int:
+    fixed = getattr(layout, "fixed", None) or {}
+    n = getattr(layout, "experts", None) or fixed.get("n_experts") or getattr(module, "num_experts", None)
+    if not isinstance(n, int):
+        raise FFNQuantError(f"{type(module).__name__}: the number of its experts is not known")
+    return n
+
+
+def _tensors(module: nn.Module, layout: Any) -> dict[str, str]:
+    """role ("w_down", "w_gate+w_up", ...) -> the experts module's tensor holding it (a dotted name: DBRX's mlp.w1)."""
+    fused = getattr(layout, "fused_expert_roles", None)  # an Arch's roles also name the per-expert tensors on disk
+    names = {n: layout.roles.get(n, "") for n in fused} if fused else dict(layout.roles)
+    out = {}
+    for name, role in names.items():
+        try:
+            module.get_parameter(name)
+        except AttributeError:
+            continue
+        out[role or ("w_down" if name.endswith("down_proj") else "w_gate+w_up" if "gate" in name else "w_up")] = name
+    return out
 
 
 def expert_weight(module: nn.Module, expert: int, weight: str, arch: Any) -> torch.Tensor:
     """One routed expert's `weight` ("w_gate", "w_up", "w_down", [out, in]) as a view of the fused experts module's
-    tensors, in the layout `arch` read them in (`hf.checkpoint`): gate_up_proj [E, 2f, d] or input-major [E, d, 2f]
-    (`arch.transposed`), gate and up side by side (gate first) or alternating (`arch.interleaved`); without a gate,
-    up_proj; down_proj [E, d, f] or [E, f, d]. A view: writing into it writes the module's tensor."""
-    view = (lambda t: t.t()) if arch.transposed else (lambda t: t)  # noqa: E731
-    if weight == "w_down":
-        return view(module.down_proj[expert])
-    if not hasattr(module, "gate_up_proj"):
-        if weight != "w_up":
-            raise FFNQuantError(f"{type(module).__name__} has no gate: its experts have no {weight}")
-        return view(module.up_proj[expert])
-    both = view(module.gate_up_proj[expert])
-    gate, up = (both[0::2], both[1::2]) if arch.interleaved else both.chunk(2, dim=0)
+    tensors, in the layout `arch` read them in (`hf.checkpoint`): each tensor output- or input-major, 3-D or flat
+    (`expert_matrices`); gate and up in separate tensors, or in one side by side (gate first) or alternating
+    (`arch.interleaved`). A view: writing into it writes the module's tensor."""
+    tensors = _tensors(module, arch)
+    n = _n_experts(module, arch)
+
+    def view(name: str) -> torch.Tensor:
+        return expert_matrices(module.get_parameter(name), name, arch, n)[expert]
+
+    if weight in tensors:
+        return view(tensors[weight])
+    fused = next((r for r in ("w_gate+w_up", "w_up+w_gate") if r in tensors), None)
+    if fused is None or weight not in ("w_gate", "w_up"):
+        raise FFNQuantError(f"{type(module).__name__} holds no {weight} of its experts (it holds "
+                            f"{', '.join(sorted(tensors))})")
+    both = view(tensors[fused])
+    first, second = (both[0::2], both[1::2]) if getattr(arch, "interleaved", False) else both.chunk(2, dim=0)
+    gate, up = (first, second) if fused == "w_gate+w_up" else (second, first)
     return gate if weight == "w_gate" else up
 
 
-def expert_forward(module: nn.Module, expert: int, transposed: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-    """One expert of a fused experts module (MixtralExperts' math: gate_up_proj [E, 2f, d], gate rows first, and
-    down_proj [E, d, f]; its own `_apply_gate` of the gate_up product where it has one; or, without a gate,
-    NemotronHExperts': up_proj [E, f, d] through the activation) as a callable on its tokens [tokens, d_model].
-    `transposed`: input-major tensors [E, in, out], each with its `<name>_bias` [E, out] where it has one (gpt-oss')."""
+def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The experts' activation module: `act_fn` (transformers' name), else the parameterless child whose name says
+    activation (DBRX's mlp.activation_fn)."""
     act = getattr(module, "act_fn", None)
+    if callable(act):
+        return act
+    for name, child in module.named_modules():
+        if name and "act" in name.rpartition(".")[2] and not any(True for _ in child.parameters()):
+            return child
+    raise FFNQuantError(f"{type(module).__name__}: no activation module found beside its experts' tensors")
 
-    def lin(x: torch.Tensor, name: str) -> torch.Tensor:
-        w, b = getattr(module, name)[expert], getattr(module, f"{name}_bias", None)
-        y = x @ w if transposed else nn.functional.linear(x, w)
+
+def expert_forward(module: nn.Module, expert: int, layout: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One expert of a fused experts module as a callable on its tokens [tokens, d_model], in transformers' math:
+    gate and up (one tensor, gate rows first as MixtralExperts chunks it, or two tensors: DBRX's), the module's own
+    `_apply_gate` of the gate_up product where it has one (MiniMax-M3, gpt-oss), else activation(gate) * up; without
+    a gate (NemotronHExperts') the activation of up; then down. Each tensor in its layout (`expert_matrices`), each
+    with its `<name>_bias` [E, out] where it has one (gpt-oss')."""
+    tensors = _tensors(module, layout)
+    n = _n_experts(module, layout)
+
+    def lin(x: torch.Tensor, role: str) -> torch.Tensor:
+        name = tensors[role]
+        w = expert_matrices(module.get_parameter(name), name, layout, n)[expert]
+        b = getattr(module, f"{name}_bias", None) if "." not in name else None
+        # an input-major matrix multiplies as stored (x @ w), as its module does: same summation order
+        y = x @ w.t() if input_major(layout, name) else nn.functional.linear(x, w)
         return y + b[expert] if isinstance(b, torch.Tensor) else y
 
-    if not hasattr(module, "gate_up_proj"):
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            return lin(act(lin(x, "up_proj")), "down_proj")
-
-        return forward
+    fused = next((r for r in ("w_gate+w_up", "w_up+w_gate") if r in tensors), None)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        gate_up = lin(x, "gate_up_proj")
-        if callable(getattr(module, "_apply_gate", None)):  # its own gate function of both halves (MiniMax-M3)
-            return lin(module._apply_gate(gate_up), "down_proj")
-        gate, up = gate_up.chunk(2, dim=-1)
-        return lin(act(gate) * up, "down_proj")
+        if fused is not None:
+            gate_up = lin(x, fused)
+            if callable(getattr(module, "_apply_gate", None)):  # its own gate function of both halves (MiniMax-M3)
+                return lin(module._apply_gate(gate_up), "w_down")
+            gate, up = gate_up.chunk(2, dim=-1)
+            if fused == "w_up+w_gate":
+                gate, up = up, gate
+        elif "w_gate" in tensors:
+            gate, up = lin(x, "w_gate"), lin(x, "w_up")
+        else:
+            return lin(_activation(module)(lin(x, "w_up")), "w_down")
+        return lin(_activation(module)(gate) * up, "w_down")
 
     return forward
 
@@ -83,7 +132,7 @@ def routed_rows(module: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tu
 
 
 def experts_forward(module: nn.Module, replacements: Mapping[int, Callable[[torch.Tensor], torch.Tensor]],
-                    transposed: bool = False):
+                    layout: Any):
     """A forward for a fused experts module with some experts replaced: each row through its experts, weighted
     and summed per row (`routed_rows`), in transformers' order and arithmetic (MixtralExperts')."""
 
@@ -95,7 +144,7 @@ def experts_forward(module: nn.Module, replacements: Mapping[int, Callable[[torc
             token_idx, top_k_pos = torch.where(top_k_index == expert)  # an expert appears at most once per row
             if token_idx.numel() == 0:
                 continue
-            y = (replacements[expert] if expert in replacements else expert_forward(module, expert, transposed))(
+            y = (replacements[expert] if expert in replacements else expert_forward(module, expert, layout))(
                 rows[token_idx])
             y = y * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
