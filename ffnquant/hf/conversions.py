@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-__all__ = ["TENSOR_OPS", "conversion_mapping", "expert_sources", "mapping_for", "pretrained_classes", "unread_conversions", "with_renames"]
+__all__ = ["TENSOR_OPS", "conversion_mapping", "plain_pattern", "expert_sources", "mapping_for", "pretrained_classes", "unread_conversions", "with_renames"]
 
 
 def expert_sources(model_type: str, ffn: Any, class_names: Sequence[str] = ()) -> tuple[dict[str, str], list[tuple[str, str]]]:
@@ -69,30 +69,31 @@ def conversion_mapping(model: Any) -> list[Any]:
 
 
 # transformers' conversion operations that turn one stored tensor into one or several loaded ones by a fixed
-# reordering or split, which ffnquant applies as it reads (`hf.weights.converted_names`: Inkling 2's interleaved
-# w13_weight, HRM's gate_up_proj chunked into gate_proj and up_proj)
+# reordering or split (Inkling 2's interleaved w13_weight, HRM's gate_up_proj chunked into gate_proj and up_proj):
+# their outputs' shapes follow from the stored tensor's without reading it. Every other operation (Inkling 2 Loop's
+# NVFP4 dequantization of a weight and its scales) ffnquant runs as transformers does, with transformers' own
+# operation, as it reads (`hf.weights.converted_names`)
 TENSOR_OPS = ("Interleave", "Chunk")
 
 
-def _plain(pattern: Any) -> str:
+def plain_pattern(pattern: Any) -> str:
     """A conversion pattern as the name it matches (its regex escapes removed)."""
     return re.sub(r"\\(.)", r"\1", str(pattern))
 
 
 def unread_conversions(model_type: str, roles: Sequence[str], class_names: Sequence[str] = ()) -> list[str]:
-    """transformers' conversions that make one of the FFN's tensors (`roles`, its attribute names) from stored tensors
-    by operations ffnquant does not apply as it reads (several stored tensors, a dequantization: Inkling 2 Loop's
-    NVFP4 experts), each as 'sources -> targets (operations)'; [] where there are none. What it applies:
-    `hf.weights.converted_names` (one stored tensor, reordered or split)."""
+    """transformers' conversions that make one of the FFN's tensors (`roles`, its attribute names) by operations
+    ffnquant does not run as it reads (sharded by another attribute), each as 'sources -> targets (operations)';
+    [] where there are none. What it runs: `hf.weights.converted_names`."""
     out = []
     for conv in mapping_for(model_type, class_names):
         if type(conv).__name__ != "WeightConverter":
             continue
-        targets = [_plain(t) for t in getattr(conv, "target_patterns", []) or []]
+        targets = [plain_pattern(t) for t in getattr(conv, "target_patterns", []) or []]
         if not any(t == role or t.endswith("." + role) or f".{role}." in f".{t}." for t in targets for role in roles):
             continue
-        sources = [_plain(p) for p in getattr(conv, "source_patterns", []) or []]
-        ops = [type(op).__name__ for op in getattr(conv, "operations", []) or []]
-        if len(sources) > 1 or any(op not in TENSOR_OPS for op in ops):
-            out.append(f"{' + '.join(sources)} -> {', '.join(targets)} ({', '.join(ops)})")
+        sources = [plain_pattern(p) for p in getattr(conv, "source_patterns", []) or []]
+        ops = getattr(conv, "operations", []) or []
+        if any(getattr(op, "num_shards_attribute", None) is not None for op in ops):
+            out.append(f"{' + '.join(sources)} -> {', '.join(targets)} ({', '.join(type(op).__name__ for op in ops)})")
     return out

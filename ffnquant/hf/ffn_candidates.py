@@ -154,7 +154,8 @@ def _expert_tensors(path: str, module: nn.Module, shapes: Mapping[str, tuple[int
     (a down matrix f -> d beside a fused gate+up d -> 2f, an up d -> f, or a gate and an up d -> f); the probe keeps
     the one the module computes. [] when they read as none."""
     names = list(shapes)
-    if len({s[0] for s in shapes.values()}) != 1:
+    # one number of experts, at least two (RWKV's token-shift mixes [1, 1, d] are no experts)
+    if len({s[0] for s in shapes.values()}) != 1 or next(iter(shapes.values()))[0] < 2:
         return []
     out = []
     for majors in itertools.product((False, True), repeat=len(names)):
@@ -163,6 +164,8 @@ def _expert_tensors(path: str, module: nn.Module, shapes: Mapping[str, tuple[int
         if len(downs) != 1:
             continue
         down, f = downs[0], dims[downs[0]][1]
+        if f < 2:
+            continue
         firsts = [n for n in names if n != down]
         widths = sorted(dims[n][0] for n in firsts)
         if any(dims[n][1] != d for n in firsts) or widths not in ([f], [2 * f], [f, f]):

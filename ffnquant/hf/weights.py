@@ -15,7 +15,7 @@ import torch
 
 from ..errors import FFNQuantError
 from ..infra.resources import read_text as read_file_text, regular_file
-from .conversions import TENSOR_OPS, mapping_for
+from .conversions import TENSOR_OPS, plain_pattern, mapping_for
 
 __all__ = ["_Weights", "_PICKLE_SUFFIXES", "Converted", "converted_names", "loaded_names"]
 
@@ -40,26 +40,37 @@ def loaded_names(keys: Any, transforms: Any) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Converted:
-    """A loaded tensor that transformers makes from one stored tensor by its conversion operations: the stored
-    name, the converter (its patterns and operations), and which of its outputs this is."""
+    """A loaded tensor that transformers makes from stored tensors by its conversion operations: the stored tensor
+    of the converter's first source pattern, the others the folder holds beside it (`companions`: pattern ->
+    stored name; Inkling 2 Loop's NVFP4 scales), the converter (its patterns and operations), and which of its
+    outputs this is."""
 
     stored: str
     converter: Any
     index: int
     count: int
+    companions: tuple[tuple[str, str], ...] = ()
 
-    def outputs(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every output of the converter's operations on the stored tensor, in its targets' order, as transformers
-        computes them (this one is `[index]`)."""
+    @property
+    def reordering(self) -> bool:
+        """Whether the converter only reorders or splits one stored tensor (`TENSOR_OPS`): its outputs' shapes
+        follow from the stored one's without reading it."""
+        return not self.companions and all(type(op).__name__ in TENSOR_OPS for op in self.converter.operations)
+
+    def outputs(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Every output of the converter's operations on the stored tensors (by stored name), in its targets'
+        order, as transformers computes them, with its own operations (this one is `[index]`)."""
         conv = self.converter
         sources, targets = list(conv.source_patterns), list(conv.target_patterns)
-        state: dict[str, Any] = {sources[0]: [tensor]}
+        state: dict[str, Any] = {sources[0]: [tensors[self.stored]]}
+        state.update({pattern: [tensors[name]] for pattern, name in self.companions})
         for op in conv.operations:
             state = op.convert(state, source_patterns=sources, target_patterns=targets)
         return list(state.values())
 
     def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
-        """The loaded shape from the stored one (a Chunk divides its dimension by the number of outputs)."""
+        """The loaded shape from the stored one, for a `reordering` converter (a Chunk divides its dimension by the
+        number of outputs)."""
         shape = list(stored)
         for op in self.converter.operations:
             if type(op).__name__ == "Chunk":
@@ -69,12 +80,18 @@ class Converted:
 
 def converted_names(keys: Any, transforms: Any) -> dict[str, Converted]:
     """{name transformers loads: Converted} for the `keys` that one of its conversion mapping's `WeightConverter`s
-    turns, after its renamings, by reordering or splitting one stored tensor (`TENSOR_OPS`) into as many as it
-    has targets; converters of several stored tensors or of other operations are not listed."""
+    turns, after its renamings, into as many tensors as it has targets: from the stored tensor of its first source
+    pattern and those of its other patterns the folder holds beside it, by transformers' own operations (a
+    reordering or split, `TENSOR_OPS`; a dequantization: Inkling 2 Loop's NVFP4 experts). Converters sharded by
+    another attribute, or merging many stored tensors into one, are not listed."""
+    keys = list(keys)
+    stored = set(keys)
+    # not a merge of many stored tensors into one (per-expert Linears fused: `*` in its patterns), which
+    # `hf.checkpoint` reads per expert
     converters = [t for t in transforms if type(t).__name__ == "WeightConverter"
-                  and len(getattr(t, "source_patterns", ())) == 1 and getattr(t, "operations", None)
-                  and all(type(op).__name__ in TENSOR_OPS and getattr(op, "num_shards_attribute", None) is None
-                          for op in t.operations)]
+                  and getattr(t, "source_patterns", ()) and getattr(t, "operations", None)
+                  and not any("*" in str(p) for p in t.source_patterns)
+                  and all(getattr(op, "num_shards_attribute", None) is None for op in t.operations)]
     out = {}
     for key in keys:
         name = _renamed(key, transforms)
@@ -82,10 +99,17 @@ def converted_names(keys: Any, transforms: Any) -> dict[str, Converted]:
             first, matched = conv.rename_source_key(name)
             if matched is None:
                 continue
+            sources = list(conv.source_patterns)
+            if matched != sources[0]:
+                break  # a companion of another stored tensor (a scale): read with it
+            own = plain_pattern(sources[0])
+            # the other sources' stored names: the same prefix, the pattern's own name (from `key`, the stored one)
+            companions = tuple((p, key.replace(own, plain_pattern(p), 1)) for p in sources[1:]
+                               if own in key and key.replace(own, plain_pattern(p), 1) in stored)
             targets = list(conv.target_patterns)
             for i, target in enumerate(targets):  # the others named as transformers expands a one-to-many
                 loaded = first if i == 0 else first.replace(targets[0], target, 1)
-                out[loaded] = Converted(key, conv, i, len(targets))
+                out[loaded] = Converted(key, conv, i, len(targets), companions)
             break
     return out
 
@@ -263,7 +287,11 @@ class _Weights:
 
     def shape(self, name: str) -> tuple[int, ...]:
         shape = self._shapes[self._alias.get(name, name)]
-        return self._converted[name].shape(shape) if name in self._converted else shape
+        if name not in self._converted:
+            return shape
+        conv = self._converted[name]
+        # a dequantization's shape is its output's: read (and converted once for every output of the converter)
+        return conv.shape(shape) if conv.reordering else tuple(self.get(name).shape)
 
     def dtype(self, name: str) -> str | None:
         return self._dtypes.get(self._alias.get(name, name))
@@ -274,7 +302,8 @@ class _Weights:
             # a split's outputs are read one after the other (HRM's gate_proj, then up_proj): the stored tensor
             # is read and converted once for all of them
             if self._last_converted[0] != (conv.stored, conv.converter):
-                self._last_converted = ((conv.stored, conv.converter), conv.outputs(self._stored(conv.stored)))
+                names = [conv.stored, *(n for _, n in conv.companions)]
+                self._last_converted = ((conv.stored, conv.converter), conv.outputs({n: self._stored(n) for n in names}))
             return self._last_converted[1][conv.index]
         return self._stored(self._alias.get(name, name))
 
