@@ -517,3 +517,43 @@ def test_every_reading_of_expert_tensors_as_an_ffn_is_a_candidate(shapes, want):
     got = sorted((f.input_major, next(n for n, r in f.roles.items() if r != "w_down")) for f in found)
     assert got == sorted(want)
     assert all(f.d_ff == 16 and f.experts == 4 for f in found)
+
+
+def test_experts_whose_matrices_are_modules_of_a_self_routing_moe_are_read_captured_and_replaced(tmp_path):
+    """JetMoE's MoE routes its tokens itself and holds its experts' matrices in two child modules, each called with
+    the rows sorted by expert and every expert's count: each expert's FFN is read from their 3-D tensors and computes
+    what they compute; replaced by ffnquant's FFNs (here the float ones) the model's logits stay as they were, a
+    changed FFN changes them, and each expert's captured inputs are the rows the router sent it."""
+    import torch
+
+    from ffnquant.hf import load_ffn_layers
+    from ffnquant.hf.capture import ffn_input_hooks, install_ffns
+
+    folder = _folder(tmp_path, "jetmoe")
+    info = inspect_model(folder)
+    assert info.arch.install is Install.EXPERTS and info.arch.matrix_experts
+    assert info.arch.roles["input_linear.weight"] == "w_gate+w_up" and info.arch.roles["output_linear.weight"] == "w_down"
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    layers = load_ffn_layers(info, "all")
+    moe = model.get_submodule(layers[0].info.name)
+    rows = torch.randn(5, info.spec.d_model, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # expert 1 alone: what the module's own matrices and activation compute
+        h = moe.input_linear(rows, [0, 5, 0, 0])
+        gate, up = h.chunk(2, dim=-1)
+        assert torch.equal(layers[1].ffn(rows), moe.output_linear(moe.activation(gate) * up, [0, 5, 0, 0]))
+    ids = torch.randint(3, 90, (1, 10), generator=torch.Generator().manual_seed(6))
+    seen: dict[str, int] = {}
+    doubled = {layer.info: (lambda x, f=layer.ffn: 2 * f(x)) for layer in layers}
+    with torch.no_grad():
+        want = model(ids).logits
+        with install_ffns(model, info, {layer.info: layer.ffn for layer in layers}):
+            got = model(ids).logits
+        with install_ffns(model, info, doubled):
+            changed = model(ids).logits
+        with ffn_input_hooks(model, info, [layer.info for layer in layers],
+                             lambda layer, x: seen.__setitem__(layer.label, seen.get(layer.label, 0) + x.shape[0])):
+            model(ids)
+        assert torch.equal(model(ids).logits, want)  # every forward put back
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert not torch.allclose(changed, want, rtol=0, atol=1e-3 * float(want.abs().max()))
+    assert sum(n for label, n in seen.items() if label.startswith("L0.")) == 10 * model.config.num_experts_per_tok

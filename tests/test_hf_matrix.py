@@ -53,6 +53,9 @@ EXPECTED = {
     "apertus": ("relu", "module"), "bitnet": ("reglu", "module"), "minimax_m3_vl_text": ("reglu", "experts"),
     # experts held flat, [experts x f, d] each, gate and up output-major and down input-major, in a child module
     "dbrx": ("swiglu", "experts"),
+    # a MoE that routes its tokens itself, its experts' matrices two child modules called with the rows sorted by
+    # expert and their counts
+    "jetmoe": ("swiglu", "experts"),
 }
 OWN = {"apertus": "own", "bitnet": "own_gate", "minimax_m3_vl_text": "own_gate"}
 RESIDUAL_ARG = ("bloom", "mpt")
@@ -61,9 +64,9 @@ NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
            "exaone4": "no module produces the FFN's input", "roberta": r"also read by .*layer\.0\.output"}
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe",
-       "minimax_m3_vl_text", "dbrx")  # planned by bytes
+       "minimax_m3_vl_text", "dbrx", "jetmoe")  # planned by bytes
 # their checkpoints store the experts fused (3-D tensors, DBRX's flat 2-D ones): compressed-tensors refuses them
-FUSED_EXPERTS = ("granitemoe", "minimax_m3_vl_text", "dbrx")
+FUSED_EXPERTS = ("granitemoe", "minimax_m3_vl_text", "dbrx", "jetmoe")
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
 TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
 # plan and export read whole windows of the held-out text: 128 tokens (a model without a context length, ALiBi's

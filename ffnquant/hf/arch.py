@@ -293,6 +293,8 @@ class Arch:
     # [experts x rows, cols] (DBRX's); `hf.routed.expert_matrices`
     input_major: tuple[str, ...] = ()
     flat_experts: bool = False
+    # experts' matrices in child modules of a module that routes its tokens itself (JetMoE's; `hf.routed.call_modules`)
+    matrix_experts: bool = False
     experts_class: str = ""  # the class of a fused experts module (Llama4TextExperts: its loader's per-expert split)
 
     def d_model(self, config: Mapping[str, Any], where: str) -> int:

@@ -27,7 +27,7 @@ from ..infra.atomic import atomic_path, ensure_writable_dir, owned_temp_file
 from ..infra.resources import check_memory
 from .arch import Install, ModelKind
 from .checkpoint import LayerInfo, ModelInfo, inspect_model
-from .routed import experts_forward, routed_rows
+from .routed import call_modules, experts_forward, matrix_forwards, routed_rows
 from .corpus import (DEFAULT_SEQ_LEN, TextSource, document_text, document_windows, load_documents, shipped_corpus,
                      source_items, source_label, window_batches)
 
@@ -352,8 +352,9 @@ def ffn_input_hooks(
             else:
                 target = module
             handles.append(target.register_forward_pre_hook(plain_hook(layer), with_kwargs=True))
-        for module, group in fused_groups.values():
-            handles.append(module.register_forward_pre_hook(experts_hook(group), with_kwargs=True))
+        for module, group in fused_groups.values():  # where the experts are handed their rows
+            handles.append(call_modules(module, info.arch)[0].register_forward_pre_hook(experts_hook(group),
+                                                                                       with_kwargs=True))
         yield
     finally:
         for h in handles:
@@ -433,8 +434,11 @@ def install_ffns(
             object.__setattr__(module, "forward", _input_only(replacement, info.arch.residual_arg))
             undo.append(lambda m=module: delattr(m, "forward"))
         for module, reps in fused.values():
-            object.__setattr__(module, "forward", experts_forward(module, reps, info.arch))
-            undo.append(lambda m=module: delattr(m, "forward"))
+            forwards = matrix_forwards(module, reps, info.arch) if info.arch.matrix_experts \
+                else {module: experts_forward(module, reps, info.arch)}
+            for target, forward in forwards.items():
+                object.__setattr__(target, "forward", forward)
+                undo.append(lambda m=target: delattr(m, "forward"))
         yield
     finally:
         for step in reversed(undo):

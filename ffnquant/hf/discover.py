@@ -116,6 +116,7 @@ class Discovery:
                         fused_experts_pattern=fused_prefix + r"\.(?P<role>" + roles_re + ")(?P<bias>_bias)?",
                         interleaved=bool(getattr(ffn.act_module, "interleaved", False)), experts_class=ffn.linear_class,
                         input_major=ffn.input_major, flat_experts=ffn.flat_experts,
+                        matrix_experts=ffn.matrix_experts,
                         gated_roles=tuple(sorted(per_expert)), dense_roles=tuple(sorted(per_expert)),
                         fused_expert_roles=roles, install=Install.EXPERTS, n_experts_key="num_experts")
         pattern = prefix + r"\.(?P<role>" + roles_re + r")\.(?P<kind>weight|bias)"

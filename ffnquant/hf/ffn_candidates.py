@@ -5,6 +5,8 @@ each by running it; what is found is a `FoundFFN`."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -45,6 +47,9 @@ class FoundFFN:
     # alone), and whether they are flat [experts x rows, cols] rather than 3-D (DBRX's); `hf.routed.expert_matrices`
     input_major: tuple[str, ...] = ()
     flat_experts: bool = False
+    # routed experts whose matrices are child modules of a module that routes the tokens itself, each child called
+    # with the rows sorted by expert and every expert's row count (JetMoE's MoE: input_linear, output_linear)
+    matrix_experts: bool = False
 
     def key(self) -> tuple:
         return (self.path, self.install, tuple(sorted(self.roles.items())), self.d_model, self.d_ff, self.experts)
@@ -87,6 +92,13 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
                 out += experts
                 continue
             # 3-D tensors of another kind (RWKV's token-shift mixes [1, 1, d]): the module's Linears still count
+        per_child = _matrix_children(module) if not params3 else {}
+        if per_child:
+            experts = [dataclasses.replace(e, matrix_experts=True)
+                       for e in _expert_tensors(path, module, per_child, d, False)]
+            if experts:
+                out += experts
+                continue
         flat = _flat_experts(module) if not params3 else {}
         if flat:
             experts = _expert_tensors(path, module, flat, d, True)
@@ -131,6 +143,26 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
     if not out:
         out += _split_across_children(block, d)
     return out
+
+
+def _matrix_children(module: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Two or three children each holding one 3-D tensor [experts, a, b] of its own and called with two arguments
+    (JetMoE's ParallelExperts: forward(inputs, expert_size), the rows sorted by expert and each expert's count):
+    '<child>.<tensor>' -> its shape; {} otherwise."""
+    out = {}
+    for c, child in module.named_children():
+        own = [(n, p) for n, p in child.named_parameters(recurse=False) if p.dim() == 3]
+        if len(own) == 1 and not any(True for _ in child.children()) and _arguments(child) == 2:
+            out[f"{c}.{own[0][0]}"] = tuple(int(x) for x in own[0][1].shape)
+    return out if len(out) in (2, 3) else {}
+
+
+def _arguments(module: nn.Module) -> int:
+    """How many arguments the module's forward takes (-1 when it cannot be told)."""
+    try:
+        return len(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return -1
 
 
 def _flat_experts(module: nn.Module) -> dict[str, tuple[int, int, int]]:

@@ -30,7 +30,7 @@ from ..errors import FFNQuantError
 from .arch import Install, ModelKind, NormGain
 from .capture import _first_input, _model_inputs, _module_for, _residual_input
 from .ffn_candidates import input_major
-from .routed import routed_rows
+from .routed import call_modules, routed_rows
 from .checkpoint import LayerInfo, ModelInfo
 
 __all__ = ["FoldSite", "fold_sites", "check_sites", "first_matrices", "FOLD_RTOL", "check_reproduction", "REPRODUCE_RTOL"]
@@ -314,6 +314,18 @@ def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torc
                 seen[key] = (tuple(t.detach().clone() for t in inputs), y.detach().clone())
         return hook
 
+    def keep_rows(key: str):  # experts' matrices as child modules: the rows the first one is handed
+        def hook(module, args, kwargs):
+            if key + ":in" not in seen:
+                seen[key + ":in"] = (tuple(t.detach().clone() for t in routed_rows(module, args, kwargs)), None)
+        return hook
+
+    def keep_outputs(key: str):  # ... and the rows down returns, each its expert's output
+        def hook(module, args, out):
+            if key not in seen and key + ":in" in seen:
+                seen[key] = (seen.pop(key + ":in")[0], out.detach().clone())
+        return hook
+
     def keep_split(key: str, part: str):
         def hook(module, args, out):
             if key + part not in seen:
@@ -328,6 +340,10 @@ def check_reproduction(model: nn.Module, info: ModelInfo, layers: Any, ids: torc
                 first, _, second = arch.split_attrs
                 handles.append(module.get_submodule(first).register_forward_hook(keep_split(name, ":in")))
                 handles.append(module.get_submodule(second).register_forward_hook(keep_split(name, ":out")))
+            elif arch.matrix_experts:
+                first, down = call_modules(module, arch)
+                handles.append(first.register_forward_pre_hook(keep_rows(name), with_kwargs=True))
+                handles.append(down.register_forward_hook(keep_outputs(name)))
             else:
                 handles.append(module.register_forward_hook(keep(name), with_kwargs=True))
         blocks.setdefault(name, []).append(layer)

@@ -78,7 +78,9 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
             shape = (n_in, n_out) if major else (n_out, n_in)
             parent, _, attr = name.rpartition(".")
             owner = small.get_submodule(parent) if parent else small
-            setattr(owner, attr, nn.Parameter(torch.empty(*((1,) if not ffn.flat_experts else ()), *shape, device="meta")))
+            # every expert kept where the module routes the tokens itself (its router reads that many)
+            lead = (ffn.experts,) if ffn.matrix_experts else () if ffn.flat_experts else (1,)
+            setattr(owner, attr, nn.Parameter(torch.empty(*lead, *shape, device="meta")))
             if isinstance(getattr(owner, f"{attr}_bias", None), torch.Tensor):
                 setattr(owner, f"{attr}_bias", nn.Parameter(torch.empty(1, n_out, device="meta")))
             continue
@@ -92,7 +94,10 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
             new = nn.Linear(n_in, n_out, bias=getattr(old, "bias", None) is not None, device="meta")
         parent, _, attr = name.rpartition(".")
         setattr(small.get_submodule(parent) if parent else small, attr, new)
-    if ffn.install is Install.EXPERTS:
+    if ffn.matrix_experts:  # its router and output bias at the probe's width too
+        _resize_others(small, ffn, {ffn.d_model: d, ffn.d_ff: f, 2 * ffn.d_ff: 2 * f})
+        _shrink_sizes(small, {ffn.d_model: d, ffn.d_ff: f})
+    elif ffn.install is Install.EXPERTS:
         _shrink_sizes(small, {ffn.experts: 1, ffn.d_model: d, ffn.d_ff: f})
     small = small.to_empty(device="cpu").float()
     with torch.no_grad():
@@ -105,7 +110,30 @@ def _shrunk_copy(module: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Ge
         # the same verdict every run
         for b in small.buffers():
             b.copy_(torch.randn(b.shape, generator=gen) * 0.5 if b.is_floating_point() else torch.zeros_like(b))
+        if ffn.matrix_experts:
+            # a module that routes its tokens itself: every expert the same and its own output bias zero, its output
+            # is one expert's FFN, whichever experts the router picks (their gates sum to 1)
+            for name in ffn.roles:
+                t = small.get_parameter(name)
+                t.copy_(t[:1].expand_as(t))
+            for _, p in small.named_parameters(recurse=False):
+                if p.dim() == 1:
+                    p.zero_()
     return small.eval()
+
+
+def _resize_others(small: nn.Module, ffn: FoundFFN, sizes: Mapping[int, int]) -> None:
+    """Every parameter of the (meta) copy beside the FFN's matrices with its dimensions of the model's widths at
+    the probe's (a router [experts, d], an output bias [d])."""
+    if len(set(sizes)) != len(sizes):
+        return
+    roles = {id(small.get_parameter(n)) for n in ffn.roles}
+    for name, p in list(small.named_parameters()):
+        if id(p) in roles:
+            continue
+        parent, _, attr = name.rpartition(".")
+        shape = tuple(sizes.get(int(n), int(n)) for n in p.shape)
+        setattr(small.get_submodule(parent) if parent else small, attr, nn.Parameter(torch.empty(shape, device="meta")))
 
 
 def _shrink_sizes(small: nn.Module, sizes: Mapping[Any, int]) -> None:
@@ -196,6 +224,10 @@ def _module_output(small: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: s
     with torch.no_grad():
         if residual is not None:  # the module adds it: FFN(x) + residual
             return small(x, residual)
+        if ffn.matrix_experts:  # it routes the tokens itself: [batch, tokens, d]
+            y = small(x[None])
+            y = y[0] if isinstance(y, (tuple, list)) else y
+            return y.reshape(x.shape) if isinstance(y, torch.Tensor) and y.numel() == x.numel() else y
         if ffn.install is Install.EXPERTS:
             if takes_sorted_tokens(small):  # one expert: its rows are the tokens (Llama 4's)
                 return small(x)

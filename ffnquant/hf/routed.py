@@ -15,7 +15,8 @@ from ..errors import FFNQuantError
 from .ffn_candidates import expert_matrices, input_major
 from .probe import takes_sorted_tokens
 
-__all__ = ["expert_forward", "expert_matrices", "expert_weight", "experts_forward", "input_major", "routed_rows"]
+__all__ = ["call_modules", "expert_forward", "expert_matrices", "expert_weight", "experts_forward", "input_major",
+           "matrix_forwards", "routed_rows"]
 
 
 def _n_experts(module: nn.Module, layout: Any) -> int:
@@ -111,12 +112,37 @@ def expert_forward(module: nn.Module, expert: int, layout: Any) -> Callable[[tor
     return forward
 
 
+def call_modules(module: nn.Module, layout: Any) -> tuple[nn.Module, nn.Module]:
+    """(the module whose call hands the experts their rows, the one that returns their outputs): the fused experts
+    module itself twice; for experts whose matrices are child modules (`matrix_experts`, JetMoE's), the child of
+    the first matrix (rows sorted by expert) and that of down (each row's expert output, before the gates)."""
+    if not getattr(layout, "matrix_experts", False):
+        return module, module
+    tensors = _tensors(module, layout)
+    first = next(n for r, n in tensors.items() if r != "w_down")
+    return (module.get_submodule(first.rpartition(".")[0]), module.get_submodule(tensors["w_down"].rpartition(".")[0]))
+
+
+def _matrix_child(module: nn.Module, args: tuple) -> bool:
+    """Whether this is a call of one experts matrix module with the rows sorted by expert and each expert's count
+    (JetMoE's ParallelExperts(inputs, expert_size))."""
+    own = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    return len(own) == 1 and len(args) >= 2 and isinstance(args[1], (list, tuple, torch.Tensor)) \
+        and len(args[1]) == own[0].shape[0]
+
+
 def routed_rows(module: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a call of a fused experts module hands its experts: rows [n, d], each row's experts [n, k] and the
-    weights of their outputs [n, k]. Tokens with their top-k experts and weights, however the MoE block passes them
+    weights of their outputs [n, k]. The call of an experts matrix module with the rows sorted by expert and
+    their counts (JetMoE's, `call_modules`): each row with its expert and weight 1 (the gates apply after). Tokens with their top-k experts and weights, however the MoE block passes them
     (positionally, or by the module's own names: gpt-oss' router_indices and routing_weights); or, for a module that
     takes every expert's rows stacked (Llama 4's, `probe.takes_sorted_tokens`), each row with its one expert and
     weight 1 (its MoE block scaled the row by the router already, zero where the token is not routed there)."""
+    if _matrix_child(module, args):  # rows sorted by expert, with each expert's count: each row its expert, weight 1
+        rows, counts = args[0], [int(c) for c in args[1]]
+        index = torch.arange(len(counts), device=rows.device).repeat_interleave(
+            torch.tensor(counts, device=rows.device))[:, None]
+        return rows.reshape(-1, rows.shape[-1]), index, torch.ones(index.shape, dtype=rows.dtype, device=rows.device)
     if takes_sorted_tokens(module):
         rows = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         rows = rows.reshape(-1, rows.shape[-1])
@@ -151,3 +177,28 @@ def experts_forward(module: nn.Module, replacements: Mapping[int, Callable[[torc
         return out.reshape(shape)
 
     return forward
+
+
+def matrix_forwards(module: nn.Module, replacements: Mapping[int, Callable[[torch.Tensor], torch.Tensor]],
+                    layout: Any) -> dict[nn.Module, Callable[..., torch.Tensor]]:
+    """Forwards for the two matrix modules of experts held as child modules (`call_modules`; JetMoE's) with some
+    experts replaced: the first computes each expert's whole FFN on its rows (a replacement, or the model's own
+    math) and keeps the outputs, handing on zeros, which the module's activation and product leave zeros (act(0)
+    x 0); down returns the kept outputs, row for row, for the module to weigh and sum as it does."""
+    first, down = call_modules(module, layout)
+    kept: list[torch.Tensor] = []
+    name = next(n for r, n in _tensors(module, layout).items() if r != "w_down")
+    width = expert_matrices(module.get_parameter(name), name, layout, _n_experts(module, layout)).shape[1]  # its out
+
+    def first_forward(inputs: torch.Tensor, expert_size: Any) -> torch.Tensor:
+        counts = [int(c) for c in expert_size]
+        outs = [(replacements[e] if e in replacements else expert_forward(module, e, layout))(rows) if rows.shape[0]
+                else rows.new_zeros(0, rows.shape[-1]) for e, rows in enumerate(inputs.split(counts, dim=0))]
+        kept.clear()
+        kept.append(torch.cat(outs).to(inputs.dtype))
+        return inputs.new_zeros(inputs.shape[0], width)
+
+    def down_forward(hidden: torch.Tensor, expert_size: Any) -> torch.Tensor:
+        return kept.pop()
+
+    return {first: first_forward, down: down_forward}

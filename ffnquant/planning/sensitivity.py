@@ -26,6 +26,7 @@ from ..errors import FFNQuantError
 from ..hf.arch import Install, ModelKind
 from ..hf.capture import _module_for
 from ..hf.metrics import summed_nll
+from ..hf.routed import call_modules
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
@@ -59,11 +60,15 @@ def _ffn_names(model: nn.Module, info: ModelInfo, layers: Sequence[Any]) -> dict
     return {layer.index: _module_for(model, info, layer, names)[0] for layer in layers}
 
 
-def _ffn_modules(model: nn.Module, info: ModelInfo, layers: Sequence[Any]) -> dict[int, nn.Module]:
-    """The module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear)."""
+def _ffn_modules(model: nn.Module, info: ModelInfo, layers: Sequence[Any], inputs: bool = False) -> dict[int, nn.Module]:
+    """The module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear;
+    routed experts held as child modules: down's); `inputs`: for routed experts, the one handed their rows."""
     second = info.arch.split_attrs[2] if info.arch.install is Install.SPLIT else ""
-    return {i: model.get_submodule(f"{name}.{second}" if second else name)
-            for i, name in _ffn_names(model, info, layers).items()}
+    modules = {i: model.get_submodule(f"{name}.{second}" if second else name)
+               for i, name in _ffn_names(model, info, layers).items()}
+    if info.arch.matrix_experts:  # experts' matrices as child modules: down's module returns each row's output
+        modules = {i: call_modules(m, info.arch)[0 if inputs else 1] for i, m in modules.items()}
+    return modules
 
 
 def _nll_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -208,6 +208,9 @@ class PlanSource(VerificationRounds):
         # the module whose output is each layer's FFN output (an FFN of Linears in the block: its second Linear; a
         # layer of routed experts: its experts module, the weighted sum); the layers a plan covers
         self.outputs = _ffn_modules(m.model, info, info.layers)
+        # where each layer of routed experts is handed its rows: the experts module, or (experts' matrices as child
+        # modules, JetMoE's) its first matrix's module
+        self.routed_in = _ffn_modules(m.model, info, info.layers, inputs=True) if info.n_experts else {}
         self.planned = [j for j in range(len(m.layers)) if m.groups[j]]
         self.moe = {j for j in self.planned if m.groups[j][0].expert is not None}
         self.fold_refusals: dict[int, str] = {}  # layer index -> why an input scale cannot fold there
@@ -246,9 +249,9 @@ class PlanSource(VerificationRounds):
                                            if site.refusal})
                 m.run(j, checked, kcalls)
                 if moe:  # what the experts module receives: the tokens, their experts and routing weights
-                    with _routed(self.outputs[j], cal_x):
+                    with _routed(self.routed_in[j], cal_x):
                         m.run(j, calib, self.ccalls)
-                    with _routed(self.outputs[j], ev_x):
+                    with _routed(self.routed_in[j], ev_x):
                         m.run(j, evals, self.ecalls)
                 else:
                     m.run(j, calib, self.ccalls, capture=cal_x if hfs else None)
