@@ -56,13 +56,17 @@ EXPECTED = {
     # a MoE that routes its tokens itself, its experts' matrices two child modules called with the rows sorted by
     # expert and their counts
     "jetmoe": ("swiglu", "experts"),
+    # hidden states whose batch is not the first dimension: Gemma 3n's AltUp inputs [inputs, batch, tokens, width]
+    # (its base model's last hidden state is not its hidden_states[-1]), XLNet's [tokens, batch, width]
+    "gemma3n_text": ("geglu", "module"), "xlnet": ("gelu", "split"),
 }
 OWN = {"apertus": "own", "bitnet": "own_gate", "minimax_m3_vl_text": "own_gate"}
 RESIDUAL_ARG = ("bloom", "mpt")
 # why a smoothed layer's input scale cannot fold there, as the graph shows it
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
-           "exaone4": "no module produces the FFN's input", "roberta": r"also read by .*layer\.0\.output"}
+           "exaone4": "no module produces the FFN's input", "roberta": r"also read by .*layer\.0\.output",
+           "xlnet": r"rel_attn\.layer_norm changes the model's output"}  # post-LN: the residual reads the norm
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe",
        "minimax_m3_vl_text", "dbrx", "jetmoe")  # planned by bytes
 # their checkpoints store the experts fused (3-D tensors, DBRX's flat 2-D ones): compressed-tensors refuses them

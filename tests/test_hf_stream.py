@@ -507,3 +507,27 @@ def test_a_forward_that_changes_the_hidden_states_between_layers_is_refused(tiny
     object.__setattr__(engine.base, "forward", forward)
     with pytest.raises(FFNQuantError, match="changes the hidden states between decoder layers 0 and 1"):
         engine.embed([torch.randint(3, 90, (1, 12))], _Store(None, "text"))
+
+
+@pytest.mark.parametrize("model_type, batch_dim", [("llama", 0), ("xlnet", 1), ("gemma3n_text", 1), ("cpmant", 0)])
+def test_the_dimension_of_a_batchs_sequences_is_found_from_the_layers_hidden_states(tmp_path, model_type, batch_dim):
+    """The engine takes a batch's leading sequences along the dimension that holds them: the first mostly, the
+    second for XLNet's [tokens, batch, width] and Gemma 3n's AltUp [inputs, batch, tokens, width]; CPM-Ant's layers
+    see more positions than tokens (its prompt's). The head is given the token ids' shape, whatever the layers'."""
+    from hf_models import tiny_or_skip
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.spill import Store
+    from ffnquant.hf.stream import SequentialModel
+
+    info = inspect_model(tiny_or_skip(model_type, tmp_path / model_type))
+    m = SequentialModel(info, resident=True)
+    ids = torch.randint(3, 90, (3, 10), generator=torch.Generator().manual_seed(0))
+    store = Store(None, "s")
+    m.embed([ids], store)
+    hidden = store.get(0)
+    assert m.batch_dim == batch_dim and hidden.shape[batch_dim] == 3
+    assert m.rows(hidden, 2).shape[batch_dim] == 2 and torch.equal(m.rows(hidden, 2).select(batch_dim, 1),
+                                                                   hidden.select(batch_dim, 1))
+    final, logits = m.head_out(hidden)
+    assert tuple(logits.shape[:2]) == (3, 10)

@@ -348,7 +348,9 @@ def cached_run(session: Any, ids: torch.Tensor, prefill: int) -> tuple[torch.Ten
         if t < s:
             feed = {"input_ids": ids_np[:, t:t + 1], "attention_mask": np.ones((b, t + 1), np.int64),
                     "position_ids": np.full((b, 1), t, np.int64), **pasts}
-    return torch.from_numpy(np.concatenate(logits, 1)), torch.from_numpy(np.concatenate(hidden, 1))
+    # the positions are the second-last axis of the hidden states: [batch, seq, width] mostly, Gemma 3n's AltUp
+    # inputs [inputs, batch, seq, width]
+    return torch.from_numpy(np.concatenate(logits, 1)), torch.from_numpy(np.concatenate(hidden, -2))
 
 
 def greedy_generate(session: Any, prompts: Sequence[Sequence[int]], new_tokens: int, eos_token_id: Any = None,

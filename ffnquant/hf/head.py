@@ -102,7 +102,10 @@ class LMHead:
                 # inputs_embeds only give the forward its shapes, [batch, tokens, the token embedding's width]
                 # (ELECTRA's is narrower, DeepSeek-V4's hidden states have a hyper-connection axis): the first
                 # stand-in returns `hidden`; a forward without inputs_embeds (CPM-Ant's) takes token ids
-                shape = (*hidden.shape[:2], getattr(self.embedding, "embedding_dim", hidden.shape[-1]))
+                # [batch, tokens] of the ids that gave hidden states of this shape (ProphetNet's hold three streams
+                # of positions, Gemma 3n's its AltUp inputs ahead of the batch)
+                ids_shape = self._ids_shapes.get(tuple(hidden.shape), tuple(hidden.shape[:2]))
+                shape = (*ids_shape, getattr(self.embedding, "embedding_dim", hidden.shape[-1]))
                 if self._takes_embeds:
                     logits = self.model(inputs_embeds=hidden.new_zeros(shape), use_cache=False).logits
                 else:

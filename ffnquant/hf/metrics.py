@@ -323,7 +323,11 @@ def _final_hidden(info: ModelInfo, out: Any) -> torch.Tensor:
         return out.last_hidden_state
     if info.kind is ModelKind.SEQ2SEQ:
         return out.decoder_hidden_states[-1]
-    return out.hidden_states[-1]
+    # a causal LM's: its base model's last hidden state, what the head reads (and the engine's head measures:
+    # `hf.head`); its hidden_states[-1] is that in most models, but Gemma 3n's are its AltUp inputs before they
+    # are folded into one
+    base = getattr(out, "ffnquant_base_hidden", None)
+    return base if isinstance(base, torch.Tensor) else out.hidden_states[-1]
 
 
 def _run(model, info: ModelInfo, ids: torch.Tensor):
@@ -332,8 +336,20 @@ def _run(model, info: ModelInfo, ids: torch.Tensor):
         inputs["decoder_input_ids"] = shift_right(model, ids)
     if info.kind is ModelKind.CAUSAL_LM:  # one pass over whole sequences: no KV cache to build (nor to size a mask)
         inputs["use_cache"] = False
-    with torch.no_grad():
-        return model(**inputs, output_hidden_states=True)
+    base = getattr(model, "base_model", None) if info.kind is ModelKind.CAUSAL_LM else None
+    got: list[torch.Tensor] = []
+    handle = base.register_forward_hook(  # the base model's own output: `_final_hidden`
+        lambda module, args, o: got.append(o[0] if isinstance(o, tuple) else getattr(o, "last_hidden_state", None))) \
+        if isinstance(base, torch.nn.Module) and base is not model else None
+    try:
+        with torch.no_grad():
+            out = model(**inputs, output_hidden_states=True)
+    finally:
+        if handle is not None:
+            handle.remove()
+    if got and isinstance(got[-1], torch.Tensor):
+        object.__setattr__(out, "ffnquant_base_hidden", got[-1])
+    return out
 
 
 def compare_models(reference: Any, candidate: Any, info: ModelInfo, evals: Sequence[torch.Tensor],

@@ -188,6 +188,9 @@ class SequentialModel(LMHead):
         self.model = model.eval()
         self._tuple_out = False  # whether the model's loop reads its layers' outputs as tuples (`embed` finds out)
         self._one_pass_checked = False  # whether its forward runs each layer once, in order (`_check_one_pass`)
+        self.batch_dim: int | None = None  # the hidden states' dimension of the sequences (`_find_batch_dim`)
+        # the token ids' shape of each shape of hidden states `embed` recorded: what the head's forward is given
+        self._ids_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         names = [n for n, _ in model.named_modules()]
         found = {layer: _module_for(model, info, layer, names) for layer in info.layers}  # (name, module) per FFN
         lists = {decoder_list(model, name) for name, _ in found.values()}
@@ -313,16 +316,36 @@ class SequentialModel(LMHead):
             if not self._one_pass_checked:  # once per engine: the model's loop, not the text, decides it
                 self._check_one_pass(ids.to(self.device), n)
                 self._one_pass_checked = True
-            if tuple(record[0][0].shape[:2]) != tuple(ids.shape[:2]):
-                # Gemma 3n's AltUp stacks its predictions ahead of the batch: [inputs, batch, tokens, width]
-                raise FFNQuantError(f"{self.info.path}: its decoder layers take hidden states of shape "
-                                    f"{list(record[0][0].shape)} for token ids {list(ids.shape)}; the engine runs "
-                                    "layers on [batch, tokens, ...], split and joined by batch")
+            self._find_batch_dim(ids, record[0][0], n)
+            self._ids_shapes[tuple(record[0][0].shape)] = tuple(ids.shape)
             store.put(b, _host(record[0][0]))
             calls.append([_host(self._no_cache(args, kwargs)) for _, args, kwargs in record])
             if progress is not None:
                 progress(f"{stage}: batch {b + 1}/{len(batches)}", b + 1, len(batches))
         return calls
+
+    def _find_batch_dim(self, ids: torch.Tensor, hidden: torch.Tensor, n: int) -> None:
+        """Which dimension of the decoder layers' hidden states holds the batch's sequences (`batch_dim`, where a
+        batch's leading sequences are taken: `rows`): 0 mostly; XLNet's [tokens, batch, width] and Gemma 3n's AltUp
+        [inputs, batch, tokens, width] hold it second, and CPM-Ant's and ProphetNet's hold more positions than
+        tokens. Told by the dimension of the batch's size, or where that is ambiguous, by the one that a batch of
+        one sequence makes 1. Refused where none is."""
+        batch = int(ids.shape[0])
+        if self.batch_dim is not None or batch == 1:
+            return
+        dims = [i for i, size in enumerate(hidden.shape[:-1]) if size == batch]
+        if len(dims) > 1:
+            one = self._record(ids[:1].to(self.device), n)[0][0].shape
+            dims = [i for i in dims if one[i] == 1]
+        if len(dims) != 1:
+            raise FFNQuantError(f"{self.info.path}: its decoder layers take hidden states of shape "
+                                f"{list(hidden.shape)} for token ids {list(ids.shape)}, no dimension of which holds "
+                                "the batch's sequences; the engine runs layers on batches of sequences")
+        self.batch_dim = dims[0]
+
+    def rows(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
+        """The hidden states of a batch's first `n` sequences (along `batch_dim`)."""
+        return hidden.narrow(self.batch_dim or 0, 0, n)
 
     def _check_one_pass(self, ids: torch.Tensor, n: int) -> None:
         """Refuse a model whose forward calls a decoder layer more than once or out of order (looped depth: Dory's

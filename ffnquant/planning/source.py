@@ -337,7 +337,7 @@ class PlanSource(VerificationRounds):
             # only the probe tokens' inputs are read again (where their ablations start)
             kept = self._store(f"probe-block{j}")
             for b in probe_keys:
-                kept.put(b, self.block_in[j].get(b)[: self.probe_ids[b].shape[0]])
+                kept.put(b, m.rows(self.block_in[j].get(b), self.probe_ids[b].shape[0]))
             self.block_in[j].clear()
             self.block_in[j] = kept
             self.progress(f"loss gradients (search text): L{j}", n - j, n)
