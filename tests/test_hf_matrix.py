@@ -59,6 +59,8 @@ EXPECTED = {
     # hidden states whose batch is not the first dimension: Gemma 3n's AltUp inputs [inputs, batch, tokens, width]
     # (its base model's last hidden state is not its hidden_states[-1]), XLNet's [tokens, batch, width]
     "gemma3n_text": ("geglu", "module"), "xlnet": ("gelu", "split"),
+    # its list of blocks is its FFNs, its attentions and norms run between them by its forward (`hf.replay`)
+    "xlm": ("gelu", "split"),
 }
 OWN = {"apertus": "own", "bitnet": "own_gate", "minimax_m3_vl_text": "own_gate"}
 RESIDUAL_ARG = ("bloom", "mpt")
@@ -66,7 +68,8 @@ RESIDUAL_ARG = ("bloom", "mpt")
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
            "exaone4": "no module produces the FFN's input", "roberta": r"also read by .*layer\.0\.output",
-           "xlnet": r"rel_attn\.layer_norm changes the model's output"}  # post-LN: the residual reads the norm
+           # post-LN: the residual reads the norm
+           "xlnet": r"rel_attn\.layer_norm changes the model's output", "xlm": r"layer_norm1\.0 changes the model's output"}
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe",
        "minimax_m3_vl_text", "dbrx", "jetmoe")  # planned by bytes
 # their checkpoints store the experts fused (3-D tensors, DBRX's flat 2-D ones): compressed-tensors refuses them

@@ -488,9 +488,9 @@ def test_a_forward_that_loops_over_its_layers_is_refused_not_measured_as_another
         engine.embed([torch.randint(3, 90, (1, 12))], _Store(None, "text"))
 
 
-def test_a_forward_that_changes_the_hidden_states_between_layers_is_refused(tiny):
-    """A model's loop that computes on the hidden states between two layers (here: doubles them): the engine, which
-    hands each layer the previous one's output, would compute another model; refused, naming the two layers."""
+def test_a_forward_that_changes_the_hidden_states_between_layers_hands_each_layer_what_it_computes(tiny):
+    """A model's loop that computes on the hidden states between two layers (here: doubles them): the engine hands
+    each layer what that loop computes from the outputs so far (`hf.replay`), not the previous layer's output."""
     from ffnquant.hf import inspect_model
     from ffnquant.hf.spill import Store as _Store
     from ffnquant.hf.stream import SequentialModel
@@ -499,14 +499,20 @@ def test_a_forward_that_changes_the_hidden_states_between_layers_is_refused(tiny
 
     def forward(input_ids=None, **kwargs):
         h = engine.embedding(input_ids)
+        rotary = engine.base.rotary_emb(h, torch.arange(input_ids.shape[1])[None])
         for i, layer in enumerate(engine.layers):
-            out = layer(h * 2 if i else h)
+            out = layer(h * 2 if i else h, position_embeddings=rotary)
             h = out[0] if isinstance(out, tuple) else out
         return h
 
     object.__setattr__(engine.base, "forward", forward)
-    with pytest.raises(FFNQuantError, match="changes the hidden states between decoder layers 0 and 1"):
-        engine.embed([torch.randint(3, 90, (1, 12))], _Store(None, "text"))
+    store = _Store(None, "text")
+    calls = engine.embed([torch.randint(3, 90, (1, 12))], store)
+    assert engine.replay
+    with engine.layer(0):
+        engine.run(0, store, calls)
+    item = store.get(0)
+    assert torch.equal(item["hidden"], 2 * item["outs"][0])
 
 
 @pytest.mark.parametrize("model_type, batch_dim", [("llama", 0), ("xlnet", 1), ("gemma3n_text", 1), ("cpmant", 0)])
@@ -531,3 +537,38 @@ def test_the_dimension_of_a_batchs_sequences_is_found_from_the_layers_hidden_sta
                                                                    hidden.select(batch_dim, 1))
     final, logits = m.head_out(hidden)
     assert tuple(logits.shape[:2]) == (3, 10)
+
+
+def test_a_forward_that_computes_between_its_layers_is_replayed_and_gives_the_models_logits(tmp_path):
+    """XLM's list of blocks is its FFNs; its forward runs attentions and norms between them. The engine runs each
+    FFN once, in order, each on the input the model's own forward computes from the outputs so far (`hf.replay`):
+    a batch's stream keeps its ids and every output, and its logits are transformers' own, read a layer at a time
+    or resident. A model that computes only in its layers keeps plain hidden states."""
+    import transformers as T
+    from hf_models import tiny_or_skip
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.replay import is_trail
+    from ffnquant.hf.spill import Store
+    from ffnquant.hf.stream import SequentialModel
+
+    folder = tiny_or_skip("xlm", tmp_path / "xlm")
+    info = inspect_model(folder)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(ids).logits.detach()
+    for resident in (True, False):
+        m = SequentialModel(info, resident=resident)
+        store = Store(None, "s")
+        calls = m.embed([ids], store)
+        m.offload(m.embedding)  # kept: every replay embeds the ids again
+        for j in range(len(m.layers)):
+            with m.layer(j):
+                m.run(j, store, calls)
+        item = store.get(0)
+        assert m.replay and is_trail(item) and len(item["outs"]) == len(m.layers) and torch.equal(item["ids"], ids)
+        _, logits = m.head_out(item)
+        assert torch.allclose(logits, want, rtol=0, atol=1e-5 * float(want.abs().max())), resident
+        assert m.rows(item, 1)["hidden"].shape[0] == 1 and m.rows(item, 1)["ids"].shape[0] == 1
+    plain = SequentialModel(inspect_model(tiny_or_skip("llama", tmp_path / "llama")), resident=True)
+    plain.embed([ids], store := Store(None, "p"))
+    assert not plain.replay and isinstance(store.get(0), torch.Tensor)

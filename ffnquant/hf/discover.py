@@ -274,15 +274,6 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
                 "replaces an FFN that is one module or the block's own Linears")
         raise FFNQuantError(f"{where}: no FFN found in its {len(blocks)} blocks ({layers_path}): no matrices map the "
                             f"width {d} to another width and back")
-    def only_ffn(i: int, c: FoundFFN) -> bool:  # the block holds nothing but the FFN's matrices
-        mine = {f"{role}.{kind}" for role in c.roles for kind in ("weight", "bias")}
-        return not c.path and all(name in mine for name, _ in blocks[i].named_parameters())
-
-    if any(only_ffn(i, c) for i, c in per_block.items()):
-        # XLM: the largest list holds the FFNs themselves, beside parallel lists of attentions and norms
-        raise FFNQuantError(f"{where}: its largest list of modules ({layers_path}) holds the FFNs themselves, beside "
-                            "other lists (attentions, norms) of the same length, not one decoder block each; ffnquant "
-                            "runs a model a decoder block at a time")
     groups: dict[tuple, list[int]] = {}
     for i, c in per_block.items():
         groups.setdefault(c.key(), []).append(i)

@@ -11,8 +11,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import FFNQuantError
 from ..infra.blas import bf16_products, fast_linear
 from ..infra.device import to_device
+from . import replay
 from .skeleton import StandIn, beside
 
 __all__ = ["LMHead"]
@@ -35,6 +37,9 @@ class LMHead:
         with torch.no_grad():
             if vocab is None:
                 return self._head(hidden, reuse)
+            if replay.is_trail(hidden):  # the model's own forward again: the whole head, those tokens' logits
+                final, logits = self._head(hidden)
+                return final, logits[..., vocab]
             if self.head.weight.is_meta:
                 self._head(hidden[:, :1])  # onloads the head
             weight, bias = self.head.weight, getattr(self.head, "bias", None)
@@ -56,6 +61,10 @@ class LMHead:
         """`head_out` of one batch with the gradient of `loss(logits)` (a scalar) with respect to `hidden`:
         (final hidden state, logits, gradient), all detached. The logits in float32; the gradient's products in bf16
         where this CPU has them (`infra.blas.bf16_products`): it only weighs the candidates' errors."""
+        if replay.is_trail(hidden):
+            raise FFNQuantError(f"{self.info.path}: its forward computes between its decoder layers (beyond what they "
+                                "compute), through which the loss gradient at the last layer's output would have to "
+                                "be taken again for every layer; the plan's search weighs candidates by it")
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             final, logits = self._head(x)
@@ -79,7 +88,7 @@ class LMHead:
     def _head(self, hidden: torch.Tensor, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden state, logits) in host memory, computed on the engine's device (a gradient flows back to a
         host `hidden` through the move); `reuse`: see `head_out`."""
-        hidden = hidden.to(self.device)
+        hidden = to_device(hidden, self.device)
         if self.head.weight.is_meta:
             self.onload(self.embedding if self.tied else self.head)
             self.head.weight = self.embedding.weight if self.tied else self.head.weight
@@ -104,6 +113,9 @@ class LMHead:
                 # stand-in returns `hidden`; a forward without inputs_embeds (CPM-Ant's) takes token ids
                 # [batch, tokens] of the ids that gave hidden states of this shape (ProphetNet's hold three streams
                 # of positions, Gemma 3n's its AltUp inputs ahead of the batch)
+                if replay.is_trail(hidden):  # computes between its layers: its own forward, every layer answering
+                    logits = replay.head(self, hidden)
+                    return to_device(got[0], _CPU), to_device(logits, _CPU)
                 ids_shape = self._ids_shapes.get(tuple(hidden.shape), tuple(hidden.shape[:2]))
                 shape = (*ids_shape, getattr(self.embedding, "embedding_dim", hidden.shape[-1]))
                 if self._takes_embeds:

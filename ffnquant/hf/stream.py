@@ -42,6 +42,7 @@ from .skeleton import (StandIn, Stop, base_of, beside, causal_lm_from_config, de
 from .head import LMHead
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
+from . import replay
 from .spill import Store, set_allocator, trim
 from ..infra.device import current_device, module_copy, to_device
 
@@ -189,6 +190,8 @@ class SequentialModel(LMHead):
         self._tuple_out = False  # whether the model's loop reads its layers' outputs as tuples (`embed` finds out)
         self._one_pass_checked = False  # whether its forward runs each layer once, in order (`_check_one_pass`)
         self.batch_dim: int | None = None  # the hidden states' dimension of the sequences (`_find_batch_dim`)
+        # whether its forward computes between its layers: each batch's stream is then a `hf.replay` trail
+        self.replay = False
         # the token ids' shape of each shape of hidden states `embed` recorded: what the head's forward is given
         self._ids_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         names = [n for n, _ in model.named_modules()]
@@ -264,8 +267,9 @@ class SequentialModel(LMHead):
             trim()
 
     def offload(self, module: nn.Module) -> None:
-        """`module`'s parameters back on the meta device: their memory is freed (buffers are kept). Resident: kept."""
-        if self.resident:
+        """`module`'s parameters back on the meta device: their memory is freed (buffers are kept). Resident: kept;
+        the embedding of a model whose forward is replayed (`replay`) too: each replay embeds the ids again."""
+        if self.resident or (self.replay and module is self.embedding):
             return
         for name, p in list(module.named_parameters()):
             owner, _, attr = name.rpartition(".")
@@ -318,7 +322,7 @@ class SequentialModel(LMHead):
                 self._one_pass_checked = True
             self._find_batch_dim(ids, record[0][0], n)
             self._ids_shapes[tuple(record[0][0].shape)] = tuple(ids.shape)
-            store.put(b, _host(record[0][0]))
+            store.put(b, _host(replay.trail(ids, record[0][0]) if self.replay else record[0][0]))
             calls.append([_host(self._no_cache(args, kwargs)) for _, args, kwargs in record])
             if progress is not None:
                 progress(f"{stage}: batch {b + 1}/{len(batches)}", b + 1, len(batches))
@@ -345,13 +349,14 @@ class SequentialModel(LMHead):
 
     def rows(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
         """The hidden states of a batch's first `n` sequences (along `batch_dim`)."""
-        return hidden.narrow(self.batch_dim or 0, 0, n)
+        return replay.rows(hidden, n, self.batch_dim or 0)
 
     def _check_one_pass(self, ids: torch.Tensor, n: int) -> None:
         """Refuse a model whose forward calls a decoder layer more than once or out of order (looped depth: Dory's
-        recurrent section, HRM's cycles), or changes the hidden states between two layers: the engine runs each
-        layer once, in order, on the previous one's output, and would measure another model. Checked on one whole
-        forward with every layer a stand-in that returns its input; a forward that cannot end so is not judged."""
+        recurrent section, HRM's cycles): the engine runs each layer once, in order, and would measure another
+        model. A forward that changes the hidden states between two layers (beyond what they compute) is run with
+        each layer's input replayed from the model's own forward (`replay`). Checked on one whole forward with every
+        layer a stand-in that returns its input; a forward that cannot end so is not judged."""
         log: list[tuple[int, torch.Tensor]] = []
         with self._stand_ins([_Tally(log, i, self._tuple_out) for i in range(n)]), torch.no_grad():
             try:
@@ -370,9 +375,10 @@ class SequentialModel(LMHead):
         for k in range(1, n):
             before, after = log[k - 1][1], log[k][1]
             if before.shape != after.shape or not torch.equal(before, after):
-                raise FFNQuantError(f"{where} changes the hidden states between decoder layers {k - 1} and {k} "
-                                    "(beyond what the layers compute); the engine runs each decoder layer on the "
-                                    "previous one's output, and would measure another model")
+                # it computes between its layers (XLM's attentions and norms beside its FFNs): each layer's input
+                # is what the forward computes from the outputs so far (`hf.replay`)
+                self.replay = True
+                return
 
     def _record(self, ids: torch.Tensor, n: int) -> list:
         record: list = []
@@ -429,8 +435,9 @@ class SequentialModel(LMHead):
             if ffns else contextlib.nullcontext()
         with hooks, swap, torch.no_grad():
             for b in sorted(store.items):
-                out = self._block(j, store.get(b), calls[b][j])
-                store.put(b, out)
+                item = store.get(b)
+                out = self._block(j, replay.current(item), calls[b][j])
+                store.put(b, _host(replay.advanced(self, item, out, j)) if self.replay else out)
 
     def _block(self, j: int, hidden: torch.Tensor, call: tuple[tuple, dict[str, Any]],
                device: torch.device | None = None) -> torch.Tensor:
@@ -465,7 +472,7 @@ class SequentialModel(LMHead):
             hf_layers = [dataclasses.replace(layer, ffn=module_copy(layer.ffn, self.device)) for layer in hf_layers]
         with self._in_float32(j):
             return check_reproduction(self.model, self.info, hf_layers,
-                                      run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))
+                                      run=lambda: self._block(j, _float32(replay.current(store.get(b))), _float32(calls[b][j])))
 
     def fold_sites(self, j: int, store: Store, calls: Sequence) -> dict[LayerInfo, Any]:
         """Where layer `j`'s FFN input scale folds, or why not (`hf.graph.fold_sites`), from the layer (onloaded)
@@ -477,7 +484,7 @@ class SequentialModel(LMHead):
         b = min(store.items)
         with self._in_float32(j):
             return fold_sites(self.model, self.info, self.groups[j],
-                              run=lambda: self._block(j, _float32(store.get(b)), _float32(calls[b][j])))
+                              run=lambda: self._block(j, _float32(replay.current(store.get(b))), _float32(calls[b][j])))
 
     @contextlib.contextmanager
     def _in_float32(self, j: int):

@@ -276,8 +276,11 @@ class PlanSource(VerificationRounds):
         # per probe batch, the tokens its ablations' next-token distributions are taken over (`probe_vocabulary`)
         self.probe_vocab: list[torch.Tensor] = []
         for b, ids in enumerate(self.calib_ids[: self.n_grad_batches]):
-            final, logits, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
-            self.grad_out.put(b, grad)
+            if m.replay:  # the gradients come from the whole forward's backward pass (`_backward_whole`)
+                final, logits = m.head_out(calib.get(b))
+            else:
+                final, logits, grad = m.head_grad(calib.get(b), lambda logits, ids=ids: _nll_sum(logits, ids))
+                self.grad_out.put(b, grad)
             if b < self.n_probe_batches:  # what the probes' ablations are measured against
                 self.final[0].put(b, final)
                 k = self.probe_ids[b].shape[0]
@@ -312,7 +315,9 @@ class PlanSource(VerificationRounds):
         device = m.device  # each batch, its call and its gradient go to the engine's device; what is kept comes back
         self.grads = self._store("ffn-gradient")
         probe_keys = range(self.n_probe_batches)
-        for j in reversed(range(n)):
+        if m.replay:
+            self._backward_whole()
+        for j in reversed(range(n) if not m.replay else ()):
             block, rows, found = m.layers[j], [], {}
             probe = _hooked(self.outputs[j], gradient_probe(found, j)) if j in self.outputs else contextlib.nullcontext()
             # the gradients only weigh the candidates' errors: their products in bf16 where the CPU has them
@@ -342,6 +347,40 @@ class PlanSource(VerificationRounds):
             self.block_in[j] = kept
             self.progress(f"loss gradients (search text): L{j}", n - j, n)
         self.grad_out.clear()
+
+    def _backward_whole(self) -> None:
+        """The loss gradient at every FFN's output from one backward pass of the whole model per batch, every layer
+        read: for a model whose forward computes between its layers (`hf.replay`), where the gradient cannot be
+        taken back a layer at a time. The probes' inputs are kept as the layer-by-layer pass keeps them."""
+        from ..hf.stream import _host
+        from ..infra.blas import bf16_products
+        from .sensitivity import _nll_sum, gradient_probe
+
+        m, n = self.model, len(self.model.layers)
+        rows: dict[int, list[torch.Tensor]] = {j: [] for j in self.outputs}
+        with contextlib.ExitStack() as stack:
+            for j in range(n):
+                stack.enter_context(m.layer(j))
+            for b, ids in enumerate(self.calib_ids[: self.n_grad_batches]):
+                found: dict[int, torch.Tensor] = {}
+                with contextlib.ExitStack() as probes, torch.enable_grad(), bf16_products():
+                    for j, module in self.outputs.items():
+                        probes.enter_context(_hooked(module, gradient_probe(found, j)))
+                    logits = m.model(input_ids=ids.to(m.device), use_cache=False).logits
+                    keys = sorted(found)
+                    got = torch.autograd.grad(_nll_sum(logits, ids.to(m.device)), [found[j] for j in keys])
+                for j, g in zip(keys, got):
+                    rows[j].append(_host(g.detach().reshape(-1, g.shape[-1]).float()))
+                self.progress(f"loss gradients (search text, the whole model): batch {b + 1}", b + 1,
+                              self.n_grad_batches)
+        for j in range(n):
+            if rows.get(j):
+                self.grads.put(j, torch.cat(rows[j]))
+            kept = self._store(f"probe-block{j}")
+            for b in range(self.n_probe_batches):
+                kept.put(b, m.rows(self.block_in[j].get(b), self.probe_ids[b].shape[0]))
+            self.block_in[j].clear()
+            self.block_in[j] = kept
 
     # --- pass 3 -----------------------------------------------------------------------------------------------
 

@@ -1,0 +1,72 @@
+"""The engine's streams for a model whose forward computes between its decoder layers: XLM's attentions and norms
+run beside its list of FFNs, the list the engine runs layer by layer. Each layer is still run once, in order, on
+what the model hands it; the input of the next one is what the model's own forward computes from every output so
+far, found by running that forward again with each layer already run answering its output (`advanced`), and the
+model's output likewise (`head`). A batch's stream is then a trail (`trail`): its token ids, every layer's output
+so far, and the hidden states the next layer takes (its last output after the last layer). `hf.stream` keeps one
+per batch where it keeps hidden states for a model that computes only inside its layers.
+
+The cost is one more partial forward per layer and batch (what the model computes between its layers, again from
+the start: a model of n layers runs its in-between parts n^2 / 2 times) and every layer's output kept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .skeleton import StandIn, Stop
+
+__all__ = ["advanced", "current", "head", "is_trail", "rows", "trail"]
+
+
+def trail(ids: torch.Tensor, hidden: torch.Tensor) -> dict[str, Any]:
+    """A batch's stream before its first layer: its token ids and the hidden states the first layer takes."""
+    return {"ids": ids, "outs": [], "hidden": hidden}
+
+
+def is_trail(item: Any) -> bool:
+    return isinstance(item, dict) and "outs" in item
+
+
+def current(item: Any) -> torch.Tensor:
+    """The hidden states the stream's next layer takes (its last layer's output after the last one)."""
+    return item["hidden"] if is_trail(item) else item
+
+
+def rows(item: Any, n: int, dim: int) -> Any:
+    """A stream's first `n` sequences: the ids' rows, and every output's and the hidden states' along `dim`."""
+    if not is_trail(item):
+        return item.narrow(dim, 0, n)
+    return {"ids": item["ids"][:n], "outs": [o.narrow(dim, 0, n) for o in item["outs"]],
+            "hidden": item["hidden"].narrow(dim, 0, n)}
+
+
+def _stand_ins(engine: Any, outs: list[torch.Tensor], record: list | None, stop_at: int | None) -> list[StandIn]:
+    """Each layer a stand-in: those already run answer their outputs; the one at `stop_at` records what the model
+    hands it and ends the forward."""
+    n = len(engine.layers)
+    return [StandIn(record if i == stop_at else None, outs[i].to(engine.device) if i < len(outs) else None,
+                    stop=i == stop_at, as_tuple=engine._tuple_out) for i in range(n)]
+
+
+def advanced(engine: Any, item: dict[str, Any], out: torch.Tensor, j: int) -> dict[str, Any]:
+    """The stream after layer `j` gave `out`: the output kept, and the next layer's input as the model's forward
+    computes it from every output so far (after the last layer, `out` itself)."""
+    outs = [*item["outs"], out]
+    if j + 1 >= len(engine.layers):
+        return {"ids": item["ids"], "outs": outs, "hidden": out}
+    record: list = []
+    with engine._stand_ins(_stand_ins(engine, outs, record, j + 1)), torch.no_grad():
+        try:
+            engine.base(input_ids=item["ids"].to(engine.device), use_cache=False)
+        except Stop:
+            pass
+    return {"ids": item["ids"], "outs": outs, "hidden": record[0][0].detach().to(out.device)}
+
+
+def head(engine: Any, item: dict[str, Any]) -> torch.Tensor:
+    """The model's logits for a stream past its last layer: its own forward on the batch's ids, every layer answering
+    its output (a hook on the base model, `hf.head`'s, records its last hidden state)."""
+    with engine._stand_ins(_stand_ins(engine, item["outs"], None, None)):
+        return engine.model(input_ids=item["ids"].to(engine.device), use_cache=False).logits
