@@ -144,6 +144,8 @@ _TYPE_TINY = {
     # its experts' width is ffn_config.hidden_size, the model's in a real checkpoint
     # d_model by its own name: given as hidden_size (an alias), DbrxConfig copies its default 2048 into the experts'
     # ffn_config.hidden_size before the alias is applied, and the model's experts do not match its width
+    # the byte-level encoder's and decoder's projections to and from the global transformer as wide as it is
+    "blt": {"encoder_config": {"hidden_size_global": D}, "decoder_config": {"hidden_size_global": D}},
     # (clip_qkv as DBRX's checkpoints set it: transformers' attention clamps with both bounds None otherwise, and fails)
     "dbrx": {"d_model": D, "attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0, "clip_qkv": 8.0},
              "ffn_config": {"hidden_size": D, "ffn_hidden_size": F_, "moe_num_experts": 4, "moe_top_k": 2}},

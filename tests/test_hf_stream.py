@@ -539,11 +539,13 @@ def test_the_dimension_of_a_batchs_sequences_is_found_from_the_layers_hidden_sta
     assert tuple(logits.shape[:2]) == (3, 10)
 
 
-def test_a_forward_that_computes_between_its_layers_is_replayed_and_gives_the_models_logits(tmp_path):
-    """XLM's list of blocks is its FFNs; its forward runs attentions and norms between them. The engine runs each
-    FFN once, in order, each on the input the model's own forward computes from the outputs so far (`hf.replay`):
-    a batch's stream keeps its ids and every output, and its logits are transformers' own, read a layer at a time
-    or resident. A model that computes only in its layers keeps plain hidden states."""
+@pytest.mark.parametrize("model_type", ["xlm", "blt"])
+def test_a_forward_that_computes_between_its_layers_is_replayed_and_gives_the_models_logits(tmp_path, model_type):
+    """XLM's list of blocks is its FFNs; its forward runs attentions and norms between them. BLT's byte decoder
+    reads its encoder's states after the stack the engine runs (its config names no single width: the blocks' own
+    is read). The engine runs each layer once, in order, each on the input the model's own forward computes from the
+    outputs so far (`hf.replay`): a batch's stream keeps its ids and every output, and its logits are transformers'
+    own, read a layer at a time or resident. A model that computes only in its layers keeps plain hidden states."""
     import transformers as T
     from hf_models import tiny_or_skip
 
@@ -552,10 +554,10 @@ def test_a_forward_that_computes_between_its_layers_is_replayed_and_gives_the_mo
     from ffnquant.hf.spill import Store
     from ffnquant.hf.stream import SequentialModel
 
-    folder = tiny_or_skip("xlm", tmp_path / "xlm")
+    folder = tiny_or_skip(model_type, tmp_path / model_type)
     info = inspect_model(folder)
     ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
-    want = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(ids).logits.detach()
+    want = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(ids, use_cache=False).logits.detach()
     for resident in (True, False):
         m = SequentialModel(info, resident=resident)
         store = Store(None, "s")

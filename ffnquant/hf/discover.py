@@ -154,6 +154,18 @@ def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return max(lists, key=lambda item: size(item[1]))
 
 
+def _block_width(block: nn.Module) -> int | None:
+    """The width a block reads and writes: the one most of its Linears (or Conv1Ds) take in or give out (its
+    attention's projections and its FFN's first and last matrices); None without any."""
+    counts: dict[int, int] = {}
+    for module in block.modules():
+        shape = linear_shape(module)
+        if shape is not None:
+            for width in shape[:2]:
+                counts[width] = counts.get(width, 0) + 1
+    return max(counts, key=lambda w: (counts[w], -w)) if counts else None
+
+
 def _unread_experts(block: nn.Module, d: int, cands: list[FoundFFN], settle: Any, i: int) -> list[str]:
     """A block's routed experts that are not kept: candidates whose probe refused them (with its reason), or
     stacked 3-D expert tensors in a layout ffnquant does not read."""
@@ -192,9 +204,12 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     d = _config_int(text, "hidden_size", "n_embd", "d_model")
-    if d is None:
-        raise FFNQuantError(f"{where}: the config names no model width (hidden_size)")
     layers_path, blocks = _blocks(model)
+    if d is None:  # a config of several stacks of their own widths (BLT's): the width of the blocks themselves
+        d = _block_width(blocks[0])
+    if d is None:
+        raise FFNQuantError(f"{where}: the config names no model width (hidden_size), and the blocks of "
+                            f"{layers_path} hold no Linear to read one from")
     found: dict[int, list[FoundFFN]] = {i: candidates(block, d) for i, block in enumerate(blocks)}
     _refuse_shared(blocks, found, where, layers_path)
     # every FFN-shaped candidate is probed once per structure: what does not reproduce is not an FFN (an attention

@@ -59,7 +59,7 @@ def advanced(engine: Any, item: dict[str, Any], out: torch.Tensor, j: int) -> di
     record: list = []
     with engine._stand_ins(_stand_ins(engine, outs, record, j + 1)), torch.no_grad():
         try:
-            engine.base(input_ids=item["ids"].to(engine.device), use_cache=False)
+            engine.runner(input_ids=item["ids"].to(engine.device), use_cache=False)
         except Stop:
             pass
     return {"ids": item["ids"], "outs": outs, "hidden": record[0][0].detach().to(out.device)}

@@ -204,6 +204,9 @@ class SequentialModel(LMHead):
                                 f"{list_name}.0, .1, ... in layer order")
         self.layers = model.get_submodule(list_name)
         self.base = base_of(model, list_name)
+        # the module whose forward runs the layers from token ids: the base, or the whole model where the base
+        # alone would hand its first layer something else (`_base_runs_the_stack`)
+        self.runner: nn.Module = self.base
         try:
             self._takes_embeds = "inputs_embeds" in inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
@@ -318,7 +321,15 @@ class SequentialModel(LMHead):
                 self._tuple_out = True
                 record = self._record(ids.to(self.device), n)
             if not self._one_pass_checked:  # once per engine: the model's loop, not the text, decides it
+                if not self._base_runs_the_stack(ids[:1, :8].to(self.device), n):
+                    self.runner = self.model
+                    for module in beside(self.model, self.layers):  # what the whole forward runs beside the layers
+                        if any(p.is_meta for p in module.parameters()):
+                            self.onload(module)
+                    record = self._record(ids.to(self.device), n)
                 self._check_one_pass(ids.to(self.device), n)
+                if not self.replay and not self._head_runs_from(ids[:1, :8].to(self.device), n):
+                    self.replay = True
                 self._one_pass_checked = True
             self._find_batch_dim(ids, record[0][0], n)
             self._ids_shapes[tuple(record[0][0].shape)] = tuple(ids.shape)
@@ -360,7 +371,7 @@ class SequentialModel(LMHead):
         log: list[tuple[int, torch.Tensor]] = []
         with self._stand_ins([_Tally(log, i, self._tuple_out) for i in range(n)]), torch.no_grad():
             try:
-                self.base(input_ids=ids, use_cache=False)
+                self.runner(input_ids=ids, use_cache=False)
             except Exception:  # noqa: BLE001 - a model whose later parts need its layers' real outputs
                 return
         order = [i for i, _ in log]
@@ -380,6 +391,47 @@ class SequentialModel(LMHead):
                 self.replay = True
                 return
 
+    def _base_runs_the_stack(self, ids: torch.Tensor, n: int) -> bool:
+        """Whether the base module (the first ancestor of the layers taking input_ids) hands the first layer what the
+        whole model's forward does: BLT's local encoder takes input_ids too, but the model gives it hash n-gram
+        embeddings of its own; where it does not, the engine runs the whole model's forward up to each layer."""
+        first = self._record(ids, n)[0][0]
+        inside = {id(m) for m in beside(self.base, self.layers)}
+        # read a layer at a time, what the whole forward runs before its layers is not read yet (the head, which
+        # it does not reach, is left to `hf.head`)
+        outside = [m for m in beside(self.model, self.layers) if id(m) not in inside
+                   and not any(x is self.head for x in m.modules()) and any(p.is_meta for p in m.parameters())]
+        for module in outside:
+            self.onload(module)
+        self.runner, base = self.model, self.runner
+        try:
+            whole = self._record(ids, n)[0][0]
+        except Exception:  # noqa: BLE001 - the whole model cannot be run so: the base it is
+            return True
+        finally:
+            self.runner = base
+        same = first.shape == whole.shape and torch.equal(first, whole)
+        for module in outside if same else ():  # not needed after all
+            self.offload(module)
+        return same
+
+    def _head_runs_from(self, ids: torch.Tensor, n: int) -> bool:
+        """Whether the model's head runs from the last hidden states alone, its forward given only their shape
+        (`hf.head`), tried on a few tokens (`ids`); where it does not (BLT's byte decoder reads its encoder's states,
+        and its forward takes no inputs_embeds), the streams are replayed from the ids (`replay`)."""
+        try:
+            with torch.no_grad():
+                hidden = self._record(ids, n)[-1][0]
+                self._ids_shapes[tuple(hidden.shape)] = tuple(ids.shape)
+                self._head(hidden)
+        except (Stop, FFNQuantError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's own forward refusing the head's call
+            if not _raised_in_transformers(exc):
+                raise
+            return False
+        return True
+
     def _record(self, ids: torch.Tensor, n: int) -> list:
         record: list = []
         stand_ins = [StandIn(record, stop=i == n - 1, as_tuple=self._tuple_out) for i in range(n)]
@@ -387,7 +439,7 @@ class SequentialModel(LMHead):
             try:
                 # no KV cache: the calls are recorded without one anyway (`_no_cache`), and a cache of linear-attention
                 # layers alone (a hybrid cut to a few layers) cannot size an attention mask
-                self.base(input_ids=ids, use_cache=False)
+                self.runner(input_ids=ids, use_cache=False)
             except Stop:
                 pass
             except AttributeError as exc:
