@@ -303,12 +303,6 @@ class SequentialModel(LMHead):
                 self.onload(module)
         calls = []
         n = len(self.layers)
-        if batches and not self._one_pass_checked:
-            # one forward on a few tokens before the first batch is recorded: the first forward of a process
-            # computed the rotary position embeddings of its first call differently in some runs (SmolLM2: 2 of 5
-            # processes, cos off by up to 1.5e-4; every later call the same in all of them), so that the first
-            # batch's layer inputs, and every figure calibrated on them, moved from run to run
-            self._record(batches[0][:1, :8].to(self.device), n)
         for b, ids in enumerate(batches):
             try:
                 record = self._record(ids.to(self.device), n)
@@ -327,6 +321,11 @@ class SequentialModel(LMHead):
                 self._tuple_out = True
                 record = self._record(ids.to(self.device), n)
             if not self._one_pass_checked:  # once per engine: the model's loop, not the text, decides it
+                # the first batch recorded again, after a first forward: the first forward of a process computed
+                # the rotary position embeddings of its first call differently in some runs (SmolLM2: 2 of 5
+                # processes, cos off by up to 1.5e-4; every later call the same in all of them), so that the first
+                # batch's layer inputs, and every figure calibrated on them, moved from run to run
+                record = self._record(ids.to(self.device), n)
                 if not self._base_runs_the_stack(ids[:1, :8].to(self.device), n):
                     self.runner = self.model
                     for module in beside(self.model, self.layers):  # what the whole forward runs beside the layers
