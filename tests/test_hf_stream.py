@@ -435,7 +435,8 @@ def test_a_layer_that_transformers_refuses_to_run_on_token_ids_alone_is_named_no
 
     from ffnquant.hf import inspect_model
     from ffnquant.hf.spill import Store as _Store
-    from ffnquant.hf.stream import SequentialModel, _raised_in_transformers
+    from ffnquant.hf.forward import raised_in_transformers as _raised_in_transformers
+    from ffnquant.hf.stream import SequentialModel
     from hf_models import save_causal_tiny
 
     folder = save_causal_tiny(T, "gemma4_assistant", tmp_path / "gemma4_assistant")

@@ -24,7 +24,6 @@ import inspect
 import copy
 import dataclasses
 import math
-import os
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -42,7 +41,8 @@ from .skeleton import (StandIn, Stop, base_of, beside, causal_lm_from_config, de
 from .head import LMHead
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
-from . import replay
+from . import forward, replay
+from .forward import raised_in_transformers
 from .spill import Store, set_allocator, trim
 from ..infra.device import current_device, module_copy, to_device
 
@@ -57,18 +57,6 @@ Progress = Callable[[str, int, int], None]
 _CPU = torch.device("cpu")
 
 
-
-def _raised_in_transformers(exc: BaseException) -> bool:
-    """Whether transformers' code, not ffnquant's (an FFN installed in the layer), is the last of the two in the
-    exception's traceback."""
-    last = ""
-    tb = exc.__traceback__
-    while tb is not None:
-        name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
-        if "/transformers/" in name or "/ffnquant/" in name:
-            last = name
-        tb = tb.tb_next
-    return "/transformers/" in last
 
 def _host(value: Any) -> Any:
     """`value`'s tensors in host memory (itself on the CPU)."""
@@ -119,18 +107,6 @@ def _float32(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _float32(v) for k, v in value.items()}
     return value
-
-
-class _Tally(StandIn):
-    """A stand-in that logs its layer's index and the hidden states it is given, and returns them (`_check_one_pass`)."""
-
-    def __init__(self, log: list, index: int, as_tuple: bool) -> None:
-        super().__init__(None, as_tuple=as_tuple)
-        self.log, self.index = log, index
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        self.log.append((self.index, hidden_states))
-        return super().forward(hidden_states, *args, **kwargs)
 
 
 class _Unpacked(Exception):
@@ -188,8 +164,8 @@ class SequentialModel(LMHead):
             model = model.to(self.device)
         self.model = model.eval()
         self._tuple_out = False  # whether the model's loop reads its layers' outputs as tuples (`embed` finds out)
-        self._one_pass_checked = False  # whether its forward runs each layer once, in order (`_check_one_pass`)
-        self.batch_dim: int | None = None  # the hidden states' dimension of the sequences (`_find_batch_dim`)
+        self._one_pass_checked = False  # whether its forward runs each layer once, in order (`hf.forward.check_one_pass`)
+        self.batch_dim: int | None = None  # the hidden states' dimension of the sequences (`hf.forward.find_batch_dim`)
         # whether its forward computes between its layers: each batch's stream is then a `hf.replay` trail
         self.replay = False
         # the token ids' shape of each shape of hidden states `embed` recorded: what the head's forward is given
@@ -205,7 +181,7 @@ class SequentialModel(LMHead):
         self.layers = model.get_submodule(list_name)
         self.base = base_of(model, list_name)
         # the module whose forward runs the layers from token ids: the base, or the whole model where the base
-        # alone would hand its first layer something else (`_base_runs_the_stack`)
+        # alone would hand its first layer something else (`hf.forward.base_runs_the_stack`)
         self.runner: nn.Module = self.base
         try:
             self._takes_embeds = "inputs_embeds" in inspect.signature(model.forward).parameters
@@ -326,17 +302,17 @@ class SequentialModel(LMHead):
                 # processes, cos off by up to 1.5e-4; every later call the same in all of them), so that the first
                 # batch's layer inputs, and every figure calibrated on them, moved from run to run
                 record = self._record(ids.to(self.device), n)
-                if not self._base_runs_the_stack(ids[:1, :8].to(self.device), n):
+                if not forward.base_runs_the_stack(self, ids[:1, :8].to(self.device), n):
                     self.runner = self.model
                     for module in beside(self.model, self.layers):  # what the whole forward runs beside the layers
                         if any(p.is_meta for p in module.parameters()):
                             self.onload(module)
                     record = self._record(ids.to(self.device), n)
-                self._check_one_pass(ids.to(self.device), n)
-                if not self.replay and not self._head_runs_from(ids[:1, :8].to(self.device), n):
+                forward.check_one_pass(self, ids.to(self.device), n)
+                if not self.replay and not forward.head_runs_from(self, ids[:1, :8].to(self.device), n):
                     self.replay = True
                 self._one_pass_checked = True
-            self._find_batch_dim(ids, record[0][0], n)
+            forward.find_batch_dim(self, ids, record[0][0], n)
             self._ids_shapes[tuple(record[0][0].shape)] = tuple(ids.shape)
             store.put(b, _host(replay.trail(ids, record[0][0]) if self.replay else record[0][0]))
             calls.append([_host(self._no_cache(args, kwargs)) for _, args, kwargs in record])
@@ -344,98 +320,9 @@ class SequentialModel(LMHead):
                 progress(f"{stage}: batch {b + 1}/{len(batches)}", b + 1, len(batches))
         return calls
 
-    def _find_batch_dim(self, ids: torch.Tensor, hidden: torch.Tensor, n: int) -> None:
-        """Which dimension of the decoder layers' hidden states holds the batch's sequences (`batch_dim`, where a
-        batch's leading sequences are taken: `rows`): 0 mostly; XLNet's [tokens, batch, width] and Gemma 3n's AltUp
-        [inputs, batch, tokens, width] hold it second, and CPM-Ant's and ProphetNet's hold more positions than
-        tokens. Told by the dimension of the batch's size, or where that is ambiguous, by the one that a batch of
-        one sequence makes 1. Refused where none is."""
-        batch = int(ids.shape[0])
-        if self.batch_dim is not None or batch == 1:
-            return
-        dims = [i for i, size in enumerate(hidden.shape[:-1]) if size == batch]
-        if len(dims) > 1:
-            one = self._record(ids[:1].to(self.device), n)[0][0].shape
-            dims = [i for i in dims if one[i] == 1]
-        if len(dims) != 1:
-            raise FFNQuantError(f"{self.info.path}: its decoder layers take hidden states of shape "
-                                f"{list(hidden.shape)} for token ids {list(ids.shape)}, no dimension of which holds "
-                                "the batch's sequences; the engine runs layers on batches of sequences")
-        self.batch_dim = dims[0]
-
     def rows(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
         """The hidden states of a batch's first `n` sequences (along `batch_dim`)."""
         return replay.rows(hidden, n, self.batch_dim or 0)
-
-    def _check_one_pass(self, ids: torch.Tensor, n: int) -> None:
-        """Refuse a model whose forward calls a decoder layer more than once or out of order (looped depth: Dory's
-        recurrent section, HRM's cycles): the engine runs each layer once, in order, and would measure another
-        model. A forward that changes the hidden states between two layers (beyond what they compute) is run with
-        each layer's input replayed from the model's own forward (`replay`). Checked on one whole forward with every
-        layer a stand-in that returns its input; a forward that cannot end so is not judged."""
-        log: list[tuple[int, torch.Tensor]] = []
-        with self._stand_ins([_Tally(log, i, self._tuple_out) for i in range(n)]), torch.no_grad():
-            try:
-                self.runner(input_ids=ids, use_cache=False)
-            except Exception:  # noqa: BLE001 - a model whose later parts need its layers' real outputs
-                return
-        order = [i for i, _ in log]
-        where = f"{self.info.path}: its forward"
-        if order != list(range(n)):
-            repeated = sorted({i for i in order if order.count(i) > 1})
-            what = (f"calls decoder layers {', '.join(map(str, repeated[:6]))} more than once ({len(order)} calls "
-                    f"for {n} layers: a looped depth)" if repeated else f"calls its decoder layers in the order "
-                    f"{order[:8]}")
-            raise FFNQuantError(f"{where} {what}; the engine runs each decoder layer once, in order, on the previous "
-                                "one's output, and would measure another model")
-        for k in range(1, n):
-            before, after = log[k - 1][1], log[k][1]
-            if before.shape != after.shape or not torch.equal(before, after):
-                # it computes between its layers (XLM's attentions and norms beside its FFNs): each layer's input
-                # is what the forward computes from the outputs so far (`hf.replay`)
-                self.replay = True
-                return
-
-    def _base_runs_the_stack(self, ids: torch.Tensor, n: int) -> bool:
-        """Whether the base module (the first ancestor of the layers taking input_ids) hands the first layer what the
-        whole model's forward does: BLT's local encoder takes input_ids too, but the model gives it hash n-gram
-        embeddings of its own; where it does not, the engine runs the whole model's forward up to each layer."""
-        first = self._record(ids, n)[0][0]
-        inside = {id(m) for m in beside(self.base, self.layers)}
-        # read a layer at a time, what the whole forward runs before its layers is not read yet (the head, which
-        # it does not reach, is left to `hf.head`)
-        outside = [m for m in beside(self.model, self.layers) if id(m) not in inside
-                   and not any(x is self.head for x in m.modules()) and any(p.is_meta for p in m.parameters())]
-        for module in outside:
-            self.onload(module)
-        self.runner, base = self.model, self.runner
-        try:
-            whole = self._record(ids, n)[0][0]
-        except Exception:  # noqa: BLE001 - the whole model cannot be run so: the base it is
-            return True
-        finally:
-            self.runner = base
-        same = first.shape == whole.shape and torch.equal(first, whole)
-        for module in outside if same else ():  # not needed after all
-            self.offload(module)
-        return same
-
-    def _head_runs_from(self, ids: torch.Tensor, n: int) -> bool:
-        """Whether the model's head runs from the last hidden states alone, its forward given only their shape
-        (`hf.head`), tried on a few tokens (`ids`); where it does not (BLT's byte decoder reads its encoder's states,
-        and its forward takes no inputs_embeds), the streams are replayed from the ids (`replay`)."""
-        try:
-            with torch.no_grad():
-                hidden = self._record(ids, n)[-1][0]
-                self._ids_shapes[tuple(hidden.shape)] = tuple(ids.shape)
-                self._head(hidden)
-        except (Stop, FFNQuantError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - the model's own forward refusing the head's call
-            if not _raised_in_transformers(exc):
-                raise
-            return False
-        return True
 
     def _record(self, ids: torch.Tensor, n: int) -> list:
         record: list = []
@@ -448,7 +335,7 @@ class SequentialModel(LMHead):
             except Stop:
                 pass
             except AttributeError as exc:
-                if not _raised_in_transformers(exc) or "'Tensor' object has no attribute" not in str(exc):
+                if not raised_in_transformers(exc) or "'Tensor' object has no attribute" not in str(exc):
                     raise
                 # the model's loop reads each layer's output as a structure (Reformer's reversible layers: an
                 # output object with attn_output and hidden_states), not as hidden states
@@ -504,7 +391,7 @@ class SequentialModel(LMHead):
         try:
             out = self.layers[j](hidden.to(device), *args, **kwargs)
         except Exception as exc:
-            if not _raised_in_transformers(exc):
+            if not raised_in_transformers(exc):
                 raise
             # the model's own layer refuses what its own forward passed it for token ids alone (Gemma 4's draft
             # model reads its target model's key/value states): a model ffnquant cannot run, not a bug of ffnquant

@@ -1,0 +1,145 @@
+"""What the engine (`hf.stream.SequentialModel`) learns once of a model's forward, from a few calls with stand-ins for
+its decoder layers: whether it runs each layer once, in order (`check_one_pass`: a looped depth refused; layers with
+computation between them replayed, `hf.replay`), which module runs the layers from token ids (`base_runs_the_stack`),
+whether its head runs from the last hidden states alone (`head_runs_from`), and which dimension of the layers' hidden
+states holds a batch's sequences (`find_batch_dim`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..errors import FFNQuantError
+from .skeleton import StandIn, Stop, beside
+
+__all__ = ["base_runs_the_stack", "check_one_pass", "find_batch_dim", "head_runs_from", "raised_in_transformers"]
+
+
+def raised_in_transformers(exc: BaseException) -> bool:
+    """Whether transformers' code, not ffnquant's (an FFN installed in the layer), is the last of the two in the
+    exception's traceback."""
+    last = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if "/transformers/" in name or "/ffnquant/" in name:
+            last = name
+        tb = tb.tb_next
+    return "/transformers/" in last
+
+
+class _Tally(StandIn):
+    """A stand-in that logs its layer's index and the hidden states it is given, and returns them (`check_one_pass`)."""
+
+    def __init__(self, log: list, index: int, as_tuple: bool) -> None:
+        super().__init__(None, as_tuple=as_tuple)
+        self.log, self.index = log, index
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.log.append((self.index, hidden_states))
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+def find_batch_dim(engine: Any, ids: torch.Tensor, hidden: torch.Tensor, n: int) -> None:
+    """Which dimension of the decoder layers' hidden states holds the batch's sequences (`batch_dim`, where a
+    batch's leading sequences are taken: `rows`): 0 mostly; XLNet's [tokens, batch, width] and Gemma 3n's AltUp
+    [inputs, batch, tokens, width] hold it second, and CPM-Ant's and ProphetNet's hold more positions than
+    tokens. Told by the dimension of the batch's size, or where that is ambiguous, by the one that a batch of
+    one sequence makes 1. Refused where none is."""
+    batch = int(ids.shape[0])
+    if engine.batch_dim is not None or batch == 1:
+        return
+    dims = [i for i, size in enumerate(hidden.shape[:-1]) if size == batch]
+    if len(dims) > 1:
+        one = engine._record(ids[:1].to(engine.device), n)[0][0].shape
+        dims = [i for i in dims if one[i] == 1]
+    if len(dims) != 1:
+        raise FFNQuantError(f"{engine.info.path}: its decoder layers take hidden states of shape "
+                            f"{list(hidden.shape)} for token ids {list(ids.shape)}, no dimension of which holds "
+                            "the batch's sequences; the engine runs layers on batches of sequences")
+    engine.batch_dim = dims[0]
+
+
+def check_one_pass(engine: Any, ids: torch.Tensor, n: int) -> None:
+    """Refuse a model whose forward calls a decoder layer more than once or out of order (looped depth: Dory's
+    recurrent section, HRM's cycles): the engine runs each layer once, in order, and would measure another
+    model. A forward that changes the hidden states between two layers (beyond what they compute) is run with
+    each layer's input replayed from the model's own forward (`hf.replay`). Checked on one whole forward with every
+    layer a stand-in that returns its input; a forward that cannot end so is not judged."""
+    log: list[tuple[int, torch.Tensor]] = []
+    with engine._stand_ins([_Tally(log, i, engine._tuple_out) for i in range(n)]), torch.no_grad():
+        try:
+            engine.runner(input_ids=ids, use_cache=False)
+        except Exception:  # noqa: BLE001 - a model whose later parts need its layers' real outputs
+            return
+    order = [i for i, _ in log]
+    where = f"{engine.info.path}: its forward"
+    if order != list(range(n)):
+        repeated = sorted({i for i in order if order.count(i) > 1})
+        what = (f"calls decoder layers {', '.join(map(str, repeated[:6]))} more than once ({len(order)} calls "
+                f"for {n} layers: a looped depth)" if repeated else f"calls its decoder layers in the order "
+                f"{order[:8]}")
+        raise FFNQuantError(f"{where} {what}; the engine runs each decoder layer once, in order, on the previous "
+                            "one's output, and would measure another model")
+    for k in range(1, n):
+        before, after = log[k - 1][1], log[k][1]
+        if before.shape != after.shape or not torch.equal(before, after):
+            # it computes between its layers (XLM's attentions and norms beside its FFNs): each layer's input
+            # is what the forward computes from the outputs so far (`hf.replay`)
+            engine.replay = True
+            return
+
+def base_runs_the_stack(engine: Any, ids: torch.Tensor, n: int) -> bool:
+    """Whether the base module (the first ancestor of the layers taking input_ids) hands the first layer what the
+    whole model's forward does: BLT's local encoder takes input_ids too, but the model gives it hash n-gram
+    embeddings of its own; where it does not, the engine runs the whole model's forward up to each layer."""
+    try:
+        first = engine._record(ids, n)[0][0]
+    except Exception:  # noqa: BLE001 - a few tokens the base cannot run (a minimum length): not judged so
+        return True
+    inside = {id(m) for m in beside(engine.base, engine.layers)}
+    # read a layer at a time, what the whole forward runs before its layers is not read yet (the head, which
+    # it does not reach, is left to `hf.head`)
+    outside = [m for m in beside(engine.model, engine.layers) if id(m) not in inside
+               and not any(x is engine.head for x in m.modules()) and any(p.is_meta for p in m.parameters())]
+    for module in outside:
+        engine.onload(module)
+    engine.runner, base = engine.model, engine.runner
+    try:
+        whole = engine._record(ids, n)[0][0]
+    except Exception:  # noqa: BLE001 - the whole model cannot be run so: the base it is
+        return True
+    finally:
+        engine.runner = base
+    same = first.shape == whole.shape and torch.equal(first, whole)
+    for module in outside if same else ():  # not needed after all
+        engine.offload(module)
+    return same
+
+def head_runs_from(engine: Any, ids: torch.Tensor, n: int) -> bool:
+    """Whether the model's head runs from the last hidden states alone, its forward given only their shape
+    (`hf.head`), tried on a few tokens (`ids`); where it does not (BLT's byte decoder reads its encoder's states,
+    and its forward takes no inputs_embeds), the streams are replayed from the ids (`hf.replay`)."""
+    try:
+        hidden = engine._record(ids, n)[-1][0]
+    except Exception:  # noqa: BLE001 - a few tokens the model cannot run (a minimum length): not judged so
+        return True
+    engine._ids_shapes[tuple(hidden.shape)] = tuple(ids.shape)
+    # read a layer at a time, the head is read for the check and let go after, as it was (a tied head's weight
+    # is the embedding's then, which the engine may free before the head's turn: the head reads it again then)
+    kept = {name: getattr(engine.head, name, None) for name in ("weight", "bias")}
+    try:
+        with torch.no_grad():
+            engine._head(hidden)
+        for name, value in kept.items():
+            if isinstance(value, torch.nn.Parameter) and value.is_meta:
+                setattr(engine.head, name, value)
+    except (Stop, FFNQuantError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model's own forward refusing the head's call
+        if not raised_in_transformers(exc):
+            raise
+        return False
+    return True
