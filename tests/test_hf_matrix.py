@@ -61,6 +61,8 @@ EXPECTED = {
     "gemma3n_text": ("geglu", "module"), "xlnet": ("gelu", "split"),
     # its list of blocks is its FFNs, its attentions and norms run between them by its forward (`hf.replay`)
     "xlm": ("gelu", "split"),
+    # per-layer inputs from its embedding: the engine reads its tied head's weight again at the head's turn
+    "gemma4_text": ("geglu", "module"),
 }
 OWN = {"apertus": "own", "bitnet": "own_gate", "minimax_m3_vl_text": "own_gate"}
 RESIDUAL_ARG = ("bloom", "mpt")
