@@ -575,3 +575,30 @@ def test_a_forward_that_computes_between_its_layers_is_replayed_and_gives_the_mo
     plain = SequentialModel(inspect_model(tiny_or_skip("llama", tmp_path / "llama")), resident=True)
     plain.embed([ids], store := Store(None, "p"))
     assert not plain.replay and isinstance(store.get(0), torch.Tensor)
+
+
+def test_the_first_batch_is_recorded_after_the_processs_first_forward(tiny):
+    """A process's first forward may compute what it hands the layers differently from every later one (a rotary
+    embedding's first call did, in some runs): the engine keeps the first batch as a later forward records it, so
+    every run calibrates on the same inputs. Simulated: the embedding's first call answers otherwise."""
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
+
+    engine = SequentialModel(inspect_model(tiny["llama"]), resident=True)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        steady = engine.embedding(ids).clone()
+    calls = {"n": 0}
+
+    def first_call_differs(module, args, out):  # returns the output to use instead
+        calls["n"] += 1
+        return out + 1.0 if calls["n"] == 1 else out
+
+    handle = engine.embedding.register_forward_hook(first_call_differs)
+    try:
+        store = _Store(None, "text")
+        engine.embed([ids], store)
+    finally:
+        handle.remove()
+    assert calls["n"] > 1 and torch.equal(store.get(0), steady)  # a Llama's first layer takes the embeddings
