@@ -413,9 +413,9 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
         if layer.fused_expert_tensors:
             # "gate_up_proj", or "gate_up_proj.bias" for gate_up_proj_bias; a dotted name (DBRX's mlp.w1) as it is
             base, kind = (role[:-len(".bias")], "bias") if role.endswith(".bias") else (role, "weight")
-            down = arch.roles.get(base) == "w_down" if arch.discovered else base == "down_proj"
-            both = (arch.roles.get(base) or ("w_gate+w_up" if base == "gate_up_proj" else "")) in ("w_gate+w_up", "w_up+w_gate")
-            n_in, n_out = (f, d) if down else (d, 2 * f if both else f)
+            # what the tensor holds: its role where discovery named it, else transformers' fused names
+            target = arch.roles.get(base) or ("w_gate+w_up" if base == "gate_up_proj" else "w_down")
+            n_in, n_out = (f, d) if target == "w_down" else (d, 2 * f if "+" in target else f)
             rows, cols = (n_in, n_out) if input_major(arch, base) else (n_out, n_in)
             # output-major [E, out, in], input-major [E, in, out] (gpt-oss'), or flat [E x rows, cols] (DBRX's)
             want = ((info.n_experts, n_out) if kind == "bias" else (info.n_experts * rows, cols) if arch.flat_experts
@@ -427,7 +427,6 @@ def _load_layer(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> HFLayer
                 )
             tensor = tensor[layer.expert] if kind == "bias" else \
                 expert_matrices(tensor, base, arch, info.n_experts)[layer.expert]  # [out, in]
-            target = arch.roles.get(base) or ("w_gate+w_up" if base == "gate_up_proj" else "w_down")
         else:
             base, kind = role.rsplit(".", 1)
             target = arch.roles[base]

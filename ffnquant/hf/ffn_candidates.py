@@ -85,26 +85,10 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
     """Every FFN-shaped set of matrices in a block (structure only; roles of gated pairs not yet known)."""
     out: list[FoundFFN] = []
     for path, module in block.named_modules():
-        params3 = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
-        if len(params3) in (2, 3):
-            experts = _expert_tensors(path, module, {n: tuple(p.shape) for n, p in params3.items()}, d, False)
-            if experts:
-                out += experts
-                continue
-            # 3-D tensors of another kind (RWKV's token-shift mixes [1, 1, d]): the module's Linears still count
-        per_child = _matrix_children(module) if not params3 else {}
-        if per_child:
-            experts = [dataclasses.replace(e, matrix_experts=True)
-                       for e in _expert_tensors(path, module, per_child, d, False)]
-            if experts:
-                out += experts
-                continue
-        flat = _flat_experts(module) if not params3 else {}
-        if flat:
-            experts = _expert_tensors(path, module, flat, d, True)
-            if experts:
-                out += experts
-                continue
+        experts = _experts_of(path, module, d)
+        if experts:
+            out += experts
+            continue
         linears = {n: linear_shape(c) for n, c in module.named_children()}
         linears = {n: s for n, s in linears.items() if s is not None}
         if path and not any(d in (i, o) for i, o, _ in linears.values()):
@@ -143,6 +127,21 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
     if not out:
         out += _split_across_children(block, d)
     return out
+
+
+def _experts_of(path: str, module: nn.Module, d: int) -> list[FoundFFN]:
+    """Every reading of a module's routed experts (`_expert_tensors`): 3-D tensors of its own (Mixtral's, gpt-oss'),
+    else one 3-D tensor in each of its children called with the rows sorted by expert (JetMoE's), else flat 2-D ones
+    in it or its children (DBRX's). [] when it holds none (3-D tensors of another kind, RWKV's token-shift mixes
+    [1, 1, d], leave its Linears to count)."""
+    params3 = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    if params3:
+        return _expert_tensors(path, module, params3, d, False) if len(params3) in (2, 3) else []
+    per_child = _matrix_children(module)
+    if per_child:
+        return [dataclasses.replace(e, matrix_experts=True) for e in _expert_tensors(path, module, per_child, d, False)]
+    flat = _flat_experts(module)
+    return _expert_tensors(path, module, flat, d, True) if flat else []
 
 
 def _matrix_children(module: nn.Module) -> dict[str, tuple[int, int, int]]:

@@ -94,20 +94,22 @@ def expert_forward(module: nn.Module, expert: int, layout: Any) -> Callable[[tor
         return y + b[expert] if isinstance(b, torch.Tensor) else y
 
     fused = next((r for r in ("w_gate+w_up", "w_up+w_gate") if r in tensors), None)
+    own_gate = getattr(module, "_apply_gate", None) if fused is not None else None
+    act = None if callable(own_gate) else _activation(module)  # looked up once, not per call
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if fused is not None:
             gate_up = lin(x, fused)
-            if callable(getattr(module, "_apply_gate", None)):  # its own gate function of both halves (MiniMax-M3)
-                return lin(module._apply_gate(gate_up), "w_down")
+            if callable(own_gate):  # its own gate function of both halves (MiniMax-M3)
+                return lin(own_gate(gate_up), "w_down")
             gate, up = gate_up.chunk(2, dim=-1)
             if fused == "w_up+w_gate":
                 gate, up = up, gate
         elif "w_gate" in tensors:
             gate, up = lin(x, "w_gate"), lin(x, "w_up")
         else:
-            return lin(_activation(module)(lin(x, "w_up")), "w_down")
-        return lin(_activation(module)(gate) * up, "w_down")
+            return lin(act(lin(x, "w_up")), "w_down")
+        return lin(act(gate) * up, "w_down")
 
     return forward
 
@@ -134,8 +136,8 @@ def _matrix_child(module: nn.Module, args: tuple) -> bool:
 def routed_rows(module: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a call of a fused experts module hands its experts: rows [n, d], each row's experts [n, k] and the
     weights of their outputs [n, k]. The call of an experts matrix module with the rows sorted by expert and
-    their counts (JetMoE's, `call_modules`): each row with its expert and weight 1 (the gates apply after). Tokens with their top-k experts and weights, however the MoE block passes them
-    (positionally, or by the module's own names: gpt-oss' router_indices and routing_weights); or, for a module that
+    their counts (JetMoE's, `call_modules`): each row with its expert and weight 1 (the gates apply after). Tokens
+    with their top-k experts and weights, however the MoE block passes them (positionally, or by the module's own names: gpt-oss' router_indices and routing_weights); or, for a module that
     takes every expert's rows stacked (Llama 4's, `probe.takes_sorted_tokens`), each row with its one expert and
     weight 1 (its MoE block scaled the row by the router already, zero where the token is not routed there)."""
     if _matrix_child(module, args):  # rows sorted by expert, with each expert's count: each row its expert, weight 1
@@ -161,22 +163,28 @@ def experts_forward(module: nn.Module, replacements: Mapping[int, Callable[[torc
                     layout: Any):
     """A forward for a fused experts module with some experts replaced: each row through its experts, weighted
     and summed per row (`routed_rows`), in transformers' order and arithmetic (MixtralExperts')."""
+    experts = _with_own(module, replacements, layout)
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         shape = (args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))).shape
         rows, top_k_index, top_k_weights = routed_rows(module, args, kwargs)
         out = torch.zeros_like(rows)
-        for expert in range(module.num_experts):
+        for expert in range(len(experts)):
             token_idx, top_k_pos = torch.where(top_k_index == expert)  # an expert appears at most once per row
             if token_idx.numel() == 0:
                 continue
-            y = (replacements[expert] if expert in replacements else expert_forward(module, expert, layout))(
-                rows[token_idx])
-            y = y * top_k_weights[token_idx, top_k_pos, None]
+            y = experts[expert](rows[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out.reshape(shape)
 
     return forward
+
+
+def _with_own(module: nn.Module, replacements: Mapping[int, Callable[[torch.Tensor], torch.Tensor]],
+              layout: Any) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """Every expert's callable, by id: its replacement, or the model's own math (`expert_forward`)."""
+    return [replacements[e] if e in replacements else expert_forward(module, e, layout)
+            for e in range(_n_experts(module, layout))]
 
 
 def matrix_forwards(module: nn.Module, replacements: Mapping[int, Callable[[torch.Tensor], torch.Tensor]],
@@ -186,14 +194,15 @@ def matrix_forwards(module: nn.Module, replacements: Mapping[int, Callable[[torc
     math) and keeps the outputs, handing on zeros, which the module's activation and product leave zeros (act(0)
     x 0); down returns the kept outputs, row for row, for the module to weigh and sum as it does."""
     first, down = call_modules(module, layout)
+    experts = _with_own(module, replacements, layout)
     kept: list[torch.Tensor] = []
     name = next(n for r, n in _tensors(module, layout).items() if r != "w_down")
     width = expert_matrices(module.get_parameter(name), name, layout, _n_experts(module, layout)).shape[1]  # its out
 
     def first_forward(inputs: torch.Tensor, expert_size: Any) -> torch.Tensor:
         counts = [int(c) for c in expert_size]
-        outs = [(replacements[e] if e in replacements else expert_forward(module, e, layout))(rows) if rows.shape[0]
-                else rows.new_zeros(0, rows.shape[-1]) for e, rows in enumerate(inputs.split(counts, dim=0))]
+        outs = [experts[e](rows) if rows.shape[0] else rows.new_zeros(0, rows.shape[-1])
+                for e, rows in enumerate(inputs.split(counts, dim=0))]
         kept.clear()
         kept.append(torch.cat(outs).to(inputs.dtype))
         return inputs.new_zeros(inputs.shape[0], width)

@@ -297,21 +297,21 @@ class SequentialModel(LMHead):
                 self._tuple_out = True
                 record = self._record(ids.to(self.device), n)
             if not self._one_pass_checked:  # once per engine: the model's loop, not the text, decides it
-                # the first batch recorded again, after a first forward: the first forward of a process computed
-                # the rotary position embeddings of its first call differently in some runs (SmolLM2: 2 of 5
-                # processes, cos off by up to 1.5e-4; every later call the same in all of them), so that the first
-                # batch's layer inputs, and every figure calibrated on them, moved from run to run
-                record = self._record(ids.to(self.device), n)
                 if not forward.base_runs_the_stack(self, ids[:1, :8].to(self.device), n):
                     self.runner = self.model
                     for module in beside(self.model, self.layers):  # what the whole forward runs beside the layers
                         if any(p.is_meta for p in module.parameters()):
                             self.onload(module)
-                    record = self._record(ids.to(self.device), n)
                 forward.check_one_pass(self, ids.to(self.device), n)
                 if not self.replay and not forward.head_runs_from(self, ids[:1, :8].to(self.device), n):
                     self.replay = True
                 self._one_pass_checked = True
+                # the first batch recorded again, after those forwards (and by the whole model where that runs the
+                # layers): the first forward of a process computed the rotary position embeddings of its first call
+                # differently in some runs (SmolLM2: 2 of 5 processes, cos off by up to 1.5e-4; every later call the
+                # same in all of them), so that the first batch's layer inputs, and every figure calibrated on them,
+                # moved from run to run
+                record = self._record(ids.to(self.device), n)
             forward.find_batch_dim(self, ids, record[0][0], n)
             self._ids_shapes[tuple(record[0][0].shape)] = tuple(ids.shape)
             store.put(b, _host(replay.trail(ids, record[0][0]) if self.replay else record[0][0]))
