@@ -550,6 +550,40 @@ def test_a_folder_transformers_cannot_load_is_not_proven_with_the_loaders_reason
     assert f"Verdict: NOT PROVEN ({why})" in (tmp_path / "llama-ffnq.not-proven" / "ffnquant-deploy.md").read_text()
 
 
+@pytest.mark.parametrize("recipe, proven", [("w8a16", True), ("w8a8-dynamic-s8", False)],
+                         ids=["weight-only-proven", "quantized-inputs-not-proven"])
+def test_a_folder_whose_compressed_modules_transformers_cannot_run_is_loaded_decompressed(
+        llama, tmp_path, monkeypatch, capsys, recipe, proven):
+    """Where transformers cannot run a folder's compressed modules (GPT-BigCode's init, Zamba's tied shared block
+    read `.weight` of a Linear compressed-tensors replaced), the proof loads it decompressed, as a transformers user
+    must (`run_compressed=False`), and says so: every check as before for weight-only recipes; quantized inputs,
+    which transformers drops when it decompresses, are not the plan: NOT PROVEN, with that reason."""
+    import transformers
+
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def compressed_refused(path, *args, **kwargs):
+        if ".ffnquant-staging" in str(path) and "quantization_config" not in kwargs:
+            raise AttributeError("'Linear' object has no attribute 'weight'")
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", compressed_refused)
+    out = tmp_path / "llama-ffnq"
+    rc = main(["export", "--model", str(llama), "--plan", str(_plan(llama, tmp_path, {0: recipe, 1: recipe})),
+               "--format", "compressed-tensors", "--out", str(out), *_TOKENS])
+    printed = capsys.readouterr().out
+    if proven:
+        assert rc == 0 and "loaded decompressed (CompressedTensorsConfig(run_compressed=False))" in printed
+        proof = json.loads((out / "ffnquant-deploy.json").read_text())["proof"]
+        assert proof["proven"] and proof["layers"]["all_at_parity"] and proof["load"]["gates"]["met"]
+        assert proof["load"]["decompressed_because"] == "AttributeError: 'Linear' object has no attribute 'weight'"
+        assert "loaded decompressed" in (out / "ffnquant-deploy.md").read_text()
+    else:
+        assert rc == 1 and not out.exists() and "drop the input quantization of L0, L1" in printed
+        proof = json.loads((tmp_path / "llama-ffnq.not-proven" / "ffnquant-deploy.json").read_text())["proof"]
+        assert not proof["proven"] and proof["weights"]["all_identical"]
+
+
 @pytest.mark.parametrize("module, stored, want", [
     ("model.language_model.layers.0.mlp.gate_proj",
      {"language_model.model.layers.0.mlp.gate_proj", "vision_tower.encoder.layers.0.mlp.fc1"},

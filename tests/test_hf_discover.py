@@ -92,15 +92,17 @@ def test_a_gating_mlp_that_reads_batch_and_tokens_is_probed_on_a_sequence(tmp_pa
     assert str(found.ffn.activation) == "silu"
 
 
-def test_an_ffn_whose_weights_several_blocks_share_is_refused_naming_both(tmp_path):
-    """Zamba's hybrid layers each run a shared transformer whose weights are one set of Parameters, stored once
-    (under layer 0): quantized per block from each block's inputs it would be two FFNs, so it is refused naming
-    the blocks, not reported as tensors missing from the checkpoint."""
-    from ffnquant.errors import FFNQuantError
-
-    with pytest.raises(FFNQuantError, match=r"model\.layers\.1\.shared_transf\.feed_forward holds the same weights as "
-                                            r"model\.layers\.0\.shared_transf\.feed_forward"):
-        inspect_model(_folder(tmp_path, "zamba"))
+def test_an_ffn_several_blocks_share_is_one_ffn_each_later_call_reading_the_first_ones_tensors(tmp_path):
+    """Zamba's hybrid layers each run one shared transformer whose weights are one set of Parameters, stored once
+    (under layer 0): every block's FFN is found, a later call marked as calling layer 0's and read under its
+    names, and its parameters counted once. Its Mamba mixers' per-head 3-D projections ([heads, dt + 2 states,
+    d], [heads, d, dt]) are not called routed experts."""
+    info = inspect_model(_folder(tmp_path, "zamba"))
+    assert [(layer.index, layer.shares) for layer in info.layers] == [(0, None), (1, 0)]
+    assert info.layers[1].tensors == info.layers[0].tensors
+    assert info.shared_groups() == ((0, 1),)
+    assert info.to_dict()["ffn_params_total"] == info.spec.n_params
+    assert not any("routed experts" in part for part in info.arch.float_parts), info.arch.float_parts
 
 
 def test_a_probe_fills_its_buffers_so_its_verdict_is_the_same_every_run():

@@ -63,6 +63,7 @@ EXPECTED = {
     "xlm": ("gelu", "split"),
     # per-layer inputs from its embedding: the engine reads its tied head's weight again at the head's turn
     "gemma4_text": ("geglu", "module"),
+    "zamba": ("geglu", "module"),  # one FFN every hybrid layer calls (its weights shared, stored once)
 }
 OWN = {"apertus": "own", "bitnet": "own_gate", "minimax_m3_vl_text": "own_gate"}
 RESIDUAL_ARG = ("bloom", "mpt")
@@ -141,9 +142,11 @@ def test_discovered_ffns_reproduce_the_model(folders, model_type):
 
 def _plan(folder, recipes, path):
     info = inspect_model(folder)
-    idx = sorted({layer.index for layer in info.layers})
-    path.write_text(Plan(model_fingerprint(info), {i: Recipe.parse(recipes[k % len(recipes)]) for k, i in enumerate(idx)},
-                         "ppl+1%", "latency").to_toml())
+    idx = sorted({layer.index for layer in info.layers if layer.shares is None})
+    chosen = {i: Recipe.parse(recipes[k % len(recipes)]) for k, i in enumerate(idx)}
+    # a layer calling an earlier layer's FFN (its weights shared) takes that layer's recipe
+    chosen.update({layer.index: chosen[layer.shares] for layer in info.layers if layer.shares is not None})
+    path.write_text(Plan(model_fingerprint(info), dict(sorted(chosen.items())), "ppl+1%", "latency").to_toml())
     return path
 
 

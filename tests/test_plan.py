@@ -163,6 +163,35 @@ def test_tied_layers_take_one_candidate_at_the_brute_force_optimum(seed):
         assert sum(o.cost for o in got.values()) == pytest.approx(best)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_several_tied_groups_each_take_one_candidate_at_the_brute_force_optimum(seed):
+    """Routed experts' layers and each FFN several layers call are tied groups of their own: each group takes one
+    name (groups may differ), at the least cost any such choice has."""
+    rng = random.Random(seed)
+    names = ["a", "b", "c"]
+    layers = {i: [Option(n, rng.uniform(0, 1), rng.uniform(0, 1)) for n in names] for i in range(5)}
+    groups = ((0, 3), (1, 4))
+    for budget in (0.8, 1.5, 2.5):
+        got = solve(layers, budget, resolution=4000, tied=groups)
+        feasible = [combo for combo in itertools.product(*(layers[i] for i in range(5)))
+                    if all(len({combo[i].name for i in g}) == 1 for g in groups)
+                    and sum(o.damage for o in combo) <= budget]
+        if not feasible:
+            assert got is None
+            continue
+        assert got is not None and all(len({got[i].name for i in g}) == 1 for g in groups)
+        best = min(sum(o.cost for o in combo) for combo in feasible)
+        assert sum(o.cost for o in got.values()) <= best + 1e-9
+
+
+def test_tied_groups_that_overlap_are_one():
+    from ffnquant.planning.search import tied_groups
+
+    assert tied_groups((0, 2, 3)) == [[0, 2, 3]]
+    assert tied_groups(((0, 1), (1, 2), (5, 6), (7,))) == [[0, 1, 2], [5, 6]]
+    assert tied_groups(((), (0, 1))) == [[0, 1]] and tied_groups(()) == []
+
+
 def test_tied_layers_with_no_candidate_in_common_are_one_line():
     with pytest.raises(FFNQuantError, match="layers 0, 1 must take one candidate and have none in common"):
         solve({0: [Option("a", 0, 1)], 1: [Option("b", 0, 1)]}, 1.0, tied=(0, 1))
@@ -257,6 +286,10 @@ def test_the_first_rounds_interval_width_grows_with_the_measured_scatter_and_shr
 
 class _Info:
     model_type, n_layers = "llama", 3
+
+    @staticmethod
+    def shared_groups():  # no FFN called by several layers
+        return ()
 
     class spec:
         d_model, d_ff = 64, 128

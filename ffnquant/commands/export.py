@@ -145,6 +145,9 @@ def _print_deploy(doc: dict, out: Path) -> None:
             print(f"generation with transformers' KV cache: {gen['equal']}/{gen['prompts']} prompts x {gen['new_tokens']} "
                   "tokens equal to ffnquant's reference")
         dtype = load.get("compute_dtype", "float32")
+        if load.get("decompressed_because"):  # its compressed modules refused; its files loaded decompressed
+            print(f"transformers cannot run this model's compressed modules ({load['decompressed_because']}): loaded "
+                  "decompressed (CompressedTensorsConfig(run_compressed=False)), as a transformers user must load it")
         print(f"loaded back with transformers ({dtype}), against the original float model: perplexity {load['perplexity']:.4f} "
               f"({load.get('relative_difference', float('nan')):.1e} relative to the reference)")
         gates = load.get("gates")

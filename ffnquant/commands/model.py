@@ -115,8 +115,13 @@ def _inspect(args: argparse.Namespace) -> int:
     for part in info.arch.float_parts:
         print(f"float: {part}")
     experts = f", {info.n_experts} experts each" if info.n_experts else ""
-    print(f"layers: {info.n_layers}{experts}; {len(info.layers)} FFNs, {fmt(spec.n_params * len(info.layers))} FFN parameters")
-    rows = [(l.label, l.stack or "-", l.block, "-" if l.expert is None else l.expert, l.name)
+    stored = [l for l in info.layers if l.shares is None]  # a shared FFN's weights are stored (and counted) once
+    shared = (f" ({len(info.layers) - len(stored)} of them an earlier layer's FFN called again, its weights "
+              "shared: quantized once, from every call's inputs)") if len(stored) < len(info.layers) else ""
+    print(f"layers: {info.n_layers}{experts}; {len(info.layers)} FFNs{shared}, "
+          f"{fmt(spec.n_params * len(stored))} FFN parameters")
+    rows = [(l.label, l.stack or "-", l.block, "-" if l.expert is None else l.expert,
+             l.name + (f" (L{l.shares}'s, shared)" if l.shares is not None else ""))
             for l in info.layers if l.index in wanted]
     print(text_table(["layer", "stack", "block", "expert", "module"], rows))
     return 0

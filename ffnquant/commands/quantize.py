@@ -284,7 +284,8 @@ def _quantize_all(args, recipe, info, specs, sites, source, rows, bars, memory) 
                 _fix_paths(holder, tx)
             json_path = tx.final(write_json(reports / f"quantize_{tag}.json", data))
             write_text(reports / f"quantize_{tag}.md", render(data))
-            for label, r in ([(f"{info.model_type}:{r['label']}", r) for r in data["layers"]] if "layers" in data
+            for label, r in ([(f"{info.model_type}:{r['label']}" + (f" (= {r['shares']})" if r.get("shares") else ""), r)
+                              for r in data["layers"]] if "layers" in data
                              else [(data["spec"]["variant"], data)]):
                 art = r.get("artifact") or {}
                 base = r.get("ort_default_baseline") or {}
@@ -306,6 +307,10 @@ def _print_results(rows: list, outputs: list) -> None:
                 per_layer = list(data[part]["tokens_per_layer"].values())
                 count = f"{min(per_layer):,}" + (f" to {max(per_layer):,}" if min(per_layer) != max(per_layer) else "")
                 print(f"{part}: {count} tokens per layer from {data[part]['source']}")
+            shared = [f"{r['label']} calls {r['shares']}'s" for r in data["layers"] if r.get("shares")]
+            if shared:  # "(= L0)": the layer calls L0's FFN again, quantized once from all their inputs
+                print(f"shared FFNs: {', '.join(shared)} (one set of weights): each quantized once, from every call's "
+                      "inputs (the token counts above include them all)")
             for line in token_notes([data["calibration"].get("tokens"), data["evaluation"].get("tokens")]):
                 print(line)
             secs = [r["seconds"] for r in data["layers"] if r.get("seconds") is not None]

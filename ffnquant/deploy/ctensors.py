@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -390,19 +391,29 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     # are scored on them
     references = planned.references()
     dtype = planned.compute_dtype
+    causal = causal_lm_class(transformers, folder)
+    decompressed = None  # why transformers could not run the compressed modules, where it loaded them decompressed
     try:
-        with quiet_model_io():
-            causal = causal_lm_class(transformers, folder)
-            loaded, loading = causal.from_pretrained(
-                str(folder), dtype=dtype, use_kernels=False, output_loading_info=True)  # its own modules
-            loaded.eval()
-    except Exception as exc:  # noqa: BLE001 - transformers' loader refusing the folder (GPT-BigCode's init reads
-        # .weight of a compressed Linear): no deployment, said with its reason; the files are still checked
-        reader = safetensors_reader(folder)
+        loaded, loading = _load(causal, folder, dtype)
+    except Exception as exc:  # noqa: BLE001 - transformers' loader refusing the folder's compressed modules
         # transformers' own words for a failed conversion, printed in its loading report, not in the exception
-        why = f"transformers cannot load the folder: {type(exc).__name__}: {captured_detail(exc) or first_line(exc)}"
-        return {"proven": False, "unproven": [why], "not_loaded": why, "weights": weights_check(folder, planned, reader),
-                "inputs": input_qparams_check(planned, reader)}
+        first = f"{type(exc).__name__}: {captured_detail(exc) or first_line(exc)}"
+        try:  # a model whose own code reads `.weight` of a Linear compressed-tensors replaced (GPT-BigCode's init,
+            # Zamba's tied shared block): transformers' documented load of the folder decompressed
+            loaded, loading = _load(causal, folder, dtype, run_compressed=False)
+            decompressed = first
+        except Exception as exc2:  # noqa: BLE001 - no deployment, said with its reason; the files are still checked
+            why = (f"transformers cannot load the folder: {first}"
+                   + (f" (nor decompressed: {type(exc2).__name__}: {captured_detail(exc2) or first_line(exc2)})"
+                      if first_line(exc2) != first_line(exc) else ""))
+            return _not_loaded(folder, planned, why)
+        quantized_inputs = sorted({mq.layer for mq in planned.modules if mq.input_mode is not None})
+        if quantized_inputs:  # decompressed, its Linears compute on float inputs: not the plan's numerics
+            del loaded
+            return _not_loaded(folder, planned, (
+                f"transformers cannot load the folder: {first}; loaded decompressed (run_compressed=False), its "
+                f"Linears drop the input quantization of {', '.join(quantized_inputs[:4])}"
+                f"{' and more' if len(quantized_inputs) > 4 else ''}, so it would not compute what was measured"))
     with quiet_model_io():
         figures = compare_models(None, loaded, planned.info, planned.evals, references=references)
         layers = _layer_parity(loaded, planned)
@@ -419,7 +430,9 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     del loaded
     reference = planned.reference["end_to_end"]
     ref_ratio = reference.get("perplexity_ratio")
-    load = {"loaded_with": f"transformers {transformers.__version__} {causal.__name__} ({dtype_name(dtype)})",
+    load = {"loaded_with": f"transformers {transformers.__version__} {causal.__name__} ({dtype_name(dtype)})"
+                           + (", decompressed (CompressedTensorsConfig(run_compressed=False))" if decompressed else ""),
+            "decompressed_because": decompressed,
             "compute_dtype": dtype_name(dtype), **figures,
             "reference_perplexity_ratio": ref_ratio, "reference_hidden_sqnr_db": reference.get("hidden_sqnr_db"),
             "reference_kl_mean": (reference.get("kl") or {}).get("mean"),
@@ -451,6 +464,29 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
                                     "tokens, fewer than one 16-token prompt; give a longer --eval-text")) if not ok]
     return {"proven": not unproven, "unproven": unproven, "weights": weights, "inputs": inputs, "layers": layers,
             "load": load, "generation": generation, "missing_from_files": missing}
+
+
+def _not_loaded(folder: Path, planned: PlannedModel, why: str) -> dict[str, Any]:
+    """The proof of a folder transformers cannot load as planned: not proven, its reason, the files still checked."""
+    reader = safetensors_reader(folder)
+    return {"proven": False, "unproven": [why], "not_loaded": why, "weights": weights_check(folder, planned, reader),
+            "inputs": input_qparams_check(planned, reader)}
+
+
+def _load(causal: Any, folder: Path, dtype: torch.dtype, run_compressed: bool = True) -> tuple[Any, dict]:
+    """The folder loaded by transformers with its own modules, in eval mode, and its loading report; with
+    `run_compressed=False`, its compressed Linears decompressed as they load (transformers' own option)."""
+    kw: dict[str, Any] = {}
+    if not run_compressed:
+        from transformers import CompressedTensorsConfig
+
+        kw["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    with quiet_model_io(), warnings.catch_warnings():
+        # transformers warns that the folder's own quantization_config is kept beside the loading option passed
+        warnings.simplefilter("ignore", UserWarning)
+        loaded, loading = causal.from_pretrained(str(folder), dtype=dtype, use_kernels=False, output_loading_info=True,
+                                                 **kw)
+    return loaded.eval(), loading
 
 
 def folder_bytes(folder: str | os.PathLike, weights_only: bool = True) -> int:

@@ -84,6 +84,17 @@ def rewrite_shards(folder: Path, edits: dict[Path, dict[str, Any]]) -> None:
         write_text(index, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
+def shared_modules(planned: PlannedModel) -> dict[str, str]:
+    """{module: the module whose weights it holds} for the FFN Linears of layers that call an earlier layer's FFN
+    (`LayerInfo.shares`, Zamba's shared transformer). transformers ties what the model held before compressed-tensors
+    replaced its Linears (a `weight`: int8 codes are stored once, under the first call's name); a packed weight's
+    tensors and every quantizer's scales are saved under each call's names, the same values."""
+    shares = {layer.index: layer.shares for layer in planned.info.layers if layer.shares is not None}
+    first = {(mq.index, mq.weight): mq.module for mq in planned.modules}
+    return {mq.module: first[(shares[mq.index], mq.weight)] for mq in planned.modules
+            if mq.index in shares and (shares[mq.index], mq.weight) in first}
+
+
 def concatenated_for_loader(folder: Path, model: Any) -> list[str]:
     """Float tensors transformers concatenates as it loads (Kimi Linear's and OLMo hybrid's q/k/v_conv1d into
     conv1d, a `WeightConverter` of one Concatenate) written concatenated under the loaded name, as the model holds
@@ -125,9 +136,12 @@ def concatenated_for_loader(folder: Path, model: Any) -> list[str]:
     return sorted(written)
 
 
-def decompressed_weights(folder: str | os.PathLike, reader: Any = None) -> dict[str, torch.Tensor]:
+def decompressed_weights(folder: str | os.PathLike, reader: Any = None,
+                         same_as: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Every quantized module's weight decompressed from the folder's files by compressed-tensors itself
-    (the format's own compressor per scheme, no transformers involved), by module name."""
+    (the format's own compressor per scheme, no transformers involved), by module name; a module sharing another's
+    weights (`same_as`, `shared_modules`) read under that one's name, as transformers ties it."""
+    same_as = same_as or {}
     try:
         import compressed_tensors  # noqa: F401
     except ImportError as exc:
@@ -153,7 +167,8 @@ def decompressed_weights(folder: str | os.PathLike, reader: Any = None) -> dict[
             # a `re:` target (the routed experts') names every stored module it matches
             names = sorted(n for n in stored if re.match(target[3:], n)) if target.startswith("re:") else [target]
             for name in names:
-                prefix = (name if name in stored else stored_as(name, on_disk)) + "."
+                held = same_as.get(name, name)
+                prefix = (held if held in stored else stored_as(held, on_disk)) + "."
                 state = {k[len(prefix):]: read(k) for k in where if k.startswith(prefix)}
                 out[name] = compressor.decompress(state, scheme)["weight"]
     return out
@@ -176,16 +191,18 @@ def stored_as(module: str, stored: set[str]) -> str:
 def weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str, Any]:
     """Every FFN weight as compressed-tensors decompresses it from the files (float ones as stored) against
     ffnquant's dequantized reference, bit for bit."""
-    stored = decompressed_weights(folder, reader)
+    same_as = shared_modules(planned)
+    stored = decompressed_weights(folder, reader, same_as)
     where, read = reader
     dtype = planned.compute_dtype
     rows, equal = [], 0
     for mq in planned.modules:
         ref = planned.weight_of(mq)
         got = stored.get(mq.module)
-        how = "decompressed by compressed-tensors"
-        module = mq.module if mq.module + ".weight" in where else stored_as(
-            mq.module, {k.rsplit(".", 1)[0] for k in where if k not in getattr(read, "aliases", {})})
+        how = "decompressed by compressed-tensors" + (f" (held by {same_as[mq.module]})" if mq.module in same_as else "")
+        held = same_as.get(mq.module, mq.module)
+        module = held if held + ".weight" in where else stored_as(
+            held, {k.rsplit(".", 1)[0] for k in where if k not in getattr(read, "aliases", {})})
         if got is None and module + ".weight" not in where:  # a runtime would initialise it at random
             rows.append({"module": mq.module, "how": "missing from the files", "bit_identical": False,
                          "max_abs_diff": None})
@@ -203,13 +220,15 @@ def weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str,
 def input_qparams_check(planned: PlannedModel, reader: Any) -> dict[str, Any]:
     """Every static input scale and zero point in the files against the range ffnquant calibrated, exactly."""
     where, read = reader
+    same_as = shared_modules(planned)
     checked, wrong = 0, []
     for mq in planned.modules:
         if mq.input_mode != "static":
             continue
         r = mq.input_range
-        scale = read(mq.module + ".input_scale").float()
-        zp_name = mq.module + ".input_zero_point"
+        held = same_as.get(mq.module, mq.module)  # a shared FFN's calls read its first call's tensors
+        scale = read(held + ".input_scale").float()
+        zp_name = held + ".input_zero_point"
         zp = read(zp_name).to(torch.int32) if zp_name in where else torch.zeros_like(scale, dtype=torch.int32)
         want_zp = r.zero_point - 128 if r.qmin == 0 and r.qmax == 255 else r.zero_point
         checked += 1

@@ -56,6 +56,7 @@ class LayerInfo:
     name: str
     tensors: Mapping[str, str] = field(compare=False)  # role -> checkpoint tensor name ("role.kind")
     fused_expert_tensors: bool = False
+    shares: int | None = None  # the layer whose FFN this one calls again, its weights stored once (Zamba's)
 
     @property
     def label(self) -> str:
@@ -65,7 +66,7 @@ class LayerInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "stack": self.stack, "block": self.block, "expert": self.expert,
-                "name": self.name, "label": self.label}
+                "name": self.name, "label": self.label, **({"shares": self.shares} if self.shares is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,15 @@ class ModelInfo:
     @property
     def kind(self) -> ModelKind:
         return self.arch.kind
+
+    def shared_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The layers that call one FFN (its weights shared, `LayerInfo.shares`), each group in layer order: one
+        quantization serves them all, so a plan gives them one recipe."""
+        groups: dict[int, set[int]] = {}
+        for layer in self.layers:
+            if layer.shares is not None:
+                groups.setdefault(layer.shares, {layer.shares}).add(layer.index)
+        return tuple(tuple(sorted(g)) for _, g in sorted(groups.items()))
 
     def block_params(self) -> dict[str, Any]:
         """The model's own block arithmetic from config.json: each block's FFN parameters (every expert of a
@@ -123,7 +133,7 @@ class ModelInfo:
             "n_layers": self.n_layers,
             "n_experts": self.n_experts,
             "n_ffns": len(self.layers),
-            "ffn_params_total": self.spec.n_params * len(self.layers),
+            "ffn_params_total": self.spec.n_params * sum(1 for layer in self.layers if layer.shares is None),
             "block_params": self.block_params(),
             "weight_files": list(self.weight_files),
             "weights_format": self.weights_format,
@@ -315,6 +325,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     index = 0
     template = next(iter(groups.values())).prefix if groups else None
     kept = (arch.fixed or {}).get("blocks")  # a discovered model's blocks with the main FFN (others stay float)
+    shares = (arch.fixed or {}).get("shares") or {}  # blocks calling an earlier block's FFN, stored once under its names
     for stack in stacks:
         for block in range(per_stack[stack]):
             if kept is not None and block not in kept:
@@ -323,6 +334,8 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
             experts: list[int | None] = list(range(n_experts)) if n_experts else [None]
             for expert in experts:
                 found = groups.get((stack, block, expert))
+                if found is None and block in shares:
+                    found = groups.get((stack, shares[block], expert))
                 if found is None:
                     unread = unread_conversions(arch.name, sorted(arch.roles)) if arch.discovered else []
                     if unread:  # made by transformers as it loads, from stored tensors ffnquant cannot convert
@@ -364,7 +377,8 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
                                 f"{str(weights.path_of(name))!r}: tensor {name!r} has shape {list(got)}, but config.json "
                                 f"(d_model={d}, d_ff={f}) implies {list(want)}"
                             )
-                layers.append(LayerInfo(index, stack, block, expert, found.prefix, tensors, found.fused))
+                layers.append(LayerInfo(index, stack, block, expert, found.prefix, tensors, found.fused,
+                                        shares.get(block)))
             index += 1
     if not layers:
         raise FFNQuantError(f"{where}: no {arch.name} FFN tensors found")

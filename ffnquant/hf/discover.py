@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -58,6 +58,8 @@ class Discovery:
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # the built model's tensors, by name
     # the classes of the model's PreTrainedModel modules, outermost first: transformers' conversion mapping keys
     model_classes: tuple[str, ...] = field(default=())
+    # blocks whose FFN is an earlier block's, the same Parameters called again (Zamba's): {block: first block}
+    shares: Mapping[int, int] = field(default_factory=dict)
 
     def list_suffix(self) -> str:
         """The shortest tail of the blocks' list path that names no other list of the model: checkpoints are read
@@ -90,7 +92,7 @@ class Discovery:
         act = ACTIVATION_NAMES[ffn.activation] if ffn.activation is not None else "linear"
         gated = ffn.gated
         fixed = {"d_model": ffn.d_model, "d_ff": ffn.d_ff, "n_layers": self.n_blocks, "n_experts": ffn.experts,
-                 "blocks": self.blocks, "shapes": self.shapes}
+                 "blocks": self.blocks, "shapes": self.shapes, "shares": dict(self.shares)}
         # the whole path of the blocks' list: a multimodal model's vision tower has its own `layers.N.mlp`
         module_pattern = r"(?:.+\.)?" + re.escape(self.layers_path) + r"\.{layer}" + rel
         common: dict[str, Any] = dict(
@@ -173,12 +175,21 @@ def _unread_experts(block: nn.Module, d: int, cands: list[FoundFFN], settle: Any
            if c.install is Install.EXPERTS and not isinstance(settle(i, c), FoundFFN)]
     seen = {c.path for c in cands if c.install is Install.EXPERTS}
     for path, module in block.named_modules():
-        stacked = [f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False)
-                   if p.dim() == 3 and p.shape[0] > 1 and d in p.shape[1:]]
-        if len(stacked) >= 2 and path not in seen:
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1]
+        stacked = [f"{n} {list(p.shape)}" for n, p in params if d in p.shape[1:]]
+        if len(stacked) >= 2 and path not in seen and _out_and_back(params, d):
             out.append(f"{_label(path)} (routed experts {', '.join(stacked[:3])}: not laid out as ffnquant reads "
                        f"routed experts, {_expert_layouts(d)})")
     return out
+
+
+def _out_and_back(params: list[tuple[str, torch.Tensor]], d: int) -> bool:
+    """Whether stacked 3-D tensors [n, ., .] of one module could be experts' FFN matrices: one maps the width d to
+    some f (or 2f), another f back to d, with the same n. A Mamba mixer's per-head projections ([heads, dt + 2
+    states, d], [heads, d, dt]) hold d too, but never go out and back through one width."""
+    widths = {(int(p.shape[0]), int(w)) for _, p in params if d in p.shape[1:] for w in p.shape[1:] if w != d}
+    return any((n, 2 * f) in widths or (n, f // 2) in widths or sum(1 for _, p in params if p.shape[0] == n
+               and d in p.shape[1:] and f in p.shape[1:]) >= 2 for n, f in widths)
 
 
 def _expert_layouts(d: int) -> str:
@@ -211,7 +222,6 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
         raise FFNQuantError(f"{where}: the config names no model width (hidden_size), and the blocks of "
                             f"{layers_path} hold no Linear to read one from")
     found: dict[int, list[FoundFFN]] = {i: candidates(block, d) for i, block in enumerate(blocks)}
-    _refuse_shared(blocks, found, where, layers_path)
     # every FFN-shaped candidate is probed once per structure: what does not reproduce is not an FFN (an attention
     # whose heads make another width maps d -> h -> d too, but it is no function of its input alone)
     probed: dict[tuple, FoundFFN | str] = {}
@@ -307,26 +317,35 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
             float_parts.append(f"L{i}: no FFN in this block")
     return Discovery(model_type or str(getattr(config, "model_type", "")), type(model).__name__, layers_path,
                      len(blocks), ffn, kept, tuple(sorted(float_parts, key=lambda s: (len(s.split()[0]), s))),
-                     model_classes=pretrained_classes(model))
+                     model_classes=pretrained_classes(model), shares=_shared_blocks(blocks, kept, ffn, where, layers_path))
 
 
-def _refuse_shared(blocks: nn.ModuleList, found: Mapping[int, list[FoundFFN]], where: str, layers_path: str) -> None:
-    """Refuse an FFN whose matrices are one Parameter in several blocks (Zamba's shared transformer, tied and
-    stored once): ffnquant quantizes each block's FFN from that block's inputs and installs it per block, which
-    weights run by several blocks would contradict."""
-    first: dict[int, tuple[int, str]] = {}
-    for i, cands in found.items():
-        for c in cands:
-            module = blocks[i].get_submodule(c.path) if c.path else blocks[i]
-            name = next(iter(c.roles))
-            held = getattr(module.get_submodule(name), "weight", None) if c.install is not Install.EXPERTS \
-                else getattr(module, name, None)
-            seen = first.setdefault(id(held if held is not None else module), (i, c.path))
-            if seen[0] != i:
-                raise FFNQuantError(f"{where}: {layers_path}.{i}.{_label(c.path)} holds the same weights as "
-                                    f"{layers_path}.{seen[0]}.{_label(seen[1])} (one FFN shared by several blocks, "
-                                    "its weights stored once): "
-                                    "ffnquant quantizes and installs each block's own FFN")
+def _shared_blocks(blocks: nn.ModuleList, kept: Sequence[int], ffn: FoundFFN, where: str,
+                   layers_path: str) -> dict[int, int]:
+    """The kept blocks whose FFN holds the very Parameters of an earlier block's (Zamba's shared transformer, tied
+    and stored once): {block: the first block holding them}. Such an FFN is one FFN called by several blocks: it is
+    quantized once, from every call's inputs, and the same quantized weights serve every call. Routed experts
+    shared by several blocks are refused: ffnquant pools an FFN's calls, not an experts module's routing."""
+    first: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for i in kept:
+        module = blocks[i].get_submodule(ffn.path) if ffn.path else blocks[i]
+        held = [getattr(module.get_submodule(name), "weight", None) if ffn.install is not Install.EXPERTS
+                else getattr(module, name, None) for name in ffn.roles]
+        ids = {id(t) for t in held if isinstance(t, torch.Tensor)}
+        sources = {first[t] for t in ids if t in first}
+        if not sources:
+            for t in ids:
+                first[t] = i
+            continue
+        if ffn.install is Install.EXPERTS or len(sources) > 1 or len(ids) != sum(1 for t in ids if t in first):
+            raise FFNQuantError(f"{where}: {layers_path}.{i}.{_label(ffn.path)} holds some of the weights of "
+                                f"{layers_path}.{min(sources)}.{_label(ffn.path)}"
+                                + (" (routed experts shared by several blocks)" if ffn.install is Install.EXPERTS
+                                   else " but not all of them") +
+                                ": ffnquant quantizes an FFN shared by several blocks only where they share all of it")
+        out[i] = sources.pop()
+    return out
 
 
 def _differs(c: FoundFFN, main: FoundFFN) -> str:

@@ -160,8 +160,15 @@ def _plan(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerInfo, Any]) -> t
             shape = None if not isinstance(weight, torch.Tensor) else tuple(weight.shape)
             raise FFNQuantError(f"layer {layer.label}: the norm {name} has gain shape {shape}, the input scale "
                                 f"{tuple(scale.shape)}: nothing to fold it into")
-        plan.append(_Fold(layer, name, norm, scale, site.gain))
         out[layer] = _without_input_scale(ffns[layer], layer)
+        # a norm one Parameter under several names (a shared block's, called by several layers): folded once
+        twin = next((f for f in plan if f.norm.weight is weight), None)
+        if twin is not None:
+            if not torch.equal(twin.scale, scale) or twin.gain is not site.gain:
+                raise FFNQuantError(f"layers {twin.layer.label} and {layer.label} read one norm's gain ({twin.norm_name}, "
+                                    f"{name}) with different input scales: one gain cannot carry two")
+            continue
+        plan.append(_Fold(layer, name, norm, scale, site.gain))
     return plan, out
 
 

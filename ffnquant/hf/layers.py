@@ -6,6 +6,7 @@ commands (`hf.layerwise`) and the whole-forward path (`hf.evaluate`) both assemb
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -26,7 +27,8 @@ def is_plan(recipe: Any) -> bool:
     object, so this engine does not import the planning package that builds on it."""
     return callable(getattr(recipe, "recipe_for", None))
 
-__all__ = ["calibrate_layers", "end_to_end_figures", "is_plan", "model_layers_report", "quantize_layers", "quantized_layers"]
+__all__ = ["calibrate_layers", "end_to_end_figures", "is_plan", "model_layers_report", "quantize_layers", "quantized_layers",
+           "shared_root"]
 
 Progress = Callable[[str, int, int], None]  # (message, done, total): called here, shown by the commands
 
@@ -100,16 +102,43 @@ def quantize_layers(
     `ffnquant model eval` command (`evaluate_model`, `evaluate_layers_from_files`), `ffnquant quantize
     --model` (`quantize_model_layers`) and `ffnquant run`. `collect_errors`: see `quantize_recipes`.
     """
+    done: dict[tuple[int, int | None], list[Any]] = {}
     for layer in layers:
+        root = shared_root(layer)
+        if root in done:  # an FFN called again (its weights shared): the first call's quantization, as it is
+            for first in done[root]:
+                yield dataclasses.replace(first, label=layer.label)
+            continue
         name = f"{file_stem}.{layer.label}" if file_stem else layer.label
+        calls = [o for o in layers if shared_root(o) == root]
+        calib, held_out = (_pooled(calls, inputs.calib), _pooled(calls, inputs.eval)) if len(calls) > 1 else (
+            inputs.calib[layer.label], inputs.eval[layer.label])
+        outcomes = []
         for outcome in quantize_recipes(
             layer.spec, recipes, collect_errors=collect_errors, out_artifacts=out_artifacts, onnx=onnx,
             baseline=baseline, sensitivity=sensitivity, latency=latency, model=layer.ffn,
-            calib_tokens=inputs.calib[layer.label], eval_tokens=inputs.eval[layer.label], name=name, bins=bins,
-            smooth_sites=smooth_sites,
+            calib_tokens=calib, eval_tokens=held_out, name=name, bins=bins, smooth_sites=smooth_sites,
         ):
             outcome.label = layer.label
+            if len(calls) > 1:
+                outcomes.append(outcome)
             yield outcome
+        if len(calls) > 1:
+            done[root] = outcomes
+        del calib, held_out
+
+
+def shared_root(layer: HFLayer) -> tuple[int, int | None]:
+    """The FFN a layer calls: (the first layer holding its weights, its expert). Layers calling one FFN again
+    (Zamba's shared transformer, `LayerInfo.shares`) have one root: they are quantized once, from every call's
+    inputs, and their calls all compute with the one result."""
+    return (layer.info.shares if layer.info.shares is not None else layer.index, layer.expert)
+
+
+def _pooled(calls: Sequence[HFLayer], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Every call's rows of one shared FFN, in the calls' order (a call not selected, or without rows, adds none)."""
+    parts = [tensors[c.label] for c in calls if c.label in tensors and tensors[c.label].numel()]
+    return torch.cat(parts) if parts else tensors[calls[0].label]
 
 
 def _worst(rows: list[dict[str, Any]], key: str, reverse: bool, n: int = 3) -> list[str]:
@@ -173,7 +202,8 @@ def quantized_layers(
     kw = dict(file_stem=stem, out_artifacts=out_artifacts, onnx=onnx, baseline=onnx, sensitivity=sensitivity,
               latency=latency, smooth_sites=smooth_sites)
     if plan is not None:
-        outcomes = (o for layer in layers for o in quantize_layers([layer], [plan.recipe_for(layer.index)], inputs, **kw))
+        outcomes = (o for calls in _by_recipe(layers, plan) for o in quantize_layers(calls, [plan.recipe_for(calls[0].index)],
+                                                                                   inputs, **kw))
     else:
         outcomes = quantize_layers(layers, [recipe], inputs, **kw)
     t_layer = time.perf_counter()
@@ -182,14 +212,25 @@ def quantized_layers(
         data = res.to_dict()
         data.pop("environment", None)  # once per report, not per layer
         now = time.perf_counter()
+        shares = layer.info.shares
         rows.append({"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
-                     "inputs_borrowed": inputs.borrowed.get(layer.label), "seconds": now - t_layer, **data})
+                     "inputs_borrowed": inputs.borrowed.get(layer.label), "seconds": now - t_layer, **data,
+                     **({"shares": f"L{shares}"} if shares is not None else {})})
         t_layer = now
         qffns[layer.label] = res.qmodel
         del outcome, res
         if progress is not None:
             progress(f"quantize layers: {layer.label}", len(rows), len(layers))
     return rows, qffns
+
+
+def _by_recipe(layers: Sequence[HFLayer], plan: Any) -> list[list[HFLayer]]:
+    """`layers` in order, each with the other calls of its FFN where its weights are shared: quantized together,
+    under the first call's recipe (a plan gives them one: `planning.Plan.check_model`)."""
+    groups: dict[tuple[int, int | None], list[HFLayer]] = {}
+    for layer in layers:
+        groups.setdefault(shared_root(layer), []).append(layer)
+    return list(groups.values())  # in the order of each FFN's first call
 
 
 def model_layers_report(info: ModelInfo, recipe: Any, rows: Sequence[Mapping[str, Any]], e2e: Mapping[str, Any],

@@ -8,6 +8,7 @@ on that layer's inputs (`SequentialModel.check`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -21,7 +22,7 @@ from .capture import load_tokenizer, model_text_batches, text_label
 from .checkpoint import ModelInfo, iter_ffn_layers, parse_layers
 from .inputs import (EvalSettings, LayerInputs, _fill_unrouted, capture_whole, domain_budgets, domain_spans,
                      eval_domain_batches, fit_settings, token_budget)
-from .layers import calibrate_layers, end_to_end_figures, is_plan, model_layers_report, quantized_layers
+from .layers import calibrate_layers, end_to_end_figures, model_layers_report, quantized_layers, shared_root
 from .metrics import _NLL, Agreement, ErrorStats, reference_batch
 from .spill import Store, spill_folder
 from .stream import Progress, SequentialModel, token_batches_of
@@ -41,6 +42,24 @@ def _inputs(hf_layers: Sequence[Any], captured: dict[str, list[torch.Tensor]], w
     out = {hf.label: torch.cat(captured[hf.label]) if captured.get(hf.label) else torch.zeros(0, 0) for hf in hf_layers}
     _fill_unrouted(hf_layers, out, what, borrowed)
     return out
+
+
+def _last_calls(info: ModelInfo, wanted: Sequence[int]) -> dict[tuple, int]:
+    """Each selected FFN's last call (`layers.shared_root`): its own layer, or the last of the layers that call
+    it again where its weights are shared."""
+    out: dict[tuple, int] = {}
+    for layer in info.layers:
+        if layer.index in wanted:
+            root = (layer.shares if layer.shares is not None else layer.index, layer.expert)
+            out[root] = max(out.get(root, -1), layer.index)
+    return out
+
+
+def _joined(a: LayerInputs, b: LayerInputs) -> LayerInputs:
+    """Two layers' captured inputs as one (their FFNs' labels differ)."""
+    return dataclasses.replace(a, calib={**a.calib, **b.calib}, eval={**a.eval, **b.eval},
+                               borrowed={**a.borrowed, **b.borrowed}, calib_borrowed={**a.calib_borrowed,
+                                                                                      **b.calib_borrowed})
 
 
 def calibrate_layerwise(info: ModelInfo, layers: str | int | list[int] | None = "all", text=None,
@@ -139,12 +158,34 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
             t0 = time.perf_counter()
             model.run(j, quant, ecalls, ffns=qffns)
             for i, store in ablation.items():
-                model.run(j, store, ecalls, ffns=qffns if i == j else None)
+                if i <= j:  # an ablation stream starts at its layer (later ones exist while a shared FFN waits)
+                    model.run(j, store, ecalls, ffns=qffns if i == j else None)
             e2e_seconds += time.perf_counter() - t0
+
+        # an FFN called by several layers (its weights shared) is quantized at its last call, from every call's
+        # inputs: the quantized streams wait before its first call until then (`pending`)
+        last_call = _last_calls(info, wanted)
+        held: dict[tuple, tuple[list, LayerInputs]] = {}  # a shared FFN's calls so far, with their inputs
+        ready: dict[int, dict[str, Any]] = {}  # quantized FFNs by layer, for the quantized streams
+        pending: list[int] = []  # layers the quantized streams have yet to pass, in order
+
+        def flush(open_layer: int | None = None) -> None:
+            while pending and (pending[0] in ready or not model.groups[pending[0]] or pending[0] not in wanted):
+                k = pending.pop(0)
+                qffns = ready.pop(k, None)
+                if k == open_layer:
+                    downstream(k, qffns)
+                    continue
+                # read again (from the page cache, usually) for the quantized streams; its float FFN only for the
+                # ablation streams of the layers before, which pass it unquantized
+                with model.layer(k, ffn=qffns is None or any(i < k for i in ablation)):
+                    downstream(k, qffns)
+                del qffns
 
         for j in range(info.n_layers):
             hfs = _layer_ffns(model, ffns, j, wanted)
             cal_x, ev_x = ({}, {}) if hfs else (None, None)
+            pending.append(j)
             with model.layer(j):
                 if j <= max(wanted):
                     model.check(j, calib, ccalls, hfs)
@@ -153,28 +194,34 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
                     ablation[j] = float_eval.copy(f"ablation{j}")
                 model.run(j, float_eval, ecalls, capture=ev_x)
                 if not hfs:
-                    downstream(j, None)
+                    flush(open_layer=j)
             if hfs:  # quantized with the layer offloaded: its FFNs and the quantization take its place
                 calib_borrowed, borrowed = {}, {}
                 inputs = LayerInputs(_inputs(hfs, cal_x, "calibration", calib_borrowed),
                                      _inputs(hfs, ev_x, "evaluation", borrowed), cal_name, ev_name, separation,
                                      {**calib_borrowed, **borrowed}, calib_borrowed=calib_borrowed, budgets=budgets)
                 del cal_x, ev_x
+                root = shared_root(hfs[0])
+                if root in held:  # a shared FFN's earlier calls and their inputs join this one's
+                    calls, before = held.pop(root)
+                    hfs, inputs = calls + hfs, _joined(before, inputs)
+                if last_call[root] != j:
+                    held[root] = (hfs, inputs)
+                    del hfs, inputs
+                    model.release()
+                    continue
 
                 def report(message: str, done: int, total: int, k: int = len(rows)) -> None:
                     if progress is not None:
                         progress(message, k + done, n_ffns)
 
-                recipe_j = recipe.recipe_for(j) if is_plan(recipe) else recipe
-                layer_rows, qffns = quantized_layers(info, hfs, inputs, recipe_j, progress=report, **kw)
+                layer_rows, qffns = quantized_layers(info, hfs, inputs, recipe, progress=report, **kw)
                 rows += layer_rows
-                del hfs, inputs
+                for hf in hfs:
+                    ready.setdefault(hf.index, {})[hf.label] = qffns[hf.label]
+                del hfs, inputs, qffns
                 model.release()
-                # read again (from the page cache, usually) for the quantized streams; its float FFN only for the
-                # ablation streams of the layers before, which pass it unquantized
-                with model.layer(j, ffn=any(i != j for i in ablation)):
-                    downstream(j, qffns)
-                del qffns
+                flush()
             if j == max(wanted):
                 del calib, ccalls  # the calibration stream has fed its last selected layer
             if progress is not None:

@@ -157,11 +157,12 @@ class FloorSearch:
                  options_of: Callable[[int], list[Option]], measure: Callable[[int], dict[str, Any] | None],
                  score: Callable[[int], None] | None = None,
                  measure_many: Callable[[list[int]], Iterable[tuple[int, dict[str, Any] | None]]] | None = None,
-                 least_gain: float = 0.0, tied: Sequence[int] = (),
+                 least_gain: float = 0.0, tied: Sequence[int] | Sequence[Sequence[int]] = (),
                  damage: Callable[[dict[str, Any]], float] | None = None) -> None:
         """`measure(i)`: layer i's floor; `measure_many(layers)`, when given, yields (i, floor) for all the layers one
         solution needs at once (side by side with a helper process, `infra.sidecar`). `deferred_skipped`: why no
-        deferred candidate was scored, while none has been. `tied`: layers that take one candidate (`search.tie`).
+        deferred candidate was scored, while none has been. `tied`: layers that take one candidate (a group, or
+        several: `search.tied_groups`).
         `damage`: a row's damage, for the deferred candidates' learned bounds (None: they enter at zero)."""
         self.per_layer, self.recipes, self.options_of, self.measure, self.score = (per_layer, recipes, options_of,
                                                                                   measure, score)

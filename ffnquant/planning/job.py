@@ -182,8 +182,10 @@ def make_plan(
         plan, result = _search_and_verify(source, info, target, objective, recipes, skipped, probes, settings,
                                           max_rounds, ort_floor, executor, tick, progress, timings,
                                           # a compressed-tensors folder stores its routed experts under one recipe
-                                          # (`deploy.experts`): their layers choose one
-                                          tied=tied_layers(info) if export_format == "compressed-tensors" else ())
+                                          # (`deploy.experts`): their layers choose one; so do the layers calling
+                                          # one FFN (its weights shared): one quantization serves them all
+                                          tied=((tied_layers(info),) if export_format == "compressed-tensors" else ())
+                                          + info.shared_groups())
     if dtype is not torch.float32:  # said where the verified figures are read
         name = str(dtype).removeprefix("torch.")
         plan = dataclasses.replace(plan, summary={**plan.summary, "verified_in": name})

@@ -134,9 +134,11 @@ def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float | None:
 
 def weight_bytes(layer: Any, recipe: Recipe) -> int:
     """The stored bytes of one layer's FFN weights under `recipe` (a layer of routed experts: all its experts'), as
-    its score says them."""
+    its score says them; none for a layer calling an earlier layer's FFN (its weights shared)."""
     if isinstance(layer, MoELayer):
         return sum(recipe_weight_bytes(e.spec, recipe) for e in layer.experts)
+    if getattr(getattr(layer, "info", None), "shares", None) is not None:  # another layer's FFN called again
+        return 0  # its weights are stored once, counted at the first layer holding them
     return recipe_weight_bytes(layer.spec, recipe)
 
 

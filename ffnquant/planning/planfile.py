@@ -64,13 +64,20 @@ class Plan:
             raise FFNQuantError(f"plan has no recipe for layer {index}; it covers {_ranges(self.layers)}") from None
 
     def check_model(self, info: ModelInfo) -> None:
-        """Raise FFNQuantError naming every difference between the plan's model and `info`'s."""
+        """Raise FFNQuantError naming every difference between the plan's model and `info`'s, or a recipe that does
+        not fit it (a layer's, or two for the calls of one shared FFN)."""
         have = model_fingerprint(info)
         diffs = [f"{k} {self.model[k]!r} (plan) != {have[k]!r} (model)" for k in _FINGERPRINT if self.model[k] != have[k]]
         if diffs:
             raise FFNQuantError(f"plan was made for another model: {'; '.join(diffs)}")
         for index, recipe in self.layers.items():
             recipe.check_fits(info.spec)
+        for calls in info.shared_groups():  # one FFN, one quantization: one recipe for all its calls
+            recipes = {str(self.layers[i]) for i in calls if i in self.layers}
+            if len(recipes) > 1:
+                raise FFNQuantError(f"the plan gives layers {', '.join(f'L{i}' for i in calls)} the recipes "
+                                    f"{', '.join(sorted(recipes))}, but they call one FFN (its weights shared): plan "
+                                    "one recipe for them (ffnquant's plans do)")
 
     # --- TOML ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -40,6 +40,10 @@ class VerificationRounds:
         fresh = [j for j in quantized if j >= start and (j, chosen[j]) not in kept and j not in offered]
         ffns = iter_ffn_layers(self.info, fresh, allow_pickle=self.allow_pickle) if fresh else iter(())
         keep_states = self._keeps_states(stream, n)
+        # the layers calling one FFN (its weights shared) compute with one quantization of it, made at the first
+        # call this round quantizes (`made`), by (its first layer, recipe)
+        shared = {j: g for g in self.info.shared_groups() for j in g}
+        made: dict[tuple[int, str], Any] = {}
         for j in range(n):
             q = kept.pop((j, chosen[j]), None) if j in quantized else None
             if j < start:  # the last round's stream after this layer is this round's: its FFN stays for the next
@@ -55,12 +59,20 @@ class VerificationRounds:
                     q = in_dtype(q, self.dtype)
             elif j in fresh:
                 layer, calib, held = self._layer(j, ffns)
-                q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins, measure=False)[0]
-                del layer, calib, held
-                if self.dtype is not torch.float32:
-                    from ..deploy.precision import in_dtype
+                key = (shared[j][0], chosen[j]) if j in shared else None
+                q = made.get(key) if key is not None else None
+                if q is None:
+                    if key is not None:  # one FFN several layers call: quantized once, from every call's inputs
+                        calib = torch.cat([self.ffn_calib.get(k) for k in shared[j]])
+                    q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins,
+                                       measure=False)[0]
+                    if self.dtype is not torch.float32:
+                        from ..deploy.precision import in_dtype
 
-                    q = in_dtype(q, self.dtype)
+                        q = in_dtype(q, self.dtype)
+                    if key is not None:
+                        made[key] = q
+                del layer, calib, held
             if q is not None and self.resident:
                 self._quantized[(j, chosen[j])] = q
             with m.layer(j, ffn=q is None):

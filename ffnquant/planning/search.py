@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import FFNQuantError
 
-__all__ = ["Option", "solve", "pareto", "tie"]
+__all__ = ["Option", "solve", "pareto", "tie", "tied_groups"]
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,35 @@ def tie(layers: Mapping[int, Sequence[Option]], tied: Sequence[int]) -> dict[int
     return {i: opts for i, opts in ((i, list(o)) for i, o in layers.items() if i not in tied[1:])} | {tied[0]: joint}
 
 
+def tied_groups(tied: Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
+    """`tied` as disjoint groups of layers: one group of ints, or several (a folder's routed experts, each FFN that
+    several layers call), overlapping ones merged."""
+    groups = [set(tied)] if all(isinstance(i, int) for i in tied) else [set(g) for g in tied]
+    merged: list[set[int]] = []
+    for g in groups:
+        for m in [m for m in merged if m & g]:
+            g |= m
+            merged.remove(m)
+        merged.append(g)
+    return sorted((sorted(g) for g in merged if len(g) > 1), key=lambda g: g[0])
+
+
 def solve(layers: Mapping[int, Sequence[Option]], budget: float, resolution: int = 2000,
-          tied: Sequence[int] = ()) -> dict[int, Option] | None:
+          tied: Sequence[int] | Sequence[Sequence[int]] = ()) -> dict[int, Option] | None:
     """The choice per layer minimising the summed cost with summed damage <= `budget`; None when even the least
     damaging choice per layer exceeds it. Damages below zero count as zero (a measurement cannot promise gain).
-    The layers of `tied` take one candidate, the same name in each (`tie`)."""
-    if len(set(tied) & set(layers)) > 1:
-        joint = sorted(set(tied) & set(layers))
-        chosen = solve(tie(layers, joint), budget, resolution)
+    The layers of each group of `tied` (a group, or several) take one candidate, the same name in each (`tie`)."""
+    groups = [g for g in ([i for i in g if i in layers] for g in tied_groups(tied)) if len(g) > 1]
+    if groups:
+        joint: dict[int, list[Option]] = {i: list(o) for i, o in layers.items()}
+        for g in groups:
+            joint = tie(joint, g)
+        chosen = solve(joint, budget, resolution)
         if chosen is None:
             return None
-        name = chosen[joint[0]].name
-        return {i: (next(o for o in layers[i] if o.name == name) if i in joint else chosen[i]) for i in sorted(layers)}
+        lead = {i: g[0] for g in groups for i in g}
+        return {i: (next(o for o in layers[i] if o.name == chosen[lead[i]].name) if i in lead else chosen[i])
+                for i in sorted(layers)}
     if budget < 0 or not math.isfinite(budget):
         raise FFNQuantError(f"search budget must be a finite number >= 0, got {budget!r}")
     if any(not opts for opts in layers.values()):

@@ -477,9 +477,10 @@ class PlanSource(VerificationRounds):
 
     def offer(self, index: int, name: str, ffn: Any) -> None:
         """Layer `index`'s FFN quantized under recipe `name`, as scored: the verification rounds use it instead of
-        quantizing it again (resident models only: a streamed model keeps nothing beyond its layer)."""
-        if not self.resident:
-            return
+        quantizing it again (resident models only: a streamed model keeps nothing beyond its layer; not an FFN several
+        layers call)."""
+        if not self.resident or any(index in g for g in self.info.shared_groups()):
+            return  # a shared FFN is quantized from every call's inputs, not one call's as scored (`rounds.verify`)
         size = _nbytes(ffn)
         if self._offer_budget is None:
             from ..infra.resources import available_memory

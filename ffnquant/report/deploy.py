@@ -157,7 +157,10 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
              f"{fmt(load['baseline_perplexity'])} (float) -> {fmt(load['perplexity'])} ({ppl_change(load)}; "
              f"{agreement_words(load)}), "
              f"final hidden SQNR {fmt(load['hidden_sqnr_db'])} dB; ffnquant's torch reference of the plan on the same "
-             f"tokens: {_pct(load['reference_perplexity_ratio'])}, {fmt(load['reference_hidden_sqnr_db'])} dB."]
+             f"tokens: {_pct(load['reference_perplexity_ratio'])}, {fmt(load['reference_hidden_sqnr_db'])} dB."
+             + (f" transformers cannot run this model's compressed modules ({load['decompressed_because']}): the folder "
+                "was loaded decompressed, as a transformers user must load it (vLLM reads the compressed files "
+                "itself)." if load.get("decompressed_because") else "")]
     if load.get("relative_difference") is not None:
         lines.append(f"   The loaded perplexity differs from the reference by {load['relative_difference']:.2e} relative "
                      f"(bound {load['tolerance']:.0e}: {'met' if load['meets'] else 'not met'}).")

@@ -1,0 +1,109 @@
+"""One FFN that several layers call (Zamba's shared transformer, its Parameters tied and stored once): quantized
+once from every call's inputs, the same quantized FFN in every call (the engine's streams, the plan's search and
+verification, the export), its norm's input scale folded once, and the folder proven."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ffnquant.cli import main
+from ffnquant.hf import inspect_model, load_ffn_layers
+from ffnquant.hf.inputs import LayerInputs
+from ffnquant.hf.layers import quantize_layers, quantized_layers
+from ffnquant.planning.planfile import Plan, model_fingerprint
+from ffnquant.recipe import Recipe
+
+T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+
+TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
+
+
+@pytest.fixture(scope="module")
+def zamba(tmp_path_factory):
+    from hf_models import tiny_or_skip
+
+    return tiny_or_skip("zamba", tmp_path_factory.mktemp("shared") / "zamba")
+
+
+def _inputs(labels, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # the second call sees a wider input: its range moves a static input scale
+    calib = {label: torch.randn(64, 32, generator=g) * (1 + 3 * k) for k, label in enumerate(labels)}
+    held = {label: torch.randn(16, 32, generator=g) for label in labels}
+    return LayerInputs(calib, held, "calib", "held", "different texts", {})
+
+
+def test_a_shared_ffn_is_quantized_once_from_every_calls_inputs(zamba):
+    info = inspect_model(zamba)
+    layers = load_ffn_layers(info)
+    inputs = _inputs([layer.label for layer in layers])
+    rows, qffns = quantized_layers(info, layers, inputs, Recipe.parse("w8a8"), onnx=False, sensitivity=False)
+    assert qffns["L0"] is qffns["L1"]
+    assert [r.get("shares") for r in rows] == [None, "L0"] and rows[0]["n_calib_tokens"] == 128
+    pooled = LayerInputs({"L0": torch.cat([inputs.calib["L0"], inputs.calib["L1"]])}, {"L0": inputs.eval["L0"]},
+                         "calib", "held", "", {})
+    alone = next(quantize_layers(layers[:1], [Recipe.parse("w8a8")], pooled)).result.qmodel
+    first_only = next(quantize_layers(layers[:1], [Recipe.parse("w8a8")], inputs)).result.qmodel
+    state, want = qffns["L0"].state_dict(), alone.state_dict()
+    assert all(torch.equal(state[k], want[k]) for k in want)
+    assert qffns["L0"].ranges == alone.ranges  # the static input ranges: from both calls' rows
+    assert qffns["L0"].ranges != first_only.ranges  # not the first call's alone
+
+
+def test_a_plan_giving_one_ffns_calls_two_recipes_is_refused_in_one_line(zamba, tmp_path, capsys):
+    info = inspect_model(zamba)
+    plan = tmp_path / "two.toml"
+    plan.write_text(Plan(model_fingerprint(info), {0: Recipe.parse("w8a8"), 1: Recipe.parse("w4a16-g32")},
+                         "ppl+1%", "latency").to_toml())
+    rc = main(["export", "--model", str(zamba), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
+               "--out", str(tmp_path / "ct")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "they call one FFN (its weights shared)" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "ct").exists()
+
+
+def test_the_engine_quantizes_at_the_last_call_and_every_call_computes_with_it(zamba, tmp_path, capsys):
+    """The quantized streams wait before the first call until the last call's inputs are in; resident and read a
+    layer at a time, the same figures bit for bit, each call's row the one quantization's."""
+    docs = []
+    for mode in ([], ["--sequential"]):
+        out = tmp_path / ("q" + "".join(mode))
+        assert main(["quantize", "--model", str(zamba), "--scheme", "w8a8", *TOKENS, "--no-onnx", "--no-progress",
+                     *mode, "--out-reports", str(out)]) == 0
+        assert "L1 calls L0's" in capsys.readouterr().out
+        docs.append(json.loads(next(out.glob("*.json")).read_text()))
+    for doc in docs:
+        first, second = doc["layers"]
+        assert second["shares"] == "L0" and first["accuracy_torch"] == second["accuracy_torch"]
+        assert first["n_calib_tokens"] == doc["calibration"]["tokens"]["obtained"] * 2  # both calls' rows
+    resident, streamed = (d["end_to_end"]["end_to_end"] for d in docs)
+    assert resident == streamed and [a["perplexity"] for a in docs[0]["end_to_end"]["ablation"]] == \
+        [a["perplexity"] for a in docs[1]["end_to_end"]["ablation"]]
+
+
+def test_the_plan_ties_the_calls_counts_their_bytes_once_and_the_export_is_proven(zamba, tmp_path, capsys):
+    plan = tmp_path / "p"
+    assert main(["plan", "--model", str(zamba), "--target", "ppl+5%", "--objective", "bytes",
+                 "--candidates", "fp32,w8a8@search+smooth,w4a16-g32", *TOKENS, "--seq-len", "128",
+                 "--probe-tokens", "128", "--no-progress", "--out", str(plan)]) == 0
+    data = json.loads((plan / "plan.json").read_text())
+    chosen = {row["index"]: row["recipe"] for row in data["plan"]["layers"]}
+    assert chosen[0] == chosen[1]
+    by_layer = {int(i): {c["recipe"]: c["bytes"] for c in row["candidates"]} for i, row in data["layers"].items()}
+    assert by_layer[1][chosen[1]] == 0 and data["plan"]["summary"]["cost"] == by_layer[0][chosen[0]]
+    capsys.readouterr()
+    # smoothing on both calls: one input scale, folded once into the shared norm (twice, the gates failed)
+    smoothed = tmp_path / "smoothed.toml"
+    info = inspect_model(zamba)
+    smoothed.write_text(Plan(model_fingerprint(info), {0: Recipe.parse("w8a8@search+smooth"),
+                                                       1: Recipe.parse("w8a8@search+smooth")},
+                             "ppl+1%", "latency").to_toml())
+    for name, path in (("smoothed", smoothed), ("planned", plan / "plan.toml")):
+        rc = main(["export", "--model", str(zamba), "--plan", str(path), "--format", "compressed-tensors", *TOKENS,
+                   "--seq-len", "128", "--no-progress", "--out", str(tmp_path / name)])
+        assert rc == 0, capsys.readouterr()
+        proof = json.loads((tmp_path / name / "ffnquant-deploy.json").read_text())["proof"]
+        assert proof["proven"] and proof["weights"]["all_identical"] and proof["layers"]["all_at_parity"]
