@@ -188,9 +188,10 @@ _TYPE_TINY = {
     # d_head: the alias hidden_size sets d_model only after __post_init__ derived d_head from the default width
     "xlnet": {"d_head": 8, "d_inner": F_},
     # head_dim (the alias of attention_head_dim) as wide as each derives it: 2 * hidden_size / heads
-    # (Zamba ties every hybrid layer's shared transformer to the first's: two of them, each with its Mamba mixer)
+    # (Zamba ties every hybrid layer's shared transformer to the first's: two of them, each with its Mamba mixer;
+    # Zamba 2's as its checkpoints have it, one shared block called twice, each call with its own adapters)
     "zamba": {"layers_block_type": ["hybrid", "hybrid"], "head_dim": 16},
-    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"], "head_dim": 16},
+    "zamba2": {"layers_block_type": ["hybrid", "hybrid"], "head_dim": 16},
     "zaya": {"num_experts_per_tok": 1},
 }
 

@@ -230,7 +230,7 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
         if c.key() not in probed:
             module = blocks[i].get_submodule(c.path) if c.path else blocks[i]
             try:
-                probed[c.key()] = probe(module, c, f"{where}: {layers_path}.{i}.{_label(c.path)}")
+                probed[c.key()] = probe(module, c, f"{where}: {layers_path}.{i}.{_label(c.path)}", layer_idx=i)
             except FFNQuantError as exc:
                 probed[c.key()] = str(exc)
         return probed[c.key()]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import itertools
 from typing import Any, Callable, Iterator, Mapping
@@ -219,8 +220,28 @@ def takes_sorted_tokens(module: nn.Module) -> bool:
                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
+def takes_layer_idx(module: nn.Module) -> bool:
+    """Whether a module's forward takes `layer_idx`, transformers' name for the index of the layer calling it (Zamba
+    2's MLP picks its per-call adapter by it): the probe passes the block's index, as the model does."""
+    try:
+        return "layer_idx" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _module_output(small: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: str,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, layer_idx: int | None = None) -> torch.Tensor:
+    try:
+        return _output(small, ffn, x, act_attr, residual)
+    except Exception:  # noqa: BLE001 - a forward that needs the calling layer's index (Zamba 2's MLP; Moshi's
+        # takes one too, and computes otherwise with it: given only where the module fails without it)
+        if layer_idx is None or not takes_layer_idx(small):
+            raise
+        return _output(functools.partial(small, layer_idx=layer_idx), ffn, x, act_attr, residual)
+
+
+def _output(small: Any, ffn: FoundFFN, x: torch.Tensor, act_attr: str,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():
         if residual is not None:  # the module adds it: FFN(x) + residual
             return small(x, residual)
@@ -246,8 +267,9 @@ def _module_output(small: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: s
             return small(x.unsqueeze(0)).squeeze(0)
 
 
-def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
-    """Settle a candidate's roles and activation by reproducing its module's output (see the module docstring)."""
+def probe(module: nn.Module, ffn: FoundFFN, where: str, layer_idx: int | None = None) -> FoundFFN:
+    """Settle a candidate's roles and activation by reproducing its module's output (see the module docstring);
+    `layer_idx`: the index of the block calling it, for a forward that takes one."""
     gen = torch.Generator().manual_seed(0)
     first = next((n for n, r in ffn.roles.items() if r != "w_down"), "")
     act_attr = _activation_child(module, first) if ffn.install is Install.SPLIT else ""
@@ -264,10 +286,10 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
         try:
             small = _shrunk_copy(module, ffn, d, f, gen)
             x = torch.randn(7, d, generator=gen) * 1.5
-            y = _module_output(small, ffn, x, act_attr, torch.zeros_like(x) if residual else None)
+            y = _module_output(small, ffn, x, act_attr, torch.zeros_like(x) if residual else None, layer_idx)
             if residual:  # what it adds is the residual itself, exactly: FFN(x) + r, whatever r
                 r = torch.randn(7, d, generator=gen)
-                added = _module_output(small, ffn, x, act_attr, r)
+                added = _module_output(small, ffn, x, act_attr, r, layer_idx)
                 if not torch.equal(added, y + r):
                     last = ("its second argument 'residual' is not added to its output as it is (the output "
                             f"moves by {float((added - y - r).abs().max()):.3g} beside the residual)")
@@ -278,6 +300,8 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str) -> FoundFFN:
         if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0], d):
             last = f"its output has shape {getattr(y, 'shape', None)}, not [tokens, {d}]"
             continue
+        # it ran at these widths: what an earlier attempt's failure said no longer applies
+        last = "no assignment of gate, up and activation reproduces it"
         mats = _matrices(small, ffn)
         scale = float(y.abs().max()) or 1.0
         named = ((roles, act, _ACT_FN[act], act_attr, lambda: None) for roles in _assignments(ffn)
