@@ -107,3 +107,38 @@ def test_the_plan_ties_the_calls_counts_their_bytes_once_and_the_export_is_prove
         assert rc == 0, capsys.readouterr()
         proof = json.loads((tmp_path / name / "ffnquant-deploy.json").read_text())["proof"]
         assert proof["proven"] and proof["weights"]["all_identical"] and proof["layers"]["all_at_parity"]
+
+
+def _scaled(layer, c):
+    """The layer's FFN with x * c before it and 1/c in its input weight columns: the same function."""
+    import copy
+
+    from ffnquant.numerics.remedies import ChannelScale
+
+    ffn = copy.deepcopy(layer.ffn)
+    ffn.input_transform = ChannelScale(c)
+    with torch.no_grad():
+        for lin in [ffn.w_up] + ([ffn.w_gate] if ffn.w_gate is not None else []):
+            lin.weight.div_(c[None, :])
+    return ffn
+
+
+def test_one_input_scale_is_folded_once_into_a_shared_norm_and_two_are_refused(zamba):
+    """The calls of one FFN read one norm (one Parameter under each call's name): its input scale is folded once,
+    the gain multiplied by it and not its square; two different scales for it cannot be one gain."""
+    from ffnquant.errors import FFNQuantError
+    from ffnquant.hf.capture import load_hf_model
+    from ffnquant.hf.fold import fold_input_scales
+
+    info = inspect_model(zamba)
+    layers = load_ffn_layers(info)
+    model = load_hf_model(info)
+    norm = model.model.layers[0].shared_transf.pre_ff_layernorm.weight
+    assert norm is model.model.layers[1].shared_transf.pre_ff_layernorm.weight
+    before = norm.detach().clone()
+    c = torch.linspace(0.5, 2.0, info.spec.d_model)
+    with pytest.raises(FFNQuantError, match=r"layers L0 and L1 read one norm's gain .* different input scales"):
+        fold_input_scales(model, info, {layers[0].info: _scaled(layers[0], c), layers[1].info: _scaled(layers[1], 2 * c)})
+    assert torch.equal(norm, before)  # checked before any weight changes
+    fold_input_scales(model, info, {layer.info: _scaled(layer, c) for layer in layers})
+    assert torch.allclose(norm, before * c, rtol=1e-6)

@@ -309,8 +309,8 @@ def _print_results(rows: list, outputs: list) -> None:
                 print(f"{part}: {count} tokens per layer from {data[part]['source']}")
             shared = [f"{r['label']} calls {r['shares']}'s" for r in data["layers"] if r.get("shares")]
             if shared:  # "(= L0)": the layer calls L0's FFN again, quantized once from all their inputs
-                print(f"shared FFNs: {', '.join(shared)} (one set of weights): each quantized once, from every call's "
-                      "inputs (the token counts above include them all)")
+                print(f"shared FFNs: {', '.join(shared)} (one set of weights): each quantized once, from the inputs of "
+                      "all its selected calls (the token counts above include them all)")
             for line in token_notes([data["calibration"].get("tokens"), data["evaluation"].get("tokens")]):
                 print(line)
             secs = [r["seconds"] for r in data["layers"] if r.get("seconds") is not None]
