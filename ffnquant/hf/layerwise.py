@@ -205,21 +205,19 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
                 if root in held:  # a shared FFN's earlier calls and their inputs join this one's
                     calls, before = held.pop(root)
                     hfs, inputs = calls + hfs, _joined(before, inputs)
-                if last_call[root] != j:
+                if last_call[root] != j:  # its later calls' inputs are still to come
                     held[root] = (hfs, inputs)
-                    del hfs, inputs
-                    model.release()
-                    continue
+                else:
+                    def report(message: str, done: int, total: int, k: int = len(rows)) -> None:
+                        if progress is not None:
+                            progress(message, k + done, n_ffns)
 
-                def report(message: str, done: int, total: int, k: int = len(rows)) -> None:
-                    if progress is not None:
-                        progress(message, k + done, n_ffns)
-
-                layer_rows, qffns = quantized_layers(info, hfs, inputs, recipe, progress=report, **kw)
-                rows += layer_rows
-                for hf in hfs:
-                    ready.setdefault(hf.index, {})[hf.label] = qffns[hf.label]
-                del hfs, inputs, qffns
+                    layer_rows, qffns = quantized_layers(info, hfs, inputs, recipe, progress=report, **kw)
+                    rows += layer_rows
+                    for hf in hfs:
+                        ready.setdefault(hf.index, {})[hf.label] = qffns[hf.label]
+                    del qffns
+                del hfs, inputs
                 model.release()
                 flush()
             if j == max(wanted):
