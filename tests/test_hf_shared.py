@@ -142,3 +142,39 @@ def test_one_input_scale_is_folded_once_into_a_shared_norm_and_two_are_refused(z
     assert torch.equal(norm, before)  # checked before any weight changes
     fold_input_scales(model, info, {layer.info: _scaled(layer, c) for layer in layers})
     assert torch.allclose(norm, before * c, rtol=1e-6)
+
+
+def test_a_later_calls_stored_copy_that_differs_from_the_first_fails_the_proof(zamba, tmp_path, monkeypatch, capsys):
+    """A later call's packed tensors are stored under its own names (transformers ties only `weight`): the proof
+    checks each against the first call's, bit for bit, so a copy a runtime reading it would compute otherwise with
+    (vLLM reads every module's own tensors) is NOT PROVEN, though transformers, tying the weight, loads it fine."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    import ffnquant.deploy.ctensors as ct
+
+    write = ct.write_folder
+    name = "model.layers.1.shared_transf.feed_forward.down_proj.weight_scale"
+
+    def corrupt(planned, folder):
+        out = write(planned, folder)
+        path = Path(folder) / "model.safetensors"
+        tensors = load_file(str(path))
+        tensors[name] = tensors[name] * 2
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        return out
+
+    monkeypatch.setattr(ct, "write_folder", corrupt)
+    info = inspect_model(zamba)
+    plan = tmp_path / "w4.toml"
+    plan.write_text(Plan(model_fingerprint(info), {0: Recipe.parse("w4a16-g32"), 1: Recipe.parse("w4a16-g32")},
+                         "ppl+1%", "latency").to_toml())
+    rc = main(["export", "--model", str(zamba), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
+               "--seq-len", "128", "--no-progress", "--out", str(tmp_path / "ct")])
+    assert rc == 1 and "NOT PROVEN" in capsys.readouterr().out
+    proof = json.loads((tmp_path / "ct.not-proven" / "ffnquant-deploy.json").read_text())["proof"]
+    rows = {r["module"]: r for r in proof["weights"]["rows"]}
+    assert not rows["model.layers.1.shared_transf.feed_forward.down_proj"]["bit_identical"]
+    assert "DIFFER from the first call's" in rows["model.layers.1.shared_transf.feed_forward.down_proj"]["how"]
+    assert rows["model.layers.0.shared_transf.feed_forward.down_proj"]["bit_identical"]

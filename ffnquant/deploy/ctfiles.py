@@ -211,10 +211,22 @@ def weights_check(folder: Path, planned: PlannedModel, reader: Any) -> dict[str,
             got, how = read(module + ".weight"), "stored float"
         # in the dtype the runtime computes in (a bf16 model's decompressed weights are bf16 values)
         same = bool(got.shape == ref.shape and torch.equal(got.to(dtype), ref.to(dtype)))
+        if mq.module in same_as:  # what a later call of a shared FFN stores under its own names: the first's
+            copies = _own_copies_equal(mq.module, same_as[mq.module], where, read)
+            how += f"; its own {copies[0]} stored tensor(s) {'equal' if copies[1] else 'DIFFER from'} the first call's"
+            same = same and copies[1]
         equal += same
         rows.append({"module": mq.module, "how": how, "bit_identical": same,
                      "max_abs_diff": None if same or got.shape != ref.shape else float((got.float() - ref).abs().max())})
     return {"modules": len(rows), "bit_identical": equal, "all_identical": equal == len(rows), "rows": rows}
+
+
+def _own_copies_equal(module: str, first: str, where: dict, read: Any) -> tuple[int, bool]:
+    """(how many tensors `module` stores under its own name, whether each equals `first`'s of the same name)."""
+    aliases = getattr(read, "aliases", {})
+    own = [k for k in where if k.startswith(module + ".") and k not in aliases]
+    twins = [first + k[len(module):] for k in own]
+    return len(own), all(t in where and torch.equal(read(k), read(t)) for k, t in zip(own, twins))
 
 
 def input_qparams_check(planned: PlannedModel, reader: Any) -> dict[str, Any]:
