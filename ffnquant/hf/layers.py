@@ -98,7 +98,9 @@ def quantize_layers(
     remedy set on the layer's FFN with its captured calibration inputs `inputs.calib[label]` (remedies
     applied to the layer, ranges re-profiled with `bins`), `quantize_spec` per recipe measured on the
     held-out `inputs.eval[label]`. ONNX files (with `onnx` and `out_artifacts`) are named
-    `<file_stem>.<label>.<recipe slug>.onnx` (`file_stem` default: the layer label alone). Used by the
+    `<file_stem>.<label>.<recipe slug>.onnx` (`file_stem` default: the layer label alone). Layers that call one FFN
+    (its weights shared, `shared_root`) are quantized once, on all their calibration and held-out rows, each then
+    given an outcome holding that one result. Used by the
     `ffnquant model eval` command (`evaluate_model`, `evaluate_layers_from_files`), `ffnquant quantize
     --model` (`quantize_model_layers`) and `ffnquant run`. `collect_errors`: see `quantize_recipes`.
     """
