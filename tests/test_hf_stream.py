@@ -545,8 +545,8 @@ def test_a_forward_that_computes_between_its_layers_is_replayed_and_gives_the_mo
     """XLM's list of blocks is its FFNs; its forward runs attentions and norms between them. BLT's byte decoder
     reads its encoder's states after the stack the engine runs (its config names no single width: the blocks' own
     is read). The engine runs each layer once, in order, each on the input the model's own forward computes from the
-    outputs so far (`hf.replay`): a batch's stream keeps its ids and every output, and its logits are transformers'
-    own, read a layer at a time or resident. A model that computes only in its layers keeps plain hidden states."""
+    outputs so far (`hf.replay`): a batch's stream keeps its ids and every output, and its logits and final hidden
+    state are transformers' own, read a layer at a time or resident. A model that computes only in its layers keeps plain hidden states."""
     import transformers as T
     from hf_models import tiny_or_skip
 
@@ -558,7 +558,10 @@ def test_a_forward_that_computes_between_its_layers_is_replayed_and_gives_the_mo
     folder = tiny_or_skip(model_type, tmp_path / model_type)
     info = inspect_model(folder)
     ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
-    want = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(ids, use_cache=False).logits.detach()
+    from ffnquant.hf.metrics import _final_hidden, _run
+
+    whole = _run(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), info, ids)
+    want, want_final = whole.logits.detach(), _final_hidden(info, whole).detach()
     for resident in (True, False):
         m = SequentialModel(info, resident=resident)
         store = Store(None, "s")
@@ -569,8 +572,12 @@ def test_a_forward_that_computes_between_its_layers_is_replayed_and_gives_the_mo
                 m.run(j, store, calls)
         item = store.get(0)
         assert m.replay and is_trail(item) and len(item["outs"]) == len(m.layers) and torch.equal(item["ids"], ids)
-        _, logits = m.head_out(item)
+        final, logits = m.head_out(item)
         assert torch.allclose(logits, want, rtol=0, atol=1e-5 * float(want.abs().max())), resident
+        # the final hidden state the figures compare is the base model's output, as a whole forward's (BLT's local
+        # decoder's, not the local encoder's that runs the layers)
+        assert final.shape == want_final.shape and torch.allclose(final, want_final, rtol=0,
+                                                                  atol=1e-5 * float(want_final.abs().max())), resident
         assert m.rows(item, 1)["hidden"].shape[0] == 1 and m.rows(item, 1)["ids"].shape[0] == 1
     plain = SequentialModel(inspect_model(tiny_or_skip("llama", tmp_path / "llama")), resident=True)
     plain.embed([ids], store := Store(None, "p"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -102,8 +102,19 @@ class LMHead:
                 self.onload(module, skip=[m for m in module.modules() if m is self.embedding or m is self.head])
         got: list[torch.Tensor] = []
         n = len(self.layers)
-        handle = self.base.register_forward_hook(
-            lambda module, args, out: got.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+        # the final hidden state is the causal LM's base model's output, as `hf.metrics._run` reads it from a whole
+        # model: the module running the layers may be another (BLT's local encoder; its base model's output is its
+        # local decoder's)
+        # (OPT's causal LM calls its decoder, the runner, without its base model: the runner's output then)
+        base = getattr(self.model, "base_model", None)
+        outer: list[torch.Tensor] = []
+
+        def keep(into: list) -> Any:
+            return lambda module, args, out: into.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
+
+        handles = [self.base.register_forward_hook(keep(got))]
+        if isinstance(base, nn.Module) and base is not self.model and base is not self.base:
+            handles.append(base.register_forward_hook(keep(outer)))
         try:
             with self._stand_ins([StandIn(None, hidden if i == 0 else None, as_tuple=self._tuple_out)
                                   for i in range(n)]), (fast_linear(self.head, self._logits_into if reuse else None)
@@ -115,7 +126,7 @@ class LMHead:
                 # of positions, Gemma 3n's its AltUp inputs ahead of the batch)
                 if replay.is_trail(hidden):  # computes between its layers: its own forward, every layer answering
                     logits = replay.head(self, hidden)
-                    return to_device(got[0], _CPU), to_device(logits, _CPU)
+                    return to_device(outer[-1] if outer else got[0], _CPU), to_device(logits, _CPU)
                 ids_shape = self._ids_shapes.get(tuple(hidden.shape), tuple(hidden.shape[:2]))
                 shape = (*ids_shape, getattr(self.embedding, "embedding_dim", hidden.shape[-1]))
                 if self._takes_embeds:
@@ -126,5 +137,6 @@ class LMHead:
                     ids = torch.zeros(shape[:2], dtype=torch.long, device=hidden.device)
                     logits = self.model(input_ids=ids, use_cache=False).logits
         finally:
-            handle.remove()
-        return to_device(got[0], _CPU), to_device(logits, _CPU)  # in host memory
+            for handle in handles:
+                handle.remove()
+        return to_device(outer[-1] if outer else got[0], _CPU), to_device(logits, _CPU)  # in host memory
