@@ -179,9 +179,10 @@ def test_several_tied_groups_each_take_one_candidate_at_the_brute_force_optimum(
         if not feasible:
             assert got is None
             continue
-        assert got is not None and all(len({got[i].name for i in g}) == 1 for g in groups)
+        assert got is not None and all(len({got[i].name for i in g}) == 1 for g in groups) and sorted(got) == list(range(5))
+        assert sum(o.damage for o in got.values()) <= budget
         best = min(sum(o.cost for o in combo) for combo in feasible)
-        assert sum(o.cost for o in got.values()) <= best + 1e-9
+        assert sum(o.cost for o in got.values()) == pytest.approx(best)
 
 
 def test_tied_groups_that_overlap_are_one():
