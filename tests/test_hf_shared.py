@@ -48,7 +48,7 @@ def test_a_shared_ffn_is_quantized_once_from_every_calls_inputs(zamba):
     alone = next(quantize_layers(layers[:1], [Recipe.parse("w8a8")], pooled)).result.qmodel
     first_only = next(quantize_layers(layers[:1], [Recipe.parse("w8a8")], inputs)).result.qmodel
     state, want = qffns["L0"].state_dict(), alone.state_dict()
-    assert all(torch.equal(state[k], want[k]) for k in want)
+    assert want and state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
     assert qffns["L0"].ranges == alone.ranges  # the static input ranges: from both calls' rows
     assert qffns["L0"].ranges != first_only.ranges  # not the first call's alone
 
@@ -137,7 +137,7 @@ def test_one_input_scale_is_folded_once_into_a_shared_norm_and_two_are_refused(z
     assert norm is model.model.layers[1].shared_transf.pre_ff_layernorm.weight
     before = norm.detach().clone()
     c = torch.linspace(0.5, 2.0, info.spec.d_model)
-    with pytest.raises(FFNQuantError, match=r"layers L0 and L1 read one norm's gain .* different input scales"):
+    with pytest.raises(FFNQuantError, match=r"layers L0 and L1 both read the norm gain of .* with different input scales"):
         fold_input_scales(model, info, {layers[0].info: _scaled(layers[0], c), layers[1].info: _scaled(layers[1], 2 * c)})
     assert torch.equal(norm, before)  # checked before any weight changes
     fold_input_scales(model, info, {layer.info: _scaled(layer, c) for layer in layers})

@@ -398,8 +398,17 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     except Exception as exc:  # noqa: BLE001 - transformers' loader refusing the folder's compressed modules
         # transformers' own words for a failed conversion, printed in its loading report, not in the exception
         first = f"{type(exc).__name__}: {captured_detail(exc) or first_line(exc)}"
-        try:  # a model whose own code reads `.weight` of a Linear compressed-tensors replaced (GPT-BigCode's init,
-            # Zamba's tied shared block): transformers' documented load of the folder decompressed
+        # a model whose own code reads `.weight` of a Linear compressed-tensors replaced (GPT-BigCode's init, Zamba's
+        # tied shared block): transformers' documented load of the folder decompressed, where that computes the
+        # plan: decompressed Linears compute on float inputs, so not where the plan quantizes inputs (not loaded)
+        inputs = sorted({(mq.index, mq.layer) for mq in planned.modules if mq.input_mode is not None})
+        if inputs:
+            names = [label for _, label in inputs]
+            return _not_loaded(folder, planned, (
+                f"transformers cannot load the folder: {first}; decompressed (run_compressed=False), its Linears would "
+                f"drop the input quantization of {', '.join(names[:4])}{' and more' if len(names) > 4 else ''}, so "
+                "it would not compute what was measured"))
+        try:
             loaded, loading = _load(causal, folder, dtype, run_compressed=False)
             decompressed = first
         except Exception as exc2:  # noqa: BLE001 - no deployment, said with its reason; the files are still checked
@@ -407,13 +416,6 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
                    + (f" (nor decompressed: {type(exc2).__name__}: {captured_detail(exc2) or first_line(exc2)})"
                       if first_line(exc2) != first_line(exc) else ""))
             return _not_loaded(folder, planned, why)
-        quantized_inputs = sorted({mq.layer for mq in planned.modules if mq.input_mode is not None})
-        if quantized_inputs:  # decompressed, its Linears compute on float inputs: not the plan's numerics
-            del loaded
-            return _not_loaded(folder, planned, (
-                f"transformers cannot load the folder: {first}; loaded decompressed (run_compressed=False), its "
-                f"Linears drop the input quantization of {', '.join(quantized_inputs[:4])}"
-                f"{' and more' if len(quantized_inputs) > 4 else ''}, so it would not compute what was measured"))
     with quiet_model_io():
         figures = compare_models(None, loaded, planned.info, planned.evals, references=references)
         layers = _layer_parity(loaded, planned)
@@ -482,8 +484,8 @@ def _load(causal: Any, folder: Path, dtype: torch.dtype, run_compressed: bool = 
 
         kw["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
     with quiet_model_io(), warnings.catch_warnings():
-        # transformers warns that the folder's own quantization_config is kept beside the loading option passed
-        warnings.simplefilter("ignore", UserWarning)
+        if kw:  # transformers warns that the folder's own quantization_config is kept beside the option passed
+            warnings.simplefilter("ignore", UserWarning)
         loaded, loading = causal.from_pretrained(str(folder), dtype=dtype, use_kernels=False, output_loading_info=True,
                                                  **kw)
     return loaded.eval(), loading

@@ -59,6 +59,12 @@ class LayerInfo:
     shares: int | None = None  # the layer whose FFN this one calls again, its weights stored once (Zamba's)
 
     @property
+    def root(self) -> tuple[int, int | None]:
+        """The FFN this layer calls: (the first layer holding its weights, its expert). Layers calling one FFN again
+        (Zamba's shared transformer) have one root: quantized once, from every call's inputs."""
+        return (self.shares if self.shares is not None else self.index, self.expert)
+
+    @property
     def label(self) -> str:
         """Short human name: 'L3', 'L3.e1', 'encoder L0'."""
         base = f"L{self.index}" + (f".e{self.expert}" if self.expert is not None else "")

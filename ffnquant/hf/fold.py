@@ -141,7 +141,7 @@ def _plan(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerInfo, Any]) -> t
     check_sites(sites, todo)
     names = [n for n, _ in model.named_modules()]
     plan: list[_Fold] = []
-    seen: dict[str, LayerInfo] = {}
+    seen: dict[int, _Fold] = {}  # by the gain Parameter's identity
     for layer in todo:
         site = sites[layer]
         name, norm = site.norm, model.get_submodule(site.norm)
@@ -150,10 +150,6 @@ def _plan(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerInfo, Any]) -> t
             if named != name:
                 raise FFNQuantError(f"layer {layer.label}: the {info.arch.name} entry folds into {named}, but the FFN's "
                                     f"input comes from {name} in the loaded model; refusing a fold the graph contradicts")
-        if name in seen and seen[name].block != layer.block:  # two scales, one gain
-            raise FFNQuantError(f"layers {seen[name].label} and {layer.label} both read the norm {name}: "
-                                "one gain cannot carry two input scales")
-        seen[name] = layer
         weight = getattr(norm, "weight", None)
         scale = scales[layer]
         if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != tuple(scale.shape):
@@ -161,14 +157,17 @@ def _plan(model: nn.Module, info: ModelInfo, ffns: Mapping[LayerInfo, Any]) -> t
             raise FFNQuantError(f"layer {layer.label}: the norm {name} has gain shape {shape}, the input scale "
                                 f"{tuple(scale.shape)}: nothing to fold it into")
         out[layer] = _without_input_scale(ffns[layer], layer)
-        # a norm one Parameter under several names (a shared block's, called by several layers): folded once
-        twin = next((f for f in plan if f.norm.weight is weight), None)
+        # one gain read by several layers (one norm, or one Parameter under several names: a shared block's called
+        # by several layers) takes one scale, folded once
+        twin = seen.get(id(weight))
         if twin is not None:
             if not torch.equal(twin.scale, scale) or twin.gain is not site.gain:
-                raise FFNQuantError(f"layers {twin.layer.label} and {layer.label} read one norm's gain ({twin.norm_name}, "
-                                    f"{name}) with different input scales: one gain cannot carry two")
+                raise FFNQuantError(f"layers {twin.layer.label} and {layer.label} both read the norm gain of "
+                                    f"{twin.norm_name}{'' if twin.norm_name == name else ' (' + name + ')'} with "
+                                    "different input scales: one gain cannot carry two input scales")
             continue
-        plan.append(_Fold(layer, name, norm, scale, site.gain))
+        seen[id(weight)] = _Fold(layer, name, norm, scale, site.gain)
+        plan.append(seen[id(weight)])
     return plan, out
 
 

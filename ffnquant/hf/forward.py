@@ -109,11 +109,11 @@ def base_runs_the_stack(engine: Any, ids: torch.Tensor, n: int) -> bool:
     engine.runner, base = engine.model, engine.runner
     try:
         whole = engine._record(ids, n)[0][0]
+        same = first.shape == whole.shape and torch.equal(first, whole)
     except Exception:  # noqa: BLE001 - the whole model cannot be run so: the base it is
-        return True
+        same = True
     finally:
         engine.runner = base
-    same = first.shape == whole.shape and torch.equal(first, whole)
     for module in outside if same else ():  # not needed after all
         engine.offload(module)
     return same
@@ -133,13 +133,14 @@ def head_runs_from(engine: Any, ids: torch.Tensor, n: int) -> bool:
     try:
         with torch.no_grad():
             engine._head(hidden)
-        for name, value in kept.items():
-            if isinstance(value, torch.nn.Parameter) and value.is_meta:
-                setattr(engine.head, name, value)
     except (Stop, FFNQuantError):
         raise
     except Exception as exc:  # noqa: BLE001 - the model's own forward refusing the head's call
         if not raised_in_transformers(exc):
             raise
         return False
+    finally:  # let go, as it was, whether the model took the call or not
+        for name, value in kept.items():
+            if isinstance(value, torch.nn.Parameter) and value.is_meta:
+                setattr(engine.head, name, value)
     return True

@@ -85,6 +85,11 @@ class LMHead:
             self._logits = torch.empty(n, dtype=self.dtype, device=self.device)
         return self._logits[:n].view(shape)
 
+    def _embeds_shape(self, hidden: torch.Tensor) -> tuple[int, ...]:
+        """[batch, tokens, the token embedding's width] of the ids that gave hidden states of `hidden`'s shape."""
+        ids_shape = self._ids_shapes.get(tuple(hidden.shape), tuple(hidden.shape[:2]))
+        return (*ids_shape, getattr(self.embedding, "embedding_dim", hidden.shape[-1]))
+
     def _head(self, hidden: torch.Tensor, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden state, logits) in host memory, computed on the engine's device (a gradient flows back to a
         host `hidden` through the move); `reuse`: see `head_out`."""
@@ -126,12 +131,11 @@ class LMHead:
                 # of positions, Gemma 3n's its AltUp inputs ahead of the batch)
                 if replay.is_trail(hidden):  # computes between its layers: its own forward, every layer answering
                     logits = replay.head(self, hidden)
-                    return to_device(outer[-1] if outer else got[0], _CPU), to_device(logits, _CPU)
-                ids_shape = self._ids_shapes.get(tuple(hidden.shape), tuple(hidden.shape[:2]))
-                shape = (*ids_shape, getattr(self.embedding, "embedding_dim", hidden.shape[-1]))
-                if self._takes_embeds:
-                    logits = self.model(inputs_embeds=hidden.new_zeros(shape), use_cache=False).logits
+                elif self._takes_embeds:
+                    embeds = hidden.new_zeros(self._embeds_shape(hidden))
+                    logits = self.model(inputs_embeds=embeds, use_cache=False).logits
                 else:
+                    shape = self._embeds_shape(hidden)
                     if self.embedding.weight.is_meta:
                         self.onload(self.embedding)
                     ids = torch.zeros(shape[:2], dtype=torch.long, device=hidden.device)

@@ -27,8 +27,7 @@ def is_plan(recipe: Any) -> bool:
     object, so this engine does not import the planning package that builds on it."""
     return callable(getattr(recipe, "recipe_for", None))
 
-__all__ = ["calibrate_layers", "end_to_end_figures", "is_plan", "model_layers_report", "quantize_layers", "quantized_layers",
-           "shared_root"]
+__all__ = ["calibrate_layers", "end_to_end_figures", "is_plan", "model_layers_report", "quantize_layers", "quantized_layers"]
 
 Progress = Callable[[str, int, int], None]  # (message, done, total): called here, shown by the commands
 
@@ -99,42 +98,42 @@ def quantize_layers(
     applied to the layer, ranges re-profiled with `bins`), `quantize_spec` per recipe measured on the
     held-out `inputs.eval[label]`. ONNX files (with `onnx` and `out_artifacts`) are named
     `<file_stem>.<label>.<recipe slug>.onnx` (`file_stem` default: the layer label alone). Layers that call one FFN
-    (its weights shared, `shared_root`) are quantized once, on all their calibration and held-out rows, each then
+    (its weights shared, `LayerInfo.root`) are quantized once, on all their calibration and held-out rows, each then
     given an outcome holding that one result. Used by the
     `ffnquant model eval` command (`evaluate_model`, `evaluate_layers_from_files`), `ffnquant quantize
     --model` (`quantize_model_layers`) and `ffnquant run`. `collect_errors`: see `quantize_recipes`.
     """
+    calls_of = _calls(layers)
     done: dict[tuple[int, int | None], list[Any]] = {}
     for layer in layers:
-        root = shared_root(layer)
-        if root in done:  # an FFN called again (its weights shared): the first call's quantization, as it is
-            for first in done[root]:
+        calls = calls_of[layer.info.root]
+        if layer is not calls[0]:  # an FFN called again (its weights shared): the first call's quantization, as it is
+            for first in done[layer.info.root]:
                 yield dataclasses.replace(first, label=layer.label)
             continue
         name = f"{file_stem}.{layer.label}" if file_stem else layer.label
-        calls = [o for o in layers if shared_root(o) == root]
         calib, held_out = (_pooled(calls, inputs.calib), _pooled(calls, inputs.eval)) if len(calls) > 1 else (
             inputs.calib[layer.label], inputs.eval[layer.label])
-        outcomes = []
+        outcomes = done.setdefault(layer.info.root, []) if len(calls) > 1 else None
         for outcome in quantize_recipes(
             layer.spec, recipes, collect_errors=collect_errors, out_artifacts=out_artifacts, onnx=onnx,
             baseline=baseline, sensitivity=sensitivity, latency=latency, model=layer.ffn,
             calib_tokens=calib, eval_tokens=held_out, name=name, bins=bins, smooth_sites=smooth_sites,
         ):
             outcome.label = layer.label
-            if len(calls) > 1:
+            if outcomes is not None:
                 outcomes.append(outcome)
             yield outcome
-        if len(calls) > 1:
-            done[root] = outcomes
         del calib, held_out
 
 
-def shared_root(layer: HFLayer) -> tuple[int, int | None]:
-    """The FFN a layer calls: (the first layer holding its weights, its expert). Layers calling one FFN again
-    (Zamba's shared transformer, `LayerInfo.shares`) have one root: they are quantized once, from every call's
-    inputs, and their calls all compute with the one result."""
-    return (layer.info.shares if layer.info.shares is not None else layer.index, layer.expert)
+def _calls(layers: Sequence[HFLayer]) -> dict[tuple[int, int | None], list[HFLayer]]:
+    """`layers` by the FFN they call (`LayerInfo.root`), in order: one list per FFN, several layers where its
+    weights are shared (Zamba's), in the order of each FFN's first call."""
+    groups: dict[tuple[int, int | None], list[HFLayer]] = {}
+    for layer in layers:
+        groups.setdefault(layer.info.root, []).append(layer)
+    return groups
 
 
 def _pooled(calls: Sequence[HFLayer], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -204,8 +203,10 @@ def quantized_layers(
     kw = dict(file_stem=stem, out_artifacts=out_artifacts, onnx=onnx, baseline=onnx, sensitivity=sensitivity,
               latency=latency, smooth_sites=smooth_sites)
     if plan is not None:
-        outcomes = (o for calls in _by_recipe(layers, plan) for o in quantize_layers(calls, [plan.recipe_for(calls[0].index)],
-                                                                                   inputs, **kw))
+        # the calls of one shared FFN together, under its first call's recipe (a plan gives them one:
+        # `planning.Plan.check_model`)
+        outcomes = (o for calls in _calls(layers).values()
+                    for o in quantize_layers(calls, [plan.recipe_for(calls[0].index)], inputs, **kw))
     else:
         outcomes = quantize_layers(layers, [recipe], inputs, **kw)
     t_layer = time.perf_counter()
@@ -224,15 +225,6 @@ def quantized_layers(
         if progress is not None:
             progress(f"quantize layers: {layer.label}", len(rows), len(layers))
     return rows, qffns
-
-
-def _by_recipe(layers: Sequence[HFLayer], plan: Any) -> list[list[HFLayer]]:
-    """`layers` in order, each with the other calls of its FFN where its weights are shared: quantized together,
-    under the first call's recipe (a plan gives them one: `planning.Plan.check_model`)."""
-    groups: dict[tuple[int, int | None], list[HFLayer]] = {}
-    for layer in layers:
-        groups.setdefault(shared_root(layer), []).append(layer)
-    return list(groups.values())  # in the order of each FFN's first call
 
 
 def model_layers_report(info: ModelInfo, recipe: Any, rows: Sequence[Mapping[str, Any]], e2e: Mapping[str, Any],

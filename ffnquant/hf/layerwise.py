@@ -22,7 +22,7 @@ from .capture import load_tokenizer, model_text_batches, text_label
 from .checkpoint import ModelInfo, iter_ffn_layers, parse_layers
 from .inputs import (EvalSettings, LayerInputs, _fill_unrouted, capture_whole, domain_budgets, domain_spans,
                      eval_domain_batches, fit_settings, token_budget)
-from .layers import calibrate_layers, end_to_end_figures, model_layers_report, quantized_layers, shared_root
+from .layers import calibrate_layers, end_to_end_figures, model_layers_report, quantized_layers
 from .metrics import _NLL, Agreement, ErrorStats, reference_batch
 from .spill import Store, spill_folder
 from .stream import Progress, SequentialModel, token_batches_of
@@ -45,13 +45,12 @@ def _inputs(hf_layers: Sequence[Any], captured: dict[str, list[torch.Tensor]], w
 
 
 def _last_calls(info: ModelInfo, wanted: Sequence[int]) -> dict[tuple, int]:
-    """Each selected FFN's last call (`layers.shared_root`): its own layer, or the last of the layers that call
-    it again where its weights are shared."""
+    """Each selected FFN's last call (`LayerInfo.root`): its own layer, or the last of the layers that call it
+    again where its weights are shared."""
     out: dict[tuple, int] = {}
     for layer in info.layers:
         if layer.index in wanted:
-            root = (layer.shares if layer.shares is not None else layer.index, layer.expert)
-            out[root] = max(out.get(root, -1), layer.index)
+            out[layer.root] = max(out.get(layer.root, -1), layer.index)
     return out
 
 
@@ -201,7 +200,7 @@ def quantize_layerwise(info: ModelInfo, recipe: Any, layers: str | int | list[in
                                      _inputs(hfs, ev_x, "evaluation", borrowed), cal_name, ev_name, separation,
                                      {**calib_borrowed, **borrowed}, calib_borrowed=calib_borrowed, budgets=budgets)
                 del cal_x, ev_x
-                root = shared_root(hfs[0])
+                root = hfs[0].info.root
                 if root in held:  # a shared FFN's earlier calls and their inputs join this one's
                     calls, before = held.pop(root)
                     hfs, inputs = calls + hfs, _joined(before, inputs)

@@ -220,6 +220,9 @@ def takes_sorted_tokens(module: nn.Module) -> bool:
                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
+_NO_ASSIGNMENT = "no assignment of gate, up and activation reproduces it"
+
+
 def takes_layer_idx(module: nn.Module) -> bool:
     """Whether a module's forward takes `layer_idx`, transformers' name for the index of the layer calling it (Zamba
     2's MLP picks its per-call adapter by it): the probe passes the block's index, as the model does."""
@@ -233,11 +236,14 @@ def _module_output(small: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: s
                    residual: torch.Tensor | None = None, layer_idx: int | None = None) -> torch.Tensor:
     try:
         return _output(small, ffn, x, act_attr, residual)
-    except Exception:  # noqa: BLE001 - a forward that needs the calling layer's index (Zamba 2's MLP; Moshi's
-        # takes one too, and computes otherwise with it: given only where the module fails without it)
+    except Exception as exc:  # noqa: BLE001 - a forward that needs the calling layer's index (Zamba 2's MLP;
+        # Moshi's takes one too, and computes otherwise with it: given only where the module fails without it)
         if layer_idx is None or not takes_layer_idx(small):
             raise
-        return _output(functools.partial(small, layer_idx=layer_idx), ffn, x, act_attr, residual)
+        try:
+            return _output(functools.partial(small, layer_idx=layer_idx), ffn, x, act_attr, residual)
+        except Exception as with_index:  # noqa: BLE001 - fails either way: the first failure is the cause
+            raise exc from with_index
 
 
 def _output(small: Any, ffn: FoundFFN, x: torch.Tensor, act_attr: str,
@@ -280,7 +286,7 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str, layer_idx: int | None = 
     n_full = sum(p.numel() for p in module.parameters())
     if n_full <= _PROBE_FULL_MAX:
         attempts.append((ffn.d_model, ffn.d_ff))
-    last = "no assignment of gate, up and activation reproduces it"
+    last = _NO_ASSIGNMENT
     residual = ffn.install is Install.MODULE and takes_residual(module)
     for d, f in attempts:
         try:
@@ -301,7 +307,7 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str, layer_idx: int | None = 
             last = f"its output has shape {getattr(y, 'shape', None)}, not [tokens, {d}]"
             continue
         # it ran at these widths: what an earlier attempt's failure said no longer applies
-        last = "no assignment of gate, up and activation reproduces it"
+        last = _NO_ASSIGNMENT
         mats = _matrices(small, ffn)
         scale = float(y.abs().max()) or 1.0
         named = ((roles, act, _ACT_FN[act], act_attr, lambda: None) for roles in _assignments(ffn)

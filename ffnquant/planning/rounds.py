@@ -37,13 +37,21 @@ class VerificationRounds:
         kept = {key: q for key, q in self._quantized.items() if key[0] in quantized and chosen[key[0]] == key[1]}
         self._quantized.clear()  # what this round does not use is freed before it quantizes anything
         offered = {j for j in quantized if j >= start and (j, chosen[j]) not in kept and (j, chosen[j]) in self._offered}
-        fresh = [j for j in quantized if j >= start and (j, chosen[j]) not in kept and j not in offered]
+        # the layers calling one FFN (its weights shared) compute with one quantization of it, by (its first layer,
+        # recipe): the last round's where it kept one, else made at the first of its calls this round quantizes
+        shared = {j: g for g in self.info.shared_groups() for j in g}
+        made: dict[tuple[int, str], Any] = {(shared[j][0], name): q for (j, name), q in kept.items() if j in shared}
+        fresh, making = [], set()
+        for j in quantized:
+            if j < start or (j, chosen[j]) in kept or j in offered:
+                continue
+            key = (shared[j][0], chosen[j]) if j in shared else None
+            if key is not None and (key in made or key in making):
+                continue  # a later call: the one quantization of its FFN
+            making.add(key)
+            fresh.append(j)
         ffns = iter_ffn_layers(self.info, fresh, allow_pickle=self.allow_pickle) if fresh else iter(())
         keep_states = self._keeps_states(stream, n)
-        # the layers calling one FFN (its weights shared) compute with one quantization of it, made at the first
-        # call this round quantizes (`made`), by (its first layer, recipe)
-        shared = {j: g for g in self.info.shared_groups() for j in g}
-        made: dict[tuple[int, str], Any] = {}
         for j in range(n):
             q = kept.pop((j, chosen[j]), None) if j in quantized else None
             if j < start:  # the last round's stream after this layer is this round's: its FFN stays for the next
@@ -59,20 +67,18 @@ class VerificationRounds:
                     q = in_dtype(q, self.dtype)
             elif j in fresh:
                 layer, calib, held = self._layer(j, ffns)
-                key = (shared[j][0], chosen[j]) if j in shared else None
-                q = made.get(key) if key is not None else None
-                if q is None:
-                    if key is not None:  # one FFN several layers call: quantized once, from every call's inputs
-                        calib = torch.cat([self.ffn_calib.get(k) for k in shared[j]])
-                    q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins,
-                                       measure=False)[0]
-                    if self.dtype is not torch.float32:
-                        from ..deploy.precision import in_dtype
-
-                        q = in_dtype(q, self.dtype)
-                    if key is not None:
-                        made[key] = q
+                if j in shared:  # one FFN several layers call: quantized once, from every call's inputs
+                    calib = torch.cat([self.ffn_calib.get(k) for k in shared[j]])
+                q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins, measure=False)[0]
                 del layer, calib, held
+                if self.dtype is not torch.float32:
+                    from ..deploy.precision import in_dtype
+
+                    q = in_dtype(q, self.dtype)
+                if j in shared:
+                    made[(shared[j][0], chosen[j])] = q
+            elif q is None and j in quantized and j in shared:
+                q = made[(shared[j][0], chosen[j])]
             if q is not None and self.resident:
                 self._quantized[(j, chosen[j])] = q
             with m.layer(j, ffn=q is None):

@@ -141,6 +141,8 @@ class PlanSource(VerificationRounds):
         # round; the same FFNs `quantize_layer` makes again, so a round quantizes only what was not kept
         self._offered: dict[tuple[int, str], Any] = {}
         self._offer_budget: int | None = offer_budget  # bytes; None: a quarter of what is free at the first offer
+        # the layers calling one FFN (its weights shared): quantized from all their calls' rows, never as scored
+        self._shared_calls = {j for calls in info.shared_groups() for j in calls}
         # the layers whose loss gradients stay after the scoring pass (`gradients`): candidates scored later there
         self.keep_gradients: set[int] = set()
         # resident: the last round's choice and its held-out stream after each layer, so that the next round starts
@@ -314,10 +316,11 @@ class PlanSource(VerificationRounds):
         m, n = self.model, len(self.model.layers)
         device = m.device  # each batch, its call and its gradient go to the engine's device; what is kept comes back
         self.grads = self._store("ffn-gradient")
-        probe_keys = range(self.n_probe_batches)
         if m.replay:
             self._backward_whole()
-        for j in reversed(range(n) if not m.replay else ()):
+            self.grad_out.clear()
+            return
+        for j in reversed(range(n)):
             block, rows, found = m.layers[j], [], {}
             probe = _hooked(self.outputs[j], gradient_probe(found, j)) if j in self.outputs else contextlib.nullcontext()
             # the gradients only weigh the candidates' errors: their products in bf16 where the CPU has them
@@ -339,12 +342,7 @@ class PlanSource(VerificationRounds):
             if rows:
                 self.grads.put(j, torch.cat(rows))
             del rows
-            # only the probe tokens' inputs are read again (where their ablations start)
-            kept = self._store(f"probe-block{j}")
-            for b in probe_keys:
-                kept.put(b, m.rows(self.block_in[j].get(b), self.probe_ids[b].shape[0]))
-            self.block_in[j].clear()
-            self.block_in[j] = kept
+            self._keep_probe_inputs(j)
             self.progress(f"loss gradients (search text): L{j}", n - j, n)
         self.grad_out.clear()
 
@@ -376,11 +374,16 @@ class PlanSource(VerificationRounds):
         for j in range(n):
             if rows.get(j):
                 self.grads.put(j, torch.cat(rows[j]))
-            kept = self._store(f"probe-block{j}")
-            for b in range(self.n_probe_batches):
-                kept.put(b, m.rows(self.block_in[j].get(b), self.probe_ids[b].shape[0]))
-            self.block_in[j].clear()
-            self.block_in[j] = kept
+            self._keep_probe_inputs(j)
+
+    def _keep_probe_inputs(self, j: int) -> None:
+        """Layer j's kept search inputs cut to the probe tokens' (the rows their ablations start from), once its
+        gradients are taken."""
+        kept = self._store(f"probe-block{j}")
+        for b in range(self.n_probe_batches):
+            kept.put(b, self.model.rows(self.block_in[j].get(b), self.probe_ids[b].shape[0]))
+        self.block_in[j].clear()
+        self.block_in[j] = kept
 
     # --- pass 3 -----------------------------------------------------------------------------------------------
 
@@ -479,7 +482,7 @@ class PlanSource(VerificationRounds):
         """Layer `index`'s FFN quantized under recipe `name`, as scored: the verification rounds use it instead of
         quantizing it again (resident models only: a streamed model keeps nothing beyond its layer; not an FFN several
         layers call)."""
-        if not self.resident or any(index in g for g in self.info.shared_groups()):
+        if not self.resident or index in self._shared_calls:
             return  # a shared FFN is quantized from every call's inputs, not one call's as scored (`rounds.verify`)
         size = _nbytes(ffn)
         if self._offer_budget is None:
