@@ -101,17 +101,20 @@ class FFN(nn.Module):
         self.taps = nn.ModuleDict({s: SiteTap(s) for s in spec.sites})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., d_model)
+        # a model's own middle that reads the FFN's input beside its Linears (Zamba 2's adapters) reads it as the
+        # model's module does: unquantized, before any input scale (deployment refuses to fold one there)
+        own_input = {"x": x} if getattr(self.activation, "reads_input", False) else {}
         x = self.taps["input"](self.input_transform(x))  # (..., d)
         up = self.taps["up"](self.w_up(x))  # (..., f)
         if self.w_gate is not None:
             gate_pre = self.taps["gate_pre"](self.w_gate(x))  # (..., f)
             if self.spec.activation is Activation.OWN_GATE:  # the model's own function of both (`OWN_GATE`)
-                hidden = act = self.taps["act"](self.activation(gate_pre, up))  # (..., f)
+                hidden = act = self.taps["act"](self.activation(gate_pre, up, **own_input))  # (..., f)
             else:
                 act = self.taps["act"](self.activation(gate_pre))  # (..., f)
                 hidden = act * up  # (..., f)
         else:
-            act = self.taps["act"](self.activation(up))  # (..., f)
+            act = self.taps["act"](self.activation(up, **own_input))  # (..., f)
             hidden = act
         hidden = self.taps["hidden"](self.hidden_transform(hidden))  # (..., f)
         return self.taps["output"](self.w_down(hidden))  # (..., d)

@@ -105,17 +105,13 @@ def test_an_ffn_several_blocks_share_is_one_ffn_each_later_call_reading_the_firs
     assert not any("routed experts" in part for part in info.arch.float_parts), info.arch.float_parts
 
 
-def test_an_mlp_taking_the_calling_layers_index_is_probed_with_it_and_refused_for_what_it_adds(tmp_path):
-    """Zamba 2's shared MLP takes `layer_idx` and adds that call's low-rank adapter to its gate and up: probed with
-    the block's index, as the model calls it, it runs, and the refusal names the adapters ffnquant's FFN does not
-    compute, not the KeyError of a call without the index."""
-    from ffnquant.errors import FFNQuantError
-
-    with pytest.raises(FFNQuantError) as info:
-        inspect_model(_folder(tmp_path, "zamba2"))
-    text = str(info.value)
-    assert "gate_up_proj_adapter_list.0.0.weight" in text and "no assignment of gate, up and activation" in text
-    assert "KeyError" not in text and "failed" not in text
+def test_an_mlp_taking_the_calling_layers_index_is_probed_with_it_and_found_with_what_it_adds(tmp_path):
+    """Zamba 2's shared MLP takes `layer_idx` and adds that call's low-rank adapter of its input to its gate and up:
+    probed with the block's index, as the model calls it, it is the module's own middle reading the FFN's input
+    (`hf.own.OwnMiddle`), passed the index; each layer's copy gets its own (`test_hf_adapters`)."""
+    info = inspect_model(_folder(tmp_path, "zamba2"))
+    template = info.arch.activation_template
+    assert template.reads_input and template.layer_idx == 0 and info.calls_differ()
 
 
 def test_a_probe_fills_its_buffers_so_its_verdict_is_the_same_every_run():

@@ -292,6 +292,10 @@ class _Info:
     def shared_groups():  # no FFN called by several layers
         return ()
 
+    @staticmethod
+    def calls_differ():
+        return False
+
     class spec:
         d_model, d_ff = 64, 128
 

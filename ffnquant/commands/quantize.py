@@ -10,6 +10,7 @@ from ..data import parse_source
 from ..errors import FFNQuantError
 from ..hf import EvalSettings, capture_layer_inputs, inspect_model, load_ffn_layers, parse_layers
 from ..hf.capture import read_text, require_transformers
+from ..hf.layers import check_recipes_per_call
 from ..hf.memory import plan_memory, quantize_needs
 from ..hf.stream import token_batches_of
 from ..infra.atomic import OutputTransaction, write_json, write_text
@@ -146,6 +147,7 @@ def _check_model(args: argparse.Namespace, recipe: Recipe | None, info=None):
     if recipe is not None:
         try:
             _smooth_sites(args, recipe, [info.spec])
+            check_recipes_per_call(info, [recipe])
         except FFNQuantError as exc:
             raise FFNQuantError(f"--model {args.model}: {exc}") from None
     if args.calib_tokens == 0:
@@ -308,7 +310,11 @@ def _print_results(rows: list, outputs: list) -> None:
                 count = f"{min(per_layer):,}" + (f" to {max(per_layer):,}" if min(per_layer) != max(per_layer) else "")
                 print(f"{part}: {count} tokens per layer from {data[part]['source']}")
             shared = [f"{r['label']} calls {r['shares']}'s" for r in data["layers"] if r.get("shares")]
-            if shared:  # "(= L0)": the layer calls L0's FFN again, quantized once from all their inputs
+            if shared and any(r.get("own_inputs") for r in data["layers"]):  # each call with its own adapters
+                print(f"shared FFNs: {', '.join(shared)} (one set of weights, each call with its own adapters): each "
+                      "call quantized on its own inputs through its own adapters, to the same weights (checked bit "
+                      "for bit: the recipe reads no calibration)")
+            elif shared:  # "(= L0)": the layer calls L0's FFN again, quantized once from all their inputs
                 print(f"shared FFNs: {', '.join(shared)} (one set of weights): each quantized once, from the inputs of "
                       "all its selected calls (the token counts above include them all)")
             for line in token_notes([data["calibration"].get("tokens"), data["evaluation"].get("tokens")]):

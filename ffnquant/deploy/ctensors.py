@@ -299,6 +299,8 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
 
     names = {mq.layer: (mq.fused or ffn_module(mq), mq.expert) for mq in planned.modules}
     layer_db = {r["label"]: r["accuracy_torch"]["sqnr_db"] for r in planned.rows}  # each layer's quantization noise
+    # a shared FFN whose calls compute differently is called with the calling layer's index, as the model calls it
+    blocks = {layer.label: layer.block for layer in layers} if info.calls_differ() else {}
     rows = []
     for label, x in captured.items():
         q = planned.qffns[label]
@@ -306,7 +308,7 @@ def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
         x = x.reshape(1, -1, x.shape[-1]).to(planned.compute_dtype)  # captured as float32: the model's values
         with torch.no_grad():
             ours = q(x)
-            theirs = loaded_ffn(loaded, info, *names[label])(x)
+            theirs = loaded_ffn(loaded, info, *names[label], layer_idx=blocks.get(label))(x)
         parity_db, noise_db = sqnr_db(ours, theirs), layer_db[label]
         exact = bool(torch.equal(ours, theirs))
         row = {"layer": label, "bit_identical": exact, "parity_sqnr_db": parity_db, "layer_sqnr_db": noise_db,

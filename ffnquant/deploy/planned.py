@@ -10,6 +10,8 @@ float. The formats (`deploy.ctensors`, `deploy.onnx_model`) write that; nothing 
 
 from __future__ import annotations
 
+import functools
+
 import copy
 import dataclasses
 from dataclasses import dataclass, field
@@ -169,11 +171,15 @@ def _linear_names(ffn_module: str, info: ModelInfo) -> dict[str, str]:
     return out
 
 
-def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str, expert: int | None = None) -> Any:
+def loaded_ffn(model: nn.Module, info: ModelInfo, ffn_module: str, expert: int | None = None,
+               layer_idx: int | None = None) -> Any:
     """The FFN of a (loaded) transformers model as one callable on [..., d_model]: the module itself, or for
     Linears in the block itself (OPT) the first Linear, the activation and the second in turn; a routed `expert`
-    of the fused experts module `ffn_module` (`hf.routed.expert_forward`)."""
+    of the fused experts module `ffn_module` (`hf.routed.expert_forward`); called with `layer_idx`, the calling
+    layer's index, where its calls compute differently (`ModelInfo.calls_differ`: Zamba 2's shared MLP)."""
     module = model.get_submodule(ffn_module)
+    if layer_idx is not None:
+        return functools.partial(module, layer_idx=layer_idx)
     if expert is not None:
         if isinstance(module, nn.ModuleList):  # a loader's per-expert modules (Llama 4's from a compressed folder)
             return module[expert]

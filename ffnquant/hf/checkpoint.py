@@ -105,6 +105,11 @@ class ModelInfo:
                 groups.setdefault(layer.shares, {layer.shares}).add(layer.index)
         return tuple(tuple(sorted(g)) for _, g in sorted(groups.items()))
 
+    def calls_differ(self) -> bool:
+        """Whether the layers calling one FFN compute different functions with it: the model's own middle is passed
+        the calling layer's index (Zamba 2's shared MLP adds each call's own adapter of its input to gate and up)."""
+        return bool(self.shared_groups()) and getattr(self.arch.activation_template, "layer_idx", None) is not None
+
     def block_params(self) -> dict[str, Any]:
         """The model's own block arithmetic from config.json: each block's FFN parameters (every expert of a
         mixture-of-experts block), its attention's (`arch.attention_shape`: grouped-query heads counted as
@@ -499,6 +504,8 @@ def _own_activation(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> nn.
                 raise FFNQuantError(f"{str(weights.path_of(name))!r}: tensor {name!r} holds NaN or infinite values")
         state[key] = tensor
     module.load_state_dict(state, strict=True)
+    if getattr(own, "layer_idx", None) is not None:  # a middle whose forward takes the calling layer's index
+        own.layer_idx = layer.block
     return own.float().eval()
 
 

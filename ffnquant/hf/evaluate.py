@@ -28,7 +28,8 @@ from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers
 from .inputs import (EvalSettings, LayerInputs, file_inputs,  # re-exported: hf.evaluate is where they were
                      fit_settings, model_file_stem, token_budget)
 from .layers import (_with_shortfall, _worst, calibrate_layers,  # re-exported: hf.evaluate is where they were
-                     end_to_end_figures, model_layers_report, quantize_layers, quantized_layers)
+                     check_recipes_per_call, end_to_end_figures, model_layers_report, quantize_layers,
+                     quantized_layers)
 from .layerwise import capture_layer_inputs, end_to_end_layerwise
 from .metrics import _NLL, Agreement, ErrorStats, Reference, _final_hidden, _run, reference_batch
 
@@ -158,6 +159,7 @@ def _quantized_per_recipe(hf_layers, info, recipes, inputs, bins, skipped):
     for recipe in recipes:
         try:
             recipe.check_fits(info.spec)
+            check_recipes_per_call(info, [recipe])
         except FFNQuantError as exc:
             skipped.append({"scheme": recipe.name, "reason": str(exc)})
             continue

@@ -27,7 +27,8 @@ def is_plan(recipe: Any) -> bool:
     object, so this engine does not import the planning package that builds on it."""
     return callable(getattr(recipe, "recipe_for", None))
 
-__all__ = ["calibrate_layers", "end_to_end_figures", "is_plan", "model_layers_report", "quantize_layers", "quantized_layers"]
+__all__ = ["calibrate_layers", "calls_differ", "check_recipes_per_call", "end_to_end_figures", "is_plan",
+           "model_layers_report", "quantize_layers", "quantized_layers"]
 
 Progress = Callable[[str, int, int], None]  # (message, done, total): called here, shown by the commands
 
@@ -104,9 +105,16 @@ def quantize_layers(
     --model` (`quantize_model_layers`) and `ffnquant run`. `collect_errors`: see `quantize_recipes`.
     """
     calls_of = _calls(layers)
+    for calls in calls_of.values():
+        check_per_call(calls, recipes)
     done: dict[tuple[int, int | None], list[Any]] = {}
     for layer in layers:
         calls = calls_of[layer.info.root]
+        if calls_differ(calls):  # each call on its own rows through its own FFN: one quantization, checked
+            yield from _per_call(layer, calls, recipes, inputs, done, file_stem, dict(
+                collect_errors=collect_errors, out_artifacts=out_artifacts, onnx=onnx, baseline=baseline,
+                sensitivity=sensitivity, latency=latency, bins=bins, smooth_sites=smooth_sites))
+            continue
         if layer is not calls[0]:  # an FFN called again (its weights shared): the first call's quantization, as it is
             for first in done[layer.info.root]:
                 yield dataclasses.replace(first, label=layer.label)
@@ -125,6 +133,67 @@ def quantize_layers(
                 outcomes.append(outcome)
             yield outcome
         del calib, held_out
+
+
+def calls_differ(calls: Sequence[Any]) -> bool:
+    """Whether the layers calling one FFN (its weights shared) compute different functions with it: its model's
+    own middle is passed the calling layer's index (Zamba 2's MLP adds each call's own adapter of its input)."""
+    return len(calls) > 1 and getattr(calls[0].ffn.activation, "layer_idx", None) is not None
+
+
+def check_per_call(calls: Sequence[Any], recipes: Sequence[Any]) -> None:
+    """Refuse a recipe that reads the calibration text for an FFN whose calls differ (`calls_differ`)."""
+    if calls_differ(calls):
+        per_call_refusal([c.label for c in calls], recipes)
+
+
+def per_call_refusal(labels: Sequence[str], recipes: Sequence[Any]) -> None:
+    """Raise for the recipes that read the calibration text, given to the layers `labels` calling one FFN that
+    computes differently per call: its one quantization would need every call's statistics merged, each through
+    its own function. A recipe that reads none (weight-only rounding, per-token activations) rounds every call to
+    the same weights."""
+    from ..recipe import Recipe
+
+    bad = [str(r) for r in recipes if Recipe.parse(str(r)).reads_calibration]
+    if bad:
+        raise FFNQuantError(
+            f"recipe {', '.join(bad)} reads the calibration text, and layers {', '.join(labels)} call one FFN (its "
+            f"weights shared) each with its own adapters: ffnquant does not merge a calibration across calls that "
+            f"compute differently; valid there: a recipe that reads no calibration (weight-only, e.g. w4a16-g32 or "
+            f"w8a16; per-token activations, e.g. w8a8-dynamic-s8), or fp32")
+
+
+def check_recipes_per_call(info: ModelInfo, recipes: Sequence[Any]) -> None:
+    """`per_call_refusal` for every FFN of `info` whose calls differ (`ModelInfo.calls_differ`), before any weight
+    is read."""
+    if info.calls_differ():
+        for group in info.shared_groups():
+            per_call_refusal([f"L{i}" for i in group], recipes)
+
+
+def _per_call(layer: HFLayer, calls: Sequence[HFLayer], recipes: Sequence[Any], inputs: LayerInputs,
+              done: dict[tuple[int, int | None], list[Any]], file_stem: str | None,
+              kw: Mapping[str, Any]) -> Iterable[Any]:
+    """One call of an FFN whose calls differ, quantized on its own rows through its own FFN (its own middle): the
+    recipes read no calibration (`check_per_call`), so every call rounds to the first call's weights, which is
+    checked bit for bit (one set of weights is what the model stores)."""
+    name = f"{file_stem}.{layer.label}" if file_stem else layer.label
+    firsts = done.get(layer.info.root)
+    outcomes = list(quantize_recipes(layer.spec, recipes, model=layer.ffn, calib_tokens=inputs.calib[layer.label],
+                                     eval_tokens=inputs.eval[layer.label], name=name, **kw))
+    for k, outcome in enumerate(outcomes):
+        outcome.label = layer.label
+        q = outcome.result.qmodel if outcome.result is not None else None
+        first = firsts[k].result.qmodel if firsts and firsts[k].result is not None else None
+        if q is not None and first is not None:
+            mine, theirs = q.model.weights(), first.model.weights()
+            if any(not torch.equal(mine[n], theirs[n]) for n in mine):
+                raise FFNQuantError(f"layer {layer.label}: quantizing the FFN it shares with {calls[0].label} under "
+                                    f"{outcome.recipe} gave other weights than that layer's: one set of weights "
+                                    "cannot be stored for both")
+    if firsts is None:
+        done[layer.info.root] = outcomes
+    yield from outcomes
 
 
 def _calls(layers: Sequence[HFLayer]) -> dict[tuple[int, int | None], list[HFLayer]]:
@@ -216,9 +285,11 @@ def quantized_layers(
         data.pop("environment", None)  # once per report, not per layer
         now = time.perf_counter()
         shares = layer.info.shares
+        # a call of an FFN whose calls differ (Zamba 2's adapters) was quantized on its own inputs
+        per_call = {"own_inputs": True} if shares is not None and calls_differ(_calls(layers)[layer.info.root]) else {}
         rows.append({"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
                      "inputs_borrowed": inputs.borrowed.get(layer.label), "seconds": now - t_layer, **data,
-                     **({"shares": f"L{shares}"} if shares is not None else {})})
+                     **({"shares": f"L{shares}", **per_call} if shares is not None else {})})
         t_layer = now
         qffns[layer.label] = res.qmodel
         del outcome, res

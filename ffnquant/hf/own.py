@@ -6,7 +6,11 @@ finds them; `model.FFN` computes with them, `hf.checkpoint` fills each layer's c
   SwiGLU): `OwnGate`, `Activation.OWN_GATE`;
 - everything a dense MLP module computes between its Linears (BitNet's and Dory's norm of the hidden, Dory's
   learned gate and up scales): the module itself run with its Linears replaced by slices of its input (`OwnMiddle`),
-  a function of gate and up (`OWN_GATE`) or of up alone (`OWN`).
+  a function of gate and up (`OWN_GATE`) or of up alone (`OWN`);
+- the same where it also reads the FFN's input beside its Linears (Zamba 2's shared MLP adds each calling layer's
+  own low-rank adapter of its input to gate and up): the module run on the FFN's input, its first Linears
+  answering the products they are given (`OwnMiddle.reads_input`), with the calling layer's index where its forward
+  takes one (`OwnMiddle.layer_idx`, set per layer by `hf.checkpoint`).
 
 Each is a module whose `stored` (where it has one) is the model's module that holds its state, under the names
 the checkpoint keeps them by."""
@@ -22,7 +26,7 @@ from torch import nn
 from .ffn_candidates import FoundFFN
 
 __all__ = ["OwnGate", "OwnMiddle", "own_activations", "own_gate", "own_middle", "elementwise", "gate_interleaved",
-           "rowwise"]
+           "rowwise", "rowwise_reading_input"]
 
 
 def elementwise(fn: Callable[..., torch.Tensor], width: int, gen: torch.Generator, inputs: int = 1,
@@ -139,31 +143,85 @@ class _Parts(nn.Module):
         return f"parts={self.parts}, n={self.n}"
 
 
+class _Given(nn.Module):
+    """Stands for one of an MLP's first Linears in an `OwnMiddle` that reads the FFN's input: whatever it is given,
+    it answers the parts of the products its middle was handed (gate, up, ...) that its output would be."""
+
+    def __init__(self, *parts: int, given: list) -> None:
+        super().__init__()
+        self.parts, self.given = parts, given
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.given[i] for i in self.parts], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"parts={self.parts}"
+
+
 class OwnMiddle(nn.Module):
     """What a dense MLP module computes between its Linears, as a function of gate and up (or up alone): the module
     (`stored`, its other parameters and submodules its own) run on gate and up side by side, its first Linears
-    replaced by the slices their outputs are and its last by the identity."""
+    replaced by the slices their outputs are and its last by the identity.
 
-    def __init__(self, stored: nn.Module) -> None:
+    `reads_input`: the module also reads the FFN's input beside its Linears (Zamba 2's per-layer adapters): it runs
+    on the input `x`, its first Linears answering the products given; `layer_idx`, the calling layer's index its
+    forward is passed (None: none)."""
+
+    def __init__(self, stored: nn.Module, reads_input: bool = False, layer_idx: int | None = None,
+                 given: list | None = None) -> None:
         super().__init__()
-        self.stored = stored
+        self.stored, self.reads_input, self.layer_idx = stored, reads_input, layer_idx
+        # what the `_Given` stand-ins answer, one list they share (deepcopy keeps it shared within a copy)
+        self.given = given if given is not None else []
 
-    def forward(self, *parts: torch.Tensor) -> torch.Tensor:
-        return self.stored(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
+    def forward(self, *parts: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.reads_input:
+            return self.stored(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
+        if x is None:
+            raise TypeError("this FFN's middle reads the FFN's input: call it with x=")
+        self.given[:] = parts
+        try:
+            return self.stored(x) if self.layer_idx is None else self.stored(x, layer_idx=self.layer_idx)
+        finally:
+            self.given.clear()
+
+    def extra_repr(self) -> str:
+        return f"reads_input=True, layer_idx={self.layer_idx}" if self.reads_input else ""
 
 
-def own_middle(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str]) -> OwnMiddle | None:
-    """`module` (a dense MLP, its Linears modules) as `OwnMiddle` under the assignment `roles`; None for experts."""
+def own_middle(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str], reads_input: bool = False,
+               layer_idx: int | None = None) -> OwnMiddle | None:
+    """`module` (a dense MLP, its Linears modules) as `OwnMiddle` under the assignment `roles`; None for experts.
+    `reads_input`, `layer_idx`: see `OwnMiddle`."""
     if any(not isinstance(_get(module, name), nn.Module) for name in roles):
         return None
     n = 2 if ffn.gated else 1
     slices = {"w_gate": (0,), "w_up": (1,) if ffn.gated else (0,), "w_gate+w_up": (0, 1), "w_up+w_gate": (1, 0)}
-    stored = copy.deepcopy(module)
+    stored, given = copy.deepcopy(module), []
     for name, role in roles.items():
         parent, _, attr = name.rpartition(".")
-        setattr(stored.get_submodule(parent) if parent else stored, attr,
-                nn.Identity() if role == "w_down" else _Parts(*slices[role], n=n))
-    return OwnMiddle(stored)
+        new = (nn.Identity() if role == "w_down" else _Given(*slices[role], given=given) if reads_input
+               else _Parts(*slices[role], n=n))
+        setattr(stored.get_submodule(parent) if parent else stored, attr, new)
+    return OwnMiddle(stored, reads_input, layer_idx, given)
+
+
+def rowwise_reading_input(middle: OwnMiddle, d: int, f: int, parts: int, gen: torch.Generator) -> bool:
+    """Whether an `OwnMiddle` reading the FFN's input computes each token's output from that token's products and
+    input alone (moving one token's input, or one of its products, moves that token's output alone)."""
+    zs = [torch.randn(5, f, generator=gen) * 2.0 for _ in range(parts)]
+    x = torch.randn(5, d, generator=gen)
+    try:
+        with torch.no_grad():
+            y = middle(*zs, x=x)
+            for i in range(parts + 1):
+                moved_zs, moved_x = [z.clone() for z in zs], x.clone()
+                (moved_x if i == parts else moved_zs[i])[2] += 1.0
+                if not _moved_only(y, middle(*moved_zs, x=moved_x), torch.Size((5, f)), (2,)):
+                    return False
+    except Exception:  # noqa: BLE001 - a module that does not run so: not this form
+        return False
+    return True
 
 
 def _get(module: nn.Module, dotted: str) -> Any:

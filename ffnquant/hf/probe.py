@@ -20,7 +20,7 @@ from ..errors import FFNQuantError
 from ..spec import Activation
 from .arch import Install
 from .ffn_candidates import FoundFFN, expert_matrices, input_major
-from .own import elementwise, gate_interleaved, own_activations, own_gate, own_middle, rowwise
+from .own import elementwise, gate_interleaved, own_activations, own_gate, own_middle, rowwise, rowwise_reading_input
 
 __all__ = ["probe", "probe_activation", "takes_residual", "takes_sorted_tokens"]
 
@@ -178,8 +178,11 @@ def _assignments(ffn: FoundFFN) -> list[dict[str, str]]:
 def _ffnquant_output(mats: Mapping[str, tuple[torch.Tensor, Any]], roles: Mapping[str, str],
                      act: Callable[..., torch.Tensor], x: torch.Tensor, of_both: bool = False) -> torch.Tensor:
     """What ffnquant's FFN computes with these matrices, roles and activation (`of_both`: a gate function of gate
-    and up, `Activation.OWN_GATE`)."""
+    and up, `Activation.OWN_GATE`; an activation that `reads_input` is handed the FFN's input too, as `FFN`
+    hands it)."""
     lin = lambda name, h: nn.functional.linear(h, *mats[name])  # noqa: E731
+    if getattr(act, "reads_input", False):
+        act = functools.partial(act, x=x)
     by_role = {r: n for n, r in roles.items()}
     down = by_role["w_down"]
     if "w_up" not in by_role:  # a fused gate+up matrix
@@ -233,15 +236,16 @@ def takes_layer_idx(module: nn.Module) -> bool:
 
 
 def _module_output(small: nn.Module, ffn: FoundFFN, x: torch.Tensor, act_attr: str,
-                   residual: torch.Tensor | None = None, layer_idx: int | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, layer_idx: int | None = None) -> tuple[torch.Tensor, bool]:
+    """The copy's output on `x`, and whether it was given `layer_idx` (only where it fails without it)."""
     try:
-        return _output(small, ffn, x, act_attr, residual)
+        return _output(small, ffn, x, act_attr, residual), False
     except Exception as exc:  # noqa: BLE001 - a forward that needs the calling layer's index (Zamba 2's MLP;
         # Moshi's takes one too, and computes otherwise with it: given only where the module fails without it)
         if layer_idx is None or not takes_layer_idx(small):
             raise
         try:
-            return _output(functools.partial(small, layer_idx=layer_idx), ffn, x, act_attr, residual)
+            return _output(functools.partial(small, layer_idx=layer_idx), ffn, x, act_attr, residual), True
         except Exception as with_index:  # noqa: BLE001 - fails either way: the first failure is the cause
             raise exc from with_index
 
@@ -292,10 +296,11 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str, layer_idx: int | None = 
         try:
             small = _shrunk_copy(module, ffn, d, f, gen)
             x = torch.randn(7, d, generator=gen) * 1.5
-            y = _module_output(small, ffn, x, act_attr, torch.zeros_like(x) if residual else None, layer_idx)
+            y, indexed = _module_output(small, ffn, x, act_attr, torch.zeros_like(x) if residual else None,
+                                        layer_idx)
             if residual:  # what it adds is the residual itself, exactly: FFN(x) + r, whatever r
                 r = torch.randn(7, d, generator=gen)
-                added = _module_output(small, ffn, x, act_attr, r, layer_idx)
+                added, _ = _module_output(small, ffn, x, act_attr, r, layer_idx)
                 if not torch.equal(added, y + r):
                     last = ("its second argument 'residual' is not added to its output as it is (the output "
                             f"moves by {float((added - y - r).abs().max()):.3g} beside the residual)")
@@ -313,7 +318,8 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str, layer_idx: int | None = 
         named = ((roles, act, _ACT_FN[act], act_attr, lambda: None) for roles in _assignments(ffn)
                  for act in Activation if act in _ACT_FN)
         # the model's own functions only where no named activation reproduces it (built then: they run the module)
-        tries = itertools.chain(named, _own_tries(module, small, ffn, f, gen, residual))
+        tries = itertools.chain(named, _own_tries(module, small, ffn, d, f, gen, residual,
+                                                  layer_idx if indexed else None))
         for roles, act, fn, attr, template in tries:
             with torch.no_grad():
                 mine = _ffnquant_output(mats, roles, fn, x, act is Activation.OWN_GATE)
@@ -338,12 +344,13 @@ def probe(module: nn.Module, ffn: FoundFFN, where: str, layer_idx: int | None = 
                         f"activation module")
 
 
-def _own_tries(module: nn.Module, small: nn.Module, ffn: FoundFFN, f: int, gen: torch.Generator,
-               residual: bool) -> Iterator[tuple[Mapping[str, str], Activation, Any, str, Callable[[], Any]]]:
+def _own_tries(module: nn.Module, small: nn.Module, ffn: FoundFFN, d: int, f: int, gen: torch.Generator,
+               residual: bool, layer_idx: int | None = None
+               ) -> Iterator[tuple[Mapping[str, str], Activation, Any, str, Callable[[], Any]]]:
     """(roles, activation, its function on the probe's copy `small`, its attribute, its template from the meta
     `module`) of the model's own functions (`hf.own`), in order: an elementwise activation module (learned
     parameters and all), an experts module's gate function of gate and up, all a dense MLP computes between its
-    Linears."""
+    Linears, the same reading the FFN's input too (`layer_idx`: what the module's forward needs, or None)."""
     own_acts = [n for n in own_activations(small, ffn)
                 if ffn.install is not Install.SPLIT and elementwise(small.get_submodule(n), f, gen)]
     for roles in _assignments(ffn):
@@ -358,6 +365,13 @@ def _own_tries(module: nn.Module, small: nn.Module, ffn: FoundFFN, f: int, gen: 
         if middle is not None and rowwise(middle, f, gen, 2 if ffn.gated else 1):
             yield (roles, Activation.OWN_GATE if ffn.gated else Activation.OWN, middle, "",
                    lambda r=roles: own_middle(module, ffn, r))
+    if ffn.install is not Install.MODULE or residual:
+        return
+    for roles in _assignments(ffn):  # last: the module's own forward on the FFN's input, its Linears answering
+        middle = own_middle(small, ffn, roles, reads_input=True, layer_idx=layer_idx)
+        if middle is not None and rowwise_reading_input(middle, d, f, 2 if ffn.gated else 1, gen):
+            yield (roles, Activation.OWN_GATE if ffn.gated else Activation.OWN, middle, "",
+                   lambda r=roles: own_middle(module, ffn, r, reads_input=True, layer_idx=layer_idx))
 
 
 def _as_split(module: nn.Module, ffn: FoundFFN, gen: torch.Generator) -> FoundFFN | None:

@@ -48,7 +48,8 @@ from .candidates import HELD_ROWS, candidate_recipes, deferred, run_score_task, 
 from .latency_table import measure_latency_table
 from .planfile import Plan, model_fingerprint
 from .runtime_latency import check_runtimes, measure_runtime_table
-from .rows import candidate_row, choosable, finish_layer, fold_exclude, layer_local, never_chosen
+from .rows import (calibration_exclude, candidate_row, choosable, finish_layer, fold_exclude, layer_local,
+                   never_chosen)
 from .search import Option, pareto
 from .sensitivity import check_plannable, noise_per_kl
 from .source import PlanSource
@@ -244,7 +245,8 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
         for k, scores, kept in _scored(executor, group, scored, keep, settings.bins, probe_only):
             layer, calib, held, grad = group[k]
             if retain:
-                front = choosable(scores, latency, objective, target.damage_kind, source.fold_refusals.get(layer.index))
+                front = choosable(scores, latency, objective, target.damage_kind, source.fold_refusals.get(layer.index),
+                                  source.per_call_refusals.get(layer.index))
                 for recipe, q in kept.items():
                     if str(recipe) in front and not recipe.is_float:
                         source.offer(layer.index, str(recipe), q)
@@ -258,6 +260,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
     for i in sorted(local):  # in layer order, whatever order the tasks finished in
         per_layer[i], fits[i] = finish_layer(local[i], source.ablations, recipes, latency, objective, unscored)
         fold_exclude(per_layer[i]["candidates"], refusals.get(i))
+        calibration_exclude(per_layer[i]["candidates"], source.per_call_refusals.get(i))
     fit_points = [p for i in sorted(fits) for p in fits[i]]
     timings["candidates_s"] = time.perf_counter() - t - timings.get("latency_table_s", 0.0)
 
@@ -314,6 +317,7 @@ def _search_and_verify(source, info, target, objective, recipes, skipped, probes
             rows = {s.recipe: candidate_row(s, entry, latency, objective) for s in scores}
             entry["candidates"] = [rows.get(r["recipe"], r) if r.get("deferred") else r for r in entry["candidates"]]
             fold_exclude(entry["candidates"], refusals.get(i))
+            calibration_exclude(entry["candidates"], source.per_call_refusals.get(i))
             for recipe, q in kept.items():
                 source.offer(i, str(recipe), q)
         del layer, calib, held

@@ -78,6 +78,10 @@ class Plan:
                 raise FFNQuantError(f"the plan gives layers {', '.join(f'L{i}' for i in calls)} the recipes "
                                     f"{', '.join(sorted(recipes))}, but they call one FFN (its weights shared): plan "
                                     "one recipe for them (ffnquant's plans do)")
+        if info.calls_differ():
+            from ..hf.layers import check_recipes_per_call
+
+            check_recipes_per_call(info, list(self.layers.values()))
 
     # --- TOML ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -39,7 +39,9 @@ class VerificationRounds:
         offered = {j for j in quantized if j >= start and (j, chosen[j]) not in kept and (j, chosen[j]) in self._offered}
         # the layers calling one FFN (its weights shared) compute with one quantization of it, by (its first layer,
         # recipe): the last round's where it kept one, else made at the first of its calls this round quantizes
-        shared = {j: g for g in self.info.shared_groups() for j in g}
+        # (calls that compute differently, Zamba 2's, are each quantized on their own rows: the recipes a plan gives
+        # them read no calibration, so each rounds to the same weights)
+        shared = {} if self.info.calls_differ() else {j: g for g in self.info.shared_groups() for j in g}
         made: dict[tuple[int, str], Any] = {(shared[j][0], name): q for (j, name), q in kept.items() if j in shared}
         fresh, making = [], set()
         for j in quantized:

@@ -25,7 +25,7 @@ from .sensitivity import fisher_noise
 from .steering import min_gain
 from .target import Objective
 
-__all__ = ["candidate_row", "choosable", "finish_layer", "fold_exclude", "layer_local", "needs_fold", "never_chosen"]
+__all__ = ["calibration_exclude", "candidate_row", "choosable", "finish_layer", "fold_exclude", "layer_local", "needs_fold", "never_chosen"]
 
 
 def _fit(points: Sequence[tuple[float, float]]) -> float:
@@ -82,15 +82,26 @@ def fold_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
             row["excluded"] = f"its input scale cannot fold into a norm here: {refusal}"
 
 
+def calibration_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
+    """A recipe that reads the calibration text is not chosen on a layer calling an FFN whose calls differ (Zamba
+    2's adapters, `refusal` says so): its one quantization would need every call's statistics merged."""
+    if not refusal:
+        return
+    for row in rows:
+        if row.get("error") is None and "excluded" not in row and Recipe.parse(str(row["recipe"])).reads_calibration:
+            row["excluded"] = f"it reads the calibration text: {refusal}"
+
+
 def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[str, Any]], objective: Objective,
-               damage_kind: str, fold_refusal: str | None) -> set[str]:
+              damage_kind: str, fold_refusal: str | None, calibration_refusal: str | None = None) -> set[str]:
     """The recipes a plan could still choose on a layer from its scores alone: the Pareto front of (damage, cost),
     once over all of them and once without the static int8 ones (which onnxruntime's floor may exclude later).
     The per-layer factors the probes fit scale every candidate of the layer alike, so they move no candidate on or
     off the front; a candidate off both fronts is beaten on that layer whatever the target's budget."""
     options = []
     for s in scores:
-        if s.error is not None or (fold_refusal and needs_fold(Recipe.parse(s.recipe))):
+        if s.error is not None or (fold_refusal and needs_fold(Recipe.parse(s.recipe))) or (
+                calibration_refusal and Recipe.parse(s.recipe).reads_calibration):
             continue
         noise = s.fisher if damage_kind == "kl" else s.search_noise
         cost = (latency.get(s.recipe) or {}).get("p50_ms") if objective.kind == "latency" else s.bytes

@@ -1,0 +1,175 @@
+"""An FFN whose module also reads its input beside its Linears (Zamba 2's shared MLP adds each calling layer's own
+low-rank adapter of its input to gate and up): found by running the module on the FFN's input with its Linears
+answering the products (`hf.own.OwnMiddle.reads_input`), each call computing with its own adapters, quantized by
+the recipes that read no calibration, every call to the same weights, and its folder proven."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from ffnquant.cli import main
+from ffnquant.errors import FFNQuantError
+from ffnquant.hf import inspect_model, load_ffn_layers
+from ffnquant.hf.arch import Install
+from ffnquant.hf.ffn_candidates import FoundFFN
+from ffnquant.hf.inputs import LayerInputs
+from ffnquant.hf.layers import quantize_layers, quantized_layers
+from ffnquant.hf.own import OwnMiddle, own_middle, rowwise_reading_input
+from ffnquant.planning.planfile import Plan, model_fingerprint
+from ffnquant.planning.rows import calibration_exclude
+from ffnquant.recipe import Recipe
+from ffnquant.spec import Activation
+
+T = pytest.importorskip("transformers", reason="transformers not installed (pip install '.[hf]')")
+
+TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
+
+
+@pytest.fixture(scope="module")
+def zamba2(tmp_path_factory):
+    from hf_models import tiny_or_skip
+
+    return tiny_or_skip("zamba2", tmp_path_factory.mktemp("adapters") / "zamba2")
+
+
+class _AdaptedMLP(nn.Module):
+    """A gated MLP adding a per-call low-rank adapter of its input to gate and up (Zamba 2's form, in small)."""
+
+    def __init__(self, d: int = 6, f: int = 10, calls: int = 2) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+        self.adapters = nn.ModuleList(nn.Sequential(nn.Linear(d, 3, bias=False), nn.Linear(3, 2 * f, bias=False))
+                                      for _ in range(calls))
+
+    def forward(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        gate, up = (self.gate_up_proj(x) + self.adapters[layer_idx](x)).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+def _found(d: int = 6, f: int = 10) -> FoundFFN:
+    return FoundFFN(path="", install=Install.MODULE, roles={"gate_up_proj": "w_gate+w_up", "down_proj": "w_down"},
+                    d_model=d, d_ff=f, gated=True)
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1], ids=["call0", "call1"])
+def test_a_middle_reading_the_input_computes_the_module_with_its_linears_answering(layer_idx):
+    torch.manual_seed(0)
+    mlp = _AdaptedMLP()
+    middle = own_middle(mlp, _found(), {"gate_up_proj": "w_gate+w_up", "down_proj": "w_down"}, reads_input=True,
+                        layer_idx=layer_idx)
+    assert isinstance(middle, OwnMiddle) and middle.reads_input
+    x = torch.randn(4, 6)
+    gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    with torch.no_grad():
+        hidden = middle(gate, up, x=x)
+        want = mlp(x, layer_idx)
+    assert torch.allclose(mlp.down_proj(hidden), want, rtol=0, atol=1e-6)
+    assert not middle.given  # what the stand-ins answered is let go after the call
+    assert rowwise_reading_input(middle, 6, 10, 2, torch.Generator().manual_seed(0))
+
+
+def test_a_middle_reading_the_input_refuses_a_call_without_it():
+    middle = own_middle(_AdaptedMLP(), _found(), {"gate_up_proj": "w_gate+w_up", "down_proj": "w_down"},
+                        reads_input=True, layer_idx=0)
+    with pytest.raises(TypeError, match="reads the FFN's input"):
+        middle(torch.zeros(1, 10), torch.zeros(1, 10))
+
+
+def test_zamba2s_shared_mlp_is_found_and_each_call_reproduces_the_models_module(zamba2):
+    from ffnquant.hf.capture import load_hf_model
+
+    info = inspect_model(zamba2)
+    assert info.spec.activation is Activation.OWN_GATE and info.calls_differ()
+    assert [layer.shares for layer in info.layers] == [None, 0]
+    layers = load_ffn_layers(info)
+    model = load_hf_model(info)
+    mlps = [model.model.layers[layer.info.block].shared_transformer.feed_forward for layer in layers]
+    assert mlps[0].gate_up_proj.weight is mlps[1].gate_up_proj.weight  # tied: one FFN, stored once
+    x = torch.randn(9, info.spec.d_model, generator=torch.Generator().manual_seed(1))
+    outs = []
+    with torch.no_grad():
+        for layer, mlp in zip(layers, mlps):
+            assert layer.ffn.activation.layer_idx == layer.info.block
+            want = mlp(x, layer_idx=layer.info.block)
+            got = layer.ffn(x)
+            assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+            outs.append(got)
+    assert not torch.allclose(outs[0], outs[1])  # the two calls' adapters differ: two functions
+
+
+def _inputs(labels):
+    g = torch.Generator().manual_seed(0)
+    calib = {label: torch.randn(64, 32, generator=g) for label in labels}
+    held = {label: torch.randn(16, 32, generator=g) for label in labels}
+    return LayerInputs(calib, held, "calib", "held", "different texts", {})
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-g32", "w8a8-dynamic-s8"])
+def test_each_call_is_quantized_on_its_own_rows_to_the_same_weights(zamba2, recipe):
+    info = inspect_model(zamba2)
+    layers = load_ffn_layers(info)
+    inputs = _inputs([layer.label for layer in layers])
+    rows, qffns = quantized_layers(info, layers, inputs, Recipe.parse(recipe), onnx=False, sensitivity=False)
+    assert [r.get("shares") for r in rows] == [None, "L0"] and rows[1]["own_inputs"]
+    first, second = (qffns[label] for label in ("L0", "L1"))
+    assert first is not second and second.model.activation.layer_idx == 1
+    w0, w1 = first.model.weights(), second.model.weights()
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)  # one set of weights: what the model stores
+    # the second call's figures are its own: its FFN quantized alone on its own rows
+    alone = next(quantize_layers(layers[1:], [Recipe.parse(recipe)], inputs)).result
+    assert rows[1]["accuracy_torch"] == alone.to_dict()["accuracy_torch"] != rows[0]["accuracy_torch"]
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8@search+smooth", "w4a16-g32-gptq"])
+def test_a_recipe_reading_the_calibration_is_refused_for_calls_that_differ(zamba2, recipe):
+    info = inspect_model(zamba2)
+    layers = load_ffn_layers(info)
+    with pytest.raises(FFNQuantError, match=r"reads the calibration text, and layers L0, L1 call one FFN .* valid "
+                                            r"there: a recipe that reads no calibration"):
+        next(quantize_layers(layers, [Recipe.parse(recipe)], _inputs(["L0", "L1"])))
+
+
+def test_the_command_and_a_plan_refuse_a_calibrated_recipe_before_reading_weights(zamba2, tmp_path, capsys):
+    assert main(["quantize", "--model", str(zamba2), "--scheme", "w8a8", *TOKENS, "--no-onnx", "--no-progress",
+                 "--out-reports", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "recipe w8a8 reads the calibration text" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "q").exists()
+    info = inspect_model(zamba2)
+    plan = Plan(model_fingerprint(info), {0: Recipe.parse("w8a8"), 1: Recipe.parse("w8a8")}, "ppl+1%", "latency")
+    with pytest.raises(FFNQuantError, match="reads the calibration text"):
+        plan.check_model(info)
+
+
+def test_the_plan_excludes_calibrated_candidates_on_those_layers():
+    rows = [{"recipe": "w8a8", "error": None}, {"recipe": "w4a16-g32", "error": None},
+            {"recipe": "w8a8-dynamic-s8", "error": None}]
+    calibration_exclude(rows, "layers L0, L1 call one FFN each with its own adapters")
+    assert [("excluded" in r) for r in rows] == [True, False, False]
+    assert rows[0]["excluded"].startswith("it reads the calibration text: layers L0, L1")
+    calibration_exclude(rows[1:], None)
+    assert "excluded" not in rows[1]
+
+
+def test_the_plan_and_its_compressed_tensors_folder_are_proven(zamba2, tmp_path, capsys):
+    plan = tmp_path / "p"
+    assert main(["plan", "--model", str(zamba2), "--target", "ppl+5%", "--objective", "bytes",
+                 "--candidates", "fp32,w8a8,w8a8-dynamic-s8,w4a16-g32", *TOKENS, "--seq-len", "128",
+                 "--probe-tokens", "128", "--no-progress", "--out", str(plan)]) == 0
+    data = json.loads((plan / "plan.json").read_text())
+    chosen = {row["index"]: row["recipe"] for row in data["plan"]["layers"]}
+    assert chosen[0] == chosen[1] and not Recipe.parse(chosen[0]).reads_calibration
+    static = [c for row in data["layers"].values() for c in row["candidates"] if c["recipe"] == "w8a8"]
+    assert static and all("reads the calibration text" in c["excluded"] for c in static)
+    capsys.readouterr()
+    rc = main(["export", "--model", str(zamba2), "--plan", str(plan / "plan.toml"), "--format", "compressed-tensors",
+               *TOKENS, "--seq-len", "128", "--no-progress", "--out", str(tmp_path / "ct")])
+    assert rc == 0, capsys.readouterr()
+    proof = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())["proof"]
+    assert proof["proven"] and proof["weights"]["all_identical"] and proof["layers"]["all_at_parity"]
+    assert proof["layers"]["layers"] == 2
