@@ -173,3 +173,32 @@ def test_the_plan_and_its_compressed_tensors_folder_are_proven(zamba2, tmp_path,
     proof = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())["proof"]
     assert proof["proven"] and proof["weights"]["all_identical"] and proof["layers"]["all_at_parity"]
     assert proof["layers"]["layers"] == 2
+
+
+@pytest.fixture(scope="module")
+def zamba2_two_blocks(tmp_path_factory):
+    """Zamba 2 as its larger checkpoints are built: two shared blocks called in turn by four hybrid layers, each
+    block's MLP holding the adapters of its own calls alone."""
+    from hf_models import save_causal_tiny, tokenizer
+
+    T.logging.set_verbosity_error()
+    return save_causal_tiny(T, "zamba2", tmp_path_factory.mktemp("adapters") / "two", tokenizer(T),
+                            layers_block_type=["hybrid"] * 4, num_hidden_layers=4, num_mem_blocks=2,
+                            hybrid_layer_ids=[0, 1, 2, 3])
+
+
+def test_two_shared_blocks_each_read_with_their_own_adapters_and_proven(zamba2_two_blocks, tmp_path, capsys):
+    info = inspect_model(zamba2_two_blocks)
+    assert [layer.shares for layer in info.layers] == [None, None, 0, 1]
+    # block 1's MLP keeps adapters 1 and 3 (the others identities): its own template, read under its own names
+    assert set(info.arch.activation_templates) == {1, 3}
+    layers = load_ffn_layers(info)
+    assert [layer.ffn.activation.layer_idx for layer in layers] == [0, 1, 2, 3]
+    plan = tmp_path / "plan.toml"
+    plan.write_text(Plan(model_fingerprint(info), {i: Recipe.parse("w4a16-g32") for i in range(4)}, "ppl+5%",
+                         "bytes").to_toml())
+    rc = main(["export", "--model", str(zamba2_two_blocks), "--plan", str(plan), "--format", "compressed-tensors",
+               *TOKENS, "--seq-len", "128", "--no-progress", "--out", str(tmp_path / "ct")])
+    assert rc == 0, capsys.readouterr()
+    proof = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())["proof"]
+    assert proof["proven"] and proof["layers"]["layers"] == 4 and proof["layers"]["all_at_parity"]

@@ -13,7 +13,7 @@ else's), where an input scale of SmoothQuant/AWQ folds, or why no norm can take 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import FFNQuantError, unknown_choice
@@ -287,6 +287,9 @@ class Arch:
     # `<ffn prefix>.<activation_attr>.<tensor>` (`hf.checkpoint`)
     activation_template: Any = None
     activation_attr: str = ""
+    # blocks whose own module's template holds other tensors than `activation_template` (Zamba 2's shared MLPs:
+    # each of its blocks keeps the adapters of its own calls alone): {block: template}
+    activation_templates: Mapping[int, Any] = field(default_factory=dict, compare=False)
     # a fused gate+up matrix whose gate and up rows alternate (gpt-oss' experts, read so by their own gate function)
     interleaved: bool = False
     # fused experts' tensors holding each expert's matrix [in, out] (all: `transposed`), and whether they are flat

@@ -482,10 +482,16 @@ def _own_class(arch: Arch) -> str:
     return type(getattr(template, "stored", template)).__name__
 
 
+def _own_template(arch: Arch, layer: LayerInfo) -> Any:
+    """The template of one layer's own activation module: its block's own where it holds other tensors
+    (`Arch.activation_templates`), else the model's."""
+    return arch.activation_templates.get(layer.block, arch.activation_template)
+
+
 def _own_activation_names(arch: Arch, layer: LayerInfo) -> dict[str, str]:
     """The checkpoint names of one layer's own activation module's tensors, by their name in the module (a gate
     function's: in the module that owns it, `stored`)."""
-    template = arch.activation_template
+    template = _own_template(arch, layer)
     stored = getattr(template, "stored", template)
     return {key: ".".join(p for p in (layer.name, arch.activation_attr, key) if p) for key in stored.state_dict()}
 
@@ -493,7 +499,7 @@ def _own_activation_names(arch: Arch, layer: LayerInfo) -> dict[str, str]:
 def _own_activation(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> nn.Module:
     """A layer's copy of the model's own activation module (`Arch.activation_template`), its learned parameters and
     buffers read from the checkpoint, in float32 (the FFN's computing dtype)."""
-    own = copy.deepcopy(info.arch.activation_template).to_empty(device="cpu")
+    own = copy.deepcopy(_own_template(info.arch, layer)).to_empty(device="cpu")
     module = getattr(own, "stored", own)
     state = {}
     for key, name in _own_activation_names(info.arch, layer).items():

@@ -30,6 +30,7 @@ from .conversions import expert_sources, pretrained_classes, with_renames
 from .skeleton import causal_lm_from_config
 from .ffn_candidates import FoundFFN, candidates, linear_shape
 from .arch import ARCHITECTURES, Arch, Install, ModelKind
+from .own import OwnMiddle, own_middle
 from .probe import probe, probe_activation
 from .validate import check_attention_config
 
@@ -60,6 +61,8 @@ class Discovery:
     model_classes: tuple[str, ...] = field(default=())
     # blocks whose FFN is an earlier block's, the same Parameters called again (Zamba's): {block: first block}
     shares: Mapping[int, int] = field(default_factory=dict)
+    # blocks whose own middle holds other tensors than the kept FFN's template (`Arch.activation_templates`)
+    own_templates: Mapping[int, Any] = field(default_factory=dict)
 
     def list_suffix(self) -> str:
         """The shortest tail of the blocks' list path that names no other list of the model: checkpoints are read
@@ -102,7 +105,8 @@ class Discovery:
             linear_class=ffn.linear_class if ffn.install is not Install.EXPERTS else "", residual_arg=ffn.residual,
             # the norm before each FFN is found when the model runs (`hf.fold`), from who produces its input
             norm_pattern="", norm_from_graph=True,
-            activation_template=ffn.act_module, activation_attr=ffn.act_attr if ffn.act_module is not None else "")
+            activation_template=ffn.act_module, activation_attr=ffn.act_attr if ffn.act_module is not None else "",
+            activation_templates=dict(self.own_templates))
         roles = tuple(sorted(ffn.roles))
         if ffn.install is Install.EXPERTS:
             # checkpoints often keep one 2-D tensor per expert and matrix, which transformers fuses at load time:
@@ -317,7 +321,25 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
             float_parts.append(f"L{i}: no FFN in this block")
     return Discovery(model_type or str(getattr(config, "model_type", "")), type(model).__name__, layers_path,
                      len(blocks), ffn, kept, tuple(sorted(float_parts, key=lambda s: (len(s.split()[0]), s))),
-                     model_classes=pretrained_classes(model), shares=_shared_blocks(blocks, kept, ffn, where, layers_path))
+                     model_classes=pretrained_classes(model), shares=_shared_blocks(blocks, kept, ffn, where, layers_path),
+                     own_templates=_own_templates(blocks, kept, ffn))
+
+
+def _own_templates(blocks: nn.ModuleList, kept: Sequence[int], ffn: FoundFFN) -> dict[int, Any]:
+    """Each kept block's own middle (`hf.own.OwnMiddle`) where it holds other tensors than the kept FFN's template,
+    built from that block's module as the template was from the first's: {block: template}. Zamba 2 with two
+    shared blocks: each one's MLP keeps the adapters of its own calls alone (the others are identities)."""
+    main = ffn.act_module
+    if not isinstance(main, OwnMiddle):
+        return {}
+    keys = set(main.stored.state_dict())
+    out = {}
+    for i in kept:
+        module = blocks[i].get_submodule(ffn.path) if ffn.path else blocks[i]
+        mine = own_middle(module, ffn, ffn.roles, reads_input=main.reads_input, layer_idx=main.layer_idx)
+        if mine is not None and set(mine.stored.state_dict()) != keys:
+            out[i] = mine
+    return out
 
 
 def _shared_blocks(blocks: nn.ModuleList, kept: Sequence[int], ffn: FoundFFN, where: str,
