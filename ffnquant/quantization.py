@@ -198,6 +198,7 @@ def prepare(
     bins: int | None = None,
     profiles: dict | None = None,
     reference_eval: torch.Tensor | None = None,
+    hessians: Mapping[str, torch.Tensor] | None = None,
 ) -> Prepared:
     """Build (or take) the FFN, apply remedies, profile `input`/`hidden` over the calibration tokens.
 
@@ -211,6 +212,8 @@ def prepare(
     the range profiles already taken by remedy steps done (all calls there prepare the same model on the same
     tokens: the plain model's profile is the one smoothing reads). `reference_eval`: the float model's outputs on
     the evaluation tokens, when the caller has them (`run_batched` of the same model on the same tokens).
+    `hessians`: GPTQ's Hessians to quantize with, when the caller has them (the calls of one shared FFN: every
+    call's summed, `hf.layers`); else taken from the calibration tokens when first needed.
     """
     if recipe is not None:
         if smooth is not None or rotate:
@@ -260,6 +263,11 @@ def prepare(
             raise FFNQuantError(f"reference_eval is {tuple(reference_eval.shape)}, the evaluation tokens give "
                                 f"{(ev.shape[0], spec.d_model)}")
         prepared._ref_eval = reference_eval
+    if hessians is not None:
+        if steps:
+            raise FFNQuantError("prepare: given Hessians are of the model without remedies; a recipe with remedies "
+                                "takes its own")
+        prepared._hessians = dict(hessians)
     return prepared
 
 
@@ -351,7 +359,7 @@ _site_sensitivity = sensitivity  # quantize_spec's `sensitivity` flag shadows th
 
 # What `quantize_spec` passes to `prepare` when no `prepared` is given.
 _PREPARE_KEYS = ("source", "calib_tokens", "eval_tokens", "seed", "smooth_sites", "model", "name", "bins",
-                 "reference_eval")
+                 "reference_eval", "hessians")
 
 
 # Calibration rows the calibrator search scores its ranges on: evenly strided over the calibration text, so every

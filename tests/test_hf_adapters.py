@@ -1,7 +1,8 @@
 """An FFN whose module also reads its input beside its Linears (Zamba 2's shared MLP adds each calling layer's own
 low-rank adapter of its input to gate and up): found by running the module on the FFN's input with its Linears
-answering the products (`hf.own.OwnMiddle.reads_input`), each call computing with its own adapters, quantized by
-the recipes that read no calibration, every call to the same weights, and its folder proven."""
+answering the products (`hf.own.OwnMiddle.reads_input`), each call computing with its own adapters, quantized
+from every call's statistics merged (range histograms, GPTQ's Hessians), every call to the same weights and ranges,
+and its folder proven."""
 
 from __future__ import annotations
 
@@ -109,8 +110,8 @@ def _inputs(labels):
     return LayerInputs(calib, held, "calib", "held", "different texts", {})
 
 
-@pytest.mark.parametrize("recipe", ["w4a16-g32", "w8a8-dynamic-s8"])
-def test_each_call_is_quantized_on_its_own_rows_to_the_same_weights(zamba2, recipe):
+@pytest.mark.parametrize("recipe", ["w4a16-g32", "w8a8-dynamic-s8", "w8a8", "w4a16-g32-gptq"])
+def test_each_call_is_quantized_through_its_own_adapters_to_the_same_weights(zamba2, recipe):
     info = inspect_model(zamba2)
     layers = load_ffn_layers(info)
     inputs = _inputs([layer.label for layer in layers])
@@ -119,31 +120,59 @@ def test_each_call_is_quantized_on_its_own_rows_to_the_same_weights(zamba2, reci
     first, second = (qffns[label] for label in ("L0", "L1"))
     assert first is not second and second.model.activation.layer_idx == 1
     w0, w1 = first.model.weights(), second.model.weights()
-    assert all(torch.equal(w0[n], w1[n]) for n in w0)  # one set of weights: what the model stores
-    # the second call's figures are its own: its FFN quantized alone on its own rows
-    alone = next(quantize_layers(layers[1:], [Recipe.parse(recipe)], inputs)).result
-    assert rows[1]["accuracy_torch"] == alone.to_dict()["accuracy_torch"] != rows[0]["accuracy_torch"]
+    assert all(torch.equal(w0[n], w1[n]) for n in w0) and first.ranges == second.ranges  # what the model stores
+    # each call's figures are its own: measured on its own held-out rows through its own adapters
+    assert rows[1]["accuracy_torch"] != rows[0]["accuracy_torch"]
 
 
-@pytest.mark.parametrize("recipe", ["w8a8", "w8a8@search+smooth", "w4a16-g32-gptq"])
-def test_a_recipe_reading_the_calibration_is_refused_for_calls_that_differ(zamba2, recipe):
+@pytest.mark.parametrize("recipe", ["w8a8", "w4a16-g32-gptq"])
+def test_a_calibrated_recipe_reads_every_calls_statistics_through_its_own_adapters(zamba2, recipe):
+    """Static ranges from the range histograms of both calls, each through its own FFN, merged; GPTQ from their
+    Hessians summed: neither call's alone, and not both calls' rows through one call's FFN."""
+    from ffnquant.methods.fakequant import input_hessians
+    from ffnquant.numerics.observe import profile
+    from ffnquant.quantization import quantize_recipes
+
     info = inspect_model(zamba2)
     layers = load_ffn_layers(info)
-    with pytest.raises(FFNQuantError, match=r"reads the calibration text, and layers L0, L1 call one FFN .* valid "
-                                            r"there: a recipe that reads no calibration"):
+    inputs = _inputs([layer.label for layer in layers])
+    q = next(quantize_layers(layers, [Recipe.parse(recipe)], inputs)).result.qmodel
+    tables = [profile(layer.ffn, [inputs.calib[layer.label]], sites=["input", "hidden"], weights=False)
+              for layer in layers]
+    hess = [input_hessians(layer.ffn, [inputs.calib[layer.label]]) for layer in layers]
+    want = next(quantize_recipes(layers[0].spec, [Recipe.parse(recipe)], model=layers[0].ffn,
+                                 calib_tokens=inputs.calib["L0"], eval_tokens=inputs.eval["L0"],
+                                 profiles={(): tables[0].merge(tables[1])},
+                                 hessians={k: hess[0][k] + hess[1][k] for k in hess[0]})).result.qmodel
+    alone = next(quantize_layers(layers[:1], [Recipe.parse(recipe)], inputs)).result.qmodel  # L0 alone, unshared
+    assert q.ranges == want.ranges and all(torch.equal(q.model.weights()[n], want.model.weights()[n])
+                                           for n in want.model.weights())
+    differs = (q.ranges != alone.ranges) if recipe == "w8a8" else any(
+        not torch.equal(q.model.weights()[n], alone.model.weights()[n]) for n in alone.model.weights())
+    assert differs  # the second call's statistics moved it
+
+
+@pytest.mark.parametrize("recipe", ["w8a8@search", "w8a8@minmax+smooth", "w4a16-g32-awq"])
+def test_a_recipe_computing_from_the_rows_is_refused_for_calls_that_differ(zamba2, recipe):
+    info = inspect_model(zamba2)
+    layers = load_ffn_layers(info)
+    with pytest.raises(FFNQuantError, match=r"computes from the calibration rows themselves .* layers L0, L1 call one "
+                                            r"FFN .* valid there: static ranges of a histogram calibrator"):
         next(quantize_layers(layers, [Recipe.parse(recipe)], _inputs(["L0", "L1"])))
 
 
-def test_the_command_and_a_plan_refuse_a_calibrated_recipe_before_reading_weights(zamba2, tmp_path, capsys):
-    assert main(["quantize", "--model", str(zamba2), "--scheme", "w8a8", *TOKENS, "--no-onnx", "--no-progress",
-                 "--out-reports", str(tmp_path / "q")]) == 2
+def test_the_command_and_a_plan_refuse_such_a_recipe_before_reading_weights(zamba2, tmp_path, capsys):
+    assert main(["quantize", "--model", str(zamba2), "--scheme", "w8a8", "--calibrator", "search", *TOKENS,
+                 "--no-onnx", "--no-progress", "--out-reports", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "recipe w8a8 reads the calibration text" in err and len(err.splitlines()) == 1
+    assert "recipe w8a8@search computes from the calibration rows" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "q").exists()
     info = inspect_model(zamba2)
-    plan = Plan(model_fingerprint(info), {0: Recipe.parse("w8a8"), 1: Recipe.parse("w8a8")}, "ppl+1%", "latency")
-    with pytest.raises(FFNQuantError, match="reads the calibration text"):
-        plan.check_model(info)
+    smooth = Recipe.parse("w8a8@minmax+smooth")
+    with pytest.raises(FFNQuantError, match="computes from the calibration rows"):
+        Plan(model_fingerprint(info), {0: smooth, 1: smooth}, "ppl+1%", "latency").check_model(info)
+    static = Recipe.parse("w8a8")
+    Plan(model_fingerprint(info), {0: static, 1: static}, "ppl+1%", "latency").check_model(info)  # merged: taken
 
 
 def test_the_plan_excludes_calibrated_candidates_on_those_layers():
@@ -195,10 +224,12 @@ def test_two_shared_blocks_each_read_with_their_own_adapters_and_proven(zamba2_t
     layers = load_ffn_layers(info)
     assert [layer.ffn.activation.layer_idx for layer in layers] == [0, 1, 2, 3]
     plan = tmp_path / "plan.toml"
-    plan.write_text(Plan(model_fingerprint(info), {i: Recipe.parse("w4a16-g32") for i in range(4)}, "ppl+5%",
+    # static int8: each block's one set of input ranges, from its two calls' statistics merged
+    plan.write_text(Plan(model_fingerprint(info), {i: Recipe.parse("w8a8") for i in range(4)}, "ppl+5%",
                          "bytes").to_toml())
     rc = main(["export", "--model", str(zamba2_two_blocks), "--plan", str(plan), "--format", "compressed-tensors",
                *TOKENS, "--seq-len", "128", "--no-progress", "--out", str(tmp_path / "ct")])
     assert rc == 0, capsys.readouterr()
     proof = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())["proof"]
     assert proof["proven"] and proof["layers"]["layers"] == 4 and proof["layers"]["all_at_parity"]
+    assert proof["weights"]["all_identical"]

@@ -116,8 +116,9 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"float: {part}")
     experts = f", {info.n_experts} experts each" if info.n_experts else ""
     stored = [l for l in info.layers if l.shares is None]  # a shared FFN's weights are stored (and counted) once
-    how = ("each call with its own adapters: quantized by recipes that read no calibration, every call to the same "
-           "weights" if info.calls_differ() else "quantized once, from every call's inputs")
+    how = ("each call with its own adapters: each call quantized through its own adapters from every call's "
+           "statistics merged, to the same weights" if info.calls_differ() else "quantized once, from every call's "
+           "inputs")
     shared = (f" ({len(info.layers) - len(stored)} of them an earlier layer's FFN called again, its weights "
               f"shared: {how})") if len(stored) < len(info.layers) else ""
     print(f"layers: {info.n_layers}{experts}; {len(info.layers)} FFNs{shared}, "

@@ -312,8 +312,8 @@ def _print_results(rows: list, outputs: list) -> None:
             shared = [f"{r['label']} calls {r['shares']}'s" for r in data["layers"] if r.get("shares")]
             if shared and any(r.get("own_inputs") for r in data["layers"]):  # each call with its own adapters
                 print(f"shared FFNs: {', '.join(shared)} (one set of weights, each call with its own adapters): each "
-                      "call quantized on its own inputs through its own adapters, to the same weights (checked bit "
-                      "for bit: the recipe reads no calibration)")
+                      "call quantized through its own adapters from every call's calibration statistics merged, to "
+                      "the same weights and ranges (checked bit for bit), and measured on its own held-out inputs")
             elif shared:  # "(= L0)": the layer calls L0's FFN again, quantized once from all their inputs
                 print(f"shared FFNs: {', '.join(shared)} (one set of weights): each quantized once, from the inputs of "
                       "all its selected calls (the token counts above include them all)")

@@ -108,10 +108,11 @@ def quantize_layers(
     for calls in calls_of.values():
         check_per_call(calls, recipes)
     done: dict[tuple[int, int | None], list[Any]] = {}
+    merged: dict[tuple[int, int | None], Any] = {}  # an FFN whose calls differ: every call's statistics, merged
     for layer in layers:
         calls = calls_of[layer.info.root]
-        if calls_differ(calls):  # each call on its own rows through its own FFN: one quantization, checked
-            yield from _per_call(layer, calls, recipes, inputs, done, file_stem, dict(
+        if calls_differ(calls):  # each call through its own FFN, from every call's statistics: one quantization
+            yield from _per_call(layer, calls, recipes, inputs, done, merged, file_stem, dict(
                 collect_errors=collect_errors, out_artifacts=out_artifacts, onnx=onnx, baseline=baseline,
                 sensitivity=sensitivity, latency=latency, bins=bins, smooth_sites=smooth_sites))
             continue
@@ -147,20 +148,33 @@ def check_per_call(calls: Sequence[Any], recipes: Sequence[Any]) -> None:
         per_call_refusal([c.label for c in calls], recipes)
 
 
-def per_call_refusal(labels: Sequence[str], recipes: Sequence[Any]) -> None:
-    """Raise for the recipes that read the calibration text, given to the layers `labels` calling one FFN that
-    computes differently per call: its one quantization would need every call's statistics merged, each through
-    its own function. A recipe that reads none (weight-only rounding, per-token activations) rounds every call to
-    the same weights."""
+def merges_across_calls(recipe: Any) -> bool:
+    """Whether a recipe's calibration is statistics that every call's own merge into (`_per_call`): static ranges
+    from one range table (a calibrator of the histograms; not `search`, which quantizes trial models on rows) and
+    GPTQ's Hessians (summed); not a transform computed from data (smoothing) nor AWQ's scale search."""
     from ..recipe import Recipe
+    from ..schemes import Method
 
-    bad = [str(r) for r in recipes if Recipe.parse(str(r)).reads_calibration]
+    recipe = Recipe.parse(str(recipe))
+    if not recipe.reads_calibration:
+        return True
+    scheme = recipe.resolve()
+    return not (any(t.reads_data for t in recipe.transforms) or scheme.method is Method.AWQ
+                or (scheme.static_activations and scheme.calibrator == "search"))
+
+
+def per_call_refusal(labels: Sequence[str], recipes: Sequence[Any]) -> None:
+    """Raise for the recipes whose calibration does not merge across calls (`merges_across_calls`), given to the
+    layers `labels` calling one FFN that computes differently per call: its one quantization would need them
+    computed on every call's rows through that call's own function at once."""
+    bad = [str(r) for r in recipes if not merges_across_calls(r)]
     if bad:
         raise FFNQuantError(
-            f"recipe {', '.join(bad)} reads the calibration text, and layers {', '.join(labels)} call one FFN (its "
-            f"weights shared) each with its own adapters: ffnquant does not merge a calibration across calls that "
-            f"compute differently; valid there: a recipe that reads no calibration (weight-only, e.g. w4a16-g32 or "
-            f"w8a16; per-token activations, e.g. w8a8-dynamic-s8), or fp32")
+            f"recipe {', '.join(bad)} computes from the calibration rows themselves (smoothing, AWQ or the search "
+            f"calibrator), and layers {', '.join(labels)} call one FFN (its weights shared) each with its own "
+            f"adapters: ffnquant merges only range histograms and GPTQ's Hessians across calls that compute "
+            f"differently; valid there: static ranges of a histogram calibrator (e.g. w8a8, w8a8@mse), GPTQ "
+            f"(e.g. w4a16-g32-gptq), weight-only or per-token recipes (e.g. w4a16-g32, w8a8-dynamic-s8), or fp32")
 
 
 def check_recipes_per_call(info: ModelInfo, recipes: Sequence[Any]) -> None:
@@ -172,28 +186,56 @@ def check_recipes_per_call(info: ModelInfo, recipes: Sequence[Any]) -> None:
 
 
 def _per_call(layer: HFLayer, calls: Sequence[HFLayer], recipes: Sequence[Any], inputs: LayerInputs,
-              done: dict[tuple[int, int | None], list[Any]], file_stem: str | None,
-              kw: Mapping[str, Any]) -> Iterable[Any]:
-    """One call of an FFN whose calls differ, quantized on its own rows through its own FFN (its own middle): the
-    recipes read no calibration (`check_per_call`), so every call rounds to the first call's weights, which is
-    checked bit for bit (one set of weights is what the model stores)."""
+              done: dict[tuple[int, int | None], list[Any]], merged: dict[tuple[int, int | None], Any],
+              file_stem: str | None, kw: Mapping[str, Any]) -> Iterable[Any]:
+    """One call of an FFN whose calls differ, quantized through its own FFN (its own adapters) and measured on its
+    own held-out rows, from the calibration statistics of every call, each through its own FFN, merged
+    (`_merged_statistics`): every call then rounds to the same weights and ranges, which is checked bit for bit
+    (one set of weights is what the model stores)."""
     name = f"{file_stem}.{layer.label}" if file_stem else layer.label
-    firsts = done.get(layer.info.root)
+    root = layer.info.root
+    if root not in merged:
+        merged[root] = _merged_statistics(calls, recipes, inputs, kw.get("bins"))
+    table, hessians = merged[root]
+    firsts = done.get(root)
     outcomes = list(quantize_recipes(layer.spec, recipes, model=layer.ffn, calib_tokens=inputs.calib[layer.label],
-                                     eval_tokens=inputs.eval[layer.label], name=name, **kw))
+                                     eval_tokens=inputs.eval[layer.label], name=name, profiles={(): table},
+                                     hessians=hessians, **kw))
     for k, outcome in enumerate(outcomes):
         outcome.label = layer.label
         q = outcome.result.qmodel if outcome.result is not None else None
         first = firsts[k].result.qmodel if firsts and firsts[k].result is not None else None
         if q is not None and first is not None:
             mine, theirs = q.model.weights(), first.model.weights()
-            if any(not torch.equal(mine[n], theirs[n]) for n in mine):
+            if any(not torch.equal(mine[n], theirs[n]) for n in mine) or q.ranges != first.ranges:
                 raise FFNQuantError(f"layer {layer.label}: quantizing the FFN it shares with {calls[0].label} under "
-                                    f"{outcome.recipe} gave other weights than that layer's: one set of weights "
+                                    f"{outcome.recipe} gave other weights or ranges than that layer's: one set "
                                     "cannot be stored for both")
     if firsts is None:
-        done[layer.info.root] = outcomes
+        done[root] = outcomes
     yield from outcomes
+
+
+def _merged_statistics(calls: Sequence[HFLayer], recipes: Sequence[Any], inputs: LayerInputs,
+                       bins: int | None) -> tuple[Any, dict[str, torch.Tensor] | None]:
+    """The calibration statistics of an FFN whose calls differ, every call's rows through that call's own FFN:
+    (the range table of its input and hidden sites, merged; GPTQ's Hessians, summed, where a recipe needs them).
+    A recipe with remedies is refused before (`merges_across_calls`), so these are the plain FFN's."""
+    from ..numerics.observe import DEFAULT_BINS
+    from ..recipe import Recipe
+
+    table, hessians = None, None
+    gptq = any(not r.is_float and r.resolve().needs_hessians for r in (Recipe.parse(str(x)) for x in recipes))
+    for call in calls:
+        rows = inputs.calib[call.label]
+        batches = [rows[i:i + 1024] for i in range(0, rows.shape[0], 1024)]
+        mine = profile(call.ffn, batches, sites=["input", "hidden"], weights=False,
+                       bins=DEFAULT_BINS if bins is None else bins)
+        table = mine if table is None else table.merge(mine)
+        if gptq:
+            h = input_hessians(call.ffn, batches)
+            hessians = h if hessians is None else {k: hessians[k] + v for k, v in h.items()}
+    return table, hessians
 
 
 def _calls(layers: Sequence[HFLayer]) -> dict[tuple[int, int | None], list[HFLayer]]:
