@@ -163,6 +163,8 @@ _TYPE_TINY = {
     # the image/video/audio placeholders inside the tiny vocabulary (given inputs_embeds, the forward looks their
     # 258k ids up in its 96-row embedding): <s> (1), which the word-level tokenizer never puts in a text
     "gemma4": {"text_config": _PER_LAYER_INPUT} | _MEDIA_TOKENS,
+    # its per-layer inputs narrower than its MLP, as in its checkpoints (256 beside 9216)
+    "gemma4_text": _PER_LAYER_INPUT,
     "gemma4_unified": _MEDIA_TOKENS,
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "inkling2_text": _INKLING2_TEXT,
@@ -193,6 +195,8 @@ _TYPE_TINY = {
     "zamba": {"layers_block_type": ["hybrid", "hybrid"], "head_dim": 16},
     "zamba2": {"layers_block_type": ["hybrid", "hybrid"], "head_dim": 16},
     "zaya": {"num_experts_per_tok": 1},
+    # X-MOD runs only with a language for its adapters: set as a user sets it (transformers reads config.json's)
+    "xmod": {"default_language": "en_XX"},
 }
 
 

@@ -568,3 +568,31 @@ def test_experts_whose_matrices_are_modules_of_a_self_routing_moe_are_read_captu
     assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
     assert not torch.allclose(changed, want, rtol=0, atol=1e-3 * float(want.abs().max()))
     assert sum(n for label, n in seen.items() if label.startswith("L0.")) == 10 * model.config.num_experts_per_tok
+
+
+def test_the_ffn_with_the_most_parameters_is_kept_even_split_across_children(tmp_path):
+    """X-MOD's blocks hold a language adapter (an MLP module of d_ff 16) beside their main FFN (intermediate.dense
+    and output.dense, in two children: d_ff 64): the main FFN is kept, the adapter stays float with its reason."""
+    info = inspect_model(_folder(tmp_path, "xmod"))
+    assert info.spec.d_ff == 64 and str(info.arch.install) == "split"
+    assert any("adapter_modules.en_XX (d_ff 16): stays float" in part for part in info.arch.float_parts)
+
+
+def test_a_model_needing_a_language_says_where_to_set_it(tmp_path, capsys):
+    """Without a default language X-MOD's forward refuses a plain call: the refusal names the config key and the
+    languages the model has."""
+    import json
+
+    from ffnquant.cli import main
+
+    folder = _folder(tmp_path, "xmod")
+    config = json.loads((folder / "config.json").read_text())
+    config["default_language"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # the tiny model's writing
+    assert main(["quantize", "--model", str(folder), "--scheme", "w8a8", "--calib-tokens", "64", "--eval-tokens",
+                 "32", "--no-onnx", "--no-progress", "--out-reports", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert 'set "default_language" in its config.json to one of its languages (en_XX)' in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "q").exists()
+

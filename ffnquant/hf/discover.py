@@ -249,7 +249,9 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
         if not valid:
             continue
         experts = [c for c in valid if c.install is Install.EXPERTS]
-        pick = experts[0] if experts else max(valid, key=lambda c: (c.install is Install.MODULE, c.d_ff))
+        # the most parameters (X-MOD's main FFN, not its language adapter), a module before Linears in the block
+        pick = experts[0] if experts else max(valid, key=lambda c: (c.d_ff * (3 if c.gated else 2),
+                                                                     c.install is Install.MODULE))
         per_block[i] = pick
         for other in valid:
             if other is not pick:

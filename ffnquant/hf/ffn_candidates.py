@@ -124,9 +124,8 @@ def candidates(block: nn.Module, d: int) -> list[FoundFFN]:
             elif len(full) == 1 and not fused:
                 out.append(FoundFFN(path, install, {full[0]: "w_up", down: "w_down"}, d, f, False, transposed, bias,
                                     linear_class=cls))
-    if not out:
-        out += _split_across_children(block, d)
-    return out
+    # beside any other (X-MOD's language adapter is an MLP module of its own, its main FFN split across children)
+    return out + [c for c in _split_across_children(block, d) if c not in out]
 
 
 def _experts_of(path: str, module: nn.Module, d: int) -> list[FoundFFN]:

@@ -19,6 +19,8 @@ per batch, when they do not fit the budget.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import contextlib
 import inspect
 import copy
@@ -346,7 +348,7 @@ class SequentialModel(LMHead):
                 if "values to unpack" in str(exc) and not self._tuple_out and record:
                     raise _Unpacked from None  # the loop unpacks each layer's output: answered as a tuple
                 raise FFNQuantError(f"{self.info.path}: transformers' forward of the model refuses a plain call with "
-                                    f"token ids: {first_line(exc)}") from None
+                                    f"token ids: {first_line(exc)}{_config_hint(self.info)}") from None
         return record
 
     def _no_cache(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -466,3 +468,21 @@ def token_batches_of(info: ModelInfo, text, split: str, settings: EvalSettings, 
     settings = fit_settings(info, settings)
     return model_text_batches(info, load_tokenizer(info.path), text, split, settings.seq_len, settings.batch_size,
                               max_tokens)
+
+
+def _config_hint(info: Any) -> str:
+    """Where the config itself sets what the model refused to run without: a default language among its
+    `languages` (X-MOD's adapters, which transformers reads from config.json's `default_language`)."""
+    import json
+
+    try:
+        config = json.loads((Path(info.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    languages = config.get("languages")
+    if isinstance(languages, list) and languages and not config.get("default_language"):
+        shown = ", ".join(map(str, languages[:6])) + (", ..." if len(languages) > 6 else "")
+        return (f"; set \"default_language\" in its config.json to one of its languages ({shown}): transformers "
+                "reads it there, and ffnquant then runs the model with that language's adapters")
+    return ""
+
