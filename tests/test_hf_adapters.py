@@ -175,33 +175,36 @@ def test_the_command_and_a_plan_refuse_such_a_recipe_before_reading_weights(zamb
     Plan(model_fingerprint(info), {0: static, 1: static}, "ppl+1%", "latency").check_model(info)  # merged: taken
 
 
-def test_the_plan_excludes_calibrated_candidates_on_those_layers():
-    rows = [{"recipe": "w8a8", "error": None}, {"recipe": "w4a16-g32", "error": None},
-            {"recipe": "w8a8-dynamic-s8", "error": None}]
+def test_the_plan_excludes_only_candidates_whose_calibration_does_not_merge():
+    rows = [{"recipe": "w8a8@search", "error": None}, {"recipe": "w8a8", "error": None},
+            {"recipe": "w4a16-g32-gptq", "error": None}, {"recipe": "w8a8@minmax+smooth", "error": None}]
     calibration_exclude(rows, "layers L0, L1 call one FFN each with its own adapters")
-    assert [("excluded" in r) for r in rows] == [True, False, False]
-    assert rows[0]["excluded"].startswith("it reads the calibration text: layers L0, L1")
-    calibration_exclude(rows[1:], None)
+    assert [("excluded" in r) for r in rows] == [True, False, False, True]
+    assert rows[0]["excluded"].startswith("it computes from the calibration rows themselves: layers L0, L1")
+    calibration_exclude(rows[1:2], None)
     assert "excluded" not in rows[1]
 
 
-def test_the_plan_and_its_compressed_tensors_folder_are_proven(zamba2, tmp_path, capsys):
+def test_the_plan_chooses_static_int8_from_merged_statistics_and_its_folder_is_proven(zamba2, tmp_path, capsys):
+    """The verification rounds quantize each call through its own adapters from every call's kept rows' statistics
+    merged, as the export does: the verified figures are the deployed model's."""
     plan = tmp_path / "p"
     assert main(["plan", "--model", str(zamba2), "--target", "ppl+5%", "--objective", "bytes",
-                 "--candidates", "fp32,w8a8,w8a8-dynamic-s8,w4a16-g32", *TOKENS, "--seq-len", "128",
+                 "--candidates", "fp32,w8a8@search,w8a8", *TOKENS, "--seq-len", "128", "--no-ort-floor",
                  "--probe-tokens", "128", "--no-progress", "--out", str(plan)]) == 0
     data = json.loads((plan / "plan.json").read_text())
     chosen = {row["index"]: row["recipe"] for row in data["plan"]["layers"]}
-    assert chosen[0] == chosen[1] and not Recipe.parse(chosen[0]).reads_calibration
-    static = [c for row in data["layers"].values() for c in row["candidates"] if c["recipe"] == "w8a8"]
-    assert static and all("reads the calibration text" in c["excluded"] for c in static)
+    assert chosen == {0: "w8a8", 1: "w8a8"}
+    searched = [c for row in data["layers"].values() for c in row["candidates"] if c["recipe"] == "w8a8@search"]
+    assert searched and all("computes from the calibration rows" in c["excluded"] for c in searched)
+    verified = data["final_round"]
     capsys.readouterr()
     rc = main(["export", "--model", str(zamba2), "--plan", str(plan / "plan.toml"), "--format", "compressed-tensors",
                *TOKENS, "--seq-len", "128", "--no-progress", "--out", str(tmp_path / "ct")])
     assert rc == 0, capsys.readouterr()
     proof = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())["proof"]
     assert proof["proven"] and proof["weights"]["all_identical"] and proof["layers"]["all_at_parity"]
-    assert proof["layers"]["layers"] == 2
+    assert proof["layers"]["layers"] == 2 and verified
 
 
 @pytest.fixture(scope="module")

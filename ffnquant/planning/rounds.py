@@ -39,20 +39,32 @@ class VerificationRounds:
         offered = {j for j in quantized if j >= start and (j, chosen[j]) not in kept and (j, chosen[j]) in self._offered}
         # the layers calling one FFN (its weights shared) compute with one quantization of it, by (its first layer,
         # recipe): the last round's where it kept one, else made at the first of its calls this round quantizes
-        # (calls that compute differently, Zamba 2's, are each quantized on their own rows: the recipes a plan gives
-        # them read no calibration, so each rounds to the same weights)
-        shared = {} if self.info.calls_differ() else {j: g for g in self.info.shared_groups() for j in g}
-        made: dict[tuple[int, str], Any] = {(shared[j][0], name): q for (j, name), q in kept.items() if j in shared}
+        # (calls that compute differently, Zamba 2's, are each quantized through their own FFN, from every call's
+        # kept rows' statistics merged: `per_call`)
+        shared = {j: g for g in self.info.shared_groups() for j in g}
+        differ = self.info.calls_differ()
+        made: dict[tuple[int, str], Any] = {} if differ else {
+            (shared[j][0], name): q for (j, name), q in kept.items() if j in shared}
+        per_calls: dict[tuple[int, str], dict[int, Any]] = {}  # calls that differ: their quantizations, by layer
         fresh, making = [], set()
         for j in quantized:
             if j < start or (j, chosen[j]) in kept or j in offered:
                 continue
-            key = (shared[j][0], chosen[j]) if j in shared else None
+            key = (shared[j][0], chosen[j]) if j in shared and not differ else None
             if key is not None and (key in made or key in making):
                 continue  # a later call: the one quantization of its FFN
             making.add(key)
             fresh.append(j)
-        ffns = iter_ffn_layers(self.info, fresh, allow_pickle=self.allow_pickle) if fresh else iter(())
+        alone = [j for j in fresh if not (differ and j in shared)]  # read here one by one, in order
+        ffns = iter_ffn_layers(self.info, alone, allow_pickle=self.allow_pickle) if alone else iter(())
+
+        def per_call(j: int) -> Any:
+            """Layer j's quantization, one of its FFN's calls that differ: every call made once, together."""
+            key = (shared[j][0], chosen[j])
+            if key not in per_calls:
+                per_calls[key] = self._calls_quantized(shared[j], by_name[chosen[j]])
+            return per_calls[key].pop(j)
+
         keep_states = self._keeps_states(stream, n)
         for j in range(n):
             q = kept.pop((j, chosen[j]), None) if j in quantized else None
@@ -63,6 +75,12 @@ class VerificationRounds:
                 continue
             if j in offered:
                 q = self._offered[(j, chosen[j])]
+                if self.dtype is not torch.float32:
+                    from ..deploy.precision import in_dtype
+
+                    q = in_dtype(q, self.dtype)
+            elif j in fresh and differ and j in shared:
+                q = per_call(j)
                 if self.dtype is not torch.float32:
                     from ..deploy.precision import in_dtype
 
@@ -105,6 +123,23 @@ class VerificationRounds:
         m.release_logits()
         stream.clear()
         return domains
+
+
+    def _calls_quantized(self, calls: tuple[int, ...], recipe: Recipe) -> dict[int, Any]:
+        """Every call of an FFN whose calls differ (Zamba 2's) quantized under `recipe` through its own FFN, from
+        every call's kept search rows' statistics merged (`hf.layers.quantize_layers`): {layer: QuantizedFFN}."""
+        from ..hf.checkpoint import iter_ffn_layers
+        from ..hf.inputs import LayerInputs
+        from ..hf.layers import quantize_layers
+
+        layers = list(iter_ffn_layers(self.info, list(calls), allow_pickle=self.allow_pickle))
+        calib = {layer.label: self.ffn_calib.get(layer.index) for layer in layers}
+        held = {layer.label: self.ffn_eval.get(layer.index)[:1] for layer in layers}  # not measured: one row
+        inputs = LayerInputs(calib, held, "search", "held-out", "", {})
+        out = {}
+        for layer, outcome in zip(layers, quantize_layers(layers, [recipe], inputs, bins=self.settings.bins)):
+            out[layer.index] = outcome.result.qmodel
+        return out
 
     def _resume(self, chosen: Mapping[int, str], n: int) -> tuple[int, dict[int, Any]]:
         """(the first layer this round computes, the last round's stream after each layer before it): the first

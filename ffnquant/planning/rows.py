@@ -83,13 +83,16 @@ def fold_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
 
 
 def calibration_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
-    """A recipe that reads the calibration text is not chosen on a layer calling an FFN whose calls differ (Zamba
-    2's adapters, `refusal` says so): its one quantization would need every call's statistics merged."""
+    """A recipe whose calibration does not merge across calls (`hf.layers.merges_across_calls`: smoothing, AWQ, the
+    search calibrator) is not chosen on a layer calling an FFN whose calls differ (Zamba 2's adapters, `refusal`
+    says so)."""
+    from ..hf.layers import merges_across_calls
+
     if not refusal:
         return
     for row in rows:
-        if row.get("error") is None and "excluded" not in row and Recipe.parse(str(row["recipe"])).reads_calibration:
-            row["excluded"] = f"it reads the calibration text: {refusal}"
+        if row.get("error") is None and "excluded" not in row and not merges_across_calls(row["recipe"]):
+            row["excluded"] = f"it computes from the calibration rows themselves: {refusal}"
 
 
 def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[str, Any]], objective: Objective,
@@ -101,7 +104,7 @@ def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[st
     options = []
     for s in scores:
         if s.error is not None or (fold_refusal and needs_fold(Recipe.parse(s.recipe))) or (
-                calibration_refusal and Recipe.parse(s.recipe).reads_calibration):
+                calibration_refusal and not _merges(s.recipe)):
             continue
         noise = s.fisher if damage_kind == "kl" else s.search_noise
         cost = (latency.get(s.recipe) or {}).get("p50_ms") if objective.kind == "latency" else s.bytes
@@ -218,3 +221,10 @@ def candidate_row(s: CandidateScore, entry: Mapping[str, Any], latency: Mapping[
     if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:
         row["excluded"] = lat.get("reason") or "not timed"
     return row
+
+
+def _merges(recipe: str) -> bool:
+    from ..hf.layers import merges_across_calls
+
+    return merges_across_calls(recipe)
+

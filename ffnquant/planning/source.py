@@ -141,16 +141,14 @@ class PlanSource(VerificationRounds):
         # round; the same FFNs `quantize_layer` makes again, so a round quantizes only what was not kept
         self._offered: dict[tuple[int, str], Any] = {}
         self._offer_budget: int | None = offer_budget  # bytes; None: a quarter of what is free at the first offer
-        # the layers calling one FFN (its weights shared): quantized from all their calls' rows, never as scored;
-        # where its calls compute differently (Zamba 2's adapters), each call as scored, on its own rows, by the
-        # recipes that read no calibration alone (every call then rounds to the same weights; one reading it would
-        # be scored on one call's statistics, and deploy with every call's merged: `hf.layers`)
+        # the layers calling one FFN (its weights shared): quantized from all their calls' rows, never as scored
+        # (where its calls compute differently, Zamba 2's adapters, each through its own FFN from every call's
+        # statistics merged, `rounds`; a recipe whose calibration cannot merge so is left out there)
         differ = info.calls_differ()
-        self._shared_calls = set() if differ else {j for calls in info.shared_groups() for j in calls}
+        self._shared_calls = {j for calls in info.shared_groups() for j in calls}
         self.per_call_refusals: dict[int, str] = {
-            j: (f"layers {', '.join(f'L{k}' for k in calls)} call one FFN each with its own adapters: the plan "
-                "scores each call on its own rows, and such a recipe deploys with every call's statistics merged "
-                "(quantize --plan and export take it)")
+            j: (f"layers {', '.join(f'L{k}' for k in calls)} call one FFN each with its own adapters, and ffnquant "
+                "merges only range histograms and GPTQ's Hessians across such calls")
             for calls in (info.shared_groups() if differ else ()) for j in calls}
         # the layers whose loss gradients stay after the scoring pass (`gradients`): candidates scored later there
         self.keep_gradients: set[int] = set()
