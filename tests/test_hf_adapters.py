@@ -236,3 +236,17 @@ def test_two_shared_blocks_each_read_with_their_own_adapters_and_proven(zamba2_t
     proof = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())["proof"]
     assert proof["proven"] and proof["layers"]["layers"] == 4 and proof["layers"]["all_at_parity"]
     assert proof["weights"]["all_identical"]
+
+
+def test_the_run_reports_the_shared_ffn_as_deployed(zamba2_two_blocks, tmp_path, capsys):
+    """`ffnquant run --model`: its end-to-end figures compute each shared FFN with its one quantization (from every
+    call's statistics, through each call's own adapters), the figures `quantize --model` reports, not each call's
+    own quantization as its per-layer table scores them."""
+    assert main(["quantize", "--model", str(zamba2_two_blocks), "--scheme", "w8a8", *TOKENS, "--no-onnx",
+                 "--no-progress", "--out-reports", str(tmp_path / "q")]) == 0
+    want = json.loads(next((tmp_path / "q").glob("*.json")).read_text())["end_to_end"]["end_to_end"]
+    assert main(["run", "--model", str(zamba2_two_blocks), "--variants", "swiglu", "--d-model", "64", *TOKENS,
+                 "--schemes", "fp32,w8a8", "--runtimes", "none", "--no-onnx", "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    got = json.loads((tmp_path / "run" / "report.json").read_text())["model"]["end_to_end"]["schemes"]
+    assert [s["end_to_end"]["hidden_sqnr_db"] for s in got if s["scheme"] == "w8a8"] == [want["hidden_sqnr_db"]]

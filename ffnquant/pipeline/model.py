@@ -169,6 +169,11 @@ def _end_to_end(info: ModelInfo, layers: Sequence[Any], inputs: Any, settings: A
         qffns = {label: k.get(recipe.name) for label, k in kept.items()}
         if any(q is None for q in qffns.values()):
             continue  # not applicable to this model (listed under skipped)
+        try:
+            qffns.update(_shared_quantized(info, layers, inputs, recipe))
+        except FFNQuantError as exc:  # a recipe one FFN's calls cannot share (Zamba 2's, calibrated from the rows)
+            e2e.setdefault("skipped", []).append({"scheme": recipe.name, "reason": str(exc)})
+            continue
         res = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, e2e["baseline"],
                          engine=inputs.engine)
         e2e["schemes"].append({"scheme": recipe.name, "label": recipe.label, "end_to_end": res["end_to_end"],
@@ -186,6 +191,7 @@ def _end_to_end(info: ModelInfo, layers: Sequence[Any], inputs: Any, settings: A
                 q = quantize_layer(layer, recipe, inputs.calib[layer.label], inputs.eval[layer.label], settings.bins)[0]
             if q is not None:
                 qffns[layer.label] = q
+        qffns.update(_shared_quantized(info, layers, inputs, plan))
         res = end_to_end(inputs.model, info, layers, qffns, inputs.eval_batches, settings, e2e["baseline"],
                          engine=inputs.engine)
         name = f"plan: {display_path(plan_file)}"
@@ -194,6 +200,21 @@ def _end_to_end(info: ModelInfo, layers: Sequence[Any], inputs: Any, settings: A
                                "worst_layers_end_to_end": res["worst_layers_end_to_end"],
                                "plan": {str(i): str(r) for i, r in plan.layers.items()}})
     return e2e
+
+
+def _shared_quantized(info: ModelInfo, layers: Sequence[Any], inputs: Any, recipe: Any) -> dict[str, Any]:
+    """The layers calling one FFN (its weights shared) as the model deploys them: one quantization of it from every
+    call's rows (`hf.layers.quantize_layers`; through each call's own FFN where the calls differ), not each call's
+    own as the per-layer table scores it. `recipe`: one, or a plan (each group under its first call's)."""
+    from ..hf.layers import _calls, is_plan, quantized_layers
+
+    def float_for(calls: Sequence[Any]) -> bool:
+        return (recipe.recipe_for(calls[0].index) if is_plan(recipe) else recipe).is_float
+
+    chosen = [layer for calls in _calls(layers).values() if len(calls) > 1 and not float_for(calls) for layer in calls]
+    if not chosen:
+        return {}
+    return quantized_layers(info, chosen, inputs, recipe, onnx=False, sensitivity=False)[1]
 
 
 def _model_doc(info: ModelInfo, layers: Sequence[Any], keys: dict[str, str], inputs: Any, stem: str,
