@@ -18,7 +18,7 @@ import torch
 from ..errors import FFNQuantError
 from ..infra.device import current_device, device_free_memory
 from ..infra.resources import human_bytes, memory_limit, process_rss
-from .arch import Install, ModelKind
+from .arch import ModelKind
 from .checkpoint import ModelInfo, _Weights
 
 __all__ = ["MemoryPlan", "Needs", "choose_memory_plan", "largest_layer_bytes", "plan_memory", "profile_needs",
@@ -36,16 +36,12 @@ _READ_BYTES = 16 * 2**20
 
 def streamable_reason(info: ModelInfo) -> str | None:
     """Why `info` cannot be run with its decoder layers read one at a time, or None when it can: a causal LM of
-    any family transformers builds (its FFNs found by `hf.discover`), from safetensors whose tensor names are the
-    class's own. Every causal LM runs through `SequentialModel` whole (`resident`) either way."""
+    any family transformers builds (its FFNs found by `hf.discover`; routed experts read as `hf.stream` makes
+    them), from safetensors whose tensor names are the class's own. Every causal LM runs through
+    `SequentialModel` whole (`resident`) either way."""
     if info.kind is not ModelKind.CAUSAL_LM:
         return (f"the layer-by-layer engine runs decoder-only causal LMs; {info.model_type} is {info.kind}: it runs "
                 "whole")
-    if info.arch.install is Install.EXPERTS:
-        # their checkpoints store them per expert (fused into 3-D tensors as transformers loads them), fused, or
-        # under names transformers renames: read by transformers, whole
-        return (f"the layer-by-layer engine does not read routed experts from the checkpoint's shards; "
-                f"{info.model_type} has them: the model runs whole")
     if info.weights_format != "safetensors":
         return "reading a decoder layer at a time needs safetensors; this checkpoint is pickled: the model runs whole"
     return None

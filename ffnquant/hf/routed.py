@@ -64,6 +64,23 @@ def expert_weight(module: nn.Module, expert: int, weight: str, arch: Any) -> tor
     return gate if weight == "w_gate" else up
 
 
+def expert_bias(module: nn.Module, expert: int, weight: str, arch: Any) -> torch.Tensor | None:
+    """One routed expert's bias of `weight` as a view of the fused experts module's `<tensor>_bias` [E, out]
+    (gpt-oss'), gate and up halves as `expert_weight` reads them; None where the module holds no such bias."""
+    tensors = _tensors(module, arch)
+    fused = next((r for r in ("w_gate+w_up", "w_up+w_gate") if r in tensors), None)
+    name = tensors.get(weight) or (tensors[fused] if fused and weight in ("w_gate", "w_up") else None)
+    bias = getattr(module, f"{name}_bias", None) if name and "." not in name else None
+    if not isinstance(bias, torch.Tensor):
+        return None
+    row = bias.view(_n_experts(module, arch), -1)[expert]
+    if weight in tensors:
+        return row
+    first, second = (row[0::2], row[1::2]) if getattr(arch, "interleaved", False) else row.chunk(2, dim=0)
+    gate, up = (first, second) if fused == "w_gate+w_up" else (second, first)
+    return gate if weight == "w_gate" else up
+
+
 def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The experts' activation module: `act_fn` (transformers' name), else the parameterless child whose name says
     activation (DBRX's mlp.activation_fn)."""

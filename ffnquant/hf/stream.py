@@ -209,9 +209,14 @@ class SequentialModel(LMHead):
         aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
+        # routed experts' tensors the checkpoint does not store as the module holds them (per expert on disk, fused
+        # as transformers loads them): made from each expert's FFN as `hf.checkpoint` reads it (`_fill_experts`)
+        self._made = _experts_made(model, info, found, self.weights, self._stored)
         for name, p in model.named_parameters(remove_duplicate=False):
             if self.tied and name == self._names[id(self.head)] + ".weight":
                 continue  # the embedding's, as from_pretrained ties it
+            if name in self._made:
+                continue
             stored = self._stored.get(name, name)
             if stored not in self.weights.file_of:
                 found = [self._stored.get(a, a) for a in aliases[id(p)] if self._stored.get(a, a) in self.weights.file_of]
@@ -231,15 +236,22 @@ class SequentialModel(LMHead):
         skips = [skip] if isinstance(skip, nn.Module) else list(skip or ())
         skipped = {id(p) for s in skips for p in s.parameters()}
         read: dict[int, nn.Parameter] = {}  # a Parameter under two names is read once and stays one Parameter
+        made: dict[str, tuple[nn.Module, int]] = {}  # experts modules whose tensors are made: (module, layer)
         for name, p in list(module.named_parameters(remove_duplicate=False)):
             if id(p) in skipped:
                 continue
             owner, _, attr = name.rpartition(".")
+            full = f"{prefix}.{name}" if prefix else name
             if id(p) not in read:
-                full = f"{prefix}.{name}" if prefix else name
-                tensor = _read(self.weights, self._stored.get(full, full), self.dtype).to(self.device)
+                if full in self._made:  # filled below, expert by expert
+                    tensor = torch.zeros(p.shape, dtype=self.dtype, device=self.device)
+                    made[self._made[full][0]] = (module.get_submodule(owner), self._made[full][1])
+                else:
+                    tensor = _read(self.weights, self._stored.get(full, full), self.dtype).to(self.device)
                 read[id(p)] = nn.Parameter(tensor, requires_grad=False)
             setattr(module.get_submodule(owner), attr, read[id(p)])
+        for experts, j in made.values():
+            _fill_experts(experts, self.info, j)
 
     def release(self) -> None:
         """Freed heap memory handed back to the system between layers when streamed (each layer's tensors read and
@@ -485,4 +497,51 @@ def _config_hint(info: Any) -> str:
         return (f"; set \"default_language\" in its config.json to one of its languages ({shown}): transformers "
                 "reads it there, and ffnquant then runs the model with that language's adapters")
     return ""
+
+
+def _experts_made(model: nn.Module, info: ModelInfo, found: Mapping[Any, tuple[str, nn.Module]], weights: Any,
+                  stored: Mapping[str, str]) -> dict[str, tuple[str, int]]:
+    """The routed experts' tensors of `model` that the checkpoint does not hold as the module does (Mixtral's:
+    per expert on disk, fused by transformers as it loads): {parameter name: (its experts module's name, layer)}.
+    A tensor stored as it is held (gpt-oss', JetMoE's) is read by name like any other."""
+    from .routed import _tensors
+
+    out: dict[str, tuple[str, int]] = {}
+    for layer, (module_name, module) in found.items():
+        if layer.expert is None:
+            continue
+        for tensor in _tensors(module, info.arch).values():
+            for name in (tensor, f"{tensor}_bias"):
+                try:
+                    p = module.get_parameter(name)
+                except AttributeError:
+                    continue
+                full = f"{module_name}.{name}"
+                key = stored.get(full, full)
+                if key not in weights.file_of or tuple(weights.shape(key)) != tuple(p.shape):
+                    out[full] = (module_name, layer.index)
+    return out
+
+
+def _fill_experts(module: nn.Module, info: ModelInfo, j: int) -> None:
+    """Layer j's experts module's tensors (zeros, in the engine's dtype) filled with each expert's FFN as
+    `hf.checkpoint` reads it from the shards, one expert at a time, through the module's own layout
+    (`hf.routed.expert_weight`, `expert_bias`)."""
+    from .checkpoint import iter_ffn_layers
+    from .routed import expert_bias, expert_weight
+
+    with torch.no_grad():
+        for layer in iter_ffn_layers(info, [j]):
+            for weight in layer.spec.weight_names:
+                lin = getattr(layer.ffn, weight)
+                view = expert_weight(module, layer.expert, weight, info.arch)
+                view.copy_(lin.weight.to(view.dtype))
+                if lin.bias is not None:
+                    bias = expert_bias(module, layer.expert, weight, info.arch)
+                    if bias is not None:
+                        bias.copy_(lin.bias.to(bias.dtype))
+                    elif bool(lin.bias.any()):
+                        raise FFNQuantError(f"{info.path}: L{j}'s experts module holds no bias of {weight}, which "
+                                            "its checkpoint stores: reading a layer at a time cannot place it; run it "
+                                            "whole (--no-sequential)")
 
