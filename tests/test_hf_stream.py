@@ -609,3 +609,37 @@ def test_the_first_batch_is_recorded_after_the_processs_first_forward(tiny):
     finally:
         handle.remove()
     assert calls["n"] > 1 and torch.equal(store.get(0), steady)  # a Llama's first layer takes the embeddings
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "dbrx", "llama4_text", "jetmoe"])
+def test_routed_experts_made_from_each_experts_ffn_are_the_modules_own(tmp_path, model_type):
+    """A layer's experts module read a layer at a time where transformers fuses the tensors as it loads: each
+    expert's FFN as the checkpoint reader reads it, written through the module's own layout (gate and up side by
+    side or interleaved, input-major, flat, biased: `routed.expert_weight`, `expert_bias`), is the module
+    transformers loads, tensor for tensor."""
+    import copy
+
+    from hf_models import tiny_or_skip
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.capture import _module_for, load_hf_model
+    from ffnquant.hf.stream import _fill_experts
+
+    info = inspect_model(tiny_or_skip(model_type, tmp_path / model_type))
+    model = load_hf_model(info)
+    names = [n for n, _ in model.named_modules()]
+    layer = next(layer for layer in info.layers if layer.expert is not None)
+    experts = _module_for(model, info, layer, names)[1]
+    made = copy.deepcopy(experts)
+    with torch.no_grad():
+        for p in made.parameters():
+            p.zero_()
+    _fill_experts(made, info, layer.index)
+    from ffnquant.hf.routed import _tensors
+
+    # the experts' own tensors and their biases (a MoE routing its tokens itself, JetMoE's, also holds its router
+    # and output bias: read by name)
+    own = {n for t in _tensors(experts, info.arch).values() for n in (t, f"{t}_bias")}
+    want = {n: p for n, p in experts.named_parameters() if n in own}
+    got = dict(made.named_parameters())
+    assert len(want) >= 2 and all(torch.equal(got[n], want[n]) for n in want), model_type
