@@ -78,10 +78,11 @@ class Plan:
                 raise FFNQuantError(f"the plan gives layers {', '.join(f'L{i}' for i in calls)} the recipes "
                                     f"{', '.join(sorted(recipes))}, but they call one FFN (its weights shared): plan "
                                     "one recipe for them (ffnquant's plans do)")
-        if info.calls_differ():
-            from ..hf.layers import check_recipes_per_call
+        if info.calls_differ():  # each group's own recipes: a layer calling no shared FFN may take any
+            from ..hf.layers import per_call_refusal
 
-            check_recipes_per_call(info, list(self.layers.values()))
+            for calls in info.shared_groups():
+                per_call_refusal([f"L{i}" for i in calls], [self.layers[i] for i in calls if i in self.layers])
 
     # --- TOML ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
