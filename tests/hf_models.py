@@ -106,7 +106,8 @@ CAUSAL_TYPES = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "opt", "mi
                 "olmo2", "granite", "cohere", "stablelm", "starcoder2", "gpt_neox", "falcon", "phi", "smollm3", "glm",
                 "exaone4", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron", "arcee", "bloom", "mpt", "falcon_h1",
                 "qwen3_next", "qwen3_5_text", "deepseek_v2", "granitemoe", "roberta", "apertus", "bitnet",
-                "minimax_m3_vl_text", "dbrx", "jetmoe", "gemma3n_text", "xlnet", "xlm", "gemma4_text", "zamba")
+                "minimax_m3_vl_text", "dbrx", "jetmoe", "gemma3n_text", "xlnet", "xlm", "gemma4_text", "zamba",
+                "xmod")
 
 # Tiny widths under every name a config class may use for them; each config takes the ones it has.
 # max_position_embeddings 136: RoBERTa's positions start past its padding id, so 128-token windows take 130

@@ -64,6 +64,8 @@ EXPECTED = {
     # per-layer inputs from its embedding: the engine reads its tied head's weight again at the head's turn
     "gemma4_text": ("geglu", "module"),
     "zamba": ("geglu", "module"),  # one FFN every hybrid layer calls (its weights shared, stored once)
+    # its main FFN split across two children of the block, kept over its language adapter (an MLP module)
+    "xmod": ("gelu", "split"),
 }
 OWN = {"apertus": "own", "bitnet": "own_gate", "minimax_m3_vl_text": "own_gate"}
 RESIDUAL_ARG = ("bloom", "mpt")
@@ -71,6 +73,7 @@ RESIDUAL_ARG = ("bloom", "mpt")
 NO_FOLD = {"cohere": "also read by .*self_attn", "falcon": "also read by .*self_attention",
            "phi": "also read by .*self_attn", "olmo2": "no module produces the FFN's input",
            "exaone4": "no module produces the FFN's input", "roberta": r"also read by .*layer\.0\.output",
+           "xmod": r"also read by .*layer\.0\.output",
            # post-LN: the residual reads the norm
            "xlnet": r"rel_attn\.layer_norm changes the model's output", "xlm": r"layer_norm1\.0 changes the model's output"}
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepseek_v2", "granitemoe",
