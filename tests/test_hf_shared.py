@@ -178,3 +178,19 @@ def test_a_later_calls_stored_copy_that_differs_from_the_first_fails_the_proof(z
     assert not rows["model.layers.1.shared_transf.feed_forward.down_proj"]["bit_identical"]
     assert "DIFFER from the first call's" in rows["model.layers.1.shared_transf.feed_forward.down_proj"]["how"]
     assert rows["model.layers.0.shared_transf.feed_forward.down_proj"]["bit_identical"]
+
+
+@pytest.mark.parametrize("command", ["quantize", "run"])
+def test_selecting_some_calls_of_a_shared_ffn_is_refused_in_one_line(zamba, tmp_path, capsys, command):
+    """The model stores the FFN once: quantized in one call and float in another is no model that can be
+    deployed, so `--layers 0` alone is refused before the model is read, naming the calls to select."""
+    out = tmp_path / "out"
+    argv = (["quantize", "--model", str(zamba), "--scheme", "w4a16-g32", "--layers", "0", *TOKENS, "--no-onnx",
+             "--no-progress", "--out-reports", str(out)] if command == "quantize" else
+            ["run", "--model", str(zamba), "--layers", "0", "--variants", "swiglu", "--d-model", "64", *TOKENS,
+             "--schemes", "fp32,w4a16-g32", "--runtimes", "none", "--no-onnx", "--out", str(out)])
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--layers selects L0 but not L1, which call the same FFN" in err and "(0,1) or none" in err
+    assert len(err.splitlines()) == 1 and not out.exists()

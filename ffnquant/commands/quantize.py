@@ -144,6 +144,7 @@ def _check_model(args: argparse.Namespace, recipe: Recipe | None, info=None):
     """The model folder read and checked (config, weights index, architecture, the scheme against its
     widths, the texts or transformers): every model error fails here, before any work or output."""
     info = info if info is not None else inspect_model(args.model, allow_pickle=args.allow_pickle)
+    info.check_selection(parse_layers(args.layers, info.n_layers))
     if recipe is not None:
         try:
             _smooth_sites(args, recipe, [info.spec])

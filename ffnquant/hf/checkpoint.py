@@ -105,6 +105,19 @@ class ModelInfo:
                 groups.setdefault(layer.shares, {layer.shares}).add(layer.index)
         return tuple(tuple(sorted(g)) for _, g in sorted(groups.items()))
 
+    def check_selection(self, indices: Any) -> None:
+        """Refuse a layer selection that takes some calls of a shared FFN and not the others: the model stores one
+        set of its weights, so quantizing it in one call and not another measures no model that can be deployed."""
+        chosen = set(indices)
+        for calls in self.shared_groups():
+            picked = [i for i in calls if i in chosen]
+            if picked and len(picked) < len(calls):
+                left = [i for i in calls if i not in chosen]
+                raise FFNQuantError(
+                    f"--layers selects {', '.join(f'L{i}' for i in picked)} but not {', '.join(f'L{i}' for i in left)}, "
+                    f"which call the same FFN (its weights shared, stored once): select all of its calls "
+                    f"({','.join(map(str, calls))}) or none")
+
     def calls_differ(self) -> bool:
         """Whether the layers calling one FFN compute different functions with it: the model's own middle is passed
         the calling layer's index (Zamba 2's shared MLP adds each call's own adapter of its input to gate and up)."""

@@ -24,7 +24,7 @@ from ..recipe import as_recipe
 from .arch import ModelKind
 from .capture import (ffn_input_hooks, install_ffns, iter_captured, iter_captured_files, load_hf_model, load_tokenizer,
                       model_text_batches)
-from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers
+from .checkpoint import HFLayer, ModelInfo, inspect_model, load_ffn_layers, parse_layers
 from .inputs import (EvalSettings, LayerInputs, file_inputs,  # re-exported: hf.evaluate is where they were
                      fit_settings, model_file_stem, token_budget)
 from .layers import (_with_shortfall, _worst, calibrate_layers,  # re-exported: hf.evaluate is where they were
@@ -114,6 +114,7 @@ def evaluate_layers_from_files(
     (`evaluate_model`); here they are absent.
     """
     info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
+    info.check_selection(parse_layers(layers, info.n_layers))
     hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
     recipes = _recipes(schemes, calibrator)
     inputs = file_inputs(info, hf_layers, calib_captured, eval_captured)
@@ -338,6 +339,7 @@ def evaluate_model(
     """
     t0 = time.perf_counter()
     info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
+    info.check_selection(parse_layers(layers, info.n_layers))
     hf_layers = load_ffn_layers(info, layers, allow_pickle=allow_pickle)
     recipes = _recipes(schemes, calibrator)
     settings = fit_settings(info, settings)

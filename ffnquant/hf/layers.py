@@ -307,6 +307,7 @@ def quantized_layers(
     """Each FFN of `layers` quantized under one `recipe`, or each under its own when `recipe` is a `plan.Plan`:
     (a JSON-able row per layer, {label: QuantizedFFN}). The rows are `quantize_layers`' results with the
     layer's name, index and seconds; `progress(message, done, total)` after each layer."""
+    info.check_selection({layer.index for layer in layers})
     stem = file_stem or model_file_stem(info)
     by_label = {layer.label: layer for layer in layers}
     rows, qffns = [], {}

@@ -54,6 +54,7 @@ def check_model(settings: ModelSettings) -> tuple[Any, list[int]]:
     parsed, transformers and both texts checked: every model error fails before the run starts."""
     info = inspect_model(settings.model)
     indices = parse_layers(settings.layers, info.n_layers)
+    info.check_selection(indices)
     if settings.plan is not None:
         from ..planning import load_plan
 
