@@ -194,3 +194,13 @@ def test_selecting_some_calls_of_a_shared_ffn_is_refused_in_one_line(zamba, tmp_
     err = capsys.readouterr().err.strip()
     assert "--layers selects L0 but not L1, which call the same FFN" in err and "(0,1) or none" in err
     assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_the_calls_of_a_shared_ffn_hold_one_copy_of_its_weights(zamba):
+    """As the model does: a later call's FFN computes with the first call's tensors (the engine holds every call
+    until the last one's inputs are in: one copy, not one per call)."""
+    layers = load_ffn_layers(inspect_model(zamba))
+    first, later = (layer.ffn.weights() for layer in layers)
+    assert all(first[n].data_ptr() == later[n].data_ptr() for n in first)
+    only_later = load_ffn_layers(inspect_model(zamba), [1])[0].ffn.weights()  # read alone: its own copy, equal
+    assert all(torch.equal(only_later[n], first[n]) for n in first)

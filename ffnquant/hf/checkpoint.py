@@ -537,9 +537,37 @@ def iter_ffn_layers(
     weights = _Weights(info.path, allow_pickle or info.weights_format == "pickle")
     if any(name not in weights.file_of for layer in info.layers[:1] for name in layer.tensors.values()):
         weights.rename_as_loaded(info.arch.name)  # found under the names transformers loads them as (`inspect_model`)
+    # the calls of one shared FFN (its weights stored once) hold one copy of its weights, as the model does: a later
+    # call's FFN computes with the first call's tensors (the engine holds every call until the last one's inputs)
+    pending = {}
     for layer in info.layers:
-        if layer.index in wanted:
-            yield _load_layer(info, weights, layer)
+        if layer.index in wanted and layer.shares is not None:
+            pending[layer.root] = pending.get(layer.root, 0) + 1
+    first: dict[tuple, HFLayer] = {}
+    for layer in info.layers:
+        if layer.index not in wanted:
+            continue
+        root = layer.root
+        if layer.shares is not None and root in first:
+            yield _later_call(info, weights, layer, first[root])
+            pending[root] -= 1
+            if not pending[root]:
+                del first[root]
+            continue
+        loaded = _load_layer(info, weights, layer)
+        if pending.get(root):
+            first[root] = loaded
+        yield loaded
+
+
+def _later_call(info: ModelInfo, weights: _Weights, layer: LayerInfo, first: HFLayer) -> HFLayer:
+    """A later call of a shared FFN: its FFN holds the first call's weight tensors (the same values: the checkpoint
+    stores them once) and its own activation module, read for this call (`_own_activation`: its own layer index)."""
+    activation = _own_activation(info, weights, layer) if info.arch.activation_template is not None else None
+    state = {k: v for k, v in first.ffn.state_dict().items() if not k.startswith(("activation.", "taps."))}
+    ffn = FFN.from_state(first.spec, state, activation=activation)
+    return HFLayer(layer.index, layer.expert, layer.name, ffn.eval(), first.spec, info.hf_activation, layer,
+                   block=info.block_params())
 
 
 def load_ffn_layers(
