@@ -70,7 +70,7 @@ def test_a_middle_reading_the_input_computes_the_module_with_its_linears_answeri
         hidden = middle(gate, up, x=x)
         want = mlp(x, layer_idx)
     assert torch.allclose(mlp.down_proj(hidden), want, rtol=0, atol=1e-6)
-    assert not middle.given  # what the stand-ins answered is let go after the call
+    assert middle.given.parts == ()  # what the stand-ins answered is let go after the call
     assert rowwise_reading_input(middle, 6, 10, 2, torch.Generator().manual_seed(0))
 
 
@@ -101,6 +101,23 @@ def test_zamba2s_shared_mlp_is_found_and_each_call_reproduces_the_models_module(
             assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
             outs.append(got)
     assert not torch.allclose(outs[0], outs[1])  # the two calls' adapters differ: two functions
+
+
+def test_the_calls_share_one_module_and_a_copy_or_a_pickle_computes_the_same(zamba2):
+    """A later call's middle is the first call's module with its own index (its block's adapters held once); a
+    deep copy (what quantizing copies) and a pickle (what a worker receives) compute what it does."""
+    import copy
+    import pickle
+
+    layers = load_ffn_layers(inspect_model(zamba2))
+    first, later = (layer.ffn.activation for layer in layers)
+    assert later.stored is first.stored and (first.layer_idx, later.layer_idx) == (0, 1)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = layers[1].ffn(x)
+        for other in (copy.deepcopy(layers[1].ffn), pickle.loads(pickle.dumps(layers[1].ffn))):
+            assert torch.equal(other(x), want)
+            assert other.activation.given is not later.given
 
 
 def _inputs(labels):

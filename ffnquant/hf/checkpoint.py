@@ -562,8 +562,13 @@ def iter_ffn_layers(
 
 def _later_call(info: ModelInfo, weights: _Weights, layer: LayerInfo, first: HFLayer) -> HFLayer:
     """A later call of a shared FFN: its FFN holds the first call's weight tensors (the same values: the checkpoint
-    stores them once) and its own activation module, read for this call (`_own_activation`: its own layer index)."""
-    activation = _own_activation(info, weights, layer) if info.arch.activation_template is not None else None
+    stores them once), and its own activation module: the first call's module computing with this call's index
+    where only the index differs (Zamba 2's middle: `OwnMiddle.called_by`), else read for this call."""
+    own = first.ffn.activation
+    if callable(getattr(own, "called_by", None)) and getattr(own, "layer_idx", None) is not None:
+        activation = own.called_by(layer.block)
+    else:
+        activation = _own_activation(info, weights, layer) if info.arch.activation_template is not None else None
     state = {k: v for k, v in first.ffn.state_dict().items() if not k.startswith(("activation.", "taps."))}
     ffn = FFN.from_state(first.spec, state, activation=activation)
     return HFLayer(layer.index, layer.expert, layer.name, ffn.eval(), first.spec, info.hf_activation, layer,

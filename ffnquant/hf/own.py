@@ -18,6 +18,7 @@ the checkpoint keeps them by."""
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any, Callable, Mapping
 
 import torch
@@ -25,7 +26,7 @@ from torch import nn
 
 from .ffn_candidates import FoundFFN
 
-__all__ = ["OwnGate", "OwnMiddle", "own_activations", "own_gate", "own_middle", "elementwise", "gate_interleaved",
+__all__ = ["Handed", "OwnGate", "OwnMiddle", "own_activations", "own_gate", "own_middle", "elementwise", "gate_interleaved",
            "rowwise", "rowwise_reading_input"]
 
 
@@ -143,16 +144,30 @@ class _Parts(nn.Module):
         return f"parts={self.parts}, n={self.n}"
 
 
+class Handed(threading.local):
+    """The products an `OwnMiddle` reading the FFN's input hands its module's first Linears for one call, per thread
+    (the middles of a shared FFN's calls share one module, and plan scoring may run in threads)."""
+
+    def __init__(self) -> None:
+        self.parts: tuple[torch.Tensor, ...] = ()
+
+    def __deepcopy__(self, memo: dict) -> "Handed":  # a copied module gets its own (shared within the copy)
+        return Handed()
+
+    def __reduce__(self) -> tuple:  # pickled (a worker's copy of a layer) as an empty one
+        return (Handed, ())
+
+
 class _Given(nn.Module):
     """Stands for one of an MLP's first Linears in an `OwnMiddle` that reads the FFN's input: whatever it is given,
     it answers the parts of the products its middle was handed (gate, up, ...) that its output would be."""
 
-    def __init__(self, *parts: int, given: list) -> None:
+    def __init__(self, *parts: int, given: Handed) -> None:
         super().__init__()
         self.parts, self.given = parts, given
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.given[i] for i in self.parts], dim=-1)
+        return torch.cat([self.given.parts[i] for i in self.parts], dim=-1)
 
     def extra_repr(self) -> str:
         return f"parts={self.parts}"
@@ -168,22 +183,27 @@ class OwnMiddle(nn.Module):
     forward is passed (None: none)."""
 
     def __init__(self, stored: nn.Module, reads_input: bool = False, layer_idx: int | None = None,
-                 given: list | None = None) -> None:
+                 given: Handed | None = None) -> None:
         super().__init__()
         self.stored, self.reads_input, self.layer_idx = stored, reads_input, layer_idx
-        # what the `_Given` stand-ins answer, one list they share (deepcopy keeps it shared within a copy)
-        self.given = given if given is not None else []
+        # what the `_Given` stand-ins answer (deepcopy keeps it shared within a copy)
+        self.given = given if given is not None else Handed()
+
+    def called_by(self, layer_idx: int) -> "OwnMiddle":
+        """The same module (its tensors shared, not copied) as another layer's call computes it: a shared FFN's
+        calls differ by the index alone (Zamba 2's: each call picks its own adapter among its block's)."""
+        return OwnMiddle(self.stored, self.reads_input, layer_idx, self.given)
 
     def forward(self, *parts: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         if not self.reads_input:
             return self.stored(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
         if x is None:
             raise TypeError("this FFN's middle reads the FFN's input: call it with x=")
-        self.given[:] = parts
+        self.given.parts = parts
         try:
             return self.stored(x) if self.layer_idx is None else self.stored(x, layer_idx=self.layer_idx)
         finally:
-            self.given.clear()
+            self.given.parts = ()
 
     def extra_repr(self) -> str:
         return f"reads_input=True, layer_idx={self.layer_idx}" if self.reads_input else ""
@@ -197,7 +217,7 @@ def own_middle(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str], reads
         return None
     n = 2 if ffn.gated else 1
     slices = {"w_gate": (0,), "w_up": (1,) if ffn.gated else (0,), "w_gate+w_up": (0, 1), "w_up+w_gate": (1, 0)}
-    stored, given = copy.deepcopy(module), []
+    stored, given = copy.deepcopy(module), Handed()
     for name, role in roles.items():
         parent, _, attr = name.rpartition(".")
         new = (nn.Identity() if role == "w_down" else _Given(*slices[role], given=given) if reads_input
