@@ -274,5 +274,8 @@ def test_the_plan_names_what_each_export_format_cannot_store(folders):
     assert deployment_notes(inspect_model(folders["gpt2"]))["onnx"].startswith("gpt2: its MLP weights are transformers' Conv1D")
     moe = inspect_model(folders["qwen3_moe"])
     assert "routed experts" in deployment_notes(moe)["onnx"] and not deployment_notes(moe)["compressed-tensors"]
+    assert deployment_notes(moe)["onnx"].endswith("the compressed-tensors folder and per-layer ONNX artifacts do")
+    fused = deployment_notes(inspect_model(folders["dbrx"]))  # the folder cannot store them either: not offered
+    assert fused["compressed-tensors"] and fused["onnx"].endswith("); per-layer ONNX artifacts do")
     mixed = Plan(model_fingerprint(moe), {0: Recipe.parse("w4a16-g32"), 1: Recipe.parse("w8a16")}, "ppl+1%", "bytes")
     assert "2 recipes (L0 w4a16-g32, L1 w8a16)" in deployment_notes(moe, mixed)["compressed-tensors"]

@@ -133,9 +133,12 @@ def deployable_refusal(info: ModelInfo, fmt: str = "compressed-tensors") -> str 
     arch = info.arch
     if arch.install is arch.install.EXPERTS:
         if fmt == "onnx":
+            # where the compressed-tensors folder cannot store them either (experts fused on disk), said so
+            elsewhere = ("the compressed-tensors folder and per-layer ONNX artifacts do"
+                         if deployable_refusal(info, "compressed-tensors") is None else "per-layer ONNX artifacts do")
             return (f"{info.model_type}: its FFNs are routed experts, which ffnquant's whole-model ONNX graph does not "
                     "store (it rewrites one FFN's matmuls per block, and writes no onnxruntime MoE/QMoE operator); "
-                    "the compressed-tensors folder and per-layer ONNX artifacts do")
+                    f"{elsewhere}")
         fused = next((layer for layer in info.layers if layer.fused_expert_tensors), None)
         from .experts import loader_expert_names
 
