@@ -182,6 +182,18 @@ def _check_tokens(x: torch.Tensor, d_model: int, what: str) -> torch.Tensor:
     return x
 
 
+def calibration_batches(calib: torch.Tensor) -> list[torch.Tensor]:
+    """Calibration rows [n, d] in the batches `prepare` runs them in."""
+    return [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
+
+
+def site_profile(model: FFN, calib: torch.Tensor, bins: int | None = None) -> Any:
+    """The range profile `prepare` takes of a model's input and hidden sites over calibration rows: what a caller
+    that has it (a plan's float figures, a shared FFN's calls merged) hands `prepare` as `profiles`."""
+    return profile(model, calibration_batches(calib), sites=["input", "hidden"], weights=False,
+                   bins=DEFAULT_BINS if bins is None else bins)
+
+
 def prepare(
     spec: FFNSpec,
     source: Any = "llm_like",
@@ -241,12 +253,12 @@ def prepare(
         raise FFNQuantError("no calibration tokens: static schemes, smooth and gptq need calibration data")
     if ev.shape[0] == 0:
         raise FFNQuantError("no evaluation tokens: accuracy is measured on held-out data")
-    batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
+    batches = calibration_batches(calib)
     def ranges_of(done: tuple, model: FFN):
         """The range profile of `model` (`ref` after the steps `done`): from `profiles` when it has it."""
         if profiles is not None and done in profiles:
             return profiles[done]
-        table = profile(model, batches, sites=["input", "hidden"], weights=False, bins=bins)
+        table = site_profile(model, calib, bins)
         if profiles is not None:
             profiles[done] = table
         return table

@@ -19,7 +19,7 @@ from ffnquant.hf.arch import Install
 from ffnquant.hf.ffn_candidates import FoundFFN
 from ffnquant.hf.inputs import LayerInputs
 from ffnquant.hf.layers import quantize_layers, quantized_layers
-from ffnquant.hf.own import OwnMiddle, own_middle, rowwise_reading_input
+from ffnquant.hf.own import OwnMiddle, own_middle, rowwise
 from ffnquant.planning.planfile import Plan, model_fingerprint
 from ffnquant.planning.rows import calibration_exclude
 from ffnquant.recipe import Recipe
@@ -71,7 +71,7 @@ def test_a_middle_reading_the_input_computes_the_module_with_its_linears_answeri
         want = mlp(x, layer_idx)
     assert torch.allclose(mlp.down_proj(hidden), want, rtol=0, atol=1e-6)
     assert middle.given.parts == ()  # what the stand-ins answered is let go after the call
-    assert rowwise_reading_input(middle, 6, 10, 2, torch.Generator().manual_seed(0))
+    assert rowwise(lambda *z: middle(*z[:-1], x=z[-1]), 10, torch.Generator().manual_seed(0), 2, widths=(6,))
 
 
 def test_a_middle_reading_the_input_refuses_a_call_without_it():

@@ -635,11 +635,11 @@ def test_routed_experts_made_from_each_experts_ffn_are_the_modules_own(tmp_path,
         for p in made.parameters():
             p.zero_()
     _fill_experts(made, info, layer.index)
-    from ffnquant.hf.routed import _tensors
+    from ffnquant.hf.routed import expert_tensors
 
     # the experts' own tensors and their biases (a MoE routing its tokens itself, JetMoE's, also holds its router
     # and output bias: read by name)
-    own = {n for t in _tensors(experts, info.arch).values() for n in (t, f"{t}_bias")}
+    own = {n for t in expert_tensors(experts, info.arch).values() for n in (t, f"{t}_bias")}
     want = {n: p for n, p in experts.named_parameters() if n in own}
     got = dict(made.named_parameters())
     assert len(want) >= 2 and all(torch.equal(got[n], want[n]) for n in want), model_type

@@ -10,10 +10,9 @@ float. The formats (`deploy.ctensors`, `deploy.onnx_model`) write that; nothing 
 
 from __future__ import annotations
 
-import functools
-
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 

@@ -528,15 +528,24 @@ def _own_activation(info: ModelInfo, weights: _Weights, layer: LayerInfo) -> nn.
     return own.float().eval()
 
 
-def iter_ffn_layers(
-    path: str | os.PathLike | ModelInfo, layers: str | int | list[int] | None = "all", allow_pickle: bool = False
-) -> Iterator[HFLayer]:
-    """Yield the selected FFN layers one at a time (one layer's weights in memory at once)."""
-    info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
-    wanted = set(parse_layers(layers, info.n_layers))
+def ffn_reader(info: ModelInfo, allow_pickle: bool = False) -> _Weights:
+    """The checkpoint's tensors as `iter_ffn_layers` reads each FFN's: under the names transformers loads them as
+    where its files store them under others (`inspect_model` found them so)."""
     weights = _Weights(info.path, allow_pickle or info.weights_format == "pickle")
     if any(name not in weights.file_of for layer in info.layers[:1] for name in layer.tensors.values()):
-        weights.rename_as_loaded(info.arch.name)  # found under the names transformers loads them as (`inspect_model`)
+        weights.rename_as_loaded(info.arch.name)
+    return weights
+
+
+def iter_ffn_layers(
+    path: str | os.PathLike | ModelInfo, layers: str | int | list[int] | None = "all", allow_pickle: bool = False,
+    weights: _Weights | None = None,
+) -> Iterator[HFLayer]:
+    """Yield the selected FFN layers one at a time (one layer's weights in memory at once). `weights`: a reader
+    of the checkpoint's FFN tensors (`ffn_reader`) a caller reading layers again and again keeps."""
+    info = path if isinstance(path, ModelInfo) else inspect_model(path, allow_pickle=allow_pickle)
+    wanted = set(parse_layers(layers, info.n_layers))
+    weights = weights if weights is not None else ffn_reader(info, allow_pickle)
     # the calls of one shared FFN (its weights stored once) hold one copy of its weights, as the model does: a later
     # call's FFN computes with the first call's tensors (the engine holds every call until the last one's inputs)
     pending = {}
@@ -569,7 +578,7 @@ def _later_call(info: ModelInfo, weights: _Weights, layer: LayerInfo, first: HFL
         activation = own.called_by(layer.block)
     else:
         activation = _own_activation(info, weights, layer) if info.arch.activation_template is not None else None
-    state = {k: v for k, v in first.ffn.state_dict().items() if not k.startswith(("activation.", "taps."))}
+    state = {k: v for k, v in first.ffn.state_dict().items() if k.partition(".")[0] in first.spec.weight_names}
     ffn = FFN.from_state(first.spec, state, activation=activation)
     return HFLayer(layer.index, layer.expert, layer.name, ffn.eval(), first.spec, info.hf_activation, layer,
                    block=info.block_params())

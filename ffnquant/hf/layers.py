@@ -106,7 +106,8 @@ def quantize_layers(
     """
     calls_of = _calls(layers)
     for calls in calls_of.values():
-        check_per_call(calls, recipes)
+        if calls_differ(calls):
+            per_call_refusal([c.label for c in calls], recipes)
     done: dict[tuple[int, int | None], list[Any]] = {}
     merged: dict[tuple[int, int | None], Any] = {}  # an FFN whose calls differ: every call's statistics, merged
     for layer in layers:
@@ -140,12 +141,6 @@ def calls_differ(calls: Sequence[Any]) -> bool:
     """Whether the layers calling one FFN (its weights shared) compute different functions with it: its model's
     own middle is passed the calling layer's index (Zamba 2's MLP adds each call's own adapter of its input)."""
     return len(calls) > 1 and getattr(calls[0].ffn.activation, "layer_idx", None) is not None
-
-
-def check_per_call(calls: Sequence[Any], recipes: Sequence[Any]) -> None:
-    """Refuse a recipe that reads the calibration text for an FFN whose calls differ (`calls_differ`)."""
-    if calls_differ(calls):
-        per_call_refusal([c.label for c in calls], recipes)
 
 
 def merges_across_calls(recipe: Any) -> bool:
@@ -221,19 +216,17 @@ def _merged_statistics(calls: Sequence[HFLayer], recipes: Sequence[Any], inputs:
     """The calibration statistics of an FFN whose calls differ, every call's rows through that call's own FFN:
     (the range table of its input and hidden sites, merged; GPTQ's Hessians, summed, where a recipe needs them).
     A recipe with remedies is refused before (`merges_across_calls`), so these are the plain FFN's."""
-    from ..numerics.observe import DEFAULT_BINS
+    from ..quantization import calibration_batches, site_profile
     from ..recipe import Recipe
 
     table, hessians = None, None
     gptq = any(not r.is_float and r.resolve().needs_hessians for r in (Recipe.parse(str(x)) for x in recipes))
     for call in calls:
         rows = inputs.calib[call.label]
-        batches = [rows[i:i + 1024] for i in range(0, rows.shape[0], 1024)]
-        mine = profile(call.ffn, batches, sites=["input", "hidden"], weights=False,
-                       bins=DEFAULT_BINS if bins is None else bins)
+        mine = site_profile(call.ffn, rows, bins)
         table = mine if table is None else table.merge(mine)
         if gptq:
-            h = input_hessians(call.ffn, batches)
+            h = input_hessians(call.ffn, calibration_batches(rows))
             hessians = h if hessians is None else {k: hessians[k] + v for k, v in h.items()}
     return table, hessians
 
@@ -321,6 +314,8 @@ def quantized_layers(
                     for o in quantize_layers(calls, [plan.recipe_for(calls[0].index)], inputs, **kw))
     else:
         outcomes = quantize_layers(layers, [recipe], inputs, **kw)
+    # the calls of an FFN whose calls differ (Zamba 2's adapters), each quantized on its own inputs
+    own_inputs = {layer.label for calls in _calls(layers).values() if calls_differ(calls) for layer in calls[1:]}
     t_layer = time.perf_counter()
     for outcome in outcomes:
         layer, res = by_label[outcome.label], outcome.result
@@ -328,8 +323,7 @@ def quantized_layers(
         data.pop("environment", None)  # once per report, not per layer
         now = time.perf_counter()
         shares = layer.info.shares
-        # a call of an FFN whose calls differ (Zamba 2's adapters) was quantized on its own inputs
-        per_call = {"own_inputs": True} if shares is not None and calls_differ(_calls(layers)[layer.info.root]) else {}
+        per_call = {"own_inputs": True} if layer.label in own_inputs else {}
         rows.append({"label": layer.label, "index": layer.index, "expert": layer.expert, "name": layer.name,
                      "inputs_borrowed": inputs.borrowed.get(layer.label), "seconds": now - t_layer, **data,
                      **({"shares": f"L{shares}", **per_call} if shares is not None else {})})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -27,21 +27,22 @@ from torch import nn
 from .ffn_candidates import FoundFFN
 
 __all__ = ["Handed", "OwnGate", "OwnMiddle", "own_activations", "own_gate", "own_middle", "elementwise", "gate_interleaved",
-           "rowwise", "rowwise_reading_input"]
+           "rowwise"]
 
 
 def elementwise(fn: Callable[..., torch.Tensor], width: int, gen: torch.Generator, inputs: int = 1,
-                per_token: bool = False) -> bool:
+                per_token: bool = False, widths: Sequence[int] = ()) -> bool:
     """Whether `fn` computes an elementwise function of `inputs` tensors [tokens, width]: its output has their shape
     and changing one element of any input changes that element's output alone (`per_token`: that token's outputs
-    alone, a norm of the hidden say)."""
-    zs = [torch.randn(5, width, generator=gen) * 2.0 for _ in range(inputs)]
+    alone, a norm of the hidden say). `widths`: further inputs of those widths (the FFN's input beside gate and
+    up), each read per token."""
+    zs = [torch.randn(5, w, generator=gen) * 2.0 for w in [width] * inputs + list(widths)]
     try:
         with torch.no_grad():
             y = fn(*zs)
-            for i in range(inputs):
+            for i, z in enumerate(zs):
                 changed = [z.clone() for z in zs]
-                changed[i][2, width // 2] += 1.0
+                changed[i][2, z.shape[1] // 2] += 1.0
                 y2 = fn(*changed)
                 if not _moved_only(y, y2, zs[0].shape, (2,) if per_token else (2, width // 2)):
                     return False
@@ -123,9 +124,10 @@ def own_activations(small: nn.Module, ffn: FoundFFN) -> list[str]:
     return sorted(out, key=lambda n: n.count("."))
 
 
-def rowwise(fn: Callable[..., torch.Tensor], width: int, gen: torch.Generator, inputs: int = 1) -> bool:
+def rowwise(fn: Callable[..., torch.Tensor], width: int, gen: torch.Generator, inputs: int = 1,
+            widths: Sequence[int] = ()) -> bool:
     """Whether `fn` computes each token's output from that token's inputs alone (`elementwise` per token)."""
-    return elementwise(fn, width, gen, inputs, per_token=True)
+    return elementwise(fn, width, gen, inputs, per_token=True, widths=widths)
 
 
 class _Parts(nn.Module):
@@ -224,24 +226,6 @@ def own_middle(module: nn.Module, ffn: FoundFFN, roles: Mapping[str, str], reads
                else _Parts(*slices[role], n=n))
         setattr(stored.get_submodule(parent) if parent else stored, attr, new)
     return OwnMiddle(stored, reads_input, layer_idx, given)
-
-
-def rowwise_reading_input(middle: OwnMiddle, d: int, f: int, parts: int, gen: torch.Generator) -> bool:
-    """Whether an `OwnMiddle` reading the FFN's input computes each token's output from that token's products and
-    input alone (moving one token's input, or one of its products, moves that token's output alone)."""
-    zs = [torch.randn(5, f, generator=gen) * 2.0 for _ in range(parts)]
-    x = torch.randn(5, d, generator=gen)
-    try:
-        with torch.no_grad():
-            y = middle(*zs, x=x)
-            for i in range(parts + 1):
-                moved_zs, moved_x = [z.clone() for z in zs], x.clone()
-                (moved_x if i == parts else moved_zs[i])[2] += 1.0
-                if not _moved_only(y, middle(*moved_zs, x=moved_x), torch.Size((5, f)), (2,)):
-                    return False
-    except Exception:  # noqa: BLE001 - a module that does not run so: not this form
-        return False
-    return True
 
 
 def _get(module: nn.Module, dotted: str) -> Any:

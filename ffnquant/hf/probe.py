@@ -20,7 +20,7 @@ from ..errors import FFNQuantError
 from ..spec import Activation
 from .arch import Install
 from .ffn_candidates import FoundFFN, expert_matrices, input_major
-from .own import elementwise, gate_interleaved, own_activations, own_gate, own_middle, rowwise, rowwise_reading_input
+from .own import elementwise, gate_interleaved, own_activations, own_gate, own_middle, rowwise
 
 __all__ = ["probe", "probe_activation", "takes_residual", "takes_sorted_tokens"]
 
@@ -369,7 +369,8 @@ def _own_tries(module: nn.Module, small: nn.Module, ffn: FoundFFN, d: int, f: in
         return
     for roles in _assignments(ffn):  # last: the module's own forward on the FFN's input, its Linears answering
         middle = own_middle(small, ffn, roles, reads_input=True, layer_idx=layer_idx)
-        if middle is not None and rowwise_reading_input(middle, d, f, 2 if ffn.gated else 1, gen):
+        if middle is not None and rowwise(lambda *z, m=middle: m(*z[:-1], x=z[-1]), f, gen, 2 if ffn.gated else 1,
+                                          widths=(d,)):
             yield (roles, Activation.OWN_GATE if ffn.gated else Activation.OWN, middle, "",
                    lambda r=roles: own_middle(module, ffn, r, reads_input=True, layer_idx=layer_idx))
 

@@ -15,8 +15,8 @@ from ..errors import FFNQuantError
 from .ffn_candidates import expert_matrices, input_major
 from .probe import takes_sorted_tokens
 
-__all__ = ["call_modules", "expert_forward", "expert_matrices", "expert_weight", "experts_forward", "input_major",
-           "matrix_forwards", "routed_rows"]
+__all__ = ["call_modules", "expert_bias", "expert_forward", "expert_matrices", "expert_tensors", "expert_weight",
+           "experts_forward", "input_major", "matrix_forwards", "routed_rows"]
 
 
 def _n_experts(module: nn.Module, layout: Any) -> int:
@@ -27,7 +27,7 @@ def _n_experts(module: nn.Module, layout: Any) -> int:
     return n
 
 
-def _tensors(module: nn.Module, layout: Any) -> dict[str, str]:
+def expert_tensors(module: nn.Module, layout: Any) -> dict[str, str]:
     """role ("w_down", "w_gate+w_up", ...) -> the experts module's tensor holding it (a dotted name: DBRX's mlp.w1)."""
     fused = getattr(layout, "fused_expert_roles", None)  # an Arch's roles also name the per-expert tensors on disk
     names = {n: layout.roles.get(n, "") for n in fused} if fused else dict(layout.roles)
@@ -46,7 +46,7 @@ def expert_weight(module: nn.Module, expert: int, weight: str, arch: Any) -> tor
     tensors, in the layout `arch` read them in (`hf.checkpoint`): each tensor output- or input-major, 3-D or flat
     (`expert_matrices`); gate and up in separate tensors, or in one side by side (gate first) or alternating
     (`arch.interleaved`). A view: writing into it writes the module's tensor."""
-    tensors = _tensors(module, arch)
+    tensors = expert_tensors(module, arch)
     n = _n_experts(module, arch)
 
     def view(name: str) -> torch.Tensor:
@@ -67,7 +67,7 @@ def expert_weight(module: nn.Module, expert: int, weight: str, arch: Any) -> tor
 def expert_bias(module: nn.Module, expert: int, weight: str, arch: Any) -> torch.Tensor | None:
     """One routed expert's bias of `weight` as a view of the fused experts module's `<tensor>_bias` [E, out]
     (gpt-oss'), gate and up halves as `expert_weight` reads them; None where the module holds no such bias."""
-    tensors = _tensors(module, arch)
+    tensors = expert_tensors(module, arch)
     fused = next((r for r in ("w_gate+w_up", "w_up+w_gate") if r in tensors), None)
     name = tensors.get(weight) or (tensors[fused] if fused and weight in ("w_gate", "w_up") else None)
     bias = getattr(module, f"{name}_bias", None) if name and "." not in name else None
@@ -99,7 +99,7 @@ def expert_forward(module: nn.Module, expert: int, layout: Any) -> Callable[[tor
     `_apply_gate` of the gate_up product where it has one (MiniMax-M3, gpt-oss), else activation(gate) * up; without
     a gate (NemotronHExperts') the activation of up; then down. Each tensor in its layout (`expert_matrices`), each
     with its `<name>_bias` [E, out] where it has one (gpt-oss')."""
-    tensors = _tensors(module, layout)
+    tensors = expert_tensors(module, layout)
     n = _n_experts(module, layout)
 
     def lin(x: torch.Tensor, role: str) -> torch.Tensor:
@@ -137,7 +137,7 @@ def call_modules(module: nn.Module, layout: Any) -> tuple[nn.Module, nn.Module]:
     the first matrix (rows sorted by expert) and that of down (each row's expert output, before the gates)."""
     if not getattr(layout, "matrix_experts", False):
         return module, module
-    tensors = _tensors(module, layout)
+    tensors = expert_tensors(module, layout)
     first = next(n for r, n in tensors.items() if r != "w_down")
     return (module.get_submodule(first.rpartition(".")[0]), module.get_submodule(tensors["w_down"].rpartition(".")[0]))
 
@@ -213,7 +213,7 @@ def matrix_forwards(module: nn.Module, replacements: Mapping[int, Callable[[torc
     first, down = call_modules(module, layout)
     experts = _with_own(module, replacements, layout)
     kept: list[torch.Tensor] = []
-    name = next(n for r, n in _tensors(module, layout).items() if r != "w_down")
+    name = next(n for r, n in expert_tensors(module, layout).items() if r != "w_down")
     width = expert_matrices(module.get_parameter(name), name, layout, _n_experts(module, layout)).shape[1]  # its out
 
     def first_forward(inputs: torch.Tensor, expert_size: Any) -> torch.Tensor:

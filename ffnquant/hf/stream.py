@@ -19,13 +19,12 @@ per batch, when they do not fit the budget.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import contextlib
-import inspect
 import copy
 import dataclasses
+import inspect
 import math
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -212,6 +211,7 @@ class SequentialModel(LMHead):
         # routed experts' tensors the checkpoint does not store as the module holds them (per expert on disk, fused
         # as transformers loads them): made from each expert's FFN as `hf.checkpoint` reads it (`_fill_experts`)
         self._made = _experts_made(model, info, found, self.weights, self._stored)
+        self._ffn_reader: Any = None  # the checkpoint's FFN tensors as `hf.checkpoint` reads them, when first needed
         for name, p in model.named_parameters(remove_duplicate=False):
             if self.tied and name == self._names[id(self.head)] + ".weight":
                 continue  # the embedding's, as from_pretrained ties it
@@ -250,8 +250,12 @@ class SequentialModel(LMHead):
                     tensor = _read(self.weights, self._stored.get(full, full), self.dtype).to(self.device)
                 read[id(p)] = nn.Parameter(tensor, requires_grad=False)
             setattr(module.get_submodule(owner), attr, read[id(p)])
+        if made and self._ffn_reader is None:  # one reader of the FFN tensors for every layer's experts
+            from .checkpoint import ffn_reader
+
+            self._ffn_reader = ffn_reader(self.info)
         for experts, j in made.values():
-            _fill_experts(experts, self.info, j)
+            _fill_experts(experts, self.info, j, self._ffn_reader)
 
     def release(self) -> None:
         """Freed heap memory handed back to the system between layers when streamed (each layer's tensors read and
@@ -504,13 +508,13 @@ def _experts_made(model: nn.Module, info: ModelInfo, found: Mapping[Any, tuple[s
     """The routed experts' tensors of `model` that the checkpoint does not hold as the module does (Mixtral's:
     per expert on disk, fused by transformers as it loads): {parameter name: (its experts module's name, layer)}.
     A tensor stored as it is held (gpt-oss', JetMoE's) is read by name like any other."""
-    from .routed import _tensors
+    from .routed import expert_tensors
 
     out: dict[str, tuple[str, int]] = {}
     for layer, (module_name, module) in found.items():
         if layer.expert is None:
             continue
-        for tensor in _tensors(module, info.arch).values():
+        for tensor in expert_tensors(module, info.arch).values():
             for name in (tensor, f"{tensor}_bias"):
                 try:
                     p = module.get_parameter(name)
@@ -523,15 +527,15 @@ def _experts_made(model: nn.Module, info: ModelInfo, found: Mapping[Any, tuple[s
     return out
 
 
-def _fill_experts(module: nn.Module, info: ModelInfo, j: int) -> None:
+def _fill_experts(module: nn.Module, info: ModelInfo, j: int, weights: Any = None) -> None:
     """Layer j's experts module's tensors (zeros, in the engine's dtype) filled with each expert's FFN as
-    `hf.checkpoint` reads it from the shards, one expert at a time, through the module's own layout
-    (`hf.routed.expert_weight`, `expert_bias`)."""
+    `hf.checkpoint` reads it from the shards (through `weights`, its `ffn_reader`), one expert at a time, through
+    the module's own layout (`hf.routed.expert_weight`, `expert_bias`)."""
     from .checkpoint import iter_ffn_layers
     from .routed import expert_bias, expert_weight
 
     with torch.no_grad():
-        for layer in iter_ffn_layers(info, [j]):
+        for layer in iter_ffn_layers(info, [j], weights=weights):
             for weight in layer.spec.weight_names:
                 lin = getattr(layer.ffn, weight)
                 view = expert_weight(module, layer.expert, weight, info.arch)
@@ -544,4 +548,3 @@ def _fill_experts(module: nn.Module, info: ModelInfo, j: int) -> None:
                         raise FFNQuantError(f"{info.path}: L{j}'s experts module holds no bias of {weight}, which "
                                             "its checkpoint stores: reading a layer at a time cannot place it; run it "
                                             "whole (--no-sequential)")
-

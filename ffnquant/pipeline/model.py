@@ -207,12 +207,11 @@ def _shared_quantized(info: ModelInfo, layers: Sequence[Any], inputs: Any, recip
     """The layers calling one FFN (its weights shared) as the model deploys them: one quantization of it from every
     call's rows (`hf.layers.quantize_layers`; through each call's own FFN where the calls differ), not each call's
     own as the per-layer table scores it. `recipe`: one, or a plan (each group under its first call's)."""
-    from ..hf.layers import _calls, is_plan, quantized_layers
+    from ..hf.layers import is_plan, quantized_layers
 
-    def float_for(calls: Sequence[Any]) -> bool:
-        return (recipe.recipe_for(calls[0].index) if is_plan(recipe) else recipe).is_float
-
-    chosen = [layer for calls in _calls(layers).values() if len(calls) > 1 and not float_for(calls) for layer in calls]
+    shared = {i for calls in info.shared_groups() for i in calls}
+    chosen = [layer for layer in layers if layer.index in shared
+              and not (recipe.recipe_for(layer.index) if is_plan(recipe) else recipe).is_float]
     if not chosen:
         return {}
     return quantized_layers(info, chosen, inputs, recipe, onnx=False, sensitivity=False)[1]

@@ -176,13 +176,11 @@ def float_figures(layer: Any, calib: torch.Tensor, held_out: torch.Tensor, grad:
     """What every candidate of a dense layer is compared with, computed once for all of its scoring tasks: the float
     FFN's outputs on the scored search rows (`scored_rows`) and the held-out inputs, and its range profile (what
     `quantization.prepare` takes, the same batches and bins)."""
-    from ..numerics.observe import DEFAULT_BINS, profile
+    from ..quantization import site_profile
 
     with torch.no_grad():
         out = {"calib": run_batched(layer.ffn, scored_rows(calib, grad)[0]), "held": run_batched(layer.ffn, held_out)}
-    batches = [calib[i : i + 1024] for i in range(0, calib.shape[0], 1024)]
-    out["profile"] = profile(layer.ffn, batches, sites=["input", "hidden"], weights=False,
-                             bins=DEFAULT_BINS if bins is None else bins)
+    out["profile"] = site_profile(layer.ffn, calib, bins)
     return out
 
 

@@ -74,27 +74,16 @@ class VerificationRounds:
                 self.progress(f"verify: L{j} (as the last round)", j + 1, n)
                 continue
             if j in offered:
-                q = self._offered[(j, chosen[j])]
-                if self.dtype is not torch.float32:
-                    from ..deploy.precision import in_dtype
-
-                    q = in_dtype(q, self.dtype)
+                q = self._computed(self._offered[(j, chosen[j])])
             elif j in fresh and differ and j in shared:
-                q = per_call(j)
-                if self.dtype is not torch.float32:
-                    from ..deploy.precision import in_dtype
-
-                    q = in_dtype(q, self.dtype)
+                q = self._computed(per_call(j))
             elif j in fresh:
                 layer, calib, held = self._layer(j, ffns)
                 if j in shared:  # one FFN several layers call: quantized once, from every call's inputs
                     calib = torch.cat([self.ffn_calib.get(k) for k in shared[j]])
                 q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins, measure=False)[0]
                 del layer, calib, held
-                if self.dtype is not torch.float32:
-                    from ..deploy.precision import in_dtype
-
-                    q = in_dtype(q, self.dtype)
+                q = self._computed(q)
                 if j in shared:
                     made[(shared[j][0], chosen[j])] = q
             elif q is None and j in quantized and j in shared:
@@ -124,6 +113,13 @@ class VerificationRounds:
         stream.clear()
         return domains
 
+    def _computed(self, q: Any) -> Any:
+        """A quantized FFN as the rounds' engine computes it: in the plan's dtype (`deploy.precision.in_dtype`)."""
+        if self.dtype is torch.float32:
+            return q
+        from ..deploy.precision import in_dtype
+
+        return in_dtype(q, self.dtype)
 
     def _calls_quantized(self, calls: tuple[int, ...], recipe: Recipe) -> dict[int, Any]:
         """Every call of an FFN whose calls differ (Zamba 2's) quantized under `recipe` through its own FFN, from

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..hf.evaluate import calibrate_layers
+from ..hf.layers import merges_across_calls
 from ..infra.device import current_device
 from ..methods.fakequant import quantized_ffn_to
 from ..recipe import Recipe
@@ -75,24 +76,24 @@ def needs_fold(recipe: Recipe) -> bool:
 
 def fold_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
     """A recipe whose input scale cannot fold on this layer is not chosen: no deployment could store it."""
-    if not refusal:
-        return
-    for row in rows:
-        if row.get("error") is None and "excluded" not in row and needs_fold(Recipe.parse(str(row["recipe"]))):
-            row["excluded"] = f"its input scale cannot fold into a norm here: {refusal}"
+    _exclude(rows, refusal, lambda r: needs_fold(Recipe.parse(r)), "its input scale cannot fold into a norm here")
 
 
 def calibration_exclude(rows: list[dict[str, Any]], refusal: str | None) -> None:
     """A recipe whose calibration does not merge across calls (`hf.layers.merges_across_calls`: smoothing, AWQ, the
     search calibrator) is not chosen on a layer calling an FFN whose calls differ (Zamba 2's adapters, `refusal`
     says so)."""
-    from ..hf.layers import merges_across_calls
+    _exclude(rows, refusal, lambda r: not merges_across_calls(r), "it computes from the calibration rows themselves")
 
+
+def _exclude(rows: list[dict[str, Any]], refusal: str | None, applies: Any, why: str) -> None:
+    """Each scored row not yet excluded whose recipe `applies(recipe)` marked excluded, `why` and the layer's
+    `refusal` said; nothing where the layer has no refusal."""
     if not refusal:
         return
     for row in rows:
-        if row.get("error") is None and "excluded" not in row and not merges_across_calls(row["recipe"]):
-            row["excluded"] = f"it computes from the calibration rows themselves: {refusal}"
+        if row.get("error") is None and "excluded" not in row and applies(str(row["recipe"])):
+            row["excluded"] = f"{why}: {refusal}"
 
 
 def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[str, Any]], objective: Objective,
@@ -104,7 +105,7 @@ def choosable(scores: Sequence[CandidateScore], latency: Mapping[str, Mapping[st
     options = []
     for s in scores:
         if s.error is not None or (fold_refusal and needs_fold(Recipe.parse(s.recipe))) or (
-                calibration_refusal and not _merges(s.recipe)):
+                calibration_refusal and not merges_across_calls(s.recipe)):
             continue
         noise = s.fisher if damage_kind == "kl" else s.search_noise
         cost = (latency.get(s.recipe) or {}).get("p50_ms") if objective.kind == "latency" else s.bytes
@@ -221,10 +222,3 @@ def candidate_row(s: CandidateScore, entry: Mapping[str, Any], latency: Mapping[
     if objective.kind == "latency" and row["latency_ms"] is None and s.error is None:
         row["excluded"] = lat.get("reason") or "not timed"
     return row
-
-
-def _merges(recipe: str) -> bool:
-    from ..hf.layers import merges_across_calls
-
-    return merges_across_calls(recipe)
-
