@@ -175,20 +175,6 @@ def test_the_onnx_graph_and_vllms_cpu_build_refuse_routed_experts_with_their_rea
     assert [str(r) for r in kept] == ["fp32"] and "No WNA16 MoE backend" in left[0]["reason"]
 
 
-def test_a_checkpoint_with_fused_experts_is_refused_in_one_line(tmp_path):
-    """GraniteMoE's checkpoint stores its experts as 3-D tensors: transformers reads quantized experts only from
-    per-expert names, so the format refuses the model before anything is read."""
-    import transformers
-
-    from ffnquant.hf import inspect_model
-    from ffnquant.planning.candidates import candidate_recipes, format_candidates
-
-    info = inspect_model(save_causal_tiny(transformers, "granitemoe", tmp_path / "granitemoe"))
-    recipes, _ = candidate_recipes("fp32,w4a16-g32", info.spec)
-    with pytest.raises(FFNQuantError, match="checkpoint stores the routed experts fused"):
-        format_candidates(recipes, [], info, "compressed-tensors")
-
-
 def test_experts_without_a_gate_are_written_and_proven(tmp_path):
     """NemotronH's experts have no gate (up_proj [E, f, d] through ReLU², down_proj [E, d, f]): each expert's two
     projections are written packed under their on-disk names and the folder is proven, expert by expert."""

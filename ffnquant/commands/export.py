@@ -148,6 +148,9 @@ def _print_deploy(doc: dict, out: Path) -> None:
         if load.get("decompressed_because"):  # its compressed modules refused; its files loaded decompressed
             print(f"transformers cannot run this model's compressed modules ({load['decompressed_because']}): loaded "
                   "decompressed (CompressedTensorsConfig(run_compressed=False)), as a transformers user must load it")
+        if load.get("per_expert_loading"):  # experts held fused, stored per expert: transformers needs the converters
+            print("its routed experts are stored per expert: load the folder inside `with "
+                  "ffnquant.deploy.per_expert_loading(folder):` (transformers alone has no conversion for them)")
         print(f"loaded back with transformers ({dtype}), against the original float model: perplexity {load['perplexity']:.4f} "
               f"({load.get('relative_difference', float('nan')):.1e} relative to the reference)")
         gates = load.get("gates")

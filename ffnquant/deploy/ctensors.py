@@ -40,6 +40,7 @@ from ..model import FFN
 from ..numerics.accuracy import sqnr_db
 from ..schemes import ActMode
 from .ctfiles import concatenated_for_loader, decompressed_weights, input_qparams_check, safetensors_reader, weights_check
+from .expert_loading import per_expert_loading, split_fused
 from .experts import has_experts, plan_experts_refusal, unfused_for_loader, write_experts
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name, input_args, source_dtype
@@ -206,6 +207,8 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
         quantized_folder = any(mq.grid is not None for mq in experts or ()) or \
             "quantization_config" in json.loads((folder / "config.json").read_text())
         unfused = unfused_for_loader(folder, model) if quantized_folder else []
+        # experts held fused, written per expert (read back fused by `expert_loading.per_expert_loading`)
+        unfused += split_fused(folder, model, planned.info) if quantized_folder else []
         routed = write_experts(folder, planned, experts, _set_params, module_args, dtype) if experts else None
         # float tensors its loader concatenates, which it cannot find once a quantization config is present
         concatenated = concatenated_for_loader(folder, model) if quantized_folder else []
@@ -437,6 +440,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     load = {"loaded_with": f"transformers {transformers.__version__} {causal.__name__} ({dtype_name(dtype)})"
                            + (", decompressed (CompressedTensorsConfig(run_compressed=False))" if decompressed else ""),
             "decompressed_because": decompressed,
+            # experts the model holds fused, read from their per-expert tensors through ffnquant's converters
+            "per_expert_loading": loading.get("per_expert") or [],
             "compute_dtype": dtype_name(dtype), **figures,
             "reference_perplexity_ratio": ref_ratio, "reference_hidden_sqnr_db": reference.get("hidden_sqnr_db"),
             "reference_kl_mean": (reference.get("kl") or {}).get("mean"),
@@ -479,18 +484,20 @@ def _not_loaded(folder: Path, planned: PlannedModel, why: str) -> dict[str, Any]
 
 def _load(causal: Any, folder: Path, dtype: torch.dtype, run_compressed: bool = True) -> tuple[Any, dict]:
     """The folder loaded by transformers with its own modules, in eval mode, and its loading report; with
-    `run_compressed=False`, its compressed Linears decompressed as they load (transformers' own option)."""
+    `run_compressed=False`, its compressed Linears decompressed as they load (transformers' own option). Routed
+    experts the model holds fused are read from their per-expert tensors (`expert_loading.per_expert_loading`,
+    listed in the report as "per_expert")."""
     kw: dict[str, Any] = {}
     if not run_compressed:
         from transformers import CompressedTensorsConfig
 
         kw["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
-    with quiet_model_io(), warnings.catch_warnings():
+    with quiet_model_io(), warnings.catch_warnings(), per_expert_loading(folder) as per_expert:
         if kw:  # transformers warns that the folder's own quantization_config is kept beside the option passed
             warnings.simplefilter("ignore", UserWarning)
         loaded, loading = causal.from_pretrained(str(folder), dtype=dtype, use_kernels=False, output_loading_info=True,
                                                  **kw)
-    return loaded.eval(), loading
+    return loaded.eval(), {**loading, "per_expert": per_expert}
 
 
 def folder_bytes(folder: str | os.PathLike, weights_only: bool = True) -> int:

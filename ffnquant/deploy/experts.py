@@ -214,11 +214,17 @@ _LOADER_NAMES = {"Llama4TextExperts": {"w_gate": "gate_proj", "w_up": "up_proj",
 
 
 def loader_expert_names(arch: Any) -> dict[str, str]:
-    """ffnquant weight -> the per-expert Linear name transformers' loader reads a fused experts module of `arch` as
-    from a compressed-tensors folder (Llama 4's experts.N.gate_proj), where it does and ffnquant splits it; {}
-    otherwise (a fused checkpoint then cannot carry quantized experts)."""
+    """ffnquant weight -> the per-expert Linear name a fused experts module of `arch` is written under in a
+    compressed-tensors folder (experts.N.gate_proj): where transformers' loader replaces the module by per-expert
+    ones (Llama 4's), their names; any other fused layout is written so too and read back fused by
+    `expert_loading.per_expert_loading`. {} where transformers replaces the module by per-expert ones ffnquant
+    cannot split into."""
+    from .expert_loading import PROJECTIONS
+
     cls = getattr(arch, "experts_class", "")
-    return dict(_LOADER_NAMES.get(cls, {})) if cls in _LOADER_SPLITS and cls in _loader_patched() else {}
+    if cls in _loader_patched():
+        return dict(_LOADER_NAMES.get(cls, {})) if cls in _LOADER_SPLITS else {}
+    return dict(PROJECTIONS)
 
 
 def _loader_patched() -> set[str]:

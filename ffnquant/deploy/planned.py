@@ -142,10 +142,12 @@ def deployable_refusal(info: ModelInfo, fmt: str = "compressed-tensors") -> str 
         from .experts import loader_expert_names
 
         if fused is not None and not loader_expert_names(arch):
-            return (f"{info.model_type}: its checkpoint stores the routed experts fused ({', '.join(fused.tensors.values())}); "
-                    "transformers loads quantized experts only from per-expert tensors (experts.N.<projection>), so a "
-                    "compressed-tensors folder of it would not load")
-        if info.spec.bias:
+            return (f"{info.model_type}: its checkpoint stores the routed experts fused ({', '.join(fused.tensors.values())}) "
+                    f"in {arch.experts_class}, which transformers' loader of a compressed-tensors folder replaces by "
+                    "per-expert modules that ffnquant does not know how to fill, so a folder of it would not load")
+        # experts fused on disk are written per expert with their biases and read back by ffnquant's converters
+        # (`expert_loading`); those transformers fuses itself come through its own converters, which carry none
+        if info.spec.bias and fused is None:
             return (f"{info.model_type}: its routed experts have biases, which compressed-tensors' per-expert layout "
                     "(transformers' loader of quantized experts) does not carry")
         return None
@@ -277,7 +279,7 @@ def expert_linear_names(info: ModelInfo, layer: Any) -> dict[str, str]:
     ".weight", e.g. "model.layers.3.mlp.experts.7.gate_proj"): what compressed-tensors stores it under."""
     from .experts import loader_expert_names
 
-    if layer.fused_expert_tensors:  # stored fused: the per-expert names transformers' loader reads (Llama 4's)
+    if layer.fused_expert_tensors:  # stored fused: written per expert (`expert_loading`, Llama 4's loader)
         return {w: f"{layer.name}.{layer.expert}.{proj}" for w, proj in loader_expert_names(info.arch).items()}
     out = {}
     for role, name in layer.tensors.items():

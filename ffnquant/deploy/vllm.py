@@ -252,8 +252,11 @@ def transformers_greedy(folder: str | Path, prompts: Sequence[Sequence[int]], ne
     from ..hf.skeleton import causal_lm_class
     from .proof import PLAIN_GREEDY
 
+    from .expert_loading import per_expert_loading
+
     causal = causal_lm_class(transformers, folder)
-    model = causal.from_pretrained(str(folder), dtype=dtype or torch.float32, use_kernels=False).eval()
+    with per_expert_loading(folder):  # experts the model holds fused, stored per expert
+        model = causal.from_pretrained(str(folder), dtype=dtype or torch.float32, use_kernels=False).eval()
     eos = getattr(model.config, "eos_token_id", None)
     pad = getattr(model.config, "pad_token_id", None)
     pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)

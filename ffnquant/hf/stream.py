@@ -293,8 +293,8 @@ class SequentialModel(LMHead):
         The modules outside the decoder layers are onloaded on the first call; `offload(embedding)` frees the
         largest of them once every text is embedded."""
         if self.embedding.weight.is_meta:
-            for module in beside(self.base, self.layers):
-                self.onload(module)
+            # every module beside the decoder layers, and the base's own parameters (Zaya's input scale and bias)
+            self.onload(self.base, skip=self.layers)
         calls = []
         n = len(self.layers)
         for b, ids in enumerate(batches):

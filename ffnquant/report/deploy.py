@@ -160,7 +160,11 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
              f"tokens: {_pct(load['reference_perplexity_ratio'])}, {fmt(load['reference_hidden_sqnr_db'])} dB."
              + (f" transformers cannot run this model's compressed modules ({load['decompressed_because']}): the folder "
                 "was loaded decompressed, as a transformers user must load it (vLLM reads the compressed files "
-                "itself)." if load.get("decompressed_because") else "")]
+                "itself)." if load.get("decompressed_because") else "")
+             + (f" Its routed experts, which the model holds fused, are stored per expert (as llm-compressor writes "
+                f"them) and were read back fused by ffnquant's converters ({len(load['per_expert_loading'])} experts "
+                "modules): transformers alone has no conversion for them, so load the folder inside "
+                "`with ffnquant.deploy.per_expert_loading(folder):`." if load.get("per_expert_loading") else "")]
     if load.get("relative_difference") is not None:
         lines.append(f"   The loaded perplexity differs from the reference by {load['relative_difference']:.2e} relative "
                      f"(bound {load['tolerance']:.0e}: {'met' if load['meets'] else 'not met'}).")
