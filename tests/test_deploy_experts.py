@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from ffnquant.cli import main
-from ffnquant.errors import FFNQuantError
 from ffnquant.planning.planfile import Plan, model_fingerprint
 from ffnquant.recipe import Recipe
 from hf_models import save_causal_tiny, tokenizer
