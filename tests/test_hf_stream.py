@@ -611,6 +611,46 @@ def test_the_first_batch_is_recorded_after_the_processs_first_forward(tiny):
     assert calls["n"] > 1 and torch.equal(store.get(0), steady)  # a Llama's first layer takes the embeddings
 
 
+def test_a_layers_second_output_the_loop_hands_to_the_next_layer_is_carried(tmp_path):
+    """Zaya's decoder layers return (hidden states, router states) and its loop hands the router states to the next
+    layer's router: the engine finds where (`forward.find_carried`), carries them per batch in each stream, and its
+    last layer's output is transformers' own bit for bit, resident or read a layer at a time (without them the next
+    layer routes on its own states alone: another model). Its base model's own parameters (an input scale and
+    bias) are read with the modules beside the layers."""
+    import transformers as T
+    from hf_models import tiny_or_skip
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.spill import Store
+    from ffnquant.hf.stream import SequentialModel
+
+    folder = tiny_or_skip("zaya", tmp_path / "zaya")
+    info = inspect_model(folder)
+    ids = torch.randint(3, 50, (2, 24), generator=torch.Generator().manual_seed(0))
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    got = {}
+    model.model.layers[-1].register_forward_hook(lambda mod, a, out: got.__setitem__("last", out[0]))
+    with torch.no_grad():
+        model(ids)
+    for resident in (True, False):
+        m = SequentialModel(info, resident=resident)
+        store = Store(None, "s")
+        calls = m.embed([ids], store)
+        assert m.carried == {1: ("arg", 0)}, resident
+        for j in range(len(m.layers)):
+            with m.layer(j):
+                m.run(j, store, calls)
+        assert torch.equal(store.get(0), got["last"]), resident
+    assert set(store.copy("again").carried) == {0}  # a copied stream hands on what the original holds
+    m.carried = {}  # the router states left as the recorded call has them (none): the next layer routes otherwise
+    again = Store(None, "plain")
+    calls = m.embed([ids], again)
+    for j in range(len(m.layers)):
+        with m.layer(j):
+            m.run(j, again, calls)
+    assert not torch.equal(again.get(0), got["last"])
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "dbrx", "llama4_text", "jetmoe"])
 def test_routed_experts_made_from_each_experts_ffn_are_the_modules_own(tmp_path, model_type):
     """A layer's experts module read a layer at a time where transformers fuses the tensors as it loads: each

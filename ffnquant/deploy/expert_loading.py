@@ -224,37 +224,37 @@ def split_fused(folder: Path, model: nn.Module, info: Any) -> list[str]:
 
 def _folder_modules(folder: Path) -> tuple[str, dict[str, nn.Module], Any] | None:
     """(model type, the fused experts modules stored per expert in `folder`, arch), or None where none is."""
-    from ..hf.discover import arch_for_config, discover_config
-
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        return None
-    config = json.loads(config_path.read_text())
-    try:
-        arch = arch_for_config(config, folder.name)
-        found = discover_config(config, folder.name)
-    except FFNQuantError:
-        return None
-    if arch.install is not arch.install.EXPERTS:
-        return None
     import transformers
 
+    from ..hf.checkpoint import read_config
+    from ..hf.discover import arch_for_config, discover_config
     from ..hf.skeleton import causal_lm_from_config
+    from .experts import _loader_patched
 
+    if not (folder / "config.json").is_file():
+        return None
+    names = _stored_names(folder)
+    per_expert = re.compile(r"\.\d+\.(?:" + "|".join(_ROLES) + r")\.")
+    if not any(per_expert.search(k) for k in names):  # no per-expert tensor at all: nothing to read so
+        return None
+    # not caught: a folder whose experts cannot be found would load with them at random
+    config = read_config(folder)  # transformers' own form of non-finite values read (Granite MoE hybrid's)
+    arch = arch_for_config(config, folder.name)
+    # experts transformers itself reads per expert (its conversion mapping names their per-expert tensors: Mixtral's,
+    # Qwen3-MoE's, `hf.conversions`) need nothing of ffnquant's
+    if arch.install is not arch.install.EXPERTS or arch.gated_roles:
+        return None
+    found = discover_config(config, folder.name)
     cfg = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     with torch.device("meta"):
         model = causal_lm_from_config(transformers, cfg)
-    names = _stored_names(folder)
-    from .experts import _loader_patched
-
     patched = _loader_patched()
     modules = {}
     for block in found.blocks:
         name = f"{found.layers_path}.{block}" + (f".{found.ffn.path}" if found.ffn.path else "")
         module = model.get_submodule(name)
-        if type(module).__name__ in patched:
-            continue
-        if any(k.startswith(f"{name}.0.") for k in names):
+        # held fused and stored per expert; not a class transformers itself replaces by per-expert modules
+        if type(module).__name__ not in patched and any(k.startswith(f"{name}.0.") for k in names):
             modules[name] = module
     return (str(config.get("model_type") or ""), modules, arch) if modules else None
 

@@ -1,8 +1,9 @@
 """What the engine (`hf.stream.SequentialModel`) learns once of a model's forward, from a few calls with stand-ins for
 its decoder layers: whether it runs each layer once, in order (`check_one_pass`: a looped depth refused; layers with
 computation between them replayed, `hf.replay`), which module runs the layers from token ids (`base_runs_the_stack`),
-whether its head runs from the last hidden states alone (`head_runs_from`), and which dimension of the layers' hidden
-states holds a batch's sequences (`find_batch_dim`)."""
+whether its head runs from the last hidden states alone (`head_runs_from`), which dimension of the layers' hidden
+states holds a batch's sequences (`find_batch_dim`), and which argument of a layer is the previous layer's second output
+(`find_carried`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 from ..errors import FFNQuantError
 from .skeleton import StandIn, Stop, beside
 
-__all__ = ["base_runs_the_stack", "check_one_pass", "find_batch_dim", "head_runs_from", "raised_in_transformers"]
+__all__ = ["base_runs_the_stack", "check_one_pass", "find_batch_dim", "find_carried", "head_runs_from",
+           "raised_in_transformers"]
 
 
 def raised_in_transformers(exc: BaseException) -> bool:
@@ -40,6 +42,39 @@ class _Tally(StandIn):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.log.append((self.index, hidden_states))
         return super().forward(hidden_states, *args, **kwargs)
+
+
+def find_carried(engine: Any, ids: torch.Tensor, n: int) -> dict[int, tuple[str, Any]]:
+    """{layer j: where its call takes layer j-1's second output ("arg", position) or ("kw", name)}: a model whose loop
+    hands each layer more of the previous one's output than the hidden states (Zaya's router states, which the next
+    layer's router adds to its own). Found from one forward whose stand-ins return (input, a marker of their own):
+    a marker handed on to the next layer as it was returned. {} where the loop reads its layers' outputs as plain
+    tensors, hands nothing on, or cannot run on markers. Another layer than the next receiving one is refused: the
+    engine carries an output one layer on."""
+    if not engine._tuple_out:
+        return {}
+    markers = [torch.zeros((), device=ids.device) for _ in range(n)]  # distinct objects, told apart by identity
+    record: list = []
+    stand_ins = [StandIn(record, stop=i == n - 1, as_tuple=True, carry=markers[i]) for i in range(n)]
+    with engine._stand_ins(stand_ins), torch.no_grad():
+        try:
+            engine.runner(input_ids=ids, use_cache=False)
+        except Stop:
+            pass
+        except Exception:  # noqa: BLE001 - a loop that computes with its layers' second outputs: not judged
+            return {}
+    found: dict[int, tuple[str, Any]] = {}
+    for j, (_, args, kwargs) in enumerate(record):
+        places = [(("arg", i), a) for i, a in enumerate(args)] + [(("kw", k), v) for k, v in kwargs.items()]
+        for place, value in places:
+            source = next((i for i, m in enumerate(markers) if value is m), None)
+            if source is None:
+                continue
+            if source != j - 1:
+                raise FFNQuantError(f"{engine.info.path}: its forward hands decoder layer {source}'s second output to "
+                                    f"layer {j}; the engine carries a layer's output to the next layer only")
+            found[j] = place
+    return found
 
 
 def find_batch_dim(engine: Any, ids: torch.Tensor, hidden: torch.Tensor, n: int) -> None:

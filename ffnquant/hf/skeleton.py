@@ -84,9 +84,10 @@ class StandIn(nn.Module):
     returns `hidden` (or its input unchanged) and, with `stop`, ends the forward there."""
 
     def __init__(self, record: list | None, hidden: torch.Tensor | None = None, stop: bool = False,
-                 as_tuple: bool = False) -> None:
+                 as_tuple: bool = False, carry: Any = None) -> None:
         super().__init__()
         self.record, self.hidden, self.stop, self.as_tuple = record, hidden, stop, as_tuple
+        self.carry = carry  # a tuple's second output (`hf.forward.find_carried` marks it)
 
     def __getattr__(self, name: str) -> Any:
         # what the model's forward asks of its layers beside calling them (BigBird's set_attention_type): the layer's
@@ -105,7 +106,7 @@ class StandIn(nn.Module):
             raise Stop
         out = self.hidden if self.hidden is not None else hidden_states
         # in the form the model's loop reads its layers' outputs: (hidden, attention weights) for Falcon's
-        return (out, None) if self.as_tuple else out
+        return (out, self.carry) if self.as_tuple else out
 
 
 @contextlib.contextmanager

@@ -23,6 +23,8 @@ class Store:
 
     def __init__(self, folder: Path | None, name: str, items: Mapping[int, Any] | None = None) -> None:
         self.folder, self.name, self.items = folder, name, dict(items or {})
+        # by key: the last layer's second output where the model hands it to the next layer (`forward.find_carried`)
+        self.carried: dict[int, Any] = {}
 
     def __len__(self) -> int:
         return len(self.items)
@@ -53,10 +55,12 @@ class Store:
         memory, files copied on disk."""
         keys = list(self.items) if keys is None else list(keys)
         if self.folder is None:
-            return Store(None, name, {k: self.items[k] for k in keys})
-        out = Store(self.folder, name)
-        for k in keys:
-            out.put(k, self.get(k))
+            out = Store(None, name, {k: self.items[k] for k in keys})
+        else:
+            out = Store(self.folder, name)
+            for k in keys:
+                out.put(k, self.get(k))
+        out.carried = {k: self.carried[k] for k in keys if k in self.carried}
         return out
 
 

@@ -169,6 +169,9 @@ class SequentialModel(LMHead):
         self.batch_dim: int | None = None  # the hidden states' dimension of the sequences (`hf.forward.find_batch_dim`)
         # whether its forward computes between its layers: each batch's stream is then a `hf.replay` trail
         self.replay = False
+        # {layer: where its call takes the previous layer's second output} (`hf.forward.find_carried`: Zaya's router
+        # states), carried per batch in each stream (`Store.carried`)
+        self.carried: dict[int, tuple[str, Any]] = {}
         # the token ids' shape of each shape of hidden states `embed` recorded: what the head's forward is given
         self._ids_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         names = [n for n, _ in model.named_modules()]
@@ -321,6 +324,7 @@ class SequentialModel(LMHead):
                         if any(p.is_meta for p in module.parameters()):
                             self.onload(module)
                 forward.check_one_pass(self, ids.to(self.device), n)
+                self.carried = forward.find_carried(self, ids.to(self.device), n)
                 if not self.replay and not forward.head_runs_from(self, ids[:1, :8].to(self.device), n):
                     self.replay = True
                 self._one_pass_checked = True
@@ -398,12 +402,35 @@ class SequentialModel(LMHead):
         with hooks, swap, torch.no_grad():
             for b in sorted(store.items):
                 item = store.get(b)
-                out = self._block(j, replay.current(item), calls[b][j])
+                raw = self._layer(j, replay.current(item), self._call(j, b, store, calls))
+                out = _host(raw[0] if isinstance(raw, (tuple, list)) else raw)  # OpenAI GPT's blocks return a list
+                if j + 1 in self.carried:  # handed to the next layer by the model's loop
+                    store.carried[b] = _host(raw[1])
                 store.put(b, _host(replay.advanced(self, item, out, j)) if self.replay else out)
+
+    def _call(self, j: int, b: int, store: Store, calls: Sequence) -> tuple[tuple, dict[str, Any]]:
+        """Layer j's recorded call for batch b, with what the previous layer of `store`'s stream handed on in place
+        where the model's loop hands it (`carried`)."""
+        call = calls[b][j]
+        if j not in self.carried:
+            return call
+        if b not in store.carried:
+            raise RuntimeError(f"stream {store.name!r} holds no output of layer {j - 1} for batch {b} to hand to "
+                               f"layer {j}")
+        (kind, key), (args, kwargs) = self.carried[j], call
+        if kind == "arg":
+            return tuple(store.carried[b] if i == key else a for i, a in enumerate(args)), kwargs
+        return args, {**kwargs, key: store.carried[b]}
 
     def _block(self, j: int, hidden: torch.Tensor, call: tuple[tuple, dict[str, Any]],
                device: torch.device | None = None) -> torch.Tensor:
         """Decoder layer j on one batch, on `device` (the engine's); the output back in host memory."""
+        out = self._layer(j, hidden, call, device)
+        return _host(out[0] if isinstance(out, (tuple, list)) else out)  # OpenAI GPT's blocks return a list
+
+    def _layer(self, j: int, hidden: torch.Tensor, call: tuple[tuple, dict[str, Any]],
+               device: torch.device | None = None) -> Any:
+        """Decoder layer j on one batch, on `device` (the engine's): its output as the layer returns it."""
         device = device or self.device
         args, kwargs = to_device(call, device)
         try:
@@ -418,7 +445,7 @@ class SequentialModel(LMHead):
                 f"inputs its model's forward passes it for token ids alone ({type(exc).__name__}: {first_line(exc)}); "
                 "ffnquant runs a causal LM from token ids, and this one needs more (a draft model's target states, "
                 "images, ...)") from None
-        return _host(out[0] if isinstance(out, (tuple, list)) else out)  # OpenAI GPT's blocks return a list
+        return out
 
     def check(self, j: int, store: Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:
         """ffnquant's FFNs of layer `j` (`hf_layers`, onloaded layer) against the model's own modules on the first
@@ -434,7 +461,8 @@ class SequentialModel(LMHead):
             hf_layers = [dataclasses.replace(layer, ffn=module_copy(layer.ffn, self.device)) for layer in hf_layers]
         with self._in_float32(j):
             return check_reproduction(self.model, self.info, hf_layers,
-                                      run=lambda: self._block(j, _float32(replay.current(store.get(b))), _float32(calls[b][j])))
+                                      run=lambda: self._block(j, _float32(replay.current(store.get(b))),
+                                                              _float32(self._call(j, b, store, calls))))
 
     def fold_sites(self, j: int, store: Store, calls: Sequence) -> dict[LayerInfo, Any]:
         """Where layer `j`'s FFN input scale folds, or why not (`hf.graph.fold_sites`), from the layer (onloaded)
@@ -446,7 +474,8 @@ class SequentialModel(LMHead):
         b = min(store.items)
         with self._in_float32(j):
             return fold_sites(self.model, self.info, self.groups[j],
-                              run=lambda: self._block(j, _float32(replay.current(store.get(b))), _float32(calls[b][j])))
+                              run=lambda: self._block(j, _float32(replay.current(store.get(b))),
+                                                      _float32(self._call(j, b, store, calls))))
 
     @contextlib.contextmanager
     def _in_float32(self, j: int):

@@ -333,7 +333,7 @@ class PlanSource(VerificationRounds):
             # the gradients only weigh the candidates' errors: their products in bf16 where the CPU has them
             with m.layer(j), probe, torch.enable_grad(), bf16_products():
                 for b in range(self.n_grad_batches):
-                    args, kwargs = to_device(self.ccalls[b][j], device)
+                    args, kwargs = to_device(m._call(j, b, self.block_in[j], self.ccalls), device)
                     # the first layer's input is the embedding, which needs no gradient (nor has one in the
                     # whole model's backward pass)
                     x = self.block_in[j].get(b).to(device).detach().requires_grad_(j > 0)
@@ -389,6 +389,8 @@ class PlanSource(VerificationRounds):
         kept = self._store(f"probe-block{j}")
         for b in range(self.n_probe_batches):
             kept.put(b, self.model.rows(self.block_in[j].get(b), self.probe_ids[b].shape[0]))
+            if b in self.block_in[j].carried:  # what the previous layer hands this one (`forward.find_carried`)
+                kept.carried[b] = self.model.rows(self.block_in[j].carried[b], self.probe_ids[b].shape[0])
         self.block_in[j].clear()
         self.block_in[j] = kept
 
