@@ -192,32 +192,41 @@ def _n(module: nn.Module, arch: Any) -> int:
 
 
 def split_fused(folder: Path, model: nn.Module, info: Any) -> list[str]:
-    """The fused float experts tensors transformers saved in `folder` rewritten as per-expert tensors
-    (`<module>.<e>.<projection>.weight`, `.bias`); returns the experts modules rewritten."""
+    """The fused float experts tensors transformers saved in `folder` (from `model`, the model it saved) rewritten as
+    per-expert tensors (`<module>.<e>.<projection>.weight`, `.bias`); returns the experts modules rewritten. Each
+    fused tensor is split from the module's own (what the file holds, as transformers loads it: Inkling 2's
+    w13_weight is stored with its gate and up rows interleaved otherwise), and dropped from the file under the
+    name it is stored (`ctfiles.safetensors_reader`) or made from (`hf.weights.converted_names`)."""
+    from ..hf.conversions import mapping_for
+    from ..hf.weights import converted_names
     from .ctfiles import rewrite_shards, safetensors_reader
 
     modules = fused_experts(model, info)
     if not modules:
         return []
     where, read = safetensors_reader(folder)
+    converted = converted_names([k for k in where if k not in read.aliases], mapping_for(info.model_type))
     edits: dict[Path, dict[str, Any]] = {}
     for name, module in modules.items():
         n = _n(module, info.arch)
         for role, tensor in expert_tensors(module, info.arch).items():
             for bias in (False, True):
-                key = f"{name}.{tensor}" + ("_bias" if bias else "")
-                if bias and key not in where:
+                if bias and ("." in tensor or not isinstance(getattr(module, f"{tensor}_bias", None), torch.Tensor)):
                     continue
-                if key not in where:
+                key = f"{name}.{tensor}" + ("_bias" if bias else "")
+                if key in where:
+                    stored = [read.aliases.get(key, key)]
+                elif key in converted:  # made at load from a stored tensor and its companions (scales)
+                    stored = [converted[key].stored, *(c for _, c in converted[key].companions)]
+                else:
                     raise FFNQuantError(f"transformers saved no tensor {key!r} of {type(module).__name__} {name}: "
                                         "ffnquant cannot write its experts per expert")
-                stored = read.aliases.get(key, key)
-                edit = edits.setdefault(where[key], {"drop": set(), "add": {}, "expect": {}})
-                edit["drop"].add(stored)
-                shape = tuple(module.get_parameter(tensor).shape)
-                edit["add"].update(split_tensor(info.arch, tensor, read(key), n,
-                                                _patterns(name, role, "bias" if bias else "weight"),
-                                                bias=bias, weight_shape=shape))
+                edit = edits.setdefault(where[stored[0]], {"drop": set(), "add": {}, "expect": {}})
+                edit["drop"].update(stored)
+                value = module.get_parameter(key[len(name) + 1:]).detach()
+                edit["add"].update(split_tensor(info.arch, tensor, value, n,
+                                                _patterns(name, role, "bias" if bias else "weight"), bias=bias,
+                                                weight_shape=tuple(module.get_parameter(tensor).shape)))
     rewrite_shards(folder, edits)
     return sorted(modules)
 
