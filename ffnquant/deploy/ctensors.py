@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # annotations only
     from ..spec import FFNSpec
 
 __all__ = ["FORMAT_NAME", "SUPPORTED", "LOAD_TOLERANCE", "ASYMMETRIC_INT4_MEASURED", "ctensors_available",
-           "recipe_refusal", "plan_refusal", "module_args", "write_folder", "decompressed_weights", "verify_folder",
+           "recipe_refusal", "plan_refusal", "packed_beside_inputs", "module_args", "write_folder", "decompressed_weights", "verify_folder",
            "folder_bytes"]
 
 FORMAT_NAME = "compressed-tensors"
@@ -89,12 +89,59 @@ def recipe_refusal(recipe: Recipe, spec: FFNSpec) -> str | None:
 
 def plan_refusal(plan: Plan, info: ModelInfo) -> str | None:
     """The first layer whose recipe this writer cannot store, as a one-line reason; None when all can (routed
-    experts: `experts.plan_experts_refusal`)."""
+    experts: `experts.plan_experts_refusal`; packed 4-bit beside quantized inputs where transformers loads packed
+    Linears only decompressed: `packed_beside_inputs`)."""
     for index, recipe in plan.layers.items():
         why = recipe_refusal(recipe, info.spec)
         if why is not None:
             return f"layer L{index}: {why}"
-    return plan_experts_refusal(plan, info) if has_experts(info) else None
+    return (plan_experts_refusal(plan, info) if has_experts(info) else None) or packed_beside_inputs(plan, info)
+
+
+def packed_beside_inputs(plan: Plan, info: ModelInfo) -> str | None:
+    """Why a plan with 4-bit packed layers beside layers that quantize their inputs cannot be a proven folder of
+    this model (one line), None when it can: where the model's own weight initialisation reads `.weight` of every
+    Linear (BLT's), transformers cannot load a packed Linear (weight_packed) compressed, only decompressed, and
+    decompressed Linears compute on float inputs. Found by calling the model class's `_init_weights` on such a
+    Linear, before anything is written."""
+    packed = [i for i, r in plan.layers.items() if not r.is_float and r.resolve().weight_dtype.value == "int4"]
+    inputs = [i for i, r in plan.layers.items() if not r.is_float and r.resolve().act_dtype.value != "none"]
+    if not packed or not inputs:
+        return None
+    why = _packed_init_refusal(info)
+    if why is None:
+        return None
+    return (f"{info.model_type}: {why}, so a folder of it loads in transformers only decompressed, which drops the "
+            f"input quantization of {', '.join(f'L{i}' for i in inputs[:4])}{' and more' if len(inputs) > 4 else ''} "
+            f"beside the 4-bit layers {', '.join(f'L{i}' for i in packed[:4])}{' and more' if len(packed) > 4 else ''}; "
+            "plan with candidates that do not mix the two (--candidates of weight-only recipes alone, or of no "
+            "4-bit one)")
+
+
+def _packed_init_refusal(info: ModelInfo) -> str | None:
+    """Why transformers' weight initialisation of this model fails on a Linear compressed-tensors packed (its
+    `.weight` replaced by `weight_packed`), None where it does not."""
+    import transformers
+
+    from ..hf.skeleton import causal_lm_from_config
+
+    config = transformers.AutoConfig.from_pretrained(str(info.path), local_files_only=True)
+    with torch.device("meta"):
+        model = causal_lm_from_config(transformers, config)
+        linear = torch.nn.Linear(64, 32, bias=False)
+    del linear.weight
+    linear.register_parameter("weight_packed", torch.nn.Parameter(torch.zeros(32, 8, dtype=torch.int32),
+                                                                  requires_grad=False))
+    try:
+        with torch.device("meta"):
+            model._init_weights(linear)
+    except AttributeError as exc:
+        if "weight" not in str(exc):
+            return None
+        return f"its weight initialisation ({type(model).__name__}._init_weights) reads .weight of every Linear"
+    except Exception:  # noqa: BLE001 - an init that fails on a bare Linear for another reason: not judged here
+        return None
+    return None
 
 
 def module_args(mq: ModuleQuant) -> tuple[Any, Any]:
