@@ -70,7 +70,7 @@ def _patterns(rel: str, role: str, kind: str) -> list[str]:
 
 try:
     from transformers.core_model_loading import ConversionOps, WeightConverter
-except ImportError:  # transformers < 5 has no conversion ops: fused experts are then never written per expert
+except ImportError:  # transformers < 5 has no conversion ops: `experts.loader_expert_names` then refuses such experts
     ConversionOps, WeightConverter = object, None  # type: ignore[assignment,misc]
 
 

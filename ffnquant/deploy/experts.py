@@ -219,12 +219,13 @@ def loader_expert_names(arch: Any) -> dict[str, str]:
     ones (Llama 4's), their names; any other fused layout is written so too and read back fused by
     `expert_loading.per_expert_loading`. {} where transformers replaces the module by per-expert ones ffnquant
     cannot split into."""
-    from .expert_loading import PROJECTIONS
+    from .expert_loading import PROJECTIONS, WeightConverter
 
     cls = getattr(arch, "experts_class", "")
     if cls in _loader_patched():
         return dict(_LOADER_NAMES.get(cls, {})) if cls in _LOADER_SPLITS else {}
-    return dict(PROJECTIONS)
+    # read back through transformers' conversion ops (transformers >= 5); without them the folder would not load
+    return dict(PROJECTIONS) if WeightConverter is not None else {}
 
 
 def _loader_patched() -> set[str]:

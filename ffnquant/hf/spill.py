@@ -43,6 +43,7 @@ class Store:
     def pop(self, key: int) -> None:
         """The tensor of `key` dropped (its file deleted)."""
         item = self.items.pop(key)
+        self.carried.pop(key, None)
         if isinstance(item, Path):
             item.unlink()
 
