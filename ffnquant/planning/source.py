@@ -390,7 +390,9 @@ class PlanSource(VerificationRounds):
         for b in range(self.n_probe_batches):
             kept.put(b, self.model.rows(self.block_in[j].get(b), self.probe_ids[b].shape[0]))
             if b in self.block_in[j].carried:  # what the previous layer hands this one (`forward.find_carried`)
-                kept.carried[b] = self.model.rows(self.block_in[j].carried[b], self.probe_ids[b].shape[0])
+                handed = self.block_in[j].carried[b]  # None too (XLNet's query stream without a target mapping)
+                kept.carried[b] = (self.model.rows(handed, self.probe_ids[b].shape[0])
+                                   if isinstance(handed, torch.Tensor) else handed)
         self.block_in[j].clear()
         self.block_in[j] = kept
 
