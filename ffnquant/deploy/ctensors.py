@@ -255,7 +255,7 @@ def write_folder(planned: PlannedModel, folder: str | os.PathLike) -> dict[str, 
             "quantization_config" in json.loads((folder / "config.json").read_text())
         unfused = unfused_for_loader(folder, model) if quantized_folder else []
         # experts held fused, written per expert (read back fused by `expert_loading.per_expert_loading`)
-        unfused += split_fused(folder, model, planned.info) if quantized_folder else []
+        unfused += split_fused(folder, model, planned.info) if quantized_folder and experts else []
         routed = write_experts(folder, planned, experts, _set_params, module_args, dtype) if experts else None
         # float tensors its loader concatenates, which it cannot find once a quantization config is present
         concatenated = concatenated_for_loader(folder, model) if quantized_folder else []

@@ -27,7 +27,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from ..hf.routed import expert_bias, expert_tensors, expert_weight
 
-__all__ = ["PROJECTIONS", "FuseExperts", "fused_experts", "per_expert_loading", "split_fused"]
+__all__ = ["PROJECTIONS", "FuseExperts", "fused_experts", "loader_patched", "per_expert_loading", "split_fused"]
 
 # ffnquant weight -> the per-expert Linear name (llm-compressor's linearized experts, transformers' own per-expert MLPs)
 PROJECTIONS = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
@@ -143,13 +143,21 @@ def split_tensor(arch: Any, tensor: str, fused: torch.Tensor, n_experts: int, pa
     return out
 
 
+def loader_patched() -> set[str]:
+    """The experts classes transformers' loader replaces by per-expert modules for a compressed-tensors folder."""
+    try:
+        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+    except ImportError:  # a transformers without that table patches nothing
+        return set()
+    return {name for name, entry in MODULES_TO_PATCH_FOR_QUANTIZATION.items()
+            if any(str(getattr(m, "value", m)) == "compressed-tensors" for m in entry.get("quantization_methods", ()))}
+
+
 def fused_experts(model: nn.Module, info: Any) -> dict[str, nn.Module]:
     """{module name: experts module} of the model's routed experts held fused that ffnquant writes per expert: every
     one of its planned experts layers stored fused, less the classes transformers' own loader replaces by per-expert
     modules for a compressed-tensors folder (Llama 4's, `experts.unfused_for_loader`)."""
-    from .experts import _loader_patched
-
-    patched = _loader_patched()
+    patched = loader_patched()
     out = {}
     for layer in info.layers:
         if layer.expert is None or not layer.fused_expert_tensors or layer.name in out:
@@ -238,8 +246,6 @@ def _folder_modules(folder: Path) -> tuple[str, dict[str, nn.Module], Any] | Non
     from ..hf.checkpoint import read_config
     from ..hf.discover import arch_for_config, discover_config
     from ..hf.skeleton import causal_lm_from_config
-    from .experts import _loader_patched
-
     if not (folder / "config.json").is_file():
         return None
     names = _stored_names(folder)
@@ -257,7 +263,7 @@ def _folder_modules(folder: Path) -> tuple[str, dict[str, nn.Module], Any] | Non
     cfg = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     with torch.device("meta"):
         model = causal_lm_from_config(transformers, cfg)
-    patched = _loader_patched()
+    patched = loader_patched()
     modules = {}
     for block in found.blocks:
         name = f"{found.layers_path}.{block}" + (f".{found.ffn.path}" if found.ffn.path else "")

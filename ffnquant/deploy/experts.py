@@ -219,23 +219,13 @@ def loader_expert_names(arch: Any) -> dict[str, str]:
     ones (Llama 4's), their names; any other fused layout is written so too and read back fused by
     `expert_loading.per_expert_loading`. {} where transformers replaces the module by per-expert ones ffnquant
     cannot split into."""
-    from .expert_loading import PROJECTIONS, WeightConverter
+    from .expert_loading import PROJECTIONS, WeightConverter, loader_patched
 
     cls = getattr(arch, "experts_class", "")
-    if cls in _loader_patched():
+    if cls in loader_patched():
         return dict(_LOADER_NAMES.get(cls, {})) if cls in _LOADER_SPLITS else {}
     # read back through transformers' conversion ops (transformers >= 5); without them the folder would not load
     return dict(PROJECTIONS) if WeightConverter is not None else {}
-
-
-def _loader_patched() -> set[str]:
-    """The experts classes transformers' loader replaces by per-expert modules for a compressed-tensors folder."""
-    try:
-        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
-    except ImportError:  # a transformers without that table patches nothing
-        return set()
-    return {name for name, entry in MODULES_TO_PATCH_FOR_QUANTIZATION.items()
-            if any(str(getattr(m, "value", m)) == "compressed-tensors" for m in entry.get("quantization_methods", ()))}
 
 
 def unfused_for_loader(folder: Path, model: nn.Module) -> list[str]:
@@ -245,8 +235,9 @@ def unfused_for_loader(folder: Path, model: nn.Module) -> list[str]:
     from safetensors import safe_open
 
     from .ctfiles import rewrite_shards, safetensors_reader
+    from .expert_loading import loader_patched
 
-    patched = _loader_patched()
+    patched = loader_patched()
     found = {name: type(m).__name__ for name, m in model.named_modules() if type(m).__name__ in patched}
     if not found:
         return []
