@@ -244,6 +244,7 @@ def _folder_modules(folder: Path) -> tuple[str, dict[str, nn.Module], Any] | Non
     import transformers
 
     from ..hf.checkpoint import read_config
+    from ..hf.conversions import mapping_for
     from ..hf.discover import arch_for_config, discover_config
     from ..hf.skeleton import causal_lm_from_config
     if not (folder / "config.json").is_file():
@@ -254,6 +255,11 @@ def _folder_modules(folder: Path) -> tuple[str, dict[str, nn.Module], Any] | Non
         return None
     # not caught: a folder whose experts cannot be found would load with them at random
     config = read_config(folder)  # transformers' own form of non-finite values read (Granite MoE hybrid's)
+    # transformers merges per-expert tensors itself (a converter of `*` patterns: Mixtral's, Qwen3-MoE's): nothing
+    # to register, and no discovery of the model run to find that out
+    if any("*" in str(p) for t in mapping_for(str(config.get("model_type") or ""))
+           for p in getattr(t, "source_patterns", ())):
+        return None
     arch = arch_for_config(config, folder.name)
     # experts transformers itself reads per expert (its conversion mapping names their per-expert tensors: Mixtral's,
     # Qwen3-MoE's, `hf.conversions`) need nothing of ffnquant's
