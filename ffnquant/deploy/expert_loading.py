@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import FFNQuantError
-from ..hf.routed import expert_bias, expert_tensors, expert_weight
+from ..hf.routed import _n_experts, expert_bias, expert_tensors, expert_weight
 
 __all__ = ["PROJECTIONS", "FuseExperts", "fused_experts", "loader_patched", "per_expert_loading", "split_fused"]
 
@@ -168,11 +168,10 @@ def fused_experts(model: nn.Module, info: Any) -> dict[str, nn.Module]:
     return out
 
 
-def _relative(name: str, layers_path_re: str = r"^.*?\.\d+\.") -> str:
+def _relative(name: str) -> str:
     """A module's name within its decoder layer (model.layers.3.mlp.experts -> mlp.experts): a converter's patterns
     match every layer."""
-    rel = re.sub(layers_path_re, "", name, count=1)
-    return rel if rel != name else name
+    return re.sub(r"^.*?\.\d+\.", "", name, count=1)
 
 
 def converters(modules: dict[str, nn.Module], arch: Any) -> list[Any]:
@@ -180,7 +179,7 @@ def converters(modules: dict[str, nn.Module], arch: Any) -> list[Any]:
     out, seen = [], set()
     for name, module in modules.items():
         rel = _relative(name)
-        n = _n(module, arch)
+        n = _n_experts(module, arch)
         for role, tensor in expert_tensors(module, arch).items():
             if (rel, tensor) in seen:
                 continue
@@ -191,12 +190,6 @@ def converters(modules: dict[str, nn.Module], arch: Any) -> list[Any]:
                 out.append(WeightConverter(_patterns(rel, role, "bias"), f"{rel}.{tensor}_bias",
                                            operations=[FuseExperts(arch, tensor, role, n, bias=True)]))
     return out
-
-
-def _n(module: nn.Module, arch: Any) -> int:
-    from ..hf.routed import _n_experts
-
-    return _n_experts(module, arch)
 
 
 def split_fused(folder: Path, model: nn.Module, info: Any) -> list[str]:
@@ -216,7 +209,7 @@ def split_fused(folder: Path, model: nn.Module, info: Any) -> list[str]:
     converted = converted_names([k for k in where if k not in read.aliases], mapping_for(info.model_type))
     edits: dict[Path, dict[str, Any]] = {}
     for name, module in modules.items():
-        n = _n(module, info.arch)
+        n = _n_experts(module, info.arch)
         for role, tensor in expert_tensors(module, info.arch).items():
             for bias in (False, True):
                 if bias and ("." in tensor or not isinstance(getattr(module, f"{tensor}_bias", None), torch.Tensor)):
@@ -247,6 +240,7 @@ def _folder_modules(folder: Path) -> tuple[str, dict[str, nn.Module], Any] | Non
     from ..hf.conversions import mapping_for
     from ..hf.discover import arch_for_config, discover_config
     from ..hf.skeleton import causal_lm_from_config
+
     if not (folder / "config.json").is_file():
         return None
     names = _stored_names(folder)
