@@ -142,9 +142,14 @@ def deployable_refusal(info: ModelInfo, fmt: str = "compressed-tensors") -> str 
         from .experts import loader_expert_names
 
         if fused is not None and not loader_expert_names(arch):
+            from .expert_loading import WeightConverter
+
+            why = (f"in {arch.experts_class}, which transformers' loader of a compressed-tensors folder replaces by "
+                   "per-expert modules that ffnquant does not know how to fill" if WeightConverter is not None else
+                   "and this transformers has no conversion ops to read them back from per-expert tensors "
+                   "(transformers >= 5 has)")
             return (f"{info.model_type}: its checkpoint stores the routed experts fused ({', '.join(fused.tensors.values())}) "
-                    f"in {arch.experts_class}, which transformers' loader of a compressed-tensors folder replaces by "
-                    "per-expert modules that ffnquant does not know how to fill, so a folder of it would not load")
+                    f"{why}, so a compressed-tensors folder of it would not load")
         # experts fused on disk are written per expert with their biases and read back by ffnquant's converters
         # (`expert_loading`); those transformers fuses itself come through its own converters, which carry none
         if info.spec.bias and fused is None:
