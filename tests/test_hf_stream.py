@@ -663,7 +663,7 @@ def test_routed_experts_made_from_each_experts_ffn_are_the_modules_own(tmp_path,
 
     from ffnquant.hf import inspect_model
     from ffnquant.hf.capture import _module_for, load_hf_model
-    from ffnquant.hf.stream import _fill_experts
+    from ffnquant.hf.stream_experts import fill_experts
 
     info = inspect_model(tiny_or_skip(model_type, tmp_path / model_type))
     model = load_hf_model(info)
@@ -674,7 +674,7 @@ def test_routed_experts_made_from_each_experts_ffn_are_the_modules_own(tmp_path,
     with torch.no_grad():
         for p in made.parameters():
             p.zero_()
-    _fill_experts(made, info, layer.index)
+    fill_experts(made, info, layer.index)
     from ffnquant.hf.routed import expert_tensors
 
     # the experts' own tensors and their biases (a MoE routing its tokens itself, JetMoE's, also holds its router

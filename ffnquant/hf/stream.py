@@ -45,6 +45,7 @@ from .memory import _READ_BYTES, streamable_reason
 from . import forward, replay
 from .forward import raised_in_transformers
 from .spill import Store, set_allocator, trim
+from .stream_experts import experts_made, fill_experts
 from ..infra.device import current_device, module_copy, to_device
 
 __all__ = ["SequentialModel", "token_batches_of"]
@@ -212,8 +213,8 @@ class SequentialModel(LMHead):
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         # routed experts' tensors the checkpoint does not store as the module holds them (per expert on disk, fused
-        # as transformers loads them): made from each expert's FFN as `hf.checkpoint` reads it (`_fill_experts`)
-        self._made = _experts_made(model, info, found, self.weights, self._stored)
+        # as transformers loads them): made from each expert's FFN as `hf.checkpoint` reads it (`stream_experts.fill_experts`)
+        self._made = experts_made(model, info, found, self.weights, self._stored)
         self._ffn_reader: Any = None  # the checkpoint's FFN tensors as `hf.checkpoint` reads them, when first needed
         for name, p in model.named_parameters(remove_duplicate=False):
             if self.tied and name == self._names[id(self.head)] + ".weight":
@@ -258,7 +259,7 @@ class SequentialModel(LMHead):
 
             self._ffn_reader = ffn_reader(self.info)
         for experts, j in made.values():
-            _fill_experts(experts, self.info, j, self._ffn_reader)
+            fill_experts(experts, self.info, j, self._ffn_reader)
 
     def release(self) -> None:
         """Freed heap memory handed back to the system between layers when streamed (each layer's tensors read and
@@ -530,50 +531,3 @@ def _config_hint(info: Any) -> str:
         return (f"; set \"default_language\" in its config.json to one of its languages ({shown}): transformers "
                 "reads it there, and ffnquant then runs the model with that language's adapters")
     return ""
-
-
-def _experts_made(model: nn.Module, info: ModelInfo, found: Mapping[Any, tuple[str, nn.Module]], weights: Any,
-                  stored: Mapping[str, str]) -> dict[str, tuple[str, int]]:
-    """The routed experts' tensors of `model` that the checkpoint does not hold as the module does (Mixtral's:
-    per expert on disk, fused by transformers as it loads): {parameter name: (its experts module's name, layer)}.
-    A tensor stored as it is held (gpt-oss', JetMoE's) is read by name like any other."""
-    from .routed import expert_tensors
-
-    out: dict[str, tuple[str, int]] = {}
-    for layer, (module_name, module) in found.items():
-        if layer.expert is None:
-            continue
-        for tensor in expert_tensors(module, info.arch).values():
-            for name in (tensor, f"{tensor}_bias"):
-                try:
-                    p = module.get_parameter(name)
-                except AttributeError:
-                    continue
-                full = f"{module_name}.{name}"
-                key = stored.get(full, full)
-                if key not in weights.file_of or tuple(weights.shape(key)) != tuple(p.shape):
-                    out[full] = (module_name, layer.index)
-    return out
-
-
-def _fill_experts(module: nn.Module, info: ModelInfo, j: int, weights: Any = None) -> None:
-    """Layer j's experts module's tensors (zeros, in the engine's dtype) filled with each expert's FFN as
-    `hf.checkpoint` reads it from the shards (through `weights`, its `ffn_reader`), one expert at a time, through
-    the module's own layout (`hf.routed.expert_weight`, `expert_bias`)."""
-    from .checkpoint import iter_ffn_layers
-    from .routed import expert_bias, expert_weight
-
-    with torch.no_grad():
-        for layer in iter_ffn_layers(info, [j], weights=weights):
-            for weight in layer.spec.weight_names:
-                lin = getattr(layer.ffn, weight)
-                view = expert_weight(module, layer.expert, weight, info.arch)
-                view.copy_(lin.weight.to(view.dtype))
-                if lin.bias is not None:
-                    bias = expert_bias(module, layer.expert, weight, info.arch)
-                    if bias is not None:
-                        bias.copy_(lin.bias.to(bias.dtype))
-                    elif bool(lin.bias.any()):
-                        raise FFNQuantError(f"{info.path}: L{j}'s experts module holds no bias of {weight}, which "
-                                            "its checkpoint stores: reading a layer at a time cannot place it; run it "
-                                            "whole (--no-sequential)")
