@@ -105,6 +105,26 @@ def test_an_ffn_several_blocks_share_is_one_ffn_each_later_call_reading_the_firs
     assert not any("routed experts" in part for part in info.arch.float_parts), info.arch.float_parts
 
 
+@pytest.mark.parametrize("model_type, calls", [("llama", ()), ("dory", (0, 1, 0, 1)), ("hrm_text", (0, 1) * 6)],
+                         ids=["one-pass", "dory-recurrent", "hrm-cycles"])
+def test_the_order_a_forward_calls_its_blocks_in_is_found_from_its_skeleton(tmp_path, model_type, calls):
+    """The order of calls is the model's own forward's, run on its skeleton with stand-in blocks (no weight read):
+    () for a model calling each block once in order; a looped depth's calls each one layer, a later call of a
+    block calling its first call's FFN again, its parameters counted once. HRM's second stack of blocks (the
+    same class) is said to stay float, not skipped silently."""
+    import json
+
+    folder = _folder(tmp_path, model_type)
+    found = discover_config(json.loads((folder / "config.json").read_text()), model_type)
+    assert found.calls == calls
+    info = inspect_model(folder)
+    assert info.n_layers == (len(calls) or found.n_blocks)
+    assert info.to_dict()["ffn_params_total"] == info.spec.n_params * found.n_blocks
+    others = [part for part in info.arch.float_parts if "stay float, ffnquant quantizes the FFNs of one list" in part]
+    assert others == (["model.H_module.layers (2 blocks of HrmTextDecoderLayer): stay float, ffnquant quantizes "
+                       "the FFNs of one list of blocks (model.L_module.layers)"] if model_type == "hrm_text" else [])
+
+
 def test_an_mlp_taking_the_calling_layers_index_is_probed_with_it_and_found_with_what_it_adds(tmp_path):
     """Zamba 2's shared MLP takes `layer_idx` and adds that call's low-rank adapter of its input to its gate and up:
     probed with the block's index, as the model calls it, it is the module's own middle reading the FFN's input

@@ -473,18 +473,60 @@ def test_a_loop_that_reads_each_layers_output_as_a_structure_is_refused_in_one_l
         engine.embed([ids], _Store(None, "embedded"))
 
 
-@pytest.mark.parametrize("model_type, calls", [("dory", 4), ("hrm_text", 12)], ids=["dory-recurrent", "hrm-cycles"])
-def test_a_forward_that_loops_over_its_layers_is_refused_not_measured_as_another_model(tmp_path, model_type, calls):
-    """Dory runs its recurrent section several times, HRM cycles its stacks: the engine runs each decoder layer once,
-    in order, so it would measure another model (Dory's proof then failed on 'gates not met'); refused, naming it."""
+@pytest.mark.parametrize("model_type, order", [("dory", (0, 1, 0, 1)), ("hrm_text", (0, 1) * 6),
+                                               ("inkling2_loop_text", (0, 1, 1))],
+                         ids=["dory-recurrent", "hrm-cycles", "inkling2-loop-passes"])
+def test_a_looped_depth_runs_each_call_as_a_layer_and_gives_the_models_logits(tmp_path, model_type, order):
+    """Dory runs its recurrent section several times, HRM cycles its L stack, Inkling 2 Loop passes its last layer
+    twice: each call of a decoder layer is one of ffnquant's layers, in the order the model's forward calls them
+    (found when its FFNs are discovered), a later call's FFN the first call's again (`shares`). The engine runs the
+    calls in order on what the forward computes between them: its logits are transformers' own, resident or read a
+    layer at a time."""
+    import transformers as T
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.metrics import _run
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
+    from hf_models import tiny_or_skip
+
+    folder = tiny_or_skip(model_type, tmp_path / model_type)
+    info = inspect_model(folder)
+    assert [layer.block for layer in info.layers if layer.expert in (None, 0)] == list(order)
+    first = {b: order.index(b) for b in order}
+    assert [layer.shares for layer in info.layers if layer.expert in (None, 0)] == [
+        None if first[b] == v else first[b] for v, b in enumerate(order)]
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = _run(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), info, ids).logits.detach()
+    # HRM's and Inkling's stored tensors are converted as transformers loads them: they run resident
+    for resident in (True, False) if model_type == "dory" else (True,):
+        engine = SequentialModel(info, resident=resident)
+        store = _Store(None, "text")
+        calls = engine.embed([ids], store)
+        assert len(engine.layers) == len(order) and len(calls[0]) == len(order)
+        for j in range(len(engine.layers)):
+            with engine.layer(j):
+                engine.run(j, store, calls)
+        _, logits = engine.head_out(store.get(0))
+        assert torch.allclose(logits, want, rtol=0, atol=1e-5 * float(want.abs().max())), resident
+
+
+def test_a_forward_that_loops_in_another_order_than_found_is_refused(tmp_path):
+    """A looped depth whose order of calls was not found (or changed since) is refused on the first forward, not
+    measured as another model: here Dory's model info with its order of calls taken away."""
+    import dataclasses
+
     from ffnquant.hf import inspect_model
     from ffnquant.hf.spill import Store as _Store
     from ffnquant.hf.stream import SequentialModel
     from hf_models import tiny_or_skip
 
-    info = inspect_model(tiny_or_skip(model_type, tmp_path / model_type))
-    engine = SequentialModel(info, resident=True)  # HRM's stored tensors are converted as transformers loads them
-    with pytest.raises(FFNQuantError, match=rf"calls decoder layers 0, 1 more than once \({calls} calls for 2 "
+    info = inspect_model(tiny_or_skip("dory", tmp_path / "dory"))
+    arch = dataclasses.replace(info.arch, fixed={**info.arch.fixed, "calls": ()})
+    blocks = [layer for layer in info.layers if layer.shares is None]
+    info = dataclasses.replace(info, arch=arch, layers=tuple(blocks), n_layers=len(blocks))
+    engine = SequentialModel(info, resident=True)
+    with pytest.raises(FFNQuantError, match=r"calls decoder layers 0, 1 more than once \(4 calls for 2 "
                                             r"layers: a looped depth\); the engine runs each decoder layer once"):
         engine.embed([torch.randint(3, 90, (1, 12))], _Store(None, "text"))
 

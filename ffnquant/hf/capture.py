@@ -414,6 +414,7 @@ def install_ffns(
     undo: list[Callable[[], None]] = []
     try:
         fused: dict[int, tuple[nn.Module, dict[int, Callable]]] = {}
+        installed: list[nn.Module] = []
         for layer, replacement in replacements.items():
             _, module = _module_for(model, info, layer, names)
             if info.arch.install is Install.SPLIT:
@@ -429,6 +430,9 @@ def install_ffns(
                     fused.setdefault(id(module), (module, {}))[1][layer.expert] = replacement
                     continue
                 module = module[layer.expert] if isinstance(module, nn.ModuleList) else getattr(module, str(layer.expert))
+            if "forward" in module.__dict__ and any(m is module for m in installed):
+                continue  # a later call of an FFN called again (a looped depth): its one replacement is in place
+            installed.append(module)
             # A plain function as instance attribute shadows the class's forward; a Module assigned
             # there would only be registered as a child named "forward" and never called.
             object.__setattr__(module, "forward", _input_only(replacement, info.arch.residual_arg))

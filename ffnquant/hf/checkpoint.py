@@ -350,11 +350,17 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
     template = next(iter(groups.values())).prefix if groups else None
     kept = (arch.fixed or {}).get("blocks")  # a discovered model's blocks with the main FFN (others stay float)
     shares = (arch.fixed or {}).get("shares") or {}  # blocks calling an earlier block's FFN, stored once under its names
+    # a looped depth (`hf.looped`): one layer per call of a block, in call order; a later call of a block calls the
+    # FFN of its first call again (stored once, as a shared FFN)
+    calls = tuple((arch.fixed or {}).get("calls") or ())
     for stack in stacks:
-        for block in range(per_stack[stack]):
+        first_call: dict[int, int] = {}
+        for block in calls or range(per_stack[stack]):
             if kept is not None and block not in kept:
                 index += 1
                 continue
+            again = first_call.setdefault(block, index) if calls else index
+            shared = again if again != index else shares.get(block)
             experts: list[int | None] = list(range(n_experts)) if n_experts else [None]
             for expert in experts:
                 found = groups.get((stack, block, expert))
@@ -401,8 +407,7 @@ def inspect_model(path: str | os.PathLike, allow_pickle: bool = False) -> ModelI
                                 f"{str(weights.path_of(name))!r}: tensor {name!r} has shape {list(got)}, but config.json "
                                 f"(d_model={d}, d_ff={f}) implies {list(want)}"
                             )
-                layers.append(LayerInfo(index, stack, block, expert, found.prefix, tensors, found.fused,
-                                        shares.get(block)))
+                layers.append(LayerInfo(index, stack, block, expert, found.prefix, tensors, found.fused, shared))
             index += 1
     if not layers:
         raise FFNQuantError(f"{where}: no {arch.name} FFN tensors found")

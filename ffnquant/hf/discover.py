@@ -27,6 +27,7 @@ from torch import nn
 from ..errors import FFNQuantError
 from ..spec import Activation
 from .conversions import expert_sources, pretrained_classes, with_renames
+from .looped import call_order
 from .skeleton import causal_lm_from_config
 from .ffn_candidates import FoundFFN, candidates, linear_shape
 from .arch import ARCHITECTURES, Arch, Install, ModelKind
@@ -63,6 +64,9 @@ class Discovery:
     shares: Mapping[int, int] = field(default_factory=dict)
     # blocks whose own middle holds other tensors than the kept FFN's template (`Arch.activation_templates`)
     own_templates: Mapping[int, Any] = field(default_factory=dict)
+    # the blocks in the order the model's forward calls them, where that is not each once in order (a looped
+    # depth: `hf.looped.call_order`); () for nearly every model
+    calls: tuple[int, ...] = ()
 
     def list_suffix(self) -> str:
         """The shortest tail of the blocks' list path that names no other list of the model: checkpoints are read
@@ -95,7 +99,8 @@ class Discovery:
         act = ACTIVATION_NAMES[ffn.activation] if ffn.activation is not None else "linear"
         gated = ffn.gated
         fixed = {"d_model": ffn.d_model, "d_ff": ffn.d_ff, "n_layers": self.n_blocks, "n_experts": ffn.experts,
-                 "blocks": self.blocks, "shapes": self.shapes, "shares": dict(self.shares)}
+                 "blocks": self.blocks, "shapes": self.shapes, "shares": dict(self.shares),
+                 "calls": self.calls}
         # the whole path of the blocks' list: a multimodal model's vision tower has its own `layers.N.mlp`
         module_pattern = r"(?:.+\.)?" + re.escape(self.layers_path) + r"\.{layer}" + rel
         common: dict[str, Any] = dict(
@@ -321,10 +326,20 @@ def discover(model: nn.Module, model_type: str = "", where: str = "") -> Discove
     for i in range(len(blocks)):
         if i not in per_block:
             float_parts.append(f"L{i}: no FFN in this block")
+    float_parts += _other_stacks(model, layers_path, blocks)
     return Discovery(model_type or str(getattr(config, "model_type", "")), type(model).__name__, layers_path,
                      len(blocks), ffn, kept, tuple(sorted(float_parts, key=lambda s: (len(s.split()[0]), s))),
                      model_classes=pretrained_classes(model), shares=_shared_blocks(blocks, kept, ffn, where, layers_path),
                      own_templates=_own_templates(blocks, kept, ffn))
+
+
+def _other_stacks(model: nn.Module, layers_path: str, blocks: nn.ModuleList) -> list[str]:
+    """Other lists of blocks of the kept blocks' class (HRM's H_module.layers beside its L_module.layers): their
+    FFNs stay float, said, never skipped silently."""
+    kind = type(blocks[0])
+    return [f"{name} ({len(m)} blocks of {kind.__name__}): stay float, ffnquant quantizes the FFNs of one list of "
+            f"blocks ({layers_path})" for name, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and m is not blocks and len(m) and type(m[0]) is kind]
 
 
 def _own_templates(blocks: nn.ModuleList, kept: Sequence[int], ffn: FoundFFN) -> dict[int, Any]:
@@ -414,6 +429,9 @@ def discover_config(config: Mapping[str, Any], where: str) -> Discovery:
     # the shape of every tensor of the model transformers builds: what a checkpoint's tensors are checked against
     # (`validate.check_other_tensors`), whatever its attention's layout
     found = dataclasses.replace(found, shapes={name: tuple(t.shape) for name, t in model.state_dict().items()})
+    # a forward that calls some block more than once (a looped depth): each call one of ffnquant's layers
+    # (`hf.looped`); found last, as it makes the modules beside the blocks on the CPU
+    found = dataclasses.replace(found, calls=call_order(model, found.layers_path))
     _CACHE[key] = found
     return found
 

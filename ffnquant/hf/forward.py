@@ -33,14 +33,17 @@ def raised_in_transformers(exc: BaseException) -> bool:
 
 
 class _Tally(StandIn):
-    """A stand-in that logs its layer's index and the hidden states it is given, and returns them (`check_one_pass`)."""
+    """A stand-in that logs its layer's index, the hidden states it is given and what it returns: them, moved by a
+    constant of its own call (`check_one_pass`), so that a next input that is not this output shows."""
 
     def __init__(self, log: list, index: int, as_tuple: bool) -> None:
         super().__init__(None, as_tuple=as_tuple)
         self.log, self.index = log, index
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        self.log.append((self.index, hidden_states))
+        out = hidden_states + (len(self.log) + 1) if hidden_states.is_floating_point() else hidden_states
+        self.log.append((self.index, hidden_states, out))
+        self.hidden = out
         return super().forward(hidden_states, *args, **kwargs)
 
 
@@ -98,18 +101,20 @@ def find_batch_dim(engine: Any, ids: torch.Tensor, hidden: torch.Tensor, n: int)
 
 
 def check_one_pass(engine: Any, ids: torch.Tensor, n: int) -> None:
-    """Refuse a model whose forward calls a decoder layer more than once or out of order (looped depth: Dory's
-    recurrent section, HRM's cycles): the engine runs each layer once, in order, and would measure another
+    """Refuse a model whose forward calls its decoder layers otherwise than the engine's layers say (each once, in
+    order; a looped depth's calls in the order `hf.looped.call_order` found): the engine would measure another
     model. A forward that changes the hidden states between two layers (beyond what they compute) is run with
     each layer's input replayed from the model's own forward (`hf.replay`). Checked on one whole forward with every
-    layer a stand-in that returns its input; a forward that cannot end so is not judged."""
+    layer a stand-in that returns its input moved by a constant; a forward that cannot end so is not judged."""
     log: list[tuple[int, torch.Tensor]] = []
     with engine._stand_ins([_Tally(log, i, engine._tuple_out) for i in range(n)]), torch.no_grad():
         try:
             engine.runner(input_ids=ids, use_cache=False)
+        except FFNQuantError:  # a looped depth calling its layers in another order than found (`hf.looped`)
+            raise
         except Exception:  # noqa: BLE001 - a model whose later parts need its layers' real outputs
             return
-    order = [i for i, _ in log]
+    order = [i for i, *_ in log]
     where = f"{engine.info.path}: its forward"
     if order != list(range(n)):
         repeated = sorted({i for i in order if order.count(i) > 1})
@@ -118,11 +123,12 @@ def check_one_pass(engine: Any, ids: torch.Tensor, n: int) -> None:
                 f"{order[:8]}")
         raise FFNQuantError(f"{where} {what}; the engine runs each decoder layer once, in order, on the previous "
                             "one's output, and would measure another model")
-    for k in range(1, n):
-        before, after = log[k - 1][1], log[k][1]
+    for k in range(1, len(log)):
+        before, after = log[k - 1][2], log[k][1]
         if before.shape != after.shape or not torch.equal(before, after):
-            # it computes between its layers (XLM's attentions and norms beside its FFNs): each layer's input
-            # is what the forward computes from the outputs so far (`hf.replay`)
+            # it computes between its layers (XLM's attentions and norms beside its FFNs; a looped depth's pass
+            # that starts again from an earlier layer's output): each layer's input is what the forward computes
+            # from the outputs so far (`hf.replay`)
             engine.replay = True
             return
 
@@ -134,10 +140,10 @@ def base_runs_the_stack(engine: Any, ids: torch.Tensor, n: int) -> bool:
         first = engine._record(ids, n)[0][0]
     except Exception:  # noqa: BLE001 - a few tokens the base cannot run (a minimum length): not judged so
         return True
-    inside = {id(m) for m in beside(engine.base, engine.layers)}
+    inside = {id(m) for m in beside(engine.base, engine.blocks)}
     # read a layer at a time, what the whole forward runs before its layers is not read yet (the head, which
     # it does not reach, is left to `hf.head`)
-    outside = [m for m in beside(engine.model, engine.layers) if id(m) not in inside
+    outside = [m for m in beside(engine.model, engine.blocks) if id(m) not in inside
                and not any(x is engine.head for x in m.modules()) and any(p.is_meta for p in m.parameters())]
     for module in outside:
         engine.onload(module)

@@ -102,7 +102,7 @@ class LMHead:
             full = f"{self._names[id(self.head)]}.bias"
             self.head.bias = nn.Parameter(self._read_stored(full), requires_grad=False)
         # the forward's other parts (ELECTRA's embedding projection and the dense + norm before its head)
-        for module in beside(self.model, self.layers):
+        for module in beside(self.model, self.blocks):
             if module not in (self.embedding, self.head) and any(p.is_meta for p in module.parameters()):
                 self.onload(module, skip=[m for m in module.modules() if m is self.embedding or m is self.head])
         got: list[torch.Tensor] = []

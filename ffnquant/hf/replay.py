@@ -62,7 +62,10 @@ def advanced(engine: Any, item: dict[str, Any], out: torch.Tensor, j: int) -> di
             engine.runner(input_ids=item["ids"].to(engine.device), use_cache=False)
         except Stop:
             pass
-    return {"ids": item["ids"], "outs": outs, "hidden": record[0][0].detach().to(out.device)}
+    # the call as the forward hands it, its other arguments too (computed from the outputs so far: Inkling 2's
+    # block states); `hf.stream` keeps it beside the stream (`Store.calls`)
+    return {"ids": item["ids"], "outs": outs, "hidden": record[0][0].detach().to(out.device),
+            "call": engine._no_cache(record[0][1], record[0][2])}
 
 
 def head(engine: Any, item: dict[str, Any]) -> torch.Tensor:

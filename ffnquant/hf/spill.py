@@ -25,6 +25,9 @@ class Store:
         self.folder, self.name, self.items = folder, name, dict(items or {})
         # by key: the last layer's second output where the model hands it to the next layer (`forward.find_carried`)
         self.carried: dict[int, Any] = {}
+        # by key: the call the model's forward hands the next layer, recorded as it is replayed (`hf.replay`: its
+        # other arguments computed from the outputs so far, Inkling 2's block states)
+        self.calls: dict[int, Any] = {}
 
     def __len__(self) -> int:
         return len(self.items)
@@ -44,6 +47,7 @@ class Store:
         """The tensor of `key` dropped (its file deleted)."""
         item = self.items.pop(key)
         self.carried.pop(key, None)
+        self.calls.pop(key, None)
         if isinstance(item, Path):
             item.unlink()
 
@@ -62,6 +66,7 @@ class Store:
             for k in keys:
                 out.put(k, self.get(k))
         out.carried = {k: self.carried[k] for k in keys if k in self.carried}
+        out.calls = {k: self.calls[k] for k in keys if k in self.calls}
         return out
 
 

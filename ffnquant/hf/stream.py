@@ -40,6 +40,7 @@ from .checkpoint import LayerInfo, ModelInfo, _Weights
 from .skeleton import (StandIn, Stop, base_of, beside, causal_lm_from_config, decoder_list, parameters_on_meta,
                        stored_names)
 from .head import LMHead
+from .looped import Calls, dispatching
 from .inputs import EvalSettings, fit_settings
 from .memory import _READ_BYTES, streamable_reason
 from . import forward, replay
@@ -180,10 +181,14 @@ class SequentialModel(LMHead):
         lists = {decoder_list(model, name) for name, _ in found.values()}
         list_name = next(iter(lists))[0]
         if any(name != list_name for name, _ in lists) or any(
-                decoder_list(model, name)[1] != layer.index for layer, (name, _) in found.items()):
+                decoder_list(model, name)[1] != layer.block for layer, (name, _) in found.items()):
             raise FFNQuantError(f"{info.path}: the FFNs of the transformers model are not one per decoder layer "
                                 f"{list_name}.0, .1, ... in layer order")
-        self.layers = model.get_submodule(list_name)
+        # the model's list of decoder layers; the engine's layers are its calls (`hf.looped.Calls`) where the forward
+        # calls some layer more than once (a looped depth: each call one of ffnquant's layers), else the list itself
+        self.blocks: nn.ModuleList = model.get_submodule(list_name)
+        calls = (info.arch.fixed or {}).get("calls")
+        self.layers: Any = Calls(self.blocks, calls) if calls else self.blocks
         self.base = base_of(model, list_name)
         # the module whose forward runs the layers from token ids: the base, or the whole model where the base
         # alone would hand its first layer something else (`hf.forward.base_runs_the_stack`)
@@ -280,6 +285,10 @@ class SequentialModel(LMHead):
 
     @contextlib.contextmanager
     def _stand_ins(self, stand_ins: Sequence[nn.Module]):
+        if isinstance(self.layers, Calls):  # one stand-in per call, each block's slot handing its calls on
+            with dispatching(self.layers, stand_ins, str(self.info.path)):
+                yield
+            return
         originals = list(self.layers)
         for i, module in enumerate(stand_ins):
             module.__dict__["_layer"] = originals[i]  # not a submodule: its attributes only
@@ -298,7 +307,7 @@ class SequentialModel(LMHead):
         largest of them once every text is embedded."""
         if self.embedding.weight.is_meta:
             # every module beside the decoder layers, and the base's own parameters (Zaya's input scale and bias)
-            self.onload(self.base, skip=self.layers)
+            self.onload(self.base, skip=self.blocks)
         calls = []
         n = len(self.layers)
         for b, ids in enumerate(batches):
@@ -321,7 +330,7 @@ class SequentialModel(LMHead):
             if not self._one_pass_checked:  # once per engine: the model's loop, not the text, decides it
                 if not forward.base_runs_the_stack(self, ids[:1, :8].to(self.device), n):
                     self.runner = self.model
-                    for module in beside(self.model, self.layers):  # what the whole forward runs beside the layers
+                    for module in beside(self.model, self.blocks):  # what the whole forward runs beside the layers
                         if any(p.is_meta for p in module.parameters()):
                             self.onload(module)
                 forward.check_one_pass(self, ids.to(self.device), n)
@@ -407,12 +416,18 @@ class SequentialModel(LMHead):
                 out = _host(raw[0] if isinstance(raw, (tuple, list)) else raw)  # OpenAI GPT's blocks return a list
                 if j + 1 in self.carried:  # handed to the next layer by the model's loop
                     store.carried[b] = _host(raw[1])
-                store.put(b, _host(replay.advanced(self, item, out, j)) if self.replay else out)
+                if self.replay:
+                    item = replay.advanced(self, item, out, j)
+                    call = item.pop("call", None)
+                    if call is not None:  # the next layer's call as the forward computed it from the outputs so far
+                        store.calls[b] = _host(call)
+                    out = _host(item)
+                store.put(b, out)
 
     def _call(self, j: int, b: int, store: Store, calls: Sequence) -> tuple[tuple, dict[str, Any]]:
         """Layer j's recorded call for batch b, with what the previous layer of `store`'s stream handed on in place
         where the model's loop hands it (`carried`)."""
-        call = calls[b][j]
+        call = store.calls.get(b, calls[b][j])  # as replayed (`hf.replay`), where the stream was
         if j not in self.carried:
             return call
         if b not in store.carried:

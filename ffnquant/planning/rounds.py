@@ -28,6 +28,7 @@ class VerificationRounds:
         from ..hf.evaluate import end_to_end_figures
         from ..hf.metrics import _NLL, Agreement, ErrorStats
         from .candidates import quantize_layer
+        from .moe import Routed
 
         v = self._verification()
         m, n = v.model, len(v.model.layers)
@@ -80,7 +81,8 @@ class VerificationRounds:
             elif j in fresh:
                 layer, calib, held = self._layer(j, ffns)
                 if j in shared:  # one FFN several layers call: quantized once, from every call's inputs
-                    calib = torch.cat([self.ffn_calib.get(k) for k in shared[j]])
+                    calls = [self.ffn_calib.get(k) for k in shared[j]]
+                    calib = Routed.cat(calls) if j in self.moe else torch.cat(calls)
                 q = quantize_layer(layer, by_name[chosen[j]], calib, held, bins=self.settings.bins, measure=False)[0]
                 del layer, calib, held
                 q = self._computed(q)

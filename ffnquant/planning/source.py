@@ -483,7 +483,11 @@ class PlanSource(VerificationRounds):
 
     def _replacements(self, j: int, q: Any) -> dict[str, Any]:
         """What computes in layer j's FFNs' place, by label: a quantized FFN, or each quantized expert."""
-        return q.replacements() if isinstance(q, QuantizedMoE) else {self.model.groups[j][0].label: q}
+        if not isinstance(q, QuantizedMoE):
+            return {self.model.groups[j][0].label: q}
+        # by this layer's labels: a later call of experts called again computes with its first call's quantization
+        mine = {layer.expert: layer.label for layer in self.model.groups[j]}
+        return {mine[e]: ffn for e, ffn in q.qffns.items()}
 
     def ablate(self, layer: Any, name: str, ffn: Any) -> None:
         """Layer `layer`'s probe `name` measured with `ffn` in its FFN's place (its stream starts at its layer)."""
