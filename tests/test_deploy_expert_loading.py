@@ -96,11 +96,11 @@ def test_fused_experts_are_written_per_expert_and_proven(gpt_oss, tmp_path, caps
     assert main(["export", "--model", str(gpt_oss), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
                  "--no-progress", "--out", str(out)]) == 0
     said = capsys.readouterr().out
-    assert "load the folder inside `with ffnquant.deploy.per_expert_loading(folder):`" in said
+    assert "load the folder inside `with ffnquant.deploy.transformers_loading(folder):`" in said
     proof = json.loads((out / "ffnquant-deploy.json").read_text())["proof"]
     assert proof["proven"] and proof["weights"]["all_identical"] and proof["layers"]["all_at_parity"]
     assert proof["load"]["per_expert_loading"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-    assert "per_expert_loading(folder)" in (out / "ffnquant-deploy.md").read_text()
+    assert "transformers_loading(folder)" in (out / "ffnquant-deploy.md").read_text()
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         experts = sorted(k for k in f.keys() if ".experts." in k)
     pattern = re.compile(r"model\.layers\.[01]\.mlp\.experts\.\d\.(gate|up|down)_proj\."

@@ -148,9 +148,13 @@ def _print_deploy(doc: dict, out: Path) -> None:
         if load.get("decompressed_because"):  # its compressed modules refused; its files loaded decompressed
             print(f"transformers cannot run this model's compressed modules ({load['decompressed_because']}): loaded "
                   "decompressed (CompressedTensorsConfig(run_compressed=False)), as a transformers user must load it")
-        if load.get("per_expert_loading"):  # experts held fused, stored per expert: transformers needs the converters
-            print("its routed experts are stored per expert: load the folder inside `with "
-                  "ffnquant.deploy.per_expert_loading(folder):` (transformers alone has no conversion for them)")
+        needs = [why for key, why in (
+            ("per_expert_loading", "its routed experts are stored per expert, and transformers alone has no conversion "
+                                   "for them"),
+            ("float_converters_kept", "transformers alone adds its dequantization to the model's conversions of "
+                                      "tensors stored in float, and fails on them")) if load.get(key)]
+        if needs:  # transformers' from_pretrained alone does not load it as written
+            print(f"load the folder inside `with ffnquant.deploy.transformers_loading(folder):` ({'; '.join(needs)})")
         print(f"loaded back with transformers ({dtype}), against the original float model: perplexity {load['perplexity']:.4f} "
               f"({load.get('relative_difference', float('nan')):.1e} relative to the reference)")
         gates = load.get("gates")

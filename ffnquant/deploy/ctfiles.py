@@ -90,9 +90,11 @@ def shared_modules(planned: PlannedModel) -> dict[str, str]:
     replaced its Linears (a `weight`: int8 codes are stored once, under the first call's name); a packed weight's
     tensors and every quantizer's scales are saved under each call's names, the same values."""
     shares = {layer.index: layer.shares for layer in planned.info.layers if layer.shares is not None}
-    first = {(mq.index, mq.weight): mq.module for mq in planned.modules}
-    return {mq.module: first[(shares[mq.index], mq.weight)] for mq in planned.modules
-            if mq.index in shares and (shares[mq.index], mq.weight) in first}
+    first = {(mq.index, mq.weight, mq.expert): mq.module for mq in planned.modules}
+    # a looped depth's later call is the first call's very module (one name): nothing held elsewhere
+    return {mq.module: first[(shares[mq.index], mq.weight, mq.expert)] for mq in planned.modules
+            if mq.index in shares and (shares[mq.index], mq.weight, mq.expert) in first
+            and first[(shares[mq.index], mq.weight, mq.expert)] != mq.module}
 
 
 def concatenated_for_loader(folder: Path, model: Any) -> list[str]:

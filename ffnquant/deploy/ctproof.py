@@ -1,6 +1,6 @@
 """The proof that a compressed-tensors folder (`deploy.ctensors`) is the measured model: the folder loaded back by
-transformers (decompressed where it cannot run the compressed modules, routed experts held fused read through
-`expert_loading.per_expert_loading`), its weights and static ranges against ffnquant's bit for bit, each FFN on the
+transformers (decompressed where it cannot run the compressed modules) as `ct_loading.transformers_loading` has it
+load (routed experts held fused read from their per-expert tensors, the model's conversions of float tensors kept), its weights and static ranges against ffnquant's bit for bit, each FFN on the
 same inputs, the end-to-end gates and greedy generation (`verify_folder`)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..model import FFN
 from ..numerics.accuracy import sqnr_db
 from ..schemes import ActMode
 from .ctfiles import input_qparams_check, safetensors_reader, weights_check
-from .expert_loading import per_expert_loading
+from .ct_loading import transformers_loading
 from .planned import ModuleQuant, PlannedModel, loaded_ffn
 from .precision import dtype_name
 from .proof import end_to_end_gates, generation_equality, rounding_allowance, unfolded_ffns
@@ -197,6 +197,8 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
             "decompressed_because": decompressed,
             # experts the model holds fused, read from their per-expert tensors through ffnquant's converters
             "per_expert_loading": loading.get("per_expert") or [],
+            # the model's conversions of tensors stored in float, kept as without a quantization config
+            "float_converters_kept": loading.get("float_converters") or [],
             "compute_dtype": dtype_name(dtype), **figures,
             "reference_perplexity_ratio": ref_ratio, "reference_hidden_sqnr_db": reference.get("hidden_sqnr_db"),
             "reference_kl_mean": (reference.get("kl") or {}).get("mean"),
@@ -239,17 +241,18 @@ def _not_loaded(folder: Path, planned: PlannedModel, why: str) -> dict[str, Any]
 
 def _load(causal: Any, folder: Path, dtype: torch.dtype, run_compressed: bool = True) -> tuple[Any, dict]:
     """The folder loaded by transformers with its own modules, in eval mode, and its loading report; with
-    `run_compressed=False`, its compressed Linears decompressed as they load (transformers' own option). Routed
-    experts the model holds fused are read from their per-expert tensors (`expert_loading.per_expert_loading`,
-    listed in the report as "per_expert")."""
+    `run_compressed=False`, its compressed Linears decompressed as they load (transformers' own option). Inside
+    `ct_loading.transformers_loading`, as a user loads it: routed experts the model holds fused read from their
+    per-expert tensors (listed in the report as "per_expert"), the model's conversions of float tensors kept
+    ("float_converters")."""
     kw: dict[str, Any] = {}
     if not run_compressed:
         from transformers import CompressedTensorsConfig
 
         kw["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
-    with quiet_model_io(), warnings.catch_warnings(), per_expert_loading(folder) as per_expert:
+    with quiet_model_io(), warnings.catch_warnings(), transformers_loading(folder) as needed:
         if kw:  # transformers warns that the folder's own quantization_config is kept beside the option passed
             warnings.simplefilter("ignore", UserWarning)
         loaded, loading = causal.from_pretrained(str(folder), dtype=dtype, use_kernels=False, output_loading_info=True,
                                                  **kw)
-    return loaded.eval(), {**loading, "per_expert": per_expert}
+    return loaded.eval(), {**loading, **needed}

@@ -252,10 +252,10 @@ def transformers_greedy(folder: str | Path, prompts: Sequence[Sequence[int]], ne
     from ..hf.skeleton import causal_lm_class
     from .proof import PLAIN_GREEDY
 
-    from .expert_loading import per_expert_loading
+    from .ct_loading import transformers_loading
 
     causal = causal_lm_class(transformers, folder)
-    with per_expert_loading(folder):  # experts the model holds fused, stored per expert
+    with transformers_loading(folder):  # as ffnquant's folders load (experts held fused, float conversions)
         model = causal.from_pretrained(str(folder), dtype=dtype or torch.float32, use_kernels=False).eval()
     eos = getattr(model.config, "eos_token_id", None)
     pad = getattr(model.config, "pad_token_id", None)

@@ -163,8 +163,13 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
                 "itself)." if load.get("decompressed_because") else "")
              + (f" Its routed experts, which the model holds fused, are stored per expert (as llm-compressor writes "
                 f"them) and were read back fused by ffnquant's converters ({len(load['per_expert_loading'])} experts "
-                "modules): transformers alone has no conversion for them, so load the folder inside "
-                "`with ffnquant.deploy.per_expert_loading(folder):`." if load.get("per_expert_loading") else "")]
+                "modules): transformers alone has no conversion for them." if load.get("per_expert_loading") else "")
+             + (f" The model's own conversions of tensors the folder stores in float "
+                f"({', '.join(f'`{p}`' for p in load['float_converters_kept'][:3])}) were applied as without a "
+                "quantization config: transformers alone adds its dequantization to them and fails."
+                if load.get("float_converters_kept") else "")
+             + (" Load the folder inside `with ffnquant.deploy.transformers_loading(folder):`."
+                if load.get("per_expert_loading") or load.get("float_converters_kept") else "")]
     if load.get("relative_difference") is not None:
         lines.append(f"   The loaded perplexity differs from the reference by {load['relative_difference']:.2e} relative "
                      f"(bound {load['tolerance']:.0e}: {'met' if load['meets'] else 'not met'}).")
