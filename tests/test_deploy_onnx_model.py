@@ -94,6 +94,28 @@ def test_the_quantized_graph_scores_as_the_torch_reference(written):
     assert result["files"]["model.onnx"] < result["files"]["model.fp32.onnx"]
 
 
+def test_a_looped_depths_ffn_called_again_is_every_call_rewritten_from_one_set_of_codes(tmp_path):
+    """Dory calls its two layers twice each (layers L2, L3 calling L0's and L1's FFN again): every MatMul of every
+    call is rewritten (4-bit MatMulNBits for one FFN, per-token int8 MatMulInteger for the other, each call's own
+    nodes named apart), each weight's codes stored once, and the graph scores as ffnquant's reference."""
+    from onnx import load
+
+    from ffnquant.deploy.onnx_model import DEFAULT_OPSET, _export, score_graph
+    from ffnquant.deploy.onnx_rewrite import quantize_graph
+    from hf_models import tiny_or_skip
+
+    planned = _planned(tiny_or_skip("dory", tmp_path / "dory"), ["w4a16-g32", "w8a8-dynamic-s8"] * 2)
+    float_path, path = tmp_path / "planned.fp32.onnx", tmp_path / "model.onnx"
+    _export(planned.model, planned.info, float_path, DEFAULT_OPSET, planned.evals[0][:1, :64])  # the prefill graph
+    q, score = quantize_graph(float_path, planned, path), score_graph(path, planned)
+    # three matmuls per FFN, each FFN called twice
+    assert q["nodes"]["quantized"]["MatMulNBits"] == 3 * 2 and q["nodes"]["quantized"]["MatMulInteger"] == 3 * 2
+    codes = sorted(i.name for i in load(str(path)).graph.initializer if i.name.endswith(("_Q4", "_quantized")))
+    assert codes == sorted([f"model_layers_0_mlp_{p}_proj_Q4" for p in ("gate", "up", "down")]
+                           + [f"model_layers_1_mlp_{p}_proj_quantized" for p in ("gate", "up", "down")])
+    assert score["meets_tolerance"] and abs(score["hidden_sqnr_db_diff"]) <= REFERENCE_TOLERANCE_DB
+
+
 def test_latency_is_side_by_side_and_ordered(written):
     latency = written[2]["latency"]
     assert set(latency["tokens"]) == {"1", "16"} and latency["provider"] == "CPUExecutionProvider"

@@ -511,6 +511,33 @@ def test_a_looped_depth_runs_each_call_as_a_layer_and_gives_the_models_logits(tm
         assert torch.allclose(logits, want, rtol=0, atol=1e-5 * float(want.abs().max())), resident
 
 
+def test_a_stack_whose_output_reads_more_than_its_last_layer_is_replayed(tmp_path):
+    """Inkling 2's final input mixes the block states it keeps (its first layer's input) into the last layer's
+    output: the head cannot run from the last hidden states alone with stand-in embeddings, so the streams are
+    replayed, and the engine's logits are transformers' own."""
+    import transformers as T
+
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.metrics import _run
+    from ffnquant.hf.spill import Store as _Store
+    from ffnquant.hf.stream import SequentialModel
+    from hf_models import tiny_or_skip
+
+    folder = tiny_or_skip("inkling2_text", tmp_path / "inkling2_text")
+    info = inspect_model(folder)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = _run(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), info, ids).logits
+    engine = SequentialModel(info, resident=True)
+    store = _Store(None, "text")
+    calls = engine.embed([ids], store)
+    assert engine.replay
+    for j in range(len(engine.layers)):
+        with engine.layer(j):
+            engine.run(j, store, calls)
+    _, logits = engine.head_out(store.get(0))
+    assert torch.allclose(logits, want.detach(), rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
 def test_a_forward_that_loops_in_another_order_than_found_is_refused(tmp_path):
     """A looped depth whose order of calls was not found (or changed since) is refused on the first forward, not
     measured as another model: here Dory's model info with its order of calls taken away."""

@@ -58,16 +58,23 @@ def _codes(m: Any, w: torch.Tensor) -> torch.Tensor:
 
 # --- the rewrite -------------------------------------------------------------------------------------
 
-def _find_matmuls(proto: Any, planned: PlannedModel) -> dict[str, tuple[Any, Any]]:
-    """{module: (MatMul node, its [in, out] weight initializer)}, found by name: torch's exporter records on every
+def _find_matmuls(proto: Any, planned: PlannedModel) -> dict[str, list[tuple[Any, Any]]]:
+    """{module: [(MatMul node, its [in, out] weight initializer)]}, found by name: torch's exporter records on every
     node the modules it came from (`pkg.torch.onnx.name_scopes`, full names under the export wrapper's own
-    prefix, e.g. 'model.model.layers.3.mlp.down_proj' for 'model.layers.3.mlp.down_proj')."""
+    prefix, e.g. 'model.model.layers.3.mlp.down_proj' for 'model.layers.3.mlp.down_proj'). One node per module,
+    or, for a module several layers call (a looped depth: `LayerInfo.shares`), one per call, every one reading
+    the one weight initializer."""
     import ast
+
+    import numpy as np
+    from onnx import numpy_helper
 
     inits = {i.name: i for i in proto.graph.initializer}
     uses = Counter(x for n in proto.graph.node for x in n.input)
     wanted = {m.module for m in planned.modules}
-    found: dict[str, tuple[Any, Any]] = {}
+    # the modules that several layers call: {module: how many layers}
+    calls = Counter(m.module for m in planned.modules)
+    found: dict[str, list[tuple[Any, Any]]] = {}
     for node in proto.graph.node:
         if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in inits:
             continue
@@ -81,14 +88,23 @@ def _find_matmuls(proto: Any, planned: PlannedModel) -> dict[str, tuple[Any, Any
         # the innermost module scope (the last entry is the op itself): the Linear the MatMul computes
         hits = [m for m in wanted for scope in scopes[-2:] if scope == m or scope.endswith("." + m)]
         for module in hits:
-            if module in found:
+            if module in found and calls[module] < 2:
                 raise FFNQuantError(f"{module}: two MatMul nodes of the graph come from it; cannot tell which one "
                                     "is this FFN's")
-            init = inits[node.input[1]]
-            if uses[init.name] != 1:
-                raise FFNQuantError(f"{module}: its weight initializer feeds {uses[init.name]} nodes; a shared weight "
-                                    "cannot be rewritten for one of them")
-            found[module] = (node, init)
+            found.setdefault(module, []).append((node, inits[node.input[1]]))
+    for module, nodes in found.items():
+        readers = Counter(init.name for _, init in nodes)
+        shared = [name for name, n in readers.items() if uses[name] != n]
+        if shared:
+            raise FFNQuantError(f"{module}: its weight initializer feeds {uses[shared[0]]} nodes; a shared weight "
+                                "cannot be rewritten for one of them")
+        if len(nodes) != max(calls[module], 1):
+            raise FFNQuantError(f"{module}: {len(nodes)} MatMul nodes of the graph come from it, for "
+                                f"{max(calls[module], 1)} call(s) of its layer; cannot tell which are its calls")
+        if len(readers) > 1:  # the exporter's own copy of the weight per call (a transpose folded each time)
+            first = numpy_helper.to_array(nodes[0][1])
+            if any(not np.array_equal(first, numpy_helper.to_array(init)) for _, init in nodes[1:]):
+                raise FFNQuantError(f"{module}: the MatMul nodes of its calls read different weights")
     missing = [m.module for m in planned.modules if m.module not in found]
     if missing:
         raise FFNQuantError(f"could not find the matmul(s) of {', '.join(missing[:3])}"
@@ -109,17 +125,19 @@ def quantize_graph(float_path: str | os.PathLike, planned: PlannedModel, out_pat
     before = Counter(n.op_type for n in proto.graph.node)
     found = _find_matmuls(proto, planned)
     position = {id(n): i for i, n in enumerate(proto.graph.node)}
-    ends = {module: (node.input[0], node.output[0]) for module, (node, _) in found.items()}
+    ends = {module: (nodes[0][0].input[0], nodes[0][0].output[0]) for module, nodes in found.items()}
     rw = MatmulRewriter(proto.graph)
-    # in graph order: a shared input's quantizer goes before its first reader (w_gate or w_up)
-    for m in sorted(planned.modules, key=lambda m: position[id(found[m.module][0])]):
-        node, init = found[m.module]
+    # each module once (a looped depth's later calls are their first call's quantization, one ModuleQuant each),
+    # every MatMul calling it in graph order: a shared input's quantizer goes before its first reader (w_gate or w_up)
+    first = {m.module: m for m in reversed(planned.modules)}
+    calls = [(m, k, node, init) for m in first.values() for k, (node, init) in enumerate(found[m.module])]
+    for m, k, node, init in sorted(calls, key=lambda c: position[id(c[2])]):
         kind = kinds[m.module]
         w = planned.model.get_submodule(m.module).weight.detach().float()
         codes = None if kind in ("float", "act-qdq") else _codes(m, w)
         write_matmul(rw, node, init, kind, scheme=m.scheme, grid=m.grid, codes=codes, input_mode=m.input_mode,
                      input_range=m.input_range, prefix=m.module.replace(".", "_"), in_features=w.shape[1],
-                     rotation=m.rotation)
+                     rotation=m.rotation, call=f"_call{k}" if k else "")
     rw.finish()
     if "nbits" in kinds.values() and not any(o.domain == MS_DOMAIN for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))

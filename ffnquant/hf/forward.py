@@ -16,7 +16,7 @@ from ..errors import FFNQuantError
 from .skeleton import StandIn, Stop, beside
 
 __all__ = ["base_runs_the_stack", "check_one_pass", "find_batch_dim", "find_carried", "head_runs_from",
-           "raised_in_transformers"]
+           "output_reads_more", "raised_in_transformers"]
 
 
 def raised_in_transformers(exc: BaseException) -> bool:
@@ -42,7 +42,7 @@ class _Tally(StandIn):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         out = hidden_states + (len(self.log) + 1) if hidden_states.is_floating_point() else hidden_states
-        self.log.append((self.index, hidden_states, out))
+        self.log.append((self.index, hidden_states, out, args, kwargs))
         self.hidden = out
         return super().forward(hidden_states, *args, **kwargs)
 
@@ -123,14 +123,34 @@ def check_one_pass(engine: Any, ids: torch.Tensor, n: int) -> None:
                 f"{order[:8]}")
         raise FFNQuantError(f"{where} {what}; the engine runs each decoder layer once, in order, on the previous "
                             "one's output, and would measure another model")
+    plain = engine._record(ids, n)  # each call as the forward makes it with every layer returning its input
     for k in range(1, len(log)):
         before, after = log[k - 1][2], log[k][1]
-        if before.shape != after.shape or not torch.equal(before, after):
+        if before.shape != after.shape or not torch.equal(before, after) or _moved(log[k][3:], plain[k][1:]):
             # it computes between its layers (XLM's attentions and norms beside its FFNs; a looped depth's pass
-            # that starts again from an earlier layer's output): each layer's input is what the forward computes
+            # that starts again from an earlier layer's output), or hands a layer more arguments computed from the
+            # outputs so far (Inkling 2's block states): each layer's input and call are what the forward computes
             # from the outputs so far (`hf.replay`)
             engine.replay = True
             return
+
+def _moved(call: tuple, plain: tuple) -> bool:
+    """Whether a call's other arguments (args, kwargs) differ from the same call's with every layer returning its
+    input: the forward computes them from the layers' outputs. A layer's second output handed on is left to
+    `find_carried`."""
+    def tensors(value: Any) -> list[torch.Tensor]:
+        if isinstance(value, torch.Tensor):
+            return [value]
+        if isinstance(value, (tuple, list)):
+            return [t for v in value for t in tensors(v)]
+        if isinstance(value, dict):
+            return [t for v in value.values() for t in tensors(v)]
+        return []
+
+    mine, theirs = tensors(list(call)), tensors(list(plain))
+    return len(mine) == len(theirs) and any(
+        a.shape == b.shape and a.is_floating_point() and not torch.equal(a, b) for a, b in zip(mine, theirs))
+
 
 def base_runs_the_stack(engine: Any, ids: torch.Tensor, n: int) -> bool:
     """Whether the base module (the first ancestor of the layers taking input_ids) hands the first layer what the
@@ -158,6 +178,45 @@ def base_runs_the_stack(engine: Any, ids: torch.Tensor, n: int) -> bool:
     for module in outside if same else ():  # not needed after all
         engine.offload(module)
     return same
+
+class _Ending(StandIn):
+    """A stand-in returning its input moved by `shift` plus its call's number, the last call a fixed tensor instead
+    (`output_reads_more`)."""
+
+    def __init__(self, count: list[int], n: int, shift: float, as_tuple: bool) -> None:
+        super().__init__(None, as_tuple=as_tuple)
+        self.count, self.n, self.shift = count, n, shift
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.count[0] += 1
+        last = self.count[0] == self.n
+        if hidden_states.is_floating_point():
+            self.hidden = torch.full_like(hidden_states, 0.5) if last else hidden_states + self.shift + self.count[0]
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+def output_reads_more(engine: Any, ids: torch.Tensor, n: int) -> bool:
+    """Whether the stack's output (the module running the layers) reads more than its last layer's output: Inkling
+    2's final input mixes its first layer's input (the block states it keeps) in, where the engine's head gives the
+    forward only the last hidden states. Two forwards on other token ids whose layers answer differently, but for
+    the last one, which answers the same: where the outputs differ, the streams are replayed (`hf.replay`). A
+    forward that cannot run so is not judged."""
+    def final(shift: float, tokens: torch.Tensor) -> torch.Tensor | None:
+        count = [0]
+        stand_ins = [_Ending(count, n, shift, engine._tuple_out) for _ in range(n)]
+        with engine._stand_ins(stand_ins), torch.no_grad():
+            out = engine.runner(input_ids=tokens, use_cache=False)
+        out = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", None)
+        return out if isinstance(out, torch.Tensor) else None
+
+    try:
+        one, two = final(1.0, ids), final(100.0, torch.where(ids > 0, ids - 1, ids + 1))
+    except FFNQuantError:
+        raise
+    except Exception:  # noqa: BLE001 - a forward that cannot run on such stand-ins: not judged
+        return False
+    return one is not None and two is not None and one.shape == two.shape and not torch.equal(one, two)
+
 
 def head_runs_from(engine: Any, ids: torch.Tensor, n: int) -> bool:
     """Whether the model's head runs from the last hidden states alone, its forward given only their shape

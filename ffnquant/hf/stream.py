@@ -335,7 +335,8 @@ class SequentialModel(LMHead):
                             self.onload(module)
                 forward.check_one_pass(self, ids.to(self.device), n)
                 self.carried = forward.find_carried(self, ids.to(self.device), n)
-                if not self.replay and not forward.head_runs_from(self, ids[:1, :8].to(self.device), n):
+                if not self.replay and (not forward.head_runs_from(self, ids[:1, :8].to(self.device), n)
+                                        or forward.output_reads_more(self, ids[:1, :8].to(self.device), n)):
                     self.replay = True
                 self._one_pass_checked = True
                 # the first batch recorded again, after those forwards (and by the whole model where that runs the

@@ -76,7 +76,9 @@ def matmul_kind(scheme: Scheme, grid: WeightGrid, mode: str | None, input_range:
 
 
 class MatmulRewriter:
-    """Collects the nodes and initializers of the rewrite; shared inputs (w_gate and w_up) are quantized once."""
+    """Collects the nodes and initializers of the rewrite; shared inputs (w_gate and w_up) are quantized once, and a
+    weight several MatMuls read (a looped depth's later calls of one FFN) is stored once: an initializer added again
+    under its name is the same one, a weight's DequantizeLinear made once."""
 
     def __init__(self, graph: Any) -> None:
         self.graph = graph
@@ -85,12 +87,21 @@ class MatmulRewriter:
         self.inits: list = []
         self.shared: dict[tuple, str] = {}
         self.removed: set[str] = set()
+        self.names: set[str] = set()  # the initializers added
 
     def const(self, name: str, value: np.ndarray) -> str:
         from onnx import numpy_helper
 
-        self.inits.append(numpy_helper.from_array(value, name))
+        if name not in self.names:
+            self.add([numpy_helper.from_array(value, name)])
         return name
+
+    def add(self, inits: Sequence[Any]) -> None:
+        """Initializers, each once by name (a weight's codes for every MatMul reading it)."""
+        for init in inits:
+            if init.name not in self.names:
+                self.names.add(init.name)
+                self.inits.append(init)
 
     def node(self, consumer: Any, op: str, inputs: Sequence[str], output: str, **attrs: Any) -> str:
         from onnx import helper
@@ -123,7 +134,14 @@ class MatmulRewriter:
         return self.shared[key]
 
     def weight_dq(self, grid: WeightGrid, consumer: Any, q: torch.Tensor, prefix: str) -> str:
-        """int8 codes [out, in] on `grid` (signed) as a DequantizeLinear of an [in, out] initializer."""
+        """int8 codes [out, in] on `grid` (signed) as a DequantizeLinear of an [in, out] initializer (made before its
+        first consumer, read by every one)."""
+        key = ("weight_dq", prefix)
+        if key not in self.shared:
+            self.shared[key] = self._weight_dq(grid, consumer, q, prefix)
+        return self.shared[key]
+
+    def _weight_dq(self, grid: WeightGrid, consumer: Any, q: torch.Tensor, prefix: str) -> str:
         codes = self.const(f"{prefix}_quantized", q.T.contiguous().numpy().astype(np.int8))  # [in, out]
         if grid.granularity == "per_channel":  # output channels are the columns of the [in, out] codes
             s = self.const(f"{prefix}_scale", grid.scale.reshape(-1).float().numpy())
@@ -177,23 +195,26 @@ class MatmulRewriter:
         self.shared[key] = (codes, scale, zp)
         return self.shared[key]
 
-    def dynamic_matmul(self, grid: WeightGrid, scheme: Scheme, node: Any, q: torch.Tensor, prefix: str) -> None:
+    def dynamic_matmul(self, grid: WeightGrid, scheme: Scheme, node: Any, q: torch.Tensor, prefix: str,
+                       call: str = "") -> None:
         """Per-token codes x int8 weight codes in MatMulInteger (exact int32), then x token scale x channel scale;
-        an asymmetric token zero point comes off as zp * (column sums of the codes), exact in int32."""
+        an asymmetric token zero point comes off as zp * (column sums of the codes), exact in int32. `call`: what
+        sets this MatMul's nodes apart from another call's of the same weight (whose constants it shares)."""
         from onnx import TensorProto, helper
 
         codes, scale, zp = self.per_token(node.input[0], node, scheme)
         wq = self.const(f"{prefix}_quantized", q.T.contiguous().numpy().astype(np.int8))
-        acc = self.node(node, "MatMulInteger", [codes, wq], f"{prefix}_int32")
+        own = prefix + call
+        acc = self.node(node, "MatMulInteger", [codes, wq], f"{own}_int32")
         if zp is not None:
             colsum = self.const(f"{prefix}_colsum", q.sum(1).numpy().astype(np.int32))
-            zp_i = self.node(node, "Cast", [zp], f"{prefix}_zp_int32", to=TensorProto.INT32)
-            acc = self.node(node, "Sub", [acc, self.node(node, "Mul", [zp_i, colsum], f"{prefix}_zp_cols")],
-                            f"{prefix}_int32_centred")
-        acc_f = self.node(node, "Cast", [acc], f"{prefix}_acc", to=TensorProto.FLOAT)
-        per_token = self.node(node, "Mul", [acc_f, scale], f"{prefix}_token_scaled")
+            zp_i = self.node(node, "Cast", [zp], f"{own}_zp_int32", to=TensorProto.INT32)
+            acc = self.node(node, "Sub", [acc, self.node(node, "Mul", [zp_i, colsum], f"{own}_zp_cols")],
+                            f"{own}_int32_centred")
+        acc_f = self.node(node, "Cast", [acc], f"{own}_acc", to=TensorProto.FLOAT)
+        per_token = self.node(node, "Mul", [acc_f, scale], f"{own}_token_scaled")
         w_scale = self.const(f"{prefix}_scale", grid.scale.reshape(-1).float().numpy())
-        self.replace[id(node)] = [helper.make_node("Mul", [per_token, w_scale], list(node.output), name=f"{prefix}_Mul")]
+        self.replace[id(node)] = [helper.make_node("Mul", [per_token, w_scale], list(node.output), name=f"{own}_Mul")]
 
     def finish(self) -> None:
         nodes = list(self.graph.node)
@@ -262,9 +283,11 @@ def bnb4_node(rw: MatmulRewriter, node: Any, name: str, ql: Any):
 
 
 def write_matmul(rw: MatmulRewriter, node: Any, init: Any, kind: str, *, scheme: Scheme, grid: WeightGrid, codes: Any,
-                 input_mode: str | None, input_range: Any, prefix: str, in_features: int, rotation: Any = None) -> None:
+                 input_mode: str | None, input_range: Any, prefix: str, in_features: int, rotation: Any = None,
+                 call: str = "") -> None:
     """Rewrite one MatMul `node` (weight initializer `init`) as `kind` (`matmul_kind`) from the weight's signed
-    `codes` on `grid`: its input rotated and quantized first where asked, then its weight."""
+    `codes` on `grid`: its input rotated and quantized first where asked, then its weight. `call`: a later MatMul
+    reading the same weight (a looped depth's), its weight's initializers shared, its own nodes named apart."""
     if rotation is not None:
         node.input[0] = rw.rotate(node.input[0], node, rotation)
     if input_mode == "static":
@@ -273,14 +296,14 @@ def write_matmul(rw: MatmulRewriter, node: Any, init: Any, kind: str, *, scheme:
         return
     rw.removed.add(init.name)
     if kind == "dynamic-int8":
-        rw.dynamic_matmul(grid, scheme, node, codes, prefix)
+        rw.dynamic_matmul(grid, scheme, node, codes, prefix, call)
     elif kind == "nbits":  # MatMulNBits' unsigned layout: codes and zero points + 8
         g = grid.group_size
         blocks = codes.shape[1] // g
         new, inits = nbits_node(node, prefix, codes + 8, grid.scale.float().reshape(-1, blocks),
                                 None if grid.symmetric else (grid.zero_point + 8).reshape(-1, blocks), g, in_features)
         rw.replace[id(node)] = [new]
-        rw.inits += inits
+        rw.add(inits)
     else:
         node.input[1] = rw.weight_dq(grid, node, codes, prefix)
 

@@ -138,7 +138,7 @@ def _write_from_codes(fp32_path: str | os.PathLike, out_path: str | os.PathLike,
             new, inits = nbits_node(node, name, ql.codes, ql.scale_float, ql.zero_float, group, ql.weight.shape[1])
             rw.removed.add(init.name)
             rw.replace[id(node)] = [new]
-            rw.inits += inits
+            rw.add(inits)
             kinds.append("nbits")
             continue
         grid = None if ql is None else ql.grid
