@@ -282,3 +282,19 @@ def write_vllm_llama(folder, layers: int = 4):
     T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
     tokenizer(T).save_pretrained(folder)
     return folder
+
+
+def export_one_recipe(folder: Path, recipe: str, out: Path, fmt: str = "compressed-tensors") -> int:
+    """`ffnquant export` of `folder` with a plan giving every layer `recipe` (written beside `out`), on the tests'
+    small token counts: the command's exit code."""
+    from ffnquant.cli import main
+    from ffnquant.hf import inspect_model
+    from ffnquant.planning.planfile import Plan, model_fingerprint
+    from ffnquant.recipe import Recipe
+
+    info = inspect_model(folder)
+    plan = out.parent / f"{out.name}.plan.toml"
+    plan.write_text(Plan(model_fingerprint(info), {i: Recipe.parse(recipe) for i in range(info.n_layers)},
+                         "ppl+1%", "bytes").to_toml())
+    return main(["export", "--model", str(folder), "--plan", str(plan), "--format", fmt, "--calib-tokens", "256",
+                 "--eval-tokens", "128", "--seq-len", "128", "--no-progress", "--out", str(out)])

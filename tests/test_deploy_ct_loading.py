@@ -13,13 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ffnquant.cli import main
-
 pytestmark = pytest.mark.hf
 pytest.importorskip("compressed_tensors", reason="compressed-tensors not installed (pip install '.[deploy]')")
-
-TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128", "--seq-len", "128"]
-
 
 @pytest.mark.parametrize("sources, expected", [
     (["mlp.experts.*.gate_proj.weight"], True),  # experts merged at load: transformers' own handling stays
@@ -41,20 +36,14 @@ def test_a_looped_model_whose_float_tensors_transformers_converts_is_proven_load
 
     from ffnquant.deploy import transformers_loading
     from ffnquant.hf import inspect_model
-    from ffnquant.planning.planfile import Plan, model_fingerprint
-    from ffnquant.recipe import Recipe
-    from hf_models import tiny_or_skip
+    from hf_models import export_one_recipe, tiny_or_skip
 
     T.logging.set_verbosity_error()
     folder = tiny_or_skip("hrm_text", tmp_path / "hrm")
     info = inspect_model(folder)
     assert info.n_layers == 12 and info.shared_groups() == ((0, 2, 4, 6, 8, 10), (1, 3, 5, 7, 9, 11))
-    plan = tmp_path / "plan.toml"
-    plan.write_text(Plan(model_fingerprint(info), {i: Recipe.parse("w4a16-g32") for i in range(info.n_layers)},
-                         "ppl+1%", "bytes").to_toml())
     out = tmp_path / "ct"
-    assert main(["export", "--model", str(folder), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
-                 "--no-progress", "--out", str(out)]) == 0
+    assert export_one_recipe(folder, "w4a16-g32", out) == 0
     assert "load the folder inside `with ffnquant.deploy.transformers_loading(folder):`" in capsys.readouterr().out
     proof = json.loads((out / "ffnquant-deploy.json").read_text())["proof"]
     assert proof["proven"] and proof["weights"]["all_identical"] and proof["layers"]["all_at_parity"]

@@ -85,16 +85,11 @@ def test_fused_experts_are_written_per_expert_and_proven(gpt_oss, tmp_path, caps
 
     from ffnquant.deploy import per_expert_loading
     from ffnquant.hf import inspect_model
-    from ffnquant.planning.planfile import Plan, model_fingerprint
-    from ffnquant.recipe import Recipe
+    from hf_models import export_one_recipe
 
     info = inspect_model(gpt_oss)
-    plan = tmp_path / "plan.toml"
-    plan.write_text(Plan(model_fingerprint(info), {i: Recipe.parse("w4a16-g32") for i in range(info.n_layers)},
-                         "ppl+1%", "bytes").to_toml())
     out = tmp_path / "ct"
-    assert main(["export", "--model", str(gpt_oss), "--plan", str(plan), "--format", "compressed-tensors", *TOKENS,
-                 "--no-progress", "--out", str(out)]) == 0
+    assert export_one_recipe(gpt_oss, "w4a16-g32", out) == 0
     said = capsys.readouterr().out
     assert "load the folder inside `with ffnquant.deploy.transformers_loading(folder):`" in said
     proof = json.loads((out / "ffnquant-deploy.json").read_text())["proof"]

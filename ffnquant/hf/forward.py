@@ -138,16 +138,9 @@ def _moved(call: tuple, plain: tuple) -> bool:
     """Whether a call's other arguments (args, kwargs) differ from the same call's with every layer returning its
     input: the forward computes them from the layers' outputs. A layer's second output handed on is left to
     `find_carried`."""
-    def tensors(value: Any) -> list[torch.Tensor]:
-        if isinstance(value, torch.Tensor):
-            return [value]
-        if isinstance(value, (tuple, list)):
-            return [t for v in value for t in tensors(v)]
-        if isinstance(value, dict):
-            return [t for v in value.values() for t in tensors(v)]
-        return []
+    from .graph import _tensors
 
-    mine, theirs = tensors(list(call)), tensors(list(plain))
+    mine, theirs = _tensors(list(call)), _tensors(list(plain))
     return len(mine) == len(theirs) and any(
         a.shape == b.shape and a.is_floating_point() and not torch.equal(a, b) for a, b in zip(mine, theirs))
 
