@@ -101,10 +101,12 @@ def tiny_folders(tmp_path_factory, names=None) -> dict[str, tuple[Path, str, str
 
 
 # The causal-LM model types the architecture matrix runs (tests/test_hf_matrix.py): the families people quantize
-# today, dense and mixture-of-experts, gated and not, Linear and Conv1D, parallel and sequential blocks.
+# today, dense and mixture-of-experts, gated and not, Linear and Conv1D, parallel and sequential blocks. Every other
+# type runs in the benchmark (`benchmarks/architecture_matrix.py --types all`); Falcon-H1 left CI for its time (its
+# config's Infinity is read in tests/test_hf.py).
 CAUSAL_TYPES = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "opt", "mixtral", "qwen3", "gemma2", "gemma3_text",
                 "olmo2", "granite", "cohere", "stablelm", "starcoder2", "gpt_neox", "falcon", "phi", "smollm3", "glm",
-                "exaone4", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron", "arcee", "bloom", "mpt", "falcon_h1",
+                "exaone4", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron", "arcee", "bloom", "mpt",
                 "qwen3_next", "qwen3_5_text", "deepseek_v2", "granitemoe", "roberta", "apertus", "bitnet",
                 "minimax_m3_vl_text", "dbrx", "jetmoe", "gemma3n_text", "xlnet", "xlm", "gemma4_text", "zamba",
                 "xmod")

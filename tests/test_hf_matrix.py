@@ -36,9 +36,8 @@ EXPECTED = {
     "phi": ("gelu_tanh", "module"), "smollm3": ("swiglu", "module"), "glm": ("swiglu", "module"),
     "exaone4": ("swiglu", "module"), "qwen2_moe": ("swiglu", "experts"), "qwen3_moe": ("swiglu", "experts"),
     "deepseek_v3": ("swiglu", "experts"), "nemotron": ("relu", "module"), "arcee": ("relu", "module"),
-    # BLOOM's and MPT's MLPs take the block's residual and add it (`Arch.residual_arg`); Falcon-H1 is a hybrid of
-    # attention, a state-space mixer and a SwiGLU MLP, its config holding an Infinity
-    "bloom": ("gelu_tanh", "module"), "mpt": ("gelu", "module"), "falcon_h1": ("swiglu", "module"),
+    # BLOOM's and MPT's MLPs take the block's residual and add it (`Arch.residual_arg`)
+    "bloom": ("gelu_tanh", "module"), "mpt": ("gelu", "module"),
     # hybrids of linear and full attention (Qwen3-Next with routed experts, Qwen3.5), gated queries (q_proj twice
     # as wide), and DeepSeek-V2's latent attention: the attention's layout is transformers' business
     "qwen3_next": ("swiglu", "experts"), "qwen3_5_text": ("swiglu", "module"), "deepseek_v2": ("swiglu", "experts"),
