@@ -335,7 +335,8 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
         with use_device(device):
             planned = build_planned_model(info, the_plan, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
                                           eval_tokens=eval_tokens, seq_len=_texts(info, text, eval_text, seq_len),
-                                          whole_model=whole, progress=progress_callback(progress), dtype=dtype)
+                                          whole_model=whole, progress=progress_callback(progress), dtype=dtype,
+                                          fmt=fmt)
     except BaseException:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -161,14 +161,14 @@ def test_the_proof_fails_a_folder_whose_experts_are_wrong(moe, tmp_path):
     assert "layers not within rounding ties" in proof["unproven"]
 
 
-def test_the_onnx_graph_and_vllms_cpu_build_refuse_routed_experts_with_their_reasons(moe):
+def test_both_formats_take_routed_experts_and_vllms_cpu_build_refuses_them_with_its_reason(moe):
     from ffnquant.deploy.planned import deployable_refusal
     from ffnquant.hf import inspect_model
     from ffnquant.planning.candidates import candidate_recipes, serve_candidates
 
     info = inspect_model(moe["qwen3_moe"])
-    assert deployable_refusal(info, "compressed-tensors") is None
-    assert "no onnxruntime MoE/QMoE operator" in deployable_refusal(info, "onnx")
+    # the whole-model ONNX graph holds them as onnxruntime MoE/QMoE nodes (tests/test_deploy_onnx_experts.py)
+    assert deployable_refusal(info, "compressed-tensors") is None and deployable_refusal(info, "onnx") is None
     recipes, _ = candidate_recipes("fp32,w4a16-g32", info.spec)
     kept, left = serve_candidates(recipes, [], info, "vllm-cpu")
     assert [str(r) for r in kept] == ["fp32"] and "No WNA16 MoE backend" in left[0]["reason"]

@@ -232,7 +232,8 @@ def test_recipe_refusals_say_what_the_graph_rewrite_says_of_real_grids(text, mon
     from ffnquant.spec import FFNSpec, Variant
 
     monkeypatch.setattr(onnx_model, "graph_refusal", lambda info: None)  # the model gets its whole graph
-    predicted = onnx_model.recipe_refuser(SimpleNamespace(spec=FFNSpec(Variant.SWIGLU, 32, 64)))(Recipe.parse(text))
+    predicted = onnx_model.recipe_refuser(SimpleNamespace(spec=FFNSpec(Variant.SWIGLU, 32, 64), layers=[]))(
+        Recipe.parse(text))
     real = _real_graph_refusal(text)
     assert (predicted is None) == (real is None), (predicted, real)
     if predicted is not None:

@@ -16,7 +16,7 @@ from ..infra.atomic_folder import check_new_folder, staged_folder
 from ..infra.render import text_table
 from ..onnx.export import DEFAULT_OPSET, export_spec
 from ..planning import load_plan
-from ..report.deploy import decoder_summary, fold_line, gate_rows, target_verdict
+from ..report.deploy import decoder_summary, experts_line, fold_line, gate_rows, target_verdict
 from ..wholemodel import DEPLOY_DOC, format_refusal, set_aside_unproven, write_deployment
 from .common import StageBars, add_device_argument, add_spec_arguments, add_text_arguments, specs_from_args, text_files, text_options, token_notes
 
@@ -103,7 +103,7 @@ def _export_plan(args: argparse.Namespace) -> int:
                                       calib_tokens=texts.calib_tokens, eval_tokens=texts.eval_tokens,
                                       seq_len=texts.seq_len, whole_model=whole,
                                       out_artifacts=folder if fmt == "onnx" else None, file_stem=model_file_stem(info),
-                                      progress=bars, dtype=dtype)
+                                      progress=bars, dtype=dtype, fmt=fmt)
         doc = write_deployment(planned, folder, fmt, whole=whole, graph_why=graph_why, command=command,
                                plan_file=str(args.plan), progress=bars)
     _print_deploy(doc, Path(args.out))
@@ -174,6 +174,9 @@ def _print_deploy(doc: dict, out: Path) -> None:
               f"{sc.get('graph', sc['onnx'])['perplexity']:.4f} "
               f"({100 * sc['perplexity_rel_diff']:+.3f}% against the reference; bound {100 * sc['tolerance']:.1f}%: "
               f"{'met' if sc['meets_tolerance'] else 'NOT met'})")
+        experts = experts_line((graph.get("quantize") or {}).get("experts") or {})
+        if experts:
+            print(f"  {experts}")
         if "graph" in sc:
             print(f"  as it runs here: perplexity {sc['onnx']['perplexity']:.4f}; {sc['int8_kernel']}")
         if sc.get("resolution"):

@@ -48,6 +48,7 @@ from ..onnx.ortcpu import int8_kernels, saturating
 from ..schemes import ActMode, Method
 from .onnx_decoder import (cached_run, compare_outputs, decode_latency, export_decoder, float_tolerance,
                            generation_check, greedy_generate, interleaved_times, is_decoder, prefill_feed, quiet)
+from .onnx_experts import experts_in_graph
 from .onnx_rewrite import module_kind, quantize_graph
 from .planned import ModuleQuant, deployable_refusal
 
@@ -107,14 +108,19 @@ def recipe_refuser(info: ModelInfo) -> Callable[[Any], str | None]:
     can; decided from the recipe alone. Where the model gets its whole graph (`graph_refusal` is None), the
     onnx-graph backend's answer (what the graph's rewrite refuses, `module_kind`); where it does not, a recipe
     without a per-layer artifact (the onnx-artifact backend's: its layers would have no file)."""
+    from .experts import has_experts
+    from .onnx_experts import experts_recipe_refusal
+
     graph_why = graph_refusal(info)  # once: it reads the machine's memory
+    routed = has_experts(info)
 
     def refusal(recipe: Recipe) -> str | None:
         if graph_why is not None:
             art = supports("onnx-artifact", recipe)
             return None if art.ok else (f"recipe {recipe} has no per-layer ONNX artifact ({art.note}) and this "
                                         f"model gets no whole-model graph ({graph_why})")
-        return supports("onnx-graph", recipe, info.spec).why
+        # routed experts are one QMoE node per layer (`deploy.onnx_experts`), which stores fewer recipes
+        return supports("onnx-graph", recipe, info.spec).why or (experts_recipe_refusal(recipe, info) if routed else None)
 
     return refusal
 
@@ -397,25 +403,34 @@ def write_model_graph(planned: PlannedModel, folder: str | os.PathLike, *, opset
     if why is not None:
         raise FFNQuantError(why)
     for m in planned.modules:  # refuse before minutes of exporting
-        module_kind(m)
+        if m.expert is None:
+            module_kind(m)
+    # routed experts: one MoE node per module in the float graph, QMoE in the planned one (`deploy.onnx_experts`);
+    # entered here so that a module none can compute is refused before anything is exported
+    float_experts = experts_in_graph(planned.float_model, planned.info)
+    planned_experts = experts_in_graph(planned.model, planned.info, planned.modules, planned.weight_of)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     fp32, quant = folder / "model.fp32.onnx", folder / "model.onnx"
     ids = planned.evals[0][:1, :64] if planned.evals else None
     decoder: dict[str, Any] = {"status": "ok", "layout": "onnxruntime-genai: past_key_values.%d.key/value -> "
                                                           "present.%d.key/value"}
-    try:
-        parity = export_decoder(planned.float_model, planned.info, fp32, opset, ids)
-        export = export_decoder
-        decoder["attention"] = f"{parity['attention']}, opset {parity['opset']}"
-    except FFNQuantError as exc:  # the prefill graph as before, with the reason
-        decoder = {"status": "refused", "reason": str(exc)}
-        parity, export = _export(planned.float_model, planned.info, fp32, opset, ids), _export
+    with float_experts:
+        try:
+            parity = export_decoder(planned.float_model, planned.info, fp32, opset, ids)
+            export = export_decoder
+            decoder["attention"] = f"{parity['attention']}, opset {parity['opset']}"
+        except FFNQuantError as exc:  # the prefill graph as before, with the reason
+            decoder = {"status": "refused", "reason": str(exc)}
+            parity, export = _export(planned.float_model, planned.info, fp32, opset, ids), _export
     with ScratchFolder("graph", dir=folder) as tmp:
-        # the rewrite starts from the planned model's own export: its weights are the grids' values
+        # the rewrite starts from the planned model's own export: its weights are the grids' values, its routed
+        # experts QMoE nodes of the plan's codes
         planned_fp32 = Path(tmp) / "planned.fp32.onnx"
-        planned_parity = export(planned.model, planned.info, planned_fp32, opset, ids)
+        with planned_experts as experts:
+            planned_parity = export(planned.model, planned.info, planned_fp32, opset, ids)
         written = quantize_graph(planned_fp32, planned, quant)
+        written["experts"] = experts
     score = score_graph(quant, planned)
     # no prompt longer than the model's positions (a tiny model's 128): its embedding has no row for more
     limit = position_limit(planned.info.config) or 0

@@ -71,9 +71,10 @@ def _find_matmuls(proto: Any, planned: PlannedModel) -> dict[str, list[tuple[Any
 
     inits = {i.name: i for i in proto.graph.initializer}
     uses = Counter(x for n in proto.graph.node for x in n.input)
-    wanted = {m.module for m in planned.modules}
+    dense = [m for m in planned.modules if m.expert is None]  # routed experts are QMoE nodes already
+    wanted = {m.module for m in dense}
     # the modules that several layers call: {module: how many layers}
-    calls = Counter(m.module for m in planned.modules)
+    calls = Counter(m.module for m in dense)
     found: dict[str, list[tuple[Any, Any]]] = {}
     for node in proto.graph.node:
         if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in inits:
@@ -105,7 +106,7 @@ def _find_matmuls(proto: Any, planned: PlannedModel) -> dict[str, list[tuple[Any
             first = numpy_helper.to_array(nodes[0][1])
             if any(not np.array_equal(first, numpy_helper.to_array(init)) for _, init in nodes[1:]):
                 raise FFNQuantError(f"{module}: the MatMul nodes of its calls read different weights")
-    missing = [m.module for m in planned.modules if m.module not in found]
+    missing = [m.module for m in dense if m.module not in found]
     if missing:
         raise FFNQuantError(f"could not find the matmul(s) of {', '.join(missing[:3])}"
                             f"{' and more' if len(missing) > 3 else ''} in the graph (no MatMul with a weight "
@@ -120,7 +121,9 @@ def quantize_graph(float_path: str | os.PathLike, planned: PlannedModel, out_pat
     import onnx
     from onnx import helper
 
-    kinds = {m.module: module_kind(m) for m in planned.modules}
+    # routed experts are written by the export itself, as QMoE nodes (`deploy.onnx_experts`)
+    dense = [m for m in planned.modules if m.expert is None]
+    kinds = {m.module: module_kind(m) for m in dense}
     proto = onnx.load(str(float_path))
     before = Counter(n.op_type for n in proto.graph.node)
     found = _find_matmuls(proto, planned)
@@ -129,7 +132,7 @@ def quantize_graph(float_path: str | os.PathLike, planned: PlannedModel, out_pat
     rw = MatmulRewriter(proto.graph)
     # each module once (a looped depth's later calls are their first call's quantization, one ModuleQuant each),
     # every MatMul calling it in graph order: a shared input's quantizer goes before its first reader (w_gate or w_up)
-    first = {m.module: m for m in reversed(planned.modules)}
+    first = {m.module: m for m in reversed(dense)}
     calls = [(m, k, node, init) for m in first.values() for k, (node, init) in enumerate(found[m.module])]
     for m, k, node, init in sorted(calls, key=lambda c: position[id(c[2])]):
         kind = kinds[m.module]
@@ -153,7 +156,7 @@ def quantize_graph(float_path: str | os.PathLike, planned: PlannedModel, out_pat
     # the tensors each matmul reads and writes keep their names through the rewrite: where its FFN lies in the graph
     rows = [{"module": m.module, "layer": m.layer, "index": m.index, "weight": m.weight, "recipe": m.recipe,
              "kind": kinds[m.module], "rotation": m.rotation is not None,
-             "tensors": {"input": ends[m.module][0], "output": ends[m.module][1]}} for m in planned.modules]
+             "tensors": {"input": ends[m.module][0], "output": ends[m.module][1]}} for m in dense]
     # the file's name, not its path: it is written in a staging folder that is renamed, and a report names no
     # folder of this machine
     return {"file": Path(out_path).name, "modules": rows, "kinds": dict(Counter(kinds.values())),

@@ -132,12 +132,16 @@ def deployable_refusal(info: ModelInfo, fmt: str = "compressed-tensors") -> str 
     arch = info.arch
     if arch.install is arch.install.EXPERTS:
         if fmt == "onnx":
-            # where the compressed-tensors folder cannot store them either (experts fused on disk), said so
-            elsewhere = ("the compressed-tensors folder and per-layer ONNX artifacts do"
-                         if deployable_refusal(info, "compressed-tensors") is None else "per-layer ONNX artifacts do")
-            return (f"{info.model_type}: its FFNs are routed experts, which ffnquant's whole-model ONNX graph does not "
-                    "store (it rewrites one FFN's matmuls per block, and writes no onnxruntime MoE/QMoE operator); "
-                    f"{elsewhere}")
+            # each experts module one onnxruntime MoE/QMoE node (`deploy.onnx_experts`), where its call is one
+            if arch.matrix_experts:
+                return (f"{info.model_type}: its routed experts are child modules called with the rows sorted by "
+                        "expert, not onnxruntime MoE's call of every row with its top-k experts and weights; "
+                        "per-layer ONNX artifacts store them")
+            from ..onnx.moe import moe_unavailable
+
+            why = moe_unavailable()
+            return None if why is None else (f"{info.model_type}: its routed experts are onnxruntime MoE/QMoE nodes in "
+                                             f"the whole-model graph, and {why}; per-layer ONNX artifacts store them")
         fused = next((layer for layer in info.layers if layer.fused_expert_tensors), None)
         from .experts import loader_expert_names
 
@@ -319,7 +323,7 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
                         seq_len: int | None = None,
                         eval_tokens: int | None = None, whole_model: bool = True, out_artifacts: Any = None,
                         file_stem: str | None = None, progress: Any = None,
-                        dtype: torch.dtype = torch.float32) -> PlannedModel:
+                        dtype: torch.dtype = torch.float32, fmt: str | None = None) -> PlannedModel:
     """Quantize `info`'s FFN layers as `plan` says and make the deployable model (see the module docstring).
 
     Every layer of the model must be in the plan (an fp32 recipe keeps one float). Raises FFNQuantError, before
@@ -330,12 +334,13 @@ def build_planned_model(info: ModelInfo, plan: Plan, *, text: Any = None, eval_t
     `dtype`: what the deployed model computes in. In a low precision (bf16 for a bf16 checkpoint), the model runs
     in it on the engine, each layer is quantized as usual on its (float32) inputs, and each quantized FFN then
     computes as the runtime does in that dtype (`deploy.precision.in_dtype`: scales rounded to it, codes kept):
-    the reference is measured so."""
+    the reference is measured so. `fmt`: the format it is built for, whose refusal of the model is checked
+    (default: compressed-tensors for routed experts, onnx otherwise)."""
     from ..hf.fold import fold_input_scales, fold_refusal
 
-    # a format's own refusals are checked by its caller; routed experts are built for the one format storing them
+    # a format's own refusals are checked by its caller too
     experts = info.arch.install is info.arch.install.EXPERTS
-    why = deployable_refusal(info, "compressed-tensors" if experts else "onnx") if whole_model else None
+    why = deployable_refusal(info, fmt or ("compressed-tensors" if experts else "onnx")) if whole_model else None
     if why is not None:
         raise FFNQuantError(why)
     missing = [layer.index for layer in info.layers if layer.index not in plan.layers]

@@ -199,11 +199,36 @@ def _proof_lines(proof: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _experts_node(w: dict[str, Any]) -> str:
+    act = w["activation"]
+    if act == "swiglu":
+        act += f" alpha {w['alpha']:g}, beta {w['beta']:g}" + (f", limit {w['limit']:g}" if w.get("limit") is not None else "")
+    if w["op"] == "QMoE":
+        grid = f"{w['bits']}-bit " + (f"blocks of {w['block_size']}" if w.get("block_size") else "rows")
+        return f"QMoE ({grid}; {act})"
+    return f"float MoE ({act})"
+
+
+def experts_line(experts: dict[str, Any]) -> str | None:
+    """The routed experts of a whole-model graph in one line: its onnxruntime MoE/QMoE nodes (None without any)."""
+    if not experts:
+        return None
+    kinds: dict[str, int] = {}
+    for w in experts.values():
+        kinds[_experts_node(w)] = kinds.get(_experts_node(w), 0) + 1
+    nodes = ", ".join(f"{n} x {k}" for k, n in kinds.items())
+    return (f"routed experts: one onnxruntime node per experts module, {nodes}, each fed the model's own router "
+            "choice; the fp32 graph's are float MoE nodes")
+
+
 def _graph_lines(graph: dict[str, Any]) -> list[str]:
     lines = ["## The whole model as one ONNX graph", ""]
     if graph.get("status") != "ok":
         return lines + [f"Not written: {graph.get('reason')}", ""]
     lines.append("- files: " + ", ".join(f"{k} ({fmt_bytes(v)})" for k, v in (graph.get("files") or {}).items()))
+    experts = experts_line((graph.get("quantize") or {}).get("experts") or {})
+    if experts:
+        lines.append(f"- {experts}")
     score = graph.get("score") or {}
     if score:
         onnx, ref = score.get("graph", score["onnx"]), score["reference"]
