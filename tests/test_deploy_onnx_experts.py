@@ -105,6 +105,11 @@ def test_a_plans_experts_are_qmoe_nodes_scoring_as_the_torch_reference(folders, 
     # the same codes on both sides: float rounding only, far inside the tolerances every ONNX graph is held to
     assert score["meets_tolerance"] and abs(score["hidden_sqnr_db_diff"]) <= REFERENCE_TOLERANCE_DB
     assert result["decoder"]["status"] == "ok" and score["cached"]["equals_once"]  # through the KV cache too
+    from ffnquant.deploy.genai import genai_unavailable
+
+    if genai_unavailable() is None:  # genai knows no qwen3_moe: its generic decoder runs the QMoE graph
+        genai = result["decoder"]["genai"]
+        assert genai["ran"] and genai["equal"] and genai["type"] == "decoder" and "qwen3_moe" in genai["type_note"]
     assert result["files"]["model.onnx"] < result["files"]["model.fp32.onnx"]
 
 

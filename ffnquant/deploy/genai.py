@@ -5,7 +5,8 @@ ffnquant's loop (`deploy.onnx_decoder.greedy_generate`) on the same graph.
 The decoder graph is already in the layout genai's model builder writes (`deploy.onnx_decoder`: `input_ids`,
 `attention_mask`, `position_ids`, `past_key_values.%d.key/value` -> `logits`, `present.%d.key/value`); the config says
 so in genai's own keys (its configuration reference). `type` is the model's `model_type`: genai keys its handling of
-a decoder-only model on it and refuses a type it does not know, which the check then reports with genai's message.
+a decoder-only model on it and refuses a type it does not know; such a model is written as genai's generic
+decoder-only type, "decoder" (`with_known_type`: genai itself asked, on the config alone), and said so.
 onnxruntime-genai is optional (`pip install onnxruntime-genai --no-deps`); without it the files are still written and
 the check says why it did not run.
 """
@@ -21,7 +22,7 @@ from ..errors import first_line
 from ..infra.atomic import write_text
 from .onnx_decoder import PAST, PRESENT
 
-__all__ = ["GENAI_CONFIG", "TOKENIZER_FILES", "session_config", "genai_config", "write_genai_files", "genai_unavailable",
+__all__ = ["GENAI_CONFIG", "GENERIC_TYPE", "TOKENIZER_FILES", "with_known_type", "session_config", "genai_config", "write_genai_files", "genai_unavailable",
            "genai_generate", "genai_check"]
 
 GENAI_CONFIG = "genai_config.json"
@@ -105,6 +106,36 @@ def write_genai_files(folder: str | Path, source: str | Path, config: Mapping[st
             shutil.copyfile(source / name, folder / name)
             written.append(name)
     return written
+
+
+# onnxruntime-genai's decoder-only type without model-specific handling: what a model type genai does not know runs as
+GENERIC_TYPE = "decoder"
+
+
+def with_known_type(config: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """`config` (a genai_config) with a `type` genai runs: its own where genai knows it, else GENERIC_TYPE; and the
+    note saying so (None when unchanged). genai is asked on the config alone, in a scratch folder: a type it does
+    not know is refused before any graph is read ("Unsupported model_type"). Unchanged without genai."""
+    import tempfile
+
+    out = json.loads(json.dumps(config))
+    model_type = out["model"]["type"]
+    if genai_unavailable() is not None or model_type == GENERIC_TYPE:
+        return out, None
+    import onnxruntime_genai as og
+
+    with tempfile.TemporaryDirectory(prefix="ffnquant-genai-") as tmp:
+        (Path(tmp) / GENAI_CONFIG).write_text(json.dumps(out))
+        try:
+            og.Model(tmp)
+        except Exception as exc:  # no graph here: any other refusal is about the missing file
+            if "Unsupported model_type" not in str(exc):
+                return out, None
+        else:
+            return out, None
+    out["model"]["type"] = GENERIC_TYPE
+    return out, (f"onnxruntime-genai {og.__version__} knows no model_type {model_type!r}: written as its generic "
+                 f"decoder-only type {GENERIC_TYPE!r} (the graph is ffnquant's, in genai's layout)")
 
 
 def genai_unavailable() -> str | None:

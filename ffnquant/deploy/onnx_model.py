@@ -376,13 +376,14 @@ def _decoder_figures(planned: PlannedModel, fp32: Path, quant: Path, *, contexts
 def _genai(planned: PlannedModel, folder: Path, quant: Path, generation: dict[str, Any], new_tokens: int) -> dict[str, Any]:
     """onnxruntime-genai's files for the quantized decoder (`deploy.genai`) and its greedy tokens against ffnquant's
     loop on the same graph and prompts (`genai_check`)."""
-    from .genai import genai_check, genai_config, write_genai_files
+    from .genai import genai_check, genai_config, with_known_type, write_genai_files
     from .onnx_decoder import cache_layout
 
     model = planned.float_model
-    config = genai_config(model.config, cache_layout(model), quant.name, getattr(model, "generation_config", None))
+    config, type_note = with_known_type(genai_config(model.config, cache_layout(model), quant.name,
+                                                     getattr(model, "generation_config", None)))
     files = write_genai_files(folder, planned.info.path, config)
-    return {"files": files, "type": config["model"]["type"],
+    return {"files": files, "type": config["model"]["type"], **({"type_note": type_note} if type_note else {}),
             **genai_check(folder, generation["quantized_rows"], new_tokens)}
 
 

@@ -147,7 +147,7 @@ def _timing_folder(info: Any, groups: Sequence[str], folder: Path, profile: Path
     """`info`'s model with each group's representative on some of its layers (round robin), written as genai's
     decoder folder in `folder` with onnxruntime's profiler on: ({layer: group}, {layer: (input tensors, output
     tensors)} of its FFN in the graph)."""
-    from ..deploy.genai import genai_config, write_genai_files
+    from ..deploy.genai import genai_config, with_known_type, write_genai_files
     from ..deploy.onnx_decoder import cache_layout, export_decoder
     from ..deploy.onnx_rewrite import quantize_graph
     from ..onnx.export import DEFAULT_OPSET
@@ -159,7 +159,9 @@ def _timing_folder(info: Any, groups: Sequence[str], folder: Path, profile: Path
     float_graph.unlink()
     bounds = ffn_bounds(written["modules"])
     model = planned.float_model
-    config = genai_config(model.config, cache_layout(model), "model.onnx", getattr(model, "generation_config", None))
+    # a type genai does not know runs as its generic decoder (`deploy.genai.with_known_type`)
+    config = with_known_type(genai_config(model.config, cache_layout(model), "model.onnx",
+                                          getattr(model, "generation_config", None)))[0]
     config["model"]["decoder"]["session_options"]["enable_profiling"] = str(profile)
     write_genai_files(folder, info.path, config)
     return assigned, bounds

@@ -293,7 +293,8 @@ def genai_line(genai: dict[str, Any]) -> str:
         return f"onnxruntime-genai: not run ({genai.get('reason')})"
     return (f"onnxruntime-genai {genai.get('version')} (`og.Model` + `Generator`, type {genai.get('type')!r}): greedy "
             f"tokens {'equal ffnquant' if genai['equal'] else 'DIFFER from ffnquant'}'s loop on the quantized graph "
-            f"({genai['tokens_compared']} tokens, {len(genai['rows'])} prompts)")
+            f"({genai['tokens_compared']} tokens, {len(genai['rows'])} prompts)"
+            + (f"; {genai['type_note']}" if genai.get("type_note") else ""))
 
 
 def _decoder_lines(decoder: dict[str, Any], cached: dict[str, Any] | None) -> list[str]:
