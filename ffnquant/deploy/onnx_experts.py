@@ -41,6 +41,8 @@ __all__ = ["GraphExperts", "experts_call_refusal", "experts_in_graph", "experts_
 EXPERTS_KEY = "ffnquant_experts"
 # a selected expert's routing weight below this enters the float node's softmax as this (log(0) has no softmax)
 _TINY = 1e-37
+# an unselected expert's logit: no weight beside any selected one, and a finite softmax where a row selects none
+_UNCHOSEN = -1e30
 
 
 def experts_call_refusal(module: nn.Module, info: ModelInfo) -> str | None:
@@ -254,9 +256,11 @@ class GraphExperts(nn.Module):
         rows, index, weights = routed_rows(module, args, kwargs)
         index = index.reshape(rows.shape[0], -1)
         op = dataclasses.replace(self.op, k=int(index.shape[1]))
-        zeros = torch.zeros(rows.shape[0], self.n_experts, dtype=rows.dtype, device=rows.device)
-        chosen = zeros.scatter(1, index, 1.0)
-        dense = zeros.scatter(1, index, weights.reshape(rows.shape[0], -1).to(rows.dtype))
+        # an index equal to the number of experts is no expert (transformers' experts skip it: LongCat-Flash's zero
+        # experts are handed so): scattered into a column of its own, which is dropped
+        zeros = torch.zeros(rows.shape[0], self.n_experts + 1, dtype=rows.dtype, device=rows.device)
+        chosen = zeros.scatter(1, index, 1.0)[:, :self.n_experts]
+        dense = zeros.scatter(1, index, weights.reshape(rows.shape[0], -1).to(rows.dtype))[:, :self.n_experts]
         attrs = op.attributes()
         meta = {EXPERTS_KEY: self.name}
         if self.quantized is not None:
@@ -268,9 +272,9 @@ class GraphExperts(nn.Module):
             out = torch.onnx.ops.symbolic("com.microsoft::QMoE", inputs, attrs, dtype=rows.dtype, shape=rows.shape,
                                           version=1, metadata_props=meta)
             return out.reshape(first.shape)
-        # MoE weighs by the softmax of its input: the log of each chosen weight (-inf elsewhere), renormalised over
+        # MoE weighs by the softmax of its input: the log of each chosen weight (-1e30 elsewhere), renormalised over
         # the chosen by the softmax and scaled back by their sum
-        logits = torch.where(chosen > 0, torch.log(dense.clamp_min(_TINY)), torch.full_like(dense, -math.inf))
+        logits = torch.where(chosen > 0, torch.log(dense.clamp_min(_TINY)), torch.full_like(dense, _UNCHOSEN))
         out = torch.onnx.ops.symbolic("com.microsoft::MoE", [rows, logits, self.fc1, self.b1, self.fc2, self.b2],
                                       attrs, dtype=rows.dtype, shape=rows.shape, version=1, metadata_props=meta)
         out = torch.cat([out, rows], dim=-1)[:, :rows.shape[-1]]  # the input read after the node (module docstring)
