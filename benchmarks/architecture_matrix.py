@@ -141,8 +141,8 @@ COMMANDS = ("inspect", "profile", "quantize", "quantize --sequential", "model ev
 
 def verdict(row: dict) -> str:
     """One word for a type's row: what a user gets end to end."""
-    if "build" in row:
-        return "tiny model does not build"
+    if "build" in row:  # the child process ended without a row: a timeout, or the tiny model not built
+        return "did not finish in the time allowed" if "did not finish" in row["build"] else "tiny model does not build"
     if any((row.get(c) or {}).get("rc") == 3 for c in COMMANDS):
         return "internal error"
     if row["inspect"]["rc"] != 0:
@@ -175,7 +175,7 @@ def _markdown(res: dict) -> str:
     rows = []
     for model_type, row in res["types"].items():
         if "build" in row:
-            rows.append([model_type, f"tiny model does not build: {row['build']}", *[""] * (len(COMMANDS) - 1),
+            rows.append([model_type, f"{verdict(row)}: {row['build']}", *[""] * (len(COMMANDS) - 1),
                          f"{row['seconds']:.0f} s"])
             continue
         cells = []
