@@ -171,7 +171,13 @@ def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, mo
     if model_type in MOE:  # every layer planned; the plan says what the exports refuse, and quantize applies it
         assert data["objective"] == "weight bytes" and len(data["plan"]["layers"]) == len({l.index for l in
                                                                                       inspect_model(folder).layers})
-        assert "routed experts" in data["deployment"]["onnx"]
+        # the whole-model graph holds the experts as QMoE nodes: the note names a chosen recipe QMoE cannot store
+        from ffnquant.deploy.onnx_experts import experts_recipe_refusal
+
+        info = inspect_model(folder)
+        refused = [r["recipe"] for r in data["plan"]["layers"]
+                   if experts_recipe_refusal(Recipe.parse(r["recipe"]), info)]
+        assert bool(data["deployment"]["onnx"]) == bool(refused or info.arch.matrix_experts), data["deployment"]
         assert main(["quantize", "--model", str(folder), "--plan", str(tmp_path / "p" / "plan.toml"), *TOKENS,
                      "--no-progress", "--no-onnx", "--out-reports", str(tmp_path / "qp")]) == 0
         capsys.readouterr()
@@ -271,9 +277,12 @@ def test_the_plan_names_what_each_export_format_cannot_store(folders):
     assert "layer L0" in notes["compressed-tensors"] and "rotate" in notes["compressed-tensors"] and not notes["onnx"]
     assert deployment_notes(inspect_model(folders["gpt2"]))["onnx"].startswith("gpt2: its MLP weights are transformers' Conv1D")
     moe = inspect_model(folders["qwen3_moe"])
-    assert "routed experts" in deployment_notes(moe)["onnx"] and not deployment_notes(moe)["compressed-tensors"]
-    assert deployment_notes(moe)["onnx"].endswith("the compressed-tensors folder and per-layer ONNX artifacts do")
+    # both formats store routed experts (the graph as QMoE nodes), fused on disk or not
+    assert not deployment_notes(moe)["onnx"] and not deployment_notes(moe)["compressed-tensors"]
     fused = deployment_notes(inspect_model(folders["dbrx"]))  # stored fused: the folder writes them per expert
-    assert not fused["compressed-tensors"] and fused["onnx"].endswith("the compressed-tensors folder and per-layer ONNX artifacts do")
+    assert not fused["compressed-tensors"] and not fused["onnx"]
+    dynamic = Plan(model_fingerprint(moe), {0: Recipe.parse("w4a16-g32"), 1: Recipe.parse("w8a8-dynamic-s8")},
+                   "ppl+1%", "bytes")
+    assert "layer L1: routed experts cannot take w8a8-dynamic-s8" in deployment_notes(moe, dynamic)["onnx"]
     mixed = Plan(model_fingerprint(moe), {0: Recipe.parse("w4a16-g32"), 1: Recipe.parse("w8a16")}, "ppl+1%", "bytes")
     assert "2 recipes (L0 w4a16-g32, L1 w8a16)" in deployment_notes(moe, mixed)["compressed-tensors"]

@@ -450,4 +450,14 @@ def deployment_notes(info: ModelInfo, plan: Plan | None = None) -> dict[str, str
         except Exception:  # the deploy extra is not installed: nothing to say about its format
             return out
         out["compressed-tensors"] = plan_refusal(plan, info) or ""
+    if plan is not None and not out["onnx"]:  # routed experts: one QMoE node per layer, which stores fewer recipes
+        from ..deploy.experts import tied_layers
+        from ..deploy.onnx_experts import experts_recipe_refusal
+
+        for i in tied_layers(info):
+            why = experts_recipe_refusal(plan.layers[i], info) if i in plan.layers else None
+            if why:
+                out["onnx"] = (f"layer L{i}: {why}; its whole-model graph is not written (per-layer ONNX artifacts "
+                               "are)")
+                break
     return out
