@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import tempfile
 import time
@@ -225,11 +224,12 @@ def main() -> int:
     doc = run(shapes, [r for r in args.recipes.split(",") if r], [int(t) for t in args.tokens.split(",")], args.rounds)
     doc.update(command="python benchmarks/moe_ops.py " + " ".join(sys.argv[1:]), onnxruntime=ort.__version__,
                environment=environment(), written=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    from ffnquant.infra.atomic import write_json, write_text
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_ops.json").write_text(json.dumps(doc, indent=1))
-    (out / "moe_ops.md").write_text(markdown(doc))
-    print(f"wrote {out / 'moe_ops.md'}")
+    write_json(out / "moe_ops.json", doc)  # each file whole or not at all
+    print(f"wrote {write_text(out / 'moe_ops.md', markdown(doc))}")
     return 0
 
 
