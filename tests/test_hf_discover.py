@@ -427,6 +427,28 @@ def test_input_major_biased_interleaved_experts_are_read_and_computed_as_the_mod
             assert torch.equal(layer.ffn(x), theirs)
 
 
+def test_square_experts_whose_width_is_the_models_are_read_and_computed_as_the_model_does(tmp_path):
+    """Experts as wide as the model (moe_intermediate_size == hidden_size: down_proj [E, d, d] reads the same
+    output- or input-major): found, the reading the module computes kept, each expert's FFN its output bit for bit."""
+    import torch
+
+    from hf_models import D, save_causal_tiny, tokenizer
+    from ffnquant.hf import load_ffn_layers
+
+    T.logging.set_verbosity_error()
+    folder = save_causal_tiny(T, "qwen3_moe", tmp_path / "square", tokenizer(T), moe_intermediate_size=D)
+    info = inspect_model(folder)
+    assert info.arch.install is Install.EXPERTS and info.spec.d_ff == info.spec.d_model == D
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(5))
+    for layer in load_ffn_layers(info, [info.layers[-1].index]):
+        experts = model.get_submodule(layer.info.name.rpartition(".")[0])  # named per expert, as on disk
+        assert torch.equal(layer.ffn.w_down.weight, experts.down_proj[layer.expert])  # output-major, not transposed
+        with torch.no_grad():
+            theirs = experts(x, torch.full((6, 1), layer.expert), torch.ones(6, 1))
+            assert torch.equal(layer.ffn(x), theirs)
+
+
 def test_input_major_biased_experts_replaced_in_the_model_compute_the_model(tmp_path):
     """gpt-oss' experts replaced by ffnquant's FFNs (here the float ones; the experts not replaced computed
     input-major with their biases) leave the model's logits as they were, and the inputs captured per expert are
@@ -530,14 +552,15 @@ def test_flat_experts_with_separate_gate_and_up_are_read_and_computed_as_the_mod
             assert torch.equal(layer.ffn(x), theirs)
 
 
-@pytest.mark.parametrize("shapes, want", [
-    ({"gate_up_proj": (4, 16, 8), "down_proj": (4, 8, 8)}, []),  # d == f: no down reads f -> d
-    ({"gate_up_proj": (4, 32, 8), "down_proj": (4, 8, 16)}, [((), "gate_up_proj")]),  # Mixtral's
-    ({"gate_up_proj": (4, 8, 32), "down_proj": (4, 16, 8)}, [(("gate_up_proj", "down_proj"), "gate_up_proj")]),
-    ({"w1": (4, 16, 8), "v1": (4, 16, 8), "w2": (4, 16, 8)},  # DBRX's: any of the three may be down, input-major
+@pytest.mark.parametrize("shapes, d_ff, want", [
+    # d == f (square experts): the [d, d] down reads the same either way, so both are candidates
+    ({"gate_up_proj": (4, 16, 8), "down_proj": (4, 8, 8)}, 8, [((), "gate_up_proj"), (("down_proj",), "gate_up_proj")]),
+    ({"gate_up_proj": (4, 32, 8), "down_proj": (4, 8, 16)}, 16, [((), "gate_up_proj")]),  # Mixtral's
+    ({"gate_up_proj": (4, 8, 32), "down_proj": (4, 16, 8)}, 16, [(("gate_up_proj", "down_proj"), "gate_up_proj")]),
+    ({"w1": (4, 16, 8), "v1": (4, 16, 8), "w2": (4, 16, 8)}, 16,  # DBRX's: any of the three may be down, input-major
      [(("w2",), "w1"), (("v1",), "w1"), (("w1",), "v1")]),
 ], ids=["square", "output-major", "input-major", "three-alike"])
-def test_every_reading_of_expert_tensors_as_an_ffn_is_a_candidate(shapes, want):
+def test_every_reading_of_expert_tensors_as_an_ffn_is_a_candidate(shapes, d_ff, want):
     """Expert tensors are read by shape alone into every FFN they can be (the probe keeps the one the module
     computes): which one is down, and which are stored input-major."""
     from torch import nn
@@ -547,7 +570,7 @@ def test_every_reading_of_expert_tensors_as_an_ffn_is_a_candidate(shapes, want):
     found = _expert_tensors("experts", nn.Module(), shapes, 8, False)
     got = sorted((f.input_major, next(n for n, r in f.roles.items() if r != "w_down")) for f in found)
     assert got == sorted(want)
-    assert all(f.d_ff == 16 and f.experts == 4 for f in found)
+    assert all(f.d_ff == d_ff and f.experts == 4 for f in found)
 
 
 def test_experts_whose_matrices_are_modules_of_a_self_routing_moe_are_read_captured_and_replaced(tmp_path):

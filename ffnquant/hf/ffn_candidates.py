@@ -190,25 +190,22 @@ def _expert_tensors(path: str, module: nn.Module, shapes: Mapping[str, tuple[int
     out = []
     for majors in itertools.product((False, True), repeat=len(names)):
         dims = {n: (shapes[n][2], shapes[n][1]) if m else (shapes[n][1], shapes[n][2]) for n, m in zip(names, majors)}
-        downs = [n for n, (o, i) in dims.items() if o == d and i != d]
-        if len(downs) != 1:
-            continue
-        down, f = downs[0], dims[downs[0]][1]
-        if f < 2:
-            continue
-        firsts = [n for n in names if n != down]
-        widths = sorted(dims[n][0] for n in firsts)
-        if any(dims[n][1] != d for n in firsts) or widths not in ([f], [2 * f], [f, f]):
-            continue
-        roles = ({firsts[0]: "w_up"} if widths == [f] else {firsts[0]: "w_gate+w_up"} if widths == [2 * f]
-                 else {firsts[0]: "w_gate", firsts[1]: "w_up"})  # gate or up: settled by the probe
-        roles[down] = "w_down"
-        input_major = tuple(n for n, m in zip(names, majors) if m)
-        biases = [getattr(module, f"{n}_bias", None) for n in names]
-        bias = any(isinstance(t, torch.Tensor) and t.dim() == 2 for t in biases)
-        out.append(FoundFFN(path, Install.EXPERTS, roles, d, f, widths != [f], all(majors), bias,
-                            experts=shapes[names[0]][0], linear_class=type(module).__name__, input_major=input_major,
-                            flat_experts=flat))
+        # the down matrix maps f back to d; where f == d (square experts) any [d, d] tensor may be it: each tried
+        for down in [n for n, (o, i) in dims.items() if o == d]:
+            f = dims[down][1]
+            firsts = [n for n in names if n != down]
+            widths = sorted(dims[n][0] for n in firsts)
+            if f < 2 or any(dims[n][1] != d for n in firsts) or widths not in ([f], [2 * f], [f, f]):
+                continue
+            roles = ({firsts[0]: "w_up"} if widths == [f] else {firsts[0]: "w_gate+w_up"} if widths == [2 * f]
+                     else {firsts[0]: "w_gate", firsts[1]: "w_up"})  # gate or up: settled by the probe
+            roles[down] = "w_down"
+            input_major = tuple(n for n, m in zip(names, majors) if m)
+            biases = [getattr(module, f"{n}_bias", None) for n in names]
+            bias = any(isinstance(t, torch.Tensor) and t.dim() == 2 for t in biases)
+            out.append(FoundFFN(path, Install.EXPERTS, roles, d, f, widths != [f], all(majors), bias,
+                                experts=shapes[names[0]][0], linear_class=type(module).__name__,
+                                input_major=input_major, flat_experts=flat))
     return out
 
 
