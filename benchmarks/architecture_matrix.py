@@ -34,6 +34,11 @@ WINDOW = ["--seq-len", "128"]
 CANDIDATES = "fp32,w8a8@search+smooth,w8a8-dynamic-s8,w4a16-g32"
 
 
+def _first_line(exc: BaseException) -> str:
+    """The exception's first line that says something (transformers' ImportError starts with an empty one)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+
+
 def _run(argv: list[str]) -> tuple[int, str]:
     """`ffnquant ARGV` in this process: (exit code, when it failed the last line of stderr, else of stdout: an
     export NOT PROVEN says why on stdout)."""
@@ -207,7 +212,7 @@ def _one(model_type: str, out: Path) -> int:
         try:
             folder = save_causal_tiny(T, model_type, Path(tmp) / model_type, tokenizer(T))
         except Exception as exc:  # noqa: BLE001 - transformers' own failure to build its tiny config, said
-            row = {"build": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:220],
+            row = {"build": f"{type(exc).__name__}: {_first_line(exc)}"[:220],
                    "seconds": time.perf_counter() - t0}
         else:
             row = one_type(model_type, folder, Path(tmp) / f"{model_type}-work")

@@ -96,13 +96,13 @@ def test_other_grids_and_experts_score_as_the_reference(folders, model_type, rec
     """4-bit blocks with zero points on DeepSeek-V3 (its router: sigmoid scores with a bias, groups, a scaling
     factor, the model's own graph): the planned export's parity check against torch, then the score. (gpt-oss'
     biased, clamped experts: its activation test above and the architecture matrix's after-run.)"""
-    from ffnquant.deploy.onnx_experts import experts_in_graph
+    from ffnquant.deploy.onnx_experts import ExpertsInGraph
     from ffnquant.deploy.onnx_model import DEFAULT_OPSET, _export, score_graph
     from ffnquant.deploy.onnx_rewrite import quantize_graph
 
     planned = _planned(folders[model_type], recipe)
     float_path, path = tmp_path / "planned.fp32.onnx", tmp_path / "model.onnx"
-    with experts_in_graph(planned.model, planned.info, planned.modules, planned.weight_of) as experts:
+    with ExpertsInGraph(planned.model, planned.info, planned.modules, planned.weight_of) as experts:
         _export(planned.model, planned.info, float_path, DEFAULT_OPSET, planned.evals[0][:1, :64])  # the prefill graph
     written = quantize_graph(float_path, planned, path)
     assert {w["op"] for w in experts.values()} == {"QMoE"}

@@ -1,7 +1,7 @@
 """Routed experts in the whole-model ONNX graph: each fused experts module exported as one onnxruntime MoE node
 (float experts) or QMoE node (the plan's integer codes), `onnx.moe` says what each computes.
 
-While torch.onnx exports the model, `experts_in_graph` puts a `GraphExperts` in place of every experts module. Run
+While torch.onnx exports the model, `ExpertsInGraph` puts a `GraphExperts` in place of every experts module. Run
 eagerly it is the module itself (the export's parity check compares against the model's own math); exported, it is
 the operator, handed what the model's MoE block handed its experts (`hf.routed.routed_rows`: the rows, each row's
 top-k experts and their weights), so the router, its top-k and any scaling stay the model's own graph.
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
     from .planned import ModuleQuant
 
-__all__ = ["GraphExperts", "experts_call_refusal", "experts_in_graph", "experts_op", "experts_recipe_refusal"]
+__all__ = ["GraphExperts", "experts_call_refusal", "ExpertsInGraph", "experts_op", "experts_recipe_refusal"]
 
 # the node metadata naming the experts module a MoE / QMoE node computes
 EXPERTS_KEY = "ffnquant_experts"
@@ -228,7 +228,8 @@ class GraphExperts(nn.Module):
     """A fused experts module as one MoE or QMoE node when torch.onnx exports it (the module docstring); itself
     when run. `quantized`: QMoE's tensors (`quantized_experts`), None for float experts."""
 
-    def __init__(self, module: nn.Module, name: str, arch: Any, quantized: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, module: nn.Module, name: str, arch: Any, quantized: Mapping[str, Any] | None = None,
+                 op: ExpertsOp | None = None) -> None:
         super().__init__()
         self._module = (module,)  # not a child: its parameters are not the graph's
         self.name, self.arch, self.quantized = name, arch, quantized
@@ -237,7 +238,7 @@ class GraphExperts(nn.Module):
         self.gated = t["fc1"].shape[1] == 2 * t["fc2"].shape[2]
         # found now, not while torch.export traces the forward (which would record the check as graph ops); the
         # top-k is the call's, set when exported
-        self.op = experts_op(module, arch, 1, t)
+        self.op = op if op is not None else experts_op(module, arch, 1, t)
         for key in ("b1", "b2"):  # the biases stay float in both operators
             self.register_buffer(key, t[key])
         if quantized is None:
@@ -294,14 +295,15 @@ def _experts_modules(model: nn.Module, info: ModelInfo) -> dict[str, nn.Module]:
     return out
 
 
-class experts_in_graph:  # noqa: N801 - used as a context manager, like contextlib's
+class ExpertsInGraph:
     """While active, every routed experts module of `model` is a `GraphExperts`: QMoE where `modules` (a planned
     model's ModuleQuants, with `weight_of` giving each one's planned weight) quantize it, float MoE elsewhere.
     Built (and refused: FFNQuantError naming the module) when made, before anything is exported; entering yields
-    {module name: what its node stores}. Every module is put back on exit."""
+    {module name: what its node stores}. Every module is put back on exit. `like`: another model's stand-ins of
+    the same modules (the float model's), whose operators are taken rather than found again."""
 
     def __init__(self, model: nn.Module, info: ModelInfo, modules: Sequence[ModuleQuant] | None = None,
-                 weight_of: Any = None) -> None:
+                 weight_of: Any = None, like: ExpertsInGraph | None = None) -> None:
         self.model = model
         by_module: dict[str, list] = {}
         for mq in modules or ():
@@ -318,7 +320,8 @@ class experts_in_graph:  # noqa: N801 - used as a context manager, like contextl
             if any(mq.quantized for mq in quants):
                 gated = "w_gate" in {mq.weight for mq in quants}
                 quantized = quantized_experts(quants, weight_of, info.spec.d_model, info.spec.d_ff, gated)
-            stand_in = GraphExperts(module, name, info.arch, quantized)
+            known = like.stand_ins.get(name) if like is not None else None
+            stand_in = GraphExperts(module, name, info.arch, quantized, known.op if known is not None else None)
             self.stand_ins[name] = stand_in
             op = stand_in.op
             self.written[name] = {

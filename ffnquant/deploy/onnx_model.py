@@ -48,7 +48,7 @@ from ..onnx.ortcpu import int8_kernels, saturating
 from ..schemes import ActMode, Method
 from .onnx_decoder import (cached_run, compare_outputs, decode_latency, export_decoder, float_tolerance,
                            generation_check, greedy_generate, interleaved_times, is_decoder, prefill_feed, quiet)
-from .onnx_experts import experts_in_graph
+from .onnx_experts import ExpertsInGraph
 from .onnx_rewrite import module_kind, quantize_graph
 from .planned import ModuleQuant, deployable_refusal
 
@@ -408,8 +408,9 @@ def write_model_graph(planned: PlannedModel, folder: str | os.PathLike, *, opset
             module_kind(m)
     # routed experts: one MoE node per module in the float graph, QMoE in the planned one (`deploy.onnx_experts`);
     # entered here so that a module none can compute is refused before anything is exported
-    float_experts = experts_in_graph(planned.float_model, planned.info)
-    planned_experts = experts_in_graph(planned.model, planned.info, planned.modules, planned.weight_of)
+    float_experts = ExpertsInGraph(planned.float_model, planned.info)
+    planned_experts = ExpertsInGraph(planned.model, planned.info, planned.modules, planned.weight_of,
+                                     like=float_experts)  # the operators found once, on the float model
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     fp32, quant = folder / "model.fp32.onnx", folder / "model.onnx"
