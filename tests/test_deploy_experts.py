@@ -161,7 +161,7 @@ def test_the_proof_fails_a_folder_whose_experts_are_wrong(moe, tmp_path):
     assert "layers not within rounding ties" in proof["unproven"]
 
 
-def test_both_formats_take_routed_experts_and_vllms_cpu_build_refuses_them_with_its_reason(moe):
+def test_both_formats_take_routed_experts_and_a_plan_for_vllms_cpu_build_leaves_out_what_it_refuses(moe):
     from ffnquant.deploy.planned import deployable_refusal
     from ffnquant.hf import inspect_model
     from ffnquant.planning.candidates import candidate_recipes, serve_candidates
@@ -171,7 +171,23 @@ def test_both_formats_take_routed_experts_and_vllms_cpu_build_refuses_them_with_
     assert deployable_refusal(info, "compressed-tensors") is None and deployable_refusal(info, "onnx") is None
     recipes, _ = candidate_recipes("fp32,w4a16-g32", info.spec)
     kept, left = serve_candidates(recipes, [], info, "vllm-cpu")
-    assert [str(r) for r in kept] == ["fp32"] and "No WNA16 MoE backend" in left[0]["reason"]
+    assert [str(r) for r in kept] == ["fp32"]
+    assert "No WNA16 MoE backend" in left[0]["reason"] and "kInt4Static32" in left[0]["reason"]
+
+
+@pytest.mark.parametrize("recipe, amx, why", [
+    ("w4a16-g64", True, None), ("w4a16-g128", True, None), ("fp32", False, None),
+    ("w4a16-g64", False, "no AMX tiles"), ("w4a16-g32", True, "kInt4Static32"),
+    ("w8a16", True, "4-bit symmetric weight-only groups"), ("w8a8-dynamic-s8", True, "4-bit symmetric weight-only"),
+], ids=lambda v: str(v))
+def test_vllms_cpu_build_serves_experts_as_measured(recipe, amx, why):
+    """vLLM's CPU build serves 4-bit symmetric experts in groups other than 32 on a CPU with AMX tiles
+    (CPUExpertsInt4, measured by benchmarks/vllm_experts.py: reports/serve/moe-vllm); the rest with its reason."""
+    from ffnquant.deploy.vllm import vllm_cpu_experts_refusal
+    from ffnquant.recipe import Recipe
+
+    got = vllm_cpu_experts_refusal(Recipe.parse(recipe), amx=amx)
+    assert got is None if why is None else (why in got and "No WNA16 MoE backend" in got and recipe in got), got
 
 
 def test_experts_without_a_gate_are_written_and_proven(tmp_path):

@@ -31,7 +31,7 @@ from ..backends import register_backend, supports
 from ..errors import FFNQuantError
 from ..schemes import ActDType, ActMode, Granularity, Scheme, WeightDType, get_scheme
 
-__all__ = ["VLLM_CPU_MEASURED", "vllm_cpu_decision", "TIE_NATS", "vllm_python", "vllm_unavailable", "run_vllm_script",
+__all__ = ["VLLM_CPU_MEASURED", "vllm_cpu_decision", "vllm_cpu_experts_refusal", "cpu_has_amx", "TIE_NATS", "vllm_python", "vllm_unavailable", "run_vllm_script",
            "vllm_generate", "vllm_ffn_times", "tokens_agree", "transformers_greedy", "vllm_check", "refusal_line"]
 
 # Two candidates within this many nats of each other at a step are a near-tie whose order the runtimes' rounding
@@ -150,7 +150,9 @@ def vllm_unavailable() -> str | None:
 # the line of vLLM's output that says why it refused a folder: its exception's message
 _ERROR = re.compile(r"^(?:\w+\.)*(\w*(?:Error|Exception)): (.+)$")
 # where vLLM names the kernel it chose for a quantized linear layer
-_KERNEL = re.compile(r"\b(Selected|Using) \w+ for \w+")  # "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8"
+# "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8"; routed experts: "Using
+# CompressedTensorsWNA16MoEMethod", "Using 'CPU' WNA16 MoE backend.", "Using CPUExpertsInt4"
+_KERNEL = re.compile(r"\b(Selected|Using) \w+ for \w+|\bUsing (?:'\w+' \w+ MoE backend|\w*(?:MoEMethod|Experts\w*)\b)")
 
 
 # what vLLM's engine raises around the root cause, which its log holds above
@@ -301,10 +303,43 @@ VLLM_CPU_MEASURED = {"vllm-cpu": "0.32.0", "compressed-tensors (in vLLM's enviro
 _W8A16_WHY = ("vLLM's CPU build has no 8-bit weight-only kernel: \"Failed to find a kernel that can implement the "
               "WNA16 linear layer ... Quant type (uint8b128) not supported by CPUWNA16, supported types are: uint4, "
               "uint4b8\"")
-# a compressed-tensors folder of routed experts (`deploy.experts`: 4-bit weight-only, the one scheme transformers
-# loads experts in), measured on a tiny Qwen3-MoE in bfloat16
-EXPERTS_WHY = ("vLLM's CPU build serves no quantized routed experts: \"No WNA16 MoE backend supports the deployment "
-               "configuration\" (vllm-cpu {vllm-cpu})").format_map(VLLM_CPU_MEASURED)
+# routed experts in a compressed-tensors folder (`deploy.experts`: weight-only, one recipe for all), measured on
+# ffnquant's folders of tiny MoE models in bfloat16 by benchmarks/vllm_experts.py (reports/serve/moe-vllm): vLLM's
+# CPU build has one kernel of quantized experts on x86, CPUExpertsInt4, for 4-bit symmetric groups, on a CPU with
+# AMX tiles; groups of 32 it keys apart (kInt4Static32) and does not take. Each refusal is vLLM's one message:
+_NO_MOE_BACKEND = "\"No WNA16 MoE backend supports the deployment configuration\""
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles, which vLLM's CPU kernel of 4-bit experts needs (vLLM asks torch the same)."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except Exception:  # noqa: BLE001 - a torch that cannot tell: no AMX assumed, the refusal says so
+        return False
+
+
+def vllm_cpu_experts_refusal(recipe: Any, amx: bool | None = None) -> str | None:
+    """Why vLLM's CPU build does not serve routed experts stored under `recipe` (one line), None where it does:
+    4-bit symmetric weight-only groups other than 32, on a CPU with AMX tiles (`amx`: this CPU's, by default)."""
+    if recipe.is_float:
+        return None
+    scheme = recipe.resolve()
+    if scheme.weight_dtype is not WeightDType.INT4 or scheme.act_dtype is not ActDType.NONE \
+            or not scheme.weight_symmetric or scheme.weight_granularity is not Granularity.PER_GROUP:
+        why = "its one kernel of quantized experts on x86 (CPUExpertsInt4) takes 4-bit symmetric weight-only groups"
+    elif scheme.group_size == 32:
+        why = "it keys groups of 32 apart (kInt4Static32), and its kernel of 4-bit experts (CPUExpertsInt4) does not take them"
+    elif not (cpu_has_amx() if amx is None else amx):
+        why = "this CPU has no AMX tiles (amx_tile), which its kernel of 4-bit experts (CPUExpertsInt4) needs"
+    else:
+        return None
+    return (f"vLLM's CPU build (vllm-cpu {VLLM_CPU_MEASURED['vllm-cpu']}) does not serve routed experts under "
+            f"{recipe}: {why}: {_NO_MOE_BACKEND}")
+
+
 _ASYM4_WHY = ("ffnquant writes asymmetric 4-bit groups as blocks [1, group] (the layout transformers loads), for which "
               "vLLM has no scheme: \"No compressed-tensors compatible scheme was found ... strategy='block'\"")
 _FP8_STATIC_WHY = ("vLLM's CPU build lacks static fp8 activation quantization: \"_C::static_scaled_fp8_quant() "

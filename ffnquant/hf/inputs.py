@@ -137,13 +137,20 @@ def _concat_rows(pieces: Iterable[tuple[str, torch.Tensor]], labels: Sequence[st
 
 def _fill_unrouted(layers: Sequence[HFLayer], inputs: dict[str, torch.Tensor], what: str,
                    borrowed: dict[str, str]) -> None:
+    """Each expert the router sent no tokens takes its layer's routed experts' inputs: only those (an expert filled
+    before is no sibling, or each fill would hold every earlier one, the rows doubling per unrouted expert), one
+    tensor shared by the layer's unrouted experts (a 128-expert layer holds it once, not per expert)."""
+    routed = {o.label for o in layers if inputs[o.label].shape[0]}
+    shared: dict[int, torch.Tensor] = {}
     for layer in layers:
-        if inputs[layer.label].shape[0]:
+        if layer.label in routed:
             continue
-        siblings = [inputs[o.label] for o in layers if o.index == layer.index and inputs[o.label].shape[0]]
-        if not siblings:
-            raise FFNQuantError(f"layer {layer.label} ({layer.name}) received no {what} tokens")
-        inputs[layer.label] = torch.cat(siblings)
+        if layer.index not in shared:
+            siblings = [inputs[o.label] for o in layers if o.index == layer.index and o.label in routed]
+            if not siblings:
+                raise FFNQuantError(f"layer {layer.label} ({layer.name}) received no {what} tokens")
+            shared[layer.index] = torch.cat(siblings)
+        inputs[layer.label] = shared[layer.index]
         borrowed[layer.label] = f"the router sent it no {what} tokens: its layer's other experts' inputs are used"
 
 

@@ -154,10 +154,11 @@ def serve_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]
 
     answers = {r: supports(serve_target(serve), r, info.spec) for r in recipes if not r.is_float}
     refused = {r: a.why for r, a in answers.items() if not a.ok}
-    if serve_target(serve) == "vllm-cpu" and has_experts(info):  # measured: `deploy.vllm.EXPERTS_WHY`
-        from ..deploy.vllm import EXPERTS_WHY
+    if serve_target(serve) == "vllm-cpu" and has_experts(info):  # measured: `deploy.vllm.vllm_cpu_experts_refusal`
+        from ..deploy.vllm import vllm_cpu_experts_refusal
 
-        refused.update({r: EXPERTS_WHY for r in answers if r not in refused})
+        experts = {r: vllm_cpu_experts_refusal(r) for r in answers if r not in refused}
+        refused.update({r: why for r, why in experts.items() if why is not None})
     return _leave_out(recipes, skipped, refused)
 
 
