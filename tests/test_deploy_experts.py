@@ -179,14 +179,20 @@ def test_both_formats_take_routed_experts_and_a_plan_for_vllms_cpu_build_leaves_
     ("w4a16-g64", True, None), ("w4a16-g128", True, None), ("fp32", False, None),
     ("w4a16-g64", False, "no AMX tiles"), ("w4a16-g32", True, "kInt4Static32"),
     ("w8a16", True, "4-bit symmetric weight-only groups"), ("w8a8-dynamic-s8", True, "4-bit symmetric weight-only"),
+    ("w4a16-g64-gptoss", True, "SiLU-gated experts without biases"),
 ], ids=lambda v: str(v))
 def test_vllms_cpu_build_serves_experts_as_measured(recipe, amx, why):
-    """vLLM's CPU build serves 4-bit symmetric experts in groups other than 32 on a CPU with AMX tiles
+    """vLLM's CPU build serves 4-bit symmetric groups other than 32 of SiLU-gated experts on a CPU with AMX tiles
     (CPUExpertsInt4, measured by benchmarks/vllm_experts.py: reports/serve/moe-vllm); the rest with its reason."""
     from ffnquant.deploy.vllm import vllm_cpu_experts_refusal
     from ffnquant.recipe import Recipe
+    from ffnquant.spec import Activation, FFNSpec, Variant
 
-    got = vllm_cpu_experts_refusal(Recipe.parse(recipe), amx=amx)
+    spec = FFNSpec(Variant.SWIGLU, 128, 256)
+    if recipe.endswith("-gptoss"):  # gpt-oss' experts: their own clamped gate, biases
+        recipe, spec = recipe.removesuffix("-gptoss"), FFNSpec(Variant.SWIGLU, 128, 256, bias=True,
+                                                              activation_override=Activation.OWN_GATE)
+    got = vllm_cpu_experts_refusal(Recipe.parse(recipe), spec, amx=amx)
     assert got is None if why is None else (why in got and "No WNA16 MoE backend" in got and recipe in got), got
 
 

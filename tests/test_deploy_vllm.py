@@ -136,3 +136,23 @@ def test_what_vllm_refuses_is_what_the_registry_says(served):
     with pytest.raises(vllm.FFNQuantError) as refused:
         vllm.vllm_generate(served["w8a16"], [[1, 5, 9]], 2, dtype="bfloat16")
     assert "uint8b128" in str(refused.value) and "uint8b128" in supports("vllm-cpu", "w8a16").why
+
+
+@needs_vllm
+def test_vllm_serves_ffnquants_routed_experts_where_its_cpu_kernel_runs(tmp_path):
+    """A tiny Qwen3-MoE's experts in 4-bit groups of 64, written per expert: vLLM loads them on its CPU kernel of
+    quantized experts (CPUExpertsInt4, x86 with AMX tiles) and generates transformers' tokens; groups of 32 it
+    refuses with the reason `vllm_cpu_experts_refusal` gives."""
+    from ffnquant.recipe import Recipe
+    from hf_models import export_one_recipe, write_vllm_moe
+
+    src = write_vllm_moe(tmp_path / "src")
+    for recipe in ("w4a16-g64", "w4a16-g32"):
+        assert export_one_recipe(src, recipe, tmp_path / recipe) == 0
+    if vllm.vllm_cpu_experts_refusal(Recipe.parse("w4a16-g64")) is None:
+        check = vllm.vllm_check(tmp_path / "w4a16-g64", [[1, 5, 9, 13, 17, 21, 25, 29]], 8, dtype="bfloat16")
+        assert check["agree"], check["rows"]
+        assert "Using CPUExpertsInt4" in check["kernels"], check["kernels"]
+    with pytest.raises(vllm.FFNQuantError, match="No WNA16 MoE backend"):
+        vllm.vllm_generate(tmp_path / "w4a16-g32", [[1, 5, 9]], 2, dtype="bfloat16")
+    assert "No WNA16 MoE backend" in vllm.vllm_cpu_experts_refusal(Recipe.parse("w4a16-g32"))

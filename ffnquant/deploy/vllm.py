@@ -321,13 +321,19 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def vllm_cpu_experts_refusal(recipe: Any, amx: bool | None = None) -> str | None:
+def vllm_cpu_experts_refusal(recipe: Any, spec: Any = None, amx: bool | None = None) -> str | None:
     """Why vLLM's CPU build does not serve routed experts stored under `recipe` (one line), None where it does:
-    4-bit symmetric weight-only groups other than 32, on a CPU with AMX tiles (`amx`: this CPU's, by default)."""
+    4-bit symmetric weight-only groups other than 32, of SiLU-gated experts without biases (`spec`: the experts'
+    FFNSpec, where known), on a CPU with AMX tiles (`amx`: this CPU's, by default)."""
+    from ..spec import Variant
+
     if recipe.is_float:
         return None
     scheme = recipe.resolve()
-    if scheme.weight_dtype is not WeightDType.INT4 or scheme.act_dtype is not ActDType.NONE \
+    if spec is not None and (spec.variant is not Variant.SWIGLU or spec.activation_override is not None or spec.bias):
+        why = ("its kernel of 4-bit experts (CPUExpertsInt4) computes SiLU-gated experts without biases (measured: "
+               "gpt-oss' clamped, biased gate refused)")
+    elif scheme.weight_dtype is not WeightDType.INT4 or scheme.act_dtype is not ActDType.NONE \
             or not scheme.weight_symmetric or scheme.weight_granularity is not Granularity.PER_GROUP:
         why = "its one kernel of quantized experts on x86 (CPUExpertsInt4) takes 4-bit symmetric weight-only groups"
     elif scheme.group_size == 32:

@@ -460,8 +460,8 @@ class SequentialModel(LMHead):
             raise FFNQuantError(
                 f"{self.info.path}: transformers' decoder layer {j} ({type(self.layers[j]).__name__}) fails on the "
                 f"inputs its model's forward passes it for token ids alone ({type(exc).__name__}: {first_line(exc)}); "
-                "ffnquant runs a causal LM from token ids, and this one needs more (a draft model's target states, "
-                "images, ...)") from None
+                "ffnquant runs a causal LM from token ids, and this one does not run from them as configured (its "
+                "config.json inconsistent, or more inputs needed: a draft model's target states, images, ...)") from None
         return out
 
     def check(self, j: int, store: Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:

@@ -157,7 +157,7 @@ def serve_candidates(recipes: Sequence[Recipe], skipped: Sequence[dict[str, str]
     if serve_target(serve) == "vllm-cpu" and has_experts(info):  # measured: `deploy.vllm.vllm_cpu_experts_refusal`
         from ..deploy.vllm import vllm_cpu_experts_refusal
 
-        experts = {r: vllm_cpu_experts_refusal(r) for r in answers if r not in refused}
+        experts = {r: vllm_cpu_experts_refusal(r, info.spec) for r in answers if r not in refused}
         refused.update({r: why for r, why in experts.items() if why is not None})
     return _leave_out(recipes, skipped, refused)
 
