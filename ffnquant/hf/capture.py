@@ -10,7 +10,6 @@ activations captured elsewhere (.npy / .safetensors, [tokens, d_model] per layer
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import re
 from importlib import resources

@@ -28,7 +28,7 @@ from ..numerics.accuracy import run_batched
 from ..quantization import quantize_recipes
 from ..recipe import Recipe
 from .moe import MoELayer, quantize_moe_layer, score_moe_layer, weight_bytes
-from .scores import HELD_ROWS, SCORE_ROWS, CandidateScore, db as _db, held_rows, scored_rows
+from .scores import HELD_ROWS, CandidateScore, db as _db, held_rows, scored_rows
 
 if TYPE_CHECKING:  # annotations only
     from ..hf.checkpoint import ModelInfo
