@@ -18,7 +18,7 @@ tokens against transformers' on the same folder, and the experts' speed on vLLM'
    (`deploy.vllm.vllm_ffn_times`: one call of that many rows, a prefill of that length or a decode step of that many
    requests), p50 ms, side by side in one run.
 
-Writes OUT/vllm_experts.json and OUT/vllm_experts.md, stamped with the machine, the versions and the command.
+Writes OUT/vllm_experts.json and OUT/vllm_experts.md (`--name` another stem), stamped with the machine, the versions and the command.
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ def shape_model(shape: str, folder: Path) -> Path:
     T.logging.set_verbosity_error()
     kw = dict(SHAPES[shape])
     config = hf_models.causal_config(T, kw.pop("model_type"))
-    for key, value in {**kw, "num_hidden_layers": 1, "vocab_size": hf_models.VOCAB}.items():
+    # positions for the longest timed call (vLLM refuses a max_model_len past them)
+    for key, value in {**kw, "num_hidden_layers": 1, "vocab_size": hf_models.VOCAB,
+                       "max_position_embeddings": 2048}.items():
         setattr(config, key, value)
     return _save(config, folder)
 
@@ -185,12 +187,13 @@ def markdown(doc: dict) -> str:
     lines = ["# Routed experts served by vLLM", "",
              f"Command: `{doc['command']}`", "",
              f"Machine: {env.get('cpu', '?')} ({env.get('cpu_count', '?')} cores, AMX tiles: {doc['amx']}); "
-             f"vLLM {doc['vllm']}, transformers {doc['transformers']}; written {doc['written']}.", "",
-             "## Serving: ffnquant's folders of tiny random-weight MoE models in vLLM (bfloat16)", "",
-             f"Greedy tokens of {len(PROMPTS)} prompts x {NEW_TOKENS} new tokens, vLLM against transformers on the "
-             "same folder: `equal`, or `agree` (a first difference where either runtime's top two were within a "
-             "near-tie), else `DIFFER`. The kernels are those vLLM's log names.", "",
-             "| type | folder | served | tokens | vLLM's MoE kernels, or its reason |", "|---|---|---|---|---|"]
+             f"vLLM {doc['vllm']}, transformers {doc['transformers']}; written {doc['written']}."]
+    if doc["serving"]:
+        lines += ["", "## Serving: ffnquant's folders of tiny random-weight MoE models in vLLM (bfloat16)", "",
+                  f"Greedy tokens of {len(PROMPTS)} prompts x {NEW_TOKENS} new tokens, vLLM against transformers on "
+                  "the same folder: `equal`, or `agree` (a first difference where either runtime's top two were within "
+                  "a near-tie), else `DIFFER`. The kernels are those vLLM's log names.", "",
+                  "| type | folder | served | tokens | vLLM's MoE kernels, or its reason |", "|---|---|---|---|---|"]
     for r in doc["serving"]:
         if r["served"]:
             tok = "equal" if r["equal"] else f"agree (first difference at {r['first_difference']})" if r["agree"] \
@@ -213,7 +216,7 @@ def markdown(doc: dict) -> str:
                       "|---|---|" + "---:|" * len(counts)]
             for name, r in runs.items():
                 if "reason" in r:
-                    lines.append(f"| {name} | not served: {r['reason']} |" + " |" * len(counts))
+                    lines.append(f"| {name} | not served: {r['reason']} |" + " - |" * len(counts))
                     continue
                 lines.append(f"| {name} | {', '.join(r['kernels']) or '-'} | "
                              + " | ".join(f"{r['p50_ms'][str(t)]:.2f} ms" for t in counts) + " |")
@@ -232,6 +235,7 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3-30b-a3b-e32", help=f"one of {', '.join(SHAPES)}, or '' for none")
     ap.add_argument("--shape-recipe", default="w4a16-g64")
     ap.add_argument("--tokens", default="1,8,64,512")
+    ap.add_argument("--name", default="vllm_experts", help="the report files' stem (OUT/NAME.json, OUT/NAME.md)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.shape and args.shape not in SHAPES:
@@ -265,8 +269,8 @@ def main() -> int:
                amx=bool(torch.cpu._is_amx_tile_supported()), written=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "vllm_experts.json", doc)  # each file whole or not at all
-    print(f"wrote {write_text(out / 'vllm_experts.md', markdown(doc))}")
+    write_json(out / f"{args.name}.json", doc)  # each file whole or not at all
+    print(f"wrote {write_text(out / f'{args.name}.md', markdown(doc))}")
     return 0
 
 

@@ -29,6 +29,9 @@ def test_the_refusal_is_vllms_root_cause_not_its_wrapper():
     ])
     line = vllm.refusal_line(log)
     assert line.startswith("ValueError: Failed to find a kernel that can implement the WNA16 linear layer")
+    # a traceback vLLM logs as a warning (a chat-template warm-up it gave up) is not why it failed
+    warned = "(MainProcess pid=2) WARNING 12-06 09:17:21 [base.py:380] ValueError: Tokenizer not available"
+    assert vllm.refusal_line(warned + "\nKeyError: 'layers.1.mlp.gate'") == "KeyError: 'layers.1.mlp.gate'"
     assert vllm.refusal_line("") == "no output" and vllm.refusal_line("only this\n") == "only this"
 
 

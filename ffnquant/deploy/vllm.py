@@ -72,7 +72,7 @@ if __name__ == "__main__":
 '''
 
 
-# A module beside every runner script (importable in vLLM's engine process, which unpickles `LLM.apply_model`'s
+# A module beside every runner script (importable in vLLM's engine process, which unpickles `LLM.collective_rpc`'s
 # function by reference): each FFN module of the loaded model timed eagerly at given token counts, on vLLM's own
 # modules and kernels. The FFNs are the modules vLLM names `*.mlp` (its decoder layers' feed-forward blocks).
 FFN_TIMER = r'''
@@ -102,6 +102,15 @@ def time_ffns(model, tokens, dtype, reps=15):
                 per.append(calls)
             out["ms"][str(int(t))] = per
     return out
+
+
+def time_ffns_on(worker, tokens, dtype, reps=15):
+    """`time_ffns` on the worker's model inside vLLM's forward context, which its fused MoE layers look themselves
+    up in (called eagerly without it they fail: "Forward context is not set")."""
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(None, worker.vllm_config):
+        return time_ffns(worker.get_model(), tokens, dtype, reps)
 '''
 
 _FFN_RUNNER = r'''
@@ -112,12 +121,13 @@ def main():
     args = json.loads(open(sys.argv[1], encoding="utf-8").read())
     t = time.perf_counter()
     from vllm import LLM
-    from ffnquant_vllm_ffn import time_ffns
+    from ffnquant_vllm_ffn import time_ffns_on
 
     llm = LLM(model=args["folder"], dtype=args["dtype"], max_model_len=args["max_model_len"], seed=0,
               skip_tokenizer_init=True)
     load_s = time.perf_counter() - t
-    out = llm.apply_model(functools.partial(time_ffns, tokens=args["tokens"], dtype=args["dtype"]))[0]
+    # through the worker (collective_rpc calls a function with it), whose config the forward context needs
+    out = llm.collective_rpc(functools.partial(time_ffns_on, tokens=args["tokens"], dtype=args["dtype"]))[0]
     with open(sys.argv[2], "w", encoding="utf-8") as fh:
         json.dump({**out, "load_s": load_s}, fh)
 
@@ -163,12 +173,15 @@ _PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?((ERROR|WARNING|INFO|DEBUG) \d\d-\d\d
 
 def refusal_line(log: str) -> str:
     """vLLM's own reason from its output: the first exception line that is not the engine's wrapper around the root
-    cause (its workers fail first), else the last exception line, else the last non-empty line."""
-    lines = [_PREFIX.sub("", ln.strip()) for ln in log.splitlines() if ln.strip()]
+    cause (its workers fail first), else the last exception line, else the last non-empty line. Tracebacks it logs
+    as a warning or below (a chat-template warm-up it gave up) are no reason."""
+    raw = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    handled = [(_PREFIX.match(ln).group(3) or "ERROR") not in ("ERROR", "CRITICAL") for ln in raw]
+    lines = [_PREFIX.sub("", ln) for ln in raw]
     errors = []
     for i, ln in enumerate(lines):
         m = _ERROR.match(ln)
-        if m:
+        if m and not handled[i]:
             text, k = m.group(1) + ": " + m.group(2), i + 1
             while text.endswith(":") and k < len(lines) and k <= i + 3:  # "... Reasons:" and the reasons below it
                 text, k = f"{text} {lines[k]}", k + 1
@@ -192,7 +205,7 @@ def run_vllm_script(script: str, args: dict[str, Any], timeout: float = 900,
         runner.write_text(script, encoding="utf-8")
         (Path(tmp) / "ffnquant_vllm_ffn.py").write_text(FFN_TIMER, encoding="utf-8")
         inp.write_text(json.dumps(args), encoding="utf-8")
-        # PYTHONPATH: the engine process imports the timer module (`FFN_TIMER`) to run `LLM.apply_model`; vLLM sends
+        # PYTHONPATH: the engine process imports the timer module (`FFN_TIMER`) to run `LLM.collective_rpc`; vLLM sends
         # that function to its engine only with pickling allowed, which is safe here: both ends are this child's
         path = os.pathsep.join(p for p in (tmp, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib)),
