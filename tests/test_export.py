@@ -78,9 +78,12 @@ def _remedied(model, kind):
     return smoothed if kind == "smooth" else R.rotate(smoothed)[0]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-@pytest.mark.parametrize("remedy", ["plain", "smooth", "smooth-rotate"])
-@pytest.mark.parametrize("variant", ["swiglu", "relu", "gelu"])
+# every variant and remedy in float32; in float16 each variant once, with the remedy that changes the graph most
+SAME_STRUCTURE = [(v, r, "fp32") for v in ("swiglu", "relu", "gelu") for r in ("plain", "smooth", "smooth-rotate")] + \
+                 [(v, "smooth-rotate", "fp16") for v in ("swiglu", "relu", "gelu")]
+
+
+@pytest.mark.parametrize("variant, remedy, dtype", SAME_STRUCTURE, ids=["-".join(c) for c in SAME_STRUCTURE])
 def test_same_structure_reuses_the_graph_with_each_models_own_weights(variant, remedy, dtype, tmp_path, monkeypatch):
     """Layers of one structure export once (torch.onnx.export is the slow part of a real model's run); every
     later file carries its own model's weights: parity against its own model, not the first one's."""
