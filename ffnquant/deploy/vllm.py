@@ -31,7 +31,8 @@ from ..backends import register_backend, supports
 from ..errors import FFNQuantError
 from ..schemes import ActDType, ActMode, Granularity, Scheme, WeightDType, get_scheme
 
-__all__ = ["VLLM_CPU_MEASURED", "vllm_cpu_decision", "vllm_cpu_experts_refusal", "cpu_has_amx", "TIE_NATS", "vllm_python", "vllm_unavailable", "run_vllm_script",
+__all__ = ["VLLM_CPU_MEASURED", "vllm_cpu_decision", "vllm_cpu_experts_refusal", "cpu_has_amx", "TIE_NATS",
+           "vllm_python", "vllm_unavailable", "run_vllm_script",
            "vllm_generate", "vllm_ffn_times", "tokens_agree", "transformers_greedy", "vllm_check", "refusal_line"]
 
 # Two candidates within this many nats of each other at a step are a near-tie whose order the runtimes' rounding
@@ -350,7 +351,8 @@ def vllm_cpu_experts_refusal(recipe: Any, spec: Any = None, amx: bool | None = N
             or not scheme.weight_symmetric or scheme.weight_granularity is not Granularity.PER_GROUP:
         why = "its one kernel of quantized experts on x86 (CPUExpertsInt4) takes 4-bit symmetric weight-only groups"
     elif scheme.group_size == 32:
-        why = "it keys groups of 32 apart (kInt4Static32), and its kernel of 4-bit experts (CPUExpertsInt4) does not take them"
+        why = ("it keys groups of 32 apart (kInt4Static32), and its kernel of 4-bit experts (CPUExpertsInt4) does "
+               "not take them")
     elif not (cpu_has_amx() if amx is None else amx):
         why = "this CPU has no AMX tiles (amx_tile), which its kernel of 4-bit experts (CPUExpertsInt4) needs"
     else:
