@@ -200,7 +200,7 @@ def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatc
     ranges."""
     from safetensors.torch import save_file
 
-    from ffnquant.hf import calibrate_model, inspect_model, stream
+    from ffnquant.hf import calibrate_model, inspect_model, stream_tensors
     from ffnquant.hf.checkpoint import _Weights
     from ffnquant.hf.layerwise import calibrate_layerwise
 
@@ -209,13 +209,13 @@ def test_large_tensors_are_read_a_row_chunk_at_a_time(tiny, tmp_path, monkeypatc
                "fp16": torch.randn(5, 3, 9, generator=gen).half(), "flat": torch.randn(100, generator=gen),
                "small": torch.randn(2, 3, generator=gen)}
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    monkeypatch.setattr(stream, "_READ_BYTES", 64)  # 2 rows of bf16 a read, 32 elements of the flat one
+    monkeypatch.setattr(stream_tensors, "_READ_BYTES", 64)  # 2 rows of bf16 a read, 32 elements of the flat one
     weights = _Weights(tmp_path, False)
     for name, t in tensors.items():
         for dtype in (torch.float32, torch.bfloat16):
-            got = stream._read(weights, name, dtype)
+            got = stream_tensors._read(weights, name, dtype)
             assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, t.to(dtype)), (name, dtype)
-    monkeypatch.setattr(stream, "_READ_BYTES", 256)  # the tiny llama's embedding and matrices read in chunks
+    monkeypatch.setattr(stream_tensors, "_READ_BYTES", 256)  # the tiny llama's embedding and matrices read in chunks
     info = inspect_model(tiny["llama"])
     _, tables = calibrate_model(info, settings=_settings())
     s_tables, _, _ = calibrate_layerwise(info, settings=_settings(), positions=False)
