@@ -1,7 +1,7 @@
 """The architecture matrix: every causal-LM model type of `hf_models.CAUSAL_TYPES`, a tiny random-weight model
 each, found from the model itself (`hf.discover`) and taken as far as ffnquant takes it.
 
-Each type runs `plan`, and either `export --format compressed-tensors` -> load with exact weights (the export's
+Each type of the fast subset (`FULL_PATH`: the others' FFNs take a representative's path) runs `plan`, and either `export --format compressed-tensors` -> load with exact weights (the export's
 proof), or is refused one named feature with its reason: smoothing where the input scale cannot fold (parallel
 blocks, a residual-stream FFN input, a router reading the norm), compressed-tensors for Conv1D and FalconLinear
 and for experts a checkpoint stores fused, the whole-model ONNX graph for routed experts (their layers plan, every
@@ -80,6 +80,13 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_next", "deepse
 # their checkpoints store the experts fused (3-D tensors, DBRX's flat 2-D ones): compressed-tensors refuses them
 FUSED_EXPERTS = ("granitemoe", "minimax_m3_vl_text", "dbrx", "jetmoe")  # held fused on disk too
 NO_CT = {"gpt2": "Conv1D", "falcon": "FalconLinear"}
+# CI's fast subset of the plan -> export -> load path (the benchmark, benchmarks/architecture_matrix.py, takes every
+# type through it): a type whose FFN is discovered as its representative's, with the same fold and format verdicts,
+# goes through discovery and the engine here and leaves the whole path to its representative
+SAME_PATH_AS = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "smollm3": "llama", "granite": "llama",
+                "stablelm": "llama", "arcee": "nemotron", "gemma2": "gemma", "gemma3_text": "gemma",
+                "exaone4": "olmo2"}
+FULL_PATH = tuple(t for t in CAUSAL_TYPES if t not in SAME_PATH_AS)
 TOKENS = ["--calib-tokens", "256", "--eval-tokens", "128"]
 # plan and export read whole windows of the held-out text: 128 tokens (a model without a context length, ALiBi's
 # BLOOM and MPT, would take 512-token windows, more than the 128 held-out tokens)
@@ -152,7 +159,16 @@ def _plan(folder, recipes, path):
     return path
 
 
-@pytest.mark.parametrize("model_type", CAUSAL_TYPES)
+@pytest.mark.parametrize("model_type", sorted(SAME_PATH_AS))
+def test_a_type_left_to_its_representative_takes_the_same_path(model_type):
+    rep = SAME_PATH_AS[model_type]
+    assert rep in FULL_PATH and EXPECTED[model_type] == EXPECTED[rep]
+    for verdicts in (NO_FOLD, NO_CT, OWN, MOE, RESIDUAL_ARG):
+        assert (model_type in verdicts) == (rep in verdicts)
+    assert NO_FOLD.get(model_type) == NO_FOLD.get(rep)
+
+
+@pytest.mark.parametrize("model_type", FULL_PATH)
 def test_every_type_plans_exports_and_loads_or_names_what_it_refuses(folders, model_type, tmp_path, capsys):
     folder = folders[model_type]
     assert main(["quantize", "--model", str(folder), "--scheme", "w8a8", *TOKENS, "--no-progress",
