@@ -49,7 +49,7 @@ fi
 # the engine that plans on the GPU (--device cuda), end to end on a tiny model first: a fault shows in seconds.
 # --objective bytes: every candidate is scored (on the device) and the rounds verify quantized layers (a latency
 # table would keep float at this size)
-if [[ -z "$DRY" ]]; then ENGINE_ARGS="--device cuda --objective bytes"; else ENGINE_ARGS="--device cpu --objective bytes"; fi
+if [[ -z "$DRY" ]]; then ENGINE_ARGS="--device cuda --objective bytes"; else ENGINE_ARGS="--device cpu --objective bytes --calib-tokens 512 --eval-tokens 512 --seq-len 128"; fi  # the dry run: fewer tokens, the same path
 stage engine_cuda "${ENGINE_LIMIT_S:-100}" "$PY" benchmarks/plan_cost.py --random-model tiny --skip-peer --skip-apply \
     --skip-export --progress --step-limit-s 90 --plan-args "$ENGINE_ARGS" --out "$OUT/engine-cuda"
 stage w4a16_kernels "${W4_LIMIT_S:-100}" "$PY" benchmarks/w4a16_kernels.py $DRY --max-s 70 --out "$OUT/w4a16-kernels"
