@@ -37,7 +37,7 @@ from .hf import inspect_model
 from .hf.capture import load_tokenizer, read_text, require_transformers
 from .hf.corpus import DEFAULT_SEQ_LEN
 from .hf.inputs import EvalSettings, eval_domain_batches, fit_settings
-from .hf.memory import plan_memory
+from .hf.memory import export_memory_refusal, plan_memory
 from .hf.stream import token_batches_of
 from .infra import arguments
 from .infra.atomic import write_json, write_text
@@ -306,10 +306,13 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
 @_terminable
 def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors", text: Any = None,
           eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096, seq_len: int | None = None,
-          compute_dtype: str = "auto", tokenizer: Any = None, progress: Any = True, device: Any = "auto"):
+          compute_dtype: str = "auto", tokenizer: Any = None, progress: Any = True, device: Any = "auto",
+          max_memory: Any = None):
     """`model` (a folder or a transformers model) quantized as `plan_or_recipe` says (a Plan, a plan.toml path, or
     one recipe such as 'w8a16' for every layer), for `format`: a `deploy.PlannedModel`, the deployable model with
-    ffnquant's reference figures on `eval_text`, which `save` writes. `progress` and `device`: as `plan`'s."""
+    ffnquant's reference figures on `eval_text`, which `save` writes. `progress` and `device`: as `plan`'s.
+    `max_memory` (bytes, or a size such as '16GB'): the budget the whole model held in memory is checked against
+    before it is read (`hf.memory.export_memory_refusal`; default what the machine has available)."""
     arguments.one_of_type(format, "format", (str,), "'compressed-tensors' or 'onnx'")
     if not isinstance(plan_or_recipe, (Plan, Path, str, Recipe)):
         raise FFNQuantError(f"plan_or_recipe: expected a Plan, a plan.toml path or a recipe such as 'w8a16', got "
@@ -317,6 +320,7 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
     _check_common(text=text, eval_text=eval_text, calib_tokens=calib_tokens, eval_tokens=eval_tokens, seq_len=seq_len,
                   compute_dtype=compute_dtype, tokenizer=tokenizer, progress=progress)
     fmt = get_format(format)
+    max_memory = arguments.size(max_memory, "max_memory")
     device = resolve_device(device)  # before the model is read
     info, scratch = _model_info(model, tokenizer)
     try:
@@ -330,6 +334,9 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
             the_plan = Plan(model_fingerprint(info), {layer.index: recipe for layer in info.layers})
         else:
             raise FFNQuantError(f"expected a Plan, a plan.toml path or a recipe, got {type(plan_or_recipe).__name__}")
+        why = export_memory_refusal(info, max_memory)
+        if why is not None:
+            raise FFNQuantError(why)
         whole, graph_why = format_refusal(info, the_plan, fmt)
         dtype = resolve_compute_dtype(compute_dtype, fmt, info)
         with use_device(device):

@@ -11,6 +11,7 @@ from ..deploy.precision import resolve_compute_dtype
 from ..errors import FFNQuantError
 from ..hf import inspect_model, model_file_stem
 from ..hf.capture import read_text, require_transformers
+from ..hf.memory import export_memory_refusal
 from ..infra.atomic import OutputTransaction
 from ..infra.atomic_folder import check_new_folder, staged_folder
 from ..infra.render import text_table
@@ -18,7 +19,8 @@ from ..onnx.export import DEFAULT_OPSET, export_spec
 from ..planning import load_plan
 from ..report.deploy import decoder_summary, experts_line, fold_line, gate_rows, target_verdict
 from ..wholemodel import DEPLOY_DOC, format_refusal, set_aside_unproven, write_deployment
-from .common import StageBars, add_device_argument, add_spec_arguments, add_text_arguments, specs_from_args, text_files, text_options, token_notes
+from .common import (StageBars, add_device_argument, add_spec_arguments, add_text_arguments, memory_size, specs_from_args,
+                     text_files, text_options, token_notes)
 
 NAME = "export"
 HELP = ("export FFN variants to fp32/fp16 ONNX and check them against torch on onnxruntime; with --model --plan, "
@@ -45,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export (only the files its ffnquant-deploy.json lists)")
     group.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     add_device_argument(group)
+    group.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                       help="memory the export may use in all, e.g. 16GB (default: what the process holds plus what "
+                            "the machine has available); export holds the whole model, and refuses one estimated "
+                            "not to fit before reading it")
     add_text_arguments(group, "calibration text for the static ranges (the plan's)",
                        "held-out text the deployed model is checked on", eval_tokens=4096)
 
@@ -58,7 +64,8 @@ _PLAN_ONLY = {"--format": ("format", None), "--force": ("force", False), "--comp
               "--text": ("text", None), "--eval-text": ("eval_text", None), "--calib-tokens": ("calib_tokens", None),
               "--calib-samples": ("calib_samples", None), "--eval-tokens": ("eval_tokens", 4096),
               "--seq-len": ("seq_len", None), "--chat-template": ("chat_template", False),
-              "--no-progress": ("no_progress", False), "--device": ("device", "auto")}
+              "--no-progress": ("no_progress", False), "--device": ("device", "auto"),
+              "--max-memory": ("max_memory", None)}
 
 
 def _given(args: argparse.Namespace, options: dict) -> list[str]:
@@ -88,6 +95,9 @@ def _export_plan(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan, info)
     whole, graph_why = format_refusal(info, plan, fmt)
 
+    why = export_memory_refusal(info, args.max_memory)
+    if why is not None:
+        raise FFNQuantError(why)
     dtype = resolve_compute_dtype(args.compute_dtype, fmt, info)
     require_transformers()
     texts = text_options(args, info)
