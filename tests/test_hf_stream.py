@@ -454,23 +454,54 @@ def test_a_layer_that_transformers_refuses_to_run_on_token_ids_alone_is_named_no
         assert not _raised_in_transformers(exc)
 
 
-def test_a_loop_that_reads_each_layers_output_as_a_structure_is_refused_in_one_line(tmp_path):
-    """Reformer's reversible layers return an output object (attn_output, hidden_states) that its loop reads by
-    attribute: the engine's stand-ins answer with the hidden states alone, so the model is refused naming that,
-    not reported as an internal error."""
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed"])
+def test_a_loop_that_reads_each_layers_output_by_field_is_answered_in_the_layers_own_form(tmp_path, resident):
+    """Reformer's reversible layers take prev_attn_output first and hidden_states by name, and return a named tuple
+    (hidden_states, attn_output, ...) that its loop reads by field, handing attn_output to the next layer and
+    concatenating the last pair: the stand-ins answer in that named tuple, the layers are called with their hidden
+    states by name, each layer's second output is kept in the replayed streams (which hand it to the next layer and
+    the model's output), and the engine's logits are
+    transformers' own (its LSH attention draws its hashing at random on each forward: within 1e-5 relative)."""
     import transformers as T
 
     from ffnquant.hf import inspect_model
+    from ffnquant.hf.metrics import _run
     from ffnquant.hf.spill import Store as _Store
     from ffnquant.hf.stream import SequentialModel
-    from hf_models import save_causal_tiny
+    from hf_models import tiny_or_skip
 
-    folder = save_causal_tiny(T, "reformer", tmp_path / "reformer")
-    engine = SequentialModel(inspect_model(folder), resident=True)
-    ids = torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(FFNQuantError, match=r"its forward reads each decoder layer's output as more than the hidden "
-                                            r"states \(AttributeError: 'Tensor' object has no attribute 'attn_output'\)"):
-        engine.embed([ids], _Store(None, "embedded"))
+    folder = tiny_or_skip("reformer", tmp_path / "reformer")
+    info = inspect_model(folder)
+    ids = torch.randint(3, 90, (2, 64), generator=torch.Generator().manual_seed(0))
+    want = _run(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), info, ids).logits
+    engine = SequentialModel(info, resident=resident)
+    store = _Store(None, "text")
+    calls = engine.embed([ids], store)
+    assert engine._tuple_out.__name__ == "ReformerOutput" and engine.replay
+    for j in range(len(engine.layers)):
+        with engine.layer(j):
+            engine.run(j, store, calls)
+    _, logits = engine.head_out(store.get(0))
+    assert torch.allclose(logits, want.detach(), rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_forward_without_autograd_is_planned_no_and_its_random_forward_named_by_the_proof(tmp_path, capsys):
+    """Reformer's layers compute under no_grad (its training backward recomputes them): plan says it cannot take
+    the loss gradients; an export of a hand-written plan runs, and its proof fails naming the model's own forward,
+    which is not deterministic (LSH hashing drawn at random), with the folder set aside."""
+    from ffnquant.cli import main
+    from hf_models import export_one_recipe, tiny_or_skip
+
+    folder = tiny_or_skip("reformer", tmp_path / "reformer")
+    rc = main(["plan", "--model", str(folder), "--target", "ppl+5%", "--objective", "bytes", "--candidates",
+               "fp32,w4a16-g32", "--calib-tokens", "256", "--eval-tokens", "128", "--seq-len", "128",
+               "--probe-tokens", "128", "--no-progress", "--out", str(tmp_path / "p")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "computes its decoder layers without autograd" in err, err
+    assert export_one_recipe(folder, "w4a16-g32", tmp_path / "ct") == 1
+    out = capsys.readouterr().out
+    assert "the original model's own forward is not deterministic" in out, out
+    assert not (tmp_path / "ct").exists() and (tmp_path / "ct.not-proven").is_dir()
 
 
 @pytest.mark.parametrize("model_type, order", [("dory", (0, 1, 0, 1)), ("hrm_text", (0, 1) * 6),

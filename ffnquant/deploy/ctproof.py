@@ -35,6 +35,15 @@ __all__ = ["LOAD_TOLERANCE", "verify_folder"]
 LOAD_TOLERANCE = 1e-3
 
 
+def _gates_why(allowance: dict) -> str:
+    """Why the end-to-end gates are not met, where the original model itself is the cause."""
+    if allowance.get("deterministic") is False:
+        return ("end-to-end gates not met: the original model's own forward is not deterministic (two runs on the "
+                "same text differ: an attention that draws at random, such as LSH hashing without a seed), so no "
+                "run reproduces ffnquant's recorded reference")
+    return "end-to-end gates not met"
+
+
 def _layer_parity(loaded: Any, planned: PlannedModel) -> dict[str, Any]:
     """Each FFN of the loaded folder against ffnquant's quantized FFN on the SAME inputs (those the loaded model
     feeds it on the first held-out sequence: a layer's every output element compared, which one sequence shows as
@@ -224,7 +233,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
         (not missing, f"transformers initialised {len(missing)} tensor(s) at random, missing from the files "
                       f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"),
         (weights["all_identical"], "weights differ"), (inputs["all_equal"], "static input qparams differ"),
-        (layers["all_at_parity"], "layers not within rounding ties"), (load["gates"]["met"], "end-to-end gates not met"),
+        (layers["all_at_parity"], "layers not within rounding ties"), (load["gates"]["met"], _gates_why(allowance)),
         # transformers failing to generate with the model class at all is said in `generation["skipped"]`
         (generation["prompts"] > 0 or generation.get("skipped"), f"no generation prompt: the held-out text has {figures.get('n_tokens') or 0} "
                                     "tokens, fewer than one 16-token prompt; give a longer --eval-text")) if not ok]

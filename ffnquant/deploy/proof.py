@@ -392,6 +392,10 @@ def rounding_allowance(planned: PlannedModel, references: Sequence[Any] | None =
                            "reference_gap": gaps,
                            "reproduces_reference": all(g <= _REPRODUCE * size[k] for k, g in gaps.items()),
                            "convention": None}
+    if not out["reproduces_reference"]:  # why not: a second plain run tells a forward that draws at random
+        again = _run_figures(planned, ffns, refs, 0.0)
+        out["deterministic"] = all(_difference(k, again[k], plain[k]) == 0.0 for k in _FIGURES
+                                   if plain[k] is not None and again[k] is not None)
     if numerics is not None:
         ffns = {layer: numerics(q) for layer, q in ffns.items()}
         at_one = _run_figures(planned, ffns, refs, 0.0)

@@ -38,22 +38,32 @@ def rows(item: Any, n: int, dim: int) -> Any:
     """A stream's first `n` sequences: the ids' rows, and every output's and the hidden states' along `dim`."""
     if not is_trail(item):
         return item.narrow(dim, 0, n)
-    return {"ids": item["ids"][:n], "outs": [o.narrow(dim, 0, n) for o in item["outs"]],
-            "hidden": item["hidden"].narrow(dim, 0, n)}
+
+    def cut(o: Any) -> Any:  # an output kept with its second output (`advanced`)
+        return tuple(cut(x) for x in o) if isinstance(o, tuple) else None if o is None else o.narrow(dim, 0, n)
+
+    return {"ids": item["ids"][:n], "outs": [cut(o) for o in item["outs"]], "hidden": item["hidden"].narrow(dim, 0, n)}
 
 
-def _stand_ins(engine: Any, outs: list[torch.Tensor], record: list | None, stop_at: int | None) -> list[StandIn]:
-    """Each layer a stand-in: those already run answer their outputs; the one at `stop_at` records what the model
-    hands it and ends the forward."""
+def _stand_ins(engine: Any, outs: list[Any], record: list | None, stop_at: int | None) -> list[StandIn]:
+    """Each layer a stand-in: those already run answer their outputs (with their second outputs, where kept);
+    the one at `stop_at` records what the model hands it and ends the forward."""
     n = len(engine.layers)
-    return [StandIn(record if i == stop_at else None, outs[i].to(engine.device) if i < len(outs) else None,
-                    stop=i == stop_at, as_tuple=engine._tuple_out) for i in range(n)]
+
+    def on(value: Any) -> Any:
+        return None if value is None else value.to(engine.device)
+
+    pairs = [o if isinstance(o, tuple) else (o, None) for o in outs]
+    return [StandIn(record if i == stop_at else None, on(pairs[i][0]) if i < len(pairs) else None,
+                    stop=i == stop_at, as_tuple=engine._tuple_out, carry=on(pairs[i][1]) if i < len(pairs) else None)
+            for i in range(n)]
 
 
-def advanced(engine: Any, item: dict[str, Any], out: torch.Tensor, j: int) -> dict[str, Any]:
-    """The stream after layer `j` gave `out`: the output kept, and the next layer's input as the model's forward
-    computes it from every output so far (after the last layer, `out` itself)."""
-    outs = [*item["outs"], out]
+def advanced(engine: Any, item: dict[str, Any], out: torch.Tensor, j: int, second: Any = None) -> dict[str, Any]:
+    """The stream after layer `j` gave `out` (and `second`, its second output where the model's loop hands it on):
+    the output kept, and the next layer's input as the model's forward computes it from every output so far
+    (after the last layer, `out` itself)."""
+    outs = [*item["outs"], out if second is None else (out, second)]
     if j + 1 >= len(engine.layers):
         return {"ids": item["ids"], "outs": outs, "hidden": out}
     record: list = []

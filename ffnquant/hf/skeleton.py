@@ -106,7 +106,25 @@ class StandIn(nn.Module):
             raise Stop
         out = self.hidden if self.hidden is not None else hidden_states
         # in the form the model's loop reads its layers' outputs: (hidden, attention weights) for Falcon's
-        return (out, self.carry) if self.as_tuple else out
+        return answer(out, self.carry, self.as_tuple)
+
+
+def answer(out: Any, carry: Any, form: Any) -> Any:
+    """A layer's output in the form the model's loop reads it (`form`): the hidden states alone (False), a tuple
+    (hidden states, second output) (True), or the layer's own named tuple, read by field (Reformer's reversible
+    layers: ReformerOutput(hidden_states, attn_output, ...)), its later fields None."""
+    if not form:
+        return out
+    if form is True:
+        return (out, carry)
+    return form(out, carry, *(None,) * (len(form._fields) - 2))
+
+
+def output_form(out: Any) -> Any:
+    """The form `answer` gives a layer's output `out` as the layer returns it: its named tuple type where it is one
+    of two fields or more (read by field), else True."""
+    fields = getattr(type(out), "_fields", None)
+    return type(out) if isinstance(out, tuple) and fields and len(fields) >= 2 else True
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import dataclasses
 import inspect
 from pathlib import Path
@@ -36,8 +37,8 @@ from .capture import (
     require_transformers,
 )
 from .checkpoint import LayerInfo, ModelInfo, _Weights
-from .skeleton import (StandIn, Stop, base_of, beside, causal_lm_from_config, decoder_list, parameters_on_meta,
-                       stored_names)
+from .skeleton import (StandIn, Stop, base_of, beside, causal_lm_from_config, decoder_list, output_form,
+                       parameters_on_meta, stored_names)
 from .head import LMHead
 from .looped import Calls, dispatching
 from .inputs import EvalSettings, fit_settings
@@ -59,6 +60,15 @@ Progress = Callable[[str, int, int], None]
 
 class _Unpacked(Exception):
     """The model's loop unpacked a stand-in's plain tensor as (hidden, attention weights)."""
+
+
+class _ReadsFields(Exception):
+    """The model's loop read a stand-in's output by field name (Reformer's `layer_outputs.attn_output`): `call` is
+    the first layer's, on which the layer's own output shows its form."""
+
+    def __init__(self, call: tuple) -> None:
+        super().__init__()
+        self.call = call
 
 
 class SequentialModel(LMHead):
@@ -257,7 +267,11 @@ class SequentialModel(LMHead):
         n = len(self.layers)
         for b, ids in enumerate(batches):
             try:
-                record = self._record(ids.to(self.device), n)
+                try:
+                    record = self._record(ids.to(self.device), n)
+                except _ReadsFields as fields:  # answered from now on in the first layer's own output form
+                    self._tuple_out = self._output_form(fields.call)
+                    record = self._record(ids.to(self.device), n)
             except (IndexError, _Unpacked) as exc:  # the loop indexed a plain tensor's output down to a scalar
                 # (MVP's 12 layers), or unpacked it as (hidden, attention weights) (Bamba's: a batch of one is one value)
                 if (b or self._tuple_out) and isinstance(exc, _Unpacked):
@@ -313,10 +327,12 @@ class SequentialModel(LMHead):
             except Stop:
                 pass
             except AttributeError as exc:
-                if not raised_in_transformers(exc) or "'Tensor' object has no attribute" not in str(exc):
+                if not raised_in_transformers(exc) or "object has no attribute" not in str(exc):
                     raise
-                # the model's loop reads each layer's output as a structure (Reformer's reversible layers: an
-                # output object with attn_output and hidden_states), not as hidden states
+                # the model's loop reads each layer's output by field (Reformer's reversible layers: a named tuple
+                # of hidden_states and attn_output): answered in the layer's own form where it is a named tuple
+                if record and self._tuple_out is False:
+                    raise _ReadsFields(record[0]) from None
                 raise FFNQuantError(f"{self.info.path}: its forward reads each decoder layer's output as more than "
                                     f"the hidden states ({type(exc).__name__}: {first_line(exc)}); the engine runs "
                                     "a model whose layers each take and return its hidden states") from None
@@ -326,6 +342,14 @@ class SequentialModel(LMHead):
                 raise FFNQuantError(f"{self.info.path}: transformers' forward of the model refuses a plain call with "
                                     f"token ids: {first_line(exc)}{_config_hint(self.info)}") from None
         return record
+
+    def _output_form(self, call: tuple) -> Any:
+        """The form the stand-ins answer in (`skeleton.answer`) for a loop that reads its layers' outputs by field:
+        the first layer's own output type, from the layer run on its recorded call."""
+        hidden, args, kwargs = call
+        with self.layer(0), torch.no_grad():
+            out = self._layer(0, hidden, self._no_cache(args, kwargs))
+        return output_form(out)
 
     def _no_cache(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         # The KV cache (a keyword, or positional as GPT-2 passes it) only keeps each layer's keys and values for a
@@ -362,8 +386,11 @@ class SequentialModel(LMHead):
                 out = _host(raw[0] if isinstance(raw, (tuple, list)) else raw)  # OpenAI GPT's blocks return a list
                 if j + 1 in self.carried:  # handed to the next layer by the model's loop
                     store.carried[b] = _host(raw[1])
-                if self.replay:
-                    item = replay.advanced(self, item, out, j)
+                if self.replay:  # its second output too where the loop reads outputs by field (Reformer's
+                    # attn_output, which the next layer and the model's output read)
+                    second = _host(raw[1]) if not isinstance(self._tuple_out, bool) and isinstance(raw, tuple) \
+                        and isinstance(raw[1], torch.Tensor) else None
+                    item = replay.advanced(self, item, out, j, second)
                     call = item.pop("call", None)
                     if call is not None:  # the next layer's call as the forward computed it from the outputs so far
                         store.calls[b] = _host(call)
@@ -396,7 +423,10 @@ class SequentialModel(LMHead):
         device = device or self.device
         args, kwargs = to_device(call, device)
         try:
-            out = self.layers[j](hidden.to(device), *args, **kwargs)
+            if _hidden_by_name(self.layers[j]):  # as the model's loop passes it (Reformer's layers)
+                out = self.layers[j](*args, hidden_states=hidden.to(device), **kwargs)
+            else:
+                out = self.layers[j](hidden.to(device), *args, **kwargs)
         except Exception as exc:
             if not raised_in_transformers(exc):
                 raise
@@ -468,6 +498,22 @@ class SequentialModel(LMHead):
             yield self.layers[j]
         finally:
             self.offload(self.layers[j])
+
+
+@functools.lru_cache(maxsize=None)
+def _by_name(forward: Any) -> bool:
+    try:
+        params = [p for p in inspect.signature(forward).parameters.values() if p.name != "self"]
+    except (TypeError, ValueError):
+        return False
+    names = [p.name for p in params]
+    return "hidden_states" in names[1:] and params[0].kind is not inspect.Parameter.VAR_POSITIONAL
+
+
+def _hidden_by_name(layer: nn.Module) -> bool:
+    """Whether decoder layer `layer` takes its hidden states by name and not first (Reformer's reversible layers
+    take prev_attn_output first): the stand-in received them as `hidden_states`, and the layer is called so."""
+    return _by_name(type(layer).forward)
 
 
 def token_batches_of(info: ModelInfo, text, split: str, settings: EvalSettings, max_tokens: int) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ..errors import FFNQuantError
 from ..hf.memory import Needs
 from ..hf.metrics import TOP_K
 from .scores import SCORE_ROWS, held_rows
@@ -119,6 +120,17 @@ def _nbytes(module: Any) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
+
+
+def _check_differentiable(info: Any, value: torch.Tensor) -> None:
+    """Refuse, naming the cause, a model whose own forward computes without autograd (Reformer's reversible layers
+    run under no_grad, their gradients recomputed by a backward only training runs): the plan's loss gradients at
+    the FFN outputs cannot be taken from it."""
+    if not value.requires_grad:
+        raise FFNQuantError(f"{info.path}: its forward computes its decoder layers without autograd (their outputs "
+                            "carry no gradient), so plan cannot take the loss gradients it weighs each candidate's "
+                            "error by; quantize --model with a recipe, and export with a plan written by hand, do "
+                            "not need them")
 
 
 class PlanSource(VerificationRounds):
@@ -340,6 +352,8 @@ class PlanSource(VerificationRounds):
                     out = block(x, *args, **kwargs)
                     out = out[0] if isinstance(out, tuple) else out
                     wrt = ([found[j]] if j in found else []) + ([x] if j > 0 else [])
+                    if wrt:
+                        _check_differentiable(self.info, out)
                     got = torch.autograd.grad(out, wrt, grad_outputs=self.grad_out.get(b).to(device)) if wrt else ()
                     if j in found:
                         rows.append(_host(got[0].detach().reshape(-1, got[0].shape[-1]).float()))
@@ -373,7 +387,9 @@ class PlanSource(VerificationRounds):
                         probes.enter_context(_hooked(module, gradient_probe(found, j)))
                     logits = m.model(input_ids=ids.to(m.device), use_cache=False).logits
                     keys = sorted(found)
-                    got = torch.autograd.grad(_nll_sum(logits, ids.to(m.device)), [found[j] for j in keys])
+                    loss = _nll_sum(logits, ids.to(m.device))
+                    _check_differentiable(self.info, loss)
+                    got = torch.autograd.grad(loss, [found[j] for j in keys])
                 for j, g in zip(keys, got):
                     rows[j].append(_host(g.detach().reshape(-1, g.shape[-1]).float()))
                 self.progress(f"loss gradients (search text, the whole model): batch {b + 1}", b + 1,
