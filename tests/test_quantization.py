@@ -256,3 +256,22 @@ def test_quantize_model_records_each_quantized_weights_grid():
     q = quantize_model(model, "w4a16-g32")
     assert set(q.weight_grids) == {"w_up", "w_gate", "w_down"}
     assert q.weight_grids["w_down"].scale.shape == (32, 2)
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16-g32", "w8a8"], ids=str)
+def test_the_quantized_module_and_its_linears_hold_one_weight_and_compact_codes(scheme):
+    """What an export keeps per weight: the decoded values once (the module's weight is the QuantizedLinear's, in the
+    float weight's layout) and int8 codes that decode to them exactly."""
+    spec = FFNSpec(Variant.SWIGLU, d_model=64, d_ff=128)
+    prep = prepare(spec, "gaussian", 64, 32)
+    qm = quantize_model(prep.model, scheme, prep.table, calibrator="minmax")
+    assert set(qm.linears) == set(spec.weight_names)
+    for name, ql in qm.linears.items():
+        weight = getattr(qm.model, name).weight
+        assert ql.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        assert ql.codes.dtype == torch.int8
+        scale = ql.grid.scale if ql.grid.granularity != "per_group" else ql.grid.scale.repeat_interleave(32, 1)
+        zp = ql.grid.zero_point if ql.grid.granularity != "per_group" else ql.grid.zero_point.repeat_interleave(32, 1)
+        scale = scale.reshape(-1, 1) if scale.ndim == 1 else scale
+        zp = zp.reshape(-1, 1) if zp.ndim == 1 else zp
+        assert torch.equal(((ql.codes.to(torch.int32) - zp).float() * scale)[:, : weight.shape[1]], weight)

@@ -319,7 +319,10 @@ def quantize_model(
             lin = getattr(new, name)
             h = hessians.get(name) if hessians is not None else None
             ql = handler.quantize(lin.weight, scheme, h)
-            lin.weight.copy_(ql.weight)
+            lin.weight.copy_(ql.weight)  # into the float weight's layout, which the forward's sums follow
+            # one tensor for both: the module's weight holds the decoded values exactly (float32 into float32), and
+            # a second copy per weight was a whole model's worth of float32 in an export (`deploy.planned`)
+            ql = replace(ql, weight=lin.weight.detach()) if ql.weight.dtype == lin.weight.dtype else ql
             site = WEIGHT_INPUT_SITE[name]
             mode = None if site not in sites or scheme.act_dtype.is_float else str(scheme.act_mode)
             linears[name] = ql.with_input(name, site, mode, rng.get(site))

@@ -59,9 +59,11 @@ class QuantizedLinear:
     """One weight matrix quantized under `scheme` by its method's handler.
 
     - `weight`: [out, in] float32, the values the stored form decodes to (what the fake-quant forward multiplies by).
-    - `grid` and `codes`: the integer grid and the int32 codes on its signed range, [out, in] ([out, K'] for
-      groups, the padded columns holding the zero point), or the fp8 grid and its float8_e4m3fn codes; None for
-      float weights and code-book formats.
+    - `grid` and `codes`: the integer grid and the codes on its signed range, [out, in] ([out, K'] for groups, the
+      padded columns holding the zero point), int8 (a grid of 8 bits or fewer: a quarter of int32's bytes, which
+      for a model's every weight is most of what an export holds beside its float copies; arithmetic on them
+      widens first, as `unsigned_codes` does), or the fp8 grid and its float8_e4m3fn codes; None for float
+      weights and code-book formats.
     - `zero_float`: HQQ's fitted float zero points [out, groups] with unsigned 0..15 `codes` and no integer grid
       (value = (code - zero_float) * scale, `grid` None, the scales in `scale_float`).
     - bitsandbytes' nf4 / fp4: `codes` its packed uint8 codes over the flattened weight, `scale_float` its block
@@ -81,6 +83,12 @@ class QuantizedLinear:
     input_mode: str | None = None
     input_range: "SiteRange | None" = None
 
+    def __post_init__(self) -> None:
+        grid, codes = self.grid, self.codes
+        if grid is not None and grid.kind == "int" and grid.bits <= 8 and codes is not None \
+                and codes.dtype != torch.int8 and not codes.is_floating_point():
+            object.__setattr__(self, "codes", codes.to(torch.int8))  # exact: the signed range fits
+
     @property
     def method(self) -> str:
         return str(self.scheme.method)
@@ -97,4 +105,4 @@ class QuantizedLinear:
         if self.codes is None or self.grid is None:
             raise FFNQuantError(f"{self.name or 'weight'}: {self.scheme.name} stores no integer codes (a float weight or a "
                                 "code book)")
-        return self.codes + (1 << (self.grid.bits - 1))
+        return self.codes.to(torch.int32) + (1 << (self.grid.bits - 1))
