@@ -485,23 +485,38 @@ def test_a_loop_that_reads_each_layers_output_by_field_is_answered_in_the_layers
     assert torch.allclose(logits, want.detach(), rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
-def test_a_forward_without_autograd_is_planned_no_and_its_random_forward_named_by_the_proof(tmp_path, capsys):
-    """Reformer's layers compute under no_grad (its training backward recomputes them): plan says it cannot take
-    the loss gradients; an export of a hand-written plan runs, and its proof fails naming the model's own forward,
-    which is not deterministic (LSH hashing drawn at random), with the folder set aside."""
+def test_a_reversible_model_is_planned_from_its_training_backward_and_proven_through_its_random_draws(tmp_path, capsys):
+    """Reformer's layers compute under no_grad (its training backward recomputes them): plan takes the loss
+    gradients from that backward, and the export of its plan is proven, the proof measuring that the original
+    model's own forward draws at random (LSH hashing) and allowing those draws."""
+    import json
+
     from ffnquant.cli import main
-    from hf_models import export_one_recipe, tiny_or_skip
+    from hf_models import tiny_or_skip
 
     folder = tiny_or_skip("reformer", tmp_path / "reformer")
-    rc = main(["plan", "--model", str(folder), "--target", "ppl+5%", "--objective", "bytes", "--candidates",
-               "fp32,w4a16-g32", "--calib-tokens", "256", "--eval-tokens", "128", "--seq-len", "128",
-               "--probe-tokens", "128", "--no-progress", "--out", str(tmp_path / "p")])
-    err = capsys.readouterr().err
-    assert rc == 2 and "computes its decoder layers without autograd" in err, err
-    assert export_one_recipe(folder, "w4a16-g32", tmp_path / "ct") == 1
-    out = capsys.readouterr().out
-    assert "the original model's own forward is not deterministic" in out, out
-    assert not (tmp_path / "ct").exists() and (tmp_path / "ct.not-proven").is_dir()
+    tokens = ["--calib-tokens", "256", "--eval-tokens", "128", "--seq-len", "128"]
+    assert main(["plan", "--model", str(folder), "--target", "ppl+5%", "--objective", "bytes", "--candidates",
+                 "fp32,w4a16-g32", *tokens, "--probe-tokens", "128", "--no-progress", "--out", str(tmp_path / "p")]) == 0
+    capsys.readouterr()
+    assert main(["export", "--model", str(folder), "--plan", str(tmp_path / "p" / "plan.toml"), "--format",
+                 "compressed-tensors", *tokens, "--no-progress", "--out", str(tmp_path / "ct")]) == 0
+    assert "the original model's forward draws at random" in capsys.readouterr().out
+    proof = json.loads((tmp_path / "ct" / "ffnquant-deploy.json").read_text())["proof"]
+    assert proof["proven"] and proof["load"]["allowance"]["deterministic"] is False
+
+
+def test_a_forward_without_any_gradient_is_refused_by_plan_naming_it():
+    """Where neither the evaluation nor the training forward carries a gradient to the FFN outputs, plan says so in
+    one line naming the model (`planning.source._whole_gradients` checks the loss of each)."""
+    from types import SimpleNamespace
+
+    from ffnquant.planning.source import _check_differentiable
+
+    _check_differentiable(SimpleNamespace(path="m"), torch.zeros(2, requires_grad=True).sum())
+    with pytest.raises(FFNQuantError, match=r"^m: its forward computes its decoder layers without autograd") as exc:
+        _check_differentiable(SimpleNamespace(path="m"), torch.zeros(2).sum())
+    assert "\n" not in str(exc.value)
 
 
 @pytest.mark.parametrize("model_type, order", [("dory", (0, 1, 0, 1)), ("hrm_text", (0, 1) * 6),

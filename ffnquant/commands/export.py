@@ -175,6 +175,9 @@ def _print_deploy(doc: dict, out: Path) -> None:
             print(text_table(["gate", "deployed", "reference", "worse by", "allowed", "met"], gate_rows(gates)))
             if gates.get("convention"):
                 print(f"  reference computed with {gates['convention']}, as the folder runs it")
+            if (load.get("allowance") or {}).get("deterministic") is False:
+                print("  the original model's forward draws at random (two runs on the same text differ): the "
+                      "reference is one draw, and the allowed spread holds the draws")
             if not gates["reproduces_reference"]:
                 print("  the rounding allowance's plain run did not reproduce ffnquant's recorded reference: NOT met")
     graph = doc.get("graph") or {}

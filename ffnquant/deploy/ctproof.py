@@ -37,10 +37,10 @@ LOAD_TOLERANCE = 1e-3
 
 def _gates_why(allowance: dict) -> str:
     """Why the end-to-end gates are not met, where the original model itself is the cause."""
-    if allowance.get("deterministic") is False:
+    if allowance.get("deterministic") is False and not allowance.get("reproduces_reference"):
         return ("end-to-end gates not met: the original model's own forward is not deterministic (two runs on the "
-                "same text differ: an attention that draws at random, such as LSH hashing without a seed), so no "
-                "run reproduces ffnquant's recorded reference")
+                "same text differ: an attention that draws at random, such as LSH hashing without a seed), and "
+                "ffnquant's recorded reference lies further from a plain run than twice what another draw moves it")
     return "end-to-end gates not met"
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .skeleton import StandIn, Stop
 
-__all__ = ["advanced", "current", "head", "is_trail", "rows", "trail"]
+__all__ = ["advanced", "call_at", "current", "head", "is_trail", "rows", "trail"]
 
 
 def trail(ids: torch.Tensor, hidden: torch.Tensor) -> dict[str, Any]:
@@ -66,16 +66,27 @@ def advanced(engine: Any, item: dict[str, Any], out: torch.Tensor, j: int, secon
     outs = [*item["outs"], out if second is None else (out, second)]
     if j + 1 >= len(engine.layers):
         return {"ids": item["ids"], "outs": outs, "hidden": out}
+    hidden, call = _recorded(engine, item["ids"], outs, j + 1)
+    # the call as the forward hands it, its other arguments too (computed from the outputs so far: Inkling 2's
+    # block states, Reformer's attn_output); `hf.stream` keeps it beside the stream (`Store.calls`)
+    return {"ids": item["ids"], "outs": outs, "hidden": hidden.to(out.device), "call": call}
+
+
+def call_at(engine: Any, item: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The call the model's forward hands a stream's next layer, found again from the outputs it keeps: for a stream
+    cut from another (`rows`: a probe's leading sequences), whose kept call was the whole batch's."""
+    return _recorded(engine, item["ids"], item["outs"], len(item["outs"]))[1]
+
+
+def _recorded(engine: Any, ids: torch.Tensor, outs: list[Any], j: int) -> tuple[torch.Tensor, tuple]:
+    """(hidden states, call) the model's forward hands layer `j`, every earlier layer answering its output."""
     record: list = []
-    with engine._stand_ins(_stand_ins(engine, outs, record, j + 1)), torch.no_grad():
+    with engine._stand_ins(_stand_ins(engine, outs, record, j)), torch.no_grad():
         try:
-            engine.runner(input_ids=item["ids"].to(engine.device), use_cache=False)
+            engine.runner(input_ids=ids.to(engine.device), use_cache=False)
         except Stop:
             pass
-    # the call as the forward hands it, its other arguments too (computed from the outputs so far: Inkling 2's
-    # block states); `hf.stream` keeps it beside the stream (`Store.calls`)
-    return {"ids": item["ids"], "outs": outs, "hidden": record[0][0].detach().to(out.device),
-            "call": engine._no_cache(record[0][1], record[0][2])}
+    return record[0][0].detach(), engine._no_cache(record[0][1], record[0][2])
 
 
 def head(engine: Any, item: dict[str, Any]) -> torch.Tensor:

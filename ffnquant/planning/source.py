@@ -122,15 +122,32 @@ def _nbytes(module: Any) -> int:
     return total
 
 
+@contextlib.contextmanager
+def _training_backward(engine: Any):
+    """While active, the engine's decoder layers (not their submodules) are in training mode and its embedding's
+    output requires a gradient: what a reversible model's training backward needs to run (`_whole_gradients`)."""
+    layers = list(engine.layers)
+    was = [layer.training for layer in layers]
+    handle = engine.embedding.register_forward_hook(lambda module, args, out: out.detach().requires_grad_())
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        handle.remove()
+        for layer, mode in zip(layers, was):
+            layer.training = mode
+
+
 def _check_differentiable(info: Any, value: torch.Tensor) -> None:
     """Refuse, naming the cause, a model whose own forward computes without autograd (Reformer's reversible layers
     run under no_grad, their gradients recomputed by a backward only training runs): the plan's loss gradients at
     the FFN outputs cannot be taken from it."""
     if not value.requires_grad:
         raise FFNQuantError(f"{info.path}: its forward computes its decoder layers without autograd (their outputs "
-                            "carry no gradient), so plan cannot take the loss gradients it weighs each candidate's "
-                            "error by; quantize --model with a recipe, and export with a plan written by hand, do "
-                            "not need them")
+                            "carry no gradient, in evaluation or training mode), so plan cannot take the loss "
+                            "gradients it weighs each candidate's error by; quantize --model with a recipe, and "
+                            "export with a plan written by hand, do not need them")
 
 
 class PlanSource(VerificationRounds):
@@ -372,8 +389,6 @@ class PlanSource(VerificationRounds):
         read: for a model whose forward computes between its layers (`hf.replay`), where the gradient cannot be
         taken back a layer at a time. The probes' inputs are kept as the layer-by-layer pass keeps them."""
         from ..hf.stream import _host
-        from ..infra.blas import bf16_products
-        from .sensitivity import _nll_sum, gradient_probe
 
         m, n = self.model, len(self.model.layers)
         rows: dict[int, list[torch.Tensor]] = {j: [] for j in self.outputs}
@@ -381,16 +396,7 @@ class PlanSource(VerificationRounds):
             for j in range(n):
                 stack.enter_context(m.layer(j))
             for b, ids in enumerate(self.calib_ids[: self.n_grad_batches]):
-                found: dict[int, torch.Tensor] = {}
-                with contextlib.ExitStack() as probes, torch.enable_grad(), bf16_products():
-                    for j, module in self.outputs.items():
-                        probes.enter_context(_hooked(module, gradient_probe(found, j)))
-                    logits = m.model(input_ids=ids.to(m.device), use_cache=False).logits
-                    keys = sorted(found)
-                    loss = _nll_sum(logits, ids.to(m.device))
-                    _check_differentiable(self.info, loss)
-                    got = torch.autograd.grad(loss, [found[j] for j in keys])
-                for j, g in zip(keys, got):
+                for j, g in self._whole_gradients(ids.to(m.device)).items():
                     rows[j].append(_host(g.detach().reshape(-1, g.shape[-1]).float()))
                 self.progress(f"loss gradients (search text, the whole model): batch {b + 1}", b + 1,
                               self.n_grad_batches)
@@ -399,12 +405,44 @@ class PlanSource(VerificationRounds):
                 self.grads.put(j, torch.cat(rows[j]))
             self._keep_probe_inputs(j)
 
+    def _whole_gradients(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{layer: the loss gradient at its FFN's output} from one backward pass of the whole model on `ids`. A
+        model whose forward computes its layers without autograd (Reformer's reversible layers run under no_grad)
+        gives them from its own training backward instead, which recomputes each layer: the decoder layers alone
+        in training mode (their submodules, dropout among them, left in eval), the embedding's output made to
+        require a gradient, each FFN output's gradient read as its recomputation receives it."""
+        from ..infra.blas import bf16_products
+        from .sensitivity import _nll_sum, gradient_probe
+
+        m = self.model
+        for training in (False, True):
+            found: dict[int, torch.Tensor] = {}
+            with contextlib.ExitStack() as probes, torch.enable_grad(), bf16_products():
+                for j, module in self.outputs.items():
+                    probes.enter_context(_hooked(module, gradient_probe(found, j)))
+                if training:
+                    probes.enter_context(_training_backward(m))
+                loss = _nll_sum(m.model(input_ids=ids, use_cache=False).logits, ids)
+                if not loss.requires_grad and not training:
+                    continue
+                _check_differentiable(self.info, loss)
+                keys = sorted(found)
+                if not training:
+                    return dict(zip(keys, torch.autograd.grad(loss, [found[j] for j in keys])))
+                loss.backward()
+                return {j: found[j].grad for j in keys if found[j].grad is not None}
+        return {}
+
     def _keep_probe_inputs(self, j: int) -> None:
         """Layer j's kept search inputs cut to the probe tokens' (the rows their ablations start from), once its
         gradients are taken."""
+        from ..hf import replay
+
         kept = self._store(f"probe-block{j}")
         for b in range(self.n_probe_batches):
             kept.put(b, self.model.rows(self.block_in[j].get(b), self.probe_ids[b].shape[0]))
+            if b in self.block_in[j].calls:  # replayed: the call of the probe's rows, found again from them
+                kept.calls[b] = replay.call_at(self.model, kept.get(b))
             if b in self.block_in[j].carried:  # what the previous layer hands this one (`forward.find_carried`)
                 handed = self.block_in[j].carried[b]  # None too (XLNet's query stream without a target mapping)
                 kept.carried[b] = (self.model.rows(handed, self.probe_ids[b].shape[0])
