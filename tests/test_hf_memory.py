@@ -75,3 +75,16 @@ def test_the_api_refuses_before_reading(dense):
         ffnquant.apply(dense[0], "w8a16", max_memory="1MB")
     with pytest.raises(FFNQuantError, match="max_memory"):
         ffnquant.apply(dense[0], "w8a16", max_memory="lots")
+
+
+def test_the_benchmark_refuses_an_unknown_model_naming_the_valid_ones(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "export_memory.py"
+    spec = importlib.util.spec_from_file_location("export_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--models", "gpt-9", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown model(s) gpt-9; valid: llama-d2048-8L" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

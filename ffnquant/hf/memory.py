@@ -197,17 +197,19 @@ def plan_memory(info: ModelInfo, needs: Needs, *, max_memory: int | None = None,
 
 # `export --model --plan` holds the whole model (`deploy.planned.build_planned_model`): the float model, the float
 # FFNs quantized from, their quantized copies, the planned model and the proof's load of the written folder.
-# Measured peaks (RSS, w4a16 plans, 256 + 128 tokens): a 0.36B-parameter dense Llama (1.4 GB in float32) 7.4 GB, 5.0x
-# its float32 bytes past the runtime; a 0.17B Qwen3-MoE layer of 32 experts 7.1 GB, where each expert's float FFN
-# and its quantized copy come beside the fused tensors: 5x the model and 5x its experts again.
-_EXPORT_MODEL_FACTOR, _EXPORT_EXPERTS_FACTOR = 5, 5
+# Measured peaks (benchmarks/export_memory.py: ru_maxrss, w4a16 plans, 256 + 128 tokens, the quantized weight held
+# once and its codes in int8): a 0.36B-parameter dense Llama (1.4 GB in float32) 7.0 GB, 4.5x its float32 bytes
+# past the runtime; one Qwen3-MoE layer at Qwen3-30B-A3B's widths, where each expert's float FFN and its quantized
+# copy come beside the fused tensors, 4.9 GB with 32 experts (0.17B parameters) and 20.0 GB with 128 (0.62B): 4.5x
+# the model and up to 3.5x its experts again (the resident allocator keeps more of a wider layer's work).
+_EXPORT_MODEL_FACTOR, _EXPORT_EXPERTS_FACTOR = 4.5, 3.5
 
 
 def export_peak(info: ModelInfo) -> int:
     """The estimated peak host memory of exporting `info` as planned (the whole model in memory)."""
     experts = sum(info.spec.n_params for layer in info.layers if layer.expert is not None)
-    return process_rss() + _RUNTIME_BYTES + 4 * (_EXPORT_MODEL_FACTOR * info.n_params_total
-                                                 + _EXPORT_EXPERTS_FACTOR * experts)
+    return process_rss() + _RUNTIME_BYTES + int(4 * (_EXPORT_MODEL_FACTOR * info.n_params_total
+                                                     + _EXPORT_EXPERTS_FACTOR * experts))
 
 
 def export_memory_refusal(info: ModelInfo, max_memory: int | None = None) -> str | None:
