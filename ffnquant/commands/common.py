@@ -140,8 +140,8 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     mode = group.add_mutually_exclusive_group()
     mode.add_argument("--sequential", dest="sequential", action="store_true", default=None,
                       help="read the model's decoder layers from its safetensors one at a time even when it fits (any "
-                           "causal LM whose checkpoint names are its class's; mixture-of-experts checkpoints, which "
-                           "transformers converts as it loads, run whole)")
+                           "causal LM from safetensors; routed experts transformers fuses as it loads are made from "
+                           "the per-expert tensors on disk, a layer at a time)")
     mode.add_argument("--no-sequential", dest="sequential", action="store_false",
                       help="keep the whole model in memory (refused when it does not fit); the same engine and figures")
 
