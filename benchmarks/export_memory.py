@@ -33,20 +33,15 @@ MODELS = {
 
 
 def _dense(folder: Path) -> Path:
-    import torch
     import transformers as T
 
     import hf_models
+    import vllm_experts
 
     T.logging.set_verbosity_error()
     config = T.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
                            num_key_value_heads=4, head_dim=128, vocab_size=hf_models.VOCAB, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    model.config.torch_dtype = "bfloat16"
-    model.save_pretrained(folder)
-    hf_models.tokenizer(T).save_pretrained(folder)
-    return folder
+    return vllm_experts._save(config, folder)  # bf16 random weights, the tests' tokenizer
 
 
 def _plan(folder: Path, recipe: str) -> Path:

@@ -462,6 +462,13 @@ def test_a_loop_that_reads_each_layers_output_by_field_is_answered_in_the_layers
     states by name, each layer's second output is kept in the replayed streams (which hand it to the next layer and
     the model's output), and the engine's logits are
     transformers' own (its LSH attention draws its hashing at random on each forward: within 1e-5 relative)."""
+    engine, logits, want = _engine_and_model_logits("reformer", tmp_path, (2, 64), resident)
+    assert engine._tuple_out.__name__ == "ReformerOutput" and engine.replay
+    assert torch.allclose(logits, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def _engine_and_model_logits(model_type: str, tmp_path, shape: tuple, resident: bool = True):
+    """(the engine after every layer ran on one batch of `shape` token ids, its logits, transformers' own)."""
     import transformers as T
 
     from ffnquant.hf import inspect_model
@@ -470,19 +477,18 @@ def test_a_loop_that_reads_each_layers_output_by_field_is_answered_in_the_layers
     from ffnquant.hf.stream import SequentialModel
     from hf_models import tiny_or_skip
 
-    folder = tiny_or_skip("reformer", tmp_path / "reformer")
+    folder = tiny_or_skip(model_type, tmp_path / model_type)
     info = inspect_model(folder)
-    ids = torch.randint(3, 90, (2, 64), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 90, shape, generator=torch.Generator().manual_seed(0))
     want = _run(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), info, ids).logits
     engine = SequentialModel(info, resident=resident)
     store = _Store(None, "text")
     calls = engine.embed([ids], store)
-    assert engine._tuple_out.__name__ == "ReformerOutput" and engine.replay
     for j in range(len(engine.layers)):
         with engine.layer(j):
             engine.run(j, store, calls)
     _, logits = engine.head_out(store.get(0))
-    assert torch.allclose(logits, want.detach(), rtol=0, atol=1e-5 * float(want.abs().max()))
+    return engine, logits, want.detach()
 
 
 def test_a_reversible_model_is_planned_from_its_training_backward_and_proven_through_its_random_draws(tmp_path, capsys):
@@ -561,27 +567,9 @@ def test_a_stack_whose_output_reads_more_than_its_last_layer_is_replayed(tmp_pat
     """Inkling 2's final input mixes the block states it keeps (its first layer's input) into the last layer's
     output: the head cannot run from the last hidden states alone with stand-in embeddings, so the streams are
     replayed, and the engine's logits are transformers' own."""
-    import transformers as T
-
-    from ffnquant.hf import inspect_model
-    from ffnquant.hf.metrics import _run
-    from ffnquant.hf.spill import Store as _Store
-    from ffnquant.hf.stream import SequentialModel
-    from hf_models import tiny_or_skip
-
-    folder = tiny_or_skip("inkling2_text", tmp_path / "inkling2_text")
-    info = inspect_model(folder)
-    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
-    want = _run(T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), info, ids).logits
-    engine = SequentialModel(info, resident=True)
-    store = _Store(None, "text")
-    calls = engine.embed([ids], store)
+    engine, logits, want = _engine_and_model_logits("inkling2_text", tmp_path, (2, 12))
     assert engine.replay
-    for j in range(len(engine.layers)):
-        with engine.layer(j):
-            engine.run(j, store, calls)
-    _, logits = engine.head_out(store.get(0))
-    assert torch.allclose(logits, want.detach(), rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert torch.allclose(logits, want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
 def test_a_forward_that_loops_in_another_order_than_found_is_refused(tmp_path):
