@@ -195,8 +195,8 @@ def run_vllm_script(script: str, args: dict[str, Any], timeout: float = 900,
                     kv_cache_gib: int = 1) -> tuple[dict[str, Any], str]:
     """Run `script` (a standalone Python file's text: it reads `sys.argv[1]`, a JSON file of `args`, and writes its
     result as JSON to `sys.argv[2]`) with vLLM's interpreter, in a temporary folder: (its result plus `seconds`
-    and `kernels`, the quantized linear kernels vLLM's log names; the log). FFNQuantError with vLLM's own reason
-    when it fails, or when vLLM is not here."""
+    and `kernels`, the linear and MoE kernels vLLM's log names (its unquantized experts kernel too); the log).
+    FFNQuantError with vLLM's own reason when it fails, or when vLLM is not here."""
     why = vllm_unavailable()
     if why is not None:
         raise FFNQuantError(why)
@@ -229,7 +229,7 @@ def run_vllm_script(script: str, args: dict[str, Any], timeout: float = 900,
 def vllm_generate(folder: str | Path, prompts: Sequence[Sequence[int]], new_tokens: int, *, dtype: str = "auto",
                   max_model_len: int = 256, timeout: float = 900) -> dict[str, Any]:
     """vLLM's greedy continuation of each prompt (token ids) from `folder`: {rows: [{tokens, margins}], load_s,
-    generate_s, kernels (the quantized linear kernels its log names), seconds}. FFNQuantError with vLLM's own
+    generate_s, kernels (the linear and MoE kernels its log names), seconds}. FFNQuantError with vLLM's own
     reason when it cannot load or run the folder."""
     args = {"folder": str(Path(folder).resolve()), "prompts": [list(map(int, p)) for p in prompts],
             "new_tokens": int(new_tokens), "dtype": dtype, "max_model_len": int(max_model_len)}
