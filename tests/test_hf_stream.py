@@ -430,7 +430,8 @@ def test_a_loop_that_unpacks_each_layers_output_is_answered_as_a_tuple(tmp_path,
 def test_a_layer_that_transformers_refuses_to_run_on_token_ids_alone_is_named_not_an_internal_error(tmp_path):
     """Gemma 4's assistant (a draft model) reads its target model's key/value states in its layers' attention: run
     from token ids alone, transformers' own layer raised a KeyError, reported as a bug of ffnquant. Now one line
-    naming the layer and transformers' exception; an exception from ffnquant's own code stays what it is."""
+    naming the layer and transformers' exception, and the causal LM's own refusal of token ids alone where it has one
+    (the assistant's forward takes its target's states); an exception from ffnquant's own code stays what it is."""
     import transformers as T
 
     from ffnquant.hf import inspect_model
@@ -446,7 +447,9 @@ def test_a_layer_that_transformers_refuses_to_run_on_token_ids_alone_is_named_no
     store = _Store(None, "embedded")
     calls = engine.embed([ids], store)
     with pytest.raises(FFNQuantError, match=r"decoder layer 0 \(\w+\) fails on the inputs its model's forward passes "
-                                            r"it for token ids alone \(KeyError: 'sliding_attention'\)"):
+                                            r"it for token ids alone \(KeyError: 'sliding_attention'\); its causal "
+                                            r"LM's own forward refuses token ids alone \(inputs_embeds and "
+                                            r"shared_kv_states cannot be None.\)"):
         engine.run(0, store, calls)
     try:
         {}["ffnquant's own"]

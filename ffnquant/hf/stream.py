@@ -432,12 +432,27 @@ class SequentialModel(LMHead):
                 raise
             # the model's own layer refuses what its own forward passed it for token ids alone (Gemma 4's draft
             # model reads its target model's key/value states): a model ffnquant cannot run, not a bug of ffnquant
+            causal = self._ids_refusal()
             raise FFNQuantError(
                 f"{self.info.path}: transformers' decoder layer {j} ({type(self.layers[j]).__name__}) fails on the "
                 f"inputs its model's forward passes it for token ids alone ({type(exc).__name__}: {first_line(exc)}); "
-                "ffnquant runs a causal LM from token ids, and this one does not run from them as configured (its "
+                + (f"its causal LM's own forward refuses token ids alone ({causal}): " if causal else "")
+                + "ffnquant runs a causal LM from token ids, and this one does not run from them as configured (its "
                 "config.json inconsistent, or more inputs needed: a draft model's target states, images, ...)") from None
         return out
+
+    def _ids_refusal(self) -> str | None:
+        """The causal LM class's own refusal of a call with token ids alone (Gemma 4's assistant: 'inputs_embeds and
+        shared_kv_states cannot be None.'), or None where it takes them or fails otherwise."""
+        ids = torch.ones((1, 4), dtype=torch.long, device=self.device)
+        try:
+            with torch.no_grad():
+                self.model(input_ids=ids, use_cache=False)
+        except ValueError as exc:
+            return first_line(exc) if raised_in_transformers(exc) else None
+        except Exception:  # noqa: BLE001 - anything else (its layers not read yet): not its refusal of the ids
+            return None
+        return None
 
     def check(self, j: int, store: Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:
         """ffnquant's FFNs of layer `j` (`hf_layers`, onloaded layer) against the model's own modules on the first
