@@ -261,6 +261,27 @@ def test_the_layer_by_layer_gradients_are_the_whole_model_ones(tiny, monkeypatch
         assert not any(p.requires_grad for p in source.model.model.parameters())
 
 
+def test_the_training_backwards_gradients_are_the_evaluation_ones(tiny, monkeypatch):
+    """A model whose forward computes without autograd (Reformer's reversible layers) gives its FFN output gradients
+    from its own training backward: the decoder layers alone in training mode, each gradient read where the FFN's
+    output receives it. On a model both passes run, the two are the same gradients."""
+    from ffnquant.infra import blas
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.stream import token_batches_of
+    from ffnquant.planning.source import PlanSource
+
+    monkeypatch.setitem(blas._BF16, "cpu", False)
+    info, settings = inspect_model(tiny["llama"]), _settings()
+    ids = token_batches_of(info, None, "calibration", settings, settings.max_calib_tokens)[0]
+    with PlanSource(info, settings, None, None, 64, True, False, None, {}) as source:
+        evaluation = source._whole_gradients(ids, modes=(False,))
+        training = source._whole_gradients(ids, modes=(True,))
+        assert not any(layer.training for layer in source.model.layers)
+    assert sorted(evaluation) == sorted(training) == list(range(info.n_layers))
+    for j, want in evaluation.items():
+        assert torch.allclose(training[j], want, rtol=1e-6, atol=1e-9 * float(want.abs().max())), j
+
+
 def test_the_gradients_in_bf16_products_are_the_float32_ones_within_bf16_rounding(tiny, monkeypatch):
     """Where the CPU multiplies bf16 natively, pass 2 and the head's backward product multiply in bf16 (the
     gradients only weigh the candidates' errors): each FFN's output gradient within a few bf16 roundings (2^-8

@@ -405,17 +405,18 @@ class PlanSource(VerificationRounds):
                 self.grads.put(j, torch.cat(rows[j]))
             self._keep_probe_inputs(j)
 
-    def _whole_gradients(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _whole_gradients(self, ids: torch.Tensor, modes: tuple[bool, ...] = (False, True)) -> dict[int, torch.Tensor]:
         """{layer: the loss gradient at its FFN's output} from one backward pass of the whole model on `ids`. A
         model whose forward computes its layers without autograd (Reformer's reversible layers run under no_grad)
         gives them from its own training backward instead, which recomputes each layer: the decoder layers alone
         in training mode (their submodules, dropout among them, left in eval), the embedding's output made to
-        require a gradient, each FFN output's gradient read as its recomputation receives it."""
+        require a gradient, each FFN output's gradient read as its recomputation receives it. `modes`: the
+        passes tried in turn (False: evaluation, True: training)."""
         from ..infra.blas import bf16_products
         from .sensitivity import _nll_sum, gradient_probe
 
         m = self.model
-        for training in (False, True):
+        for training in modes:
             found: dict[int, torch.Tensor] = {}
             with contextlib.ExitStack() as probes, torch.enable_grad(), bf16_products():
                 for j, module in self.outputs.items():
@@ -423,7 +424,7 @@ class PlanSource(VerificationRounds):
                 if training:
                     probes.enter_context(_training_backward(m))
                 loss = _nll_sum(m.model(input_ids=ids, use_cache=False).logits, ids)
-                if not loss.requires_grad and not training:
+                if not loss.requires_grad and training is not modes[-1]:
                     continue
                 _check_differentiable(self.info, loss)
                 keys = sorted(found)
