@@ -40,7 +40,7 @@ def _gates_why(allowance: dict) -> str:
     if allowance.get("deterministic") is False and not allowance.get("reproduces_reference"):
         return ("end-to-end gates not met: the original model's own forward is not deterministic (two runs on the "
                 "same text differ: an attention that draws at random, such as LSH hashing without a seed), and "
-                "ffnquant's recorded reference lies further from a plain run than twice what another draw moves it")
+                "ffnquant's recorded reference lies further from a plain run than the gates allow a deployed folder")
     return "end-to-end gates not met"
 
 

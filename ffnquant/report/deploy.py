@@ -116,8 +116,8 @@ def _gate_lines(load: dict[str, Any]) -> list[str]:
     if allowance.get("deterministic") is False:
         lines.append("   The original model's own forward draws at random (two plain runs on the same text differ by "
                      f"{allowance.get('random_spread')}): ffnquant's recorded reference is one draw, reproduced within "
-                     "twice the runs' spread, and each run at 1 +- one step draws anew, so the spread allowed holds "
-                     "the draws.")
+                     "twice the runs' spread or the load tolerance, and each run at 1 +- one step draws anew, so the "
+                     "spread allowed holds the draws.")
     if not gates["reproduces_reference"]:
         lines.append(f"   The allowance's plain run did not reproduce ffnquant's recorded reference "
                      f"({allowance['reference_gap']}): it belongs to another model, so the gates are NOT met.")
