@@ -99,7 +99,13 @@ class StandIn(nn.Module):
                 raise
             return getattr(layer, name)
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    by_name = False  # whether the model's loop passed the hidden states by name (Reformer's: not first either)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if "hidden_states" in kwargs:
+            hidden_states, self.by_name = kwargs.pop("hidden_states"), True
+        else:
+            hidden_states, args = args[0], args[1:]
         if self.record is not None:
             self.record.append((hidden_states, args, kwargs))
         if self.stop:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import dataclasses
 import inspect
 from pathlib import Path
@@ -122,6 +121,7 @@ class SequentialModel(LMHead):
             model = model.to(self.device)
         self.model = model.eval()
         self._tuple_out = False  # whether the model's loop reads its layers' outputs as tuples (`embed` finds out)
+        self._hidden_by_name = False  # whether it passes them their hidden states by name (`_record` notes it)
         self._one_pass_checked = False  # whether its forward runs each layer once, in order (`hf.forward.check_one_pass`)
         self.batch_dim: int | None = None  # the hidden states' dimension of the sequences (`hf.forward.find_batch_dim`)
         # whether its forward computes between its layers: each batch's stream is then a `hf.replay` trail
@@ -319,7 +319,7 @@ class SequentialModel(LMHead):
     def _record(self, ids: torch.Tensor, n: int) -> list:
         record: list = []
         stand_ins = [StandIn(record, stop=i == n - 1, as_tuple=self._tuple_out) for i in range(n)]
-        with self._stand_ins(stand_ins), torch.no_grad():
+        with self._stand_ins(stand_ins), torch.no_grad(), self._noting_by_name(stand_ins):
             try:
                 # no KV cache: the calls are recorded without one anyway (`_no_cache`), and a cache of linear-attention
                 # layers alone (a hybrid cut to a few layers) cannot size an attention mask
@@ -342,6 +342,16 @@ class SequentialModel(LMHead):
                 raise FFNQuantError(f"{self.info.path}: transformers' forward of the model refuses a plain call with "
                                     f"token ids: {first_line(exc)}{_config_hint(self.info)}") from None
         return record
+
+    @contextlib.contextmanager
+    def _noting_by_name(self, stand_ins: Sequence[StandIn]):
+        """Notes, however the recording forward ends, whether the model's loop passed its layers their hidden
+        states by name (`by_name`): `_layer` then calls the layers so."""
+        try:
+            yield
+        finally:
+            if any(s.by_name for s in stand_ins):
+                self._hidden_by_name = True
 
     def _output_form(self, call: tuple) -> Any:
         """The form the stand-ins answer in (`skeleton.answer`) for a loop that reads its layers' outputs by field:
@@ -423,7 +433,7 @@ class SequentialModel(LMHead):
         device = device or self.device
         args, kwargs = to_device(call, device)
         try:
-            if _hidden_by_name(self.layers[j]):  # as the model's loop passes it (Reformer's layers)
+            if self._hidden_by_name:  # as the model's loop passes it (Reformer's layers take prev_attn_output first)
                 out = self.layers[j](*args, hidden_states=hidden.to(device), **kwargs)
             else:
                 out = self.layers[j](hidden.to(device), *args, **kwargs)
@@ -513,22 +523,6 @@ class SequentialModel(LMHead):
             yield self.layers[j]
         finally:
             self.offload(self.layers[j])
-
-
-@functools.lru_cache(maxsize=None)
-def _by_name(forward: Any) -> bool:
-    try:
-        params = [p for p in inspect.signature(forward).parameters.values() if p.name != "self"]
-    except (TypeError, ValueError):
-        return False
-    names = [p.name for p in params]
-    return "hidden_states" in names[1:] and params[0].kind is not inspect.Parameter.VAR_POSITIONAL
-
-
-def _hidden_by_name(layer: nn.Module) -> bool:
-    """Whether decoder layer `layer` takes its hidden states by name and not first (Reformer's reversible layers
-    take prev_attn_output first): the stand-in received them as `hidden_states`, and the layer is called so."""
-    return _by_name(type(layer).forward)
 
 
 def token_batches_of(info: ModelInfo, text, split: str, settings: EvalSettings, max_tokens: int) -> list[torch.Tensor]:

@@ -366,7 +366,8 @@ class PlanSource(VerificationRounds):
                     # the first layer's input is the embedding, which needs no gradient (nor has one in the
                     # whole model's backward pass)
                     x = self.block_in[j].get(b).to(device).detach().requires_grad_(j > 0)
-                    out = block(x, *args, **kwargs)
+                    # hidden states by name where the model's loop passes them so (`SequentialModel._hidden_by_name`)
+                    out = block(*args, hidden_states=x, **kwargs) if m._hidden_by_name else block(x, *args, **kwargs)
                     out = out[0] if isinstance(out, tuple) else out
                     wrt = ([found[j]] if j in found else []) + ([x] if j > 0 else [])
                     if wrt:
