@@ -368,7 +368,7 @@ class PlanSource(VerificationRounds):
                     x = self.block_in[j].get(b).to(device).detach().requires_grad_(j > 0)
                     # hidden states by name where the model's loop passes them so (`SequentialModel._hidden_by_name`)
                     out = block(*args, hidden_states=x, **kwargs) if m._hidden_by_name else block(x, *args, **kwargs)
-                    out = out[0] if isinstance(out, tuple) else out
+                    out = out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT's blocks return a list
                     wrt = ([found[j]] if j in found else []) + ([x] if j > 0 else [])
                     if wrt:
                         _check_differentiable(self.info, out)
