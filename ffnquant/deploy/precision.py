@@ -203,8 +203,9 @@ def in_dtype(qffn: QuantizedFFN, dtype: torch.dtype) -> Any:
                 ql = qffn.linears.get(name)
                 weights[name], grids[name] = _rounded_grid(w, qffn.weight_grids[name], dtype,
                                                            None if ql is None else ql.codes)
-                if ql is not None:  # the same codes on the rounded grid
-                    linears[name] = dataclasses.replace(ql, weight=weights[name].float(), grid=grids[name])
+                if ql is not None:  # the same codes on the rounded grid, and the weight the FFN computes with (in
+                    # `dtype`: a float32 copy beside it was a sixth of a whole-model export's peak)
+                    linears[name] = dataclasses.replace(ql, weight=weights[name], grid=grids[name])
             else:
                 weights[name] = w.to(dtype)
         state = {f"{name}.weight": w.contiguous() for name, w in weights.items()}

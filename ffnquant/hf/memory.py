@@ -197,12 +197,12 @@ def plan_memory(info: ModelInfo, needs: Needs, *, max_memory: int | None = None,
 
 # `export --model --plan` holds the whole model (`deploy.planned.build_planned_model`): the float model, the float
 # FFNs quantized from, their quantized copies, the planned model and the proof's load of the written folder.
-# Measured peaks (benchmarks/export_memory.py: ru_maxrss, w4a16 plans, 256 + 128 tokens, the quantized weight held
-# once and its codes in int8): a 0.36B-parameter dense Llama (1.4 GB in float32) 7.0 GB, 4.5x its float32 bytes
-# past the runtime; one Qwen3-MoE layer at Qwen3-30B-A3B's widths, where each expert's float FFN and its quantized
-# copy come beside the fused tensors, 4.9 GB with 32 experts (0.17B parameters) and 20.0 GB with 128 (0.62B): 4.5x
-# the model and up to 3.5x its experts again (the resident allocator keeps more of a wider layer's work).
-_EXPORT_MODEL_FACTOR, _EXPORT_EXPERTS_FACTOR = 4.5, 3.5
+# Measured peaks (benchmarks/export_memory.py: ru_maxrss, w4a16 plans, 256 + 128 tokens; each quantized weight held
+# once, in the dtype its FFN computes in, its codes in int8): a 0.36B-parameter dense Llama (1.4 GB in float32)
+# 5.9 GB, 3.8x its float32 bytes past the runtime; one Qwen3-MoE layer at Qwen3-30B-A3B's widths, where each
+# expert's float FFN and its quantized copy come beside the fused tensors, 5.2 GB with 32 experts (0.17B
+# parameters) and 17.6 GB with 128 (0.62B): 4x the model and 3.5x its experts again, a little over each.
+_EXPORT_MODEL_FACTOR, _EXPORT_EXPERTS_FACTOR = 4.0, 3.5
 
 
 def export_peak(info: ModelInfo) -> int:

@@ -58,7 +58,8 @@ def signed_zero_point(zero_point: torch.Tensor, bits: int, was_unsigned: bool) -
 class QuantizedLinear:
     """One weight matrix quantized under `scheme` by its method's handler.
 
-    - `weight`: [out, in] float32, the values the stored form decodes to (what the fake-quant forward multiplies by).
+    - `weight`: [out, in], the values the stored form decodes to (what the fake-quant forward multiplies by):
+      float32, or the dtype the FFN computes in (`deploy.precision.in_dtype`: bf16 values, exactly).
     - `grid` and `codes`: the integer grid and the codes on its signed range, [out, in] ([out, K'] for groups, the
       padded columns holding the zero point), int8 (a grid of 8 bits or fewer: a quarter of int32's bytes, which
       for a model's every weight is most of what an export holds beside its float copies; arithmetic on them
