@@ -517,10 +517,10 @@ def test_a_reversible_model_is_planned_from_its_training_backward_and_proven_thr
 
 def test_a_forward_without_any_gradient_is_refused_by_plan_naming_it():
     """Where neither the evaluation nor the training forward carries a gradient to the FFN outputs, plan says so in
-    one line naming the model (`planning.source._whole_gradients` checks the loss of each)."""
+    one line naming the model (`planning.gradients.GradientPass._whole_gradients` checks the loss of each)."""
     from types import SimpleNamespace
 
-    from ffnquant.planning.source import _check_differentiable
+    from ffnquant.planning.gradients import _check_differentiable
 
     _check_differentiable(SimpleNamespace(path="m"), torch.zeros(2, requires_grad=True).sum())
     with pytest.raises(FFNQuantError, match=r"^m: its forward computes its decoder layers without autograd") as exc:
