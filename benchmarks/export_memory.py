@@ -44,18 +44,6 @@ def _dense(folder: Path) -> Path:
     return vllm_experts._save(config, folder)  # bf16 random weights, the tests' tokenizer
 
 
-def _plan(folder: Path, recipe: str) -> Path:
-    from ffnquant.hf import inspect_model
-    from ffnquant.planning.planfile import Plan, model_fingerprint
-    from ffnquant.recipe import Recipe
-
-    info = inspect_model(folder)
-    path = folder.parent / f"{folder.name}.plan.toml"
-    path.write_text(Plan(model_fingerprint(info), {i: Recipe.parse(recipe) for i in range(info.n_layers)},
-                         "ppl+1%", "bytes").to_toml())
-    return path
-
-
 def _estimate(folder: Path) -> dict:
     """The check's estimate without this process's own memory (the child starts from its imports)."""
     from ffnquant.hf import inspect_model, memory
@@ -76,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not names:
         print(f"unknown model(s) {', '.join(unknown) or '(none)'}; valid: {', '.join(MODELS)}", file=sys.stderr)
         return 2
+    import hf_models
     import scale
     import vllm_experts
     from ffnquant.infra.atomic import write_json, write_text
@@ -91,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             folder = Path(tmp) / name
             spec = MODELS[name]
             _dense(folder) if spec["kind"] == "dense" else vllm_experts.shape_model(name, folder)
-            plan = _plan(folder, spec["recipe"])
+            plan = hf_models.one_recipe_plan(folder, spec["recipe"], folder.parent / f"{name}.plan.toml")
             cmd = [sys.executable, "-m", "ffnquant", "export", "--model", str(folder), "--plan", str(plan), "--format",
                    "compressed-tensors", "--calib-tokens", "256", "--eval-tokens", "128", "--seq-len", "128",
                    "--no-progress", "--out", str(Path(tmp) / f"{name}-out")]

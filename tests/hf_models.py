@@ -306,17 +306,23 @@ def write_vllm_moe(folder, model_type: str = "qwen3_moe"):
     return folder
 
 
-def export_one_recipe(folder: Path, recipe: str, out: Path, fmt: str = "compressed-tensors") -> int:
-    """`ffnquant export` of `folder` with a plan giving every layer `recipe` (written beside `out`), on the tests'
-    small token counts: the command's exit code."""
-    from ffnquant.cli import main
+def one_recipe_plan(folder: Path, recipe: str, path: Path) -> Path:
+    """A plan.toml at `path` giving every layer of the model in `folder` the recipe `recipe`."""
     from ffnquant.hf import inspect_model
     from ffnquant.planning.planfile import Plan, model_fingerprint
     from ffnquant.recipe import Recipe
 
     info = inspect_model(folder)
-    plan = out.parent / f"{out.name}.plan.toml"
-    plan.write_text(Plan(model_fingerprint(info), {i: Recipe.parse(recipe) for i in range(info.n_layers)},
+    path.write_text(Plan(model_fingerprint(info), {i: Recipe.parse(recipe) for i in range(info.n_layers)},
                          "ppl+1%", "bytes").to_toml())
+    return path
+
+
+def export_one_recipe(folder: Path, recipe: str, out: Path, fmt: str = "compressed-tensors") -> int:
+    """`ffnquant export` of `folder` with a plan giving every layer `recipe` (written beside `out`), on the tests'
+    small token counts: the command's exit code."""
+    from ffnquant.cli import main
+
+    plan = one_recipe_plan(folder, recipe, out.parent / f"{out.name}.plan.toml")
     return main(["export", "--model", str(folder), "--plan", str(plan), "--format", fmt, "--calib-tokens", "256",
                  "--eval-tokens", "128", "--seq-len", "128", "--no-progress", "--out", str(out)])

@@ -10,20 +10,14 @@ from ffnquant.cli import main
 from ffnquant.errors import FFNQuantError
 from ffnquant.hf import inspect_model
 from ffnquant.hf import memory
-from ffnquant.planning.planfile import Plan, model_fingerprint
-from ffnquant.recipe import Recipe
-from hf_models import tiny_or_skip, write_llama_like
+from hf_models import one_recipe_plan, tiny_or_skip, write_llama_like
 
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dense") / "m"
     write_llama_like(folder)
-    info = inspect_model(folder)
-    plan = folder.parent / "plan.toml"
-    plan.write_text(Plan(model_fingerprint(info), {i: Recipe.parse("w8a16") for i in range(info.n_layers)},
-                         "ppl+1%", "bytes").to_toml())
-    return folder, plan
+    return folder, one_recipe_plan(folder, "w8a16", folder.parent / "plan.toml")
 
 
 @pytest.fixture
