@@ -3,7 +3,7 @@
 each (tests/hf_models.py), taken through every ffnquant command that reads a model, with the exit code and what
 each command wrote or refused.
 
-Per type: `model inspect`; `profile --model`; `quantize --model` (the model resident) and `quantize --model
+Per type (a draft model with a tiny model of its target's type, `--target-model`, `hf_models.DRAFT_TARGETS`): `model inspect`; `profile --model`; `quantize --model` (the model resident) and `quantize --model
 --sequential` (read a decoder layer at a time, or the refusal); `model eval`; `plan` (ppl+5% over four
 candidates); `export --format compressed-tensors` (proven, or the refusal) and `--format onnx` of that plan (the
 whole-model graph, and whether it is a decoder with a KV cache whose greedy generation equals transformers').
@@ -69,12 +69,15 @@ def _routed(folder: Path) -> bool:
         return False
 
 
-def one_type(model_type: str, folder: Path, work: Path) -> dict:
-    """Every command on one model folder: {command: {"rc", "result"}}."""
+def one_type(model_type: str, folder: Path, work: Path, target: Path | None = None) -> dict:
+    """Every command on one model folder: {command: {"rc", "result"}}. `target`: a draft model's target model's
+    folder, given to every command that runs the model (`--target-model`)."""
     row: dict[str, dict] = {}
     t0 = time.perf_counter()
 
     def cell(name: str, argv: list[str], result=None) -> int:
+        if target is not None and name != "inspect":
+            argv = [*argv, "--target-model", str(target)]
         rc, err = _run(argv)
         if rc == 0 and result is not None:
             try:
@@ -204,18 +207,23 @@ def _one(model_type: str, out: Path) -> int:
     import transformers as T
 
     from ffnquant.infra.atomic import write_json
-    from hf_models import save_causal_tiny, tokenizer
+    from hf_models import DRAFT_TARGETS, save_causal_tiny, tokenizer
 
     T.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
+        target = None
         try:
             folder = save_causal_tiny(T, model_type, Path(tmp) / model_type, tokenizer(T))
+            if model_type in DRAFT_TARGETS:  # a draft model runs through the tiny model of its target's type
+                target = save_causal_tiny(T, DRAFT_TARGETS[model_type], Path(tmp) / "target", tokenizer(T))
         except Exception as exc:  # noqa: BLE001 - transformers' own failure to build its tiny config, said
             row = {"build": f"{type(exc).__name__}: {_first_line(exc)}"[:220],
                    "seconds": time.perf_counter() - t0}
         else:
-            row = one_type(model_type, folder, Path(tmp) / f"{model_type}-work")
+            row = one_type(model_type, folder, Path(tmp) / f"{model_type}-work", target)
+            if target is not None:
+                row["target"] = DRAFT_TARGETS[model_type]
     write_json(out, row)
     return 0
 

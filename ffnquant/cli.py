@@ -126,9 +126,11 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         # --device (plan, export, quantize --model, model eval, profile --model): checked before any model is
         # read, and where the engine computes for the whole command
+        # --target-model: the model a draft model is run through (`hf.draft`, `infra.target_model`), checked likewise
+        from .infra.target_model import use_target
         from .infra.device import use_device
 
-        with use_device(getattr(args, "device", None) or "cpu"):
+        with use_device(getattr(args, "device", None) or "cpu"), use_target(getattr(args, "target_model", None)):
             return int(args._run(args) or 0)
     except FFNQuantError as exc:
         print(f"ffnquant {args.command}: error: {exc}", file=sys.stderr)

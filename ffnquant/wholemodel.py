@@ -36,6 +36,8 @@ from .errors import FFNQuantError, api_boundary
 from .hf import inspect_model
 from .hf.capture import load_tokenizer, read_text, require_transformers
 from .hf.corpus import DEFAULT_SEQ_LEN
+from .hf.draft import target_of
+from .infra.target_model import current_target, use_target
 from .hf.inputs import EvalSettings, eval_domain_batches, fit_settings
 from .hf.memory import export_memory_refusal, plan_memory
 from .hf.stream import token_batches_of
@@ -258,6 +260,7 @@ def plan_model(info: ModelInfo, req: PlanRequest, candidates: Any, *, text: Any,
                                  allow_pickle=allow_pickle, progress=progress, executor=executor, memory=memory,
                                  export_format=req.format, dtype=req.dtype, serve=req.serve)
     result["export_format"] = req.format
+    result["target_model"] = current_target()  # a draft model's (`hf.draft`)
     result["serve"] = req.serve
     result["memory"] = memory.to_dict()
     return PlanOutcome(the_plan, result, memory)
@@ -270,7 +273,7 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
          text: Any = None, eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096,
          seq_len: int | None = None, probe_tokens: int = 512, rounds: int = 4, compute_dtype: str = "auto",
          ort_floor: bool = True, tokenizer: Any = None, progress: Any = True, max_memory: Any = None,
-         sequential: bool = False, device: Any = "auto", serve: str | None = None):
+         sequential: bool = False, device: Any = "auto", serve: str | None = None, target_model: Any = None):
     """A recipe per FFN layer of `model` (a folder or a transformers model) meeting `target` ('ppl+1%', 'kld<=0.01',
     'top1>=95%', 'sqnr>=30') at the least `objective` ('latency' on `runtime`, or 'bytes'), verified on held-out text:
     a `planning.Plan` (its `summary` has the verified figures; `Plan.to_toml` is plan.toml). `format`: plan only
@@ -278,7 +281,8 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
     runs (compressed-tensors implied). `max_memory` / `sequential`: a model that does
     not fit is read a decoder layer at a time, as `ffnquant plan` does. `progress`: a line per stage on stderr with the
     time left (True), silent (False) or `callable(message, done, total)`. `device`: where the model computes, a
-    decoder layer at a time ('auto', 'cpu', 'cuda', 'cuda:N'; `infra.device`). The other arguments are
+    decoder layer at a time ('auto', 'cpu', 'cuda', 'cuda:N'; `infra.device`). `target_model`: for a draft model
+    (Gemma 4's assistants), the folder of the model it drafts for (`hf.draft`). The other arguments are
     `ffnquant plan`'s."""
     max_memory = check_plan_arguments(
         target=target, objective=objective, runtime=runtime, tokens=tokens, decode_tokens=decode_tokens,
@@ -287,9 +291,11 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
         ort_floor=ort_floor, tokenizer=tokenizer, progress=progress, max_memory=max_memory, sequential=sequential,
         serve=serve)
     device = resolve_device(device)  # before the model is read
+    with use_target(target_model):  # checked before the model is read
+        pass
     info, scratch = _model_info(model, tokenizer)
     try:
-        with use_device(device):
+        with use_device(device), use_target(target_model):
             req = plan_request(info, target, objective, runtime, tokens, decode_tokens, candidates, format, compute_dtype,
                                serve)
             settings = EvalSettings(seq_len=_texts(info, text, eval_text, seq_len), max_calib_tokens=calib_tokens,
@@ -307,12 +313,13 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
 def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors", text: Any = None,
           eval_text: Any = None, calib_tokens: int = 4096, eval_tokens: int = 4096, seq_len: int | None = None,
           compute_dtype: str = "auto", tokenizer: Any = None, progress: Any = True, device: Any = "auto",
-          max_memory: Any = None):
+          max_memory: Any = None, target_model: Any = None):
     """`model` (a folder or a transformers model) quantized as `plan_or_recipe` says (a Plan, a plan.toml path, or
     one recipe such as 'w8a16' for every layer), for `format`: a `deploy.PlannedModel`, the deployable model with
     ffnquant's reference figures on `eval_text`, which `save` writes. `progress` and `device`: as `plan`'s.
     `max_memory` (bytes, or a size such as '16GB'): the budget the whole model held in memory is checked against
-    before it is read (`hf.memory.export_memory_refusal`; default what the machine has available)."""
+    before it is read (`hf.memory.export_memory_refusal`; default what the machine has available). `target_model`:
+    as `plan`'s (the PlannedModel keeps its target for `save`'s proof)."""
     arguments.one_of_type(format, "format", (str,), "'compressed-tensors' or 'onnx'")
     if not isinstance(plan_or_recipe, (Plan, Path, str, Recipe)):
         raise FFNQuantError(f"plan_or_recipe: expected a Plan, a plan.toml path or a recipe such as 'w8a16', got "
@@ -322,6 +329,8 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
     fmt = get_format(format)
     max_memory = arguments.size(max_memory, "max_memory")
     device = resolve_device(device)  # before the model is read
+    with use_target(target_model):  # checked before the model is read
+        pass
     info, scratch = _model_info(model, tokenizer)
     try:
         if isinstance(plan_or_recipe, Plan):
@@ -334,12 +343,13 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
             the_plan = Plan(model_fingerprint(info), {layer.index: recipe for layer in info.layers})
         else:
             raise FFNQuantError(f"expected a Plan, a plan.toml path or a recipe, got {type(plan_or_recipe).__name__}")
-        why = export_memory_refusal(info, max_memory)
-        if why is not None:
-            raise FFNQuantError(why)
-        whole, graph_why = format_refusal(info, the_plan, fmt)
+        with use_target(target_model):
+            why = export_memory_refusal(info, max_memory)
+            if why is not None:
+                raise FFNQuantError(why)
+            whole, graph_why = format_refusal(info, the_plan, fmt)
         dtype = resolve_compute_dtype(compute_dtype, fmt, info)
-        with use_device(device):
+        with use_device(device), use_target(target_model):
             planned = build_planned_model(info, the_plan, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
                                           eval_tokens=eval_tokens, seq_len=_texts(info, text, eval_text, seq_len),
                                           whole_model=whole, progress=progress_callback(progress), dtype=dtype,
@@ -487,7 +497,7 @@ def write_deployment(planned: PlannedModel, folder: Path, fmt: str, *, whole: bo
                      "calibration_read": planned.settings.get("calibration_read", True)},
            "token_budgets": planned.settings.get("token_budgets") or {},
            "reference": planned.reference["end_to_end"], "baseline": planned.reference["baseline"],
-           "layers": layer_rows(planned, folder)}
+           "layers": layer_rows(planned, folder), "target_model": target_of(planned.float_model)}
     if fold is not None:
         doc["fold"] = fold.to_dict()
     tick(f"export: {steps[1]}", 1, len(steps))

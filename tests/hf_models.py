@@ -248,6 +248,11 @@ def causal_config(T, model_type: str):
     return config
 
 
+# draft models and the type of the model each drafts for (`--target-model`): a tiny model of that type, of the same
+# widths, is their target
+DRAFT_TARGETS = {"gemma4_assistant": "gemma4_text", "gemma4_unified_assistant": "gemma4_unified"}
+
+
 def save_causal_tiny(T, model_type: str, folder: Path, tok=None, **overrides) -> Path:
     """A tiny random-weight causal LM of `model_type` saved with save_pretrained (safetensors) and a tokenizer;
     `overrides`: config values set beside `_TINY`'s."""

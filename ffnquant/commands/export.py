@@ -65,7 +65,7 @@ _PLAN_ONLY = {"--format": ("format", None), "--force": ("force", False), "--comp
               "--calib-samples": ("calib_samples", None), "--eval-tokens": ("eval_tokens", 4096),
               "--seq-len": ("seq_len", None), "--chat-template": ("chat_template", False),
               "--no-progress": ("no_progress", False), "--device": ("device", "auto"),
-              "--max-memory": ("max_memory", None)}
+              "--target-model": ("target_model", None), "--max-memory": ("max_memory", None)}
 
 
 def _given(args: argparse.Namespace, options: dict) -> list[str]:

@@ -167,7 +167,9 @@ def run(args: argparse.Namespace) -> int:
     for fmt_, why in (result.get("deployment") or {}).items():
         if why:
             print(f"note: export --format {fmt_} will refuse this model: {why}")
-    print(f"wrote {Path(final_dir) / 'plan.toml'} (use: ffnquant quantize --model {args.model} --plan {Path(final_dir) / 'plan.toml'}), plan.json, plan.md")
+    target = f" --target-model {args.target_model}" if getattr(args, "target_model", None) else ""
+    print(f"wrote {Path(final_dir) / 'plan.toml'} (use: ffnquant quantize --model {args.model}{target} --plan "
+          f"{Path(final_dir) / 'plan.toml'}), plan.json, plan.md")
     for line in unresolved_lines(final, target):
         print(line)
     if not result["verified"]:

@@ -15,6 +15,7 @@ import torch
 from ..errors import first_line
 from ..hf import compare_models, load_ffn_layers
 from ..hf.capture import ffn_input_hooks, require_transformers
+from ..hf.draft import feed
 from ..hf.skeleton import causal_lm_class
 from ..infra.thirdparty import captured_detail, quiet_model_io
 from ..model import FFN
@@ -163,7 +164,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
     causal = causal_lm_class(transformers, folder)
     decompressed = None  # why transformers could not run the compressed modules, where it loaded them decompressed
     try:
-        loaded, loading = _load(causal, folder, dtype)
+        loaded, loading = _load(causal, folder, dtype, like=planned.float_model)
     except Exception as exc:  # noqa: BLE001 - transformers' loader refusing the folder's compressed modules
         # transformers' own words for a failed conversion, printed in its loading report, not in the exception
         first = f"{type(exc).__name__}: {captured_detail(exc) or first_line(exc)}"
@@ -178,7 +179,7 @@ def verify_folder(folder: str | os.PathLike, planned: PlannedModel, plan_ratio: 
                 f"drop the input quantization of {', '.join(names[:4])}{' and more' if len(names) > 4 else ''}, so "
                 "it would not compute what was measured"))
         try:
-            loaded, loading = _load(causal, folder, dtype, run_compressed=False)
+            loaded, loading = _load(causal, folder, dtype, run_compressed=False, like=planned.float_model)
             decompressed = first
         except Exception as exc2:  # noqa: BLE001 - no deployment, said with its reason; the files are still checked
             why = (f"transformers cannot load the folder: {first}"
@@ -248,8 +249,10 @@ def _not_loaded(folder: Path, planned: PlannedModel, why: str) -> dict[str, Any]
             "inputs": input_qparams_check(planned, reader)}
 
 
-def _load(causal: Any, folder: Path, dtype: torch.dtype, run_compressed: bool = True) -> tuple[Any, dict]:
-    """The folder loaded by transformers with its own modules, in eval mode, and its loading report; with
+def _load(causal: Any, folder: Path, dtype: torch.dtype, run_compressed: bool = True,
+          like: Any = None) -> tuple[Any, dict]:
+    """The folder loaded by transformers with its own modules, in eval mode, and its loading report (a draft model
+    run through the target its original `like` is: `hf.draft.feed`); with
     `run_compressed=False`, its compressed Linears decompressed as they load (transformers' own option). Inside
     `ct_loading.transformers_loading`, as a user loads it: routed experts the model holds fused read from their
     per-expert tensors (listed in the report as "per_expert"), the model's conversions of float tensors kept
@@ -264,4 +267,5 @@ def _load(causal: Any, folder: Path, dtype: torch.dtype, run_compressed: bool = 
             warnings.simplefilter("ignore", UserWarning)
         loaded, loading = causal.from_pretrained(str(folder), dtype=dtype, use_kernels=False, output_loading_info=True,
                                                  **kw)
-    return loaded.eval(), {**loading, **needed}
+    # a draft model runs from the held-out token ids through its target, as the original did (`hf.draft`)
+    return feed(loaded, str(folder), like=like).eval(), {**loading, **needed}

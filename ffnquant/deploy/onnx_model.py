@@ -90,6 +90,12 @@ def graph_refusal(info: ModelInfo) -> str | None:
     why = deployable_refusal(info, "onnx")
     if why is not None:
         return why
+    from ..hf.draft import folder_draft_refusal
+
+    if folder_draft_refusal(info.path) is not None:
+        return (f"{info.model_type}: a draft model, whose forward takes its target model's states at each position "
+                "(embeddings, hidden and key/value states), not token ids; a graph of it alone is not a model that "
+                "generates, and the per-layer ONNX artifacts store its FFNs")
     weights = 4 * int(info.n_params_total)
     # the exporter may store a tied embedding twice: [V, d] for the lookup, transposed for the logits
     tied = 4 * int(info.config.get("vocab_size") or 0) * info.spec.d_model if info.config.get("tie_word_embeddings") else 0

@@ -129,7 +129,10 @@ def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = Fals
         ModelKind.SEQ2SEQ: transformers.AutoModelForSeq2SeqLM,
     }[info.kind]
     if info.kind is ModelKind.CAUSAL_LM:  # the class config.json names where the auto mapping lacks its type
+        from .draft import require_target
         from .skeleton import causal_lm_class
+
+        require_target(info.path)  # a draft model without its target: refused before it is read
 
         with _quiet_transformers(transformers):
             auto = causal_lm_class(transformers, info.path)
@@ -148,6 +151,10 @@ def load_hf_model(info: ModelInfo | str | os.PathLike, allow_pickle: bool = Fals
         raise
     except Exception as exc:
         raise FFNQuantError(f"transformers cannot load {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
+    if info.kind is ModelKind.CAUSAL_LM:  # a draft model runs from token ids through its target (`hf.draft`)
+        from .draft import feed
+
+        feed(model, str(info.path), load=load_hf_model)
     return model.eval()
 
 

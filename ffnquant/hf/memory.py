@@ -20,6 +20,7 @@ from ..infra.device import current_device, device_free_memory
 from ..infra.resources import human_bytes, memory_limit, process_rss
 from .arch import ModelKind
 from .checkpoint import ModelInfo, _Weights
+from .draft import target_bytes
 
 __all__ = ["MemoryPlan", "Needs", "choose_memory_plan", "export_memory_refusal", "export_peak", "largest_layer_bytes",
            "plan_memory", "profile_needs", "quantize_needs", "streamable_reason"]
@@ -155,7 +156,8 @@ def plan_memory(info: ModelInfo, needs: Needs, *, max_memory: int | None = None,
     when nothing fits, suggesting fewer tokens by `needs.tokens_flag`."""
     # Estimates from the shapes, with factors measured on benchmarks/scale.py's 3B Llama (reports/scale/).
     d, vocab_size = info.spec.d_model, int(info.config.get("vocab_size") or 0)
-    base = process_rss() + _RUNTIME_BYTES
+    # a draft model's target (`--target-model`) is held whole beside it, in float32
+    base = process_rss() + _RUNTIME_BYTES + target_bytes()
     limit = memory_limit(max_memory)
     batch = needs.batch_tokens * d * 4 * 3  # a batch read, its output, the layer's temporaries
     layer = largest_layer_bytes(info)
@@ -206,10 +208,11 @@ _EXPORT_MODEL_FACTOR, _EXPORT_EXPERTS_FACTOR = 4.0, 3.5
 
 
 def export_peak(info: ModelInfo) -> int:
-    """The estimated peak host memory of exporting `info` as planned (the whole model in memory)."""
+    """The estimated peak host memory of exporting `info` as planned (the whole model in memory; a draft model's
+    target beside it)."""
     experts = sum(info.spec.n_params for layer in info.layers if layer.expert is not None)
-    return process_rss() + _RUNTIME_BYTES + int(4 * (_EXPORT_MODEL_FACTOR * info.n_params_total
-                                                     + _EXPORT_EXPERTS_FACTOR * experts))
+    return process_rss() + _RUNTIME_BYTES + target_bytes() + int(4 * (_EXPORT_MODEL_FACTOR * info.n_params_total
+                                                                      + _EXPORT_EXPERTS_FACTOR * experts))
 
 
 def export_memory_refusal(info: ModelInfo, max_memory: int | None = None) -> str | None:

@@ -76,7 +76,9 @@ class Recording:
                 if not forward.base_runs_the_stack(self, ids[:1, :8].to(self.device), n):
                     self.runner = self.model
                     for module in beside(self.model, self.blocks):  # what the whole forward runs beside the layers
-                        if any(p.is_meta for p in module.parameters()):
+                        # (the head left to `hf.head`, which ties it where the checkpoint stores it once)
+                        if any(p.is_meta for p in module.parameters()) \
+                                and not any(m is self.head for m in module.modules()):
                             self.onload(module)
                 forward.check_one_pass(self, ids.to(self.device), n)
                 self.carried = forward.find_carried(self, ids.to(self.device), n)

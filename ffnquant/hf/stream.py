@@ -37,6 +37,7 @@ from .capture import (
 from .checkpoint import LayerInfo, ModelInfo, _Weights
 from .skeleton import base_of, causal_lm_from_config, decoder_list, parameters_on_meta, stored_names
 from .head import LMHead
+from .draft import feed
 from .recording import Recording
 from .looped import Calls, dispatching
 from .inputs import EvalSettings, fit_settings
@@ -105,7 +106,8 @@ class SequentialModel(Recording, LMHead):
                 raise FFNQuantError(f"transformers cannot build {str(info.path)!r}: {type(exc).__name__}: {exc}") from exc
         if resident and self.device.type != "cpu":
             model = model.to(self.device)
-        self.model = model.eval()
+        # a draft model (Gemma 4's assistants) runs from token ids through its target (`--target-model`)
+        self.model = feed(model, info.path, load=_capture_load).eval()
         self._tuple_out = False  # whether the model's loop reads its layers' outputs as tuples (`embed` finds out)
         self._hidden_by_name = False  # whether it passes them their hidden states by name (`_record` notes it)
         self._one_pass_checked = False  # whether its forward runs each layer once, in order (`hf.forward.check_one_pass`)
@@ -394,6 +396,13 @@ class SequentialModel(Recording, LMHead):
             yield self.layers[j]
         finally:
             self.offload(self.layers[j])
+
+
+def _capture_load(*args: Any, **kwargs: Any) -> nn.Module:
+    """`capture.load_hf_model`, looked up at call time (tests replace it)."""
+    from . import capture
+
+    return capture.load_hf_model(*args, **kwargs)
 
 
 def token_batches_of(info: ModelInfo, text, split: str, settings: EvalSettings, max_tokens: int) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ one-line error before any model is read, never a silent fall back to the CPU.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import copy
@@ -99,6 +100,8 @@ def to_device(value: Any, device: torch.device) -> Any:
         return [to_device(v, device) for v in value]
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, collections.UserDict):  # transformers' KVSharingDict (a draft model's target states)
+        return type(value)({k: to_device(v, device) for k, v in value.items()})
     return value
 
 

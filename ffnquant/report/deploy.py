@@ -362,6 +362,8 @@ def deploy_markdown(doc: dict[str, Any]) -> str:
     lines += [
         f"- plan: {doc['plan_file']} ({len(doc['plan']['layers'])} layers; target {doc['plan'].get('target')})",
         f"- model: {m['model_type']}, {m['n_layers']} layers, {m['variant']} FFN",
+        *([f"- a draft model, run through its target {doc['target_model']}: each position as the drafting step "
+           "after it"] if doc.get("target_model") else []),
         f"- texts: calibration {doc['texts']['calibration']}"
         + ("" if doc["texts"].get("calibration_read", True) else
            " (one sequence, for the range tables: no recipe of this plan reads calibration data)")

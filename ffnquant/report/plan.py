@@ -44,6 +44,8 @@ def plan_markdown(data: dict[str, Any], command: str | None = None) -> str:
     lines += [
         f"- model: {m['model_type']}, {m['n_layers']} layers, {m['variant']} FFN, d_model {m['spec']['d_model']}, "
         f"d_ff {m['spec']['d_ff']}",
+        *([f"- a draft model, run through its target {data['target_model']}: each position as the drafting step "
+           "after it"] if data.get("target_model") else []),
         f"- search text (calibration, candidates, probes): {data['calibration']}; held-out text (verification): "
         f"{data['evaluation']}",
         f"- verified on {len(final.get('domains') or {}) or 1} held-out text(s), each at its 95% confidence bound: "
