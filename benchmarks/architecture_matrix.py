@@ -195,7 +195,8 @@ def _markdown(res: dict) -> str:
                 cells.append(r["result"])
             else:
                 cells.append(f"refused (exit {r['rc']}): {r['result']}")
-        rows.append([model_type, *cells, f"{row['seconds']:.0f} s"])
+        shown = f"{model_type} (through a {row['target']} target)" if row.get("target") else model_type
+        rows.append([shown, *cells, f"{row['seconds']:.0f} s"])
     lines += ["## Every type", "", markdown_table(["type", *COMMANDS, "time"], rows), ""]
     env = res["environment"]
     lines += ["## Environment", "", "```", json.dumps(env, indent=1, default=str)[:3000], "```", ""]
