@@ -134,3 +134,14 @@ def test_a_draft_model_plans_exports_and_is_proven_through_its_target(pair, tmp_
     assert doc["proof"]["proven"], doc["proof"]["unproven"]
     assert "target decides every token" in doc["proof"]["generation"]["skipped"]
     assert "a draft model" in graph_refusal(inspect_model(assistant_dir))
+
+
+def test_inspect_says_a_draft_model_runs_through_its_target(pair, capsys):
+    from ffnquant.cli import main
+
+    assistant_dir, _, llama = pair
+    assert main(["model", "inspect", str(assistant_dir)]) == 0
+    assert "draft model: runs through the model it drafts for; give that target with --target-model" in \
+        capsys.readouterr().out
+    assert main(["model", "inspect", str(llama)]) == 0
+    assert "draft model" not in capsys.readouterr().out

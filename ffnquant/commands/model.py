@@ -114,6 +114,12 @@ def _inspect(args: argparse.Namespace) -> int:
           f"{fmt(spec.n_params)} parameters per FFN")
     for part in info.arch.float_parts:
         print(f"float: {part}")
+    if info.kind.value == "causal_lm":
+        from ..hf.draft import folder_draft_refusal
+
+        if folder_draft_refusal(info.path) is not None:  # its forward takes its target's states, not token ids
+            print("draft model: runs through the model it drafts for; give that target with --target-model on every "
+                  "command that runs it")
     experts = f", {info.n_experts} experts each" if info.n_experts else ""
     stored = [l for l in info.layers if l.shares is None]  # a shared FFN's weights are stored (and counted) once
     how = ("each call with its own adapters: each call quantized through its own adapters from every call's "
