@@ -21,8 +21,9 @@ to a running `bench` (`test_real_sigint_mid_bench_leaves_nothing`).
 Most cases run in-process (`ffnquant.cli.main`, fast: refusals come before any heavy
 work) under a watchdog; the ones that can block in a system call or a long C loop (FIFOs,
 sizes that must be refused before allocating) run as `python -m ffnquant` subprocesses with
-a 20 s timeout, started together in the background when the module starts so that the
-whole file stays within about a minute on 2 cores.
+a 20 s timeout, started together in the background when the first case runs so that the
+whole file stays within about a minute on 2 cores (the cases are one xdist group: one worker
+starts them and runs every case that waits for one).
 """
 
 from __future__ import annotations
@@ -891,7 +892,7 @@ def check_refusal(case: Case, outcome: Outcome, root: Path, before: dict) -> Non
     assert not changes, f"{case.id}: the refusal changed the folders: {changes}"
 
 
-# Subprocess cases are started together when the module starts (two at a time), so their
+# Subprocess cases are started together when the first case runs (two at a time), so their
 # interpreter start-ups overlap the in-process cases; each test then waits for its own.
 
 SUBPROCESS_CASES = [c for c in CASES if c.subprocess]
@@ -913,12 +914,7 @@ def background(request, tmp_path_factory):
     pool.shutdown(wait=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _start_background(background):
-    """Start the subprocess cases as soon as the module's first test runs."""
-    yield
-
-
+@pytest.mark.xdist_group("fuzz-cli-background")  # one worker starts and waits for the background cases
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_refused(case, tmp_path, capsys, monkeypatch, background):
     if case.subprocess:

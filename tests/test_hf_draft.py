@@ -145,3 +145,14 @@ def test_inspect_says_a_draft_model_runs_through_its_target(pair, capsys):
         capsys.readouterr().out
     assert main(["model", "inspect", str(llama)]) == 0
     assert "draft model" not in capsys.readouterr().out
+
+
+def test_a_draft_model_whose_masks_are_built_otherwise_is_refused_by_name(pair, monkeypatch):
+    from ffnquant.hf import load_hf_model
+    from ffnquant.hf.draft import use_target
+
+    assistant_dir, target_dir, _ = pair
+    monkeypatch.delattr(T_.Gemma4AssistantForCausalLM, "create_attention_masks")
+    with use_target(target_dir), pytest.raises(FFNQuantError, match=r"builds its attention masks otherwise than "
+                                                                    r"transformers' Gemma 4 assistants"):
+        load_hf_model(assistant_dir)

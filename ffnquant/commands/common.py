@@ -265,15 +265,20 @@ class StageBars:
             self._bar = None
 
 
-def add_device_argument(parser: Any, what: str = "the model") -> None:
-    """--device: where the engine runs `what` (a decoder layer at a time; `infra.device`); and --target-model, the
-    model a draft model drafts for (`hf.draft`), beside it wherever a command runs a model."""
-    from ..infra.device import DEVICES
-
+def add_target_argument(parser: Any) -> None:
+    """--target-model: the model a draft model drafts for (`hf.draft`, `infra.target_model`)."""
     parser.add_argument("--target-model", metavar="PATH",
                         help="for a draft model (Gemma 4's assistants, whose forward reads the key/value states of "
                              "the model it drafts for): that target model's folder; each position of the text is "
                              "then run as the draft model's drafting step after it")
+
+
+def add_device_argument(parser: Any, what: str = "the model") -> None:
+    """--device: where the engine runs `what` (a decoder layer at a time; `infra.device`); and --target-model
+    (`add_target_argument`) beside it wherever a command runs a model."""
+    from ..infra.device import DEVICES
+
+    add_target_argument(parser)
 
     parser.add_argument("--device", default="auto", metavar="|".join(DEVICES),
                         help=f"where {what} computes, a decoder layer at a time (cuda:N for one GPU of several); "

@@ -17,7 +17,7 @@ from ..recipe import GRAMMAR, parse_recipe
 from ..model import OWN_ACTIVATIONS
 from ..report.adequacy import adequacy_markdown, summary_paragraph
 from ..report.model import model_eval_markdown, recipe_name
-from .common import TextFiles, add_device_argument, positive_int, token_notes
+from .common import TextFiles, add_device_argument, add_target_argument, positive_int, token_notes
 
 NAME = "model"
 HELP = ("FFN layers of a local Hugging Face model: inspect, capture inputs, evaluate schemes end to end, "
@@ -72,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "of its sequences, held-out clipping, domain shift (needs transformers)")
     p.add_argument("path", nargs="?", default=None, help="model folder (or --model)")
     p.add_argument("--model", default=None, metavar="DIR", help="model folder (config.json + safetensors)")
+    add_target_argument(p)
     p.add_argument("--layers", default="all", help="layers: all, a range 0-3, a list 0,5,7 (default all)")
     p.add_argument("--text", default=None, action=TextFiles,
                    help="calibration text; several: repeat or comma-separate (default: shipped sample, Austen)")

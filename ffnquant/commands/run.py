@@ -11,7 +11,7 @@ from ..errors import FFNQuantError
 from ..infra.render import display_path, text_table
 from ..pipeline import RunConfig, load_config
 from ..recipe import GRAMMAR
-from .common import add_model_arguments, add_spec_arguments, format_default, positive_int
+from .common import add_model_arguments, add_spec_arguments, add_target_argument, format_default, positive_int
 
 NAME = "run"
 HELP = "profile, quantize, export and benchmark every FFN variant, and write the accuracy/latency report"
@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # --model: the folder's FFN layers run as extra rows next to the variants (keyed '<model_type>:L<k>')
     add_model_arguments(parser, captured=False, model_tokens=False, eval_text=True, allow_pickle=False,
                         layers_default=None)
+    add_target_argument(parser)
     parser.add_argument("--plan", metavar="FILE", help="--model: also measure this `ffnquant plan` file (a recipe per "
                                                        "layer) end to end beside the single recipes")
 

@@ -135,6 +135,10 @@ def feed(model: nn.Module, path: Any = "the model", like: nn.Module | None = Non
     if like is not None and is_fed(like):
         model.forward = _FedForward(model, like.forward.target)
         return model
+    if not callable(getattr(type(model), "create_attention_masks", None)):
+        raise FFNQuantError(f"{path}: a draft model ({refusal}) whose forward builds its attention masks otherwise "
+                            "than transformers' Gemma 4 assistants (create_attention_masks): ffnquant cannot run "
+                            "its drafting steps from token ids")
     target = current_target()
     if target is None:
         raise FFNQuantError(_no_target(path, refusal))
@@ -209,11 +213,10 @@ class _FedForward:
                  **kwargs: Any) -> Any:
         if kwargs.get(_STATES) is not None:  # called as the drafting loop calls it: as it is
             return self.original(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
-        if kwargs.get("past_key_values") is not None:
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
             raise FFNQuantError("a draft model runs only beside its target (assisted generation), not alone with a "
                                 "KV cache of its own")
-        dtype = self.model.pre_projection.weight.dtype if hasattr(self.model, "pre_projection") \
-            else next(self.model.parameters()).dtype
+        dtype = self.model.get_input_embeddings().weight.dtype  # what the model computes in (on meta too)
         if input_ids is None:
             # only the shapes of the batch given (`hf.head`: the decoder layers answered by stand-ins): the target's
             # states of as many token ids, any
