@@ -156,3 +156,16 @@ def test_a_draft_model_whose_masks_are_built_otherwise_is_refused_by_name(pair, 
     with use_target(target_dir), pytest.raises(FFNQuantError, match=r"builds its attention masks otherwise than "
                                                                     r"transformers' Gemma 4 assistants"):
         load_hf_model(assistant_dir)
+
+
+@pytest.mark.parametrize("target", ["missing", "none"], ids=["not-a-folder", "no-target"])
+def test_the_python_api_takes_the_target_and_checks_it_first(pair, tmp_path, target):
+    import ffnquant
+
+    assistant_dir, _, _ = pair
+    given = tmp_path / "nowhere" if target == "missing" else None
+    want = r"not a model folder" if target == "missing" else r"give that target model .*target_model= in the Python API"
+    for call in (lambda: ffnquant.plan(assistant_dir, "ppl+5%", objective="bytes", progress=False, target_model=given),
+                 lambda: ffnquant.apply(assistant_dir, "w8a16", progress=False, target_model=given)):
+        with pytest.raises(FFNQuantError, match=want):
+            call()
