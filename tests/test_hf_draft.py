@@ -169,3 +169,15 @@ def test_the_python_api_takes_the_target_and_checks_it_first(pair, tmp_path, tar
                  lambda: ffnquant.apply(assistant_dir, "w8a16", progress=False, target_model=given)):
         with pytest.raises(FFNQuantError, match=want):
             call()
+
+
+def test_the_memory_plan_counts_the_target_and_the_states_it_keeps(pair):
+    from ffnquant.hf import inspect_model
+    from ffnquant.hf.draft import _TargetStates, target_bytes, use_target
+
+    _, target_dir, _ = pair
+    assert target_bytes(512) == 0  # no target set
+    width = json.loads((target_dir / "config.json").read_text())["hidden_size"]
+    with use_target(target_dir):
+        assert target_bytes(0) == 4 * inspect_model(target_dir).n_params_total
+        assert target_bytes(512) - target_bytes(0) == _TargetStates._KEEP * 6 * 512 * width * 4

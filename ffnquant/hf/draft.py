@@ -38,19 +38,30 @@ __all__ = ["use_target", "current_target", "target_bytes", "draft_refusal", "fol
 _STATES = "shared_kv_states"
 
 
-def target_bytes(dtype_bytes: int = 4) -> int:
-    """What the target of `use_target` holds loaded whole, its parameters in `dtype_bytes` each (0 without one):
-    counted beside the draft model in every memory plan. Read from its safetensors headers only."""
+def target_bytes(batch_tokens: int = 0, dtype_bytes: int = 4) -> int:
+    """What the target of `use_target` holds (0 without one), counted beside the draft model in every memory plan:
+    its parameters loaded whole, `dtype_bytes` each (read from its safetensors headers only), and the states it keeps
+    of `_TargetStates._KEEP` batches of `batch_tokens` tokens (embeddings, hidden states and key/value states of each
+    attention kind, each bounded by the target's width)."""
     path = current_target()
     if path is None:
         return 0
+    import json
+
     from .weights import _Weights
 
     try:
         shapes = _Weights(Path(path), False)._shapes
     except Exception:  # noqa: BLE001 - a folder the loader refuses says why when it is loaded
         return 0
-    return dtype_bytes * sum(math.prod(shape) for shape in shapes.values())
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+        width = int((config.get("text_config") or config).get("hidden_size") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        width = 0
+    # per kept batch: embeddings and hidden states, and keys and values of two attention kinds
+    states = _TargetStates._KEEP * 6 * batch_tokens * width * 4
+    return dtype_bytes * sum(math.prod(shape) for shape in shapes.values()) + states
 
 
 def draft_refusal(model: nn.Module) -> str | None:
@@ -159,7 +170,8 @@ class _TargetStates:
     key/value states (`shared_kv_states`); the last few batches' kept (a draft model's forward runs several times
     on each batch: recording, checks, head)."""
 
-    _KEEP = 8
+    # the batch being recorded (its forward runs several times in a row) and the one the head's shape-only calls use
+    _KEEP = 2
 
     def __init__(self, path: str, load: Callable[..., nn.Module]) -> None:
         self.path, self._load, self._model, self._kept = path, load, None, collections.OrderedDict()

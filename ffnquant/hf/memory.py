@@ -157,7 +157,7 @@ def plan_memory(info: ModelInfo, needs: Needs, *, max_memory: int | None = None,
     # Estimates from the shapes, with factors measured on benchmarks/scale.py's 3B Llama (reports/scale/).
     d, vocab_size = info.spec.d_model, int(info.config.get("vocab_size") or 0)
     # a draft model's target (`--target-model`) is held whole beside it, in float32
-    base = process_rss() + _RUNTIME_BYTES + target_bytes()
+    base = process_rss() + _RUNTIME_BYTES + target_bytes(needs.batch_tokens)
     limit = memory_limit(max_memory)
     batch = needs.batch_tokens * d * 4 * 3  # a batch read, its output, the layer's temporaries
     layer = largest_layer_bytes(info)
