@@ -37,7 +37,7 @@ from .hf import inspect_model
 from .hf.capture import load_tokenizer, read_text, require_transformers
 from .hf.corpus import DEFAULT_SEQ_LEN
 from .hf.draft import target_of
-from .infra.target_model import current_target, use_target
+from .infra.target_model import check_target, current_target, use_target
 from .hf.inputs import EvalSettings, eval_domain_batches, fit_settings
 from .hf.memory import export_memory_refusal, plan_memory
 from .hf.stream import token_batches_of
@@ -291,8 +291,7 @@ def plan(model: Any, target: str = "ppl+1%", *, objective: str | None = None, ru
         ort_floor=ort_floor, tokenizer=tokenizer, progress=progress, max_memory=max_memory, sequential=sequential,
         serve=serve)
     device = resolve_device(device)  # before the model is read
-    with use_target(target_model):  # checked before the model is read
-        pass
+    check_target(target_model)
     info, scratch = _model_info(model, tokenizer)
     try:
         with use_device(device), use_target(target_model):
@@ -329,8 +328,7 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
     fmt = get_format(format)
     max_memory = arguments.size(max_memory, "max_memory")
     device = resolve_device(device)  # before the model is read
-    with use_target(target_model):  # checked before the model is read
-        pass
+    check_target(target_model)
     info, scratch = _model_info(model, tokenizer)
     try:
         if isinstance(plan_or_recipe, Plan):
@@ -343,13 +341,12 @@ def apply(model: Any, plan_or_recipe: Any, *, format: str = "compressed-tensors"
             the_plan = Plan(model_fingerprint(info), {layer.index: recipe for layer in info.layers})
         else:
             raise FFNQuantError(f"expected a Plan, a plan.toml path or a recipe, got {type(plan_or_recipe).__name__}")
-        with use_target(target_model):
+        with use_device(device), use_target(target_model):  # the estimate counts the target too
             why = export_memory_refusal(info, max_memory)
             if why is not None:
                 raise FFNQuantError(why)
             whole, graph_why = format_refusal(info, the_plan, fmt)
-        dtype = resolve_compute_dtype(compute_dtype, fmt, info)
-        with use_device(device), use_target(target_model):
+            dtype = resolve_compute_dtype(compute_dtype, fmt, info)
             planned = build_planned_model(info, the_plan, text=text, eval_text=eval_text, calib_tokens=calib_tokens,
                                           eval_tokens=eval_tokens, seq_len=_texts(info, text, eval_text, seq_len),
                                           whole_model=whole, progress=progress_callback(progress), dtype=dtype,

@@ -31,7 +31,7 @@ from torch import nn
 from ..errors import FFNQuantError, first_line
 from ..infra.target_model import current_target, use_target
 
-__all__ = ["use_target", "current_target", "target_bytes", "draft_refusal", "folder_draft_refusal", "require_target", "feed", "is_fed", "target_of"]
+__all__ = ["use_target", "current_target", "target_bytes", "draft_refusal", "ids_refusal", "folder_draft_refusal", "require_target", "feed", "is_fed", "target_of"]
 
 # the forward argument through which a draft model reads its target's keys and values (transformers' protocol:
 # the target returns them with `return_shared_kv_states=True`)
@@ -46,19 +46,15 @@ def target_bytes(batch_tokens: int = 0, dtype_bytes: int = 4) -> int:
     path = current_target()
     if path is None:
         return 0
-    import json
-
+    from .checkpoint import read_config
     from .weights import _Weights
 
     try:
         shapes = _Weights(Path(path), False)._shapes
+        config = read_config(path)
+        width = int((config.get("text_config") or config).get("hidden_size") or 0)
     except Exception:  # noqa: BLE001 - a folder the loader refuses says why when it is loaded
         return 0
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-        width = int((config.get("text_config") or config).get("hidden_size") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
-        width = 0
     # per kept batch: embeddings and hidden states, and keys and values of two attention kinds
     states = _TargetStates._KEEP * 6 * batch_tokens * width * 4
     return dtype_bytes * sum(math.prod(shape) for shape in shapes.values()) + states
@@ -74,12 +70,20 @@ def draft_refusal(model: nn.Module) -> str | None:
             return None
     except (TypeError, ValueError):
         return None
+    return ids_refusal(model)
+
+
+def ids_refusal(model: nn.Module) -> str | None:
+    """The causal LM class's own refusal (a ValueError of transformers') of a call with token ids alone, or None
+    where it takes them or fails otherwise (on its meta weights: past the ids). Its own forward, not `feed`'s."""
+    from .skeleton import raised_in_transformers
+
     try:
         with torch.no_grad():
             type(model).forward(model, input_ids=torch.ones((1, 2), dtype=torch.long), use_cache=False)
     except ValueError as exc:
-        return first_line(exc)
-    except Exception:  # noqa: BLE001 - it got past the ids (failing on its meta weights): it takes them
+        return first_line(exc) if raised_in_transformers(exc) else None
+    except Exception:  # noqa: BLE001 - it got past the ids: it takes them
         return None
     return None
 

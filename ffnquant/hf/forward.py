@@ -7,29 +7,15 @@ states holds a batch's sequences (`find_batch_dim`), and which argument of a lay
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from ..errors import FFNQuantError
-from .skeleton import StandIn, Stop, beside
+from .skeleton import StandIn, Stop, beside, raised_in_transformers  # noqa: F401 (imported from here too)
 
 __all__ = ["base_runs_the_stack", "check_one_pass", "find_batch_dim", "find_carried", "head_runs_from",
            "output_reads_more", "raised_in_transformers"]
-
-
-def raised_in_transformers(exc: BaseException) -> bool:
-    """Whether transformers' code, not ffnquant's (an FFN installed in the layer), is the last of the two in the
-    exception's traceback."""
-    last = ""
-    tb = exc.__traceback__
-    while tb is not None:
-        name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
-        if "/transformers/" in name or "/ffnquant/" in name:
-            last = name
-        tb = tb.tb_next
-    return "/transformers/" in last
 
 
 class _Tally(StandIn):

@@ -17,7 +17,7 @@ from ..errors import FFNQuantError
 from .weights import loaded_names
 
 __all__ = ["Stop", "StandIn", "base_of", "beside", "causal_lm_class", "causal_lm_from_config", "parameters_on_meta",
-           "stored_names", "decoder_list"]
+           "stored_names", "decoder_list", "raised_in_transformers"]
 
 
 def causal_lm_class(transformers: Any, config: Any) -> Any:
@@ -46,6 +46,19 @@ def causal_lm_from_config(transformers: Any, config: Any, **kwargs: Any) -> nn.M
     cls = causal_lm_class(transformers, config)
     return cls.from_config(config, **kwargs) if cls is transformers.AutoModelForCausalLM \
         else cls._from_config(config, **kwargs)
+
+
+def raised_in_transformers(exc: BaseException) -> bool:
+    """Whether transformers' code, not ffnquant's (an FFN installed in the layer), is the last of the two in the
+    exception's traceback."""
+    last = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if "/transformers/" in name or "/ffnquant/" in name:
+            last = name
+        tb = tb.tb_next
+    return "/transformers/" in last
 
 
 class Stop(Exception):

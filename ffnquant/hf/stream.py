@@ -37,7 +37,7 @@ from .capture import (
 from .checkpoint import LayerInfo, ModelInfo, _Weights
 from .skeleton import base_of, causal_lm_from_config, decoder_list, parameters_on_meta, stored_names
 from .head import LMHead
-from .draft import feed
+from .draft import feed, ids_refusal
 from .recording import Recording
 from .looped import Calls, dispatching
 from .inputs import EvalSettings, fit_settings
@@ -315,7 +315,7 @@ class SequentialModel(Recording, LMHead):
                 raise
             # the model's own layer refuses what its own forward passed it for token ids alone (Gemma 4's draft
             # model reads its target model's key/value states): a model ffnquant cannot run, not a bug of ffnquant
-            causal = self._ids_refusal()
+            causal = ids_refusal(self.model)
             raise FFNQuantError(
                 f"{self.info.path}: transformers' decoder layer {j} ({type(self.layers[j]).__name__}) fails on the "
                 f"inputs its model's forward passes it for token ids alone ({type(exc).__name__}: {first_line(exc)}); "
@@ -323,19 +323,6 @@ class SequentialModel(Recording, LMHead):
                 + "ffnquant runs a causal LM from token ids, and this one does not run from them as configured (its "
                 "config.json inconsistent, or more inputs needed: a draft model's target states, images, ...)") from None
         return out
-
-    def _ids_refusal(self) -> str | None:
-        """The causal LM class's own refusal of a call with token ids alone (Gemma 4's assistant: 'inputs_embeds and
-        shared_kv_states cannot be None.'), or None where it takes them or fails otherwise."""
-        ids = torch.ones((1, 4), dtype=torch.long, device=self.device)
-        try:
-            with torch.no_grad():
-                self.model(input_ids=ids, use_cache=False)
-        except ValueError as exc:
-            return first_line(exc) if raised_in_transformers(exc) else None
-        except Exception:  # noqa: BLE001 - anything else (its layers not read yet): not its refusal of the ids
-            return None
-        return None
 
     def check(self, j: int, store: Store, calls: Sequence, hf_layers: Sequence[Any]) -> dict[str, float]:
         """ffnquant's FFNs of layer `j` (`hf_layers`, onloaded layer) against the model's own modules on the first

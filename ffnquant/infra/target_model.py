@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from ..errors import FFNQuantError
 
-__all__ = ["current_target", "use_target"]
+__all__ = ["check_target", "current_target", "use_target"]
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("ffnquant_target_model", default=None)
 
@@ -23,16 +23,21 @@ def current_target() -> str | None:
     return _TARGET.get()
 
 
+def check_target(path: Any) -> None:
+    """Raises where `path` (not None) is not a model folder: before any model is read."""
+    if path is not None and (not isinstance(path, (str, Path)) or not (Path(path) / "config.json").is_file()):
+        raise FFNQuantError(f"--target-model {str(path)!r}: not a model folder (no config.json there); give the "
+                            "folder of the transformers model the draft model drafts for")
+
+
 @contextlib.contextmanager
 def use_target(path: Any) -> Iterator[str | None]:
     """While active, a draft model is run through the target model at `path` (a model folder; None: the one set
-    around this, if any). Checked here, before any model is read: the folder must hold a config.json."""
+    around this, if any). Checked here (`check_target`), before any model is read."""
     if path is None:
         yield current_target()
         return
-    if not isinstance(path, (str, Path)) or not (Path(path) / "config.json").is_file():
-        raise FFNQuantError(f"--target-model {str(path)!r}: not a model folder (no config.json there); give the "
-                            "folder of the transformers model the draft model drafts for")
+    check_target(path)
     token = _TARGET.set(str(path))
     try:
         yield current_target()
